@@ -1,0 +1,58 @@
+/* cli/args.c — strict parsing of numeric option values, with messages that say what to do. */
+#include "kvb_cli.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+bool kvb_arg_is_help(const char *a) { return strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0; }
+
+const char *kvb_arg_value(const char *cmd, int argc, char **argv, int *i) {
+    if (*i + 1 >= argc) {
+        fprintf(stderr, "kvbridge %s: %s needs a value (see kvbridge %s --help)\n", cmd, argv[*i], cmd);
+        return NULL;
+    }
+    (*i)++;
+    return argv[*i];
+}
+
+bool kvb_arg_int(const char *cmd, const char *opt, const char *val, long long lo, long long hi,
+                 long long *out) {
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(val, &end, 10);
+    if (errno || !end || *end || end == val || v < lo || v > hi) {
+        fprintf(stderr, "kvbridge %s: %s expects a whole number from %lld to %lld, got '%s'\n", cmd, opt, lo,
+                hi, val);
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+bool kvb_arg_u64(const char *cmd, const char *opt, const char *val, uint64_t *out) {
+    char *end = NULL;
+    errno = 0;
+    if (val[0] == '-') goto bad;
+    unsigned long long v = strtoull(val, &end, 0);
+    if (errno || !end || *end || end == val) goto bad;
+    *out = v;
+    return true;
+bad:
+    fprintf(stderr, "kvbridge %s: %s expects a non-negative whole number, got '%s'\n", cmd, opt, val);
+    return false;
+}
+
+bool kvb_arg_float(const char *cmd, const char *opt, const char *val, double lo, double hi, double *out) {
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(val, &end);
+    if (errno || !end || *end || end == val || !(v >= lo && v <= hi)) {
+        fprintf(stderr, "kvbridge %s: %s expects a number from %g to %g, got '%s'\n", cmd, opt, lo, hi, val);
+        return false;
+    }
+    *out = v;
+    return true;
+}

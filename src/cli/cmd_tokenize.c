@@ -1,0 +1,10 @@
+/* cli/cmd_tokenize.c — placeholder until its module lands. */
+#include <stdio.h>
+
+#include "kvb_cli.h"
+
+int kvb_cmd_tokenize(int argc, char **argv) {
+    (void)argc;
+    fprintf(stderr, "kvbridge %s: not built yet\n", argv[0]);
+    return 2;
+}

@@ -1,0 +1,29 @@
+/* cli — the `kvbridge` subcommands. Each cmd_*.c implements one subcommand as
+ * int kvb_cmd_NAME(int argc, char **argv) (argv[0] is the subcommand name) and prints its own
+ * --help. Only this module (and tests) may exit the process. */
+#ifndef KVB_CLI_H
+#define KVB_CLI_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+int kvb_cmd_gen_model(int argc, char **argv);
+int kvb_cmd_run(int argc, char **argv);
+int kvb_cmd_bench(int argc, char **argv);
+int kvb_cmd_demo(int argc, char **argv);
+int kvb_cmd_tokenize(int argc, char **argv);
+int kvb_cmd_inspect(int argc, char **argv);
+
+/* Small shared helpers for option parsing (cli/args.c). */
+bool kvb_arg_is_help(const char *a);
+/* Parses a whole decimal integer in [lo, hi]; prints "kvbridge CMD: --OPT expects ..." and
+ * returns false on error. */
+bool kvb_arg_int(const char *cmd, const char *opt, const char *val, long long lo, long long hi,
+                 long long *out);
+bool kvb_arg_u64(const char *cmd, const char *opt, const char *val, uint64_t *out);
+bool kvb_arg_float(const char *cmd, const char *opt, const char *val, double lo, double hi, double *out);
+/* Returns the value of an option that takes one (argv[*i + 1]) and advances *i, or prints
+ * "kvbridge CMD: OPT needs a value" and returns NULL. */
+const char *kvb_arg_value(const char *cmd, int argc, char **argv, int *i);
+
+#endif

@@ -1,0 +1,100 @@
+/* core — the contract every module builds on: status codes with a message (library code never
+ * exits), logging, monotonic time, a seeded RNG, XXH3 hashing, a fixed thread pool for parallel
+ * loops, and small checked-arithmetic helpers for hostile sizes. Nothing here knows about models. */
+#ifndef KVB_CORE_H
+#define KVB_CORE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- status ---------------------------------------------------------------------------- */
+
+typedef enum {
+    KVB_OK = 0,
+    KVB_ERR_IO,          /* open/read/write/mmap failed */
+    KVB_ERR_FORMAT,      /* input bytes are malformed (hostile-input checks) */
+    KVB_ERR_INVALID,     /* caller passed something invalid (bad flag, bad argument) */
+    KVB_ERR_UNSUPPORTED, /* well-formed but not something we implement */
+    KVB_ERR_NOMEM,       /* allocation failed */
+    KVB_ERR_RANGE,       /* a number or size out of the allowed range / overflow */
+    KVB_ERR_NOT_FOUND,   /* key, tensor, file not present */
+    KVB_ERR_INTERNAL,    /* a broken invariant: a bug */
+} kvb_status;
+
+/* An error: code plus a human message that says what is wrong and, where it can, what to do. */
+typedef struct {
+    kvb_status code;
+    char msg[512];
+} kvb_err;
+
+/* Sets *err (when err != NULL) and returns code. The message is printf-formatted. */
+kvb_status kvb_err_set(kvb_err *err, kvb_status code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Prefixes an existing message with context ("loading x.gguf: " + old message). */
+kvb_status kvb_err_prefix(kvb_err *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+const char *kvb_status_name(kvb_status s);
+
+/* ---- logging (stderr) ------------------------------------------------------------------- */
+
+typedef enum { KVB_LOG_ERROR = 0, KVB_LOG_WARN, KVB_LOG_INFO, KVB_LOG_DEBUG } kvb_log_level;
+void kvb_log_set_level(kvb_log_level level);
+kvb_log_level kvb_log_get_level(void);
+void kvb_log(kvb_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* ---- time ------------------------------------------------------------------------------- */
+
+double kvb_now_s(void); /* monotonic seconds */
+
+/* ---- RNG: splitmix64-seeded xoshiro256**, deterministic on every platform --------------- */
+
+typedef struct {
+    uint64_t s[4];
+} kvb_rng;
+void kvb_rng_seed(kvb_rng *r, uint64_t seed);
+uint64_t kvb_rng_u64(kvb_rng *r);
+float kvb_rng_uniform(kvb_rng *r); /* [0, 1), 24 random bits */
+float kvb_rng_normal(kvb_rng *r);  /* standard normal (Box-Muller) */
+uint64_t kvb_splitmix64(uint64_t x); /* one mixing step: derive independent seeds */
+
+/* ---- hashing (XXH3, libxxhash) ---------------------------------------------------------- */
+
+uint64_t kvb_hash64(const void *data, size_t n, uint64_t seed);
+
+/* ---- checked arithmetic for sizes from hostile input ------------------------------------ */
+
+static inline bool kvb_mul_overflow_u64(uint64_t a, uint64_t b, uint64_t *out) {
+    return __builtin_mul_overflow(a, b, out);
+}
+static inline bool kvb_add_overflow_u64(uint64_t a, uint64_t b, uint64_t *out) {
+    return __builtin_add_overflow(a, b, out);
+}
+
+/* ---- thread pool: fixed workers, one parallel-for at a time ----------------------------- */
+
+typedef struct kvb_pool kvb_pool;
+/* Task body: called once for each task index in [0, n_tasks), on some worker. `worker` is in
+ * [0, kvb_pool_size(pool)). Which worker runs a task must never change a result: split work so
+ * that each output element is computed by exactly one task in a fixed order. */
+typedef void (*kvb_task_fn)(void *ctx, int task, int worker);
+
+/* n_threads >= 1 (the calling thread is worker 0; n_threads-1 helper threads are started). */
+kvb_status kvb_pool_create(int n_threads, kvb_pool **out, kvb_err *err);
+void kvb_pool_destroy(kvb_pool *pool);
+int kvb_pool_size(const kvb_pool *pool);
+/* Runs fn(ctx, t, w) for t in [0, n_tasks) and returns when all are done. Tasks are handed out
+ * dynamically. Not reentrant: one parallel_for per pool at a time. pool == NULL runs serially. */
+void kvb_pool_parallel_for(kvb_pool *pool, int n_tasks, kvb_task_fn fn, void *ctx);
+/* Number of online CPUs (>= 1). */
+int kvb_cpu_count(void);
+
+/* ---- aligned allocation ------------------------------------------------------------------ */
+
+void *kvb_aligned_alloc(size_t alignment, size_t size); /* free with kvb_aligned_free; NULL on fail */
+void kvb_aligned_free(void *p);
+
+#define KVB_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+#define KVB_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define KVB_MAX(a, b) ((a) > (b) ? (a) : (b))
+
+#endif

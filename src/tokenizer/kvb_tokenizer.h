@@ -1,0 +1,85 @@
+/* tokenizer — text <-> token ids exactly as the model was trained, built from a GGUF's own
+ * tokenizer.ggml.* keys: SentencePiece-style BPE ("llama": scores, byte fallback, leading space)
+ * and byte-level BPE ("gpt2": merges, byte mapping) with the pre-tokenizers named by
+ * tokenizer.ggml.pre; special tokens, BOS/EOS rules; streaming UTF-8-safe decoding; chat
+ * templates recognised from tokenizer.chat_template; and the vocabulary writers gen-model uses
+ * (copy from a GGUF, convert a Hugging Face tokenizer.json, or a plain byte-level vocabulary). */
+#ifndef KVB_TOKENIZER_H
+#define KVB_TOKENIZER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvb_core.h"
+#include "kvb_gguf.h"
+
+typedef struct kvb_tokenizer kvb_tokenizer;
+
+kvb_status kvb_tokenizer_load(const kvb_gguf *g, kvb_tokenizer **out, kvb_err *err);
+void kvb_tokenizer_free(kvb_tokenizer *t);
+
+uint32_t kvb_tokenizer_n_vocab(const kvb_tokenizer *t);
+int32_t kvb_tokenizer_bos(const kvb_tokenizer *t);   /* -1 if none */
+int32_t kvb_tokenizer_eos(const kvb_tokenizer *t);   /* -1 if none */
+bool kvb_tokenizer_add_bos(const kvb_tokenizer *t);  /* tokenizer.ggml.add_bos_token (or model default) */
+bool kvb_tokenizer_is_eog(const kvb_tokenizer *t, int32_t id); /* end of generation (eos, eot, im_end...) */
+
+/* Encodes UTF-8 (or arbitrary) bytes. add_special: prepend BOS when the vocabulary asks for it.
+ * parse_special: recognise special-token text ("<|im_start|>") in the input as those tokens.
+ * *ids is malloc'd (caller frees); never crashes on any input bytes. */
+kvb_status kvb_tokenize(const kvb_tokenizer *t, const char *text, size_t len, bool add_special,
+                        bool parse_special, int32_t **ids, size_t *n_ids, kvb_err *err);
+
+/* Raw bytes a token stands for (after undoing byte mapping / ▁ / byte-fallback); returns the
+ * byte count written (may be 0), or -(needed) if cap is too small. */
+int kvb_token_to_bytes(const kvb_tokenizer *t, int32_t id, char *buf, size_t cap);
+
+/* Streaming decoder: feed ids one at a time, get only complete UTF-8 out (bytes of a character
+ * split across tokens are held back until it completes; invalid sequences come out as they are
+ * at flush). Also applies the SentencePiece rule that strips the leading space of the first piece. */
+typedef struct {
+    const kvb_tokenizer *t;
+    char pending[16];
+    size_t n_pending;
+    bool first;
+} kvb_detok;
+void kvb_detok_init(kvb_detok *d, const kvb_tokenizer *t);
+/* Appends decoded text for id to out (NUL-terminated, at most cap-1 bytes); returns bytes appended. */
+size_t kvb_detok_push(kvb_detok *d, int32_t id, char *out, size_t cap);
+size_t kvb_detok_flush(kvb_detok *d, char *out, size_t cap);
+
+/* ---- chat templates ------------------------------------------------------------------------- */
+
+typedef struct {
+    const char *role;    /* "system", "user", "assistant" */
+    const char *content;
+} kvb_chat_msg;
+
+/* Families we render without a Jinja engine. */
+typedef enum {
+    KVB_CHAT_LLAMA2 = 0, KVB_CHAT_LLAMA3, KVB_CHAT_CHATML, KVB_CHAT_MISTRAL, KVB_CHAT_PHI3,
+    KVB_CHAT_GEMMA, KVB_CHAT_COUNT_
+} kvb_chat_family;
+
+const char *kvb_chat_family_name(kvb_chat_family f);
+/* By name ("llama3", "chatml", ...); error lists the supported names. */
+kvb_status kvb_chat_family_from_name(const char *name, kvb_chat_family *out, kvb_err *err);
+/* Recognises the family from the template text (tokenizer.chat_template); an unknown template
+ * is KVB_ERR_UNSUPPORTED with a message listing the supported families and --chat-template. */
+kvb_status kvb_chat_family_detect(const char *template_text, kvb_chat_family *out, kvb_err *err);
+/* Renders messages plus the generation prompt; *out is malloc'd. */
+kvb_status kvb_chat_render(kvb_chat_family f, const kvb_chat_msg *msgs, size_t n_msgs,
+                           bool add_generation_prompt, char **out, kvb_err *err);
+
+/* ---- vocabulary writers for gen-model --------------------------------------------------------- */
+
+/* Each adds the tokenizer.ggml.* keys (and tokenizer.chat_template where known) to w and
+ * reports the vocabulary size. */
+kvb_status kvb_vocab_write_bytelevel(kvb_gguf_writer *w, uint32_t *n_vocab, kvb_err *err);
+kvb_status kvb_vocab_copy_from_gguf(kvb_gguf_writer *w, const char *gguf_path, uint32_t *n_vocab,
+                                    kvb_err *err);
+kvb_status kvb_vocab_from_hf_json(kvb_gguf_writer *w, const char *tokenizer_json_path,
+                                  uint32_t *n_vocab, kvb_err *err);
+
+#endif
