@@ -1,10 +1,274 @@
-/* cli/cmd_run.c — placeholder until its module lands. */
+/* cli/cmd_run.c — `kvbridge run`: load a GGUF, prefill a prompt (token ids or text), generate
+ * N tokens with the chosen sampler, and print text (streamed) or token ids. */
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kvb_cli.h"
+#include "kvb_engine_cpu.h"
+#include "kvb_quant.h"
+#include "kvb_tokenizer.h"
+
+static void help(FILE *f) {
+    fprintf(f,
+            "usage: kvbridge run -m MODEL (--tokens 1,2,3 | -p TEXT) [-n N] [options]\n\n"
+            "Runs the model on this machine's CPU: prefills the prompt, then generates N tokens.\n\n"
+            "  -m, --model FILE     GGUF model (llama, qwen2, qwen3; F32/F16/BF16/Q8_0/Q4_0)\n"
+            "  --tokens LIST        prompt as comma-separated token ids\n"
+            "  -p, --prompt TEXT    prompt as text (tokenized with the model's own vocabulary)\n"
+            "  --chat               wrap -p TEXT as a user message in the model's chat template\n"
+            "  --chat-template NAME override the template family (llama2, llama3, chatml, mistral, phi3, gemma)\n"
+            "  -n N                 tokens to generate (default 32)\n"
+            "  --seed S             sampler seed (default 0: runs repeat exactly)\n"
+            "  --temp T             temperature (default 0.8; 0 = greedy)\n"
+            "  --top-k K            keep the K most likely tokens (default 40; 0 = off)\n"
+            "  --top-p P            nucleus sampling threshold (default 0.95; 1 = off)\n"
+            "  --threads T          CPU threads (default: all)\n"
+            "  --cache-type T       KV cache dtype: f16 (default), f32, bf16, q8_0\n"
+            "  --ctx N              context limit in tokens (default: min(training context, 8192))\n"
+            "  --ignore-eos         keep generating past end-of-generation tokens\n"
+            "  --output text|ids    print decoded text (default) or the generated ids on one line\n"
+            "  --verbose            print timings to stderr\n");
+}
+
+/* Parses "1,2,3" into a malloc'd array. */
+static bool parse_ids(const char *s, int32_t **out, uint32_t *n) {
+    size_t cap = 16, k = 0;
+    int32_t *ids = malloc(cap * sizeof *ids);
+    if (!ids) return false;
+    const char *p = s;
+    while (*p) {
+        char *end;
+        long v = strtol(p, &end, 10);
+        if (end == p || v < 0 || v > INT32_MAX) {
+            free(ids);
+            return false;
+        }
+        if (k == cap) {
+            int32_t *ni = realloc(ids, (cap *= 2) * sizeof *ids);
+            if (!ni) {
+                free(ids);
+                return false;
+            }
+            ids = ni;
+        }
+        ids[k++] = (int32_t)v;
+        p = end;
+        if (*p == ',' || *p == ' ') p++;
+        else if (*p) {
+            free(ids);
+            return false;
+        }
+    }
+    *out = ids;
+    *n = (uint32_t)k;
+    return k > 0;
+}
 
 int kvb_cmd_run(int argc, char **argv) {
-    (void)argc;
-    fprintf(stderr, "kvbridge %s: not built yet\n", argv[0]);
-    return 2;
+    const char *cmd = "run", *model_path = NULL, *tokens_arg = NULL, *prompt = NULL, *tmpl_name = NULL;
+    long long n_gen = 32, threads = 0, ctx = 0;
+    bool ids_out = false, ignore_eos = false, verbose = false, chat = false;
+    kvb_sampler_opts so = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .seed = 0};
+    uint32_t cache_type = KVB_TYPE_F16;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        double f;
+        long long n;
+        if (kvb_arg_is_help(a)) {
+            help(stdout);
+            return 0;
+        } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
+            if (!(model_path = kvb_arg_value(cmd, argc, argv, &i))) return 2;
+        } else if (!strcmp(a, "--tokens")) {
+            if (!(tokens_arg = kvb_arg_value(cmd, argc, argv, &i))) return 2;
+        } else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) {
+            if (!(prompt = kvb_arg_value(cmd, argc, argv, &i))) return 2;
+        } else if (!strcmp(a, "--chat")) {
+            chat = true;
+        } else if (!strcmp(a, "--chat-template")) {
+            if (!(tmpl_name = kvb_arg_value(cmd, argc, argv, &i))) return 2;
+            chat = true;
+        } else if (!strcmp(a, "-n")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 0, 1 << 24, &n_gen)) return 2;
+        } else if (!strcmp(a, "--seed")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_u64(cmd, a, v, &so.seed)) return 2;
+        } else if (!strcmp(a, "--temp")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_float(cmd, a, v, 0, 100, &f)) return 2;
+            so.temperature = (float)f;
+        } else if (!strcmp(a, "--top-k")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 0, 1 << 24, &n)) return 2;
+            so.top_k = (int)n;
+        } else if (!strcmp(a, "--top-p")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_float(cmd, a, v, 0, 1, &f)) return 2;
+            so.top_p = (float)f;
+        } else if (!strcmp(a, "--threads")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1024, &threads)) return 2;
+        } else if (!strcmp(a, "--ctx")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 24, &ctx)) return 2;
+        } else if (!strcmp(a, "--cache-type")) {
+            kvb_type t;
+            kvb_err err = {0};
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
+            if (kvb_type_from_name(v, &t, &err) != KVB_OK) {
+                fprintf(stderr, "kvbridge run: --cache-type: %s\n", err.msg);
+                return 2;
+            }
+            cache_type = t;
+        } else if (!strcmp(a, "--ignore-eos")) {
+            ignore_eos = true;
+        } else if (!strcmp(a, "--verbose") || !strcmp(a, "-v")) {
+            verbose = true;
+        } else if (!strcmp(a, "--output")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
+            if (!strcmp(v, "ids")) ids_out = true;
+            else if (!strcmp(v, "text")) ids_out = false;
+            else {
+                fprintf(stderr, "kvbridge run: --output expects 'text' or 'ids', got '%s'\n", v);
+                return 2;
+            }
+        } else {
+            fprintf(stderr, "kvbridge run: unknown option '%s' (see kvbridge run --help)\n", a);
+            return 2;
+        }
+    }
+    if (!model_path || (!tokens_arg == !prompt)) {
+        fprintf(stderr, "kvbridge run: give -m MODEL and exactly one of --tokens or -p (see kvbridge run --help)\n");
+        return 2;
+    }
+
+    int rc = 1;
+    kvb_err err = {0};
+    kvb_model *m = NULL;
+    kvb_engine *e = NULL;
+    kvb_seq *s = NULL;
+    kvb_tokenizer *tok = NULL;
+    int32_t *ids = NULL, *out_ids = NULL;
+    float *logits = NULL;
+    char *rendered = NULL;
+    uint32_t n_ids = 0;
+    kvb_sampler smp = {0};
+
+    if (kvb_model_load(model_path, &m, &err) != KVB_OK) goto fail;
+    if (prompt || !ids_out) {
+        if (kvb_tokenizer_load(m->gguf, &tok, &err) != KVB_OK) goto fail;
+    }
+    if (tokens_arg) {
+        if (!parse_ids(tokens_arg, &ids, &n_ids)) {
+            fprintf(stderr, "kvbridge run: --tokens expects comma-separated token ids, got '%s'\n", tokens_arg);
+            rc = 2;
+            goto done;
+        }
+    } else {
+        const char *text = prompt;
+        if (chat) {
+            kvb_chat_family fam;
+            if (tmpl_name) {
+                if (kvb_chat_family_from_name(tmpl_name, &fam, &err) != KVB_OK) goto fail;
+            } else {
+                char *tmpl = NULL;
+                const kvb_gguf_kv *kv = kvb_gguf_find(m->gguf, "tokenizer.chat_template");
+                if (!kv || kv->type != KVB_GGUF_STRING) {
+                    kvb_err_set(&err, KVB_ERR_NOT_FOUND,
+                                "%s has no tokenizer.chat_template; pass --chat-template NAME", model_path);
+                    goto fail;
+                }
+                tmpl = strndup(kv->str.ptr, kv->str.len);
+                kvb_status st = tmpl ? kvb_chat_family_detect(tmpl, &fam, &err) : KVB_ERR_NOMEM;
+                free(tmpl);
+                if (st) goto fail;
+            }
+            kvb_chat_msg msg = {"user", prompt};
+            if (kvb_chat_render(fam, &msg, 1, true, &rendered, &err) != KVB_OK) goto fail;
+            text = rendered;
+        }
+        int32_t *tids = NULL;
+        size_t nt = 0;
+        if (kvb_tokenize(tok, text, strlen(text), true, chat, &tids, &nt, &err) != KVB_OK) goto fail;
+        ids = tids;
+        n_ids = (uint32_t)nt;
+        if (n_ids == 0) {
+            fprintf(stderr, "kvbridge run: the prompt tokenized to nothing; give a non-empty prompt\n");
+            rc = 2;
+            goto done;
+        }
+    }
+
+    kvb_engine_opts eo = {.n_threads = (int)threads, .cache_dtype = cache_type};
+    if (ctx) eo.max_ctx = (uint32_t)ctx;
+    else {
+        uint32_t need = n_ids + (uint32_t)n_gen;
+        eo.max_ctx = m->d.n_ctx_train < 8192 ? m->d.n_ctx_train : 8192;
+        if (need > eo.max_ctx && need <= m->d.n_ctx_train) eo.max_ctx = need;
+    }
+    if ((uint64_t)n_ids + (uint64_t)n_gen > eo.max_ctx) {
+        fprintf(stderr,
+                "kvbridge run: prompt (%u tokens) + %lld generated tokens exceed the context limit of %u tokens; "
+                "shorten the prompt, lower -n or raise --ctx\n",
+                n_ids, n_gen, eo.max_ctx);
+        rc = 2;
+        goto done;
+    }
+    if (kvb_engine_create(m, &eo, &e, &err) != KVB_OK) goto fail;
+    if (kvb_seq_create(e, &s, &err) != KVB_OK) goto fail;
+    if (kvb_sampler_init(&smp, &so, m->d.n_vocab, &err) != KVB_OK) goto fail;
+    logits = malloc(sizeof(float) * m->d.n_vocab);
+    out_ids = malloc(sizeof(int32_t) * (size_t)(n_gen + 1));
+    if (!logits || !out_ids) {
+        kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    if (verbose) {
+        char desc[256];
+        kvb_model_describe(m, desc, sizeof desc);
+        fprintf(stderr, "run: %s; %d threads, %s kernels, prompt %u tokens\n", desc, kvb_engine_threads(e),
+                kvb_simd_name(), n_ids);
+    }
+
+    double t0 = kvb_now_s();
+    if (kvb_engine_forward(e, s, ids, n_ids, logits, false, &err) != KVB_OK) goto fail;
+    double t1 = kvb_now_s();
+    kvb_detok dt;
+    if (tok) kvb_detok_init(&dt, tok);
+    char piece[512];
+    uint32_t n_out = 0;
+    for (long long i = 0; i < n_gen; i++) {
+        int32_t id = kvb_sample(&smp, logits);
+        out_ids[n_out++] = id;
+        if (!ids_out) {
+            size_t k = kvb_detok_push(&dt, id, piece, sizeof piece);
+            fwrite(piece, 1, k, stdout);
+            fflush(stdout);
+        }
+        if (!ignore_eos && tok && kvb_tokenizer_is_eog(tok, id)) break;
+        if (i + 1 < n_gen && kvb_engine_forward(e, s, &id, 1, logits, false, &err) != KVB_OK) goto fail;
+    }
+    double t2 = kvb_now_s();
+    if (ids_out) {
+        for (uint32_t i = 0; i < n_out; i++) printf(i ? " %d" : "%d", out_ids[i]);
+        printf("\n");
+    } else {
+        size_t k = kvb_detok_flush(&dt, piece, sizeof piece);
+        fwrite(piece, 1, k, stdout);
+        printf("\n");
+    }
+    if (verbose)
+        fprintf(stderr, "run: prefill %u tokens in %.3f s (%.1f tok/s); decode %u tokens in %.3f s (%.1f tok/s)\n",
+                n_ids, t1 - t0, n_ids / (t1 - t0), n_out, t2 - t1, n_out > 1 ? (n_out - 1) / (t2 - t1) : 0.0);
+    rc = 0;
+    goto done;
+fail:
+    fprintf(stderr, "kvbridge run: %s\n", err.msg);
+    rc = 1;
+done:
+    kvb_sampler_free(&smp);
+    free(logits);
+    free(out_ids);
+    free(ids);
+    free(rendered);
+    kvb_seq_free(s);
+    kvb_engine_free(e);
+    kvb_tokenizer_free(tok);
+    kvb_model_free(m);
+    return rc;
 }

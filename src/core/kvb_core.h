@@ -88,6 +88,10 @@ void kvb_pool_parallel_for(kvb_pool *pool, int n_tasks, kvb_task_fn fn, void *ct
 /* Number of online CPUs (>= 1). */
 int kvb_cpu_count(void);
 
+/* Memory read bandwidth in GB/s (1e9 bytes/s) with the pool's threads each streaming a slice
+ * of a `bytes`-sized buffer; best of `reps` passes after a warm-up. 0 if allocation failed. */
+double kvb_measure_read_bw(kvb_pool *pool, size_t bytes, int reps);
+
 /* ---- aligned allocation ------------------------------------------------------------------ */
 
 void *kvb_aligned_alloc(size_t alignment, size_t size); /* free with kvb_aligned_free; NULL on fail */

@@ -77,6 +77,8 @@ void kvb_gguf_close(kvb_gguf *g);
 const char *kvb_gguf_path(const kvb_gguf *g);
 uint32_t kvb_gguf_version(const kvb_gguf *g);
 uint64_t kvb_gguf_alignment(const kvb_gguf *g);
+uint64_t kvb_gguf_file_size(const kvb_gguf *g);   /* bytes of the file or buffer */
+uint64_t kvb_gguf_data_offset(const kvb_gguf *g); /* where the data section starts (aligned) */
 uint64_t kvb_gguf_n_kv(const kvb_gguf *g);
 const kvb_gguf_kv *kvb_gguf_kv_at(const kvb_gguf *g, uint64_t i);
 const kvb_gguf_kv *kvb_gguf_find(const kvb_gguf *g, const char *key); /* NULL if absent */
@@ -98,6 +100,7 @@ bool kvb_gguf_str_eq(kvb_gguf_str s, const char *cstr);
  * (the caller allocates out); for numeric arrays read arr_data with the element type's size. */
 kvb_status kvb_gguf_arr_strings(const kvb_gguf_kv *kv, kvb_gguf_str *out, kvb_err *err);
 size_t kvb_gguf_vtype_size(kvb_gguf_vtype t); /* 0 for STRING/ARRAY/unknown */
+const char *kvb_gguf_vtype_name(kvb_gguf_vtype t); /* "u8", "string", "array"...; "?" if unknown */
 
 /* ---- writer ------------------------------------------------------------------------------
  * Usage: w = kvb_gguf_writer_create(); add KVs; add tensor infos (name, dims, type) in order;
@@ -112,6 +115,10 @@ kvb_status kvb_gguf_writer_add_i32(kvb_gguf_writer *w, const char *key, int32_t 
 kvb_status kvb_gguf_writer_add_u64(kvb_gguf_writer *w, const char *key, uint64_t v, kvb_err *err);
 kvb_status kvb_gguf_writer_add_f32(kvb_gguf_writer *w, const char *key, float v, kvb_err *err);
 kvb_status kvb_gguf_writer_add_bool(kvb_gguf_writer *w, const char *key, bool v, kvb_err *err);
+/* Any fixed-size scalar type: value points to the C type of t (uint8_t for U8, int64_t for I64,
+ * double for F64, bool for BOOL...). */
+kvb_status kvb_gguf_writer_add_scalar(kvb_gguf_writer *w, const char *key, kvb_gguf_vtype t,
+                                      const void *value, kvb_err *err);
 kvb_status kvb_gguf_writer_add_str(kvb_gguf_writer *w, const char *key, const char *v, kvb_err *err);
 /* Arrays: elements of type et (fixed-size), n elements copied from data. */
 kvb_status kvb_gguf_writer_add_arr(kvb_gguf_writer *w, const char *key, kvb_gguf_vtype et,
@@ -123,6 +130,7 @@ kvb_status kvb_gguf_writer_add_arr_str(kvb_gguf_writer *w, const char *key, cons
 kvb_status kvb_gguf_writer_copy_kv(kvb_gguf_writer *w, const kvb_gguf_kv *kv, kvb_err *err);
 kvb_status kvb_gguf_writer_add_tensor(kvb_gguf_writer *w, const char *name, uint32_t n_dims,
                                       const uint64_t *ne, uint32_t type, kvb_err *err);
+/* f must be positioned at the start of the file (offsets and padding are counted from there). */
 kvb_status kvb_gguf_writer_write_header(kvb_gguf_writer *w, FILE *f, kvb_err *err);
 /* Writes tensor i's data (size must equal its computed byte size) and alignment padding. */
 kvb_status kvb_gguf_writer_write_tensor_data(kvb_gguf_writer *w, FILE *f, uint64_t i, const void *data,

@@ -35,6 +35,7 @@ typedef struct {
     /* Llama-3 ("llama3") rope scaling; factor == 0 means none. */
     float rope_scale_factor, rope_low_freq_factor, rope_high_freq_factor;
     uint32_t rope_orig_ctx;
+    bool rope_neox;        /* rotate pairs (i, i + n_rot/2) (qwen2/qwen3) instead of (2i, 2i+1) (llama) */
     float norm_eps;        /* RMSNorm epsilon */
     bool has_qkv_bias;     /* qwen2 */
     bool has_qk_norm;      /* qwen3 */
@@ -67,6 +68,7 @@ typedef struct kvb_model {
     const float *output_norm;  /* (n_embd) */
     kvb_mat output;            /* (n_vocab, n_embd); == tok_embd when tied */
     kvb_layer_weights *layers; /* n_layer */
+    const float *rope_freqs;   /* (n_rot/2) frequency divisors from rope_freqs.weight, or NULL */
     float *owned_f32;          /* norm/bias vectors converted to f32 when stored as f16/bf16 */
     uint64_t fingerprint;      /* hash of the description and all weight bytes' identities */
 } kvb_model;
@@ -82,9 +84,17 @@ void kvb_model_describe(const kvb_model *m, char *buf, size_t cap);
 /* Parameters excluding token embeddings (for FLOP counts). */
 uint64_t kvb_model_n_params_nonembd(const kvb_model_desc *d);
 
-/* RoPE inverse frequencies for i in [0, n_rot/2), including Llama-3 scaling; computed in double
- * and rounded to f32 once. One table shared by every engine and the bridge. */
-void kvb_rope_inv_freq(const kvb_model_desc *d, float *out);
+/* RoPE inverse frequencies for i in [0, n_rot/2): base^(-2i/n_rot), divided by the
+ * rope_freqs.weight factors when the file has them, else by the Llama-3 scaling factors computed
+ * from the description's keys; in double. */
+void kvb_rope_inv_freq(const kvb_model *m, double *out);
+/* The RoPE table every engine and the bridge use (one table, computed on the host in double and
+ * rounded to f32 once): for positions pos0 .. pos0+n_pos-1 and i < n_rot/2,
+ *     cos_out[p * (n_rot/2) + i] = (float)cos(pos * inv_freq[i]), sin_out likewise.  */
+void kvb_rope_table(const double *inv_freq, uint32_t n_rot, uint32_t pos0, uint32_t n_pos, float *cos_out,
+                    float *sin_out);
+/* Llama-3 frequency divisors (what llama.cpp's converter stores as rope_freqs.weight). */
+void kvb_llama3_rope_factors(const kvb_model_desc *d, float *out);
 
 /* ---- synthetic models ------------------------------------------------------------------------ */
 

@@ -75,11 +75,13 @@ kvb_status kvb_chat_render(kvb_chat_family f, const kvb_chat_msg *msgs, size_t n
 /* ---- vocabulary writers for gen-model --------------------------------------------------------- */
 
 /* Each adds the tokenizer.ggml.* keys (and tokenizer.chat_template where known) to w and
- * reports the vocabulary size. */
-kvb_status kvb_vocab_write_bytelevel(kvb_gguf_writer *w, uint32_t *n_vocab, kvb_err *err);
-kvb_status kvb_vocab_copy_from_gguf(kvb_gguf_writer *w, const char *gguf_path, uint32_t *n_vocab,
-                                    kvb_err *err);
-kvb_status kvb_vocab_from_hf_json(kvb_gguf_writer *w, const char *tokenizer_json_path,
+ * reports the vocabulary size. pad_to > n pads the token list with unused control tokens
+ * "<|reserved_special_token_K|>" up to pad_to entries, as real models pad their embedding
+ * tables (Qwen: 151669 -> 151936), so generated models keep the real shapes; 0 = no padding. */
+kvb_status kvb_vocab_write_bytelevel(kvb_gguf_writer *w, uint32_t pad_to, uint32_t *n_vocab, kvb_err *err);
+kvb_status kvb_vocab_copy_from_gguf(kvb_gguf_writer *w, const char *gguf_path, uint32_t pad_to,
+                                    uint32_t *n_vocab, kvb_err *err);
+kvb_status kvb_vocab_from_hf_json(kvb_gguf_writer *w, const char *tokenizer_json_path, uint32_t pad_to,
                                   uint32_t *n_vocab, kvb_err *err);
 
 #endif

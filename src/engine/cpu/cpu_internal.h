@@ -1,0 +1,58 @@
+/* engine/cpu/cpu_internal.h — private to the CPU engine's files (not a contract): the engine
+ * and sequence structures and the parallel kernels the forward pass is built from. */
+#ifndef KVB_CPU_INTERNAL_H
+#define KVB_CPU_INTERNAL_H
+
+#include "kvb_engine_cpu.h"
+#include "kvb_quant.h"
+
+struct kvb_engine {
+    const kvb_model *m;
+    kvb_engine_opts o;
+    kvb_pool *pool;
+    kvb_kvformat fmt;
+    size_t row_bytes;   /* one cache row (head_dim) in the cache dtype */
+    size_t block_bytes; /* one cache block */
+    double *inv_freq;   /* (n_rot/2) */
+    uint8_t *kv_arena;  /* (n_blocks, block_bytes): (layer, kv, kv_head, token, head_dim) per block */
+    uint32_t *free_blocks;
+    uint32_t n_free;
+    /* per-chunk scratch, B = max_batch tokens */
+    float *x;      /* (B, n_embd) residual stream */
+    float *h;      /* (B, n_embd) normed */
+    float *q;      /* (B, n_head * head_dim) */
+    float *att;    /* (B, n_head * head_dim) attention output */
+    float *g, *u;  /* (B, n_ff) */
+    float *rope_cos, *rope_sin; /* (B, n_rot/2) */
+    uint8_t *act;  /* (B, act row bytes for the widest input) */
+    uint8_t *k_rows, *v_rows;   /* (B, n_head_kv, row_bytes) encoded cache rows of this chunk */
+    void *kv_scratch;
+    float *logit_h;             /* (n_embd) */
+    float **attn_scratch;       /* per worker */
+};
+
+struct kvb_seq {
+    kvb_engine *e;
+    uint32_t len;
+    uint32_t *blocks; /* block ids, one per block_tokens tokens */
+    uint32_t n_blocks, cap;
+};
+
+/* y (n_tok, W->rows) = W x for x (n_tok, W->cols) f32; act: scratch for quantised x. */
+void kvb_cpu_matmul(kvb_pool *pool, const kvb_mat *W, const float *x, uint32_t n_tok, float *y, uint8_t *act);
+/* y = (x * (1/rms(x))) * w, canonical (see kvb_kv_produce). */
+void kvb_cpu_rmsnorm(const float *x, const float *w, uint32_t n, float eps, float *y);
+/* Rotates one head vector in place with the table row c, s (n_rot/2). */
+void kvb_cpu_rope(float *v, uint32_t n_rot, bool neox, const float *c, const float *s);
+
+/* Makes room for the sequence to reach new_len tokens (takes whole blocks from the pool). */
+kvb_status kvb_cpu_seq_reserve(kvb_seq *s, uint32_t new_len, kvb_err *err);
+/* Floats of per-worker attention scratch the engine must allocate. */
+size_t kvb_cpu_attn_scratch_floats(const kvb_engine *e);
+
+/* out (n, n_head, head_dim) = causal attention of q (n, n_head, head_dim) at positions
+ * pos0.. over the sequence's cached K/V of this layer (which already hold these positions). */
+void kvb_cpu_attention(kvb_engine *e, const kvb_seq *s, uint32_t layer, uint32_t pos0, uint32_t n, const float *q,
+                       float *out);
+
+#endif

@@ -1,0 +1,143 @@
+/* engine/cpu/engine.c — the CPU engine's lifetime: options and defaults, the thread pool, the
+ * paged KV cache pool (one arena of fixed-size blocks in the decoder's cache format, a free
+ * list), per-chunk scratch, and sequences that own lists of blocks. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_internal.h"
+
+static kvb_status alloc_f(float **p, size_t n, kvb_err *err) {
+    *p = kvb_aligned_alloc(64, n * sizeof(float));
+    return *p ? KVB_OK : kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for engine scratch (%zu floats)", n);
+}
+static kvb_status alloc_b(uint8_t **p, size_t n, kvb_err *err) {
+    *p = kvb_aligned_alloc(64, n);
+    return *p ? KVB_OK : kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for engine scratch (%zu bytes)", n);
+}
+
+kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *opts, kvb_engine **out, kvb_err *err) {
+    *out = NULL;
+    kvb_engine *e = calloc(1, sizeof *e);
+    if (!e) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory creating the engine");
+    e->m = m;
+    e->o = opts ? *opts : (kvb_engine_opts){0};
+    kvb_engine_opts *o = &e->o;
+    const kvb_model_desc *d = &m->d;
+    if (o->n_threads <= 0) o->n_threads = kvb_cpu_count();
+    if (!o->cache_dtype) o->cache_dtype = KVB_TYPE_F16;
+    if (!o->block_tokens) o->block_tokens = 32;
+    if (!o->max_ctx) o->max_ctx = d->n_ctx_train < 8192 ? d->n_ctx_train : 8192;
+    if (!o->max_batch) o->max_batch = 512;
+    if (!o->n_blocks) o->n_blocks = (o->max_ctx + o->block_tokens - 1) / o->block_tokens;
+    kvb_status st = kvb_kvformat_init(&e->fmt, o->cache_dtype, o->block_tokens, d->n_layer, d->n_head_kv,
+                                      d->head_dim, err);
+    if (st) goto fail;
+    e->row_bytes = kvb_kvformat_row_bytes(&e->fmt);
+    e->block_bytes = kvb_kvformat_block_bytes(&e->fmt);
+    if ((st = kvb_pool_create(o->n_threads, &e->pool, err))) goto fail;
+
+    uint64_t arena;
+    if (kvb_mul_overflow_u64(e->block_bytes, o->n_blocks, &arena) || arena > ((uint64_t)1 << 40)) {
+        st = kvb_err_set(err, KVB_ERR_RANGE, "KV cache of %u blocks x %zu bytes is too large", o->n_blocks,
+                         e->block_bytes);
+        goto fail;
+    }
+    if ((st = alloc_b(&e->kv_arena, arena, err))) goto fail;
+    e->free_blocks = malloc(sizeof(uint32_t) * o->n_blocks);
+    if (!e->free_blocks) {
+        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    for (uint32_t i = 0; i < o->n_blocks; i++) e->free_blocks[i] = o->n_blocks - 1 - i;
+    e->n_free = o->n_blocks;
+
+    const size_t B = o->max_batch, E = d->n_embd, Q = (size_t)d->n_head * d->head_dim, FF = d->n_ff;
+    const size_t half = d->n_rot / 2;
+    size_t widest = E > Q ? E : Q;
+    widest = widest > FF ? widest : FF;
+    size_t act_row = kvb_row_bytes(KVB_TYPE_F32, (int64_t)widest); /* f32 activations are the widest form */
+    if ((st = alloc_f(&e->x, B * E, err)) || (st = alloc_f(&e->h, B * E, err)) || (st = alloc_f(&e->q, B * Q, err)) ||
+        (st = alloc_f(&e->att, B * Q, err)) || (st = alloc_f(&e->g, B * FF, err)) ||
+        (st = alloc_f(&e->u, B * FF, err)) || (st = alloc_f(&e->rope_cos, B * half, err)) ||
+        (st = alloc_f(&e->rope_sin, B * half, err)) || (st = alloc_b(&e->act, B * act_row, err)) ||
+        (st = alloc_b(&e->k_rows, B * d->n_head_kv * e->row_bytes, err)) ||
+        (st = alloc_b(&e->v_rows, B * d->n_head_kv * e->row_bytes, err)) ||
+        (st = alloc_b((uint8_t **)&e->kv_scratch, kvb_kv_produce_scratch_bytes(m, (uint32_t)B), err)) ||
+        (st = alloc_f(&e->logit_h, E, err)))
+        goto fail;
+    e->inv_freq = malloc(sizeof(double) * half);
+    e->attn_scratch = calloc((size_t)o->n_threads, sizeof(float *));
+    if (!e->inv_freq || !e->attn_scratch) {
+        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    kvb_rope_inv_freq(m, e->inv_freq);
+    for (int i = 0; i < o->n_threads; i++)
+        if ((st = alloc_f(&e->attn_scratch[i], kvb_cpu_attn_scratch_floats(e), err))) goto fail;
+    *out = e;
+    return KVB_OK;
+fail:
+    kvb_engine_free(e);
+    return st;
+}
+
+void kvb_engine_free(kvb_engine *e) {
+    if (!e) return;
+    if (e->attn_scratch)
+        for (int i = 0; i < e->o.n_threads; i++) kvb_aligned_free(e->attn_scratch[i]);
+    free(e->attn_scratch);
+    kvb_pool_destroy(e->pool);
+    kvb_aligned_free(e->kv_arena);
+    free(e->free_blocks);
+    float *fs[] = {e->x, e->h, e->q, e->att, e->g, e->u, e->rope_cos, e->rope_sin, e->logit_h};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(fs); i++) kvb_aligned_free(fs[i]);
+    kvb_aligned_free(e->act);
+    kvb_aligned_free(e->k_rows);
+    kvb_aligned_free(e->v_rows);
+    kvb_aligned_free(e->kv_scratch);
+    free(e->inv_freq);
+    free(e);
+}
+
+const kvb_kvformat *kvb_engine_kvformat(const kvb_engine *e) { return &e->fmt; }
+int kvb_engine_threads(const kvb_engine *e) { return e->o.n_threads; }
+
+kvb_status kvb_seq_create(kvb_engine *e, kvb_seq **out, kvb_err *err) {
+    kvb_seq *s = calloc(1, sizeof *s);
+    if (!s) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory creating a sequence");
+    s->e = e;
+    *out = s;
+    return KVB_OK;
+}
+
+void kvb_seq_free(kvb_seq *s) {
+    if (!s) return;
+    for (uint32_t i = 0; i < s->n_blocks; i++) s->e->free_blocks[s->e->n_free++] = s->blocks[i];
+    free(s->blocks);
+    free(s);
+}
+
+uint32_t kvb_seq_len(const kvb_seq *s) { return s->len; }
+
+kvb_status kvb_cpu_seq_reserve(kvb_seq *s, uint32_t new_len, kvb_err *err) {
+    kvb_engine *e = s->e;
+    if (new_len > e->o.max_ctx)
+        return kvb_err_set(err, KVB_ERR_RANGE, "sequence of %u tokens exceeds the context limit of %u tokens", new_len,
+                           e->o.max_ctx);
+    uint32_t need = (new_len + e->o.block_tokens - 1) / e->o.block_tokens;
+    if (need > s->cap) {
+        uint32_t cap = s->cap ? s->cap * 2 : 16;
+        while (cap < need) cap *= 2;
+        uint32_t *nb = realloc(s->blocks, sizeof(uint32_t) * cap);
+        if (!nb) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory growing a sequence");
+        s->blocks = nb;
+        s->cap = cap;
+    }
+    while (s->n_blocks < need) {
+        if (e->n_free == 0)
+            return kvb_err_set(err, KVB_ERR_RANGE, "KV cache is full (%u blocks of %u tokens); raise the cache size",
+                               e->o.n_blocks, e->o.block_tokens);
+        s->blocks[s->n_blocks++] = e->free_blocks[--e->n_free];
+    }
+    return KVB_OK;
+}

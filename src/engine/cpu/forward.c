@@ -1,0 +1,161 @@
+/* engine/cpu/forward.c — one forward pass over a chunk of tokens: embed, then per layer
+ * attention-norm -> K/V through kvb_kv_produce into the paged cache -> Q (bias, q-norm, RoPE)
+ * -> attention over the cache -> output projection + residual -> ffn-norm -> SwiGLU MLP +
+ * residual; then the final norm and the output head. Long inputs are split into max_batch
+ * chunks; prefill and token-by-token decode run the same arithmetic. */
+#include <math.h>
+#include <string.h>
+
+#include "cpu_internal.h"
+
+typedef struct {
+    kvb_engine *e;
+    uint32_t layer, n;
+    const float *norm_w; /* for norm tasks */
+    float *src, *dst;
+} tok_job;
+
+static void norm_task(void *ctx, int t, int worker) {
+    (void)worker;
+    const tok_job *j = ctx;
+    const kvb_model_desc *d = &j->e->m->d;
+    kvb_cpu_rmsnorm(j->src + (size_t)t * d->n_embd, j->norm_w, d->n_embd, d->norm_eps, j->dst + (size_t)t * d->n_embd);
+}
+
+/* q += bq; per-head q-norm; RoPE — for token t */
+static void q_post_task(void *ctx, int t, int worker) {
+    (void)worker;
+    const tok_job *j = ctx;
+    const kvb_engine *e = j->e;
+    const kvb_model_desc *d = &e->m->d;
+    const kvb_layer_weights *w = &e->m->layers[j->layer];
+    const size_t Q = (size_t)d->n_head * d->head_dim, half = d->n_rot / 2;
+    float *q = e->q + (size_t)t * Q;
+    if (w->bq)
+        for (size_t i = 0; i < Q; i++) q[i] = q[i] + w->bq[i];
+    for (uint32_t h = 0; h < d->n_head; h++) {
+        float *qh = q + (size_t)h * d->head_dim;
+        if (w->q_norm) kvb_cpu_rmsnorm(qh, w->q_norm, d->head_dim, d->norm_eps, qh);
+        kvb_cpu_rope(qh, d->n_rot, d->rope_neox, e->rope_cos + (size_t)t * half, e->rope_sin + (size_t)t * half);
+    }
+}
+
+/* x += src for token t */
+static void residual_task(void *ctx, int t, int worker) {
+    (void)worker;
+    const tok_job *j = ctx;
+    const size_t E = j->e->m->d.n_embd;
+    float *x = j->dst + (size_t)t * E;
+    const float *o = j->src + (size_t)t * E;
+    for (size_t i = 0; i < E; i++) x[i] = x[i] + o[i];
+}
+
+/* g = silu(g) * u for token t */
+static void swiglu_task(void *ctx, int t, int worker) {
+    (void)worker;
+    const tok_job *j = ctx;
+    const size_t FF = j->e->m->d.n_ff;
+    float *g = j->e->g + (size_t)t * FF;
+    const float *u = j->e->u + (size_t)t * FF;
+    for (size_t i = 0; i < FF; i++) {
+        float a = g[i];
+        g[i] = (a / (1.0f + expf(-a))) * u[i];
+    }
+}
+
+/* Copies the chunk's encoded K/V rows into the sequence's cache blocks. */
+static void store_kv_rows(kvb_engine *e, kvb_seq *s, uint32_t layer, uint32_t pos0, uint32_t n) {
+    const uint32_t nkv = e->m->d.n_head_kv, bt = e->o.block_tokens;
+    for (uint32_t t = 0; t < n; t++) {
+        uint32_t p = pos0 + t;
+        uint8_t *blk = e->kv_arena + (size_t)s->blocks[p / bt] * e->block_bytes;
+        for (uint32_t h = 0; h < nkv; h++) {
+            size_t src = ((size_t)t * nkv + h) * e->row_bytes;
+            memcpy(blk + kvb_kvformat_row_offset(&e->fmt, layer, 0, h, p % bt), e->k_rows + src, e->row_bytes);
+            memcpy(blk + kvb_kvformat_row_offset(&e->fmt, layer, 1, h, p % bt), e->v_rows + src, e->row_bytes);
+        }
+    }
+}
+
+static kvb_status forward_chunk(kvb_engine *e, kvb_seq *s, const int32_t *tokens, uint32_t n, float *logits,
+                                bool all_logits, kvb_err *err) {
+    const kvb_model *m = e->m;
+    const kvb_model_desc *d = &m->d;
+    const uint32_t pos0 = s->len, E = d->n_embd;
+    kvb_status st = kvb_cpu_seq_reserve(s, pos0 + n, err);
+    if (st) return st;
+
+    for (uint32_t t = 0; t < n; t++) {
+        if (tokens[t] < 0 || (uint32_t)tokens[t] >= d->n_vocab)
+            return kvb_err_set(err, KVB_ERR_INVALID, "token id %d at position %u is outside the vocabulary (0..%u)",
+                               tokens[t], pos0 + t, d->n_vocab - 1);
+        kvb_row_to_f32(m->tok_embd.type, (const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
+                       e->x + (size_t)t * E, E);
+    }
+    kvb_rope_table(e->inv_freq, d->n_rot, pos0, n, e->rope_cos, e->rope_sin);
+    kvb_pool *tok_pool = n > 1 ? e->pool : NULL;
+
+    for (uint32_t l = 0; l < d->n_layer; l++) {
+        const kvb_layer_weights *w = &m->layers[l];
+        tok_job tj = {.e = e, .layer = l, .n = n, .norm_w = w->attn_norm, .src = e->x, .dst = e->h};
+        kvb_pool_parallel_for(tok_pool, (int)n, norm_task, &tj);
+
+        kvb_kv_produce_args ka = {m, l, e->fmt.dtype, e->pool, e->rope_cos, e->rope_sin};
+        kvb_kv_produce(&ka, e->h, n, e->kv_scratch, e->k_rows, e->v_rows);
+        store_kv_rows(e, s, l, pos0, n);
+
+        kvb_cpu_matmul(e->pool, &w->wq, e->h, n, e->q, e->act);
+        kvb_pool_parallel_for(tok_pool, (int)n, q_post_task, &tj);
+        kvb_cpu_attention(e, s, l, pos0, n, e->q, e->att);
+        kvb_cpu_matmul(e->pool, &w->wo, e->att, n, e->h, e->act); /* h := attention output (n, E) */
+        tj.src = e->h;
+        tj.dst = e->x;
+        kvb_pool_parallel_for(tok_pool, (int)n, residual_task, &tj);
+
+        tj.norm_w = w->ffn_norm;
+        tj.src = e->x;
+        tj.dst = e->h;
+        kvb_pool_parallel_for(tok_pool, (int)n, norm_task, &tj);
+        kvb_cpu_matmul(e->pool, &w->w_gate, e->h, n, e->g, e->act);
+        kvb_cpu_matmul(e->pool, &w->w_up, e->h, n, e->u, e->act);
+        kvb_pool_parallel_for(tok_pool, (int)n, swiglu_task, &tj);
+        kvb_cpu_matmul(e->pool, &w->w_down, e->g, n, e->h, e->act); /* h := MLP output (n, E) */
+        tj.src = e->h;
+        tj.dst = e->x;
+        kvb_pool_parallel_for(tok_pool, (int)n, residual_task, &tj);
+    }
+    s->len = pos0 + n;
+
+    if (logits) {
+        if (all_logits) {
+            tok_job tj = {.e = e, .n = n, .norm_w = m->output_norm, .src = e->x, .dst = e->h};
+            kvb_pool_parallel_for(tok_pool, (int)n, norm_task, &tj);
+            kvb_cpu_matmul(e->pool, &m->output, e->h, n, logits, e->act);
+        } else {
+            kvb_cpu_rmsnorm(e->x + (size_t)(n - 1) * E, m->output_norm, E, d->norm_eps, e->logit_h);
+            kvb_cpu_matmul(e->pool, &m->output, e->logit_h, 1, logits, e->act);
+        }
+    }
+    return KVB_OK;
+}
+
+kvb_status kvb_engine_forward(kvb_engine *e, kvb_seq *s, const int32_t *tokens, uint32_t n, float *logits,
+                              bool all_logits, kvb_err *err) {
+    if (n == 0) return kvb_err_set(err, KVB_ERR_INVALID, "forward called with no tokens");
+    if (s->e != e) return kvb_err_set(err, KVB_ERR_INVALID, "sequence belongs to another engine");
+    if ((uint64_t)s->len + n > e->o.max_ctx)
+        return kvb_err_set(err, KVB_ERR_RANGE, "%u + %u tokens exceed the context limit of %u tokens", s->len, n,
+                           e->o.max_ctx);
+    const uint32_t B = e->o.max_batch, V = e->m->d.n_vocab;
+    for (uint32_t done = 0; done < n;) {
+        uint32_t c = n - done < B ? n - done : B;
+        bool last = done + c == n;
+        float *lg = NULL;
+        if (logits && all_logits) lg = logits + (size_t)done * V;
+        else if (logits && last) lg = logits;
+        kvb_status st = forward_chunk(e, s, tokens + done, c, lg, all_logits, err);
+        if (st) return st;
+        done += c;
+    }
+    return KVB_OK;
+}

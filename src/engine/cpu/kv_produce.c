@@ -1,0 +1,46 @@
+/* engine/cpu/kv_produce.c — the decoder's cache-producing arithmetic (specified in
+ * kvb_engine_cpu.h): attention inputs -> K (projected, biased, k-normed, rotated) and V rows
+ * encoded in the cache dtype. The CPU engine writes its own cache only through this function. */
+#include <string.h>
+
+#include "cpu_internal.h"
+
+static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+size_t kvb_kv_produce_scratch_bytes(const kvb_model *m, uint32_t n) {
+    const kvb_model_desc *d = &m->d;
+    size_t kv = (size_t)d->n_head_kv * d->head_dim;
+    size_t act = kvb_row_bytes(kvb_act_type(m->layers[0].wk.type), d->n_embd);
+    size_t act_v = kvb_row_bytes(kvb_act_type(m->layers[0].wv.type), d->n_embd);
+    if (act_v > act) act = act_v;
+    return 2 * align64((size_t)n * kv * sizeof(float)) + align64((size_t)n * act);
+}
+
+void kvb_kv_produce(const kvb_kv_produce_args *a, const float *h, uint32_t n, void *scratch, uint8_t *k_rows,
+                    uint8_t *v_rows) {
+    const kvb_model_desc *d = &a->m->d;
+    const kvb_layer_weights *w = &a->m->layers[a->layer];
+    const uint32_t hd = d->head_dim, nkv = d->n_head_kv, half = d->n_rot / 2;
+    const size_t kvw = (size_t)nkv * hd;
+    const size_t row_bytes = kvb_row_bytes(a->cache_dtype, hd);
+    float *k = scratch;                                                  /* (n, n_head_kv, head_dim) */
+    float *v = (float *)((uint8_t *)scratch + align64((size_t)n * kvw * sizeof(float))); /* same */
+    uint8_t *act = (uint8_t *)v + align64((size_t)n * kvw * sizeof(float));
+
+    kvb_cpu_matmul(a->pool, &w->wk, h, n, k, act);
+    kvb_cpu_matmul(a->pool, &w->wv, h, n, v, act);
+    for (uint32_t t = 0; t < n; t++) {
+        float *kt = k + t * kvw, *vt = v + t * kvw;
+        if (w->bk)
+            for (size_t i = 0; i < kvw; i++) kt[i] = kt[i] + w->bk[i];
+        if (w->bv)
+            for (size_t i = 0; i < kvw; i++) vt[i] = vt[i] + w->bv[i];
+        for (uint32_t hh = 0; hh < nkv; hh++) {
+            float *kh = kt + (size_t)hh * hd;
+            if (w->k_norm) kvb_cpu_rmsnorm(kh, w->k_norm, hd, d->norm_eps, kh);
+            kvb_cpu_rope(kh, d->n_rot, d->rope_neox, a->rope_cos + (size_t)t * half, a->rope_sin + (size_t)t * half);
+            kvb_f32_to_row(a->cache_dtype, kh, k_rows + ((size_t)t * nkv + hh) * row_bytes, hd);
+            kvb_f32_to_row(a->cache_dtype, vt + (size_t)hh * hd, v_rows + ((size_t)t * nkv + hh) * row_bytes, hd);
+        }
+    }
+}

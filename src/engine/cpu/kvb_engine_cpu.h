@@ -1,0 +1,94 @@
+/* engine/cpu — the CPU engine: batched multi-threaded prefill and single-token decode over a
+ * paged KV cache (blocks of tokens in the decoder's cache format), and sampling (greedy,
+ * temperature, top-k, top-p, seeded). Results do not depend on the thread count: every output
+ * element is computed by one task in a fixed order, using quant's canonical dot products. */
+#ifndef KVB_ENGINE_CPU_H
+#define KVB_ENGINE_CPU_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kvb_core.h"
+#include "kvb_kvformat.h"
+#include "kvb_model.h"
+
+typedef struct {
+    int n_threads;          /* 0 = all CPUs */
+    uint32_t cache_dtype;   /* kvb_type for the KV cache (F32, F16, BF16, Q8_0); default F16 */
+    uint32_t block_tokens;  /* tokens per cache block; default 32 */
+    uint32_t max_ctx;       /* max tokens per sequence; 0 = the model's training context, capped at 8192 */
+    uint32_t n_blocks;      /* cache blocks in the pool; 0 = enough for one max_ctx sequence */
+    uint32_t max_batch;     /* tokens per forward chunk; 0 = 512 */
+} kvb_engine_opts;
+
+typedef struct kvb_engine kvb_engine;
+typedef struct kvb_seq kvb_seq;
+
+kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *o, kvb_engine **out, kvb_err *err);
+void kvb_engine_free(kvb_engine *e);
+const kvb_kvformat *kvb_engine_kvformat(const kvb_engine *e);
+int kvb_engine_threads(const kvb_engine *e);
+
+/* A sequence: its tokens' K/V in blocks taken from the engine's pool. */
+kvb_status kvb_seq_create(kvb_engine *e, kvb_seq **out, kvb_err *err);
+void kvb_seq_free(kvb_seq *s); /* returns its blocks to the pool */
+uint32_t kvb_seq_len(const kvb_seq *s);
+
+/* Runs tokens[0..n) at positions seq_len .. seq_len+n-1 (chunked by max_batch), appending their
+ * K/V to the sequence. logits: NULL, or (n_vocab) floats for the last token, or when all_logits
+ * (n, n_vocab) for every token. */
+kvb_status kvb_engine_forward(kvb_engine *e, kvb_seq *s, const int32_t *tokens, uint32_t n, float *logits,
+                              bool all_logits, kvb_err *err);
+
+/* ---- the decoder's cache-producing arithmetic ----------------------------------------------
+ * For one layer, attention inputs h (n, n_embd) (the attention-normed hidden states) at
+ * positions pos0 .. pos0+n-1 become cache rows, in this fixed order of IEEE operations:
+ *   k = Wk h, v = Wv h       quant's canonical dot (activations quantised as kvb_quantize_act)
+ *   k += bk, v += bv         (qwen2) one f32 add per element
+ *   k_head = rmsnorm(k_head) * k_norm   (qwen3) ss = canonical f32 dot(k, k); r = 1.0f/sqrtf(ss/hd + eps);
+ *                            y = (k * r) * w, each product rounded
+ *   k = rope(k, pos)         pairs (2i,2i+1) (llama) or (i,i+n_rot/2) (neox); c, s from
+ *                            kvb_rope_table; x0' = x0*c - x1*s; x1' = x0*s + x1*c, products rounded,
+ *                            no fma
+ *   encode                   kvb_f32_to_row(cache dtype, row, head_dim) per (token, kv head)
+ * Output rows: k_rows, v_rows (n, n_head_kv, row_bytes) in the cache dtype. This is the one CPU
+ * implementation: the CPU engine fills its own cache with it, and the bridge reproduces it. */
+typedef struct {
+    const kvb_model *m;
+    uint32_t layer;
+    uint32_t cache_dtype;
+    kvb_pool *pool;        /* may be NULL */
+    const float *rope_cos; /* (n, n_rot/2) for these positions */
+    const float *rope_sin; /* (n, n_rot/2) */
+} kvb_kv_produce_args;
+/* scratch: >= kvb_kv_produce_scratch_bytes(m, n) bytes, 64-byte aligned. */
+size_t kvb_kv_produce_scratch_bytes(const kvb_model *m, uint32_t n);
+void kvb_kv_produce(const kvb_kv_produce_args *a, const float *h, uint32_t n, void *scratch, uint8_t *k_rows,
+                    uint8_t *v_rows);
+
+/* ---- sampling ---------------------------------------------------------------------------- */
+
+typedef struct {
+    float temperature; /* <= 0: greedy (argmax, lowest id on ties) */
+    int top_k;         /* <= 0: off */
+    float top_p;       /* >= 1: off */
+    uint64_t seed;
+} kvb_sampler_opts;
+
+typedef struct {
+    float p;
+    int32_t id;
+} kvb_prob_id;
+
+typedef struct {
+    kvb_sampler_opts o;
+    kvb_rng rng;
+    uint32_t n_vocab;
+    kvb_prob_id *cand; /* scratch (n_vocab) */
+} kvb_sampler;
+
+kvb_status kvb_sampler_init(kvb_sampler *s, const kvb_sampler_opts *o, uint32_t n_vocab, kvb_err *err);
+void kvb_sampler_free(kvb_sampler *s);
+int32_t kvb_sample(kvb_sampler *s, const float *logits);
+
+#endif

@@ -1,0 +1,68 @@
+/* engine/cpu/ops.c — the elementwise and matrix building blocks of the CPU forward pass, each a
+ * fixed order of IEEE operations so results do not depend on threads or batch shape. */
+#include <math.h>
+
+#include "cpu_internal.h"
+
+typedef struct {
+    const kvb_mat *W;
+    const uint8_t *act;
+    size_t act_stride;
+    uint32_t n_tok;
+    float *y;
+    int rows_per_task;
+} matmul_job;
+
+static void matmul_task(void *ctx, int task, int worker) {
+    (void)worker;
+    const matmul_job *j = ctx;
+    int r0 = task * j->rows_per_task;
+    int nr = (int)j->W->rows - r0 < j->rows_per_task ? (int)j->W->rows - r0 : j->rows_per_task;
+    kvb_matmul_tile(j->W->type, (const uint8_t *)j->W->data + (size_t)r0 * j->W->row_bytes, j->W->row_bytes, nr,
+                    j->act, j->act_stride, (int)j->n_tok, j->y + r0, (size_t)j->W->rows, j->W->cols);
+}
+
+typedef struct {
+    uint32_t type;
+    const float *x;
+    int64_t cols;
+    uint8_t *act;
+    size_t act_stride;
+} quant_job;
+
+static void quant_task(void *ctx, int task, int worker) {
+    (void)worker;
+    const quant_job *j = ctx;
+    kvb_quantize_act(j->type, j->x + (size_t)task * j->cols, j->act + (size_t)task * j->act_stride, j->cols);
+}
+
+void kvb_cpu_matmul(kvb_pool *pool, const kvb_mat *W, const float *x, uint32_t n_tok, float *y, uint8_t *act) {
+    const uint32_t at = kvb_act_type(W->type);
+    const size_t act_stride = kvb_row_bytes(at, W->cols);
+    quant_job qj = {W->type, x, W->cols, act, act_stride};
+    kvb_pool_parallel_for(n_tok > 1 ? pool : NULL, (int)n_tok, quant_task, &qj);
+    int threads = kvb_pool_size(pool);
+    /* ~8 tasks per thread for balance; multiples of 4 rows for the register-blocked kernels */
+    int rpt = (int)((W->rows + (int64_t)threads * 8 - 1) / ((int64_t)threads * 8));
+    rpt = (rpt + 3) & ~3;
+    if (rpt < 4) rpt = 4;
+    matmul_job j = {W, act, act_stride, n_tok, y, rpt};
+    kvb_pool_parallel_for(pool, (int)((W->rows + rpt - 1) / rpt), matmul_task, &j);
+}
+
+void kvb_cpu_rmsnorm(const float *x, const float *w, uint32_t n, float eps, float *y) {
+    float ss = kvb_dot(KVB_TYPE_F32, x, x, n);
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (uint32_t i = 0; i < n; i++) y[i] = (x[i] * r) * w[i];
+}
+
+void kvb_cpu_rope(float *v, uint32_t n_rot, bool neox, const float *c, const float *s) {
+    const uint32_t half = n_rot / 2;
+    for (uint32_t i = 0; i < half; i++) {
+        uint32_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+        float x0 = v[i0], x1 = v[i1];
+        float a = x0 * c[i], b = x1 * s[i], e = x0 * s[i], f = x1 * c[i];
+        v[i0] = a - b;
+        v[i1] = e + f;
+    }
+}

@@ -1,0 +1,277 @@
+/* model/gen_model.c — `kvbridge gen-model`: writes a real GGUF (llama.cpp's tensor names, keys
+ * and block layouts) with a preset's shapes and seeded random weights. Weights are drawn per
+ * (tensor, row chunk) from seeds derived from the user's seed, so the file is identical for any
+ * thread count. Scales keep the residual stream near unit RMS through every layer (output
+ * projections shrink with depth) and make logits spread (std ~3), not flat. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvb_model.h"
+#include "kvb_quant.h"
+#include "kvb_tokenizer.h"
+
+#define GEN_CHUNK_ROWS 64
+
+typedef enum { INIT_NORMAL, INIT_ONE_PLUS, INIT_BIAS } init_kind;
+
+typedef struct {
+    char name[64];
+    uint32_t n_dims;
+    uint64_t ne[2];
+    uint32_t type;
+    init_kind init;
+    float std;
+    const float *fixed; /* exact values (rope_freqs), or NULL */
+} gen_tensor;
+
+typedef struct {
+    const gen_tensor *t;
+    uint64_t seed;
+    uint8_t *out;       /* (rows, row_bytes) */
+    size_t row_bytes;
+    float **scratch;    /* per worker: (GEN_CHUNK_ROWS? no: one row) (ne0) */
+} gen_job;
+
+/* Approximately normal with unit variance: sum of four 16-bit uniforms (Irwin-Hall), cheap and
+ * deterministic; real weights are not Gaussian either. */
+static inline float approx_normal(kvb_rng *r) {
+    uint64_t u = kvb_rng_u64(r);
+    float s = (float)(u & 0xffff) + (float)((u >> 16) & 0xffff) + (float)((u >> 32) & 0xffff) + (float)(u >> 48);
+    return (s * (1.0f / 65536.0f) - 2.0f) * 1.7320508f;
+}
+
+static void gen_chunk(void *ctx, int task, int worker) {
+    gen_job *j = ctx;
+    const gen_tensor *t = j->t;
+    const uint64_t cols = t->ne[0], rows = t->n_dims > 1 ? t->ne[1] : 1;
+    uint64_t r0 = (uint64_t)task * GEN_CHUNK_ROWS, r1 = r0 + GEN_CHUNK_ROWS < rows ? r0 + GEN_CHUNK_ROWS : rows;
+    kvb_rng rng;
+    kvb_rng_seed(&rng, kvb_splitmix64(j->seed ^ ((uint64_t)task * 0x9e3779b97f4a7c15ULL)));
+    float *row = j->scratch[worker];
+    for (uint64_t r = r0; r < r1; r++) {
+        for (uint64_t c = 0; c < cols; c++) {
+            float z = approx_normal(&rng);
+            switch (t->init) {
+            case INIT_NORMAL: row[c] = z * t->std; break;
+            case INIT_ONE_PLUS: row[c] = 1.0f + z * t->std; break;
+            case INIT_BIAS: row[c] = z * t->std; break;
+            }
+        }
+        if (t->fixed) memcpy(row, t->fixed + r * cols, cols * sizeof(float));
+        kvb_f32_to_row(t->type, row, j->out + r * j->row_bytes, (int64_t)cols);
+    }
+}
+
+static int add_t(gen_tensor *ts, int n, const char *name, uint64_t ne0, uint64_t ne1, uint32_t type, init_kind k,
+                 float std) {
+    gen_tensor *t = &ts[n];
+    memset(t, 0, sizeof *t);
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->n_dims = ne1 > 1 ? 2 : 1;
+    t->ne[0] = ne0;
+    t->ne[1] = ne1;
+    t->type = type;
+    t->init = k;
+    t->std = std;
+    return n + 1;
+}
+
+static uint32_t llama_file_type(uint32_t t) {
+    switch (t) {
+    case KVB_TYPE_F32: return 0;
+    case KVB_TYPE_F16: return 1;
+    case KVB_TYPE_Q4_0: return 2;
+    case KVB_TYPE_Q8_0: return 7;
+    case KVB_TYPE_BF16: return 32;
+    }
+    return 0;
+}
+
+static kvb_status write_keys(kvb_gguf_writer *w, const kvb_model_desc *d, const char *preset, uint32_t type,
+                             kvb_err *err) {
+    char key[128], name[128];
+    const char *a = d->arch_name;
+    snprintf(name, sizeof name, "kvbridge-%s-%s", preset, kvb_type_name(type));
+    kvb_status st;
+#define KEY(sfx) (snprintf(key, sizeof key, "%s.%s", a, sfx), key)
+    if ((st = kvb_gguf_writer_add_str(w, "general.architecture", a, err))) return st;
+    if ((st = kvb_gguf_writer_add_str(w, "general.name", name, err))) return st;
+    if ((st = kvb_gguf_writer_add_u32(w, "general.file_type", llama_file_type(type), err))) return st;
+    if ((st = kvb_gguf_writer_add_u32(w, "general.quantization_version", 2, err))) return st;
+    if ((st = kvb_gguf_writer_add_u32(w, KEY("context_length"), d->n_ctx_train, err))) return st;
+    if ((st = kvb_gguf_writer_add_u32(w, KEY("embedding_length"), d->n_embd, err))) return st;
+    if ((st = kvb_gguf_writer_add_u32(w, KEY("block_count"), d->n_layer, err))) return st;
+    if ((st = kvb_gguf_writer_add_u32(w, KEY("feed_forward_length"), d->n_ff, err))) return st;
+    if ((st = kvb_gguf_writer_add_u32(w, KEY("attention.head_count"), d->n_head, err))) return st;
+    if ((st = kvb_gguf_writer_add_u32(w, KEY("attention.head_count_kv"), d->n_head_kv, err))) return st;
+    if ((st = kvb_gguf_writer_add_u32(w, KEY("attention.key_length"), d->head_dim, err))) return st;
+    if ((st = kvb_gguf_writer_add_u32(w, KEY("attention.value_length"), d->head_dim, err))) return st;
+    if ((st = kvb_gguf_writer_add_u32(w, KEY("rope.dimension_count"), d->n_rot, err))) return st;
+    if ((st = kvb_gguf_writer_add_f32(w, KEY("rope.freq_base"), d->rope_freq_base, err))) return st;
+    if ((st = kvb_gguf_writer_add_f32(w, KEY("attention.layer_norm_rms_epsilon"), d->norm_eps, err))) return st;
+#undef KEY
+    return KVB_OK;
+}
+
+kvb_status kvb_gen_model(const kvb_gen_opts *o, const char *out_path, kvb_err *err) {
+    const kvb_preset *p = o->preset ? kvb_preset_find(o->preset) : NULL;
+    if (!p) {
+        char names[512] = "";
+        for (size_t i = 0; i < kvb_preset_count(); i++) {
+            strncat(names, kvb_preset_at(i)->name, sizeof names - strlen(names) - 1);
+            if (i + 1 < kvb_preset_count()) strncat(names, ", ", sizeof names - strlen(names) - 1);
+        }
+        return kvb_err_set(err, KVB_ERR_INVALID, "unknown preset '%s' (presets: %s)", o->preset ? o->preset : "",
+                           names);
+    }
+    const kvb_type_info *ti = kvb_type_get(o->type);
+    if (!ti || !ti->supported)
+        return kvb_err_set(err, KVB_ERR_INVALID, "weight type %s is not one gen-model writes (f32, f16, bf16, q8_0, q4_0)",
+                           kvb_type_name(o->type));
+    kvb_model_desc d = p->d;
+
+    kvb_gguf_writer *w = NULL;
+    gen_tensor *ts = NULL;
+    FILE *f = NULL;
+    kvb_pool *pool = NULL;
+    float **scratch = NULL;
+    uint8_t *buf = NULL;
+    float *rope_factors = NULL;
+    int n_workers = 0;
+    kvb_status st = kvb_gguf_writer_create(&w, err);
+    if (st) return st;
+    if ((st = write_keys(w, &d, p->name, o->type, err))) goto done;
+
+    uint32_t n_vocab = 0;
+    if (!o->vocab_path) st = kvb_vocab_write_bytelevel(w, d.n_vocab, &n_vocab, err);
+    else {
+        size_t L = strlen(o->vocab_path);
+        if (L >= 5 && strcmp(o->vocab_path + L - 5, ".json") == 0)
+            st = kvb_vocab_from_hf_json(w, o->vocab_path, d.n_vocab, &n_vocab, err);
+        else st = kvb_vocab_copy_from_gguf(w, o->vocab_path, d.n_vocab, &n_vocab, err);
+    }
+    if (st) goto done;
+    d.n_vocab = n_vocab;
+
+    const uint64_t E = d.n_embd, Q = (uint64_t)d.n_head * d.head_dim, KV = (uint64_t)d.n_head_kv * d.head_dim;
+    const float s_in = 1.0f / sqrtf((float)E), s_ff = 1.0f / sqrtf((float)d.n_ff);
+    const float s_res = 1.0f / sqrtf(2.0f * (float)d.n_layer); /* residual branches shrink with depth */
+    size_t max_t = 8 + (size_t)d.n_layer * 16;
+    ts = calloc(max_t, sizeof *ts);
+    if (!ts) {
+        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+        goto done;
+    }
+    int n = 0;
+    n = add_t(ts, n, "token_embd.weight", E, n_vocab, o->type, INIT_NORMAL, 1.0f);
+    if (d.rope_scale_factor > 0) {
+        rope_factors = malloc(sizeof(float) * (d.n_rot / 2));
+        if (!rope_factors) {
+            st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+            goto done;
+        }
+        kvb_llama3_rope_factors(&d, rope_factors);
+        n = add_t(ts, n, "rope_freqs.weight", d.n_rot / 2, 1, KVB_TYPE_F32, INIT_NORMAL, 0);
+        ts[n - 1].fixed = rope_factors;
+    }
+    n = add_t(ts, n, "output_norm.weight", E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+    if (!d.tied_output) n = add_t(ts, n, "output.weight", E, n_vocab, o->type, INIT_NORMAL, 3.0f * s_in);
+    char nm[64];
+    for (uint32_t l = 0; l < d.n_layer; l++) {
+#define NM(s) (snprintf(nm, sizeof nm, "blk.%u.%s", l, s), nm)
+        n = add_t(ts, n, NM("attn_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+        n = add_t(ts, n, NM("attn_q.weight"), E, Q, o->type, INIT_NORMAL, s_in);
+        n = add_t(ts, n, NM("attn_k.weight"), E, KV, o->type, INIT_NORMAL, s_in);
+        n = add_t(ts, n, NM("attn_v.weight"), E, KV, o->type, INIT_NORMAL, s_in);
+        if (d.has_qkv_bias) {
+            n = add_t(ts, n, NM("attn_q.bias"), Q, 1, KVB_TYPE_F32, INIT_BIAS, 0.1f);
+            n = add_t(ts, n, NM("attn_k.bias"), KV, 1, KVB_TYPE_F32, INIT_BIAS, 0.1f);
+            n = add_t(ts, n, NM("attn_v.bias"), KV, 1, KVB_TYPE_F32, INIT_BIAS, 0.1f);
+        }
+        if (d.has_qk_norm) {
+            n = add_t(ts, n, NM("attn_q_norm.weight"), d.head_dim, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+            n = add_t(ts, n, NM("attn_k_norm.weight"), d.head_dim, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+        }
+        n = add_t(ts, n, NM("attn_output.weight"), Q, E, o->type, INIT_NORMAL, s_res / sqrtf((float)Q));
+        n = add_t(ts, n, NM("ffn_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+        n = add_t(ts, n, NM("ffn_gate.weight"), E, d.n_ff, o->type, INIT_NORMAL, s_in);
+        n = add_t(ts, n, NM("ffn_up.weight"), E, d.n_ff, o->type, INIT_NORMAL, s_in);
+        n = add_t(ts, n, NM("ffn_down.weight"), d.n_ff, E, o->type, INIT_NORMAL, 2.0f * s_res * s_ff);
+#undef NM
+    }
+    for (int i = 0; i < n; i++)
+        if ((st = kvb_gguf_writer_add_tensor(w, ts[i].name, ts[i].n_dims, ts[i].ne, ts[i].type, err))) goto done;
+
+    f = fopen(out_path, "wb");
+    if (!f) {
+        st = kvb_err_set(err, KVB_ERR_IO, "cannot create %s: %m", out_path);
+        goto done;
+    }
+    if ((st = kvb_gguf_writer_write_header(w, f, err))) goto done;
+
+    int threads = o->n_threads > 0 ? o->n_threads : kvb_cpu_count();
+    if ((st = kvb_pool_create(threads, &pool, err))) goto done;
+    n_workers = threads;
+    scratch = calloc((size_t)n_workers, sizeof *scratch);
+    if (!scratch) {
+        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+        goto done;
+    }
+    uint64_t max_cols = 0, total = 0, written = 0;
+    for (int i = 0; i < n; i++) {
+        max_cols = ts[i].ne[0] > max_cols ? ts[i].ne[0] : max_cols;
+        total += kvb_gguf_writer_tensor_bytes(w, (uint64_t)i);
+    }
+    for (int i = 0; i < n_workers; i++)
+        if (!(scratch[i] = malloc(max_cols * sizeof(float)))) {
+            st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+            goto done;
+        }
+    double t0 = kvb_now_s(), last = t0;
+    for (int i = 0; i < n; i++) {
+        uint64_t bytes = kvb_gguf_writer_tensor_bytes(w, (uint64_t)i);
+        uint8_t *nb = realloc(buf, bytes);
+        if (!nb) {
+            st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for tensor %s (%llu bytes)", ts[i].name,
+                             (unsigned long long)bytes);
+            goto done;
+        }
+        buf = nb;
+        gen_job job = {.t = &ts[i],
+                       .seed = kvb_splitmix64(o->seed * 0x100000001b3ULL + (uint64_t)i),
+                       .out = buf,
+                       .row_bytes = kvb_row_bytes(ts[i].type, (int64_t)ts[i].ne[0]),
+                       .scratch = scratch};
+        uint64_t rows = ts[i].n_dims > 1 ? ts[i].ne[1] : 1;
+        kvb_pool_parallel_for(pool, (int)((rows + GEN_CHUNK_ROWS - 1) / GEN_CHUNK_ROWS), gen_chunk, &job);
+        if ((st = kvb_gguf_writer_write_tensor_data(w, f, (uint64_t)i, buf, bytes, err))) goto done;
+        written += bytes;
+        double now = kvb_now_s();
+        if (o->progress && (now - last > 1.0 || i == n - 1)) {
+            fprintf(stderr, "\rgen-model: %5.1f%% (%.2f / %.2f GB, %.1f s)", 100.0 * written / total, written / 1e9,
+                    total / 1e9, now - t0);
+            last = now;
+        }
+    }
+    if (o->progress) fputc('\n', stderr);
+    if (fclose(f) != 0) {
+        f = NULL;
+        st = kvb_err_set(err, KVB_ERR_IO, "writing %s failed: %m", out_path);
+        goto done;
+    }
+    f = NULL;
+done:
+    if (f) fclose(f);
+    if (st && out_path) remove(out_path);
+    if (scratch)
+        for (int i = 0; i < n_workers; i++) free(scratch[i]);
+    free(scratch);
+    free(buf);
+    free(rope_factors);
+    free(ts);
+    kvb_pool_destroy(pool);
+    kvb_gguf_writer_destroy(w);
+    return st;
+}

@@ -1,0 +1,188 @@
+/* model/load.c — binds a GGUF's tensors to the architecture: every expected tensor must be
+ * present with the expected dims and a supported type; vectors (norms, biases) are made f32;
+ * the model fingerprint hashes the description and each tensor's name, type, dims and bytes
+ * (sampled) so two nodes can tell whether they hold the same model. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvb_model.h"
+#include "kvb_quant.h"
+
+typedef struct {
+    kvb_model *m;
+    size_t f32_used, f32_cap;
+} binder;
+
+static kvb_status find_tensor(const kvb_gguf *g, const char *name, bool required, const kvb_gguf_tensor **out,
+                              kvb_err *err) {
+    *out = kvb_gguf_find_tensor(g, name);
+    if (!*out && required)
+        return kvb_err_set(err, KVB_ERR_FORMAT, "%s: tensor '%s' is missing (required by architecture)",
+                           kvb_gguf_path(g), name);
+    return KVB_OK;
+}
+
+static kvb_status check_dims(const kvb_gguf *g, const kvb_gguf_tensor *t, uint64_t ne0, uint64_t ne1,
+                             kvb_err *err) {
+    uint64_t want_dims = ne1 > 1 ? 2 : 1;
+    bool ok = t->ne[0] == ne0 && t->ne[1] == ne1 && t->ne[2] == 1 && t->ne[3] == 1 && t->n_dims <= 2 &&
+              t->n_dims >= (uint32_t)(want_dims == 2 ? 2 : 1);
+    if (!ok)
+        return kvb_err_set(err, KVB_ERR_FORMAT,
+                           "%s: tensor '%.*s' has dims [%llu, %llu, %llu, %llu], expected [%llu, %llu] for this "
+                           "architecture",
+                           kvb_gguf_path(g), (int)t->name.len, t->name.ptr, (unsigned long long)t->ne[0],
+                           (unsigned long long)t->ne[1], (unsigned long long)t->ne[2], (unsigned long long)t->ne[3],
+                           (unsigned long long)ne0, (unsigned long long)ne1);
+    return KVB_OK;
+}
+
+static kvb_status bind_mat(binder *b, const char *name, uint64_t cols, uint64_t rows, bool required, kvb_mat *out,
+                           kvb_err *err) {
+    const kvb_gguf *g = b->m->gguf;
+    const kvb_gguf_tensor *t;
+    kvb_status st = find_tensor(g, name, required, &t, err);
+    memset(out, 0, sizeof *out);
+    if (st || !t) return st;
+    if ((st = check_dims(g, t, cols, rows, err))) return st;
+    const kvb_type_info *ti = kvb_type_get(t->type);
+    if (!ti || !ti->supported)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                           "%s: tensor '%s' has type %s, which this engine does not compute with yet "
+                           "(supported: F32, F16, BF16, Q8_0, Q4_0)",
+                           kvb_gguf_path(g), name, kvb_type_name(t->type));
+    out->data = t->data;
+    out->type = t->type;
+    out->cols = (int64_t)cols;
+    out->rows = (int64_t)rows;
+    out->row_bytes = kvb_row_bytes(t->type, (int64_t)cols);
+    return KVB_OK;
+}
+
+/* A 1-D vector made f32 (converted into the model's owned buffer when stored otherwise). */
+static kvb_status bind_vec(binder *b, const char *name, uint64_t n, bool required, const float **out,
+                           kvb_err *err) {
+    const kvb_gguf *g = b->m->gguf;
+    const kvb_gguf_tensor *t;
+    *out = NULL;
+    kvb_status st = find_tensor(g, name, required, &t, err);
+    if (st || !t) return st;
+    if ((st = check_dims(g, t, n, 1, err))) return st;
+    if (t->type == KVB_TYPE_F32 && ((uintptr_t)t->data % 4) == 0) {
+        *out = t->data;
+        return KVB_OK;
+    }
+    const kvb_type_info *ti = kvb_type_get(t->type);
+    if (!ti || !ti->supported || b->f32_used + n > b->f32_cap)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: vector '%s' has unsupported type %s", kvb_gguf_path(g),
+                           name, kvb_type_name(t->type));
+    float *dst = b->m->owned_f32 + b->f32_used;
+    kvb_row_to_f32(t->type, t->data, dst, (int64_t)n);
+    b->f32_used += n;
+    *out = dst;
+    return KVB_OK;
+}
+
+static uint64_t fingerprint(const kvb_model *m) {
+    const kvb_model_desc *d = &m->d;
+    uint64_t h = kvb_hash64(d, sizeof *d, 0x6b76622d6d6f646cULL);
+    for (uint64_t i = 0; i < kvb_gguf_n_tensors(m->gguf); i++) {
+        const kvb_gguf_tensor *t = kvb_gguf_tensor_at(m->gguf, i);
+        h = kvb_hash64(t->name.ptr, t->name.len, h);
+        h = kvb_hash64(t->ne, sizeof t->ne, h ^ t->type);
+        /* Hash up to 64 KiB from the start and end of each tensor: weights differ everywhere
+         * when models differ, and this keeps loading an 8B model fast. */
+        size_t n = t->n_bytes < 65536 ? t->n_bytes : 65536;
+        h = kvb_hash64(t->data, n, h);
+        h = kvb_hash64((const char *)t->data + (t->n_bytes - n), n, h);
+    }
+    return h;
+}
+
+kvb_status kvb_model_load(const char *path, kvb_model **out, kvb_err *err) {
+    *out = NULL;
+    kvb_model *m = calloc(1, sizeof *m);
+    if (!m) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory loading %s", path);
+    kvb_status st = kvb_gguf_open(path, &m->gguf, err);
+    if (st) goto fail;
+    if ((st = kvb_model_desc_from_gguf(m->gguf, &m->d, err))) goto fail;
+    kvb_model_desc *d = &m->d;
+    const kvb_gguf *g = m->gguf;
+
+    const kvb_gguf_tensor *emb = kvb_gguf_find_tensor(g, "token_embd.weight");
+    if (!emb) {
+        st = kvb_err_set(err, KVB_ERR_FORMAT, "%s: tensor 'token_embd.weight' is missing", path);
+        goto fail;
+    }
+    if (emb->ne[1] < 2 || emb->ne[1] > (1u << 22)) {
+        st = kvb_err_set(err, KVB_ERR_FORMAT, "%s: token_embd.weight has an implausible vocabulary size %llu", path,
+                         (unsigned long long)emb->ne[1]);
+        goto fail;
+    }
+    d->n_vocab = (uint32_t)emb->ne[1];
+
+    binder b = {.m = m};
+    const uint64_t E = d->n_embd, Q = (uint64_t)d->n_head * d->head_dim, KV = (uint64_t)d->n_head_kv * d->head_dim;
+    b.f32_cap = E * (2 * (size_t)d->n_layer + 1) + (size_t)d->n_layer * (Q + 2 * KV + 2 * d->head_dim) + d->n_rot;
+    m->owned_f32 = calloc(b.f32_cap, sizeof(float));
+    m->layers = calloc(d->n_layer, sizeof *m->layers);
+    if (!m->owned_f32 || !m->layers) {
+        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory loading %s", path);
+        goto fail;
+    }
+    if ((st = bind_mat(&b, "token_embd.weight", E, d->n_vocab, true, &m->tok_embd, err))) goto fail;
+    if ((st = bind_vec(&b, "output_norm.weight", E, true, &m->output_norm, err))) goto fail;
+    if ((st = bind_mat(&b, "output.weight", E, d->n_vocab, false, &m->output, err))) goto fail;
+    d->tied_output = m->output.data == NULL;
+    if (d->tied_output) m->output = m->tok_embd;
+    if ((st = bind_vec(&b, "rope_freqs.weight", d->n_rot / 2, false, &m->rope_freqs, err))) goto fail;
+
+    char name[96];
+#define L_NAME(fmt) (snprintf(name, sizeof name, "blk.%u." fmt, l), name)
+    for (uint32_t l = 0; l < d->n_layer; l++) {
+        kvb_layer_weights *w = &m->layers[l];
+        if ((st = bind_vec(&b, L_NAME("attn_norm.weight"), E, true, &w->attn_norm, err))) goto fail;
+        if ((st = bind_mat(&b, L_NAME("attn_q.weight"), E, Q, true, &w->wq, err))) goto fail;
+        if ((st = bind_mat(&b, L_NAME("attn_k.weight"), E, KV, true, &w->wk, err))) goto fail;
+        if ((st = bind_mat(&b, L_NAME("attn_v.weight"), E, KV, true, &w->wv, err))) goto fail;
+        if ((st = bind_mat(&b, L_NAME("attn_output.weight"), Q, E, true, &w->wo, err))) goto fail;
+        if (d->has_qkv_bias) {
+            if ((st = bind_vec(&b, L_NAME("attn_q.bias"), Q, true, &w->bq, err))) goto fail;
+            if ((st = bind_vec(&b, L_NAME("attn_k.bias"), KV, true, &w->bk, err))) goto fail;
+            if ((st = bind_vec(&b, L_NAME("attn_v.bias"), KV, true, &w->bv, err))) goto fail;
+        }
+        if (d->has_qk_norm) {
+            if ((st = bind_vec(&b, L_NAME("attn_q_norm.weight"), d->head_dim, true, &w->q_norm, err))) goto fail;
+            if ((st = bind_vec(&b, L_NAME("attn_k_norm.weight"), d->head_dim, true, &w->k_norm, err))) goto fail;
+        }
+        if ((st = bind_vec(&b, L_NAME("ffn_norm.weight"), E, true, &w->ffn_norm, err))) goto fail;
+        if ((st = bind_mat(&b, L_NAME("ffn_gate.weight"), E, d->n_ff, true, &w->w_gate, err))) goto fail;
+        if ((st = bind_mat(&b, L_NAME("ffn_up.weight"), E, d->n_ff, true, &w->w_up, err))) goto fail;
+        if ((st = bind_mat(&b, L_NAME("ffn_down.weight"), d->n_ff, E, true, &w->w_down, err))) goto fail;
+    }
+#undef L_NAME
+    m->fingerprint = fingerprint(m);
+    *out = m;
+    return KVB_OK;
+fail:
+    kvb_model_free(m);
+    return st;
+}
+
+void kvb_model_free(kvb_model *m) {
+    if (!m) return;
+    kvb_gguf_close(m->gguf);
+    free(m->owned_f32);
+    free(m->layers);
+    free(m);
+}
+
+void kvb_model_describe(const kvb_model *m, char *buf, size_t cap) {
+    const kvb_model_desc *d = &m->d;
+    /* non-embedding parameters count the output head; an untied model also has its embedding */
+    uint64_t p = kvb_model_n_params_nonembd(d) + (d->tied_output ? 0 : (uint64_t)d->n_vocab * d->n_embd);
+    snprintf(buf, cap, "%s%s%s: %u layers, embd %u, heads %u/%u x %u, ff %u, vocab %u, %s weights, %.2f B params",
+             d->arch_name, d->name[0] ? " " : "", d->name, d->n_layer, d->n_embd, d->n_head, d->n_head_kv,
+             d->head_dim, d->n_ff, d->n_vocab, kvb_type_name(m->layers[0].wq.type), (double)p / 1e9);
+}

@@ -1,0 +1,63 @@
+/* model/presets.c — the shapes `kvbridge gen-model` knows: tiny test models for CI (one per
+ * architecture) and the real shapes of models users run (Qwen3-0.6B, Qwen2.5-0.5B,
+ * Llama-3.2-1B, Llama-3.1-8B, Llama-2-7B, TinyLlama-1.1B), with their RoPE and norm constants. */
+#include <string.h>
+
+#include "kvb_model.h"
+
+#define LLAMA3_ROPE .rope_freq_base = 500000.0f, .rope_low_freq_factor = 1.0f, .rope_high_freq_factor = 4.0f, \
+                    .rope_orig_ctx = 8192
+
+static const kvb_preset k_presets[] = {
+    {"tiny", "llama, 4 layers, embd 256, 4/2 heads x 64, ff 768 (CI)",
+     {.arch = KVB_ARCH_LLAMA, .arch_name = "llama", .n_vocab = 0, .n_ctx_train = 4096, .n_embd = 256,
+      .n_layer = 4, .n_ff = 768, .n_head = 4, .n_head_kv = 2, .head_dim = 64, .n_rot = 64,
+      .rope_freq_base = 10000.0f, .norm_eps = 1e-5f}},
+    {"tiny-qwen2", "qwen2 (q/k/v bias), 3 layers, embd 256, 4/2 heads x 64, ff 640 (CI)",
+     {.arch = KVB_ARCH_QWEN2, .arch_name = "qwen2", .n_ctx_train = 4096, .n_embd = 256, .n_layer = 3,
+      .n_ff = 640, .n_head = 4, .n_head_kv = 2, .head_dim = 64, .n_rot = 64, .rope_freq_base = 1000000.0f,
+      .norm_eps = 1e-6f, .rope_neox = true, .has_qkv_bias = true, .tied_output = true}},
+    {"tiny-qwen3", "qwen3 (q/k norm), 3 layers, embd 256, 4/2 heads x 64, ff 640 (CI)",
+     {.arch = KVB_ARCH_QWEN3, .arch_name = "qwen3", .n_ctx_train = 4096, .n_embd = 256, .n_layer = 3,
+      .n_ff = 640, .n_head = 4, .n_head_kv = 2, .head_dim = 64, .n_rot = 64, .rope_freq_base = 1000000.0f,
+      .norm_eps = 1e-6f, .rope_neox = true, .has_qk_norm = true, .tied_output = true}},
+    {"tiny-llama3", "llama with Llama-3 rope scaling, 2 layers, embd 256, 4/1 heads x 64, ff 512 (CI)",
+     {.arch = KVB_ARCH_LLAMA, .arch_name = "llama", .n_ctx_train = 131072, .n_embd = 256, .n_layer = 2,
+      .n_ff = 512, .n_head = 4, .n_head_kv = 1, .head_dim = 64, .n_rot = 64, LLAMA3_ROPE,
+      .rope_scale_factor = 32.0f, .norm_eps = 1e-5f, .tied_output = true}},
+    {"qwen3-0.6b", "Qwen3-0.6B shape: 28 layers, embd 1024, 16/8 heads x 128, ff 3072, vocab 151936",
+     {.arch = KVB_ARCH_QWEN3, .arch_name = "qwen3", .n_vocab = 151936, .n_ctx_train = 40960, .n_embd = 1024,
+      .n_layer = 28, .n_ff = 3072, .n_head = 16, .n_head_kv = 8, .head_dim = 128, .n_rot = 128,
+      .rope_freq_base = 1000000.0f, .norm_eps = 1e-6f, .rope_neox = true, .has_qk_norm = true,
+      .tied_output = true}},
+    {"qwen2.5-0.5b", "Qwen2.5-0.5B shape: 24 layers, embd 896, 14/2 heads x 64, ff 4864, vocab 151936",
+     {.arch = KVB_ARCH_QWEN2, .arch_name = "qwen2", .n_vocab = 151936, .n_ctx_train = 32768, .n_embd = 896,
+      .n_layer = 24, .n_ff = 4864, .n_head = 14, .n_head_kv = 2, .head_dim = 64, .n_rot = 64,
+      .rope_freq_base = 1000000.0f, .norm_eps = 1e-6f, .rope_neox = true, .has_qkv_bias = true,
+      .tied_output = true}},
+    {"llama3.2-1b", "Llama-3.2-1B shape: 16 layers, embd 2048, 32/8 heads x 64, ff 8192, vocab 128256",
+     {.arch = KVB_ARCH_LLAMA, .arch_name = "llama", .n_vocab = 128256, .n_ctx_train = 131072, .n_embd = 2048,
+      .n_layer = 16, .n_ff = 8192, .n_head = 32, .n_head_kv = 8, .head_dim = 64, .n_rot = 64, LLAMA3_ROPE,
+      .rope_scale_factor = 32.0f, .norm_eps = 1e-5f, .tied_output = true}},
+    {"llama3.1-8b", "Llama-3.1-8B shape: 32 layers, embd 4096, 32/8 heads x 128, ff 14336, vocab 128256",
+     {.arch = KVB_ARCH_LLAMA, .arch_name = "llama", .n_vocab = 128256, .n_ctx_train = 131072, .n_embd = 4096,
+      .n_layer = 32, .n_ff = 14336, .n_head = 32, .n_head_kv = 8, .head_dim = 128, .n_rot = 128, LLAMA3_ROPE,
+      .rope_scale_factor = 8.0f, .norm_eps = 1e-5f}},
+    {"llama2-7b", "Llama-2-7B shape: 32 layers, embd 4096, 32/32 heads x 128, ff 11008, vocab 32000",
+     {.arch = KVB_ARCH_LLAMA, .arch_name = "llama", .n_vocab = 32000, .n_ctx_train = 4096, .n_embd = 4096,
+      .n_layer = 32, .n_ff = 11008, .n_head = 32, .n_head_kv = 32, .head_dim = 128, .n_rot = 128,
+      .rope_freq_base = 10000.0f, .norm_eps = 1e-5f}},
+    {"tinyllama-1.1b", "TinyLlama-1.1B shape: 22 layers, embd 2048, 32/4 heads x 64, ff 5632, vocab 32000",
+     {.arch = KVB_ARCH_LLAMA, .arch_name = "llama", .n_vocab = 32000, .n_ctx_train = 2048, .n_embd = 2048,
+      .n_layer = 22, .n_ff = 5632, .n_head = 32, .n_head_kv = 4, .head_dim = 64, .n_rot = 64,
+      .rope_freq_base = 10000.0f, .norm_eps = 1e-5f}},
+};
+
+size_t kvb_preset_count(void) { return sizeof k_presets / sizeof k_presets[0]; }
+const kvb_preset *kvb_preset_at(size_t i) { return i < kvb_preset_count() ? &k_presets[i] : NULL; }
+
+const kvb_preset *kvb_preset_find(const char *name) {
+    for (size_t i = 0; i < kvb_preset_count(); i++)
+        if (strcmp(k_presets[i].name, name) == 0) return &k_presets[i];
+    return NULL;
+}

@@ -1,0 +1,20 @@
+/* tests/support/kvbt.h — small helpers shared by the tests: a private temp directory, running
+ * the kvbridge binary and capturing its output and exit code, reading test environment paths. */
+#ifndef KVBT_H
+#define KVBT_H
+
+#include <stddef.h>
+
+/* Creates (once per process) and returns a fresh temp directory; removed at exit. */
+const char *kvbt_tmpdir(void);
+/* Joins the temp dir and name into a static-lifetime-free buffer. */
+void kvbt_tmp_path(char *buf, size_t cap, const char *name);
+/* Runs a shell command line; captures stdout (and stderr if merge_stderr) into out (NUL-terminated,
+ * truncated to cap-1). Returns the exit status (or -1 if it could not run / was signalled). */
+int kvbt_sh(const char *cmdline, char *out, size_t cap, int merge_stderr);
+/* The kvbridge binary under test (KVB_BIN), or "kvbridge". */
+const char *kvbt_bin(void);
+/* The shared data directory (KVB_SHARED_DIR) or NULL if unset/absent. */
+const char *kvbt_shared_dir(void);
+
+#endif

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs what kvbridge needs on Debian 12 (packages, a Python venv for test peers), then
+# configures and builds into build/. Safe to run again. Run as root or with sudo available.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+PKGS="build-essential cmake ninja-build pkg-config libcmocka-dev libxxhash-dev libcjson-dev \
+      clang libclang-rt-14-dev python3 python3-venv python3-pip iproute2"
+missing=""
+for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+if [ -n "$missing" ]; then
+  echo "install: apt-get install$missing"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
+fi
+
+# Python peers used by tests (Hugging Face tokenizers as the reference encoder, gguf to check
+# files in the wild). Tests that need them skip with a message when the venv is absent.
+if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -r tools/requirements-test.txt
+
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release ${KVB_CMAKE_ARGS:-} >/dev/null
+cmake --build build -j"$(nproc)"
+echo "install: built build/kvbridge"
