@@ -13,7 +13,7 @@ typedef struct {
     uint64_t sums[1024];
 } bw_job;
 
-__attribute__((optimize("O3"))) static void bw_task(void *ctx, int task, int worker) {
+static void bw_task(void *ctx, int task, int worker) {
     (void)worker;
     bw_job *j = ctx;
     size_t per = j->n_words / (size_t)j->n_tasks;

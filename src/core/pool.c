@@ -83,14 +83,13 @@ kvb_status kvb_pool_create(int n_threads, kvb_pool **out, kvb_err *err) {
     }
     for (int i = 1; i < n_threads; i++) {
         worker_arg *wa = malloc(sizeof *wa);
+        if (wa) *wa = (worker_arg){.pool = p, .worker = i}; /* before the thread can read (and free) it */
         if (!wa || pthread_create(&p->threads[i], NULL, worker_main, wa) != 0) {
             free(wa);
             p->n_threads = i; /* destroy joins the ones started */
             kvb_pool_destroy(p);
             return kvb_err_set(err, KVB_ERR_INTERNAL, "could not start worker thread %d", i);
         }
-        wa->pool = p;
-        wa->worker = i;
     }
     *out = p;
     return KVB_OK;

@@ -90,7 +90,10 @@ kvb_status kvb_model_desc_from_gguf(const kvb_gguf *g, kvb_model_desc *d, kvb_er
     kvb_gguf_get_str(g, key, stype, sizeof stype, NULL);
     float factor = 0;
     if ((st = get_f32_key(g, a, "rope.scaling.factor", 0.0f, 0.0f, 1e6f, &factor, err))) return st;
-    if (strcmp(stype, "llama3") == 0 || (stype[0] == 0 && factor > 1.0f && d->arch == KVB_ARCH_LLAMA)) {
+    char lo_key[128];
+    snprintf(lo_key, sizeof lo_key, "%s.rope.scaling.low_freq_factor", a);
+    bool has_llama3_keys = kvb_gguf_find(g, lo_key) != NULL;
+    if (strcmp(stype, "llama3") == 0 || (stype[0] == 0 && factor > 1.0f && has_llama3_keys)) {
         d->rope_scale_factor = factor;
         if ((st = get_f32_key(g, a, "rope.scaling.low_freq_factor", 1.0f, 0.0f, 1e6f, &d->rope_low_freq_factor, err)))
             return st;
@@ -103,8 +106,11 @@ kvb_status kvb_model_desc_from_gguf(const kvb_gguf *g, kvb_model_desc *d, kvb_er
         if (!(d->rope_high_freq_factor > d->rope_low_freq_factor))
             return kvb_err_set(err, KVB_ERR_FORMAT, "%s: rope scaling high_freq_factor must exceed low_freq_factor",
                                kvb_gguf_path(g));
+    } else if (strcmp(stype, "linear") == 0 || (stype[0] == 0 && factor > 1.0f)) {
+        /* llama.cpp's reading of a bare factor: linear position scaling */
+        if (factor > 0 && factor != 1.0f) d->rope_linear_factor = factor;
     } else if (stype[0] && strcmp(stype, "none") != 0) {
-        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: rope scaling type '%s' is not supported (llama3, none)",
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: rope scaling type '%s' is not supported (llama3, linear, none)",
                            kvb_gguf_path(g), stype);
     }
 

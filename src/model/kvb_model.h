@@ -35,6 +35,7 @@ typedef struct {
     /* Llama-3 ("llama3") rope scaling; factor == 0 means none. */
     float rope_scale_factor, rope_low_freq_factor, rope_high_freq_factor;
     uint32_t rope_orig_ctx;
+    float rope_linear_factor; /* linear rope scaling: positions divided by this; 0 = none */
     bool rope_neox;        /* rotate pairs (i, i + n_rot/2) (qwen2/qwen3) instead of (2i, 2i+1) (llama) */
     float norm_eps;        /* RMSNorm epsilon */
     bool has_qkv_bias;     /* qwen2 */

@@ -182,7 +182,8 @@ void kvb_model_describe(const kvb_model *m, char *buf, size_t cap) {
     const kvb_model_desc *d = &m->d;
     /* non-embedding parameters count the output head; an untied model also has its embedding */
     uint64_t p = kvb_model_n_params_nonembd(d) + (d->tied_output ? 0 : (uint64_t)d->n_vocab * d->n_embd);
-    snprintf(buf, cap, "%s%s%s: %u layers, embd %u, heads %u/%u x %u, ff %u, vocab %u, %s weights, %.2f B params",
+    snprintf(buf, cap, "%s%s%s: %u layers, embd %u, heads %u/%u x %u, ff %u, vocab %u, %s weights, %.3g%s params",
              d->arch_name, d->name[0] ? " " : "", d->name, d->n_layer, d->n_embd, d->n_head, d->n_head_kv,
-             d->head_dim, d->n_ff, d->n_vocab, kvb_type_name(m->layers[0].wq.type), (double)p / 1e9);
+             d->head_dim, d->n_ff, d->n_vocab, kvb_type_name(m->layers[0].wq.type), p >= 1000000000 ? p / 1e9 : p / 1e6,
+             p >= 1000000000 ? " B" : " M");
 }

@@ -35,7 +35,9 @@ void kvb_rope_inv_freq(const kvb_model *m, double *out) {
     }
     for (uint32_t i = 0; i < half; i++) {
         double f = pow((double)d->rope_freq_base, -2.0 * i / d->n_rot);
-        out[i] = fac ? f / fac[i] : f;
+        if (fac) f = f / fac[i];
+        if (d->rope_linear_factor > 0) f = f / d->rope_linear_factor;
+        out[i] = f;
     }
 }
 

@@ -1,5 +1,4 @@
 /* tests/support/kvbt.c — see kvbt.h. */
-#define _GNU_SOURCE
 #include "kvbt.h"
 
 #include <stdio.h>

@@ -24,7 +24,6 @@ kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *opts, kv
     kvb_engine_opts *o = &e->o;
     const kvb_model_desc *d = &m->d;
     if (o->n_threads <= 0) o->n_threads = kvb_cpu_count();
-    if (!o->cache_dtype) o->cache_dtype = KVB_TYPE_F16;
     if (!o->block_tokens) o->block_tokens = 32;
     if (!o->max_ctx) o->max_ctx = d->n_ctx_train < 8192 ? d->n_ctx_train : 8192;
     if (!o->max_batch) o->max_batch = 512;

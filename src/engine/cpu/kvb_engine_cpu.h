@@ -14,7 +14,7 @@
 
 typedef struct {
     int n_threads;          /* 0 = all CPUs */
-    uint32_t cache_dtype;   /* kvb_type for the KV cache (F32, F16, BF16, Q8_0); default F16 */
+    uint32_t cache_dtype;   /* kvb_type for the KV cache (F32 = 0, F16, BF16, Q8_0); the CLI defaults to F16 */
     uint32_t block_tokens;  /* tokens per cache block; default 32 */
     uint32_t max_ctx;       /* max tokens per sequence; 0 = the model's training context, capped at 8192 */
     uint32_t n_blocks;      /* cache blocks in the pool; 0 = enough for one max_ctx sequence */

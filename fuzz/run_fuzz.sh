@@ -1,0 +1,29 @@
+#!/bin/sh
+# fuzz/run_fuzz.sh BUILD_DIR SECONDS — configures BUILD_DIR with clang and -DKVB_FUZZ=ON, builds
+# the GGUF fuzzer and its seed generator, writes fresh seeds, and runs libFuzzer for SECONDS
+# (default 60). Exits non-zero if the build fails or the fuzzer finds a crash, leak, timeout or
+# sanitizer report (the reproducer is left in BUILD_DIR/fuzz/artifacts/). The corpus the run
+# grows is kept in BUILD_DIR/fuzz/corpus and reused by the next run.
+set -eu
+if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
+  echo "usage: $0 BUILD_DIR [SECONDS]" >&2
+  exit 2
+fi
+build=$1
+secs=${2:-60}
+src=$(cd "$(dirname "$0")/.." && pwd)
+jobs=${KVB_FUZZ_JOBS:-2}
+
+cmake -S "$src" -B "$build" -G Ninja -DCMAKE_C_COMPILER=clang -DKVB_FUZZ=ON -DKVB_CUDA=OFF \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build "$build" --target fuzz_gguf fuzz_gguf_seeds -j "$jobs"
+
+work=$build/fuzz
+rm -rf "$work/seeds"
+mkdir -p "$work/seeds" "$work/corpus" "$work/artifacts"
+"$work/fuzz_gguf_seeds" "$work/seeds"
+
+echo "fuzz_gguf: running for $secs s (corpus $work/corpus, seeds $work/seeds)"
+"$work/fuzz_gguf" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -max_len=16384 \
+  -dict="$src/fuzz/gguf.dict" -artifact_prefix="$work/artifacts/" -print_final_stats=1 \
+  "$work/corpus" "$work/seeds"

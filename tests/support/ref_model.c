@@ -1,0 +1,760 @@
+/* ref_model.c — the float64 reference forward pass (see ref_model.h for the conventions). Loading
+ * reads metadata with the GGUF reader's typed getters, checks every tensor's type and dims against
+ * the description, insists that every tensor in the file is used (as llama.cpp does: a stray
+ * tensor means the file is not what we think it is), and dequantises everything to double with
+ * the decoders at the top of this file. The forward pass is written for clarity, not speed: one
+ * token at a time, one output element at a time, summing in index order in double. Nothing here
+ * calls quant/, model/ or an engine, so an engine bug cannot be mirrored into the oracle. */
+#include "ref_model.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvb_gguf.h"
+
+#ifndef M_PI
+#define M_PI 3.14159265358979323846
+#endif
+
+/* ---- dequantisation ---------------------------------------------------------------------------- */
+
+/* IEEE binary16: 1 sign bit, 5 exponent bits (bias 15), 10 mantissa bits. */
+double ref_fp16_to_double(uint16_t h) {
+    const int sign = (h >> 15) & 1;
+    const int exp = (h >> 10) & 0x1f;
+    const int mant = h & 0x3ff;
+    double v;
+    if (exp == 0) {
+        v = ldexp((double)mant, -24); /* subnormal (or zero): mant * 2^-14 * 2^-10 */
+    } else if (exp == 31) {
+        v = mant == 0 ? INFINITY : NAN;
+    } else {
+        v = ldexp((double)(1024 + mant), exp - 25); /* (1 + mant/1024) * 2^(exp-15) */
+    }
+    return sign ? -v : v;
+}
+
+/* bfloat16: the top half of an IEEE binary32: 1 sign, 8 exponent (bias 127), 7 mantissa bits. */
+double ref_bf16_to_double(uint16_t h) {
+    const int sign = (h >> 15) & 1;
+    const int exp = (h >> 7) & 0xff;
+    const int mant = h & 0x7f;
+    double v;
+    if (exp == 0) {
+        v = ldexp((double)mant, -133); /* subnormal: mant * 2^-126 * 2^-7 */
+    } else if (exp == 255) {
+        v = mant == 0 ? INFINITY : NAN;
+    } else {
+        v = ldexp((double)(128 + mant), exp - 134); /* (1 + mant/128) * 2^(exp-127) */
+    }
+    return sign ? -v : v;
+}
+
+static uint16_t rd_u16le(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+size_t ref_row_bytes(uint32_t type, int64_t n) {
+    if (n < 0) return 0;
+    switch (type) {
+    case REF_TYPE_F32: return (size_t)n * 4;
+    case REF_TYPE_F16:
+    case REF_TYPE_BF16: return (size_t)n * 2;
+    case REF_TYPE_Q8_0: return n % 32 ? 0 : (size_t)(n / 32) * 34; /* fp16 d + 32 x int8 */
+    case REF_TYPE_Q4_0: return n % 32 ? 0 : (size_t)(n / 32) * 18; /* fp16 d + 16 bytes of nibbles */
+    default: return 0;
+    }
+}
+
+int ref_dequant_row(uint32_t type, const void *src, double *dst, int64_t n) {
+    const uint8_t *p = src;
+    if (n < 0 || (n > 0 && ref_row_bytes(type, n) == 0)) return -1;
+    switch (type) {
+    case REF_TYPE_F32:
+        for (int64_t i = 0; i < n; i++) {
+            float f;
+            memcpy(&f, p + 4 * i, 4); /* GGUF is little-endian, as is every host we run on */
+            dst[i] = (double)f;
+        }
+        return 0;
+    case REF_TYPE_F16:
+        for (int64_t i = 0; i < n; i++) dst[i] = ref_fp16_to_double(rd_u16le(p + 2 * i));
+        return 0;
+    case REF_TYPE_BF16:
+        for (int64_t i = 0; i < n; i++) dst[i] = ref_bf16_to_double(rd_u16le(p + 2 * i));
+        return 0;
+    case REF_TYPE_Q8_0:
+        for (int64_t b = 0; b < n / 32; b++) {
+            const uint8_t *blk = p + 34 * b; /* [d: fp16][qs: int8 x 32] */
+            const double d = ref_fp16_to_double(rd_u16le(blk));
+            for (int j = 0; j < 32; j++) {
+                const int q = blk[2 + j] < 128 ? blk[2 + j] : blk[2 + j] - 256; /* two's complement */
+                dst[32 * b + j] = d * q;
+            }
+        }
+        return 0;
+    case REF_TYPE_Q4_0:
+        for (int64_t b = 0; b < n / 32; b++) {
+            const uint8_t *blk = p + 18 * b; /* [d: fp16][qs: 16 bytes] */
+            const double d = ref_fp16_to_double(rd_u16le(blk));
+            for (int j = 0; j < 16; j++) {
+                dst[32 * b + j] = d * ((blk[2 + j] & 0x0f) - 8);  /* low nibble: element j */
+                dst[32 * b + j + 16] = d * ((blk[2 + j] >> 4) - 8); /* high nibble: element j+16 */
+            }
+        }
+        return 0;
+    default: return -1;
+    }
+}
+
+/* ---- comparison helpers -------------------------------------------------------------------- */
+
+double ref_rel_l2(const float *a, const double *ref, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double e = (double)a[i] - ref[i];
+        num += e * e;
+        den += ref[i] * ref[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+double ref_max_abs(const float *a, const double *ref, size_t n) {
+    double m = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double e = fabs((double)a[i] - ref[i]);
+        if (!(e <= m)) m = e; /* NaN propagates as NaN */
+    }
+    return m;
+}
+
+int ref_argmax(const double *x, int n) {
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+int ref_argmax_f32(const float *x, int n) {
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+/* ---- the model ------------------------------------------------------------------------------- */
+
+typedef struct {
+    double *attn_norm;        /* (n_embd) */
+    double *wq;               /* (n_head*head_dim, n_embd), row-major: wq[r*n_embd + c] */
+    double *wk, *wv;          /* (n_head_kv*head_dim, n_embd) */
+    double *bq;               /* NULL or (n_head*head_dim) */
+    double *bk, *bv;          /* NULL or (n_head_kv*head_dim) */
+    double *q_norm, *k_norm;  /* NULL or (head_dim) */
+    double *wo;               /* (n_embd, n_head*head_dim) */
+    double *bo;               /* NULL or (n_embd) */
+    double *ffn_norm;         /* (n_embd) */
+    double *w_gate, *w_up;    /* (n_ff, n_embd) */
+    double *w_down;           /* (n_embd, n_ff) */
+} ref_layer;
+
+struct ref_model {
+    ref_desc d;
+    double *inv_freq;    /* (n_rot/2) */
+    double *tok_embd;    /* (n_vocab, n_embd) */
+    double *output_norm; /* (n_embd) */
+    double *output;      /* (n_vocab, n_embd); == tok_embd when tied (then not separately owned) */
+    ref_layer *layers;   /* (n_layer) */
+};
+
+static void seterr(char *buf, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void seterr(char *buf, size_t cap, const char *fmt, ...) {
+    if (!buf || cap == 0) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, cap, fmt, ap);
+    va_end(ap);
+}
+
+/* Loading state: the open file, the error buffer, and the tensors consumed so far. */
+typedef struct {
+    kvb_gguf *g;
+    const char *path;
+    const char *arch;
+    char *err;
+    size_t cap;
+    const kvb_gguf_tensor **used; /* (n_used) */
+    size_t n_used, cap_used;
+} loader;
+
+static int mark_used(loader *L, const kvb_gguf_tensor *t) {
+    if (L->n_used == L->cap_used) {
+        size_t nc = L->cap_used ? 2 * L->cap_used : 64;
+        const kvb_gguf_tensor **nu = realloc(L->used, nc * sizeof *nu);
+        if (!nu) {
+            seterr(L->err, L->cap, "%s: out of memory", L->path);
+            return -1;
+        }
+        L->used = nu;
+        L->cap_used = nc;
+    }
+    L->used[L->n_used++] = t;
+    return 0;
+}
+
+/* Reads {arch}.suffix as u32. Absent: *out = def, or an error if required. */
+static int meta_u32(loader *L, const char *suffix, bool required, uint32_t def, uint32_t *out) {
+    char key[160];
+    kvb_err e = {0};
+    snprintf(key, sizeof key, "%s.%s", L->arch, suffix);
+    kvb_status s = kvb_gguf_get_u32(L->g, key, out, &e);
+    if (s == KVB_ERR_NOT_FOUND && !required) {
+        *out = def;
+        return 0;
+    }
+    if (s != KVB_OK) {
+        seterr(L->err, L->cap, "%s: key %s: %s", L->path, key, s == KVB_ERR_NOT_FOUND ? "missing" : e.msg);
+        return -1;
+    }
+    return 0;
+}
+
+/* Reads {arch}.suffix as f32 (widened). Returns 1 if present, 0 if absent (out = def), -1 on error. */
+static int meta_f32(loader *L, const char *suffix, bool required, double def, double *out) {
+    char key[160];
+    kvb_err e = {0};
+    float f = 0;
+    snprintf(key, sizeof key, "%s.%s", L->arch, suffix);
+    kvb_status s = kvb_gguf_get_f32(L->g, key, &f, &e);
+    if (s == KVB_ERR_NOT_FOUND && !required) {
+        *out = def;
+        return 0;
+    }
+    if (s != KVB_OK) {
+        seterr(L->err, L->cap, "%s: key %s: %s", L->path, key, s == KVB_ERR_NOT_FOUND ? "missing" : e.msg);
+        return -1;
+    }
+    if (!isfinite(f)) {
+        seterr(L->err, L->cap, "%s: key %s is not finite", L->path, key);
+        return -1;
+    }
+    *out = (double)f;
+    return 1;
+}
+
+/* Finds tensor `name`, checks it is (rows, cols) (1-D when rows == 0) in a supported type, and
+ * returns it dequantised: (max(rows,1), cols) doubles in *out. Absent and !required: *out = NULL. */
+static int load_tensor(loader *L, const char *name, int64_t rows, int64_t cols, bool required, double **out) {
+    *out = NULL;
+    const kvb_gguf_tensor *t = kvb_gguf_find_tensor(L->g, name);
+    if (!t) {
+        if (!required) return 0;
+        seterr(L->err, L->cap, "%s: tensor %s missing", L->path, name);
+        return -1;
+    }
+    const uint32_t want_dims = rows > 0 ? 2 : 1;
+    const int64_t nrows = rows > 0 ? rows : 1;
+    bool ok = t->n_dims >= want_dims && t->n_dims <= KVB_GGUF_MAX_DIMS && t->ne[0] == (uint64_t)cols &&
+              (want_dims == 1 || t->ne[1] == (uint64_t)rows);
+    for (uint32_t i = want_dims; ok && i < t->n_dims; i++) ok = t->ne[i] == 1;
+    if (!ok) {
+        seterr(L->err, L->cap, "%s: tensor %s has dims [%llu, %llu, %llu, %llu] (n_dims %u), expected [%lld, %lld]",
+               L->path, name, (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
+               (unsigned long long)t->ne[2], (unsigned long long)t->ne[3], (unsigned)t->n_dims, (long long)cols,
+               (long long)nrows);
+        return -1;
+    }
+    const size_t rb = ref_row_bytes(t->type, cols);
+    if (rb == 0) {
+        seterr(L->err, L->cap, "%s: tensor %s: type %u is not one the reference decodes (F32, F16, BF16, Q8_0, Q4_0) "
+               "or its row of %lld is not whole blocks", L->path, name, (unsigned)t->type, (long long)cols);
+        return -1;
+    }
+    if (t->n_bytes != rb * (uint64_t)nrows) {
+        seterr(L->err, L->cap, "%s: tensor %s: reader says %llu bytes, layout says %llu", L->path, name,
+               (unsigned long long)t->n_bytes, (unsigned long long)(rb * (uint64_t)nrows));
+        return -1;
+    }
+    double *buf = malloc((size_t)nrows * (size_t)cols * sizeof *buf);
+    if (!buf) {
+        seterr(L->err, L->cap, "%s: out of memory for tensor %s", L->path, name);
+        return -1;
+    }
+    const uint8_t *src = t->data;
+    for (int64_t r = 0; r < nrows; r++) {
+        if (ref_dequant_row(t->type, src + (size_t)r * rb, buf + (size_t)r * (size_t)cols, cols) != 0) {
+            free(buf);
+            seterr(L->err, L->cap, "%s: tensor %s: cannot decode", L->path, name);
+            return -1;
+        }
+    }
+    for (size_t i = 0; i < (size_t)nrows * (size_t)cols; i++) {
+        if (!isfinite(buf[i])) {
+            free(buf);
+            seterr(L->err, L->cap, "%s: tensor %s: element %zu is not finite", L->path, name, i);
+            return -1;
+        }
+    }
+    if (mark_used(L, t) != 0) {
+        free(buf);
+        return -1;
+    }
+    *out = buf;
+    return 0;
+}
+
+static int load_blk(loader *L, int layer, const char *suffix, int64_t rows, int64_t cols, bool required,
+                    double **out) {
+    char name[128];
+    snprintf(name, sizeof name, "blk.%d.%s", layer, suffix);
+    return load_tensor(L, name, rows, cols, required, out);
+}
+
+void ref_model_free(ref_model *m) {
+    if (!m) return;
+    if (m->layers) {
+        for (int l = 0; l < m->d.n_layer; l++) {
+            ref_layer *y = &m->layers[l];
+            double *ptrs[] = {y->attn_norm, y->wq, y->wk, y->wv, y->bq, y->bk, y->bv, y->q_norm, y->k_norm,
+                              y->wo, y->bo, y->ffn_norm, y->w_gate, y->w_up, y->w_down};
+            for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) free(ptrs[i]);
+        }
+        free(m->layers);
+    }
+    if (m->output != m->tok_embd) free(m->output);
+    free(m->tok_embd);
+    free(m->output_norm);
+    free(m->inv_freq);
+    free(m);
+}
+
+/* Reads the rope.scaling.* keys and rope_freqs.weight and fills d->rope_* and m->inv_freq.
+ * Policy (llama.cpp first):
+ *  - rope_freqs.weight present: divide each inverse frequency by it (llama.cpp's ggml_rope_ext
+ *    freq_factors; this is how convert_hf_to_gguf.py stores Llama-3 scaling). Together with a
+ *    rope.scaling.factor other than 0/1 it is ambiguous (llama.cpp would apply both) and refused.
+ *  - else scaling.type == "llama3", or type absent with factor > 1 and a low/high_freq_factor key:
+ *    Hugging Face's llama3 rule computed here from factor, low_freq_factor (default 1),
+ *    high_freq_factor (default 4), original_context_length (default 8192).
+ *  - else type absent or "linear" with factor != 0, 1: linear, inverse frequency / factor (what
+ *    llama.cpp does: rope_freq_scale = 1/factor, and "linear" is its default type).
+ *  - "none" or no factor: unscaled. Any other type (yarn, longrope, ...) is refused. */
+static int load_rope(loader *L, ref_model *m) {
+    ref_desc *d = &m->d;
+    const int half = d->n_rot / 2;
+    char key[160], type[64] = "";
+    kvb_err e = {0};
+    snprintf(key, sizeof key, "%s.rope.scaling.type", L->arch);
+    kvb_status s = kvb_gguf_get_str(L->g, key, type, sizeof type, &e);
+    if (s != KVB_OK && s != KVB_ERR_NOT_FOUND) {
+        seterr(L->err, L->cap, "%s: key %s: %s", L->path, key, e.msg);
+        return -1;
+    }
+    const bool have_type = s == KVB_OK;
+    double factor, low, high, orig;
+    int has_low, has_high; /* 1 when the key is present */
+    if (meta_f32(L, "rope.scaling.factor", false, 0.0, &factor) < 0) return -1;
+    if ((has_low = meta_f32(L, "rope.scaling.low_freq_factor", false, 1.0, &low)) < 0) return -1;
+    if ((has_high = meta_f32(L, "rope.scaling.high_freq_factor", false, 4.0, &high)) < 0) return -1;
+    uint32_t orig_u;
+    if (meta_u32(L, "rope.scaling.original_context_length", false, 8192, &orig_u) != 0) return -1;
+    orig = (double)orig_u;
+    d->rope_factor = factor;
+    d->rope_low_freq_factor = low;
+    d->rope_high_freq_factor = high;
+    d->rope_orig_ctx = orig;
+
+    m->inv_freq = malloc((size_t)(half > 0 ? half : 1) * sizeof *m->inv_freq);
+    if (!m->inv_freq) {
+        seterr(L->err, L->cap, "%s: out of memory", L->path);
+        return -1;
+    }
+    for (int i = 0; i < half; i++) m->inv_freq[i] = pow(d->rope_freq_base, -2.0 * i / d->n_rot);
+
+    double *ff = NULL;
+    if (load_tensor(L, "rope_freqs.weight", 0, half, false, &ff) != 0) return -1;
+    if (ff) {
+        if (factor != 0 && factor != 1) {
+            free(ff);
+            seterr(L->err, L->cap, "%s: both rope_freqs.weight and %s.rope.scaling.factor = %g: ambiguous "
+                   "(llama.cpp would apply both)", L->path, L->arch, factor);
+            return -1;
+        }
+        for (int i = 0; i < half; i++) {
+            if (!(ff[i] > 0)) {
+                seterr(L->err, L->cap, "%s: rope_freqs.weight[%d] = %g is not positive", L->path, i, ff[i]);
+                free(ff);
+                return -1;
+            }
+            m->inv_freq[i] /= ff[i];
+        }
+        free(ff);
+        d->rope_scaling = REF_SCALING_FREQS_TENSOR;
+        return 0;
+    }
+    if (have_type && strcmp(type, "none") != 0 && strcmp(type, "linear") != 0 && strcmp(type, "llama3") != 0) {
+        seterr(L->err, L->cap, "%s: rope scaling type \"%s\" is not supported (none, linear, llama3)", L->path, type);
+        return -1;
+    }
+    const bool llama3 =
+        (have_type && strcmp(type, "llama3") == 0) || (!have_type && factor > 1 && (has_low > 0 || has_high > 0));
+    if (llama3) {
+        if (!(factor > 0) || !(low > 0) || !(high > low) || !(orig > 0)) {
+            seterr(L->err, L->cap, "%s: llama3 rope scaling needs factor > 0 and 0 < low_freq_factor < "
+                   "high_freq_factor (got %g, %g, %g, orig ctx %g)", L->path, factor, low, high, orig);
+            return -1;
+        }
+        const double low_wavelen = orig / low, high_wavelen = orig / high;
+        for (int i = 0; i < half; i++) {
+            const double f = m->inv_freq[i], wavelen = 2 * M_PI / f;
+            if (wavelen < high_wavelen) {
+                /* high frequency: unchanged */
+            } else if (wavelen > low_wavelen) {
+                m->inv_freq[i] = f / factor;
+            } else {
+                const double smooth = (orig / wavelen - low) / (high - low);
+                m->inv_freq[i] = (1 - smooth) * f / factor + smooth * f;
+            }
+        }
+        d->rope_scaling = REF_SCALING_LLAMA3;
+    } else if ((!have_type || strcmp(type, "linear") == 0) && factor != 0 && factor != 1) {
+        if (!(factor > 0)) {
+            seterr(L->err, L->cap, "%s: rope.scaling.factor %g is not positive", L->path, factor);
+            return -1;
+        }
+        for (int i = 0; i < half; i++) m->inv_freq[i] /= factor;
+        d->rope_scaling = REF_SCALING_LINEAR;
+    } else {
+        d->rope_scaling = REF_SCALING_NONE;
+    }
+    return 0;
+}
+
+static int load_desc(loader *L, ref_model *m) {
+    ref_desc *d = &m->d;
+    uint32_t embd, nl, ff, nh, nhkv, hd, nrot, vlen;
+    if (meta_u32(L, "embedding_length", true, 0, &embd) || meta_u32(L, "block_count", true, 0, &nl) ||
+        meta_u32(L, "feed_forward_length", true, 0, &ff) || meta_u32(L, "attention.head_count", true, 0, &nh))
+        return -1;
+    if (meta_u32(L, "attention.head_count_kv", false, nh, &nhkv)) return -1;
+    if (nh == 0 || embd == 0 || nl == 0 || ff == 0 || nhkv == 0 || embd > (1u << 20) || nl > 4096 ||
+        ff > (1u << 22) || nh > 4096) {
+        seterr(L->err, L->cap, "%s: implausible shape: embd %u, layers %u, ff %u, heads %u/%u", L->path, embd, nl, ff,
+               nh, nhkv);
+        return -1;
+    }
+    if (meta_u32(L, "attention.key_length", false, embd / nh, &hd)) return -1;
+    if (meta_u32(L, "attention.value_length", false, hd, &vlen)) return -1;
+    if (meta_u32(L, "rope.dimension_count", false, hd, &nrot)) return -1;
+    if (hd == 0 || hd > 4096 || vlen != hd || nh % nhkv != 0 || nrot > hd || nrot % 2 != 0) {
+        seterr(L->err, L->cap, "%s: bad attention shape: head_dim %u, value_length %u, heads %u/%u, n_rot %u "
+               "(need value_length == key_length, n_head %% n_head_kv == 0, even n_rot <= head_dim)",
+               L->path, hd, vlen, nh, nhkv, nrot);
+        return -1;
+    }
+    if (d->arch == REF_ARCH_LLAMA && nrot != hd) {
+        seterr(L->err, L->cap, "%s: llama with n_rot %u != head_dim %u (llama.cpp refuses this)", L->path, nrot, hd);
+        return -1;
+    }
+    d->n_embd = (int)embd;
+    d->n_layer = (int)nl;
+    d->n_ff = (int)ff;
+    d->n_head = (int)nh;
+    d->n_head_kv = (int)nhkv;
+    d->head_dim = (int)hd;
+    d->n_rot = (int)nrot;
+    if (meta_f32(L, "rope.freq_base", false, 10000.0, &d->rope_freq_base) < 0) return -1;
+    if (meta_f32(L, "attention.layer_norm_rms_epsilon", true, 0, &d->norm_eps) < 0) return -1;
+    if (!(d->rope_freq_base > 0) || !(d->norm_eps >= 0)) {
+        seterr(L->err, L->cap, "%s: bad rope.freq_base %g or rms epsilon %g", L->path, d->rope_freq_base, d->norm_eps);
+        return -1;
+    }
+    d->rope_style = d->arch == REF_ARCH_LLAMA ? REF_ROPE_NORM : REF_ROPE_NEOX;
+    return 0;
+}
+
+static int load_weights(loader *L, ref_model *m) {
+    ref_desc *d = &m->d;
+    const int64_t E = d->n_embd, F = d->n_ff, QD = (int64_t)d->n_head * d->head_dim,
+                  KD = (int64_t)d->n_head_kv * d->head_dim;
+    const kvb_gguf_tensor *te = kvb_gguf_find_tensor(L->g, "token_embd.weight");
+    if (!te || te->n_dims < 2 || te->ne[1] == 0 || te->ne[1] > (1u << 24)) {
+        seterr(L->err, L->cap, "%s: token_embd.weight missing or not 2-D with 1..2^24 rows", L->path);
+        return -1;
+    }
+    d->n_vocab = (int)te->ne[1];
+    const kvb_gguf_kv *tok = kvb_gguf_find(L->g, "tokenizer.ggml.tokens");
+    if (tok && tok->type == KVB_GGUF_ARRAY && tok->arr_len != (uint64_t)d->n_vocab) {
+        seterr(L->err, L->cap, "%s: tokenizer.ggml.tokens has %llu entries but token_embd.weight %d rows", L->path,
+               (unsigned long long)tok->arr_len, d->n_vocab);
+        return -1;
+    }
+    if (load_tensor(L, "token_embd.weight", d->n_vocab, E, true, &m->tok_embd)) return -1;
+    if (load_tensor(L, "output_norm.weight", 0, E, true, &m->output_norm)) return -1;
+    if (load_tensor(L, "output.weight", d->n_vocab, E, false, &m->output)) return -1;
+    d->tied_output = m->output == NULL;
+    if (d->tied_output) m->output = m->tok_embd;
+
+    m->layers = calloc((size_t)d->n_layer, sizeof *m->layers);
+    if (!m->layers) {
+        seterr(L->err, L->cap, "%s: out of memory", L->path);
+        return -1;
+    }
+    const bool qwen2 = d->arch == REF_ARCH_QWEN2, qwen3 = d->arch == REF_ARCH_QWEN3, llama = d->arch == REF_ARCH_LLAMA;
+    for (int l = 0; l < d->n_layer; l++) {
+        ref_layer *y = &m->layers[l];
+        if (load_blk(L, l, "attn_norm.weight", 0, E, true, &y->attn_norm) ||
+            load_blk(L, l, "attn_q.weight", QD, E, true, &y->wq) || load_blk(L, l, "attn_k.weight", KD, E, true, &y->wk) ||
+            load_blk(L, l, "attn_v.weight", KD, E, true, &y->wv) ||
+            load_blk(L, l, "attn_output.weight", E, QD, true, &y->wo) ||
+            load_blk(L, l, "ffn_norm.weight", 0, E, true, &y->ffn_norm) ||
+            load_blk(L, l, "ffn_gate.weight", F, E, true, &y->w_gate) ||
+            load_blk(L, l, "ffn_up.weight", F, E, true, &y->w_up) ||
+            load_blk(L, l, "ffn_down.weight", E, F, true, &y->w_down))
+            return -1;
+        /* llama.cpp: qwen2 requires q/k/v biases; llama accepts each of them and attn_output.bias
+         * optionally; qwen3 has none of them but requires the per-head q/k norms. Anything else is
+         * left unconsumed and rejected below. */
+        if (qwen2 || llama) {
+            if (load_blk(L, l, "attn_q.bias", 0, QD, qwen2, &y->bq) ||
+                load_blk(L, l, "attn_k.bias", 0, KD, qwen2, &y->bk) ||
+                load_blk(L, l, "attn_v.bias", 0, KD, qwen2, &y->bv))
+                return -1;
+            if (y->bq || y->bk || y->bv) d->has_qkv_bias = true;
+        }
+        if (llama) {
+            if (load_blk(L, l, "attn_output.bias", 0, E, false, &y->bo)) return -1;
+            if (y->bo) d->has_o_bias = true;
+        }
+        if (qwen3) {
+            if (load_blk(L, l, "attn_q_norm.weight", 0, d->head_dim, true, &y->q_norm) ||
+                load_blk(L, l, "attn_k_norm.weight", 0, d->head_dim, true, &y->k_norm))
+                return -1;
+            d->has_qk_norm = true;
+        }
+    }
+    return 0;
+}
+
+ref_model *ref_model_load(const char *gguf_path, char *errbuf, size_t cap) {
+    seterr(errbuf, cap, "%s", "");
+    kvb_err e = {0};
+    kvb_gguf *g = NULL;
+    if (kvb_gguf_open(gguf_path, &g, &e) != KVB_OK) {
+        seterr(errbuf, cap, "%s", e.msg);
+        return NULL;
+    }
+    ref_model *m = calloc(1, sizeof *m);
+    char arch[32] = "";
+    loader L = {.g = g, .path = gguf_path, .arch = arch, .err = errbuf, .cap = cap};
+    if (!m) {
+        seterr(errbuf, cap, "%s: out of memory", gguf_path);
+        goto fail;
+    }
+    if (kvb_gguf_get_str(g, "general.architecture", arch, sizeof arch, &e) != KVB_OK) {
+        seterr(errbuf, cap, "%s: general.architecture: %s", gguf_path, e.msg);
+        goto fail;
+    }
+    if (strcmp(arch, "llama") == 0) m->d.arch = REF_ARCH_LLAMA;
+    else if (strcmp(arch, "qwen2") == 0) m->d.arch = REF_ARCH_QWEN2;
+    else if (strcmp(arch, "qwen3") == 0) m->d.arch = REF_ARCH_QWEN3;
+    else {
+        seterr(errbuf, cap, "%s: architecture \"%s\" is not one the reference implements (llama, qwen2, qwen3)",
+               gguf_path, arch);
+        goto fail;
+    }
+    if (load_desc(&L, m) || load_rope(&L, m) || load_weights(&L, m)) goto fail;
+    if (L.n_used != kvb_gguf_n_tensors(g)) {
+        /* Name one tensor nobody consumed. */
+        for (uint64_t i = 0; i < kvb_gguf_n_tensors(g); i++) {
+            const kvb_gguf_tensor *t = kvb_gguf_tensor_at(g, i);
+            bool used = false;
+            for (size_t j = 0; j < L.n_used && !used; j++) used = L.used[j] == t;
+            if (!used) {
+                seterr(errbuf, cap, "%s: tensor %.*s is not part of a %s model (llama.cpp would refuse the file)",
+                       gguf_path, (int)KVB_MIN(t->name.len, 200), t->name.ptr, arch);
+                break;
+            }
+        }
+        goto fail;
+    }
+    free(L.used);
+    kvb_gguf_close(g); /* everything is copied out as double */
+    return m;
+fail:
+    free(L.used);
+    ref_model_free(m);
+    kvb_gguf_close(g);
+    return NULL;
+}
+
+int ref_model_n_vocab(const ref_model *m) { return m->d.n_vocab; }
+const ref_desc *ref_model_desc(const ref_model *m) { return &m->d; }
+const double *ref_model_inv_freq(const ref_model *m) { return m->inv_freq; }
+
+/* ---- the forward pass --------------------------------------------------------------------------- */
+
+/* y = W x (+ b): W (rows, cols) row-major, x (cols), y (rows). */
+static void matvec(const double *W, const double *b, const double *x, double *y, int rows, int cols) {
+    for (int r = 0; r < rows; r++) {
+        const double *w = W + (size_t)r * (size_t)cols;
+        double s = 0;
+        for (int c = 0; c < cols; c++) s += w[c] * x[c];
+        y[r] = b ? s + b[r] : s;
+    }
+}
+
+/* y = x / sqrt(mean(x^2) + eps) * w; x, y, w: (n). y may alias x. */
+static void rmsnorm(const double *x, const double *w, double *y, int n, double eps) {
+    double ss = 0;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    const double inv = 1.0 / sqrt(ss / n + eps);
+    for (int i = 0; i < n; i++) y[i] = x[i] * inv * w[i];
+}
+
+void ref_rope(const ref_model *m, double *x, int pos) {
+    const int half = m->d.n_rot / 2;
+    for (int i = 0; i < half; i++) {
+        const double theta = (double)pos * m->inv_freq[i];
+        const double c = cos(theta), s = sin(theta);
+        /* NORM pairs adjacent elements; NEOX pairs element i with element i + n_rot/2. */
+        const int i0 = m->d.rope_style == REF_ROPE_NORM ? 2 * i : i;
+        const int i1 = m->d.rope_style == REF_ROPE_NORM ? 2 * i + 1 : i + half;
+        const double a = x[i0], b = x[i1];
+        x[i0] = a * c - b * s;
+        x[i1] = a * s + b * c;
+    }
+}
+
+static double silu(double x) { return x / (1.0 + exp(-x)); }
+
+/* The forward pass. With kv_layer >= 0 it stops at that layer after copying its attention input
+ * to h_out (n, n_embd) and its K and V to k_out/v_out (n, n_head_kv, head_dim), each when not
+ * NULL; otherwise it writes logits (n, n_vocab). */
+static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int kv_layer, double *h_out,
+               double *k_out, double *v_out) {
+    const ref_desc *d = &m->d;
+    const int E = d->n_embd, F = d->n_ff, H = d->n_head, HKV = d->n_head_kv, D = d->head_dim;
+    const int QD = H * D, KD = HKV * D, group = H / HKV;
+    const double scale = 1.0 / sqrt((double)D);
+    if (n < 1 || !tokens || (kv_layer < 0 && !logits) || kv_layer >= d->n_layer) return -1;
+    for (int t = 0; t < n; t++)
+        if (tokens[t] < 0 || tokens[t] >= d->n_vocab) return -1;
+
+    const size_t nn = (size_t)n;
+    double *x = malloc(nn * E * sizeof *x);    /* (n, n_embd) residual stream */
+    double *h = malloc(nn * E * sizeof *h);    /* (n, n_embd) normed input */
+    double *q = malloc(nn * QD * sizeof *q);   /* (n, n_head, head_dim) */
+    double *k = malloc(nn * KD * sizeof *k);   /* (n, n_head_kv, head_dim) */
+    double *v = malloc(nn * KD * sizeof *v);   /* (n, n_head_kv, head_dim) */
+    double *att = malloc(nn * QD * sizeof *att); /* (n, n_head, head_dim) attention output */
+    double *p = malloc(nn * sizeof *p);        /* (n) scores / probabilities of one query */
+    double *g = malloc((size_t)F * sizeof *g); /* (n_ff) */
+    double *u = malloc((size_t)F * sizeof *u); /* (n_ff) */
+    double *o = malloc((size_t)E * sizeof *o); /* (n_embd) */
+    int rc = -1;
+    if (!x || !h || !q || !k || !v || !att || !p || !g || !u || !o) goto done;
+
+    for (int t = 0; t < n; t++) memcpy(x + (size_t)t * E, m->tok_embd + (size_t)tokens[t] * E, E * sizeof *x);
+
+    for (int l = 0; l < d->n_layer; l++) {
+        const ref_layer *y = &m->layers[l];
+        /* attention: projections, q/k norm, RoPE */
+        for (int t = 0; t < n; t++) {
+            double *ht = h + (size_t)t * E, *qt = q + (size_t)t * QD, *kt = k + (size_t)t * KD,
+                   *vt = v + (size_t)t * KD;
+            rmsnorm(x + (size_t)t * E, y->attn_norm, ht, E, d->norm_eps);
+            matvec(y->wq, y->bq, ht, qt, QD, E);
+            matvec(y->wk, y->bk, ht, kt, KD, E);
+            matvec(y->wv, y->bv, ht, vt, KD, E);
+            for (int hh = 0; hh < H; hh++) {
+                if (y->q_norm) rmsnorm(qt + hh * D, y->q_norm, qt + hh * D, D, d->norm_eps);
+                ref_rope(m, qt + hh * D, t);
+            }
+            for (int hh = 0; hh < HKV; hh++) {
+                if (y->k_norm) rmsnorm(kt + hh * D, y->k_norm, kt + hh * D, D, d->norm_eps);
+                ref_rope(m, kt + hh * D, t);
+            }
+        }
+        if (l == kv_layer) {
+            if (h_out) memcpy(h_out, h, nn * E * sizeof *h);
+            if (k_out) memcpy(k_out, k, nn * KD * sizeof *k);
+            if (v_out) memcpy(v_out, v, nn * KD * sizeof *v);
+            rc = 0;
+            goto done;
+        }
+        /* causal softmax attention; query head hh reads kv head hh / group */
+        for (int t = 0; t < n; t++) {
+            for (int hh = 0; hh < H; hh++) {
+                const double *qh = q + (size_t)t * QD + hh * D;
+                const int kh = hh / group;
+                double mx = -INFINITY;
+                for (int j = 0; j <= t; j++) {
+                    const double *kj = k + (size_t)j * KD + kh * D;
+                    double s = 0;
+                    for (int i = 0; i < D; i++) s += qh[i] * kj[i];
+                    p[j] = s * scale;
+                    if (p[j] > mx) mx = p[j];
+                }
+                double sum = 0;
+                for (int j = 0; j <= t; j++) {
+                    p[j] = exp(p[j] - mx);
+                    sum += p[j];
+                }
+                double *ah = att + (size_t)t * QD + hh * D;
+                for (int i = 0; i < D; i++) ah[i] = 0;
+                for (int j = 0; j <= t; j++) {
+                    const double *vj = v + (size_t)j * KD + kh * D;
+                    const double w = p[j] / sum;
+                    for (int i = 0; i < D; i++) ah[i] += w * vj[i];
+                }
+            }
+        }
+        /* output projection + residual, then the SwiGLU FFN + residual */
+        for (int t = 0; t < n; t++) {
+            double *xt = x + (size_t)t * E, *ht = h + (size_t)t * E;
+            matvec(y->wo, y->bo, att + (size_t)t * QD, o, E, QD);
+            for (int i = 0; i < E; i++) xt[i] += o[i];
+            rmsnorm(xt, y->ffn_norm, ht, E, d->norm_eps);
+            matvec(y->w_gate, NULL, ht, g, F, E);
+            matvec(y->w_up, NULL, ht, u, F, E);
+            for (int i = 0; i < F; i++) g[i] = silu(g[i]) * u[i];
+            matvec(y->w_down, NULL, g, o, E, F);
+            for (int i = 0; i < E; i++) xt[i] += o[i];
+        }
+    }
+    for (int t = 0; t < n; t++) {
+        double *ht = h + (size_t)t * E;
+        rmsnorm(x + (size_t)t * E, m->output_norm, ht, E, d->norm_eps);
+        matvec(m->output, NULL, ht, logits + (size_t)t * d->n_vocab, d->n_vocab, E);
+    }
+    rc = 0;
+done:
+    free(x);
+    free(h);
+    free(q);
+    free(k);
+    free(v);
+    free(att);
+    free(p);
+    free(g);
+    free(u);
+    free(o);
+    return rc;
+}
+
+int ref_model_forward(ref_model *m, const int32_t *tokens, int n, double *logits) {
+    if (!m || !logits) return -1;
+    return run(m, tokens, n, logits, -1, NULL, NULL, NULL);
+}
+
+int ref_model_kv(ref_model *m, const int32_t *tokens, int n, int layer, double *k, double *v) {
+    if (!m || !k || !v || layer < 0) return -1;
+    return run(m, tokens, n, NULL, layer, NULL, k, v);
+}
+
+int ref_model_attn_input(ref_model *m, const int32_t *tokens, int n, int layer, double *h) {
+    if (!m || !h || layer < 0) return -1;
+    return run(m, tokens, n, NULL, layer, h, NULL, NULL);
+}

@@ -1,0 +1,100 @@
+/* ref_model — the independent float64 reference implementation of every architecture the engines
+ * run (llama, qwen2, qwen3), used by tests as the oracle. It is deliberately plain: it reads GGUF
+ * metadata and tensor bytes through the GGUF reader only, dequantises every weight to double once
+ * at load with its own block decoders written from ggml's layouts (F32, F16, BF16, Q8_0, Q4_0; no
+ * call into quant/ or model/), and runs the causal forward pass with naive loops in double. It
+ * follows llama.cpp's conventions: RMSNorm sqrt(mean(x^2)+eps); "normal" RoPE (pairs (2i, 2i+1))
+ * for llama and NEOX RoPE (pairs (i, i+n_rot/2)) for qwen2/qwen3; inverse frequency
+ * base^(-2i/n_rot), divided by rope_freqs.weight when that tensor exists, else by Llama-3 or
+ * linear scaling from the rope.scaling.* keys; GQA head h -> kv head h/(n_head/n_head_kv); score
+ * scale 1/sqrt(head_dim); SwiGLU FFN; output.weight absent -> tied to token_embd. */
+#ifndef KVB_REF_MODEL_H
+#define KVB_REF_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum { REF_ARCH_LLAMA = 0, REF_ARCH_QWEN2, REF_ARCH_QWEN3 } ref_arch;
+typedef enum {
+    REF_ROPE_NORM = 0, /* llama.cpp LLAMA_ROPE_TYPE_NORM: rotate (x[2i], x[2i+1]) */
+    REF_ROPE_NEOX,     /* llama.cpp LLAMA_ROPE_TYPE_NEOX: rotate (x[i], x[i + n_rot/2]) */
+} ref_rope_style;
+typedef enum {
+    REF_SCALING_NONE = 0,
+    REF_SCALING_LINEAR,       /* inverse frequencies divided by rope.scaling.factor (llama.cpp default type) */
+    REF_SCALING_LLAMA3,       /* Llama-3 smooth scaling computed from the rope.scaling.* keys */
+    REF_SCALING_FREQS_TENSOR, /* inverse frequencies divided by rope_freqs.weight (llama.cpp's way) */
+} ref_rope_scaling;
+
+typedef struct {
+    ref_arch arch;
+    ref_rope_style rope_style;
+    int n_vocab, n_embd, n_layer, n_ff;
+    int n_head, n_head_kv, head_dim, n_rot;
+    double rope_freq_base;
+    ref_rope_scaling rope_scaling;
+    double rope_factor, rope_low_freq_factor, rope_high_freq_factor; /* as read (LLAMA3/LINEAR) */
+    double rope_orig_ctx;
+    double norm_eps;
+    bool has_qkv_bias;  /* attn_{q,k,v}.bias present (required for qwen2) */
+    bool has_o_bias;    /* attn_output.bias present (llama.cpp accepts it for llama) */
+    bool has_qk_norm;   /* qwen3 */
+    bool tied_output;   /* output.weight absent */
+} ref_desc;
+
+typedef struct ref_model ref_model;
+
+/* Loads and dequantises a whole model. NULL on failure with a message in errbuf (may be NULL). */
+ref_model *ref_model_load(const char *gguf_path, char *errbuf, size_t cap);
+void ref_model_free(ref_model *m);
+int ref_model_n_vocab(const ref_model *m);
+const ref_desc *ref_model_desc(const ref_model *m);
+/* The final angular speed of each rotated pair i in [0, n_rot/2), radians per position,
+ * with any scaling applied. */
+const double *ref_model_inv_freq(const ref_model *m);
+
+/* Full causal forward of tokens[0..n) at positions 0..n-1. logits: (n, n_vocab), row t is the
+ * prediction after token t. Returns 0, or -1 for bad arguments (n < 1, token out of range) or
+ * allocation failure. */
+int ref_model_forward(ref_model *m, const int32_t *tokens, int n, double *logits);
+
+/* The K and V that layer `layer` computes for tokens[0..n) (positions 0..n-1): K after bias,
+ * k-norm and RoPE; V after bias; before any cache encoding. k, v: (n, n_head_kv, head_dim).
+ * Returns 0 or -1 as ref_model_forward. */
+int ref_model_kv(ref_model *m, const int32_t *tokens, int n, int layer, double *k, double *v);
+/* The attention input of layer `layer`: rmsnorm(x) * attn_norm for tokens[0..n), h: (n, n_embd)
+ * (what a cache producer multiplies by Wk and Wv). Returns 0 or -1 as ref_model_forward. */
+int ref_model_attn_input(ref_model *m, const int32_t *tokens, int n, int layer, double *h);
+
+/* Applies the model's RoPE at position pos to one head vector x: (head_dim); dims >= n_rot are
+ * left unchanged. */
+void ref_rope(const ref_model *m, double *x, int pos);
+
+/* ---- plain dequantisation (ggml block layouts; type numbers are ggml's) ----------------------- */
+
+#define REF_TYPE_F32 0u
+#define REF_TYPE_F16 1u
+#define REF_TYPE_Q4_0 2u
+#define REF_TYPE_Q8_0 8u
+#define REF_TYPE_BF16 30u
+
+double ref_fp16_to_double(uint16_t h);
+double ref_bf16_to_double(uint16_t h);
+/* Bytes of a row of n elements, 0 if the type is not one of the five or n is not a whole number
+ * of blocks. */
+size_t ref_row_bytes(uint32_t type, int64_t n);
+/* dst: (n). Returns 0, or -1 for an unsupported type or a partial block. */
+int ref_dequant_row(uint32_t type, const void *src, double *dst, int64_t n);
+
+/* ---- comparison helpers ------------------------------------------------------------------- */
+
+/* ||a - ref|| / ||ref|| (plain ||a - ref|| when ref is all zeros). */
+double ref_rel_l2(const float *a, const double *ref, size_t n);
+/* max_i |a_i - ref_i| */
+double ref_max_abs(const float *a, const double *ref, size_t n);
+/* Index of the largest element, lowest index on ties. */
+int ref_argmax(const double *x, int n);
+int ref_argmax_f32(const float *x, int n);
+
+#endif

@@ -1,0 +1,394 @@
+/* test_engine_vs_ref — the CPU engine against the float64 reference (tests/support/ref_model) on
+ * random fixture models: every architecture (llama, qwen2, qwen3) x every weight type (F32, F16,
+ * BF16, Q8_0, Q4_0) x every way of feeding tokens (one prefill call, prefill chunked by a small
+ * max_batch, token-by-token decode, prefill then decode) x 1 and 2 threads, with an F32 cache so
+ * the weight path is measured alone; then each cache dtype (F16, BF16, Q8_0) on F32 and Q8_0
+ * weights; then the cache-producing arithmetic (kvb_kv_produce) against the reference's K and V
+ * for the same attention inputs. Logits are compared by relative L2 over each token's row (the
+ * worst row must pass), and greedy argmax must agree where the weights are exact. Results for 1
+ * and 2 threads must be bit-identical, as kvb_engine_cpu.h promises. Tolerances are stated and
+ * justified next to tol_weights() and tol_cache(). The seed is fixed for reproducibility and can
+ * be changed with KVB_TEST_SEED (it is printed). Nothing is skipped. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvb_core.h"
+#include "kvb_engine_cpu.h"
+#include "kvb_model.h"
+#include "kvb_quant.h"
+#include "ref_fixture.h"
+#include "ref_model.h"
+
+static char g_dir[512];
+static uint64_t g_seed = 20250611;
+
+/* ---- tolerances (relative L2 of one token's logits against the float64 reference) -------------
+ *
+ * The reference dequantises the file's stored weights exactly, so weight quantisation itself is
+ * never an error; what remains is the engine's own arithmetic. Measured values are the worst
+ * token row over 30 seeds x 3 architectures x 4 feeding modes (fixture: 2 layers, n_embd 64).
+ *
+ *  - F32, F16, BF16 weights: every stored value is exact in f32, activations stay f32, and the
+ *    canonical dot accumulates in 16 f32 lanes. Each dot over n <= 128 terms carries a relative
+ *    error of about sqrt(n/16) * 2^-24 ~ 2e-7, and the matmuls, norms, softmax and RoPE (f32
+ *    cos/sin table) of 2 layers keep that near 1e-7 .. 1e-6. Measured: <= 3.7e-7. Limit 1e-5:
+ *    ~30x margin, and still three or more orders below a real bug (a wrong RoPE pairing, GQA map,
+ *    bias or norm moves logits by 1e-2 .. 1).
+ *  - Q8_0, Q4_0 weights: the engine quantises every activation vector to Q8_0 before the dot
+ *    (d = amax/127 per 32 elements). The rounding error is uniform in +-d/2, an RMS of
+ *    amax/(127*sqrt(12)) ~ 0.5% of a block's RMS for Gaussian-like activations (kv_produce
+ *    measures 0.5% on K and V), and it enters each of the 7 projections per layer and the output
+ *    head: ~1 .. 2% on the logits. Measured: <= 2.3e-2. Limit 5e-2 (a decoding bug in a quant
+ *    kernel lands near 1).
+ *  - The cache dtype adds its rounding of K and V: F16 (2^-11 relative, RMS ~2e-4 measured on K/V)
+ *    -> measured <= 4e-4 on logits, limit 3e-3; BF16 (2^-8, RMS ~1.7e-3) -> <= 2.4e-3, limit
+ *    2e-2; Q8_0 (~0.55%) -> <= 7.4e-3, limit 4e-2. Limits add to the weight limit.
+ * ------------------------------------------------------------------------------------------------ */
+static double tol_weights(uint32_t wt) {
+    return (wt == KVB_TYPE_Q8_0 || wt == KVB_TYPE_Q4_0) ? 5e-2 : 1e-5;
+}
+static double tol_cache(uint32_t ct) {
+    switch (ct) {
+    case KVB_TYPE_F32: return 0;
+    case KVB_TYPE_F16: return 3e-3;
+    case KVB_TYPE_BF16: return 2e-2;
+    default: return 4e-2; /* Q8_0 */
+    }
+}
+
+static const char *ARCHS[] = {"llama", "qwen2", "qwen3"};
+static const uint32_t WTYPES[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0, KVB_TYPE_Q4_0};
+
+typedef enum { MODE_PREFILL = 0, MODE_CHUNKED, MODE_DECODE, MODE_MIXED, MODE_COUNT } feed_mode;
+static const char *MODE_NAMES[] = {"prefill", "chunked", "decode", "mixed"};
+
+enum { N_TOK = 13, BLOCK_TOKENS = 4, CHUNK = 3, MIXED_PREFIX = 5 };
+
+/* One fixture, loaded by both sides, with the reference logits for a random token sequence. */
+typedef struct {
+    char path[600];
+    ref_model *ref;
+    kvb_model *model;
+    int n_vocab;
+    int32_t toks[N_TOK];
+    double *ref_logits; /* (N_TOK, n_vocab) */
+} case_t;
+
+static void case_open(case_t *c, const ref_fixture_cfg *cfg, const char *name) {
+    char err[512];
+    kvb_err e = {0};
+    memset(c, 0, sizeof *c);
+    snprintf(c->path, sizeof c->path, "%s/%s", g_dir, name);
+    if (ref_fixture_write(cfg, c->path, err, sizeof err) != 0) fail_msg("fixture: %s", err);
+    c->ref = ref_model_load(c->path, err, sizeof err);
+    if (!c->ref) fail_msg("ref_model_load: %s", err);
+    if (kvb_model_load(c->path, &c->model, &e) != KVB_OK) fail_msg("kvb_model_load: %s", e.msg);
+    c->n_vocab = ref_model_n_vocab(c->ref);
+    assert_int_equal((int)c->model->d.n_vocab, c->n_vocab);
+    kvb_rng rng;
+    kvb_rng_seed(&rng, kvb_splitmix64(cfg->seed));
+    for (int i = 0; i < N_TOK; i++) c->toks[i] = (int32_t)(kvb_rng_u64(&rng) % (uint64_t)c->n_vocab);
+    c->ref_logits = malloc(sizeof(double) * N_TOK * c->n_vocab);
+    assert_non_null(c->ref_logits);
+    assert_int_equal(ref_model_forward(c->ref, c->toks, N_TOK, c->ref_logits), 0);
+}
+
+static void case_close(case_t *c) {
+    free(c->ref_logits);
+    ref_model_free(c->ref);
+    kvb_model_free(c->model);
+}
+
+/* Runs the engine over c->toks in the given mode; logits: (N_TOK, n_vocab). */
+static void engine_run(const case_t *c, uint32_t cache, int threads, feed_mode mode, float *logits) {
+    kvb_engine_opts o = {0};
+    o.n_threads = threads;
+    o.cache_dtype = cache;
+    o.block_tokens = BLOCK_TOKENS;
+    o.max_ctx = 64;
+    o.max_batch = mode == MODE_CHUNKED ? CHUNK : 0;
+    kvb_engine *e = NULL;
+    kvb_seq *s = NULL;
+    kvb_err err = {0};
+    if (kvb_engine_create(c->model, &o, &e, &err) != KVB_OK) fail_msg("kvb_engine_create: %s", err.msg);
+    assert_int_equal(kvb_engine_threads(e), threads);
+    if (kvb_engine_kvformat(e)->dtype != cache)
+        fail_msg("asked for a %s cache, the engine made %s (KVB_TYPE_F32 is 0: kvb_engine_opts cannot tell it "
+                 "from \"unset\")", kvb_type_name(cache), kvb_type_name(kvb_engine_kvformat(e)->dtype));
+    if (kvb_seq_create(e, &s, &err) != KVB_OK) fail_msg("kvb_seq_create: %s", err.msg);
+    const size_t V = (size_t)c->n_vocab;
+    kvb_status st = KVB_OK;
+    switch (mode) {
+    case MODE_PREFILL:
+    case MODE_CHUNKED: st = kvb_engine_forward(e, s, c->toks, N_TOK, logits, true, &err); break;
+    case MODE_DECODE:
+        for (int t = 0; t < N_TOK && st == KVB_OK; t++)
+            st = kvb_engine_forward(e, s, c->toks + t, 1, logits + t * V, false, &err);
+        break;
+    case MODE_MIXED:
+        st = kvb_engine_forward(e, s, c->toks, MIXED_PREFIX, logits, true, &err);
+        for (int t = MIXED_PREFIX; t < N_TOK && st == KVB_OK; t++)
+            st = kvb_engine_forward(e, s, c->toks + t, 1, logits + t * V, false, &err);
+        break;
+    default: fail();
+    }
+    if (st != KVB_OK) fail_msg("kvb_engine_forward (%s): %s", MODE_NAMES[mode], err.msg);
+    assert_int_equal(kvb_seq_len(s), N_TOK);
+    kvb_seq_free(s);
+    kvb_engine_free(e);
+}
+
+/* Worst per-token relative L2 of logits (N_TOK, V) against the reference; checks argmax too when
+ * check_argmax (only where the reference's top-2 margin is clear of the tolerance). */
+static double compare(const case_t *c, const float *logits, double tol, bool check_argmax, const char *what) {
+    const int V = c->n_vocab;
+    double worst = 0;
+    for (int t = 0; t < N_TOK; t++) {
+        const double *r = c->ref_logits + (size_t)t * V;
+        const float *g = logits + (size_t)t * V;
+        const double rel = ref_rel_l2(g, r, (size_t)V);
+        if (!(rel <= worst)) worst = rel;
+        if (!(rel <= tol))
+            fail_msg("%s: token %d: rel-L2 %.3g > %.3g (max abs %.3g)", what, t, rel, tol, ref_max_abs(g, r, V));
+        if (check_argmax) {
+            const int best = ref_argmax(r, V);
+            double second = -INFINITY, norm = 0;
+            for (int i = 0; i < V; i++) {
+                norm += r[i] * r[i];
+                if (i != best && r[i] > second) second = r[i];
+            }
+            if (r[best] - second > 10 * tol * sqrt(norm) && ref_argmax_f32(g, V) != best)
+                fail_msg("%s: token %d: argmax %d, reference %d", what, t, ref_argmax_f32(g, V), best);
+        }
+    }
+    return worst;
+}
+
+/* The model module reads the fixture as the reference does. */
+static void check_desc(const case_t *c) {
+    const ref_desc *r = ref_model_desc(c->ref);
+    const kvb_model_desc *d = &c->model->d;
+    assert_int_equal((int)d->n_embd, r->n_embd);
+    assert_int_equal((int)d->n_layer, r->n_layer);
+    assert_int_equal((int)d->n_ff, r->n_ff);
+    assert_int_equal((int)d->n_head, r->n_head);
+    assert_int_equal((int)d->n_head_kv, r->n_head_kv);
+    assert_int_equal((int)d->head_dim, r->head_dim);
+    assert_int_equal((int)d->n_rot, r->n_rot);
+    assert_int_equal(d->rope_neox, r->rope_style == REF_ROPE_NEOX);
+    assert_int_equal(d->tied_output, r->tied_output);
+    double inv[256];
+    assert_true(r->n_rot / 2 <= 256);
+    kvb_rope_inv_freq(c->model, inv);
+    for (int i = 0; i < r->n_rot / 2; i++) {
+        const double want = ref_model_inv_freq(c->ref)[i];
+        /* both in double; Llama-3 factors may pass through f32 on one side (~6e-8) */
+        if (fabs(inv[i] - want) > 1e-6 * want) fail_msg("inv_freq[%d]: model %.17g reference %.17g", i, inv[i], want);
+    }
+}
+
+/* Every arch x weight type x feeding mode x thread count, F32 cache. */
+static void test_weight_types(void **state) {
+    (void)state;
+    const size_t V_MAX = 97;
+    float *l1 = malloc(sizeof(float) * N_TOK * V_MAX), *l2 = malloc(sizeof(float) * N_TOK * V_MAX);
+    assert_non_null(l1);
+    assert_non_null(l2);
+    for (size_t a = 0; a < KVB_ARRAY_LEN(ARCHS); a++) {
+        for (size_t w = 0; w < KVB_ARRAY_LEN(WTYPES); w++) {
+            ref_fixture_cfg cfg;
+            ref_fixture_default(&cfg, ARCHS[a], WTYPES[w], kvb_splitmix64(g_seed + 100 * a + w));
+            case_t c;
+            case_open(&c, &cfg, "w.gguf");
+            assert_true((size_t)c.n_vocab <= V_MAX);
+            check_desc(&c);
+            const bool exact_weights = tol_weights(WTYPES[w]) < 1e-3;
+            char line[256];
+            int len = snprintf(line, sizeof line, "  %-5s %-5s cache F32:", ARCHS[a], kvb_type_name(WTYPES[w]));
+            for (int mode = 0; mode < MODE_COUNT; mode++) {
+                engine_run(&c, KVB_TYPE_F32, 1, (feed_mode)mode, l1);
+                engine_run(&c, KVB_TYPE_F32, 2, (feed_mode)mode, l2);
+                char what[128];
+                snprintf(what, sizeof what, "%s %s %s", ARCHS[a], kvb_type_name(WTYPES[w]), MODE_NAMES[mode]);
+                if (memcmp(l1, l2, sizeof(float) * N_TOK * c.n_vocab) != 0)
+                    fail_msg("%s: 1 and 2 threads differ", what);
+                const double worst = compare(&c, l1, tol_weights(WTYPES[w]), exact_weights, what);
+                len += snprintf(line + len, sizeof line - (size_t)len, " %s %.2g", MODE_NAMES[mode], worst);
+            }
+            print_message("%s\n", line);
+            case_close(&c);
+        }
+    }
+    free(l1);
+    free(l2);
+}
+
+/* Cache dtypes: head_dim 32 everywhere (Q8_0 rows need whole blocks). */
+static void test_cache_types(void **state) {
+    (void)state;
+    const uint32_t caches[] = {KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0};
+    const uint32_t wts[] = {KVB_TYPE_F32, KVB_TYPE_Q8_0};
+    const size_t V_MAX = 97;
+    float *l1 = malloc(sizeof(float) * N_TOK * V_MAX), *l2 = malloc(sizeof(float) * N_TOK * V_MAX);
+    assert_non_null(l1);
+    assert_non_null(l2);
+    for (size_t a = 0; a < KVB_ARRAY_LEN(ARCHS); a++) {
+        for (size_t w = 0; w < KVB_ARRAY_LEN(wts); w++) {
+            ref_fixture_cfg cfg;
+            ref_fixture_default(&cfg, ARCHS[a], wts[w], kvb_splitmix64(g_seed + 1000 + 10 * a + w));
+            cfg.n_head = 4;
+            cfg.n_head_kv = 2;
+            cfg.head_dim = cfg.n_rot = 32; /* 4 x 32 != n_embd 64: key_length is written */
+            case_t c;
+            case_open(&c, &cfg, "c.gguf");
+            check_desc(&c);
+            for (size_t ci = 0; ci < KVB_ARRAY_LEN(caches); ci++) {
+                char line[256];
+                int len = snprintf(line, sizeof line, "  %-5s %-5s cache %-5s:", ARCHS[a], kvb_type_name(wts[w]),
+                                   kvb_type_name(caches[ci]));
+                const feed_mode modes[] = {MODE_PREFILL, MODE_DECODE, MODE_MIXED};
+                for (size_t mi = 0; mi < KVB_ARRAY_LEN(modes); mi++) {
+                    engine_run(&c, caches[ci], 1, modes[mi], l1);
+                    engine_run(&c, caches[ci], 2, modes[mi], l2);
+                    char what[128];
+                    snprintf(what, sizeof what, "%s %s cache %s %s", ARCHS[a], kvb_type_name(wts[w]),
+                             kvb_type_name(caches[ci]), MODE_NAMES[modes[mi]]);
+                    if (memcmp(l1, l2, sizeof(float) * N_TOK * c.n_vocab) != 0)
+                        fail_msg("%s: 1 and 2 threads differ", what);
+                    const double worst = compare(&c, l1, tol_weights(wts[w]) + tol_cache(caches[ci]), false, what);
+                    len += snprintf(line + len, sizeof line - (size_t)len, " %s %.2g", MODE_NAMES[modes[mi]], worst);
+                }
+                print_message("%s\n", line);
+            }
+            case_close(&c);
+        }
+    }
+    free(l1);
+    free(l2);
+}
+
+/* kvb_kv_produce: the same attention inputs give the reference's K (after RoPE) and V, decoded
+ * from the cache rows, within the weight + cache tolerances (measured per layer over all rows). */
+static void test_kv_produce(void **state) {
+    (void)state;
+    const uint32_t caches[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0};
+    for (size_t a = 0; a < KVB_ARRAY_LEN(ARCHS); a++) {
+        for (size_t w = 0; w < KVB_ARRAY_LEN(WTYPES); w++) {
+            ref_fixture_cfg cfg;
+            ref_fixture_default(&cfg, ARCHS[a], WTYPES[w], kvb_splitmix64(g_seed + 5000 + 10 * a + w));
+            cfg.head_dim = cfg.n_rot = 32;
+            case_t c;
+            case_open(&c, &cfg, "kv.gguf");
+            const ref_desc *d = ref_model_desc(c.ref);
+            const int E = d->n_embd, KD = d->n_head_kv * d->head_dim, half = d->n_rot / 2;
+            double *h = malloc(sizeof(double) * N_TOK * E), *rk = malloc(sizeof(double) * N_TOK * KD),
+                   *rv = malloc(sizeof(double) * N_TOK * KD), *inv = malloc(sizeof(double) * half);
+            float *hf = malloc(sizeof(float) * N_TOK * E), *cs = malloc(sizeof(float) * N_TOK * half),
+                  *sn = malloc(sizeof(float) * N_TOK * half), *kf = malloc(sizeof(float) * N_TOK * KD),
+                  *vf = malloc(sizeof(float) * N_TOK * KD);
+            kvb_rope_inv_freq(c.model, inv);
+            kvb_rope_table(inv, (uint32_t)d->n_rot, 0, N_TOK, cs, sn);
+            char line[256];
+            int len = snprintf(line, sizeof line, "  kv_produce %-5s %-5s:", ARCHS[a], kvb_type_name(WTYPES[w]));
+            for (size_t ci = 0; ci < KVB_ARRAY_LEN(caches); ci++) {
+                const size_t rb = kvb_row_bytes(caches[ci], d->head_dim);
+                uint8_t *krows = malloc(rb * N_TOK * d->n_head_kv), *vrows = malloc(rb * N_TOK * d->n_head_kv);
+                void *scratch = kvb_aligned_alloc(64, kvb_kv_produce_scratch_bytes(c.model, N_TOK));
+                assert_non_null(scratch);
+                double worst = 0;
+                for (int l = 0; l < d->n_layer; l++) {
+                    assert_int_equal(ref_model_attn_input(c.ref, c.toks, N_TOK, l, h), 0);
+                    assert_int_equal(ref_model_kv(c.ref, c.toks, N_TOK, l, rk, rv), 0);
+                    for (int i = 0; i < N_TOK * E; i++) hf[i] = (float)h[i];
+                    kvb_kv_produce_args args = {.m = c.model, .layer = (uint32_t)l, .cache_dtype = caches[ci],
+                                                .pool = NULL, .rope_cos = cs, .rope_sin = sn};
+                    kvb_kv_produce(&args, hf, N_TOK, scratch, krows, vrows);
+                    for (int r = 0; r < N_TOK * d->n_head_kv; r++) {
+                        kvb_row_to_f32(caches[ci], krows + (size_t)r * rb, kf + (size_t)r * d->head_dim, d->head_dim);
+                        kvb_row_to_f32(caches[ci], vrows + (size_t)r * rb, vf + (size_t)r * d->head_dim, d->head_dim);
+                    }
+                    const double ek = ref_rel_l2(kf, rk, (size_t)N_TOK * KD), ev = ref_rel_l2(vf, rv, (size_t)N_TOK * KD);
+                    const double tol = tol_weights(WTYPES[w]) + tol_cache(caches[ci]);
+                    if (!(ek <= tol) || !(ev <= tol))
+                        fail_msg("kv_produce %s %s cache %s layer %d: K rel-L2 %.3g, V %.3g > %.3g", ARCHS[a],
+                                 kvb_type_name(WTYPES[w]), kvb_type_name(caches[ci]), l, ek, ev, tol);
+                    worst = fmax(worst, fmax(ek, ev));
+                }
+                len += snprintf(line + len, sizeof line - (size_t)len, " %s %.2g", kvb_type_name(caches[ci]), worst);
+                free(krows);
+                free(vrows);
+                kvb_aligned_free(scratch);
+            }
+            print_message("%s\n", line);
+            free(h);
+            free(rk);
+            free(rv);
+            free(inv);
+            free(hf);
+            free(cs);
+            free(sn);
+            free(kf);
+            free(vf);
+            case_close(&c);
+        }
+    }
+}
+
+/* Llama-3 scaling (as keys and as rope_freqs.weight) and tied output through the engine. */
+static void test_rope_scaling_and_tied(void **state) {
+    (void)state;
+    const size_t V_MAX = 97;
+    float *l = malloc(sizeof(float) * N_TOK * V_MAX);
+    assert_non_null(l);
+    const ref_fix_rope ropes[] = {REF_FIX_ROPE_LLAMA3_KEYS, REF_FIX_ROPE_LLAMA3_TENSOR};
+    for (size_t r = 0; r < KVB_ARRAY_LEN(ropes); r++) {
+        ref_fixture_cfg cfg;
+        ref_fixture_default(&cfg, "llama", KVB_TYPE_F32, kvb_splitmix64(g_seed + 9000 + r));
+        cfg.rope = ropes[r];
+        cfg.output = REF_FIX_OUTPUT_TIED;
+        case_t c;
+        case_open(&c, &cfg, "s.gguf");
+        check_desc(&c);
+        assert_true(ref_model_desc(c.ref)->tied_output);
+        for (int mode = 0; mode < MODE_COUNT; mode++) {
+            engine_run(&c, KVB_TYPE_F32, 2, (feed_mode)mode, l);
+            char what[96];
+            snprintf(what, sizeof what, "llama3 rope (%s) tied %s", r ? "tensor" : "keys", MODE_NAMES[mode]);
+            compare(&c, l, tol_weights(KVB_TYPE_F32), true, what);
+        }
+        case_close(&c);
+    }
+    free(l);
+}
+
+static int setup(void **state) {
+    (void)state;
+    const char *s = getenv("KVB_TEST_SEED");
+    if (s && *s) g_seed = strtoull(s, NULL, 0);
+    print_message("test_engine_vs_ref: seed %llu (set KVB_TEST_SEED to change)\n", (unsigned long long)g_seed);
+    return ref_tmpdir_create(g_dir, sizeof g_dir);
+}
+
+static int teardown(void **state) {
+    (void)state;
+    ref_tmpdir_remove(g_dir);
+    return 0;
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_weight_types),
+        cmocka_unit_test(test_cache_types),
+        cmocka_unit_test(test_kv_produce),
+        cmocka_unit_test(test_rope_scaling_and_tied),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
