@@ -1,0 +1,195 @@
+/* store/slab.c — slab assembly for the bridge receiver: a pending block owns one private
+ * WRITING page and a coverage map (layer, token); each slab is validated completely (layer,
+ * token range, exact K and V lengths, no cell already covered, XXH3-64 of K || V) before any byte
+ * is copied, then scattered from the slab's (token, kv_head, row) order into the block layout
+ * (layer, kv, kv_head, token, head_dim). The slab that completes the coverage commits the block
+ * through kvb_store_commit_block, the same writer the engine uses. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
+
+#include "store_internal.h"
+
+typedef enum { PENDING_ASSEMBLING = 0, PENDING_COMMITTED, PENDING_FAILED } pending_phase;
+
+struct kvb_slab_pending {
+    kvb_store *store;
+    kvb_block_id page;      /* the WRITING page while assembling or failed; NONE once committed */
+    kvb_block_id committed; /* the committed id (may differ from page after a dedup) */
+    uint64_t key, parent_key;
+    uint32_t n_missing;     /* (layer, token) cells not yet arrived */
+    pending_phase phase;
+    int32_t *tokens;        /* (block_tokens) */
+    uint8_t *covered;       /* (n_layer, block_tokens): 1 once that layer of that token arrived */
+};
+
+uint64_t kvb_slab_checksum(const void *k, size_t k_bytes, const void *v, size_t v_bytes) {
+    XXH3_state_t st;
+    XXH3_INITSTATE(&st);
+    XXH3_64bits_reset(&st);
+    if (k_bytes) XXH3_64bits_update(&st, k, k_bytes);
+    if (v_bytes) XXH3_64bits_update(&st, v, v_bytes);
+    return XXH3_64bits_digest(&st);
+}
+
+kvb_status kvb_store_slab_begin(kvb_store *s, uint64_t key, uint64_t parent_key, const int32_t *tokens,
+                                kvb_slab_pending **out, kvb_err *err) {
+    *out = NULL;
+    const kvb_kvformat *f = &s->fmt;
+    if (!tokens) return kvb_err_set(err, KVB_ERR_INVALID, "slab assembly: the block's tokens are missing");
+    uint64_t expected = kvb_chain_next(parent_key, tokens, f->block_tokens);
+    if (expected != key)
+        return kvb_err_set(err, KVB_ERR_INVALID,
+                           "slab assembly: chain key %016llx does not match its parent key %016llx and tokens "
+                           "(expected %016llx)",
+                           (unsigned long long)key, (unsigned long long)parent_key, (unsigned long long)expected);
+    const size_t n_cells = (size_t)f->n_layer * f->block_tokens;
+    kvb_slab_pending *p = calloc(1, sizeof *p);
+    if (p) {
+        p->tokens = malloc((size_t)f->block_tokens * sizeof(int32_t));
+        p->covered = calloc(n_cells, 1);
+    }
+    if (!p || !p->tokens || !p->covered) {
+        if (p) {
+            free(p->tokens);
+            free(p->covered);
+        }
+        free(p);
+        return kvb_err_set(err, KVB_ERR_NOMEM, "slab assembly: out of memory");
+    }
+    kvb_status st = kvb_store_alloc(s, 1, &p->page, err);
+    if (st) {
+        free(p->tokens);
+        free(p->covered);
+        free(p);
+        return kvb_err_prefix(err, "slab assembly: ");
+    }
+    p->store = s;
+    p->committed = KVB_BLOCK_NONE;
+    p->key = key;
+    p->parent_key = parent_key;
+    p->n_missing = (uint32_t)n_cells;
+    p->phase = PENDING_ASSEMBLING;
+    memcpy(p->tokens, tokens, (size_t)f->block_tokens * sizeof(int32_t));
+    pthread_mutex_lock(&s->mu);
+    s->n_pending++;
+    pthread_mutex_unlock(&s->mu);
+    *out = p;
+    return KVB_OK;
+}
+
+static kvb_status reject(kvb_slab_pending *p, kvb_err *err, kvb_status code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static kvb_status reject(kvb_slab_pending *p, kvb_err *err, kvb_status code, const char *fmt, ...) {
+    kvb_store *s = p->store;
+    pthread_mutex_lock(&s->mu);
+    s->slabs_rejected++;
+    pthread_mutex_unlock(&s->mu);
+    if (err) {
+        char msg[sizeof err->msg];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(msg, sizeof msg, fmt, ap);
+        va_end(ap);
+        kvb_err_set(err, code, "slab rejected (block key %016llx): %s", (unsigned long long)p->key, msg);
+    }
+    return code;
+}
+
+kvb_status kvb_store_slab_put(kvb_slab_pending *p, uint32_t layer, uint32_t token0, uint32_t n_tokens,
+                              const void *k, size_t k_bytes, const void *v, size_t v_bytes, uint64_t checksum,
+                              kvb_block_id *committed_out, kvb_err *err) {
+    if (committed_out) *committed_out = KVB_BLOCK_NONE;
+    if (!p) return kvb_err_set(err, KVB_ERR_INVALID, "slab assembly: no pending block");
+    kvb_store *s = p->store;
+    const kvb_kvformat *f = &s->fmt;
+    const uint32_t bt = f->block_tokens, nkv = f->n_head_kv;
+    const size_t row = kvb_kvformat_row_bytes(f);
+
+    /* ---- validate everything before a byte is copied ---- */
+    if (p->phase == PENDING_COMMITTED)
+        return reject(p, err, KVB_ERR_FORMAT, "layer %u tokens %u+%u: the block is already complete (duplicate)",
+                      layer, token0, n_tokens);
+    if (p->phase == PENDING_FAILED)
+        return reject(p, err, KVB_ERR_INVALID, "the block's commit was refused; close it");
+    if (layer >= f->n_layer)
+        return reject(p, err, KVB_ERR_FORMAT, "layer %u is out of range (the format has %u layers)", layer,
+                      f->n_layer);
+    if (n_tokens == 0 || token0 >= bt || n_tokens > bt - token0)
+        return reject(p, err, KVB_ERR_FORMAT, "token range %u+%u is not inside the block (0..%u)", token0, n_tokens,
+                      bt);
+    const size_t want = (size_t)n_tokens * nkv * row;
+    if (k_bytes != want || v_bytes != want)
+        return reject(p, err, KVB_ERR_FORMAT,
+                      "layer %u tokens %u+%u: K is %zu bytes and V is %zu bytes, expected %zu each "
+                      "(%u tokens x %u kv heads x %zu row bytes)",
+                      layer, token0, n_tokens, k_bytes, v_bytes, want, n_tokens, nkv, row);
+    if (!k || !v) return reject(p, err, KVB_ERR_FORMAT, "layer %u tokens %u+%u: K or V bytes are missing", layer,
+                                token0, n_tokens);
+    uint8_t *cov = p->covered + (size_t)layer * bt;
+    for (uint32_t t = token0; t < token0 + n_tokens; t++)
+        if (cov[t])
+            return reject(p, err, KVB_ERR_FORMAT,
+                          "layer %u tokens %u+%u: token %u of this layer has already arrived (duplicate or "
+                          "overlapping slab)",
+                          layer, token0, n_tokens, t);
+    uint64_t got = kvb_slab_checksum(k, k_bytes, v, v_bytes);
+    if (got != checksum)
+        return reject(p, err, KVB_ERR_FORMAT,
+                      "layer %u tokens %u+%u: checksum mismatch (slab says %016llx, bytes hash to %016llx): corrupt",
+                      layer, token0, n_tokens, (unsigned long long)checksum, (unsigned long long)got);
+
+    /* ---- scatter (token, kv_head, row) -> (layer, kv, kv_head, token, head_dim) ---- */
+    uint8_t *blk = kvb_store_block_data(s, p->page);
+    const uint8_t *kb = k, *vb = v;
+    for (uint32_t t = 0; t < n_tokens; t++)
+        for (uint32_t h = 0; h < nkv; h++) {
+            size_t src = ((size_t)t * nkv + h) * row;
+            memcpy(blk + kvb_kvformat_row_offset(f, layer, 0, h, token0 + t), kb + src, row);
+            memcpy(blk + kvb_kvformat_row_offset(f, layer, 1, h, token0 + t), vb + src, row);
+        }
+    memset(cov + token0, 1, n_tokens);
+    p->n_missing -= n_tokens;
+    pthread_mutex_lock(&s->mu);
+    s->slabs_accepted++;
+    pthread_mutex_unlock(&s->mu);
+    if (p->n_missing) return KVB_OK;
+
+    /* ---- complete: publish through the one block writer ---- */
+    kvb_block_id id;
+    kvb_status st = kvb_store_commit_block(s, p->page, p->key, p->parent_key, p->tokens, &id, err);
+    if (st) {
+        p->phase = PENDING_FAILED;
+        return kvb_err_prefix(err, "slab assembly: ");
+    }
+    p->phase = PENDING_COMMITTED;
+    p->page = KVB_BLOCK_NONE; /* committed, or freed by a dedup */
+    p->committed = id;
+    if (committed_out)
+        *committed_out = id;
+    else
+        kvb_store_release(s, &id, 1, NULL);
+    return KVB_OK;
+}
+
+uint32_t kvb_store_slab_missing(const kvb_slab_pending *p) { return p->n_missing; }
+bool kvb_store_slab_committed(const kvb_slab_pending *p) { return p->phase == PENDING_COMMITTED; }
+kvb_block_id kvb_store_slab_block(const kvb_slab_pending *p) {
+    return p->phase == PENDING_COMMITTED ? p->committed : p->page;
+}
+
+void kvb_store_slab_close(kvb_slab_pending *p) {
+    if (!p) return;
+    kvb_store *s = p->store;
+    pthread_mutex_lock(&s->mu);
+    if (p->page != KVB_BLOCK_NONE) kvb_store_free_page_locked(s, p->page); /* never committed: discard */
+    s->n_pending--;
+    pthread_mutex_unlock(&s->mu);
+    free(p->tokens);
+    free(p->covered);
+    free(p);
+}

@@ -1,0 +1,53 @@
+/* store/store_internal.h — private to the store's files (not a contract): the store and block
+ * metadata structures, and the helpers the files share. Functions named *_locked must be called
+ * with s->mu held. */
+#ifndef KVB_STORE_INTERNAL_H
+#define KVB_STORE_INTERNAL_H
+
+#include <pthread.h>
+
+#include "kvb_store.h"
+
+typedef enum { BLOCK_FREE = 0, BLOCK_WRITING = 1, BLOCK_COMMITTED = 2 } block_state;
+
+typedef struct {
+    uint64_t key;             /* COMMITTED: chain key */
+    uint64_t parent_key;      /* COMMITTED: parent's chain key (root for block 0 of a chain) */
+    uint32_t state;           /* block_state */
+    uint32_t refs;            /* COMMITTED: references held by sequences/callers */
+    kvb_block_id lru_prev;    /* COMMITTED with refs == 0: neighbours on the LRU list */
+    kvb_block_id lru_next;
+    kvb_block_id index_next;  /* COMMITTED: next block in the same index bucket */
+} block_meta;
+
+struct kvb_store {
+    kvb_kvformat fmt;
+    uint64_t model_fp, format_fp, root_key;
+    size_t block_bytes;
+    uint32_t n_blocks;
+    uint8_t *arena;           /* (n_blocks, block_bytes) */
+    block_meta *meta;         /* (n_blocks) */
+    int32_t *tokens;          /* (n_blocks, block_tokens): token ids of each COMMITTED block */
+    kvb_block_id *free_stack; /* (n_blocks) ids of FREE pages; top = free_stack[n_free - 1] */
+    uint32_t n_free;
+    kvb_block_id lru_head;    /* least recently used evictable block */
+    kvb_block_id lru_tail;    /* most recently used evictable block */
+    kvb_block_id *buckets;    /* (bucket_mask + 1) heads of index chains */
+    uint32_t bucket_mask;
+    uint32_t n_writing, n_committed, n_referenced, n_evictable, n_pending;
+    uint64_t commits, dedups, commit_refusals, evictions, alloc_failures, lookups, lookup_hit_blocks;
+    uint64_t slabs_accepted, slabs_rejected;
+    pthread_mutex_t mu;
+};
+
+/* chain_index.c: the key -> committed block hash index (chained through meta.index_next). */
+kvb_block_id kvb_store_index_find_locked(const kvb_store *s, uint64_t key);
+void kvb_store_index_insert_locked(kvb_store *s, kvb_block_id id);
+void kvb_store_index_remove_locked(kvb_store *s, kvb_block_id id);
+
+/* arena.c: LRU list of evictable blocks, free pages. */
+void kvb_store_lru_push_mru_locked(kvb_store *s, kvb_block_id id);
+void kvb_store_lru_unlink_locked(kvb_store *s, kvb_block_id id);
+void kvb_store_free_page_locked(kvb_store *s, kvb_block_id id); /* WRITING -> FREE */
+
+#endif
