@@ -46,7 +46,7 @@ static void attn_task(void *ctx, int task, int worker) {
     }
     const uint32_t last_pos = j->pos0 + t1 - 1;
     for (uint32_t b = 0; b * bt <= last_pos; b++) {
-        const uint8_t *blk = e->kv_arena + (size_t)j->s->blocks[b] * e->block_bytes;
+        const uint8_t *blk = kvb_store_block_data(e->store, j->s->blocks[b]);
         const uint32_t j0 = b * bt, j_end = (b + 1) * bt <= last_pos + 1 ? (b + 1) * bt : last_pos + 1;
         const uint32_t nj = j_end - j0;
         const uint8_t *krow = blk + kvb_kvformat_row_offset(&e->fmt, j->layer, 0, kvh, 0);

@@ -14,9 +14,8 @@ struct kvb_engine {
     size_t row_bytes;   /* one cache row (head_dim) in the cache dtype */
     size_t block_bytes; /* one cache block */
     double *inv_freq;   /* (n_rot/2) */
-    uint8_t *kv_arena;  /* (n_blocks, block_bytes): (layer, kv, kv_head, token, head_dim) per block */
-    uint32_t *free_blocks;
-    uint32_t n_free;
+    kvb_store *store;   /* blocks: (layer, kv, kv_head, token, head_dim) each */
+    bool own_store;
     /* per-chunk scratch, B = max_batch tokens */
     float *x;      /* (B, n_embd) residual stream */
     float *h;      /* (B, n_embd) normed */
@@ -34,8 +33,12 @@ struct kvb_engine {
 struct kvb_seq {
     kvb_engine *e;
     uint32_t len;
-    uint32_t *blocks; /* block ids, one per block_tokens tokens */
+    int32_t *tokens;    /* (cap * block_tokens) the sequence's token ids */
+    uint32_t *blocks;   /* (cap) block ids, one per block_tokens tokens */
     uint32_t n_blocks, cap;
+    uint32_t n_committed; /* blocks [0, n_committed) are committed (referenced); the rest WRITING */
+    uint64_t last_key;    /* chain key of the last committed block (the root when none) */
+    bool commit_refused;  /* a commit hit a key collision: stop publishing this sequence */
 };
 
 /* y (n_tok, W->rows) = W x for x (n_tok, W->cols) f32; act: scratch for quantised x. */
@@ -47,6 +50,8 @@ void kvb_cpu_rope(float *v, uint32_t n_rot, bool neox, const float *c, const flo
 
 /* Makes room for the sequence to reach new_len tokens (takes whole blocks from the pool). */
 kvb_status kvb_cpu_seq_reserve(kvb_seq *s, uint32_t new_len, kvb_err *err);
+/* Commits every completely filled, not yet committed block of the sequence. */
+kvb_status kvb_cpu_seq_commit_full(kvb_seq *s, kvb_err *err);
 /* Floats of per-worker attention scratch the engine must allocate. */
 size_t kvb_cpu_attn_scratch_floats(const kvb_engine *e);
 

@@ -35,21 +35,19 @@ kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *opts, kv
     e->block_bytes = kvb_kvformat_block_bytes(&e->fmt);
     if ((st = kvb_pool_create(o->n_threads, &e->pool, err))) goto fail;
 
-    uint64_t arena;
-    if (kvb_mul_overflow_u64(e->block_bytes, o->n_blocks, &arena) || arena > ((uint64_t)1 << 40)) {
-        st = kvb_err_set(err, KVB_ERR_RANGE, "KV cache of %u blocks x %zu bytes is too large", o->n_blocks,
-                         e->block_bytes);
-        goto fail;
+    if (o->store) {
+        e->store = o->store;
+        if (kvb_kvformat_fingerprint(kvb_store_kvformat(o->store)) != kvb_kvformat_fingerprint(&e->fmt)) {
+            char a[64], b[64];
+            kvb_kvformat_describe(kvb_store_kvformat(o->store), a, sizeof a);
+            kvb_kvformat_describe(&e->fmt, b, sizeof b);
+            st = kvb_err_set(err, KVB_ERR_INVALID, "the shared store holds %s blocks but the engine writes %s", a, b);
+            goto fail;
+        }
+    } else {
+        if ((st = kvb_store_create(&e->fmt, m->fingerprint, o->n_blocks, &e->store, err))) goto fail;
+        e->own_store = true;
     }
-    if ((st = alloc_b(&e->kv_arena, arena, err))) goto fail;
-    e->free_blocks = malloc(sizeof(uint32_t) * o->n_blocks);
-    if (!e->free_blocks) {
-        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
-        goto fail;
-    }
-    for (uint32_t i = 0; i < o->n_blocks; i++) e->free_blocks[i] = o->n_blocks - 1 - i;
-    e->n_free = o->n_blocks;
-
     const size_t B = o->max_batch, E = d->n_embd, Q = (size_t)d->n_head * d->head_dim, FF = d->n_ff;
     const size_t half = d->n_rot / 2;
     size_t widest = E > Q ? E : Q;
@@ -86,8 +84,7 @@ void kvb_engine_free(kvb_engine *e) {
         for (int i = 0; i < e->o.n_threads; i++) kvb_aligned_free(e->attn_scratch[i]);
     free(e->attn_scratch);
     kvb_pool_destroy(e->pool);
-    kvb_aligned_free(e->kv_arena);
-    free(e->free_blocks);
+    if (e->own_store) kvb_store_free(e->store);
     float *fs[] = {e->x, e->h, e->q, e->att, e->g, e->u, e->rope_cos, e->rope_sin, e->logit_h};
     for (size_t i = 0; i < KVB_ARRAY_LEN(fs); i++) kvb_aligned_free(fs[i]);
     kvb_aligned_free(e->act);
@@ -101,22 +98,39 @@ void kvb_engine_free(kvb_engine *e) {
 const kvb_kvformat *kvb_engine_kvformat(const kvb_engine *e) { return &e->fmt; }
 int kvb_engine_threads(const kvb_engine *e) { return e->o.n_threads; }
 
+kvb_store *kvb_engine_store(const kvb_engine *e) { return e->store; }
+
 kvb_status kvb_seq_create(kvb_engine *e, kvb_seq **out, kvb_err *err) {
     kvb_seq *s = calloc(1, sizeof *s);
     if (!s) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory creating a sequence");
     s->e = e;
+    s->last_key = kvb_store_root_key(e->store);
     *out = s;
     return KVB_OK;
 }
 
 void kvb_seq_free(kvb_seq *s) {
     if (!s) return;
-    for (uint32_t i = 0; i < s->n_blocks; i++) s->e->free_blocks[s->e->n_free++] = s->blocks[i];
+    if (s->n_blocks) kvb_store_release(s->e->store, s->blocks, s->n_blocks, NULL);
     free(s->blocks);
+    free(s->tokens);
     free(s);
 }
 
 uint32_t kvb_seq_len(const kvb_seq *s) { return s->len; }
+
+static kvb_status seq_grow(kvb_seq *s, uint32_t need_blocks, kvb_err *err) {
+    if (need_blocks <= s->cap) return KVB_OK;
+    uint32_t cap = s->cap ? s->cap * 2 : 16;
+    while (cap < need_blocks) cap *= 2;
+    uint32_t *nb = realloc(s->blocks, sizeof(uint32_t) * cap);
+    if (nb) s->blocks = nb;
+    int32_t *nt = nb ? realloc(s->tokens, sizeof(int32_t) * cap * s->e->o.block_tokens) : NULL;
+    if (!nb || !nt) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory growing a sequence");
+    s->tokens = nt;
+    s->cap = cap;
+    return KVB_OK;
+}
 
 kvb_status kvb_cpu_seq_reserve(kvb_seq *s, uint32_t new_len, kvb_err *err) {
     kvb_engine *e = s->e;
@@ -124,19 +138,51 @@ kvb_status kvb_cpu_seq_reserve(kvb_seq *s, uint32_t new_len, kvb_err *err) {
         return kvb_err_set(err, KVB_ERR_RANGE, "sequence of %u tokens exceeds the context limit of %u tokens", new_len,
                            e->o.max_ctx);
     uint32_t need = (new_len + e->o.block_tokens - 1) / e->o.block_tokens;
-    if (need > s->cap) {
-        uint32_t cap = s->cap ? s->cap * 2 : 16;
-        while (cap < need) cap *= 2;
-        uint32_t *nb = realloc(s->blocks, sizeof(uint32_t) * cap);
-        if (!nb) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory growing a sequence");
-        s->blocks = nb;
-        s->cap = cap;
+    kvb_status st = seq_grow(s, need, err);
+    if (st || need <= s->n_blocks) return st;
+    if ((st = kvb_store_alloc(e->store, need - s->n_blocks, s->blocks + s->n_blocks, err)))
+        return kvb_err_prefix(err, "KV cache: ");
+    s->n_blocks = need;
+    return KVB_OK;
+}
+
+kvb_status kvb_cpu_seq_commit_full(kvb_seq *s, kvb_err *err) {
+    const uint32_t bt = s->e->o.block_tokens;
+    while (!s->commit_refused && s->n_committed < s->len / bt) {
+        const uint32_t b = s->n_committed;
+        const int32_t *toks = s->tokens + (size_t)b * bt;
+        uint64_t key = kvb_chain_next(s->last_key, toks, bt);
+        kvb_block_id committed;
+        kvb_err e2 = {0};
+        kvb_status st = kvb_store_commit_block(s->e->store, s->blocks[b], key, s->last_key, toks, &committed, &e2);
+        if (st == KVB_ERR_INVALID) {
+            /* a 64-bit key collision: keep the block private to this sequence, publish no more */
+            kvb_log(KVB_LOG_WARN, "not caching sequence blocks: %s", e2.msg);
+            s->commit_refused = true;
+            break;
+        }
+        if (st) return kvb_err_set(err, st, "%s", e2.msg);
+        s->blocks[b] = committed;
+        s->last_key = key;
+        s->n_committed++;
     }
-    while (s->n_blocks < need) {
-        if (e->n_free == 0)
-            return kvb_err_set(err, KVB_ERR_RANGE, "KV cache is full (%u blocks of %u tokens); raise the cache size",
-                               e->o.n_blocks, e->o.block_tokens);
-        s->blocks[s->n_blocks++] = e->free_blocks[--e->n_free];
-    }
+    return KVB_OK;
+}
+
+kvb_status kvb_seq_attach_cached(kvb_seq *s, const int32_t *tokens, uint32_t n, uint32_t *n_cached, kvb_err *err) {
+    *n_cached = 0;
+    if (s->len != 0 || s->n_blocks != 0)
+        return kvb_err_set(err, KVB_ERR_INVALID, "cached prefixes attach only to an empty sequence");
+    if (n < 2) return KVB_OK;
+    const uint32_t bt = s->e->o.block_tokens;
+    uint32_t max_blocks = (n - 1) / bt, found = 0;
+    kvb_status st = seq_grow(s, max_blocks + 1, err);
+    if (st) return st;
+    if ((st = kvb_store_lookup(s->e->store, tokens, n - 1, s->blocks, &found, err))) return st;
+    s->n_blocks = s->n_committed = found;
+    s->len = found * bt;
+    memcpy(s->tokens, tokens, (size_t)s->len * sizeof(int32_t));
+    for (uint32_t b = 0; b < found; b++) s->last_key = kvb_chain_next(s->last_key, tokens + (size_t)b * bt, bt);
+    *n_cached = s->len;
     return KVB_OK;
 }

@@ -68,7 +68,7 @@ static void store_kv_rows(kvb_engine *e, kvb_seq *s, uint32_t layer, uint32_t po
     const uint32_t nkv = e->m->d.n_head_kv, bt = e->o.block_tokens;
     for (uint32_t t = 0; t < n; t++) {
         uint32_t p = pos0 + t;
-        uint8_t *blk = e->kv_arena + (size_t)s->blocks[p / bt] * e->block_bytes;
+        uint8_t *blk = kvb_store_block_data(e->store, s->blocks[p / bt]);
         for (uint32_t h = 0; h < nkv; h++) {
             size_t src = ((size_t)t * nkv + h) * e->row_bytes;
             memcpy(blk + kvb_kvformat_row_offset(&e->fmt, layer, 0, h, p % bt), e->k_rows + src, e->row_bytes);
@@ -92,6 +92,7 @@ static kvb_status forward_chunk(kvb_engine *e, kvb_seq *s, const int32_t *tokens
         kvb_row_to_f32(m->tok_embd.type, (const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
                        e->x + (size_t)t * E, E);
     }
+    memcpy(s->tokens + pos0, tokens, n * sizeof(int32_t));
     kvb_rope_table(e->inv_freq, d->n_rot, pos0, n, e->rope_cos, e->rope_sin);
     kvb_pool *tok_pool = n > 1 ? e->pool : NULL;
 
@@ -154,6 +155,7 @@ kvb_status kvb_engine_forward(kvb_engine *e, kvb_seq *s, const int32_t *tokens, 
         if (logits && all_logits) lg = logits + (size_t)done * V;
         else if (logits && last) lg = logits;
         kvb_status st = forward_chunk(e, s, tokens + done, c, lg, all_logits, err);
+        if (st == KVB_OK) st = kvb_cpu_seq_commit_full(s, err);
         if (st) return st;
         done += c;
     }

@@ -11,13 +11,15 @@
 #include "kvb_core.h"
 #include "kvb_kvformat.h"
 #include "kvb_model.h"
+#include "kvb_store.h"
 
 typedef struct {
     int n_threads;          /* 0 = all CPUs */
     uint32_t cache_dtype;   /* kvb_type for the KV cache (F32 = 0, F16, BF16, Q8_0); the CLI defaults to F16 */
     uint32_t block_tokens;  /* tokens per cache block; default 32 */
     uint32_t max_ctx;       /* max tokens per sequence; 0 = the model's training context, capped at 8192 */
-    uint32_t n_blocks;      /* cache blocks in the pool; 0 = enough for one max_ctx sequence */
+    uint32_t n_blocks;      /* blocks in the engine's own store; 0 = enough for one max_ctx sequence */
+    kvb_store *store;       /* a shared store to use instead of its own (its format must match) */
     uint32_t max_batch;     /* tokens per forward chunk; 0 = 512 */
 } kvb_engine_opts;
 
@@ -29,10 +31,18 @@ void kvb_engine_free(kvb_engine *e);
 const kvb_kvformat *kvb_engine_kvformat(const kvb_engine *e);
 int kvb_engine_threads(const kvb_engine *e);
 
-/* A sequence: its tokens' K/V in blocks taken from the engine's pool. */
+kvb_store *kvb_engine_store(const kvb_engine *e);
+
+/* A sequence: its tokens and their K/V in blocks of the engine's store. Every block the forward
+ * pass fills completely is committed to the store through kvb_store_commit_block (the one block
+ * writer) under its chain key, so later sequences with the same prefix find it. */
 kvb_status kvb_seq_create(kvb_engine *e, kvb_seq **out, kvb_err *err);
-void kvb_seq_free(kvb_seq *s); /* returns its blocks to the pool */
+void kvb_seq_free(kvb_seq *s); /* releases its blocks (committed ones stay cached) */
 uint32_t kvb_seq_len(const kvb_seq *s);
+/* On an empty sequence: adopts the longest committed chain of blocks for tokens[0 .. n-2] (the
+ * last token is always computed, so its logits exist). *n_cached = tokens now in the sequence
+ * (a multiple of block_tokens); the caller forwards tokens[*n_cached .. n). */
+kvb_status kvb_seq_attach_cached(kvb_seq *s, const int32_t *tokens, uint32_t n, uint32_t *n_cached, kvb_err *err);
 
 /* Runs tokens[0..n) at positions seq_len .. seq_len+n-1 (chunked by max_batch), appending their
  * K/V to the sequence. logits: NULL, or (n_vocab) floats for the last token, or when all_logits

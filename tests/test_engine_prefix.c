@@ -1,0 +1,150 @@
+/* tests/test_engine_prefix.c — the CPU engine's prefix cache: blocks a sequence fills are
+ * committed to the store under chain keys; a later prompt with the same prefix adopts them and
+ * computes only the rest, and its logits are bit-identical to computing everything (the cache
+ * bytes and the per-token arithmetic are the same). Also: prefill == token-by-token decode bit
+ * for bit, and referenced blocks survive store pressure. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvb_engine_cpu.h"
+#include "kvb_quant.h"
+#include "kvbt.h"
+
+static kvb_model *g_model;
+
+static int setup(void **state) {
+    (void)state;
+    char path[512];
+    kvbt_tmp_path(path, sizeof path, "tiny-prefix.gguf");
+    kvb_gen_opts o = {.preset = "tiny-qwen3", .type = KVB_TYPE_Q8_0, .seed = 5, .n_threads = 2};
+    kvb_err err = {0};
+    if (kvb_gen_model(&o, path, &err) || kvb_model_load(path, &g_model, &err)) {
+        fprintf(stderr, "setup: %s\n", err.msg);
+        return -1;
+    }
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    kvb_model_free(g_model);
+    return 0;
+}
+
+static void random_tokens(int32_t *t, uint32_t n, uint64_t seed) {
+    kvb_rng r;
+    kvb_rng_seed(&r, seed);
+    for (uint32_t i = 0; i < n; i++) t[i] = (int32_t)(kvb_rng_u64(&r) % g_model->d.n_vocab);
+}
+
+static void test_prefix_reuse_is_exact(void **state) {
+    (void)state;
+    kvb_err err = {0};
+    kvb_engine *e;
+    kvb_engine_opts o = {.n_threads = 2, .cache_dtype = KVB_TYPE_Q8_0, .block_tokens = 16, .max_ctx = 512,
+                         .n_blocks = 64};
+    assert_int_equal(kvb_engine_create(g_model, &o, &e, &err), KVB_OK);
+    const uint32_t V = g_model->d.n_vocab, n = 150;
+    int32_t toks[160];
+    random_tokens(toks, n, (uint64_t)time(NULL));
+    float *cold = malloc(sizeof(float) * V), *warm = malloc(sizeof(float) * V);
+
+    kvb_seq *s1;
+    assert_int_equal(kvb_seq_create(e, &s1, &err), KVB_OK);
+    assert_int_equal(kvb_engine_forward(e, s1, toks, n, cold, false, &err), KVB_OK);
+    kvb_seq_free(s1);
+    kvb_store_stats st;
+    kvb_store_get_stats(kvb_engine_store(e), &st);
+    assert_int_equal(st.committed, n / 16); /* 9 full blocks committed, partial one discarded */
+
+    /* same prompt: adopts 9 blocks (144 tokens; the last token is always computed) */
+    kvb_seq *s2;
+    uint32_t cached = 0;
+    assert_int_equal(kvb_seq_create(e, &s2, &err), KVB_OK);
+    assert_int_equal(kvb_seq_attach_cached(s2, toks, n, &cached, &err), KVB_OK);
+    assert_int_equal(cached, 144);
+    assert_int_equal(kvb_engine_forward(e, s2, toks + cached, n - cached, warm, false, &err), KVB_OK);
+    assert_memory_equal(cold, warm, sizeof(float) * V);
+    kvb_seq_free(s2);
+
+    /* a prompt sharing only the first 40 tokens adopts 2 blocks */
+    int32_t other[160];
+    memcpy(other, toks, sizeof toks);
+    other[40] = (other[40] + 1) % (int32_t)V;
+    kvb_seq *s3;
+    assert_int_equal(kvb_seq_create(e, &s3, &err), KVB_OK);
+    assert_int_equal(kvb_seq_attach_cached(s3, other, n, &cached, &err), KVB_OK);
+    assert_int_equal(cached, 32);
+    kvb_seq_free(s3);
+
+    /* prompt of exactly 2 blocks: the last token is computed, so only 1 block is adopted */
+    kvb_seq *s4;
+    assert_int_equal(kvb_seq_create(e, &s4, &err), KVB_OK);
+    assert_int_equal(kvb_seq_attach_cached(s4, toks, 32, &cached, &err), KVB_OK);
+    assert_int_equal(cached, 16);
+    kvb_seq_free(s4);
+
+    free(cold);
+    free(warm);
+    kvb_engine_free(e);
+}
+
+static void test_prefill_equals_decode_bitwise(void **state) {
+    (void)state;
+    kvb_err err = {0};
+    const uint32_t V = g_model->d.n_vocab, n = 70;
+    int32_t toks[70];
+    random_tokens(toks, n, (uint64_t)time(NULL) + 1);
+    float *a = malloc(sizeof(float) * V * n), *b = malloc(sizeof(float) * V * n);
+    for (int threads = 1; threads <= 2; threads++) {
+        kvb_engine *e;
+        kvb_engine_opts o = {.n_threads = threads, .cache_dtype = KVB_TYPE_F16, .max_batch = 32};
+        assert_int_equal(kvb_engine_create(g_model, &o, &e, &err), KVB_OK);
+        kvb_seq *s;
+        assert_int_equal(kvb_seq_create(e, &s, &err), KVB_OK);
+        assert_int_equal(kvb_engine_forward(e, s, toks, n, threads == 1 ? a : b, true, &err), KVB_OK);
+        kvb_seq_free(s);
+        if (threads == 2) assert_memory_equal(a, b, sizeof(float) * V * n);
+        assert_int_equal(kvb_seq_create(e, &s, &err), KVB_OK);
+        for (uint32_t i = 0; i < n; i++)
+            assert_int_equal(kvb_engine_forward(e, s, &toks[i], 1, b + (size_t)i * V, false, &err), KVB_OK);
+        assert_memory_equal(a, b, sizeof(float) * V * n);
+        kvb_seq_free(s);
+        kvb_engine_free(e);
+    }
+    free(a);
+    free(b);
+}
+
+static void test_cache_full_is_an_error(void **state) {
+    (void)state;
+    kvb_err err = {0};
+    kvb_engine *e;
+    kvb_engine_opts o = {.n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 16, .max_ctx = 256,
+                         .n_blocks = 4};
+    assert_int_equal(kvb_engine_create(g_model, &o, &e, &err), KVB_OK);
+    int32_t toks[100];
+    random_tokens(toks, 100, 3);
+    kvb_seq *s;
+    assert_int_equal(kvb_seq_create(e, &s, &err), KVB_OK);
+    assert_int_equal(kvb_engine_forward(e, s, toks, 100, NULL, false, &err), KVB_ERR_RANGE);
+    assert_non_null(strstr(err.msg, "KV cache"));
+    kvb_seq_free(s);
+    kvb_engine_free(e);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_prefix_reuse_is_exact),
+        cmocka_unit_test(test_prefill_equals_decode_bitwise),
+        cmocka_unit_test(test_cache_full_is_an_error),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
