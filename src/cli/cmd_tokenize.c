@@ -1,10 +1,173 @@
-/* cli/cmd_tokenize.c — placeholder until its module lands. */
+/* cli/cmd_tokenize.c — `kvbridge tokenize -m MODEL [--no-special] [--decode]`: reads stdin and
+ * prints the token ids (space-separated, one line), or with --decode reads ids and prints the
+ * text. Uses the vocabulary inside the GGUF (tokenizer.ggml.*); works on vocab-only files. */
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kvb_cli.h"
+#include "kvb_gguf.h"
+#include "kvb_tokenizer.h"
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: kvbridge tokenize -m MODEL [--no-special] [--decode]\n"
+            "\n"
+            "Encodes the UTF-8 text on stdin with the vocabulary stored in MODEL (a GGUF file, a\n"
+            "vocab-only one is fine) and prints the token ids, space-separated, on one line. The\n"
+            "input is taken byte for byte: a trailing newline is part of the text (use printf '%%s').\n"
+            "\n"
+            "  -m, --model MODEL  the GGUF file\n"
+            "  --no-special       no BOS/EOS, and special-token text such as <|im_start|> is encoded\n"
+            "                     as ordinary text (default: add BOS if the vocabulary asks for it\n"
+            "                     and recognise special tokens in the text)\n"
+            "  --decode           the other way: read token ids (separated by spaces, commas or\n"
+            "                     newlines) and print the text they decode to; special tokens are\n"
+            "                     printed as their text unless --no-special\n"
+            "  -h, --help         this help\n"
+            "\n"
+            "examples:\n"
+            "  printf 'Hello world' | kvbridge tokenize -m model.gguf\n"
+            "  echo '9707 1879' | kvbridge tokenize -m model.gguf --decode\n");
+}
+
+static char *read_all(FILE *f, size_t *n) {
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    if (!buf) return NULL;
+    for (;;) {
+        if (len == cap) {
+            char *nb = cap < ((size_t)1 << 40) ? realloc(buf, cap * 2) : NULL;
+            if (!nb) {
+                free(buf);
+                return NULL;
+            }
+            buf = nb;
+            cap *= 2;
+        }
+        size_t r = fread(buf + len, 1, cap - len, f);
+        len += r;
+        if (r == 0) break;
+    }
+    if (ferror(f)) {
+        free(buf);
+        return NULL;
+    }
+    *n = len;
+    return buf;
+}
+
+static int encode(const kvb_tokenizer *t, bool special) {
+    size_t n = 0;
+    char *text = read_all(stdin, &n);
+    if (!text) {
+        fprintf(stderr, "kvbridge tokenize: cannot read stdin\n");
+        return 1;
+    }
+    int32_t *ids = NULL;
+    size_t n_ids = 0;
+    kvb_err err = {0};
+    kvb_status st = kvb_tokenize(t, text, n, special, special, &ids, &n_ids, &err);
+    free(text);
+    if (st) {
+        fprintf(stderr, "kvbridge tokenize: %s\n", err.msg);
+        return 1;
+    }
+    for (size_t i = 0; i < n_ids; i++) printf(i ? " %d" : "%d", ids[i]);
+    printf("\n");
+    free(ids);
+    return 0;
+}
+
+static int decode(const kvb_tokenizer *t, bool special) {
+    size_t n = 0;
+    char *text = read_all(stdin, &n);
+    if (!text) {
+        fprintf(stderr, "kvbridge tokenize: cannot read stdin\n");
+        return 1;
+    }
+    size_t cap = kvb_tokenizer_max_token_len(t) + 32;
+    char *piece = malloc(cap);
+    if (!piece) {
+        free(text);
+        fprintf(stderr, "kvbridge tokenize: out of memory\n");
+        return 1;
+    }
+    kvb_detok d;
+    kvb_detok_init(&d, t);
+    d.show_special = special;
+    int rc = 0;
+    size_t i = 0;
+    uint32_t nv = kvb_tokenizer_n_vocab(t);
+    while (i < n) {
+        char c = text[i];
+        if (c == ' ' || c == ',' || c == '\n' || c == '\r' || c == '\t') {
+            i++;
+            continue;
+        }
+        size_t j = i;
+        while (j < n && text[j] >= '0' && text[j] <= '9' && j - i < 12) j++;
+        bool sep = j == n || text[j] == ' ' || text[j] == ',' || text[j] == '\n' || text[j] == '\r' || text[j] == '\t';
+        if (j == i || !sep) {
+            size_t e = i;
+            while (e < n && e - i < 20 && !strchr(" ,\n\r\t", text[e])) e++;
+            fprintf(stderr, "kvbridge tokenize: --decode expects token ids (whole numbers), got '%.*s'\n",
+                    (int)(e - i), text + i);
+            rc = 2;
+            break;
+        }
+        unsigned long long v = 0;
+        for (size_t k = i; k < j; k++) v = v * 10 + (unsigned)(text[k] - '0');
+        if (v >= nv) {
+            fprintf(stderr, "kvbridge tokenize: token id %llu is outside the vocabulary (0 to %u)\n", v, nv - 1);
+            rc = 2;
+            break;
+        }
+        size_t k = kvb_detok_push(&d, (int32_t)v, piece, cap);
+        fwrite(piece, 1, k, stdout);
+        i = j;
+    }
+    size_t k = kvb_detok_flush(&d, piece, cap);
+    fwrite(piece, 1, k, stdout);
+    fflush(stdout);
+    free(piece);
+    free(text);
+    return rc;
+}
 
 int kvb_cmd_tokenize(int argc, char **argv) {
-    (void)argc;
-    fprintf(stderr, "kvbridge %s: not built yet\n", argv[0]);
-    return 2;
+    const char *model = NULL;
+    bool special = true, dec = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (kvb_arg_is_help(a)) {
+            usage(stdout);
+            return 0;
+        } else if (strcmp(a, "-m") == 0 || strcmp(a, "--model") == 0) {
+            if (!(model = kvb_arg_value("tokenize", argc, argv, &i))) return 2;
+        } else if (strcmp(a, "--no-special") == 0) {
+            special = false;
+        } else if (strcmp(a, "--decode") == 0) {
+            dec = true;
+        } else {
+            fprintf(stderr, "kvbridge tokenize: unknown option '%s' (see kvbridge tokenize --help)\n", a);
+            return 2;
+        }
+    }
+    if (!model) {
+        fprintf(stderr, "kvbridge tokenize: -m MODEL is required (see kvbridge tokenize --help)\n");
+        return 2;
+    }
+    kvb_err err = {0};
+    kvb_gguf *g = NULL;
+    kvb_tokenizer *t = NULL;
+    if (kvb_gguf_open(model, &g, &err) != KVB_OK || kvb_tokenizer_load(g, &t, &err) != KVB_OK) {
+        fprintf(stderr, "kvbridge tokenize: %s\n", err.msg);
+        kvb_gguf_close(g);
+        return 1;
+    }
+    int rc = dec ? decode(t, special) : encode(t, special);
+    kvb_tokenizer_free(t);
+    kvb_gguf_close(g);
+    return rc;
 }

@@ -15,6 +15,7 @@ static const kvb_subcommand k_commands[] = {
     {"gen-model", kvb_cmd_gen_model, "write a GGUF with a real architecture and seeded weights"},
     {"run", kvb_cmd_run, "generate text or token ids from a GGUF model on this machine"},
     {"bench", kvb_cmd_bench, "measure prefill and decode speed against the machine's limits"},
+    {"verify", kvb_cmd_verify, "prove the bridge writes the decoder's own cache bytes (N/N table)"},
     {"tokenize", kvb_cmd_tokenize, "text on stdin to token ids (or --decode ids to text)"},
     {"inspect", kvb_cmd_inspect, "print a GGUF file's metadata and tensors, validating it"},
 };

@@ -101,7 +101,8 @@ static kvb_status forward_chunk(kvb_engine *e, kvb_seq *s, const int32_t *tokens
         tok_job tj = {.e = e, .layer = l, .n = n, .norm_w = w->attn_norm, .src = e->x, .dst = e->h};
         kvb_pool_parallel_for(tok_pool, (int)n, norm_task, &tj);
 
-        kvb_kv_produce_args ka = {m, l, e->fmt.dtype, e->pool, e->rope_cos, e->rope_sin};
+        if (e->o.layer_hook && (st = e->o.layer_hook(e->o.layer_hook_ctx, l, pos0, n, e->h, err))) return st;
+        kvb_kv_produce_args ka = {m, l, e->fmt.dtype, e->pool, e->rope_cos, e->rope_sin, false};
         kvb_kv_produce(&ka, e->h, n, e->kv_scratch, e->k_rows, e->v_rows);
         store_kv_rows(e, s, l, pos0, n);
 

@@ -16,6 +16,24 @@ size_t kvb_kv_produce_scratch_bytes(const kvb_model *m, uint32_t n) {
     return 2 * align64((size_t)n * kv * sizeof(float)) + align64((size_t)n * act);
 }
 
+/* Test-only variant of k = Wk h with the sum split at the middle block: a different association
+ * of the same additions. Never used outside verification. */
+static void perturbed_k_projection(const kvb_mat *W, const float *h, uint32_t n, float *k, uint8_t *act) {
+    const uint32_t at = kvb_act_type(W->type);
+    const int64_t half = (W->cols / 2 / 32) * 32;
+    const size_t act_stride = kvb_row_bytes(at, W->cols), w_half = kvb_row_bytes(W->type, half),
+                 a_half = kvb_row_bytes(at, half);
+    for (uint32_t t = 0; t < n; t++) {
+        uint8_t *xa = act + (size_t)t * act_stride;
+        kvb_quantize_act(W->type, h + (size_t)t * W->cols, xa, W->cols);
+        for (int64_t r = 0; r < W->rows; r++) {
+            const uint8_t *wr = (const uint8_t *)W->data + (size_t)r * W->row_bytes;
+            k[(size_t)t * W->rows + r] =
+                kvb_dot(W->type, wr, xa, half) + kvb_dot(W->type, wr + w_half, xa + a_half, W->cols - half);
+        }
+    }
+}
+
 void kvb_kv_produce(const kvb_kv_produce_args *a, const float *h, uint32_t n, void *scratch, uint8_t *k_rows,
                     uint8_t *v_rows) {
     const kvb_model_desc *d = &a->m->d;
@@ -28,6 +46,7 @@ void kvb_kv_produce(const kvb_kv_produce_args *a, const float *h, uint32_t n, vo
     uint8_t *act = (uint8_t *)v + align64((size_t)n * kvw * sizeof(float));
 
     kvb_cpu_matmul(a->pool, &w->wk, h, n, k, act);
+    if (a->test_perturb) perturbed_k_projection(&w->wk, h, n, k, act);
     kvb_cpu_matmul(a->pool, &w->wv, h, n, v, act);
     for (uint32_t t = 0; t < n; t++) {
         float *kt = k + t * kvw, *vt = v + t * kvw;

@@ -13,6 +13,12 @@
 #include "kvb_model.h"
 #include "kvb_store.h"
 
+/* Called for every (chunk, layer) with the layer's attention inputs h (n, n_embd) — the
+ * attention-normed hidden states — at positions pos0 .. pos0+n-1, before the layer's attention.
+ * A non-OK return aborts the forward pass with that error. The bridge hooks here. */
+typedef kvb_status (*kvb_layer_hook)(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
+                                     kvb_err *err);
+
 typedef struct {
     int n_threads;          /* 0 = all CPUs */
     uint32_t cache_dtype;   /* kvb_type for the KV cache (F32 = 0, F16, BF16, Q8_0); the CLI defaults to F16 */
@@ -20,6 +26,8 @@ typedef struct {
     uint32_t max_ctx;       /* max tokens per sequence; 0 = the model's training context, capped at 8192 */
     uint32_t n_blocks;      /* blocks in the engine's own store; 0 = enough for one max_ctx sequence */
     kvb_store *store;       /* a shared store to use instead of its own (its format must match) */
+    kvb_layer_hook layer_hook; /* optional */
+    void *layer_hook_ctx;
     uint32_t max_batch;     /* tokens per forward chunk; 0 = 512 */
 } kvb_engine_opts;
 
@@ -70,6 +78,8 @@ typedef struct {
     kvb_pool *pool;        /* may be NULL */
     const float *rope_cos; /* (n, n_rot/2) for these positions */
     const float *rope_sin; /* (n, n_rot/2) */
+    bool test_perturb;     /* test-only: K projection as dot(first half) + dot(second half) — one
+                              reordered addition — so verification can prove it detects a change */
 } kvb_kv_produce_args;
 /* scratch: >= kvb_kv_produce_scratch_bytes(m, n) bytes, 64-byte aligned. */
 size_t kvb_kv_produce_scratch_bytes(const kvb_model *m, uint32_t n);

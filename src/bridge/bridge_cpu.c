@@ -1,0 +1,101 @@
+/* bridge/bridge_cpu.c — the CPU bridge producer: attention inputs of one (chunk, layer) ->
+ * the decoder's cache rows via kvb_kv_produce (the decoder's own arithmetic, the same function
+ * the decoder's engine fills its cache with) -> slabs cut at block boundaries -> the sink. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvb_bridge.h"
+#include "kvb_quant.h"
+#include "kvb_store.h"
+
+struct kvb_bridge_cpu {
+    const kvb_model *m;
+    kvb_kvformat fmt;
+    kvb_pool *pool;
+    uint32_t max_chunk;
+    double *inv_freq;            /* (n_rot/2) */
+    float *rope_cos, *rope_sin;  /* (max_chunk, n_rot/2) */
+    void *scratch;
+    uint8_t *k_rows, *v_rows;    /* (max_chunk, n_head_kv, row_bytes) */
+    uint32_t ship_tokens;
+    kvb_slab_sink sink;
+    void *sink_ctx;
+    bool perturbed;
+};
+
+kvb_status kvb_bridge_cpu_create(const kvb_model *decoder, const kvb_kvformat *fmt, kvb_pool *pool,
+                                 uint32_t max_chunk, kvb_bridge_cpu **out, kvb_err *err) {
+    *out = NULL;
+    const kvb_model_desc *d = &decoder->d;
+    if (fmt->n_layer != d->n_layer || fmt->n_head_kv != d->n_head_kv || fmt->head_dim != d->head_dim)
+        return kvb_err_set(err, KVB_ERR_INVALID, "cache format geometry does not match the decoder's model");
+    kvb_bridge_cpu *b = calloc(1, sizeof *b);
+    if (!b) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory creating the bridge");
+    b->m = decoder;
+    b->fmt = *fmt;
+    b->pool = pool;
+    b->max_chunk = max_chunk;
+    const size_t half = d->n_rot / 2, rows = (size_t)max_chunk * d->n_head_kv * kvb_kvformat_row_bytes(fmt);
+    b->inv_freq = malloc(sizeof(double) * half);
+    b->rope_cos = malloc(sizeof(float) * half * max_chunk);
+    b->rope_sin = malloc(sizeof(float) * half * max_chunk);
+    b->scratch = kvb_aligned_alloc(64, kvb_kv_produce_scratch_bytes(decoder, max_chunk));
+    b->k_rows = malloc(rows);
+    b->v_rows = malloc(rows);
+    if (!b->inv_freq || !b->rope_cos || !b->rope_sin || !b->scratch || !b->k_rows || !b->v_rows) {
+        kvb_bridge_cpu_free(b);
+        return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for bridge buffers (%u tokens)", max_chunk);
+    }
+    kvb_rope_inv_freq(decoder, b->inv_freq);
+    *out = b;
+    return KVB_OK;
+}
+
+void kvb_bridge_cpu_free(kvb_bridge_cpu *b) {
+    if (!b) return;
+    free(b->inv_freq);
+    free(b->rope_cos);
+    free(b->rope_sin);
+    kvb_aligned_free(b->scratch);
+    free(b->k_rows);
+    free(b->v_rows);
+    free(b);
+}
+
+void kvb_bridge_cpu_begin(kvb_bridge_cpu *b, uint32_t ship_tokens, kvb_slab_sink sink, void *sink_ctx) {
+    b->ship_tokens = ship_tokens;
+    b->sink = sink;
+    b->sink_ctx = sink_ctx;
+}
+
+void kvb_bridge_cpu_set_perturbed(kvb_bridge_cpu *b, bool perturbed) { b->perturbed = perturbed; }
+
+kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
+                                kvb_err *err) {
+    kvb_bridge_cpu *b = bridge;
+    if (pos0 >= b->ship_tokens) return KVB_OK;
+    if (n > b->ship_tokens - pos0) n = b->ship_tokens - pos0; /* only what the decoder lacks */
+    if (n > b->max_chunk)
+        return kvb_err_set(err, KVB_ERR_INVALID, "bridge chunk of %u tokens exceeds its buffers (%u)", n, b->max_chunk);
+    const kvb_model_desc *d = &b->m->d;
+    kvb_rope_table(b->inv_freq, d->n_rot, pos0, n, b->rope_cos, b->rope_sin);
+    kvb_kv_produce_args a = {b->m, layer, b->fmt.dtype, b->pool, b->rope_cos, b->rope_sin, b->perturbed};
+    kvb_kv_produce(&a, h, n, b->scratch, b->k_rows, b->v_rows);
+    const size_t tok_bytes = (size_t)d->n_head_kv * kvb_kvformat_row_bytes(&b->fmt);
+    const uint32_t bt = b->fmt.block_tokens;
+    for (uint32_t t = 0; t < n;) {
+        uint32_t p = pos0 + t, in_block = bt - p % bt, cnt = n - t < in_block ? n - t : in_block;
+        kvb_slab s = {.layer = layer,
+                      .pos0 = p,
+                      .n = cnt,
+                      .k = b->k_rows + (size_t)t * tok_bytes,
+                      .v = b->v_rows + (size_t)t * tok_bytes,
+                      .k_bytes = cnt * tok_bytes,
+                      .v_bytes = cnt * tok_bytes};
+        s.checksum = kvb_slab_checksum(s.k, s.k_bytes, s.v, s.v_bytes);
+        kvb_status st = b->sink(b->sink_ctx, &s, err);
+        if (st) return st;
+        t += cnt;
+    }
+    return KVB_OK;
+}

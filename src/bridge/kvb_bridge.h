@@ -1,0 +1,72 @@
+/* bridge — turns a prefill engine's attention inputs into the decoder's own cache: for each
+ * (chunk, layer) it runs the decoder's cache-producing arithmetic (kvb_kv_produce, with the
+ * DECODER's K/V weights and cache format) and cuts the encoded rows into slabs at block
+ * boundaries, each with its XXH3 checksum, handed to a sink (the transport, or a store's slab
+ * assembler in tests and `kvbridge verify`). Only tokens of full blocks before the last prompt
+ * token are shipped: the decoder computes the tail and the last token itself. */
+#ifndef KVB_BRIDGE_H
+#define KVB_BRIDGE_H
+
+#include <stdint.h>
+
+#include "kvb_core.h"
+#include "kvb_engine_cpu.h"
+#include "kvb_kvformat.h"
+#include "kvb_model.h"
+
+/* One slab: tokens [pos0, pos0+n) of one layer, all inside one cache block.
+ * k, v: (n, n_head_kv, row_bytes) in the decoder's cache dtype. */
+typedef struct {
+    uint32_t layer;
+    uint32_t pos0, n;
+    const uint8_t *k, *v;
+    size_t k_bytes, v_bytes;
+    uint64_t checksum; /* kvb_slab_checksum(k, v) */
+} kvb_slab;
+
+typedef kvb_status (*kvb_slab_sink)(void *ctx, const kvb_slab *slab, kvb_err *err);
+
+typedef struct kvb_bridge_cpu kvb_bridge_cpu;
+
+/* decoder: the decoder's model (its K/V weights and arithmetic); fmt: the decoder's cache format;
+ * ship_tokens: how many leading positions to ship (a multiple of fmt->block_tokens); max_chunk:
+ * the largest chunk of attention inputs one call passes. */
+kvb_status kvb_bridge_cpu_create(const kvb_model *decoder, const kvb_kvformat *fmt, kvb_pool *pool,
+                                 uint32_t max_chunk, kvb_bridge_cpu **out, kvb_err *err);
+void kvb_bridge_cpu_free(kvb_bridge_cpu *b);
+/* Sets the sink and how many leading positions to ship for the next prompt. */
+void kvb_bridge_cpu_begin(kvb_bridge_cpu *b, uint32_t ship_tokens, kvb_slab_sink sink, void *sink_ctx);
+/* The engine's layer hook (kvb_layer_hook): h (n, n_embd) attention inputs at pos0 .. pos0+n-1. */
+kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
+                                kvb_err *err);
+/* Test-only: perturb the bridge's arithmetic by one reordered addition (the K bias is added to the
+ * projection in a different association), so `kvbridge verify` can prove it detects a change. */
+void kvb_bridge_cpu_set_perturbed(kvb_bridge_cpu *b, bool perturbed);
+
+/* ---- verification (`kvbridge verify`) ------------------------------------------------------ */
+
+typedef struct {
+    uint32_t cache_dtype;  /* the decoder's cache format under test */
+    uint32_t block_tokens; /* e.g. 16 */
+    uint32_t prompt_tokens;/* e.g. 4 blocks + 7 */
+    uint64_t seed;         /* prompt tokens */
+    int n_threads;
+    bool perturb;          /* test-only: perturb the bridge; every exactness row must then fail */
+} kvb_verify_opts;
+
+typedef struct {
+    uint32_t arrays_ok, arrays_total;   /* (layer x K/V) cache arrays bit-identical: bridge vs decoder */
+    uint32_t blocks_ok, blocks_total;   /* blocks committed via slabs vs blocks the decoder committed */
+    uint32_t chunked_ok, chunked_total; /* (layer x K/V) bridge output chunked (odd chunks) == one-shot */
+    uint64_t slab_bytes;                /* bytes the bridge shipped */
+} kvb_verify_result;
+
+/* Runs the decoder natively on a random prompt (its engine commits its own blocks) and records
+ * its attention inputs; feeds those same inputs through the CPU bridge (one shot, and in odd
+ * 5-token chunks), assembling the one-shot slabs into a second store through the slab path and
+ * the one block writer; compares arrays, blocks and chunked output bit for bit. ("Given the same
+ * attention input" is the decoder-exact claim; how close a different prefill engine's inputs
+ * are is measured separately as end-to-end quality.) */
+kvb_status kvb_verify_cpu(const kvb_model *m, const kvb_verify_opts *o, kvb_verify_result *r, kvb_err *err);
+
+#endif

@@ -1,0 +1,68 @@
+/* engine/cuda/cuda_kernels.h — private to the CUDA engine (not a contract): the kernel launchers
+ * the host code calls. Plain C on the host side (the .cu files define them extern "C"); each
+ * returns the launch's cudaError_t (cudaGetLastError after the launch). bf16 buffers are void *. */
+#ifndef KVB_CUDA_KERNELS_H
+#define KVB_CUDA_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The paged bf16 cache as kernels address it: row (layer, kv, kv_head, pos) lives in block
+ * blocks[pos >> bt_shift] at row index ((layer*2 + kv)*n_head_kv + kv_head)*bt + (pos & (bt-1)),
+ * rows of head_dim bf16 (kvformat's layout). */
+typedef struct {
+    uint8_t *pool;
+    size_t block_bytes;
+    const int32_t *blocks; /* device: the sequence's block table */
+    int bt_shift;
+    int n_head_kv, head_dim;
+} kvb_cu_cache;
+
+/* x (n, E) f32 = widen(table[tok[t]]), table (V, E) bf16. */
+cudaError_t kvb_cu_embed(const void *table, const int32_t *tok, int n, int E, float *x, cudaStream_t st);
+/* For rows r < n: y[r*y_stride ..] = bf16((x[r*x_stride ..] * (1/sqrtf(ss/E + eps))) * w). */
+cudaError_t kvb_cu_rmsnorm(const float *x, size_t x_stride, int n, int E, const float *w, float eps, void *y,
+                           size_t y_stride, cudaStream_t st);
+
+typedef struct {
+    const float *qkv; /* (n, (H + 2 Hkv) * D) f32 */
+    int n, H, Hkv, D, n_rot, neox;
+    const float *bias;           /* ((H + 2 Hkv) * D) or NULL */
+    const float *q_norm, *k_norm; /* (D) or NULL */
+    float eps;
+    const float *rope_cos, *rope_sin; /* (positions, n_rot/2), row = absolute position */
+    int pos0;
+    void *q_out; /* (n, H * D) bf16 */
+    kvb_cu_cache cache;
+    int layer;
+} kvb_cu_qkv_post_args;
+cudaError_t kvb_cu_qkv_post(const kvb_cu_qkv_post_args *a, cudaStream_t st);
+
+/* out (n, FF) bf16 = bf16(silu(g) * u), gu (n, 2 FF) bf16 rows [g | u]. */
+cudaError_t kvb_cu_swiglu(const void *gu, int n, int FF, void *out, cudaStream_t st);
+
+typedef struct {
+    const void *q; /* (n, H * D) bf16 */
+    void *out;     /* (n, H * D) bf16 */
+    kvb_cu_cache cache;
+    int layer, H, Hkv, D, n, pos0;
+} kvb_cu_attn_args;
+/* variant 0: tensor-core flash attention when D is 64 or 128, else generic; 1: generic. */
+cudaError_t kvb_cu_attention(const kvb_cu_attn_args *a, int variant, cudaStream_t st);
+/* One-time per-process setup (shared-memory limits); idempotent. */
+cudaError_t kvb_cu_attention_init(void);
+
+/* n bf16 values, uniform in [-scale, scale), from a counter-based hash of (seed, index). */
+cudaError_t kvb_cu_fill_random_bf16(void *p, size_t n, uint64_t seed, float scale, cudaStream_t st);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,244 @@
+/* engine/cuda/kernels.cu — the elementwise and row kernels of the CUDA forward pass: embedding
+ * gather, RMSNorm (f32 in, bf16 out), the fused QKV epilogue (bias, per-head q/k RMSNorm, RoPE,
+ * q out, K/V into the paged cache), SwiGLU, and a random fill for benchmarks. Each has a CPU twin
+ * in tests/test_cuda_kernels.c. RoPE products are rounded one by one (__fmul_rn/__fsub_rn/
+ * __fadd_rn) like the CPU engine's; reductions use f32 in a fixed tree order. */
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "cuda_kernels.h"
+
+typedef __nv_bfloat16 bf16;
+
+/* ---- embedding --------------------------------------------------------------------------- */
+
+__global__ void embed_kernel(const bf16 *__restrict__ table, const int32_t *__restrict__ tok, int E,
+                             float *__restrict__ x) {
+    const int t = blockIdx.x;
+    const bf16 *row = table + (size_t)tok[t] * E;
+    float *out = x + (size_t)t * E;
+    if ((E & 1) == 0) {
+        const __nv_bfloat162 *r2 = reinterpret_cast<const __nv_bfloat162 *>(row);
+        float2 *o2 = reinterpret_cast<float2 *>(out);
+        for (int i = threadIdx.x; i < E / 2; i += blockDim.x) o2[i] = __bfloat1622float2(r2[i]);
+    } else {
+        for (int i = threadIdx.x; i < E; i += blockDim.x) out[i] = __bfloat162float(row[i]);
+    }
+}
+
+extern "C" cudaError_t kvb_cu_embed(const void *table, const int32_t *tok, int n, int E, float *x,
+                                    cudaStream_t st) {
+    if (n <= 0) return cudaSuccess;
+    embed_kernel<<<n, 256, 0, st>>>((const bf16 *)table, tok, E, x);
+    return cudaGetLastError();
+}
+
+/* ---- RMSNorm ----------------------------------------------------------------------------- */
+
+/* Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result. */
+__device__ __forceinline__ float block_sum(float v, float *red) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    __syncthreads(); /* red may still be read from a previous call */
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = lane < nw ? red[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+}
+
+__global__ void rmsnorm_kernel(const float *__restrict__ x, size_t x_stride, int E, const float *__restrict__ w,
+                               float eps, bf16 *__restrict__ y, size_t y_stride) {
+    __shared__ float red[32];
+    const float *xr = x + (size_t)blockIdx.x * x_stride;
+    bf16 *yr = y + (size_t)blockIdx.x * y_stride;
+    float ss = 0.0f;
+    if ((E & 3) == 0) {
+        const float4 *x4 = reinterpret_cast<const float4 *>(xr);
+        for (int i = threadIdx.x; i < E / 4; i += blockDim.x) {
+            float4 v = x4[i];
+            ss = fmaf(v.x, v.x, ss);
+            ss = fmaf(v.y, v.y, ss);
+            ss = fmaf(v.z, v.z, ss);
+            ss = fmaf(v.w, v.w, ss);
+        }
+    } else {
+        for (int i = threadIdx.x; i < E; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    }
+    ss = block_sum(ss, red);
+    const float r = 1.0f / sqrtf(__fdiv_rn(ss, (float)E) + eps);
+    if ((E & 3) == 0) {
+        const float4 *x4 = reinterpret_cast<const float4 *>(xr);
+        const float4 *w4 = reinterpret_cast<const float4 *>(w);
+        __nv_bfloat162 *y2 = reinterpret_cast<__nv_bfloat162 *>(yr);
+        for (int i = threadIdx.x; i < E / 4; i += blockDim.x) {
+            float4 v = x4[i], g = w4[i];
+            y2[2 * i] = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(v.x, r), g.x), __fmul_rn(__fmul_rn(v.y, r), g.y));
+            y2[2 * i + 1] =
+                __floats2bfloat162_rn(__fmul_rn(__fmul_rn(v.z, r), g.z), __fmul_rn(__fmul_rn(v.w, r), g.w));
+        }
+    } else {
+        for (int i = threadIdx.x; i < E; i += blockDim.x) yr[i] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(xr[i], r), w[i]));
+    }
+}
+
+extern "C" cudaError_t kvb_cu_rmsnorm(const float *x, size_t x_stride, int n, int E, const float *w, float eps,
+                                      void *y, size_t y_stride, cudaStream_t st) {
+    if (n <= 0) return cudaSuccess;
+    int threads = E >= 4096 ? 512 : E >= 1024 ? 256 : 128;
+    rmsnorm_kernel<<<n, threads, 0, st>>>(x, x_stride, E, w, eps, (bf16 *)y, y_stride);
+    return cudaGetLastError();
+}
+
+/* ---- fused QKV epilogue -------------------------------------------------------------------- */
+
+#define QKV_WARPS 4
+#define QKV_MAX_D 256
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__global__ void qkv_post_kernel(kvb_cu_qkv_post_args a) {
+    __shared__ float buf[QKV_WARPS][QKV_MAX_D];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int S = a.H + 2 * a.Hkv, D = a.D;
+    const long long wid = (long long)blockIdx.x * QKV_WARPS + warp;
+    if (wid >= (long long)a.n * S) return; /* whole warp leaves together: no block barrier below */
+    const int t = (int)(wid / S), slot = (int)(wid % S);
+    const float *src = a.qkv + (size_t)t * S * D + (size_t)slot * D;
+    float *b = buf[warp];
+    float ss = 0.0f;
+    for (int i = lane; i < D; i += 32) {
+        float v = src[i];
+        if (a.bias) v = __fadd_rn(v, a.bias[(size_t)slot * D + i]);
+        b[i] = v;
+        ss = fmaf(v, v, ss);
+    }
+    const bool is_q = slot < a.H, is_k = !is_q && slot < a.H + a.Hkv;
+    const float *nw = is_q ? a.q_norm : is_k ? a.k_norm : nullptr;
+    if (nw) {
+        ss = warp_sum(ss);
+        const float r = 1.0f / sqrtf(__fdiv_rn(ss, (float)D) + a.eps);
+        for (int i = lane; i < D; i += 32) b[i] = __fmul_rn(__fmul_rn(b[i], r), nw[i]);
+    }
+    __syncwarp();
+    const int pos = a.pos0 + t, half = a.n_rot / 2;
+    bf16 *dst;
+    if (is_q) {
+        dst = (bf16 *)a.q_out + (size_t)t * a.H * D + (size_t)slot * D;
+    } else {
+        const int kv = is_k ? 0 : 1, kvh = is_k ? slot - a.H : slot - a.H - a.Hkv;
+        const kvb_cu_cache *c = &a.cache;
+        const size_t row = (((size_t)a.layer * 2 + kv) * c->n_head_kv + kvh) << c->bt_shift;
+        const int blk = c->blocks[pos >> c->bt_shift];
+        dst = (bf16 *)(c->pool + (size_t)blk * c->block_bytes) +
+              (row + (size_t)(pos & ((1 << c->bt_shift) - 1))) * (size_t)D;
+    }
+    const float *cs = a.rope_cos + (size_t)pos * half, *sn = a.rope_sin + (size_t)pos * half;
+    for (int i = lane; i < D; i += 32) {
+        float o = b[i];
+        if ((is_q || is_k) && i < a.n_rot) {
+            if (a.neox) {
+                if (i < half) {
+                    float x0 = b[i], x1 = b[i + half];
+                    o = __fsub_rn(__fmul_rn(x0, cs[i]), __fmul_rn(x1, sn[i]));
+                } else {
+                    const int k = i - half;
+                    float x0 = b[k], x1 = b[i];
+                    o = __fadd_rn(__fmul_rn(x0, sn[k]), __fmul_rn(x1, cs[k]));
+                }
+            } else {
+                const int k = i >> 1;
+                if ((i & 1) == 0) {
+                    float x0 = b[i], x1 = b[i + 1];
+                    o = __fsub_rn(__fmul_rn(x0, cs[k]), __fmul_rn(x1, sn[k]));
+                } else {
+                    float x0 = b[i - 1], x1 = b[i];
+                    o = __fadd_rn(__fmul_rn(x0, sn[k]), __fmul_rn(x1, cs[k]));
+                }
+            }
+        }
+        dst[i] = __float2bfloat16_rn(o);
+    }
+}
+
+extern "C" cudaError_t kvb_cu_qkv_post(const kvb_cu_qkv_post_args *a, cudaStream_t st) {
+    if (a->n <= 0) return cudaSuccess;
+    if (a->D > QKV_MAX_D || a->D <= 0) return cudaErrorInvalidValue;
+    const long long warps = (long long)a->n * (a->H + 2 * a->Hkv);
+    const long long blocks = (warps + QKV_WARPS - 1) / QKV_WARPS;
+    if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
+    qkv_post_kernel<<<(unsigned)blocks, QKV_WARPS * 32, 0, st>>>(*a);
+    return cudaGetLastError();
+}
+
+/* ---- SwiGLU -------------------------------------------------------------------------------- */
+
+__device__ __forceinline__ float silu_mul(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+
+__global__ void swiglu2_kernel(const __nv_bfloat162 *__restrict__ gu, long long n_pairs, int FF2,
+                               __nv_bfloat162 *__restrict__ out) {
+    /* FF2 = FF / 2 pairs per row; row t: g pairs [t*2*FF2, +FF2), u pairs after them */
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n_pairs;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const long long t = idx / FF2, i = idx % FF2;
+        const float2 g = __bfloat1622float2(gu[t * 2 * FF2 + i]);
+        const float2 u = __bfloat1622float2(gu[t * 2 * FF2 + FF2 + i]);
+        out[idx] = __floats2bfloat162_rn(silu_mul(g.x, u.x), silu_mul(g.y, u.y));
+    }
+}
+
+__global__ void swiglu1_kernel(const bf16 *__restrict__ gu, long long n_el, int FF, bf16 *__restrict__ out) {
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n_el;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const long long t = idx / FF, i = idx % FF;
+        out[idx] = __float2bfloat16_rn(
+            silu_mul(__bfloat162float(gu[t * 2 * FF + i]), __bfloat162float(gu[t * 2 * FF + FF + i])));
+    }
+}
+
+extern "C" cudaError_t kvb_cu_swiglu(const void *gu, int n, int FF, void *out, cudaStream_t st) {
+    if (n <= 0) return cudaSuccess;
+    if ((FF & 1) == 0) {
+        long long pairs = (long long)n * (FF / 2);
+        long long blocks = (pairs + 255) / 256;
+        if (blocks > 132 * 64) blocks = 132 * 64;
+        swiglu2_kernel<<<(unsigned)blocks, 256, 0, st>>>((const __nv_bfloat162 *)gu, pairs, FF / 2,
+                                                         (__nv_bfloat162 *)out);
+    } else {
+        long long el = (long long)n * FF;
+        long long blocks = (el + 255) / 256;
+        if (blocks > 132 * 64) blocks = 132 * 64;
+        swiglu1_kernel<<<(unsigned)blocks, 256, 0, st>>>((const bf16 *)gu, el, FF, (bf16 *)out);
+    }
+    return cudaGetLastError();
+}
+
+/* ---- random fill (benchmarks) ----------------------------------------------------------------- */
+
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+__global__ void fill_random_kernel(bf16 *p, size_t n, uint64_t seed, float scale) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t h = mix64(seed + 0x9e3779b97f4a7c15ULL * (i + 1));
+        float u = (float)(h >> 40) * (1.0f / 16777216.0f); /* [0, 1) */
+        p[i] = __float2bfloat16_rn((2.0f * u - 1.0f) * scale);
+    }
+}
+
+extern "C" cudaError_t kvb_cu_fill_random_bf16(void *p, size_t n, uint64_t seed, float scale, cudaStream_t st) {
+    if (n == 0) return cudaSuccess;
+    fill_random_kernel<<<132 * 16, 256, 0, st>>>((bf16 *)p, n, seed, scale);
+    return cudaGetLastError();
+}

@@ -1,0 +1,148 @@
+/* engine/cuda — the CUDA engine: bf16 weights on the GPU (F32/F16/BF16/Q8_0/Q4_0 files are
+ * converted at load), cuBLAS GEMMs (bf16 operands, f32 accumulation), fused kernels (RMSNorm,
+ * bias + q/k-norm + RoPE + cache write, SwiGLU; the residual add rides on the GEMM epilogue) and
+ * a causal flash-attention kernel (tensor cores, online softmax) over a paged bf16 KV cache that
+ * may already hold a prefix. Long prompts run in chunks of max_batch tokens, so activation memory
+ * is fixed at creation, whatever the prompt length. Filled blocks are indexed under their chain
+ * keys (the store module's kvb_chain_root / kvb_chain_next, rooted in the model and cache-format
+ * fingerprints), so a prompt that extends a cached prefix computes only the new part.
+ *
+ * This header is plain C and includes no CUDA header. Every CUDA and cuBLAS call is checked; a
+ * failure comes back as a kvb_status with a message naming the call and the CUDA error; nothing
+ * here exits. The engine runs on one stream; calls on one engine must not overlap.
+ *
+ * Cache layout: kvformat's (layer, k_or_v, kv_head, token, head_dim) per block, dtype BF16.
+ * Arithmetic (what "bf16 forward" means here, so tolerances can be argued):
+ *   x (residual stream)  f32 on the device; embedding rows are the bf16 weights widened
+ *   h = rmsnorm(x) * w   f32 math, rounded to bf16 (GEMM operand)
+ *   qkv = W_qkv h        bf16 x bf16, f32 accumulate, f32 out; + bias (f32); q/k-norm in f32;
+ *                        RoPE from kvb_rope_table (one host table, products rounded, no fma);
+ *                        q rounded to bf16, K and V rounded to bf16 into the cache
+ *   attention            bf16 Q.K^T and P.V on tensor cores with f32 accumulation, f32 online
+ *                        softmax (P rounded to bf16 for the P.V product), output rounded to bf16
+ *   x += W_o att         f32 out, residual added in the GEMM (beta = 1)
+ *   g|u = W_gu h         bf16 out; a = silu(g) * u in f32, rounded to bf16; x += W_down a (f32)
+ *   logits = W_out rmsnorm(x)   f32 out */
+#ifndef KVB_ENGINE_CUDA_H
+#define KVB_ENGINE_CUDA_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvb_core.h"
+#include "kvb_kvformat.h"
+#include "kvb_model.h"
+
+typedef struct {
+    int device;            /* CUDA device ordinal (default 0) */
+    uint32_t block_tokens; /* tokens per cache block: a power of two in [16, 1024]; 0 = 64 */
+    uint32_t max_ctx;      /* max tokens per sequence; 0 = min(training context, 8192) */
+    uint32_t n_blocks;     /* cache blocks on the GPU; 0 = enough for one max_ctx sequence */
+    uint32_t max_batch;    /* tokens per forward chunk (activation memory grows with it); 0 = 8192 */
+    bool no_prefix_cache;  /* true: filled blocks are not indexed (every prompt computed cold) */
+    int n_threads;         /* host threads for converting weights at load; 0 = all CPUs */
+} kvb_cuda_opts;
+
+typedef struct kvb_cuda_engine kvb_cuda_engine;
+typedef struct kvb_cuda_seq kvb_cuda_seq;
+
+/* True when a CUDA device can be used; otherwise false with the reason in why (e.g. "no CUDA
+ * device: CUDA driver version is insufficient for CUDA runtime version"). */
+bool kvb_cuda_device_available(char *why, size_t cap);
+
+kvb_status kvb_cuda_engine_create(const kvb_model *m, const kvb_cuda_opts *o, kvb_cuda_engine **out, kvb_err *err);
+void kvb_cuda_engine_free(kvb_cuda_engine *e);
+const kvb_kvformat *kvb_cuda_engine_kvformat(const kvb_cuda_engine *e);
+/* The options after defaults were applied. */
+const kvb_cuda_opts *kvb_cuda_engine_opts(const kvb_cuda_engine *e);
+/* "NVIDIA H200, 132 SMs, 139.8 GiB; weights 15.0 GiB bf16, KV 4.0 GiB (512 blocks of 64 tokens)" */
+void kvb_cuda_engine_describe(const kvb_cuda_engine *e, char *buf, size_t cap);
+
+/* A sequence: its tokens and their K/V in blocks of the engine's GPU pool. */
+kvb_status kvb_cuda_seq_create(kvb_cuda_engine *e, kvb_cuda_seq **out, kvb_err *err);
+void kvb_cuda_seq_free(kvb_cuda_seq *s); /* releases its blocks (indexed ones stay cached) */
+uint32_t kvb_cuda_seq_len(const kvb_cuda_seq *s);
+/* On an empty sequence: adopts the longest cached chain of full blocks for tokens[0 .. n-2] (the
+ * last token is always computed, so its logits exist). *n_cached = tokens now in the sequence (a
+ * multiple of block_tokens); the caller forwards tokens[*n_cached .. n). */
+kvb_status kvb_cuda_seq_attach_cached(kvb_cuda_seq *s, const int32_t *tokens, uint32_t n, uint32_t *n_cached,
+                                      kvb_err *err);
+
+/* Runs tokens[0..n) at positions seq_len .. seq_len+n-1 in chunks of max_batch, appending their
+ * K/V to the sequence. logits: NULL, or (n_vocab) floats for the last token, or when all_logits
+ * (n, n_vocab) for every token. Returns when the logits are on the host. */
+kvb_status kvb_cuda_forward(kvb_cuda_engine *e, kvb_cuda_seq *s, const int32_t *tokens, uint32_t n, float *logits,
+                            bool all_logits, kvb_err *err);
+
+typedef struct {
+    size_t weight_bytes;     /* device bytes of weights */
+    size_t kv_bytes;         /* device bytes of the KV pool */
+    size_t act_bytes;        /* device bytes of activations, tables and workspaces */
+    size_t dev_total_bytes;  /* the device's memory */
+    size_t dev_used_bytes;   /* in use now on the device (cudaMemGetInfo; all processes) */
+    size_t dev_peak_used_bytes; /* the most seen in use at the end of a forward since creation */
+    uint32_t n_blocks, free_blocks, cached_blocks; /* cached: indexed blocks no sequence holds */
+    uint64_t prefix_hit_tokens; /* tokens adopted from the cache by attach_cached, in total */
+    double last_forward_s;   /* wall time of the last kvb_cuda_forward */
+    double last_enqueue_s;   /* of which the host spent enqueueing work before it waited */
+} kvb_cuda_stats;
+void kvb_cuda_engine_stats(kvb_cuda_engine *e, kvb_cuda_stats *out);
+
+/* The bf16 GEMM ceiling: C(m,n) = A(m,k) B(k,n) in bf16 with f32 accumulation through cuBLAS on
+ * random data, reps timed products (CUDA events, after warm-up). */
+kvb_status kvb_cuda_gemm_bench(int device, int m, int n, int k, int reps, double *tflops_median,
+                               double *tflops_best, kvb_err *err);
+
+/* ---- kernel entry points for tests --------------------------------------------------------
+ * Each copies its host inputs AND the current contents of its host outputs (so poison set by the
+ * caller reaches the device) to the device, runs one kernel, and copies the outputs back. bf16
+ * values are raw uint16_t bits. Not for production paths (they allocate and synchronise). */
+
+/* x (n, E) f32 = table[tok[t]] (V, E) bf16 widened. */
+kvb_status kvb_cuda_test_embed(const uint16_t *table, uint32_t V, uint32_t E, const int32_t *tok, uint32_t n,
+                               float *x, kvb_err *err);
+/* y (n, E) bf16 = bf16((x * (1/sqrtf(mean(x^2) + eps))) * w); x (n, E) f32. */
+kvb_status kvb_cuda_test_rmsnorm(const float *x, uint32_t n, uint32_t E, const float *w, float eps, uint16_t *y,
+                                 kvb_err *err);
+/* out (n, FF) bf16 = bf16(silu(g) * u) with gu (n, 2*FF) bf16 rows [g | u]. */
+kvb_status kvb_cuda_test_swiglu(const uint16_t *gu, uint32_t n, uint32_t FF, uint16_t *out, kvb_err *err);
+/* y (n, rows) f32 = beta * y + W x for W (rows, cols) bf16 and x (n, cols) bf16, through the
+ * engine's cuBLAS call. y_bf16: write bf16 (then beta must be 0). */
+kvb_status kvb_cuda_test_gemm(const uint16_t *W, uint32_t rows, uint32_t cols, const uint16_t *x, uint32_t n,
+                              float beta, void *y, bool y_bf16, kvb_err *err);
+
+/* The paged cache as tests see it: n_pool_blocks blocks of the kvformat layout (BF16). */
+typedef struct {
+    uint8_t *pool;           /* host copy (n_pool_blocks * block_bytes) */
+    uint32_t n_pool_blocks;
+    const int32_t *blocks;   /* the sequence's block table */
+    uint32_t n_table;
+    uint32_t block_tokens;   /* power of two */
+    uint32_t n_layer, n_head_kv, head_dim;
+} kvb_cuda_test_cache;
+
+/* The fused QKV epilogue: for token t (position pos0 + t) and each of the H + 2*Hkv head slots of
+ * qkv (n, (H + 2*Hkv) * D) f32: v = qkv + bias (if bias); q/k slots: rmsnorm with q_norm/k_norm
+ * (if given), RoPE (neox or pairs) with rope_cos/sin (rows = positions 0 .., n_rot/2 columns);
+ * q slots -> q_out (n, H*D) bf16; k and v slots -> the cache rows of layer `layer` (bf16). */
+typedef struct {
+    const float *qkv;
+    uint32_t n, H, Hkv, D, n_rot;
+    bool neox;
+    const float *bias, *q_norm, *k_norm; /* may be NULL */
+    float eps;
+    const float *rope_cos, *rope_sin;    /* (pos0 + n, n_rot/2) */
+    uint32_t pos0, layer;
+    uint16_t *q_out;
+    kvb_cuda_test_cache cache;           /* pool updated in place */
+} kvb_cuda_test_qkv_args;
+kvb_status kvb_cuda_test_qkv_post(const kvb_cuda_test_qkv_args *a, kvb_err *err);
+
+/* out (n, H*D) bf16 = causal attention of q (n, H*D) bf16 at positions pos0 .. pos0+n-1 over the
+ * cache's K/V of `layer` for positions 0 .. pos0+n-1; scale 1/sqrt(D); GQA head h -> h/(H/Hkv).
+ * variant 0: the engine's choice (tensor-core kernel for D = 64 or 128), 1: the generic kernel. */
+kvb_status kvb_cuda_test_attention(const uint16_t *q, uint32_t n, uint32_t H, uint32_t pos0, uint32_t layer,
+                                   const kvb_cuda_test_cache *cache, int variant, uint16_t *out, kvb_err *err);
+
+#endif
