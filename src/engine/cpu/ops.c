@@ -42,10 +42,11 @@ void kvb_cpu_matmul(kvb_pool *pool, const kvb_mat *W, const float *x, uint32_t n
     quant_job qj = {W->type, x, W->cols, act, act_stride};
     kvb_pool_parallel_for(n_tok > 1 ? pool : NULL, (int)n_tok, quant_task, &qj);
     int threads = kvb_pool_size(pool);
-    /* ~8 tasks per thread for balance; multiples of 4 rows for the register-blocked kernels */
+    /* ~8 tasks per thread for balance; multiples of 16 rows: the kernels share one activation
+     * preparation across a tile's rows and reach memory bandwidth from 16 rows up */
     int rpt = (int)((W->rows + (int64_t)threads * 8 - 1) / ((int64_t)threads * 8));
-    rpt = (rpt + 3) & ~3;
-    if (rpt < 4) rpt = 4;
+    rpt = (rpt + 15) & ~15;
+    if (rpt < 16) rpt = 16;
     matmul_job j = {W, act, act_stride, n_tok, y, rpt};
     kvb_pool_parallel_for(pool, (int)((W->rows + rpt - 1) / rpt), matmul_task, &j);
 }

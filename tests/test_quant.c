@@ -1,0 +1,892 @@
+/* tests/test_quant.c — the quant module: the type table and row sizes; fp16/bf16 conversions
+ * (all 65536 patterns, wide f32 sweeps against an independent float64 rounding model and, where
+ * the CPU has it, against F16C hardware); ggml's reference quantisers (known bytes, error bounds
+ * vs float64); and the canonical dot: the scalar code against an independently written model of
+ * the specification, every SIMD kernel set this CPU can run against the scalar code bit for bit
+ * (kvb_dot, kvb_matmul_tile with odd tiles and strides, kvb_quantize_act), and accuracy against a
+ * float64 dot. Random inputs are fresh each run (seed from the clock, printed; KVB_TEST_SEED=N
+ * replays one) and include rounding ties, zero blocks, huge/tiny and subnormal values, -0 and
+ * NaN/inf. Output buffers are poisoned with a NaN pattern before each call so an element a kernel
+ * forgets to write (or writes out of place) fails. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
+#include "kvb_core.h"
+#include "kvb_quant.h"
+
+static uint64_t g_seed;
+static kvb_rng g_rng;
+static const char *g_initial_simd; /* what dispatch chose at init (KVB_SIMD may force it) */
+
+#define POISON_BITS 0xffa5a5a5u /* a NaN no kernel produces */
+
+static float bits_f(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static uint32_t f_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+/* Bit-identical, except that any two NaNs match (the spec leaves NaN sign/payload open). */
+static int same(float a, float b) { return (isnan(a) && isnan(b)) || f_bits(a) == f_bits(b); }
+
+static uint32_t rnd32(void) { return (uint32_t)kvb_rng_u64(&g_rng); }
+static int rndint(int lo, int hi) { return lo + (int)(kvb_rng_u64(&g_rng) % (uint64_t)(hi - lo + 1)); }
+
+#define FAILF(...)                                                                                 \
+    do {                                                                                           \
+        print_error("seed %" PRIu64 " (KVB_TEST_SEED=%" PRIu64 " replays): ", g_seed, g_seed);     \
+        print_error(__VA_ARGS__);                                                                  \
+        fail();                                                                                    \
+    } while (0)
+
+static void *xmalloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    assert_non_null(p);
+    return p;
+}
+
+/* The kernel sets to compare; those this CPU/architecture cannot run are skipped. */
+static const char *const k_simd[] = {"avx512-vnni", "avx2", "neon"};
+
+static int force(const char *name) {
+    kvb_err err;
+    return kvb_simd_force(name, &err) == KVB_OK;
+}
+
+/* ---- type table -------------------------------------------------------------------------- */
+
+static void test_type_table(void **state) {
+    (void)state;
+    static const struct {
+        uint32_t t;
+        const char *name;
+        int be, bb, sup;
+    } want[] = {
+        {KVB_TYPE_F32, "F32", 1, 4, 1},      {KVB_TYPE_F16, "F16", 1, 2, 1},
+        {KVB_TYPE_Q4_0, "Q4_0", 32, 18, 1},  {KVB_TYPE_Q4_1, "Q4_1", 32, 20, 0},
+        {KVB_TYPE_Q5_0, "Q5_0", 32, 22, 0},  {KVB_TYPE_Q5_1, "Q5_1", 32, 24, 0},
+        {KVB_TYPE_Q8_0, "Q8_0", 32, 34, 1},  {KVB_TYPE_Q8_1, "Q8_1", 32, 36, 0},
+        {KVB_TYPE_Q2_K, "Q2_K", 256, 84, 0}, {KVB_TYPE_Q3_K, "Q3_K", 256, 110, 0},
+        {KVB_TYPE_Q4_K, "Q4_K", 256, 144, 0}, {KVB_TYPE_Q5_K, "Q5_K", 256, 176, 0},
+        {KVB_TYPE_Q6_K, "Q6_K", 256, 210, 0}, {KVB_TYPE_Q8_K, "Q8_K", 256, 292, 0},
+        {16, "IQ2_XXS", 256, 66, 0},          {17, "IQ2_XS", 256, 74, 0},
+        {18, "IQ3_XXS", 256, 98, 0},          {19, "IQ1_S", 256, 50, 0},
+        {20, "IQ4_NL", 32, 18, 0},            {21, "IQ3_S", 256, 110, 0},
+        {22, "IQ2_S", 256, 82, 0},            {23, "IQ4_XS", 256, 136, 0},
+        {KVB_TYPE_I8, "I8", 1, 1, 0},         {KVB_TYPE_I16, "I16", 1, 2, 0},
+        {KVB_TYPE_I32, "I32", 1, 4, 0},       {KVB_TYPE_I64, "I64", 1, 8, 0},
+        {KVB_TYPE_F64, "F64", 1, 8, 0},       {29, "IQ1_M", 256, 56, 0},
+        {KVB_TYPE_BF16, "BF16", 1, 2, 1},     {34, "TQ1_0", 256, 54, 0},
+        {35, "TQ2_0", 256, 66, 0},            {39, "MXFP4", 32, 17, 0},
+    };
+    int known = 0;
+    for (size_t i = 0; i < KVB_ARRAY_LEN(want); i++) {
+        const kvb_type_info *ti = kvb_type_get(want[i].t);
+        assert_non_null(ti);
+        assert_string_equal(ti->name, want[i].name);
+        assert_string_equal(kvb_type_name(want[i].t), want[i].name);
+        assert_int_equal(ti->block_elems, want[i].be);
+        assert_int_equal(ti->block_bytes, want[i].bb);
+        assert_int_equal(ti->supported, want[i].sup);
+        kvb_type parsed;
+        assert_int_equal(kvb_type_from_name(want[i].name, &parsed, NULL), KVB_OK);
+        assert_int_equal((uint32_t)parsed, want[i].t);
+        char lower[16];
+        snprintf(lower, sizeof lower, "%s", want[i].name);
+        for (char *c = lower; *c; c++) *c = (char)((*c >= 'A' && *c <= 'Z') ? *c + 32 : *c);
+        assert_int_equal(kvb_type_from_name(lower, &parsed, NULL), KVB_OK);
+        assert_int_equal((uint32_t)parsed, want[i].t);
+    }
+    for (uint32_t t = 0; t < 64; t++)
+        if (kvb_type_get(t)) known++;
+    assert_int_equal(known, (int)KVB_ARRAY_LEN(want)); /* removed numbers 4, 5, 31-33, 36-38 */
+    static const uint32_t unknown[] = {4, 5, 31, 32, 33, 36, 37, 38, 40, 1000, UINT32_MAX};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(unknown); i++) {
+        const uint32_t t = unknown[i];
+        assert_null(kvb_type_get(t));
+        assert_string_equal(kvb_type_name(t), "?");
+        assert_int_equal(kvb_row_bytes(t, 32), 0);
+    }
+
+    kvb_err err;
+    kvb_type parsed;
+    assert_int_equal(kvb_type_from_name("q9_0", &parsed, &err), KVB_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "q9_0"));
+    assert_int_equal(kvb_type_from_name(NULL, &parsed, NULL), KVB_ERR_INVALID);
+    assert_int_equal(kvb_type_from_name("", &parsed, NULL), KVB_ERR_INVALID);
+
+    assert_int_equal(kvb_row_bytes(KVB_TYPE_F32, 7), 28);
+    assert_int_equal(kvb_row_bytes(KVB_TYPE_F16, 7), 14);
+    assert_int_equal(kvb_row_bytes(KVB_TYPE_BF16, 0), 0);
+    assert_int_equal(kvb_row_bytes(KVB_TYPE_Q8_0, 4096), 4352);
+    assert_int_equal(kvb_row_bytes(KVB_TYPE_Q4_0, 4096), 2304);
+    assert_int_equal(kvb_row_bytes(KVB_TYPE_Q8_0, 33), 0);
+    assert_int_equal(kvb_row_bytes(KVB_TYPE_Q6_K, 512), 420);
+    assert_int_equal(kvb_row_bytes(KVB_TYPE_Q6_K, 128), 0);
+    assert_int_equal(kvb_row_bytes(KVB_TYPE_F32, -32), 0);
+    assert_int_equal(kvb_row_bytes(KVB_TYPE_F64, INT64_MAX), 0); /* overflow */
+    assert_int_equal(sizeof(kvb_block_q8_0), 34);
+    assert_int_equal(sizeof(kvb_block_q4_0), 18);
+
+    assert_int_equal(kvb_act_type(KVB_TYPE_F32), KVB_TYPE_F32);
+    assert_int_equal(kvb_act_type(KVB_TYPE_F16), KVB_TYPE_F32);
+    assert_int_equal(kvb_act_type(KVB_TYPE_BF16), KVB_TYPE_F32);
+    assert_int_equal(kvb_act_type(KVB_TYPE_Q8_0), KVB_TYPE_Q8_0);
+    assert_int_equal(kvb_act_type(KVB_TYPE_Q4_0), KVB_TYPE_Q8_0);
+}
+
+/* ---- fp16 / bf16 ------------------------------------------------------------------------- */
+
+/* Independent model: round the exact value v (a float, so exact in double) to a format with
+ * `mbits` fraction bits, minimum normal exponent emin and largest finite `maxv`, ties to even. */
+static double round_model(double v, int mbits, int emin, double maxv) {
+    const double a = fabs(v);
+    if (a == 0) return v;
+    int e;
+    frexp(a, &e); /* a = f * 2^e, f in [0.5, 1) -> exponent of leading bit is e-1 */
+    int lead = e - 1;
+    if (lead < emin) lead = emin;
+    const double ulp = ldexp(1.0, lead - mbits);
+    double q = nearbyint(a / ulp) * ulp; /* a/ulp < 2^(mbits+2): exact; nearbyint is RNE */
+    const double inf_at = maxv + ldexp(1.0, (int)floor(log2(maxv)) - mbits) / 2; /* half ulp above max */
+    if (a >= inf_at) q = INFINITY;
+    return v < 0 ? -q : q;
+}
+
+static void check_fp16_conv(float f) {
+    const uint16_t h = kvb_f32_to_fp16(f);
+    if (isnan(f)) {
+        if (!((h & 0x7c00) == 0x7c00 && (h & 0x03ff) != 0 && (h & 0x0200) != 0 &&
+              (h >> 15) == (f_bits(f) >> 31)))
+            FAILF("fp16(NaN %08x) = %04x is not a quiet NaN of the same sign\n", f_bits(f), h);
+        return;
+    }
+    const double want = round_model(f, 10, -14, 65504.0);
+    const float got = kvb_fp16_to_f32(h);
+    if (!((double)got == want && signbit(got) == signbit(f)))
+        FAILF("fp16(%a [%08x]) = %04x (%a), model says %a\n", (double)f, f_bits(f), h, (double)got, want);
+}
+
+static void check_bf16_conv(float f) {
+    const uint16_t h = kvb_f32_to_bf16(f);
+    if (isnan(f)) {
+        if (!((h & 0x7f80) == 0x7f80 && (h & 0x007f) != 0 && (h & 0x0040) != 0))
+            FAILF("bf16(NaN %08x) = %04x is not a quiet NaN\n", f_bits(f), h);
+        return;
+    }
+    const double want = round_model(f, 7, -126, 0x1.fep127);
+    const float got = kvb_bf16_to_f32(h);
+    if (!((double)got == want && signbit(got) == signbit(f)))
+        FAILF("bf16(%a [%08x]) = %04x (%a), model says %a\n", (double)f, f_bits(f), h, (double)got, want);
+}
+
+#if defined(__x86_64__)
+__attribute__((target("f16c"))) static float hw_h2f(uint16_t h) { return _cvtsh_ss(h); }
+__attribute__((target("f16c"))) static uint16_t hw_f2h(float f) {
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static int have_f16c(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+#endif
+
+static void test_fp16_exhaustive(void **state) {
+    (void)state;
+#if defined(__x86_64__)
+    const int hw = have_f16c();
+#endif
+    for (uint32_t h = 0; h < 65536; h++) {
+        const float f = kvb_fp16_to_f32((uint16_t)h);
+        const int is_nan = (h & 0x7c00) == 0x7c00 && (h & 0x3ff) != 0;
+        const uint16_t back = kvb_f32_to_fp16(f);
+        if (is_nan) {
+            if (!isnan(f) || back != (uint16_t)(h | 0x200)) /* quietened, payload kept */
+                FAILF("fp16 NaN %04x -> %08x -> %04x\n", h, f_bits(f), back);
+        } else if (back != h) {
+            FAILF("fp16 %04x -> %a -> %04x does not round-trip\n", h, (double)f, back);
+        }
+        if (!is_nan) { /* value check independent of the implementation */
+            const int e = (h >> 10) & 31, m = h & 0x3ff;
+            double v = e == 31 ? INFINITY : (e == 0 ? ldexp(m, -24) : ldexp(1024 + m, e - 25));
+            if (h & 0x8000) v = -v;
+            if ((double)f != v || !!signbit(f) != !!(h & 0x8000)) FAILF("fp16 %04x -> %a, want %a\n", h, (double)f, v);
+        }
+#if defined(__x86_64__)
+        if (hw && f_bits(hw_h2f((uint16_t)h)) != f_bits(f))
+            FAILF("fp16 %04x -> %08x, F16C says %08x\n", h, f_bits(f), f_bits(hw_h2f((uint16_t)h)));
+#endif
+    }
+}
+
+static void test_fp16_from_f32(void **state) {
+    (void)state;
+    /* ties and edges, exact expectations */
+    static const struct {
+        float f;
+        uint16_t h;
+    } kat[] = {
+        {1.0f, 0x3c00},
+        {1.0f + 0x1p-11f, 0x3c00},           /* tie -> even (down) */
+        {1.0f + 3 * 0x1p-11f, 0x3c02},       /* tie -> even (up) */
+        {1.0f + 0x1p-11f + 0x1p-23f, 0x3c01}, /* just above the tie */
+        {65504.0f, 0x7bff},
+        {65519.996f, 0x7bff},
+        {65520.0f, 0x7c00}, /* tie with max odd mantissa -> inf */
+        {-65520.0f, 0xfc00},
+        {0x1p-14f, 0x0400},
+        {0x1p-24f, 0x0001},
+        {0x1p-25f, 0x0000},               /* tie between 0 and 2^-24 -> even 0 */
+        {0x1p-25f + 0x1p-40f, 0x0001},
+        {3 * 0x1p-25f, 0x0002},           /* 1.5 units -> even 2 */
+        {0x1p-14f - 0x1p-25f, 0x0400},    /* 1023.5 units -> 1024 = smallest normal */
+        {-0.0f, 0x8000},
+        {0x1p-126f, 0x0000},
+        {-0x1p-149f, 0x8000},
+        {INFINITY, 0x7c00},
+        {-INFINITY, 0xfc00},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(kat); i++)
+        if (kvb_f32_to_fp16(kat[i].f) != kat[i].h)
+            FAILF("fp16(%a) = %04x, want %04x\n", (double)kat[i].f, kvb_f32_to_fp16(kat[i].f), kat[i].h);
+    assert_int_equal(kvb_f32_to_fp16(bits_f(0x7f800001u)), 0x7e00); /* sNaN -> quiet */
+    assert_int_equal(kvb_f32_to_fp16(bits_f(0xffc00000u)), 0xfe00);
+    assert_int_equal(kvb_f32_to_fp16(bits_f(0x7fbfe000u)), 0x7fff);
+
+#if defined(__x86_64__)
+    const int hw = have_f16c();
+#endif
+    /* sweep: every exponent and sign, all 1024 top mantissa patterns, low bits at and around the
+     * rounding boundary, plus random low bits */
+    static const uint32_t lows[] = {0, 1, 0xfff, 0x1000, 0x1001, 0x1fff};
+    for (uint32_t se = 0; se < 512; se++) {
+        for (uint32_t top = 0; top < 1024; top++) {
+            for (size_t k = 0; k < KVB_ARRAY_LEN(lows) + 2; k++) {
+                const uint32_t low = k < KVB_ARRAY_LEN(lows) ? lows[k] : (rnd32() & 0x1fff);
+                const uint32_t u = (se << 23) | (top << 13) | low;
+                const float f = bits_f(u);
+                check_fp16_conv(f);
+#if defined(__x86_64__)
+                if (hw && hw_f2h(f) != kvb_f32_to_fp16(f))
+                    FAILF("fp16(%08x) = %04x, F16C says %04x\n", u, kvb_f32_to_fp16(f), hw_f2h(f));
+#endif
+            }
+        }
+    }
+    /* subnormal fp16 range needs every low bit pattern near the boundary: random fill */
+    for (int i = 0; i < 1000000; i++) {
+        const uint32_t u = (rnd32() & 0x80000000u) | ((uint32_t)rndint(98, 114) << 23) | (rnd32() & 0x7fffffu);
+        check_fp16_conv(bits_f(u));
+#if defined(__x86_64__)
+        if (hw && hw_f2h(bits_f(u)) != kvb_f32_to_fp16(bits_f(u)))
+            FAILF("fp16(%08x) = %04x, F16C says %04x\n", u, kvb_f32_to_fp16(bits_f(u)), hw_f2h(bits_f(u)));
+#endif
+    }
+}
+
+static void test_bf16(void **state) {
+    (void)state;
+    for (uint32_t h = 0; h < 65536; h++) {
+        const float f = kvb_bf16_to_f32((uint16_t)h);
+        assert_int_equal(f_bits(f), h << 16);
+        const int is_nan = (h & 0x7f80) == 0x7f80 && (h & 0x7f) != 0;
+        const uint16_t back = kvb_f32_to_bf16(f);
+        if (is_nan ? back != (uint16_t)(h | 0x40) : back != h)
+            FAILF("bf16 %04x -> %08x -> %04x\n", h, f_bits(f), back);
+    }
+    static const struct {
+        uint32_t f;
+        uint16_t h;
+    } kat[] = {
+        {0x3f808000u, 0x3f80}, /* tie -> even down */
+        {0x3f818000u, 0x3f82}, /* tie -> even up */
+        {0x3f808001u, 0x3f81},
+        {0x7f7fffffu, 0x7f80}, /* FLT_MAX rounds to inf */
+        {0x7f7f7fffu, 0x7f7f},
+        {0x00008000u, 0x0000}, /* subnormal tie -> even, no flushing */
+        {0x00018000u, 0x0002},
+        {0x7f800001u, 0x7fc0}, /* sNaN -> quiet */
+        {0xff800000u, 0xff80},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(kat); i++)
+        if (kvb_f32_to_bf16(bits_f(kat[i].f)) != kat[i].h)
+            FAILF("bf16(%08x) = %04x, want %04x\n", kat[i].f, kvb_f32_to_bf16(bits_f(kat[i].f)), kat[i].h);
+    static const uint32_t lows[] = {0, 1, 0x7fff, 0x8000, 0x8001, 0xffff};
+    for (uint32_t se = 0; se < 512; se++)
+        for (uint32_t top = 0; top < 128; top++)
+            for (size_t k = 0; k < KVB_ARRAY_LEN(lows) + 4; k++) {
+                const uint32_t low = k < KVB_ARRAY_LEN(lows) ? lows[k] : (rnd32() & 0xffff);
+                check_bf16_conv(bits_f((se << 23) | (top << 16) | low));
+            }
+}
+
+/* ---- quantisers -------------------------------------------------------------------------- */
+
+static void test_quantizer_known_bytes(void **state) {
+    (void)state;
+    float x[32] = {127.0f, 2.5f, -2.5f, 3.5f, 0.5f, -0.5f, 1.5f, -126.5f, 126.49f};
+    kvb_block_q8_0 file, act;
+    kvb_f32_to_row(KVB_TYPE_Q8_0, x, &file, 32);
+    assert_int_equal(file.d, 0x3c00); /* d = 127/127 = 1 */
+    /* llama.cpp's quantize_row_q8_0_ref: roundf, halves away from zero */
+    static const int8_t want_file[9] = {127, 3, -3, 4, 1, -1, 2, -127, 126};
+    assert_memory_equal(file.qs, want_file, 9);
+    for (int j = 9; j < 32; j++) assert_int_equal(file.qs[j], 0);
+    for (size_t s = 0; s < KVB_ARRAY_LEN(k_simd) + 1; s++) {
+        if (s < KVB_ARRAY_LEN(k_simd) ? !force(k_simd[s]) : !force("scalar")) continue;
+        kvb_quantize_act(KVB_TYPE_Q8_0, x, &act, 32); /* activations: halves to even */
+        static const int8_t want_act[9] = {127, 2, -2, 4, 0, 0, 2, -126, 126};
+        assert_int_equal(act.d, 0x3c00);
+        assert_memory_equal(act.qs, want_act, 9);
+    }
+    force("auto");
+
+    /* Q4_0: d = max / -8 where max is the signed value of largest magnitude */
+    float y[32] = {-8.0f, 7.0f, 0.0f, 0.5f, -0.5f, 1.49f, 7.6f, 3.5f};
+    for (int j = 8; j < 32; j++) y[j] = (float)(j % 17) - 8.0f;
+    kvb_block_q4_0 q4;
+    kvb_f32_to_row(KVB_TYPE_Q4_0, y, &q4, 32);
+    assert_int_equal(q4.d, 0x3c00); /* -8 / -8 = 1 */
+    static const uint8_t want_lo[8] = {0, 15, 8, 9, 8, 9, 15, 12}; /* trunc(x + 8.5), max 15 */
+    for (int j = 0; j < 8; j++) assert_int_equal(q4.qs[j] & 15, want_lo[j]);
+    for (int j = 16; j < 32; j++) {
+        const int q = (int)floorf(y[j] + 8.5f);
+        assert_int_equal(q4.qs[j - 16] >> 4, q > 15 ? 15 : q);
+    }
+    float back[32];
+    kvb_row_to_f32(KVB_TYPE_Q4_0, &q4, back, 32);
+    assert_true(back[0] == -8.0f && back[1] == 7.0f && back[2] == 0.0f);
+
+    /* zero block, NaN and tiny inputs give defined bytes */
+    float z[32] = {0};
+    kvb_f32_to_row(KVB_TYPE_Q8_0, z, &file, 32);
+    assert_int_equal(file.d, 0);
+    for (int j = 0; j < 32; j++) assert_int_equal(file.qs[j], 0);
+    z[3] = NAN;
+    kvb_quantize_act(KVB_TYPE_Q8_0, z, &act, 32);
+    assert_true(isnan(kvb_fp16_to_f32(act.d))); /* NaN propagates through d */
+    for (int j = 0; j < 32; j++) assert_int_equal(act.qs[j], 0);
+    z[3] = 0x1p-140f; /* 1/d overflows to inf */
+    kvb_quantize_act(KVB_TYPE_Q8_0, z, &act, 32);
+    assert_int_equal(act.qs[3], 127);
+    assert_int_equal(act.qs[0], 0);
+}
+
+static void fill_act_floats(float *x, int64_t n, int mode) {
+    for (int64_t i = 0; i < n; i++) {
+        float v;
+        switch (mode) {
+        case 0: v = kvb_rng_normal(&g_rng) * ldexpf(1.0f, rndint(-8, 8)); break;
+        case 1: v = (float)rndint(-4096, 4096) * ldexpf(1.0f, rndint(0, 6)); break; /* ties */
+        case 2: v = kvb_rng_normal(&g_rng) * ldexpf(1.0f, rndint(-150, -120)); break; /* tiny */
+        default: v = kvb_rng_normal(&g_rng) * ldexpf(1.0f, rndint(-30, 15)); break;
+        }
+        if (rndint(0, 15) == 0) v = rndint(0, 1) ? 0.0f : -0.0f;
+        x[i] = v;
+    }
+    /* whole zero blocks and exact-tie blocks (amax = 127 * 2^e, values (k + 1/2) * 2^e) */
+    for (int64_t b = 0; b + 32 <= n; b += 32) {
+        const int what = rndint(0, 9);
+        if (what == 0) memset(x + b, 0, 32 * sizeof(float));
+        if (what == 1) {
+            const int e = rndint(-20, 10);
+            for (int j = 0; j < 32; j++) x[b + j] = ldexpf((float)rndint(-126, 125) + 0.5f, e);
+            x[b + rndint(0, 31)] = ldexpf(rndint(0, 1) ? 127.0f : -127.0f, e);
+        }
+    }
+}
+
+static void test_quantize_error_bounds(void **state) {
+    (void)state;
+    enum { N = 32 * 512 };
+    float *x = xmalloc(N * sizeof(float)), *back = xmalloc(N * sizeof(float));
+    kvb_block_q8_0 *q8 = xmalloc(N / 32 * sizeof *q8);
+    kvb_block_q4_0 *q4 = xmalloc(N / 32 * sizeof *q4);
+    for (int round = 0; round < 8; round++) {
+        fill_act_floats(x, N, round % 4 == 2 ? 0 : round % 4);
+        for (int which = 0; which < 3; which++) {
+            const uint32_t type = which == 2 ? KVB_TYPE_Q4_0 : KVB_TYPE_Q8_0;
+            if (which == 0) kvb_f32_to_row(type, x, q8, N);
+            if (which == 1) kvb_quantize_act(type, x, q8, N);
+            if (which == 2) kvb_f32_to_row(type, x, q4, N);
+            kvb_row_to_f32(type, which == 2 ? (void *)q4 : (void *)q8, back, N);
+            for (int b = 0; b < N / 32; b++) {
+                double amax = 0;
+                for (int j = 0; j < 32; j++) amax = fmax(amax, fabs((double)x[32 * b + j]));
+                /* Q8_0: half a step of d = amax/127, plus the fp16 rounding of d (rel 2^-11 of
+                 * |q*d| <= amax), plus subnormal fp16 d (abs 2^-25 per unit of q). Q4_0: one
+                 * full step |d| = amax/8 (the clamp at +7), same fp16 terms. */
+                const double step = which == 2 ? amax / 8 : amax / 127 / 2;
+                const double bound = step * (1 + 1e-6) + amax * 0x1p-11 + 128 * 0x1p-25;
+                for (int j = 0; j < 32; j++) {
+                    const double err = fabs((double)back[32 * b + j] - (double)x[32 * b + j]);
+                    if (!(err <= bound))
+                        FAILF("%s quantiser %d: block %d elem %d x=%a back=%a err %g > %g\n",
+                              kvb_type_name(type), which, b, j, (double)x[32 * b + j],
+                              (double)back[32 * b + j], err, bound);
+                }
+            }
+        }
+    }
+    /* F16 / BF16 rows: relative error 2^-11 / 2^-8 for normal values in range */
+    uint16_t *h = xmalloc(N * 2);
+    fill_act_floats(x, N, 0);
+    kvb_f32_to_row(KVB_TYPE_F16, x, h, N);
+    kvb_row_to_f32(KVB_TYPE_F16, h, back, N);
+    for (int i = 0; i < N; i++)
+        if (fabsf(x[i]) >= 0x1p-14f && fabsf(x[i]) <= 65504.0f) assert_true(fabs((double)back[i] - x[i]) <= fabs(x[i]) * 0x1p-11);
+    kvb_f32_to_row(KVB_TYPE_BF16, x, h, N);
+    kvb_row_to_f32(KVB_TYPE_BF16, h, back, N);
+    for (int i = 0; i < N; i++) assert_true(fabs((double)back[i] - x[i]) <= fabs(x[i]) * 0x1p-8);
+    kvb_f32_to_row(KVB_TYPE_F32, x, back, N);
+    assert_memory_equal(back, x, N * sizeof(float));
+    free(h);
+    free(x);
+    free(back);
+    free(q8);
+    free(q4);
+}
+
+static void test_quantize_act_simd(void **state) {
+    (void)state;
+    enum { N = 32 * 1024 };
+    float *x = xmalloc(N * sizeof(float));
+    kvb_block_q8_0 *ref = xmalloc(N / 32 * sizeof *ref), *got = xmalloc(N / 32 * sizeof *got);
+    int compared = 0;
+    for (int round = 0; round < 12; round++) {
+        fill_act_floats(x, N, round % 4);
+        if (round >= 8) /* specials sprinkled in: NaN, inf, huge (fp16 d overflows), subnormal */
+            for (int k = 0; k < 200; k++) {
+                static const float sp[] = {NAN, -NAN, INFINITY, -INFINITY, 3e38f, -1e7f, 0x1p-149f, -0x1p-130f};
+                x[rndint(0, N - 1)] = sp[rndint(0, (int)KVB_ARRAY_LEN(sp) - 1)];
+            }
+        static const int64_t lens[] = {32, 64, 96, 512, N};
+        for (size_t li = 0; li < KVB_ARRAY_LEN(lens); li++) {
+            const int64_t n = lens[li];
+            force("scalar");
+            kvb_quantize_act(KVB_TYPE_Q8_0, x, ref, n);
+            for (size_t s = 0; s < KVB_ARRAY_LEN(k_simd); s++) {
+                if (!force(k_simd[s])) continue;
+                memset(got, 0xa5, N / 32 * sizeof *got);
+                kvb_quantize_act(KVB_TYPE_Q4_0, x, got, n); /* same activation type */
+                for (int64_t b = 0; b < n / 32; b++)
+                    if (memcmp(&ref[b], &got[b], sizeof ref[b]) != 0)
+                        FAILF("%s quantize_act differs from scalar at block %" PRId64 " (n %" PRId64 ", round %d)\n",
+                              k_simd[s], b, n, round);
+                if (n < N && ((uint8_t *)got)[n / 32 * 34] != 0xa5)
+                    FAILF("%s quantize_act wrote past the row (n %" PRId64 ")\n", k_simd[s], n);
+                compared++;
+            }
+        }
+    }
+    force("auto");
+    print_message("quantize_act: %d SIMD comparisons (best kernels here: %s)\n", compared, kvb_simd_name());
+    float *f = xmalloc(64 * sizeof(float));
+    kvb_quantize_act(KVB_TYPE_F32, x, f, 64);
+    assert_memory_equal(f, x, 64 * sizeof(float));
+    free(f);
+    free(x);
+    free(ref);
+    free(got);
+}
+
+/* ---- canonical dot --------------------------------------------------------------------- */
+
+/* The specification written independently of dot_scalar.c: lane-major loops, double-checked
+ * integer sums, explicit tree. */
+static float spec_dot(uint32_t type, const void *w, const void *a, int64_t n) {
+    float acc[16];
+    if (type == KVB_TYPE_Q8_0 || type == KVB_TYPE_Q4_0) {
+        const kvb_block_q8_0 *x = a;
+        for (int l = 0; l < 16; l++) {
+            acc[l] = 0.0f;
+            for (int64_t b = l; b < n / 32; b += 16) {
+                int64_t s = 0;
+                uint16_t wd;
+                for (int j = 0; j < 32; j++) {
+                    int wq;
+                    if (type == KVB_TYPE_Q8_0) {
+                        const kvb_block_q8_0 *wb = (const kvb_block_q8_0 *)w + b;
+                        wq = wb->qs[j];
+                        wd = wb->d;
+                    } else {
+                        const kvb_block_q4_0 *wb = (const kvb_block_q4_0 *)w + b;
+                        wq = (j < 16 ? (wb->qs[j] & 15) : (wb->qs[j - 16] >> 4)) - 8;
+                        wd = wb->d;
+                    }
+                    s += (int64_t)wq * x[b].qs[j];
+                }
+                const float d = kvb_fp16_to_f32(wd) * kvb_fp16_to_f32(x[b].d);
+                acc[l] = fmaf((float)s, d, acc[l]);
+            }
+        }
+    } else {
+        const float *x = a;
+        for (int l = 0; l < 16; l++) {
+            acc[l] = 0.0f;
+            for (int64_t i = l; i < n; i += 16) {
+                float wi;
+                if (type == KVB_TYPE_F32) wi = ((const float *)w)[i];
+                else if (type == KVB_TYPE_F16) wi = kvb_fp16_to_f32(((const uint16_t *)w)[i]);
+                else wi = bits_f((uint32_t)((const uint16_t *)w)[i] << 16);
+                acc[l] = fmaf(wi, x[i], acc[l]);
+            }
+        }
+    }
+    float a8[8], a4[4], a2[2];
+    for (int i = 0; i < 8; i++) a8[i] = acc[i] + acc[i + 8];
+    for (int i = 0; i < 4; i++) a4[i] = a8[i] + a8[i + 4];
+    for (int i = 0; i < 2; i++) a2[i] = a4[i] + a4[i + 2];
+    return a2[0] + a2[1];
+}
+
+static int is_quant(uint32_t t) { return t == KVB_TYPE_Q8_0 || t == KVB_TYPE_Q4_0; }
+
+/* Fills one weight row of n elements (mode as fill_act_floats for float types). */
+static int g_tame; /* 1: no huge scales / raw activation blocks (accuracy test: no overflow) */
+static void fill_weight_row(uint32_t type, uint8_t *row, int64_t n, int mode, float *tmp) {
+    if (is_quant(type)) {
+        const int bb = type == KVB_TYPE_Q8_0 ? 34 : 18;
+        for (int64_t b = 0; b < n / 32; b++) {
+            uint8_t *blk = row + b * bb;
+            for (int j = 2; j < bb; j++) blk[j] = (uint8_t)rnd32();
+            uint16_t d;
+            switch (g_tame ? 9 : rndint(0, 9)) {
+            case 0: d = 0; break;                                         /* zero scale */
+            case 1: d = (uint16_t)(rnd32() & 0x83ff); break;              /* subnormal */
+            case 2: memset(blk + 2, type == KVB_TYPE_Q8_0 ? 0 : 0x88, (size_t)bb - 2); /* zero qs */
+                d = kvb_f32_to_fp16(kvb_rng_normal(&g_rng)); break;
+            case 3: d = (uint16_t)((rnd32() & 0x8000) | (uint32_t)rndint(0x5800, 0x7bff)); break; /* huge */
+            default: d = kvb_f32_to_fp16(kvb_rng_normal(&g_rng) * ldexpf(1.0f, rndint(-12, 2))); break;
+            }
+            if (type == KVB_TYPE_Q8_0 && rndint(0, 7) == 0) blk[2 + rndint(0, 31)] = 0x80; /* -128 */
+            memcpy(blk, &d, 2);
+        }
+        return;
+    }
+    fill_act_floats(tmp, n, mode);
+    if (type == KVB_TYPE_F16 && mode == 2) fill_act_floats(tmp, n, 0); /* fp16 can't go tiny */
+    if (type == KVB_TYPE_F16)
+        for (int64_t i = 0; i < n; i++) tmp[i] = fminf(fmaxf(tmp[i], -6e4f), 6e4f);
+    kvb_f32_to_row(type, tmp, row, n);
+}
+
+/* Activation rows for the type: f32 (mode) or Q8_0 from kvb_quantize_act / raw random blocks. */
+static void fill_act_row(uint32_t type, uint8_t *row, int64_t n, int mode, float *tmp) {
+    if (!is_quant(type)) {
+        fill_act_floats((float *)(void *)row, n, mode);
+        return;
+    }
+    fill_act_floats(tmp, n, mode == 2 ? 0 : mode);
+    force("scalar");
+    kvb_quantize_act(type, tmp, row, n);
+    kvb_block_q8_0 *x = (kvb_block_q8_0 *)(void *)row;
+    for (int64_t b = 0; b < n / 32; b++) {
+        if (!g_tame && rndint(0, 5) == 0) { /* raw block: any q in [-127, 127], any finite scale */
+            for (int j = 0; j < 32; j++) x[b].qs[j] = (int8_t)rndint(-127, 127);
+            x[b].d = (uint16_t)(rnd32() & 0xffff);
+            if ((x[b].d & 0x7c00) == 0x7c00) x[b].d &= 0xbfff;
+        }
+    }
+}
+
+typedef struct {
+    uint32_t type;
+    int64_t n;
+    int rows, toks;
+    int mode;
+} mm_case;
+
+static int64_t g_mm_compared;
+
+/* One tile: scalar kvb_dot per pair is the reference; every SIMD set's kvb_matmul_tile and
+ * kvb_dot must match it bit for bit, write every output and nothing in the stride gaps. */
+static void run_mm_case(const mm_case *c) {
+    const size_t rb = kvb_row_bytes(c->type, c->n);
+    const uint32_t at = kvb_act_type(c->type);
+    const size_t ab = kvb_row_bytes(at, c->n);
+    assert_true(rb > 0 && ab > 0);
+    const size_t ws = rb + 4 * (size_t)rndint(0, 3), as = ab + 4 * (size_t)rndint(0, 3);
+    const size_t ys = (size_t)c->rows + (size_t)rndint(0, 3);
+    uint8_t *w = xmalloc(ws * (size_t)c->rows);  /* [rows][ws bytes] */
+    uint8_t *a = xmalloc(as * (size_t)c->toks);  /* [toks][as bytes] */
+    float *tmp = xmalloc((size_t)c->n * sizeof(float));
+    const size_t ny = ys * (size_t)c->toks;
+    float *ref = xmalloc(ny * sizeof(float)), *y = xmalloc(ny * sizeof(float)); /* [toks][ys] */
+    memset(w, 0x5a, ws * (size_t)c->rows);
+    memset(a, 0x5a, as * (size_t)c->toks);
+    for (int r = 0; r < c->rows; r++) fill_weight_row(c->type, w + (size_t)r * ws, c->n, c->mode, tmp);
+    for (int t = 0; t < c->toks; t++) fill_act_row(c->type, a + (size_t)t * as, c->n, c->mode, tmp);
+
+    force("scalar");
+    for (size_t i = 0; i < ny; i++) ref[i] = bits_f(POISON_BITS);
+    for (int t = 0; t < c->toks; t++)
+        for (int r = 0; r < c->rows; r++) {
+            ref[(size_t)t * ys + (size_t)r] = kvb_dot(c->type, w + (size_t)r * ws, a + (size_t)t * as, c->n);
+            if (r < 2 && t < 2) { /* the scalar code against the independent model */
+                const float s = spec_dot(c->type, w + (size_t)r * ws, a + (size_t)t * as, c->n);
+                if (!same(s, ref[(size_t)t * ys + (size_t)r]))
+                    FAILF("scalar %s n=%" PRId64 ": %a but the spec model says %a\n", kvb_type_name(c->type),
+                          c->n, (double)ref[(size_t)t * ys + (size_t)r], (double)s);
+            }
+        }
+    for (size_t s = 0; s < KVB_ARRAY_LEN(k_simd) + 1; s++) {
+        const char *name = s < KVB_ARRAY_LEN(k_simd) ? k_simd[s] : "scalar";
+        if (!force(name)) continue;
+        for (size_t i = 0; i < ny; i++) y[i] = bits_f(POISON_BITS);
+        kvb_matmul_tile(c->type, w, ws, c->rows, a, as, c->toks, y, ys, c->n);
+        for (int t = 0; t < c->toks; t++)
+            for (size_t r = 0; r < ys; r++) {
+                const size_t k = (size_t)t * ys + r;
+                if (r >= (size_t)c->rows) {
+                    if (f_bits(y[k]) != POISON_BITS)
+                        FAILF("%s matmul %s wrote y[%d][%zu] in the stride gap\n", name, kvb_type_name(c->type), t, r);
+                    continue;
+                }
+                if (f_bits(y[k]) == POISON_BITS || !same(y[k], ref[k]))
+                    FAILF("%s matmul %s n=%" PRId64 " tile %dx%d mode %d: y[tok %d][row %zu] = %a [%08x], "
+                          "scalar %a [%08x]\n",
+                          name, kvb_type_name(c->type), c->n, c->rows, c->toks, c->mode, t, r, (double)y[k],
+                          f_bits(y[k]), (double)ref[k], f_bits(ref[k]));
+            }
+        /* kvb_dot on a few pairs */
+        for (int k = 0; k < 3; k++) {
+            const int r = rndint(0, c->rows - 1), t = rndint(0, c->toks - 1);
+            const float d = kvb_dot(c->type, w + (size_t)r * ws, a + (size_t)t * as, c->n);
+            if (!same(d, ref[(size_t)t * ys + (size_t)r]))
+                FAILF("%s kvb_dot %s n=%" PRId64 " row %d tok %d: %a, scalar %a\n", name, kvb_type_name(c->type),
+                      c->n, r, t, (double)d, (double)ref[(size_t)t * ys + (size_t)r]);
+        }
+        g_mm_compared++;
+    }
+    force("auto");
+    free(w);
+    free(a);
+    free(tmp);
+    free(ref);
+    free(y);
+}
+
+static const uint32_t k_dot_types[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0, KVB_TYPE_Q4_0};
+static const int k_tiles[][2] = {{1, 1}, {3, 1}, {7, 1}, {17, 1}, {1, 3}, {3, 7}, {7, 3},
+                                 {17, 7}, {1, 17}, {4, 4}, {17, 17}, {16, 16}, {33, 5}};
+
+static void test_matmul_simd_vs_scalar(void **state) {
+    (void)state;
+    g_mm_compared = 0;
+    for (size_t ti = 0; ti < KVB_ARRAY_LEN(k_dot_types); ti++) {
+        const uint32_t type = k_dot_types[ti];
+        static const int64_t nq[] = {32, 64, 96, 160, 480, 512, 544, 1056};
+        static const int64_t nf[] = {1, 7, 15, 16, 17, 33, 100, 255, 256, 1000};
+        const int64_t *ns = is_quant(type) ? nq : nf;
+        const size_t nn = is_quant(type) ? KVB_ARRAY_LEN(nq) : KVB_ARRAY_LEN(nf);
+        for (size_t ni = 0; ni < nn; ni++)
+            for (size_t k = 0; k < KVB_ARRAY_LEN(k_tiles); k++) {
+                const mm_case c = {type, ns[ni], k_tiles[k][0], k_tiles[k][1], rndint(0, 3)};
+                run_mm_case(&c);
+            }
+        /* long rows, random lengths */
+        static const int64_t nbig[] = {4096, 8192};
+        for (size_t ni = 0; ni < 2; ni++)
+            for (int mode = 0; mode < 4; mode++) {
+                const mm_case c = {type, nbig[ni], mode == 0 ? 17 : 3, mode == 1 ? 7 : 1 + mode, mode};
+                run_mm_case(&c);
+            }
+        for (int k = 0; k < 6; k++) {
+            const int64_t n = is_quant(type) ? 32 * rndint(1, 300) : rndint(1, 5000);
+            const mm_case c = {type, n, rndint(1, 20), rndint(1, 20), rndint(0, 3)};
+            run_mm_case(&c);
+        }
+    }
+    print_message("matmul: %" PRId64 " tile comparisons against scalar\n", g_mm_compared);
+}
+
+/* Inf/NaN in the inputs: SIMD must still agree with scalar (NaN-ness only). */
+static void test_matmul_specials(void **state) {
+    (void)state;
+    for (size_t ti = 0; ti < KVB_ARRAY_LEN(k_dot_types); ti++) {
+        const uint32_t type = k_dot_types[ti];
+        const int64_t n = is_quant(type) ? 512 : 100;
+        const size_t rb = kvb_row_bytes(type, n), ab = kvb_row_bytes(kvb_act_type(type), n);
+        uint8_t *w = xmalloc(rb * 5), *a = xmalloc(ab * 3);
+        float *tmp = xmalloc((size_t)n * sizeof(float)), ref[15], y[15];
+        for (int r = 0; r < 5; r++) fill_weight_row(type, w + r * rb, n, 0, tmp);
+        for (int t = 0; t < 3; t++) fill_act_row(type, a + t * ab, n, 0, tmp);
+        /* row 1: an inf; row 2: a NaN; token 1: inf activation */
+        if (is_quant(type)) {
+            const uint16_t inf = 0x7c00, nan = 0x7e01;
+            memcpy(w + rb + (type == KVB_TYPE_Q8_0 ? 34 : 18) * 3, &inf, 2);
+            memcpy(w + 2 * rb, &nan, 2);
+            memcpy(a + ab + 34 * 5, &inf, 2);
+        } else if (type == KVB_TYPE_F32) {
+            ((float *)(void *)(w + rb))[7] = INFINITY;
+            ((float *)(void *)(w + 2 * rb))[99] = NAN;
+        } else {
+            ((uint16_t *)(void *)(w + rb))[7] = type == KVB_TYPE_F16 ? 0x7c00 : 0x7f80;
+            ((uint16_t *)(void *)(w + 2 * rb))[99] = type == KVB_TYPE_F16 ? 0x7c01 : 0x7f81;
+        }
+        if (!is_quant(type)) ((float *)(void *)(a + ab))[3] = -INFINITY;
+        force("scalar");
+        kvb_matmul_tile(type, w, rb, 5, a, ab, 3, ref, 5, n);
+        assert_true(isnan(ref[2]) && isnan(ref[5 + 2]));
+        for (size_t s = 0; s < KVB_ARRAY_LEN(k_simd); s++) {
+            if (!force(k_simd[s])) continue;
+            for (int i = 0; i < 15; i++) y[i] = bits_f(POISON_BITS);
+            kvb_matmul_tile(type, w, rb, 5, a, ab, 3, y, 5, n);
+            for (int i = 0; i < 15; i++)
+                if (!same(y[i], ref[i]) || f_bits(y[i]) == POISON_BITS)
+                    FAILF("%s %s specials: y[%d] = %a, scalar %a\n", k_simd[s], kvb_type_name(type), i,
+                          (double)y[i], (double)ref[i]);
+        }
+        force("auto");
+        free(w);
+        free(a);
+        free(tmp);
+    }
+}
+
+/* Accuracy: |dot - float64 dot of the dequantised values| <= (K + 5) * 2^-24 * sum|w_i x_i|,
+ * K = fmas per accumulator lane (ceil(n/16) elements or ceil(n/32/16) blocks), +4 reduction
+ * levels, +1 slack for the bound's higher-order term. */
+static void test_dot_accuracy(void **state) {
+    (void)state;
+    g_tame = 1;
+    for (size_t ti = 0; ti < KVB_ARRAY_LEN(k_dot_types); ti++) {
+        const uint32_t type = k_dot_types[ti];
+        for (int trial = 0; trial < 20; trial++) {
+            const int64_t n = is_quant(type) ? 32 * rndint(1, 256) : rndint(1, 8192);
+            const size_t rb = kvb_row_bytes(type, n), ab = kvb_row_bytes(kvb_act_type(type), n);
+            uint8_t *w = xmalloc(rb), *a = xmalloc(ab);
+            float *tmp = xmalloc((size_t)n * sizeof(float)), *wf = xmalloc((size_t)n * sizeof(float));
+            float *af = xmalloc((size_t)n * sizeof(float));
+            fill_weight_row(type, w, n, trial % 2 ? 0 : 3, tmp);
+            fill_act_row(type, a, n, trial % 2 ? 0 : 3, tmp);
+            kvb_row_to_f32(type, w, wf, n);
+            kvb_row_to_f32(kvb_act_type(type), a, af, n);
+            double exact = 0, mag = 0;
+            for (int64_t i = 0; i < n; i++) {
+                exact += (double)wf[i] * (double)af[i]; /* each product exact in double */
+                mag += fabs((double)wf[i] * (double)af[i]);
+            }
+            const int64_t k = is_quant(type) ? (n / 32 + 15) / 16 : (n + 15) / 16;
+            /* the double sum itself errs by <= n * 2^-53 * mag; negligible next to the bound */
+            const double bound = (double)(k + 5) * 0x1p-24 * mag + 0x1p-140;
+            force("auto");
+            const float got = kvb_dot(type, w, a, n);
+            if (!(fabs((double)got - exact) <= bound))
+                FAILF("%s n=%" PRId64 ": dot %a, float64 %a, error %g > bound %g\n", kvb_type_name(type), n,
+                      (double)got, exact, fabs((double)got - exact), bound);
+            free(w);
+            free(a);
+            free(tmp);
+            free(wf);
+            free(af);
+        }
+    }
+    g_tame = 0;
+    /* small exact cases */
+    const float w3[3] = {1, 2, 3}, x3[3] = {4, 5, 6};
+    assert_true(kvb_dot(KVB_TYPE_F32, w3, x3, 3) == 32.0f);
+    /* order matters and is fixed: lane 0 gets elements 0 and 16 */
+    float w17[17] = {0}, x17[17] = {0};
+    w17[0] = 1.0f, x17[0] = 0x1p24f;  /* lane 0: 2^24 */
+    w17[16] = 1.0f, x17[16] = 1.0f;   /* lane 0: 2^24 + 1 -> 2^24 (tie to even) */
+    w17[1] = 1.0f, x17[1] = 1.0f;     /* lane 1: 1; reduction 2^24 + 1 -> 2^24 */
+    for (size_t s = 0; s < KVB_ARRAY_LEN(k_simd) + 1; s++) {
+        if (s < KVB_ARRAY_LEN(k_simd) ? !force(k_simd[s]) : !force("scalar")) continue;
+        assert_true(kvb_dot(KVB_TYPE_F32, w17, x17, 17) == 0x1p24f);
+        /* products that round to -0 leave lanes at -0; a kernel that pads a tail with zeros
+         * and adds them (+0 + -0 = +0) instead of leaving those lanes alone is caught here */
+        for (int64_t n = 1; n <= 40; n++) {
+            float wt[40], xt[40];
+            uint16_t wh[40];
+            for (int i = 0; i < 40; i++) wt[i] = 0.25f, xt[i] = -0x1p-149f, wh[i] = 0x3400; /* 0.25 */
+            const float r32 = kvb_dot(KVB_TYPE_F32, wt, xt, n), r16 = kvb_dot(KVB_TYPE_F16, wh, xt, n);
+            const float rb16 = kvb_dot(KVB_TYPE_BF16, wh, xt, n); /* bf16 0x3400 is tiny positive */
+            const int neg = n >= 16; /* every lane got a -0 product; else +0 lanes remain */
+            if (!(r32 == 0.0f && !!signbit(r32) == neg && r16 == 0.0f && !!signbit(r16) == neg &&
+                  rb16 == 0.0f && !!signbit(rb16) == neg))
+                FAILF("%s: -0 lanes not kept (n %" PRId64 "): %a %a %a\n", kvb_simd_name(), n, (double)r32,
+                      (double)r16, (double)rb16);
+        }
+    }
+    force("auto");
+}
+
+static void test_dispatch(void **state) {
+    (void)state;
+    kvb_err err;
+    const char *best = kvb_simd_name();
+    print_message("best SIMD kernels on this CPU: %s (at init: %s)\n", best, g_initial_simd);
+    const char *env = getenv("KVB_SIMD");
+    if (env != NULL && strcmp(env, "auto") != 0 && force(env)) assert_string_equal(g_initial_simd, env);
+    else assert_string_equal(g_initial_simd, best);
+    force("auto");
+    assert_int_equal(kvb_simd_force("bogus", &err), KVB_ERR_INVALID);
+    assert_int_equal(kvb_simd_force("scalar", &err), KVB_OK);
+    assert_string_equal(kvb_simd_name(), "scalar");
+    assert_int_equal(kvb_simd_force("auto", &err), KVB_OK);
+    assert_string_equal(kvb_simd_name(), best);
+#if defined(__x86_64__)
+    assert_int_equal(kvb_simd_force("neon", &err), KVB_ERR_UNSUPPORTED);
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"))
+        assert_string_equal(best, "avx512-vnni");
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        assert_string_equal(best, "avx2");
+#endif
+    /* bad arguments: NaN, not a crash */
+    float y[4] = {0};
+    assert_true(isnan(kvb_dot(KVB_TYPE_Q6_K, y, y, 256)));
+    assert_true(isnan(kvb_dot(KVB_TYPE_Q8_0, y, y, 33)));
+    assert_true(kvb_dot(KVB_TYPE_F32, y, y, 0) == 0.0f);
+    kvb_matmul_tile(KVB_TYPE_Q4_1, y, 0, 2, y, 0, 2, y, 2, 32);
+    for (int i = 0; i < 4; i++) assert_true(isnan(y[i]));
+}
+
+static int setup(void **state) {
+    (void)state;
+    const char *s = getenv("KVB_TEST_SEED");
+    g_seed = s ? strtoull(s, NULL, 10) : ((uint64_t)time(NULL) * 1000003u) ^ (uint64_t)getpid() ^ (uint64_t)clock();
+    kvb_rng_seed(&g_rng, g_seed);
+    g_initial_simd = kvb_simd_name();
+    print_message("test_quant seed %" PRIu64 ", kernels %s\n", g_seed, g_initial_simd);
+    return 0;
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_type_table),
+        cmocka_unit_test(test_fp16_exhaustive),
+        cmocka_unit_test(test_fp16_from_f32),
+        cmocka_unit_test(test_bf16),
+        cmocka_unit_test(test_quantizer_known_bytes),
+        cmocka_unit_test(test_quantize_error_bounds),
+        cmocka_unit_test(test_quantize_act_simd),
+        cmocka_unit_test(test_dispatch),
+        cmocka_unit_test(test_matmul_simd_vs_scalar),
+        cmocka_unit_test(test_matmul_specials),
+        cmocka_unit_test(test_dot_accuracy),
+    };
+    return cmocka_run_group_tests(tests, setup, NULL);
+}
