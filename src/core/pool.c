@@ -1,10 +1,23 @@
 /* core/pool.c — a fixed pool of worker threads running one parallel-for at a time. Workers
- * spin briefly then sleep on a condition variable, so decode's many small loops stay cheap. */
+ * spin for up to KVB_POOL_SPIN_S after a job before sleeping on a condition variable, and the
+ * dispatcher only takes the mutex when someone sleeps: decode issues hundreds of small loops
+ * per token, and a futex wake-up per loop would cost more than the loop itself. */
 #define _POSIX_C_SOURCE 200809L
 #include "kvb_core.h"
 
 #include <pthread.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield")
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+#define KVB_POOL_SPIN_S 0.002
 #include <stdatomic.h>
+#include <sched.h>
 #include <stdlib.h>
 
 struct kvb_pool {
@@ -20,7 +33,8 @@ struct kvb_pool {
     atomic_int next_task;
     atomic_int n_active; /* helpers still inside the current job */
     atomic_uint generation;
-    bool stop;
+    atomic_int n_sleeping; /* workers waiting on cv_work */
+    atomic_bool stop;
 };
 
 typedef struct {
@@ -43,19 +57,26 @@ static void *worker_main(void *arg) {
     free(wa);
     unsigned seen = 0;
     for (;;) {
-        /* spin a little before sleeping */
-        unsigned g = 0;
-        for (int spin = 0; spin < 20000; spin++) {
+        /* spin (with pause) until a new job or the spin deadline */
+        unsigned g = atomic_load_explicit(&p->generation, memory_order_acquire);
+        double deadline = kvb_now_s() + KVB_POOL_SPIN_S;
+        for (unsigned spin = 1; g == seen && !atomic_load_explicit(&p->stop, memory_order_relaxed); spin++) {
+            cpu_relax();
+            if ((spin & 255) == 0) {
+                if (kvb_now_s() > deadline) break;
+                sched_yield(); /* an oversubscribed machine must still run the dispatcher */
+            }
             g = atomic_load_explicit(&p->generation, memory_order_acquire);
-            if (g != seen) break;
         }
         if (g == seen) {
             pthread_mutex_lock(&p->mu);
-            while (!p->stop && atomic_load(&p->generation) == seen) pthread_cond_wait(&p->cv_work, &p->mu);
+            atomic_fetch_add(&p->n_sleeping, 1); /* seq_cst: pairs with the dispatcher's check */
+            while (!atomic_load(&p->stop) && atomic_load(&p->generation) == seen) pthread_cond_wait(&p->cv_work, &p->mu);
+            atomic_fetch_sub(&p->n_sleeping, 1);
             pthread_mutex_unlock(&p->mu);
             g = atomic_load(&p->generation);
         }
-        if (p->stop) return NULL;
+        if (atomic_load(&p->stop)) return NULL;
         seen = g;
         run_tasks(p, worker);
         if (atomic_fetch_sub_explicit(&p->n_active, 1, memory_order_acq_rel) == 1) {
@@ -98,7 +119,7 @@ kvb_status kvb_pool_create(int n_threads, kvb_pool **out, kvb_err *err) {
 void kvb_pool_destroy(kvb_pool *p) {
     if (!p) return;
     pthread_mutex_lock(&p->mu);
-    p->stop = true;
+    atomic_store(&p->stop, true);
     atomic_fetch_add(&p->generation, 1);
     pthread_cond_broadcast(&p->cv_work);
     pthread_mutex_unlock(&p->mu);
@@ -123,13 +144,17 @@ void kvb_pool_parallel_for(kvb_pool *p, int n_tasks, kvb_task_fn fn, void *ctx) 
     p->n_tasks = n_tasks;
     atomic_store(&p->next_task, 0);
     atomic_store(&p->n_active, p->n_threads - 1);
-    pthread_mutex_lock(&p->mu);
-    atomic_fetch_add_explicit(&p->generation, 1, memory_order_release);
-    pthread_cond_broadcast(&p->cv_work);
-    pthread_mutex_unlock(&p->mu);
+    atomic_fetch_add(&p->generation, 1); /* seq_cst: pairs with the workers' n_sleeping */
+    if (atomic_load(&p->n_sleeping) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv_work);
+        pthread_mutex_unlock(&p->mu);
+    }
     run_tasks(p, 0);
     /* wait for helpers: spin, then sleep */
-    for (int spin = 0; spin < 200000 && atomic_load_explicit(&p->n_active, memory_order_acquire) > 0; spin++) {
+    for (unsigned spin = 1; atomic_load_explicit(&p->n_active, memory_order_acquire) > 0 && spin < (1u << 16); spin++) {
+        cpu_relax();
+        if ((spin & 255) == 0) sched_yield();
     }
     if (atomic_load(&p->n_active) > 0) {
         pthread_mutex_lock(&p->mu);

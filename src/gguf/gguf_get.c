@@ -59,7 +59,7 @@ kvb_status kvb_gguf_get_u64(const kvb_gguf *g, const char *key, uint64_t *out, k
 }
 
 kvb_status kvb_gguf_get_u32(const kvb_gguf *g, const char *key, uint32_t *out, kvb_err *err) {
-    uint64_t v;
+    uint64_t v = 0;
     kvb_status st = get_unsigned(g, key, UINT32_MAX, "u32", &v, err);
     if (st == KVB_OK) *out = (uint32_t)v;
     return st;
