@@ -5,8 +5,8 @@
  * ../shared/vocab, also loads the real GGUF vocabularies there. Input byte 0 picks the vocabulary
  * and the add_special / parse_special flags; the rest is the text. Checked: no crash or
  * sanitizer report, every id in range, and decode(encode(x)) == x where that must hold (valid
- * UTF-8 on byte-level vocabularies without NFC; any bytes on SentencePiece), without special-
- * token parsing. */
+ * UTF-8 on byte-level vocabularies without NFC; any bytes without U+2581 on SentencePiece),
+ * without special-token parsing. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -316,7 +316,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         m += k;
     }
     m += kvb_detok_flush(&d, out + m, cap);
-    bool check = !special && !(sel & 0xC0) && (v->roundtrip == 2 || (v->roundtrip == 1 && valid_utf8(data + 1, n)));
+    /* SentencePiece writes spaces as U+2581, so an input U+2581 legitimately comes back as ' ' */
+    bool has_2581 = n >= 3 && memmem(text, n, "\xe2\x96\x81", 3) != NULL;
+    bool check = !special && !(sel & 0xC0) &&
+                 ((v->roundtrip == 2 && !has_2581) || (v->roundtrip == 1 && valid_utf8(data + 1, n)));
     if (check && (m != n || memcmp(out, text, n) != 0)) {
         fprintf(stderr, "fuzz_tokenize: decode(encode(x)) != x (%zu bytes in, %zu out)\n", n, m);
         abort();

@@ -27,3 +27,10 @@ echo "fuzz_gguf: running for $secs s (corpus $work/corpus, seeds $work/seeds)"
 "$work/fuzz_gguf" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -max_len=16384 \
   -dict="$src/fuzz/gguf.dict" -artifact_prefix="$work/artifacts/" -print_final_stats=1 \
   "$work/corpus" "$work/seeds"
+
+# The tokenizer's encoder on arbitrary bytes (with the shared vocabularies when present).
+cmake --build "$build" --target fuzz_tokenize -j "$jobs"
+mkdir -p "$work/tokcorpus"
+echo "fuzz_tokenize: running for $secs s"
+KVB_FUZZ_VOCAB_DIR="$src/../shared/vocab" "$work/fuzz_tokenize" -max_total_time="$secs" -max_len=8192 -timeout=10 \
+  -rss_limit_mb=2048 -artifact_prefix="$work/artifacts/" -print_final_stats=1 "$work/tokcorpus"
