@@ -17,7 +17,7 @@ struct kvb_bridge_cpu {
     float *rope_cos, *rope_sin;  /* (max_chunk, n_rot/2) */
     void *scratch;
     uint8_t *k_rows, *v_rows;    /* (max_chunk, n_head_kv, row_bytes) */
-    uint32_t ship_tokens;
+    uint32_t ship_from, ship_to;
     kvb_slab_sink sink;
     void *sink_ctx;
     bool perturbed;
@@ -62,8 +62,10 @@ void kvb_bridge_cpu_free(kvb_bridge_cpu *b) {
     free(b);
 }
 
-void kvb_bridge_cpu_begin(kvb_bridge_cpu *b, uint32_t ship_tokens, kvb_slab_sink sink, void *sink_ctx) {
-    b->ship_tokens = ship_tokens;
+void kvb_bridge_cpu_begin(kvb_bridge_cpu *b, uint32_t ship_from, uint32_t ship_to, kvb_slab_sink sink,
+                          void *sink_ctx) {
+    b->ship_from = ship_from;
+    b->ship_to = ship_to;
     b->sink = sink;
     b->sink_ctx = sink_ctx;
 }
@@ -73,8 +75,14 @@ void kvb_bridge_cpu_set_perturbed(kvb_bridge_cpu *b, bool perturbed) { b->pertur
 kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
                                 kvb_err *err) {
     kvb_bridge_cpu *b = bridge;
-    if (pos0 >= b->ship_tokens) return KVB_OK;
-    if (n > b->ship_tokens - pos0) n = b->ship_tokens - pos0; /* only what the decoder lacks */
+    if (pos0 + n <= b->ship_from || pos0 >= b->ship_to) return KVB_OK; /* only what the decoder lacks */
+    if (pos0 < b->ship_from) { /* the chunk starts inside the decoder's cached prefix */
+        uint32_t skip = b->ship_from - pos0;
+        h += (size_t)skip * b->m->d.n_embd;
+        pos0 += skip;
+        n -= skip;
+    }
+    if (n > b->ship_to - pos0) n = b->ship_to - pos0;
     if (n > b->max_chunk)
         return kvb_err_set(err, KVB_ERR_INVALID, "bridge chunk of %u tokens exceeds its buffers (%u)", n, b->max_chunk);
     const kvb_model_desc *d = &b->m->d;

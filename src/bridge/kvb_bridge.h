@@ -34,8 +34,10 @@ typedef struct kvb_bridge_cpu kvb_bridge_cpu;
 kvb_status kvb_bridge_cpu_create(const kvb_model *decoder, const kvb_kvformat *fmt, kvb_pool *pool,
                                  uint32_t max_chunk, kvb_bridge_cpu **out, kvb_err *err);
 void kvb_bridge_cpu_free(kvb_bridge_cpu *b);
-/* Sets the sink and how many leading positions to ship for the next prompt. */
-void kvb_bridge_cpu_begin(kvb_bridge_cpu *b, uint32_t ship_tokens, kvb_slab_sink sink, void *sink_ctx);
+/* Sets the sink and the positions [ship_from, ship_to) to ship for the next prompt (what the
+ * decoder lacks: from its cached prefix to the last full block before the last prompt token). */
+void kvb_bridge_cpu_begin(kvb_bridge_cpu *b, uint32_t ship_from, uint32_t ship_to, kvb_slab_sink sink,
+                          void *sink_ctx);
 /* The engine's layer hook (kvb_layer_hook): h (n, n_embd) attention inputs at pos0 .. pos0+n-1. */
 kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
                                 kvb_err *err);

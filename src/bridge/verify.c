@@ -67,7 +67,7 @@ static kvb_status run_bridge(const kvb_model *m, const kvb_verify_opts *o, const
     kvb_status st = kvb_bridge_cpu_create(m, fmt, NULL, chunk, &br, err);
     if (st) return st;
     kvb_bridge_cpu_set_perturbed(br, o->perturb);
-    kvb_bridge_cpu_begin(br, c->ship, collect_slab, c);
+    kvb_bridge_cpu_begin(br, 0, c->ship, collect_slab, c);
     for (uint32_t p = 0; p < in->ship && !st; p += chunk) {
         uint32_t n = in->ship - p < chunk ? in->ship - p : chunk;
         for (uint32_t l = 0; l < m->d.n_layer && !st; l++)

@@ -14,6 +14,7 @@ int kvb_cmd_demo(int argc, char **argv);
 int kvb_cmd_tokenize(int argc, char **argv);
 int kvb_cmd_inspect(int argc, char **argv);
 int kvb_cmd_verify(int argc, char **argv);
+int kvb_cmd_serve(int argc, char **argv);
 
 /* Small shared helpers for option parsing (cli/args.c). */
 bool kvb_arg_is_help(const char *a);

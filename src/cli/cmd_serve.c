@@ -1,0 +1,119 @@
+/* cli/cmd_serve.c — `kvbridge serve --role prefill|decode`: runs one node until SIGINT/SIGTERM. */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvb_cli.h"
+#include "kvb_node.h"
+#include "kvb_quant.h"
+
+static void help(FILE *f) {
+    fprintf(f,
+            "usage: kvbridge serve --role prefill --listen ADDR -m MODEL [options]\n"
+            "       kvbridge serve --role decode --http ADDR -m MODEL [--peer ADDR] [options]\n\n"
+            "prefill  computes the decode node's own KV cache for the prompts it is sent and streams it\n"
+            "decode   the front door: an OpenAI-compatible API (/v1/chat/completions, /v1/completions,\n"
+            "         /v1/models, /health, /metrics) that bridges long prompts through the prefill node\n\n"
+            "  -m, --model FILE     the decoder's GGUF (both roles load the same file)\n"
+            "  --listen HOST:PORT   prefill: where decode nodes connect\n"
+            "  --http HOST:PORT     decode: the HTTP API address\n"
+            "  --peer HOST:PORT     decode: the prefill node (omit to always compute natively)\n"
+            "  --psk KEY            pre-shared key, >= 16 bytes (or env KVB_PSK); both nodes need the same\n"
+            "  --cache-type T       the decoder's cache dtype: f16 (default), f32, bf16, q8_0\n"
+            "  --block-tokens N     tokens per cache block (default 32)\n"
+            "  --ctx N              context limit in tokens\n"
+            "  --threads T          CPU threads (default: all)\n"
+            "  --bridge-min N       decode: bridge only when at least N tokens are uncached (default 2 blocks)\n"
+            "  --max-tokens N       decode: completion length when a request names none (default 256)\n"
+            "  --chat-template NAME decode: override the chat template family\n"
+            "  --model-id NAME      decode: the model name the API reports\n"
+            "  --fault SPEC         prefill, test-only: corrupt:N, die:N or stall:N at the Nth slab\n"
+            "  --verbose            log connections and faults\n");
+}
+
+static volatile sig_atomic_t g_stop;
+static void on_signal(int sig) {
+    (void)sig;
+    g_stop = 1;
+}
+
+int kvb_cmd_serve(int argc, char **argv) {
+    const char *cmd = "serve", *role = NULL, *model = NULL, *listen = NULL, *http = NULL, *peer = NULL,
+               *psk = getenv("KVB_PSK"), *tmpl = NULL, *model_id = NULL, *fault = NULL;
+    long long threads = 0, bt = 32, ctx = 0, bridge_min = 0, max_tokens = 0;
+    uint32_t cache_type = KVB_TYPE_F16;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        if (kvb_arg_is_help(a)) {
+            help(stdout);
+            return 0;
+        }
+#define STR(opt, var) else if (!strcmp(a, opt)) { if (!(var = kvb_arg_value(cmd, argc, argv, &i))) return 2; }
+#define NUM(opt, var, lo, hi)                                                                                   \
+    else if (!strcmp(a, opt)) {                                                                                 \
+        if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, lo, hi, &var)) return 2;      \
+    }
+        STR("--role", role) STR("-m", model) STR("--model", model) STR("--listen", listen) STR("--http", http)
+        STR("--peer", peer) STR("--psk", psk) STR("--chat-template", tmpl) STR("--model-id", model_id)
+        STR("--fault", fault)
+        NUM("--threads", threads, 1, 1024) NUM("--block-tokens", bt, 1, 4096) NUM("--ctx", ctx, 16, 1 << 24)
+        NUM("--bridge-min", bridge_min, 1, 1 << 24) NUM("--max-tokens", max_tokens, 1, 1 << 24)
+        else if (!strcmp(a, "--cache-type")) {
+            kvb_type t;
+            kvb_err err = {0};
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
+            if (kvb_type_from_name(v, &t, &err)) {
+                fprintf(stderr, "kvbridge serve: --cache-type: %s\n", err.msg);
+                return 2;
+            }
+            cache_type = t;
+        }
+        else if (!strcmp(a, "--verbose") || !strcmp(a, "-v")) kvb_log_set_level(KVB_LOG_INFO);
+        else {
+            fprintf(stderr, "kvbridge serve: unknown option '%s' (see kvbridge serve --help)\n", a);
+            return 2;
+        }
+#undef STR
+#undef NUM
+    }
+    if (!role || (strcmp(role, "prefill") && strcmp(role, "decode")) || !model) {
+        fprintf(stderr, "kvbridge serve: give --role prefill|decode and -m MODEL (see kvbridge serve --help)\n");
+        return 2;
+    }
+    bool prefill = !strcmp(role, "prefill");
+    if (prefill ? !listen : !http) {
+        fprintf(stderr, "kvbridge serve: --role %s needs %s HOST:PORT\n", role, prefill ? "--listen" : "--http");
+        return 2;
+    }
+    signal(SIGINT, on_signal);
+    signal(SIGTERM, on_signal);
+    signal(SIGPIPE, SIG_IGN);
+    kvb_err err = {0};
+    kvb_prefill_node *pn = NULL;
+    kvb_decode_node *dn = NULL;
+    if (prefill) {
+        kvb_prefill_config c = {.listen = listen, .model_path = model, .psk = psk, .n_threads = (int)threads,
+                                .cache_dtype = cache_type, .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
+                                .fault = fault};
+        if (kvb_prefill_node_start(&c, &pn, &err)) goto fail;
+        printf("kvbridge prefill node: listening on port %u (model %s)\n", kvb_prefill_node_port(pn), model);
+    } else {
+        kvb_decode_config c = {.http_listen = http, .peer = peer, .model_path = model, .model_id = model_id,
+                               .psk = psk, .chat_template = tmpl, .n_threads = (int)threads, .cache_dtype = cache_type,
+                               .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
+                               .bridge_min_tokens = (uint32_t)bridge_min, .default_max_tokens = (uint32_t)max_tokens};
+        if (kvb_decode_node_start(&c, &dn, &err)) goto fail;
+        printf("kvbridge decode node: OpenAI API on port %u, prefill node %s\n", kvb_decode_node_port(dn),
+               peer ? peer : "none (native only)");
+    }
+    fflush(stdout);
+    while (!g_stop) usleep(100000);
+    kvb_prefill_node_stop(pn);
+    kvb_decode_node_stop(dn);
+    return 0;
+fail:
+    fprintf(stderr, "kvbridge serve: %s\n", err.msg);
+    return 1;
+}

@@ -1,0 +1,508 @@
+/* node/decode_node.c — the decode role, the front door: the OpenAI API handler. Per request:
+ * tokenize (chat template), look up the prefix cache, decide (enough uncached tokens and a
+ * reachable peer -> bridge; else native), commit arriving slabs through the store's slab path
+ * and one block writer, compute the rest natively (always the last prompt token), decode and
+ * stream; the verdict says what actually happened. Requests run one at a time on the engine in
+ * arrival order (a ticket queue). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvb_engine_cpu.h"
+#include "kvb_http.h"
+#include "kvb_quant.h"
+#include "kvb_store.h"
+#include "kvb_tokenizer.h"
+#include "kvb_transport.h"
+#include "node_internal.h"
+
+struct kvb_decode_node {
+    kvb_decode_config cfg;
+    char *psk, *peer, *model_id;
+    kvb_model *m;
+    kvb_tokenizer *tok;
+    kvb_chat_family fam;
+    kvb_status fam_status;
+    char fam_error[sizeof(((kvb_err *)0)->msg)];
+    kvb_engine *e;
+    kvb_store *store;
+    kvb_http_server *http;
+    /* FIFO ticket queue on the engine */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    uint64_t next_ticket, serving;
+    /* the peer link (used only while holding the engine) */
+    kvb_conn *conn;
+    kvb_hello hello;
+    kvb_transport_config tcfg;
+    uint64_t next_request_id;
+    char peer_state[160];
+    /* metrics */
+    kvb_metric *m_requests, *m_tokens, *m_faults, *m_slab_bytes, *m_peer_up, *m_queue;
+};
+
+/* ---- the bridge, decode side ----------------------------------------------------------------- */
+
+typedef struct {
+    uint32_t blocks_total;
+    uint64_t bytes;
+    double transfer_s, prefill_s;
+    char fault[160]; /* why bridging stopped short ("" = it did not) */
+    const char *fault_kind;
+} bridge_outcome;
+
+static void drop_peer(kvb_decode_node *n) {
+    kvb_conn_close(n->conn);
+    n->conn = NULL;
+    kvb_metric_set(n->m_peer_up, NULL, 0);
+}
+
+static kvb_status ensure_peer(kvb_decode_node *n, kvb_err *err) {
+    if (n->conn && kvb_conn_usable(n->conn)) return KVB_OK;
+    drop_peer(n);
+    kvb_status st = kvb_transport_connect(n->peer, &n->hello, &n->tcfg, 5000, &n->conn, NULL, err);
+    if (st) {
+        snprintf(n->peer_state, sizeof n->peer_state, "down: %.140s", err->msg);
+        return st;
+    }
+    snprintf(n->peer_state, sizeof n->peer_state, "up");
+    kvb_metric_set(n->m_peer_up, NULL, 1);
+    return KVB_OK;
+}
+
+/* Asks the peer for blocks [cached, ship) and commits what arrives; the store keeps any block
+ * that completed and verified, lookups see only the contiguous committed chain. */
+static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_tok, uint32_t cached, uint32_t ship,
+                          bridge_outcome *o) {
+    const uint32_t bt = n->cfg.block_tokens, b0 = cached / bt, nb = (ship - cached) / bt;
+    o->blocks_total = nb;
+    uint64_t *keys = malloc(sizeof(uint64_t) * (ship / bt));
+    kvb_slab_pending **pend = calloc(nb, sizeof *pend);
+    kvb_err err = {0};
+    uint32_t slabs = 0;
+    double t0 = kvb_now_s();
+    if (!keys || !pend) {
+        snprintf(o->fault, sizeof o->fault, "out of memory");
+        o->fault_kind = "internal";
+        goto done;
+    }
+    kvb_store_chain_keys(n->store, toks, ship, keys);
+    const uint64_t root = kvb_store_root_key(n->store);
+    for (uint32_t b = 0; b < nb; b++) {
+        uint32_t g = b0 + b;
+        if (kvb_store_slab_begin(n->store, keys[g], g ? keys[g - 1] : root, toks + (size_t)g * bt, &pend[b], &err)) {
+            snprintf(o->fault, sizeof o->fault, "cache full: %.120s", err.msg);
+            o->fault_kind = "cache_full";
+            goto done;
+        }
+    }
+    uint64_t rid = ++n->next_request_id;
+    kvb_msg_prefill p = {.request_id = rid, .bridge_mode = KVB_BRIDGE_MODE_DECODER, .n_tokens = n_tok,
+                         .cached_tokens = cached, .ship_tokens = ship,
+                         .last_cached_key = b0 ? keys[b0 - 1] : root, .tokens = (int32_t *)toks};
+    if (kvb_conn_send_prefill(n->conn, &p, n->cfg.peer_timeout_ms, &err)) {
+        snprintf(o->fault, sizeof o->fault, "peer lost: %.130s", err.msg);
+        o->fault_kind = "peer_lost";
+        drop_peer(n);
+        goto done;
+    }
+    for (;;) {
+        kvb_msg m;
+        if (kvb_conn_recv(n->conn, n->cfg.peer_timeout_ms, &m, &err)) {
+            bool timeout = strstr(err.msg, "timed out") != NULL;
+            snprintf(o->fault, sizeof o->fault, "%s: %.120s", timeout ? "peer stalled" : "peer lost", err.msg);
+            o->fault_kind = timeout ? "timeout" : "peer_lost";
+            drop_peer(n);
+            break;
+        }
+        if (m.request_id != rid && m.type != KVB_FRAME_PONG) {
+            kvb_msg_free(&m);
+            continue; /* a late frame of an abandoned request */
+        }
+        if (m.type == KVB_FRAME_SLAB) {
+            const kvb_msg_slab *s = &m.u.slab;
+            uint32_t g = s->pos0 / bt;
+            kvb_block_id committed;
+            kvb_status st = KVB_OK;
+            if (g < b0 || g >= b0 + nb)
+                st = kvb_err_set(&err, KVB_ERR_FORMAT, "slab for position %u outside the requested range", s->pos0);
+            else
+                st = kvb_store_slab_put(pend[g - b0], s->layer, s->pos0 % bt, s->n, s->k, s->k_bytes, s->v, s->v_bytes,
+                                        s->checksum, &committed, &err);
+            if (st) {
+                snprintf(o->fault, sizeof o->fault, "corrupt slab rejected: %.120s", err.msg);
+                o->fault_kind = "corrupt_slab";
+                kvb_conn_send_cancel(n->conn, rid, 1000, NULL);
+                drop_peer(n); /* its stream can no longer be trusted */
+                break;
+            }
+            slabs++;
+            o->bytes += s->k_bytes + s->v_bytes;
+        } else if (m.type == KVB_FRAME_DONE) {
+            const kvb_msg_done *d = &m.u.done;
+            uint64_t digest = kvb_wire_chain_digest(keys + b0, nb);
+            uint32_t missing = 0;
+            for (uint32_t b = 0; b < nb; b++) missing += !kvb_store_slab_committed(pend[b]);
+            o->prefill_s = d->prefill_seconds;
+            if (d->tokens_covered != ship || d->blocks != nb || d->slabs != slabs || d->chain_digest != digest ||
+                missing) {
+                snprintf(o->fault, sizeof o->fault,
+                         "DONE does not match what arrived (tokens %u/%u, blocks %u/%u, slabs %u/%u, %u blocks missing)",
+                         d->tokens_covered, ship, d->blocks, nb, d->slabs, slabs, missing);
+                o->fault_kind = "done_mismatch";
+            }
+            break;
+        } else if (m.type == KVB_FRAME_ERROR) {
+            snprintf(o->fault, sizeof o->fault, "peer refused: %.130s", m.u.error.msg);
+            o->fault_kind = "peer_error";
+            break;
+        }
+        kvb_msg_free(&m);
+    }
+done:
+    o->transfer_s = kvb_now_s() - t0;
+    if (pend)
+        for (uint32_t b = 0; b < nb; b++) kvb_store_slab_close(pend[b]); /* uncommitted pages go back */
+    free(pend);
+    free(keys);
+    if (o->fault_kind) kvb_metric_add(n->m_faults, KVB_LABELS(o->fault_kind), 1);
+    kvb_metric_add(n->m_slab_bytes, NULL, (double)o->bytes);
+}
+
+/* ---- the completion handler ------------------------------------------------------------------- */
+
+static void engine_acquire(kvb_decode_node *n) {
+    pthread_mutex_lock(&n->mu);
+    uint64_t t = n->next_ticket++;
+    kvb_metric_set(n->m_queue, NULL, (double)(n->next_ticket - n->serving));
+    while (n->serving != t) pthread_cond_wait(&n->cv, &n->mu);
+    pthread_mutex_unlock(&n->mu);
+}
+
+static void engine_release(kvb_decode_node *n) {
+    pthread_mutex_lock(&n->mu);
+    n->serving++;
+    kvb_metric_set(n->m_queue, NULL, (double)(n->next_ticket - n->serving));
+    pthread_cond_broadcast(&n->cv);
+    pthread_mutex_unlock(&n->mu);
+}
+
+/* Builds the prompt's token ids. Returns an HTTP status (0 = ok) with a message in err. */
+static int prompt_tokens(kvb_decode_node *n, const kvb_completion_req *req, int32_t **ids, size_t *n_ids, kvb_err *err) {
+    char *text = NULL;
+    if (req->api == KVB_API_CHAT_COMPLETIONS) {
+        if (n->fam_status) {
+            kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s", n->fam_error);
+            return 500;
+        }
+        if (kvb_chat_render(n->fam, req->messages, req->n_messages, true, &text, err)) return 400;
+    } else if (req->prompt_tokens) {
+        *ids = malloc(sizeof(int32_t) * req->n_prompt_tokens);
+        if (!*ids) return 500;
+        for (size_t i = 0; i < req->n_prompt_tokens; i++) {
+            if ((uint32_t)req->prompt_tokens[i] >= n->m->d.n_vocab) {
+                kvb_err_set(err, KVB_ERR_INVALID, "prompt token %d is outside the vocabulary (0..%u)",
+                            req->prompt_tokens[i], n->m->d.n_vocab - 1);
+                free(*ids);
+                *ids = NULL;
+                return 400;
+            }
+            (*ids)[i] = req->prompt_tokens[i];
+        }
+        *n_ids = req->n_prompt_tokens;
+        return 0;
+    }
+    const char *t = text ? text : req->prompt;
+    kvb_status st = kvb_tokenize(n->tok, t, strlen(t), true, req->api == KVB_API_CHAT_COMPLETIONS, ids, n_ids, err);
+    free(text);
+    return st ? 400 : 0;
+}
+
+/* Streams text while holding back anything that could still become a stop string. */
+typedef struct {
+    char *buf;
+    size_t len, cap, emitted;
+    bool stopped;
+} stop_filter;
+
+static kvb_status emit_filtered(kvb_completion_out *out, stop_filter *f, const kvb_completion_req *req, const char *piece,
+                                bool flush) {
+    size_t k = strlen(piece);
+    if (f->len + k + 1 > f->cap) {
+        size_t cap = (f->len + k + 1) * 2;
+        char *nb = realloc(f->buf, cap);
+        if (!nb) return KVB_ERR_NOMEM;
+        f->buf = nb;
+        f->cap = cap;
+    }
+    memcpy(f->buf + f->len, piece, k + 1);
+    f->len += k;
+    size_t safe = f->len;
+    for (size_t s = 0; s < req->n_stop; s++) {
+        const char *hit = strstr(f->buf + f->emitted, req->stop[s]);
+        if (hit && (size_t)(hit - f->buf) < safe) {
+            safe = (size_t)(hit - f->buf);
+            f->stopped = true;
+        }
+    }
+    if (!f->stopped && !flush)
+        for (size_t s = 0; s < req->n_stop; s++) { /* keep a possible partial stop string back */
+            size_t L = strlen(req->stop[s]);
+            for (size_t j = L - 1; j > 0; j--)
+                if (f->len >= j && f->len - j >= f->emitted && !memcmp(f->buf + f->len - j, req->stop[s], j)) {
+                    if (f->len - j < safe) safe = f->len - j;
+                    break;
+                }
+        }
+    if (safe <= f->emitted) return KVB_OK;
+    char save = f->buf[safe];
+    f->buf[safe] = 0;
+    kvb_status st = kvb_completion_emit(out, f->buf + f->emitted);
+    f->buf[safe] = save;
+    f->emitted = safe;
+    return st;
+}
+
+static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_completion_out *out) {
+    kvb_decode_node *n = ctx;
+    kvb_err err = {0};
+    int32_t *toks = NULL;
+    size_t n_tok = 0;
+    int status = prompt_tokens(n, req, &toks, &n_tok, &err);
+    if (status) {
+        kvb_completion_fail(out, status, NULL, req->api == KVB_API_CHAT_COMPLETIONS ? "messages" : "prompt", "%s",
+                            err.msg[0] ? err.msg : "out of memory");
+        return;
+    }
+    const uint32_t ctx_max = n->cfg.max_ctx, bt = n->cfg.block_tokens;
+    if (n_tok == 0) {
+        kvb_completion_fail(out, 400, NULL, "prompt", "the prompt is empty after tokenization");
+        free(toks);
+        return;
+    }
+    int64_t max_new = req->max_tokens;
+    if (max_new < 0) max_new = req->api == KVB_API_CHAT_COMPLETIONS ? n->cfg.default_max_tokens : 16;
+    if (n_tok + (uint64_t)max_new > ctx_max) {
+        if (req->max_tokens >= 0 || n_tok >= ctx_max) {
+            kvb_completion_fail(out, 400, "context_length_exceeded", "messages",
+                                "this model's context is %u tokens; the prompt has %zu and %lld more were asked for "
+                                "(the prompt is never truncated)",
+                                ctx_max, n_tok, (long long)max_new);
+            free(toks);
+            return;
+        }
+        max_new = ctx_max - (int64_t)n_tok;
+    }
+
+    engine_acquire(n);
+    kvb_usage u = {.prompt_tokens = (int64_t)n_tok};
+    kvb_seq *s = NULL;
+    float *logits = malloc(sizeof(float) * n->m->d.n_vocab);
+    kvb_sampler smp = {0};
+    stop_filter sf = {0};
+    char verdict[KVB_VERDICT_MAX];
+    uint32_t cached = 0, adopted = 0; /* prompt tokens cached before; in the sequence before native */
+    double t_lookup = kvb_now_s();
+    kvb_status st = logits ? kvb_seq_create(n->e, &s, &err) : kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
+    if (!st) st = kvb_seq_attach_cached(s, toks, (uint32_t)n_tok, &cached, &err);
+    adopted = cached;
+    u.lookup_s = kvb_now_s() - t_lookup;
+    const uint32_t ship = (uint32_t)((n_tok - 1) / bt * bt);
+    const char *kind = "declined";
+    if (st) {
+    } else if (req->bridge == KVB_BRIDGE_OFF) {
+        snprintf(verdict, sizeof verdict, "declined: bridging turned off for this request");
+    } else if (!n->peer) {
+        snprintf(verdict, sizeof verdict, "declined: no prefill node configured");
+    } else if (ship <= cached) {
+        snprintf(verdict, sizeof verdict, "declined: nothing to ship (%u of %zu prompt tokens cached)", cached, n_tok);
+    } else if (ship - cached < n->cfg.bridge_min_tokens && req->bridge != KVB_BRIDGE_FORCE) {
+        snprintf(verdict, sizeof verdict, "declined: %u uncached tokens are below the bridge threshold of %u",
+                 ship - cached, n->cfg.bridge_min_tokens);
+    } else if (ensure_peer(n, &err)) {
+        snprintf(verdict, sizeof verdict, "declined: prefill node unavailable (%.80s)", err.msg);
+        kvb_metric_add(n->m_faults, KVB_LABELS("peer_down"), 1);
+        memset(&err, 0, sizeof err);
+    } else {
+        bridge_outcome o = {0};
+        kvb_seq_free(s); /* the cached prefix is re-adopted below, with what arrived */
+        s = NULL;
+        bridge_blocks(n, toks, (uint32_t)n_tok, cached, ship, &o);
+        u.transfer_s = o.transfer_s;
+        u.prefill_s = o.prefill_s;
+        st = kvb_seq_create(n->e, &s, &err);
+        if (!st) st = kvb_seq_attach_cached(s, toks, (uint32_t)n_tok, &adopted, &err);
+        uint32_t got = adopted > cached ? (adopted - cached) / bt : 0;
+        u.bridged_tokens = (int64_t)got * bt;
+        if (got == o.blocks_total && !o.fault_kind) {
+            snprintf(verdict, sizeof verdict, "complete");
+            kind = "complete";
+        } else {
+            snprintf(verdict, sizeof verdict, "partial %u/%u: %.100s", got, o.blocks_total,
+                     o.fault_kind ? o.fault : "blocks missing");
+            kind = "partial";
+        }
+    }
+    u.cached_tokens = cached;
+    u.native_tokens = (int64_t)n_tok - (int64_t)adopted;
+    double t_native = kvb_now_s();
+    if (!st) st = kvb_engine_forward(n->e, s, toks + adopted, (uint32_t)n_tok - adopted, logits, false, &err);
+    u.prefill_s += kvb_now_s() - t_native;
+    if (st) {
+        engine_release(n);
+        kvb_completion_fail(out, st == KVB_ERR_RANGE ? 503 : 500, NULL, NULL, "%s", err.msg);
+        goto cleanup_unlocked;
+    }
+    kvb_completion_set_verdict(out, verdict);
+    kvb_metric_add(n->m_requests, KVB_LABELS(kind), 1);
+    kvb_metric_add(n->m_tokens, KVB_LABELS("cached"), (double)u.cached_tokens);
+    kvb_metric_add(n->m_tokens, KVB_LABELS("bridged"), (double)u.bridged_tokens);
+    kvb_metric_add(n->m_tokens, KVB_LABELS("native"), (double)u.native_tokens);
+
+    kvb_sampler_opts so = {.temperature = (float)req->temperature, .top_k = req->top_k, .top_p = (float)req->top_p,
+                           .seed = req->has_seed ? (uint64_t)req->seed : (uint64_t)(kvb_now_s() * 1e6)};
+    st = kvb_sampler_init(&smp, &so, n->m->d.n_vocab, &err);
+    kvb_detok dt;
+    kvb_detok_init(&dt, n->tok);
+    char piece[1024];
+    kvb_finish_reason reason = KVB_FINISH_LENGTH;
+    double t_decode = kvb_now_s();
+    for (int64_t i = 0; !st && i < max_new; i++) {
+        int32_t id = kvb_sample(&smp, logits);
+        if (kvb_tokenizer_is_eog(n->tok, id)) {
+            reason = KVB_FINISH_STOP;
+            break;
+        }
+        u.completion_tokens++;
+        kvb_detok_push(&dt, id, piece, sizeof piece);
+        if (emit_filtered(out, &sf, req, piece, false)) break; /* client gone */
+        if (sf.stopped) {
+            reason = KVB_FINISH_STOP;
+            break;
+        }
+        if (i + 1 < max_new && kvb_seq_len(s) + 1 < ctx_max)
+            st = kvb_engine_forward(n->e, s, &id, 1, logits, false, &err);
+        else if (i + 1 < max_new)
+            break; /* context end */
+    }
+    if (!sf.stopped) {
+        kvb_detok_flush(&dt, piece, sizeof piece);
+        emit_filtered(out, &sf, req, piece, true);
+    }
+    u.decode_s = kvb_now_s() - t_decode;
+    engine_release(n);
+    if (st) kvb_completion_fail(out, 500, NULL, NULL, "%s", err.msg);
+    else kvb_completion_finish(out, reason, &u);
+cleanup_unlocked:
+    kvb_sampler_free(&smp);
+    free(sf.buf);
+    kvb_seq_free(s); /* its blocks stay cached for the next turn */
+    free(logits);
+    free(toks);
+}
+
+static void handle_health(void *ctx, cJSON *body) {
+    kvb_decode_node *n = ctx;
+    cJSON_AddStringToObject(body, "peer", n->peer ? n->peer_state : "none");
+    kvb_store_stats st;
+    kvb_store_get_stats(n->store, &st);
+    cJSON_AddNumberToObject(body, "cache_blocks_committed", st.committed);
+    cJSON_AddNumberToObject(body, "cache_blocks_free", st.free);
+}
+
+kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node **out, kvb_err *err) {
+    *out = NULL;
+    kvb_decode_node *n = calloc(1, sizeof *n);
+    if (!n) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    n->cfg = *cfg;
+    kvb_decode_config *c = &n->cfg;
+    pthread_mutex_init(&n->mu, NULL);
+    pthread_cond_init(&n->cv, NULL);
+    kvb_status st = kvb_model_load(cfg->model_path, &n->m, err);
+    if (!st) st = kvb_tokenizer_load(n->m->gguf, &n->tok, err);
+    if (st) goto fail;
+    if (!c->block_tokens) c->block_tokens = 32;
+    if (!c->max_ctx) c->max_ctx = n->m->d.n_ctx_train < 32768 ? n->m->d.n_ctx_train : 32768;
+    if (!c->cache_blocks) c->cache_blocks = 4 * ((c->max_ctx + c->block_tokens - 1) / c->block_tokens);
+    if (!c->bridge_min_tokens) c->bridge_min_tokens = 2 * c->block_tokens;
+    if (!c->default_max_tokens) c->default_max_tokens = 256;
+    if (!c->peer_timeout_ms) c->peer_timeout_ms = 10000;
+    n->peer = cfg->peer ? strdup(cfg->peer) : NULL;
+    const char *base = strrchr(cfg->model_path, '/');
+    n->model_id = strdup(cfg->model_id ? cfg->model_id : base ? base + 1 : cfg->model_path);
+    if (!n->model_id) {
+        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    /* the chat family: an override, or recognised from the template (an unknown one fails chat
+     * requests with a clear message but completions still work) */
+    if (cfg->chat_template) {
+        if ((st = kvb_chat_family_from_name(cfg->chat_template, &n->fam, err))) goto fail;
+    } else {
+        const kvb_gguf_kv *kv = kvb_gguf_find(n->m->gguf, "tokenizer.chat_template");
+        kvb_err e2 = {0};
+        char *tmpl = kv && kv->type == KVB_GGUF_STRING ? strndup(kv->str.ptr, kv->str.len) : NULL;
+        n->fam_status = tmpl ? kvb_chat_family_detect(tmpl, &n->fam, &e2) : KVB_ERR_NOT_FOUND;
+        if (!tmpl) snprintf(e2.msg, sizeof e2.msg, "the model has no chat template; start the node with --chat-template");
+        snprintf(n->fam_error, sizeof n->fam_error, "%s", e2.msg);
+        free(tmpl);
+    }
+    kvb_engine_opts eo = {.n_threads = cfg->n_threads, .cache_dtype = c->cache_dtype, .block_tokens = c->block_tokens,
+                          .max_ctx = c->max_ctx, .n_blocks = c->cache_blocks};
+    if ((st = kvb_engine_create(n->m, &eo, &n->e, err))) goto fail;
+    n->store = kvb_engine_store(n->e);
+    if (n->peer) {
+        if (!cfg->psk || strlen(cfg->psk) < KVB_WIRE_PSK_MIN) {
+            st = kvb_err_set(err, KVB_ERR_INVALID, "--peer needs a pre-shared key of at least %d bytes (--psk)",
+                             KVB_WIRE_PSK_MIN);
+            goto fail;
+        }
+        n->psk = strdup(cfg->psk);
+        n->tcfg = (kvb_transport_config){.psk = (const uint8_t *)n->psk, .psk_len = strlen(n->psk)};
+        if ((st = kvb_hello_init(&n->hello, KVB_ROLE_DECODE, KVB_BRIDGE_MODE_DECODER, "decode", n->m->fingerprint,
+                                 kvb_engine_kvformat(n->e), err)))
+            goto fail;
+        snprintf(n->peer_state, sizeof n->peer_state, "not connected yet");
+    }
+    kvb_http_config hc = {.listen = cfg->http_listen, .model_id = n->model_id, .accept_any_model = true};
+    kvb_http_handlers hh = {.ctx = n, .completion = handle_completion, .health = handle_health};
+    if ((st = kvb_http_server_start(&hc, &hh, &n->http, err))) goto fail;
+    kvb_metrics *mx = kvb_http_server_metrics(n->http);
+    if ((st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_requests_total",
+                                   "Completions served, by bridge verdict", "verdict", NULL, 0, &n->m_requests, err)) ||
+        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_prompt_tokens_total",
+                                   "Prompt tokens by source: cached, bridged, native", "source", NULL, 0, &n->m_tokens,
+                                   err)) ||
+        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_bridge_faults_total",
+                                   "Bridging stopped short or declined by a fault, by kind", "kind", NULL, 0,
+                                   &n->m_faults, err)) ||
+        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_slab_bytes_total", "Cache bytes received as slabs",
+                                   NULL, NULL, 0, &n->m_slab_bytes, err)) ||
+        (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_peer_up", "1 while the prefill node link is up",
+                                   NULL, NULL, 0, &n->m_peer_up, err)) ||
+        (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_queue_depth",
+                                   "Requests waiting for or holding the engine", NULL, NULL, 0, &n->m_queue, err)))
+        goto fail;
+    *out = n;
+    return KVB_OK;
+fail:
+    kvb_decode_node_stop(n);
+    return st;
+}
+
+uint16_t kvb_decode_node_port(const kvb_decode_node *n) { return kvb_http_server_port(n->http); }
+
+void kvb_decode_node_stop(kvb_decode_node *n) {
+    if (!n) return;
+    kvb_http_server_stop(n->http);
+    kvb_conn_close(n->conn);
+    kvb_engine_free(n->e);
+    kvb_tokenizer_free(n->tok);
+    kvb_model_free(n->m);
+    pthread_mutex_destroy(&n->mu);
+    pthread_cond_destroy(&n->cv);
+    free(n->psk);
+    free(n->peer);
+    free(n->model_id);
+    free(n);
+}

@@ -1,0 +1,84 @@
+/* node — the two roles of a kvbridge deployment. The PREFILL node listens for authenticated
+ * decode nodes, prefills what a decode node lacks (reusing its own prefix cache, recomputing
+ * whatever it needs attention inputs for), runs the bridge after every (chunk, layer) and streams
+ * the decoder's cache as SLABs through a fixed ring of staging buffers (memory independent of the
+ * prompt length; a slow link applies back-pressure), then DONE. The DECODE node is the front door:
+ * an OpenAI-compatible HTTP API; per request it tokenizes, looks up its prefix cache, decides to
+ * bridge or not, commits arriving slabs through the store's one block writer, computes the rest
+ * natively (always the last prompt token), decodes and streams — and reports honestly what
+ * happened (complete / partial B/T / declined: reason). Requests on a decode node are served one
+ * at a time on its engine (a FIFO queue: concurrent HTTP requests wait their turn). */
+#ifndef KVB_NODE_H
+#define KVB_NODE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kvb_core.h"
+
+/* ---- prefill node ---------------------------------------------------------------------------- */
+
+typedef struct {
+    const char *listen;        /* "HOST:PORT" (port 0 = ephemeral) */
+    const char *model_path;    /* the decoder's GGUF: decoder mode needs its K/V weights */
+    const char *psk;           /* pre-shared key, >= 16 bytes */
+    const char *name;          /* node name in HELLO (default "prefill") */
+    int n_threads;             /* 0 = all CPUs */
+    uint32_t cache_dtype;      /* the DECODER's cache dtype the bridge produces (kvb_type) */
+    uint32_t block_tokens;     /* the decoder's block size (default 32) */
+    uint32_t max_ctx;          /* longest prompt (default 32768) */
+    uint32_t chunk_tokens;     /* prefill chunk (default 512) */
+    uint32_t ring_slots;       /* staging slots (default 16) */
+    /* Test-only fault injection ("corrupt:N" flips a byte of the Nth slab after its checksum;
+     * "die:N" drops the connection before the Nth slab; "stall:N" stops sending before the Nth
+     * slab for 30 s). NULL in production. */
+    const char *fault;
+} kvb_prefill_config;
+
+typedef struct kvb_prefill_node kvb_prefill_node;
+kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_node **out, kvb_err *err);
+uint16_t kvb_prefill_node_port(const kvb_prefill_node *n);
+/* Peak bytes of staging memory a request used (the ring; never grows with the prompt). */
+uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n);
+void kvb_prefill_node_stop(kvb_prefill_node *n);
+
+/* ---- decode node ------------------------------------------------------------------------------ */
+
+typedef struct {
+    const char *http_listen;   /* "HOST:PORT" for the OpenAI API (port 0 = ephemeral) */
+    const char *peer;          /* prefill node "HOST:PORT", or NULL: always native */
+    const char *model_path;
+    const char *model_id;      /* name in the API (default: the file's base name) */
+    const char *psk;
+    const char *chat_template; /* family override, NULL = from the model */
+    int n_threads;
+    uint32_t cache_dtype;      /* this node's cache format (default f16) */
+    uint32_t block_tokens;     /* default 32 */
+    uint32_t max_ctx;          /* context limit per request (default min(training ctx, 32768)) */
+    uint32_t cache_blocks;     /* prefix-cache size in blocks (default 4 contexts' worth) */
+    uint32_t bridge_min_tokens;/* bridge only when at least this many uncached tokens (default 2 blocks) */
+    uint32_t default_max_tokens; /* when a request names none (default 256) */
+    int peer_timeout_ms;       /* per frame while bridging (default 10000) */
+} kvb_decode_config;
+
+typedef struct kvb_decode_node kvb_decode_node;
+kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node **out, kvb_err *err);
+uint16_t kvb_decode_node_port(const kvb_decode_node *n);
+void kvb_decode_node_stop(kvb_decode_node *n);
+
+/* ---- a minimal HTTP/1.1 client (demo, ladder benchmark, tests) --------------------------------- */
+
+typedef struct {
+    int status;
+    char verdict[160]; /* the X-KVBridge header, "" if absent */
+    char *body;        /* malloc'd, NUL-terminated */
+    size_t body_len;
+} kvb_http_reply;
+
+/* POSTs a JSON body to http://host:port/path and reads the whole reply (Content-Length or
+ * close-delimited). timeout_ms bounds the call. */
+kvb_status kvb_http_post(const char *host, uint16_t port, const char *path, const char *json, int timeout_ms,
+                         kvb_http_reply *out, kvb_err *err);
+void kvb_http_reply_free(kvb_http_reply *r);
+
+#endif

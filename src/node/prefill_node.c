@@ -1,0 +1,298 @@
+/* node/prefill_node.c — the prefill role: accepts authenticated decode nodes, and for each
+ * PREFILL computes what the decoder lacks on its engine with the bridge hooked after every
+ * (chunk, layer), streaming slabs through the staging ring to a sender thread, then DONE. Its own
+ * store is its prefix cache: a conversation's next turn recomputes only from the decoder's cached
+ * prefix (capped by what this node's cache holds), never less than what it must ship. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvb_engine_cpu.h"
+#include "kvb_quant.h"
+#include "kvb_store.h"
+#include "kvb_transport.h"
+#include "node_internal.h"
+
+#define MAX_CONNS 16
+
+struct kvb_prefill_node {
+    kvb_prefill_config cfg;
+    char *psk;
+    kvb_model *m;
+    kvb_engine *e;
+    kvb_bridge_cpu *br;
+    kvb_kvformat fmt; /* the decoder's format */
+    kvb_hello hello;
+    kvb_transport_config tcfg;
+    kvb_listener *l;
+    pthread_t accept_thread;
+    bool accept_started;
+    volatile bool stop;
+    pthread_mutex_t mu; /* conns list and the engine: one request at a time */
+    kvb_conn *conns[MAX_CONNS];
+    pthread_t conn_threads[MAX_CONNS];
+    bool conn_used[MAX_CONNS];
+    kvb_ring ring;
+    uint64_t peak_capture;
+    int fault_kind; /* 0 none, 1 corrupt, 2 die, 3 stall */
+    uint32_t fault_at;
+};
+
+typedef struct {
+    kvb_prefill_node *n;
+    kvb_conn *c;
+    uint64_t request_id;
+    uint32_t slabs_sent;
+    kvb_err err;
+    bool failed;
+} sender_ctx;
+
+static kvb_status sink_to_ring(void *ctx, const kvb_slab *s, kvb_err *err) {
+    return kvb_ring_push(&((kvb_prefill_node *)ctx)->ring, s, err);
+}
+
+static void *sender_main(void *arg) {
+    sender_ctx *sc = arg;
+    kvb_prefill_node *n = sc->n;
+    kvb_slab s;
+    while (kvb_ring_peek(&n->ring, &s)) {
+        uint32_t idx = ++sc->slabs_sent;
+        if (n->fault_kind && idx == n->fault_at) {
+            if (n->fault_kind == 1) ((uint8_t *)s.k)[s.k_bytes / 2] ^= 0x40; /* after its checksum */
+            if (n->fault_kind == 2) {
+                kvb_log(KVB_LOG_WARN, "prefill: fault injection: dropping the connection at slab %u", idx);
+                kvb_conn_shutdown(sc->c);
+            }
+            if (n->fault_kind == 3) {
+                kvb_log(KVB_LOG_WARN, "prefill: fault injection: stalling at slab %u", idx);
+                for (int i = 0; i < 300 && !n->stop; i++) usleep(100000);
+            }
+        }
+        kvb_msg_slab m = {.layer = s.layer, .pos0 = s.pos0, .n = s.n, .k = s.k, .v = s.v,
+                          .k_bytes = s.k_bytes, .v_bytes = s.v_bytes, .checksum = s.checksum};
+        if (kvb_conn_send_slab(sc->c, sc->request_id, &m, 60000, &sc->err)) {
+            sc->failed = true;
+            kvb_ring_fail(&n->ring);
+            break;
+        }
+        kvb_ring_pop(&n->ring);
+    }
+    return NULL;
+}
+
+static void serve_prefill(kvb_prefill_node *n, kvb_conn *c, kvb_msg_prefill *p) {
+    kvb_err err = {0};
+    const uint32_t bt = n->fmt.block_tokens;
+    if (kvb_msg_prefill_check(p, &n->fmt, &err) || p->n_tokens > n->cfg.max_ctx) {
+        if (!err.msg[0]) snprintf(err.msg, sizeof err.msg, "prompt of %u tokens exceeds this node's limit of %u",
+                                  p->n_tokens, n->cfg.max_ctx);
+        kvb_conn_send_error(c, p->request_id, KVB_WIRE_ERR_REQUEST, err.msg, 10000, NULL);
+        return;
+    }
+    for (uint32_t i = 0; i < p->n_tokens; i++)
+        if ((uint32_t)p->tokens[i] >= n->m->d.n_vocab) {
+            kvb_conn_send_error(c, p->request_id, KVB_WIRE_ERR_REQUEST, "token id outside the vocabulary", 10000, NULL);
+            return;
+        }
+    double t0 = kvb_now_s();
+    pthread_mutex_lock(&n->mu);
+    kvb_seq *s = NULL;
+    uint32_t adopted = 0;
+    kvb_status st = kvb_seq_create(n->e, &s, &err);
+    /* adopt our own cached prefix, but never past the decoder's: we need the attention inputs of
+     * every position we ship, so those are recomputed */
+    if (!st) st = kvb_seq_attach_cached(s, p->tokens, p->cached_tokens + 1, &adopted, &err);
+    kvb_ring_reset(&n->ring);
+    sender_ctx sc = {.n = n, .c = c, .request_id = p->request_id};
+    pthread_t sender;
+    bool sender_started = false;
+    if (!st) {
+        kvb_bridge_cpu_begin(n->br, p->cached_tokens, p->ship_tokens, sink_to_ring, n);
+        sender_started = pthread_create(&sender, NULL, sender_main, &sc) == 0;
+        if (!sender_started) st = kvb_err_set(&err, KVB_ERR_INTERNAL, "could not start the sender thread");
+    }
+    if (!st && p->ship_tokens > adopted)
+        st = kvb_engine_forward(n->e, s, p->tokens + adopted, p->ship_tokens - adopted, NULL, false, &err);
+    kvb_ring_close(&n->ring);
+    if (sender_started) pthread_join(sender, NULL);
+    if (n->ring.peak * n->ring.slot_bytes > n->peak_capture) n->peak_capture = n->ring.peak * n->ring.slot_bytes;
+    kvb_seq_free(s);
+    pthread_mutex_unlock(&n->mu);
+
+    if (sc.failed) {
+        kvb_log(KVB_LOG_WARN, "prefill: request %llu: link failed: %s", (unsigned long long)p->request_id, sc.err.msg);
+        return; /* the connection is unusable; the decoder keeps what it committed */
+    }
+    if (st) {
+        kvb_log(KVB_LOG_WARN, "prefill: request %llu failed: %s", (unsigned long long)p->request_id, err.msg);
+        kvb_conn_send_error(c, p->request_id, KVB_WIRE_ERR_REQUEST, err.msg, 10000, NULL);
+        return;
+    }
+    uint32_t nb = (p->ship_tokens - p->cached_tokens) / bt;
+    uint64_t *keys = malloc(sizeof(uint64_t) * (nb ? nb : 1));
+    uint64_t key = p->last_cached_key;
+    for (uint32_t b = 0; keys && b < nb; b++) {
+        key = kvb_chain_next(key, p->tokens + p->cached_tokens + (size_t)b * bt, bt);
+        keys[b] = key;
+    }
+    kvb_msg_done d = {.tokens_covered = p->ship_tokens,
+                      .blocks = nb,
+                      .slabs = sc.slabs_sent,
+                      .chain_digest = keys ? kvb_wire_chain_digest(keys, nb) : 0,
+                      .prefill_seconds = kvb_now_s() - t0};
+    free(keys);
+    if (kvb_conn_send_done(c, p->request_id, &d, 10000, &err))
+        kvb_log(KVB_LOG_WARN, "prefill: sending DONE failed: %s", err.msg);
+}
+
+typedef struct {
+    kvb_prefill_node *n;
+    int slot;
+} conn_arg;
+
+static void *conn_main(void *arg) {
+    conn_arg *ca = arg;
+    kvb_prefill_node *n = ca->n;
+    kvb_conn *c = n->conns[ca->slot];
+    free(ca);
+    while (!n->stop && kvb_conn_usable(c)) {
+        kvb_msg m;
+        kvb_err err = {0};
+        if (kvb_conn_recv(c, 24 * 3600 * 1000, &m, &err)) {
+            if (!n->stop) kvb_log(KVB_LOG_INFO, "prefill: connection from %s ended: %s", kvb_conn_peer_addr(c), err.msg);
+            break;
+        }
+        if (m.type == KVB_FRAME_PREFILL) serve_prefill(n, c, &m.u.prefill);
+        else if (m.type == KVB_FRAME_PING) kvb_conn_send_pong(c, m.u.ping.token, 10000, NULL);
+        else if (m.type == KVB_FRAME_ERROR) kvb_log(KVB_LOG_WARN, "prefill: peer error: %s", m.u.error.msg);
+        kvb_msg_free(&m);
+    }
+    return NULL;
+}
+
+static void *accept_main(void *arg) {
+    kvb_prefill_node *n = arg;
+    while (!n->stop) {
+        kvb_conn *c = NULL;
+        kvb_hello peer;
+        kvb_err err = {0};
+        if (kvb_transport_accept(n->l, &n->hello, &n->tcfg, 300, &c, &peer, &err)) {
+            if (!n->stop && !strstr(err.msg, "timed out")) kvb_log(KVB_LOG_WARN, "prefill: refused a peer: %s", err.msg);
+            continue;
+        }
+        pthread_mutex_lock(&n->mu);
+        int slot = -1;
+        for (int i = 0; i < MAX_CONNS && slot < 0; i++)
+            if (!n->conn_used[i]) slot = i;
+            else if (!kvb_conn_usable(n->conns[i])) { /* reap a finished connection */
+                pthread_join(n->conn_threads[i], NULL);
+                kvb_conn_close(n->conns[i]);
+                n->conn_used[i] = false;
+                slot = i;
+            }
+        conn_arg *ca = slot >= 0 ? malloc(sizeof *ca) : NULL;
+        if (!ca) {
+            pthread_mutex_unlock(&n->mu);
+            kvb_conn_send_error(c, 0, KVB_WIRE_ERR_REQUEST, "too many decode nodes connected", 1000, NULL);
+            kvb_conn_close(c);
+            continue;
+        }
+        *ca = (conn_arg){n, slot};
+        n->conns[slot] = c;
+        n->conn_used[slot] = pthread_create(&n->conn_threads[slot], NULL, conn_main, ca) == 0;
+        if (!n->conn_used[slot]) {
+            free(ca);
+            kvb_conn_close(c);
+        }
+        pthread_mutex_unlock(&n->mu);
+        kvb_log(KVB_LOG_INFO, "prefill: decode node '%s' connected", peer.name);
+    }
+    return NULL;
+}
+
+static kvb_status parse_fault(kvb_prefill_node *n, const char *f, kvb_err *err) {
+    if (!f || !*f) return KVB_OK;
+    const char *kinds[] = {"corrupt:", "die:", "stall:"};
+    for (int i = 0; i < 3; i++)
+        if (!strncmp(f, kinds[i], strlen(kinds[i]))) {
+            n->fault_kind = i + 1;
+            n->fault_at = (uint32_t)strtoul(f + strlen(kinds[i]), NULL, 10);
+            if (n->fault_at >= 1) return KVB_OK;
+        }
+    return kvb_err_set(err, KVB_ERR_INVALID, "fault '%s' is not corrupt:N, die:N or stall:N (N >= 1)", f);
+}
+
+kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_node **out, kvb_err *err) {
+    *out = NULL;
+    kvb_prefill_node *n = calloc(1, sizeof *n);
+    if (!n) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    n->cfg = *cfg;
+    if (!n->cfg.block_tokens) n->cfg.block_tokens = 32;
+    if (!n->cfg.max_ctx) n->cfg.max_ctx = 32768;
+    if (!n->cfg.chunk_tokens) n->cfg.chunk_tokens = 512;
+    if (!n->cfg.ring_slots) n->cfg.ring_slots = 16;
+    pthread_mutex_init(&n->mu, NULL);
+    kvb_status st = parse_fault(n, cfg->fault, err);
+    if (!st && (!cfg->psk || strlen(cfg->psk) < KVB_WIRE_PSK_MIN))
+        st = kvb_err_set(err, KVB_ERR_INVALID, "a pre-shared key of at least %d bytes is required (--psk)",
+                         KVB_WIRE_PSK_MIN);
+    if (!st && !(n->psk = strdup(cfg->psk))) st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    if (!st) st = kvb_model_load(cfg->model_path, &n->m, err);
+    const uint32_t bt = n->cfg.block_tokens;
+    if (!st) {
+        /* the engine computes in the decoder's own cache format, so its attention inputs are the
+         * decoder's; its own store is the prefix cache across requests */
+        kvb_engine_opts eo = {.n_threads = cfg->n_threads, .cache_dtype = cfg->cache_dtype, .block_tokens = bt,
+                              .max_ctx = n->cfg.max_ctx, .max_batch = n->cfg.chunk_tokens,
+                              .n_blocks = 2 * ((n->cfg.max_ctx + bt - 1) / bt),
+                              .layer_hook = kvb_bridge_cpu_layer};
+        st = kvb_kvformat_init(&n->fmt, cfg->cache_dtype, bt, n->m->d.n_layer, n->m->d.n_head_kv, n->m->d.head_dim,
+                               err);
+        if (!st) st = kvb_bridge_cpu_create(n->m, &n->fmt, NULL, n->cfg.chunk_tokens, &n->br, err);
+        eo.layer_hook_ctx = n->br;
+        if (!st) st = kvb_engine_create(n->m, &eo, &n->e, err);
+    }
+    if (!st)
+        st = kvb_ring_init(&n->ring, n->cfg.ring_slots, 2 * (size_t)bt * n->m->d.n_head_kv * kvb_kvformat_row_bytes(&n->fmt),
+                           err);
+    if (!st) st = kvb_hello_init(&n->hello, KVB_ROLE_PREFILL, KVB_BRIDGE_MODE_DECODER, cfg->name ? cfg->name : "prefill",
+                                 n->m->fingerprint, &n->fmt, err);
+    n->tcfg = (kvb_transport_config){.psk = (const uint8_t *)n->psk, .psk_len = n->psk ? strlen(n->psk) : 0};
+    if (!st) st = kvb_transport_listen(cfg->listen, NULL, &n->l, err);
+    if (!st) {
+        n->accept_started = pthread_create(&n->accept_thread, NULL, accept_main, n) == 0;
+        if (!n->accept_started) st = kvb_err_set(err, KVB_ERR_INTERNAL, "could not start the accept thread");
+    }
+    if (st) {
+        kvb_prefill_node_stop(n);
+        return st;
+    }
+    *out = n;
+    return KVB_OK;
+}
+
+uint16_t kvb_prefill_node_port(const kvb_prefill_node *n) { return kvb_listener_port(n->l); }
+uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n) { return n->peak_capture; }
+
+void kvb_prefill_node_stop(kvb_prefill_node *n) {
+    if (!n) return;
+    n->stop = true;
+    if (n->ring.inited) kvb_ring_fail(&n->ring);
+    if (n->accept_started) pthread_join(n->accept_thread, NULL);
+    for (int i = 0; i < MAX_CONNS; i++)
+        if (n->conn_used[i]) kvb_conn_shutdown(n->conns[i]);
+    for (int i = 0; i < MAX_CONNS; i++)
+        if (n->conn_used[i]) {
+            pthread_join(n->conn_threads[i], NULL);
+            kvb_conn_close(n->conns[i]);
+        }
+    kvb_listener_close(n->l);
+    kvb_ring_destroy(&n->ring);
+    kvb_engine_free(n->e);
+    kvb_bridge_cpu_free(n->br);
+    kvb_model_free(n->m);
+    pthread_mutex_destroy(&n->mu);
+    free(n->psk);
+    free(n);
+}

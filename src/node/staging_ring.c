@@ -1,0 +1,100 @@
+/* node/staging_ring.c — the prefill node's bounded capture memory: a fixed ring of slab-sized
+ * staging slots between the bridge (producer, on the engine's thread) and the sender thread.
+ * A full ring blocks the producer (back-pressure from a slow link); memory never grows with the
+ * prompt. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "node_internal.h"
+
+kvb_status kvb_ring_init(kvb_ring *r, uint32_t slots, size_t slot_bytes, kvb_err *err) {
+    memset(r, 0, sizeof *r);
+    r->n_slots = slots;
+    r->slot_bytes = slot_bytes;
+    r->buf = malloc((size_t)slots * slot_bytes);
+    r->meta = calloc(slots, sizeof *r->meta);
+    if (!r->buf || !r->meta) {
+        kvb_ring_destroy(r);
+        return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for %u staging slots of %zu bytes", slots, slot_bytes);
+    }
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    r->inited = true;
+    return KVB_OK;
+}
+
+void kvb_ring_destroy(kvb_ring *r) {
+    if (r->inited) {
+        pthread_mutex_destroy(&r->mu);
+        pthread_cond_destroy(&r->cv);
+    }
+    free(r->buf);
+    free(r->meta);
+    memset(r, 0, sizeof *r);
+}
+
+void kvb_ring_reset(kvb_ring *r) {
+    pthread_mutex_lock(&r->mu);
+    r->head = r->tail = r->count = 0;
+    r->closed = r->failed = false;
+    pthread_mutex_unlock(&r->mu);
+}
+
+kvb_status kvb_ring_push(kvb_ring *r, const kvb_slab *s, kvb_err *err) {
+    if (s->k_bytes + s->v_bytes > r->slot_bytes)
+        return kvb_err_set(err, KVB_ERR_INTERNAL, "slab of %zu bytes exceeds a staging slot (%zu)",
+                           s->k_bytes + s->v_bytes, r->slot_bytes);
+    pthread_mutex_lock(&r->mu);
+    while (r->count == r->n_slots && !r->failed) pthread_cond_wait(&r->cv, &r->mu);
+    if (r->failed) {
+        pthread_mutex_unlock(&r->mu);
+        return kvb_err_set(err, KVB_ERR_IO, "the link to the decode node failed; stopping this prefill");
+    }
+    uint32_t slot = r->tail;
+    pthread_mutex_unlock(&r->mu);
+    /* the slot is ours until count says otherwise: copy without the lock */
+    uint8_t *dst = r->buf + (size_t)slot * r->slot_bytes;
+    memcpy(dst, s->k, s->k_bytes);
+    memcpy(dst + s->k_bytes, s->v, s->v_bytes);
+    r->meta[slot] = *s;
+    r->meta[slot].k = dst;
+    r->meta[slot].v = dst + s->k_bytes;
+    pthread_mutex_lock(&r->mu);
+    r->tail = (r->tail + 1) % r->n_slots;
+    r->count++;
+    if (r->count > r->peak) r->peak = r->count;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    return KVB_OK;
+}
+
+bool kvb_ring_peek(kvb_ring *r, kvb_slab *out) {
+    pthread_mutex_lock(&r->mu);
+    while (r->count == 0 && !r->closed && !r->failed) pthread_cond_wait(&r->cv, &r->mu);
+    bool have = r->count > 0 && !r->failed;
+    if (have) *out = r->meta[r->head];
+    pthread_mutex_unlock(&r->mu);
+    return have;
+}
+
+void kvb_ring_pop(kvb_ring *r) {
+    pthread_mutex_lock(&r->mu);
+    r->head = (r->head + 1) % r->n_slots;
+    r->count--;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+void kvb_ring_close(kvb_ring *r) {
+    pthread_mutex_lock(&r->mu);
+    r->closed = true;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+void kvb_ring_fail(kvb_ring *r) {
+    pthread_mutex_lock(&r->mu);
+    r->failed = true;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
