@@ -1,0 +1,121 @@
+/* format.c — OpenAI response bodies: chat.completion / text_completion objects, streaming
+ * chunks (chat.completion.chunk / text_completion) as SSE lines, and the usage object with our
+ * usage.kvbridge block: {"verdict", "cached_tokens", "bridged_tokens", "native_tokens",
+ * "lookup_s", "prefill_s", "transfer_s", "decode_s"}. The OpenAI-standard
+ * usage.prompt_tokens_details.cached_tokens carries the cached count too. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "http_internal.h"
+
+const char *http_finish_reason_name(kvb_finish_reason r) {
+    return r == KVB_FINISH_LENGTH ? "length" : "stop";
+}
+
+cJSON *http_usage_json(const kvb_usage *u, const char *verdict) {
+    static const kvb_usage zero;
+    if (!u) u = &zero;
+    cJSON *usage = cJSON_CreateObject();
+    if (!usage) return NULL;
+    cJSON_AddNumberToObject(usage, "prompt_tokens", (double)u->prompt_tokens);
+    cJSON_AddNumberToObject(usage, "completion_tokens", (double)u->completion_tokens);
+    cJSON_AddNumberToObject(usage, "total_tokens", (double)(u->prompt_tokens + u->completion_tokens));
+    cJSON *details = cJSON_AddObjectToObject(usage, "prompt_tokens_details");
+    if (details) cJSON_AddNumberToObject(details, "cached_tokens", (double)u->cached_tokens);
+    cJSON *kb = cJSON_AddObjectToObject(usage, "kvbridge");
+    if (kb) {
+        cJSON_AddStringToObject(kb, "verdict", verdict ? verdict : "");
+        cJSON_AddNumberToObject(kb, "cached_tokens", (double)u->cached_tokens);
+        cJSON_AddNumberToObject(kb, "bridged_tokens", (double)u->bridged_tokens);
+        cJSON_AddNumberToObject(kb, "native_tokens", (double)u->native_tokens);
+        cJSON_AddNumberToObject(kb, "lookup_s", u->lookup_s);
+        cJSON_AddNumberToObject(kb, "prefill_s", u->prefill_s);
+        cJSON_AddNumberToObject(kb, "transfer_s", u->transfer_s);
+        cJSON_AddNumberToObject(kb, "decode_s", u->decode_s);
+    }
+    if (!details || !kb) { cJSON_Delete(usage); return NULL; }
+    return usage;
+}
+
+static cJSON *meta_object(const http_completion_meta *m, bool chunk) {
+    cJSON *root = cJSON_CreateObject();
+    if (!root) return NULL;
+    cJSON_AddStringToObject(root, "id", m->id);
+    const char *object = m->api == KVB_API_CHAT_COMPLETIONS
+                             ? (chunk ? "chat.completion.chunk" : "chat.completion")
+                             : "text_completion";
+    cJSON_AddStringToObject(root, "object", object);
+    cJSON_AddNumberToObject(root, "created", (double)m->created);
+    cJSON_AddStringToObject(root, "model", m->model ? m->model : "");
+    return root;
+}
+
+static char *print_and_delete(cJSON *root) {
+    char *s = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    return s;
+}
+
+char *http_completion_json(const http_completion_meta *m, const char *text,
+                           kvb_finish_reason reason, const kvb_usage *u, const char *verdict) {
+    cJSON *root = meta_object(m, false);
+    if (!root) return NULL;
+    cJSON *choices = cJSON_AddArrayToObject(root, "choices");
+    cJSON *choice = cJSON_CreateObject();
+    if (!choices || !choice) { cJSON_Delete(choice); cJSON_Delete(root); return NULL; }
+    cJSON_AddItemToArray(choices, choice);
+    cJSON_AddNumberToObject(choice, "index", 0);
+    if (m->api == KVB_API_CHAT_COMPLETIONS) {
+        cJSON *msg = cJSON_AddObjectToObject(choice, "message");
+        if (!msg) { cJSON_Delete(root); return NULL; }
+        cJSON_AddStringToObject(msg, "role", "assistant");
+        if (!cJSON_AddStringToObject(msg, "content", text ? text : "")) {
+            cJSON_Delete(root);
+            return NULL;
+        }
+    } else if (!cJSON_AddStringToObject(choice, "text", text ? text : "")) {
+        cJSON_Delete(root);
+        return NULL;
+    }
+    cJSON_AddNullToObject(choice, "logprobs");
+    cJSON_AddStringToObject(choice, "finish_reason", http_finish_reason_name(reason));
+    cJSON *usage = http_usage_json(u, verdict);
+    if (!usage) { cJSON_Delete(root); return NULL; }
+    cJSON_AddItemToObject(root, "usage", usage);
+    return print_and_delete(root);
+}
+
+void http_sse_chunk(http_buf *b, const http_completion_meta *m, const char *delta, bool first_chunk,
+                    const char *finish, const kvb_usage *usage_chunk, const char *verdict) {
+    cJSON *root = meta_object(m, true);
+    if (!root) { b->oom = true; return; }
+    cJSON *choices = cJSON_AddArrayToObject(root, "choices");
+    if (!choices) { cJSON_Delete(root); b->oom = true; return; }
+    if (usage_chunk) {
+        cJSON *usage = http_usage_json(usage_chunk, verdict);
+        if (!usage) { cJSON_Delete(root); b->oom = true; return; }
+        cJSON_AddItemToObject(root, "usage", usage);
+    } else {
+        cJSON *choice = cJSON_CreateObject();
+        if (!choice) { cJSON_Delete(root); b->oom = true; return; }
+        cJSON_AddItemToArray(choices, choice);
+        cJSON_AddNumberToObject(choice, "index", 0);
+        if (m->api == KVB_API_CHAT_COMPLETIONS) {
+            cJSON *d = cJSON_AddObjectToObject(choice, "delta");
+            if (d && first_chunk) cJSON_AddStringToObject(d, "role", "assistant");
+            if (d && (delta || first_chunk)) cJSON_AddStringToObject(d, "content", delta ? delta : "");
+        } else {
+            cJSON_AddStringToObject(choice, "text", delta ? delta : "");
+        }
+        cJSON_AddNullToObject(choice, "logprobs");
+        if (finish) cJSON_AddStringToObject(choice, "finish_reason", finish);
+        else cJSON_AddNullToObject(choice, "finish_reason");
+        if (m->include_usage) cJSON_AddNullToObject(root, "usage");
+    }
+    char *s = print_and_delete(root);
+    if (!s) { b->oom = true; return; }
+    http_buf_append_str(b, "data: ");
+    http_buf_append_str(b, s);
+    http_buf_append_str(b, "\n\n");
+    cJSON_free(s);
+}

@@ -1,0 +1,145 @@
+/* http_internal.h — shared inside src/http only: a growable byte buffer, UTF-8 checks, the
+ * OpenAI error helpers and the response/SSE formatting the server and the completion share. */
+#ifndef KVB_HTTP_INTERNAL_H
+#define KVB_HTTP_INTERNAL_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvb_http.h"
+
+/* ---- byte buffer: appends never fail loudly; `oom` records a failed growth ----------------- */
+
+typedef struct {
+    char *data; /* NUL-terminated when non-NULL */
+    size_t len, cap;
+    bool oom;
+} http_buf;
+
+void http_buf_append(http_buf *b, const void *bytes, size_t n);
+void http_buf_append_str(http_buf *b, const char *s);
+void http_buf_appendf(http_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void http_buf_consume(http_buf *b, size_t n); /* drops the first n bytes */
+void http_buf_free(http_buf *b);
+
+/* ---- UTF-8 ----------------------------------------------------------------------------- */
+
+bool http_utf8_valid(const char *s, size_t n);
+/* Appends s with every invalid sequence replaced by U+FFFD. */
+void http_utf8_sanitize_append(http_buf *b, const char *s, size_t n);
+
+/* ---- errors ------------------------------------------------------------------------------ */
+
+void http_error_set(kvb_http_error *e, int status, const char *code, const char *param,
+                    const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+void http_error_vset(kvb_http_error *e, int status, const char *code, const char *param,
+                     const char *fmt, va_list ap) __attribute__((format(printf, 5, 0)));
+/* {"error": {...}} as malloc'd JSON text; NULL on allocation failure. */
+char *http_error_json(const kvb_http_error *e);
+
+/* ---- response formatting ------------------------------------------------------------------ */
+
+typedef struct {
+    kvb_api api;
+    char id[48];          /* "chatcmpl-..." / "cmpl-..." */
+    int64_t created;      /* unix seconds */
+    const char *model;    /* the served model id */
+    bool include_usage;   /* streaming: "usage": null in each chunk, a usage chunk at the end */
+} http_completion_meta;
+
+const char *http_finish_reason_name(kvb_finish_reason r);
+/* Builds the usage object (with usage.kvbridge). */
+cJSON *http_usage_json(const kvb_usage *u, const char *verdict);
+/* Non-streaming body: chat.completion / text_completion. malloc'd; NULL on allocation failure. */
+char *http_completion_json(const http_completion_meta *m, const char *text,
+                           kvb_finish_reason reason, const kvb_usage *u, const char *verdict);
+/* One streaming chunk as "data: {...}\n\n" appended to b. chat: first_chunk adds the assistant
+ * role; finish (non-NULL) closes the choice. usage_chunk != NULL writes the final usage-only
+ * chunk (choices []) instead. */
+void http_sse_chunk(http_buf *b, const http_completion_meta *m, const char *delta, bool first_chunk,
+                    const char *finish, const kvb_usage *usage_chunk, const char *verdict);
+void http_sse_error(http_buf *b, const kvb_http_error *e);
+#define HTTP_SSE_DONE "data: [DONE]\n\n"
+
+/* ---- server and one completion in flight (server.c, completion.c) -------------------------- */
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sys/types.h>
+
+struct MHD_Connection;
+
+struct kvb_http_server {
+    struct MHD_Daemon *daemon;
+    kvb_http_handlers handlers;
+    char *model_id;
+    bool accept_any_model;
+    size_t max_body_bytes;
+    unsigned idle_timeout_s;
+    uint16_t port;
+    int64_t started_unix;
+    atomic_bool stopping;
+    atomic_uint_fast64_t next_id;
+    uint64_t id_salt;
+    kvb_metrics *metrics;
+    bool owns_metrics;
+    kvb_metric *m_requests, *m_duration, *m_in_flight, *m_ttft, *m_prompt_tokens,
+        *m_generated_tokens, *m_disconnects, *m_verdicts;
+};
+
+#define HTTP_STREAM_BACKLOG_MAX ((size_t)1 << 20) /* emit waits while more is unsent */
+#define HTTP_WAIT_SLICE_MS 50 /* how often waits look at the socket and the stop flag */
+
+struct kvb_completion_out {
+    kvb_http_server *server;
+    const kvb_completion_req *req;
+    http_completion_meta meta;
+    int fd; /* the client's socket, polled for hang-up; -1 if unknown */
+    bool streaming;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    /* guarded by mu */
+    char verdict[KVB_VERDICT_MAX];      /* the header's */
+    bool has_verdict;
+    bool stream_started;                /* streaming: 200 + headers decided (first emit/finish) */
+    bool ended;                         /* finish or fail called */
+    bool failed;
+    kvb_http_error error;
+    kvb_finish_reason finish_reason;
+    kvb_usage usage;
+    char final_verdict[KVB_VERDICT_MAX]; /* the body's (usage.kvbridge.verdict) */
+    bool handler_returned;
+    bool cancelled;                     /* client gone or server stopping */
+    bool client_gone;
+    http_buf text;                      /* non-streaming: accumulated text */
+    http_buf pending;                   /* streaming: SSE bytes; [pending_off, len) not yet sent */
+    size_t pending_off;
+    bool emitted;                       /* a non-empty delta went out */
+    double t_start, t_first_token;
+    /* worker thread (streaming) */
+    bool thread_started;
+    pthread_t thread;
+};
+
+kvb_completion_out *http_completion_new(kvb_http_server *s, const kvb_completion_req *req, int fd);
+void http_completion_free(kvb_completion_out *out);
+/* Runs the handler on this thread (non-streaming). */
+void http_completion_run_inline(kvb_completion_out *out);
+/* Streaming: starts the handler on a worker thread; false if the thread could not start. */
+bool http_completion_start_worker(kvb_completion_out *out);
+/* Streaming: waits until the response shape is known. Returns 1 when a 200 stream should be
+ * queued, 0 when the completion ended before streaming (error response), -1 when the client went
+ * away or the server is stopping (close the connection). */
+int http_completion_wait_begun(kvb_completion_out *out);
+/* The MHD content reader for a streaming response (cls = out). */
+ssize_t http_completion_stream_read(void *cls, uint64_t pos, char *buf, size_t max);
+/* Marks the completion cancelled (connection closing) and joins the worker. */
+void http_completion_abandon(kvb_completion_out *out);
+bool http_peer_closed(int fd);
+
+/* Verdict text made safe for a header: printable ASCII only, at most KVB_VERDICT_MAX-1 bytes. */
+void http_verdict_clean(char *dst, const char *src);
+
+#endif

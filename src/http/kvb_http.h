@@ -1,0 +1,194 @@
+/* http — the decode node's front door: an OpenAI-compatible HTTP server (libmicrohttpd, one
+ * thread per connection) with POST /v1/chat/completions and /v1/completions (JSON or SSE
+ * streaming), GET /v1/models[/ID], /health and /metrics, plus the metrics registry /metrics
+ * renders (counters, gauges, histograms with labels, Prometheus text format 0.0.4, thread-safe).
+ * This module parses and validates request bytes (hostile: wrong types and out-of-range values
+ * are 400s that name the param, in OpenAI's error shape) into a kvb_completion_req and formats
+ * responses; it does not render chat templates, tokenize or decode — the handler (the decode
+ * node) does. The handler's callbacks (completion once per request, health) are called
+ * CONCURRENTLY from several connection threads: they must be thread-safe (completion may
+ * serialize internally, e.g. queue requests on one engine; the server itself never queues). It
+ * emits text deltas with kvb_completion_emit, names the bridge verdict with
+ * kvb_completion_set_verdict BEFORE the first emit (the X-KVBridge header goes out with the first
+ * byte of a stream), and ends with kvb_completion_finish (usage, incl. usage.kvbridge) or
+ * kvb_completion_fail (an OpenAI-style error; a real 4xx/5xx status while nothing has been
+ * emitted, an SSE error event after). A client that disconnects (or half-closes its socket) makes
+ * emit return KVB_ERR_IO and kvb_completion_cancelled return true; a handler should stop decoding
+ * then, and should poll kvb_completion_cancelled during long work that emits nothing (prefill),
+ * because stopping the server waits for every handler to return. */
+#ifndef KVB_HTTP_H
+#define KVB_HTTP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cJSON.h>
+
+#include "kvb_core.h"
+#include "kvb_tokenizer.h" /* kvb_chat_msg: parsed messages go straight to kvb_chat_render */
+
+/* ---- metrics registry -------------------------------------------------------------------- */
+
+typedef struct kvb_metrics kvb_metrics;
+typedef struct kvb_metric kvb_metric; /* one family: name, type, help, label names, its series */
+typedef enum { KVB_METRIC_COUNTER = 0, KVB_METRIC_GAUGE, KVB_METRIC_HISTOGRAM } kvb_metric_type;
+
+#define KVB_METRICS_CONTENT_TYPE "text/plain; version=0.0.4; charset=utf-8"
+#define KVB_METRIC_MAX_LABELS 8
+#define KVB_METRIC_MAX_SERIES 4096 /* per family; further label combinations are dropped */
+/* Label values for one observation, in the order of the family's label names. */
+#define KVB_LABELS(...) ((const char *const[]){__VA_ARGS__})
+
+kvb_status kvb_metrics_create(kvb_metrics **out, kvb_err *err);
+void kvb_metrics_free(kvb_metrics *m);
+/* Registers a family, or returns the one already registered under `name` when type, label names
+ * and buckets are the same (a mismatch is KVB_ERR_INVALID). name: [a-zA-Z_:][a-zA-Z0-9_:]*;
+ * label_names: comma-separated ("route,code"), NULL or "" for none, each [a-zA-Z_][a-zA-Z0-9_]*,
+ * not "__"-prefixed, not "le" for histograms. Histograms: `bounds` are the finite, strictly
+ * increasing bucket upper bounds (+Inf is implicit); NULL picks latency buckets 1 ms .. 60 s.
+ * Families live until kvb_metrics_free; the pointer is stable. */
+kvb_status kvb_metrics_register(kvb_metrics *m, kvb_metric_type type, const char *name,
+                                const char *help, const char *label_names, const double *bounds,
+                                size_t n_bounds, kvb_metric **out, kvb_err *err);
+/* Observations: label_values has one entry per label name (NULL when the family has none; a NULL
+ * entry is ""). Counter: add(delta >= 0). Gauge: add (any sign) or set. Histogram: observe.
+ * Misuse (wrong type, negative or NaN counter delta) is ignored. Any thread. */
+void kvb_metric_add(kvb_metric *f, const char *const *label_values, double delta);
+void kvb_metric_set(kvb_metric *f, const char *const *label_values, double value);
+void kvb_metric_observe(kvb_metric *f, const char *const *label_values, double value);
+/* Counter/gauge value, or a histogram's count; 0 when the series does not exist. */
+double kvb_metric_value(kvb_metric *f, const char *const *label_values);
+/* The whole registry as Prometheus text exposition format 0.0.4 (families in registration order,
+ * series in creation order). *out is malloc'd and NUL-terminated; *len excludes the NUL. */
+kvb_status kvb_metrics_render(kvb_metrics *m, char **out, size_t *len, kvb_err *err);
+
+/* ---- errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} ------------ */
+
+typedef struct {
+    int status;         /* HTTP status: 400, 404, 405, 413, 415, 500, 503, ... */
+    char type[32];      /* "invalid_request_error" (4xx) or "server_error" (5xx) */
+    char code[64];      /* "" -> null; e.g. "context_length_exceeded", "model_not_found" */
+    char param[96];     /* "" -> null; e.g. "messages[1].content", "max_tokens" */
+    char message[512];
+} kvb_http_error;
+
+/* ---- requests ---------------------------------------------------------------------------- */
+
+typedef enum { KVB_API_CHAT_COMPLETIONS = 0, KVB_API_COMPLETIONS } kvb_api;
+typedef enum { KVB_BRIDGE_AUTO = 0, KVB_BRIDGE_FORCE, KVB_BRIDGE_OFF } kvb_bridge_policy;
+#define KVB_HTTP_MAX_STOP 4
+
+/* A validated request. Strings are NUL-terminated valid UTF-8 without NUL bytes and live as
+ * long as the request. Fields the client left out (or sent as null) have the defaults noted. */
+typedef struct {
+    kvb_api api;
+    const char *model;               /* required */
+    /* chat: roles are "system" (also for "developer"), "user", "assistant"; text parts of the
+     * array-of-parts form are joined with "\n"; an assistant message with null content is "". */
+    const kvb_chat_msg *messages;
+    size_t n_messages;               /* >= 1 for chat, 0 for completions */
+    /* completions: exactly one of prompt (text, may be "") and prompt_tokens (>= 1 ids, each in
+     * [0, INT32_MAX]; the handler checks them against the vocabulary) is set. */
+    const char *prompt;
+    const int32_t *prompt_tokens;
+    size_t n_prompt_tokens;
+    int64_t max_tokens;              /* -1: not given (OpenAI's legacy /v1/completions default is
+                                        16; chat runs to the context end). max_completion_tokens
+                                        wins over max_tokens. chat >= 1, completions >= 0 */
+    double temperature;              /* [0, 2], default 1 */
+    double top_p;                    /* [0, 1], default 1 */
+    int32_t top_k;                   /* extension; >= 0, 0 (or -1 sent) = off; default 0 */
+    double frequency_penalty;        /* [-2, 2], default 0 */
+    double presence_penalty;         /* [-2, 2], default 0 */
+    bool has_seed;
+    int64_t seed;
+    const char *stop[KVB_HTTP_MAX_STOP]; /* non-empty strings */
+    size_t n_stop;
+    bool stream;
+    bool include_usage;              /* stream_options.include_usage (only with stream) */
+    kvb_bridge_policy bridge;          /* extension: {"kvbridge": {"bridge": "auto"|"force"|"off"}} */
+    void *internal_;                 /* owned storage; kvb_completion_req_free releases it */
+} kvb_completion_req;
+
+/* Parses and validates a request body (`len` bytes, need not be NUL-terminated). Unknown fields
+ * are ignored like OpenAI does, except inside the "kvbridge" object (ours: an unknown key is a
+ * 400). Known fields this server cannot honour are 400s rather than silently ignored: n != 1,
+ * logprobs, echo, suffix, best_of > 1, tools/functions, response_format other than "text",
+ * "tool"/"function" roles, non-text content parts. On failure: KVB_ERR_INVALID (err->status 400)
+ * or KVB_ERR_NOMEM (500), *out NULL. */
+kvb_status kvb_completion_req_parse(kvb_api api, const char *body, size_t len,
+                                    kvb_completion_req **out, kvb_http_error *err);
+void kvb_completion_req_free(kvb_completion_req *req);
+
+/* ---- handler side of one completion ------------------------------------------------------ */
+
+typedef struct kvb_completion_out kvb_completion_out;
+typedef enum { KVB_FINISH_STOP = 0, KVB_FINISH_LENGTH } kvb_finish_reason;
+
+#define KVB_VERDICT_MAX 128 /* longer verdicts are cut; control bytes become '?' */
+
+typedef struct {
+    int64_t prompt_tokens;
+    int64_t completion_tokens;
+    const char *verdict;   /* NULL: the one given to kvb_completion_set_verdict; else this is the
+                              body's verdict (a stream's header already went out with the set one) */
+    int64_t cached_tokens; /* prompt tokens found in the prefix cache */
+    int64_t bridged_tokens;/* prompt tokens whose cache the prefill node shipped */
+    int64_t native_tokens; /* prompt tokens the decoder computed itself */
+    double lookup_s, prefill_s, transfer_s, decode_s; /* per-phase wall seconds */
+} kvb_usage;
+
+/* The verdict ("complete", "partial 3/8", "declined: peer down"): required before the first
+ * emit (KVB_ERR_INVALID otherwise), may be re-set until then. */
+kvb_status kvb_completion_set_verdict(kvb_completion_out *out, const char *verdict);
+/* Appends a text delta (UTF-8; invalid bytes become U+FFFD; "" is a no-op). Streaming: sent as a
+ * chunk at once (blocks while the client is more than 1 MiB behind). KVB_ERR_IO when the client
+ * is gone or the server is stopping (stop decoding), KVB_ERR_INVALID after finish/fail or without
+ * a verdict. */
+kvb_status kvb_completion_emit(kvb_completion_out *out, const char *delta);
+/* Ends the completion. usage may be NULL (all zero) only if set_verdict was called. */
+kvb_status kvb_completion_finish(kvb_completion_out *out, kvb_finish_reason reason,
+                                 const kvb_usage *usage);
+/* Ends the completion with an error: http_status 400..599, code/param NULL for null. Before the
+ * first emit this is the response's status; after it, an SSE event {"error": {...}} closes the
+ * stream (the openai client raises it). Returns KVB_OK, or KVB_ERR_INVALID after finish/fail. */
+kvb_status kvb_completion_fail(kvb_completion_out *out, int http_status, const char *code,
+                               const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+/* True once the client disconnected or the server is stopping. Cheap (one poll(2)). */
+bool kvb_completion_cancelled(kvb_completion_out *out);
+
+/* ---- server ------------------------------------------------------------------------------ */
+
+typedef struct {
+    void *ctx;
+    /* Required. Called once per validated completion request; must end the completion with
+     * finish or fail before returning (returning without either is a 500). */
+    void (*completion)(void *ctx, const kvb_completion_req *req, kvb_completion_out *out);
+    /* Optional: adds fields (peer state, queue depth, ...) to /health's {"status": "ok"}. */
+    void (*health)(void *ctx, cJSON *body);
+} kvb_http_handlers;
+
+typedef struct {
+    const char *listen;        /* "HOST:PORT" or "[IPv6]:PORT"; HOST may be a name; port 0 =
+                                  ephemeral (see kvb_http_server_port) */
+    const char *model_id;      /* the served model: /v1/models, "model" in responses */
+    bool accept_any_model;     /* false: a request naming another model is 404 model_not_found */
+    size_t max_body_bytes;     /* 0 = 32 MiB; larger bodies are 413 */
+    unsigned max_connections;  /* 0 = 256 (each holds a thread) */
+    unsigned idle_timeout_s;   /* keep-alive idle limit; 0 = 120 (never cuts a slow handler) */
+    kvb_metrics *metrics;      /* NULL: the server creates (and frees) its own */
+} kvb_http_config;
+
+typedef struct kvb_http_server kvb_http_server;
+
+kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_handlers *h,
+                                 kvb_http_server **out, kvb_err *err);
+uint16_t kvb_http_server_port(const kvb_http_server *s); /* the bound port */
+kvb_metrics *kvb_http_server_metrics(kvb_http_server *s);
+/* Stops accepting, cancels every in-flight completion (emit fails), waits for the connection
+ * threads and the handlers to return, frees. NULL is a no-op. */
+void kvb_http_server_stop(kvb_http_server *s);
+
+#endif

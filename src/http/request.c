@@ -1,0 +1,461 @@
+/* request.c — hostile request bytes -> a validated kvb_completion_req. Every rejection is a 400
+ * in OpenAI's shape naming the offending param ("messages[2].content", "stop[1]", ...). The
+ * parsed cJSON tree stays alive with the request: strings point into it; only joined content
+ * parts and the token id array are separate allocations. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "http_internal.h"
+
+typedef struct {
+    kvb_completion_req req;
+    cJSON *root;
+    kvb_chat_msg *msgs;
+    char **owned; /* joined content strings */
+    size_t n_owned;
+    int32_t *tokens;
+} req_storage;
+
+#define BAD(e, param, ...) (http_error_set((e), 400, NULL, (param), __VA_ARGS__), KVB_ERR_INVALID)
+#define NOMEM(e) (http_error_set((e), 500, NULL, NULL, "out of memory parsing the request"), KVB_ERR_NOMEM)
+
+static const char *json_type_name(const cJSON *v) {
+    if (cJSON_IsString(v)) return "a string";
+    if (cJSON_IsNumber(v)) return "a number";
+    if (cJSON_IsBool(v)) return "a boolean";
+    if (cJSON_IsArray(v)) return "an array";
+    if (cJSON_IsObject(v)) return "an object";
+    if (cJSON_IsNull(v)) return "null";
+    return "an invalid value";
+}
+
+/* The item, or NULL when absent or JSON null (both mean "use the default"). */
+static const cJSON *field(const cJSON *obj, const char *name) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, name);
+    return (v && !cJSON_IsNull(v)) ? v : NULL;
+}
+
+static kvb_status get_bool(const cJSON *obj, const char *name, const char *param, bool *out,
+                           kvb_http_error *e) {
+    const cJSON *v = field(obj, name);
+    if (!v) return KVB_OK;
+    if (!cJSON_IsBool(v))
+        return BAD(e, param, "Invalid type for '%s': expected a boolean, but got %s instead.", param,
+                   json_type_name(v));
+    *out = cJSON_IsTrue(v);
+    return KVB_OK;
+}
+
+static kvb_status get_number(const cJSON *obj, const char *name, double lo, double hi, double *out,
+                             kvb_http_error *e) {
+    const cJSON *v = field(obj, name);
+    if (!v) return KVB_OK;
+    if (!cJSON_IsNumber(v))
+        return BAD(e, name, "Invalid type for '%s': expected a number, but got %s instead.", name,
+                   json_type_name(v));
+    double d = v->valuedouble;
+    if (!isfinite(d) || d < lo || d > hi)
+        return BAD(e, name, "Invalid '%s': %g is out of range; expected a value in [%g, %g].", name, d,
+                   lo, hi);
+    *out = d;
+    return KVB_OK;
+}
+
+/* An integral JSON number in [lo, hi]. */
+static kvb_status check_integer(const cJSON *v, const char *param, double lo, double hi,
+                                kvb_http_error *e) {
+    if (!cJSON_IsNumber(v))
+        return BAD(e, param, "Invalid type for '%s': expected an integer, but got %s instead.", param,
+                   json_type_name(v));
+    double d = v->valuedouble;
+    if (!isfinite(d) || d != floor(d))
+        return BAD(e, param, "Invalid type for '%s': expected an integer, but got a decimal number "
+                   "instead.", param);
+    if (d < lo || d > hi)
+        return BAD(e, param, "Invalid '%s': %.0f is out of range; expected a value in [%.0f, %.0f].",
+                   param, d, lo, hi);
+    return KVB_OK;
+}
+
+static kvb_status get_string(const cJSON *v, const char *param, bool allow_empty, const char **out,
+                             kvb_http_error *e) {
+    if (!cJSON_IsString(v) || !v->valuestring)
+        return BAD(e, param, "Invalid type for '%s': expected a string, but got %s instead.", param,
+                   json_type_name(v));
+    size_t n = strlen(v->valuestring);
+    if (!http_utf8_valid(v->valuestring, n))
+        return BAD(e, param, "Invalid '%s': the string is not valid UTF-8.", param);
+    if (!allow_empty && n == 0)
+        return BAD(e, param, "Invalid '%s': empty string; expected a non-empty string.", param);
+    *out = v->valuestring;
+    return KVB_OK;
+}
+
+static kvb_status own_string(req_storage *st, char *s, kvb_http_error *e) {
+    char **grown = realloc(st->owned, (st->n_owned + 1) * sizeof *grown);
+    if (!grown) { free(s); return NOMEM(e); }
+    st->owned = grown;
+    st->owned[st->n_owned++] = s;
+    return KVB_OK;
+}
+
+/* content: a string, or [{"type": "text", "text": "..."}, ...] joined with "\n". */
+static kvb_status parse_content(req_storage *st, const cJSON *content, const char *role, size_t mi,
+                                const char **out, kvb_http_error *e) {
+    char param[96];
+    snprintf(param, sizeof param, "messages[%zu].content", mi);
+    if (!content) {
+        if (strcmp(role, "assistant") == 0) { *out = ""; return KVB_OK; }
+        return BAD(e, param, "Missing required parameter: '%s'.", param);
+    }
+    if (cJSON_IsString(content)) return get_string(content, param, true, out, e);
+    if (!cJSON_IsArray(content))
+        return BAD(e, param, "Invalid type for '%s': expected a string or an array of content parts, "
+                   "but got %s instead.", param, json_type_name(content));
+    http_buf joined = {0};
+    http_buf_append(&joined, "", 0);
+    size_t pi = 0;
+    const cJSON *part;
+    cJSON_ArrayForEach(part, content) {
+        char pparam[128];
+        snprintf(pparam, sizeof pparam, "%s[%zu]", param, pi);
+        const char *type = NULL, *text = NULL;
+        kvb_status s = KVB_OK;
+        if (!cJSON_IsObject(part))
+            s = BAD(e, pparam, "Invalid type for '%s': expected a content part object, but got %s "
+                    "instead.", pparam, json_type_name(part));
+        if (!s) {
+            const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "type");
+            char tparam[140];
+            snprintf(tparam, sizeof tparam, "%s.type", pparam);
+            if (!t) s = BAD(e, tparam, "Missing required parameter: '%s'.", tparam);
+            else s = get_string(t, tparam, false, &type, e);
+        }
+        if (!s && strcmp(type, "text") != 0)
+            s = BAD(e, pparam, "Content part type '%.40s' in '%s' is not supported; only 'text' parts "
+                    "are.", type, pparam);
+        if (!s) {
+            const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
+            char tparam[140];
+            snprintf(tparam, sizeof tparam, "%s.text", pparam);
+            if (!t) s = BAD(e, tparam, "Missing required parameter: '%s'.", tparam);
+            else s = get_string(t, tparam, true, &text, e);
+        }
+        if (s) { http_buf_free(&joined); return s; }
+        if (pi) http_buf_append(&joined, "\n", 1);
+        http_buf_append_str(&joined, text);
+        pi++;
+    }
+    if (pi == 0) {
+        http_buf_free(&joined);
+        return BAD(e, param, "Invalid '%s': empty array; expected at least one content part.", param);
+    }
+    if (joined.oom) { http_buf_free(&joined); return NOMEM(e); }
+    kvb_status s = own_string(st, joined.data, e); /* ownership moves to st */
+    if (!s) *out = joined.data;
+    return s;
+}
+
+static kvb_status parse_messages(req_storage *st, const cJSON *root, kvb_http_error *e) {
+    const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(root, "messages");
+    if (!msgs || cJSON_IsNull(msgs)) return BAD(e, "messages", "Missing required parameter: 'messages'.");
+    if (!cJSON_IsArray(msgs))
+        return BAD(e, "messages", "Invalid type for 'messages': expected an array, but got %s instead.",
+                   json_type_name(msgs));
+    size_t n = (size_t)cJSON_GetArraySize(msgs);
+    if (n == 0)
+        return BAD(e, "messages", "Invalid 'messages': empty array. Expected an array with minimum "
+                   "length 1.");
+    st->msgs = calloc(n, sizeof *st->msgs);
+    if (!st->msgs) return NOMEM(e);
+    size_t i = 0;
+    const cJSON *m;
+    cJSON_ArrayForEach(m, msgs) {
+        char param[96];
+        snprintf(param, sizeof param, "messages[%zu]", i);
+        if (!cJSON_IsObject(m))
+            return BAD(e, param, "Invalid type for '%s': expected an object, but got %s instead.", param,
+                       json_type_name(m));
+        char rparam[112];
+        snprintf(rparam, sizeof rparam, "%s.role", param);
+        const cJSON *r = cJSON_GetObjectItemCaseSensitive(m, "role");
+        const char *role = NULL;
+        if (!r || cJSON_IsNull(r)) return BAD(e, rparam, "Missing required parameter: '%s'.", rparam);
+        kvb_status s = get_string(r, rparam, false, &role, e);
+        if (s) return s;
+        if (strcmp(role, "developer") == 0) role = "system";
+        if (strcmp(role, "tool") == 0 || strcmp(role, "function") == 0)
+            return BAD(e, rparam, "Invalid '%s': role '%s' is not supported (this server does not do "
+                       "tool calling).", rparam, role);
+        if (strcmp(role, "system") != 0 && strcmp(role, "user") != 0 && strcmp(role, "assistant") != 0)
+            return BAD(e, rparam, "Invalid value for '%s': '%.40s'. Supported values are: 'system', "
+                       "'developer', 'user' and 'assistant'.", rparam, role);
+        const char *content = NULL;
+        s = parse_content(st, field(m, "content"), role, i, &content, e);
+        if (s) return s;
+        st->msgs[i].role = role;
+        st->msgs[i].content = content;
+        i++;
+    }
+    st->req.messages = st->msgs;
+    st->req.n_messages = i;
+    return KVB_OK;
+}
+
+static kvb_status parse_token_ids(req_storage *st, const cJSON *arr, const char *param,
+                                  kvb_http_error *e) {
+    size_t n = (size_t)cJSON_GetArraySize(arr);
+    if (n == 0) return BAD(e, param, "Invalid '%s': the prompt token list is empty.", param);
+    st->tokens = malloc(n * sizeof *st->tokens);
+    if (!st->tokens) return NOMEM(e);
+    size_t i = 0;
+    const cJSON *t;
+    cJSON_ArrayForEach(t, arr) {
+        char p[112];
+        snprintf(p, sizeof p, "%s[%zu]", param, i);
+        kvb_status s = check_integer(t, p, 0, (double)INT32_MAX, e);
+        if (s) return s;
+        st->tokens[i++] = (int32_t)t->valuedouble;
+    }
+    st->req.prompt_tokens = st->tokens;
+    st->req.n_prompt_tokens = i;
+    return KVB_OK;
+}
+
+/* prompt: "text" | ["text"] | [id, ...] | [[id, ...]] — one prompt per request. */
+static kvb_status parse_prompt(req_storage *st, const cJSON *root, kvb_http_error *e) {
+    const cJSON *p = field(root, "prompt");
+    if (!p) return BAD(e, "prompt", "Missing required parameter: 'prompt'.");
+    if (cJSON_IsString(p)) return get_string(p, "prompt", true, &st->req.prompt, e);
+    if (!cJSON_IsArray(p))
+        return BAD(e, "prompt", "Invalid type for 'prompt': expected a string, an array of one string "
+                   "or an array of token ids, but got %s instead.", json_type_name(p));
+    int n = cJSON_GetArraySize(p);
+    if (n == 0) return BAD(e, "prompt", "Invalid 'prompt': empty array.");
+    const cJSON *first = cJSON_GetArrayItem(p, 0);
+    if (cJSON_IsNumber(first)) return parse_token_ids(st, p, "prompt", e);
+    if (n != 1)
+        return BAD(e, "prompt", "Invalid 'prompt': %d prompts given; this server takes one prompt per "
+                   "request.", n);
+    if (cJSON_IsString(first)) return get_string(first, "prompt[0]", true, &st->req.prompt, e);
+    if (cJSON_IsArray(first)) return parse_token_ids(st, first, "prompt[0]", e);
+    return BAD(e, "prompt[0]", "Invalid type for 'prompt[0]': expected a string or an array of token "
+               "ids, but got %s instead.", json_type_name(first));
+}
+
+static kvb_status parse_stop(req_storage *st, const cJSON *root, kvb_http_error *e) {
+    const cJSON *s = field(root, "stop");
+    if (!s) return KVB_OK;
+    if (cJSON_IsString(s)) {
+        st->req.n_stop = 1;
+        return get_string(s, "stop", false, &st->req.stop[0], e);
+    }
+    if (!cJSON_IsArray(s))
+        return BAD(e, "stop", "Invalid type for 'stop': expected a string or an array of strings, but "
+                   "got %s instead.", json_type_name(s));
+    int n = cJSON_GetArraySize(s);
+    if (n > KVB_HTTP_MAX_STOP)
+        return BAD(e, "stop", "Invalid 'stop': array too long. Expected an array with maximum length "
+                   "%d, but got an array with length %d instead.", KVB_HTTP_MAX_STOP, n);
+    size_t i = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, s) {
+        char p[32];
+        snprintf(p, sizeof p, "stop[%zu]", i);
+        kvb_status r = get_string(it, p, false, &st->req.stop[i], e);
+        if (r) return r;
+        i++;
+    }
+    st->req.n_stop = i;
+    return KVB_OK;
+}
+
+static kvb_status parse_kvbridge(req_storage *st, const cJSON *root, kvb_http_error *e) {
+    const cJSON *k = field(root, "kvbridge");
+    if (!k) return KVB_OK;
+    if (!cJSON_IsObject(k))
+        return BAD(e, "kvbridge", "Invalid type for 'kvbridge': expected an object, but got %s instead.",
+                   json_type_name(k));
+    const cJSON *it;
+    cJSON_ArrayForEach(it, k) {
+        const char *key = it->string ? it->string : "";
+        if (strcmp(key, "bridge") != 0)
+            return BAD(e, "kvbridge", "Unknown kvbridge option '%.40s'; supported: 'bridge'.", key);
+        if (cJSON_IsNull(it)) continue;
+        const char *mode = NULL;
+        kvb_status s = get_string(it, "kvbridge.bridge", false, &mode, e);
+        if (s) return s;
+        if (strcmp(mode, "auto") == 0) st->req.bridge = KVB_BRIDGE_AUTO;
+        else if (strcmp(mode, "force") == 0) st->req.bridge = KVB_BRIDGE_FORCE;
+        else if (strcmp(mode, "off") == 0) st->req.bridge = KVB_BRIDGE_OFF;
+        else
+            return BAD(e, "kvbridge.bridge", "Invalid value for 'kvbridge.bridge': '%.40s'. Supported "
+                       "values are: 'auto', 'force' and 'off'.", mode);
+    }
+    return KVB_OK;
+}
+
+/* Known OpenAI fields whose meaning this server cannot honour: refuse rather than ignore. */
+static kvb_status refuse_unsupported(const cJSON *root, kvb_api api, kvb_http_error *e) {
+    const cJSON *v;
+    if ((v = field(root, "logprobs")) && !cJSON_IsFalse(v) &&
+        !(cJSON_IsNumber(v) && v->valuedouble == 0))
+        return BAD(e, "logprobs", "'logprobs' is not supported by this server.");
+    if ((v = field(root, "top_logprobs")) && !(cJSON_IsNumber(v) && v->valuedouble == 0))
+        return BAD(e, "top_logprobs", "'top_logprobs' is not supported by this server.");
+    if ((v = field(root, "tools")) && !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0))
+        return BAD(e, "tools", "'tools' is not supported by this server (no tool calling).");
+    if ((v = field(root, "functions")) && !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0))
+        return BAD(e, "functions", "'functions' is not supported by this server (no tool calling).");
+    if ((v = field(root, "response_format"))) {
+        const cJSON *t = cJSON_IsObject(v) ? cJSON_GetObjectItemCaseSensitive(v, "type") : NULL;
+        if (!cJSON_IsString(t) || strcmp(t->valuestring, "text") != 0)
+            return BAD(e, "response_format", "'response_format' other than {\"type\": \"text\"} is not "
+                       "supported by this server.");
+    }
+    if (api == KVB_API_COMPLETIONS) {
+        if ((v = field(root, "echo")) && !cJSON_IsFalse(v))
+            return BAD(e, "echo", "'echo' is not supported by this server.");
+        if ((v = field(root, "suffix")))
+            return BAD(e, "suffix", "'suffix' is not supported by this server.");
+        if ((v = field(root, "best_of")) && !(cJSON_IsNumber(v) && v->valuedouble == 1))
+            return BAD(e, "best_of", "Only best_of=1 is supported by this server.");
+    }
+    return KVB_OK;
+}
+
+/* A JSON "\u0000" escape would silently cut a cJSON string: refuse it. An escape is real when
+ * the run of backslashes before the 'u' has odd length (backslashes only occur in strings). */
+static bool has_nul_escape(const char *body, size_t len) {
+    for (size_t i = 0; i + 6 <= len; i++) {
+        if (body[i] != '\\' || body[i + 1] != 'u' || memcmp(body + i + 2, "0000", 4) != 0) continue;
+        size_t run = 0;
+        while (run <= i && body[i - run] == '\\') run++;
+        if (run % 2 == 1) return true;
+    }
+    return false;
+}
+
+static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_api api, kvb_http_error *e) {
+    kvb_completion_req *r = &st->req;
+    kvb_status s;
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
+    if (!model || cJSON_IsNull(model))
+        return BAD(e, "model", "You must provide a model parameter.");
+    if ((s = get_string(model, "model", false, &r->model, e))) return s;
+
+    if (api == KVB_API_CHAT_COMPLETIONS) s = parse_messages(st, root, e);
+    else s = parse_prompt(st, root, e);
+    if (s) return s;
+
+    const double int32_max = (double)INT32_MAX;
+    const double min_tokens = api == KVB_API_CHAT_COMPLETIONS ? 1 : 0;
+    const char *tok_fields[2] = {"max_tokens", "max_completion_tokens"};
+    for (int i = 0; i < 2; i++) { /* the second wins */
+        const cJSON *v = field(root, tok_fields[i]);
+        if (!v) continue;
+        if ((s = check_integer(v, tok_fields[i], min_tokens, int32_max, e))) return s;
+        r->max_tokens = (int64_t)v->valuedouble;
+    }
+    if ((s = get_number(root, "temperature", 0, 2, &r->temperature, e))) return s;
+    if ((s = get_number(root, "top_p", 0, 1, &r->top_p, e))) return s;
+    if ((s = get_number(root, "frequency_penalty", -2, 2, &r->frequency_penalty, e))) return s;
+    if ((s = get_number(root, "presence_penalty", -2, 2, &r->presence_penalty, e))) return s;
+    const cJSON *v;
+    if ((v = field(root, "top_k"))) {
+        if ((s = check_integer(v, "top_k", -1, int32_max, e))) return s;
+        r->top_k = v->valuedouble < 0 ? 0 : (int32_t)v->valuedouble;
+    }
+    if ((v = field(root, "seed"))) {
+        /* doubles in [-2^63, 2^63) convert to int64 exactly */
+        if ((s = check_integer(v, "seed", -9223372036854775808.0, 9223372036854774784.0, e))) return s;
+        r->has_seed = true;
+        r->seed = (int64_t)v->valuedouble;
+    }
+    if ((v = field(root, "n"))) {
+        if ((s = check_integer(v, "n", 1, 128, e))) return s;
+        if (v->valuedouble != 1)
+            return BAD(e, "n", "Invalid 'n': %.0f; this server supports only n=1.", v->valuedouble);
+    }
+    const char *user_ignored = NULL;
+    if ((v = field(root, "user")) && (s = get_string(v, "user", true, &user_ignored, e))) return s;
+    if ((s = parse_stop(st, root, e))) return s;
+    if ((s = get_bool(root, "stream", "stream", &r->stream, e))) return s;
+    if ((v = field(root, "stream_options"))) {
+        if (!cJSON_IsObject(v))
+            return BAD(e, "stream_options", "Invalid type for 'stream_options': expected an object, but "
+                       "got %s instead.", json_type_name(v));
+        if (!r->stream)
+            return BAD(e, "stream_options", "The 'stream_options' parameter is only allowed when "
+                       "'stream' is enabled.");
+        if ((s = get_bool(v, "include_usage", "stream_options.include_usage", &r->include_usage, e)))
+            return s;
+    }
+    if ((s = parse_kvbridge(st, root, e))) return s;
+    return refuse_unsupported(root, api, e);
+}
+
+kvb_status kvb_completion_req_parse(kvb_api api, const char *body, size_t len,
+                                    kvb_completion_req **out, kvb_http_error *err) {
+    kvb_http_error scratch;
+    kvb_http_error *e = err ? err : &scratch;
+    *out = NULL;
+    if (api != KVB_API_CHAT_COMPLETIONS && api != KVB_API_COMPLETIONS)
+        return http_error_set(e, 500, NULL, NULL, "unknown API kind %d", (int)api), KVB_ERR_INVALID;
+    if (!body) len = 0;
+    size_t ws = 0;
+    while (ws < len && (body[ws] == ' ' || body[ws] == '\t' || body[ws] == '\r' || body[ws] == '\n')) ws++;
+    if (ws == len)
+        return BAD(e, NULL, "The request body is empty; expected a JSON object.");
+    if (memchr(body, '\0', len))
+        return BAD(e, NULL, "The request body contains a NUL byte; expected JSON text.");
+    if (has_nul_escape(body, len))
+        return BAD(e, NULL, "Strings containing NUL (\\u0000) are not accepted.");
+
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, false);
+    if (!root) {
+        size_t at = (end && end >= body && end <= body + len) ? (size_t)(end - body) : 0;
+        return BAD(e, NULL, "We could not parse the JSON body of your request: malformed JSON near "
+                   "byte %zu.", at);
+    }
+    size_t pos = (end && end >= body && end <= body + len) ? (size_t)(end - body) : len;
+    while (pos < len && (body[pos] == ' ' || body[pos] == '\t' || body[pos] == '\r' || body[pos] == '\n'))
+        pos++;
+    if (pos != len) {
+        cJSON_Delete(root);
+        return BAD(e, NULL, "We could not parse the JSON body of your request: unexpected bytes after "
+                   "the JSON value at byte %zu.", pos);
+    }
+    if (!cJSON_IsObject(root)) {
+        kvb_status s = BAD(e, NULL, "The request body must be a JSON object, but it is %s.",
+                           json_type_name(root));
+        cJSON_Delete(root);
+        return s;
+    }
+    req_storage *st = calloc(1, sizeof *st);
+    if (!st) { cJSON_Delete(root); return NOMEM(e); }
+    st->root = root;
+    st->req.internal_ = st;
+    st->req.api = api;
+    st->req.max_tokens = -1;
+    st->req.temperature = 1.0;
+    st->req.top_p = 1.0;
+    kvb_status s = parse_root(st, root, api, e);
+    if (s) { kvb_completion_req_free(&st->req); return s; }
+    *out = &st->req;
+    return KVB_OK;
+}
+
+void kvb_completion_req_free(kvb_completion_req *req) {
+    if (!req) return;
+    req_storage *st = req->internal_;
+    if (!st) return;
+    for (size_t i = 0; i < st->n_owned; i++) free(st->owned[i]);
+    free(st->owned);
+    free(st->msgs);
+    free(st->tokens);
+    cJSON_Delete(st->root);
+    free(st);
+}

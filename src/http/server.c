@@ -1,0 +1,541 @@
+/* server.c — the libmicrohttpd daemon (one thread per connection, poll), routing, body limits,
+ * the non-completion routes (/v1/models, /health, /metrics) and the glue that turns a
+ * kvb_completion_out into a response: non-streaming completions run the handler on the connection
+ * thread and answer once it returns; streaming ones run it on a worker thread and answer (200,
+ * text/event-stream, X-KVBridge) once the first delta or the finish is there. Early refusals (404,
+ * 405, 413 by Content-Length, 415) are queued before the body is read, which makes MHD close the
+ * connection after the answer; everything else keeps the connection alive. */
+#include <arpa/inet.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "http_internal.h"
+
+typedef enum {
+    ROUTE_UNKNOWN = 0,
+    ROUTE_CHAT,
+    ROUTE_COMPLETIONS,
+    ROUTE_MODELS,
+    ROUTE_MODEL_ONE,
+    ROUTE_HEALTH,
+    ROUTE_METRICS,
+} route_id;
+
+static const char *const route_labels[] = {"other", "/v1/chat/completions", "/v1/completions",
+                                           "/v1/models", "/v1/models/{id}", "/health", "/metrics"};
+
+typedef struct {
+    kvb_http_server *server;
+    route_id route;
+    double t_start;
+    http_buf body;
+    bool body_too_large;
+    size_t body_discarded;
+    bool responded;        /* a response is queued */
+    unsigned status;       /* its status */
+    bool timeout_lifted;   /* streaming: connection timeout off while the stream runs */
+    kvb_completion_req *req;
+    kvb_completion_out *out;
+} request_ctx;
+
+/* ---- responses ---------------------------------------------------------------------------------- */
+
+static enum MHD_Result queue_body(request_ctx *ctx, struct MHD_Connection *conn, unsigned status,
+                                  const char *content_type, const char *body, size_t len,
+                                  const char *verdict, const char *allow) {
+    struct MHD_Response *resp =
+        MHD_create_response_from_buffer(len, (void *)body, MHD_RESPMEM_MUST_COPY);
+    if (!resp) return MHD_NO;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
+    if (verdict && verdict[0]) MHD_add_response_header(resp, "X-KVBridge", verdict);
+    if (allow) MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
+    enum MHD_Result r = MHD_queue_response(conn, status, resp);
+    MHD_destroy_response(resp);
+    if (r == MHD_YES) {
+        ctx->responded = true;
+        ctx->status = status;
+    }
+    return r;
+}
+
+static enum MHD_Result queue_json(request_ctx *ctx, struct MHD_Connection *conn, unsigned status,
+                                  cJSON *root, const char *verdict) {
+    char *s = root ? cJSON_PrintUnformatted(root) : NULL;
+    cJSON_Delete(root);
+    if (!s) return MHD_NO;
+    enum MHD_Result r = queue_body(ctx, conn, status, "application/json", s, strlen(s), verdict, NULL);
+    cJSON_free(s);
+    return r;
+}
+
+static enum MHD_Result queue_error(request_ctx *ctx, struct MHD_Connection *conn,
+                                   const kvb_http_error *e, const char *verdict, const char *allow) {
+    char *s = http_error_json(e);
+    if (!s) return MHD_NO;
+    unsigned status = (e->status >= 400 && e->status <= 599) ? (unsigned)e->status : 500;
+    enum MHD_Result r = queue_body(ctx, conn, status, "application/json", s, strlen(s), verdict, allow);
+    cJSON_free(s);
+    kvb_log(KVB_LOG_DEBUG, "http: %u %s", status, e->message);
+    return r;
+}
+
+static enum MHD_Result refuse(request_ctx *ctx, struct MHD_Connection *conn, int status,
+                              const char *allow, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+static enum MHD_Result refuse(request_ctx *ctx, struct MHD_Connection *conn, int status,
+                              const char *allow, const char *fmt, ...) {
+    kvb_http_error e;
+    va_list ap;
+    va_start(ap, fmt);
+    http_error_vset(&e, status, NULL, NULL, fmt, ap);
+    va_end(ap);
+    return queue_error(ctx, conn, &e, NULL, allow);
+}
+
+/* ---- simple routes ------------------------------------------------------------------------------ */
+
+static cJSON *model_object(const kvb_http_server *s) {
+    cJSON *m = cJSON_CreateObject();
+    if (!m) return NULL;
+    cJSON_AddStringToObject(m, "id", s->model_id);
+    cJSON_AddStringToObject(m, "object", "model");
+    cJSON_AddNumberToObject(m, "created", (double)s->started_unix);
+    cJSON_AddStringToObject(m, "owned_by", "kvbridge");
+    return m;
+}
+
+static enum MHD_Result serve_models(request_ctx *ctx, struct MHD_Connection *conn) {
+    cJSON *root = cJSON_CreateObject();
+    cJSON *data = root ? cJSON_AddArrayToObject(root, "data") : NULL;
+    if (!data) { cJSON_Delete(root); return MHD_NO; }
+    cJSON_AddStringToObject(root, "object", "list");
+    cJSON_AddItemToArray(data, model_object(ctx->server));
+    return queue_json(ctx, conn, 200, root, NULL);
+}
+
+static enum MHD_Result serve_model_one(request_ctx *ctx, struct MHD_Connection *conn, const char *id) {
+    if (strcmp(id, ctx->server->model_id) != 0) {
+        kvb_http_error e;
+        http_error_set(&e, 404, "model_not_found", "model", "The model '%.200s' does not exist.", id);
+        return queue_error(ctx, conn, &e, NULL, NULL);
+    }
+    return queue_json(ctx, conn, 200, model_object(ctx->server), NULL);
+}
+
+static enum MHD_Result serve_health(request_ctx *ctx, struct MHD_Connection *conn) {
+    cJSON *root = cJSON_CreateObject();
+    if (!root) return MHD_NO;
+    cJSON_AddStringToObject(root, "status", "ok");
+    cJSON_AddStringToObject(root, "model", ctx->server->model_id);
+    if (ctx->server->handlers.health) ctx->server->handlers.health(ctx->server->handlers.ctx, root);
+    return queue_json(ctx, conn, 200, root, NULL);
+}
+
+static enum MHD_Result serve_metrics(request_ctx *ctx, struct MHD_Connection *conn) {
+    char *text = NULL;
+    size_t len = 0;
+    kvb_err err = {0};
+    if (kvb_metrics_render(ctx->server->metrics, &text, &len, &err) != KVB_OK)
+        return refuse(ctx, conn, 500, NULL, "%s", err.msg);
+    enum MHD_Result r = queue_body(ctx, conn, 200, KVB_METRICS_CONTENT_TYPE, text, len, NULL, NULL);
+    free(text);
+    return r;
+}
+
+/* ---- completions -------------------------------------------------------------------------------- */
+
+static int connection_fd(struct MHD_Connection *conn) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    return ci ? (int)ci->connect_fd : -1;
+}
+
+static enum MHD_Result queue_completion_error(request_ctx *ctx, struct MHD_Connection *conn) {
+    kvb_completion_out *out = ctx->out;
+    pthread_mutex_lock(&out->mu);
+    kvb_http_error e = out->error;
+    char verdict[KVB_VERDICT_MAX] = "";
+    if (out->has_verdict) memcpy(verdict, out->verdict, sizeof verdict);
+    pthread_mutex_unlock(&out->mu);
+    return queue_error(ctx, conn, &e, verdict, NULL);
+}
+
+static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection *conn) {
+    kvb_http_server *s = ctx->server;
+    kvb_http_error e;
+    kvb_api api = ctx->route == ROUTE_CHAT ? KVB_API_CHAT_COMPLETIONS : KVB_API_COMPLETIONS;
+    if (kvb_completion_req_parse(api, ctx->body.data, ctx->body.len, &ctx->req, &e) != KVB_OK)
+        return queue_error(ctx, conn, &e, NULL, NULL);
+    http_buf_free(&ctx->body);
+    if (!s->accept_any_model && strcmp(ctx->req->model, s->model_id) != 0) {
+        http_error_set(&e, 404, "model_not_found", "model",
+                       "The model '%.200s' does not exist; this server serves '%.200s'.", ctx->req->model,
+                       s->model_id);
+        return queue_error(ctx, conn, &e, NULL, NULL);
+    }
+    ctx->out = http_completion_new(s, ctx->req, connection_fd(conn));
+    if (!ctx->out) return refuse(ctx, conn, 503, NULL, "Out of memory starting the completion.");
+    kvb_completion_out *out = ctx->out;
+
+    if (!ctx->req->stream) {
+        http_completion_run_inline(out);
+        if (out->client_gone) return MHD_NO; /* nobody to answer */
+        if (out->failed) return queue_completion_error(ctx, conn);
+        char *body = http_completion_json(&out->meta, out->text.data ? out->text.data : "",
+                                          out->finish_reason, &out->usage, out->final_verdict);
+        if (!body) return refuse(ctx, conn, 500, NULL, "Out of memory formatting the response.");
+        enum MHD_Result r = queue_body(ctx, conn, 200, "application/json", body, strlen(body),
+                                       out->final_verdict, NULL);
+        cJSON_free(body);
+        return r;
+    }
+
+    if (!http_completion_start_worker(out))
+        return refuse(ctx, conn, 503, NULL, "Could not start a thread for the completion.");
+    int begun = http_completion_wait_begun(out);
+    if (begun < 0) return MHD_NO; /* client gone or server stopping: the completed callback joins */
+    if (begun == 0) return queue_completion_error(ctx, conn);
+
+    struct MHD_Response *resp = MHD_create_response_from_callback(
+        MHD_SIZE_UNKNOWN, 16 * 1024, http_completion_stream_read, out, NULL);
+    if (!resp) return MHD_NO;
+    char verdict[KVB_VERDICT_MAX];
+    pthread_mutex_lock(&out->mu);
+    memcpy(verdict, out->verdict, sizeof verdict);
+    pthread_mutex_unlock(&out->mu);
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    MHD_add_response_header(resp, "X-Accel-Buffering", "no");
+    MHD_add_response_header(resp, "X-KVBridge", verdict);
+    /* MHD would cut a stream whose gaps between deltas exceed the idle timeout: lift it for this
+     * response (request_completed puts it back). */
+    MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    ctx->timeout_lifted = true;
+    enum MHD_Result r = MHD_queue_response(conn, 200, resp);
+    MHD_destroy_response(resp);
+    if (r == MHD_YES) {
+        ctx->responded = true;
+        ctx->status = 200;
+    }
+    return r;
+}
+
+/* ---- routing ------------------------------------------------------------------------------------ */
+
+static route_id route_of(const char *url) {
+    if (strcmp(url, "/v1/chat/completions") == 0) return ROUTE_CHAT;
+    if (strcmp(url, "/v1/completions") == 0) return ROUTE_COMPLETIONS;
+    if (strcmp(url, "/v1/models") == 0) return ROUTE_MODELS;
+    if (strncmp(url, "/v1/models/", 11) == 0 && url[11]) return ROUTE_MODEL_ONE;
+    if (strcmp(url, "/health") == 0) return ROUTE_HEALTH;
+    if (strcmp(url, "/metrics") == 0) return ROUTE_METRICS;
+    return ROUTE_UNKNOWN;
+}
+
+static bool is_post_route(route_id r) { return r == ROUTE_CHAT || r == ROUTE_COMPLETIONS; }
+
+/* "application/json" with optional parameters (charset) and any case. */
+static bool is_json_media_type(const char *ct) {
+    while (*ct == ' ' || *ct == '\t') ct++;
+    static const char json[] = "application/json";
+    if (strncasecmp(ct, json, sizeof json - 1) != 0) return false;
+    const char *rest = ct + sizeof json - 1;
+    while (*rest == ' ' || *rest == '\t') rest++;
+    return *rest == '\0' || *rest == ';';
+}
+
+/* First call for a request: headers are in. Returns MHD_YES to go on reading, or a queued
+ * early refusal. */
+static enum MHD_Result on_headers(request_ctx *ctx, struct MHD_Connection *conn, const char *url,
+                                  const char *method) {
+    kvb_http_server *s = ctx->server;
+    ctx->route = route_of(url);
+    bool get = strcmp(method, MHD_HTTP_METHOD_GET) == 0 || strcmp(method, MHD_HTTP_METHOD_HEAD) == 0;
+    bool post = strcmp(method, MHD_HTTP_METHOD_POST) == 0;
+    if (ctx->route == ROUTE_UNKNOWN)
+        return refuse(ctx, conn, 404, NULL, "Invalid URL (%.16s %.200s)", method, url);
+    if (is_post_route(ctx->route) && !post)
+        return refuse(ctx, conn, 405, "POST", "Method %.16s is not allowed on %s; use POST.", method,
+                      route_labels[ctx->route]);
+    if (!is_post_route(ctx->route) && !get)
+        return refuse(ctx, conn, 405, "GET, HEAD", "Method %.16s is not allowed on %s; use GET.", method,
+                      route_labels[ctx->route]);
+    if (!post) return MHD_YES;
+    const char *ct = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE);
+    if (ct && !is_json_media_type(ct))
+        return refuse(ctx, conn, 415, NULL, "Unsupported Content-Type '%.100s'; send application/json.", ct);
+    const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+    if (cl) {
+        char *end = NULL;
+        unsigned long long n = strtoull(cl, &end, 10);
+        if (end != cl && n > s->max_body_bytes)
+            return refuse(ctx, conn, 413, NULL, "Request body of %llu bytes is over the limit of %zu bytes.",
+                          n, s->max_body_bytes);
+    }
+    return MHD_YES;
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
+                                  const char *method, const char *version, const char *upload_data,
+                                  size_t *upload_data_size, void **con_cls) {
+    (void)version;
+    kvb_http_server *s = cls;
+    request_ctx *ctx = *con_cls;
+    if (!ctx) {
+        ctx = calloc(1, sizeof *ctx);
+        if (!ctx) return MHD_NO;
+        ctx->server = s;
+        ctx->t_start = kvb_now_s();
+        *con_cls = ctx;
+        kvb_metric_add(s->m_in_flight, NULL, 1);
+        return on_headers(ctx, conn, url, method);
+    }
+    if (ctx->responded) { /* an early refusal is queued; MHD discards the rest */
+        *upload_data_size = 0;
+        return MHD_YES;
+    }
+    if (*upload_data_size) {
+        size_t n = *upload_data_size;
+        *upload_data_size = 0;
+        if (!ctx->body_too_large && ctx->body.len + n > s->max_body_bytes) {
+            ctx->body_too_large = true;
+            http_buf_free(&ctx->body);
+        }
+        if (ctx->body_too_large) {
+            ctx->body_discarded += n;
+            /* a chunked upload that keeps going far past the limit: stop reading it at all */
+            return ctx->body_discarded > 4 * s->max_body_bytes ? MHD_NO : MHD_YES;
+        }
+        http_buf_append(&ctx->body, upload_data, n);
+        return ctx->body.oom ? MHD_NO : MHD_YES;
+    }
+    /* the whole request is in */
+    if (ctx->body_too_large)
+        return refuse(ctx, conn, 413, NULL, "Request body is over the limit of %zu bytes.", s->max_body_bytes);
+    switch (ctx->route) {
+    case ROUTE_CHAT:
+    case ROUTE_COMPLETIONS: return serve_completion(ctx, conn);
+    case ROUTE_MODELS: return serve_models(ctx, conn);
+    case ROUTE_MODEL_ONE: return serve_model_one(ctx, conn, url + 11);
+    case ROUTE_HEALTH: return serve_health(ctx, conn);
+    case ROUTE_METRICS: return serve_metrics(ctx, conn);
+    default: return MHD_NO;
+    }
+}
+
+static const char *verdict_class(const char *v) {
+    if (strcmp(v, "complete") == 0) return "complete";
+    if (strncmp(v, "partial", 7) == 0) return "partial";
+    if (strncmp(v, "declined", 8) == 0) return "declined";
+    return "other";
+}
+
+static void request_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
+                              enum MHD_RequestTerminationCode toe) {
+    kvb_http_server *s = cls;
+    request_ctx *ctx = *con_cls;
+    if (!ctx) return;
+    *con_cls = NULL;
+    kvb_completion_out *out = ctx->out;
+    if (out) {
+        http_completion_abandon(out); /* joins a streaming worker */
+        const char *api = out->meta.api == KVB_API_CHAT_COMPLETIONS ? "chat" : "completions";
+        bool delivered = toe == MHD_REQUEST_TERMINATED_COMPLETED_OK;
+        if (out->client_gone || (!delivered && toe != MHD_REQUEST_TERMINATED_DAEMON_SHUTDOWN))
+            kvb_metric_add(s->m_disconnects, KVB_LABELS(api), 1);
+        if (out->emitted) kvb_metric_observe(s->m_ttft, KVB_LABELS(api), out->t_first_token - out->t_start);
+        if (out->ended && !out->failed) {
+            kvb_metric_add(s->m_prompt_tokens, KVB_LABELS(api), (double)out->usage.prompt_tokens);
+            kvb_metric_add(s->m_generated_tokens, KVB_LABELS(api), (double)out->usage.completion_tokens);
+            kvb_metric_add(s->m_verdicts, KVB_LABELS(verdict_class(out->final_verdict)), 1);
+        }
+        http_completion_free(out);
+    }
+    if (ctx->timeout_lifted)
+        MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, s->idle_timeout_s);
+    char code[16];
+    snprintf(code, sizeof code, "%u", ctx->responded ? ctx->status : 0u);
+    const char *route = route_labels[ctx->route];
+    kvb_metric_add(s->m_requests, KVB_LABELS(route, code), 1);
+    kvb_metric_observe(s->m_duration, KVB_LABELS(route), kvb_now_s() - ctx->t_start);
+    kvb_metric_add(s->m_in_flight, NULL, -1);
+    kvb_completion_req_free(ctx->req);
+    http_buf_free(&ctx->body);
+    free(ctx);
+}
+
+static void mhd_logger(void *cls, const char *fmt, va_list ap) {
+    (void)cls;
+    if (kvb_log_get_level() < KVB_LOG_DEBUG) return;
+    char msg[512];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    size_t n = strlen(msg);
+    while (n && (msg[n - 1] == '\n' || msg[n - 1] == '\r')) msg[--n] = '\0';
+    kvb_log(KVB_LOG_DEBUG, "http (microhttpd): %s", msg);
+}
+
+/* ---- lifetime ----------------------------------------------------------------------------------- */
+
+/* "HOST:PORT", "[V6]:PORT", ":PORT" / "*:PORT" (all interfaces). */
+static kvb_status resolve_listen(const char *listen, struct sockaddr_storage *ss, kvb_err *err) {
+    if (!listen || !listen[0]) return kvb_err_set(err, KVB_ERR_INVALID, "http: no listen address");
+    char host[256];
+    const char *port_s;
+    if (listen[0] == '[') {
+        const char *close = strchr(listen, ']');
+        if (!close || close[1] != ':' || (size_t)(close - listen - 1) >= sizeof host)
+            return kvb_err_set(err, KVB_ERR_INVALID, "http: bad listen address '%s' (want [V6]:PORT)", listen);
+        memcpy(host, listen + 1, (size_t)(close - listen - 1));
+        host[close - listen - 1] = '\0';
+        port_s = close + 2;
+    } else {
+        const char *colon = strrchr(listen, ':');
+        if (!colon || (size_t)(colon - listen) >= sizeof host)
+            return kvb_err_set(err, KVB_ERR_INVALID, "http: bad listen address '%s' (want HOST:PORT)", listen);
+        memcpy(host, listen, (size_t)(colon - listen));
+        host[colon - listen] = '\0';
+        port_s = colon + 1;
+    }
+    char *end = NULL;
+    unsigned long port = strtoul(port_s, &end, 10);
+    if (!port_s[0] || *end || port > 65535 || port_s[0] == '-' || port_s[0] == '+')
+        return kvb_err_set(err, KVB_ERR_INVALID, "http: bad port in listen address '%s'", listen);
+    memset(ss, 0, sizeof *ss);
+    if (!host[0] || strcmp(host, "*") == 0) {
+        struct sockaddr_in *in = (struct sockaddr_in *)ss;
+        in->sin_family = AF_INET;
+        in->sin_addr.s_addr = htonl(INADDR_ANY);
+        in->sin_port = htons((uint16_t)port);
+        return KVB_OK;
+    }
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
+    int rc = getaddrinfo(host, NULL, &hints, &res);
+    if (rc != 0 || !res)
+        return kvb_err_set(err, KVB_ERR_INVALID, "http: cannot resolve '%s': %s", host, gai_strerror(rc));
+    memcpy(ss, res->ai_addr, res->ai_addrlen);
+    freeaddrinfo(res);
+    if (ss->ss_family == AF_INET) ((struct sockaddr_in *)ss)->sin_port = htons((uint16_t)port);
+    else if (ss->ss_family == AF_INET6) ((struct sockaddr_in6 *)ss)->sin6_port = htons((uint16_t)port);
+    else return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "http: '%s' is not an IP address", host);
+    return KVB_OK;
+}
+
+static kvb_status register_metrics(kvb_http_server *s, kvb_err *err) {
+    static const double token_latency[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
+    struct {
+        kvb_metric **slot;
+        kvb_metric_type type;
+        const char *name, *help, *labels;
+        const double *bounds;
+        size_t n_bounds;
+    } defs[] = {
+        {&s->m_requests, KVB_METRIC_COUNTER, "kvb_http_requests_total",
+         "HTTP requests by route and status code (0: no response was sent).", "route,code", NULL, 0},
+        {&s->m_duration, KVB_METRIC_HISTOGRAM, "kvb_http_request_duration_seconds",
+         "Time from the request's headers to the end of its response.", "route", token_latency,
+         KVB_ARRAY_LEN(token_latency)},
+        {&s->m_in_flight, KVB_METRIC_GAUGE, "kvb_http_requests_in_flight", "HTTP requests being served.",
+         NULL, NULL, 0},
+        {&s->m_ttft, KVB_METRIC_HISTOGRAM, "kvb_completion_time_to_first_token_seconds",
+         "Time from the request's headers to the first emitted text.", "api", token_latency,
+         KVB_ARRAY_LEN(token_latency)},
+        {&s->m_prompt_tokens, KVB_METRIC_COUNTER, "kvb_completion_prompt_tokens_total",
+         "Prompt tokens of finished completions.", "api", NULL, 0},
+        {&s->m_generated_tokens, KVB_METRIC_COUNTER, "kvb_completion_generated_tokens_total",
+         "Generated tokens of finished completions.", "api", NULL, 0},
+        {&s->m_disconnects, KVB_METRIC_COUNTER, "kvb_completion_client_disconnects_total",
+         "Completions whose client went away before the response was delivered.", "api", NULL, 0},
+        {&s->m_verdicts, KVB_METRIC_COUNTER, "kvb_completion_verdicts_total",
+         "Finished completions by bridge verdict class (complete, partial, declined, other).", "verdict",
+         NULL, 0},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(defs); i++) {
+        kvb_status st = kvb_metrics_register(s->metrics, defs[i].type, defs[i].name, defs[i].help,
+                                             defs[i].labels, defs[i].bounds, defs[i].n_bounds,
+                                             defs[i].slot, err);
+        if (st) return st;
+    }
+    return KVB_OK;
+}
+
+kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_handlers *h,
+                                 kvb_http_server **out, kvb_err *err) {
+    *out = NULL;
+    if (!cfg || !h || !h->completion)
+        return kvb_err_set(err, KVB_ERR_INVALID, "http: a config and a completion handler are required");
+    if (!cfg->model_id || !cfg->model_id[0])
+        return kvb_err_set(err, KVB_ERR_INVALID, "http: model_id is required");
+    struct sockaddr_storage addr;
+    kvb_status st = resolve_listen(cfg->listen, &addr, err);
+    if (st) return st;
+
+    kvb_http_server *s = calloc(1, sizeof *s);
+    if (!s) return kvb_err_set(err, KVB_ERR_NOMEM, "http: out of memory");
+    s->handlers = *h;
+    s->model_id = strdup(cfg->model_id);
+    s->accept_any_model = cfg->accept_any_model;
+    s->max_body_bytes = cfg->max_body_bytes ? cfg->max_body_bytes : (size_t)32 << 20;
+    s->idle_timeout_s = cfg->idle_timeout_s ? cfg->idle_timeout_s : 120;
+    s->started_unix = (int64_t)time(NULL);
+    atomic_init(&s->stopping, false);
+    atomic_init(&s->next_id, 1);
+    s->id_salt = kvb_splitmix64((uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)s ^
+                                (uint64_t)(kvb_now_s() * 1e9));
+    if (!s->model_id) { free(s); return kvb_err_set(err, KVB_ERR_NOMEM, "http: out of memory"); }
+    if (cfg->metrics) {
+        s->metrics = cfg->metrics;
+    } else if ((st = kvb_metrics_create(&s->metrics, err))) {
+        free(s->model_id);
+        free(s);
+        return st;
+    } else {
+        s->owns_metrics = true;
+    }
+    if ((st = register_metrics(s, err))) goto fail;
+
+    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
+                     MHD_USE_ERROR_LOG;
+    if (addr.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
+    unsigned max_conn = cfg->max_connections ? cfg->max_connections : 256;
+    s->daemon = MHD_start_daemon(flags, 0, NULL, NULL, on_request, s,
+                                 MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&addr,
+                                 MHD_OPTION_NOTIFY_COMPLETED, request_completed, s,
+                                 MHD_OPTION_CONNECTION_TIMEOUT, s->idle_timeout_s,
+                                 MHD_OPTION_CONNECTION_LIMIT, max_conn,
+                                 MHD_OPTION_EXTERNAL_LOGGER, mhd_logger, NULL,
+                                 MHD_OPTION_END);
+    if (!s->daemon) {
+        st = kvb_err_set(err, KVB_ERR_IO, "http: cannot listen on %s (address in use, or not a local "
+                         "address?)", cfg->listen);
+        goto fail;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->daemon, MHD_DAEMON_INFO_BIND_PORT);
+    s->port = di ? di->port : 0;
+    kvb_log(KVB_LOG_INFO, "http: serving model '%s' on %s (port %u)", s->model_id, cfg->listen, s->port);
+    *out = s;
+    return KVB_OK;
+fail:
+    if (s->owns_metrics) kvb_metrics_free(s->metrics);
+    free(s->model_id);
+    free(s);
+    return st;
+}
+
+uint16_t kvb_http_server_port(const kvb_http_server *s) { return s ? s->port : 0; }
+
+kvb_metrics *kvb_http_server_metrics(kvb_http_server *s) { return s ? s->metrics : NULL; }
+
+void kvb_http_server_stop(kvb_http_server *s) {
+    if (!s) return;
+    atomic_store(&s->stopping, true); /* every wait and emit sees it within a slice */
+    MHD_stop_daemon(s->daemon);       /* joins the connection threads (they join the workers) */
+    if (s->owns_metrics) kvb_metrics_free(s->metrics);
+    free(s->model_id);
+    free(s);
+}

@@ -1,0 +1,360 @@
+/* tests/test_http_request.c — request parsing and validation (issue 6, item 3 and "malformed HTTP
+ * or JSON gets a 4xx"): minimal and full valid chat and completion requests give the documented
+ * fields and defaults; a table of wrong types, out-of-range values, malformed JSON and unsupported
+ * features gives a 400 that names the param; hostile bytes (NUL, "\u0000", invalid UTF-8, deep
+ * nesting, trailing garbage, huge numbers) are refused, never truncated; and every prefix of a
+ * valid body parses or fails cleanly (run under ASan for memory safety). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvb_http.h"
+
+static kvb_completion_req *parse_ok(kvb_api api, const char *body) {
+    kvb_completion_req *r = NULL;
+    kvb_http_error e = {0};
+    kvb_status st = kvb_completion_req_parse(api, body, strlen(body), &r, &e);
+    if (st != KVB_OK) fail_msg("expected %s to parse, got %d (%s, param %s)", body, e.status, e.message, e.param);
+    assert_non_null(r);
+    return r;
+}
+
+static void test_chat_minimal(void **state) {
+    (void)state;
+    kvb_completion_req *r =
+        parse_ok(KVB_API_CHAT_COMPLETIONS, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}");
+    assert_int_equal(r->api, KVB_API_CHAT_COMPLETIONS);
+    assert_string_equal(r->model, "m");
+    assert_int_equal(r->n_messages, 1);
+    assert_string_equal(r->messages[0].role, "user");
+    assert_string_equal(r->messages[0].content, "hi");
+    assert_null(r->prompt);
+    assert_null(r->prompt_tokens);
+    assert_true(r->max_tokens == -1);
+    assert_true(r->temperature == 1.0);
+    assert_true(r->top_p == 1.0);
+    assert_int_equal(r->top_k, 0);
+    assert_false(r->has_seed);
+    assert_int_equal(r->n_stop, 0);
+    assert_false(r->stream);
+    assert_false(r->include_usage);
+    assert_int_equal(r->bridge, KVB_BRIDGE_AUTO);
+    kvb_completion_req_free(r);
+}
+
+static void test_chat_full(void **state) {
+    (void)state;
+    const char *body =
+        "{\"model\":\"tiny\",\"messages\":["
+        "{\"role\":\"developer\",\"content\":\"be brief\"},"
+        "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"part one\"},{\"type\":\"text\",\"text\":\"part two\"}],\"name\":\"x\"},"
+        "{\"role\":\"assistant\",\"content\":null},"
+        "{\"role\":\"user\",\"content\":\"caf\xc3\xa9 \xe2\x82\xac\"}],"
+        "\"max_tokens\":10,\"max_completion_tokens\":12,\"temperature\":0.5,\"top_p\":0.9,\"top_k\":40,"
+        "\"seed\":-7,\"stop\":[\"\\n\\n\",\"END\"],\"stream\":true,\"stream_options\":{\"include_usage\":true},"
+        "\"n\":1,\"user\":\"u1\",\"frequency_penalty\":0.5,\"presence_penalty\":-1,"
+        "\"logprobs\":false,\"tools\":[],\"response_format\":{\"type\":\"text\"},"
+        "\"some_future_field\":{\"ignored\":[1,2,3]},\"kvbridge\":{\"bridge\":\"force\"}}";
+    kvb_completion_req *r = parse_ok(KVB_API_CHAT_COMPLETIONS, body);
+    assert_string_equal(r->model, "tiny");
+    assert_int_equal(r->n_messages, 4);
+    assert_string_equal(r->messages[0].role, "system");
+    assert_string_equal(r->messages[0].content, "be brief");
+    assert_string_equal(r->messages[1].content, "part one\npart two");
+    assert_string_equal(r->messages[2].role, "assistant");
+    assert_string_equal(r->messages[2].content, "");
+    assert_string_equal(r->messages[3].content, "caf\xc3\xa9 \xe2\x82\xac");
+    assert_true(r->max_tokens == 12);
+    assert_true(r->temperature == 0.5);
+    assert_true(r->top_p == 0.9);
+    assert_int_equal(r->top_k, 40);
+    assert_true(r->has_seed);
+    assert_true(r->seed == -7);
+    assert_int_equal(r->n_stop, 2);
+    assert_string_equal(r->stop[0], "\n\n");
+    assert_string_equal(r->stop[1], "END");
+    assert_true(r->stream);
+    assert_true(r->include_usage);
+    assert_true(r->frequency_penalty == 0.5);
+    assert_true(r->presence_penalty == -1);
+    assert_int_equal(r->bridge, KVB_BRIDGE_FORCE);
+    kvb_completion_req_free(r);
+
+    r = parse_ok(KVB_API_CHAT_COMPLETIONS,
+                 "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_k\":-1,"
+                 "\"stop\":\"###\",\"kvbridge\":{\"bridge\":\"off\"},\"seed\":null,\"temperature\":null}");
+    assert_int_equal(r->top_k, 0);
+    assert_int_equal(r->n_stop, 1);
+    assert_string_equal(r->stop[0], "###");
+    assert_int_equal(r->bridge, KVB_BRIDGE_OFF);
+    assert_false(r->has_seed);
+    assert_true(r->temperature == 1.0);
+    kvb_completion_req_free(r);
+}
+
+static void test_completion_prompts(void **state) {
+    (void)state;
+    kvb_completion_req *r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":\"Once upon\"}");
+    assert_string_equal(r->prompt, "Once upon");
+    assert_null(r->prompt_tokens);
+    assert_int_equal(r->n_messages, 0);
+    kvb_completion_req_free(r);
+
+    r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":[\"one\"],\"max_tokens\":0}");
+    assert_string_equal(r->prompt, "one");
+    assert_true(r->max_tokens == 0);
+    kvb_completion_req_free(r);
+
+    r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":[1, 2, 2147483647]}");
+    assert_null(r->prompt);
+    assert_int_equal(r->n_prompt_tokens, 3);
+    assert_int_equal(r->prompt_tokens[0], 1);
+    assert_int_equal(r->prompt_tokens[2], 2147483647);
+    kvb_completion_req_free(r);
+
+    r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":[[5,6]],\"echo\":false,\"best_of\":1}");
+    assert_int_equal(r->n_prompt_tokens, 2);
+    assert_int_equal(r->prompt_tokens[1], 6);
+    kvb_completion_req_free(r);
+
+    r = parse_ok(KVB_API_COMPLETIONS, "  {\"model\":\"m\",\"prompt\":\"\"}\r\n ");
+    assert_string_equal(r->prompt, "");
+    kvb_completion_req_free(r);
+}
+
+typedef struct {
+    kvb_api api;
+    const char *body;
+    const char *param; /* expected param, NULL: null */
+    const char *msg;   /* substring of the message */
+} bad_case;
+
+#define CHAT KVB_API_CHAT_COMPLETIONS
+#define CMPL KVB_API_COMPLETIONS
+#define MSGS "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]"
+#define CHATB(extra) "{\"model\":\"m\"," MSGS extra "}"
+
+static const bad_case bad_cases[] = {
+    /* malformed / not an object */
+    {CHAT, "", NULL, "empty"},
+    {CHAT, "   \n", NULL, "empty"},
+    {CHAT, "{", NULL, "malformed JSON"},
+    {CHAT, "{\"model\":\"m\",}", NULL, "malformed JSON"},
+    {CHAT, "{\"model\":'m'}", NULL, "malformed JSON"},
+    {CHAT, "[1,2]", NULL, "must be a JSON object"},
+    {CHAT, "\"text\"", NULL, "must be a JSON object"},
+    {CHAT, "null", NULL, "must be a JSON object"},
+    {CHAT, CHATB("") " trailing", NULL, "unexpected bytes after"},
+    {CHAT, CHATB("") "{}", NULL, "unexpected bytes after"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"a\\u0000b\"}]}", NULL, "NUL"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"\\ud800\"}]}", NULL, "malformed JSON"},
+    /* model */
+    {CHAT, "{" MSGS "}", "model", "model parameter"},
+    {CHAT, "{\"model\":null," MSGS "}", "model", "model parameter"},
+    {CHAT, "{\"model\":7," MSGS "}", "model", "expected a string"},
+    {CHAT, "{\"model\":\"\"," MSGS "}", "model", "empty string"},
+    /* messages */
+    {CHAT, "{\"model\":\"m\"}", "messages", "Missing required"},
+    {CHAT, "{\"model\":\"m\",\"messages\":{}}", "messages", "expected an array"},
+    {CHAT, "{\"model\":\"m\",\"messages\":\"hi\"}", "messages", "expected an array"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[]}", "messages", "empty array"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[\"hi\"]}", "messages[0]", "expected an object"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"content\":\"hi\"}]}", "messages[0].role", "Missing"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":1,\"content\":\"hi\"}]}", "messages[0].role", "expected a string"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"wizard\",\"content\":\"hi\"}]}", "messages[0].role", "Supported values"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"tool\",\"content\":\"hi\"}]}", "messages[0].role", "tool calling"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"ok\"},{\"role\":\"user\"}]}", "messages[1].content", "Missing"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":5}]}", "messages[0].content", "expected a string or an array"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":{}}]}", "messages[0].content", "expected a string or an array"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":[]}]}", "messages[0].content", "empty array"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":[\"x\"]}]}", "messages[0].content[0]", "content part object"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":[{\"text\":\"x\"}]}]}", "messages[0].content[0].type", "Missing"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\",\"image_url\":{}}]}]}", "messages[0].content[0]", "only 'text'"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\"}]}]}", "messages[0].content[0].text", "Missing"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":3}]}]}", "messages[0].content[0].text", "expected a string"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}", "messages[0].content", "UTF-8"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"\xc0\xaf\"}]}", "messages[0].content", "UTF-8"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"\xed\xa0\x80\"}]}", "messages[0].content", "UTF-8"},
+    /* numbers */
+    {CHAT, CHATB(",\"max_tokens\":\"10\""), "max_tokens", "expected an integer"},
+    {CHAT, CHATB(",\"max_tokens\":1.5"), "max_tokens", "decimal"},
+    {CHAT, CHATB(",\"max_tokens\":0"), "max_tokens", "out of range"},
+    {CHAT, CHATB(",\"max_tokens\":-3"), "max_tokens", "out of range"},
+    {CHAT, CHATB(",\"max_tokens\":1e300"), "max_tokens", "out of range"},
+    {CHAT, CHATB(",\"max_tokens\":1e999"), "max_tokens", "decimal"},
+    {CHAT, CHATB(",\"max_completion_tokens\":true"), "max_completion_tokens", "expected an integer"},
+    {CHAT, CHATB(",\"temperature\":\"hot\""), "temperature", "expected a number"},
+    {CHAT, CHATB(",\"temperature\":2.5"), "temperature", "out of range"},
+    {CHAT, CHATB(",\"temperature\":-0.1"), "temperature", "out of range"},
+    {CHAT, CHATB(",\"top_p\":1.01"), "top_p", "out of range"},
+    {CHAT, CHATB(",\"top_p\":[1]"), "top_p", "expected a number"},
+    {CHAT, CHATB(",\"top_k\":-2"), "top_k", "out of range"},
+    {CHAT, CHATB(",\"top_k\":3.5"), "top_k", "decimal"},
+    {CHAT, CHATB(",\"frequency_penalty\":3"), "frequency_penalty", "out of range"},
+    {CHAT, CHATB(",\"presence_penalty\":-2.5"), "presence_penalty", "out of range"},
+    {CHAT, CHATB(",\"seed\":\"42\""), "seed", "expected an integer"},
+    {CHAT, CHATB(",\"seed\":0.5"), "seed", "decimal"},
+    {CHAT, CHATB(",\"seed\":1e19"), "seed", "out of range"},
+    {CHAT, CHATB(",\"n\":2"), "n", "only n=1"},
+    {CHAT, CHATB(",\"n\":0"), "n", "out of range"},
+    {CHAT, CHATB(",\"n\":\"1\""), "n", "expected an integer"},
+    /* strings, bools, objects */
+    {CHAT, CHATB(",\"user\":5"), "user", "expected a string"},
+    {CHAT, CHATB(",\"stop\":5"), "stop", "string or an array"},
+    {CHAT, CHATB(",\"stop\":\"\""), "stop", "empty string"},
+    {CHAT, CHATB(",\"stop\":[\"a\",1]"), "stop[1]", "expected a string"},
+    {CHAT, CHATB(",\"stop\":[\"a\",\"\"]"), "stop[1]", "empty string"},
+    {CHAT, CHATB(",\"stop\":[\"a\",\"b\",\"c\",\"d\",\"e\"]"), "stop", "maximum length 4"},
+    {CHAT, CHATB(",\"stream\":\"true\""), "stream", "expected a boolean"},
+    {CHAT, CHATB(",\"stream\":1"), "stream", "expected a boolean"},
+    {CHAT, CHATB(",\"stream\":true,\"stream_options\":true"), "stream_options", "expected an object"},
+    {CHAT, CHATB(",\"stream_options\":{\"include_usage\":true}"), "stream_options", "only allowed when"},
+    {CHAT, CHATB(",\"stream\":true,\"stream_options\":{\"include_usage\":\"yes\"}"), "stream_options.include_usage", "expected a boolean"},
+    {CHAT, CHATB(",\"kvbridge\":\"force\""), "kvbridge", "expected an object"},
+    {CHAT, CHATB(",\"kvbridge\":{\"bridge\":\"sometimes\"}"), "kvbridge.bridge", "'auto', 'force' and 'off'"},
+    {CHAT, CHATB(",\"kvbridge\":{\"bridge\":1}"), "kvbridge.bridge", "expected a string"},
+    {CHAT, CHATB(",\"kvbridge\":{\"brigde\":\"off\"}"), "kvbridge", "Unknown kvbridge option"},
+    /* known features we cannot honour */
+    {CHAT, CHATB(",\"logprobs\":true"), "logprobs", "not supported"},
+    {CHAT, CHATB(",\"top_logprobs\":3"), "top_logprobs", "not supported"},
+    {CHAT, CHATB(",\"tools\":[{\"type\":\"function\"}]"), "tools", "not supported"},
+    {CHAT, CHATB(",\"response_format\":{\"type\":\"json_object\"}"), "response_format", "not supported"},
+    /* completions */
+    {CMPL, "{\"model\":\"m\"}", "prompt", "Missing"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":null}", "prompt", "Missing"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":5}", "prompt", "expected a string"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":{}}", "prompt", "expected a string"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":[]}", "prompt", "empty array"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":[\"a\",\"b\"]}", "prompt", "one prompt per request"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":[[1],[2]]}", "prompt", "one prompt per request"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":[[]]}", "prompt[0]", "token list is empty"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":[1,-1]}", "prompt[1]", "out of range"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":[1,2147483648]}", "prompt[1]", "out of range"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":[1,2.5]}", "prompt[1]", "decimal"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":[1,\"x\"]}", "prompt[1]", "expected an integer"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":[[1,\"x\"]]}", "prompt[0][1]", "expected an integer"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":[true]}", "prompt[0]", "expected a string or an array"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"max_tokens\":-1}", "max_tokens", "out of range"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"echo\":true}", "echo", "not supported"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"suffix\":\"y\"}", "suffix", "not supported"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"best_of\":3}", "best_of", "best_of=1"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"logprobs\":2}", "logprobs", "not supported"},
+};
+
+static void test_bad_requests_table(void **state) {
+    (void)state;
+    int failures = 0;
+    for (size_t i = 0; i < KVB_ARRAY_LEN(bad_cases); i++) {
+        const bad_case *c = &bad_cases[i];
+        kvb_completion_req *r = NULL;
+        kvb_http_error e;
+        memset(&e, 0x5a, sizeof e); /* the parser must fill every field it reports */
+        kvb_status st = kvb_completion_req_parse(c->api, c->body, strlen(c->body), &r, &e);
+        const char *why = NULL;
+        if (st != KVB_ERR_INVALID) why = "status is not KVB_ERR_INVALID";
+        else if (r) why = "*out is not NULL";
+        else if (e.status != 400) why = "HTTP status is not 400";
+        else if (strcmp(e.type, "invalid_request_error") != 0) why = "type is not invalid_request_error";
+        else if (strcmp(e.param, c->param ? c->param : "") != 0) why = "wrong param";
+        else if (!strstr(e.message, c->msg)) why = "message lacks the expected words";
+        if (why) {
+            print_error("case %zu %s: %s\n  got status %d param '%s' message '%s'\n", i, c->body, why,
+                        st == KVB_ERR_INVALID ? e.status : -1, st == KVB_ERR_INVALID ? e.param : "",
+                        st == KVB_ERR_INVALID ? e.message : "");
+            failures++;
+        }
+        kvb_completion_req_free(r);
+    }
+    assert_int_equal(failures, 0);
+}
+
+static void test_hostile_bytes(void **state) {
+    (void)state;
+    kvb_completion_req *r = NULL;
+    kvb_http_error e;
+    /* a raw NUL inside the body */
+    const char with_nul[] = "{\"model\":\"m\",\"prompt\":\"a\0b\"}";
+    assert_int_equal(kvb_completion_req_parse(CMPL, with_nul, sizeof with_nul - 1, &r, &e), KVB_ERR_INVALID);
+    assert_non_null(strstr(e.message, "NUL"));
+    /* an escaped backslash followed by u0000 is text, not a NUL escape */
+    r = parse_ok(CMPL, "{\"model\":\"m\",\"prompt\":\"a\\\\u0000b\"}");
+    assert_string_equal(r->prompt, "a\\u0000b");
+    kvb_completion_req_free(r);
+    /* a body that is not NUL-terminated: the parser reads only len bytes */
+    const char *full = "{\"model\":\"m\",\"prompt\":\"abc\"}XXXX";
+    r = NULL;
+    assert_int_equal(kvb_completion_req_parse(CMPL, full, strlen(full) - 4, &r, &e), KVB_OK);
+    assert_string_equal(r->prompt, "abc");
+    kvb_completion_req_free(r);
+    /* deep nesting in an ignored field */
+    size_t depth = 100000;
+    char *deep = malloc(2 * depth + 64);
+    assert_non_null(deep);
+    size_t n = (size_t)sprintf(deep, "{\"model\":\"m\",\"prompt\":\"x\",\"z\":");
+    for (size_t i = 0; i < depth; i++) deep[n++] = '[';
+    for (size_t i = 0; i < depth; i++) deep[n++] = ']';
+    deep[n++] = '}';
+    r = NULL;
+    assert_int_equal(kvb_completion_req_parse(CMPL, deep, n, &r, &e), KVB_ERR_INVALID);
+    assert_int_equal(e.status, 400);
+    assert_null(r);
+    free(deep);
+    /* a very long token list */
+    size_t n_tok = 200000;
+    char *big = malloc(n_tok * 8 + 64);
+    assert_non_null(big);
+    n = (size_t)sprintf(big, "{\"model\":\"m\",\"prompt\":[");
+    for (size_t i = 0; i < n_tok; i++) n += (size_t)sprintf(big + n, "%s%zu", i ? "," : "", i % 50000);
+    n += (size_t)sprintf(big + n, "]}");
+    assert_int_equal(kvb_completion_req_parse(CMPL, big, n, &r, &e), KVB_OK);
+    assert_int_equal(r->n_prompt_tokens, n_tok);
+    assert_int_equal(r->prompt_tokens[n_tok - 1], (int32_t)((n_tok - 1) % 50000));
+    kvb_completion_req_free(r);
+    free(big);
+    /* NULL body */
+    r = NULL;
+    assert_int_equal(kvb_completion_req_parse(CHAT, NULL, 5, &r, &e), KVB_ERR_INVALID);
+    assert_null(r);
+}
+
+/* Every prefix of a valid full request either parses or fails with a 400; never crashes. */
+static void test_every_prefix(void **state) {
+    (void)state;
+    const char *body =
+        "{\"model\":\"tiny\",\"messages\":[{\"role\":\"system\",\"content\":\"s\"},"
+        "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"p\xc3\xa9\"}]}],\"max_tokens\":10,"
+        "\"temperature\":0.5,\"stop\":[\"a\",\"b\"],\"stream\":true,\"stream_options\":{\"include_usage\":true},"
+        "\"kvbridge\":{\"bridge\":\"auto\"}}";
+    size_t len = strlen(body);
+    int ok = 0;
+    for (size_t n = 0; n <= len; n++) {
+        char *copy = malloc(n ? n : 1); /* exact size so ASan sees any over-read */
+        assert_non_null(copy);
+        memcpy(copy, body, n);
+        kvb_completion_req *r = NULL;
+        kvb_http_error e;
+        kvb_status st = kvb_completion_req_parse(CHAT, copy, n, &r, &e);
+        if (st == KVB_OK) ok++;
+        else assert_int_equal(e.status, 400);
+        kvb_completion_req_free(r);
+        free(copy);
+    }
+    assert_int_equal(ok, 1); /* only the whole body is valid */
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_chat_minimal),
+        cmocka_unit_test(test_chat_full),
+        cmocka_unit_test(test_completion_prompts),
+        cmocka_unit_test(test_bad_requests_table),
+        cmocka_unit_test(test_hostile_bytes),
+        cmocka_unit_test(test_every_prefix),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
