@@ -34,3 +34,12 @@ mkdir -p "$work/tokcorpus"
 echo "fuzz_tokenize: running for $secs s"
 KVB_FUZZ_VOCAB_DIR="$src/../shared/vocab" "$work/fuzz_tokenize" -max_total_time="$secs" -max_len=8192 -timeout=10 \
   -rss_limit_mb=2048 -artifact_prefix="$work/artifacts/" -print_final_stats=1 "$work/tokcorpus"
+
+# ---- wire protocol fuzzer (transport): same time budget, its own corpus and seeds --------------
+cmake --build "$build" --target fuzz_wire fuzz_wire_seeds -j "$jobs"
+rm -rf "$work/wireseeds"
+mkdir -p "$work/wireseeds" "$work/wirecorpus"
+"$work/fuzz_wire_seeds" "$work/wireseeds"
+echo "fuzz_wire: running for $secs s (corpus $work/wirecorpus, seeds $work/wireseeds)"
+"$work/fuzz_wire" -max_total_time="$secs" -max_len=8192 -timeout=10 -rss_limit_mb=2048 \
+  -artifact_prefix="$work/artifacts/" -print_final_stats=1 "$work/wirecorpus" "$work/wireseeds"

@@ -1,0 +1,79 @@
+/* transport/transport_internal.h — little-endian byte access, the connection object shared by the
+ * framing, connection and handshake files, and deadline helpers. Not part of the contract. */
+#ifndef KVB_TRANSPORT_INTERNAL_H
+#define KVB_TRANSPORT_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "kvb_transport.h"
+
+static inline void wire_put_u16(uint8_t *p, uint16_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+static inline void wire_put_u32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void wire_put_u64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint16_t wire_get_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static inline uint32_t wire_get_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+static inline uint64_t wire_get_u64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+
+/* XXH3-64 (seed 0) with the fastest kernel this CPU runs (wire_hash.c); the *_avx2 ones exist in
+ * x86 builds only and need AVX2. */
+uint64_t wire_hash(const void *p, size_t n);
+uint64_t wire_hash_avx2(const void *p, size_t n);
+uint64_t wire_hash_iov_avx2(const kvb_iov *iov, int n_iov);
+
+/* Message prefix of a checksum failure (kvb_wire_err_is_checksum looks for it). */
+#define WIRE_CHECKSUM_MSG "checksum mismatch"
+
+/* Absolute deadline from a timeout; KVB_ERR_INVALID for timeout_ms < 1. */
+kvb_status wire_deadline(int timeout_ms, double *deadline, kvb_err *err);
+/* Milliseconds left until deadline for poll(): >= 0 (0 = expired), rounded up. */
+int wire_ms_left(double deadline);
+
+struct kvb_listener {
+    const kvb_wire_backend *backend;
+    kvb_link_listener *link_listener;
+};
+
+struct kvb_conn {
+    const kvb_wire_backend *backend;
+    kvb_link *link;
+    bool authenticated; /* set by the handshake, the only producer of kvb_conn for callers */
+    kvb_hello mine, peer;
+    uint64_t max_payload;
+    uint32_t recv_allowed; /* bit (1 << type) for each frame type this node may receive */
+    uint32_t send_allowed;
+    kvb_wire_buf rbuf;
+    atomic_bool broken;
+    pthread_mutex_t broken_lock;
+    char broken_msg[sizeof(((kvb_err *)0)->msg)];
+    atomic_uint_fast64_t bytes_sent, frames_sent, bytes_received, frames_received;
+    atomic_uint_fast64_t checksum_failures, protocol_errors, timeouts;
+};
+
+/* Connection object around a link (handshake state: nothing allowed yet). */
+kvb_status wire_conn_new(const kvb_wire_backend *backend, kvb_link *link, kvb_conn **out, kvb_err *err);
+/* Sends one frame of the given type (no role check); marks the connection broken on failure. */
+kvb_status wire_conn_send(kvb_conn *c, uint16_t type, uint64_t request_id, const kvb_iov *iov, int n_iov,
+                          double deadline, kvb_err *err);
+/* Receives one frame whose type is in `allowed` (bits), payload <= max_payload; marks the connection
+ * broken (and counts) on any failure. */
+kvb_status wire_conn_recv(kvb_conn *c, uint32_t allowed, uint64_t max_payload, double deadline, kvb_frame *out,
+                          kvb_err *err);
+/* Records the first failure; later calls fail fast with it. */
+void wire_conn_break(kvb_conn *c, const kvb_err *why);
+void wire_count_failure(kvb_conn *c, const kvb_err *e);
+
+#endif
