@@ -1,0 +1,50 @@
+#!/usr/bin/env python3
+"""The official `openai` client against a real kvbridge decode node bridged to a prefill node.
+
+Usage: openai_node_check.py PORT
+Streams a chat completion (include_usage) whose prompt is long enough to bridge, and checks the
+X-KVBridge header, the deltas, finish_reason and usage.kvbridge. Exit 0 with
+"openai node check: N passed, 0 failed"; 1 on a failure; 77 when the openai package is absent.
+"""
+import sys
+
+try:
+    from openai import OpenAI
+except ImportError:
+    print("openai_node_check: the openai package is not installed in this Python", file=sys.stderr)
+    sys.exit(77)
+
+port = int(sys.argv[1])
+client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+passed = failed = 0
+
+
+def check(name, cond, detail=""):
+    global passed, failed
+    if cond:
+        passed += 1
+    else:
+        failed += 1
+        print(f"FAIL {name}: {detail}", file=sys.stderr)
+
+
+doc = "The quarry shipped granite on barges every evening. " * 40
+raw = client.chat.completions.with_raw_response.create(
+    model="any", messages=[{"role": "user", "content": doc + "What did it ship?"}],
+    max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True})
+check("header", raw.headers.get("x-kvbridge") == "complete", raw.headers.get("x-kvbridge"))
+stream = raw.parse()
+text, finish, usage = "", None, None
+for chunk in stream:
+    if chunk.choices:
+        text += chunk.choices[0].delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+    if chunk.usage:
+        usage = chunk.usage
+check("deltas", len(text) > 0, repr(text))
+check("finish", finish in ("length", "stop"), finish)
+kb = (usage.model_extra or {}).get("kvbridge") if usage else None
+check("usage", usage is not None and usage.completion_tokens >= 1, usage)
+check("kvbridge", kb is not None and kb["verdict"] == "complete" and kb["bridged_tokens"] > 0, kb)
+print(f"openai node check: {passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)

@@ -1,0 +1,227 @@
+/* tests/test_node_loop.c — the closed loop on loopback (CPU -> CPU): a prefill node and decode
+ * nodes in this process, talking through the real transport and HTTP API. Multi-turn: each turn
+ * ships only its increment (bridged tokens and slab bytes asserted); replies equal the native
+ * ones; every fault (corrupt slab, peer killed mid-stream, stalled peer, peer down, wrong key,
+ * other model) still yields the native answer with an honest verdict and a counted fault; the
+ * official openai client streams a chat completion from the real node. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvb_model.h"
+#include "kvb_node.h"
+#include "kvb_quant.h"
+#include "kvbt.h"
+
+#define PSK "test-key-0123456789abcdef"
+static char g_model[512], g_other[512];
+
+static int setup(void **state) {
+    (void)state;
+    kvb_err err = {0};
+    kvbt_tmp_path(g_model, sizeof g_model, "loop.gguf");
+    kvbt_tmp_path(g_other, sizeof g_other, "other.gguf");
+    kvb_gen_opts o = {.preset = "tiny", .type = KVB_TYPE_Q8_0, .seed = 21, .n_threads = 2};
+    kvb_gen_opts o2 = o;
+    o2.seed = 22;
+    if (kvb_gen_model(&o, g_model, &err) || kvb_gen_model(&o2, g_other, &err)) {
+        fprintf(stderr, "setup: %s\n", err.msg);
+        return -1;
+    }
+    return 0;
+}
+
+static kvb_prefill_node *start_prefill(const char *model, const char *psk, const char *fault) {
+    kvb_prefill_config c = {.listen = "127.0.0.1:0", .model_path = model, .psk = psk, .n_threads = 1,
+                            .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 4096, .fault = fault};
+    kvb_prefill_node *n = NULL;
+    kvb_err err = {0};
+    if (kvb_prefill_node_start(&c, &n, &err)) fail_msg("prefill node: %s", err.msg);
+    return n;
+}
+
+static kvb_decode_node *start_decode(uint16_t peer_port, const char *psk, int timeout_ms) {
+    char peer[32];
+    snprintf(peer, sizeof peer, "127.0.0.1:%u", peer_port);
+    kvb_decode_config c = {.http_listen = "127.0.0.1:0", .peer = peer_port ? peer : NULL, .model_path = g_model,
+                           .psk = psk, .n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32,
+                           .max_ctx = 4096, .peer_timeout_ms = timeout_ms};
+    kvb_decode_node *n = NULL;
+    kvb_err err = {0};
+    if (kvb_decode_node_start(&c, &n, &err)) fail_msg("decode node: %s", err.msg);
+    return n;
+}
+
+typedef struct {
+    char verdict[160];
+    int prompt, cached, bridged, native;
+    char *content;
+} reply;
+
+/* One completion request with token ids (exact control over what is cached). */
+static void complete_ids(uint16_t port, const int32_t *ids, int n, reply *r) {
+    cJSON *req = cJSON_CreateObject();
+    cJSON_AddStringToObject(req, "model", "m");
+    cJSON_AddItemToObject(req, "prompt", cJSON_CreateIntArray(ids, n));
+    cJSON_AddNumberToObject(req, "max_tokens", 8);
+    cJSON_AddNumberToObject(req, "temperature", 0);
+    char *body = cJSON_PrintUnformatted(req);
+    cJSON_Delete(req);
+    kvb_http_reply h;
+    kvb_err err = {0};
+    assert_int_equal(kvb_http_post("127.0.0.1", port, "/v1/completions", body, 120000, &h, &err), KVB_OK);
+    free(body);
+    if (h.status != 200) fail_msg("HTTP %d: %s", h.status, h.body);
+    cJSON *root = cJSON_Parse(h.body);
+    cJSON *kb = cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "kvbridge");
+    assert_non_null(kb);
+    snprintf(r->verdict, sizeof r->verdict, "%s", h.verdict);
+    assert_string_equal(cJSON_GetObjectItem(kb, "verdict")->valuestring, h.verdict);
+    r->prompt = (int)cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "prompt_tokens")->valuedouble;
+    r->cached = (int)cJSON_GetObjectItem(kb, "cached_tokens")->valuedouble;
+    r->bridged = (int)cJSON_GetObjectItem(kb, "bridged_tokens")->valuedouble;
+    r->native = (int)cJSON_GetObjectItem(kb, "native_tokens")->valuedouble;
+    cJSON *text = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0), "text");
+    r->content = strdup(text->valuestring);
+    cJSON_Delete(root);
+    kvb_http_reply_free(&h);
+    assert_int_equal(r->cached + r->bridged + r->native, r->prompt);
+}
+
+static void prompt_ids(int32_t *ids, int n, uint64_t seed) {
+    kvb_rng r;
+    kvb_rng_seed(&r, seed);
+    for (int i = 0; i < n; i++) ids[i] = 3 + (int32_t)(kvb_rng_u64(&r) % 250);
+}
+
+static double metric(uint16_t port, const char *series) {
+    char cmd[256], out[65536];
+    snprintf(cmd, sizeof cmd, "curl -s http://127.0.0.1:%u/metrics", port);
+    if (kvbt_sh(cmd, out, sizeof out, 0) != 0) return -1;
+    for (const char *p = out; (p = strstr(p, series)) != NULL; p++)
+        if (p == out || p[-1] == '\n') return atof(p + strlen(series)); /* a sample line, not # HELP */
+    return 0;
+}
+
+static void test_multiturn_ships_only_increments(void **state) {
+    (void)state;
+    kvb_prefill_node *pn = start_prefill(g_model, PSK, NULL);
+    kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
+    kvb_decode_node *nat = start_decode(0, PSK, 10000);
+    int32_t ids[1200];
+    prompt_ids(ids, 1200, 7);
+    const int lens[] = {700, 900, 1200}; /* each turn extends the previous prompt */
+    int prev_ship = 0;
+    for (int t = 0; t < 3; t++) {
+        reply b, n;
+        double bytes0 = metric(kvb_decode_node_port(dn), "kvbridge_slab_bytes_total ");
+        complete_ids(kvb_decode_node_port(dn), ids, lens[t], &b);
+        complete_ids(kvb_decode_node_port(nat), ids, lens[t], &n);
+        int ship = (lens[t] - 1) / 32 * 32;
+        assert_string_equal(b.verdict, "complete");
+        assert_int_equal(b.cached, prev_ship);          /* the previous turn's blocks were cached */
+        assert_int_equal(b.bridged, ship - prev_ship);  /* only the increment was shipped */
+        double bytes = metric(kvb_decode_node_port(dn), "kvbridge_slab_bytes_total ") - bytes0;
+        /* tiny: 4 layers x K,V x 2 kv heads x 64 dims x f16 = 2048 bytes per token */
+        assert_true(bytes == (double)(ship - prev_ship) * 2048.0);
+        assert_string_equal(b.content, n.content); /* same answer as computing everything natively */
+        assert_true(strncmp(n.verdict, "declined: no prefill node", 25) == 0);
+        prev_ship = ship;
+        free(b.content);
+        free(n.content);
+    }
+    /* capture memory on the prefill node is the ring, not the prompt */
+    assert_true(kvb_prefill_node_peak_capture_bytes(pn) <= 16 * 2 * 32 * 2 * 4 * 2 * 64 * 2);
+    kvb_decode_node_stop(nat);
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+}
+
+/* A fault during bridging: the answer equals the native one; the verdict is honest. */
+static void check_fault(const char *fault, const char *model, const char *psk_prefill, bool start_peer,
+                        int timeout_ms, const char *verdict_prefix, const char *fault_series) {
+    kvb_prefill_node *pn = start_peer ? start_prefill(model, psk_prefill, fault) : NULL;
+    uint16_t port = pn ? kvb_prefill_node_port(pn) : 1; /* port 1: nothing listens */
+    kvb_decode_node *dn = start_decode(port, PSK, timeout_ms);
+    kvb_decode_node *nat = start_decode(0, PSK, timeout_ms);
+    int32_t ids[600];
+    prompt_ids(ids, 600, 99);
+    reply b, n;
+    complete_ids(kvb_decode_node_port(dn), ids, 600, &b);
+    complete_ids(kvb_decode_node_port(nat), ids, 600, &n);
+    if (strncmp(b.verdict, verdict_prefix, strlen(verdict_prefix)) != 0)
+        fail_msg("fault %s: verdict '%s', expected '%s...'", fault ? fault : "-", b.verdict, verdict_prefix);
+    assert_string_equal(b.content, n.content);
+    assert_true(b.bridged < 576); /* never reported as fully bridged */
+    if (fault_series) assert_true(metric(kvb_decode_node_port(dn), fault_series) >= 1);
+    free(b.content);
+    free(n.content);
+    kvb_decode_node_stop(nat);
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+}
+
+static void test_fault_corrupt_slab(void **state) {
+    (void)state;
+    check_fault("corrupt:30", g_model, PSK, true, 10000, "partial ", "kvbridge_bridge_faults_total{kind=\"corrupt_slab\"} ");
+}
+static void test_fault_peer_killed(void **state) {
+    (void)state;
+    check_fault("die:40", g_model, PSK, true, 10000, "partial ", "kvbridge_bridge_faults_total{kind=\"peer_lost\"} ");
+}
+static void test_fault_peer_stalls(void **state) {
+    (void)state;
+    check_fault("stall:10", g_model, PSK, true, 400, "partial ", "kvbridge_bridge_faults_total{kind=\"timeout\"} ");
+}
+static void test_fault_peer_down(void **state) {
+    (void)state;
+    check_fault(NULL, g_model, PSK, false, 10000, "declined: prefill node unavailable",
+                "kvbridge_bridge_faults_total{kind=\"peer_down\"} ");
+}
+static void test_fault_wrong_key(void **state) {
+    (void)state;
+    check_fault(NULL, g_model, "another-key-0123456789", true, 10000, "declined: prefill node unavailable", NULL);
+}
+static void test_fault_other_model(void **state) {
+    (void)state;
+    check_fault(NULL, g_other, PSK, true, 10000, "declined: prefill node unavailable", NULL);
+}
+
+static void test_openai_client_streams(void **state) {
+    (void)state;
+    const char *src = getenv("KVB_SOURCE_DIR");
+    char py[600];
+    snprintf(py, sizeof py, "%s/.venv/bin/python", src ? src : ".");
+    if (access(py, X_OK) != 0) skip();
+    kvb_prefill_node *pn = start_prefill(g_model, PSK, NULL);
+    kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
+    char cmd[1400], out[8192];
+    snprintf(cmd, sizeof cmd, "'%s' '%s/tests/openai_node_check.py' %u", py, src, kvb_decode_node_port(dn));
+    int rc = kvbt_sh(cmd, out, sizeof out, 1);
+    printf("%s", out);
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+    if (rc == 77) skip();
+    assert_int_equal(rc, 0);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_multiturn_ships_only_increments),
+        cmocka_unit_test(test_fault_corrupt_slab),
+        cmocka_unit_test(test_fault_peer_killed),
+        cmocka_unit_test(test_fault_peer_stalls),
+        cmocka_unit_test(test_fault_peer_down),
+        cmocka_unit_test(test_fault_wrong_key),
+        cmocka_unit_test(test_fault_other_model),
+        cmocka_unit_test(test_openai_client_streams),
+    };
+    return cmocka_run_group_tests(tests, setup, NULL);
+}
