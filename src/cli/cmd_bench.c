@@ -8,6 +8,9 @@
 
 #include "kvb_cli.h"
 #include "kvb_engine_cpu.h"
+#ifdef KVB_HAVE_CUDA
+#include "kvb_engine_cuda.h"
+#endif
 #include "kvb_quant.h"
 
 static void help(FILE *f) {
@@ -24,7 +27,14 @@ static void help(FILE *f) {
             "  --reps R             repetitions; the median is reported (default 3)\n"
             "  --cache-type T       KV cache dtype (default f16)\n"
             "  --llama-bench PATH   also run llama.cpp's llama-bench on the same file and threads\n"
-            "  --json FILE          also write the figures as JSON\n");
+            "  --json FILE          also write the figures as JSON\n\n"
+            "  --device cpu|cuda    cuda: prefill on the GPU (bf16), several sizes (--tokens 2048,8192,32768) in\n"
+            "                       one run, each beside the bf16 GEMM ceiling measured in the same run (cuBLAS\n"
+            "                       8192^3) and, with --peer-json, a peer's figures for the same sizes\n"
+            "  --chunk N            (cuda) tokens per forward chunk (default 8192)\n"
+            "  --peer-json FILE     (cuda) JSON from tools/peer/torch_llama_prefill.py\n"
+            "  --ceiling-reps N     (cuda) timed GEMMs for the ceiling (default 20)\n"
+            "  --warmup N           (cuda) untimed forwards before each size's timed ones (default 1)\n");
 }
 
 static int cmp_d(const void *a, const void *b) {
@@ -88,6 +98,202 @@ static double run_llama_bench(const char *path, const char *model, int threads, 
     return ts;
 }
 
+#ifdef KVB_HAVE_CUDA
+/* ---- prefill on the GPU ---------------------------------------------------------------------- */
+
+/* Reads tools/peer/torch_llama_prefill.py's JSON: {"peer": "...", "results": [{"tokens": N,
+ * "tok_s": X}, ...]}; returns tok/s for n tokens, or -1. */
+static double peer_tok_s(const cJSON *root, long long n) {
+    const cJSON *res = cJSON_GetObjectItem(root, "results"), *it;
+    cJSON_ArrayForEach(it, res) {
+        const cJSON *t = cJSON_GetObjectItem(it, "tokens"), *v = cJSON_GetObjectItem(it, "tok_s");
+        if (cJSON_IsNumber(t) && cJSON_IsNumber(v) && (long long)t->valuedouble == n) return v->valuedouble;
+    }
+    return -1;
+}
+
+static cJSON *read_json(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    char *buf = NULL;
+    size_t n = 0, cap = 0, k;
+    char tmp[4096];
+    while ((k = fread(tmp, 1, sizeof tmp, f)) > 0) {
+        if (n + k + 1 > cap) {
+            cap = (n + k + 1) * 2;
+            char *nb = realloc(buf, cap);
+            if (!nb) break;
+            buf = nb;
+        }
+        memcpy(buf + n, tmp, k);
+        n += k;
+    }
+    fclose(f);
+    if (!buf) return NULL;
+    buf[n] = 0;
+    cJSON *root = cJSON_Parse(buf);
+    free(buf);
+    return root;
+}
+
+/* Effective FLOPs of a prefill of n tokens: 2 x parameters (non-embedding, without the output head:
+ * the head runs for the last token only, and the peer runs no head) x n, plus causal attention
+ * (QK^T and PV over the causal triangle) 2 x layers x heads x head_dim x n^2. */
+static double prefill_flops(const kvb_model_desc *d, double n) {
+    double p = (double)kvb_model_n_params_nonembd(d) - (double)d->n_vocab * d->n_embd;
+    return 2.0 * p * n + 2.0 * d->n_layer * (double)d->n_head * d->head_dim * n * n;
+}
+
+static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, int reps, int warmup, uint32_t chunk,
+                              int ceiling_reps, const char *peer_json, const char *json_path) {
+    long long sizes[16];
+    int n_sizes = 0;
+    long long max_n = 0;
+    for (const char *p = tokens_arg; *p;) {
+        char *end;
+        long long v = strtoll(p, &end, 10);
+        if (end == p || v < 1 || v > (1LL << 24) || n_sizes == 16) {
+            fprintf(stderr, "kvbridge bench: --tokens expects up to 16 comma-separated sizes in 1..16777216, got '%s'\n",
+                    tokens_arg);
+            return 2;
+        }
+        sizes[n_sizes++] = v;
+        if (v > max_n) max_n = v;
+        p = *end == ',' ? end + 1 : end;
+        if (*end && *end != ',') {
+            fprintf(stderr, "kvbridge bench: --tokens expects comma-separated sizes, got '%s'\n", tokens_arg);
+            return 2;
+        }
+    }
+    if (reps < 1) reps = 1;
+    kvb_err err = {0};
+    kvb_model *m = NULL;
+    kvb_cuda_engine *e = NULL;
+    int32_t *toks = NULL;
+    double *tps = NULL;
+    cJSON *peer = NULL, *out = NULL;
+    int rc = 1;
+    if (peer_json && !(peer = read_json(peer_json)))
+        fprintf(stderr, "kvbridge bench: could not read peer figures from %s; continuing without them\n", peer_json);
+
+    double t0 = kvb_now_s();
+    if (kvb_model_load(model_path, &m, &err)) goto fail;
+    kvb_cuda_opts o = {.max_ctx = (uint32_t)max_n, .max_batch = chunk, .no_prefix_cache = true};
+    if (kvb_cuda_engine_create(m, &o, &e, &err)) goto fail;
+    double t_load = kvb_now_s() - t0;
+    toks = malloc(sizeof(int32_t) * (size_t)max_n);
+    tps = malloc(sizeof(double) * (size_t)reps * n_sizes);
+    if (!toks || !tps) {
+        kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    char desc[512];
+    kvb_model_describe(m, desc, sizeof desc);
+    printf("model      %s\n           %s\n", model_path, desc);
+    kvb_cuda_engine_describe(e, desc, sizeof desc);
+    printf("device     %s\n", desc);
+    printf("load       %.1f s (mmap, convert, upload)\n", t_load);
+    if (getenv("KVB_CUDA_DEBUG_SKIP_ATTENTION"))
+        printf("NOTE       KVB_CUDA_DEBUG_SKIP_ATTENTION is set: attention is left out (diagnostic timing only)\n");
+    if (getenv("KVB_CUDA_FA_BR")) printf("NOTE       KVB_CUDA_FA_BR=%s\n", getenv("KVB_CUDA_FA_BR"));
+
+    kvb_rng rng;
+    for (int si = 0; si < n_sizes; si++) {
+        const uint32_t n = (uint32_t)sizes[si];
+        for (int r = -warmup; r < reps; r++) { /* r < 0: warm-up */
+            kvb_rng_seed(&rng, 1000003ULL * (uint64_t)n + (uint64_t)(r + 2)); /* fresh tokens every run */
+            for (uint32_t i = 0; i < n; i++) toks[i] = (int32_t)(kvb_rng_u64(&rng) % m->d.n_vocab);
+            kvb_cuda_seq *s = NULL;
+            float *lg = malloc(sizeof(float) * m->d.n_vocab);
+            if (!lg || kvb_cuda_seq_create(e, &s, &err)) {
+                free(lg);
+                if (!lg) kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
+                goto fail;
+            }
+            double a = kvb_now_s();
+            kvb_status st = kvb_cuda_forward(e, s, toks, n, lg, false, &err);
+            double b = kvb_now_s();
+            kvb_cuda_seq_free(s);
+            free(lg);
+            if (st) goto fail;
+            if (r >= 0) {
+                tps[si * reps + r] = n / (b - a);
+                fprintf(stderr, "bench prefill cuda: %u tokens, run %d/%d: %.0f tok/s (%.3f s)\n", n, r + 1, reps,
+                        tps[si * reps + r], b - a);
+            }
+        }
+    }
+    double c_med = 0, c_best = 0;
+    if (kvb_cuda_gemm_bench(kvb_cuda_engine_opts(e)->device, 8192, 8192, 8192, ceiling_reps, &c_med, &c_best, &err))
+        goto fail;
+    printf("ceiling    bf16 GEMM 8192x8192x8192, cuBLAS, this run: %.1f TFLOP/s (median of %d; best %.1f)\n", c_med,
+           ceiling_reps, c_best);
+    printf("flops      2 x %.3g params (non-embedding, no output head) x n + 2 x %u layers x %u heads x %u x n^2\n",
+           (double)kvb_model_n_params_nonembd(&m->d) - (double)m->d.n_vocab * m->d.n_embd, m->d.n_layer, m->d.n_head,
+           m->d.head_dim);
+    if (peer) {
+        const cJSON *pn = cJSON_GetObjectItem(peer, "peer");
+        printf("peer       %s\n", cJSON_IsString(pn) ? pn->valuestring : peer_json);
+    }
+    printf("%8s %12s %10s %9s %12s %8s   %s\n", "tokens", "tok/s", "TFLOP/s", "%ceiling", "peer tok/s", "vs peer",
+           "runs (tok/s)");
+    out = cJSON_CreateObject();
+    cJSON *arr = cJSON_AddArrayToObject(out, "results");
+    for (int si = 0; si < n_sizes; si++) {
+        double runs[100];
+        memcpy(runs, tps + si * reps, sizeof(double) * (size_t)reps);
+        double med = median(tps + si * reps, reps);
+        double tf = prefill_flops(&m->d, (double)sizes[si]) / ((double)sizes[si] / med) / 1e12;
+        double pt = peer ? peer_tok_s(peer, sizes[si]) : -1;
+        char ps[32] = "-", pr[32] = "-";
+        if (pt > 0) {
+            snprintf(ps, sizeof ps, "%.0f", pt);
+            snprintf(pr, sizeof pr, "%.2fx", med / pt);
+        }
+        printf("%8lld %12.0f %10.1f %8.1f%% %12s %8s  ", sizes[si], med, tf, 100.0 * tf / c_med, ps, pr);
+        for (int r = 0; r < reps; r++) printf(" %.0f", runs[r]);
+        printf("\n");
+        cJSON *it = cJSON_CreateObject();
+        cJSON_AddNumberToObject(it, "tokens", (double)sizes[si]);
+        cJSON_AddNumberToObject(it, "tok_s", med);
+        cJSON_AddNumberToObject(it, "tflops", tf);
+        cJSON_AddNumberToObject(it, "ceiling_fraction", tf / c_med);
+        cJSON_AddNumberToObject(it, "peer_tok_s", pt);
+        cJSON *ra = cJSON_AddArrayToObject(it, "runs_tok_s");
+        for (int r = 0; r < reps; r++) cJSON_AddItemToArray(ra, cJSON_CreateNumber(runs[r]));
+        cJSON_AddItemToArray(arr, it);
+    }
+    kvb_cuda_stats cs;
+    kvb_cuda_engine_stats(e, &cs);
+    printf("memory     GPU in use at most %.2f GiB of %.1f (weights %.2f, KV cache %.2f, activations+tables %.2f)\n",
+           cs.dev_peak_used_bytes / 1073741824.0, cs.dev_total_bytes / 1073741824.0, cs.weight_bytes / 1073741824.0,
+           cs.kv_bytes / 1073741824.0, cs.act_bytes / 1073741824.0);
+    cJSON_AddNumberToObject(out, "ceiling_tflops", c_med);
+    cJSON_AddNumberToObject(out, "ceiling_tflops_best", c_best);
+    cJSON_AddNumberToObject(out, "peak_gpu_bytes", (double)cs.dev_peak_used_bytes);
+    cJSON_AddStringToObject(out, "model", model_path);
+    if (json_path) {
+        char *txt = cJSON_PrintUnformatted(out);
+        FILE *f = fopen(json_path, "w");
+        if (f && txt) fprintf(f, "%s\n", txt);
+        if (f) fclose(f);
+        free(txt);
+    }
+    rc = 0;
+    goto done;
+fail:
+    fprintf(stderr, "kvbridge bench: %s\n", err.msg);
+done:
+    cJSON_Delete(out);
+    cJSON_Delete(peer);
+    free(toks);
+    free(tps);
+    kvb_cuda_engine_free(e);
+    kvb_model_free(m);
+    return rc;
+}
+#endif
+
 int kvb_cmd_bench(int argc, char **argv) {
     const char *cmd = "bench", *model_path = NULL, *llama_bench = NULL, *json_path = NULL;
     if (argc < 2 || kvb_arg_is_help(argv[1])) {
@@ -95,12 +301,15 @@ int kvb_cmd_bench(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     const char *what = argv[1];
+    if (!strcmp(what, "ladder")) return kvb_bench_ladder(argc, argv);
     bool prefill = !strcmp(what, "prefill");
     if (!prefill && strcmp(what, "decode")) {
-        fprintf(stderr, "kvbridge bench: unknown benchmark '%s' (prefill or decode; see kvbridge bench --help)\n", what);
+        fprintf(stderr, "kvbridge bench: unknown benchmark '%s' (prefill, decode or ladder; see kvbridge bench --help)\n", what);
         return 2;
     }
-    long long threads = 0, n_tok = 512, n_gen = 128, n_ctx = 16, reps = 3;
+    long long threads = 0, n_tok = 512, n_gen = 128, n_ctx = 16, reps = 3, chunk = 0, ceiling_reps = 20, warmup = 1;
+    const char *tokens_arg = NULL, *peer_json = NULL;
+    bool cuda = false;
     uint32_t cache_type = KVB_TYPE_F16;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -112,7 +321,23 @@ int kvb_cmd_bench(int argc, char **argv) {
         } else if (!strcmp(a, "--threads")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1024, &threads)) return 2;
         } else if (!strcmp(a, "--tokens")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 20, &n_tok)) return 2;
+            if (!(tokens_arg = kvb_arg_value(cmd, argc, argv, &i))) return 2;
+        } else if (!strcmp(a, "--device")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
+            if (!strcmp(v, "cuda")) cuda = true;
+            else if (!strcmp(v, "cpu")) cuda = false;
+            else {
+                fprintf(stderr, "kvbridge bench: --device expects 'cpu' or 'cuda', got '%s'\n", v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--chunk")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 24, &chunk)) return 2;
+        } else if (!strcmp(a, "--ceiling-reps")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1000, &ceiling_reps)) return 2;
+        } else if (!strcmp(a, "--warmup")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 0, 100, &warmup)) return 2;
+        } else if (!strcmp(a, "--peer-json")) {
+            if (!(peer_json = kvb_arg_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--gen")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 20, &n_gen)) return 2;
         } else if (!strcmp(a, "--ctx")) {
@@ -141,6 +366,21 @@ int kvb_cmd_bench(int argc, char **argv) {
         fprintf(stderr, "kvbridge bench: -m MODEL is required (see kvbridge bench --help)\n");
         return 2;
     }
+    if (cuda) {
+        if (!prefill) {
+            fprintf(stderr, "kvbridge bench: --device cuda supports 'prefill' only for now\n");
+            return 2;
+        }
+#ifdef KVB_HAVE_CUDA
+        return bench_prefill_cuda(model_path, tokens_arg ? tokens_arg : "2048", (int)reps, (int)warmup,
+                                  (uint32_t)chunk, (int)ceiling_reps, peer_json, json_path);
+#else
+        fprintf(stderr, "kvbridge bench: --device cuda: this kvbridge was built without the CUDA engine "
+                        "(configure with -DKVB_CUDA=ON where nvcc is installed)\n");
+        return 2;
+#endif
+    }
+    if (tokens_arg && !kvb_arg_int(cmd, "--tokens", tokens_arg, 1, 1 << 20, &n_tok)) return 2;
     kvb_err err = {0};
     kvb_model *m = NULL;
     kvb_engine *e = NULL;

@@ -6,13 +6,17 @@
 
 #include "kvb_cli.h"
 #include "kvb_engine_cpu.h"
+#ifdef KVB_HAVE_CUDA
+#include "kvb_engine_cuda.h"
+#endif
 #include "kvb_quant.h"
 #include "kvb_tokenizer.h"
 
 static void help(FILE *f) {
     fprintf(f,
             "usage: kvbridge run -m MODEL (--tokens 1,2,3 | -p TEXT) [-n N] [options]\n\n"
-            "Runs the model on this machine's CPU: prefills the prompt, then generates N tokens.\n\n"
+            "Runs the model on this machine's CPU (or GPU with --device cuda): prefills the prompt, then\n"
+            "generates N tokens.\n\n"
             "  -m, --model FILE     GGUF model (llama, qwen2, qwen3; F32/F16/BF16/Q8_0/Q4_0)\n"
             "  --tokens LIST        prompt as comma-separated token ids\n"
             "  -p, --prompt TEXT    prompt as text (tokenized with the model's own vocabulary)\n"
@@ -24,11 +28,38 @@ static void help(FILE *f) {
             "  --top-k K            keep the K most likely tokens (default 40; 0 = off)\n"
             "  --top-p P            nucleus sampling threshold (default 0.95; 1 = off)\n"
             "  --threads T          CPU threads (default: all)\n"
+            "  --device cpu|cuda    where the model runs (default cpu; cuda: bf16 weights and KV cache)\n"
             "  --cache-type T       KV cache dtype: f16 (default), f32, bf16, q8_0\n"
             "  --ctx N              context limit in tokens (default: min(training context, 8192))\n"
             "  --ignore-eos         keep generating past end-of-generation tokens\n"
             "  --output text|ids    print decoded text (default) or the generated ids on one line\n"
             "  --verbose            print timings to stderr\n");
+}
+
+/* The engine a run uses: the CPU engine, or (--device cuda) the CUDA engine. */
+typedef struct {
+    kvb_engine *e;
+    kvb_seq *s;
+#ifdef KVB_HAVE_CUDA
+    kvb_cuda_engine *ge;
+    kvb_cuda_seq *gs;
+#endif
+} run_engine;
+
+static kvb_status re_forward(run_engine *r, const int32_t *t, uint32_t n, float *logits, kvb_err *err) {
+#ifdef KVB_HAVE_CUDA
+    if (r->ge) return kvb_cuda_forward(r->ge, r->gs, t, n, logits, false, err);
+#endif
+    return kvb_engine_forward(r->e, r->s, t, n, logits, false, err);
+}
+
+static void re_free(run_engine *r) {
+#ifdef KVB_HAVE_CUDA
+    kvb_cuda_seq_free(r->gs);
+    kvb_cuda_engine_free(r->ge);
+#endif
+    kvb_seq_free(r->s);
+    kvb_engine_free(r->e);
 }
 
 /* Parses "1,2,3" into a malloc'd array. */
@@ -68,7 +99,7 @@ static bool parse_ids(const char *s, int32_t **out, uint32_t *n) {
 int kvb_cmd_run(int argc, char **argv) {
     const char *cmd = "run", *model_path = NULL, *tokens_arg = NULL, *prompt = NULL, *tmpl_name = NULL;
     long long n_gen = 32, threads = 0, ctx = 0;
-    bool ids_out = false, ignore_eos = false, verbose = false, chat = false;
+    bool ids_out = false, ignore_eos = false, verbose = false, chat = false, cuda = false;
     kvb_sampler_opts so = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .seed = 0};
     uint32_t cache_type = KVB_TYPE_F16;
     for (int i = 1; i < argc; i++) {
@@ -115,6 +146,21 @@ int kvb_cmd_run(int argc, char **argv) {
                 return 2;
             }
             cache_type = t;
+        } else if (!strcmp(a, "--device")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
+            if (!strcmp(v, "cuda")) cuda = true;
+            else if (!strcmp(v, "cpu")) cuda = false;
+            else {
+                fprintf(stderr, "kvbridge run: --device expects 'cpu' or 'cuda', got '%s'\n", v);
+                return 2;
+            }
+#ifndef KVB_HAVE_CUDA
+            if (cuda) {
+                fprintf(stderr, "kvbridge run: --device cuda: this kvbridge was built without the CUDA engine "
+                                "(configure with -DKVB_CUDA=ON where nvcc is installed)\n");
+                return 2;
+            }
+#endif
         } else if (!strcmp(a, "--ignore-eos")) {
             ignore_eos = true;
         } else if (!strcmp(a, "--verbose") || !strcmp(a, "-v")) {
@@ -140,8 +186,7 @@ int kvb_cmd_run(int argc, char **argv) {
     int rc = 1;
     kvb_err err = {0};
     kvb_model *m = NULL;
-    kvb_engine *e = NULL;
-    kvb_seq *s = NULL;
+    run_engine re = {0};
     kvb_tokenizer *tok = NULL;
     int32_t *ids = NULL, *out_ids = NULL;
     float *logits = NULL;
@@ -209,8 +254,18 @@ int kvb_cmd_run(int argc, char **argv) {
         rc = 2;
         goto done;
     }
-    if (kvb_engine_create(m, &eo, &e, &err) != KVB_OK) goto fail;
-    if (kvb_seq_create(e, &s, &err) != KVB_OK) goto fail;
+#ifdef KVB_HAVE_CUDA
+    if (cuda) {
+        kvb_cuda_opts co = {.max_ctx = eo.max_ctx, .n_threads = (int)threads};
+        if (kvb_cuda_engine_create(m, &co, &re.ge, &err) != KVB_OK) goto fail;
+        if (kvb_cuda_seq_create(re.ge, &re.gs, &err) != KVB_OK) goto fail;
+    } else
+#endif
+    {
+        (void)cuda;
+        if (kvb_engine_create(m, &eo, &re.e, &err) != KVB_OK) goto fail;
+        if (kvb_seq_create(re.e, &re.s, &err) != KVB_OK) goto fail;
+    }
     if (kvb_sampler_init(&smp, &so, m->d.n_vocab, &err) != KVB_OK) goto fail;
     logits = malloc(sizeof(float) * m->d.n_vocab);
     out_ids = malloc(sizeof(int32_t) * (size_t)(n_gen + 1));
@@ -221,12 +276,19 @@ int kvb_cmd_run(int argc, char **argv) {
     if (verbose) {
         char desc[256];
         kvb_model_describe(m, desc, sizeof desc);
-        fprintf(stderr, "run: %s; %d threads, %s kernels, prompt %u tokens\n", desc, kvb_engine_threads(e),
-                kvb_simd_name(), n_ids);
+#ifdef KVB_HAVE_CUDA
+        if (re.ge) {
+            char gd[512];
+            kvb_cuda_engine_describe(re.ge, gd, sizeof gd);
+            fprintf(stderr, "run: %s; CUDA: %s; prompt %u tokens\n", desc, gd, n_ids);
+        } else
+#endif
+            fprintf(stderr, "run: %s; %d threads, %s kernels, prompt %u tokens\n", desc, kvb_engine_threads(re.e),
+                    kvb_simd_name(), n_ids);
     }
 
     double t0 = kvb_now_s();
-    if (kvb_engine_forward(e, s, ids, n_ids, logits, false, &err) != KVB_OK) goto fail;
+    if (re_forward(&re, ids, n_ids, logits, &err) != KVB_OK) goto fail;
     double t1 = kvb_now_s();
     kvb_detok dt;
     if (tok) kvb_detok_init(&dt, tok);
@@ -241,7 +303,7 @@ int kvb_cmd_run(int argc, char **argv) {
             fflush(stdout);
         }
         if (!ignore_eos && tok && kvb_tokenizer_is_eog(tok, id)) break;
-        if (i + 1 < n_gen && kvb_engine_forward(e, s, &id, 1, logits, false, &err) != KVB_OK) goto fail;
+        if (i + 1 < n_gen && re_forward(&re, &id, 1, logits, &err) != KVB_OK) goto fail;
     }
     double t2 = kvb_now_s();
     if (ids_out) {
@@ -266,8 +328,7 @@ done:
     free(out_ids);
     free(ids);
     free(rendered);
-    kvb_seq_free(s);
-    kvb_engine_free(e);
+    re_free(&re);
     kvb_tokenizer_free(tok);
     kvb_model_free(m);
     return rc;

@@ -85,7 +85,8 @@ typedef struct {
     uint32_t n_blocks, free_blocks, cached_blocks; /* cached: indexed blocks no sequence holds */
     uint64_t prefix_hit_tokens; /* tokens adopted from the cache by attach_cached, in total */
     double last_forward_s;   /* wall time of the last kvb_cuda_forward */
-    double last_enqueue_s;   /* of which the host spent enqueueing work before it waited */
+    double last_enqueue_s;   /* of which the host spent enqueueing (close to last_forward_s when
+                                the GPU is the bottleneck: the launch queue fills and blocks) */
 } kvb_cuda_stats;
 void kvb_cuda_engine_stats(kvb_cuda_engine *e, kvb_cuda_stats *out);
 
@@ -141,7 +142,8 @@ kvb_status kvb_cuda_test_qkv_post(const kvb_cuda_test_qkv_args *a, kvb_err *err)
 
 /* out (n, H*D) bf16 = causal attention of q (n, H*D) bf16 at positions pos0 .. pos0+n-1 over the
  * cache's K/V of `layer` for positions 0 .. pos0+n-1; scale 1/sqrt(D); GQA head h -> h/(H/Hkv).
- * variant 0: the engine's choice (tensor-core kernel for D = 64 or 128), 1: the generic kernel. */
+ * variant 0: the engine's choice (tensor-core kernel for D = 64 or 128), 1: the generic kernel,
+ * 2 / 3: the tensor-core kernel with 64 / 128 query rows per CTA. */
 kvb_status kvb_cuda_test_attention(const uint16_t *q, uint32_t n, uint32_t H, uint32_t pos0, uint32_t layer,
                                    const kvb_cuda_test_cache *cache, int variant, uint16_t *out, kvb_err *err);
 

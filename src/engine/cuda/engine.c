@@ -1,0 +1,902 @@
+/* engine/cuda/engine.c — the CUDA engine's host side: device checks, weights converted to bf16 and
+ * uploaded (fused Q|K|V and gate|up matrices), the RoPE table (kvb_rope_table, computed once on
+ * the host for every position up to max_ctx), the GPU block pool with its host bookkeeping
+ * (free list, refcounts, chain-key index, LRU of cached blocks nobody holds), sequences, and the
+ * forward pass: per chunk of at most max_batch tokens, per layer
+ *   rmsnorm -> GEMM Q|K|V (f32) -> qkv_post (bias, q/k-norm, RoPE, q out, K/V into the cache)
+ *   -> flash attention over the cache -> GEMM O (x += , f32) -> rmsnorm -> GEMM gate|up (bf16)
+ *   -> SwiGLU -> GEMM down (x +=, f32);
+ * then the final norm and the output head for the rows whose logits are wanted. Everything is
+ * queued on one stream; the host waits once, when the logits are copied back. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_internal.h"
+#include "kvb_quant.h"
+#include "kvb_store.h"
+
+#define BLK_NONE UINT32_MAX
+
+kvb_status kvb_cu_fail(kvb_err *err, cudaError_t e, const char *what, const char *file, int line) {
+    const char *base = strrchr(file, '/');
+    return kvb_err_set(err, e == cudaErrorMemoryAllocation ? KVB_ERR_NOMEM : KVB_ERR_INTERNAL,
+                       "CUDA: %s failed: %s (%s) at %s:%d", what, cudaGetErrorName(e), cudaGetErrorString(e),
+                       base ? base + 1 : file, line);
+}
+
+kvb_status kvb_cublas_fail(kvb_err *err, cublasStatus_t s, const char *what, const char *file, int line) {
+    const char *base = strrchr(file, '/');
+    return kvb_err_set(err, s == CUBLAS_STATUS_ALLOC_FAILED ? KVB_ERR_NOMEM : KVB_ERR_INTERNAL,
+                       "cuBLAS: %s failed: %s at %s:%d", what, cublasGetStatusString(s), base ? base + 1 : file, line);
+}
+
+kvb_status kvb_cu_gemm(cublasHandle_t h, const void *W, int rows, int cols, const void *X, int n, float beta, void *Y,
+                       bool y_bf16, kvb_err *err) {
+    const float alpha = 1.0f;
+    cublasStatus_t s = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, W, CUDA_R_16BF, cols, X,
+                                    CUDA_R_16BF, cols, &beta, Y, y_bf16 ? CUDA_R_16BF : CUDA_R_32F, rows,
+                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        char what[96];
+        snprintf(what, sizeof what, "cublasGemmEx(%d x %d x %d)", rows, n, cols);
+        return kvb_cublas_fail(err, s, what, __FILE__, __LINE__);
+    }
+    return KVB_OK;
+}
+
+bool kvb_cuda_device_available(char *why, size_t cap) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) {
+        if (why && cap)
+            snprintf(why, cap, "no CUDA device: %s", e != cudaSuccess ? cudaGetErrorString(e) : "none found");
+        cudaGetLastError(); /* clear */
+        return false;
+    }
+    if (why && cap) why[0] = 0;
+    return true;
+}
+
+/* ---- block bookkeeping (host) -------------------------------------------------------------- */
+
+typedef struct {
+    uint32_t n;
+    uint32_t *free_ids, n_free;
+    uint32_t *refs;
+    uint8_t *indexed;
+    uint64_t *key, *parent;
+    uint32_t *prev, *next; /* LRU list of indexed blocks with refs == 0; head = oldest */
+    uint32_t lru_head, lru_tail, n_lru;
+    uint64_t *ht_key;      /* open addressing, linear probing; ht_val == BLK_NONE marks empty */
+    uint32_t *ht_val, ht_mask;
+} blockmgr;
+
+static void bm_free(blockmgr *b) {
+    free(b->free_ids);
+    free(b->refs);
+    free(b->indexed);
+    free(b->key);
+    free(b->parent);
+    free(b->prev);
+    free(b->next);
+    free(b->ht_key);
+    free(b->ht_val);
+    memset(b, 0, sizeof *b);
+}
+
+static kvb_status bm_init(blockmgr *b, uint32_t n, kvb_err *err) {
+    memset(b, 0, sizeof *b);
+    uint32_t cap = 16;
+    while (cap < 2 * (uint64_t)n) cap *= 2;
+    b->n = n;
+    b->free_ids = malloc(sizeof(uint32_t) * n);
+    b->refs = calloc(n, sizeof(uint32_t));
+    b->indexed = calloc(n, 1);
+    b->key = calloc(n, sizeof(uint64_t));
+    b->parent = calloc(n, sizeof(uint64_t));
+    b->prev = malloc(sizeof(uint32_t) * n);
+    b->next = malloc(sizeof(uint32_t) * n);
+    b->ht_key = calloc(cap, sizeof(uint64_t));
+    b->ht_val = malloc(sizeof(uint32_t) * cap);
+    if (!b->free_ids || !b->refs || !b->indexed || !b->key || !b->parent || !b->prev || !b->next || !b->ht_key ||
+        !b->ht_val) {
+        bm_free(b);
+        return kvb_err_set(err, KVB_ERR_NOMEM, "out of host memory for the bookkeeping of %u cache blocks", n);
+    }
+    for (uint32_t i = 0; i < n; i++) b->free_ids[i] = n - 1 - i;
+    b->n_free = n;
+    for (uint32_t i = 0; i < cap; i++) b->ht_val[i] = BLK_NONE;
+    b->ht_mask = cap - 1;
+    b->lru_head = b->lru_tail = BLK_NONE;
+    return KVB_OK;
+}
+
+static uint32_t ht_home(const blockmgr *b, uint64_t key) { return (uint32_t)(key ^ (key >> 29)) & b->ht_mask; }
+
+static uint32_t ht_find_slot(const blockmgr *b, uint64_t key) {
+    for (uint32_t i = ht_home(b, key);; i = (i + 1) & b->ht_mask) {
+        if (b->ht_val[i] == BLK_NONE) return BLK_NONE;
+        if (b->ht_key[i] == key) return i;
+    }
+}
+
+static void ht_insert(blockmgr *b, uint64_t key, uint32_t val) {
+    uint32_t i = ht_home(b, key);
+    while (b->ht_val[i] != BLK_NONE) i = (i + 1) & b->ht_mask;
+    b->ht_key[i] = key;
+    b->ht_val[i] = val;
+}
+
+static void ht_remove(blockmgr *b, uint64_t key) {
+    uint32_t i = ht_find_slot(b, key);
+    if (i == BLK_NONE) return;
+    /* backward-shift deletion keeps every probe chain unbroken */
+    for (uint32_t j = (i + 1) & b->ht_mask; b->ht_val[j] != BLK_NONE; j = (j + 1) & b->ht_mask) {
+        uint32_t k = ht_home(b, b->ht_key[j]);
+        bool move = (i <= j) ? (k <= i || k > j) : (k <= i && k > j);
+        if (move) {
+            b->ht_key[i] = b->ht_key[j];
+            b->ht_val[i] = b->ht_val[j];
+            i = j;
+        }
+    }
+    b->ht_val[i] = BLK_NONE;
+}
+
+static void lru_unlink(blockmgr *b, uint32_t id) {
+    uint32_t p = b->prev[id], n = b->next[id];
+    if (p != BLK_NONE) b->next[p] = n;
+    else b->lru_head = n;
+    if (n != BLK_NONE) b->prev[n] = p;
+    else b->lru_tail = p;
+    b->n_lru--;
+}
+
+static void lru_push(blockmgr *b, uint32_t id) {
+    b->prev[id] = b->lru_tail;
+    b->next[id] = BLK_NONE;
+    if (b->lru_tail != BLK_NONE) b->next[b->lru_tail] = id;
+    else b->lru_head = id;
+    b->lru_tail = id;
+    b->n_lru++;
+}
+
+/* n blocks, all or nothing: free ones first, then the least recently used cached ones. */
+static kvb_status bm_alloc(blockmgr *b, uint32_t n, uint32_t *ids, kvb_err *err) {
+    if ((uint64_t)b->n_free + b->n_lru < n)
+        return kvb_err_set(err, KVB_ERR_RANGE,
+                           "GPU KV cache is full: %u blocks needed, %u free and %u cached blocks can be reused (of "
+                           "%u); raise n_blocks or free sequences",
+                           n, b->n_free, b->n_lru, b->n);
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t id;
+        if (b->n_free) id = b->free_ids[--b->n_free];
+        else {
+            id = b->lru_head;
+            lru_unlink(b, id);
+            ht_remove(b, b->key[id]);
+            b->indexed[id] = 0;
+        }
+        b->refs[id] = 1;
+        ids[i] = id;
+    }
+    return KVB_OK;
+}
+
+static void bm_release(blockmgr *b, uint32_t id) {
+    if (id >= b->n || b->refs[id] == 0) return;
+    if (--b->refs[id]) return;
+    if (b->indexed[id]) lru_push(b, id);
+    else b->free_ids[b->n_free++] = id;
+}
+
+static uint32_t bm_lookup(blockmgr *b, uint64_t key, uint64_t parent) {
+    uint32_t slot = ht_find_slot(b, key);
+    if (slot == BLK_NONE) return BLK_NONE;
+    uint32_t id = b->ht_val[slot];
+    return b->parent[id] == parent ? id : BLK_NONE;
+}
+
+static void bm_retain(blockmgr *b, uint32_t id) {
+    if (b->refs[id]++ == 0 && b->indexed[id]) lru_unlink(b, id);
+}
+
+/* Indexes a filled block the caller holds; false when the key is already indexed (the caller's
+ * block stays private and returns to the free list when released). */
+static bool bm_publish(blockmgr *b, uint32_t id, uint64_t key, uint64_t parent) {
+    if (b->indexed[id] || ht_find_slot(b, key) != BLK_NONE) return false;
+    ht_insert(b, key, id);
+    b->indexed[id] = 1;
+    b->key[id] = key;
+    b->parent[id] = parent;
+    return true;
+}
+
+/* ---- engine --------------------------------------------------------------------------------- */
+
+typedef struct {
+    void *w_qkv, *w_o, *w_gu, *w_down; /* bf16 */
+    float *attn_norm, *ffn_norm, *b_qkv, *q_norm, *k_norm;
+} cu_layer;
+
+struct kvb_cuda_engine {
+    const kvb_model *m;
+    kvb_cuda_opts o;
+    kvb_kvformat fmt;
+    int bt_shift;
+    char dev_name[256];
+    int n_sm, cc_major, cc_minor;
+    size_t dev_total;
+    cudaStream_t st;
+    cublasHandle_t cublas;
+    void *cublas_ws;
+    /* weights */
+    void *tok_embd, *output;
+    bool output_shared;
+    float *output_norm;
+    cu_layer *L;
+    float *rope_cos, *rope_sin; /* (max_ctx, n_rot/2) */
+    /* cache */
+    uint8_t *kv_pool;
+    size_t block_bytes;
+    blockmgr bm;
+    uint64_t chain_root;
+    /* activations */
+    float *x, *qkv, *logits_d;
+    void *h, *q, *att, *gu, *act;
+    int32_t *d_tok;
+    uint32_t logit_rows;
+    /* accounting */
+    size_t weight_bytes, kv_bytes, act_bytes, peak_used;
+    uint64_t prefix_hit_tokens;
+    double last_forward_s, last_enqueue_s;
+};
+
+struct kvb_cuda_seq {
+    kvb_cuda_engine *e;
+    uint32_t len;
+    uint32_t *blocks; /* host block table (cap entries) */
+    uint32_t n_blocks, n_dev_blocks, cap;
+    int32_t *d_blocks; /* device copy */
+    int32_t *tokens;   /* host: every token in the sequence */
+    uint32_t tok_cap;
+    uint64_t *keys;    /* chain key of each full block */
+    uint32_t n_keyed;
+};
+
+static kvb_status dev_alloc(kvb_cuda_engine *e, void **p, size_t bytes, size_t *acct, const char *what,
+                            kvb_err *err) {
+    (void)e;
+    *p = NULL;
+    if (bytes == 0) bytes = 16;
+    cudaError_t ce = cudaMalloc(p, bytes);
+    if (ce != cudaSuccess) {
+        *p = NULL;
+        cudaGetLastError();
+        size_t fr = 0, tot = 0;
+        cudaMemGetInfo(&fr, &tot);
+        return kvb_err_set(err, KVB_ERR_NOMEM, "GPU memory: cannot allocate %.3f GiB for %s (%.3f GiB free of %.3f): %s",
+                           bytes / 1073741824.0, what, fr / 1073741824.0, tot / 1073741824.0, cudaGetErrorString(ce));
+    }
+    if (acct) *acct += bytes;
+    return KVB_OK;
+}
+
+/* ---- weight upload ------------------------------------------------------------------------------ */
+
+typedef struct {
+    const kvb_mat *w;
+    int64_t r0;
+    uint16_t *stage;
+    float **tmp; /* per worker (cols floats) */
+} conv_job;
+
+static void conv_task(void *ctx, int task, int worker) {
+    const conv_job *j = ctx;
+    const kvb_mat *w = j->w;
+    const int64_t r = j->r0 + task;
+    float *t = j->tmp[worker];
+    kvb_row_to_f32(w->type, (const uint8_t *)w->data + (size_t)r * w->row_bytes, t, w->cols);
+    uint16_t *dst = j->stage + (size_t)task * w->cols;
+    for (int64_t i = 0; i < w->cols; i++) dst[i] = kvb_f32_to_bf16(t[i]);
+}
+
+typedef struct {
+    kvb_pool *pool;
+    uint16_t *stage; /* pinned or plain host staging */
+    size_t stage_elems;
+    float **tmp;
+    int n_tmp;
+} uploader;
+
+/* Writes W as bf16 rows at dst (device). */
+static kvb_status upload_mat(uploader *u, const kvb_mat *w, void *dst, const char *name, kvb_err *err) {
+    const kvb_type_info *ti = kvb_type_get(w->type);
+    if (!ti || !ti->supported)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: weight type %s cannot be converted for the GPU", name,
+                           kvb_type_name(w->type));
+    if (w->type == KVB_TYPE_BF16 && w->row_bytes == (size_t)w->cols * 2) {
+        KVB_CU(cudaMemcpy(dst, w->data, (size_t)w->rows * w->row_bytes, cudaMemcpyHostToDevice));
+        return KVB_OK;
+    }
+    int64_t rows_per = (int64_t)(u->stage_elems / (size_t)w->cols);
+    if (rows_per < 1) return kvb_err_set(err, KVB_ERR_INTERNAL, "%s: staging buffer too small", name);
+    for (int64_t r0 = 0; r0 < w->rows; r0 += rows_per) {
+        int64_t nr = w->rows - r0 < rows_per ? w->rows - r0 : rows_per;
+        conv_job j = {w, r0, u->stage, u->tmp};
+        kvb_pool_parallel_for(u->pool, (int)nr, conv_task, &j);
+        KVB_CU(cudaMemcpy((uint16_t *)dst + (size_t)r0 * w->cols, u->stage, (size_t)nr * w->cols * 2,
+                          cudaMemcpyHostToDevice));
+    }
+    return KVB_OK;
+}
+
+static kvb_status upload_f32(const float *src, size_t n, float **dst, size_t *acct, const char *what, kvb_err *err) {
+    kvb_status st = dev_alloc(NULL, (void **)dst, n * sizeof(float), acct, what, err);
+    if (st) return st;
+    KVB_CU(cudaMemcpy(*dst, src, n * sizeof(float), cudaMemcpyHostToDevice));
+    return KVB_OK;
+}
+
+typedef struct {
+    const double *inv;
+    uint32_t n_rot, max_ctx, per;
+    float *cs, *sn;
+} rope_job;
+
+static void rope_task(void *ctx, int task, int worker) {
+    (void)worker;
+    const rope_job *j = ctx;
+    uint32_t p0 = (uint32_t)task * j->per, np = j->max_ctx - p0 < j->per ? j->max_ctx - p0 : j->per;
+    size_t off = (size_t)p0 * (j->n_rot / 2);
+    kvb_rope_table(j->inv, j->n_rot, p0, np, j->cs + off, j->sn + off);
+}
+
+static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *err) {
+    const kvb_model *m = e->m;
+    const kvb_model_desc *d = &m->d;
+    const size_t E = d->n_embd, D = d->head_dim, Q = (size_t)d->n_head * D, KV = (size_t)d->n_head_kv * D;
+    const size_t FF = d->n_ff, S = Q + 2 * KV;
+    kvb_status st = KVB_OK;
+    uploader u = {pool, NULL, (size_t)32 << 20, NULL, kvb_pool_size(pool)};
+    size_t max_cols = E > Q ? E : Q;
+    if (FF > max_cols) max_cols = FF;
+    u.stage = malloc(u.stage_elems * sizeof(uint16_t));
+    u.tmp = calloc((size_t)u.n_tmp, sizeof(float *));
+    if (!u.stage || !u.tmp) {
+        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of host memory for weight conversion");
+        goto done;
+    }
+    for (int i = 0; i < u.n_tmp; i++)
+        if (!(u.tmp[i] = malloc(max_cols * sizeof(float)))) {
+            st = kvb_err_set(err, KVB_ERR_NOMEM, "out of host memory for weight conversion");
+            goto done;
+        }
+
+    if ((st = dev_alloc(e, &e->tok_embd, (size_t)d->n_vocab * E * 2, &e->weight_bytes, "token embeddings", err)) ||
+        (st = upload_mat(&u, &m->tok_embd, e->tok_embd, "token_embd", err)))
+        goto done;
+    e->output_shared = m->output.data == m->tok_embd.data && m->output.type == m->tok_embd.type;
+    if (e->output_shared) e->output = e->tok_embd;
+    else if ((st = dev_alloc(e, &e->output, (size_t)d->n_vocab * E * 2, &e->weight_bytes, "output head", err)) ||
+             (st = upload_mat(&u, &m->output, e->output, "output", err)))
+        goto done;
+    if ((st = upload_f32(m->output_norm, E, &e->output_norm, &e->weight_bytes, "output norm", err))) goto done;
+
+    e->L = calloc(d->n_layer, sizeof(cu_layer));
+    if (!e->L) {
+        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+        goto done;
+    }
+    float *bias = NULL;
+    for (uint32_t l = 0; l < d->n_layer && !st; l++) {
+        const kvb_layer_weights *w = &m->layers[l];
+        cu_layer *L = &e->L[l];
+        char nm[64];
+        snprintf(nm, sizeof nm, "layer %u weights", l);
+        if ((st = dev_alloc(e, &L->w_qkv, S * E * 2, &e->weight_bytes, nm, err)) ||
+            (st = dev_alloc(e, &L->w_o, E * Q * 2, &e->weight_bytes, nm, err)) ||
+            (st = dev_alloc(e, &L->w_gu, 2 * FF * E * 2, &e->weight_bytes, nm, err)) ||
+            (st = dev_alloc(e, &L->w_down, E * FF * 2, &e->weight_bytes, nm, err)))
+            break;
+        if ((st = upload_mat(&u, &w->wq, L->w_qkv, "attn_q", err)) ||
+            (st = upload_mat(&u, &w->wk, (uint16_t *)L->w_qkv + Q * E, "attn_k", err)) ||
+            (st = upload_mat(&u, &w->wv, (uint16_t *)L->w_qkv + (Q + KV) * E, "attn_v", err)) ||
+            (st = upload_mat(&u, &w->wo, L->w_o, "attn_output", err)) ||
+            (st = upload_mat(&u, &w->w_gate, L->w_gu, "ffn_gate", err)) ||
+            (st = upload_mat(&u, &w->w_up, (uint16_t *)L->w_gu + FF * E, "ffn_up", err)) ||
+            (st = upload_mat(&u, &w->w_down, L->w_down, "ffn_down", err)))
+            break;
+        if ((st = upload_f32(w->attn_norm, E, &L->attn_norm, &e->weight_bytes, "attn_norm", err)) ||
+            (st = upload_f32(w->ffn_norm, E, &L->ffn_norm, &e->weight_bytes, "ffn_norm", err)))
+            break;
+        if (w->bq || w->bk || w->bv) {
+            if (!bias && !(bias = calloc(S, sizeof(float)))) {
+                st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+                break;
+            }
+            memset(bias, 0, S * sizeof(float));
+            if (w->bq) memcpy(bias, w->bq, Q * sizeof(float));
+            if (w->bk) memcpy(bias + Q, w->bk, KV * sizeof(float));
+            if (w->bv) memcpy(bias + Q + KV, w->bv, KV * sizeof(float));
+            if ((st = upload_f32(bias, S, &L->b_qkv, &e->weight_bytes, "qkv bias", err))) break;
+        }
+        if (w->q_norm && (st = upload_f32(w->q_norm, D, &L->q_norm, &e->weight_bytes, "q_norm", err))) break;
+        if (w->k_norm && (st = upload_f32(w->k_norm, D, &L->k_norm, &e->weight_bytes, "k_norm", err))) break;
+    }
+    free(bias);
+done:
+    if (u.tmp)
+        for (int i = 0; i < u.n_tmp; i++) free(u.tmp[i]);
+    free(u.tmp);
+    free(u.stage);
+    return st;
+}
+
+static kvb_status upload_rope(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *err) {
+    const kvb_model_desc *d = &e->m->d;
+    const uint32_t half = d->n_rot / 2, max_ctx = e->o.max_ctx;
+    const size_t n = (size_t)max_ctx * (half ? half : 1);
+    kvb_status st = KVB_OK;
+    double *inv = malloc(sizeof(double) * (half ? half : 1));
+    float *cs = malloc(n * sizeof(float)), *sn = malloc(n * sizeof(float));
+    if (!inv || !cs || !sn) {
+        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of host memory for the RoPE table (%u positions)", max_ctx);
+        goto done;
+    }
+    if (half) {
+        kvb_rope_inv_freq(e->m, inv);
+        rope_job j = {inv, d->n_rot, max_ctx, 1024, cs, sn};
+        kvb_pool_parallel_for(pool, (int)((max_ctx + 1023) / 1024), rope_task, &j);
+    } else {
+        memset(cs, 0, n * sizeof(float));
+        memset(sn, 0, n * sizeof(float));
+    }
+    if ((st = upload_f32(cs, n, &e->rope_cos, &e->act_bytes, "RoPE cos table", err)) ||
+        (st = upload_f32(sn, n, &e->rope_sin, &e->act_bytes, "RoPE sin table", err)))
+        goto done;
+done:
+    free(inv);
+    free(cs);
+    free(sn);
+    return st;
+}
+
+kvb_status kvb_cuda_engine_create(const kvb_model *m, const kvb_cuda_opts *opts, kvb_cuda_engine **out, kvb_err *err) {
+    *out = NULL;
+    char why[256];
+    if (!kvb_cuda_device_available(why, sizeof why)) return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s", why);
+    kvb_cuda_engine *e = calloc(1, sizeof *e);
+    if (!e) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory creating the CUDA engine");
+    e->m = m;
+    e->o = opts ? *opts : (kvb_cuda_opts){0};
+    kvb_cuda_opts *o = &e->o;
+    const kvb_model_desc *d = &m->d;
+    kvb_status st = KVB_OK;
+    kvb_pool *pool = NULL;
+
+    if (!o->block_tokens) o->block_tokens = 64;
+    if (!o->max_ctx) o->max_ctx = d->n_ctx_train < 8192 ? d->n_ctx_train : 8192;
+    if (!o->max_batch) o->max_batch = 8192;
+    if (o->max_batch > o->max_ctx) o->max_batch = o->max_ctx;
+    if (o->block_tokens < 16 || o->block_tokens > 1024 || (o->block_tokens & (o->block_tokens - 1))) {
+        st = kvb_err_set(err, KVB_ERR_INVALID, "block_tokens must be a power of two in [16, 1024], got %u",
+                         o->block_tokens);
+        goto fail;
+    }
+    while ((1u << e->bt_shift) < o->block_tokens) e->bt_shift++;
+    if (!o->n_blocks) o->n_blocks = (o->max_ctx + o->block_tokens - 1) / o->block_tokens;
+    if (d->head_dim > 256 || d->head_dim % 8 || d->n_head % d->n_head_kv || d->n_rot > d->head_dim ||
+        d->n_ff % 2 || d->n_embd % 8) {
+        st = kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                         "the CUDA engine needs head_dim <= 256 and a multiple of 8, n_ff even, n_embd a multiple "
+                         "of 8 (model: head_dim %u, n_ff %u, n_embd %u)",
+                         d->head_dim, d->n_ff, d->n_embd);
+        goto fail;
+    }
+    if ((st = kvb_kvformat_init(&e->fmt, KVB_TYPE_BF16, o->block_tokens, d->n_layer, d->n_head_kv, d->head_dim,
+                                err)))
+        goto fail;
+    e->block_bytes = kvb_kvformat_block_bytes(&e->fmt);
+
+    KVB_CU_GOTO(cudaSetDevice(o->device));
+    struct cudaDeviceProp prop;
+    KVB_CU_GOTO(cudaGetDeviceProperties(&prop, o->device));
+    snprintf(e->dev_name, sizeof e->dev_name, "%s", prop.name);
+    e->n_sm = prop.multiProcessorCount;
+    e->cc_major = prop.major;
+    e->cc_minor = prop.minor;
+    e->dev_total = prop.totalGlobalMem;
+    if (prop.major != 9) {
+        st = kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                         "%s has compute capability %d.%d; this build carries GPU code for sm_90 (Hopper) only",
+                         prop.name, prop.major, prop.minor);
+        goto fail;
+    }
+    KVB_CU_GOTO(cudaStreamCreateWithFlags(&e->st, cudaStreamNonBlocking));
+    {
+        cublasStatus_t cs = cublasCreate(&e->cublas);
+        if (cs != CUBLAS_STATUS_SUCCESS) {
+            e->cublas = NULL;
+            st = kvb_cublas_fail(err, cs, "cublasCreate", __FILE__, __LINE__);
+            goto fail;
+        }
+        const size_t ws = (size_t)32 << 20;
+        if ((st = dev_alloc(e, &e->cublas_ws, ws, &e->act_bytes, "cuBLAS workspace", err))) goto fail;
+        if ((cs = cublasSetStream(e->cublas, e->st)) != CUBLAS_STATUS_SUCCESS ||
+            (cs = cublasSetWorkspace(e->cublas, e->cublas_ws, ws)) != CUBLAS_STATUS_SUCCESS) {
+            st = kvb_cublas_fail(err, cs, "cublasSetStream/cublasSetWorkspace", __FILE__, __LINE__);
+            goto fail;
+        }
+    }
+    KVB_CU_GOTO(kvb_cu_attention_init());
+
+    if ((st = kvb_pool_create(o->n_threads > 0 ? o->n_threads : kvb_cpu_count(), &pool, err))) goto fail;
+    if ((st = upload_weights(e, pool, err))) goto fail;
+    if ((st = upload_rope(e, pool, err))) goto fail;
+
+    {
+        uint64_t kvb;
+        if (kvb_mul_overflow_u64(e->block_bytes, o->n_blocks, &kvb)) {
+            st = kvb_err_set(err, KVB_ERR_RANGE, "KV cache of %u blocks is too large", o->n_blocks);
+            goto fail;
+        }
+        if ((st = dev_alloc(e, (void **)&e->kv_pool, kvb, &e->kv_bytes, "the KV cache", err))) goto fail;
+        if ((st = bm_init(&e->bm, o->n_blocks, err))) goto fail;
+        e->chain_root = kvb_chain_root(m->fingerprint, kvb_kvformat_fingerprint(&e->fmt));
+    }
+    {
+        const size_t B = o->max_batch, E = d->n_embd, D = d->head_dim, Q = (size_t)d->n_head * D;
+        const size_t S = Q + 2 * (size_t)d->n_head_kv * D, FF = d->n_ff;
+        e->logit_rows = o->max_batch < 64 ? o->max_batch : 64;
+        if ((st = dev_alloc(e, (void **)&e->x, B * E * 4, &e->act_bytes, "activations", err)) ||
+            (st = dev_alloc(e, &e->h, B * E * 2, &e->act_bytes, "activations", err)) ||
+            (st = dev_alloc(e, (void **)&e->qkv, B * S * 4, &e->act_bytes, "activations", err)) ||
+            (st = dev_alloc(e, &e->q, B * Q * 2, &e->act_bytes, "activations", err)) ||
+            (st = dev_alloc(e, &e->att, B * Q * 2, &e->act_bytes, "activations", err)) ||
+            (st = dev_alloc(e, &e->gu, B * 2 * FF * 2, &e->act_bytes, "activations", err)) ||
+            (st = dev_alloc(e, &e->act, B * FF * 2, &e->act_bytes, "activations", err)) ||
+            (st = dev_alloc(e, (void **)&e->d_tok, (size_t)o->max_ctx * 4, &e->act_bytes, "token ids", err)) ||
+            (st = dev_alloc(e, (void **)&e->logits_d, (size_t)e->logit_rows * d->n_vocab * 4, &e->act_bytes,
+                            "logits", err)))
+            goto fail;
+    }
+    KVB_CU_GOTO(cudaDeviceSynchronize());
+    kvb_pool_destroy(pool);
+    *out = e;
+    return KVB_OK;
+fail:
+    kvb_pool_destroy(pool);
+    kvb_cuda_engine_free(e);
+    return st;
+}
+
+void kvb_cuda_engine_free(kvb_cuda_engine *e) {
+    if (!e) return;
+    if (e->st) cudaStreamSynchronize(e->st);
+    if (e->L) {
+        for (uint32_t l = 0; l < e->m->d.n_layer; l++) {
+            cu_layer *L = &e->L[l];
+            void *ps[] = {L->w_qkv, L->w_o, L->w_gu, L->w_down, L->attn_norm, L->ffn_norm, L->b_qkv, L->q_norm, L->k_norm};
+            for (size_t i = 0; i < KVB_ARRAY_LEN(ps); i++) cudaFree(ps[i]);
+        }
+        free(e->L);
+    }
+    if (!e->output_shared) cudaFree(e->output);
+    void *ps[] = {e->tok_embd, e->output_norm, e->rope_cos, e->rope_sin, e->kv_pool, e->x, e->qkv, e->logits_d,
+                  e->h, e->q, e->att, e->gu, e->act, e->d_tok, e->cublas_ws};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(ps); i++) cudaFree(ps[i]);
+    if (e->cublas) cublasDestroy(e->cublas);
+    if (e->st) cudaStreamDestroy(e->st);
+    bm_free(&e->bm);
+    free(e);
+}
+
+const kvb_kvformat *kvb_cuda_engine_kvformat(const kvb_cuda_engine *e) { return &e->fmt; }
+const kvb_cuda_opts *kvb_cuda_engine_opts(const kvb_cuda_engine *e) { return &e->o; }
+
+void kvb_cuda_engine_describe(const kvb_cuda_engine *e, char *buf, size_t cap) {
+    snprintf(buf, cap,
+             "%s (sm_%d%d, %d SMs, %.1f GiB); weights %.2f GiB bf16, KV cache %.2f GiB (%u blocks of %u tokens), "
+             "activations %.2f GiB (chunks of %u tokens)",
+             e->dev_name, e->cc_major, e->cc_minor, e->n_sm, e->dev_total / 1073741824.0,
+             e->weight_bytes / 1073741824.0, e->kv_bytes / 1073741824.0, e->o.n_blocks, e->o.block_tokens,
+             e->act_bytes / 1073741824.0, e->o.max_batch);
+}
+
+void kvb_cuda_engine_stats(kvb_cuda_engine *e, kvb_cuda_stats *out) {
+    memset(out, 0, sizeof *out);
+    out->weight_bytes = e->weight_bytes;
+    out->kv_bytes = e->kv_bytes;
+    out->act_bytes = e->act_bytes;
+    size_t fr = 0, tot = 0;
+    if (cudaMemGetInfo(&fr, &tot) == cudaSuccess) {
+        out->dev_total_bytes = tot;
+        out->dev_used_bytes = tot - fr;
+    } else cudaGetLastError();
+    out->dev_peak_used_bytes = e->peak_used > out->dev_used_bytes ? e->peak_used : out->dev_used_bytes;
+    out->n_blocks = e->bm.n;
+    out->free_blocks = e->bm.n_free;
+    out->cached_blocks = e->bm.n_lru;
+    out->prefix_hit_tokens = e->prefix_hit_tokens;
+    out->last_forward_s = e->last_forward_s;
+    out->last_enqueue_s = e->last_enqueue_s;
+}
+
+/* ---- sequences -------------------------------------------------------------------------------- */
+
+kvb_status kvb_cuda_seq_create(kvb_cuda_engine *e, kvb_cuda_seq **out, kvb_err *err) {
+    *out = NULL;
+    kvb_cuda_seq *s = calloc(1, sizeof *s);
+    if (!s) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory creating a sequence");
+    s->e = e;
+    s->cap = (e->o.max_ctx + e->o.block_tokens - 1) / e->o.block_tokens;
+    s->blocks = malloc(sizeof(uint32_t) * s->cap);
+    s->keys = malloc(sizeof(uint64_t) * s->cap);
+    if (!s->blocks || !s->keys) {
+        kvb_cuda_seq_free(s);
+        return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory creating a sequence");
+    }
+    kvb_status st = dev_alloc(e, (void **)&s->d_blocks, sizeof(int32_t) * s->cap, NULL, "a block table", err);
+    if (st) {
+        kvb_cuda_seq_free(s);
+        return st;
+    }
+    *out = s;
+    return KVB_OK;
+}
+
+void kvb_cuda_seq_free(kvb_cuda_seq *s) {
+    if (!s) return;
+    /* last to first, so a chain's first blocks stay cached longer than its extensions */
+    for (uint32_t i = s->n_blocks; i-- > 0;) bm_release(&s->e->bm, s->blocks[i]);
+    if (s->d_blocks) {
+        cudaStreamSynchronize(s->e->st);
+        cudaFree(s->d_blocks);
+    }
+    free(s->blocks);
+    free(s->keys);
+    free(s->tokens);
+    free(s);
+}
+
+uint32_t kvb_cuda_seq_len(const kvb_cuda_seq *s) { return s->len; }
+
+static kvb_status seq_tokens_reserve(kvb_cuda_seq *s, uint32_t n, kvb_err *err) {
+    if (n <= s->tok_cap) return KVB_OK;
+    uint32_t cap = s->tok_cap ? s->tok_cap : 256;
+    while (cap < n) cap = cap > UINT32_MAX / 2 ? n : cap * 2;
+    int32_t *t = realloc(s->tokens, sizeof(int32_t) * cap);
+    if (!t) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for a sequence's tokens");
+    s->tokens = t;
+    s->tok_cap = cap;
+    return KVB_OK;
+}
+
+kvb_status kvb_cuda_seq_attach_cached(kvb_cuda_seq *s, const int32_t *tokens, uint32_t n, uint32_t *n_cached,
+                                      kvb_err *err) {
+    kvb_cuda_engine *e = s->e;
+    *n_cached = 0;
+    if (s->len != 0 || s->n_blocks != 0)
+        return kvb_err_set(err, KVB_ERR_INVALID, "attach_cached needs an empty sequence (this one holds %u tokens)",
+                           s->len);
+    if (n < 2 || e->o.no_prefix_cache) return KVB_OK;
+    const uint32_t bt = e->o.block_tokens, max_b = (n - 1) / bt;
+    uint64_t parent = e->chain_root;
+    uint32_t nb = 0;
+    for (; nb < max_b && nb < s->cap; nb++) {
+        uint64_t key = kvb_chain_next(parent, tokens + (size_t)nb * bt, bt);
+        uint32_t id = bm_lookup(&e->bm, key, parent);
+        if (id == BLK_NONE) break;
+        bm_retain(&e->bm, id);
+        s->blocks[nb] = id;
+        s->keys[nb] = key;
+        parent = key;
+    }
+    if (nb == 0) return KVB_OK;
+    kvb_status st = seq_tokens_reserve(s, nb * bt, err);
+    if (st) {
+        for (uint32_t i = nb; i-- > 0;) bm_release(&e->bm, s->blocks[i]);
+        return st;
+    }
+    memcpy(s->tokens, tokens, sizeof(int32_t) * nb * bt);
+    s->n_blocks = s->n_keyed = nb;
+    s->len = nb * bt;
+    e->prefix_hit_tokens += s->len;
+    *n_cached = s->len;
+    return KVB_OK;
+}
+
+/* ---- forward ------------------------------------------------------------------------------------ */
+
+/* Diagnostics only: KVB_CUDA_DEBUG_SKIP_ATTENTION=1 leaves the attention kernel out (the logits are
+ * then wrong), so a benchmark can split prefill time into attention and the rest. */
+static bool skip_attention(void) {
+    static int skip = -1;
+    if (skip < 0) {
+        const char *v = getenv("KVB_CUDA_DEBUG_SKIP_ATTENTION");
+        skip = v && *v && *v != '0';
+    }
+    return skip != 0;
+}
+
+static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t pos0, uint32_t c, float *logits,
+                                bool all_logits, bool want_last, kvb_err *err) {
+    const kvb_model_desc *d = &e->m->d;
+    const int E = (int)d->n_embd, D = (int)d->head_dim, H = (int)d->n_head, Hkv = (int)d->n_head_kv;
+    const int Q = H * D, S = Q + 2 * Hkv * D, FF = (int)d->n_ff, V = (int)d->n_vocab, n = (int)c;
+    const float eps = d->norm_eps;
+    cudaStream_t st = e->st;
+    kvb_status rs;
+
+    KVB_CU(kvb_cu_embed(e->tok_embd, e->d_tok + pos0, n, E, e->x, st));
+    const kvb_cu_cache cache = {e->kv_pool, e->block_bytes, s->d_blocks, e->bt_shift, Hkv, D};
+    for (uint32_t l = 0; l < d->n_layer; l++) {
+        const cu_layer *L = &e->L[l];
+        KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->attn_norm, eps, e->h, (size_t)E, st));
+        if ((rs = kvb_cu_gemm(e->cublas, L->w_qkv, S, E, e->h, n, 0.0f, e->qkv, false, err))) return rs;
+        kvb_cu_qkv_post_args qa = {e->qkv, n, H, Hkv, D, (int)d->n_rot, d->rope_neox ? 1 : 0, L->b_qkv, L->q_norm,
+                                   L->k_norm, eps, e->rope_cos, e->rope_sin, (int)pos0, e->q, cache, (int)l};
+        KVB_CU(kvb_cu_qkv_post(&qa, st));
+        kvb_cu_attn_args aa = {e->q, e->att, cache, (int)l, H, Hkv, D, n, (int)pos0};
+        if (!skip_attention()) KVB_CU(kvb_cu_attention(&aa, 0, st));
+        if ((rs = kvb_cu_gemm(e->cublas, L->w_o, E, Q, e->att, n, 1.0f, e->x, false, err))) return rs;
+        KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->ffn_norm, eps, e->h, (size_t)E, st));
+        if ((rs = kvb_cu_gemm(e->cublas, L->w_gu, 2 * FF, E, e->h, n, 0.0f, e->gu, true, err))) return rs;
+        KVB_CU(kvb_cu_swiglu(e->gu, n, FF, e->act, st));
+        if ((rs = kvb_cu_gemm(e->cublas, L->w_down, E, FF, e->act, n, 1.0f, e->x, false, err))) return rs;
+    }
+    if (all_logits && logits) {
+        for (uint32_t r0 = 0; r0 < c; r0 += e->logit_rows) {
+            int nr = (int)(c - r0 < e->logit_rows ? c - r0 : e->logit_rows);
+            KVB_CU(kvb_cu_rmsnorm(e->x + (size_t)r0 * E, (size_t)E, nr, E, e->output_norm, eps, e->h, (size_t)E, st));
+            if ((rs = kvb_cu_gemm(e->cublas, e->output, V, E, e->h, nr, 0.0f, e->logits_d, false, err))) return rs;
+            KVB_CU(cudaMemcpyAsync(logits + (size_t)r0 * V, e->logits_d, sizeof(float) * (size_t)nr * V,
+                                   cudaMemcpyDeviceToHost, st));
+        }
+    } else if (want_last && logits) {
+        KVB_CU(kvb_cu_rmsnorm(e->x + (size_t)(c - 1) * E, (size_t)E, 1, E, e->output_norm, eps, e->h, (size_t)E, st));
+        if ((rs = kvb_cu_gemm(e->cublas, e->output, V, E, e->h, 1, 0.0f, e->logits_d, false, err))) return rs;
+        KVB_CU(cudaMemcpyAsync(logits, e->logits_d, sizeof(float) * (size_t)V, cudaMemcpyDeviceToHost, st));
+    }
+    return KVB_OK;
+}
+
+kvb_status kvb_cuda_forward(kvb_cuda_engine *e, kvb_cuda_seq *s, const int32_t *tokens, uint32_t n, float *logits,
+                            bool all_logits, kvb_err *err) {
+    const double t_start = kvb_now_s();
+    if (n == 0) return kvb_err_set(err, KVB_ERR_INVALID, "forward called with no tokens");
+    if (s->e != e) return kvb_err_set(err, KVB_ERR_INVALID, "sequence belongs to another engine");
+    if ((uint64_t)s->len + n > e->o.max_ctx)
+        return kvb_err_set(err, KVB_ERR_RANGE, "%u + %u tokens exceed the context limit of %u tokens", s->len, n,
+                           e->o.max_ctx);
+    const uint32_t V = e->m->d.n_vocab, bt = e->o.block_tokens;
+    for (uint32_t t = 0; t < n; t++)
+        if (tokens[t] < 0 || (uint32_t)tokens[t] >= V)
+            return kvb_err_set(err, KVB_ERR_INVALID, "token id %d at position %u is outside the vocabulary (0..%u)",
+                               tokens[t], s->len + t, V - 1);
+    kvb_status st;
+    const uint32_t need = (s->len + n + bt - 1) / bt;
+    if (need > s->n_blocks) {
+        if ((st = bm_alloc(&e->bm, need - s->n_blocks, s->blocks + s->n_blocks, err))) return st;
+        s->n_blocks = need;
+    }
+    if (s->n_blocks > s->n_dev_blocks) {
+        KVB_CU(cudaMemcpyAsync(s->d_blocks + s->n_dev_blocks, s->blocks + s->n_dev_blocks,
+                               sizeof(int32_t) * (s->n_blocks - s->n_dev_blocks), cudaMemcpyHostToDevice, e->st));
+        s->n_dev_blocks = s->n_blocks;
+    }
+    if ((st = seq_tokens_reserve(s, s->len + n, err))) return st;
+    memcpy(s->tokens + s->len, tokens, sizeof(int32_t) * n);
+    /* one upload for all chunks (a pageable copy waits for the stream: do it once, up front) */
+    KVB_CU(cudaMemcpyAsync(e->d_tok + s->len, tokens, sizeof(int32_t) * n, cudaMemcpyHostToDevice, e->st));
+
+    const uint32_t B = e->o.max_batch;
+    for (uint32_t done = 0; done < n;) {
+        const uint32_t c = n - done < B ? n - done : B;
+        const bool last = done + c == n;
+        float *lg = logits && all_logits ? logits + (size_t)done * V : logits;
+        if ((st = forward_chunk(e, s, s->len + done, c, lg, all_logits, last, err))) {
+            cudaStreamSynchronize(e->st);
+            return st;
+        }
+        done += c;
+    }
+    const double t_enq = kvb_now_s();
+    KVB_CU(cudaStreamSynchronize(e->st));
+    KVB_CU(cudaGetLastError());
+    s->len += n;
+
+    /* index every block that is now full */
+    const uint32_t full = s->len / bt;
+    for (uint32_t b = s->n_keyed; b < full; b++) {
+        const uint64_t parent = b ? s->keys[b - 1] : e->chain_root;
+        s->keys[b] = kvb_chain_next(parent, s->tokens + (size_t)b * bt, bt);
+        if (!e->o.no_prefix_cache) bm_publish(&e->bm, s->blocks[b], s->keys[b], parent);
+    }
+    if (full > s->n_keyed) s->n_keyed = full;
+
+    size_t fr = 0, tot = 0;
+    if (cudaMemGetInfo(&fr, &tot) == cudaSuccess) {
+        if (tot - fr > e->peak_used) e->peak_used = tot - fr;
+    } else cudaGetLastError();
+    e->last_enqueue_s = t_enq - t_start;
+    e->last_forward_s = kvb_now_s() - t_start;
+    return KVB_OK;
+}
+
+/* ---- GEMM ceiling ----------------------------------------------------------------------------- */
+
+static int cmp_f(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return x < y ? -1 : x > y;
+}
+
+kvb_status kvb_cuda_gemm_bench(int device, int m, int n, int k, int reps, double *tflops_median, double *tflops_best,
+                               kvb_err *err) {
+    kvb_status st = KVB_OK;
+    void *A = NULL, *B = NULL, *C = NULL, *ws = NULL;
+    cudaStream_t s = NULL;
+    cublasHandle_t h = NULL;
+    cudaEvent_t ev[2] = {NULL, NULL};
+    float *ms = NULL;
+    if (reps < 1) reps = 1;
+    KVB_CU_GOTO(cudaSetDevice(device));
+    KVB_CU_GOTO(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    {
+        cublasStatus_t cs = cublasCreate(&h);
+        if (cs != CUBLAS_STATUS_SUCCESS) {
+            h = NULL;
+            st = kvb_cublas_fail(err, cs, "cublasCreate", __FILE__, __LINE__);
+            goto fail;
+        }
+        KVB_CU_GOTO(cudaMalloc(&ws, (size_t)32 << 20));
+        if ((cs = cublasSetStream(h, s)) != CUBLAS_STATUS_SUCCESS ||
+            (cs = cublasSetWorkspace(h, ws, (size_t)32 << 20)) != CUBLAS_STATUS_SUCCESS) {
+            st = kvb_cublas_fail(err, cs, "cublasSetStream/cublasSetWorkspace", __FILE__, __LINE__);
+            goto fail;
+        }
+    }
+    KVB_CU_GOTO(cudaMalloc(&A, (size_t)m * k * 2));
+    KVB_CU_GOTO(cudaMalloc(&B, (size_t)k * n * 2));
+    KVB_CU_GOTO(cudaMalloc(&C, (size_t)m * n * 2));
+    KVB_CU_GOTO(kvb_cu_fill_random_bf16(A, (size_t)m * k, 1, 1.0f, s));
+    KVB_CU_GOTO(kvb_cu_fill_random_bf16(B, (size_t)k * n, 2, 1.0f, s));
+    KVB_CU_GOTO(cudaEventCreate(&ev[0]));
+    KVB_CU_GOTO(cudaEventCreate(&ev[1]));
+    ms = malloc(sizeof(float) * (size_t)reps);
+    if (!ms) {
+        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    for (int i = 0; i < 3; i++)
+        if ((st = kvb_cu_gemm(h, A, m, k, B, n, 0.0f, C, true, err))) goto fail;
+    for (int r = 0; r < reps; r++) {
+        KVB_CU_GOTO(cudaEventRecord(ev[0], s));
+        if ((st = kvb_cu_gemm(h, A, m, k, B, n, 0.0f, C, true, err))) goto fail;
+        KVB_CU_GOTO(cudaEventRecord(ev[1], s));
+        KVB_CU_GOTO(cudaEventSynchronize(ev[1]));
+        KVB_CU_GOTO(cudaEventElapsedTime(&ms[r], ev[0], ev[1]));
+    }
+    qsort(ms, (size_t)reps, sizeof(float), cmp_f);
+    {
+        const double flop = 2.0 * m * (double)n * k;
+        double med = reps % 2 ? ms[reps / 2] : 0.5 * (ms[reps / 2 - 1] + ms[reps / 2]);
+        *tflops_median = flop / (med * 1e-3) / 1e12;
+        *tflops_best = flop / (ms[0] * 1e-3) / 1e12;
+    }
+fail:
+    free(ms);
+    if (ev[0]) cudaEventDestroy(ev[0]);
+    if (ev[1]) cudaEventDestroy(ev[1]);
+    if (s) cudaStreamSynchronize(s);
+    cudaFree(A);
+    cudaFree(B);
+    cudaFree(C);
+    cudaFree(ws);
+    if (h) cublasDestroy(h);
+    if (s) cudaStreamDestroy(s);
+    return st;
+}

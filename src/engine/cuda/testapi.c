@@ -1,0 +1,236 @@
+/* engine/cuda/testapi.c — the kernel entry points for tests (kvb_engine_cuda.h, "kernel entry
+ * points for tests"): copy host inputs and the caller's (poisoned) outputs to the device, run one
+ * launcher, synchronise, check, and copy the outputs back. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_internal.h"
+
+#define NBUF 8
+
+typedef struct {
+    void *p[NBUF];
+    int n;
+} dbufs;
+
+static void dbufs_free(dbufs *b) {
+    cudaDeviceSynchronize();
+    for (int i = 0; i < b->n; i++) cudaFree(b->p[i]);
+    b->n = 0;
+}
+
+/* Allocates bytes on the device and copies src there (src may be NULL: left unset). */
+static kvb_status dput(dbufs *b, void **out, const void *src, size_t bytes, kvb_err *err) {
+    *out = NULL;
+    if (b->n == NBUF) return kvb_err_set(err, KVB_ERR_INTERNAL, "too many test buffers");
+    KVB_CU(cudaMalloc(out, bytes ? bytes : 16));
+    b->p[b->n++] = *out;
+    if (src && bytes) KVB_CU(cudaMemcpy(*out, src, bytes, cudaMemcpyHostToDevice));
+    return KVB_OK;
+}
+
+static kvb_status need_device(kvb_err *err) {
+    char why[256];
+    if (!kvb_cuda_device_available(why, sizeof why)) return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s", why);
+    return KVB_OK;
+}
+
+static kvb_status finish(kvb_err *err) {
+    KVB_CU(cudaGetLastError());
+    KVB_CU(cudaDeviceSynchronize());
+    return KVB_OK;
+}
+
+kvb_status kvb_cuda_test_embed(const uint16_t *table, uint32_t V, uint32_t E, const int32_t *tok, uint32_t n,
+                               float *x, kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    dbufs b = {{0}, 0};
+    void *dt, *dk, *dx;
+    if ((st = dput(&b, &dt, table, (size_t)V * E * 2, err)) || (st = dput(&b, &dk, tok, (size_t)n * 4, err)) ||
+        (st = dput(&b, &dx, x, (size_t)n * E * 4, err)))
+        goto done;
+    {
+        cudaError_t ce = kvb_cu_embed(dt, dk, (int)n, (int)E, dx, 0);
+        if (ce != cudaSuccess) {
+            st = kvb_cu_fail(err, ce, "kvb_cu_embed", __FILE__, __LINE__);
+            goto done;
+        }
+    }
+    if ((st = finish(err))) goto done;
+    if (cudaMemcpy(x, dx, (size_t)n * E * 4, cudaMemcpyDeviceToHost) != cudaSuccess)
+        st = kvb_err_set(err, KVB_ERR_INTERNAL, "copy back failed");
+done:
+    dbufs_free(&b);
+    return st;
+}
+
+kvb_status kvb_cuda_test_rmsnorm(const float *x, uint32_t n, uint32_t E, const float *w, float eps, uint16_t *y,
+                                 kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    dbufs b = {{0}, 0};
+    void *dx, *dw, *dy;
+    if ((st = dput(&b, &dx, x, (size_t)n * E * 4, err)) || (st = dput(&b, &dw, w, (size_t)E * 4, err)) ||
+        (st = dput(&b, &dy, y, (size_t)n * E * 2, err)))
+        goto done;
+    {
+        cudaError_t ce = kvb_cu_rmsnorm(dx, E, (int)n, (int)E, dw, eps, dy, E, 0);
+        if (ce != cudaSuccess) {
+            st = kvb_cu_fail(err, ce, "kvb_cu_rmsnorm", __FILE__, __LINE__);
+            goto done;
+        }
+    }
+    if ((st = finish(err))) goto done;
+    if (cudaMemcpy(y, dy, (size_t)n * E * 2, cudaMemcpyDeviceToHost) != cudaSuccess)
+        st = kvb_err_set(err, KVB_ERR_INTERNAL, "copy back failed");
+done:
+    dbufs_free(&b);
+    return st;
+}
+
+kvb_status kvb_cuda_test_swiglu(const uint16_t *gu, uint32_t n, uint32_t FF, uint16_t *out, kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    dbufs b = {{0}, 0};
+    void *dg, *dout;
+    if ((st = dput(&b, &dg, gu, (size_t)n * 2 * FF * 2, err)) || (st = dput(&b, &dout, out, (size_t)n * FF * 2, err)))
+        goto done;
+    {
+        cudaError_t ce = kvb_cu_swiglu(dg, (int)n, (int)FF, dout, 0);
+        if (ce != cudaSuccess) {
+            st = kvb_cu_fail(err, ce, "kvb_cu_swiglu", __FILE__, __LINE__);
+            goto done;
+        }
+    }
+    if ((st = finish(err))) goto done;
+    if (cudaMemcpy(out, dout, (size_t)n * FF * 2, cudaMemcpyDeviceToHost) != cudaSuccess)
+        st = kvb_err_set(err, KVB_ERR_INTERNAL, "copy back failed");
+done:
+    dbufs_free(&b);
+    return st;
+}
+
+kvb_status kvb_cuda_test_gemm(const uint16_t *W, uint32_t rows, uint32_t cols, const uint16_t *x, uint32_t n,
+                              float beta, void *y, bool y_bf16, kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    dbufs b = {{0}, 0};
+    void *dw, *dx, *dy;
+    cublasHandle_t h = NULL;
+    const size_t yb = (size_t)n * rows * (y_bf16 ? 2 : 4);
+    if ((st = dput(&b, &dw, W, (size_t)rows * cols * 2, err)) || (st = dput(&b, &dx, x, (size_t)n * cols * 2, err)) ||
+        (st = dput(&b, &dy, y, yb, err)))
+        goto done;
+    {
+        cublasStatus_t cs = cublasCreate(&h);
+        if (cs != CUBLAS_STATUS_SUCCESS) {
+            h = NULL;
+            st = kvb_cublas_fail(err, cs, "cublasCreate", __FILE__, __LINE__);
+            goto done;
+        }
+    }
+    if ((st = kvb_cu_gemm(h, dw, (int)rows, (int)cols, dx, (int)n, beta, dy, y_bf16, err))) goto done;
+    if ((st = finish(err))) goto done;
+    if (cudaMemcpy(y, dy, yb, cudaMemcpyDeviceToHost) != cudaSuccess)
+        st = kvb_err_set(err, KVB_ERR_INTERNAL, "copy back failed");
+done:
+    if (h) cublasDestroy(h);
+    dbufs_free(&b);
+    return st;
+}
+
+static int shift_of(uint32_t bt) {
+    int s = 0;
+    while ((1u << s) < bt) s++;
+    return (1u << s) == bt ? s : -1;
+}
+
+static size_t cache_block_bytes(const kvb_cuda_test_cache *c) {
+    return (size_t)c->n_layer * 2 * c->n_head_kv * c->block_tokens * c->head_dim * 2;
+}
+
+kvb_status kvb_cuda_test_qkv_post(const kvb_cuda_test_qkv_args *a, kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    const kvb_cuda_test_cache *c = &a->cache;
+    const int bts = shift_of(c->block_tokens);
+    if (bts < 0) return kvb_err_set(err, KVB_ERR_INVALID, "block_tokens must be a power of two");
+    const size_t S = (size_t)(a->H + 2 * a->Hkv) * a->D, half = a->n_rot / 2 ? a->n_rot / 2 : 1;
+    const size_t pool_bytes = cache_block_bytes(c) * c->n_pool_blocks;
+    dbufs b = {{0}, 0};
+    void *dqkv, *dbias = NULL, *dqn = NULL, *dkn = NULL, *dcos, *dsin, *dq, *dpool, *dtab;
+    if ((st = dput(&b, &dqkv, a->qkv, (size_t)a->n * S * 4, err)) ||
+        (a->bias && (st = dput(&b, &dbias, a->bias, S * 4, err))) ||
+        (a->q_norm && (st = dput(&b, &dqn, a->q_norm, (size_t)a->D * 4, err))) ||
+        (a->k_norm && (st = dput(&b, &dkn, a->k_norm, (size_t)a->D * 4, err))) ||
+        (st = dput(&b, &dq, a->q_out, (size_t)a->n * a->H * a->D * 2, err)) ||
+        (st = dput(&b, &dpool, c->pool, pool_bytes, err)) || (st = dput(&b, &dtab, c->blocks, (size_t)c->n_table * 4, err)))
+        goto done;
+    /* cos and sin share one buffer (NBUF) */
+    {
+        const size_t tb = (size_t)(a->pos0 + a->n) * half * 4;
+        void *dt;
+        if ((st = dput(&b, &dt, NULL, 2 * tb, err))) goto done;
+        dcos = dt;
+        dsin = (uint8_t *)dt + tb;
+        if (a->n_rot) {
+            if (cudaMemcpy(dcos, a->rope_cos, tb, cudaMemcpyHostToDevice) != cudaSuccess ||
+                cudaMemcpy(dsin, a->rope_sin, tb, cudaMemcpyHostToDevice) != cudaSuccess) {
+                st = kvb_err_set(err, KVB_ERR_INTERNAL, "upload of the rope table failed");
+                goto done;
+            }
+        }
+    }
+    {
+        kvb_cu_qkv_post_args ka = {dqkv, (int)a->n, (int)a->H, (int)a->Hkv, (int)a->D, (int)a->n_rot, a->neox ? 1 : 0,
+                                   dbias, dqn, dkn, a->eps, dcos, dsin, (int)a->pos0, dq,
+                                   {dpool, cache_block_bytes(c), dtab, bts, (int)c->n_head_kv, (int)c->head_dim},
+                                   (int)a->layer};
+        cudaError_t ce = kvb_cu_qkv_post(&ka, 0);
+        if (ce != cudaSuccess) {
+            st = kvb_cu_fail(err, ce, "kvb_cu_qkv_post", __FILE__, __LINE__);
+            goto done;
+        }
+    }
+    if ((st = finish(err))) goto done;
+    if (cudaMemcpy(a->q_out, dq, (size_t)a->n * a->H * a->D * 2, cudaMemcpyDeviceToHost) != cudaSuccess ||
+        cudaMemcpy(c->pool, dpool, pool_bytes, cudaMemcpyDeviceToHost) != cudaSuccess)
+        st = kvb_err_set(err, KVB_ERR_INTERNAL, "copy back failed");
+done:
+    dbufs_free(&b);
+    return st;
+}
+
+kvb_status kvb_cuda_test_attention(const uint16_t *q, uint32_t n, uint32_t H, uint32_t pos0, uint32_t layer,
+                                   const kvb_cuda_test_cache *c, int variant, uint16_t *out, kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    const int bts = shift_of(c->block_tokens);
+    if (bts < 0) return kvb_err_set(err, KVB_ERR_INVALID, "block_tokens must be a power of two");
+    const size_t pool_bytes = cache_block_bytes(c) * c->n_pool_blocks, qb = (size_t)n * H * c->head_dim * 2;
+    dbufs b = {{0}, 0};
+    void *dq, *dout, *dpool, *dtab;
+    if ((st = dput(&b, &dq, q, qb, err)) || (st = dput(&b, &dout, out, qb, err)) ||
+        (st = dput(&b, &dpool, c->pool, pool_bytes, err)) || (st = dput(&b, &dtab, c->blocks, (size_t)c->n_table * 4, err)))
+        goto done;
+    {
+        cudaError_t ce = kvb_cu_attention_init();
+        if (ce == cudaSuccess) {
+            kvb_cu_attn_args aa = {dq, dout,
+                                   {dpool, cache_block_bytes(c), dtab, bts, (int)c->n_head_kv, (int)c->head_dim},
+                                   (int)layer, (int)H, (int)c->n_head_kv, (int)c->head_dim, (int)n, (int)pos0};
+            ce = kvb_cu_attention(&aa, variant, 0);
+        }
+        if (ce != cudaSuccess) {
+            st = kvb_cu_fail(err, ce, "kvb_cu_attention", __FILE__, __LINE__);
+            goto done;
+        }
+    }
+    if ((st = finish(err))) goto done;
+    if (cudaMemcpy(out, dout, qb, cudaMemcpyDeviceToHost) != cudaSuccess)
+        st = kvb_err_set(err, KVB_ERR_INTERNAL, "copy back failed");
+done:
+    dbufs_free(&b);
+    return st;
+}

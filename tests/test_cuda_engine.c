@@ -1,0 +1,342 @@
+/* test_cuda_engine — the CUDA engine end to end:
+ *  - logits vs the CPU engine (F32 cache, f32 activations: the reference for this arithmetic) on
+ *    the tiny, tiny-qwen2 and tiny-qwen3 presets (bf16 weights), for every token of a prompt;
+ *  - logits vs the float64 reference model on random fixtures in F32, F16, Q8_0 and Q4_0 files
+ *    (converted to bf16 at load) for llama, qwen2 and qwen3 (head_dim 16/32: the generic
+ *    attention kernel);
+ *  - chunked prefill (max_batch 7) == one-shot, prefill then token-by-token decode == one-shot;
+ *  - extend-a-cached-prefix == cold: a prompt whose first blocks another sequence computed adopts
+ *    them (attach_cached) and computes only the rest; its logits match a cold run;
+ *  - with KVB_CUDA_TEST_MODELS=a.gguf,b.gguf (the GPU host's script passes qwen3-0.6b and
+ *    llama3.2-1b presets): the same CPU comparison and chunked == one-shot on real shapes.
+ *
+ * Tolerances (relative L2 of one token's logits; the worst token must pass; measured values are
+ * printed). The GPU rounds every GEMM operand (normed activations, attention output, SwiGLU
+ * output) and q, K, V, P to bf16 (relative error <= 2^-9 RMS-ish each), accumulating in f32 with
+ * an f32 residual stream; the CPU engine keeps all of these in f32. Each bf16 rounding perturbs a
+ * sublayer's output by ~0.2-0.4 %, and those perturbations are largely independent, so logits
+ * drift by about 1e-2 over a few layers:
+ *   vs CPU engine (tiny presets, bf16 weights): 5e-2;  real shapes (16-28 layers): 8e-2;
+ *   vs float64 reference (fixtures): 6e-2 (Q4_0/Q8_0 weights are exact in bf16 up to the scale's
+ *   rounding, 2^-9, so the weight conversion adds little);
+ *   GPU vs GPU (chunked, decode, cached prefix): 2e-2 (same arithmetic; cuBLAS may pick other
+ *   kernels for other row counts, which moves f32 sums by an ulp and flips some bf16 roundings).
+ * Greedy argmax must agree wherever the reference's top-2 margin exceeds 20 x the tolerance x RMS.
+ * Without a CUDA device every test skips with "no CUDA device". */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvb_core.h"
+#include "kvb_model.h"
+#include "kvb_quant.h"
+
+#ifdef KVB_HAVE_CUDA
+#include "kvb_engine_cpu.h"
+#include "kvb_engine_cuda.h"
+#include "kvbt.h"
+#include "ref_fixture.h"
+#include "ref_model.h"
+
+#define TOL_CPU_TINY 5e-2
+#define TOL_CPU_REAL 8e-2
+#define TOL_REF 6e-2
+#define TOL_GPU_GPU 2e-2
+
+static uint64_t g_seed;
+
+static void require_gpu(void) {
+    char why[256];
+    if (!kvb_cuda_device_available(why, sizeof why)) {
+        print_message("%s: skipping\n", why);
+        skip();
+    }
+}
+
+static double rel_l2(const float *a, const float *ref, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - ref[i];
+        num += d * d;
+        den += (double)ref[i] * ref[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static int argmax_f(const float *x, int n) {
+    int b = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return b;
+}
+
+/* Worst per-token rel-L2 of got (n, V) against ref (n, V); fails above tol; checks argmax where the
+ * reference's margin is clear. */
+static double compare_rows(const float *got, const float *ref, uint32_t n, uint32_t V, double tol, const char *what) {
+    double worst = 0;
+    int agree = 0, checked = 0;
+    for (uint32_t t = 0; t < n; t++) {
+        const float *g = got + (size_t)t * V, *r = ref + (size_t)t * V;
+        double e = rel_l2(g, r, V);
+        if (!(e <= worst)) worst = e;
+        if (!(e <= tol)) fail_msg("%s: token %u: logits rel-L2 %.4g > %.3g", what, t, e, tol);
+        int best = argmax_f(r, (int)V);
+        double second = -INFINITY, ss = 0;
+        for (uint32_t i = 0; i < V; i++) {
+            ss += (double)r[i] * r[i];
+            if ((int)i != best && r[i] > second) second = r[i];
+        }
+        int gb = argmax_f(g, (int)V);
+        agree += gb == best;
+        checked++;
+        if (r[best] - second > 20 * tol * sqrt(ss / V) && gb != best)
+            fail_msg("%s: token %u: argmax %d, reference %d (margin %.4g)", what, t, gb, best, r[best] - second);
+    }
+    print_message("%s: worst token rel-L2 %.4g (limit %.3g), greedy agreement %d/%d\n", what, worst, tol, agree, checked);
+    return worst;
+}
+
+static void random_tokens(int32_t *t, uint32_t n, uint32_t V, uint64_t seed) {
+    kvb_rng r;
+    kvb_rng_seed(&r, seed);
+    for (uint32_t i = 0; i < n; i++) t[i] = (int32_t)(kvb_rng_u64(&r) % V);
+}
+
+static void cpu_logits(const kvb_model *m, const int32_t *tok, uint32_t n, float *logits) {
+    kvb_engine_opts o = {0};
+    o.cache_dtype = KVB_TYPE_F32;
+    o.block_tokens = 16;
+    o.max_ctx = n + 16;
+    kvb_engine *e = NULL;
+    kvb_seq *s = NULL;
+    kvb_err err = {0};
+    if (kvb_engine_create(m, &o, &e, &err) || kvb_seq_create(e, &s, &err) ||
+        kvb_engine_forward(e, s, tok, n, logits, true, &err))
+        fail_msg("CPU engine: %s", err.msg);
+    kvb_seq_free(s);
+    kvb_engine_free(e);
+}
+
+static kvb_cuda_engine *gpu_engine(const kvb_model *m, uint32_t max_ctx, uint32_t max_batch, uint32_t bt) {
+    kvb_cuda_opts o = {0};
+    o.max_ctx = max_ctx;
+    o.max_batch = max_batch;
+    o.block_tokens = bt;
+    kvb_cuda_engine *e = NULL;
+    kvb_err err = {0};
+    if (kvb_cuda_engine_create(m, &o, &e, &err)) fail_msg("kvb_cuda_engine_create: %s", err.msg);
+    return e;
+}
+
+/* all logits for tok[0..n): one forward call, or prefill `split` then one token at a time */
+static void gpu_logits(kvb_cuda_engine *e, const int32_t *tok, uint32_t n, uint32_t split, float *logits, uint32_t V) {
+    kvb_cuda_seq *s = NULL;
+    kvb_err err = {0};
+    if (kvb_cuda_seq_create(e, &s, &err)) fail_msg("%s", err.msg);
+    for (size_t i = 0; i < (size_t)n * V; i++) logits[i] = NAN;
+    if (!split || split >= n) {
+        if (kvb_cuda_forward(e, s, tok, n, logits, true, &err)) fail_msg("kvb_cuda_forward: %s", err.msg);
+    } else {
+        if (kvb_cuda_forward(e, s, tok, split, logits, true, &err)) fail_msg("kvb_cuda_forward: %s", err.msg);
+        for (uint32_t t = split; t < n; t++)
+            if (kvb_cuda_forward(e, s, tok + t, 1, logits + (size_t)t * V, false, &err))
+                fail_msg("kvb_cuda_forward (decode): %s", err.msg);
+    }
+    assert_int_equal(kvb_cuda_seq_len(s), n);
+    kvb_cuda_seq_free(s);
+}
+
+/* The whole set of GPU checks on one loaded model. */
+static void check_model(const kvb_model *m, const char *name, uint32_t n, double tol_cpu) {
+    const uint32_t V = m->d.n_vocab;
+    int32_t *tok = malloc(sizeof(int32_t) * n);
+    float *ref = malloc(sizeof(float) * n * V), *got = malloc(sizeof(float) * n * V);
+    float *alt = malloc(sizeof(float) * n * V);
+    assert_true(tok && ref && got && alt);
+    random_tokens(tok, n, V, g_seed ^ kvb_hash64(name, strlen(name), 0));
+    char what[256];
+
+    cpu_logits(m, tok, n, ref);
+    kvb_cuda_engine *e = gpu_engine(m, 4 * n, 0, 16);
+    char desc[512];
+    kvb_cuda_engine_describe(e, desc, sizeof desc);
+    print_message("%s: %s\n", name, desc);
+    gpu_logits(e, tok, n, 0, got, V);
+    snprintf(what, sizeof what, "%s: GPU vs CPU engine", name);
+    compare_rows(got, ref, n, V, tol_cpu, what);
+
+    /* prefill then decode == one shot */
+    gpu_logits(e, tok, n, n / 3, alt, V);
+    snprintf(what, sizeof what, "%s: prefill %u + decode vs one-shot", name, n / 3);
+    compare_rows(alt, got, n, V, TOL_GPU_GPU, what);
+
+    kvb_cuda_engine_free(e);
+
+    /* extend a cached prefix == cold: on a fresh engine, seq A computes the first 2.5 blocks; B
+     * adopts the 2 full ones and computes the rest */
+    e = gpu_engine(m, 4 * n, 0, 16);
+    {
+        kvb_cuda_seq *a = NULL, *b = NULL;
+        kvb_err err = {0};
+        const uint32_t na = 40;
+        assert_true(n > na + 8);
+        if (kvb_cuda_seq_create(e, &a, &err) || kvb_cuda_forward(e, a, tok, na, NULL, false, &err))
+            fail_msg("%s", err.msg);
+        kvb_cuda_seq_free(a);
+        uint32_t cached = 0;
+        if (kvb_cuda_seq_create(e, &b, &err) || kvb_cuda_seq_attach_cached(b, tok, n, &cached, &err))
+            fail_msg("%s", err.msg);
+        if (cached != 32) fail_msg("%s: attach_cached adopted %u tokens, expected 32 (2 full blocks of 16)", name, cached);
+        float *last = malloc(sizeof(float) * V);
+        assert_non_null(last);
+        if (kvb_cuda_forward(e, b, tok + cached, n - cached, last, false, &err)) fail_msg("%s", err.msg);
+        snprintf(what, sizeof what, "%s: cached prefix of %u + %u new tokens vs cold", name, cached, n - cached);
+        compare_rows(last, got + (size_t)(n - 1) * V, 1, V, TOL_GPU_GPU, what);
+        kvb_cuda_stats stt;
+        kvb_cuda_engine_stats(e, &stt);
+        assert_true(stt.prefix_hit_tokens >= 32);
+        kvb_cuda_seq_free(b);
+        free(last);
+    }
+    kvb_cuda_engine_free(e);
+
+    /* chunked prefill (7 tokens a chunk, blocks of 32) == one shot */
+    e = gpu_engine(m, 4 * n, 7, 32);
+    gpu_logits(e, tok, n, 0, alt, V);
+    snprintf(what, sizeof what, "%s: chunked (7) vs one-shot", name);
+    compare_rows(alt, got, n, V, TOL_GPU_GPU, what);
+    kvb_cuda_engine_free(e);
+
+    free(tok);
+    free(ref);
+    free(got);
+    free(alt);
+}
+
+static void check_preset(const char *preset) {
+    char path[600];
+    kvbt_tmp_path(path, sizeof path, preset);
+    strncat(path, ".gguf", sizeof path - strlen(path) - 1);
+    kvb_gen_opts o = {.preset = preset, .type = KVB_TYPE_BF16, .seed = g_seed, .n_threads = 0};
+    kvb_err err = {0};
+    kvb_model *m = NULL;
+    if (kvb_gen_model(&o, path, &err) || kvb_model_load(path, &m, &err)) fail_msg("%s: %s", preset, err.msg);
+    check_model(m, preset, 77, TOL_CPU_TINY);
+    kvb_model_free(m);
+}
+
+static void test_tiny_llama(void **state) {
+    (void)state;
+    require_gpu();
+    check_preset("tiny");
+}
+static void test_tiny_qwen2(void **state) {
+    (void)state;
+    require_gpu();
+    check_preset("tiny-qwen2");
+}
+static void test_tiny_qwen3(void **state) {
+    (void)state;
+    require_gpu();
+    check_preset("tiny-qwen3");
+}
+
+/* Random fixtures in every weight type vs the float64 reference. */
+static void test_fixtures_vs_reference(void **state) {
+    (void)state;
+    require_gpu();
+    const char *archs[] = {"llama", "qwen2", "qwen3"};
+    const uint32_t types[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_Q8_0, KVB_TYPE_Q4_0};
+    enum { N = 29 };
+    for (size_t a = 0; a < KVB_ARRAY_LEN(archs); a++)
+        for (size_t k = 0; k < KVB_ARRAY_LEN(types); k++) {
+            ref_fixture_cfg cfg;
+            ref_fixture_default(&cfg, archs[a], types[k], g_seed + a * 16 + k);
+            char path[600], e1[512], what[128];
+            snprintf(what, sizeof what, "fixture %s %s", archs[a], kvb_type_name(types[k]));
+            kvbt_tmp_path(path, sizeof path, "fixture.gguf");
+            if (ref_fixture_write(&cfg, path, e1, sizeof e1)) fail_msg("fixture: %s", e1);
+            ref_model *rm = ref_model_load(path, e1, sizeof e1);
+            if (!rm) fail_msg("ref_model_load: %s", e1);
+            kvb_model *m = NULL;
+            kvb_err err = {0};
+            if (kvb_model_load(path, &m, &err)) fail_msg("kvb_model_load: %s", err.msg);
+            const uint32_t V = m->d.n_vocab;
+            int32_t tok[N];
+            random_tokens(tok, N, V, g_seed + 7 * a + k);
+            double *rd = malloc(sizeof(double) * N * V);
+            float *ref = malloc(sizeof(float) * N * V), *got = malloc(sizeof(float) * N * V);
+            assert_true(rd && ref && got);
+            assert_int_equal(ref_model_forward(rm, tok, N, rd), 0);
+            for (size_t i = 0; i < (size_t)N * V; i++) ref[i] = (float)rd[i];
+            kvb_cuda_engine *e = gpu_engine(m, 64, 0, 16);
+            gpu_logits(e, tok, N, 0, got, V);
+            compare_rows(got, ref, N, V, TOL_REF, what);
+            kvb_cuda_engine_free(e);
+            free(rd);
+            free(ref);
+            free(got);
+            kvb_model_free(m);
+            ref_model_free(rm);
+        }
+}
+
+/* Real shapes, when the GPU host's script generated them. */
+static void test_real_shapes(void **state) {
+    (void)state;
+    require_gpu();
+    const char *list = getenv("KVB_CUDA_TEST_MODELS");
+    if (!list || !*list) {
+        print_message("KVB_CUDA_TEST_MODELS is not set (tools/device/gpu_check.sh sets it): skipping real shapes\n");
+        skip();
+    }
+    char *copy = strdup(list);
+    assert_non_null(copy);
+    for (char *save = NULL, *p = strtok_r(copy, ",", &save); p; p = strtok_r(NULL, ",", &save)) {
+        kvb_model *m = NULL;
+        kvb_err err = {0};
+        if (kvb_model_load(p, &m, &err)) fail_msg("%s: %s", p, err.msg);
+        const char *base = strrchr(p, '/');
+        check_model(m, base ? base + 1 : p, 61, TOL_CPU_REAL);
+        kvb_model_free(m);
+    }
+    free(copy);
+}
+
+int main(void) {
+    const char *s = getenv("KVB_TEST_SEED");
+    g_seed = s ? strtoull(s, NULL, 0) : (uint64_t)time(NULL);
+    printf("test_cuda_engine: seed %llu (KVB_TEST_SEED=%llu repeats this run)\n", (unsigned long long)g_seed,
+           (unsigned long long)g_seed);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_tiny_llama),
+        cmocka_unit_test(test_tiny_qwen2),
+        cmocka_unit_test(test_tiny_qwen3),
+        cmocka_unit_test(test_fixtures_vs_reference),
+        cmocka_unit_test(test_real_shapes),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
+
+#else /* built without CUDA */
+
+static void test_no_cuda(void **state) {
+    (void)state;
+    print_message("no CUDA device: this build has no CUDA engine (KVB_CUDA=OFF); skipping\n");
+    skip();
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_no_cuda)};
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
+
+#endif

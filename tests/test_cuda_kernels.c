@@ -1,0 +1,456 @@
+/* test_cuda_kernels — every CUDA engine kernel against its CPU twin (in double, from the same bf16
+ * inputs), on fresh random inputs each run (seed printed; KVB_TEST_SEED repeats one), with the
+ * outputs poisoned (NaN bit patterns) before the launch so an element the kernel forgets to write
+ * fails. Kernels: embedding gather, RMSNorm, SwiGLU, the GEMM call (layout, beta accumulation, bf16
+ * out), the fused QKV epilogue (bias, q/k-norm, RoPE both pairings, partial rotary, cache write;
+ * cache bytes it must not touch stay poisoned), and causal attention over a paged cache holding a
+ * prefix (tensor-core kernel for D = 64/128 with 64 and 128 query rows per CTA, and the generic
+ * kernel; cache rows past the visible
+ * range are NaN, so a kernel that reads them fails).
+ *
+ * Tolerances (the GPU rounds each output to bf16 once: relative error <= 2^-8 = 3.9e-3):
+ *   embed: exact. rmsnorm, swiglu: |gpu - ref| <= 4.5e-3 |ref| + 1e-6 (f32 arithmetic before the
+ *   rounding adds ~1e-6 relative). qkv epilogue: same per element, plus 2e-5 x the head's max
+ *   |value| for RoPE outputs near cancellation. GEMM f32 out: relative L2 <= 1e-4 (f32 accumulation
+ *   of exact bf16 products over <= 300 terms ~1e-6); bf16 out: <= 4e-3. attention: relative L2 of
+ *   each (token, head) row <= 1e-2 (P rounded to bf16 before P.V, 2^-9 RMS per weight, plus the
+ *   output rounding), max abs <= 3e-2 x row max.
+ * Without a CUDA device every test skips with "no CUDA device". */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvb_core.h"
+#include "kvb_quant.h"
+
+#ifdef KVB_HAVE_CUDA
+#include "kvb_engine_cuda.h"
+
+static uint64_t g_seed;
+static kvb_rng g_rng;
+
+static void require_gpu(void) {
+    char why[256];
+    if (!kvb_cuda_device_available(why, sizeof why)) {
+        print_message("%s: skipping\n", why);
+        skip();
+    }
+}
+
+#define BF16_NAN 0xFFC1u
+static float rnd_normal(void) { return kvb_rng_normal(&g_rng); }
+static uint16_t to_bf(float f) { return kvb_f32_to_bf16(f); }
+static double bf(uint16_t h) { return (double)kvb_bf16_to_f32(h); }
+static void poison_f32(float *p, size_t n) { memset(p, 0xFF, n * sizeof(float)); }
+static void poison_bf16(uint16_t *p, size_t n) {
+    for (size_t i = 0; i < n; i++) p[i] = BF16_NAN;
+}
+/* ||a - ref|| / ||ref||; NaN anywhere gives NaN (which fails every <= check) */
+static double rel_l2_f(const float *a, const double *ref, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - ref[i];
+        num += d * d;
+        den += ref[i] * ref[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static void check_close(double got, double ref, double rel, double abs_tol, const char *what, size_t i) {
+    if (!(fabs(got - ref) <= rel * fabs(ref) + abs_tol))
+        fail_msg("%s[%zu]: got %.9g, reference %.9g (|diff| %.3g > %.3g)", what, i, got, ref, fabs(got - ref),
+                 rel * fabs(ref) + abs_tol);
+}
+
+static void test_embed(void **state) {
+    (void)state;
+    require_gpu();
+    const uint32_t V = 1000, Es[] = {384, 130, 77};
+    for (size_t c = 0; c < KVB_ARRAY_LEN(Es); c++) {
+        const uint32_t E = Es[c], n = 37;
+        uint16_t *tab = malloc(sizeof(uint16_t) * V * E);
+        int32_t tok[37];
+        float *x = malloc(sizeof(float) * n * E);
+        assert_non_null(tab);
+        assert_non_null(x);
+        for (size_t i = 0; i < (size_t)V * E; i++) tab[i] = to_bf(rnd_normal());
+        for (uint32_t t = 0; t < n; t++) tok[t] = (int32_t)(kvb_rng_u64(&g_rng) % V);
+        poison_f32(x, (size_t)n * E);
+        kvb_err err = {0};
+        if (kvb_cuda_test_embed(tab, V, E, tok, n, x, &err)) fail_msg("%s", err.msg);
+        for (uint32_t t = 0; t < n; t++)
+            for (uint32_t i = 0; i < E; i++) {
+                double want = bf(tab[(size_t)tok[t] * E + i]);
+                if ((double)x[(size_t)t * E + i] != want)
+                    fail_msg("embed E=%u: x[%u][%u] = %g, want %g", E, t, i, x[(size_t)t * E + i], want);
+            }
+        free(tab);
+        free(x);
+    }
+}
+
+static void test_rmsnorm(void **state) {
+    (void)state;
+    require_gpu();
+    const uint32_t Es[] = {256, 4096, 1002, 64};
+    for (size_t c = 0; c < KVB_ARRAY_LEN(Es); c++) {
+        const uint32_t E = Es[c], n = 19;
+        const float eps = 1e-5f, scale = (float)(0.01 + 10.0 * kvb_rng_uniform(&g_rng));
+        float *x = malloc(sizeof(float) * n * E), *w = malloc(sizeof(float) * E);
+        uint16_t *y = malloc(sizeof(uint16_t) * n * E);
+        assert_non_null(x);
+        assert_non_null(w);
+        assert_non_null(y);
+        for (size_t i = 0; i < (size_t)n * E; i++) x[i] = rnd_normal() * scale;
+        for (uint32_t i = 0; i < E; i++) w[i] = 1.0f + 0.5f * rnd_normal();
+        poison_bf16(y, (size_t)n * E);
+        kvb_err err = {0};
+        if (kvb_cuda_test_rmsnorm(x, n, E, w, eps, y, &err)) fail_msg("%s", err.msg);
+        for (uint32_t t = 0; t < n; t++) {
+            double ss = 0;
+            for (uint32_t i = 0; i < E; i++) ss += (double)x[t * E + i] * x[t * E + i];
+            double r = 1.0 / sqrt(ss / E + eps);
+            for (uint32_t i = 0; i < E; i++)
+                check_close(bf(y[t * E + i]), x[t * E + i] * r * w[i], 4.5e-3, 1e-6, "rmsnorm", (size_t)t * E + i);
+        }
+        free(x);
+        free(w);
+        free(y);
+    }
+}
+
+static void test_swiglu(void **state) {
+    (void)state;
+    require_gpu();
+    const uint32_t FFs[] = {640, 14336, 7};
+    for (size_t c = 0; c < KVB_ARRAY_LEN(FFs); c++) {
+        const uint32_t FF = FFs[c], n = 13;
+        uint16_t *gu = malloc(sizeof(uint16_t) * n * 2 * FF), *out = malloc(sizeof(uint16_t) * n * FF);
+        assert_non_null(gu);
+        assert_non_null(out);
+        for (size_t i = 0; i < (size_t)n * 2 * FF; i++) gu[i] = to_bf(3.0f * rnd_normal());
+        poison_bf16(out, (size_t)n * FF);
+        kvb_err err = {0};
+        if (kvb_cuda_test_swiglu(gu, n, FF, out, &err)) fail_msg("%s", err.msg);
+        for (uint32_t t = 0; t < n; t++)
+            for (uint32_t i = 0; i < FF; i++) {
+                double g = bf(gu[(size_t)t * 2 * FF + i]), u = bf(gu[(size_t)t * 2 * FF + FF + i]);
+                check_close(bf(out[(size_t)t * FF + i]), g / (1.0 + exp(-g)) * u, 4.5e-3, 1e-6, "swiglu",
+                            (size_t)t * FF + i);
+            }
+        free(gu);
+        free(out);
+    }
+}
+
+static void test_gemm(void **state) {
+    (void)state;
+    require_gpu();
+    const uint32_t rows = 300, cols = 264, n = 45;
+    uint16_t *W = malloc(sizeof(uint16_t) * rows * cols), *x = malloc(sizeof(uint16_t) * n * cols);
+    float *y = malloc(sizeof(float) * n * rows), *y0 = malloc(sizeof(float) * n * rows);
+    uint16_t *yb = malloc(sizeof(uint16_t) * n * rows);
+    double *ref = malloc(sizeof(double) * n * rows);
+    assert_true(W && x && y && y0 && yb && ref);
+    for (size_t i = 0; i < (size_t)rows * cols; i++) W[i] = to_bf(rnd_normal() / 16.0f);
+    for (size_t i = 0; i < (size_t)n * cols; i++) x[i] = to_bf(rnd_normal());
+    for (uint32_t t = 0; t < n; t++)
+        for (uint32_t r = 0; r < rows; r++) {
+            double s = 0;
+            for (uint32_t k = 0; k < cols; k++) s += bf(W[(size_t)r * cols + k]) * bf(x[(size_t)t * cols + k]);
+            ref[(size_t)t * rows + r] = s;
+        }
+    kvb_err err = {0};
+    /* beta 0, f32 out */
+    poison_f32(y, (size_t)n * rows);
+    if (kvb_cuda_test_gemm(W, rows, cols, x, n, 0.0f, y, false, &err)) fail_msg("%s", err.msg);
+    double e = rel_l2_f(y, ref, (size_t)n * rows);
+    print_message("gemm f32 out: rel-L2 %.3g\n", e);
+    if (!(e <= 1e-4)) fail_msg("gemm f32: rel-L2 %.3g > 1e-4", e);
+    /* beta 1: y += W x on top of random y0 */
+    for (size_t i = 0; i < (size_t)n * rows; i++) y0[i] = y[i] = rnd_normal();
+    if (kvb_cuda_test_gemm(W, rows, cols, x, n, 1.0f, y, false, &err)) fail_msg("%s", err.msg);
+    for (size_t i = 0; i < (size_t)n * rows; i++) ref[i] += y0[i];
+    e = rel_l2_f(y, ref, (size_t)n * rows);
+    print_message("gemm f32 out, beta 1: rel-L2 %.3g\n", e);
+    if (!(e <= 1e-4)) fail_msg("gemm beta=1: rel-L2 %.3g > 1e-4", e);
+    for (size_t i = 0; i < (size_t)n * rows; i++) ref[i] -= y0[i];
+    /* bf16 out */
+    poison_bf16(yb, (size_t)n * rows);
+    if (kvb_cuda_test_gemm(W, rows, cols, x, n, 0.0f, yb, true, &err)) fail_msg("%s", err.msg);
+    for (size_t i = 0; i < (size_t)n * rows; i++) y[i] = (float)bf(yb[i]);
+    e = rel_l2_f(y, ref, (size_t)n * rows);
+    print_message("gemm bf16 out: rel-L2 %.3g\n", e);
+    if (!(e <= 4e-3)) fail_msg("gemm bf16: rel-L2 %.3g > 4e-3", e);
+    free(W);
+    free(x);
+    free(y);
+    free(y0);
+    free(yb);
+    free(ref);
+}
+
+/* ---- the paged cache as a host array --------------------------------------------------------- */
+
+typedef struct {
+    kvb_cuda_test_cache c;
+    size_t block_bytes;
+    int32_t *table;
+} host_cache;
+
+static void cache_make(host_cache *hc, uint32_t n_layer, uint32_t Hkv, uint32_t D, uint32_t bt, uint32_t n_pos) {
+    memset(hc, 0, sizeof *hc);
+    hc->c.n_layer = n_layer;
+    hc->c.n_head_kv = Hkv;
+    hc->c.head_dim = D;
+    hc->c.block_tokens = bt;
+    hc->c.n_table = (n_pos + bt - 1) / bt;
+    hc->c.n_pool_blocks = hc->c.n_table + 3;
+    hc->block_bytes = (size_t)n_layer * 2 * Hkv * bt * D * 2;
+    hc->c.pool = malloc(hc->block_bytes * hc->c.n_pool_blocks);
+    hc->table = malloc(sizeof(int32_t) * hc->c.n_pool_blocks);
+    assert_non_null(hc->c.pool);
+    assert_non_null(hc->table);
+    poison_bf16((uint16_t *)hc->c.pool, hc->block_bytes * hc->c.n_pool_blocks / 2);
+    /* a random permutation of the pool: the sequence's blocks are scattered */
+    for (uint32_t i = 0; i < hc->c.n_pool_blocks; i++) hc->table[i] = (int32_t)i;
+    for (uint32_t i = hc->c.n_pool_blocks; i-- > 1;) {
+        uint32_t j = (uint32_t)(kvb_rng_u64(&g_rng) % (i + 1));
+        int32_t t = hc->table[i];
+        hc->table[i] = hc->table[j];
+        hc->table[j] = t;
+    }
+    hc->c.blocks = hc->table;
+}
+
+static uint16_t *cache_row(host_cache *hc, uint32_t layer, uint32_t kv, uint32_t kvh, uint32_t pos) {
+    const kvb_cuda_test_cache *c = &hc->c;
+    size_t row = (((size_t)layer * 2 + kv) * c->n_head_kv + kvh) * c->block_tokens + pos % c->block_tokens;
+    return (uint16_t *)(c->pool + (size_t)hc->table[pos / c->block_tokens] * hc->block_bytes) + row * c->head_dim;
+}
+
+static void cache_free(host_cache *hc) {
+    free(hc->c.pool);
+    free(hc->table);
+}
+
+/* ---- fused QKV epilogue ------------------------------------------------------------------------ */
+
+typedef struct {
+    uint32_t H, Hkv, D, n_rot;
+    bool neox, bias, norm;
+} qkv_cfg;
+
+static void run_qkv_case(const qkv_cfg *k) {
+    const uint32_t n = 21, pos0 = 37, bt = 16, n_layer = 2, layer = 1, D = k->D, half = k->n_rot / 2;
+    const uint32_t S = (k->H + 2 * k->Hkv) * D;
+    const float eps = 1e-6f;
+    host_cache hc;
+    cache_make(&hc, n_layer, k->Hkv, D, bt, pos0 + n);
+    float *qkv = malloc(sizeof(float) * n * S), *bias = malloc(sizeof(float) * S);
+    float *qn = malloc(sizeof(float) * D), *kn = malloc(sizeof(float) * D);
+    float *cs = malloc(sizeof(float) * (pos0 + n) * (half ? half : 1)), *sn = malloc(sizeof(float) * (pos0 + n) * (half ? half : 1));
+    uint16_t *q = malloc(sizeof(uint16_t) * n * k->H * D);
+    uint8_t *written = calloc(hc.block_bytes * hc.c.n_pool_blocks / 2, 1);
+    double *v = malloc(sizeof(double) * D), *o = malloc(sizeof(double) * D);
+    assert_true(qkv && bias && qn && kn && cs && sn && q && written && v && o);
+    for (size_t i = 0; i < (size_t)n * S; i++) qkv[i] = 2.0f * rnd_normal();
+    for (uint32_t i = 0; i < S; i++) bias[i] = 0.5f * rnd_normal();
+    for (uint32_t i = 0; i < D; i++) {
+        qn[i] = 1.0f + 0.3f * rnd_normal();
+        kn[i] = 1.0f + 0.3f * rnd_normal();
+    }
+    for (uint32_t p = 0; p < pos0 + n; p++)
+        for (uint32_t i = 0; i < half; i++) {
+            double th = p * pow(10000.0, -2.0 * i / k->n_rot);
+            cs[p * half + i] = (float)cos(th);
+            sn[p * half + i] = (float)sin(th);
+        }
+    poison_bf16(q, (size_t)n * k->H * D);
+    kvb_cuda_test_qkv_args a = {qkv, n, k->H, k->Hkv, D, k->n_rot, k->neox, k->bias ? bias : NULL,
+                                k->norm ? qn : NULL, k->norm ? kn : NULL, eps, cs, sn, pos0, layer, q, hc.c};
+    kvb_err err = {0};
+    if (kvb_cuda_test_qkv_post(&a, &err)) fail_msg("%s", err.msg);
+    char what[128];
+    snprintf(what, sizeof what, "qkv H%u/%u D%u rot%u %s%s%s", k->H, k->Hkv, D, k->n_rot, k->neox ? "neox" : "pairs",
+             k->bias ? " bias" : "", k->norm ? " norm" : "");
+    for (uint32_t t = 0; t < n; t++) {
+        const uint32_t pos = pos0 + t;
+        for (uint32_t slot = 0; slot < k->H + 2 * k->Hkv; slot++) {
+            const bool is_q = slot < k->H, is_k = !is_q && slot < k->H + k->Hkv;
+            double mx = 0, ss = 0;
+            for (uint32_t i = 0; i < D; i++) {
+                v[i] = (double)qkv[(size_t)t * S + slot * D + i] + (k->bias ? bias[slot * D + i] : 0.0);
+                ss += v[i] * v[i];
+            }
+            if (k->norm && (is_q || is_k)) {
+                double r = 1.0 / sqrt(ss / D + eps);
+                for (uint32_t i = 0; i < D; i++) v[i] = v[i] * r * (is_q ? qn[i] : kn[i]);
+            }
+            for (uint32_t i = 0; i < D; i++) {
+                o[i] = v[i];
+                if (fabs(v[i]) > mx) mx = fabs(v[i]);
+            }
+            if (is_q || is_k)
+                for (uint32_t i = 0; i < half; i++) {
+                    uint32_t i0 = k->neox ? i : 2 * i, i1 = k->neox ? i + half : 2 * i + 1;
+                    double c = cs[pos * half + i], s = sn[pos * half + i];
+                    o[i0] = v[i0] * c - v[i1] * s;
+                    o[i1] = v[i0] * s + v[i1] * c;
+                }
+            const uint16_t *got;
+            if (is_q) got = q + (size_t)t * k->H * D + slot * D;
+            else {
+                uint32_t kv = is_k ? 0 : 1, kvh = is_k ? slot - k->H : slot - k->H - k->Hkv;
+                got = cache_row(&hc, layer, kv, kvh, pos);
+                for (uint32_t i = 0; i < D; i++) written[(size_t)(got - (const uint16_t *)hc.c.pool) + i] = 1;
+            }
+            for (uint32_t i = 0; i < D; i++) check_close(bf(got[i]), o[i], 4.5e-3, 2e-5 * mx, what, (size_t)t * S + slot * D + i);
+        }
+    }
+    /* nothing else in the cache was touched */
+    const uint16_t *pool = (const uint16_t *)hc.c.pool;
+    for (size_t i = 0; i < hc.block_bytes * hc.c.n_pool_blocks / 2; i++)
+        if (!written[i] && pool[i] != BF16_NAN) fail_msg("%s: cache element %zu was written but belongs to no row of this chunk", what, i);
+    free(qkv);
+    free(bias);
+    free(qn);
+    free(kn);
+    free(cs);
+    free(sn);
+    free(q);
+    free(written);
+    free(v);
+    free(o);
+    cache_free(&hc);
+}
+
+static void test_qkv_post(void **state) {
+    (void)state;
+    require_gpu();
+    const qkv_cfg cfgs[] = {
+        {4, 2, 64, 64, false, false, false},  /* llama */
+        {4, 2, 64, 64, true, true, false},    /* qwen2 */
+        {4, 2, 64, 64, true, false, true},    /* qwen3 */
+        {8, 2, 128, 128, false, false, false}, /* llama 8B head */
+        {4, 1, 128, 64, false, true, true},   /* partial rotary, everything on */
+        {4, 4, 32, 32, true, true, true},     /* small heads, no GQA */
+        {2, 1, 16, 0, false, false, false},   /* no rotary at all */
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cfgs); i++) run_qkv_case(&cfgs[i]);
+}
+
+/* ---- attention ------------------------------------------------------------------------------- */
+
+typedef struct {
+    uint32_t D, H, Hkv, n, pos0, bt;
+    int variant;
+} att_cfg;
+
+static void run_att_case(const att_cfg *k) {
+    const uint32_t n_layer = 2, layer = 1, D = k->D, n = k->n, pos0 = k->pos0, H = k->H, Hkv = k->Hkv;
+    host_cache hc;
+    cache_make(&hc, n_layer, Hkv, D, k->bt, pos0 + n);
+    for (uint32_t l = 0; l < n_layer; l++)
+        for (uint32_t kv = 0; kv < 2; kv++)
+            for (uint32_t h = 0; h < Hkv; h++)
+                for (uint32_t p = 0; p < pos0 + n; p++) {
+                    uint16_t *r = cache_row(&hc, l, kv, h, p);
+                    for (uint32_t i = 0; i < D; i++) r[i] = to_bf(rnd_normal());
+                }
+    uint16_t *q = malloc(sizeof(uint16_t) * n * H * D), *out = malloc(sizeof(uint16_t) * n * H * D);
+    double *sc = malloc(sizeof(double) * (pos0 + n)), *ref = malloc(sizeof(double) * D);
+    float *got = malloc(sizeof(float) * D);
+    assert_true(q && out && sc && ref && got);
+    for (size_t i = 0; i < (size_t)n * H * D; i++) q[i] = to_bf(1.5f * rnd_normal());
+    poison_bf16(out, (size_t)n * H * D);
+    kvb_err err = {0};
+    if (kvb_cuda_test_attention(q, n, H, pos0, layer, &hc.c, k->variant, out, &err)) fail_msg("%s", err.msg);
+    double worst = 0;
+    for (uint32_t t = 0; t < n; t++)
+        for (uint32_t h = 0; h < H; h++) {
+            const uint32_t p = pos0 + t, kvh = h / (H / Hkv);
+            const uint16_t *qh = q + ((size_t)t * H + h) * D;
+            double mx = -INFINITY, sum = 0;
+            for (uint32_t j = 0; j <= p; j++) {
+                const uint16_t *kr = cache_row(&hc, layer, 0, kvh, j);
+                double s = 0;
+                for (uint32_t i = 0; i < D; i++) s += bf(qh[i]) * bf(kr[i]);
+                sc[j] = s / sqrt((double)D);
+                if (sc[j] > mx) mx = sc[j];
+            }
+            for (uint32_t i = 0; i < D; i++) ref[i] = 0;
+            for (uint32_t j = 0; j <= p; j++) {
+                double w = exp(sc[j] - mx);
+                sum += w;
+                const uint16_t *vr = cache_row(&hc, layer, 1, kvh, j);
+                for (uint32_t i = 0; i < D; i++) ref[i] += w * bf(vr[i]);
+            }
+            for (uint32_t i = 0; i < D; i++) {
+                ref[i] /= sum;
+                got[i] = (float)bf(out[((size_t)t * H + h) * D + i]);
+            }
+            double e = rel_l2_f(got, ref, D);
+            if (!(e <= worst)) worst = e;
+            if (!(e <= 1e-2))
+                fail_msg("attention D%u H%u/%u n%u pos0 %u bt%u variant %d: token %u head %u: rel-L2 %.3g > 1e-2", D, H,
+                         Hkv, n, pos0, k->bt, k->variant, t, h, e);
+        }
+    print_message("attention D%u H%u/%u n%u pos0 %u bt%u variant %d: worst row rel-L2 %.3g\n", D, H, Hkv, n, pos0,
+                  k->bt, k->variant, worst);
+    free(q);
+    free(out);
+    free(sc);
+    free(ref);
+    free(got);
+    cache_free(&hc);
+}
+
+static void test_attention(void **state) {
+    (void)state;
+    require_gpu();
+    const att_cfg cfgs[] = {
+        {128, 8, 2, 130, 77, 16, 0},  {128, 8, 2, 1, 300, 64, 0},  {64, 8, 8, 50, 0, 64, 0},
+        {64, 4, 1, 200, 33, 32, 0},   {128, 4, 4, 64, 0, 16, 0},   {128, 4, 1, 300, 1000, 64, 0},
+        {32, 8, 2, 40, 20, 16, 0},    {80, 4, 2, 30, 10, 16, 1},   {128, 8, 2, 70, 45, 16, 1},
+        {64, 2, 1, 129, 63, 1024, 0}, {128, 8, 2, 130, 77, 16, 2}, {64, 4, 1, 200, 33, 32, 2},
+        {128, 4, 1, 300, 1000, 64, 3}, {64, 8, 8, 257, 0, 64, 3}, {128, 4, 2, 1, 0, 16, 3},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cfgs); i++) run_att_case(&cfgs[i]);
+}
+
+int main(void) {
+    const char *s = getenv("KVB_TEST_SEED");
+    g_seed = s ? strtoull(s, NULL, 0) : ((uint64_t)time(NULL) ^ ((uint64_t)clock() << 32));
+    printf("test_cuda_kernels: seed %llu (KVB_TEST_SEED=%llu repeats this run)\n", (unsigned long long)g_seed,
+           (unsigned long long)g_seed);
+    kvb_rng_seed(&g_rng, g_seed);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_embed),   cmocka_unit_test(test_rmsnorm), cmocka_unit_test(test_swiglu),
+        cmocka_unit_test(test_gemm),    cmocka_unit_test(test_qkv_post), cmocka_unit_test(test_attention),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
+
+#else /* built without CUDA */
+
+static void test_no_cuda(void **state) {
+    (void)state;
+    print_message("no CUDA device: this build has no CUDA engine (KVB_CUDA=OFF); skipping\n");
+    skip();
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_no_cuda)};
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
+
+#endif
