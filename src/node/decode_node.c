@@ -320,7 +320,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
         snprintf(verdict, sizeof verdict, "declined: %u uncached tokens are below the bridge threshold of %u",
                  ship - cached, n->cfg.bridge_min_tokens);
     } else if (ensure_peer(n, &err)) {
-        snprintf(verdict, sizeof verdict, "declined: prefill node unavailable (%.80s)", err.msg);
+        snprintf(verdict, sizeof verdict, "declined: prefill node unavailable: %.90s", err.msg);
         kvb_metric_add(n->m_faults, KVB_LABELS("peer_down"), 1);
         memset(&err, 0, sizeof err);
     } else {

@@ -6,6 +6,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netdb.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "kvb_engine_cpu.h"
@@ -177,7 +179,9 @@ static void *accept_main(void *arg) {
         kvb_conn *c = NULL;
         kvb_hello peer;
         kvb_err err = {0};
-        if (kvb_transport_accept(n->l, &n->hello, &n->tcfg, 300, &c, &peer, &err)) {
+        /* the timeout bounds the wait and the handshake: generous, since a loaded machine can be
+         * slow to schedule either side; stop() wakes this with a connection of its own */
+        if (kvb_transport_accept(n->l, &n->hello, &n->tcfg, 5000, &c, &peer, &err)) {
             if (!n->stop && !strstr(err.msg, "timed out")) kvb_log(KVB_LOG_WARN, "prefill: refused a peer: %s", err.msg);
             continue;
         }
@@ -275,11 +279,40 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
 uint16_t kvb_prefill_node_port(const kvb_prefill_node *n) { return kvb_listener_port(n->l); }
 uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n) { return n->peak_capture; }
 
+/* Wakes the accept thread: a plain TCP connection that closes at once ends its wait. */
+static void poke_listener(kvb_prefill_node *n) {
+    char host[128] = "127.0.0.1";
+    const char *colon = strrchr(n->cfg.listen, ':');
+    size_t hl = colon ? (size_t)(colon - n->cfg.listen) : 0;
+    if (hl > 0 && hl < sizeof host && strncmp(n->cfg.listen, "*", hl) && strncmp(n->cfg.listen, "0.0.0.0", hl)) {
+        memcpy(host, n->cfg.listen, hl);
+        host[hl] = 0;
+        if (host[0] == '[') { /* [v6] */
+            memmove(host, host + 1, hl);
+            char *e = strchr(host, ']');
+            if (e) *e = 0;
+        }
+    }
+    char port[8];
+    snprintf(port, sizeof port, "%u", kvb_listener_port(n->l));
+    struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *ai = NULL;
+    if (getaddrinfo(host, port, &hints, &ai) != 0 || !ai) return;
+    int fd = socket(ai->ai_family, SOCK_STREAM, 0);
+    if (fd >= 0) {
+        if (connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) kvb_log(KVB_LOG_DEBUG, "prefill: wake-up connect failed");
+        close(fd);
+    }
+    freeaddrinfo(ai);
+}
+
 void kvb_prefill_node_stop(kvb_prefill_node *n) {
     if (!n) return;
     n->stop = true;
     if (n->ring.inited) kvb_ring_fail(&n->ring);
-    if (n->accept_started) pthread_join(n->accept_thread, NULL);
+    if (n->accept_started) {
+        poke_listener(n);
+        pthread_join(n->accept_thread, NULL);
+    }
     for (int i = 0; i < MAX_CONNS; i++)
         if (n->conn_used[i]) kvb_conn_shutdown(n->conns[i]);
     for (int i = 0; i < MAX_CONNS; i++)
