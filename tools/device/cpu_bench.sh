@@ -14,19 +14,20 @@ T=${THREADS:-16}
 {
   echo "== machine"; nproc; lscpu | grep -E 'Model name|Flags' | cut -c1-200
   echo "== generate models"
-  for spec in "tiny q8_0" "llama3.2-1b q8_0" "llama3.1-8b q8_0"; do
+  MODELS=${MODELS:-"tiny llama3.2-1b llama3.1-8b"}
+  for p in $MODELS; do spec="$p q8_0"
     set -- $spec
     /usr/bin/time -f "gen $1: %e s wall, %M KB max RSS" $K gen-model --preset $1 --type $2 --out /tmp/$1-$2.gguf --quiet --threads $T
   done
   ls -la /tmp/*.gguf
-  for m in tiny llama3.2-1b llama3.1-8b; do
+  for m in $MODELS; do
     f=/tmp/$m-q8_0.gguf
     echo "== $m decode ($T threads)"
     $K bench decode -m $f --threads $T --gen 64 --reps 3 --llama-bench $LB --json $OUT/$m-decode.json
     echo "== $m prefill ($T threads)"
     $K bench prefill -m $f --threads $T --tokens 512 --reps 3 --llama-bench $LB --json $OUT/$m-prefill.json
   done
-  for t in 4 8; do
+  for t in ${FEW_THREADS-4 8}; do
     echo "== llama3.1-8b decode ($t threads)"
     $K bench decode -m /tmp/llama3.1-8b-q8_0.gguf --threads $t --gen 32 --reps 3 --llama-bench $LB --json $OUT/8b-decode-t$t.json
   done
