@@ -37,6 +37,8 @@ struct kvb_decode_node {
     kvb_transport_config tcfg;
     uint64_t next_request_id;
     char peer_state[160];
+    double peer_retry_at; /* after a failed connect, no new attempt before this time (backoff) */
+    double peer_backoff_s;
     /* metrics */
     kvb_metric *m_requests, *m_tokens, *m_faults, *m_slab_bytes, *m_peer_up, *m_queue;
 };
@@ -60,11 +62,17 @@ static void drop_peer(kvb_decode_node *n) {
 static kvb_status ensure_peer(kvb_decode_node *n, kvb_err *err) {
     if (n->conn && kvb_conn_usable(n->conn)) return KVB_OK;
     drop_peer(n);
+    double now = kvb_now_s();
+    if (now < n->peer_retry_at) /* a peer that just failed is not dialled for every request */
+        return kvb_err_set(err, KVB_ERR_IO, "%s (next attempt in %.1f s)", n->peer_state, n->peer_retry_at - now);
     kvb_status st = kvb_transport_connect(n->peer, &n->hello, &n->tcfg, 5000, &n->conn, NULL, err);
     if (st) {
         snprintf(n->peer_state, sizeof n->peer_state, "down: %.140s", err->msg);
+        n->peer_backoff_s = n->peer_backoff_s ? KVB_MIN(2 * n->peer_backoff_s, 30.0) : 0.5;
+        n->peer_retry_at = kvb_now_s() + n->peer_backoff_s;
         return st;
     }
+    n->peer_backoff_s = 0;
     snprintf(n->peer_state, sizeof n->peer_state, "up");
     kvb_metric_set(n->m_peer_up, NULL, 1);
     return KVB_OK;
