@@ -5,7 +5,9 @@
 #
 # 1. builds (cmake + ninja, Release, -DKVB_CUDA=ON) into build-gpu/, or with KVB_PREBUILT=DIR uses
 #    binaries built elsewhere for x86-64 (DIR/kvbridge, DIR/test_cuda_*, DIR/lib/*.so*: the
-#    libraries the host lacks, e.g. libxxhash, libcjson, libcmocka);
+#    libraries the host lacks — on 2026-12-02 it had no libxxhash/libcjson/libcmocka/libmicrohttpd
+#    dev packages, so cmake there stops at find_library(xxhash)). Make such a DIR on a machine with
+#    the same nvcc:  tools/device/gpu_check.sh --pack BUILD_DIR DIR   (then carry DIR);
 # 2. generates the qwen3-0.6b and llama3.2-1b presets (bf16) into $MODELS_DIR and, in the
 #    background, the Llama-3.1-8B shape (bf16, ~16 GB);
 # 3. runs the gpu-labelled tests (test_cuda_*: kernels vs CPU twins, engine vs CPU engine on tiny
@@ -19,11 +21,21 @@
 # Logs go under $OUT (default /tmp/kvb-gpu-check), at most 8 files. Environment knobs:
 #   SIZES (2048,8192,32768)  REPS (3)  MODELS_DIR (/tmp/kvb-models)  KVB_PREBUILT (unset: build)
 #   STAGES ("tests peer bench split small"; split = the 8B bench again without attention and with
-#   128-row attention tiles, to see where the time goes)  PEER_JSON: use this peer JSON instead of
+#   64-row attention tiles, to see where the time goes)  PEER_JSON: use this peer JSON instead of
 #   running the peer (when the stage list leaves "peer" out)  LONG=1: also 131072 tokens on the 8B shape (1 run)
 #   SMALL_SIZES (1024,8192,32768)  DEADLINE (seconds for the whole script, default 3000: each
 #   step's timeout is cut to what is left, and steps that cannot start in time are skipped)
 set -u
+if [ "${1:-}" = "--pack" ]; then # --pack BUILD_DIR DIR: binaries + every non-system library they load
+  [ $# = 3 ] || { echo "usage: $0 --pack BUILD_DIR DIR" >&2; exit 2; }
+  rm -rf "$3" && mkdir -p "$3/lib" || exit 1
+  cp "$2/kvbridge" "$2"/tests/test_cuda_* "$3/" || exit 1
+  for f in "$3"/kvbridge "$3"/test_cuda_*; do ldd "$f"; done | awk '/=> \//{print $3}' | sort -u |
+    grep -vE '/(libc|libm|libpthread|libdl|librt|libgcc_s|libstdc\+\+|libcublas|libcublasLt|libcuda)\.so' |
+    while read -r l; do cp -L "$l" "$3/lib/"; done
+  echo "packed into $3: $(ls "$3" | tr '\n' ' ')"; ls "$3/lib"
+  exit 0
+fi
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/kvb-gpu-check}
 MD=${MODELS_DIR:-/tmp/kvb-models}
@@ -162,11 +174,11 @@ if want bench && [ -s "$L8B" ] && enough 40 "bench 8B"; then
   fi
 fi
 if want split && [ -s "$L8B" ] && enough 40 "split 8B"; then
-  # where the time goes: attention left out (diagnostic), and the 128-row attention tile
-  say "8B split: KVB_CUDA_DEBUG_SKIP_ATTENTION=1 at $SIZES; KVB_CUDA_FA_BR=128 at $SIZES"
+  # where the time goes: attention left out (diagnostic), and the 64-row attention tile
+  say "8B split: KVB_CUDA_DEBUG_SKIP_ATTENTION=1 at $SIZES; KVB_CUDA_FA_BR=64 at $SIZES"
   KVB_CUDA_DEBUG_SKIP_ATTENTION=1 timeout "$(tmo 120)" "$BIN" bench prefill --device cuda -m "$L8B" --tokens "$SIZES" \
     --reps 2 --ceiling-reps 5 >>"$OUT/bench_small.txt" 2>&1
-  KVB_CUDA_FA_BR=128 timeout "$(tmo 120)" "$BIN" bench prefill --device cuda -m "$L8B" --tokens "$SIZES" \
+  KVB_CUDA_FA_BR=64 timeout "$(tmo 120)" "$BIN" bench prefill --device cuda -m "$L8B" --tokens "$SIZES" \
     --reps 2 --ceiling-reps 5 >>"$OUT/bench_small.txt" 2>&1
   say "split: done"
 fi

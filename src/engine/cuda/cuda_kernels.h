@@ -53,8 +53,8 @@ typedef struct {
     kvb_cu_cache cache;
     int layer, H, Hkv, D, n, pos0;
 } kvb_cu_attn_args;
-/* variant 0: tensor-core flash attention when D is 64 or 128 (64 query rows per CTA, or 128 with
- * KVB_CUDA_FA_BR=128), else generic; 1: generic; 2 / 3: tensor-core with 64 / 128 rows per CTA. */
+/* variant 0: tensor-core flash attention when D is 64 or 128 (128 query rows per CTA, or 64 with
+ * KVB_CUDA_FA_BR=64), else generic; 1: generic; 2 / 3: tensor-core with 64 / 128 rows per CTA. */
 cudaError_t kvb_cu_attention(const kvb_cu_attn_args *a, int variant, cudaStream_t st);
 /* One-time per-process setup (shared-memory limits); idempotent. */
 cudaError_t kvb_cu_attention_init(void);
