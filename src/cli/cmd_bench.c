@@ -37,14 +37,6 @@ static void help(FILE *f) {
             "  --warmup N           (cuda) untimed forwards before each size's timed ones (default 1)\n");
 }
 
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 static uint64_t mat_bytes(const kvb_mat *w) { return (uint64_t)w->rows * w->row_bytes; }
 
@@ -242,7 +234,7 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
     for (int si = 0; si < n_sizes; si++) {
         double runs[100];
         memcpy(runs, tps + si * reps, sizeof(double) * (size_t)reps);
-        double med = median(tps + si * reps, reps);
+        double med = kvb_median_sort(tps + si * reps, reps);
         double tf = prefill_flops(&m->d, (double)sizes[si]) / ((double)sizes[si] / med) / 1e12;
         double pt = peer ? peer_tok_s(peer, sizes[si]) : -1;
         char ps[32] = "-", pr[32] = "-";
@@ -441,7 +433,7 @@ int kvb_cmd_bench(int argc, char **argv) {
     }
     double runs[100];
     memcpy(runs, times, sizeof(double) * (size_t)reps);
-    double tps = median(times, (int)reps);
+    double tps = kvb_median_sort(times, (int)reps);
     kvb_pool *pool = NULL;
     if (kvb_pool_create(T, &pool, &err)) goto fail;
     double bw = kvb_measure_read_bw(pool, (size_t)1 << 30, 3);

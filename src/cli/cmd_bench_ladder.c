@@ -28,10 +28,6 @@ static void help(FILE *f) {
             "  --cache-type T       the decoder's cache dtype (default f16)\n");
 }
 
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 typedef struct {
     double ttft;
@@ -180,12 +176,10 @@ int kvb_bench_ladder(int argc, char **argv) {
             strncat(verdicts, s ? ", " : "", sizeof verdicts - strlen(verdicts) - 1);
             strncat(verdicts, lb.verdict, sizeof verdicts - strlen(verdicts) - 1);
         }
-        qsort(a, (size_t)seeds, sizeof(double), cmp_d);
-        qsort(b, (size_t)seeds, sizeof(double), cmp_d);
-        qsort(gbs, (size_t)seeds, sizeof(double), cmp_d);
-        double ma = a[seeds / 2], mb = b[seeds / 2];
+        double ma = kvb_median_sort(a, (int)seeds), mb = kvb_median_sort(b, (int)seeds);
+        double mg = kvb_median_sort(gbs, (int)seeds);
         printf("%8d  %12.3f  %12.3f  %5.2fx  %10.0f  %9.2f  %s\n", lens[li], ma, mb, ma / mb, bytes_per_tok,
-               gbs[seeds / 2], verdicts);
+               mg, verdicts);
         printf("          runs alone:");
         for (int s = 0; s < seeds; s++) printf(" %.3f", a[s]);
         printf("; bridged:");
