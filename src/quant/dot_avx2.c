@@ -269,8 +269,17 @@ static void quantize_q8_0_avx2(const float *x, void *dst, int64_t n) {
     }
 }
 
+/* F16C conversion is exact (every fp16 value is an f32 value), so this matches the scalar loop. */
+static void f16_to_f32_avx2(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(src + i))));
+    for (; i < n; i++) dst[i] = kvb_fp16_to_f32(src[i]);
+}
+
 const kvb_quant_kernels kvb_quant_kernels_avx2 = {
     .name = "avx2",
     .matmul = matmul_avx2,
     .quantize_q8_0 = quantize_q8_0_avx2,
+    .f16_to_f32 = f16_to_f32_avx2,
 };

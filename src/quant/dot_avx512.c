@@ -302,8 +302,17 @@ static void quantize_q8_0_avx512(const float *x, void *dst, int64_t n) {
     }
 }
 
+/* F16C conversion is exact (every fp16 value is an f32 value), so this matches the scalar loop. */
+static void f16_to_f32_avx512(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(src + i))));
+    for (; i < n; i++) dst[i] = kvb_fp16_to_f32(src[i]);
+}
+
 const kvb_quant_kernels kvb_quant_kernels_avx512 = {
     .name = "avx512-vnni",
     .matmul = matmul_avx512,
     .quantize_q8_0 = quantize_q8_0_avx512,
+    .f16_to_f32 = f16_to_f32_avx512,
 };

@@ -21,6 +21,9 @@ typedef struct {
     const char *name;          /* "scalar", "avx2", "avx512-vnni", "neon" */
     kvb_matmul_fn matmul;      /* kvb_dot is matmul with n_rows = n_tok = 1 */
     kvb_qact_fn quantize_q8_0; /* the activation quantiser (canonical, see types.c) */
+    /* f16 row -> f32 (exact conversion; NULL: the portable loop in types.c). The attention reads
+     * f16 cache rows through this. */
+    void (*f16_to_f32)(const uint16_t *src, float *dst, int64_t n);
 } kvb_quant_kernels;
 
 extern const kvb_quant_kernels kvb_quant_kernels_scalar;

@@ -155,6 +155,11 @@ void kvb_row_to_f32(uint32_t type, const void *src, float *dst, int64_t n) {
         return;
     case KVB_TYPE_F16: {
         const uint16_t *s = src; /* [n] */
+        const kvb_quant_kernels *k = kvb_quant_active();
+        if (k->f16_to_f32) {
+            k->f16_to_f32(s, dst, n);
+            return;
+        }
         for (int64_t i = 0; i < n; i++) dst[i] = kvb_fp16_to_f32(s[i]);
         return;
     }
