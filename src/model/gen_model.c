@@ -140,6 +140,7 @@ kvb_status kvb_gen_model(const kvb_gen_opts *o, const char *out_path, kvb_err *e
     uint8_t *buf = NULL;
     float *rope_factors = NULL;
     int n_workers = 0;
+    bool created = false;
     kvb_status st = kvb_gguf_writer_create(&w, err);
     if (st) return st;
     if ((st = write_keys(w, &d, p->name, o->type, err))) goto done;
@@ -205,6 +206,7 @@ kvb_status kvb_gen_model(const kvb_gen_opts *o, const char *out_path, kvb_err *e
         if ((st = kvb_gguf_writer_add_tensor(w, ts[i].name, ts[i].n_dims, ts[i].ne, ts[i].type, err))) goto done;
 
     f = fopen(out_path, "wb");
+    created = f != NULL;
     if (!f) {
         st = kvb_err_set(err, KVB_ERR_IO, "cannot create %s: %m", out_path);
         goto done;
@@ -264,7 +266,7 @@ kvb_status kvb_gen_model(const kvb_gen_opts *o, const char *out_path, kvb_err *e
     f = NULL;
 done:
     if (f) fclose(f);
-    if (st && out_path) remove(out_path);
+    if (st && created) remove(out_path); /* only a file this call created: never a path it could not open */
     if (scratch)
         for (int i = 0; i < n_workers; i++) free(scratch[i]);
     free(scratch);
