@@ -10,6 +10,7 @@
 #include <strings.h>
 
 #include "kvb_quant.h"
+#include "kvb_quant_scalar.h"
 #include "quant_impl.h"
 
 /* ---- type table -------------------------------------------------------------------------- */
@@ -88,63 +89,10 @@ size_t kvb_row_bytes(uint32_t type, int64_t n) {
 
 /* ---- fp16 / bf16 ------------------------------------------------------------------------- */
 
-static inline uint32_t f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-static inline float bits_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Same results as x86 F16C (vcvtph2ps): exact; a signalling NaN comes back quiet with its
- * payload shifted into the top of the f32 mantissa. */
-float kvb_fp16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    const uint32_t e = (h >> 10) & 0x1fu;
-    const uint32_t m = h & 0x3ffu;
-    if (e == 0x1f) return bits_f32(sign | 0x7f800000u | (m ? 0x00400000u | (m << 13) : 0u));
-    if (e == 0) {
-        /* zero or subnormal: m * 2^-24, exact in f32 */
-        const float v = (float)m * 0x1p-24f;
-        return bits_f32(sign | f32_bits(v));
-    }
-    return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
-}
-
-/* Round to nearest even, overflow to infinity; NaN stays NaN, made quiet, keeping the top of
- * its payload (same as F16C vcvtps2ph with imm 0, and ggml's GGML_FP32_TO_FP16 on x86). */
-uint16_t kvb_f32_to_fp16(float f) {
-    const uint32_t x = f32_bits(f);
-    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
-    const uint32_t ax = x & 0x7fffffffu;
-    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu)); /* NaN */
-    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 (incl. inf) -> inf */
-    if (ax >= 0x38800000u) {                                    /* normal fp16 (>= 2^-14) */
-        const uint32_t r = ax - (112u << 23);                   /* rebias exponent 127 -> 15 */
-        return (uint16_t)(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
-    }
-    const uint32_t e = ax >> 23;
-    if (e < 102) return sign; /* < 2^-25: rounds to zero (2^-25 itself is a tie -> even 0) */
-    /* subnormal fp16: value = m * 2^(e-150); in units of 2^-24 that is m >> (126 - e) */
-    const uint32_t m = (ax & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126u - e; /* 14..24 */
-    uint32_t q = m >> shift;
-    const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-    if (rem > half || (rem == half && (q & 1u))) q++;
-    return (uint16_t)(sign | q); /* q == 0x400 is the smallest normal: the encoding still works */
-}
-
-float kvb_bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
-
-/* ggml's ggml_compute_fp32_to_bf16: round to nearest even (no denormal flushing), NaN -> quiet. */
-uint16_t kvb_f32_to_bf16(float f) {
-    const uint32_t u = f32_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64u);
-    return (uint16_t)((u + (0x7fffu + ((u >> 16) & 1u))) >> 16);
-}
+float kvb_fp16_to_f32(uint16_t h) { return kvb_fp16_to_f32_inl(h); }
+uint16_t kvb_f32_to_fp16(float f) { return kvb_f32_to_fp16_inl(f); }
+float kvb_bf16_to_f32(uint16_t h) { return kvb_bf16_to_f32_inl(h); }
+uint16_t kvb_f32_to_bf16(float f) { return kvb_f32_to_bf16_inl(f); }
 
 /* ---- row conversions ------------------------------------------------------------------- */
 
@@ -193,25 +141,6 @@ void kvb_row_to_f32(uint32_t type, const void *src, float *dst, int64_t n) {
     }
 }
 
-/* roundf(v) clamped to [-127, 127], NaN -> 0. For every finite input of ggml's Q8_0 reference
- * quantiser |v| <= 127 + a few ulp, so this is exactly its (int8_t)roundf(v); the clamp and the
- * NaN rule only define what ggml leaves undefined (1/d overflowing to inf, NaN inputs). */
-static inline int8_t q8_roundf(float v) {
-    if (!(v == v)) return 0;
-    if (v >= 127.0f) return 127;
-    if (v <= -127.0f) return -127;
-    return (int8_t)roundf(v);
-}
-
-/* Round half to even, independent of the FPU rounding mode; |v| <= 127 here. */
-static inline float rne_small(float v) {
-    const float t = truncf(v);
-    const float frac = v - t; /* exact: |v| < 2^23 */
-    const float one = v < 0.0f ? -1.0f : 1.0f;
-    if (fabsf(frac) > 0.5f) return t + one;
-    if (fabsf(frac) == 0.5f && ((int)t & 1) != 0) return t + one; /* tie: to even */
-    return t;
-}
 
 void kvb_f32_to_row(uint32_t type, const float *src, void *dst, int64_t n) {
     switch (type) {
@@ -240,7 +169,7 @@ void kvb_f32_to_row(uint32_t type, const float *src, void *dst, int64_t n) {
             const float d = amax / 127.0f;
             const float id = d != 0.0f ? 1.0f / d : 0.0f;
             y[i].d = kvb_f32_to_fp16(d);
-            for (int j = 0; j < KVB_QK8_0; j++) y[i].qs[j] = q8_roundf(x[j] * id);
+            for (int j = 0; j < KVB_QK8_0; j++) y[i].qs[j] = kvb_q8_roundf(x[j] * id);
         }
         return;
     }
@@ -313,7 +242,7 @@ void kvb_quantize_q8_0_act_ref(const float *x, void *dst, int64_t n) {
                 continue;
             }
             v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-            y[i].qs[j] = (int8_t)rne_small(v);
+            y[i].qs[j] = (int8_t)kvb_rne_small(v);
         }
     }
 }
