@@ -1,0 +1,195 @@
+// engine/cuda/bridge.cu — the CUDA bridge kernels: the decoder's cache-producing arithmetic
+// (kvb_engine_cpu.h, "the decoder's cache-producing arithmetic") reproduced operation for
+// operation: the canonical dot (16 lanes, fmaf, fixed tree; exact integer block sums for
+// Q8_0/Q4_0 weights against Q8_0 activations), bias add, k-norm, RoPE with products rounded
+// separately, and the encoders — every rounding spelled with an _rn intrinsic so nvcc cannot
+// contract or reorder, and the scalar conversions shared with the CPU (kvb_quant_scalar.h).
+#include <cuda_runtime.h>
+
+#include "bridge_kernels.h"
+#include "kvb_quant_scalar.h"
+
+#define QK 32
+#define T_F32 0u
+#define T_F16 1u
+#define T_Q4_0 2u
+#define T_Q8_0 8u
+#define T_BF16 30u
+
+__device__ static inline uint16_t ld_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+__device__ static inline float tree16(float *acc) {
+    for (int h = 8; h >= 1; h >>= 1)
+        for (int i = 0; i < h; i++) acc[i] = __fadd_rn(acc[i], acc[i + h]);
+    return acc[0];
+}
+
+// Canonical dot over elements [e0, e1) of one weight row and one activation row, lanes counted
+// from e0 (so a split dot is two independent canonical dots).
+__device__ static float canon_dot(uint32_t wtype, const uint8_t *w, const uint8_t *x, int e0, int e1) {
+    float acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = 0.0f;
+    if (wtype == T_Q8_0 || wtype == T_Q4_0) {
+        const int wbb = wtype == T_Q8_0 ? 34 : 18;
+        for (int b = e0 / QK; b < e1 / QK; b++) {
+            const uint8_t *wb = w + (size_t)b * wbb, *xb = x + (size_t)b * 34;
+            const int8_t *xq = (const int8_t *)(xb + 2);
+            int s = 0;
+            if (wtype == T_Q8_0) {
+                const int8_t *wq = (const int8_t *)(wb + 2);
+                for (int j = 0; j < QK; j++) s += (int)wq[j] * (int)xq[j];
+            } else {
+                for (int j = 0; j < QK / 2; j++) {
+                    const int lo = (wb[2 + j] & 15) - 8, hi = (wb[2 + j] >> 4) - 8;
+                    s += lo * (int)xq[j] + hi * (int)xq[j + QK / 2];
+                }
+            }
+            const float d = __fmul_rn(kvb_fp16_to_f32_inl(ld_u16(wb)), kvb_fp16_to_f32_inl(ld_u16(xb)));
+            const int lane = (b - e0 / QK) & 15;
+            acc[lane] = __fmaf_rn(__int2float_rn(s), d, acc[lane]);
+        }
+    } else {
+        const float *xf = (const float *)x;
+        for (int i = e0; i < e1; i++) {
+            float wi;
+            if (wtype == T_F32) wi = ((const float *)w)[i];
+            else if (wtype == T_F16) wi = kvb_fp16_to_f32_inl(ld_u16(w + 2 * (size_t)i));
+            else wi = kvb_bf16_to_f32_inl(ld_u16(w + 2 * (size_t)i));
+            const int lane = (i - e0) & 15;
+            acc[lane] = __fmaf_rn(wi, xf[i], acc[lane]);
+        }
+    }
+    return tree16(acc);
+}
+
+__global__ static void k_quantize_act(const float *x, uint8_t *act, size_t act_stride, int n, int E) {
+    const int nb = E / QK;
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n * nb) return;
+    const int t = idx / nb, b = idx % nb;
+    const float *xb = x + (size_t)t * E + (size_t)b * QK;
+    uint8_t *y = act + (size_t)t * act_stride + (size_t)b * 34;
+    float amax = 0.0f;
+    int nan = 0;
+    for (int j = 0; j < QK; j++) {
+        const float a = fabsf(xb[j]);
+        if (a != a) nan = 1;
+        else if (a > amax) amax = a;
+    }
+    if (nan) amax = __int_as_float(0x7fc00000);
+    const float d = __fdiv_rn(amax, 127.0f);
+    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    const uint16_t dh = kvb_f32_to_fp16_inl(d);
+    y[0] = (uint8_t)(dh & 0xff);
+    y[1] = (uint8_t)(dh >> 8);
+    for (int j = 0; j < QK; j++) {
+        float v = __fmul_rn(xb[j], id);
+        if (!(v == v)) {
+            y[2 + j] = 0;
+            continue;
+        }
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        y[2 + j] = (uint8_t)(int8_t)kvb_rne_small(v);
+    }
+}
+
+__global__ static void k_copy_act(const float *x, uint8_t *act, size_t act_stride, int n, int E) {
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n * E) return;
+    const int t = idx / E, i = idx % E;
+    ((float *)(act + (size_t)t * act_stride))[i] = x[idx];
+}
+
+__global__ static void k_project(uint32_t wtype, const uint8_t *w, size_t w_row_bytes, int rows, const uint8_t *act,
+                                 size_t act_stride, int n, int E, float *y, int split) {
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n * rows) return;
+    const int t = idx / rows, r = idx % rows;
+    const uint8_t *wr = w + (size_t)r * w_row_bytes, *xa = act + (size_t)t * act_stride;
+    float v;
+    if (split > 0) v = __fadd_rn(canon_dot(wtype, wr, xa, 0, split), canon_dot(wtype, wr, xa, split, E));
+    else v = canon_dot(wtype, wr, xa, 0, E);
+    y[(size_t)t * rows + r] = v;
+}
+
+__device__ static void encode_row(uint32_t dtype, const float *x, int hd, uint8_t *dst) {
+    if (dtype == T_F32) {
+        for (int i = 0; i < hd; i++) ((float *)dst)[i] = x[i];
+    } else if (dtype == T_F16 || dtype == T_BF16) {
+        for (int i = 0; i < hd; i++) {
+            const uint16_t h = dtype == T_F16 ? kvb_f32_to_fp16_inl(x[i]) : kvb_f32_to_bf16_inl(x[i]);
+            dst[2 * i] = (uint8_t)(h & 0xff);
+            dst[2 * i + 1] = (uint8_t)(h >> 8);
+        }
+    } else { /* Q8_0, ggml's reference quantiser */
+        for (int b = 0; b < hd / QK; b++) {
+            const float *xb = x + b * QK;
+            uint8_t *y = dst + (size_t)b * 34;
+            float amax = 0.0f;
+            for (int j = 0; j < QK; j++) {
+                const float a = fabsf(xb[j]);
+                amax = amax > a ? amax : a;
+            }
+            const float d = __fdiv_rn(amax, 127.0f);
+            const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+            const uint16_t dh = kvb_f32_to_fp16_inl(d);
+            y[0] = (uint8_t)(dh & 0xff);
+            y[1] = (uint8_t)(dh >> 8);
+            for (int j = 0; j < QK; j++) y[2 + j] = (uint8_t)kvb_q8_roundf(__fmul_rn(xb[j], id));
+        }
+    }
+}
+
+__global__ static void k_post(float *k, float *v, int n, int nkv, int hd, const float *bk, const float *bv,
+                              const float *knorm, float eps, int n_rot, int neox, const float *cos_t,
+                              const float *sin_t, uint32_t dtype, uint8_t *k_rows, uint8_t *v_rows, size_t row_bytes) {
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n * nkv) return;
+    const int t = idx / nkv, h = idx % nkv, half = n_rot / 2;
+    const size_t kvw = (size_t)nkv * hd;
+    float *kh = k + (size_t)t * kvw + (size_t)h * hd, *vh = v + (size_t)t * kvw + (size_t)h * hd;
+    if (bk)
+        for (int i = 0; i < hd; i++) kh[i] = __fadd_rn(kh[i], bk[(size_t)h * hd + i]);
+    if (bv)
+        for (int i = 0; i < hd; i++) vh[i] = __fadd_rn(vh[i], bv[(size_t)h * hd + i]);
+    if (knorm) {
+        float acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = 0.0f;
+        for (int i = 0; i < hd; i++) acc[i & 15] = __fmaf_rn(kh[i], kh[i], acc[i & 15]);
+        const float ss = tree16(acc);
+        const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)hd), eps)));
+        for (int i = 0; i < hd; i++) kh[i] = __fmul_rn(__fmul_rn(kh[i], r), knorm[i]);
+    }
+    const float *c = cos_t + (size_t)t * half, *s = sin_t + (size_t)t * half;
+    for (int i = 0; i < half; i++) {
+        const int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+        const float x0 = kh[i0], x1 = kh[i1];
+        const float a = __fmul_rn(x0, c[i]), b = __fmul_rn(x1, s[i]), e = __fmul_rn(x0, s[i]), f = __fmul_rn(x1, c[i]);
+        kh[i0] = __fsub_rn(a, b);
+        kh[i1] = __fadd_rn(e, f);
+    }
+    encode_row(dtype, kh, hd, k_rows + ((size_t)t * nkv + h) * row_bytes);
+    encode_row(dtype, vh, hd, v_rows + ((size_t)t * nkv + h) * row_bytes);
+}
+
+static int grid(long long threads) { return (int)((threads + 127) / 128); }
+
+extern "C" int kvb_bk_quantize_act(const float *x, uint8_t *act, size_t act_stride, int n, int E, int quantized) {
+    if (quantized) k_quantize_act<<<grid((long long)n * (E / QK)), 128>>>(x, act, act_stride, n, E);
+    else k_copy_act<<<grid((long long)n * E), 128>>>(x, act, act_stride, n, E);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int kvb_bk_project(uint32_t wtype, const uint8_t *w, size_t w_row_bytes, int rows, const uint8_t *act,
+                              size_t act_stride, int n, int E, float *y, int split) {
+    k_project<<<grid((long long)n * rows), 128>>>(wtype, w, w_row_bytes, rows, act, act_stride, n, E, y, split);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int kvb_bk_post(float *k, float *v, int n, int nkv, int hd, const float *bk, const float *bv,
+                           const float *knorm, float eps, int n_rot, int neox, const float *cos_t, const float *sin_t,
+                           uint32_t dtype, uint8_t *k_rows, uint8_t *v_rows, size_t row_bytes) {
+    k_post<<<grid((long long)n * nkv), 128>>>(k, v, n, nkv, hd, bk, bv, knorm, eps, n_rot, neox, cos_t, sin_t, dtype,
+                                              k_rows, v_rows, row_bytes);
+    return (int)cudaGetLastError();
+}

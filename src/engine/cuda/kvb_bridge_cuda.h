@@ -1,0 +1,30 @@
+/* engine/cuda/kvb_bridge_cuda.h — the bridge kernel on the GPU: the decoder's cache-producing
+ * arithmetic (kvb_kv_produce, specified in engine/cpu/kvb_engine_cpu.h) with the DECODER's K/V
+ * weights in their own file type (Q8_0 weights against Q8_0-quantised activations, integer block
+ * sums), reproduced bit for bit on the device. Attention inputs (n, n_embd) f32 go in; K and V
+ * rows (n, n_head_kv, row_bytes) in the decoder's cache dtype come out. Plain C; every CUDA call
+ * checked. */
+#ifndef KVB_BRIDGE_CUDA_H
+#define KVB_BRIDGE_CUDA_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kvb_core.h"
+#include "kvb_model.h"
+
+typedef struct kvb_bridge_cuda kvb_bridge_cuda;
+
+/* Uploads every layer's K/V weights, biases and k-norm of `decoder`; buffers for max_tokens
+ * positions per call. cache_dtype: F32, F16, BF16 or Q8_0. */
+kvb_status kvb_bridge_cuda_create(const kvb_model *decoder, uint32_t cache_dtype, uint32_t max_tokens,
+                                  kvb_bridge_cuda **out, kvb_err *err);
+void kvb_bridge_cuda_free(kvb_bridge_cuda *b);
+/* Test-only: the K projection as dot(first half) + dot(second half), as the CPU's test_perturb. */
+void kvb_bridge_cuda_set_perturbed(kvb_bridge_cuda *b, bool perturbed);
+/* h (n, n_embd) f32 host memory, positions pos0 .. pos0+n-1 -> k_rows, v_rows (n, n_head_kv,
+ * row_bytes) host memory. */
+kvb_status kvb_bridge_cuda_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
+                                 uint8_t *k_rows, uint8_t *v_rows, kvb_err *err);
+
+#endif
