@@ -21,6 +21,8 @@ struct kvb_bridge_cpu {
     kvb_slab_sink sink;
     void *sink_ctx;
     bool perturbed;
+    kvb_rows_producer producer; /* NULL: kvb_kv_produce here */
+    void *producer_ctx;
 };
 
 kvb_status kvb_bridge_cpu_create(const kvb_model *decoder, const kvb_kvformat *fmt, kvb_pool *pool,
@@ -72,6 +74,11 @@ void kvb_bridge_cpu_begin(kvb_bridge_cpu *b, uint32_t ship_from, uint32_t ship_t
 
 void kvb_bridge_cpu_set_perturbed(kvb_bridge_cpu *b, bool perturbed) { b->perturbed = perturbed; }
 
+void kvb_bridge_cpu_set_producer(kvb_bridge_cpu *b, kvb_rows_producer fn, void *ctx) {
+    b->producer = fn;
+    b->producer_ctx = ctx;
+}
+
 kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
                                 kvb_err *err) {
     kvb_bridge_cpu *b = bridge;
@@ -86,9 +93,14 @@ kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uin
     if (n > b->max_chunk)
         return kvb_err_set(err, KVB_ERR_INVALID, "bridge chunk of %u tokens exceeds its buffers (%u)", n, b->max_chunk);
     const kvb_model_desc *d = &b->m->d;
-    kvb_rope_table(b->inv_freq, d->n_rot, pos0, n, b->rope_cos, b->rope_sin);
-    kvb_kv_produce_args a = {b->m, layer, b->fmt.dtype, b->pool, b->rope_cos, b->rope_sin, b->perturbed};
-    kvb_kv_produce(&a, h, n, b->scratch, b->k_rows, b->v_rows);
+    if (b->producer) {
+        kvb_status st = b->producer(b->producer_ctx, layer, pos0, n, h, b->k_rows, b->v_rows, err);
+        if (st) return st;
+    } else {
+        kvb_rope_table(b->inv_freq, d->n_rot, pos0, n, b->rope_cos, b->rope_sin);
+        kvb_kv_produce_args a = {b->m, layer, b->fmt.dtype, b->pool, b->rope_cos, b->rope_sin, b->perturbed};
+        kvb_kv_produce(&a, h, n, b->scratch, b->k_rows, b->v_rows);
+    }
     const size_t tok_bytes = (size_t)d->n_head_kv * kvb_kvformat_row_bytes(&b->fmt);
     const uint32_t bt = b->fmt.block_tokens;
     for (uint32_t t = 0; t < n;) {

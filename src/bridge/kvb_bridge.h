@@ -41,6 +41,13 @@ void kvb_bridge_cpu_begin(kvb_bridge_cpu *b, uint32_t ship_from, uint32_t ship_t
 /* The engine's layer hook (kvb_layer_hook): h (n, n_embd) attention inputs at pos0 .. pos0+n-1. */
 kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
                                 kvb_err *err);
+/* Where the rows come from: by default kvb_kv_produce on this CPU; a device producer (the CUDA
+ * bridge kernel, kvb_bridge_cuda_layer) computes the same rows elsewhere and this object still
+ * cuts and ships the slabs. fn(ctx, layer, pos0, n, h (n, n_embd), k_rows, v_rows) fills
+ * (n, n_head_kv, row_bytes) rows in the decoder's cache dtype. */
+typedef kvb_status (*kvb_rows_producer)(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
+                                        uint8_t *k_rows, uint8_t *v_rows, kvb_err *err);
+void kvb_bridge_cpu_set_producer(kvb_bridge_cpu *b, kvb_rows_producer fn, void *ctx);
 /* Test-only: perturb the bridge's arithmetic by one reordered addition (the K bias is added to the
  * projection in a different association), so `kvbridge verify` can prove it detects a change. */
 void kvb_bridge_cpu_set_perturbed(kvb_bridge_cpu *b, bool perturbed);
@@ -54,6 +61,7 @@ typedef struct {
     uint64_t seed;         /* prompt tokens */
     int n_threads;
     bool perturb;          /* test-only: perturb the bridge; every exactness row must then fail */
+    bool cuda;             /* compute the bridge rows with the CUDA bridge kernel (needs a GPU) */
 } kvb_verify_opts;
 
 typedef struct {

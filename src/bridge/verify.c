@@ -8,6 +8,14 @@
 #include "kvb_bridge.h"
 #include "kvb_quant.h"
 #include "kvb_store.h"
+#ifdef KVB_HAVE_CUDA
+#include "kvb_bridge_cuda.h"
+
+static kvb_status cuda_rows(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const float *h, uint8_t *k_rows,
+                            uint8_t *v_rows, kvb_err *err) {
+    return kvb_bridge_cuda_layer(ctx, layer, pos0, n, h, k_rows, v_rows, err);
+}
+#endif
 
 typedef struct {
     const kvb_kvformat *fmt;
@@ -67,6 +75,22 @@ static kvb_status run_bridge(const kvb_model *m, const kvb_verify_opts *o, const
     kvb_status st = kvb_bridge_cpu_create(m, fmt, NULL, chunk, &br, err);
     if (st) return st;
     kvb_bridge_cpu_set_perturbed(br, o->perturb);
+#ifdef KVB_HAVE_CUDA
+    kvb_bridge_cuda *gpu = NULL;
+    if (o->cuda) {
+        if ((st = kvb_bridge_cuda_create(m, fmt->dtype, chunk, &gpu, err))) {
+            kvb_bridge_cpu_free(br);
+            return st;
+        }
+        kvb_bridge_cuda_set_perturbed(gpu, o->perturb);
+        kvb_bridge_cpu_set_producer(br, cuda_rows, gpu);
+    }
+#else
+    if (o->cuda) {
+        kvb_bridge_cpu_free(br);
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "this build has no CUDA");
+    }
+#endif
     kvb_bridge_cpu_begin(br, 0, c->ship, collect_slab, c);
     for (uint32_t p = 0; p < in->ship && !st; p += chunk) {
         uint32_t n = in->ship - p < chunk ? in->ship - p : chunk;
@@ -74,6 +98,9 @@ static kvb_status run_bridge(const kvb_model *m, const kvb_verify_opts *o, const
             st = kvb_bridge_cpu_layer(br, l, p, n, in->h + ((size_t)l * in->ship + p) * in->n_embd, err);
     }
     kvb_bridge_cpu_free(br);
+#ifdef KVB_HAVE_CUDA
+    kvb_bridge_cuda_free(gpu);
+#endif
     return st;
 }
 

@@ -2,12 +2,16 @@
  * identical blocks, chunked == one-shot) as N/N rows per preset and cache format, and exits
  * non-zero if any row is short. Rows a machine cannot run are named as not run. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
 #include "kvb_bridge.h"
 #include "kvb_cli.h"
 #include "kvb_quant.h"
+#ifdef KVB_HAVE_CUDA
+#include "kvb_engine_cuda.h"
+#endif
 
 static void help(FILE *f) {
     fprintf(f,
@@ -28,7 +32,7 @@ static void help(FILE *f) {
 
 static const uint32_t k_formats[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0};
 
-static int verify_model(const char *label, const char *path, int threads, bool perturb, int *short_rows) {
+static int verify_model(const char *label, const char *path, int threads, bool perturb, bool cuda, int *short_rows) {
     kvb_err err = {0};
     kvb_model *m = NULL;
     if (kvb_model_load(path, &m, &err)) {
@@ -37,7 +41,7 @@ static int verify_model(const char *label, const char *path, int threads, bool p
     }
     for (size_t i = 0; i < sizeof k_formats / sizeof k_formats[0]; i++) {
         kvb_verify_opts o = {.cache_dtype = k_formats[i], .block_tokens = 16, .prompt_tokens = 4 * 16 + 7,
-                             .seed = 0x5eed + i, .n_threads = threads, .perturb = perturb};
+                             .seed = 0x5eed + i, .n_threads = threads, .perturb = perturb, .cuda = cuda};
         kvb_verify_result r;
         if (kvb_verify_cpu(m, &o, &r, &err)) {
             fprintf(stderr, "kvbridge verify: %s (%s): %s\n", label, kvb_type_name(k_formats[i]), err.msg);
@@ -53,8 +57,8 @@ static int verify_model(const char *label, const char *path, int threads, bool p
                     {"chunked", r.chunked_ok, r.chunked_total}};
         for (size_t k = 0; k < 3; k++) {
             bool good = rows[k].ok == rows[k].total && rows[k].total > 0;
-            printf("  %-14s %-5s cpu   %-8s %4u/%-4u %s\n", label, fmt, rows[k].name, rows[k].ok, rows[k].total,
-                   good ? "ok" : "SHORT");
+            printf("  %-14s %-5s %-5s %-8s %4u/%-4u %s\n", label, fmt, cuda ? "cuda" : "cpu", rows[k].name, rows[k].ok,
+                   rows[k].total, good ? "ok" : "SHORT");
             if (!good) (*short_rows)++;
         }
     }
@@ -64,6 +68,7 @@ static int verify_model(const char *label, const char *path, int threads, bool p
 
 int kvb_cmd_verify(int argc, char **argv) {
     const char *presets[16], *model = NULL, *device = "cpu";
+    char *paths[16] = {0};
     int n_presets = 0, threads = 0;
     bool perturb = false;
     for (int i = 1; i < argc; i++) {
@@ -110,7 +115,7 @@ int kvb_cmd_verify(int argc, char **argv) {
     printf("  %-14s %-5s %-5s %-8s %9s\n", "model", "cache", "dev", "row", "identical");
     int short_rows = 0;
     if (model) {
-        if (verify_model(model, model, threads, perturb, &short_rows)) return 1;
+        if (verify_model(model, model, threads, perturb, false, &short_rows)) return 1;
     }
     for (int i = 0; i < n_presets; i++) {
         char path[512];
@@ -126,15 +131,26 @@ int kvb_cmd_verify(int argc, char **argv) {
                 return 1;
             }
         }
-        if (verify_model(presets[i], path, threads, perturb, &short_rows)) return 1;
+        paths[i] = strdup(path);
+        if (!paths[i] || verify_model(presets[i], path, threads, perturb, false, &short_rows)) return 1;
     }
+    /* the CUDA rows: the bridge kernel on the GPU against the same decoder's own cache */
 #ifdef KVB_HAVE_CUDA
-    printf("  CUDA rows: not run — the CUDA bridge kernel is not built yet%s.\n",
-           strcmp(device, "cuda") ? "" : " (--device cuda asked for them)");
+    char why[256] = "";
+    if (!strcmp(device, "cuda") && kvb_cuda_device_available(why, sizeof why)) {
+        if (model && verify_model(model, model, threads, perturb, true, &short_rows)) return 1;
+        for (int i = 0; i < n_presets; i++)
+            if (verify_model(presets[i], paths[i], threads, perturb, true, &short_rows)) return 1;
+    } else if (!strcmp(device, "cuda")) {
+        printf("  CUDA rows: not run — %s.\n", why);
+    } else {
+        printf("  CUDA rows: not run — pass --device cuda on a GPU host.\n");
+    }
 #else
     printf("  CUDA rows: not run — this build has no CUDA (no nvcc at build time)%s.\n",
            strcmp(device, "cuda") ? "" : "; --device cuda needs a CUDA build on a GPU host");
 #endif
+    for (int i = 0; i < n_presets; i++) free(paths[i]);
     printf("%s: %d short row(s)\n", short_rows ? "FAIL" : "PASS", short_rows);
     return short_rows ? 1 : 0;
 }
