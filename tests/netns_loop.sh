@@ -50,6 +50,11 @@ for turn in 1 2; do
   echo "netns_loop: turn $turn: verdict '$verdict'; usage: $(echo "$out" | python3 -c 'import json,sys; print(json.load(sys.stdin)["usage"]["kvbridge"])')"
   [ "$verdict" = complete ] || fail=1
 done
+# Transport throughput beside the raw shaped link, measured the same way in the same run (printed,
+# not asserted: a benchmark, not a timed test).
+ip netns exec $P "$K" bench link --listen 10.213.7.1:7420 >"$WORK/l.log" 2>&1 &
+sleep 0.3
+ip netns exec $D "$K" bench link --peer 10.213.7.1:7420 --bytes 268435456 --reps 3 2>/dev/null | sed 's/^/netns_loop: /'
 [ $fail = 0 ] || { echo "--- prefill log"; cat "$WORK/p.log"; echo "--- decode log"; cat "$WORK/d.log"; }
 echo "netns_loop: $((2 - fail)) passed, $fail failed"
 exit $fail

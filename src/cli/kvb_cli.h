@@ -17,6 +17,8 @@ int kvb_cmd_verify(int argc, char **argv);
 int kvb_cmd_serve(int argc, char **argv);
 /* `kvbridge bench ladder` (cmd_bench_ladder.c), dispatched by kvb_cmd_bench. */
 int kvb_bench_ladder(int argc, char **argv);
+/* `kvbridge bench link` (cmd_bench_link.c). */
+int kvb_bench_link(int argc, char **argv);
 
 /* Small shared helpers for option parsing (cli/args.c). */
 bool kvb_arg_is_help(const char *a);
