@@ -38,25 +38,35 @@ static int setup(void **state) {
     return 0;
 }
 
-static kvb_prefill_node *start_prefill(const char *model, const char *psk, const char *fault) {
+static kvb_prefill_node *start_prefill_mode(const char *model, const char *psk, const char *fault, bool prefill_mode,
+                                            uint32_t engine_dtype) {
     kvb_prefill_config c = {.listen = "127.0.0.1:0", .model_path = model, .psk = psk, .n_threads = 1,
-                            .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 4096, .fault = fault};
+                            .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 4096, .fault = fault,
+                            .prefill_mode = prefill_mode, .engine_cache_dtype = engine_dtype};
     kvb_prefill_node *n = NULL;
     kvb_err err = {0};
     if (kvb_prefill_node_start(&c, &n, &err)) fail_msg("prefill node: %s", err.msg);
     return n;
 }
 
-static kvb_decode_node *start_decode(uint16_t peer_port, const char *psk, int timeout_ms) {
+static kvb_prefill_node *start_prefill(const char *model, const char *psk, const char *fault) {
+    return start_prefill_mode(model, psk, fault, false, 0);
+}
+
+static kvb_decode_node *start_decode_mode(uint16_t peer_port, const char *psk, int timeout_ms, bool prefill_mode) {
     char peer[32];
     snprintf(peer, sizeof peer, "127.0.0.1:%u", peer_port);
     kvb_decode_config c = {.http_listen = "127.0.0.1:0", .peer = peer_port ? peer : NULL, .model_path = g_model,
                            .psk = psk, .n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32,
-                           .max_ctx = 4096, .peer_timeout_ms = timeout_ms};
+                           .max_ctx = 4096, .peer_timeout_ms = timeout_ms, .prefill_mode = prefill_mode};
     kvb_decode_node *n = NULL;
     kvb_err err = {0};
     if (kvb_decode_node_start(&c, &n, &err)) fail_msg("decode node: %s", err.msg);
     return n;
+}
+
+static kvb_decode_node *start_decode(uint16_t peer_port, const char *psk, int timeout_ms) {
+    return start_decode_mode(peer_port, psk, timeout_ms, false);
 }
 
 typedef struct {
@@ -194,6 +204,40 @@ static void test_fault_other_model(void **state) {
     check_fault(NULL, g_other, PSK, true, 10000, "declined: prefill node unavailable", NULL);
 }
 
+/* Bridge mode `prefill`: the prefill engine's own K/V re-encoded. In the decoder's own format it
+ * is exact (same answer as native); from an f32 engine it still completes (not claimed exact);
+ * nodes that disagree on the mode refuse each other at the handshake. */
+static void test_prefill_mode(void **state) {
+    (void)state;
+    int32_t ids[500];
+    prompt_ids(ids, 500, 5);
+    const uint32_t engine_types[] = {0, KVB_TYPE_F32};
+    for (int i = 0; i < 2; i++) {
+        kvb_prefill_node *pn = start_prefill_mode(g_model, PSK, NULL, true, engine_types[i]);
+        kvb_decode_node *dn = start_decode_mode(kvb_prefill_node_port(pn), PSK, 10000, true);
+        kvb_decode_node *nat = start_decode(0, PSK, 10000);
+        reply b, n;
+        complete_ids(kvb_decode_node_port(dn), ids, 500, &b);
+        complete_ids(kvb_decode_node_port(nat), ids, 500, &n);
+        assert_string_equal(b.verdict, "complete");
+        assert_int_equal(b.bridged, 480);
+        if (i == 0) assert_string_equal(b.content, n.content);
+        free(b.content);
+        free(n.content);
+        kvb_decode_node_stop(nat);
+        kvb_decode_node_stop(dn);
+        kvb_prefill_node_stop(pn);
+    }
+    kvb_prefill_node *pn = start_prefill_mode(g_model, PSK, NULL, true, 0);
+    kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000); /* decoder mode */
+    reply b;
+    complete_ids(kvb_decode_node_port(dn), ids, 500, &b);
+    assert_true(strncmp(b.verdict, "declined: prefill node unavailable", 34) == 0);
+    free(b.content);
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+}
+
 static void test_openai_client_streams(void **state) {
     (void)state;
     const char *src = getenv("KVB_SOURCE_DIR");
@@ -221,6 +265,7 @@ int main(void) {
         cmocka_unit_test(test_fault_peer_down),
         cmocka_unit_test(test_fault_wrong_key),
         cmocka_unit_test(test_fault_other_model),
+        cmocka_unit_test(test_prefill_mode),
         cmocka_unit_test(test_openai_client_streams),
     };
     return cmocka_run_group_tests(tests, setup, NULL);

@@ -79,17 +79,15 @@ void kvb_bridge_cpu_set_producer(kvb_bridge_cpu *b, kvb_rows_producer fn, void *
     b->producer_ctx = ctx;
 }
 
+static kvb_status emit_slabs(kvb_bridge_cpu *b, uint32_t layer, uint32_t pos0, uint32_t n, kvb_err *err);
+static bool clip_to_ship(const kvb_bridge_cpu *b, uint32_t *pos0, uint32_t *n, uint32_t *skip);
+
 kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
                                 kvb_err *err) {
     kvb_bridge_cpu *b = bridge;
-    if (pos0 + n <= b->ship_from || pos0 >= b->ship_to) return KVB_OK; /* only what the decoder lacks */
-    if (pos0 < b->ship_from) { /* the chunk starts inside the decoder's cached prefix */
-        uint32_t skip = b->ship_from - pos0;
-        h += (size_t)skip * b->m->d.n_embd;
-        pos0 += skip;
-        n -= skip;
-    }
-    if (n > b->ship_to - pos0) n = b->ship_to - pos0;
+    uint32_t skip; /* only what the decoder lacks */
+    if (!clip_to_ship(b, &pos0, &n, &skip)) return KVB_OK;
+    h += (size_t)skip * b->m->d.n_embd;
     if (n > b->max_chunk)
         return kvb_err_set(err, KVB_ERR_INVALID, "bridge chunk of %u tokens exceeds its buffers (%u)", n, b->max_chunk);
     const kvb_model_desc *d = &b->m->d;
@@ -101,7 +99,12 @@ kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uin
         kvb_kv_produce_args a = {b->m, layer, b->fmt.dtype, b->pool, b->rope_cos, b->rope_sin, b->perturbed};
         kvb_kv_produce(&a, h, n, b->scratch, b->k_rows, b->v_rows);
     }
-    const size_t tok_bytes = (size_t)d->n_head_kv * kvb_kvformat_row_bytes(&b->fmt);
+    return emit_slabs(b, layer, pos0, n, err);
+}
+
+/* Cuts b->k_rows / v_rows (n tokens from pos0) into slabs at block boundaries and sinks them. */
+static kvb_status emit_slabs(kvb_bridge_cpu *b, uint32_t layer, uint32_t pos0, uint32_t n, kvb_err *err) {
+    const size_t tok_bytes = (size_t)b->m->d.n_head_kv * kvb_kvformat_row_bytes(&b->fmt);
     const uint32_t bt = b->fmt.block_tokens;
     for (uint32_t t = 0; t < n;) {
         uint32_t p = pos0 + t, in_block = bt - p % bt, cnt = n - t < in_block ? n - t : in_block;
@@ -118,4 +121,43 @@ kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uin
         t += cnt;
     }
     return KVB_OK;
+}
+
+/* Clips [pos0, pos0+n) to the shipped range; returns false when nothing of it is shipped. */
+static bool clip_to_ship(const kvb_bridge_cpu *b, uint32_t *pos0, uint32_t *n, uint32_t *skip) {
+    *skip = 0;
+    if (*pos0 + *n <= b->ship_from || *pos0 >= b->ship_to) return false;
+    if (*pos0 < b->ship_from) {
+        *skip = b->ship_from - *pos0;
+        *pos0 += *skip;
+        *n -= *skip;
+    }
+    if (*n > b->ship_to - *pos0) *n = b->ship_to - *pos0;
+    return true;
+}
+
+kvb_status kvb_bridge_cpu_rows(void *bridge, uint32_t layer, uint32_t pos0, uint32_t n, const uint8_t *k_rows,
+                               const uint8_t *v_rows, uint32_t src_dtype, kvb_err *err) {
+    kvb_bridge_cpu *b = bridge;
+    uint32_t skip;
+    if (!clip_to_ship(b, &pos0, &n, &skip)) return KVB_OK;
+    if (n > b->max_chunk)
+        return kvb_err_set(err, KVB_ERR_INVALID, "bridge chunk of %u tokens exceeds its buffers (%u)", n, b->max_chunk);
+    const uint32_t hd = b->m->d.head_dim, rows = n * b->m->d.n_head_kv;
+    const size_t src_rb = kvb_row_bytes(src_dtype, hd), dst_rb = kvb_kvformat_row_bytes(&b->fmt);
+    const uint8_t *src[2] = {k_rows + (size_t)skip * b->m->d.n_head_kv * src_rb,
+                             v_rows + (size_t)skip * b->m->d.n_head_kv * src_rb};
+    uint8_t *dst[2] = {b->k_rows, b->v_rows};
+    float *tmp = b->scratch; /* (head_dim) */
+    for (int w = 0; w < 2; w++) {
+        if (src_dtype == b->fmt.dtype) {
+            memcpy(dst[w], src[w], (size_t)rows * dst_rb);
+            continue;
+        }
+        for (uint32_t r = 0; r < rows; r++) {
+            kvb_row_to_f32(src_dtype, src[w] + (size_t)r * src_rb, tmp, hd);
+            kvb_f32_to_row(b->fmt.dtype, tmp, dst[w] + (size_t)r * dst_rb, hd);
+        }
+    }
+    return emit_slabs(b, layer, pos0, n, err);
 }

@@ -41,6 +41,12 @@ void kvb_bridge_cpu_begin(kvb_bridge_cpu *b, uint32_t ship_from, uint32_t ship_t
 /* The engine's layer hook (kvb_layer_hook): h (n, n_embd) attention inputs at pos0 .. pos0+n-1. */
 kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
                                 kvb_err *err);
+/* Bridge mode `prefill` (the engine's rows hook, kvb_kv_rows_hook): the prefill engine's own
+ * encoded K/V rows (src_dtype) re-encoded into the decoder's cache dtype (decoded to f32, encoded
+ * again; copied as they are when the dtypes match). Cheaper than decoder mode — no projection —
+ * and exact only when the prefill engine computes in the decoder's own format and arithmetic. */
+kvb_status kvb_bridge_cpu_rows(void *bridge, uint32_t layer, uint32_t pos0, uint32_t n, const uint8_t *k_rows,
+                               const uint8_t *v_rows, uint32_t src_dtype, kvb_err *err);
 /* Where the rows come from: by default kvb_kv_produce on this CPU; a device producer (the CUDA
  * bridge kernel, kvb_bridge_cuda_layer) computes the same rows elsewhere and this object still
  * cuts and ships the slabs. fn(ctx, layer, pos0, n, h (n, n_embd), k_rows, v_rows) fills

@@ -29,6 +29,9 @@ static void help(FILE *f) {
             "  --max-tokens N       decode: completion length when a request names none (default 256)\n"
             "  --chat-template NAME decode: override the chat template family\n"
             "  --model-id NAME      decode: the model name the API reports\n"
+            "  --bridge-mode M      decoder (default: the decoder's own arithmetic, exact) or prefill (the prefill\n"
+            "                       engine's own K/V re-encoded: cheaper, not exact); both nodes must agree\n"
+            "  --engine-cache-type T prefill, bridge mode prefill: this node's own cache dtype (default: the decoder's)\n"
             "  --fault SPEC         prefill, test-only: corrupt:N, die:N or stall:N at the Nth slab\n"
             "  --verbose            log connections and faults\n");
 }
@@ -41,9 +44,9 @@ static void on_signal(int sig) {
 
 int kvb_cmd_serve(int argc, char **argv) {
     const char *cmd = "serve", *role = NULL, *model = NULL, *listen = NULL, *http = NULL, *peer = NULL,
-               *psk = getenv("KVB_PSK"), *tmpl = NULL, *model_id = NULL, *fault = NULL;
+               *psk = getenv("KVB_PSK"), *tmpl = NULL, *model_id = NULL, *fault = NULL, *mode = "decoder";
     long long threads = 0, bt = 32, ctx = 0, bridge_min = 0, max_tokens = 0;
-    uint32_t cache_type = KVB_TYPE_F16;
+    uint32_t cache_type = KVB_TYPE_F16, engine_type = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (kvb_arg_is_help(a)) {
@@ -57,7 +60,7 @@ int kvb_cmd_serve(int argc, char **argv) {
     }
         STR("--role", role) STR("-m", model) STR("--model", model) STR("--listen", listen) STR("--http", http)
         STR("--peer", peer) STR("--psk", psk) STR("--chat-template", tmpl) STR("--model-id", model_id)
-        STR("--fault", fault)
+        STR("--fault", fault) STR("--bridge-mode", mode)
         NUM("--threads", threads, 1, 1024) NUM("--block-tokens", bt, 1, 4096) NUM("--ctx", ctx, 16, 1 << 24)
         NUM("--bridge-min", bridge_min, 1, 1 << 24) NUM("--max-tokens", max_tokens, 1, 1 << 24)
         else if (!strcmp(a, "--cache-type")) {
@@ -69,6 +72,16 @@ int kvb_cmd_serve(int argc, char **argv) {
                 return 2;
             }
             cache_type = t;
+        }
+        else if (!strcmp(a, "--engine-cache-type")) {
+            kvb_type t;
+            kvb_err err = {0};
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
+            if (kvb_type_from_name(v, &t, &err)) {
+                fprintf(stderr, "kvbridge serve: --engine-cache-type: %s\n", err.msg);
+                return 2;
+            }
+            engine_type = t;
         }
         else if (!strcmp(a, "--verbose") || !strcmp(a, "-v")) kvb_log_set_level(KVB_LOG_INFO);
         else {
@@ -83,6 +96,11 @@ int kvb_cmd_serve(int argc, char **argv) {
         return 2;
     }
     bool prefill = !strcmp(role, "prefill");
+    if (strcmp(mode, "decoder") && strcmp(mode, "prefill")) {
+        fprintf(stderr, "kvbridge serve: --bridge-mode expects decoder or prefill, got '%s'\n", mode);
+        return 2;
+    }
+    bool prefill_mode = !strcmp(mode, "prefill");
     if (prefill ? !listen : !http) {
         fprintf(stderr, "kvbridge serve: --role %s needs %s HOST:PORT\n", role, prefill ? "--listen" : "--http");
         return 2;
@@ -96,14 +114,15 @@ int kvb_cmd_serve(int argc, char **argv) {
     if (prefill) {
         kvb_prefill_config c = {.listen = listen, .model_path = model, .psk = psk, .n_threads = (int)threads,
                                 .cache_dtype = cache_type, .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
-                                .fault = fault};
+                                .fault = fault, .prefill_mode = prefill_mode, .engine_cache_dtype = engine_type};
         if (kvb_prefill_node_start(&c, &pn, &err)) goto fail;
         printf("kvbridge prefill node: listening on port %u (model %s)\n", kvb_prefill_node_port(pn), model);
     } else {
         kvb_decode_config c = {.http_listen = http, .peer = peer, .model_path = model, .model_id = model_id,
                                .psk = psk, .chat_template = tmpl, .n_threads = (int)threads, .cache_dtype = cache_type,
                                .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
-                               .bridge_min_tokens = (uint32_t)bridge_min, .default_max_tokens = (uint32_t)max_tokens};
+                               .bridge_min_tokens = (uint32_t)bridge_min, .default_max_tokens = (uint32_t)max_tokens,
+                               .prefill_mode = prefill_mode};
         if (kvb_decode_node_start(&c, &dn, &err)) goto fail;
         printf("kvbridge decode node: OpenAI API on port %u, prefill node %s\n", kvb_decode_node_port(dn),
                peer ? peer : "none (native only)");

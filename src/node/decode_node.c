@@ -105,7 +105,7 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
         }
     }
     uint64_t rid = ++n->next_request_id;
-    kvb_msg_prefill p = {.request_id = rid, .bridge_mode = KVB_BRIDGE_MODE_DECODER, .n_tokens = n_tok,
+    kvb_msg_prefill p = {.request_id = rid, .bridge_mode = n->hello.bridge_mode, .n_tokens = n_tok,
                          .cached_tokens = cached, .ship_tokens = ship,
                          .last_cached_key = b0 ? keys[b0 - 1] : root, .tokens = (int32_t *)toks};
     if (kvb_conn_send_prefill(n->conn, &p, n->cfg.peer_timeout_ms, &err)) {
@@ -467,7 +467,9 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
         }
         n->psk = strdup(cfg->psk);
         n->tcfg = (kvb_transport_config){.psk = (const uint8_t *)n->psk, .psk_len = strlen(n->psk)};
-        if ((st = kvb_hello_init(&n->hello, KVB_ROLE_DECODE, KVB_BRIDGE_MODE_DECODER, "decode", n->m->fingerprint,
+        if ((st = kvb_hello_init(&n->hello, KVB_ROLE_DECODE,
+                                 cfg->prefill_mode ? KVB_BRIDGE_MODE_PREFILL : KVB_BRIDGE_MODE_DECODER, "decode",
+                                 n->m->fingerprint,
                                  kvb_engine_kvformat(n->e), err)))
             goto fail;
         snprintf(n->peer_state, sizeof n->peer_state, "not connected yet");

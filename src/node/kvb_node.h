@@ -29,6 +29,9 @@ typedef struct {
     uint32_t max_ctx;          /* longest prompt (default 32768) */
     uint32_t chunk_tokens;     /* prefill chunk (default 512) */
     uint32_t ring_slots;       /* staging slots (default 16) */
+    bool prefill_mode;         /* bridge mode `prefill`: ship this engine's own K/V re-encoded (cheaper,
+                                  not exact) instead of the decoder's arithmetic (mode `decoder`) */
+    uint32_t engine_cache_dtype; /* this node's own cache dtype in prefill mode (0 = the decoder's) */
     /* Test-only fault injection ("corrupt:N" flips a byte of the Nth slab after its checksum;
      * "die:N" drops the connection before the Nth slab; "stall:N" stops sending before the Nth
      * slab for 30 s). NULL in production. */
@@ -59,6 +62,7 @@ typedef struct {
     uint32_t bridge_min_tokens;/* bridge only when at least this many uncached tokens (default 2 blocks) */
     uint32_t default_max_tokens; /* when a request names none (default 256) */
     int peer_timeout_ms;       /* per frame while bridging (default 10000) */
+    bool prefill_mode;         /* ask for bridge mode `prefill` (the prefill node must run it too) */
 } kvb_decode_config;
 
 typedef struct kvb_decode_node kvb_decode_node;

@@ -86,6 +86,11 @@ static void *sender_main(void *arg) {
 static void serve_prefill(kvb_prefill_node *n, kvb_conn *c, kvb_msg_prefill *p) {
     kvb_err err = {0};
     const uint32_t bt = n->fmt.block_tokens;
+    if (p->bridge_mode != n->hello.bridge_mode) {
+        kvb_conn_send_error(c, p->request_id, KVB_WIRE_ERR_MODE, "this prefill node runs another bridge mode", 10000,
+                            NULL);
+        return;
+    }
     if (kvb_msg_prefill_check(p, &n->fmt, &err) || p->n_tokens > n->cfg.max_ctx) {
         if (!err.msg[0]) snprintf(err.msg, sizeof err.msg, "prompt of %u tokens exceeds this node's limit of %u",
                                   p->n_tokens, n->cfg.max_ctx);
@@ -247,20 +252,32 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
     if (!st) {
         /* the engine computes in the decoder's own cache format, so its attention inputs are the
          * decoder's; its own store is the prefix cache across requests */
-        kvb_engine_opts eo = {.n_threads = cfg->n_threads, .cache_dtype = cfg->cache_dtype, .block_tokens = bt,
+        /* decoder mode: the engine computes in the decoder's own cache format, so its attention
+         * inputs are the decoder's, and the bridge runs the decoder's arithmetic on them.
+         * prefill mode: the engine's own rows (its own format) are re-encoded instead. */
+        const uint32_t engine_dtype = cfg->prefill_mode && cfg->engine_cache_dtype ? cfg->engine_cache_dtype
+                                                                                   : cfg->cache_dtype;
+        kvb_engine_opts eo = {.n_threads = cfg->n_threads, .cache_dtype = engine_dtype, .block_tokens = bt,
                               .max_ctx = n->cfg.max_ctx, .max_batch = n->cfg.chunk_tokens,
-                              .n_blocks = 2 * ((n->cfg.max_ctx + bt - 1) / bt),
-                              .layer_hook = kvb_bridge_cpu_layer};
+                              .n_blocks = 2 * ((n->cfg.max_ctx + bt - 1) / bt)};
         st = kvb_kvformat_init(&n->fmt, cfg->cache_dtype, bt, n->m->d.n_layer, n->m->d.n_head_kv, n->m->d.head_dim,
                                err);
         if (!st) st = kvb_bridge_cpu_create(n->m, &n->fmt, NULL, n->cfg.chunk_tokens, &n->br, err);
-        eo.layer_hook_ctx = n->br;
+        if (cfg->prefill_mode) {
+            eo.rows_hook = kvb_bridge_cpu_rows;
+            eo.rows_hook_ctx = n->br;
+        } else {
+            eo.layer_hook = kvb_bridge_cpu_layer;
+            eo.layer_hook_ctx = n->br;
+        }
         if (!st) st = kvb_engine_create(n->m, &eo, &n->e, err);
     }
     if (!st)
         st = kvb_ring_init(&n->ring, n->cfg.ring_slots, 2 * (size_t)bt * n->m->d.n_head_kv * kvb_kvformat_row_bytes(&n->fmt),
                            err);
-    if (!st) st = kvb_hello_init(&n->hello, KVB_ROLE_PREFILL, KVB_BRIDGE_MODE_DECODER, cfg->name ? cfg->name : "prefill",
+    if (!st) st = kvb_hello_init(&n->hello, KVB_ROLE_PREFILL,
+                                 cfg->prefill_mode ? KVB_BRIDGE_MODE_PREFILL : KVB_BRIDGE_MODE_DECODER,
+                                 cfg->name ? cfg->name : "prefill",
                                  n->m->fingerprint, &n->fmt, err);
     n->tcfg = (kvb_transport_config){.psk = (const uint8_t *)n->psk, .psk_len = n->psk ? strlen(n->psk) : 0};
     if (!st) st = kvb_transport_listen(cfg->listen, NULL, &n->l, err);

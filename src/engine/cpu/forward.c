@@ -104,6 +104,9 @@ static kvb_status forward_chunk(kvb_engine *e, kvb_seq *s, const int32_t *tokens
         if (e->o.layer_hook && (st = e->o.layer_hook(e->o.layer_hook_ctx, l, pos0, n, e->h, err))) return st;
         kvb_kv_produce_args ka = {m, l, e->fmt.dtype, e->pool, e->rope_cos, e->rope_sin, false};
         kvb_kv_produce(&ka, e->h, n, e->kv_scratch, e->k_rows, e->v_rows);
+        if (e->o.rows_hook &&
+            (st = e->o.rows_hook(e->o.rows_hook_ctx, l, pos0, n, e->k_rows, e->v_rows, e->fmt.dtype, err)))
+            return st;
         store_kv_rows(e, s, l, pos0, n);
 
         kvb_cpu_matmul(e->pool, &w->wq, e->h, n, e->q, e->act);

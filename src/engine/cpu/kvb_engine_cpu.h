@@ -19,6 +19,12 @@
 typedef kvb_status (*kvb_layer_hook)(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
                                      kvb_err *err);
 
+/* Called for every (chunk, layer) with the rows the engine just encoded into its own cache:
+ * k_rows, v_rows (n, n_head_kv, row_bytes) in the engine's cache dtype. Bridge mode `prefill`
+ * hooks here (re-encoding the prefill engine's own K/V into the decoder's format). */
+typedef kvb_status (*kvb_kv_rows_hook)(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const uint8_t *k_rows,
+                                       const uint8_t *v_rows, uint32_t dtype, kvb_err *err);
+
 typedef struct {
     int n_threads;          /* 0 = all CPUs */
     uint32_t cache_dtype;   /* kvb_type for the KV cache (F32 = 0, F16, BF16, Q8_0); the CLI defaults to F16 */
@@ -28,6 +34,8 @@ typedef struct {
     kvb_store *store;       /* a shared store to use instead of its own (its format must match) */
     kvb_layer_hook layer_hook; /* optional */
     void *layer_hook_ctx;
+    kvb_kv_rows_hook rows_hook; /* optional */
+    void *rows_hook_ctx;
     uint32_t max_batch;     /* tokens per forward chunk; 0 = 512 */
 } kvb_engine_opts;
 
