@@ -90,7 +90,7 @@ static void test_run_bad_options(void **state) {
     snprintf(cmd, sizeof cmd, "'%s' gen-model --preset nope --out x.gguf", kvbt_bin());
     assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 1);
     assert_non_null(strstr(out, "llama3.2-1b"));
-    const char *subs[] = {"run", "gen-model", "bench", "demo", "tokenize", "inspect"};
+    const char *subs[] = {"run", "gen-model", "bench", "demo", "tokenize", "inspect", "serve", "verify", "doctor"};
     for (size_t i = 0; i < sizeof subs / sizeof subs[0]; i++) {
         snprintf(cmd, sizeof cmd, "'%s' %s --help", kvbt_bin(), subs[i]);
         assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 0);

@@ -15,6 +15,7 @@ int kvb_cmd_tokenize(int argc, char **argv);
 int kvb_cmd_inspect(int argc, char **argv);
 int kvb_cmd_verify(int argc, char **argv);
 int kvb_cmd_serve(int argc, char **argv);
+int kvb_cmd_doctor(int argc, char **argv);
 /* `kvbridge bench ladder` (cmd_bench_ladder.c), dispatched by kvb_cmd_bench. */
 int kvb_bench_ladder(int argc, char **argv);
 /* `kvbridge bench link` (cmd_bench_link.c). */

@@ -11,9 +11,10 @@ typedef struct {
 } kvb_subcommand;
 
 static const kvb_subcommand k_commands[] = {
-    {"demo", kvb_cmd_demo, "generate the tiny model and show kvbridge working end to end"},
+    {"demo", kvb_cmd_demo, "a prefill and a decode node on loopback, a 4-turn conversation, bridged vs native"},
     {"gen-model", kvb_cmd_gen_model, "write a GGUF with a real architecture and seeded weights"},
     {"serve", kvb_cmd_serve, "run a prefill node or a decode node (OpenAI API)"},
+    {"doctor", kvb_cmd_doctor, "check that this decode-node setup and a prefill node are compatible"},
     {"run", kvb_cmd_run, "generate text or token ids from a GGUF model on this machine"},
     {"bench", kvb_cmd_bench, "measure prefill and decode speed against the machine's limits"},
     {"verify", kvb_cmd_verify, "prove the bridge writes the decoder's own cache bytes (N/N table)"},
