@@ -13,7 +13,7 @@
 size_t kvb_cpu_attn_scratch_floats(const kvb_engine *e) {
     const kvb_model_desc *d = &e->m->d;
     size_t G = d->n_head / d->n_head_kv, hd = d->head_dim, bt = e->o.block_tokens;
-    return 2 * bt * hd + bt + (size_t)ATT_TILE * G * (hd + 2) + 64;
+    return 2 * bt * hd + G * bt + (size_t)ATT_TILE * G * (hd + 2) + 64;
 }
 
 typedef struct {
@@ -36,8 +36,8 @@ static void attn_task(void *ctx, int task, int worker) {
 
     float *kbuf = e->attn_scratch[worker];       /* (bt, head_dim) */
     float *vbuf = kbuf + (size_t)bt * hd;        /* (bt, head_dim) */
-    float *sc = vbuf + (size_t)bt * hd;          /* (bt) */
-    float *state = sc + bt;                      /* (tile token, group head, [m, l, acc(head_dim)]) */
+    float *sc = vbuf + (size_t)bt * hd;          /* (group head, bt) raw scores */
+    float *state = sc + (size_t)G * bt;          /* (tile token, group head, [m, l, acc(head_dim)]) */
     const size_t st_stride = hd + 2;
     for (uint32_t i = 0; i < (t1 - t0) * G; i++) {
         state[i * st_stride] = -INFINITY;
@@ -59,14 +59,18 @@ static void attn_task(void *ctx, int task, int worker) {
             const uint32_t p = j->pos0 + t;
             if (p < j0) continue;
             const uint32_t nv = p + 1 < j_end ? p + 1 - j0 : nj; /* causal: keys j0 .. min(p, j_end-1) */
+            /* the G query heads of the group against the block's nv keys in one tile call: each
+             * score is exactly kvb_dot(q, k) (the tile kernel's contract), at the tile's speed */
+            kvb_matmul_tile(KVB_TYPE_F32, kbuf, hd * sizeof(float), (int)nv,
+                            j->q + ((size_t)t * d->n_head + (size_t)kvh * G) * hd, hd * sizeof(float), (int)G, sc, bt,
+                            hd);
             for (uint32_t g = 0; g < G; g++) {
-                const uint32_t head = kvh * G + g;
-                const float *qh = j->q + ((size_t)t * d->n_head + head) * hd;
                 float *stt = state + ((size_t)(t - t0) * G + g) * st_stride;
+                float *scg = sc + (size_t)g * bt;
                 float mb = -INFINITY;
                 for (uint32_t jj = 0; jj < nv; jj++) {
-                    sc[jj] = kvb_dot(KVB_TYPE_F32, qh, kbuf + (size_t)jj * hd, hd) * scale;
-                    if (sc[jj] > mb) mb = sc[jj];
+                    scg[jj] = scg[jj] * scale;
+                    if (scg[jj] > mb) mb = scg[jj];
                 }
                 float m_old = stt[0], m_new = m_old > mb ? m_old : mb;
                 float corr = expf(m_old - m_new); /* 0 on the first block (m_old = -inf) */
@@ -74,7 +78,7 @@ static void attn_task(void *ctx, int task, int worker) {
                 float *acc = stt + 2;
                 for (uint32_t i = 0; i < hd; i++) acc[i] = acc[i] * corr;
                 for (uint32_t jj = 0; jj < nv; jj++) {
-                    float w = expf(sc[jj] - m_new);
+                    float w = expf(scg[jj] - m_new);
                     l = l + w;
                     const float *vj = vbuf + (size_t)jj * hd;
                     for (uint32_t i = 0; i < hd; i++) acc[i] = acc[i] + w * vj[i];
