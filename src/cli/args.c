@@ -2,6 +2,8 @@
 #include "kvb_cli.h"
 
 #include <errno.h>
+
+#include "kvb_quant.h"
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -65,4 +67,15 @@ static int cmp_double(const void *a, const void *b) {
 double kvb_median_sort(double *v, int n) {
     qsort(v, (size_t)n, sizeof *v, cmp_double);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+bool kvb_arg_type(const char *cmd, const char *opt, const char *val, uint32_t *out) {
+    kvb_type t;
+    kvb_err err = {0};
+    if (kvb_type_from_name(val, &t, &err) != KVB_OK) {
+        fprintf(stderr, "kvbridge %s: %s: %s\n", cmd, opt, err.msg);
+        return false;
+    }
+    *out = t;
+    return true;
 }

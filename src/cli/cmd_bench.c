@@ -340,14 +340,7 @@ int kvb_cmd_bench(int argc, char **argv) {
         } else if (!strcmp(a, "--reps")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 100, &reps)) return 2;
         } else if (!strcmp(a, "--cache-type")) {
-            kvb_type t;
-            kvb_err err = {0};
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-            if (kvb_type_from_name(v, &t, &err)) {
-                fprintf(stderr, "kvbridge bench: --cache-type: %s\n", err.msg);
-                return 2;
-            }
-            cache_type = t;
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &cache_type)) return 2;
         } else if (!strcmp(a, "--llama-bench")) {
             if (!(llama_bench = kvb_arg_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--json")) {

@@ -92,14 +92,7 @@ int kvb_bench_ladder(int argc, char **argv) {
         } else if (!strcmp(a, "--threads")) {
             if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 1024, &threads)) return 2;
         } else if (!strcmp(a, "--cache-type")) {
-            kvb_type t;
-            kvb_err e = {0};
-            if (!(v = kvb_arg_value("bench", argc, argv, &i))) return 2;
-            if (kvb_type_from_name(v, &t, &e)) {
-                fprintf(stderr, "kvbridge bench: --cache-type: %s\n", e.msg);
-                return 2;
-            }
-            cache_type = t;
+            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_type("bench", a, v, &cache_type)) return 2;
         } else {
             fprintf(stderr, "kvbridge bench ladder: unknown option '%s' (see kvbridge bench ladder --help)\n", a);
             return 2;

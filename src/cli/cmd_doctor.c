@@ -48,14 +48,7 @@ int kvb_cmd_doctor(int argc, char **argv) {
         } else if (!strcmp(a, "--block-tokens")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 4096, &bt)) return 2;
         } else if (!strcmp(a, "--cache-type")) {
-            kvb_type t;
-            kvb_err e = {0};
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-            if (kvb_type_from_name(v, &t, &e)) {
-                fprintf(stderr, "kvbridge doctor: --cache-type: %s\n", e.msg);
-                return 2;
-            }
-            cache_type = t;
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &cache_type)) return 2;
         } else {
             fprintf(stderr, "kvbridge doctor: unknown option '%s' (see kvbridge doctor --help)\n", a);
             return 2;

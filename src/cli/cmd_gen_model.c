@@ -39,14 +39,7 @@ int kvb_cmd_gen_model(int argc, char **argv) {
         } else if (strcmp(a, "--out") == 0 || strcmp(a, "-o") == 0) {
             if (!(out = kvb_arg_value(cmd, argc, argv, &i))) return 2;
         } else if (strcmp(a, "--type") == 0) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-            kvb_type t;
-            kvb_err err = {0};
-            if (kvb_type_from_name(v, &t, &err) != KVB_OK) {
-                fprintf(stderr, "kvbridge gen-model: --type: %s\n", err.msg);
-                return 2;
-            }
-            o.type = t;
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &o.type)) return 2;
         } else if (strcmp(a, "--seed") == 0) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_u64(cmd, a, v, &o.seed)) return 2;
         } else if (strcmp(a, "--vocab") == 0) {

@@ -138,14 +138,7 @@ int kvb_cmd_run(int argc, char **argv) {
         } else if (!strcmp(a, "--ctx")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 24, &ctx)) return 2;
         } else if (!strcmp(a, "--cache-type")) {
-            kvb_type t;
-            kvb_err err = {0};
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-            if (kvb_type_from_name(v, &t, &err) != KVB_OK) {
-                fprintf(stderr, "kvbridge run: --cache-type: %s\n", err.msg);
-                return 2;
-            }
-            cache_type = t;
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &cache_type)) return 2;
         } else if (!strcmp(a, "--device")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
             if (!strcmp(v, "cuda")) cuda = true;

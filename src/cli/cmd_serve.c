@@ -64,24 +64,10 @@ int kvb_cmd_serve(int argc, char **argv) {
         NUM("--threads", threads, 1, 1024) NUM("--block-tokens", bt, 1, 4096) NUM("--ctx", ctx, 16, 1 << 24)
         NUM("--bridge-min", bridge_min, 1, 1 << 24) NUM("--max-tokens", max_tokens, 1, 1 << 24)
         else if (!strcmp(a, "--cache-type")) {
-            kvb_type t;
-            kvb_err err = {0};
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-            if (kvb_type_from_name(v, &t, &err)) {
-                fprintf(stderr, "kvbridge serve: --cache-type: %s\n", err.msg);
-                return 2;
-            }
-            cache_type = t;
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &cache_type)) return 2;
         }
         else if (!strcmp(a, "--engine-cache-type")) {
-            kvb_type t;
-            kvb_err err = {0};
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-            if (kvb_type_from_name(v, &t, &err)) {
-                fprintf(stderr, "kvbridge serve: --engine-cache-type: %s\n", err.msg);
-                return 2;
-            }
-            engine_type = t;
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &engine_type)) return 2;
         }
         else if (!strcmp(a, "--verbose") || !strcmp(a, "-v")) kvb_log_set_level(KVB_LOG_INFO);
         else {

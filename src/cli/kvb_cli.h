@@ -32,6 +32,8 @@ bool kvb_arg_float(const char *cmd, const char *opt, const char *val, double lo,
 /* Returns the value of an option that takes one (argv[*i + 1]) and advances *i, or prints
  * "kvbridge CMD: OPT needs a value" and returns NULL. */
 const char *kvb_arg_value(const char *cmd, int argc, char **argv, int *i);
+/* Parses a tensor/cache type name ("f16", "q8_0", ...) into *out, or prints what is wrong. */
+bool kvb_arg_type(const char *cmd, const char *opt, const char *val, uint32_t *out);
 /* Sorts v (n >= 1) ascending and returns its median (benchmarks list the runs sorted). */
 double kvb_median_sort(double *v, int n);
 
