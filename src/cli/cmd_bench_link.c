@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "kvb_cli.h"
+#include "kvb_node.h"
 #include "kvb_quant.h"
 #include "kvb_transport.h"
 
@@ -30,18 +31,6 @@ static int tcp_listen(const char *host, const char *port) {
     int fd = socket(ai->ai_family, SOCK_STREAM, 0), one = 1;
     if (fd >= 0) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (fd >= 0 && (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 4) != 0)) {
-        close(fd);
-        fd = -1;
-    }
-    freeaddrinfo(ai);
-    return fd;
-}
-
-static int tcp_connect(const char *host, const char *port) {
-    struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *ai = NULL;
-    if (getaddrinfo(host, port, &hints, &ai) != 0 || !ai) return -1;
-    int fd = socket(ai->ai_family, SOCK_STREAM, 0);
-    if (fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
         close(fd);
         fd = -1;
     }
@@ -167,7 +156,7 @@ static int measure(const char *addr, const char *psk, uint64_t bytes, size_t sla
     int rc = 0;
     if (make_hello(KVB_ROLE_PREFILL, &me, &err)) goto fail;
     for (int r = 0; r < reps; r++) {
-        int fd = tcp_connect(host, port);
+        int fd = kvb_tcp_dial(host, port);
         if (fd < 0) {
             kvb_err_set(&err, KVB_ERR_IO, "cannot connect to %s", addr);
             goto fail;
@@ -203,7 +192,7 @@ static int measure(const char *addr, const char *psk, uint64_t bytes, size_t sla
         fprintf(stderr, "bench link: round %d: raw %.3f GB/s, kvbridge transport %.3f GB/s\n", r + 1, raw[r], framed[r]);
     }
     {
-        int fd = tcp_connect(host, port); /* tell the server to stop */
+        int fd = kvb_tcp_dial(host, port); /* tell the server to stop */
         uint64_t zero = 0;
         if (fd >= 0) {
             send_all(fd, &zero, 8);

@@ -30,6 +30,12 @@ size_t kvb_kvformat_block_bytes(const kvb_kvformat *f);
 /* Byte offset of row (layer, kv, head, token) inside a block. kv: 0 = K, 1 = V. */
 size_t kvb_kvformat_row_offset(const kvb_kvformat *f, uint32_t layer, uint32_t kv, uint32_t head,
                                uint32_t token);
+/* Writes n tokens' rows, given token-major as the cache-producing arithmetic emits them —
+ * k_rows, v_rows (n, n_head_kv, row_bytes) — into block positions token0 .. token0+n-1 of one
+ * layer of a block (token0 + n <= block_tokens). The one place that knows the block layout: the
+ * engine's own writes and slab assembly both go through it. */
+void kvb_kvformat_scatter_rows(const kvb_kvformat *f, uint8_t *block, uint32_t layer, uint32_t token0, uint32_t n,
+                               const uint8_t *k_rows, const uint8_t *v_rows);
 uint64_t kvb_kvformat_fingerprint(const kvb_kvformat *f);
 /* "q8_0/32tok/16L/8h/64d" */
 void kvb_kvformat_describe(const kvb_kvformat *f, char *buf, size_t cap);

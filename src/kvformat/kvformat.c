@@ -36,6 +36,17 @@ size_t kvb_kvformat_row_offset(const kvb_kvformat *f, uint32_t layer, uint32_t k
     return rows * kvb_kvformat_row_bytes(f);
 }
 
+void kvb_kvformat_scatter_rows(const kvb_kvformat *f, uint8_t *block, uint32_t layer, uint32_t token0, uint32_t n,
+                               const uint8_t *k_rows, const uint8_t *v_rows) {
+    const size_t row = kvb_kvformat_row_bytes(f);
+    for (uint32_t t = 0; t < n; t++)
+        for (uint32_t h = 0; h < f->n_head_kv; h++) {
+            const size_t src = ((size_t)t * f->n_head_kv + h) * row;
+            memcpy(block + kvb_kvformat_row_offset(f, layer, 0, h, token0 + t), k_rows + src, row);
+            memcpy(block + kvb_kvformat_row_offset(f, layer, 1, h, token0 + t), v_rows + src, row);
+        }
+}
+
 uint64_t kvb_kvformat_fingerprint(const kvb_kvformat *f) {
     uint32_t v[6] = {f->version, f->dtype, f->block_tokens, f->n_layer, f->n_head_kv, f->head_dim};
     return kvb_hash64(v, sizeof v, 0x6b76622d6b76666dULL);

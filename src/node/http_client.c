@@ -25,22 +25,26 @@ static int wait_fd(int fd, short ev, double deadline) {
     return poll(&p, 1, ms);
 }
 
+int kvb_tcp_dial(const char *host, const char *port) {
+    struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *ai = NULL;
+    if (getaddrinfo(host, port, &hints, &ai) != 0 || !ai) return -1;
+    int fd = socket(ai->ai_family, SOCK_STREAM, 0);
+    if (fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+        close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(ai);
+    return fd;
+}
+
 kvb_status kvb_http_post(const char *host, uint16_t port, const char *path, const char *json, int timeout_ms,
                          kvb_http_reply *out, kvb_err *err) {
     memset(out, 0, sizeof *out);
     double deadline = kvb_now_s() + timeout_ms / 1000.0;
     char portstr[8];
     snprintf(portstr, sizeof portstr, "%u", port);
-    struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *ai = NULL;
-    if (getaddrinfo(host, portstr, &hints, &ai) != 0 || !ai)
-        return kvb_err_set(err, KVB_ERR_IO, "cannot resolve %s", host);
-    int fd = socket(ai->ai_family, SOCK_STREAM, 0);
-    if (fd < 0 || connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
-        freeaddrinfo(ai);
-        if (fd >= 0) close(fd);
-        return kvb_err_set(err, KVB_ERR_IO, "cannot connect to %s:%u: %s", host, port, strerror(errno));
-    }
-    freeaddrinfo(ai);
+    int fd = kvb_tcp_dial(host, portstr);
+    if (fd < 0) return kvb_err_set(err, KVB_ERR_IO, "cannot connect to %s:%u: %s", host, port, strerror(errno));
     size_t jl = strlen(json), hl;
     char head[512];
     hl = (size_t)snprintf(head, sizeof head,

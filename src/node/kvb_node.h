@@ -79,6 +79,10 @@ typedef struct {
     size_t body_len;
 } kvb_http_reply;
 
+/* A plain blocking TCP connection to host:port (name or address); the socket, or -1. For
+ * kvbridge's own tools, not for the wire protocol (which has its own backend). */
+int kvb_tcp_dial(const char *host, const char *port);
+
 /* POSTs a JSON body to http://host:port/path and reads the whole reply (Content-Length or
  * close-delimited). timeout_ms bounds the call. */
 kvb_status kvb_http_post(const char *host, uint16_t port, const char *path, const char *json, int timeout_ms,

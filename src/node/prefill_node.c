@@ -6,8 +6,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <netdb.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include "kvb_engine_cpu.h"
@@ -312,14 +310,8 @@ static void poke_listener(kvb_prefill_node *n) {
     }
     char port[8];
     snprintf(port, sizeof port, "%u", kvb_listener_port(n->l));
-    struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *ai = NULL;
-    if (getaddrinfo(host, port, &hints, &ai) != 0 || !ai) return;
-    int fd = socket(ai->ai_family, SOCK_STREAM, 0);
-    if (fd >= 0) {
-        if (connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) kvb_log(KVB_LOG_DEBUG, "prefill: wake-up connect failed");
-        close(fd);
-    }
-    freeaddrinfo(ai);
+    int fd = kvb_tcp_dial(host, port);
+    if (fd >= 0) close(fd);
 }
 
 void kvb_prefill_node_stop(kvb_prefill_node *n) {

@@ -144,14 +144,7 @@ kvb_status kvb_store_slab_put(kvb_slab_pending *p, uint32_t layer, uint32_t toke
                       layer, token0, n_tokens, (unsigned long long)checksum, (unsigned long long)got);
 
     /* ---- scatter (token, kv_head, row) -> (layer, kv, kv_head, token, head_dim) ---- */
-    uint8_t *blk = kvb_store_block_data(s, p->page);
-    const uint8_t *kb = k, *vb = v;
-    for (uint32_t t = 0; t < n_tokens; t++)
-        for (uint32_t h = 0; h < nkv; h++) {
-            size_t src = ((size_t)t * nkv + h) * row;
-            memcpy(blk + kvb_kvformat_row_offset(f, layer, 0, h, token0 + t), kb + src, row);
-            memcpy(blk + kvb_kvformat_row_offset(f, layer, 1, h, token0 + t), vb + src, row);
-        }
+    kvb_kvformat_scatter_rows(f, kvb_store_block_data(s, p->page), layer, token0, n_tokens, k, v);
     memset(cov + token0, 1, n_tokens);
     p->n_missing -= n_tokens;
     pthread_mutex_lock(&s->mu);

@@ -63,17 +63,15 @@ static void swiglu_task(void *ctx, int t, int worker) {
     }
 }
 
-/* Copies the chunk's encoded K/V rows into the sequence's cache blocks. */
+/* Copies the chunk's encoded K/V rows into the sequence's cache blocks, a block at a time. */
 static void store_kv_rows(kvb_engine *e, kvb_seq *s, uint32_t layer, uint32_t pos0, uint32_t n) {
-    const uint32_t nkv = e->m->d.n_head_kv, bt = e->o.block_tokens;
-    for (uint32_t t = 0; t < n; t++) {
-        uint32_t p = pos0 + t;
-        uint8_t *blk = kvb_store_block_data(e->store, s->blocks[p / bt]);
-        for (uint32_t h = 0; h < nkv; h++) {
-            size_t src = ((size_t)t * nkv + h) * e->row_bytes;
-            memcpy(blk + kvb_kvformat_row_offset(&e->fmt, layer, 0, h, p % bt), e->k_rows + src, e->row_bytes);
-            memcpy(blk + kvb_kvformat_row_offset(&e->fmt, layer, 1, h, p % bt), e->v_rows + src, e->row_bytes);
-        }
+    const uint32_t bt = e->o.block_tokens;
+    const size_t tok_bytes = (size_t)e->m->d.n_head_kv * e->row_bytes;
+    for (uint32_t t = 0; t < n;) {
+        const uint32_t p = pos0 + t, cnt = KVB_MIN(n - t, bt - p % bt);
+        kvb_kvformat_scatter_rows(&e->fmt, kvb_store_block_data(e->store, s->blocks[p / bt]), layer, p % bt, cnt,
+                                  e->k_rows + t * tok_bytes, e->v_rows + t * tok_bytes);
+        t += cnt;
     }
 }
 
