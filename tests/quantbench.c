@@ -7,6 +7,7 @@
  *   gcc -O2 -std=c11 -D_GNU_SOURCE -Isrc/core -Isrc/quant tests/quantbench.c \
  *       build/libkvbridge.a -lxxhash -lcjson -lm -lpthread -o quantbench
  *   ./quantbench [rows] [n] [chunk] [kernel-set] */
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,7 +36,8 @@ int main(int argc, char **argv) {
     const int rows = argc > 1 ? atoi(argv[1]) : 4096;
     const int64_t n = argc > 2 ? atoll(argv[2]) : 4096;
     const int chunk = argc > 3 ? atoi(argv[3]) : 64;
-    const uint32_t types[] = {KVB_TYPE_Q8_0, KVB_TYPE_Q4_0, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_F32};
+    const uint32_t types[] = {KVB_TYPE_Q8_0, KVB_TYPE_Q4_0, KVB_TYPE_Q5_0, KVB_TYPE_Q4_K, KVB_TYPE_Q5_K,
+                              KVB_TYPE_Q6_K, KVB_TYPE_F16,  KVB_TYPE_BF16, KVB_TYPE_F32};
     const char *sets[] = {"scalar", "avx2", "avx512-vnni", "neon"};
     kvb_rng rng;
     kvb_rng_seed(&rng, 1);

@@ -4,10 +4,12 @@
  * vs float64); and the canonical dot: the scalar code against an independently written model of
  * the specification, every SIMD kernel set this CPU can run against the scalar code bit for bit
  * (kvb_dot, kvb_matmul_tile with odd tiles and strides, kvb_quantize_act), and accuracy against a
- * float64 dot. Random inputs are fresh each run (seed from the clock, printed; KVB_TEST_SEED=N
- * replays one) and include rounding ties, zero blocks, huge/tiny and subnormal values, -0 and
- * NaN/inf. Output buffers are poisoned with a NaN pattern before each call so an element a kernel
- * forgets to write (or writes out of place) fails. */
+ * float64 dot. The K-quants and Q5_0 get the same treatment plus: kvb_row_to_f32 against the
+ * float64 reference model's own block decoders (tests/support/ref_model.c) on random valid blocks,
+ * and error bounds of our K-quant quantisers. Random inputs are fresh each run (seed from the
+ * clock, printed; KVB_TEST_SEED=N replays one) and include rounding ties, zero blocks, huge/tiny
+ * and subnormal values, -0 and NaN/inf. Output buffers are poisoned with a NaN pattern before each
+ * call so an element a kernel forgets to write (or writes out of place) fails. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -29,6 +31,7 @@
 
 #include "kvb_core.h"
 #include "kvb_quant.h"
+#include "ref_model.h"
 
 static uint64_t g_seed;
 static kvb_rng g_rng;
@@ -84,11 +87,11 @@ static void test_type_table(void **state) {
     } want[] = {
         {KVB_TYPE_F32, "F32", 1, 4, 1},      {KVB_TYPE_F16, "F16", 1, 2, 1},
         {KVB_TYPE_Q4_0, "Q4_0", 32, 18, 1},  {KVB_TYPE_Q4_1, "Q4_1", 32, 20, 0},
-        {KVB_TYPE_Q5_0, "Q5_0", 32, 22, 0},  {KVB_TYPE_Q5_1, "Q5_1", 32, 24, 0},
+        {KVB_TYPE_Q5_0, "Q5_0", 32, 22, 1},  {KVB_TYPE_Q5_1, "Q5_1", 32, 24, 0},
         {KVB_TYPE_Q8_0, "Q8_0", 32, 34, 1},  {KVB_TYPE_Q8_1, "Q8_1", 32, 36, 0},
         {KVB_TYPE_Q2_K, "Q2_K", 256, 84, 0}, {KVB_TYPE_Q3_K, "Q3_K", 256, 110, 0},
-        {KVB_TYPE_Q4_K, "Q4_K", 256, 144, 0}, {KVB_TYPE_Q5_K, "Q5_K", 256, 176, 0},
-        {KVB_TYPE_Q6_K, "Q6_K", 256, 210, 0}, {KVB_TYPE_Q8_K, "Q8_K", 256, 292, 0},
+        {KVB_TYPE_Q4_K, "Q4_K", 256, 144, 1}, {KVB_TYPE_Q5_K, "Q5_K", 256, 176, 1},
+        {KVB_TYPE_Q6_K, "Q6_K", 256, 210, 1}, {KVB_TYPE_Q8_K, "Q8_K", 256, 292, 0},
         {16, "IQ2_XXS", 256, 66, 0},          {17, "IQ2_XS", 256, 74, 0},
         {18, "IQ3_XXS", 256, 98, 0},          {19, "IQ1_S", 256, 50, 0},
         {20, "IQ4_NL", 32, 18, 0},            {21, "IQ3_S", 256, 110, 0},
@@ -147,12 +150,27 @@ static void test_type_table(void **state) {
     assert_int_equal(kvb_row_bytes(KVB_TYPE_F64, INT64_MAX), 0); /* overflow */
     assert_int_equal(sizeof(kvb_block_q8_0), 34);
     assert_int_equal(sizeof(kvb_block_q4_0), 18);
+    assert_int_equal(sizeof(kvb_block_q5_0), 22);
+    assert_int_equal(sizeof(kvb_block_q4_k), 144);
+    assert_int_equal(sizeof(kvb_block_q5_k), 176);
+    assert_int_equal(sizeof(kvb_block_q6_k), 210);
+    assert_int_equal(offsetof(kvb_block_q5_0, qs), 6);
+    assert_int_equal(offsetof(kvb_block_q5_k, qs), 48);
+    assert_int_equal(offsetof(kvb_block_q6_k, d), 208);
+    assert_int_equal(kvb_row_bytes(KVB_TYPE_Q5_0, 640), 440);
+    assert_int_equal(kvb_row_bytes(KVB_TYPE_Q4_K, 1024), 576);
+    assert_int_equal(kvb_row_bytes(KVB_TYPE_Q5_K, 2304), 9 * 176);
+    assert_int_equal(kvb_row_bytes(KVB_TYPE_Q4_K, 640), 0);
 
     assert_int_equal(kvb_act_type(KVB_TYPE_F32), KVB_TYPE_F32);
     assert_int_equal(kvb_act_type(KVB_TYPE_F16), KVB_TYPE_F32);
     assert_int_equal(kvb_act_type(KVB_TYPE_BF16), KVB_TYPE_F32);
     assert_int_equal(kvb_act_type(KVB_TYPE_Q8_0), KVB_TYPE_Q8_0);
     assert_int_equal(kvb_act_type(KVB_TYPE_Q4_0), KVB_TYPE_Q8_0);
+    assert_int_equal(kvb_act_type(KVB_TYPE_Q5_0), KVB_TYPE_Q8_0);
+    assert_int_equal(kvb_act_type(KVB_TYPE_Q4_K), KVB_TYPE_Q8_0);
+    assert_int_equal(kvb_act_type(KVB_TYPE_Q5_K), KVB_TYPE_Q8_0);
+    assert_int_equal(kvb_act_type(KVB_TYPE_Q6_K), KVB_TYPE_Q8_0);
 }
 
 /* ---- fp16 / bf16 ------------------------------------------------------------------------- */
@@ -510,34 +528,122 @@ static void test_quantize_act_simd(void **state) {
     free(got);
 }
 
+/* ---- the test's own decoding of the quantised weight types ------------------------------
+ * Written from the layouts documented in kvb_quant.h (ggml's), without calling src/quant. */
+
+static int is_kquant(uint32_t t) { return t == KVB_TYPE_Q4_K || t == KVB_TYPE_Q5_K || t == KVB_TYPE_Q6_K; }
+static int is_quant(uint32_t t) {
+    return t == KVB_TYPE_Q8_0 || t == KVB_TYPE_Q4_0 || t == KVB_TYPE_Q5_0 || is_kquant(t);
+}
+static int block_bytes(uint32_t t) { return kvb_type_get(t)->block_bytes; }
+static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+/* The signed weight integer wq_j (j < 32) of a Q8_0, Q4_0 or Q5_0 block. */
+static int t_wq32(uint32_t type, const uint8_t *blk, int j) {
+    if (type == KVB_TYPE_Q8_0) return (int8_t)blk[2 + j];
+    const uint8_t byte = type == KVB_TYPE_Q4_0 ? blk[2 + j % 16] : blk[6 + j % 16];
+    const int nib = j < 16 ? byte & 15 : byte >> 4;
+    if (type == KVB_TYPE_Q4_0) return nib - 8;
+    return nib + 16 * ((blk[2 + j / 8] >> (j % 8)) & 1) - 16;
+}
+
+/* Sub-block s's 6-bit scale and min of a Q4_K / Q5_K super-block (sc: its 12 packed bytes). */
+static void t_k_scale(const uint8_t *sc, int s, int *scale, int *min) {
+    if (s < 4) {
+        *scale = sc[s] & 0x3f;
+        *min = sc[4 + s] & 0x3f;
+    } else {
+        *scale = (sc[s + 4] & 0x0f) + 16 * (sc[s - 4] >> 6);
+        *min = (sc[s + 4] >> 4) + 16 * (sc[s] >> 6);
+    }
+}
+
+/* q (0..15, or 0..31 for Q5_K) of element e (0..255) of a Q4_K / Q5_K super-block. */
+static int t_k_q(const uint8_t *sb, int five, int e) {
+    const uint8_t *qs = sb + (five ? 48 : 16);
+    const int s = e / 32, l = e % 32;
+    int q = (s & 1) ? qs[32 * (s / 2) + l] >> 4 : qs[32 * (s / 2) + l] & 15;
+    if (five) q += 16 * ((sb[16 + l] >> s) & 1);
+    return q;
+}
+
+/* q (0..63) of element e of a Q6_K super-block. */
+static int t_q6(const uint8_t *sb, int e) {
+    const int half = e / 128, c = (e % 128) / 32, l = e % 32;
+    const uint8_t lowbyte = sb[64 * half + 32 * (c & 1) + l];
+    const int lo = c < 2 ? lowbyte & 15 : lowbyte >> 4;
+    return lo + 16 * ((sb[128 + 32 * half + l] >> (2 * c)) & 3);
+}
+
 /* ---- canonical dot --------------------------------------------------------------------- */
 
-/* The specification written independently of dot_scalar.c: lane-major loops, double-checked
- * integer sums, explicit tree. */
+/* What activation block b contributes to its lane, per the specification: n terms, each an exact
+ * integer times an f32 scale (f: as the spec rounds it; exact: the same without rounding). */
+typedef struct {
+    int n;
+    int64_t i[2];
+    float f[2];
+    double exact[2];
+} spec_terms;
+
+static void spec_block(uint32_t type, const uint8_t *w, const kvb_block_q8_0 *xb, int64_t b, spec_terms *t) {
+    const float xd = kvb_fp16_to_f32(xb->d);
+    t->n = 1;
+    if (!is_kquant(type)) {
+        const uint8_t *blk = w + b * block_bytes(type);
+        int64_t s = 0;
+        for (int j = 0; j < 32; j++) s += (int64_t)t_wq32(type, blk, j) * xb->qs[j];
+        const float wd = kvb_fp16_to_f32(rd16(blk));
+        t->i[0] = s;
+        t->f[0] = wd * xd;
+        t->exact[0] = (double)wd * (double)xd;
+    } else if (type == KVB_TYPE_Q6_K) {
+        const uint8_t *sb = w + (b / 8) * 210;
+        const int k = (int)(b % 8);
+        int64_t half[2] = {0, 0};
+        for (int j = 0; j < 32; j++) half[j / 16] += (int64_t)(t_q6(sb, 32 * k + j) - 32) * xb->qs[j];
+        const int8_t *sc = (const int8_t *)(sb + 192);
+        const float wd = kvb_fp16_to_f32(rd16(sb + 208));
+        t->i[0] = sc[2 * k] * half[0] + sc[2 * k + 1] * half[1];
+        t->f[0] = wd * xd;
+        t->exact[0] = (double)wd * (double)xd;
+    } else {
+        const int five = type == KVB_TYPE_Q5_K;
+        const uint8_t *sb = w + (b / 8) * (five ? 176 : 144);
+        const int k = (int)(b % 8);
+        int sc, m;
+        t_k_scale(sb + 4, k, &sc, &m);
+        int64_t s = 0, sx = 0;
+        for (int j = 0; j < 32; j++) {
+            s += (int64_t)t_k_q(sb, five, 32 * k + j) * xb->qs[j];
+            sx += xb->qs[j];
+        }
+        const float wd = kvb_fp16_to_f32(rd16(sb)), wm = kvb_fp16_to_f32(rd16(sb + 2));
+        t->n = 2;
+        t->i[0] = s;
+        t->f[0] = (wd * (float)sc) * xd;
+        t->exact[0] = (double)wd * sc * (double)xd;
+        t->i[1] = -sx;
+        t->f[1] = (wm * (float)m) * xd;
+        t->exact[1] = (double)wm * m * (double)xd;
+    }
+    for (int k = 0; k < t->n; k++) /* the spec's claim: every integer converts to f32 exactly */
+        if (!(t->i[k] > -(1 << 24) && t->i[k] < (1 << 24)))
+            FAILF("%s block %" PRId64 ": integer sum %" PRId64 " is not exact in f32\n", kvb_type_name(type), b, t->i[k]);
+}
+
+/* The specification written independently of dot_scalar.c: lane-major loops, the test's own
+ * block decoding, explicit tree. */
 static float spec_dot(uint32_t type, const void *w, const void *a, int64_t n) {
     float acc[16];
-    if (type == KVB_TYPE_Q8_0 || type == KVB_TYPE_Q4_0) {
+    if (is_quant(type)) {
         const kvb_block_q8_0 *x = a;
         for (int l = 0; l < 16; l++) {
             acc[l] = 0.0f;
             for (int64_t b = l; b < n / 32; b += 16) {
-                int64_t s = 0;
-                uint16_t wd;
-                for (int j = 0; j < 32; j++) {
-                    int wq;
-                    if (type == KVB_TYPE_Q8_0) {
-                        const kvb_block_q8_0 *wb = (const kvb_block_q8_0 *)w + b;
-                        wq = wb->qs[j];
-                        wd = wb->d;
-                    } else {
-                        const kvb_block_q4_0 *wb = (const kvb_block_q4_0 *)w + b;
-                        wq = (j < 16 ? (wb->qs[j] & 15) : (wb->qs[j - 16] >> 4)) - 8;
-                        wd = wb->d;
-                    }
-                    s += (int64_t)wq * x[b].qs[j];
-                }
-                const float d = kvb_fp16_to_f32(wd) * kvb_fp16_to_f32(x[b].d);
-                acc[l] = fmaf((float)s, d, acc[l]);
+                spec_terms t;
+                spec_block(type, w, &x[b], b, &t);
+                for (int k = 0; k < t.n; k++) acc[l] = fmaf((float)t.i[k], t.f[k], acc[l]);
             }
         }
     } else {
@@ -560,27 +666,57 @@ static float spec_dot(uint32_t type, const void *w, const void *a, int64_t n) {
     return a2[0] + a2[1];
 }
 
-static int is_quant(uint32_t t) { return t == KVB_TYPE_Q8_0 || t == KVB_TYPE_Q4_0; }
-
 /* Fills one weight row of n elements (mode as fill_act_floats for float types). */
 static int g_tame; /* 1: no huge scales / raw activation blocks (accuracy test: no overflow) */
+
+/* A random fp16 scale: zero, subnormal, huge, or normal of either sign (tame: normal only). */
+static uint16_t rand_scale(int *zero_qs) {
+    *zero_qs = 0;
+    switch (g_tame ? 9 : rndint(0, 9)) {
+    case 0: return 0;                                              /* zero scale */
+    case 1: return (uint16_t)(rnd32() & 0x83ff);                   /* subnormal */
+    case 2: *zero_qs = 1; return kvb_f32_to_fp16(kvb_rng_normal(&g_rng)); /* zero weights */
+    case 3: return (uint16_t)((rnd32() & 0x8000) | (uint32_t)rndint(0x5800, 0x7bff)); /* huge */
+    default: return kvb_f32_to_fp16(kvb_rng_normal(&g_rng) * ldexpf(1.0f, rndint(-12, 2)));
+    }
+}
+
 static void fill_weight_row(uint32_t type, uint8_t *row, int64_t n, int mode, float *tmp) {
     if (is_quant(type)) {
-        const int bb = type == KVB_TYPE_Q8_0 ? 34 : 18;
-        for (int64_t b = 0; b < n / 32; b++) {
+        const int bb = block_bytes(type);
+        const int64_t nblk = n / kvb_type_get(type)->block_elems;
+        for (int64_t b = 0; b < nblk; b++) {
             uint8_t *blk = row + b * bb;
-            for (int j = 2; j < bb; j++) blk[j] = (uint8_t)rnd32();
-            uint16_t d;
-            switch (g_tame ? 9 : rndint(0, 9)) {
-            case 0: d = 0; break;                                         /* zero scale */
-            case 1: d = (uint16_t)(rnd32() & 0x83ff); break;              /* subnormal */
-            case 2: memset(blk + 2, type == KVB_TYPE_Q8_0 ? 0 : 0x88, (size_t)bb - 2); /* zero qs */
-                d = kvb_f32_to_fp16(kvb_rng_normal(&g_rng)); break;
-            case 3: d = (uint16_t)((rnd32() & 0x8000) | (uint32_t)rndint(0x5800, 0x7bff)); break; /* huge */
-            default: d = kvb_f32_to_fp16(kvb_rng_normal(&g_rng) * ldexpf(1.0f, rndint(-12, 2))); break;
+            for (int j = 0; j < bb; j++) blk[j] = (uint8_t)rnd32(); /* any quant/scale bytes are valid */
+            int zero_qs;
+            const uint16_t d = rand_scale(&zero_qs);
+            switch (type) {
+            case KVB_TYPE_Q8_0:
+                if (zero_qs) memset(blk + 2, 0, 32);
+                if (rndint(0, 7) == 0) blk[2 + rndint(0, 31)] = 0x80; /* -128 */
+                memcpy(blk, &d, 2);
+                break;
+            case KVB_TYPE_Q4_0:
+                if (zero_qs) memset(blk + 2, 0x88, 16);
+                memcpy(blk, &d, 2);
+                break;
+            case KVB_TYPE_Q5_0: /* value 0 is q = 16: fifth bit set, nibble 0 */
+                if (zero_qs) memset(blk + 2, 0xff, 4), memset(blk + 6, 0, 16);
+                memcpy(blk, &d, 2);
+                break;
+            case KVB_TYPE_Q6_K: /* q = 32: nibble 0, top bits 0b10 */
+                if (zero_qs) memset(blk, 0, 128), memset(blk + 128, 0xaa, 64);
+                memcpy(blk + 208, &d, 2);
+                break;
+            default: { /* Q4_K, Q5_K: d, dmin drawn independently */
+                int unused;
+                const uint16_t dmin = rand_scale(&unused);
+                memcpy(blk, &d, 2);
+                memcpy(blk + 2, &dmin, 2);
+                if (zero_qs) memset(blk + 4, 0, 12); /* all scales and mins 0 */
+                break;
             }
-            if (type == KVB_TYPE_Q8_0 && rndint(0, 7) == 0) blk[2 + rndint(0, 31)] = 0x80; /* -128 */
-            memcpy(blk, &d, 2);
+            }
         }
         return;
     }
@@ -609,6 +745,169 @@ static void fill_act_row(uint32_t type, uint8_t *row, int64_t n, int mode, float
         }
     }
 }
+
+/* ---- Q5_0 and K-quant conversions ------------------------------------------------------ */
+
+static const uint32_t k_new_quants[] = {KVB_TYPE_Q5_0, KVB_TYPE_Q4_K, KVB_TYPE_Q5_K, KVB_TYPE_Q6_K};
+
+/* (a) kvb_row_to_f32 on random valid blocks (random quant and scale bytes; zero, subnormal, huge,
+ * negative fp16 scales) equals the float64 reference model's own decoder rounded to f32, bit for
+ * bit: every element's exact value fits a double, and ours is that value rounded once. */
+static void test_dequant_vs_reference(void **state) {
+    (void)state;
+    static const uint32_t types[] = {KVB_TYPE_Q8_0, KVB_TYPE_Q4_0, KVB_TYPE_Q5_0,
+                                     KVB_TYPE_Q4_K, KVB_TYPE_Q5_K, KVB_TYPE_Q6_K};
+    int64_t compared = 0;
+    for (size_t ti = 0; ti < KVB_ARRAY_LEN(types); ti++) {
+        const uint32_t type = types[ti];
+        for (int round = 0; round < 40; round++) {
+            const int64_t n = (is_kquant(type) ? 256 : 32) * rndint(1, 24);
+            const size_t rb = kvb_row_bytes(type, n);
+            assert_int_equal(rb, ref_row_bytes(type, n));
+            uint8_t *w = xmalloc(rb);
+            float *got = xmalloc((size_t)n * sizeof(float));
+            double *want = xmalloc((size_t)n * sizeof(double));
+            fill_weight_row(type, w, n, 0, NULL);
+            for (int64_t i = 0; i < n; i++) got[i] = bits_f(POISON_BITS);
+            kvb_row_to_f32(type, w, got, n);
+            assert_int_equal(ref_dequant_row(type, w, want, n), 0);
+            for (int64_t i = 0; i < n; i++) {
+                if (f_bits(got[i]) != f_bits((float)want[i]))
+                    FAILF("%s kvb_row_to_f32 element %" PRId64 " of %" PRId64 ": %a [%08x], reference %a\n",
+                          kvb_type_name(type), i, n, (double)got[i], f_bits(got[i]), want[i]);
+                compared++;
+            }
+            free(w);
+            free(got);
+            free(want);
+        }
+    }
+    print_message("dequantisation: %" PRId64 " elements equal to the float64 reference\n", compared);
+}
+
+/* Q5_0's quantiser on known values (ggml's rule: d = max/-16, q = min(31, trunc(x/d + 16.5))). */
+static void test_q5_0_known_bytes(void **state) {
+    (void)state;
+    float x[32] = {-16.0f, 15.0f, 0.0f, 0.5f, -0.51f, 15.6f, -15.5f, 7.49f};
+    for (int j = 8; j < 32; j++) x[j] = (float)(j % 23) - 11.0f;
+    kvb_block_q5_0 b;
+    kvb_f32_to_row(KVB_TYPE_Q5_0, x, &b, 32);
+    assert_int_equal(b.d, 0x3c00); /* max = -16 (largest |x|), d = -16 / -16 = 1 */
+    static const int want_head[8] = {0, 31, 16, 17, 15, 31, 1, 23}; /* trunc(x + 16.5), max 31 */
+    for (int j = 0; j < 32; j++) {
+        const int want = j < 8 ? want_head[j] : (int)x[j] + 16;
+        const int nib = j < 16 ? b.qs[j] & 15 : b.qs[j - 16] >> 4;
+        const int fifth = (b.qh[j / 8] >> (j % 8)) & 1;
+        if (nib + 16 * fifth != want) FAILF("Q5_0 element %d: q %d, want %d\n", j, nib + 16 * fifth, want);
+    }
+    float back[32];
+    kvb_row_to_f32(KVB_TYPE_Q5_0, &b, back, 32);
+    assert_true(back[0] == -16.0f && back[1] == 15.0f && back[2] == 0.0f && back[3] == 1.0f && back[5] == 15.0f);
+    /* zero block and NaN give defined bytes */
+    float z[32] = {0};
+    kvb_f32_to_row(KVB_TYPE_Q5_0, z, &b, 32);
+    assert_int_equal(b.d, 0x8000); /* d = 0 / -16 = -0, as in ggml and gguf-py */
+    for (int j = 0; j < 16; j++) assert_int_equal(b.qs[j], 0); /* q = trunc(0 * 0 + 16.5) = 16 */
+    for (int j = 0; j < 4; j++) assert_int_equal(b.qh[j], 0xff);
+    z[7] = NAN;
+    kvb_f32_to_row(KVB_TYPE_Q5_0, z, &b, 32);
+    kvb_row_to_f32(KVB_TYPE_Q5_0, &b, back, 32);
+    for (int j = 0; j < 32; j++) assert_true(back[j] == 0.0f || j == 7);
+}
+
+/* (d) Round trip x -> kvb_f32_to_row -> kvb_row_to_f32 within the bounds kvb_quant.h states.
+ *   Q5_0 (ggml's rule): one step |d| = amax/16 (the clamp at q = 31), plus the fp16 rounding of d
+ *        (rel 2^-11 of |q*d| <= amax) and subnormal fp16 d (2^-25 per unit of q).
+ *   Q4_K/Q5_K (L = 15/31): per super-block, with mn_s = -min(0, min x_s), Mn = max mn_s,
+ *        R_s = max x_s + mn_s: dmin <= Mn/63 (1+2^-10) + 2^-24; the sub-block's step d*sc_s <=
+ *        (R_s + dmin)/L + d with d <= max_s((R_s + dmin)/L)/63 (1+2^-10) + 2^-24; error <= step/2.
+ *   Q6_K: step_t = max|x_t|/31, d <= max step/127 (1+2^-10) + 2^-24, step <= step_t + d; error
+ *        <= step/2.
+ * Plus 2^-20 of the sub-block's magnitude for f32 rounding in the quantiser. */
+static void test_new_quantizer_bounds(void **state) {
+    (void)state;
+    enum { N = 256 * 64 };
+    float *x = xmalloc(N * sizeof(float)), *back = xmalloc(N * sizeof(float));
+    uint8_t *q = xmalloc((size_t)N / 32 * 22 + (size_t)N / 256 * 210);
+    for (int round = 0; round < 16; round++) {
+        fill_act_floats(x, N, round % 4);
+        if (round >= 8) /* one-signed and constant super-blocks, single outliers */
+            for (int sb = 0; sb < N / 256; sb++) {
+                float *v = x + 256 * sb;
+                const int what = rndint(0, 4);
+                for (int i = 0; i < 256; i++) {
+                    if (what == 0) v[i] = fabsf(v[i]);
+                    if (what == 1) v[i] = -fabsf(v[i]);
+                    if (what == 2) v[i] = 0.37f;
+                }
+                if (what == 3) v[rndint(0, 255)] = ldexpf(1.0f, rndint(4, 12)) * (rndint(0, 1) ? 1 : -1);
+            }
+        for (size_t ti = 0; ti < KVB_ARRAY_LEN(k_new_quants); ti++) {
+            const uint32_t type = k_new_quants[ti];
+            kvb_f32_to_row(type, x, q, N);
+            kvb_row_to_f32(type, q, back, N);
+            for (int sb = 0; sb < N / 256; sb++) {
+                const float *v = x + 256 * sb;
+                double bound[16]; /* per 16 elements */
+                if (type == KVB_TYPE_Q5_0) {
+                    for (int b = 0; b < 8; b++) {
+                        double amax = 0;
+                        for (int j = 0; j < 32; j++) amax = fmax(amax, fabs((double)v[32 * b + j]));
+                        bound[2 * b] = bound[2 * b + 1] = amax / 16 * (1 + 1e-6) + amax * 0x1p-11 + 32 * 0x1p-25;
+                    }
+                } else if (type == KVB_TYPE_Q6_K) {
+                    double step[16], smax = 0;
+                    for (int t = 0; t < 16; t++) {
+                        double a = 0;
+                        for (int j = 0; j < 16; j++) a = fmax(a, fabs((double)v[16 * t + j]));
+                        step[t] = a / 31;
+                        smax = fmax(smax, step[t]);
+                    }
+                    const double d = smax / 127 * (1 + 0x1p-10) + 0x1p-24;
+                    for (int t = 0; t < 16; t++) bound[t] = (step[t] + d) / 2 + step[t] * 31 * 0x1p-20;
+                } else {
+                    const double L = type == KVB_TYPE_Q4_K ? 15 : 31;
+                    double mn[8], hi[8], Mn = 0, smax = 0;
+                    for (int s8 = 0; s8 < 8; s8++) {
+                        double lo = 0;
+                        hi[s8] = -INFINITY;
+                        for (int j = 0; j < 32; j++) {
+                            lo = fmin(lo, (double)v[32 * s8 + j]);
+                            hi[s8] = fmax(hi[s8], (double)v[32 * s8 + j]);
+                        }
+                        mn[s8] = -lo;
+                        Mn = fmax(Mn, mn[s8]);
+                    }
+                    const double dmin = Mn / 63 * (1 + 0x1p-10) + 0x1p-24;
+                    for (int s8 = 0; s8 < 8; s8++) smax = fmax(smax, fmax(0, hi[s8] + mn[s8] + dmin) / L);
+                    const double d = smax / 63 * (1 + 0x1p-10) + 0x1p-24;
+                    for (int s8 = 0; s8 < 8; s8++) {
+                        const double step = fmax(0, hi[s8] + mn[s8] + dmin) / L + d;
+                        bound[2 * s8] = bound[2 * s8 + 1] = step / 2 + (fabs(hi[s8]) + mn[s8] + dmin) * 0x1p-20;
+                    }
+                }
+                for (int i = 0; i < 256; i++) {
+                    const double err = fabs((double)back[256 * sb + i] - (double)v[i]);
+                    if (!(err <= bound[i / 16]))
+                        FAILF("%s quantiser round %d: super-block %d elem %d x=%a back=%a err %g > %g\n",
+                              kvb_type_name(type), round, sb, i, (double)v[i], (double)back[256 * sb + i], err,
+                              bound[i / 16]);
+                }
+            }
+        }
+    }
+    /* a zero super-block stays exactly zero with zero scales */
+    memset(x, 0, 256 * sizeof(float));
+    for (size_t ti = 1; ti < KVB_ARRAY_LEN(k_new_quants); ti++) {
+        kvb_f32_to_row(k_new_quants[ti], x, q, 256);
+        kvb_row_to_f32(k_new_quants[ti], q, back, 256);
+        for (int i = 0; i < 256; i++) assert_true(back[i] == 0.0f);
+    }
+    free(x);
+    free(back);
+    free(q);
+}
+
 
 typedef struct {
     uint32_t type;
@@ -687,7 +986,8 @@ static void run_mm_case(const mm_case *c) {
     free(y);
 }
 
-static const uint32_t k_dot_types[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0, KVB_TYPE_Q4_0};
+static const uint32_t k_dot_types[] = {KVB_TYPE_F32,  KVB_TYPE_F16,  KVB_TYPE_BF16, KVB_TYPE_Q8_0, KVB_TYPE_Q4_0,
+                                       KVB_TYPE_Q5_0, KVB_TYPE_Q4_K, KVB_TYPE_Q5_K, KVB_TYPE_Q6_K};
 static const int k_tiles[][2] = {{1, 1}, {3, 1}, {7, 1}, {17, 1}, {1, 3}, {3, 7}, {7, 3},
                                  {17, 7}, {1, 17}, {4, 4}, {17, 17}, {16, 16}, {33, 5}};
 
@@ -696,10 +996,11 @@ static void test_matmul_simd_vs_scalar(void **state) {
     g_mm_compared = 0;
     for (size_t ti = 0; ti < KVB_ARRAY_LEN(k_dot_types); ti++) {
         const uint32_t type = k_dot_types[ti];
-        static const int64_t nq[] = {32, 64, 96, 160, 480, 512, 544, 1056};
+        static const int64_t nq[] = {32, 64, 96, 160, 480, 512, 544, 640, 1056, 2304, 4096 + 256};
+        static const int64_t nk[] = {256, 512, 2048, 2304, 4096 + 256}; /* 2304: a half 16-block group */
         static const int64_t nf[] = {1, 7, 15, 16, 17, 33, 100, 255, 256, 1000};
-        const int64_t *ns = is_quant(type) ? nq : nf;
-        const size_t nn = is_quant(type) ? KVB_ARRAY_LEN(nq) : KVB_ARRAY_LEN(nf);
+        const int64_t *ns = is_kquant(type) ? nk : is_quant(type) ? nq : nf;
+        const size_t nn = is_kquant(type) ? KVB_ARRAY_LEN(nk) : is_quant(type) ? KVB_ARRAY_LEN(nq) : KVB_ARRAY_LEN(nf);
         for (size_t ni = 0; ni < nn; ni++)
             for (size_t k = 0; k < KVB_ARRAY_LEN(k_tiles); k++) {
                 const mm_case c = {type, ns[ni], k_tiles[k][0], k_tiles[k][1], rndint(0, 3)};
@@ -713,7 +1014,7 @@ static void test_matmul_simd_vs_scalar(void **state) {
                 run_mm_case(&c);
             }
         for (int k = 0; k < 6; k++) {
-            const int64_t n = is_quant(type) ? 32 * rndint(1, 300) : rndint(1, 5000);
+            const int64_t n = is_kquant(type) ? 256 * rndint(1, 36) : is_quant(type) ? 32 * rndint(1, 300) : rndint(1, 5000);
             const mm_case c = {type, n, rndint(1, 20), rndint(1, 20), rndint(0, 3)};
             run_mm_case(&c);
         }
@@ -733,10 +1034,12 @@ static void test_matmul_specials(void **state) {
         for (int r = 0; r < 5; r++) fill_weight_row(type, w + r * rb, n, 0, tmp);
         for (int t = 0; t < 3; t++) fill_act_row(type, a + t * ab, n, 0, tmp);
         /* row 1: an inf; row 2: a NaN; token 1: inf activation */
-        if (is_quant(type)) {
+        if (is_quant(type)) { /* the (super-)block's d: inf in row 1, NaN in row 2 */
             const uint16_t inf = 0x7c00, nan = 0x7e01;
-            memcpy(w + rb + (type == KVB_TYPE_Q8_0 ? 34 : 18) * 3, &inf, 2);
-            memcpy(w + 2 * rb, &nan, 2);
+            const size_t dofs = type == KVB_TYPE_Q6_K ? 208 : 0;
+            memcpy(w + rb + (size_t)block_bytes(type) * (is_kquant(type) ? 1 : 3) + dofs, &inf, 2);
+            memcpy(w + 2 * rb + dofs, &nan, 2);
+            if (type == KVB_TYPE_Q4_K || type == KVB_TYPE_Q5_K) memcpy(w + 3 * rb + 2, &nan, 2); /* dmin */
             memcpy(a + ab + 34 * 5, &inf, 2);
         } else if (type == KVB_TYPE_F32) {
             ((float *)(void *)(w + rb))[7] = INFINITY;
@@ -765,16 +1068,19 @@ static void test_matmul_specials(void **state) {
     }
 }
 
-/* Accuracy: |dot - float64 dot of the dequantised values| <= (K + 5) * 2^-24 * sum|w_i x_i|,
- * K = fmas per accumulator lane (ceil(n/16) elements or ceil(n/32/16) blocks), +4 reduction
- * levels, +1 slack for the bound's higher-order term. */
+/* Accuracy: |dot - exact| <= (K + 5) * 2^-24 * mag + (quant types) 2^-24 * mag, K = fmas per
+ * accumulator lane (ceil(n/16) elements, or ceil(n/32/16) blocks times the terms per block: 2 for
+ * Q4_K/Q5_K), +4 reduction levels, +1 slack for the bound's higher-order term, + one rounding of
+ * each block's scale product (Q4_K/Q5_K's dA, dM). Float types: exact and mag are the float64 sum
+ * and sum of |w_i x_i|; quant types: the sum of each block's terms (integer * exact scale) and of
+ * their magnitudes (for Q4_K/Q5_K the two terms of a block may cancel, so mag counts both). */
 static void test_dot_accuracy(void **state) {
     (void)state;
     g_tame = 1;
     for (size_t ti = 0; ti < KVB_ARRAY_LEN(k_dot_types); ti++) {
         const uint32_t type = k_dot_types[ti];
         for (int trial = 0; trial < 20; trial++) {
-            const int64_t n = is_quant(type) ? 32 * rndint(1, 256) : rndint(1, 8192);
+            const int64_t n = is_kquant(type) ? 256 * rndint(1, 32) : is_quant(type) ? 32 * rndint(1, 256) : rndint(1, 8192);
             const size_t rb = kvb_row_bytes(type, n), ab = kvb_row_bytes(kvb_act_type(type), n);
             uint8_t *w = xmalloc(rb), *a = xmalloc(ab);
             float *tmp = xmalloc((size_t)n * sizeof(float)), *wf = xmalloc((size_t)n * sizeof(float));
@@ -784,13 +1090,26 @@ static void test_dot_accuracy(void **state) {
             kvb_row_to_f32(type, w, wf, n);
             kvb_row_to_f32(kvb_act_type(type), a, af, n);
             double exact = 0, mag = 0;
-            for (int64_t i = 0; i < n; i++) {
-                exact += (double)wf[i] * (double)af[i]; /* each product exact in double */
-                mag += fabs((double)wf[i] * (double)af[i]);
+            int terms = 1;
+            if (is_quant(type)) {
+                for (int64_t b = 0; b < n / 32; b++) {
+                    spec_terms t;
+                    spec_block(type, w, (const kvb_block_q8_0 *)(const void *)a + b, b, &t);
+                    for (int j = 0; j < t.n; j++) { /* each product exact in double */
+                        exact += (double)t.i[j] * t.exact[j];
+                        mag += fabs((double)t.i[j] * t.exact[j]);
+                    }
+                    terms = t.n;
+                }
+            } else {
+                for (int64_t i = 0; i < n; i++) {
+                    exact += (double)wf[i] * (double)af[i]; /* each product exact in double */
+                    mag += fabs((double)wf[i] * (double)af[i]);
+                }
             }
-            const int64_t k = is_quant(type) ? (n / 32 + 15) / 16 : (n + 15) / 16;
+            const int64_t k = is_quant(type) ? terms * ((n / 32 + 15) / 16) : (n + 15) / 16;
             /* the double sum itself errs by <= n * 2^-53 * mag; negligible next to the bound */
-            const double bound = (double)(k + 5) * 0x1p-24 * mag + 0x1p-140;
+            const double bound = (double)(k + 5 + is_quant(type)) * 0x1p-24 * mag + 0x1p-140;
             force("auto");
             const float got = kvb_dot(type, w, a, n);
             if (!(fabs((double)got - exact) <= bound))
@@ -857,8 +1176,13 @@ static void test_dispatch(void **state) {
 #endif
     /* bad arguments: NaN, not a crash */
     float y[4] = {0};
-    assert_true(isnan(kvb_dot(KVB_TYPE_Q6_K, y, y, 256)));
+    assert_true(isnan(kvb_dot(KVB_TYPE_Q2_K, y, y, 256)));
     assert_true(isnan(kvb_dot(KVB_TYPE_Q8_0, y, y, 33)));
+    assert_true(isnan(kvb_dot(KVB_TYPE_Q5_0, y, y, 48)));
+    assert_true(isnan(kvb_dot(KVB_TYPE_Q4_K, y, y, 128)));
+    assert_true(isnan(kvb_dot(KVB_TYPE_Q6_K, y, y, 288)));
+    assert_true(isnan(kvb_dot(KVB_TYPE_Q5_K, y, y, -256)));
+    assert_true(kvb_dot(KVB_TYPE_Q6_K, y, y, 0) == 0.0f);
     assert_true(kvb_dot(KVB_TYPE_F32, y, y, 0) == 0.0f);
     kvb_matmul_tile(KVB_TYPE_Q4_1, y, 0, 2, y, 0, 2, y, 2, 32);
     for (int i = 0; i < 4; i++) assert_true(isnan(y[i]));
@@ -883,6 +1207,9 @@ int main(void) {
         cmocka_unit_test(test_quantizer_known_bytes),
         cmocka_unit_test(test_quantize_error_bounds),
         cmocka_unit_test(test_quantize_act_simd),
+        cmocka_unit_test(test_dequant_vs_reference),
+        cmocka_unit_test(test_q5_0_known_bytes),
+        cmocka_unit_test(test_new_quantizer_bounds),
         cmocka_unit_test(test_dispatch),
         cmocka_unit_test(test_matmul_simd_vs_scalar),
         cmocka_unit_test(test_matmul_specials),

@@ -119,7 +119,8 @@ kvb_status kvb_simd_force(const char *name, kvb_err *err) {
 
 static int args_ok(uint32_t type, int64_t n) {
     if (!kvb_dot_type_ok(type) || n <= 0) return 0;
-    if ((type == KVB_TYPE_Q8_0 || type == KVB_TYPE_Q4_0) && n % 32 != 0) return 0;
+    if (kvb_is_q32_type(type) && n % 32 != 0) return 0;
+    if (kvb_is_kquant_type(type) && n % 256 != 0) return 0;
     return 1;
 }
 

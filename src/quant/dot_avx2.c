@@ -7,7 +7,11 @@
  * partial sums (no saturation: |w| <= 128 and |x| <= 127, which kvb_quantize_act guarantees),
  * an hadd tree turns 8 blocks into one ymm of exact block sums in natural order, and the scale
  * products are fma'd into the accumulator of lanes 0-7 or 8-15. A partial last group of < 8
- * blocks runs on zero-padded copies and is blended in the same way. */
+ * blocks runs on zero-padded copies and is blended in the same way. The K-quants map one
+ * super-block to one group of 8 blocks: Q4_K/Q5_K multiply their unsigned q directly
+ * (vpmaddubsw(q, x)) and fma the min term with -sum(x), which tiles of 4 rows x 4 tokens compute
+ * once per activation group; Q6_K uses q - 32 with the sign trick and vpmaddwd by its two
+ * half-block scales, which gives the exact scaled block sum S directly. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -136,20 +140,36 @@ INLINE void mm_float_t(const int type, const uint8_t *w, size_t ws, int n_rows, 
 
 /* ---- quant weights ------------------------------------------------------------------------ */
 
-/* 32 signed weight bytes of one block (Q8_0 qs as is; Q4_0 nibbles - 8, element order). */
-INLINE __m256i ldq(const int is_q8, const uint8_t *blk) {
-    if (is_q8) return _mm256_loadu_si256((const __m256i *)(const void *)(blk + 2));
-    const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(blk + 2));
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
-    return _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
+/* The fifth bits of a Q5_0 block (qh, bit j = element j) as 32 bytes of 0 or 16. */
+INLINE __m256i q5_0_high(const uint8_t *qh_bytes) {
+    uint32_t qh;
+    memcpy(&qh, qh_bytes, 4);
+    const __m256i rep = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                            _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                               0x0303030303030303)); /* byte j/8 */
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201);             /* bit j%8 */
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit), _mm256_set1_epi8(16));
 }
 
-/* Eight exact int32 partial sums of one block: sum over 4 elements each. */
-INLINE __m256i bdot(__m256i w, __m256i x) {
-    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+/* 32 signed weight bytes of one block (Q8_0 qs as is; Q4_0 nibbles - 8, Q5_0 5-bit q - 16;
+ * element order). */
+INLINE __m256i ldq(const int type, const uint8_t *blk) {
+    if (type == KVB_TYPE_Q8_0) return _mm256_loadu_si256((const __m256i *)(const void *)(blk + 2));
+    const int qs_off = type == KVB_TYPE_Q4_0 ? 2 : 6;
+    const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(blk + qs_off));
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
+    if (type == KVB_TYPE_Q4_0) return _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
+    return _mm256_sub_epi8(_mm256_or_si256(nib, q5_0_high(blk + 2)), _mm256_set1_epi8(16));
 }
+
+/* Eight exact int32 partial sums of one block: sum over 4 elements each, each pair of products
+ * times the int16 in `mul` (ones, or Q6_K's scales). */
+INLINE __m256i bdot_mul(__m256i w, __m256i x, __m256i mul) {
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    return _mm256_madd_epi16(p, mul);
+}
+INLINE __m256i bdot(__m256i w, __m256i x) { return bdot_mul(w, x, _mm256_set1_epi16(1)); }
 
 /* Block sums of 8 blocks (v[k] = bdot of block k) -> lane k = sum of block k. */
 INLINE __m256i hsum8(const __m256i v[8]) {
@@ -169,10 +189,10 @@ INLINE __m256 gather_d8(const uint8_t *blk, __m256i idx) {
 
 #define QT2 4 /* tokens per weight load */
 
-static void mm_quant(uint32_t type, const uint8_t *w, size_t ws, int n_rows, const uint8_t *x,
-                     size_t xs, int n_tok, float *y, size_t ys, int64_t n) {
-    const int is_q8 = type == KVB_TYPE_Q8_0;
-    const int wbb = is_q8 ? 34 : 18;
+/* Q8_0 / Q4_0 / Q5_0 weights (type a compile-time constant after inlining). */
+INLINE void mm_quant_t(const int type, const uint8_t *w, size_t ws, int n_rows, const uint8_t *x,
+                       size_t xs, int n_tok, float *y, size_t ys, int64_t n) {
+    const int wbb = type == KVB_TYPE_Q8_0 ? 34 : type == KVB_TYPE_Q4_0 ? 18 : 22;
     const int64_t nb = n / 32, ng = (nb + 7) / 8;
     const int tail = (int)(nb % 8);
     const __m256i k8 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -197,7 +217,7 @@ static void mm_quant(uint32_t type, const uint8_t *w, size_t ws, int n_rows, con
                     wb = wpad;
                 }
                 __m256i wq[8];
-                UNROLL for (int k = 0; k < 8; k++) wq[k] = ldq(is_q8, wb + k * wbb);
+                UNROLL for (int k = 0; k < 8; k++) wq[k] = ldq(type, wb + k * wbb);
                 const __m256 wd = gather_d8(wb, idxw);
                 for (int t = 0; t < nt; t++) {
                     const uint8_t *xb = x + (size_t)(t0 + t) * xs + (size_t)g * 8 * 34;
@@ -220,13 +240,159 @@ static void mm_quant(uint32_t type, const uint8_t *w, size_t ws, int n_rows, con
     }
 }
 
+/* ---- K-quant weights: one super-block is one group of 8 activation blocks (lanes 0-7 or 8-15) */
+
+/* A Q4_K / Q5_K super-block's 8 sub-blocks as unsigned bytes (q, element order) and the exact
+ * per-sub-block scale products fp16(d)*sc (wdA) and fp16(dmin)*m (wdM). */
+INLINE void ld_q45k(const int five, const uint8_t *sb, __m256i wq[8], __m256 *wdA, __m256 *wdM) {
+    const uint8_t *qs = sb + (five ? 48 : 16);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256i qh = _mm256_setzero_si256();
+    if (five) qh = _mm256_loadu_si256((const __m256i *)(const void *)(sb + 16));
+    UNROLL for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(qs + 32 * j));
+        wq[2 * j] = _mm256_and_si256(v, m4);
+        wq[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    if (five) {
+        const __m256i c16 = _mm256_set1_epi8(16);
+        UNROLL for (int k = 0; k < 8; k++) { /* bit k of qh[l] -> bit 4 (16-bit shifts; masked) */
+            const __m256i h = k <= 4 ? _mm256_slli_epi16(qh, 4 - k) : _mm256_srli_epi16(qh, k - 4);
+            wq[k] = _mm256_or_si256(wq[k], _mm256_and_si256(h, c16));
+        }
+    }
+    /* 6-bit scales: bytes 0-7 sc of sub-blocks 0..7, 8-15 their m (see kvb_quant.h) */
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(const void *)(sb + 4));
+    const __m128i ctrl_a = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+    const __m128i ctrl_c = _mm_setr_epi8(-128, -128, -128, -128, 0, 1, 2, 3, -128, -128, -128, -128, 4, 5, 6, 7);
+    const __m128i mask_a = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+    const __m128i mask_b = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+    const __m128i a = _mm_shuffle_epi8(raw, ctrl_a), c = _mm_shuffle_epi8(raw, ctrl_c);
+    const __m128i low = _mm_or_si128(_mm_and_si128(a, mask_a), _mm_and_si128(_mm_srli_epi16(a, 4), mask_b));
+    const __m128i scm = _mm_or_si128(low, _mm_srli_epi16(_mm_and_si128(c, _mm_set1_epi8((char)0xc0)), 2));
+    uint16_t d, dmin;
+    memcpy(&d, sb, 2);
+    memcpy(&dmin, sb + 2, 2);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scm));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scm, 8)));
+    *wdA = _mm256_mul_ps(_mm256_set1_ps(kvb_fp16_to_f32(d)), sc);    /* exact */
+    *wdM = _mm256_mul_ps(_mm256_set1_ps(kvb_fp16_to_f32(dmin)), m);  /* exact */
+}
+
+/* A Q6_K super-block's 8 blocks as signed bytes q - 32 and, per block, the int16 multipliers
+ * for bdot_mul (scales[2k] for its first 16 elements, scales[2k+1] for the rest). */
+INLINE void ld_q6k(const uint8_t *sb, __m256i wq[8], __m256i sc16[8]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
+    UNROLL for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(const void *)(sb + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(const void *)(sb + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(const void *)(sb + 128 + 32 * h));
+        /* block 4h + c: low nibbles of l0 (c 0), l1 (1), high nibbles of l0 (2), l1 (3); top
+         * bits 2c, 2c+1 of qh moved to bits 4-5 */
+        wq[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+        wq[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+        wq[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
+        wq[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+    }
+    UNROLL for (int k = 0; k < 8; k++) wq[k] = _mm256_sub_epi8(wq[k], c32);
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(sb + 192))); /* 16 x i16 */
+    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,   /* low lane: word 0 */
+                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3); /* high: word 1 */
+    UNROLL for (int k = 0; k < 8; k++) /* dword k = (scales[2k], scales[2k+1]) everywhere, then split */
+        sc16[k] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc, _mm256_set1_epi32(k)), pick);
+}
+
+#define KR2 4 /* rows per K-quant tile (share one activation preparation) */
+
+/* Q4_K / Q5_K / Q6_K weights, in tiles of KR2 rows x QT2 tokens so that each activation group's
+ * preparation (its scales and, for Q4_K/Q5_K, -sum(x) per block) is shared by the tile's rows. */
+INLINE void mm_kquant_t(const int type, const uint8_t *w, size_t ws, int n_rows, const uint8_t *x,
+                        size_t xs, int n_tok, float *y, size_t ys, int64_t n) {
+    const int sbb = type == KVB_TYPE_Q4_K ? 144 : type == KVB_TYPE_Q5_K ? 176 : 210;
+    const int64_t ng = n / 256;
+    const __m256i idx34 = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(34));
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    for (int t0 = 0; t0 < n_tok; t0 += QT2) {
+        const int nt = KVB_MIN(QT2, n_tok - t0);
+        for (int r0 = 0; r0 < n_rows; r0 += KR2) {
+            const int nr = KVB_MIN(KR2, n_rows - r0);
+            __m256 acc[KR2][QT2][2]; /* [row][token][lanes 0-7 | 8-15] */
+            for (int r = 0; r < nr; r++)
+                for (int t = 0; t < nt; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+            for (int64_t g = 0; g < ng; g++) {
+                __m256 xd[QT2], nsx[QT2]; /* per token: the 8 blocks' scales and -sum(x) */
+                for (int t = 0; t < nt; t++) {
+                    const uint8_t *xb = x + (size_t)(t0 + t) * xs + (size_t)g * 8 * 34;
+                    xd[t] = gather_d8(xb, idx34);
+                    if (type != KVB_TYPE_Q6_K) {
+                        __m256i v[8];
+                        UNROLL for (int k = 0; k < 8; k++) {
+                            const __m256i xq = _mm256_loadu_si256((const __m256i *)(const void *)(xb + 34 * k + 2));
+                            v[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), xq), ones16);
+                        }
+                        nsx[t] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), hsum8(v)));
+                    }
+                }
+                for (int r = 0; r < nr; r++) {
+                    const uint8_t *sb = w + (size_t)(r0 + r) * ws + (size_t)g * (size_t)sbb;
+                    __m256i wq[8], sc16[8];
+                    __m256 wdA, wdM;
+                    if (type == KVB_TYPE_Q6_K) {
+                        ld_q6k(sb, wq, sc16);
+                        uint16_t d;
+                        memcpy(&d, sb + 208, 2);
+                        wdA = _mm256_set1_ps(kvb_fp16_to_f32(d));
+                        wdM = wdA;
+                    } else {
+                        ld_q45k(type == KVB_TYPE_Q5_K, sb, wq, &wdA, &wdM);
+                    }
+                    for (int t = 0; t < nt; t++) {
+                        const uint8_t *xb = x + (size_t)(t0 + t) * xs + (size_t)g * 8 * 34;
+                        __m256i v[8];
+                        UNROLL for (int k = 0; k < 8; k++) {
+                            const __m256i xq = _mm256_loadu_si256((const __m256i *)(const void *)(xb + 34 * k + 2));
+                            v[k] = type == KVB_TYPE_Q6_K ? bdot_mul(wq[k], xq, sc16[k]) /* signed q - 32 */
+                                                         : _mm256_madd_epi16(_mm256_maddubs_epi16(wq[k], xq), ones16);
+                        }
+                        const __m256 sf = _mm256_cvtepi32_ps(hsum8(v));
+                        __m256 f = _mm256_fmadd_ps(sf, _mm256_mul_ps(wdA, xd[t]), acc[r][t][g & 1]);
+                        if (type != KVB_TYPE_Q6_K) f = _mm256_fmadd_ps(nsx[t], _mm256_mul_ps(wdM, xd[t]), f);
+                        acc[r][t][g & 1] = f;
+                    }
+                }
+            }
+            for (int r = 0; r < nr; r++)
+                for (int t = 0; t < nt; t++)
+                    y[(size_t)(t0 + t) * ys + (size_t)(r0 + r)] = reduce16(acc[r][t][0], acc[r][t][1]);
+        }
+    }
+}
+
+#define MM_QUANT(fn, T, name)                                                                              \
+    static void name(const uint8_t *w, size_t ws, int n_rows, const uint8_t *x, size_t xs, int n_tok,     \
+                     float *y, size_t ys, int64_t n) {                                                    \
+        fn(T, w, ws, n_rows, x, xs, n_tok, y, ys, n);                                                     \
+    }
+MM_QUANT(mm_quant_t, KVB_TYPE_Q8_0, mm_q8_0)
+MM_QUANT(mm_quant_t, KVB_TYPE_Q4_0, mm_q4_0)
+MM_QUANT(mm_quant_t, KVB_TYPE_Q5_0, mm_q5_0)
+MM_QUANT(mm_kquant_t, KVB_TYPE_Q4_K, mm_q4_k)
+MM_QUANT(mm_kquant_t, KVB_TYPE_Q5_K, mm_q5_k)
+MM_QUANT(mm_kquant_t, KVB_TYPE_Q6_K, mm_q6_k)
+
 static void matmul_avx2(uint32_t type, const void *w, size_t ws, int n_rows, const void *act,
                         size_t as, int n_tok, float *y, size_t ys, int64_t n) {
     switch (type) {
     case KVB_TYPE_F32: mm_float_t(KVB_TYPE_F32, w, ws, n_rows, act, as, n_tok, y, ys, n); break;
     case KVB_TYPE_F16: mm_float_t(KVB_TYPE_F16, w, ws, n_rows, act, as, n_tok, y, ys, n); break;
     case KVB_TYPE_BF16: mm_float_t(KVB_TYPE_BF16, w, ws, n_rows, act, as, n_tok, y, ys, n); break;
-    default: mm_quant(type, w, ws, n_rows, act, as, n_tok, y, ys, n); break;
+    case KVB_TYPE_Q8_0: mm_q8_0(w, ws, n_rows, act, as, n_tok, y, ys, n); break;
+    case KVB_TYPE_Q4_0: mm_q4_0(w, ws, n_rows, act, as, n_tok, y, ys, n); break;
+    case KVB_TYPE_Q5_0: mm_q5_0(w, ws, n_rows, act, as, n_tok, y, ys, n); break;
+    case KVB_TYPE_Q4_K: mm_q4_k(w, ws, n_rows, act, as, n_tok, y, ys, n); break;
+    case KVB_TYPE_Q5_K: mm_q5_k(w, ws, n_rows, act, as, n_tok, y, ys, n); break;
+    default: mm_q6_k(w, ws, n_rows, act, as, n_tok, y, ys, n); break;
     }
 }
 

@@ -5,7 +5,9 @@
  * with vcvt_f32_f16, bf16 by a 16-bit shift; a tail of n % 16 elements uses scalar fmaf on the
  * lanes it owns. Quant weights: each block's int32 sum is computed exactly with vmull_s8 +
  * vpadalq_s16 + vaddvq_s32, then one scalar fmaf per block into acc[b % 16] — simple and
- * faithful to the specification; the reduction is the same 8-4-2-1 tree. */
+ * faithful to the specification; the reduction is the same 8-4-2-1 tree. Q5_0 and the K-quants
+ * (Q4_K, Q5_K, Q6_K) are not vectorised here: they run the portable scalar code (dot_scalar.c),
+ * because no ARM machine was at hand to test NEON versions bit for bit. */
 #include <arm_neon.h>
 #include <math.h>
 #include <string.h>
@@ -95,6 +97,10 @@ static float dot_quant(uint32_t type, const uint8_t *w, const kvb_block_q8_0 *x,
 
 static void matmul_neon(uint32_t type, const void *w, size_t ws, int n_rows, const void *act,
                         size_t as, int n_tok, float *y, size_t ys, int64_t n) {
+    if (type == KVB_TYPE_Q5_0 || kvb_is_kquant_type(type)) { /* not vectorised here: the scalar code */
+        kvb_quant_kernels_scalar.matmul(type, w, ws, n_rows, act, as, n_tok, y, ys, n);
+        return;
+    }
     const uint8_t *wb = w, *ab = act;
     const int quant = type == KVB_TYPE_Q8_0 || type == KVB_TYPE_Q4_0;
     for (int t = 0; t < n_tok; t++) {

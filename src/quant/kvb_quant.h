@@ -48,6 +48,46 @@ typedef struct {
     uint16_t d;              /* fp16 scale */
     uint8_t qs[KVB_QK4_0 / 2]; /* element j (j<16): low nibble of qs[j]; element j+16: high nibble; x = d*(q-8) */
 } kvb_block_q4_0;            /* 18 bytes */
+#define KVB_QK5_0 32
+typedef struct {
+    uint16_t d;                /* fp16 scale */
+    uint8_t qh[4];             /* fifth bits: bit j of the little-endian uint32 qh[0..3] (bit j % 8 of
+                                  qh[j / 8]) is bit 4 of element j */
+    uint8_t qs[KVB_QK5_0 / 2]; /* low four bits: element j (j<16) low nibble of qs[j], element j+16
+                                  high nibble; q = low | fifth << 4 in 0..31, x = d*(q-16) */
+} kvb_block_q5_0;            /* 22 bytes */
+
+/* K-quants: super-blocks of 256 elements (KVB_QK_K). Q4_K and Q5_K have 8 sub-blocks of 32
+ * elements, each with a 6-bit scale sc_s and a 6-bit min m_s packed into scales[12]
+ * (kvb_k_scale_min in kvb_quant_scalar.h spells out the packing):
+ *     s < 4:  sc_s = scales[s] & 63                               m_s = scales[s+4] & 63
+ *     s >= 4: sc_s = (scales[s+4] & 15) | (scales[s-4] >> 6) << 4  m_s = (scales[s+4] >> 4) | (scales[s] >> 6) << 4
+ *   Q4_K element l (0..31) of sub-block s: q = nibble of qs[32*(s/2) + l], the low nibble for even
+ *        s, the high one for odd s (0..15);  x = (fp16(d)*sc_s)*q - fp16(dmin)*m_s
+ *   Q5_K: the same 4 bits, plus bit s of qh[l] as bit 4 (q in 0..31); same formula
+ *   Q6_K has 16 sub-blocks of 16 elements with an int8 scale each. Element e (0..255), with
+ *        h = e/128, c = (e%128)/32, l = e%32: the low four bits are the nibble of
+ *        ql[64h + 32*(c%2) + l] (low nibble for c < 2, high for c >= 2), the top two bits are
+ *        bits 2c, 2c+1 of qh[32h + l]; q in 0..63;  x = (fp16(d)*scales[e/16])*(q-32) */
+#define KVB_QK_K 256
+typedef struct {
+    uint16_t d;               /* fp16 super-scale of the sub-block scales */
+    uint16_t dmin;            /* fp16 super-scale of the sub-block mins */
+    uint8_t scales[12];       /* 8 x (6-bit scale, 6-bit min), packed as above */
+    uint8_t qs[KVB_QK_K / 2]; /* 256 nibbles */
+} kvb_block_q4_k;             /* 144 bytes */
+typedef struct {
+    uint16_t d, dmin;         /* as Q4_K */
+    uint8_t scales[12];       /* as Q4_K */
+    uint8_t qh[KVB_QK_K / 8]; /* bit s of qh[l]: bit 4 of element l of sub-block s */
+    uint8_t qs[KVB_QK_K / 2]; /* low four bits, as Q4_K */
+} kvb_block_q5_k;             /* 176 bytes */
+typedef struct {
+    uint8_t ql[KVB_QK_K / 2]; /* low four bits */
+    uint8_t qh[KVB_QK_K / 4]; /* high two bits */
+    int8_t scales[16];        /* scale of sub-block t = elements 16t..16t+15 */
+    uint16_t d;               /* fp16 super-scale */
+} kvb_block_q6_k;             /* 210 bytes */
 
 /* Layout facts; valid for every type whose layout is known (including ones we cannot compute
  * with, so a GGUF reader can check tensor sizes). block_elems==0 means unknown type. */
@@ -74,36 +114,81 @@ uint16_t kvb_f32_to_fp16(float f);
 float kvb_bf16_to_f32(uint16_t h);
 uint16_t kvb_f32_to_bf16(float f);
 
-/* Whole-row conversions for supported types (F32, F16, BF16, Q8_0, Q4_0). n must be a multiple
- * of the type's block. kvb_f32_to_row uses ggml's reference quantisers byte for byte, so files we
- * write are the files llama-quantize writes:
+/* Whole-row conversions for supported types (F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K).
+ * n must be a multiple of the type's block (32, or 256 for the K-quants).
+ * kvb_row_to_f32 computes each element as the formulas above with f32 products in the order
+ * written: Q8_0 qs*d, Q4_0 (q-8)*d, Q5_0 (q-16)*d, Q4_K/Q5_K ((d*sc)*q) - (dmin*m), Q6_K
+ * (d*sc)*(q-32). Every product there is exact in f32 (at most 11+6+5 = 22 significant bits, all
+ * multiples of 2^-24), so each element is its exact value, or for Q4_K/Q5_K the exact value rounded
+ * once by the subtraction -- the same f32 values as ggml's dequantisers and the gguf Python
+ * package's numpy ones. kvb_f32_to_row uses ggml's reference quantisers byte for byte for the
+ * 32-element types, so those files are the files llama-quantize writes:
  *   Q8_0 (quantize_row_q8_0_ref): amax = max|x|, d = amax/127, id = d ? 1/d : 0,
  *        q = roundf(x*id) -- halves away from zero, NOT the activation rule below --, stored fp16(d)
  *   Q4_0 (quantize_row_q4_0_ref): max = the x of largest |x| (first one on ties), d = max/-8,
  *        id = d ? 1/d : 0, q = min(15, (int)(x*id + 8.5f)) (truncation), stored fp16(d)
+ *   Q5_0 (quantize_row_q5_0_ref): the same with d = max/-16, q = min(31, (int)(x*id + 16.5f))
  * Where ggml is undefined (NaN inputs, 1/d overflowing to inf for |x| < ~1e-37) we define: Q8_0 q
- * clamped to [-127, 127], NaN -> 0; Q4_0 t = x*id + 8.5f < 0 or NaN -> 0. */
+ * clamped to [-127, 127], NaN -> 0; Q4_0/Q5_0 t = x*id + 8.5f (16.5f) < 0 or NaN -> 0.
+ * The K-quants use our own simple quantiser (deterministic, plain IEEE f32 arithmetic; NOT
+ * llama-quantize's iterative search, so its bytes differ from llama.cpp's, though any reader
+ * decodes them the same). fp16_up(v) below is the smallest fp16 >= v, capped at 65504:
+ *   Q4_K / Q5_K (L = 15 / 31), per super-block, per sub-block s of 32:
+ *        mn_s = -min(0, min x);  dmin = fp16_up(max_s mn_s / 63);  m_s = min(63, ceil(mn_s/dmin))
+ *        (0 when dmin == 0);  off_s = dmin*m_s;  step_s = max(0, max x + off_s) / L;
+ *        d = fp16_up(max_s step_s / 63);  sc_s = min(63, ceil(step_s/d)) (0 when d == 0);
+ *        q = clamp(round_half_even((x + off_s) / (d*sc_s)), 0, L)  (0 when d*sc_s == 0)
+ *   Q6_K, per super-block, per sub-block t of 16: step_t = max|x| / 31;
+ *        d = fp16_up(max_t step_t / 127);  sc_t = min(127, ceil(step_t/d)) (0 when d == 0);
+ *        q = 32 + clamp(round_half_even(x / (d*sc_t)), -32, 31)
+ * Every element is then within half a step (d*sc_s) of its input up to f32 rounding (the ceilings
+ * make the grid cover the sub-block's range), where the step is at most the sub-block's range / L
+ * plus one super-block unit d (~ the largest sub-block range / (63 L)); tests/test_quant.c checks
+ * that bound. The bound needs the steps to fit fp16 (|x| up to ~6e7 for Q4_K); beyond that the
+ * scales saturate at 65504 and q clamps. NaN inputs are skipped by min/max and give q at the
+ * clamp or 0; the blocks stay finite. */
 void kvb_row_to_f32(uint32_t type, const void *src, float *dst, int64_t n);
 void kvb_f32_to_row(uint32_t type, const float *src, void *dst, int64_t n);
 
 /* ---- canonical dot products ----------------------------------------------------------------
  *
  * A weight row of type W is multiplied with an activation row in that type's "activation type":
- *   W in {F32, F16, BF16}  -> activation F32 (the f32 vector itself)
- *   W in {Q8_0, Q4_0}      -> activation Q8_0 (the vector quantised with kvb_quantize_act)
+ *   W in {F32, F16, BF16}                     -> activation F32 (the f32 vector itself)
+ *   W in {Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K} -> activation Q8_0 (the vector quantised with
+ *                                                kvb_quantize_act)
  *
  * Canonical order (every implementation, scalar or SIMD or CUDA, must produce these bits):
  *   float acc[16] = {+0};
  *   float types : for i in 0..n-1: acc[i % 16] = fmaf(w_i, x_i, acc[i % 16])
  *                 (w_i is the exact f32 value of the f16/bf16 element)
- *   quant types : for block b in 0..n/32-1:
- *                   int32 s  = sum over the 32 elements of wq_j * xq_j   (exact integers;
- *                              Q4_0's wq_j = nibble - 8)
- *                   float d  = fp16_to_f32(w.d) * fp16_to_f32(x.d)        (one f32 rounding)
- *                   acc[b % 16] = fmaf((float)s, d, acc[b % 16])
+ *   quant types : for each 32-element activation block b in 0..n/32-1 (x = that Q8_0 block,
+ *                 xq_j its 32 int8 values, j = 0..31, lane = b % 16):
+ *     Q8_0, Q4_0, Q5_0 (weight block w = block b of the row):
+ *                   int32 s  = sum over j of wq_j * xq_j   (exact integers; Q4_0's wq_j =
+ *                              nibble - 8, Q5_0's wq_j = 5-bit q - 16)
+ *                   float d  = fp16(w.d) * fp16(x.d)        (fp16(h) = kvb_fp16_to_f32(h))
+ *                   acc[lane] = fmaf((float)s, d, acc[lane])
+ *     Q4_K, Q5_K (super-block B = b / 8 of the row, sub-block k = b % 8 of it, whose elements
+ *                 j are the block's; q_j in 0..15 / 0..31, 6-bit sc_k and m_k):
+ *                   int32 s  = sum over j of q_j * xq_j;  int32 sx = sum over j of xq_j  (exact)
+ *                   float dA = (fp16(B.d) * (float)sc_k) * fp16(x.d)     (two products, each
+ *                   float dM = (fp16(B.dmin) * (float)m_k) * fp16(x.d)    rounded, in this order)
+ *                   acc[lane] = fmaf((float)s, dA, acc[lane])
+ *                   acc[lane] = fmaf(-(float)sx, dM, acc[lane])
+ *     Q6_K (super-block B = b / 8; the block's elements are sub-blocks t = 2*(b % 8) (j < 16)
+ *           and t + 1 (j >= 16); q_j in 0..63):
+ *                   int32 S  = B.scales[t]   * sum over j < 16  of (q_j - 32) * xq_j
+ *                            + B.scales[t+1] * sum over j >= 16 of (q_j - 32) * xq_j   (exact)
+ *                   float d  = fp16(B.d) * fp16(x.d)
+ *                   acc[lane] = fmaf((float)S, d, acc[lane])
  *   reduce      : for h in 8, 4, 2, 1: for i < h: acc[i] = acc[i] + acc[i + h];  result acc[0]
- * No other rounding happens ((float)s is exact: |s| <= 32*128*128 < 2^24; the product of two
- * fp16 values is exact in f32, so d is in fact exact too). Because of this, results do not depend
+ * The K-quants need n to be a multiple of 256; block b still feeds lane b % 16, so a super-block
+ * feeds lanes 0-7 or 8-15.
+ * No other rounding happens. The integer sums are exact in f32: |s| <= 32*128*128 (Q8_0),
+ * 32*16*127 (Q5_0), 32*31*127 (Q5_K), |sx| <= 32*127, and for Q6_K |S| <= 2*128*(16*32*127) =
+ * 16646144 < 2^24 (activations are in [-127, 127], |q - 32| <= 32, |scale| <= 128). The product
+ * of two fp16 values is exact in f32, so d is in fact exact too, and so is fp16(B.d)*sc (at most
+ * 17 significant bits); only dA and dM round. Because of this, results do not depend
  * on the SIMD width, the number of threads, how many rows or tokens a kernel handles at once, or
  * the machine. Rules every implementation must also follow:
  *   - IEEE f32 with denormals kept (no FTZ/DAZ; CUDA: no --use_fast_math, -ftz=false), default
@@ -114,8 +199,9 @@ void kvb_f32_to_row(uint32_t type, const float *src, void *dst, int64_t n);
  *   - If the result is NaN, only its NaN-ness is specified (sign and payload may differ between
  *     implementations); every non-NaN result, including the sign of zero, is bit-exact.
  *   - Q8_0 activation rows hold q in [-127, 127] (kvb_quantize_act guarantees it).
- * Invalid arguments (an unsupported type, a quant n that is not a multiple of 32, n < 0) are a
- * caller bug: kvb_dot returns NaN and kvb_matmul_tile writes NaN to every output. n == 0 gives 0.
+ * Invalid arguments (an unsupported type, a quant n that is not a multiple of 32 -- 256 for the
+ * K-quants --, n < 0) are a caller bug: kvb_dot returns NaN and kvb_matmul_tile writes NaN to
+ * every output. n == 0 gives 0.
  * --------------------------------------------------------------------------------------------- */
 
 uint32_t kvb_act_type(uint32_t weight_type); /* F32 or Q8_0 for supported weight types */
@@ -141,7 +227,9 @@ float kvb_dot(uint32_t weight_type, const void *w_row, const void *act_row, int6
  * type (4 bytes for F32 weights and all f32 activations, 2 for the rest). Only the n_rows x n_tok
  * outputs are written. Speed: the AVX-512 quant kernels prepare each activation group once per
  * 16 rows, so decode (n_tok = 1) runs at memory bandwidth with tiles of >= 16 rows; 1-4 row
- * tiles run at roughly two thirds of that. Prefill reuses each weight group for up to 16 tokens. */
+ * tiles run at roughly two thirds of that. Prefill reuses each weight group for up to 16 tokens.
+ * Q5_0 and the K-quants run at 1.2-1.7x Q8_0's time per weight byte (tests/quantbench.c); on
+ * aarch64 they use the scalar kernels (not vectorised for NEON yet). */
 void kvb_matmul_tile(uint32_t weight_type, const void *w, size_t w_stride, int n_rows,
                      const void *act, size_t act_stride, int n_tok, float *y, size_t y_stride,
                      int64_t n);

@@ -83,6 +83,18 @@ static inline KVB_HD int8_t kvb_q8_roundf(float v) {
     return (int8_t)roundf(v);
 }
 
+/* The 6-bit scale and min of sub-block s (0..7) of a Q4_K / Q5_K super-block, from its 12 packed
+ * bytes (layout in kvb_quant.h). */
+static inline KVB_HD void kvb_k_scale_min(const uint8_t *scales, int s, int *sc, int *m) {
+    if (s < 4) {
+        *sc = scales[s] & 63;
+        *m = scales[s + 4] & 63;
+    } else {
+        *sc = (scales[s + 4] & 15) | ((scales[s - 4] >> 6) << 4);
+        *m = (scales[s + 4] >> 4) | ((scales[s] >> 6) << 4);
+    }
+}
+
 /* Round half to even, independent of the FPU rounding mode; |v| <= 127 here. */
 static inline KVB_HD float kvb_rne_small(float v) {
     const float t = truncf(v);

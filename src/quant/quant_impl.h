@@ -42,10 +42,18 @@ const kvb_quant_kernels *kvb_quant_active(void);
 float kvb_dot_scalar(uint32_t weight_type, const void *w_row, const void *act_row, int64_t n);
 void kvb_quantize_q8_0_act_ref(const float *x, void *dst, int64_t n);
 
-/* 1 for the weight types the dot kernels handle (F32, F16, BF16, Q8_0, Q4_0). */
+/* 1 for the quantised weight types of 32-element blocks (Q8_0, Q4_0, Q5_0). */
+static inline int kvb_is_q32_type(uint32_t t) {
+    return t == KVB_TYPE_Q8_0 || t == KVB_TYPE_Q4_0 || t == KVB_TYPE_Q5_0;
+}
+/* 1 for the K-quants (256-element super-blocks) the dot kernels handle. */
+static inline int kvb_is_kquant_type(uint32_t t) {
+    return t == KVB_TYPE_Q4_K || t == KVB_TYPE_Q5_K || t == KVB_TYPE_Q6_K;
+}
+/* 1 for the weight types the dot kernels handle (F32, F16, BF16 and the two groups above). */
 static inline int kvb_dot_type_ok(uint32_t t) {
-    return t == KVB_TYPE_F32 || t == KVB_TYPE_F16 || t == KVB_TYPE_BF16 || t == KVB_TYPE_Q8_0 ||
-           t == KVB_TYPE_Q4_0;
+    return t == KVB_TYPE_F32 || t == KVB_TYPE_F16 || t == KVB_TYPE_BF16 || kvb_is_q32_type(t) ||
+           kvb_is_kquant_type(t);
 }
 
 #endif

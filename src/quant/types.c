@@ -1,10 +1,11 @@
 /* quant/types.c — the ggml type table (names and block layouts of every type number we know,
  * so a GGUF reader can size any tensor), portable fp16/bf16 scalar conversions, whole-row
- * conversions between f32 and the supported storage types using ggml's reference quantisers
- * (so the bytes we write are the bytes llama-quantize writes), and the canonical Q8_0
- * activation quantiser that every SIMD version must reproduce byte for byte. Conversions are
- * pure bit manipulation and integer arithmetic: they do not depend on the compiler, the FPU's
- * denormal mode or the machine. */
+ * conversions between f32 and the supported storage types (dequantisers for Q8_0/Q4_0/Q5_0 and
+ * the K-quants Q4_K/Q5_K/Q6_K; ggml's reference quantisers for the 32-element types, so the bytes
+ * we write are the bytes llama-quantize writes, and our own documented quantiser for the
+ * K-quants), and the canonical Q8_0 activation quantiser that every SIMD version must reproduce
+ * byte for byte. Conversions are plain IEEE f32 arithmetic in a fixed order, bit manipulation and
+ * integer arithmetic: they do not depend on the machine or the FPU's denormal mode. */
 #include <math.h>
 #include <string.h>
 #include <strings.h>
@@ -21,15 +22,15 @@ static const kvb_type_info g_types[KVB_TYPE_COUNT_] = {
     [KVB_TYPE_F16] = {"F16", 1, 2, 1},
     [KVB_TYPE_Q4_0] = {"Q4_0", 32, 18, 1},
     [KVB_TYPE_Q4_1] = {"Q4_1", 32, 20, 0},
-    [KVB_TYPE_Q5_0] = {"Q5_0", 32, 22, 0},
+    [KVB_TYPE_Q5_0] = {"Q5_0", 32, 22, 1},
     [KVB_TYPE_Q5_1] = {"Q5_1", 32, 24, 0},
     [KVB_TYPE_Q8_0] = {"Q8_0", 32, 34, 1},
     [KVB_TYPE_Q8_1] = {"Q8_1", 32, 36, 0},
     [KVB_TYPE_Q2_K] = {"Q2_K", QK_K, 84, 0},
     [KVB_TYPE_Q3_K] = {"Q3_K", QK_K, 110, 0},
-    [KVB_TYPE_Q4_K] = {"Q4_K", QK_K, 144, 0},
-    [KVB_TYPE_Q5_K] = {"Q5_K", QK_K, 176, 0},
-    [KVB_TYPE_Q6_K] = {"Q6_K", QK_K, 210, 0},
+    [KVB_TYPE_Q4_K] = {"Q4_K", QK_K, 144, 1},
+    [KVB_TYPE_Q5_K] = {"Q5_K", QK_K, 176, 1},
+    [KVB_TYPE_Q6_K] = {"Q6_K", QK_K, 210, 1},
     [KVB_TYPE_Q8_K] = {"Q8_K", QK_K, 292, 0},
     /* i-quants and friends: layouts from ggml-common.h (sizes checked by its static_asserts) */
     [16] = {"IQ2_XXS", QK_K, 66, 0},  /* d + u16 qs[32] */
@@ -52,6 +53,11 @@ static const kvb_type_info g_types[KVB_TYPE_COUNT_] = {
     [35] = {"TQ2_0", QK_K, 66, 0},    /* qs[64] + d */
     [39] = {"MXFP4", 32, 17, 0},      /* e (E8M0) + qs[16] */
 };
+
+_Static_assert(sizeof(kvb_block_q8_0) == 34 && sizeof(kvb_block_q4_0) == 18 && sizeof(kvb_block_q5_0) == 22,
+               "32-element block layouts");
+_Static_assert(sizeof(kvb_block_q4_k) == 144 && sizeof(kvb_block_q5_k) == 176 && sizeof(kvb_block_q6_k) == 210,
+               "K-quant block layouts");
 
 const kvb_type_info *kvb_type_get(uint32_t type) {
     if (type >= KVB_TYPE_COUNT_ || g_types[type].block_elems == 0) return NULL;
@@ -94,6 +100,147 @@ uint16_t kvb_f32_to_fp16(float f) { return kvb_f32_to_fp16_inl(f); }
 float kvb_bf16_to_f32(uint16_t h) { return kvb_bf16_to_f32_inl(h); }
 uint16_t kvb_f32_to_bf16(float f) { return kvb_f32_to_bf16_inl(f); }
 
+/* ---- block decoding helpers -------------------------------------------------------------- */
+
+/* Q5_0's fifth bits as one little-endian word: bit j belongs to element j. */
+static uint32_t q5_0_high_bits(const kvb_block_q5_0 *b) {
+    return (uint32_t)b->qh[0] | (uint32_t)b->qh[1] << 8 | (uint32_t)b->qh[2] << 16 |
+           (uint32_t)b->qh[3] << 24;
+}
+
+/* A Q4_K or Q5_K super-block's fields (Q5_K adds qh). */
+typedef struct {
+    float d, dmin;         /* the fp16 super-scales as f32 */
+    const uint8_t *scales; /* [12] packed 6-bit scales and mins */
+    const uint8_t *qs;     /* [128] nibbles */
+    const uint8_t *qh;     /* [32] fifth bits (Q5_K) or NULL (Q4_K) */
+} k_super;
+
+static void k_super_view(const uint8_t *blk, int five, k_super *k) {
+    uint16_t d, dmin;
+    memcpy(&d, blk, 2);
+    memcpy(&dmin, blk + 2, 2);
+    k->d = kvb_fp16_to_f32(d);
+    k->dmin = kvb_fp16_to_f32(dmin);
+    k->scales = blk + 4;
+    k->qh = five ? blk + 16 : NULL;
+    k->qs = blk + (five ? 48 : 16);
+}
+
+/* The 4- or 5-bit q of element l of sub-block s. */
+static int k_quant(const k_super *k, int s, int l) {
+    const int lo = (k->qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0x0f;
+    return k->qh ? lo | ((k->qh[l] >> s) & 1) << 4 : lo;
+}
+
+/* Q6_K's q (0..63) of element e (0..255). */
+static int q6_k_quant(const kvb_block_q6_k *b, int e) {
+    const int h = e / 128, c = (e % 128) / 32, l = e % 32;
+    const int lo = (b->ql[64 * h + 32 * (c % 2) + l] >> (4 * (c / 2))) & 0x0f;
+    const int hi = (b->qh[32 * h + l] >> (2 * c)) & 3;
+    return lo | hi << 4;
+}
+
+/* ---- K-quant quantisers (the rule is in kvb_quant.h) ------------------------------------- */
+
+/* The smallest fp16 >= v (v >= 0), capped at the largest finite fp16; NaN -> the cap too. */
+static uint16_t fp16_up(float v) {
+    if (!(v <= 65504.0f)) return 0x7bff;
+    if (!(v > 0.0f)) return 0;
+    uint16_t h = kvb_f32_to_fp16(v);
+    if (kvb_fp16_to_f32(h) < v) h++; /* positive fp16 bit patterns are ordered like their values */
+    return h;
+}
+
+/* min(cap, ceil(a / b)) for a, b >= 0; 0 when a or b is 0 (or NaN). */
+static int ceil_div_cap(float a, float b, int cap) {
+    if (!(a > 0.0f) || !(b > 0.0f)) return 0;
+    const float t = a / b;
+    return t < (float)cap ? (int)ceilf(t) : cap;
+}
+
+/* round_half_even(clamp(v, lo, hi)); NaN -> 0. lo <= 0 <= hi, |lo|, |hi| <= 127. */
+static int round_clamp(float v, int lo, int hi) {
+    if (!(v == v)) return 0;
+    v = v < (float)lo ? (float)lo : (v > (float)hi ? (float)hi : v);
+    return (int)kvb_rne_small(v);
+}
+
+/* One Q4_K (five = 0) or Q5_K (five = 1) super-block from x [256] into blk (144 / 176 bytes). */
+static void quantize_k_min(const float *x, int five, uint8_t *blk) {
+    const int levels = five ? 31 : 15;
+    float mn[8], hi[8], off[8], step[8]; /* per sub-block: -min(0, min x), max x, ... */
+    float mn_max = 0.0f, step_max = 0.0f;
+    for (int s = 0; s < 8; s++) {
+        float lo = 0.0f;
+        hi[s] = -INFINITY;
+        for (int l = 0; l < 32; l++) { /* NaN compares false: skipped */
+            const float v = x[32 * s + l];
+            if (v < lo) lo = v;
+            if (v > hi[s]) hi[s] = v;
+        }
+        mn[s] = 0.0f - lo; /* >= +0 */
+        if (mn[s] > mn_max) mn_max = mn[s];
+    }
+    const uint16_t dmin_h = fp16_up(mn_max / 63.0f);
+    const float dmin = kvb_fp16_to_f32(dmin_h);
+    int sc[8], m[8];
+    for (int s = 0; s < 8; s++) {
+        m[s] = ceil_div_cap(mn[s], dmin, 63);
+        off[s] = dmin * (float)m[s];
+        const float range = hi[s] + off[s];
+        step[s] = range > 0.0f ? range / (float)levels : 0.0f;
+        if (step[s] > step_max) step_max = step[s];
+    }
+    const uint16_t d_h = fp16_up(step_max / 63.0f);
+    const float d = kvb_fp16_to_f32(d_h);
+    memset(blk, 0, five ? sizeof(kvb_block_q5_k) : sizeof(kvb_block_q4_k));
+    memcpy(blk, &d_h, 2);
+    memcpy(blk + 2, &dmin_h, 2);
+    uint8_t *scales = blk + 4, *qh = five ? blk + 16 : NULL, *qs = blk + (five ? 48 : 16);
+    for (int s = 0; s < 8; s++) {
+        sc[s] = ceil_div_cap(step[s], d, 63);
+        const float st = d * (float)sc[s];
+        for (int l = 0; l < 32; l++) {
+            const int q = st > 0.0f ? round_clamp((x[32 * s + l] + off[s]) / st, 0, levels) : 0;
+            qs[32 * (s / 2) + l] |= (uint8_t)((q & 0x0f) << (4 * (s % 2)));
+            if (qh) qh[l] |= (uint8_t)((q >> 4) << s);
+        }
+    }
+    for (int s = 0; s < 4; s++) { /* the packing of kvb_k_scale_min, inverted */
+        scales[s] = (uint8_t)(sc[s] | (sc[s + 4] >> 4) << 6);
+        scales[s + 4] = (uint8_t)(m[s] | (m[s + 4] >> 4) << 6);
+        scales[s + 8] = (uint8_t)((sc[s + 4] & 0x0f) | (m[s + 4] & 0x0f) << 4);
+    }
+}
+
+/* One Q6_K super-block from x [256]. */
+static void quantize_q6_k(const float *x, kvb_block_q6_k *y) {
+    float step[16], step_max = 0.0f; /* per sub-block of 16 */
+    for (int t = 0; t < 16; t++) {
+        float amax = 0.0f;
+        for (int l = 0; l < 16; l++)
+            if (fabsf(x[16 * t + l]) > amax) amax = fabsf(x[16 * t + l]); /* NaN skipped */
+        step[t] = amax / 31.0f;
+        if (step[t] > step_max) step_max = step[t];
+    }
+    const uint16_t d_h = fp16_up(step_max / 127.0f);
+    const float d = kvb_fp16_to_f32(d_h);
+    memset(y, 0, sizeof *y);
+    y->d = d_h;
+    for (int t = 0; t < 16; t++) {
+        const int sc = ceil_div_cap(step[t], d, 127);
+        y->scales[t] = (int8_t)sc;
+        const float st = d * (float)sc;
+        for (int l = 0; l < 16; l++) {
+            const int e = 16 * t + l, h = e / 128, c = (e % 128) / 32, i = e % 32;
+            const int q = 32 + (st > 0.0f ? round_clamp(x[e] / st, -32, 31) : 0);
+            y->ql[64 * h + 32 * (c % 2) + i] |= (uint8_t)((q & 0x0f) << (4 * (c / 2)));
+            y->qh[32 * h + i] |= (uint8_t)((q >> 4) << (2 * c));
+        }
+    }
+}
+
 /* ---- row conversions ------------------------------------------------------------------- */
 
 void kvb_row_to_f32(uint32_t type, const void *src, float *dst, int64_t n) {
@@ -132,6 +279,47 @@ void kvb_row_to_f32(uint32_t type, const void *src, float *dst, int64_t n) {
                 dst[i * KVB_QK4_0 + j] = (float)((b[i].qs[j] & 0x0f) - 8) * d;
                 dst[i * KVB_QK4_0 + j + 16] = (float)((b[i].qs[j] >> 4) - 8) * d;
             }
+        }
+        return;
+    }
+    case KVB_TYPE_Q5_0: {
+        const kvb_block_q5_0 *b = src; /* [n/32] */
+        for (int64_t i = 0; i < n / KVB_QK5_0; i++) {
+            const float d = kvb_fp16_to_f32(b[i].d);
+            const uint32_t qh = q5_0_high_bits(&b[i]);
+            for (int j = 0; j < KVB_QK5_0 / 2; j++) {
+                const int lo = (b[i].qs[j] & 0x0f) | (int)((qh >> j) & 1u) << 4;
+                const int hi = (b[i].qs[j] >> 4) | (int)((qh >> (j + 16)) & 1u) << 4;
+                dst[i * KVB_QK5_0 + j] = (float)(lo - 16) * d;
+                dst[i * KVB_QK5_0 + j + 16] = (float)(hi - 16) * d;
+            }
+        }
+        return;
+    }
+    case KVB_TYPE_Q4_K:
+    case KVB_TYPE_Q5_K: {
+        const int five = type == KVB_TYPE_Q5_K;
+        const size_t bb = five ? sizeof(kvb_block_q5_k) : sizeof(kvb_block_q4_k);
+        for (int64_t i = 0; i < n / KVB_QK_K; i++) {
+            const uint8_t *blk = (const uint8_t *)src + (size_t)i * bb;
+            k_super k;
+            k_super_view(blk, five, &k);
+            float *y = dst + i * KVB_QK_K; /* [256] */
+            for (int s = 0; s < 8; s++) {
+                int sc, m;
+                kvb_k_scale_min(k.scales, s, &sc, &m);
+                const float ds = k.d * (float)sc, ms = k.dmin * (float)m; /* both exact */
+                for (int l = 0; l < 32; l++) y[32 * s + l] = ds * (float)k_quant(&k, s, l) - ms;
+            }
+        }
+        return;
+    }
+    case KVB_TYPE_Q6_K: {
+        const kvb_block_q6_k *b = src; /* [n/256] */
+        for (int64_t i = 0; i < n / KVB_QK_K; i++) {
+            const float d = kvb_fp16_to_f32(b[i].d);
+            for (int e = 0; e < KVB_QK_K; e++)
+                dst[i * KVB_QK_K + e] = (d * (float)b[i].scales[e / 16]) * (float)(q6_k_quant(&b[i], e) - 32);
         }
         return;
     }
@@ -201,6 +389,49 @@ void kvb_f32_to_row(uint32_t type, const float *src, void *dst, int64_t n) {
         }
         return;
     }
+    case KVB_TYPE_Q5_0: { /* ggml quantize_row_q5_0_ref */
+        kvb_block_q5_0 *y = dst; /* [n/32] */
+        for (int64_t i = 0; i < n / KVB_QK5_0; i++) {
+            const float *x = src + i * KVB_QK5_0;
+            float amax = 0.0f, max = 0.0f;
+            for (int j = 0; j < KVB_QK5_0; j++) {
+                if (amax < fabsf(x[j])) {
+                    amax = fabsf(x[j]);
+                    max = x[j];
+                }
+            }
+            const float d = max / -16.0f;
+            const float id = d != 0.0f ? 1.0f / d : 0.0f;
+            y[i].d = kvb_f32_to_fp16(d);
+            uint32_t qh = 0;
+            for (int j = 0; j < KVB_QK5_0 / 2; j++) {
+                uint8_t q[2];
+                for (int h = 0; h < 2; h++) {
+                    /* ggml: MIN(31, (int8_t)(x*id + 16.5f)); t is in [0.5, 32.5] for finite
+                     * inputs; t < 0 or NaN (undefined in ggml) give 0 here */
+                    const float t = x[j + 16 * h] * id + 16.5f;
+                    q[h] = t >= 31.0f ? 31 : (t >= 0.0f ? (uint8_t)t : 0);
+                    qh |= (uint32_t)(q[h] >> 4) << (j + 16 * h);
+                }
+                y[i].qs[j] = (uint8_t)((q[0] & 0x0f) | (q[1] << 4));
+            }
+            for (int k = 0; k < 4; k++) y[i].qh[k] = (uint8_t)(qh >> (8 * k));
+        }
+        return;
+    }
+    case KVB_TYPE_Q4_K:
+    case KVB_TYPE_Q5_K: {
+        const int five = type == KVB_TYPE_Q5_K;
+        const size_t bb = five ? sizeof(kvb_block_q5_k) : sizeof(kvb_block_q4_k);
+        for (int64_t i = 0; i < n / KVB_QK_K; i++)
+            quantize_k_min(src + i * KVB_QK_K, five, (uint8_t *)dst + (size_t)i * bb);
+        return;
+    }
+    case KVB_TYPE_Q6_K: {
+        kvb_block_q6_k *y = dst; /* [n/256] */
+        for (int64_t i = 0; i < n / KVB_QK_K; i++) quantize_q6_k(src + i * KVB_QK_K, &y[i]);
+        return;
+    }
     default:
         memset(dst, 0, kvb_row_bytes(type, n)); /* caller bug; never write past the row */
         return;
@@ -213,6 +444,10 @@ uint32_t kvb_act_type(uint32_t weight_type) {
     switch (weight_type) {
     case KVB_TYPE_Q8_0:
     case KVB_TYPE_Q4_0:
+    case KVB_TYPE_Q5_0:
+    case KVB_TYPE_Q4_K:
+    case KVB_TYPE_Q5_K:
+    case KVB_TYPE_Q6_K:
         return KVB_TYPE_Q8_0;
     default:
         return KVB_TYPE_F32;
