@@ -1,10 +1,11 @@
 /* test_engine_vs_ref — the CPU engine against the float64 reference (tests/support/ref_model) on
- * random fixture models: every architecture (llama, qwen2, qwen3) x every weight type (F32, F16,
+ * random fixture models: every architecture (llama, qwen2, qwen3, gemma3) x every weight type (F32, F16,
  * BF16, Q8_0, Q4_0) x every way of feeding tokens (one prefill call, prefill chunked by a small
  * max_batch, token-by-token decode, prefill then decode) x 1 and 2 threads, with an F32 cache so
  * the weight path is measured alone; then each cache dtype (F16, BF16, Q8_0) on F32 and Q8_0
  * weights; then the cache-producing arithmetic (kvb_kv_produce) against the reference's K and V
- * for the same attention inputs. Logits are compared by relative L2 over each token's row (the
+ * for the same attention inputs; then the tiny-gemma3 preset on a prompt longer than its sliding
+ * window (test_tiny_gemma3). Logits are compared by relative L2 over each token's row (the
  * worst row must pass), and greedy argmax must agree where the weights are exact. Results for 1
  * and 2 threads must be bit-identical, as kvb_engine_cpu.h promises. Tolerances are stated and
  * justified next to tol_weights() and tol_cache(). The seed is fixed for reproducibility and can
@@ -53,7 +54,9 @@ static uint64_t g_seed = 20250611;
  *    2e-2; Q8_0 (~0.55%) -> <= 7.4e-3, limit 4e-2. Limits add to the weight limit.
  * ------------------------------------------------------------------------------------------------ */
 static double tol_weights(uint32_t wt) {
-    return (wt == KVB_TYPE_Q8_0 || wt == KVB_TYPE_Q4_0) ? 5e-2 : 1e-5;
+    /* every weight type whose dot takes Q8_0-quantised activations (Q8_0, Q4_0, and the Q5_0 and
+     * K-quant types of real files) carries the activation rounding */
+    return kvb_act_type(wt) == KVB_TYPE_Q8_0 ? 5e-2 : 1e-5;
 }
 static double tol_cache(uint32_t ct) {
     switch (ct) {
@@ -64,7 +67,7 @@ static double tol_cache(uint32_t ct) {
     }
 }
 
-static const char *ARCHS[] = {"llama", "qwen2", "qwen3"};
+static const char *ARCHS[] = {"llama", "qwen2", "qwen3", "gemma3"};
 static const uint32_t WTYPES[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0, KVB_TYPE_Q4_0};
 
 typedef enum { MODE_PREFILL = 0, MODE_CHUNKED, MODE_DECODE, MODE_MIXED, MODE_COUNT } feed_mode;
@@ -185,6 +188,9 @@ static void check_desc(const case_t *c) {
     assert_int_equal((int)d->n_rot, r->n_rot);
     assert_int_equal(d->rope_neox, r->rope_style == REF_ROPE_NEOX);
     assert_int_equal(d->tied_output, r->tied_output);
+    assert_int_equal((int)d->swa_window, r->swa_window);
+    assert_true(fabs(d->attn_scale - r->attn_scale) <= 1e-7 * r->attn_scale);
+    assert_true(fabs((d->embd_scale > 0 ? d->embd_scale : 1.0) - r->embd_scale) <= 1e-7 * r->embd_scale);
     double inv[256];
     assert_true(r->n_rot / 2 <= 256);
     kvb_rope_inv_freq(c->model, inv);
@@ -192,6 +198,17 @@ static void check_desc(const case_t *c) {
         const double want = ref_model_inv_freq(c->ref)[i];
         /* both in double; Llama-3 factors may pass through f32 on one side (~6e-8) */
         if (fabs(inv[i] - want) > 1e-6 * want) fail_msg("inv_freq[%d]: model %.17g reference %.17g", i, inv[i], want);
+    }
+    for (int l = 0; l < r->n_layer; l++) {
+        if (kvb_layer_is_local(d, (uint32_t)l) != r->layer_local[l])
+            fail_msg("layer %d: model says %s, reference %s", l, kvb_layer_is_local(d, (uint32_t)l) ? "local" : "global",
+                     r->layer_local[l] ? "local" : "global");
+        kvb_rope_inv_freq_layer(c->model, (uint32_t)l, inv);
+        for (int i = 0; i < r->n_rot / 2; i++) {
+            const double want = ref_model_inv_freq_layer(c->ref, l)[i];
+            if (fabs(inv[i] - want) > 1e-6 * want)
+                fail_msg("layer %d inv_freq[%d]: model %.17g reference %.17g", l, i, inv[i], want);
+        }
     }
 }
 
@@ -290,12 +307,16 @@ static void test_kv_produce(void **state) {
             const ref_desc *d = ref_model_desc(c.ref);
             const int E = d->n_embd, KD = d->n_head_kv * d->head_dim, half = d->n_rot / 2;
             double *h = malloc(sizeof(double) * N_TOK * E), *rk = malloc(sizeof(double) * N_TOK * KD),
-                   *rv = malloc(sizeof(double) * N_TOK * KD), *inv = malloc(sizeof(double) * half);
+                   *rv = malloc(sizeof(double) * N_TOK * KD);
             float *hf = malloc(sizeof(float) * N_TOK * E), *cs = malloc(sizeof(float) * N_TOK * half),
                   *sn = malloc(sizeof(float) * N_TOK * half), *kf = malloc(sizeof(float) * N_TOK * KD),
                   *vf = malloc(sizeof(float) * N_TOK * KD);
-            kvb_rope_inv_freq(c.model, inv);
-            kvb_rope_table(inv, (uint32_t)d->n_rot, 0, N_TOK, cs, sn);
+            /* the tables as the engine and the bridge hand them out: each layer's own (gemma3's local
+             * layers rotate with another base) */
+            kvb_rope_tables rope;
+            kvb_err rerr = {0};
+            if (kvb_rope_tables_init(&rope, c.model, N_TOK, &rerr) != KVB_OK) fail_msg("%s", rerr.msg);
+            kvb_rope_tables_fill(&rope, 0, N_TOK);
             char line[256];
             int len = snprintf(line, sizeof line, "  kv_produce %-5s %-5s:", ARCHS[a], kvb_type_name(WTYPES[w]));
             for (size_t ci = 0; ci < KVB_ARRAY_LEN(caches); ci++) {
@@ -308,8 +329,17 @@ static void test_kv_produce(void **state) {
                     assert_int_equal(ref_model_attn_input(c.ref, c.toks, N_TOK, l, h), 0);
                     assert_int_equal(ref_model_kv(c.ref, c.toks, N_TOK, l, rk, rv), 0);
                     for (int i = 0; i < N_TOK * E; i++) hf[i] = (float)h[i];
+                    const float *lc, *ls;
+                    kvb_rope_tables_layer(&rope, (uint32_t)l, &lc, &ls);
+                    /* the table is the one kvb_rope_table makes from the layer's own frequencies */
+                    double inv[128];
+                    assert_true(half <= 128);
+                    kvb_rope_inv_freq_layer(c.model, (uint32_t)l, inv);
+                    kvb_rope_table(inv, (uint32_t)d->n_rot, 0, N_TOK, cs, sn);
+                    assert_memory_equal(cs, lc, sizeof(float) * N_TOK * half);
+                    assert_memory_equal(sn, ls, sizeof(float) * N_TOK * half);
                     kvb_kv_produce_args args = {.m = c.model, .layer = (uint32_t)l, .cache_dtype = caches[ci],
-                                                .pool = NULL, .rope_cos = cs, .rope_sin = sn};
+                                                .pool = NULL, .rope_cos = lc, .rope_sin = ls};
                     kvb_kv_produce(&args, hf, N_TOK, scratch, krows, vrows);
                     for (int r = 0; r < N_TOK * d->n_head_kv; r++) {
                         kvb_row_to_f32(caches[ci], krows + (size_t)r * rb, kf + (size_t)r * d->head_dim, d->head_dim);
@@ -328,10 +358,10 @@ static void test_kv_produce(void **state) {
                 kvb_aligned_free(scratch);
             }
             print_message("%s\n", line);
+            kvb_rope_tables_free(&rope);
             free(h);
             free(rk);
             free(rv);
-            free(inv);
             free(hf);
             free(cs);
             free(sn);
@@ -369,6 +399,114 @@ static void test_rope_scaling_and_tied(void **state) {
     free(l);
 }
 
+/* tiny-gemma3 (the gen-model preset: 6 layers, 0-4 local with a 16-token window, 5 global) on a
+ * 40-token prompt, so every local layer's window slides past its first 24 keys and the cache spans
+ * 5 blocks of 8: the engine against the reference in F32, F16, Q8_0, Q4_0 (and Q5_0, Q4_K, Q6_K
+ * when quant computes them) weights with F32 and
+ * F16 caches; one-shot prefill, prefill chunked by 7 tokens, token-by-token decode and prefill +
+ * decode all give bit-identical logits (and 1 and 2 threads too), as kvb_engine_cpu.h promises.
+ * Tolerances as in tol_weights() / tol_cache(). */
+enum { G3_TOK = 40, G3_BLOCK = 8, G3_CHUNK = 7, G3_PREFIX = 19 };
+
+static void gemma3_engine_run(const kvb_model *m, const int32_t *toks, uint32_t cache, int threads, feed_mode mode,
+                              float *logits) {
+    kvb_engine_opts o = {.n_threads = threads, .cache_dtype = cache, .block_tokens = G3_BLOCK, .max_ctx = 64,
+                         .max_batch = mode == MODE_CHUNKED ? G3_CHUNK : 0};
+    kvb_engine *e = NULL;
+    kvb_seq *s = NULL;
+    kvb_err err = {0};
+    if (kvb_engine_create(m, &o, &e, &err) != KVB_OK || kvb_seq_create(e, &s, &err) != KVB_OK)
+        fail_msg("engine: %s", err.msg);
+    const size_t V = m->d.n_vocab;
+    kvb_status st = KVB_OK;
+    const uint32_t prefix = mode == MODE_DECODE ? 0 : mode == MODE_MIXED ? G3_PREFIX : G3_TOK;
+    if (prefix) st = kvb_engine_forward(e, s, toks, prefix, logits, true, &err);
+    for (uint32_t t = prefix; t < G3_TOK && st == KVB_OK; t++)
+        st = kvb_engine_forward(e, s, toks + t, 1, logits + t * V, false, &err);
+    if (st != KVB_OK) fail_msg("kvb_engine_forward (%s): %s", MODE_NAMES[mode], err.msg);
+    kvb_seq_free(s);
+    kvb_engine_free(e);
+}
+
+static void test_tiny_gemma3(void **state) {
+    (void)state;
+    /* plus the types of the real Gemma 3 Q4_K_M file (Q5_0, Q4_K, Q6_K) where quant computes them */
+    const uint32_t wtypes[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_Q8_0, KVB_TYPE_Q4_0,
+                               KVB_TYPE_Q5_0, KVB_TYPE_Q4_K, KVB_TYPE_Q6_K};
+    const uint32_t caches[] = {KVB_TYPE_F32, KVB_TYPE_F16};
+    for (size_t w = 0; w < KVB_ARRAY_LEN(wtypes); w++) {
+        if (!kvb_type_get(wtypes[w])->supported) {
+            print_message("  tiny-gemma3 %s: not computed by quant yet, not run\n", kvb_type_name(wtypes[w]));
+            continue;
+        }
+        char path[600];
+        snprintf(path, sizeof path, "%s/tiny-gemma3.gguf", g_dir);
+        kvb_gen_opts go = {.preset = "tiny-gemma3", .type = wtypes[w], .seed = g_seed + w, .n_threads = 2};
+        kvb_err err = {0};
+        if (kvb_gen_model(&go, path, &err) != KVB_OK) fail_msg("gen-model: %s", err.msg);
+        case_t c;
+        memset(&c, 0, sizeof c);
+        char rerr[512];
+        c.ref = ref_model_load(path, rerr, sizeof rerr);
+        if (!c.ref) fail_msg("ref_model_load: %s", rerr);
+        if (kvb_model_load(path, &c.model, &err) != KVB_OK) fail_msg("kvb_model_load: %s", err.msg);
+        check_desc(&c);
+        const kvb_model_desc *d = &c.model->d;
+        assert_int_equal(d->swa_window, 16);
+        assert_true(G3_TOK > 2 * d->swa_window);
+        for (uint32_t l = 0; l < d->n_layer; l++) assert_int_equal(kvb_layer_is_local(d, l), l != 5);
+        const int V = ref_model_n_vocab(c.ref);
+        int32_t toks[G3_TOK];
+        kvb_rng rng;
+        kvb_rng_seed(&rng, kvb_splitmix64(g_seed + 77 + w));
+        for (int i = 0; i < G3_TOK; i++) toks[i] = (int32_t)(kvb_rng_u64(&rng) % (uint64_t)V);
+        double *ref = malloc(sizeof(double) * G3_TOK * V);
+        float *one = malloc(sizeof(float) * G3_TOK * V), *l = malloc(sizeof(float) * G3_TOK * V);
+        assert_non_null(ref);
+        assert_non_null(one);
+        assert_non_null(l);
+        assert_int_equal(ref_model_forward(c.ref, toks, G3_TOK, ref), 0);
+        for (size_t ci = 0; ci < KVB_ARRAY_LEN(caches); ci++) {
+            const double tol = tol_weights(wtypes[w]) + tol_cache(caches[ci]);
+            double worst = 0, worst_late = 0;
+            gemma3_engine_run(c.model, toks, caches[ci], 2, MODE_PREFILL, one);
+            int top1 = 0;
+            for (int t = 0; t < G3_TOK; t++) {
+                const double rel = ref_rel_l2(one + (size_t)t * V, ref + (size_t)t * V, (size_t)V);
+                if (!(rel <= tol))
+                    fail_msg("tiny-gemma3 %s cache %s token %d: rel-L2 %.3g > %.3g", kvb_type_name(wtypes[w]),
+                             kvb_type_name(caches[ci]), t, rel, tol);
+                worst = fmax(worst, rel);
+                if (t >= (int)d->swa_window) worst_late = fmax(worst_late, rel);
+                top1 += ref_argmax_f32(one + (size_t)t * V, V) == ref_argmax(ref + (size_t)t * V, V);
+            }
+            /* exact weights: greedy agrees on every token where the reference's top-2 are clear */
+            if (tol < 1e-3) {
+                c.n_vocab = V;
+                memcpy(c.toks, toks, sizeof c.toks); /* compare() reads N_TOK rows: the first 13 */
+                c.ref_logits = ref;
+                compare(&c, one, tol, true, "tiny-gemma3 argmax");
+                c.ref_logits = NULL;
+            }
+            for (int mode = MODE_CHUNKED; mode < MODE_COUNT; mode++)
+                for (int threads = 1; threads <= 2; threads++) {
+                    gemma3_engine_run(c.model, toks, caches[ci], threads, (feed_mode)mode, l);
+                    if (memcmp(l, one, sizeof(float) * G3_TOK * V) != 0)
+                        fail_msg("tiny-gemma3 %s cache %s: %s with %d thread(s) differs from one-shot prefill",
+                                 kvb_type_name(wtypes[w]), kvb_type_name(caches[ci]), MODE_NAMES[mode], threads);
+                }
+            print_message("  tiny-gemma3 %-5s cache %-4s: worst rel-L2 %.2g (tokens past the window %.2g), "
+                          "top-1 %d/%d, chunked == decode == mixed == one-shot\n",
+                          kvb_type_name(wtypes[w]), kvb_type_name(caches[ci]), worst, worst_late, top1, G3_TOK);
+        }
+        free(ref);
+        free(one);
+        free(l);
+        ref_model_free(c.ref);
+        kvb_model_free(c.model);
+    }
+}
+
 static int setup(void **state) {
     (void)state;
     const char *s = getenv("KVB_TEST_SEED");
@@ -389,6 +527,7 @@ int main(void) {
         cmocka_unit_test(test_cache_types),
         cmocka_unit_test(test_kv_produce),
         cmocka_unit_test(test_rope_scaling_and_tied),
+        cmocka_unit_test(test_tiny_gemma3),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -66,7 +66,7 @@ static void test_dequant_known_bytes(void **state) {
     assert_true(isinf(ref_bf16_to_double(0x7f80)) && isnan(ref_bf16_to_double(0x7fc0)));
 
     uint8_t row[4 * 34];
-    double out[128];
+    double out[256];
     /* F16 and BF16 rows are little-endian */
     const uint8_t f16row[] = {0x00, 0x3c, 0x00, 0xc0, 0x55, 0x35};
     assert_int_equal(ref_dequant_row(REF_TYPE_F16, f16row, out, 3), 0);
@@ -106,7 +106,7 @@ static void test_dequant_known_bytes(void **state) {
     /* refusals */
     assert_int_equal(ref_row_bytes(REF_TYPE_Q4_0, 33), 0);
     assert_int_equal(ref_dequant_row(REF_TYPE_Q8_0, row, out, 31), -1);
-    assert_int_equal(ref_dequant_row(12 /* Q4_K */, row, out, 256), -1);
+    assert_int_equal(ref_dequant_row(10 /* Q2_K: a layout the reference does not decode */, row, out, 256), -1);
 }
 
 /* Two independent decoders (ours and quant's) must agree bit for bit. */
@@ -342,13 +342,13 @@ static void test_hand_model(void **state) {
 
 /* ---- random fixtures ------------------------------------------------------------------------ */
 
-static const char *ARCHS[] = {"llama", "qwen2", "qwen3"};
+static const char *ARCHS[] = {"llama", "qwen2", "qwen3", "gemma3"};
 
 /* (a) causality: the first k rows of logits and of every layer's K/V do not depend on later tokens. */
 static void test_causal(void **state) {
     (void)state;
     const uint32_t types[] = {KVB_TYPE_F32, KVB_TYPE_Q4_0};
-    for (size_t a = 0; a < 3; a++) {
+    for (size_t a = 0; a < KVB_ARRAY_LEN(ARCHS); a++) {
         for (size_t ti = 0; ti < 2; ti++) {
             ref_fixture_cfg c;
             char path[600];
@@ -546,7 +546,7 @@ static void expand_kv_heads(const char *src, const char *dst) {
  * repeated into plain multi-head attention gives the same logits. */
 static void test_gqa(void **state) {
     (void)state;
-    for (size_t a = 0; a < 3; a++) {
+    for (size_t a = 0; a < KVB_ARRAY_LEN(ARCHS); a++) {
         ref_fixture_cfg c;
         char p1[600], p2[600];
         ref_fixture_default(&c, ARCHS[a], KVB_TYPE_F32, 300 + a);
@@ -644,7 +644,7 @@ static void test_rope_scaling(void **state) {
 /* (e) tied output: no output.weight behaves exactly like output.weight == token_embd. */
 static void test_tied_output(void **state) {
     (void)state;
-    for (size_t a = 0; a < 3; a++) {
+    for (size_t a = 0; a < KVB_ARRAY_LEN(ARCHS); a++) {
         ref_fixture_cfg c;
         char pt[600], pc[600], ps[600];
         ref_fixture_default(&c, ARCHS[a], KVB_TYPE_Q8_0, 500 + a);
@@ -687,7 +687,7 @@ static void test_types_close_to_f32(void **state) {
     (void)state;
     const uint32_t types[] = {KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0, KVB_TYPE_Q4_0};
     const double limit[] = {2e-3, 2e-2, 5e-2, 0.4};
-    for (size_t a = 0; a < 3; a++) {
+    for (size_t a = 0; a < KVB_ARRAY_LEN(ARCHS); a++) {
         ref_fixture_cfg c;
         char p0[600], p1[600];
         ref_fixture_default(&c, ARCHS[a], KVB_TYPE_F32, 700 + a);
@@ -756,6 +756,271 @@ static void test_load_errors(void **state) {
     assert_true(err[0] != 0);
 }
 
+/* ---- gemma3 ---------------------------------------------------------------------------------- */
+
+/* The hand model as a gemma3 file: the same matrices plus post-attention / post-FFN norms and the
+ * q/k norms, rope.freq_base 1e6, attention.sliding_window = window, a separate output head. */
+static const float H_PAN[4] = {0.75f, 1.25f, 1.0f, 0.5f}; /* post_attention_norm */
+static const float H_PFN[4] = {1.5f, 0.5f, 1.0f, 2.0f};   /* post_ffw_norm */
+
+typedef enum {
+    G3_DEFAULT = 0,   /* no pattern key: Gemma 3's pattern, layer 0 is local */
+    G3_PERIOD1,       /* sliding_window_pattern = 1 (u32): every layer global */
+    G3_BOOL_LOCAL,    /* sliding_window_pattern = [true] */
+    G3_BOOL_GLOBAL,   /* sliding_window_pattern = [false] */
+    G3_NO_WINDOW,     /* attention.sliding_window missing: refused */
+    G3_SOFTCAP,       /* final_logit_softcapping = 30: refused */
+    G3_BAD_ARRAY,     /* sliding_window_pattern with 2 entries for 1 layer: refused */
+    G3_NO_POST_FFW,   /* blk.0.post_ffw_norm.weight missing: refused */
+} g3_variant;
+
+static void write_hand_gemma3(const char *path, g3_variant variant, uint32_t window) {
+    kvb_gguf_writer *w = NULL;
+    kvb_err e = {0};
+    assert_int_equal(kvb_gguf_writer_create(&w, &e), KVB_OK);
+    assert_int_equal(kvb_gguf_writer_add_str(w, "general.architecture", "gemma3", &e), KVB_OK);
+    const struct {
+        const char *k;
+        uint32_t v;
+    } u32s[] = {{"gemma3.context_length", 16}, {"gemma3.embedding_length", 4}, {"gemma3.block_count", 1},
+                {"gemma3.feed_forward_length", 4}, {"gemma3.attention.head_count", 1},
+                {"gemma3.attention.head_count_kv", 1}};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(u32s); i++)
+        assert_int_equal(kvb_gguf_writer_add_u32(w, u32s[i].k, u32s[i].v, &e), KVB_OK);
+    assert_int_equal(kvb_gguf_writer_add_f32(w, "gemma3.rope.freq_base", 1e6f, &e), KVB_OK);
+    assert_int_equal(kvb_gguf_writer_add_f32(w, "gemma3.attention.layer_norm_rms_epsilon", H_EPS, &e), KVB_OK);
+    if (variant != G3_NO_WINDOW)
+        assert_int_equal(kvb_gguf_writer_add_u32(w, "gemma3.attention.sliding_window", window, &e), KVB_OK);
+    const char *pk = "gemma3.attention.sliding_window_pattern";
+    const bool yes[2] = {true, true}, no[1] = {false};
+    if (variant == G3_PERIOD1) assert_int_equal(kvb_gguf_writer_add_u32(w, pk, 1, &e), KVB_OK);
+    if (variant == G3_BOOL_LOCAL) assert_int_equal(kvb_gguf_writer_add_arr(w, pk, KVB_GGUF_BOOL, yes, 1, &e), KVB_OK);
+    if (variant == G3_BOOL_GLOBAL) assert_int_equal(kvb_gguf_writer_add_arr(w, pk, KVB_GGUF_BOOL, no, 1, &e), KVB_OK);
+    if (variant == G3_BAD_ARRAY) assert_int_equal(kvb_gguf_writer_add_arr(w, pk, KVB_GGUF_BOOL, yes, 2, &e), KVB_OK);
+    if (variant == G3_SOFTCAP)
+        assert_int_equal(kvb_gguf_writer_add_f32(w, "gemma3.final_logit_softcapping", 30.0f, &e), KVB_OK);
+
+    ref_fix_tensor t[20];
+    size_t n = 0;
+#define T1(nm, arr) t[n++] = (ref_fix_tensor){.name = nm, .n_dims = 1, .ne = {4, 1}, .type = KVB_TYPE_F32, .data = arr}
+#define T2(nm, arr, rows) \
+    t[n++] = (ref_fix_tensor){.name = nm, .n_dims = 2, .ne = {4, rows}, .type = KVB_TYPE_F32, .data = &arr[0][0]}
+    T2("token_embd.weight", HE, 5);
+    T1("output_norm.weight", H_ON);
+    T2("output.weight", H_OUT, 5);
+    T1("blk.0.attn_norm.weight", H_AN);
+    T2("blk.0.attn_q.weight", H_WQ, 4);
+    T2("blk.0.attn_k.weight", H_WK, 4);
+    T2("blk.0.attn_v.weight", H_WV, 4);
+    T1("blk.0.attn_q_norm.weight", H_QN);
+    T1("blk.0.attn_k_norm.weight", H_KN);
+    T2("blk.0.attn_output.weight", H_WO, 4);
+    T1("blk.0.post_attention_norm.weight", H_PAN);
+    T1("blk.0.ffn_norm.weight", H_FN);
+    T2("blk.0.ffn_gate.weight", H_ID, 4);
+    T2("blk.0.ffn_up.weight", H_UP, 4);
+    T2("blk.0.ffn_down.weight", H_ID, 4);
+    if (variant != G3_NO_POST_FFW) T1("blk.0.post_ffw_norm.weight", H_PFN);
+#undef T1
+#undef T2
+    char err[512];
+    if (ref_fixture_write_tensors(w, t, n, path, err, sizeof err) != 0) fail_msg("%s", err);
+    kvb_gguf_writer_destroy(w);
+}
+
+/* NEOX rotation of a 4-vector at position pos: pair (0,2) by pos * 1, pair (1,3) by pos * base^(-1/2). */
+static void h_rope_neox(double x[4], int pos, double base) {
+    const double th[2] = {pos * 1.0, pos * pow(base, -0.5)};
+    const int pairs[2][2] = {{0, 2}, {1, 3}};
+    for (int p = 0; p < 2; p++) {
+        const double a = x[pairs[p][0]], b = x[pairs[p][1]];
+        x[pairs[p][0]] = a * cos(th[p]) - b * sin(th[p]);
+        x[pairs[p][1]] = a * sin(th[p]) + b * cos(th[p]);
+    }
+}
+
+/* Logits of the gemma3 hand model for tokens tok[0..3) at positions 0..2, written out: embeddings
+ * times sqrt(4) = 2; q/k norms; NEOX RoPE with base 10000 (local) or 1e6 (global); scores times
+ * 1/sqrt(head_dim) = 1/2; a local query at t sees keys t - window < j <= t; post-attention norm;
+ * GeGLU with tanh GELU; post-FFN norm. */
+static void hand_gemma3_expected(const int32_t tok[3], bool local, int window, double logits[3][5]) {
+    double x[3][4], q[3][4], k[3][4], v[3][4];
+    for (int t = 0; t < 3; t++) {
+        for (int i = 0; i < 4; i++) x[t][i] = 2.0 * HE[tok[t]][i];
+        const double r = h_rms(x[t]);
+        double h[4];
+        for (int i = 0; i < 4; i++) h[i] = x[t][i] / r * H_AN[i];
+        q[t][0] = h[0] + 0.5 * h[3];
+        q[t][1] = h[1];
+        q[t][2] = 0.25 * h[0] + h[2];
+        q[t][3] = h[3];
+        k[t][0] = h[0];
+        k[t][1] = h[1] - 0.5 * h[2];
+        k[t][2] = h[2];
+        k[t][3] = 2 * h[3];
+        v[t][0] = h[0] + 2 * h[1];
+        v[t][1] = h[1];
+        v[t][2] = h[2];
+        v[t][3] = 3 * h[2] + h[3];
+        const double rq = h_rms(q[t]), rk = h_rms(k[t]);
+        for (int i = 0; i < 4; i++) {
+            q[t][i] = q[t][i] / rq * H_QN[i];
+            k[t][i] = k[t][i] / rk * H_KN[i];
+        }
+        h_rope_neox(q[t], t, local ? 10000.0 : 1e6);
+        h_rope_neox(k[t], t, local ? 10000.0 : 1e6);
+    }
+    for (int t = 0; t < 3; t++) {
+        const int lo = local && t - window + 1 > 0 ? t - window + 1 : 0;
+        double s[3], mx = -INFINITY, sum = 0, att[4] = {0, 0, 0, 0};
+        for (int j = lo; j <= t; j++) {
+            s[j] = (q[t][0] * k[j][0] + q[t][1] * k[j][1] + q[t][2] * k[j][2] + q[t][3] * k[j][3]) / 2;
+            mx = fmax(mx, s[j]);
+        }
+        for (int j = lo; j <= t; j++) sum += exp(s[j] - mx);
+        for (int j = lo; j <= t; j++)
+            for (int i = 0; i < 4; i++) att[i] += exp(s[j] - mx) / sum * v[j][i];
+        double o[4] = {att[0], att[1], att[2], 0.5 * att[0] + att[3]};
+        const double ro = h_rms(o);
+        for (int i = 0; i < 4; i++) x[t][i] += o[i] / ro * H_PAN[i];
+        const double r = h_rms(x[t]);
+        double d[4];
+        for (int i = 0; i < 4; i++) {
+            const double h = x[t][i] / r * H_FN[i];
+            const double gelu = 0.5 * h * (1 + tanh(sqrt(2 / M_PI) * (h + 0.044715 * h * h * h)));
+            d[i] = gelu * (i + 1) * h;
+        }
+        const double rd = h_rms(d);
+        for (int i = 0; i < 4; i++) x[t][i] += d[i] / rd * H_PFN[i];
+        const double r2 = h_rms(x[t]);
+        double y[4];
+        for (int i = 0; i < 4; i++) y[i] = x[t][i] / r2 * H_ON[i];
+        for (int o2 = 0; o2 < 5; o2++)
+            logits[t][o2] = H_OUT[o2][0] * y[0] + H_OUT[o2][1] * y[1] + H_OUT[o2][2] * y[2] + H_OUT[o2][3] * y[3];
+    }
+}
+
+static void test_gemma3_hand_model(void **state) {
+    (void)state;
+    const struct {
+        g3_variant variant;
+        bool local;
+    } cases[] = {{G3_DEFAULT, true}, {G3_PERIOD1, false}, {G3_BOOL_LOCAL, true}, {G3_BOOL_GLOBAL, false}};
+    const int32_t seqs[3][3] = {{3, 1, 4}, {0, 4, 2}, {2, 2, 1}};
+    char path[600];
+    path_in_dir(path, sizeof path, "hand-gemma3.gguf");
+    for (size_t ci = 0; ci < KVB_ARRAY_LEN(cases); ci++)
+        for (int window = 1; window <= 3; window++) {
+            write_hand_gemma3(path, cases[ci].variant, (uint32_t)window);
+            ref_model *m = load_ok(path);
+            const ref_desc *d = ref_model_desc(m);
+            assert_int_equal(d->arch, REF_ARCH_GEMMA3);
+            assert_int_equal(d->swa_window, window);
+            assert_int_equal(d->layer_local[0], cases[ci].local);
+            assert_true(d->embd_scale == 2.0 && d->attn_scale == 0.5);
+            for (int s = 0; s < 3; s++) {
+                double got[3 * 5], want[3][5];
+                assert_int_equal(ref_model_forward(m, seqs[s], 3, got), 0);
+                hand_gemma3_expected(seqs[s], cases[ci].local, window, want);
+                for (int t = 0; t < 3; t++)
+                    for (int o = 0; o < 5; o++)
+                        if (fabs(got[t * 5 + o] - want[t][o]) > 1e-12 * (1 + fabs(want[t][o])))
+                            fail_msg("gemma3 case %zu window %d seq %d token %d logit %d: ref %.17g hand %.17g", ci,
+                                     window, s, t, o, got[t * 5 + o], want[t][o]);
+                /* the window is visible: a local layer with window 1 or 2 changes token 2, not token 0 */
+                if (cases[ci].local && window < 3 && seqs[s][0] != seqs[s][2]) {
+                    double full[3][5], diff = 0;
+                    hand_gemma3_expected(seqs[s], true, 3, full);
+                    for (int o = 0; o < 5; o++) {
+                        diff += fabs(full[2][o] - want[2][o]);
+                        assert_true(full[0][o] == want[0][o]);
+                    }
+                    if (!(diff > 1e-4)) fail_msg("gemma3 window %d invisible at token 2 (diff %g)", window, diff);
+                }
+            }
+            /* the local and global RoPE bases are told apart */
+            double other[3][5], mine[3][5], diff = 0;
+            hand_gemma3_expected(seqs[0], cases[ci].local, 3, mine);
+            hand_gemma3_expected(seqs[0], !cases[ci].local, 3, other);
+            for (int o = 0; o < 5; o++) diff += fabs(other[2][o] - mine[2][o]);
+            assert_true(diff > 1e-6);
+            ref_model_free(m);
+        }
+}
+
+/* On random gemma3 fixtures (7 layers: 0-4 and 6 local, 5 global): logits of tokens before the
+ * window fills do not depend on the window; later ones do; with every layer global the window key
+ * is ignored; the layer pattern is read from the key in both of its forms. */
+static void test_gemma3_window(void **state) {
+    (void)state;
+    enum { N = 12 };
+    const int32_t toks[N] = {5, 17, 3, 96, 0, 42, 42, 7, 60, 8, 1, 33};
+    char p1[600], p2[600];
+    path_in_dir(p1, sizeof p1, "g3a.gguf");
+    path_in_dir(p2, sizeof p2, "g3b.gguf");
+    for (int all_global = 0; all_global < 2; all_global++) {
+        ref_fixture_cfg c;
+        ref_fixture_default(&c, "gemma3", KVB_TYPE_F32, 4242);
+        if (all_global) c.swa_pattern = 1;
+        c.swa_window = 4;
+        write_fixture(&c, p1);
+        c.swa_window = 1000;
+        write_fixture(&c, p2);
+        ref_model *ma = load_ok(p1), *mb = load_ok(p2);
+        const ref_desc *d = ref_model_desc(ma);
+        for (int l = 0; l < d->n_layer; l++) assert_int_equal(d->layer_local[l], !all_global && l != 5);
+        const int V = d->n_vocab;
+        double *la = malloc(sizeof(double) * N * V), *lb = malloc(sizeof(double) * N * V);
+        assert_int_equal(ref_model_forward(ma, toks, N, la), 0);
+        assert_int_equal(ref_model_forward(mb, toks, N, lb), 0);
+        assert_memory_equal(la, lb, sizeof(double) * 4 * V); /* t < 4: the whole prefix is inside both windows */
+        double diff = 0;
+        for (int i = 4 * V; i < N * V; i++) diff += fabs(la[i] - lb[i]);
+        if (all_global) assert_true(diff == 0);
+        else assert_true(diff > 1e-3);
+        free(la);
+        free(lb);
+        ref_model_free(ma);
+        ref_model_free(mb);
+    }
+    /* the pattern as booleans: exactly the listed layers are local */
+    ref_fixture_cfg c;
+    ref_fixture_default(&c, "gemma3", KVB_TYPE_F32, 4243);
+    const bool layers[7] = {false, true, true, false, true, false, false};
+    c.swa_layers = layers;
+    write_fixture(&c, p1);
+    ref_model *m = load_ok(p1);
+    for (int l = 0; l < 7; l++) assert_int_equal(ref_model_desc(m)->layer_local[l], layers[l]);
+    for (int i = 0; i < ref_model_desc(m)->n_rot / 2; i++) {
+        assert_true(ref_model_inv_freq_layer(m, 1)[i] == pow(10000.0, -2.0 * i / ref_model_desc(m)->n_rot));
+        assert_true(fabs(ref_model_inv_freq_layer(m, 0)[i] - pow(1e6, -2.0 * i / ref_model_desc(m)->n_rot)) <=
+                    1e-15 * ref_model_inv_freq_layer(m, 0)[i]);
+    }
+    ref_model_free(m);
+}
+
+static void test_gemma3_load_errors(void **state) {
+    (void)state;
+    char path[600], err[512];
+    path_in_dir(path, sizeof path, "bad-gemma3.gguf");
+    const struct {
+        g3_variant variant;
+        const char *needle;
+    } cases[] = {{G3_NO_WINDOW, "sliding_window"},
+                 {G3_SOFTCAP, "final_logit_softcapping"},
+                 {G3_BAD_ARRAY, "sliding_window_pattern"},
+                 {G3_NO_POST_FFW, "post_ffw_norm"}};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
+        write_hand_gemma3(path, cases[i].variant, 2);
+        ref_model *m = ref_model_load(path, err, sizeof err);
+        if (m) fail_msg("gemma3 case %zu loaded", i);
+        if (!strstr(err, cases[i].needle)) fail_msg("case %zu: message \"%s\" lacks \"%s\"", i, err, cases[i].needle);
+    }
+    write_hand_gemma3(path, G3_DEFAULT, 0); /* a window of 0 tokens */
+    assert_null(ref_model_load(path, err, sizeof err));
+    assert_non_null(strstr(err, "sliding_window"));
+}
+
 static int setup(void **state) {
     (void)state;
     return ref_tmpdir_create(g_dir, sizeof g_dir);
@@ -774,7 +1039,8 @@ int main(void) {
         cmocka_unit_test(test_causal),              cmocka_unit_test(test_rope),
         cmocka_unit_test(test_gqa),                 cmocka_unit_test(test_rope_scaling),
         cmocka_unit_test(test_tied_output),         cmocka_unit_test(test_types_close_to_f32),
-        cmocka_unit_test(test_load_errors),
+        cmocka_unit_test(test_load_errors),         cmocka_unit_test(test_gemma3_hand_model),
+        cmocka_unit_test(test_gemma3_window),       cmocka_unit_test(test_gemma3_load_errors),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -1,5 +1,5 @@
-/* tests/test_verify.c — the CPU rows of `kvbridge verify` hold N/N for every architecture and
- * cache format; a perturbed bridge (one reordered addition in the K projection) makes rows
+/* tests/test_verify.c — the CPU rows of `kvbridge verify` hold N/N for every architecture
+ * (tiny-gemma3's local layers, with their own RoPE base, included) and cache format; a perturbed bridge (one reordered addition in the K projection) makes rows
  * short, so the check can fail; and the verify command exits non-zero when it does. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -13,7 +13,7 @@
 #include "kvb_quant.h"
 #include "kvbt.h"
 
-static const char *k_presets[] = {"tiny", "tiny-qwen2", "tiny-qwen3", "tiny-llama3"};
+static const char *k_presets[] = {"tiny", "tiny-qwen2", "tiny-qwen3", "tiny-llama3", "tiny-gemma3"};
 static const uint32_t k_formats[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0};
 
 static kvb_model *load_preset(const char *preset, uint32_t wtype) {
@@ -30,7 +30,7 @@ static void test_rows_full(void **state) {
     (void)state;
     const uint32_t wtypes[] = {KVB_TYPE_Q8_0, KVB_TYPE_F16};
     int rows = 0;
-    for (size_t p = 0; p < 4; p++)
+    for (size_t p = 0; p < sizeof k_presets / sizeof k_presets[0]; p++)
         for (size_t w = 0; w < 2; w++) {
             kvb_model *m = load_preset(k_presets[p], wtypes[w]);
             for (size_t f = 0; f < 4; f++) {
@@ -48,7 +48,7 @@ static void test_rows_full(void **state) {
             }
             kvb_model_free(m);
         }
-    printf("verify: %d/%d rows N/N (4 architectures x 2 weight types x 4 cache formats)\n", rows, rows);
+    printf("verify: %d/%d rows N/N (5 presets x 2 weight types x 4 cache formats)\n", rows, rows);
 }
 
 static void test_perturbed_bridge_fails(void **state) {

@@ -1,5 +1,7 @@
 /* model/desc.c — the architecture description read from GGUF metadata ({arch}.* keys), every
- * value range-checked so a hostile file cannot make later code allocate or index absurdly. */
+ * value range-checked so a hostile file cannot make later code allocate or index absurdly; for
+ * gemma3 also the facts the file does not carry (embedding scale, local/global layer pattern,
+ * the local layers' RoPE base, the attention scale), each stated where it is set. */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -43,6 +45,86 @@ static kvb_status get_f32_key(const kvb_gguf *g, const char *arch, const char *s
     return KVB_OK;
 }
 
+/* {arch}.attention.sliding_window_pattern, when the file has it: a u32 period (llama.cpp's
+ * reading: layer i is local iff period == 0 or i % period < period - 1) or an array of n_layer
+ * booleans (true = sliding-window layer), as gguf-py's add_sliding_window_pattern writes it. */
+static kvb_status read_swa_pattern(const kvb_gguf *g, kvb_model_desc *d, kvb_err *err) {
+    char key[128];
+    snprintf(key, sizeof key, "%s.attention.sliding_window_pattern", d->arch_name);
+    const kvb_gguf_kv *kv = kvb_gguf_find(g, key);
+    if (!kv) return KVB_OK; /* the caller's default stays */
+    if (kv->type != KVB_GGUF_ARRAY)
+        return get_u32_key(g, d->arch_name, "attention.sliding_window_pattern", true, 0, 0, KVB_MAX_LAYERS,
+                           &d->swa_pattern, err);
+    const size_t es = kvb_gguf_vtype_size(kv->arr_type);
+    const bool integral = kv->arr_type == KVB_GGUF_BOOL || kv->arr_type == KVB_GGUF_U8 || kv->arr_type == KVB_GGUF_I8 ||
+                          kv->arr_type == KVB_GGUF_U16 || kv->arr_type == KVB_GGUF_I16 ||
+                          kv->arr_type == KVB_GGUF_U32 || kv->arr_type == KVB_GGUF_I32;
+    if (!integral || es == 0)
+        return kvb_err_set(err, KVB_ERR_FORMAT, "%s: %s is an array of %s, expected booleans", kvb_gguf_path(g), key,
+                           kvb_gguf_vtype_name(kv->arr_type));
+    if (kv->arr_len != d->n_layer)
+        return kvb_err_set(err, KVB_ERR_FORMAT, "%s: %s has %llu entries for %u layers", kvb_gguf_path(g), key,
+                           (unsigned long long)kv->arr_len, d->n_layer);
+    memset(d->swa_local_mask, 0, sizeof d->swa_local_mask);
+    for (uint32_t i = 0; i < d->n_layer; i++) {
+        uint64_t v = 0; /* little-endian element of es bytes */
+        for (size_t b = 0; b < es; b++) v |= (uint64_t)kv->arr_data[(size_t)i * es + b] << (8 * b);
+        if (v > 1)
+            return kvb_err_set(err, KVB_ERR_FORMAT, "%s: %s[%u] = %llu is not a boolean", kvb_gguf_path(g), key, i,
+                               (unsigned long long)v);
+        if (v) d->swa_local_mask[i / 64] |= 1ull << (i % 64);
+    }
+    d->swa_layers_explicit = true;
+    return KVB_OK;
+}
+
+/* Gemma 3's facts. Checked against the GGUF of gemma-3-270m (llama.cpp's converter) and the
+ * public Gemma 3 description (Hugging Face's Gemma3TextConfig / modeling, llama.cpp's gemma3):
+ *  - attention.sliding_window (required; 512 for 270M): local layers attend keys k with p - k < window
+ *    (HF's sliding-window overlay keeps kv_idx > q_idx - window; llama.cpp masks p1 - p0 >= n_swa);
+ *  - the layer pattern is not in the file: five local layers then one global, layer i global iff
+ *    (i + 1) % 6 == 0 (HF sliding_window_pattern 6 / layer_types; 270M: layers 5, 11, 17 global);
+ *    an attention.sliding_window_pattern key overrides it;
+ *  - local layers rotate with base 10000 (rope_local_base_freq), global ones with rope.freq_base (1e6)
+ *    and any rope scaling (Gemma 3 4B+ scale the global layers linearly by 8; local layers never);
+ *  - token embeddings are multiplied by sqrt(n_embd) (HF Gemma3TextScaledWordEmbedding; we multiply
+ *    in f32 by sqrtf(n_embd) like llama.cpp, HF rounds the scale to the weights' dtype first);
+ *  - attention scale 1/sqrt(query_pre_attn_scalar): 256 = head_dim for 270M/1B/4B/12B; the 27B uses
+ *    n_embd / n_head = 168 (its config; llama.cpp picks it by block_count 62);
+ *  - post-attention and post-MLP RMSNorms, GeGLU MLP with tanh-approximated GELU
+ *    (hidden_activation gelu_pytorch_tanh), per-head q/k RMSNorm, rotate-halves (neox) RoPE;
+ *  - no logit soft-capping in Gemma 3 (Gemma 2 had it): a file that sets either soft-cap is refused;
+ *  - the stored RMSNorm weights already include Gemma's "+1" (llama.cpp's converter adds it): in the
+ *    270M file every norm weight minus 1 is exactly a bf16 value (the checkpoint's dtype), while the
+ *    stored values themselves are not (70 % are), so they are used as plain RMSNorm weights. */
+static kvb_status gemma3_desc(const kvb_gguf *g, kvb_model_desc *d, kvb_err *err) {
+    const char *a = d->arch_name;
+    kvb_status st;
+    if ((st = get_u32_key(g, a, "attention.sliding_window", true, 0, 1, 1u << 24, &d->swa_window, err))) return st;
+    d->swa_pattern = 6;
+    if ((st = read_swa_pattern(g, d, err))) return st;
+    d->rope_freq_base_local = 10000.0f;
+    d->embd_scale = sqrtf((float)d->n_embd);
+    const uint32_t query_pre_attn_scalar = d->n_layer == 62 ? d->n_embd / d->n_head : d->head_dim;
+    if (query_pre_attn_scalar == 0)
+        return kvb_err_set(err, KVB_ERR_FORMAT, "%s: gemma3 27B shape with n_embd %u < n_head %u", kvb_gguf_path(g),
+                           d->n_embd, d->n_head);
+    d->attn_scale = 1.0f / sqrtf((float)query_pre_attn_scalar);
+    d->has_post_norms = true;
+    d->mlp_gelu = true;
+    const char *caps[] = {"final_logit_softcapping", "attn_logit_softcapping"};
+    for (size_t i = 0; i < 2; i++) {
+        float cap = 0;
+        if ((st = get_f32_key(g, a, caps[i], 0.0f, -1e30f, 1e30f, &cap, err))) return st;
+        if (cap != 0.0f)
+            return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                               "%s: %s.%s = %g: Gemma 3 has no logit soft-capping and this engine does not implement it",
+                               kvb_gguf_path(g), a, caps[i], (double)cap);
+    }
+    return KVB_OK;
+}
+
 kvb_status kvb_model_desc_from_gguf(const kvb_gguf *g, kvb_model_desc *d, kvb_err *err) {
     memset(d, 0, sizeof *d);
     kvb_status st = kvb_gguf_get_str(g, "general.architecture", d->arch_name, sizeof d->arch_name, err);
@@ -51,15 +133,16 @@ kvb_status kvb_model_desc_from_gguf(const kvb_gguf *g, kvb_model_desc *d, kvb_er
     if (strcmp(a, "llama") == 0) d->arch = KVB_ARCH_LLAMA;
     else if (strcmp(a, "qwen2") == 0) d->arch = KVB_ARCH_QWEN2;
     else if (strcmp(a, "qwen3") == 0) d->arch = KVB_ARCH_QWEN3;
+    else if (strcmp(a, "gemma3") == 0) d->arch = KVB_ARCH_GEMMA3;
     else
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
-                           "%s: architecture '%s' is not supported (supported: llama, qwen2, qwen3)",
+                           "%s: architecture '%s' is not supported (supported: llama, qwen2, qwen3, gemma3)",
                            kvb_gguf_path(g), a);
     if (kvb_gguf_get_str(g, "general.name", d->name, sizeof d->name, NULL) != KVB_OK) d->name[0] = 0;
 
     const uint32_t big = 1u << 20;
     if ((st = get_u32_key(g, a, "embedding_length", true, 0, 1, 65536, &d->n_embd, err))) return st;
-    if ((st = get_u32_key(g, a, "block_count", true, 0, 1, 1024, &d->n_layer, err))) return st;
+    if ((st = get_u32_key(g, a, "block_count", true, 0, 1, KVB_MAX_LAYERS, &d->n_layer, err))) return st;
     if ((st = get_u32_key(g, a, "feed_forward_length", true, 0, 1, 1u << 18, &d->n_ff, err))) return st;
     if ((st = get_u32_key(g, a, "attention.head_count", true, 0, 1, 1024, &d->n_head, err))) return st;
     if ((st = get_u32_key(g, a, "attention.head_count_kv", false, d->n_head, 1, d->n_head, &d->n_head_kv, err)))
@@ -116,12 +199,26 @@ kvb_status kvb_model_desc_from_gguf(const kvb_gguf *g, kvb_model_desc *d, kvb_er
 
     d->rope_neox = d->arch != KVB_ARCH_LLAMA;
     d->has_qkv_bias = d->arch == KVB_ARCH_QWEN2;
-    d->has_qk_norm = d->arch == KVB_ARCH_QWEN3;
+    d->has_qk_norm = d->arch == KVB_ARCH_QWEN3 || d->arch == KVB_ARCH_GEMMA3;
+    d->attn_scale = 1.0f / sqrtf((float)d->head_dim);
+    if (d->arch == KVB_ARCH_GEMMA3) return gemma3_desc(g, d, err);
     return KVB_OK;
+}
+
+bool kvb_layer_is_local(const kvb_model_desc *d, uint32_t layer) {
+    if (d->swa_window == 0 || layer >= d->n_layer || layer >= KVB_MAX_LAYERS) return false;
+    if (d->swa_layers_explicit) return (d->swa_local_mask[layer / 64] >> (layer % 64)) & 1;
+    return d->swa_pattern == 0 || layer % d->swa_pattern < d->swa_pattern - 1;
+}
+
+bool kvb_model_has_local_layers(const kvb_model_desc *d) {
+    for (uint32_t l = 0; l < d->n_layer; l++)
+        if (kvb_layer_is_local(d, l)) return true;
+    return false;
 }
 
 uint64_t kvb_model_n_params_nonembd(const kvb_model_desc *d) {
     uint64_t e = d->n_embd, q = (uint64_t)d->n_head * d->head_dim, kv = (uint64_t)d->n_head_kv * d->head_dim;
-    uint64_t per_layer = e * q + 2 * e * kv + q * e + 3 * e * d->n_ff + 2 * e;
+    uint64_t per_layer = e * q + 2 * e * kv + q * e + 3 * e * d->n_ff + (d->has_post_norms ? 4 : 2) * e;
     return per_layer * d->n_layer + e + (uint64_t)d->n_vocab * e; /* the output head is a matmul */
 }

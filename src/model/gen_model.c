@@ -78,12 +78,17 @@ static int add_t(gen_tensor *ts, int n, const char *name, uint64_t ne0, uint64_t
     return n + 1;
 }
 
+/* llama.cpp's general.file_type (LLAMA_FTYPE_MOSTLY_*) for a file whose matrices are all of type t */
 static uint32_t llama_file_type(uint32_t t) {
     switch (t) {
     case KVB_TYPE_F32: return 0;
     case KVB_TYPE_F16: return 1;
     case KVB_TYPE_Q4_0: return 2;
     case KVB_TYPE_Q8_0: return 7;
+    case KVB_TYPE_Q5_0: return 8;
+    case KVB_TYPE_Q4_K: return 14; /* Q4_K_S */
+    case KVB_TYPE_Q5_K: return 16; /* Q5_K_S */
+    case KVB_TYPE_Q6_K: return 18;
     case KVB_TYPE_BF16: return 32;
     }
     return 0;
@@ -111,6 +116,14 @@ static kvb_status write_keys(kvb_gguf_writer *w, const kvb_model_desc *d, const 
     if ((st = kvb_gguf_writer_add_u32(w, KEY("rope.dimension_count"), d->n_rot, err))) return st;
     if ((st = kvb_gguf_writer_add_f32(w, KEY("rope.freq_base"), d->rope_freq_base, err))) return st;
     if ((st = kvb_gguf_writer_add_f32(w, KEY("attention.layer_norm_rms_epsilon"), d->norm_eps, err))) return st;
+    if (d->arch == KVB_ARCH_GEMMA3) {
+        /* as llama.cpp's converter writes Gemma 3: the window, no pattern key (the loader's default is
+         * Gemma 3's 6) and no local rope base key (10000 is Gemma 3's fixed rope_local_base_freq) */
+        if ((st = kvb_gguf_writer_add_u32(w, KEY("attention.sliding_window"), d->swa_window, err))) return st;
+        if (d->swa_pattern != 6 &&
+            (st = kvb_gguf_writer_add_u32(w, KEY("attention.sliding_window_pattern"), d->swa_pattern, err)))
+            return st;
+    }
 #undef KEY
     return KVB_OK;
 }
@@ -128,8 +141,8 @@ kvb_status kvb_gen_model(const kvb_gen_opts *o, const char *out_path, kvb_err *e
     }
     const kvb_type_info *ti = kvb_type_get(o->type);
     if (!ti || !ti->supported)
-        return kvb_err_set(err, KVB_ERR_INVALID, "weight type %s is not one gen-model writes (f32, f16, bf16, q8_0, q4_0)",
-                           kvb_type_name(o->type));
+        return kvb_err_set(err, KVB_ERR_INVALID, "weight type %s is not one gen-model writes (f32, f16, bf16, q8_0, q4_0, "
+                           "q5_0, q4_k, q5_k, q6_k)", kvb_type_name(o->type));
     kvb_model_desc d = p->d;
 
     kvb_gguf_writer *w = NULL;
@@ -166,7 +179,10 @@ kvb_status kvb_gen_model(const kvb_gen_opts *o, const char *out_path, kvb_err *e
         goto done;
     }
     int n = 0;
-    n = add_t(ts, n, "token_embd.weight", E, n_vocab, o->type, INIT_NORMAL, 1.0f);
+    /* gemma3 multiplies embeddings by sqrt(n_embd): rows of std 3/sqrt(E) enter the residual stream at
+     * RMS ~3 and, as the tied output head, give logits of std ~3 */
+    const float s_embd = d.arch == KVB_ARCH_GEMMA3 ? 3.0f * s_in : 1.0f;
+    n = add_t(ts, n, "token_embd.weight", E, n_vocab, o->type, INIT_NORMAL, s_embd);
     if (d.rope_scale_factor > 0) {
         rope_factors = malloc(sizeof(float) * (d.n_rot / 2));
         if (!rope_factors) {
@@ -196,14 +212,27 @@ kvb_status kvb_gen_model(const kvb_gen_opts *o, const char *out_path, kvb_err *e
             n = add_t(ts, n, NM("attn_k_norm.weight"), d.head_dim, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
         }
         n = add_t(ts, n, NM("attn_output.weight"), Q, E, o->type, INIT_NORMAL, s_res / sqrtf((float)Q));
+        /* gemma3's post norms (stored with Gemma's +1 included, like llama.cpp's converter stores them):
+         * each residual branch adds RMS ~1 whatever the projection scales */
+        if (d.has_post_norms)
+            n = add_t(ts, n, NM("post_attention_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
         n = add_t(ts, n, NM("ffn_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
         n = add_t(ts, n, NM("ffn_gate.weight"), E, d.n_ff, o->type, INIT_NORMAL, s_in);
         n = add_t(ts, n, NM("ffn_up.weight"), E, d.n_ff, o->type, INIT_NORMAL, s_in);
         n = add_t(ts, n, NM("ffn_down.weight"), d.n_ff, E, o->type, INIT_NORMAL, 2.0f * s_res * s_ff);
+        if (d.has_post_norms)
+            n = add_t(ts, n, NM("post_ffw_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
 #undef NM
     }
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
+        if (kvb_row_bytes(ts[i].type, (int64_t)ts[i].ne[0]) == 0) {
+            st = kvb_err_set(err, KVB_ERR_INVALID, "preset %s: %s has rows of %llu elements, not whole %s blocks of %d",
+                             p->name, ts[i].name, (unsigned long long)ts[i].ne[0], kvb_type_name(ts[i].type),
+                             kvb_type_get(ts[i].type)->block_elems);
+            goto done;
+        }
         if ((st = kvb_gguf_writer_add_tensor(w, ts[i].name, ts[i].n_dims, ts[i].ne, ts[i].type, err))) goto done;
+    }
 
     f = fopen(out_path, "wb");
     created = f != NULL;

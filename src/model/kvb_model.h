@@ -1,5 +1,6 @@
 /* model — what a transformer is, read from GGUF metadata: the architecture description
- * (llama, qwen2, qwen3; GQA, RoPE with Llama-3 scaling, RMSNorm eps, tied output), the weights
+ * (llama, qwen2, qwen3, gemma3; GQA, RoPE with Llama-3 scaling, per-layer RoPE bases and
+ * sliding-window (local) layers, RMSNorm eps, tied output), the weights
  * bound to views into the mapped file with every shape checked against the description, and
  * the synthetic model generator behind `kvbridge gen-model` (real architectures, real GGUF
  * files, seeded weights scaled so activations stay sane and logits are not flat). */
@@ -16,7 +17,11 @@ typedef enum {
     KVB_ARCH_LLAMA = 0, /* Llama 2/3, Mistral, TinyLlama */
     KVB_ARCH_QWEN2,     /* llama + q/k/v bias */
     KVB_ARCH_QWEN3,     /* llama + per-head q/k RMSNorm, explicit head_dim */
+    KVB_ARCH_GEMMA3,    /* Gemma 3 (text): qwen3's q/k norms + embedding scale, post-attention and post-MLP
+                           norms, GeGLU MLP (tanh GELU), local sliding-window layers with their own RoPE base */
 } kvb_arch;
+
+#define KVB_MAX_LAYERS 1024 /* block_count is refused above this */
 
 typedef struct {
     kvb_arch arch;
@@ -41,6 +46,22 @@ typedef struct {
     bool has_qkv_bias;     /* qwen2 */
     bool has_qk_norm;      /* qwen3 */
     bool tied_output;      /* output.weight absent: reuse token_embd */
+    float attn_scale;      /* attention scores are (q . k) * attn_scale; 1/sqrtf(head_dim) unless the
+                              architecture says otherwise (gemma3: 1/sqrt(query_pre_attn_scalar)) */
+    /* ---- Gemma 3 (zero / false for the other architectures) ---- */
+    float embd_scale;      /* token embedding rows are multiplied by this in f32 (gemma3: sqrtf(n_embd)); 0 = none */
+    bool has_post_norms;   /* post_attention_norm on the attention output and post_ffw_norm on the MLP output,
+                              each before its residual add */
+    bool mlp_gelu;         /* MLP is down(gelu_tanh(gate h) * up h) (GeGLU) instead of SwiGLU */
+    uint32_t swa_window;   /* local layers: a query at position p attends keys at k with p - k < swa_window
+                              (the query itself and the swa_window - 1 before it); 0 = no local layers */
+    uint32_t swa_pattern;  /* without swa_layers_explicit: layer i is local iff swa_pattern == 0 or
+                              i % swa_pattern < swa_pattern - 1 (llama.cpp's reading; gemma3: 6 = five local
+                              layers, then one global: layer i is global iff (i + 1) % 6 == 0) */
+    bool swa_layers_explicit;              /* the file listed each layer: swa_local_mask is the truth */
+    uint64_t swa_local_mask[KVB_MAX_LAYERS / 64]; /* bit i set: layer i is local (only with swa_layers_explicit) */
+    float rope_freq_base_local; /* RoPE base of local layers (gemma3: 10000); rope scaling applies to global
+                                   layers only, as Gemma 3's rope_scaling does */
 } kvb_model_desc;
 
 /* A weight matrix: ne0 = columns (input dim, contiguous), ne1 = rows (output dim). */
@@ -57,9 +78,11 @@ typedef struct {
                                 wo: (n_embd, n_head*head_dim) as (rows, cols) */
     const float *bq, *bk, *bv; /* qwen2 biases, else NULL */
     const float *q_norm, *k_norm; /* qwen3 (head_dim) f32, else NULL */
+    const float *post_attn_norm; /* gemma3 (n_embd) f32, else NULL */
     const float *ffn_norm;   /* (n_embd) */
     kvb_mat w_gate, w_up;    /* (n_ff, n_embd) */
     kvb_mat w_down;          /* (n_embd, n_ff) */
+    const float *post_ffw_norm;  /* gemma3 (n_embd) f32, else NULL */
 } kvb_layer_weights;
 
 typedef struct kvb_model {
@@ -87,8 +110,17 @@ uint64_t kvb_model_n_params_nonembd(const kvb_model_desc *d);
 
 /* RoPE inverse frequencies for i in [0, n_rot/2): base^(-2i/n_rot), divided by the
  * rope_freqs.weight factors when the file has them, else by the Llama-3 scaling factors computed
- * from the description's keys; in double. */
+ * from the description's keys; in double. These are the GLOBAL layers' frequencies; a model with
+ * local layers (kvb_layer_is_local) rotates those with kvb_rope_inv_freq_layer's. */
 void kvb_rope_inv_freq(const kvb_model *m, double *out);
+/* Layer `layer`'s inverse frequencies (n_rot/2): kvb_rope_inv_freq for a global layer; for a local
+ * layer rope_freq_base_local^(-2i/n_rot) with no scaling. */
+void kvb_rope_inv_freq_layer(const kvb_model *m, uint32_t layer, double *out);
+/* Whether layer `layer` is a local (sliding-window) layer; false for every layer of a model
+ * without local layers (swa_window == 0) and for layer >= n_layer. */
+bool kvb_layer_is_local(const kvb_model_desc *d, uint32_t layer);
+/* Whether any layer is local. */
+bool kvb_model_has_local_layers(const kvb_model_desc *d);
 /* The RoPE table every engine and the bridge use (one table, computed on the host in double and
  * rounded to f32 once): for positions pos0 .. pos0+n_pos-1 and i < n_rot/2,
  *     cos_out[p * (n_rot/2) + i] = (float)cos(pos * inv_freq[i]), sin_out likewise.  */
@@ -97,10 +129,29 @@ void kvb_rope_table(const double *inv_freq, uint32_t n_rot, uint32_t pos0, uint3
 /* Llama-3 frequency divisors (what llama.cpp's converter stores as rope_freqs.weight). */
 void kvb_llama3_rope_factors(const kvb_model_desc *d, float *out);
 
+/* The RoPE tables of one span of positions for every kind of layer a model has: the global
+ * table, and a local one when local layers rotate with another base. The CPU engine and the CPU
+ * bridge both fill one per chunk and hand each layer's own table to kvb_kv_produce. */
+typedef struct {
+    const kvb_model *m;
+    uint32_t half;            /* n_rot / 2 */
+    uint32_t cap;             /* positions the tables hold */
+    uint32_t n_kinds;         /* 1 (global only) or 2 (global, local) */
+    double *inv_freq;         /* (n_kinds, half) */
+    float *cos, *sin;         /* (n_kinds, cap, half) for positions pos0 .. pos0 + n - 1 */
+    uint32_t pos0, n;         /* the span last filled (n = 0: none yet) */
+} kvb_rope_tables;
+kvb_status kvb_rope_tables_init(kvb_rope_tables *t, const kvb_model *m, uint32_t cap, kvb_err *err);
+void kvb_rope_tables_free(kvb_rope_tables *t);
+/* Fills every kind's table for positions pos0 .. pos0 + n - 1 (n <= cap) with kvb_rope_table. */
+void kvb_rope_tables_fill(kvb_rope_tables *t, uint32_t pos0, uint32_t n);
+/* Layer `layer`'s table for the filled span: *cos, *sin (n, half). */
+void kvb_rope_tables_layer(const kvb_rope_tables *t, uint32_t layer, const float **cos, const float **sin);
+
 /* ---- synthetic models ------------------------------------------------------------------------ */
 
 typedef struct {
-    const char *name;       /* "tiny", "qwen3-0.6b", "llama3.2-1b", "llama3.1-8b", ... */
+    const char *name;       /* "tiny", "qwen3-0.6b", "llama3.2-1b", "llama3.1-8b", "gemma3-270m", ... */
     const char *summary;
     kvb_model_desc d;       /* shapes; n_vocab is replaced by the vocabulary's size */
 } kvb_preset;
@@ -111,7 +162,8 @@ const kvb_preset *kvb_preset_at(size_t i);
 
 typedef struct {
     const char *preset;     /* required */
-    uint32_t type;          /* weight type for matrices (F32, F16, BF16, Q8_0, Q4_0) */
+    uint32_t type;          /* weight type for matrices (F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K;
+                               the K-quants need every row a multiple of 256) */
     uint64_t seed;
     const char *vocab_path; /* NULL: byte-level vocabulary; .gguf: copy its tokenizer.* keys;
                                .json: a Hugging Face tokenizer.json */

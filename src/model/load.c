@@ -1,7 +1,8 @@
 /* model/load.c — binds a GGUF's tensors to the architecture: every expected tensor must be
  * present with the expected dims and a supported type; vectors (norms, biases) are made f32;
- * the model fingerprint hashes the description and each tensor's name, type, dims and bytes
- * (sampled) so two nodes can tell whether they hold the same model. */
+ * the model fingerprint hashes the description (every field, the gemma3 window, layer pattern,
+ * local RoPE base and scales included) and each tensor's name, type, dims and bytes (sampled) so
+ * two nodes can tell whether they hold the same model. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,11 +48,18 @@ static kvb_status bind_mat(binder *b, const char *name, uint64_t cols, uint64_t 
     if (st || !t) return st;
     if ((st = check_dims(g, t, cols, rows, err))) return st;
     const kvb_type_info *ti = kvb_type_get(t->type);
-    if (!ti || !ti->supported)
+    if (!ti || !ti->supported) {
+        char names[256] = ""; /* the types quant computes with, from its table */
+        for (uint32_t ty = 0; ty < KVB_TYPE_COUNT_; ty++) {
+            const kvb_type_info *tj = kvb_type_get(ty);
+            if (!tj || !tj->supported) continue;
+            size_t used = strlen(names);
+            snprintf(names + used, sizeof names - used, "%s%s", used ? ", " : "", tj->name);
+        }
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
-                           "%s: tensor '%s' has type %s, which this engine does not compute with yet "
-                           "(supported: F32, F16, BF16, Q8_0, Q4_0)",
-                           kvb_gguf_path(g), name, kvb_type_name(t->type));
+                           "%s: tensor '%s' has type %s, which this engine does not compute with yet (supported: %s)",
+                           kvb_gguf_path(g), name, kvb_type_name(t->type), names);
+    }
     out->data = t->data;
     out->type = t->type;
     out->cols = (int64_t)cols;
@@ -85,7 +93,7 @@ static kvb_status bind_vec(binder *b, const char *name, uint64_t n, bool require
 }
 
 static uint64_t fingerprint(const kvb_model *m) {
-    const kvb_model_desc *d = &m->d;
+    const kvb_model_desc *d = &m->d; /* zeroed before it was filled: padding bytes hash as zeros */
     uint64_t h = kvb_hash64(d, sizeof *d, 0x6b76622d6d6f646cULL);
     for (uint64_t i = 0; i < kvb_gguf_n_tensors(m->gguf); i++) {
         const kvb_gguf_tensor *t = kvb_gguf_tensor_at(m->gguf, i);
@@ -124,7 +132,9 @@ kvb_status kvb_model_load(const char *path, kvb_model **out, kvb_err *err) {
 
     binder b = {.m = m};
     const uint64_t E = d->n_embd, Q = (uint64_t)d->n_head * d->head_dim, KV = (uint64_t)d->n_head_kv * d->head_dim;
-    b.f32_cap = E * (2 * (size_t)d->n_layer + 1) + (size_t)d->n_layer * (Q + 2 * KV + 2 * d->head_dim) + d->n_rot;
+    /* per layer: attn/ffn norms (+ gemma3's two post norms), q/k/v biases, q/k norms; plus the output norm
+     * and rope_freqs */
+    b.f32_cap = E * (4 * (size_t)d->n_layer + 1) + (size_t)d->n_layer * (Q + 2 * KV + 2 * d->head_dim) + d->n_rot;
     m->owned_f32 = calloc(b.f32_cap, sizeof(float));
     m->layers = calloc(d->n_layer, sizeof *m->layers);
     if (!m->owned_f32 || !m->layers) {
@@ -156,6 +166,10 @@ kvb_status kvb_model_load(const char *path, kvb_model **out, kvb_err *err) {
             if ((st = bind_vec(&b, L_NAME("attn_q_norm.weight"), d->head_dim, true, &w->q_norm, err))) goto fail;
             if ((st = bind_vec(&b, L_NAME("attn_k_norm.weight"), d->head_dim, true, &w->k_norm, err))) goto fail;
         }
+        if (d->has_post_norms) {
+            if ((st = bind_vec(&b, L_NAME("post_attention_norm.weight"), E, true, &w->post_attn_norm, err))) goto fail;
+            if ((st = bind_vec(&b, L_NAME("post_ffw_norm.weight"), E, true, &w->post_ffw_norm, err))) goto fail;
+        }
         if ((st = bind_vec(&b, L_NAME("ffn_norm.weight"), E, true, &w->ffn_norm, err))) goto fail;
         if ((st = bind_mat(&b, L_NAME("ffn_gate.weight"), E, d->n_ff, true, &w->w_gate, err))) goto fail;
         if ((st = bind_mat(&b, L_NAME("ffn_up.weight"), E, d->n_ff, true, &w->w_up, err))) goto fail;
@@ -182,8 +196,14 @@ void kvb_model_describe(const kvb_model *m, char *buf, size_t cap) {
     const kvb_model_desc *d = &m->d;
     /* non-embedding parameters count the output head; an untied model also has its embedding */
     uint64_t p = kvb_model_n_params_nonembd(d) + (d->tied_output ? 0 : (uint64_t)d->n_vocab * d->n_embd);
-    snprintf(buf, cap, "%s%s%s: %u layers, embd %u, heads %u/%u x %u, ff %u, vocab %u, %s weights, %.3g%s params",
-             d->arch_name, d->name[0] ? " " : "", d->name, d->n_layer, d->n_embd, d->n_head, d->n_head_kv,
+    char local[96] = "";
+    uint32_t n_local = 0;
+    for (uint32_t l = 0; l < d->n_layer; l++) n_local += kvb_layer_is_local(d, l);
+    if (n_local)
+        snprintf(local, sizeof local, " (%u local: window %u, rope base %g)", n_local, d->swa_window,
+                 (double)d->rope_freq_base_local);
+    snprintf(buf, cap, "%s%s%s: %u layers%s, embd %u, heads %u/%u x %u, ff %u, vocab %u, %s weights, %.3g%s params",
+             d->arch_name, d->name[0] ? " " : "", d->name, d->n_layer, local, d->n_embd, d->n_head, d->n_head_kv,
              d->head_dim, d->n_ff, d->n_vocab, kvb_type_name(m->layers[0].wq.type), p >= 1000000000 ? p / 1e9 : p / 1e6,
              p >= 1000000000 ? " B" : " M");
 }

@@ -1,6 +1,7 @@
 /* model/presets.c — the shapes `kvbridge gen-model` knows: tiny test models for CI (one per
  * architecture) and the real shapes of models users run (Qwen3-0.6B, Qwen2.5-0.5B,
- * Llama-3.2-1B, Llama-3.1-8B, Llama-2-7B, TinyLlama-1.1B), with their RoPE and norm constants. */
+ * Llama-3.2-1B, Llama-3.1-8B, Llama-2-7B, TinyLlama-1.1B, Gemma-3-270M), with their RoPE, norm
+ * and (Gemma 3) sliding-window constants. */
 #include <string.h>
 
 #include "kvb_model.h"
@@ -25,6 +26,13 @@ static const kvb_preset k_presets[] = {
      {.arch = KVB_ARCH_LLAMA, .arch_name = "llama", .n_ctx_train = 131072, .n_embd = 256, .n_layer = 2,
       .n_ff = 512, .n_head = 4, .n_head_kv = 1, .head_dim = 64, .n_rot = 64, LLAMA3_ROPE,
       .rope_scale_factor = 32.0f, .norm_eps = 1e-5f, .tied_output = true}},
+    /* 6 layers with the Gemma 3 pattern: layers 0-4 local (window 16 tokens), layer 5 global, so a
+     * 40-token test prompt crosses both layer kinds and the window boundary */
+    {"tiny-gemma3", "gemma3 (5 local + 1 global layers, window 16), embd 256, 4/1 heads x 64, ff 512 (CI)",
+     {.arch = KVB_ARCH_GEMMA3, .arch_name = "gemma3", .n_ctx_train = 4096, .n_embd = 256, .n_layer = 6,
+      .n_ff = 512, .n_head = 4, .n_head_kv = 1, .head_dim = 64, .n_rot = 64, .rope_freq_base = 1000000.0f,
+      .norm_eps = 1e-6f, .rope_neox = true, .has_qk_norm = true, .tied_output = true, .has_post_norms = true,
+      .mlp_gelu = true, .swa_window = 16, .swa_pattern = 6, .rope_freq_base_local = 10000.0f}},
     {"qwen3-0.6b", "Qwen3-0.6B shape: 28 layers, embd 1024, 16/8 heads x 128, ff 3072, vocab 151936",
      {.arch = KVB_ARCH_QWEN3, .arch_name = "qwen3", .n_vocab = 151936, .n_ctx_train = 40960, .n_embd = 1024,
       .n_layer = 28, .n_ff = 3072, .n_head = 16, .n_head_kv = 8, .head_dim = 128, .n_rot = 128,
@@ -51,6 +59,13 @@ static const kvb_preset k_presets[] = {
      {.arch = KVB_ARCH_LLAMA, .arch_name = "llama", .n_vocab = 32000, .n_ctx_train = 2048, .n_embd = 2048,
       .n_layer = 22, .n_ff = 5632, .n_head = 32, .n_head_kv = 4, .head_dim = 64, .n_rot = 64,
       .rope_freq_base = 10000.0f, .norm_eps = 1e-5f}},
+    {"gemma3-270m", "Gemma-3-270M shape: 18 layers (15 local, window 512), embd 640, 4/1 heads x 256, ff 2048, "
+                    "vocab 262144",
+     {.arch = KVB_ARCH_GEMMA3, .arch_name = "gemma3", .n_vocab = 262144, .n_ctx_train = 32768, .n_embd = 640,
+      .n_layer = 18, .n_ff = 2048, .n_head = 4, .n_head_kv = 1, .head_dim = 256, .n_rot = 256,
+      .rope_freq_base = 1000000.0f, .norm_eps = 1e-6f, .rope_neox = true, .has_qk_norm = true, .tied_output = true,
+      .has_post_norms = true, .mlp_gelu = true, .swa_window = 512, .swa_pattern = 6,
+      .rope_freq_base_local = 10000.0f}},
 };
 
 size_t kvb_preset_count(void) { return sizeof k_presets / sizeof k_presets[0]; }

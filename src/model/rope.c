@@ -1,7 +1,11 @@
 /* model/rope.c — the one RoPE table: inverse frequencies (with Llama-3 scaling or the file's
- * rope_freqs factors) and per-position cos/sin, computed on the host in double and rounded to
- * f32 once, so the CPU engine, the CUDA engine and the bridge rotate with identical numbers. */
+ * rope_freqs factors; per layer when local layers have their own base) and per-position cos/sin,
+ * computed on the host in double and rounded to f32 once, so the CPU engine, the CUDA engine and
+ * the bridge rotate with identical numbers; and the per-layer-kind table set the CPU engine and
+ * the CPU bridge fill per chunk. */
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kvb_model.h"
 
@@ -39,6 +43,62 @@ void kvb_rope_inv_freq(const kvb_model *m, double *out) {
         if (d->rope_linear_factor > 0) f = f / d->rope_linear_factor;
         out[i] = f;
     }
+}
+
+void kvb_rope_inv_freq_layer(const kvb_model *m, uint32_t layer, double *out) {
+    const kvb_model_desc *d = &m->d;
+    if (!kvb_layer_is_local(d, layer)) {
+        kvb_rope_inv_freq(m, out);
+        return;
+    }
+    /* local (sliding-window) layers: their own base, never scaled (Gemma 3's rope_local_base_freq) */
+    for (uint32_t i = 0; i < d->n_rot / 2; i++) out[i] = pow((double)d->rope_freq_base_local, -2.0 * i / d->n_rot);
+}
+
+kvb_status kvb_rope_tables_init(kvb_rope_tables *t, const kvb_model *m, uint32_t cap, kvb_err *err) {
+    memset(t, 0, sizeof *t);
+    const kvb_model_desc *d = &m->d;
+    t->m = m;
+    t->half = d->n_rot / 2;
+    t->cap = cap;
+    t->n_kinds = kvb_model_has_local_layers(d) ? 2 : 1;
+    const size_t per_kind = (size_t)cap * t->half;
+    t->inv_freq = malloc(sizeof(double) * t->n_kinds * (t->half ? t->half : 1));
+    t->cos = malloc(sizeof(float) * t->n_kinds * (per_kind ? per_kind : 1));
+    t->sin = malloc(sizeof(float) * t->n_kinds * (per_kind ? per_kind : 1));
+    if (!t->inv_freq || !t->cos || !t->sin) {
+        kvb_rope_tables_free(t);
+        return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for RoPE tables (%u positions)", cap);
+    }
+    kvb_rope_inv_freq(m, t->inv_freq); /* kind 0: global */
+    if (t->n_kinds == 2) {
+        uint32_t local = 0;
+        while (!kvb_layer_is_local(d, local)) local++;
+        kvb_rope_inv_freq_layer(m, local, t->inv_freq + t->half); /* kind 1: local */
+    }
+    return KVB_OK;
+}
+
+void kvb_rope_tables_free(kvb_rope_tables *t) {
+    free(t->inv_freq);
+    free(t->cos);
+    free(t->sin);
+    memset(t, 0, sizeof *t);
+}
+
+void kvb_rope_tables_fill(kvb_rope_tables *t, uint32_t pos0, uint32_t n) {
+    const size_t per_kind = (size_t)t->cap * t->half;
+    for (uint32_t k = 0; k < t->n_kinds; k++)
+        kvb_rope_table(t->inv_freq + (size_t)k * t->half, 2 * t->half, pos0, n, t->cos + k * per_kind,
+                       t->sin + k * per_kind);
+    t->pos0 = pos0;
+    t->n = n;
+}
+
+void kvb_rope_tables_layer(const kvb_rope_tables *t, uint32_t layer, const float **cos, const float **sin) {
+    const size_t k = t->n_kinds == 2 && kvb_layer_is_local(&t->m->d, layer) ? 1 : 0;
+    *cos = t->cos + k * (size_t)t->cap * t->half;
+    *sin = t->sin + k * (size_t)t->cap * t->half;
 }
 
 void kvb_rope_table(const double *inv_freq, uint32_t n_rot, uint32_t pos0, uint32_t n_pos, float *cos_out,

@@ -58,6 +58,14 @@ void ref_fixture_default(ref_fixture_cfg *c, const char *arch, uint32_t wtype, u
     c->write_vocab = true;
     c->embd_scale = 1.0f;
     c->mat_scale = 1.0f;
+    c->swa_pattern = -1;
+    if (strcmp(arch, "gemma3") == 0) {
+        c->n_layer = 7; /* 5 local, 1 global, 1 local: both kinds, and a local layer after the global one */
+        c->head_dim = c->n_rot = 32;
+        c->swa_window = 5;
+        c->rope_freq_base = 1000000.0f;
+        c->norm_eps = 1e-6f;
+    }
 }
 
 float ref_fixture_llama3_factor(double base, int n_rot, int i, double factor, double low, double high,
@@ -200,6 +208,15 @@ static int add_kvs(kvb_gguf_writer *w, const ref_fixture_cfg *c, kvb_err *e) {
     if (c->n_rot != c->head_dim) U32("rope.dimension_count", c->n_rot);
     F32("rope.freq_base", c->rope_freq_base);
     F32("attention.layer_norm_rms_epsilon", c->norm_eps);
+    if (strcmp(a, "gemma3") == 0) {
+        U32("attention.sliding_window", c->swa_window);
+        snprintf(key, sizeof key, "%s.attention.sliding_window_pattern", a);
+        if (c->swa_layers) {
+            if (kvb_gguf_writer_add_arr(w, key, KVB_GGUF_BOOL, c->swa_layers, c->n_layer, e) != KVB_OK) return -1;
+        } else if (c->swa_pattern >= 0) {
+            U32("attention.sliding_window_pattern", (uint32_t)c->swa_pattern);
+        }
+    }
     if (c->rope == REF_FIX_ROPE_LLAMA3_KEYS || c->rope == REF_FIX_ROPE_LINEAR) {
         snprintf(key, sizeof key, "%s.rope.scaling.type", a);
         if (kvb_gguf_writer_add_str(w, key, c->rope == REF_FIX_ROPE_LINEAR ? "linear" : "llama3", e) != KVB_OK)
@@ -245,8 +262,8 @@ static int add_kvs(kvb_gguf_writer *w, const ref_fixture_cfg *c, kvb_err *e) {
 
 int ref_fixture_write(const ref_fixture_cfg *c, const char *path, char *errbuf, size_t cap) {
     const bool llama = strcmp(c->arch, "llama") == 0, qwen2 = strcmp(c->arch, "qwen2") == 0,
-               qwen3 = strcmp(c->arch, "qwen3") == 0;
-    if (!llama && !qwen2 && !qwen3) {
+               qwen3 = strcmp(c->arch, "qwen3") == 0, gemma3 = strcmp(c->arch, "gemma3") == 0;
+    if (!llama && !qwen2 && !qwen3 && !gemma3) {
         seterr(errbuf, cap, "ref_fixture: unknown arch %s", c->arch);
         return -1;
     }
@@ -299,9 +316,12 @@ int ref_fixture_write(const ref_fixture_cfg *c, const char *path, char *errbuf, 
             ok = fix_add_blk(L, c, (int)l, "attn_q.bias", 0, QD, f32, FILL_BIAS) &&
                  fix_add_blk(L, c, (int)l, "attn_k.bias", 0, KD, f32, FILL_BIAS) &&
                  fix_add_blk(L, c, (int)l, "attn_v.bias", 0, KD, f32, FILL_BIAS);
-        if (ok && qwen3)
+        if (ok && (qwen3 || gemma3))
             ok = fix_add_blk(L, c, (int)l, "attn_q_norm.weight", 0, c->head_dim, f32, FILL_NORM) &&
                  fix_add_blk(L, c, (int)l, "attn_k_norm.weight", 0, c->head_dim, f32, FILL_NORM);
+        if (ok && gemma3) /* stored as llama.cpp stores Gemma's, the "+1" included: around 1 */
+            ok = fix_add_blk(L, c, (int)l, "post_attention_norm.weight", 0, E, f32, FILL_NORM) &&
+                 fix_add_blk(L, c, (int)l, "post_ffw_norm.weight", 0, E, f32, FILL_NORM);
     }
     if (!ok) {
         seterr(errbuf, cap, "ref_fixture: out of memory");

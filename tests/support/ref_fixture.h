@@ -1,6 +1,8 @@
 /* ref_fixture — small random model files for tests, written with nothing but the GGUF writer and
  * quant's kvb_f32_to_row (to encode weights in F32, F16, BF16, Q8_0 or Q4_0): llama, qwen2 (q/k/v
- * biases) and qwen3 (per-head q/k norms, explicit head_dim) in llama.cpp's tensor naming, with a
+ * biases), qwen3 (per-head q/k norms, explicit head_dim) and gemma3 (q/k norms, post-attention and
+ * post-FFN norms, attention.sliding_window, optionally a sliding_window_pattern key as a period or
+ * one boolean per layer) in llama.cpp's tensor naming, with a
  * choice of tied or separate output, partial rotary, and Llama-3 or linear RoPE scaling either as
  * rope.scaling.* keys or as a rope_freqs.weight tensor. Every tensor's values come from its own RNG
  * stream seeded by (seed, tensor name), so two files that differ only in type, output mode or
@@ -29,7 +31,7 @@ typedef enum {
 } ref_fix_rope;
 
 typedef struct {
-    const char *arch;        /* "llama", "qwen2", "qwen3" */
+    const char *arch;        /* "llama", "qwen2", "qwen3", "gemma3" */
     uint32_t wtype;          /* kvb_type of every 2-D matrix (token_embd and output included);
                                 norms, biases and rope_freqs are always F32 */
     uint64_t seed;
@@ -46,11 +48,17 @@ typedef struct {
     bool write_vocab;        /* tokenizer.ggml.* (model "llama", n_vocab tokens "<t0>", ...) */
     float embd_scale;        /* token_embd ~ N(0, embd_scale^2) */
     float mat_scale;         /* other matrices ~ N(0, (mat_scale^2) / cols) */
+    uint32_t swa_window;     /* gemma3: {arch}.attention.sliding_window */
+    int32_t swa_pattern;     /* gemma3: < 0 writes no pattern key (Gemma 3's 5 local + 1 global applies);
+                                >= 0 writes {arch}.attention.sliding_window_pattern as this u32 period */
+    const bool *swa_layers;  /* gemma3: non-NULL writes the pattern key as n_layer booleans (true = local)
+                                instead */
 } ref_fixture_cfg;
 
 /* Defaults for a small test model of the given architecture: n_vocab 97, n_embd 64, 2 layers,
  * n_ff 128, 4 heads / 2 kv heads, head_dim 16 (qwen3: 32, so n_head*head_dim != n_embd), full
- * rotary, rope base 10000, eps 1e-5, separate output, plain RoPE, a vocabulary. */
+ * rotary, rope base 10000, eps 1e-5, separate output, plain RoPE, a vocabulary. gemma3: 7 layers
+ * (layers 0-4 and 6 local, 5 global), head_dim 32, window 5, rope base 1e6, eps 1e-6, no pattern key. */
 void ref_fixture_default(ref_fixture_cfg *c, const char *arch, uint32_t wtype, uint64_t seed);
 int ref_fixture_write(const ref_fixture_cfg *c, const char *path, char *errbuf, size_t cap);
 

@@ -63,9 +63,95 @@ size_t ref_row_bytes(uint32_t type, int64_t n) {
     case REF_TYPE_BF16: return (size_t)n * 2;
     case REF_TYPE_Q8_0: return n % 32 ? 0 : (size_t)(n / 32) * 34; /* fp16 d + 32 x int8 */
     case REF_TYPE_Q4_0: return n % 32 ? 0 : (size_t)(n / 32) * 18; /* fp16 d + 16 bytes of nibbles */
+    case REF_TYPE_Q5_0: return n % 32 ? 0 : (size_t)(n / 32) * 22; /* fp16 d + 4 bytes qh + 16 bytes */
+    case REF_TYPE_Q4_K: return n % 256 ? 0 : (size_t)(n / 256) * 144;
+    case REF_TYPE_Q5_K: return n % 256 ? 0 : (size_t)(n / 256) * 176;
+    case REF_TYPE_Q6_K: return n % 256 ? 0 : (size_t)(n / 256) * 210;
     default: return 0;
     }
 }
+
+/* ---- Q5_0 and the K-quants (Q4_K, Q5_K, Q6_K) ---------------------------------------------
+ * Written from ggml's block layouts (ggml-common.h), independently of src/quant. All values are
+ * exact in double: fp16 scales are multiples of 2^-24 below 2^16, times integer scales and quants
+ * of at most 6+6 bits, so every product and the Q4_K/Q5_K difference fit in 53 bits.
+ *   Q5_0 (22 bytes / 32): d fp16 | qh u32 (bit j = bit 4 of element j) | qs[16] (element j: low
+ *        nibble of qs[j], element j+16: high nibble); x = d * (q - 16)
+ *   Q4_K (144 bytes / 256): d fp16 | dmin fp16 | 12 bytes of scales | qs[128]. Scales: bytes 0-3
+ *        hold sc0-3 in their low 6 bits and the top 2 bits of sc4-7; bytes 4-7 likewise m0-3 and
+ *        the top of m4-7; bytes 8-11 hold the low 4 bits of sc4-7 (low nibble) and of m4-7 (high
+ *        nibble). Sub-block s (32 elements): nibbles of qs[32*(s/2) ..], low for even s, high for
+ *        odd; x = d * sc_s * q - dmin * m_s
+ *   Q5_K (176 bytes / 256): as Q4_K with qh[32] between the scales and qs; bit s of qh[l] is the
+ *        fifth bit of element l of sub-block s
+ *   Q6_K (210 bytes / 256): ql[128] | qh[64] | int8 scales[16] | d fp16. Each half of 128 elements
+ *        uses 64 ql and 32 qh bytes; byte l (< 32) of the half's qh gives the top 2 bits of its
+ *        elements l, l+32, l+64, l+96 (bits 0-1, 2-3, 4-5, 6-7), whose low 4 bits are the low
+ *        nibbles of ql[l], ql[l+32] and the high nibbles of ql[l], ql[l+32]; x = d * sc[e/16] * (q - 32)
+ * Returns 0, or -1 for another type. */
+static int ref_dequant_row_q5_k_family(uint32_t type, const uint8_t *p, double *dst, int64_t n) {
+    switch (type) {
+    case REF_TYPE_Q5_0:
+        for (int64_t b = 0; b < n / 32; b++) {
+            const uint8_t *blk = p + 22 * b;
+            const double d = ref_fp16_to_double(rd_u16le(blk));
+            const uint32_t qh = (uint32_t)blk[2] | (uint32_t)blk[3] << 8 | (uint32_t)blk[4] << 16 | (uint32_t)blk[5] << 24;
+            for (int j = 0; j < 32; j++) {
+                const int nib = j < 16 ? blk[6 + j] & 0x0f : blk[6 + j - 16] >> 4;
+                const int q = nib + (int)(16 * ((qh >> j) & 1));
+                dst[32 * b + j] = d * (q - 16);
+            }
+        }
+        return 0;
+    case REF_TYPE_Q4_K:
+    case REF_TYPE_Q5_K: {
+        const bool five = type == REF_TYPE_Q5_K;
+        const int bytes = five ? 176 : 144;
+        for (int64_t b = 0; b < n / 256; b++) {
+            const uint8_t *blk = p + (int64_t)bytes * b;
+            const double d = ref_fp16_to_double(rd_u16le(blk)), dmin = ref_fp16_to_double(rd_u16le(blk + 2));
+            const uint8_t *sc = blk + 4, *qh = blk + 16, *qs = blk + (five ? 48 : 16);
+            int scale[8], mins[8];
+            for (int i = 0; i < 4; i++) {
+                scale[i] = sc[i] % 64;
+                mins[i] = sc[4 + i] % 64;
+                scale[4 + i] = sc[8 + i] % 16 + 16 * (sc[i] / 64);
+                mins[4 + i] = sc[8 + i] / 16 + 16 * (sc[4 + i] / 64);
+            }
+            for (int e = 0; e < 256; e++) {
+                const int s = e / 32, l = e % 32;
+                const uint8_t byte = qs[32 * (s / 2) + l];
+                int q = s % 2 ? byte / 16 : byte % 16;
+                if (five) q += 16 * ((qh[l] >> s) & 1);
+                dst[256 * b + e] = d * scale[s] * q - dmin * mins[s];
+            }
+        }
+        return 0;
+    }
+    case REF_TYPE_Q6_K:
+        for (int64_t b = 0; b < n / 256; b++) {
+            const uint8_t *blk = p + 210 * b;
+            const uint8_t *ql = blk, *qh = blk + 128;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const double d = ref_fp16_to_double(rd_u16le(blk + 208));
+            double *y = dst + 256 * b;
+            for (int half = 0; half < 2; half++) {
+                const uint8_t *L = ql + 64 * half, *H = qh + 32 * half;
+                for (int l = 0; l < 32; l++) {
+                    const int q[4] = {(L[l] & 15) | (H[l] & 3) << 4, (L[l + 32] & 15) | ((H[l] >> 2) & 3) << 4,
+                                      (L[l] >> 4) | ((H[l] >> 4) & 3) << 4, (L[l + 32] >> 4) | ((H[l] >> 6) & 3) << 4};
+                    for (int k = 0; k < 4; k++) {
+                        const int e = 128 * half + 32 * k + l;
+                        y[e] = d * sc[e / 16] * (q[k] - 32);
+                    }
+                }
+            }
+        }
+        return 0;
+    default: return -1;
+    }
+}
+/* ---- end of Q5_0 and the K-quants --------------------------------------------------------- */
 
 int ref_dequant_row(uint32_t type, const void *src, double *dst, int64_t n) {
     const uint8_t *p = src;
@@ -104,7 +190,7 @@ int ref_dequant_row(uint32_t type, const void *src, double *dst, int64_t n) {
             }
         }
         return 0;
-    default: return -1;
+    default: return ref_dequant_row_q5_k_family(type, p, dst, n);
     }
 }
 
@@ -154,14 +240,17 @@ typedef struct {
     double *q_norm, *k_norm;  /* NULL or (head_dim) */
     double *wo;               /* (n_embd, n_head*head_dim) */
     double *bo;               /* NULL or (n_embd) */
+    double *post_attn_norm;   /* NULL or (n_embd) (gemma3) */
     double *ffn_norm;         /* (n_embd) */
     double *w_gate, *w_up;    /* (n_ff, n_embd) */
     double *w_down;           /* (n_embd, n_ff) */
+    double *post_ffw_norm;    /* NULL or (n_embd) (gemma3) */
 } ref_layer;
 
 struct ref_model {
     ref_desc d;
-    double *inv_freq;    /* (n_rot/2) */
+    double *inv_freq;    /* (n_rot/2) global layers */
+    double *inv_freq_local; /* NULL or (n_rot/2): local layers (gemma3) */
     double *tok_embd;    /* (n_vocab, n_embd) */
     double *output_norm; /* (n_embd) */
     double *output;      /* (n_vocab, n_embd); == tok_embd when tied (then not separately owned) */
@@ -317,7 +406,8 @@ void ref_model_free(ref_model *m) {
         for (int l = 0; l < m->d.n_layer; l++) {
             ref_layer *y = &m->layers[l];
             double *ptrs[] = {y->attn_norm, y->wq, y->wk, y->wv, y->bq, y->bk, y->bv, y->q_norm, y->k_norm,
-                              y->wo, y->bo, y->ffn_norm, y->w_gate, y->w_up, y->w_down};
+                              y->wo, y->bo, y->ffn_norm, y->w_gate, y->w_up, y->w_down, y->post_attn_norm,
+                              y->post_ffw_norm};
             for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) free(ptrs[i]);
         }
         free(m->layers);
@@ -326,6 +416,7 @@ void ref_model_free(ref_model *m) {
     free(m->tok_embd);
     free(m->output_norm);
     free(m->inv_freq);
+    free(m->inv_freq_local);
     free(m);
 }
 
@@ -431,6 +522,62 @@ static int load_rope(loader *L, ref_model *m) {
     return 0;
 }
 
+/* Gemma 3's facts (see ref_model.h), read independently of model/: the window is required; the
+ * layer pattern is Gemma 3's 5 local + 1 global unless attention.sliding_window_pattern is present
+ * as a period p (layer i local iff p == 0 or i % p < p - 1, llama.cpp's reading) or as one boolean
+ * per layer (true = sliding window, gguf-py's writer); logit soft-capping (Gemma 2) is refused. */
+static int load_gemma3_desc(loader *L, ref_model *m) {
+    ref_desc *d = &m->d;
+    uint32_t window;
+    if (meta_u32(L, "attention.sliding_window", true, 0, &window)) return -1;
+    if (window == 0 || window > (1u << 24)) {
+        seterr(L->err, L->cap, "%s: attention.sliding_window %u is not in [1, 2^24]", L->path, window);
+        return -1;
+    }
+    d->swa_window = (int)window;
+    char key[160];
+    snprintf(key, sizeof key, "%s.attention.sliding_window_pattern", L->arch);
+    const kvb_gguf_kv *kv = kvb_gguf_find(L->g, key);
+    if (kv && kv->type == KVB_GGUF_ARRAY) {
+        if (kv->arr_type != KVB_GGUF_BOOL || kv->arr_len != (uint64_t)d->n_layer) {
+            seterr(L->err, L->cap, "%s: %s must be %d booleans", L->path, key, d->n_layer);
+            return -1;
+        }
+        for (int i = 0; i < d->n_layer; i++) {
+            if (kv->arr_data[i] > 1) {
+                seterr(L->err, L->cap, "%s: %s[%d] is not a boolean", L->path, key, i);
+                return -1;
+            }
+            d->layer_local[i] = kv->arr_data[i] == 1;
+        }
+    } else {
+        uint32_t period = 6;
+        if (kv && meta_u32(L, "attention.sliding_window_pattern", true, 0, &period)) return -1;
+        for (int i = 0; i < d->n_layer; i++) d->layer_local[i] = period == 0 || (uint32_t)i % period < period - 1;
+    }
+    d->rope_freq_base_local = 10000.0;
+    d->embd_scale = sqrt((double)d->n_embd);
+    const int qpas = d->n_layer == 62 ? d->n_embd / d->n_head : d->head_dim; /* query_pre_attn_scalar */
+    if (qpas < 1) {
+        seterr(L->err, L->cap, "%s: query_pre_attn_scalar %d", L->path, qpas);
+        return -1;
+    }
+    d->attn_scale = 1.0 / sqrt((double)qpas);
+    d->has_post_norms = true;
+    d->ffn_gelu = true;
+    d->has_qk_norm = true;
+    const char *caps[] = {"final_logit_softcapping", "attn_logit_softcapping"};
+    for (int i = 0; i < 2; i++) {
+        double cap;
+        if (meta_f32(L, caps[i], false, 0.0, &cap) < 0) return -1;
+        if (cap != 0) {
+            seterr(L->err, L->cap, "%s: %s.%s = %g: soft-capping is not part of Gemma 3", L->path, L->arch, caps[i], cap);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static int load_desc(loader *L, ref_model *m) {
     ref_desc *d = &m->d;
     uint32_t embd, nl, ff, nh, nhkv, hd, nrot, vlen;
@@ -438,7 +585,7 @@ static int load_desc(loader *L, ref_model *m) {
         meta_u32(L, "feed_forward_length", true, 0, &ff) || meta_u32(L, "attention.head_count", true, 0, &nh))
         return -1;
     if (meta_u32(L, "attention.head_count_kv", false, nh, &nhkv)) return -1;
-    if (nh == 0 || embd == 0 || nl == 0 || ff == 0 || nhkv == 0 || embd > (1u << 20) || nl > 4096 ||
+    if (nh == 0 || embd == 0 || nl == 0 || ff == 0 || nhkv == 0 || embd > (1u << 20) || nl > REF_MAX_LAYERS ||
         ff > (1u << 22) || nh > 4096) {
         seterr(L->err, L->cap, "%s: implausible shape: embd %u, layers %u, ff %u, heads %u/%u", L->path, embd, nl, ff,
                nh, nhkv);
@@ -471,6 +618,22 @@ static int load_desc(loader *L, ref_model *m) {
         return -1;
     }
     d->rope_style = d->arch == REF_ARCH_LLAMA ? REF_ROPE_NORM : REF_ROPE_NEOX;
+    d->embd_scale = 1.0;
+    d->attn_scale = 1.0 / sqrt((double)d->head_dim);
+    return d->arch == REF_ARCH_GEMMA3 ? load_gemma3_desc(L, m) : 0;
+}
+
+/* The local layers' inverse frequencies: rope_freq_base_local^(-2i/n_rot), no scaling. */
+static int load_local_rope(loader *L, ref_model *m) {
+    const ref_desc *d = &m->d;
+    if (d->swa_window == 0) return 0;
+    const int half = d->n_rot / 2;
+    m->inv_freq_local = malloc((size_t)(half > 0 ? half : 1) * sizeof *m->inv_freq_local);
+    if (!m->inv_freq_local) {
+        seterr(L->err, L->cap, "%s: out of memory", L->path);
+        return -1;
+    }
+    for (int i = 0; i < half; i++) m->inv_freq_local[i] = pow(d->rope_freq_base_local, -2.0 * i / d->n_rot);
     return 0;
 }
 
@@ -501,7 +664,8 @@ static int load_weights(loader *L, ref_model *m) {
         seterr(L->err, L->cap, "%s: out of memory", L->path);
         return -1;
     }
-    const bool qwen2 = d->arch == REF_ARCH_QWEN2, qwen3 = d->arch == REF_ARCH_QWEN3, llama = d->arch == REF_ARCH_LLAMA;
+    const bool qwen2 = d->arch == REF_ARCH_QWEN2, qwen3 = d->arch == REF_ARCH_QWEN3, llama = d->arch == REF_ARCH_LLAMA,
+               gemma3 = d->arch == REF_ARCH_GEMMA3;
     for (int l = 0; l < d->n_layer; l++) {
         ref_layer *y = &m->layers[l];
         if (load_blk(L, l, "attn_norm.weight", 0, E, true, &y->attn_norm) ||
@@ -527,12 +691,15 @@ static int load_weights(loader *L, ref_model *m) {
             if (load_blk(L, l, "attn_output.bias", 0, E, false, &y->bo)) return -1;
             if (y->bo) d->has_o_bias = true;
         }
-        if (qwen3) {
+        if (qwen3 || gemma3) {
             if (load_blk(L, l, "attn_q_norm.weight", 0, d->head_dim, true, &y->q_norm) ||
                 load_blk(L, l, "attn_k_norm.weight", 0, d->head_dim, true, &y->k_norm))
                 return -1;
             d->has_qk_norm = true;
         }
+        if (gemma3 && (load_blk(L, l, "post_attention_norm.weight", 0, E, true, &y->post_attn_norm) ||
+                       load_blk(L, l, "post_ffw_norm.weight", 0, E, true, &y->post_ffw_norm)))
+            return -1;
     }
     return 0;
 }
@@ -559,12 +726,14 @@ ref_model *ref_model_load(const char *gguf_path, char *errbuf, size_t cap) {
     if (strcmp(arch, "llama") == 0) m->d.arch = REF_ARCH_LLAMA;
     else if (strcmp(arch, "qwen2") == 0) m->d.arch = REF_ARCH_QWEN2;
     else if (strcmp(arch, "qwen3") == 0) m->d.arch = REF_ARCH_QWEN3;
+    else if (strcmp(arch, "gemma3") == 0) m->d.arch = REF_ARCH_GEMMA3;
     else {
-        seterr(errbuf, cap, "%s: architecture \"%s\" is not one the reference implements (llama, qwen2, qwen3)",
+        seterr(errbuf, cap,
+               "%s: architecture \"%s\" is not one the reference implements (llama, qwen2, qwen3, gemma3)",
                gguf_path, arch);
         goto fail;
     }
-    if (load_desc(&L, m) || load_rope(&L, m) || load_weights(&L, m)) goto fail;
+    if (load_desc(&L, m) || load_rope(&L, m) || load_local_rope(&L, m) || load_weights(&L, m)) goto fail;
     if (L.n_used != kvb_gguf_n_tensors(g)) {
         /* Name one tensor nobody consumed. */
         for (uint64_t i = 0; i < kvb_gguf_n_tensors(g); i++) {
@@ -592,6 +761,9 @@ fail:
 int ref_model_n_vocab(const ref_model *m) { return m->d.n_vocab; }
 const ref_desc *ref_model_desc(const ref_model *m) { return &m->d; }
 const double *ref_model_inv_freq(const ref_model *m) { return m->inv_freq; }
+const double *ref_model_inv_freq_layer(const ref_model *m, int layer) {
+    return layer >= 0 && layer < m->d.n_layer && m->d.layer_local[layer] ? m->inv_freq_local : m->inv_freq;
+}
 
 /* ---- the forward pass --------------------------------------------------------------------------- */
 
@@ -613,10 +785,10 @@ static void rmsnorm(const double *x, const double *w, double *y, int n, double e
     for (int i = 0; i < n; i++) y[i] = x[i] * inv * w[i];
 }
 
-void ref_rope(const ref_model *m, double *x, int pos) {
+static void rope_with(const ref_model *m, const double *inv_freq, double *x, int pos) {
     const int half = m->d.n_rot / 2;
     for (int i = 0; i < half; i++) {
-        const double theta = (double)pos * m->inv_freq[i];
+        const double theta = (double)pos * inv_freq[i];
         const double c = cos(theta), s = sin(theta);
         /* NORM pairs adjacent elements; NEOX pairs element i with element i + n_rot/2. */
         const int i0 = m->d.rope_style == REF_ROPE_NORM ? 2 * i : i;
@@ -627,7 +799,14 @@ void ref_rope(const ref_model *m, double *x, int pos) {
     }
 }
 
+void ref_rope(const ref_model *m, double *x, int pos) { rope_with(m, m->inv_freq, x, pos); }
+void ref_rope_layer(const ref_model *m, int layer, double *x, int pos) {
+    rope_with(m, ref_model_inv_freq_layer(m, layer), x, pos);
+}
+
 static double silu(double x) { return x / (1.0 + exp(-x)); }
+/* GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
+static double gelu_tanh(double x) { return 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x))); }
 
 /* The forward pass. With kv_layer >= 0 it stops at that layer after copying its attention input
  * to h_out (n, n_embd) and its K and V to k_out/v_out (n, n_head_kv, head_dim), each when not
@@ -637,7 +816,7 @@ static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int k
     const ref_desc *d = &m->d;
     const int E = d->n_embd, F = d->n_ff, H = d->n_head, HKV = d->n_head_kv, D = d->head_dim;
     const int QD = H * D, KD = HKV * D, group = H / HKV;
-    const double scale = 1.0 / sqrt((double)D);
+    const double scale = d->attn_scale;
     if (n < 1 || !tokens || (kv_layer < 0 && !logits) || kv_layer >= d->n_layer) return -1;
     for (int t = 0; t < n; t++)
         if (tokens[t] < 0 || tokens[t] >= d->n_vocab) return -1;
@@ -656,7 +835,8 @@ static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int k
     int rc = -1;
     if (!x || !h || !q || !k || !v || !att || !p || !g || !u || !o) goto done;
 
-    for (int t = 0; t < n; t++) memcpy(x + (size_t)t * E, m->tok_embd + (size_t)tokens[t] * E, E * sizeof *x);
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < E; i++) x[(size_t)t * E + i] = m->tok_embd[(size_t)tokens[t] * E + i] * d->embd_scale;
 
     for (int l = 0; l < d->n_layer; l++) {
         const ref_layer *y = &m->layers[l];
@@ -670,11 +850,11 @@ static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int k
             matvec(y->wv, y->bv, ht, vt, KD, E);
             for (int hh = 0; hh < H; hh++) {
                 if (y->q_norm) rmsnorm(qt + hh * D, y->q_norm, qt + hh * D, D, d->norm_eps);
-                ref_rope(m, qt + hh * D, t);
+                ref_rope_layer(m, l, qt + hh * D, t);
             }
             for (int hh = 0; hh < HKV; hh++) {
                 if (y->k_norm) rmsnorm(kt + hh * D, y->k_norm, kt + hh * D, D, d->norm_eps);
-                ref_rope(m, kt + hh * D, t);
+                ref_rope_layer(m, l, kt + hh * D, t);
             }
         }
         if (l == kv_layer) {
@@ -684,13 +864,15 @@ static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int k
             rc = 0;
             goto done;
         }
-        /* causal softmax attention; query head hh reads kv head hh / group */
+        /* causal softmax attention; query head hh reads kv head hh / group; on a local layer query t
+         * reads keys j with t - j < window only */
         for (int t = 0; t < n; t++) {
+            const int j0 = d->layer_local[l] && t - d->swa_window + 1 > 0 ? t - d->swa_window + 1 : 0;
             for (int hh = 0; hh < H; hh++) {
                 const double *qh = q + (size_t)t * QD + hh * D;
                 const int kh = hh / group;
                 double mx = -INFINITY;
-                for (int j = 0; j <= t; j++) {
+                for (int j = j0; j <= t; j++) {
                     const double *kj = k + (size_t)j * KD + kh * D;
                     double s = 0;
                     for (int i = 0; i < D; i++) s += qh[i] * kj[i];
@@ -698,29 +880,32 @@ static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int k
                     if (p[j] > mx) mx = p[j];
                 }
                 double sum = 0;
-                for (int j = 0; j <= t; j++) {
+                for (int j = j0; j <= t; j++) {
                     p[j] = exp(p[j] - mx);
                     sum += p[j];
                 }
                 double *ah = att + (size_t)t * QD + hh * D;
                 for (int i = 0; i < D; i++) ah[i] = 0;
-                for (int j = 0; j <= t; j++) {
+                for (int j = j0; j <= t; j++) {
                     const double *vj = v + (size_t)j * KD + kh * D;
                     const double w = p[j] / sum;
                     for (int i = 0; i < D; i++) ah[i] += w * vj[i];
                 }
             }
         }
-        /* output projection + residual, then the SwiGLU FFN + residual */
+        /* output projection (gemma3: post-attention norm) + residual, then the SwiGLU or GeGLU FFN
+         * (gemma3: post-FFN norm) + residual */
         for (int t = 0; t < n; t++) {
             double *xt = x + (size_t)t * E, *ht = h + (size_t)t * E;
             matvec(y->wo, y->bo, att + (size_t)t * QD, o, E, QD);
+            if (y->post_attn_norm) rmsnorm(o, y->post_attn_norm, o, E, d->norm_eps);
             for (int i = 0; i < E; i++) xt[i] += o[i];
             rmsnorm(xt, y->ffn_norm, ht, E, d->norm_eps);
             matvec(y->w_gate, NULL, ht, g, F, E);
             matvec(y->w_up, NULL, ht, u, F, E);
-            for (int i = 0; i < F; i++) g[i] = silu(g[i]) * u[i];
+            for (int i = 0; i < F; i++) g[i] = (d->ffn_gelu ? gelu_tanh(g[i]) : silu(g[i])) * u[i];
             matvec(y->w_down, NULL, g, o, E, F);
+            if (y->post_ffw_norm) rmsnorm(o, y->post_ffw_norm, o, E, d->norm_eps);
             for (int i = 0; i < E; i++) xt[i] += o[i];
         }
     }

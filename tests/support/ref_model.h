@@ -1,5 +1,5 @@
 /* ref_model — the independent float64 reference implementation of every architecture the engines
- * run (llama, qwen2, qwen3), used by tests as the oracle. It is deliberately plain: it reads GGUF
+ * run (llama, qwen2, qwen3, gemma3), used by tests as the oracle. It is deliberately plain: it reads GGUF
  * metadata and tensor bytes through the GGUF reader only, dequantises every weight to double once
  * at load with its own block decoders written from ggml's layouts (F32, F16, BF16, Q8_0, Q4_0; no
  * call into quant/ or model/), and runs the causal forward pass with naive loops in double. It
@@ -7,7 +7,14 @@
  * for llama and NEOX RoPE (pairs (i, i+n_rot/2)) for qwen2/qwen3; inverse frequency
  * base^(-2i/n_rot), divided by rope_freqs.weight when that tensor exists, else by Llama-3 or
  * linear scaling from the rope.scaling.* keys; GQA head h -> kv head h/(n_head/n_head_kv); score
- * scale 1/sqrt(head_dim); SwiGLU FFN; output.weight absent -> tied to token_embd. */
+ * scale 1/sqrt(head_dim); SwiGLU FFN; output.weight absent -> tied to token_embd. Gemma 3 (its
+ * public description, checked against the 270M GGUF): embeddings times sqrt(n_embd); q/k per-head
+ * RMSNorm; NEOX RoPE with base rope.freq_base (and any scaling) on global layers and 10000, never
+ * scaled, on local layers; local layers are those with i % 6 < 5 (5 local, then 1 global) unless
+ * attention.sliding_window_pattern says otherwise, and a query at position p attends keys k with
+ * p - k < attention.sliding_window there; scores scaled by 1/sqrt(query_pre_attn_scalar) (head_dim;
+ * n_embd/n_head for the 62-layer 27B); post-attention and post-FFN RMSNorms before each residual
+ * add; GeGLU FFN with tanh-approximated GELU; the stored norm weights already hold Gemma's +1. */
 #ifndef KVB_REF_MODEL_H
 #define KVB_REF_MODEL_H
 
@@ -15,7 +22,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef enum { REF_ARCH_LLAMA = 0, REF_ARCH_QWEN2, REF_ARCH_QWEN3 } ref_arch;
+typedef enum { REF_ARCH_LLAMA = 0, REF_ARCH_QWEN2, REF_ARCH_QWEN3, REF_ARCH_GEMMA3 } ref_arch;
+
+#define REF_MAX_LAYERS 4096
 typedef enum {
     REF_ROPE_NORM = 0, /* llama.cpp LLAMA_ROPE_TYPE_NORM: rotate (x[2i], x[2i+1]) */
     REF_ROPE_NEOX,     /* llama.cpp LLAMA_ROPE_TYPE_NEOX: rotate (x[i], x[i + n_rot/2]) */
@@ -41,6 +50,14 @@ typedef struct {
     bool has_o_bias;    /* attn_output.bias present (llama.cpp accepts it for llama) */
     bool has_qk_norm;   /* qwen3 */
     bool tied_output;   /* output.weight absent */
+    /* gemma3 */
+    double embd_scale;        /* embeddings are multiplied by this (gemma3: sqrt(n_embd)); 1 otherwise */
+    double attn_scale;        /* score scale: 1/sqrt(head_dim), gemma3 1/sqrt(query_pre_attn_scalar) */
+    bool has_post_norms;      /* post_attention_norm, post_ffw_norm */
+    bool ffn_gelu;            /* GeGLU (tanh GELU) instead of SwiGLU */
+    int swa_window;           /* 0: no local layers */
+    bool layer_local[REF_MAX_LAYERS]; /* (n_layer) local (sliding-window) layers */
+    double rope_freq_base_local;      /* base of the local layers' RoPE (unscaled) */
 } ref_desc;
 
 typedef struct ref_model ref_model;
@@ -51,8 +68,10 @@ void ref_model_free(ref_model *m);
 int ref_model_n_vocab(const ref_model *m);
 const ref_desc *ref_model_desc(const ref_model *m);
 /* The final angular speed of each rotated pair i in [0, n_rot/2), radians per position,
- * with any scaling applied. */
+ * with any scaling applied (global layers). */
 const double *ref_model_inv_freq(const ref_model *m);
+/* The same for layer `layer` (a local layer's own frequencies for gemma3). */
+const double *ref_model_inv_freq_layer(const ref_model *m, int layer);
 
 /* Full causal forward of tokens[0..n) at positions 0..n-1. logits: (n, n_vocab), row t is the
  * prediction after token t. Returns 0, or -1 for bad arguments (n < 1, token out of range) or
@@ -68,8 +87,9 @@ int ref_model_kv(ref_model *m, const int32_t *tokens, int n, int layer, double *
 int ref_model_attn_input(ref_model *m, const int32_t *tokens, int n, int layer, double *h);
 
 /* Applies the model's RoPE at position pos to one head vector x: (head_dim); dims >= n_rot are
- * left unchanged. */
+ * left unchanged. ref_rope uses the global layers' frequencies, ref_rope_layer layer's own. */
 void ref_rope(const ref_model *m, double *x, int pos);
+void ref_rope_layer(const ref_model *m, int layer, double *x, int pos);
 
 /* ---- plain dequantisation (ggml block layouts; type numbers are ggml's) ----------------------- */
 
@@ -78,11 +98,16 @@ void ref_rope(const ref_model *m, double *x, int pos);
 #define REF_TYPE_Q4_0 2u
 #define REF_TYPE_Q8_0 8u
 #define REF_TYPE_BF16 30u
+/* quantised types decoded by ref_dequant_row_q5_k_family (ref_model.c) */
+#define REF_TYPE_Q5_0 6u
+#define REF_TYPE_Q4_K 12u
+#define REF_TYPE_Q5_K 13u
+#define REF_TYPE_Q6_K 14u
 
 double ref_fp16_to_double(uint16_t h);
 double ref_bf16_to_double(uint16_t h);
-/* Bytes of a row of n elements, 0 if the type is not one of the five or n is not a whole number
- * of blocks. */
+/* Bytes of a row of n elements, 0 if the type is not one of the nine above or n is not a whole
+ * number of blocks (32 elements; 256 for Q4_K, Q5_K, Q6_K). */
 size_t ref_row_bytes(uint32_t type, int64_t n);
 /* dst: (n). Returns 0, or -1 for an unsupported type or a partial block. */
 int ref_dequant_row(uint32_t type, const void *src, double *dst, int64_t n);

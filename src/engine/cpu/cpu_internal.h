@@ -13,7 +13,7 @@ struct kvb_engine {
     kvb_kvformat fmt;
     size_t row_bytes;   /* one cache row (head_dim) in the cache dtype */
     size_t block_bytes; /* one cache block */
-    double *inv_freq;   /* (n_rot/2) */
+    kvb_rope_tables rope; /* per chunk: (layer kind, B, n_rot/2) cos/sin; each layer rotates with its own kind */
     kvb_store *store;   /* blocks: (layer, kv, kv_head, token, head_dim) each */
     bool own_store;
     /* per-chunk scratch, B = max_batch tokens */
@@ -22,7 +22,6 @@ struct kvb_engine {
     float *q;      /* (B, n_head * head_dim) */
     float *att;    /* (B, n_head * head_dim) attention output */
     float *g, *u;  /* (B, n_ff) */
-    float *rope_cos, *rope_sin; /* (B, n_rot/2) */
     uint8_t *act;  /* (B, act row bytes for the widest input) */
     uint8_t *k_rows, *v_rows;   /* (B, n_head_kv, row_bytes) encoded cache rows of this chunk */
     void *kv_scratch;
@@ -47,6 +46,9 @@ void kvb_cpu_matmul(kvb_pool *pool, const kvb_mat *W, const float *x, uint32_t n
 void kvb_cpu_rmsnorm(const float *x, const float *w, uint32_t n, float eps, float *y);
 /* Rotates one head vector in place with the table row c, s (n_rot/2). */
 void kvb_cpu_rope(float *v, uint32_t n_rot, bool neox, const float *c, const float *s);
+/* GELU, tanh approximation (PyTorch's gelu(approximate="tanh"), Gemma's gelu_pytorch_tanh), in f32:
+ * (0.5 x) (1 + tanh(0.7978845608 (x + 0.044715 x^3))), each operation rounded in this order. */
+float kvb_cpu_gelu_tanh(float x);
 
 /* Makes room for the sequence to reach new_len tokens (takes whole blocks from the pool). */
 kvb_status kvb_cpu_seq_reserve(kvb_seq *s, uint32_t new_len, kvb_err *err);
@@ -56,7 +58,10 @@ kvb_status kvb_cpu_seq_commit_full(kvb_seq *s, kvb_err *err);
 size_t kvb_cpu_attn_scratch_floats(const kvb_engine *e);
 
 /* out (n, n_head, head_dim) = causal attention of q (n, n_head, head_dim) at positions
- * pos0.. over the sequence's cached K/V of this layer (which already hold these positions). */
+ * pos0.. over the sequence's cached K/V of this layer (which already hold these positions),
+ * scores scaled by the description's attn_scale. On a local layer (kvb_layer_is_local) a query
+ * at position p reads only keys k with p - k < swa_window: no block or row before the window is
+ * touched. */
 void kvb_cpu_attention(kvb_engine *e, const kvb_seq *s, uint32_t layer, uint32_t pos0, uint32_t n, const float *q,
                        float *out);
 

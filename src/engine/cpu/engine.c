@@ -1,6 +1,7 @@
 /* engine/cpu/engine.c — the CPU engine's lifetime: options and defaults, the thread pool, the
  * paged KV cache pool (one arena of fixed-size blocks in the decoder's cache format, a free
- * list), per-chunk scratch, and sequences that own lists of blocks. */
+ * list), per-chunk scratch (the RoPE tables of every layer kind included), and sequences that own
+ * lists of blocks. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -49,26 +50,23 @@ kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *opts, kv
         e->own_store = true;
     }
     const size_t B = o->max_batch, E = d->n_embd, Q = (size_t)d->n_head * d->head_dim, FF = d->n_ff;
-    const size_t half = d->n_rot / 2;
     size_t widest = E > Q ? E : Q;
     widest = widest > FF ? widest : FF;
     size_t act_row = kvb_row_bytes(KVB_TYPE_F32, (int64_t)widest); /* f32 activations are the widest form */
     if ((st = alloc_f(&e->x, B * E, err)) || (st = alloc_f(&e->h, B * E, err)) || (st = alloc_f(&e->q, B * Q, err)) ||
         (st = alloc_f(&e->att, B * Q, err)) || (st = alloc_f(&e->g, B * FF, err)) ||
-        (st = alloc_f(&e->u, B * FF, err)) || (st = alloc_f(&e->rope_cos, B * half, err)) ||
-        (st = alloc_f(&e->rope_sin, B * half, err)) || (st = alloc_b(&e->act, B * act_row, err)) ||
+        (st = alloc_f(&e->u, B * FF, err)) || (st = alloc_b(&e->act, B * act_row, err)) ||
         (st = alloc_b(&e->k_rows, B * d->n_head_kv * e->row_bytes, err)) ||
         (st = alloc_b(&e->v_rows, B * d->n_head_kv * e->row_bytes, err)) ||
         (st = alloc_b((uint8_t **)&e->kv_scratch, kvb_kv_produce_scratch_bytes(m, (uint32_t)B), err)) ||
         (st = alloc_f(&e->logit_h, E, err)))
         goto fail;
-    e->inv_freq = malloc(sizeof(double) * half);
+    if ((st = kvb_rope_tables_init(&e->rope, m, (uint32_t)B, err))) goto fail;
     e->attn_scratch = calloc((size_t)o->n_threads, sizeof(float *));
-    if (!e->inv_freq || !e->attn_scratch) {
+    if (!e->attn_scratch) {
         st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
         goto fail;
     }
-    kvb_rope_inv_freq(m, e->inv_freq);
     for (int i = 0; i < o->n_threads; i++)
         if ((st = alloc_f(&e->attn_scratch[i], kvb_cpu_attn_scratch_floats(e), err))) goto fail;
     *out = e;
@@ -85,13 +83,13 @@ void kvb_engine_free(kvb_engine *e) {
     free(e->attn_scratch);
     kvb_pool_destroy(e->pool);
     if (e->own_store) kvb_store_free(e->store);
-    float *fs[] = {e->x, e->h, e->q, e->att, e->g, e->u, e->rope_cos, e->rope_sin, e->logit_h};
+    float *fs[] = {e->x, e->h, e->q, e->att, e->g, e->u, e->logit_h};
     for (size_t i = 0; i < KVB_ARRAY_LEN(fs); i++) kvb_aligned_free(fs[i]);
     kvb_aligned_free(e->act);
     kvb_aligned_free(e->k_rows);
     kvb_aligned_free(e->v_rows);
     kvb_aligned_free(e->kv_scratch);
-    free(e->inv_freq);
+    kvb_rope_tables_free(&e->rope);
     free(e);
 }
 

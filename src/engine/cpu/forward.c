@@ -1,8 +1,10 @@
-/* engine/cpu/forward.c — one forward pass over a chunk of tokens: embed, then per layer
- * attention-norm -> K/V through kvb_kv_produce into the paged cache -> Q (bias, q-norm, RoPE)
- * -> attention over the cache -> output projection + residual -> ffn-norm -> SwiGLU MLP +
- * residual; then the final norm and the output head. Long inputs are split into max_batch
- * chunks; prefill and token-by-token decode run the same arithmetic. */
+/* engine/cpu/forward.c — one forward pass over a chunk of tokens: embed (gemma3: times
+ * sqrt(n_embd)), then per layer attention-norm -> K/V through kvb_kv_produce into the paged cache
+ * -> Q (bias, q-norm, RoPE with the layer's own table) -> attention over the cache (a sliding
+ * window on local layers) -> output projection (gemma3: post-attention norm) + residual ->
+ * ffn-norm -> SwiGLU or (gemma3) GeGLU MLP (gemma3: post-MLP norm) + residual; then the final
+ * norm and the output head. Long inputs are split into max_batch chunks; prefill and
+ * token-by-token decode run the same arithmetic. */
 #include <math.h>
 #include <string.h>
 
@@ -13,6 +15,7 @@ typedef struct {
     uint32_t layer, n;
     const float *norm_w; /* for norm tasks */
     float *src, *dst;
+    const float *rope_cos, *rope_sin; /* (n, n_rot/2) the layer's own table */
 } tok_job;
 
 static void norm_task(void *ctx, int t, int worker) {
@@ -36,7 +39,7 @@ static void q_post_task(void *ctx, int t, int worker) {
     for (uint32_t h = 0; h < d->n_head; h++) {
         float *qh = q + (size_t)h * d->head_dim;
         if (w->q_norm) kvb_cpu_rmsnorm(qh, w->q_norm, d->head_dim, d->norm_eps, qh);
-        kvb_cpu_rope(qh, d->n_rot, d->rope_neox, e->rope_cos + (size_t)t * half, e->rope_sin + (size_t)t * half);
+        kvb_cpu_rope(qh, d->n_rot, d->rope_neox, j->rope_cos + (size_t)t * half, j->rope_sin + (size_t)t * half);
     }
 }
 
@@ -50,13 +53,29 @@ static void residual_task(void *ctx, int t, int worker) {
     for (size_t i = 0; i < E; i++) x[i] = x[i] + o[i];
 }
 
-/* g = silu(g) * u for token t */
-static void swiglu_task(void *ctx, int t, int worker) {
+/* x += rmsnorm(src) * norm_w for token t (gemma3's post norms: the branch output is normed, then
+ * added; src is overwritten with the normed values) */
+static void norm_residual_task(void *ctx, int t, int worker) {
+    (void)worker;
+    const tok_job *j = ctx;
+    const kvb_model_desc *d = &j->e->m->d;
+    const size_t E = d->n_embd;
+    float *o = j->src + (size_t)t * E, *x = j->dst + (size_t)t * E;
+    kvb_cpu_rmsnorm(o, j->norm_w, d->n_embd, d->norm_eps, o);
+    for (size_t i = 0; i < E; i++) x[i] = x[i] + o[i];
+}
+
+/* g = silu(g) * u (SwiGLU) or gelu_tanh(g) * u (gemma3's GeGLU) for token t */
+static void glu_task(void *ctx, int t, int worker) {
     (void)worker;
     const tok_job *j = ctx;
     const size_t FF = j->e->m->d.n_ff;
     float *g = j->e->g + (size_t)t * FF;
     const float *u = j->e->u + (size_t)t * FF;
+    if (j->e->m->d.mlp_gelu) {
+        for (size_t i = 0; i < FF; i++) g[i] = kvb_cpu_gelu_tanh(g[i]) * u[i];
+        return;
+    }
     for (size_t i = 0; i < FF; i++) {
         float a = g[i];
         g[i] = (a / (1.0f + expf(-a))) * u[i];
@@ -87,20 +106,24 @@ static kvb_status forward_chunk(kvb_engine *e, kvb_seq *s, const int32_t *tokens
         if (tokens[t] < 0 || (uint32_t)tokens[t] >= d->n_vocab)
             return kvb_err_set(err, KVB_ERR_INVALID, "token id %d at position %u is outside the vocabulary (0..%u)",
                                tokens[t], pos0 + t, d->n_vocab - 1);
+        float *xt = e->x + (size_t)t * E; /* (n_embd) */
         kvb_row_to_f32(m->tok_embd.type, (const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
-                       e->x + (size_t)t * E, E);
+                       xt, E);
+        if (d->embd_scale > 0) /* gemma3: rows times sqrtf(n_embd), one f32 product each */
+            for (uint32_t i = 0; i < E; i++) xt[i] = xt[i] * d->embd_scale;
     }
     memcpy(s->tokens + pos0, tokens, n * sizeof(int32_t));
-    kvb_rope_table(e->inv_freq, d->n_rot, pos0, n, e->rope_cos, e->rope_sin);
+    kvb_rope_tables_fill(&e->rope, pos0, n);
     kvb_pool *tok_pool = n > 1 ? e->pool : NULL;
 
     for (uint32_t l = 0; l < d->n_layer; l++) {
         const kvb_layer_weights *w = &m->layers[l];
         tok_job tj = {.e = e, .layer = l, .n = n, .norm_w = w->attn_norm, .src = e->x, .dst = e->h};
+        kvb_rope_tables_layer(&e->rope, l, &tj.rope_cos, &tj.rope_sin);
         kvb_pool_parallel_for(tok_pool, (int)n, norm_task, &tj);
 
         if (e->o.layer_hook && (st = e->o.layer_hook(e->o.layer_hook_ctx, l, pos0, n, e->h, err))) return st;
-        kvb_kv_produce_args ka = {m, l, e->fmt.dtype, e->pool, e->rope_cos, e->rope_sin, false};
+        kvb_kv_produce_args ka = {m, l, e->fmt.dtype, e->pool, tj.rope_cos, tj.rope_sin, false};
         kvb_kv_produce(&ka, e->h, n, e->kv_scratch, e->k_rows, e->v_rows);
         if (e->o.rows_hook &&
             (st = e->o.rows_hook(e->o.rows_hook_ctx, l, pos0, n, e->k_rows, e->v_rows, e->fmt.dtype, err)))
@@ -113,7 +136,8 @@ static kvb_status forward_chunk(kvb_engine *e, kvb_seq *s, const int32_t *tokens
         kvb_cpu_matmul(e->pool, &w->wo, e->att, n, e->h, e->act); /* h := attention output (n, E) */
         tj.src = e->h;
         tj.dst = e->x;
-        kvb_pool_parallel_for(tok_pool, (int)n, residual_task, &tj);
+        tj.norm_w = w->post_attn_norm;
+        kvb_pool_parallel_for(tok_pool, (int)n, w->post_attn_norm ? norm_residual_task : residual_task, &tj);
 
         tj.norm_w = w->ffn_norm;
         tj.src = e->x;
@@ -121,11 +145,12 @@ static kvb_status forward_chunk(kvb_engine *e, kvb_seq *s, const int32_t *tokens
         kvb_pool_parallel_for(tok_pool, (int)n, norm_task, &tj);
         kvb_cpu_matmul(e->pool, &w->w_gate, e->h, n, e->g, e->act);
         kvb_cpu_matmul(e->pool, &w->w_up, e->h, n, e->u, e->act);
-        kvb_pool_parallel_for(tok_pool, (int)n, swiglu_task, &tj);
+        kvb_pool_parallel_for(tok_pool, (int)n, glu_task, &tj);
         kvb_cpu_matmul(e->pool, &w->w_down, e->g, n, e->h, e->act); /* h := MLP output (n, E) */
         tj.src = e->h;
         tj.dst = e->x;
-        kvb_pool_parallel_for(tok_pool, (int)n, residual_task, &tj);
+        tj.norm_w = w->post_ffw_norm;
+        kvb_pool_parallel_for(tok_pool, (int)n, w->post_ffw_norm ? norm_residual_task : residual_task, &tj);
     }
     s->len = pos0 + n;
 

@@ -1,6 +1,7 @@
 /* engine/cpu/kv_produce.c — the decoder's cache-producing arithmetic (specified in
- * kvb_engine_cpu.h): attention inputs -> K (projected, biased, k-normed, rotated) and V rows
- * encoded in the cache dtype. The CPU engine writes its own cache only through this function. */
+ * kvb_engine_cpu.h): attention inputs -> K (projected, biased, k-normed, rotated with the layer's
+ * own RoPE table) and V rows encoded in the cache dtype. The CPU engine writes its own cache only
+ * through this function. */
 #include <string.h>
 
 #include "cpu_internal.h"
@@ -10,9 +11,12 @@ static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 size_t kvb_kv_produce_scratch_bytes(const kvb_model *m, uint32_t n) {
     const kvb_model_desc *d = &m->d;
     size_t kv = (size_t)d->n_head_kv * d->head_dim;
-    size_t act = kvb_row_bytes(kvb_act_type(m->layers[0].wk.type), d->n_embd);
-    size_t act_v = kvb_row_bytes(kvb_act_type(m->layers[0].wv.type), d->n_embd);
-    if (act_v > act) act = act_v;
+    size_t act = 0; /* the widest quantised activation row any layer's K or V weights take (files mix types) */
+    for (uint32_t l = 0; l < d->n_layer; l++) {
+        const size_t ak = kvb_row_bytes(kvb_act_type(m->layers[l].wk.type), d->n_embd),
+                     av = kvb_row_bytes(kvb_act_type(m->layers[l].wv.type), d->n_embd);
+        act = KVB_MAX(act, KVB_MAX(ak, av));
+    }
     return 2 * align64((size_t)n * kv * sizeof(float)) + align64((size_t)n * act);
 }
 

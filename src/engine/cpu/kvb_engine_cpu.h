@@ -1,5 +1,6 @@
 /* engine/cpu — the CPU engine: batched multi-threaded prefill and single-token decode over a
- * paged KV cache (blocks of tokens in the decoder's cache format), and sampling (greedy,
+ * paged KV cache (blocks of tokens in the decoder's cache format; every layer keeps every
+ * position, local sliding-window layers only read their window), and sampling (greedy,
  * temperature, top-k, top-p, seeded). Results do not depend on the thread count: every output
  * element is computed by one task in a fixed order, using quant's canonical dot products. */
 #ifndef KVB_ENGINE_CPU_H
@@ -71,11 +72,13 @@ kvb_status kvb_engine_forward(kvb_engine *e, kvb_seq *s, const int32_t *tokens, 
  * positions pos0 .. pos0+n-1 become cache rows, in this fixed order of IEEE operations:
  *   k = Wk h, v = Wv h       quant's canonical dot (activations quantised as kvb_quantize_act)
  *   k += bk, v += bv         (qwen2) one f32 add per element
- *   k_head = rmsnorm(k_head) * k_norm   (qwen3) ss = canonical f32 dot(k, k); r = 1.0f/sqrtf(ss/hd + eps);
+ *   k_head = rmsnorm(k_head) * k_norm   (qwen3, gemma3) ss = canonical f32 dot(k, k); r = 1.0f/sqrtf(ss/hd + eps);
  *                            y = (k * r) * w, each product rounded
- *   k = rope(k, pos)         pairs (2i,2i+1) (llama) or (i,i+n_rot/2) (neox); c, s from
- *                            kvb_rope_table; x0' = x0*c - x1*s; x1' = x0*s + x1*c, products rounded,
- *                            no fma
+ *   k = rope(k, pos)         pairs (2i,2i+1) (llama) or (i,i+n_rot/2) (neox); c, s from THE LAYER'S OWN
+ *                            table: kvb_rope_table over kvb_rope_inv_freq_layer(m, layer) (local
+ *                            sliding-window layers rotate with their own base; kvb_rope_tables_layer
+ *                            hands out the right one); x0' = x0*c - x1*s; x1' = x0*s + x1*c,
+ *                            products rounded, no fma
  *   encode                   kvb_f32_to_row(cache dtype, row, head_dim) per (token, kv head)
  * Output rows: k_rows, v_rows (n, n_head_kv, row_bytes) in the cache dtype. This is the one CPU
  * implementation: the CPU engine fills its own cache with it, and the bridge reproduces it. */
@@ -84,8 +87,9 @@ typedef struct {
     uint32_t layer;
     uint32_t cache_dtype;
     kvb_pool *pool;        /* may be NULL */
-    const float *rope_cos; /* (n, n_rot/2) for these positions */
-    const float *rope_sin; /* (n, n_rot/2) */
+    const float *rope_cos; /* (n, n_rot/2) for these positions, from this layer's frequencies
+                              (kvb_rope_inv_freq_layer; kvb_rope_tables_layer) */
+    const float *rope_sin; /* (n, n_rot/2) likewise */
     bool test_perturb;     /* test-only: K projection as dot(first half) + dot(second half) — one
                               reordered addition — so verification can prove it detects a change */
 } kvb_kv_produce_args;

@@ -67,3 +67,9 @@ void kvb_cpu_rope(float *v, uint32_t n_rot, bool neox, const float *c, const flo
         v[i1] = e + f;
     }
 }
+
+float kvb_cpu_gelu_tanh(float x) {
+    const float x3 = (x * x) * x;
+    const float inner = 0.7978845608f * (x + 0.044715f * x3); /* sqrt(2/pi) (x + 0.044715 x^3) */
+    return (0.5f * x) * (1.0f + tanhf(inner));
+}
