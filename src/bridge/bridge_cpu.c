@@ -1,6 +1,8 @@
 /* bridge/bridge_cpu.c — the CPU bridge producer: attention inputs of one (chunk, layer) ->
  * the decoder's cache rows via kvb_kv_produce (the decoder's own arithmetic, the same function
- * the decoder's engine fills its cache with) -> slabs cut at block boundaries -> the sink. */
+ * the decoder's engine fills its cache with, rotating each layer with that layer's own RoPE
+ * table: local sliding-window layers have their own base) -> slabs cut at block boundaries ->
+ * the sink. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -13,8 +15,7 @@ struct kvb_bridge_cpu {
     kvb_kvformat fmt;
     kvb_pool *pool;
     uint32_t max_chunk;
-    double *inv_freq;            /* (n_rot/2) */
-    float *rope_cos, *rope_sin;  /* (max_chunk, n_rot/2) */
+    kvb_rope_tables rope;        /* (layer kind, max_chunk, n_rot/2), filled for the current chunk */
     void *scratch;
     uint8_t *k_rows, *v_rows;    /* (max_chunk, n_head_kv, row_bytes) */
     uint32_t ship_from, ship_to;
@@ -37,27 +38,26 @@ kvb_status kvb_bridge_cpu_create(const kvb_model *decoder, const kvb_kvformat *f
     b->fmt = *fmt;
     b->pool = pool;
     b->max_chunk = max_chunk;
-    const size_t half = d->n_rot / 2, rows = (size_t)max_chunk * d->n_head_kv * kvb_kvformat_row_bytes(fmt);
-    b->inv_freq = malloc(sizeof(double) * half);
-    b->rope_cos = malloc(sizeof(float) * half * max_chunk);
-    b->rope_sin = malloc(sizeof(float) * half * max_chunk);
+    const size_t rows = (size_t)max_chunk * d->n_head_kv * kvb_kvformat_row_bytes(fmt);
+    kvb_status st = kvb_rope_tables_init(&b->rope, decoder, max_chunk, err);
+    if (st) {
+        kvb_bridge_cpu_free(b);
+        return st;
+    }
     b->scratch = kvb_aligned_alloc(64, kvb_kv_produce_scratch_bytes(decoder, max_chunk));
     b->k_rows = malloc(rows);
     b->v_rows = malloc(rows);
-    if (!b->inv_freq || !b->rope_cos || !b->rope_sin || !b->scratch || !b->k_rows || !b->v_rows) {
+    if (!b->scratch || !b->k_rows || !b->v_rows) {
         kvb_bridge_cpu_free(b);
         return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for bridge buffers (%u tokens)", max_chunk);
     }
-    kvb_rope_inv_freq(decoder, b->inv_freq);
     *out = b;
     return KVB_OK;
 }
 
 void kvb_bridge_cpu_free(kvb_bridge_cpu *b) {
     if (!b) return;
-    free(b->inv_freq);
-    free(b->rope_cos);
-    free(b->rope_sin);
+    kvb_rope_tables_free(&b->rope);
     kvb_aligned_free(b->scratch);
     free(b->k_rows);
     free(b->v_rows);
@@ -79,7 +79,8 @@ void kvb_bridge_cpu_set_producer(kvb_bridge_cpu *b, kvb_rows_producer fn, void *
     b->producer_ctx = ctx;
 }
 
-static kvb_status emit_slabs(kvb_bridge_cpu *b, uint32_t layer, uint32_t pos0, uint32_t n, kvb_err *err);
+static kvb_status emit_slabs(kvb_bridge_cpu *b, uint32_t layer, uint32_t pos0, uint32_t n, const uint8_t *k_rows,
+                             const uint8_t *v_rows, kvb_err *err);
 static bool clip_to_ship(const kvb_bridge_cpu *b, uint32_t *pos0, uint32_t *n, uint32_t *skip);
 
 kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
@@ -90,20 +91,22 @@ kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uin
     h += (size_t)skip * b->m->d.n_embd;
     if (n > b->max_chunk)
         return kvb_err_set(err, KVB_ERR_INVALID, "bridge chunk of %u tokens exceeds its buffers (%u)", n, b->max_chunk);
-    const kvb_model_desc *d = &b->m->d;
     if (b->producer) {
         kvb_status st = b->producer(b->producer_ctx, layer, pos0, n, h, b->k_rows, b->v_rows, err);
         if (st) return st;
     } else {
-        kvb_rope_table(b->inv_freq, d->n_rot, pos0, n, b->rope_cos, b->rope_sin);
-        kvb_kv_produce_args a = {b->m, layer, b->fmt.dtype, b->pool, b->rope_cos, b->rope_sin, b->perturbed};
+        /* an engine calls every layer of a chunk in turn: the tables are filled once per chunk */
+        if (b->rope.n == 0 || pos0 != b->rope.pos0 || n != b->rope.n) kvb_rope_tables_fill(&b->rope, pos0, n);
+        kvb_kv_produce_args a = {b->m, layer, b->fmt.dtype, b->pool, NULL, NULL, b->perturbed};
+        kvb_rope_tables_layer(&b->rope, layer, &a.rope_cos, &a.rope_sin);
         kvb_kv_produce(&a, h, n, b->scratch, b->k_rows, b->v_rows);
     }
-    return emit_slabs(b, layer, pos0, n, err);
+    return emit_slabs(b, layer, pos0, n, b->k_rows, b->v_rows, err);
 }
 
-/* Cuts b->k_rows / v_rows (n tokens from pos0) into slabs at block boundaries and sinks them. */
-static kvb_status emit_slabs(kvb_bridge_cpu *b, uint32_t layer, uint32_t pos0, uint32_t n, kvb_err *err) {
+/* Cuts k_rows / v_rows (n tokens from pos0) into slabs at block boundaries and sinks them. */
+static kvb_status emit_slabs(kvb_bridge_cpu *b, uint32_t layer, uint32_t pos0, uint32_t n, const uint8_t *k_rows,
+                             const uint8_t *v_rows, kvb_err *err) {
     const size_t tok_bytes = (size_t)b->m->d.n_head_kv * kvb_kvformat_row_bytes(&b->fmt);
     const uint32_t bt = b->fmt.block_tokens;
     for (uint32_t t = 0; t < n;) {
@@ -111,8 +114,8 @@ static kvb_status emit_slabs(kvb_bridge_cpu *b, uint32_t layer, uint32_t pos0, u
         kvb_slab s = {.layer = layer,
                       .pos0 = p,
                       .n = cnt,
-                      .k = b->k_rows + (size_t)t * tok_bytes,
-                      .v = b->v_rows + (size_t)t * tok_bytes,
+                      .k = k_rows + (size_t)t * tok_bytes,
+                      .v = v_rows + (size_t)t * tok_bytes,
                       .k_bytes = cnt * tok_bytes,
                       .v_bytes = cnt * tok_bytes};
         s.checksum = kvb_slab_checksum(s.k, s.k_bytes, s.v, s.v_bytes);
@@ -147,17 +150,15 @@ kvb_status kvb_bridge_cpu_rows(void *bridge, uint32_t layer, uint32_t pos0, uint
     const size_t src_rb = kvb_row_bytes(src_dtype, hd), dst_rb = kvb_kvformat_row_bytes(&b->fmt);
     const uint8_t *src[2] = {k_rows + (size_t)skip * b->m->d.n_head_kv * src_rb,
                              v_rows + (size_t)skip * b->m->d.n_head_kv * src_rb};
+    /* rows already in the decoder's dtype are cut where they lie (the sink copies what it keeps) */
+    if (src_dtype == b->fmt.dtype) return emit_slabs(b, layer, pos0, n, src[0], src[1], err);
     uint8_t *dst[2] = {b->k_rows, b->v_rows};
     float *tmp = b->scratch; /* (head_dim) */
     for (int w = 0; w < 2; w++) {
-        if (src_dtype == b->fmt.dtype) {
-            memcpy(dst[w], src[w], (size_t)rows * dst_rb);
-            continue;
-        }
         for (uint32_t r = 0; r < rows; r++) {
             kvb_row_to_f32(src_dtype, src[w] + (size_t)r * src_rb, tmp, hd);
             kvb_f32_to_row(b->fmt.dtype, tmp, dst[w] + (size_t)r * dst_rb, hd);
         }
     }
-    return emit_slabs(b, layer, pos0, n, err);
+    return emit_slabs(b, layer, pos0, n, b->k_rows, b->v_rows, err);
 }

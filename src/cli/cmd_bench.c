@@ -9,6 +9,7 @@
 #include "kvb_cli.h"
 #include "kvb_engine_cpu.h"
 #ifdef KVB_HAVE_CUDA
+#include "kvb_bridge_cuda.h"
 #include "kvb_engine_cuda.h"
 #endif
 #include "kvb_quant.h"
@@ -35,6 +36,11 @@ static void help(FILE *f) {
             "                       8192^3) and, with --peer-json, a peer's figures for the same sizes\n"
             "  --chunk N            (cuda) tokens per forward chunk (default 8192)\n"
             "  --peer-json FILE     (cuda) JSON from tools/peer/torch_llama_prefill.py\n"
+            "  --bridge T           (cuda) also time every size with the CUDA bridge kernel hooked after each\n"
+            "                       (chunk, layer), writing a decoder cache of dtype T from this file's K/V\n"
+            "                       weights (use a Q8_0/Q4_0 file: a CPU decoder's), and print its cost as a\n"
+            "                       fraction of the prefill time (kernels and copies to pinned memory; the\n"
+            "                       slabs are not sent anywhere)\n"
             "  --ceiling-reps N     (cuda) timed GEMMs for the ceiling (default 20)\n"
             "  --warmup N           (cuda) untimed forwards before each size's timed ones (default 1)\n");
 }
@@ -138,8 +144,28 @@ static double prefill_flops(const kvb_model_desc *d, double n) {
     return 2.0 * p * n + 2.0 * d->n_layer * (double)d->n_head * d->head_dim * n * n;
 }
 
+/* --bridge: the hook runs the bridge kernel while `on`; shipped rows are only counted. */
+typedef struct {
+    kvb_bridge_cuda *b;
+    bool on;
+    uint64_t bytes;
+} bench_bridge;
+
+static kvb_status bench_bridge_hook(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const float *d_h,
+                                    void *stream, kvb_err *err) {
+    bench_bridge *bb = ctx;
+    return bb->on ? kvb_bridge_cuda_enqueue(bb->b, layer, pos0, n, d_h, stream, err) : KVB_OK;
+}
+
+static kvb_status bench_bridge_ship(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const uint8_t *k,
+                                    const uint8_t *v, kvb_err *err) {
+    (void)layer, (void)pos0, (void)k, (void)v, (void)err;
+    ((bench_bridge *)ctx)->bytes += n;
+    return KVB_OK;
+}
+
 static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, int reps, int warmup, uint32_t chunk,
-                              int ceiling_reps, const char *peer_json, const char *json_path) {
+                              int ceiling_reps, const char *peer_json, const char *json_path, uint32_t bridge_dtype) {
     long long sizes[16];
     int n_sizes = 0;
     long long max_n = 0;
@@ -166,6 +192,8 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
     int32_t *toks = NULL;
     double *tps = NULL;
     cJSON *peer = NULL, *out = NULL;
+    bench_bridge bb = {0};
+    double *tps_bridged = NULL;
     int rc = 1;
     if (peer_json && !(peer = read_json(peer_json)))
         fprintf(stderr, "kvbridge bench: could not read peer figures from %s; continuing without them\n", peer_json);
@@ -173,6 +201,18 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
     double t0 = kvb_now_s();
     if (kvb_model_load(model_path, &m, &err)) goto fail;
     kvb_cuda_opts o = {.max_ctx = (uint32_t)max_n, .max_batch = chunk, .no_prefix_cache = true};
+    if (bridge_dtype) {
+        if (kvb_bridge_cuda_create(m, bridge_dtype, chunk ? chunk : (max_n < 8192 ? (uint32_t)max_n : 8192), &bb.b,
+                                   &err))
+            goto fail;
+        kvb_bridge_cuda_set_ship(bb.b, bench_bridge_ship, &bb);
+        o.layer_hook = bench_bridge_hook;
+        o.layer_hook_ctx = &bb;
+        if (!(tps_bridged = calloc((size_t)reps * n_sizes, sizeof(double)))) {
+            kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
+            goto fail;
+        }
+    }
     if (kvb_cuda_engine_create(m, &o, &e, &err)) goto fail;
     double t_load = kvb_now_s() - t0;
     toks = malloc(sizeof(int32_t) * (size_t)max_n);
@@ -194,7 +234,9 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
     kvb_rng rng;
     for (int si = 0; si < n_sizes; si++) {
         const uint32_t n = (uint32_t)sizes[si];
-        for (int r = -warmup; r < reps; r++) { /* r < 0: warm-up */
+        for (int pass = 0; pass < (bridge_dtype ? 2 : 1); pass++)
+        for (int r = -warmup; r < reps; r++) { /* r < 0: warm-up; pass 1: with the bridge */
+            bb.on = pass == 1;
             kvb_rng_seed(&rng, 1000003ULL * (uint64_t)n + (uint64_t)(r + 2)); /* fresh tokens every run */
             for (uint32_t i = 0; i < n; i++) toks[i] = (int32_t)(kvb_rng_u64(&rng) % m->d.n_vocab);
             kvb_cuda_seq *s = NULL;
@@ -206,14 +248,16 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
             }
             double a = kvb_now_s();
             kvb_status st = kvb_cuda_forward(e, s, toks, n, lg, false, &err);
+            if (!st && bb.on) st = kvb_bridge_cuda_flush(bb.b, &err);
             double b = kvb_now_s();
             kvb_cuda_seq_free(s);
             free(lg);
             if (st) goto fail;
             if (r >= 0) {
-                tps[si * reps + r] = n / (b - a);
-                fprintf(stderr, "bench prefill cuda: %u tokens, run %d/%d: %.0f tok/s (%.3f s)\n", n, r + 1, reps,
-                        tps[si * reps + r], b - a);
+                double *dst = pass ? tps_bridged : tps;
+                dst[si * reps + r] = n / (b - a);
+                fprintf(stderr, "bench prefill cuda: %u tokens%s, run %d/%d: %.0f tok/s (%.3f s)\n", n,
+                        pass ? " with the bridge" : "", r + 1, reps, dst[si * reps + r], b - a);
             }
         }
     }
@@ -257,6 +301,16 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
         for (int r = 0; r < reps; r++) cJSON_AddItemToArray(ra, cJSON_CreateNumber(runs[r]));
         cJSON_AddItemToArray(arr, it);
     }
+    if (bridge_dtype) {
+        printf("bridge     decoder-mode bridge kernel (this file's K/V weights, %s, cache %s) hooked after every\n"
+               "           (chunk, layer); rows copied to pinned host memory; cost = bridged time / plain time - 1\n",
+               kvb_type_name(m->layers[0].wk.type), kvb_type_name(bridge_dtype));
+        printf("%8s %12s %14s %10s\n", "tokens", "plain tok/s", "bridged tok/s", "cost");
+        for (int si = 0; si < n_sizes; si++) {
+            double mp = kvb_median_sort(tps + si * reps, reps), mb = kvb_median_sort(tps_bridged + si * reps, reps);
+            printf("%8lld %12.0f %14.0f %9.1f%%\n", sizes[si], mp, mb, 100.0 * (mp / mb - 1.0));
+        }
+    }
     kvb_cuda_stats cs;
     kvb_cuda_engine_stats(e, &cs);
     printf("memory     GPU in use at most %.2f GiB of %.1f (weights %.2f, KV cache %.2f, activations+tables %.2f)\n",
@@ -282,7 +336,9 @@ done:
     cJSON_Delete(peer);
     free(toks);
     free(tps);
+    free(tps_bridged);
     kvb_cuda_engine_free(e);
+    kvb_bridge_cuda_free(bb.b);
     kvb_model_free(m);
     return rc;
 }
@@ -305,7 +361,7 @@ int kvb_cmd_bench(int argc, char **argv) {
     long long threads = 0, n_tok = 512, n_gen = 128, n_ctx = 16, reps = 3, chunk = 0, ceiling_reps = 20, warmup = 1;
     const char *tokens_arg = NULL, *peer_json = NULL;
     bool cuda = false;
-    uint32_t cache_type = KVB_TYPE_F16;
+    uint32_t cache_type = KVB_TYPE_F16, bridge_type = 0;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v;
         if (kvb_arg_is_help(a)) {
@@ -345,6 +401,8 @@ int kvb_cmd_bench(int argc, char **argv) {
             if (!(llama_bench = kvb_arg_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--json")) {
             if (!(json_path = kvb_arg_value(cmd, argc, argv, &i))) return 2;
+        } else if (!strcmp(a, "--bridge")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &bridge_type)) return 2;
         } else {
             fprintf(stderr, "kvbridge bench: unknown option '%s' (see kvbridge bench --help)\n", a);
             return 2;
@@ -361,8 +419,9 @@ int kvb_cmd_bench(int argc, char **argv) {
         }
 #ifdef KVB_HAVE_CUDA
         return bench_prefill_cuda(model_path, tokens_arg ? tokens_arg : "2048", (int)reps, (int)warmup,
-                                  (uint32_t)chunk, (int)ceiling_reps, peer_json, json_path);
+                                  (uint32_t)chunk, (int)ceiling_reps, peer_json, json_path, bridge_type);
 #else
+        (void)bridge_type;
         fprintf(stderr, "kvbridge bench: --device cuda: this kvbridge was built without the CUDA engine "
                         "(configure with -DKVB_CUDA=ON where nvcc is installed)\n");
         return 2;

@@ -25,7 +25,15 @@ static void help(FILE *f) {
             "  --threads T          threads per node (default: half the CPUs each)\n"
             "  --peer HOST:PORT     use a running prefill node instead of one in this process (needs --psk)\n"
             "  --psk KEY            its pre-shared key (or env KVB_PSK)\n"
-            "  --cache-type T       the decoder's cache dtype (default f16)\n");
+            "  --cache-type T       the decoder's cache dtype (default f16)\n"
+            "  --device cpu|cuda    the in-process prefill node's engine (default cpu); with cuda the column\n"
+            "                       'prefill alone' is the GPU prefilling the same length with the bridge idle,\n"
+            "                       and 'vs alone' is bridged TTFT / that time\n"
+            "  --chunk N            prefill node chunk in tokens (default 512 on cpu, 8192 on cuda)\n"
+            "  --alone-max N        run the decoder-alone legs only up to N tokens (default 1048576); longer\n"
+            "                       rows print 'not run'\n"
+            "  --prefill-alone-max N  time the in-process prefill node alone only up to N tokens (default\n"
+            "                       1048576)\n");
 }
 
 
@@ -72,8 +80,9 @@ static int one_leg(uint16_t port, int len, uint64_t seed, uint32_t n_vocab, leg 
 
 int kvb_bench_ladder(int argc, char **argv) {
     const char *model = NULL, *lengths = "1024,4096", *peer = NULL, *psk = getenv("KVB_PSK");
-    long long seeds = 3, threads = 0;
+    long long seeds = 3, threads = 0, chunk = 0, alone_max = 1 << 20, pa_max = 1 << 20;
     uint32_t cache_type = KVB_TYPE_F16;
+    bool cuda = false;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v;
         if (kvb_arg_is_help(a)) {
@@ -93,6 +102,21 @@ int kvb_bench_ladder(int argc, char **argv) {
             if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 1024, &threads)) return 2;
         } else if (!strcmp(a, "--cache-type")) {
             if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_type("bench", a, v, &cache_type)) return 2;
+        } else if (!strcmp(a, "--chunk")) {
+            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 16, 1 << 20, &chunk)) return 2;
+        } else if (!strcmp(a, "--alone-max")) {
+            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 0, 1 << 24, &alone_max))
+                return 2;
+        } else if (!strcmp(a, "--prefill-alone-max")) {
+            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 0, 1 << 24, &pa_max))
+                return 2;
+        } else if (!strcmp(a, "--device")) {
+            if (!(v = kvb_arg_value("bench", argc, argv, &i))) return 2;
+            if (strcmp(v, "cpu") && strcmp(v, "cuda")) {
+                fprintf(stderr, "kvbridge bench ladder: --device expects 'cpu' or 'cuda', got '%s'\n", v);
+                return 2;
+            }
+            cuda = !strcmp(v, "cuda");
         } else {
             fprintf(stderr, "kvbridge bench ladder: unknown option '%s' (see kvbridge bench ladder --help)\n", a);
             return 2;
@@ -114,7 +138,8 @@ int kvb_bench_ladder(int argc, char **argv) {
         max_len = (int)v > max_len ? (int)v : max_len;
         p = *end == ',' ? end + 1 : end;
     }
-    if (threads == 0) threads = kvb_cpu_count() / 2 > 0 ? kvb_cpu_count() / 2 : 1;
+    /* with a GPU prefilling, the CPUs belong to the decode nodes (one runs at a time) */
+    if (threads == 0) threads = cuda ? kvb_cpu_count() : (kvb_cpu_count() / 2 > 0 ? kvb_cpu_count() / 2 : 1);
     char key[40];
     if (!psk) {
         kvb_rng r;
@@ -133,55 +158,79 @@ int kvb_bench_ladder(int argc, char **argv) {
     if (kvb_model_load(model, &m, &err)) goto fail;
     if (!peer) {
         kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = psk, .n_threads = (int)threads,
-                                 .cache_dtype = cache_type, .max_ctx = ctx};
+                                 .cache_dtype = cache_type, .max_ctx = ctx, .cuda = cuda,
+                                 .chunk_tokens = (uint32_t)chunk};
         if (kvb_prefill_node_start(&pc, &pn, &err)) goto fail;
         snprintf(peer_addr, sizeof peer_addr, "127.0.0.1:%u", kvb_prefill_node_port(pn));
         peer = peer_addr;
     }
     kvb_decode_config dc = {.http_listen = "127.0.0.1:0", .peer = peer, .model_path = model, .psk = psk,
                             .n_threads = (int)threads, .cache_dtype = cache_type, .max_ctx = ctx,
-                            .peer_timeout_ms = 600000};
+                            .peer_timeout_ms = 600000,
+                            /* one prompt's blocks and some room: legs use fresh prompts, LRU evicts */
+                            .cache_blocks = (ctx + 31) / 32 + 64};
     if (kvb_decode_node_start(&dc, &dn, &err)) goto fail;
     kvb_decode_config ac = dc;
     ac.peer = NULL;
     if (kvb_decode_node_start(&ac, &alone, &err)) goto fail;
-    printf("ladder: %s, %lld threads per node, prefill node %s, decoder cache %s\n", model, threads, peer,
-           kvb_type_name(cache_type));
-    printf("%8s  %12s  %12s  %6s  %10s  %9s  %s\n", "tokens", "alone TTFT s", "bridged s", "ratio", "bytes/tok",
-           "GB/s", "verdicts (bridged)");
+    printf("ladder: %s, %lld decoder threads, prefill node %s (%s), decoder cache %s\n", model, threads, peer,
+           pn ? (cuda ? "CUDA engine, in process" : "CPU engine, in process") : "remote", kvb_type_name(cache_type));
+    printf("%8s  %12s  %12s  %6s  %13s  %9s  %10s  %9s  %s\n", "tokens", "alone TTFT s", "bridged s", "ratio",
+           "prefill alone", "vs alone", "bytes/tok", "GB/s", "verdicts (bridged)");
     size_t rb = kvb_row_bytes(cache_type, m->d.head_dim);
     double bytes_per_tok = 2.0 * m->d.n_layer * m->d.n_head_kv * (double)rb;
     uint64_t seed = (uint64_t)(kvb_now_s() * 1e3);
     for (int li = 0; li < n_lens; li++) {
-        double a[100], b[100], gbs[100];
+        double a[100], b[100], gbs[100], pa[100];
         char verdicts[512] = "";
+        const bool run_alone = lens[li] <= alone_max;
         for (int s = 0; s < seeds; s++) {
-            leg la, lb;
+            leg la = {0}, lb;
             /* a fresh prompt for each leg: neither node has seen it */
-            if (one_leg(kvb_decode_node_port(alone), lens[li], seed++, m->d.n_vocab, &la) ||
+            if ((run_alone && one_leg(kvb_decode_node_port(alone), lens[li], seed++, m->d.n_vocab, &la)) ||
                 one_leg(kvb_decode_node_port(dn), lens[li], seed++, m->d.n_vocab, &lb))
                 goto done;
+            pa[s] = 0;
+            if (pn && lens[li] <= pa_max && kvb_prefill_node_time_alone(pn, (uint32_t)lens[li], seed++, &pa[s], &err)) goto fail;
             a[s] = la.ttft;
             b[s] = lb.ttft;
             gbs[s] = lb.transfer_s > 0 ? lb.bridged * bytes_per_tok / lb.transfer_s / 1e9 : 0;
-            fprintf(stderr, "ladder %d tokens, seed %d: alone %.3f s, bridged %.3f s (%s)\n", lens[li], s, la.ttft,
-                    lb.ttft, lb.verdict);
+            fprintf(stderr, "ladder %d tokens, seed %d: alone %.3f s, bridged %.3f s (%s), prefill alone %.3f s\n",
+                    lens[li], s, la.ttft, lb.ttft, lb.verdict, pa[s]);
             strncat(verdicts, s ? ", " : "", sizeof verdicts - strlen(verdicts) - 1);
             strncat(verdicts, lb.verdict, sizeof verdicts - strlen(verdicts) - 1);
         }
         double ma = kvb_median_sort(a, (int)seeds), mb = kvb_median_sort(b, (int)seeds);
-        double mg = kvb_median_sort(gbs, (int)seeds);
-        printf("%8d  %12.3f  %12.3f  %5.2fx  %10.0f  %9.2f  %s\n", lens[li], ma, mb, ma / mb, bytes_per_tok,
+        double mg = kvb_median_sort(gbs, (int)seeds), mp = kvb_median_sort(pa, (int)seeds);
+        char ca[16] = "not run", cr[16] = "-", cp[16] = "-", cv[16] = "-";
+        if (run_alone) {
+            snprintf(ca, sizeof ca, "%.3f", ma);
+            snprintf(cr, sizeof cr, "%.2fx", ma / mb);
+        }
+        const bool ran_pa = pn && lens[li] <= pa_max;
+        if (ran_pa) {
+            snprintf(cp, sizeof cp, "%.3f", mp);
+            snprintf(cv, sizeof cv, "%.2fx", mb / mp);
+        }
+        printf("%8d  %12s  %12.3f  %6s  %13s  %9s  %10.0f  %9.2f  %s\n", lens[li], ca, mb, cr, cp, cv, bytes_per_tok,
                mg, verdicts);
         printf("          runs alone:");
-        for (int s = 0; s < seeds; s++) printf(" %.3f", a[s]);
+        if (run_alone)
+            for (int s = 0; s < seeds; s++) printf(" %.3f", a[s]);
+        else printf(" (not run: longer than --alone-max %lld)", alone_max);
         printf("; bridged:");
         for (int s = 0; s < seeds; s++) printf(" %.3f", b[s]);
+        if (ran_pa) {
+            printf("; prefill alone:");
+            for (int s = 0; s < seeds; s++) printf(" %.3f", pa[s]);
+        }
         printf(" (sorted)\n");
+        if (pn) printf("          prefill node capture memory, peak so far: %.1f KiB\n",
+                       kvb_prefill_node_peak_capture_bytes(pn) / 1024.0);
         fflush(stdout);
     }
-    if (pn) printf("capture    peak staging memory on the prefill node: %.1f KiB (a fixed ring)\n",
-                   kvb_prefill_node_peak_capture_bytes(pn) / 1024.0);
+    if (pn) printf("capture    peak staging memory on the prefill node: %.1f KiB (a fixed ring%s)\n",
+                   kvb_prefill_node_peak_capture_bytes(pn) / 1024.0, cuda ? " + two pinned row slots" : "");
     rc = 0;
     goto done;
 fail:

@@ -12,6 +12,9 @@
 #include "kvb_model.h"
 #include "kvb_node.h"
 #include "kvb_quant.h"
+#ifdef KVB_HAVE_CUDA
+#include "kvb_engine_cuda.h"
+#endif
 
 static void help(FILE *f) {
     fprintf(f,
@@ -24,7 +27,9 @@ static void help(FILE *f) {
             "demo shows the machinery, and that bridged and native replies are identical).\n\n"
             "  --model FILE   use this GGUF instead of the generated tiny model\n"
             "  --threads T    CPU threads per node (default 1)\n"
-            "  --turns N      conversation turns (default 4)\n");
+            "  --turns N      conversation turns (default 4)\n"
+            "  --device D     the prefill node's engine: auto (default: cuda when a GPU is usable, else cpu),\n"
+            "                 cpu or cuda\n");
 }
 
 static const char *k_document =
@@ -120,6 +125,7 @@ static int converse(uint16_t port, int turns, turn_result *out) {
 int kvb_cmd_demo(int argc, char **argv) {
     const char *model = "models/tiny-q8_0.gguf";
     long long threads = 1, turns = 4;
+    const char *device = "auto";
     for (int i = 1; i < argc; i++) {
         const char *v;
         if (kvb_arg_is_help(argv[i])) {
@@ -130,6 +136,12 @@ int kvb_cmd_demo(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--threads")) {
             if (!(v = kvb_arg_value("demo", argc, argv, &i)) || !kvb_arg_int("demo", "--threads", v, 1, 1024, &threads))
                 return 2;
+        } else if (!strcmp(argv[i], "--device")) {
+            if (!(device = kvb_arg_value("demo", argc, argv, &i))) return 2;
+            if (strcmp(device, "auto") && strcmp(device, "cpu") && strcmp(device, "cuda")) {
+                fprintf(stderr, "kvbridge demo: --device expects auto, cpu or cuda, got '%s'\n", device);
+                return 2;
+            }
         } else if (!strcmp(argv[i], "--turns")) {
             if (!(v = kvb_arg_value("demo", argc, argv, &i)) || !kvb_arg_int("demo", "--turns", v, 1, 6, &turns))
                 return 2;
@@ -163,8 +175,13 @@ int kvb_cmd_demo(int argc, char **argv) {
     kvb_decode_node *dn = NULL, *native = NULL;
     turn_result br[6] = {0}, nat[6] = {0};
     int rc = 1;
+    bool cuda = !strcmp(device, "cuda");
+#ifdef KVB_HAVE_CUDA
+    char why[256] = "";
+    if (!strcmp(device, "auto")) cuda = kvb_cuda_device_available(why, sizeof why);
+#endif
     kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = psk, .n_threads = (int)threads,
-                             .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 8192};
+                             .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 8192, .cuda = cuda};
     if (kvb_prefill_node_start(&pc, &pn, &err)) goto fail;
     char peer[32];
     snprintf(peer, sizeof peer, "127.0.0.1:%u", kvb_prefill_node_port(pn));
@@ -175,9 +192,9 @@ int kvb_cmd_demo(int argc, char **argv) {
     kvb_decode_config nc = dc;
     nc.peer = NULL;
     if (kvb_decode_node_start(&nc, &native, &err)) goto fail;
-    printf("demo: prefill node on %s; decode node (OpenAI API) on 127.0.0.1:%u; native-only decode node on "
+    printf("demo: prefill node (%s engine) on %s; decode node (OpenAI API) on 127.0.0.1:%u; native-only decode node on "
            "127.0.0.1:%u\n",
-           peer, kvb_decode_node_port(dn), kvb_decode_node_port(native));
+           cuda ? "CUDA" : "CPU", peer, kvb_decode_node_port(dn), kvb_decode_node_port(native));
     printf("demo: a %lld-turn conversation (greedy, 24 tokens per reply), bridged and natively...\n\n", turns);
     fflush(stdout);
     if (converse(kvb_decode_node_port(dn), (int)turns, br) || converse(kvb_decode_node_port(native), (int)turns, nat))

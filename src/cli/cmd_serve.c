@@ -32,6 +32,10 @@ static void help(FILE *f) {
             "  --bridge-mode M      decoder (default: the decoder's own arithmetic, exact) or prefill (the prefill\n"
             "                       engine's own K/V re-encoded: cheaper, not exact); both nodes must agree\n"
             "  --engine-cache-type T prefill, bridge mode prefill: this node's own cache dtype (default: the decoder's)\n"
+            "  --device cpu|cuda    prefill: the engine that prefills (default cpu); cuda prefills in bf16 on the\n"
+            "                       GPU and runs the bridge kernel there (decoder mode)\n"
+            "  --chunk N            prefill: tokens per forward chunk (default 512 on cpu, 8192 on cuda)\n"
+            "  --cache-blocks N     decode: prefix-cache size in blocks (default: 4 contexts' worth)\n"
             "  --fault SPEC         prefill, test-only: corrupt:N, die:N or stall:N at the Nth slab\n"
             "  --verbose            log connections and faults\n");
 }
@@ -44,8 +48,9 @@ static void on_signal(int sig) {
 
 int kvb_cmd_serve(int argc, char **argv) {
     const char *cmd = "serve", *role = NULL, *model = NULL, *listen = NULL, *http = NULL, *peer = NULL,
-               *psk = getenv("KVB_PSK"), *tmpl = NULL, *model_id = NULL, *fault = NULL, *mode = "decoder";
-    long long threads = 0, bt = 32, ctx = 0, bridge_min = 0, max_tokens = 0;
+               *psk = getenv("KVB_PSK"), *tmpl = NULL, *model_id = NULL, *fault = NULL, *mode = "decoder",
+               *device = "cpu";
+    long long threads = 0, bt = 32, ctx = 0, bridge_min = 0, max_tokens = 0, chunk = 0, cache_blocks = 0;
     uint32_t cache_type = KVB_TYPE_F16, engine_type = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -60,7 +65,8 @@ int kvb_cmd_serve(int argc, char **argv) {
     }
         STR("--role", role) STR("-m", model) STR("--model", model) STR("--listen", listen) STR("--http", http)
         STR("--peer", peer) STR("--psk", psk) STR("--chat-template", tmpl) STR("--model-id", model_id)
-        STR("--fault", fault) STR("--bridge-mode", mode)
+        STR("--fault", fault) STR("--bridge-mode", mode) STR("--device", device)
+        NUM("--chunk", chunk, 16, 1 << 20) NUM("--cache-blocks", cache_blocks, 16, 1LL << 31)
         NUM("--threads", threads, 1, 1024) NUM("--block-tokens", bt, 1, 4096) NUM("--ctx", ctx, 16, 1 << 24)
         NUM("--bridge-min", bridge_min, 1, 1 << 24) NUM("--max-tokens", max_tokens, 1, 1 << 24)
         else if (!strcmp(a, "--cache-type")) {
@@ -87,6 +93,10 @@ int kvb_cmd_serve(int argc, char **argv) {
         return 2;
     }
     bool prefill_mode = !strcmp(mode, "prefill");
+    if (strcmp(device, "cpu") && strcmp(device, "cuda")) {
+        fprintf(stderr, "kvbridge serve: --device expects cpu or cuda, got '%s'\n", device);
+        return 2;
+    }
     if (prefill ? !listen : !http) {
         fprintf(stderr, "kvbridge serve: --role %s needs %s HOST:PORT\n", role, prefill ? "--listen" : "--http");
         return 2;
@@ -100,7 +110,8 @@ int kvb_cmd_serve(int argc, char **argv) {
     if (prefill) {
         kvb_prefill_config c = {.listen = listen, .model_path = model, .psk = psk, .n_threads = (int)threads,
                                 .cache_dtype = cache_type, .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
-                                .fault = fault, .prefill_mode = prefill_mode, .engine_cache_dtype = engine_type};
+                                .fault = fault, .prefill_mode = prefill_mode, .engine_cache_dtype = engine_type,
+                                .cuda = !strcmp(device, "cuda"), .chunk_tokens = (uint32_t)chunk};
         if (kvb_prefill_node_start(&c, &pn, &err)) goto fail;
         printf("kvbridge prefill node: listening on port %u (model %s)\n", kvb_prefill_node_port(pn), model);
     } else {
@@ -108,7 +119,7 @@ int kvb_cmd_serve(int argc, char **argv) {
                                .psk = psk, .chat_template = tmpl, .n_threads = (int)threads, .cache_dtype = cache_type,
                                .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
                                .bridge_min_tokens = (uint32_t)bridge_min, .default_max_tokens = (uint32_t)max_tokens,
-                               .prefill_mode = prefill_mode};
+                               .prefill_mode = prefill_mode, .cache_blocks = (uint32_t)cache_blocks};
         if (kvb_decode_node_start(&c, &dn, &err)) goto fail;
         printf("kvbridge decode node: OpenAI API on port %u, prefill node %s\n", kvb_decode_node_port(dn),
                peer ? peer : "none (native only)");

@@ -27,7 +27,9 @@ typedef struct {
     uint32_t cache_dtype;      /* the DECODER's cache dtype the bridge produces (kvb_type) */
     uint32_t block_tokens;     /* the decoder's block size (default 32) */
     uint32_t max_ctx;          /* longest prompt (default 32768) */
-    uint32_t chunk_tokens;     /* prefill chunk (default 512) */
+    uint32_t chunk_tokens;     /* prefill chunk (default 512 on the CPU, 8192 on CUDA) */
+    bool cuda;                 /* prefill on the CUDA engine (bf16) with the CUDA bridge kernel fed
+                                  from its layer hook; decoder mode only */
     uint32_t ring_slots;       /* staging slots (default 16) */
     bool prefill_mode;         /* bridge mode `prefill`: ship this engine's own K/V re-encoded (cheaper,
                                   not exact) instead of the decoder's arithmetic (mode `decoder`) */
@@ -41,8 +43,14 @@ typedef struct {
 typedef struct kvb_prefill_node kvb_prefill_node;
 kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_node **out, kvb_err *err);
 uint16_t kvb_prefill_node_port(const kvb_prefill_node *n);
-/* Peak bytes of staging memory a request used (the ring; never grows with the prompt). */
+/* Peak bytes of staging memory a request used: the ring's slots in use, plus on CUDA the bridge's
+ * two pinned row slots (fixed at start). Never grows with the prompt. */
 uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n);
+/* Times a cold prefill of n_tokens random tokens (seeded) on this node's engine with the bridge
+ * idle — nothing computed for or shipped to a decoder: "the prefill engine alone", the yardstick
+ * for a bridged time to first token. Waits for any request in flight. */
+kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, uint64_t seed, double *seconds,
+                                       kvb_err *err);
 void kvb_prefill_node_stop(kvb_prefill_node *n);
 
 /* ---- decode node ------------------------------------------------------------------------------ */

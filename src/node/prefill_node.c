@@ -9,6 +9,10 @@
 #include <unistd.h>
 
 #include "kvb_engine_cpu.h"
+#ifdef KVB_HAVE_CUDA
+#include "kvb_bridge_cuda.h"
+#include "kvb_engine_cuda.h"
+#endif
 #include "kvb_quant.h"
 #include "kvb_store.h"
 #include "kvb_transport.h"
@@ -20,8 +24,13 @@ struct kvb_prefill_node {
     kvb_prefill_config cfg;
     char *psk;
     kvb_model *m;
-    kvb_engine *e;
-    kvb_bridge_cpu *br;
+    kvb_engine *e;        /* the CPU engine, or NULL when the CUDA engine computes */
+    kvb_bridge_cpu *br;   /* cuts rows into slabs (and computes them, on the CPU engine) */
+#ifdef KVB_HAVE_CUDA
+    kvb_cuda_engine *ce;  /* --device cuda: the prefill engine ... */
+    kvb_bridge_cuda *bc;  /* ... and the bridge kernel fed from its layer hook */
+#endif
+    uint32_t ship_from, ship_to; /* the request in flight: positions the decoder lacks */
     kvb_kvformat fmt; /* the decoder's format */
     kvb_hello hello;
     kvb_transport_config tcfg;
@@ -81,6 +90,41 @@ static void *sender_main(void *arg) {
     return NULL;
 }
 
+#ifdef KVB_HAVE_CUDA
+/* The CUDA engine's layer hook: the bridge kernel on the positions the decoder lacks. */
+static kvb_status cuda_layer_hook(void *ctx, uint32_t layer, uint32_t pos0, uint32_t cnt, const float *d_h,
+                                  void *stream, kvb_err *err) {
+    kvb_prefill_node *n = ctx;
+    const uint32_t lo = pos0 > n->ship_from ? pos0 : n->ship_from;
+    const uint32_t hi = pos0 + cnt < n->ship_to ? pos0 + cnt : n->ship_to;
+    if (lo >= hi) return KVB_OK;
+    return kvb_bridge_cuda_enqueue(n->bc, layer, lo, hi - lo, d_h + (size_t)(lo - pos0) * n->m->d.n_embd, stream,
+                                   err);
+}
+
+/* The CUDA bridge's rows, one layer late, cut into slabs for the ring. */
+static kvb_status cuda_ship_rows(void *ctx, uint32_t layer, uint32_t pos0, uint32_t cnt, const uint8_t *k,
+                                 const uint8_t *v, kvb_err *err) {
+    kvb_prefill_node *n = ctx;
+    return kvb_bridge_cpu_rows(n->br, layer, pos0, cnt, k, v, n->fmt.dtype, err);
+}
+
+/* Prefills tokens[0 .. p->ship_tokens) on the GPU, adopting this node's cached prefix up to the
+ * decoder's; slabs leave through the hook and the ring. */
+static kvb_status prefill_on_cuda(kvb_prefill_node *n, const kvb_msg_prefill *p, kvb_err *err) {
+    kvb_cuda_seq *s = NULL;
+    uint32_t adopted = 0;
+    kvb_status st = kvb_cuda_seq_create(n->ce, &s, err);
+    if (!st) st = kvb_cuda_seq_attach_cached(s, p->tokens, p->cached_tokens + 1, &adopted, err);
+    if (!st && p->ship_tokens > adopted)
+        st = kvb_cuda_forward(n->ce, s, p->tokens + adopted, p->ship_tokens - adopted, NULL, false, err);
+    if (!st) st = kvb_bridge_cuda_flush(n->bc, err);
+    else kvb_bridge_cuda_discard(n->bc);
+    kvb_cuda_seq_free(s);
+    return st;
+}
+#endif
+
 static void serve_prefill(kvb_prefill_node *n, kvb_conn *c, kvb_msg_prefill *p) {
     kvb_err err = {0};
     const uint32_t bt = n->fmt.block_tokens;
@@ -104,10 +148,15 @@ static void serve_prefill(kvb_prefill_node *n, kvb_conn *c, kvb_msg_prefill *p) 
     pthread_mutex_lock(&n->mu);
     kvb_seq *s = NULL;
     uint32_t adopted = 0;
-    kvb_status st = kvb_seq_create(n->e, &s, &err);
+    kvb_status st = KVB_OK;
     /* adopt our own cached prefix, but never past the decoder's: we need the attention inputs of
      * every position we ship, so those are recomputed */
-    if (!st) st = kvb_seq_attach_cached(s, p->tokens, p->cached_tokens + 1, &adopted, &err);
+    if (n->e) {
+        st = kvb_seq_create(n->e, &s, &err);
+        if (!st) st = kvb_seq_attach_cached(s, p->tokens, p->cached_tokens + 1, &adopted, &err);
+    }
+    n->ship_from = p->cached_tokens;
+    n->ship_to = p->ship_tokens;
     kvb_ring_reset(&n->ring);
     sender_ctx sc = {.n = n, .c = c, .request_id = p->request_id};
     pthread_t sender;
@@ -117,8 +166,11 @@ static void serve_prefill(kvb_prefill_node *n, kvb_conn *c, kvb_msg_prefill *p) 
         sender_started = pthread_create(&sender, NULL, sender_main, &sc) == 0;
         if (!sender_started) st = kvb_err_set(&err, KVB_ERR_INTERNAL, "could not start the sender thread");
     }
-    if (!st && p->ship_tokens > adopted)
+    if (!st && n->e && p->ship_tokens > adopted)
         st = kvb_engine_forward(n->e, s, p->tokens + adopted, p->ship_tokens - adopted, NULL, false, &err);
+#ifdef KVB_HAVE_CUDA
+    if (!st && n->ce) st = prefill_on_cuda(n, p, &err);
+#endif
     kvb_ring_close(&n->ring);
     if (sender_started) pthread_join(sender, NULL);
     if (n->ring.peak * n->ring.slot_bytes > n->peak_capture) n->peak_capture = n->ring.peak * n->ring.slot_bytes;
@@ -237,7 +289,8 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
     n->cfg = *cfg;
     if (!n->cfg.block_tokens) n->cfg.block_tokens = 32;
     if (!n->cfg.max_ctx) n->cfg.max_ctx = 32768;
-    if (!n->cfg.chunk_tokens) n->cfg.chunk_tokens = 512;
+    if (!n->cfg.chunk_tokens) n->cfg.chunk_tokens = cfg->cuda ? 8192 : 512;
+    if (n->cfg.chunk_tokens > n->cfg.max_ctx) n->cfg.chunk_tokens = n->cfg.max_ctx;
     if (!n->cfg.ring_slots) n->cfg.ring_slots = 16;
     pthread_mutex_init(&n->mu, NULL);
     kvb_status st = parse_fault(n, cfg->fault, err);
@@ -261,14 +314,31 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
         st = kvb_kvformat_init(&n->fmt, cfg->cache_dtype, bt, n->m->d.n_layer, n->m->d.n_head_kv, n->m->d.head_dim,
                                err);
         if (!st) st = kvb_bridge_cpu_create(n->m, &n->fmt, NULL, n->cfg.chunk_tokens, &n->br, err);
-        if (cfg->prefill_mode) {
+        if (!st && cfg->cuda) {
+#ifdef KVB_HAVE_CUDA
+            /* the GPU computes the prompt in bf16 (its own cache); the bridge kernel runs the
+             * decoder's arithmetic on the GPU's attention inputs, layer by layer */
+            if (cfg->prefill_mode)
+                st = kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                                 "bridge mode prefill is not available with --device cuda (use decoder mode)");
+            if (!st) st = kvb_bridge_cuda_create(n->m, cfg->cache_dtype, n->cfg.chunk_tokens, &n->bc, err);
+            if (!st) {
+                kvb_bridge_cuda_set_ship(n->bc, cuda_ship_rows, n);
+                kvb_cuda_opts co = {.max_ctx = n->cfg.max_ctx, .max_batch = n->cfg.chunk_tokens,
+                                    .n_threads = cfg->n_threads, .layer_hook = cuda_layer_hook, .layer_hook_ctx = n};
+                st = kvb_cuda_engine_create(n->m, &co, &n->ce, err);
+            }
+#else
+            st = kvb_err_set(err, KVB_ERR_UNSUPPORTED, "this build has no CUDA engine (built without nvcc)");
+#endif
+        } else if (cfg->prefill_mode) {
             eo.rows_hook = kvb_bridge_cpu_rows;
             eo.rows_hook_ctx = n->br;
         } else {
             eo.layer_hook = kvb_bridge_cpu_layer;
             eo.layer_hook_ctx = n->br;
         }
-        if (!st) st = kvb_engine_create(n->m, &eo, &n->e, err);
+        if (!st && !cfg->cuda) st = kvb_engine_create(n->m, &eo, &n->e, err);
     }
     if (!st)
         st = kvb_ring_init(&n->ring, n->cfg.ring_slots, 2 * (size_t)bt * n->m->d.n_head_kv * kvb_kvformat_row_bytes(&n->fmt),
@@ -292,7 +362,47 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
 }
 
 uint16_t kvb_prefill_node_port(const kvb_prefill_node *n) { return kvb_listener_port(n->l); }
-uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n) { return n->peak_capture; }
+uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n) {
+#ifdef KVB_HAVE_CUDA
+    if (n->bc) return n->peak_capture + kvb_bridge_cuda_pinned_bytes(n->bc);
+#endif
+    return n->peak_capture;
+}
+
+kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, uint64_t seed, double *seconds,
+                                       kvb_err *err) {
+    *seconds = 0;
+    if (n_tokens == 0 || n_tokens > n->cfg.max_ctx)
+        return kvb_err_set(err, KVB_ERR_RANGE, "%u tokens: outside 1..%u", n_tokens, n->cfg.max_ctx);
+    int32_t *tok = malloc(sizeof(int32_t) * n_tokens);
+    if (!tok) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    kvb_rng r;
+    kvb_rng_seed(&r, seed);
+    for (uint32_t i = 0; i < n_tokens; i++) tok[i] = (int32_t)(kvb_rng_u64(&r) % n->m->d.n_vocab);
+    pthread_mutex_lock(&n->mu);
+    n->ship_from = n->ship_to = 0; /* the bridge idles: nothing is shipped */
+    kvb_bridge_cpu_begin(n->br, 0, 0, sink_to_ring, n);
+    kvb_status st = KVB_OK;
+    const double t0 = kvb_now_s();
+    if (n->e) {
+        kvb_seq *s = NULL;
+        st = kvb_seq_create(n->e, &s, err);
+        if (!st) st = kvb_engine_forward(n->e, s, tok, n_tokens, NULL, false, err);
+        kvb_seq_free(s);
+    }
+#ifdef KVB_HAVE_CUDA
+    if (n->ce) {
+        kvb_cuda_seq *s = NULL;
+        st = kvb_cuda_seq_create(n->ce, &s, err);
+        if (!st) st = kvb_cuda_forward(n->ce, s, tok, n_tokens, NULL, false, err);
+        kvb_cuda_seq_free(s);
+    }
+#endif
+    *seconds = kvb_now_s() - t0;
+    pthread_mutex_unlock(&n->mu);
+    free(tok);
+    return st;
+}
 
 /* Wakes the accept thread: a plain TCP connection that closes at once ends its wait. */
 static void poke_listener(kvb_prefill_node *n) {
@@ -332,6 +442,10 @@ void kvb_prefill_node_stop(kvb_prefill_node *n) {
     kvb_listener_close(n->l);
     kvb_ring_destroy(&n->ring);
     kvb_engine_free(n->e);
+#ifdef KVB_HAVE_CUDA
+    kvb_cuda_engine_free(n->ce);
+    kvb_bridge_cuda_free(n->bc);
+#endif
     kvb_bridge_cpu_free(n->br);
     kvb_model_free(n->m);
     pthread_mutex_destroy(&n->mu);

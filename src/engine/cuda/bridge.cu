@@ -1,7 +1,7 @@
 // engine/cuda/bridge.cu — the CUDA bridge kernels: the decoder's cache-producing arithmetic
 // (kvb_engine_cpu.h, "the decoder's cache-producing arithmetic") reproduced operation for
 // operation: the canonical dot (16 lanes, fmaf, fixed tree; exact integer block sums for
-// Q8_0/Q4_0 weights against Q8_0 activations), bias add, k-norm, RoPE with products rounded
+// Q8_0/Q4_0/Q5_0 weights against Q8_0 activations), bias add, k-norm, RoPE with products rounded
 // separately, and the encoders — every rounding spelled with an _rn intrinsic so nvcc cannot
 // contract or reorder, and the scalar conversions shared with the CPU (kvb_quant_scalar.h).
 #include <cuda_runtime.h>
@@ -13,6 +13,7 @@
 #define T_F32 0u
 #define T_F16 1u
 #define T_Q4_0 2u
+#define T_Q5_0 6u
 #define T_Q8_0 8u
 #define T_BF16 30u
 
@@ -27,10 +28,12 @@ __device__ static inline float tree16(float *acc) {
 // Canonical dot over elements [e0, e1) of one weight row and one activation row, lanes counted
 // from e0 (so a split dot is two independent canonical dots).
 __device__ static float canon_dot(uint32_t wtype, const uint8_t *w, const uint8_t *x, int e0, int e1) {
+    if (wtype != T_F32 && wtype != T_F16 && wtype != T_BF16 && wtype != T_Q8_0 && wtype != T_Q4_0 && wtype != T_Q5_0)
+        return __int_as_float(0x7fc00000); // a type this kernel does not reproduce (K-quants): NaN, not a wrong number
     float acc[16];
     for (int i = 0; i < 16; i++) acc[i] = 0.0f;
-    if (wtype == T_Q8_0 || wtype == T_Q4_0) {
-        const int wbb = wtype == T_Q8_0 ? 34 : 18;
+    if (wtype == T_Q8_0 || wtype == T_Q4_0 || wtype == T_Q5_0) {
+        const int wbb = wtype == T_Q8_0 ? 34 : wtype == T_Q4_0 ? 18 : 22;
         for (int b = e0 / QK; b < e1 / QK; b++) {
             const uint8_t *wb = w + (size_t)b * wbb, *xb = x + (size_t)b * 34;
             const int8_t *xq = (const int8_t *)(xb + 2);
@@ -38,9 +41,16 @@ __device__ static float canon_dot(uint32_t wtype, const uint8_t *w, const uint8_
             if (wtype == T_Q8_0) {
                 const int8_t *wq = (const int8_t *)(wb + 2);
                 for (int j = 0; j < QK; j++) s += (int)wq[j] * (int)xq[j];
-            } else {
+            } else if (wtype == T_Q4_0) {
                 for (int j = 0; j < QK / 2; j++) {
                     const int lo = (wb[2 + j] & 15) - 8, hi = (wb[2 + j] >> 4) - 8;
+                    s += lo * (int)xq[j] + hi * (int)xq[j + QK / 2];
+                }
+            } else { // Q5_0: d, qh (bit j = fifth bit of element j), qs as Q4_0; q - 16
+                const uint32_t qh = (uint32_t)wb[2] | (uint32_t)wb[3] << 8 | (uint32_t)wb[4] << 16 | (uint32_t)wb[5] << 24;
+                for (int j = 0; j < QK / 2; j++) {
+                    const int lo = ((wb[6 + j] & 15) | (int)((qh >> j) & 1u) << 4) - 16;
+                    const int hi = ((wb[6 + j] >> 4) | (int)((qh >> (j + 16)) & 1u) << 4) - 16;
                     s += lo * (int)xq[j] + hi * (int)xq[j + QK / 2];
                 }
             }
@@ -174,22 +184,25 @@ __global__ static void k_post(float *k, float *v, int n, int nkv, int hd, const 
 
 static int grid(long long threads) { return (int)((threads + 127) / 128); }
 
-extern "C" int kvb_bk_quantize_act(const float *x, uint8_t *act, size_t act_stride, int n, int E, int quantized) {
-    if (quantized) k_quantize_act<<<grid((long long)n * (E / QK)), 128>>>(x, act, act_stride, n, E);
-    else k_copy_act<<<grid((long long)n * E), 128>>>(x, act, act_stride, n, E);
+extern "C" int kvb_bk_quantize_act(const float *x, uint8_t *act, size_t act_stride, int n, int E, int quantized,
+                                   void *stream) {
+    cudaStream_t st = (cudaStream_t)stream;
+    if (quantized) k_quantize_act<<<grid((long long)n * (E / QK)), 128, 0, st>>>(x, act, act_stride, n, E);
+    else k_copy_act<<<grid((long long)n * E), 128, 0, st>>>(x, act, act_stride, n, E);
     return (int)cudaGetLastError();
 }
 
 extern "C" int kvb_bk_project(uint32_t wtype, const uint8_t *w, size_t w_row_bytes, int rows, const uint8_t *act,
-                              size_t act_stride, int n, int E, float *y, int split) {
-    k_project<<<grid((long long)n * rows), 128>>>(wtype, w, w_row_bytes, rows, act, act_stride, n, E, y, split);
+                              size_t act_stride, int n, int E, float *y, int split, void *stream) {
+    k_project<<<grid((long long)n * rows), 128, 0, (cudaStream_t)stream>>>(wtype, w, w_row_bytes, rows, act,
+                                                                           act_stride, n, E, y, split);
     return (int)cudaGetLastError();
 }
 
 extern "C" int kvb_bk_post(float *k, float *v, int n, int nkv, int hd, const float *bk, const float *bv,
                            const float *knorm, float eps, int n_rot, int neox, const float *cos_t, const float *sin_t,
-                           uint32_t dtype, uint8_t *k_rows, uint8_t *v_rows, size_t row_bytes) {
-    k_post<<<grid((long long)n * nkv), 128>>>(k, v, n, nkv, hd, bk, bv, knorm, eps, n_rot, neox, cos_t, sin_t, dtype,
+                           uint32_t dtype, uint8_t *k_rows, uint8_t *v_rows, size_t row_bytes, void *stream) {
+    k_post<<<grid((long long)n * nkv), 128, 0, (cudaStream_t)stream>>>(k, v, n, nkv, hd, bk, bv, knorm, eps, n_rot, neox, cos_t, sin_t, dtype,
                                               k_rows, v_rows, row_bytes);
     return (int)cudaGetLastError();
 }

@@ -1,6 +1,8 @@
 /* engine/cuda/bridge_host.c — host side of the CUDA bridge: uploads the decoder's K/V weights
- * once, and per (chunk, layer) copies the attention inputs and the RoPE table (computed on the
- * host, kvb_rope_table) to the device, runs quantise -> project K, V -> post, copies rows back. */
+ * once (and, for Q8_0/Q4_0/Q5_0, unpacks them to int8 rows for the tensor-core projection), and
+ * per (chunk, layer) copies the RoPE table (computed on the host, kvb_rope_table) to the device,
+ * runs quantise -> project K, V -> post, and copies the rows back — on the device-input path on a
+ * second stream, so the copy overlaps the engine's next kernels. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -12,7 +14,19 @@
 typedef struct {
     uint8_t *wk, *wv;          /* raw file bytes (rows, row_bytes) */
     float *bk, *bv, *knorm;    /* or NULL */
+    int8_t *wk_q, *wv_q;       /* tensor-core path: (rows, n_embd) int8, or NULL */
+    float *wk_s, *wv_s;        /* (rows, n_embd/32) f32 block scales */
 } bridge_layer;
+
+/* One staging slot of the device-input path: rows land here (pinned host memory) and are shipped
+ * once its event has fired. */
+typedef struct {
+    uint8_t *k, *v;      /* (max_tokens, n_head_kv, row_bytes) pinned */
+    float *cos, *sin;    /* (max_tokens, n_rot/2) pinned: the RoPE table this slot's copy reads */
+    cudaEvent_t done;
+    bool made, pending;
+    uint32_t layer, pos0, n;
+} pinned_slot;
 
 struct kvb_bridge_cuda {
     const kvb_model *m;
@@ -23,7 +37,18 @@ struct kvb_bridge_cuda {
     float *h_cos, *h_sin;       /* host (max, n_rot/2) */
     bridge_layer *layers;       /* (n_layer) device */
     float *d_h, *d_k, *d_v, *d_cos, *d_sin;
-    uint8_t *d_act, *d_krows, *d_vrows;
+    uint8_t *d_act;
+    int8_t *d_aq;               /* tensor-core path: activations (max, n_embd) int8 ... */
+    float *d_asc;               /* ... and their scales (max, n_embd/32) */
+    uint8_t *d_krows[2], *d_vrows[2]; /* (max, n_head_kv, row_bytes), one pair per slot */
+    cudaStream_t copy_st;       /* device-input path: rows go down here */
+    cudaEvent_t post_ev[2];     /* a slot's rows are ready on the device */
+    bool naive;                 /* KVB_BRIDGE_NAIVE=1: one dot per thread (to measure against) */
+    pinned_slot slot[2];
+    unsigned next_slot;
+    size_t pinned_bytes;
+    kvb_bridge_rows_ship ship;
+    void *ship_ctx;
 };
 
 #define BK(call)                                                                                               \
@@ -31,6 +56,19 @@ struct kvb_bridge_cuda {
         int kvb_e_ = (call);                                                                                   \
         if (kvb_e_) return kvb_cu_fail(err, (cudaError_t)kvb_e_, #call, __FILE__, __LINE__);                  \
     } while (0)
+
+static bool tensor_core_type(uint32_t t) {
+    return t == KVB_TYPE_Q8_0 || t == KVB_TYPE_Q4_0 || t == KVB_TYPE_Q5_0;
+}
+
+/* The file's blocks (already on the device at raw) -> int8 rows and f32 scales. */
+static kvb_status unpack(const kvb_mat *W, const uint8_t *raw, int8_t **q, float **sc, kvb_err *err) {
+    KVB_CU(cudaMalloc((void **)q, (size_t)W->rows * W->cols));
+    KVB_CU(cudaMalloc((void **)sc, (size_t)W->rows * (W->cols / 32) * sizeof(float)));
+    const int e = kvb_bk_unpack_weights(W->type, raw, W->row_bytes, (int)W->rows, (int)W->cols, *q, *sc, NULL);
+    if (e) return kvb_cu_fail(err, (cudaError_t)e, "kvb_bk_unpack_weights", __FILE__, __LINE__);
+    return KVB_OK;
+}
 
 static kvb_status upload(void **dst, const void *src, size_t bytes, kvb_err *err) {
     *dst = NULL;
@@ -44,6 +82,9 @@ kvb_status kvb_bridge_cuda_create(const kvb_model *m, uint32_t dtype, uint32_t m
                                   kvb_err *err) {
     *out = NULL;
     const kvb_model_desc *d = &m->d;
+    if (kvb_model_has_local_layers(d)) /* one RoPE table for every layer here; local layers need their own */
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "the CUDA bridge does not support models with local "
+                           "(sliding-window) layers yet (%s)", d->arch_name);
     if (dtype != KVB_TYPE_F32 && dtype != KVB_TYPE_F16 && dtype != KVB_TYPE_BF16 && dtype != KVB_TYPE_Q8_0)
         return kvb_err_set(err, KVB_ERR_INVALID, "cache type %s is not one the bridge writes", kvb_type_name(dtype));
     kvb_bridge_cuda *b = calloc(1, sizeof *b);
@@ -76,16 +117,39 @@ kvb_status kvb_bridge_cuda_create(const kvb_model *m, uint32_t dtype, uint32_t m
         if (!st) st = upload((void **)&bl->knorm, w->k_norm, d->head_dim * sizeof(float), err);
     }
     if (st) goto fail;
+    const char *nv = getenv("KVB_BRIDGE_NAIVE");
+    b->naive = nv && *nv && *nv != '0';
+    bool any_i8 = false;
+    for (uint32_t l = 0; l < d->n_layer && !st; l++) {
+        const kvb_layer_weights *w = &m->layers[l];
+        bridge_layer *bl = &b->layers[l];
+        if (!st && tensor_core_type(w->wk.type) && E % 32 == 0) {
+            st = unpack(&w->wk, bl->wk, &bl->wk_q, &bl->wk_s, err);
+            any_i8 = true;
+        }
+        if (!st && tensor_core_type(w->wv.type) && E % 32 == 0) {
+            st = unpack(&w->wv, bl->wv, &bl->wv_q, &bl->wv_s, err);
+            any_i8 = true;
+        }
+    }
+    if (st) goto fail;
 #define ALLOC(p, bytes) KVB_CU_GOTO(cudaMalloc((void **)&(p), (bytes)))
+    if (any_i8) {
+        ALLOC(b->d_aq, (size_t)max_tokens * E);
+        ALLOC(b->d_asc, (size_t)max_tokens * (E / 32) * sizeof(float));
+    }
     ALLOC(b->d_h, (size_t)max_tokens * E * sizeof(float));
     ALLOC(b->d_k, (size_t)max_tokens * KV * sizeof(float));
     ALLOC(b->d_v, (size_t)max_tokens * KV * sizeof(float));
     ALLOC(b->d_cos, (size_t)max_tokens * half * sizeof(float));
     ALLOC(b->d_sin, (size_t)max_tokens * half * sizeof(float));
     ALLOC(b->d_act, (size_t)max_tokens * b->act_stride);
-    ALLOC(b->d_krows, (size_t)max_tokens * d->n_head_kv * b->row_bytes);
-    ALLOC(b->d_vrows, (size_t)max_tokens * d->n_head_kv * b->row_bytes);
+    for (int i = 0; i < 2; i++) {
+        ALLOC(b->d_krows[i], (size_t)max_tokens * d->n_head_kv * b->row_bytes);
+        ALLOC(b->d_vrows[i], (size_t)max_tokens * d->n_head_kv * b->row_bytes);
+    }
 #undef ALLOC
+    KVB_CU_GOTO(cudaDeviceSynchronize()); /* the unpacking kernels */
     *out = b;
     return KVB_OK;
 fail:
@@ -102,8 +166,26 @@ void kvb_bridge_cuda_free(kvb_bridge_cuda *b) {
             cudaFree(b->layers[l].bk);
             cudaFree(b->layers[l].bv);
             cudaFree(b->layers[l].knorm);
+            cudaFree(b->layers[l].wk_q);
+            cudaFree(b->layers[l].wv_q);
+            cudaFree(b->layers[l].wk_s);
+            cudaFree(b->layers[l].wv_s);
         }
-    void *dev[] = {b->d_h, b->d_k, b->d_v, b->d_cos, b->d_sin, b->d_act, b->d_krows, b->d_vrows};
+    kvb_bridge_cuda_discard(b);
+    for (int i = 0; i < 2; i++) {
+        cudaFreeHost(b->slot[i].k);
+        cudaFreeHost(b->slot[i].v);
+        cudaFreeHost(b->slot[i].cos);
+        cudaFreeHost(b->slot[i].sin);
+        if (b->slot[i].made) cudaEventDestroy(b->slot[i].done);
+    }
+    void *dev[] = {b->d_h,        b->d_k,        b->d_v,        b->d_cos,      b->d_sin,     b->d_act,
+                   b->d_aq,       b->d_asc,      b->d_krows[0], b->d_vrows[0], b->d_krows[1], b->d_vrows[1]};
+    if (b->copy_st) {
+        cudaStreamDestroy(b->copy_st);
+        cudaEventDestroy(b->post_ev[0]);
+        cudaEventDestroy(b->post_ev[1]);
+    }
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) cudaFree(dev[i]);
     free(b->layers);
     free(b->inv_freq);
@@ -114,37 +196,148 @@ void kvb_bridge_cuda_free(kvb_bridge_cuda *b) {
 
 void kvb_bridge_cuda_set_perturbed(kvb_bridge_cuda *b, bool perturbed) { b->perturbed = perturbed; }
 
-/* One projection: quantise (or copy) h for this weight's activation type, then the dots. */
-static kvb_status project(kvb_bridge_cuda *b, const kvb_mat *W, const uint8_t *dw, uint32_t n, float *dy, int split,
+/* One projection, y (n, rows) f32: on the tensor cores from the unpacked weights when it has
+ * them (activations quantised once per layer, before the first such projection: *act_ready),
+ * else quantise (or copy) d_h for this weight's activation type and run the per-thread dots. */
+static kvb_status project(kvb_bridge_cuda *b, const kvb_mat *W, const uint8_t *dw, const int8_t *wq, const float *ws,
+                          const float *d_h, uint32_t n, float *dy, int split, bool *act_ready, cudaStream_t stream,
                           kvb_err *err) {
     const int E = (int)b->m->d.n_embd;
-    BK(kvb_bk_quantize_act(b->d_h, b->d_act, b->act_stride, (int)n, E, kvb_act_type(W->type) == KVB_TYPE_Q8_0));
-    BK(kvb_bk_project(W->type, dw, W->row_bytes, (int)W->rows, b->d_act, b->act_stride, (int)n, E, dy, split));
+    if (wq && !split && !b->naive) {
+        if (!*act_ready) BK(kvb_bk_quantize_act_i8(d_h, (int)n, E, b->d_aq, b->d_asc, stream));
+        *act_ready = true;
+        BK(kvb_bk_project_i8(wq, ws, (int)W->rows, b->d_aq, b->d_asc, (int)n, E, dy, stream));
+        return KVB_OK;
+    }
+    BK(kvb_bk_quantize_act(d_h, b->d_act, b->act_stride, (int)n, E, kvb_act_type(W->type) == KVB_TYPE_Q8_0, stream));
+    BK(kvb_bk_project(W->type, dw, W->row_bytes, (int)W->rows, b->d_act, b->act_stride, (int)n, E, dy, split,
+                      stream));
+    return KVB_OK;
+}
+
+/* Enqueues one layer's rows on `stream`: RoPE table (cos/sin (n, n_rot/2), host memory) up, the
+ * projections of d_h (n, n_embd) f32 device memory, post into device slot `slot`. Then the rows
+ * go down into k_dst, v_dst (n, n_head_kv, row_bytes) host memory: on `stream` when copy_done is
+ * NULL, else on the copy stream after the post, recording copy_done there. Nothing waits here. */
+static kvb_status enqueue_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t n, const float *d_h, const float *cos_t,
+                                const float *sin_t, cudaStream_t stream, int slot, uint8_t *k_dst, uint8_t *v_dst,
+                                cudaEvent_t copy_done, kvb_err *err) {
+    const kvb_model_desc *d = &b->m->d;
+    const kvb_layer_weights *w = &b->m->layers[layer];
+    const bridge_layer *bl = &b->layers[layer];
+    const size_t half = d->n_rot / 2;
+    KVB_CU(cudaMemcpyAsync(b->d_cos, cos_t, (size_t)n * half * sizeof(float), cudaMemcpyHostToDevice, stream));
+    KVB_CU(cudaMemcpyAsync(b->d_sin, sin_t, (size_t)n * half * sizeof(float), cudaMemcpyHostToDevice, stream));
+    /* the perturbation splits at the middle block, like the CPU's */
+    int split = b->perturbed ? (int)(w->wk.cols / 2 / 32 * 32) : 0;
+    bool act_ready = false;
+    kvb_status st = project(b, &w->wk, bl->wk, bl->wk_q, bl->wk_s, d_h, n, b->d_k, split, &act_ready, stream, err);
+    if (!st) st = project(b, &w->wv, bl->wv, bl->wv_q, bl->wv_s, d_h, n, b->d_v, 0, &act_ready, stream, err);
+    if (st) return st;
+    BK(kvb_bk_post(b->d_k, b->d_v, (int)n, (int)d->n_head_kv, (int)d->head_dim, bl->bk, bl->bv, bl->knorm, d->norm_eps,
+                   (int)d->n_rot, d->rope_neox, b->d_cos, b->d_sin, b->dtype, b->d_krows[slot], b->d_vrows[slot],
+                   b->row_bytes, stream));
+    const size_t rows = (size_t)n * d->n_head_kv * b->row_bytes;
+    cudaStream_t cs = stream;
+    if (copy_done) {
+        KVB_CU(cudaEventRecord(b->post_ev[slot], stream));
+        KVB_CU(cudaStreamWaitEvent(b->copy_st, b->post_ev[slot], 0));
+        cs = b->copy_st;
+    }
+    KVB_CU(cudaMemcpyAsync(k_dst, b->d_krows[slot], rows, cudaMemcpyDeviceToHost, cs));
+    KVB_CU(cudaMemcpyAsync(v_dst, b->d_vrows[slot], rows, cudaMemcpyDeviceToHost, cs));
+    if (copy_done) KVB_CU(cudaEventRecord(copy_done, cs));
+    return KVB_OK;
+}
+
+static kvb_status check_call(const kvb_bridge_cuda *b, uint32_t layer, uint32_t n, kvb_err *err) {
+    if (layer >= b->m->d.n_layer || n == 0 || n > b->max_tokens)
+        return kvb_err_set(err, KVB_ERR_INVALID, "bridge call for layer %u with %u tokens is out of range (at most %u)",
+                           layer, n, b->max_tokens);
     return KVB_OK;
 }
 
 kvb_status kvb_bridge_cuda_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
                                  uint8_t *k_rows, uint8_t *v_rows, kvb_err *err) {
-    const kvb_model_desc *d = &b->m->d;
-    if (layer >= d->n_layer || n == 0 || n > b->max_tokens)
-        return kvb_err_set(err, KVB_ERR_INVALID, "bridge call for layer %u with %u tokens is out of range", layer, n);
-    const kvb_layer_weights *w = &b->m->layers[layer];
-    const bridge_layer *bl = &b->layers[layer];
-    const size_t half = d->n_rot / 2;
-    kvb_rope_table(b->inv_freq, d->n_rot, pos0, n, b->h_cos, b->h_sin);
-    KVB_CU(cudaMemcpy(b->d_h, h, (size_t)n * d->n_embd * sizeof(float), cudaMemcpyHostToDevice));
-    KVB_CU(cudaMemcpy(b->d_cos, b->h_cos, (size_t)n * half * sizeof(float), cudaMemcpyHostToDevice));
-    KVB_CU(cudaMemcpy(b->d_sin, b->h_sin, (size_t)n * half * sizeof(float), cudaMemcpyHostToDevice));
-    /* the perturbation splits at the middle block, like the CPU's */
-    int split = b->perturbed ? (int)(w->wk.cols / 2 / 32 * 32) : 0;
-    kvb_status st = project(b, &w->wk, bl->wk, n, b->d_k, split, err);
-    if (!st) st = project(b, &w->wv, bl->wv, n, b->d_v, 0, err);
+    kvb_status st = check_call(b, layer, n, err);
     if (st) return st;
-    BK(kvb_bk_post(b->d_k, b->d_v, (int)n, (int)d->n_head_kv, (int)d->head_dim, bl->bk, bl->bv, bl->knorm, d->norm_eps,
-                   (int)d->n_rot, d->rope_neox, b->d_cos, b->d_sin, b->dtype, b->d_krows, b->d_vrows, b->row_bytes));
-    const size_t rows = (size_t)n * d->n_head_kv * b->row_bytes;
-    KVB_CU(cudaMemcpy(k_rows, b->d_krows, rows, cudaMemcpyDeviceToHost));
-    KVB_CU(cudaMemcpy(v_rows, b->d_vrows, rows, cudaMemcpyDeviceToHost));
+    kvb_rope_table(b->inv_freq, b->m->d.n_rot, pos0, n, b->h_cos, b->h_sin);
+    KVB_CU(cudaMemcpy(b->d_h, h, (size_t)n * b->m->d.n_embd * sizeof(float), cudaMemcpyHostToDevice));
+    kvb_bridge_cuda_discard(b); /* the device slots are shared with the device-input path */
+    if ((st = enqueue_layer(b, layer, n, b->d_h, b->h_cos, b->h_sin, NULL, 0, k_rows, v_rows, NULL, err))) return st;
     KVB_CU(cudaDeviceSynchronize());
     return KVB_OK;
 }
+
+/* ---- the device-input path: two pinned slots used in turn ---------------------------------- */
+
+void kvb_bridge_cuda_set_ship(kvb_bridge_cuda *b, kvb_bridge_rows_ship fn, void *ctx) {
+    b->ship = fn;
+    b->ship_ctx = ctx;
+}
+
+static kvb_status alloc_slots(kvb_bridge_cuda *b, kvb_err *err) {
+    const kvb_model_desc *d = &b->m->d;
+    const size_t rows = (size_t)b->max_tokens * d->n_head_kv * b->row_bytes, tab = (size_t)b->max_tokens * (d->n_rot / 2);
+    for (int i = 0; i < 2; i++) {
+        pinned_slot *p = &b->slot[i];
+        KVB_CU(cudaHostAlloc((void **)&p->k, rows, cudaHostAllocDefault));
+        KVB_CU(cudaHostAlloc((void **)&p->v, rows, cudaHostAllocDefault));
+        KVB_CU(cudaHostAlloc((void **)&p->cos, tab * sizeof(float), cudaHostAllocDefault));
+        KVB_CU(cudaHostAlloc((void **)&p->sin, tab * sizeof(float), cudaHostAllocDefault));
+        KVB_CU(cudaEventCreateWithFlags(&p->done, cudaEventDisableTiming));
+        p->made = true;
+    }
+    KVB_CU(cudaStreamCreateWithFlags(&b->copy_st, cudaStreamNonBlocking));
+    KVB_CU(cudaEventCreateWithFlags(&b->post_ev[0], cudaEventDisableTiming));
+    KVB_CU(cudaEventCreateWithFlags(&b->post_ev[1], cudaEventDisableTiming));
+    b->pinned_bytes = 2 * (2 * rows + 2 * tab * sizeof(float));
+    return KVB_OK;
+}
+
+/* Waits for a pending slot's rows and hands them to the ship callback. */
+static kvb_status finish_slot(kvb_bridge_cuda *b, pinned_slot *p, kvb_err *err) {
+    if (!p->pending) return KVB_OK;
+    p->pending = false;
+    KVB_CU(cudaEventSynchronize(p->done));
+    return b->ship ? b->ship(b->ship_ctx, p->layer, p->pos0, p->n, p->k, p->v, err) : KVB_OK;
+}
+
+kvb_status kvb_bridge_cuda_enqueue(kvb_bridge_cuda *b, uint32_t layer, uint32_t pos0, uint32_t n, const float *d_h,
+                                   void *stream, kvb_err *err) {
+    kvb_status st = check_call(b, layer, n, err);
+    if (st) return st;
+    if (!b->slot[0].made && (st = alloc_slots(b, err))) return st;
+    pinned_slot *p = &b->slot[b->next_slot], *prev = &b->slot[b->next_slot ^ 1];
+    if ((st = finish_slot(b, p, err))) return st; /* normally already shipped */
+    kvb_rope_table(b->inv_freq, b->m->d.n_rot, pos0, n, p->cos, p->sin);
+    if ((st = enqueue_layer(b, layer, n, d_h, p->cos, p->sin, (cudaStream_t)stream, (int)b->next_slot, p->k, p->v,
+                            p->done, err)))
+        return st;
+    p->pending = true;
+    p->layer = layer;
+    p->pos0 = pos0;
+    p->n = n;
+    b->next_slot ^= 1;
+    /* ship the previous layer while the GPU runs this one (and the rest of that layer) */
+    return finish_slot(b, prev, err);
+}
+
+kvb_status kvb_bridge_cuda_flush(kvb_bridge_cuda *b, kvb_err *err) {
+    /* the older pending slot first: slabs go out in the order they were computed */
+    pinned_slot *first = &b->slot[b->next_slot], *second = &b->slot[b->next_slot ^ 1];
+    kvb_status st = finish_slot(b, first, err);
+    kvb_err later;
+    kvb_status st2 = finish_slot(b, second, st ? &later : err);
+    return st ? st : st2;
+}
+
+void kvb_bridge_cuda_discard(kvb_bridge_cuda *b) {
+    for (int i = 0; i < 2; i++)
+        if (b->slot[i].pending) {
+            cudaEventSynchronize(b->slot[i].done);
+            b->slot[i].pending = false;
+        }
+}
+
+size_t kvb_bridge_cuda_pinned_bytes(const kvb_bridge_cuda *b) { return b->pinned_bytes; }

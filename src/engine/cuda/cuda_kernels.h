@@ -26,9 +26,11 @@ typedef struct {
 
 /* x (n, E) f32 = widen(table[tok[t]]), table (V, E) bf16. */
 cudaError_t kvb_cu_embed(const void *table, const int32_t *tok, int n, int E, float *x, cudaStream_t st);
-/* For rows r < n: y[r*y_stride ..] = bf16((x[r*x_stride ..] * (1/sqrtf(ss/E + eps))) * w). */
+/* For rows r < n: y[r*y_stride ..] = bf16((x[r*x_stride ..] * (1/sqrtf(ss/E + eps))) * w); when y32
+ * is not NULL also y32 (n, E) = the same values before rounding to bf16 (the bridge's attention
+ * inputs). */
 cudaError_t kvb_cu_rmsnorm(const float *x, size_t x_stride, int n, int E, const float *w, float eps, void *y,
-                           size_t y_stride, cudaStream_t st);
+                           size_t y_stride, float *y32, cudaStream_t st);
 
 typedef struct {
     const float *qkv; /* (n, (H + 2 Hkv) * D) f32 */

@@ -246,6 +246,7 @@ struct kvb_cuda_engine {
     /* activations */
     float *x, *qkv, *logits_d;
     void *h, *q, *att, *gu, *act;
+    float *h32; /* (max_batch, n_embd) f32 attention inputs for the layer hook, or NULL */
     int32_t *d_tok;
     uint32_t logit_rows;
     /* accounting */
@@ -466,6 +467,8 @@ done:
 
 kvb_status kvb_cuda_engine_create(const kvb_model *m, const kvb_cuda_opts *opts, kvb_cuda_engine **out, kvb_err *err) {
     *out = NULL;
+    if (m->d.arch == KVB_ARCH_GEMMA3)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "architecture gemma3 is not supported by the CUDA engine yet");
     char why[256];
     if (!kvb_cuda_device_available(why, sizeof why)) return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s", why);
     kvb_cuda_engine *e = calloc(1, sizeof *e);
@@ -553,6 +556,7 @@ kvb_status kvb_cuda_engine_create(const kvb_model *m, const kvb_cuda_opts *opts,
         e->logit_rows = o->max_batch < 64 ? o->max_batch : 64;
         if ((st = dev_alloc(e, (void **)&e->x, B * E * 4, &e->act_bytes, "activations", err)) ||
             (st = dev_alloc(e, &e->h, B * E * 2, &e->act_bytes, "activations", err)) ||
+            (o->layer_hook && (st = dev_alloc(e, (void **)&e->h32, B * E * 4, &e->act_bytes, "activations", err))) ||
             (st = dev_alloc(e, (void **)&e->qkv, B * S * 4, &e->act_bytes, "activations", err)) ||
             (st = dev_alloc(e, &e->q, B * Q * 2, &e->act_bytes, "activations", err)) ||
             (st = dev_alloc(e, &e->att, B * Q * 2, &e->act_bytes, "activations", err)) ||
@@ -586,7 +590,7 @@ void kvb_cuda_engine_free(kvb_cuda_engine *e) {
     }
     if (!e->output_shared) cudaFree(e->output);
     void *ps[] = {e->tok_embd, e->output_norm, e->rope_cos, e->rope_sin, e->kv_pool, e->x, e->qkv, e->logits_d,
-                  e->h, e->q, e->att, e->gu, e->act, e->d_tok, e->cublas_ws};
+                  e->h, e->h32, e->q, e->att, e->gu, e->act, e->d_tok, e->cublas_ws};
     for (size_t i = 0; i < KVB_ARRAY_LEN(ps); i++) cudaFree(ps[i]);
     if (e->cublas) cublasDestroy(e->cublas);
     if (e->st) cudaStreamDestroy(e->st);
@@ -735,7 +739,8 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
     const kvb_cu_cache cache = {e->kv_pool, e->block_bytes, s->d_blocks, e->bt_shift, Hkv, D};
     for (uint32_t l = 0; l < d->n_layer; l++) {
         const cu_layer *L = &e->L[l];
-        KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->attn_norm, eps, e->h, (size_t)E, st));
+        KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->attn_norm, eps, e->h, (size_t)E, e->h32, st));
+        if (e->o.layer_hook && (rs = e->o.layer_hook(e->o.layer_hook_ctx, l, pos0, c, e->h32, st, err))) return rs;
         if ((rs = kvb_cu_gemm(e->cublas, L->w_qkv, S, E, e->h, n, 0.0f, e->qkv, false, err))) return rs;
         kvb_cu_qkv_post_args qa = {e->qkv, n, H, Hkv, D, (int)d->n_rot, d->rope_neox ? 1 : 0, L->b_qkv, L->q_norm,
                                    L->k_norm, eps, e->rope_cos, e->rope_sin, (int)pos0, e->q, cache, (int)l};
@@ -743,7 +748,7 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
         kvb_cu_attn_args aa = {e->q, e->att, cache, (int)l, H, Hkv, D, n, (int)pos0};
         if (!skip_attention()) KVB_CU(kvb_cu_attention(&aa, 0, st));
         if ((rs = kvb_cu_gemm(e->cublas, L->w_o, E, Q, e->att, n, 1.0f, e->x, false, err))) return rs;
-        KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->ffn_norm, eps, e->h, (size_t)E, st));
+        KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->ffn_norm, eps, e->h, (size_t)E, NULL, st));
         if ((rs = kvb_cu_gemm(e->cublas, L->w_gu, 2 * FF, E, e->h, n, 0.0f, e->gu, true, err))) return rs;
         KVB_CU(kvb_cu_swiglu(e->gu, n, FF, e->act, st));
         if ((rs = kvb_cu_gemm(e->cublas, L->w_down, E, FF, e->act, n, 1.0f, e->x, false, err))) return rs;
@@ -751,13 +756,13 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
     if (all_logits && logits) {
         for (uint32_t r0 = 0; r0 < c; r0 += e->logit_rows) {
             int nr = (int)(c - r0 < e->logit_rows ? c - r0 : e->logit_rows);
-            KVB_CU(kvb_cu_rmsnorm(e->x + (size_t)r0 * E, (size_t)E, nr, E, e->output_norm, eps, e->h, (size_t)E, st));
+            KVB_CU(kvb_cu_rmsnorm(e->x + (size_t)r0 * E, (size_t)E, nr, E, e->output_norm, eps, e->h, (size_t)E, NULL, st));
             if ((rs = kvb_cu_gemm(e->cublas, e->output, V, E, e->h, nr, 0.0f, e->logits_d, false, err))) return rs;
             KVB_CU(cudaMemcpyAsync(logits + (size_t)r0 * V, e->logits_d, sizeof(float) * (size_t)nr * V,
                                    cudaMemcpyDeviceToHost, st));
         }
     } else if (want_last && logits) {
-        KVB_CU(kvb_cu_rmsnorm(e->x + (size_t)(c - 1) * E, (size_t)E, 1, E, e->output_norm, eps, e->h, (size_t)E, st));
+        KVB_CU(kvb_cu_rmsnorm(e->x + (size_t)(c - 1) * E, (size_t)E, 1, E, e->output_norm, eps, e->h, (size_t)E, NULL, st));
         if ((rs = kvb_cu_gemm(e->cublas, e->output, V, E, e->h, 1, 0.0f, e->logits_d, false, err))) return rs;
         KVB_CU(cudaMemcpyAsync(logits, e->logits_d, sizeof(float) * (size_t)V, cudaMemcpyDeviceToHost, st));
     }

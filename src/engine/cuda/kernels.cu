@@ -48,7 +48,7 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
 }
 
 __global__ void rmsnorm_kernel(const float *__restrict__ x, size_t x_stride, int E, const float *__restrict__ w,
-                               float eps, bf16 *__restrict__ y, size_t y_stride) {
+                               float eps, bf16 *__restrict__ y, size_t y_stride, float *__restrict__ y32) {
     __shared__ float red[32];
     const float *xr = x + (size_t)blockIdx.x * x_stride;
     bf16 *yr = y + (size_t)blockIdx.x * y_stride;
@@ -71,22 +71,30 @@ __global__ void rmsnorm_kernel(const float *__restrict__ x, size_t x_stride, int
         const float4 *x4 = reinterpret_cast<const float4 *>(xr);
         const float4 *w4 = reinterpret_cast<const float4 *>(w);
         __nv_bfloat162 *y2 = reinterpret_cast<__nv_bfloat162 *>(yr);
+        float4 *o4 = y32 ? reinterpret_cast<float4 *>(y32 + (size_t)blockIdx.x * E) : nullptr;
         for (int i = threadIdx.x; i < E / 4; i += blockDim.x) {
             float4 v = x4[i], g = w4[i];
-            y2[2 * i] = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(v.x, r), g.x), __fmul_rn(__fmul_rn(v.y, r), g.y));
-            y2[2 * i + 1] =
-                __floats2bfloat162_rn(__fmul_rn(__fmul_rn(v.z, r), g.z), __fmul_rn(__fmul_rn(v.w, r), g.w));
+            float4 o = make_float4(__fmul_rn(__fmul_rn(v.x, r), g.x), __fmul_rn(__fmul_rn(v.y, r), g.y),
+                                   __fmul_rn(__fmul_rn(v.z, r), g.z), __fmul_rn(__fmul_rn(v.w, r), g.w));
+            y2[2 * i] = __floats2bfloat162_rn(o.x, o.y);
+            y2[2 * i + 1] = __floats2bfloat162_rn(o.z, o.w);
+            if (o4) o4[i] = o;
         }
     } else {
-        for (int i = threadIdx.x; i < E; i += blockDim.x) yr[i] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(xr[i], r), w[i]));
+        float *o32 = y32 ? y32 + (size_t)blockIdx.x * E : nullptr;
+        for (int i = threadIdx.x; i < E; i += blockDim.x) {
+            const float o = __fmul_rn(__fmul_rn(xr[i], r), w[i]);
+            yr[i] = __float2bfloat16_rn(o);
+            if (o32) o32[i] = o;
+        }
     }
 }
 
 extern "C" cudaError_t kvb_cu_rmsnorm(const float *x, size_t x_stride, int n, int E, const float *w, float eps,
-                                      void *y, size_t y_stride, cudaStream_t st) {
+                                      void *y, size_t y_stride, float *y32, cudaStream_t st) {
     if (n <= 0) return cudaSuccess;
     int threads = E >= 4096 ? 512 : E >= 1024 ? 256 : 128;
-    rmsnorm_kernel<<<n, threads, 0, st>>>(x, x_stride, E, w, eps, (bf16 *)y, y_stride);
+    rmsnorm_kernel<<<n, threads, 0, st>>>(x, x_stride, E, w, eps, (bf16 *)y, y_stride, y32);
     return cudaGetLastError();
 }
 

@@ -27,4 +27,22 @@ void kvb_bridge_cuda_set_perturbed(kvb_bridge_cuda *b, bool perturbed);
 kvb_status kvb_bridge_cuda_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
                                  uint8_t *k_rows, uint8_t *v_rows, kvb_err *err);
 
+/* ---- the prefill node's path: attention inputs already on the device ------------------------
+ * The CUDA engine's layer hook hands over d_h (n, n_embd) f32 in device memory on its stream.
+ * kvb_bridge_cuda_enqueue queues the bridge kernels on that stream and copies the rows into one
+ * of two pinned host slots, then ships the PREVIOUS call's rows (waiting for their copy, which
+ * was queued before the previous layer's own compute) through the ship callback — so the host
+ * cuts and sends layer L's slabs while the GPU computes layer L. kvb_bridge_cuda_flush ships what
+ * is still pending, in order; call it after the forward. Staging memory is the two slots
+ * (kvb_bridge_cuda_pinned_bytes), whatever the prompt length. */
+typedef kvb_status (*kvb_bridge_rows_ship)(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n,
+                                           const uint8_t *k_rows, const uint8_t *v_rows, kvb_err *err);
+void kvb_bridge_cuda_set_ship(kvb_bridge_cuda *b, kvb_bridge_rows_ship fn, void *ctx);
+kvb_status kvb_bridge_cuda_enqueue(kvb_bridge_cuda *b, uint32_t layer, uint32_t pos0, uint32_t n, const float *d_h,
+                                   void *stream, kvb_err *err);
+kvb_status kvb_bridge_cuda_flush(kvb_bridge_cuda *b, kvb_err *err);
+/* Drops what is pending without shipping it (after a failed forward). */
+void kvb_bridge_cuda_discard(kvb_bridge_cuda *b);
+size_t kvb_bridge_cuda_pinned_bytes(const kvb_bridge_cuda *b);
+
 #endif

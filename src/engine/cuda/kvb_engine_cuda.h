@@ -34,6 +34,14 @@
 #include "kvb_kvformat.h"
 #include "kvb_model.h"
 
+/* Called once per (chunk, layer) after the layer's attention input is computed and before its
+ * Q/K/V projection is enqueued: d_h (n, n_embd) f32 in DEVICE memory — rmsnorm(x) * attn_norm
+ * before the engine rounds it to bf16 — for positions pos0 .. pos0+n-1. Work the hook enqueues on
+ * `stream` (the engine's cudaStream_t) sees d_h; the engine overwrites it after the hook returns,
+ * in stream order. A non-OK status aborts the forward with that status. */
+typedef kvb_status (*kvb_cuda_layer_hook)(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const float *d_h,
+                                          void *stream, kvb_err *err);
+
 typedef struct {
     int device;            /* CUDA device ordinal (default 0) */
     uint32_t block_tokens; /* tokens per cache block: a power of two in [16, 1024]; 0 = 64 */
@@ -42,6 +50,8 @@ typedef struct {
     uint32_t max_batch;    /* tokens per forward chunk (activation memory grows with it); 0 = 8192 */
     bool no_prefix_cache;  /* true: filled blocks are not indexed (every prompt computed cold) */
     int n_threads;         /* host threads for converting weights at load; 0 = all CPUs */
+    kvb_cuda_layer_hook layer_hook; /* the bridge (prefill node), or NULL */
+    void *layer_hook_ctx;
 } kvb_cuda_opts;
 
 typedef struct kvb_cuda_engine kvb_cuda_engine;

@@ -75,7 +75,7 @@ kvb_status kvb_cuda_test_rmsnorm(const float *x, uint32_t n, uint32_t E, const f
         (st = dput(&b, &dy, y, (size_t)n * E * 2, err)))
         goto done;
     {
-        cudaError_t ce = kvb_cu_rmsnorm(dx, E, (int)n, (int)E, dw, eps, dy, E, 0);
+        cudaError_t ce = kvb_cu_rmsnorm(dx, E, (int)n, (int)E, dw, eps, dy, E, NULL, 0);
         if (ce != cudaSuccess) {
             st = kvb_cu_fail(err, ce, "kvb_cu_rmsnorm", __FILE__, __LINE__);
             goto done;

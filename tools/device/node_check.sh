@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# tools/device/node_check.sh — the bridge and the closed loop on the H200 host, in one call (run
+# from the repo root there). Uses binaries packed here with
+#   tools/device/gpu_check.sh --pack BUILD_DIR .devcarry-gpu
+# and carried as .devcarry-gpu. Stages (STAGES, default "tests verify cost ladder"):
+#   tests   the gpu-labelled bridge tests (test_cuda_bridge, test_cuda_bridge_dev)
+#   verify  kvbridge verify --device cuda on tiny..llama3.2-1b (every row N/N) and --perturb (must fail)
+#   cost    bench prefill --device cuda --bridge f16 on the Llama-3.1-8B shape (Q8_0 file: a CPU
+#           decoder's weights) at COST_SIZES: the bridge kernel's cost as a fraction of prefill time
+#   ladder  bench ladder --device cuda on the llama3.2-1b shape (CUDA prefill node -> CPU decode
+#           node on loopback) at LADDER_LENGTHS, decoder alone up to ALONE_MAX tokens
+#   million one bridged 1,048,576-token prompt on the 1B shape (bench ladder, decoder alone not run)
+# Logs under $OUT (default /tmp/kvb-node-check); DEADLINE (seconds, default 570) bounds the whole.
+set -u
+D=${D:-.devcarry-gpu}
+export LD_LIBRARY_PATH="$PWD/$D/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+K=$D/kvbridge
+OUT=${OUT:-/tmp/kvb-node-check}
+MD=${MODELS_DIR:-/tmp/kvb-models}
+STAGES=${STAGES:-"tests verify cost ladder"}
+COST_SIZES=${COST_SIZES:-8192,32768}
+LADDER_LENGTHS=${LADDER_LENGTHS:-8192,32768,131072}
+ALONE_MAX=${ALONE_MAX:-32768}
+CACHE=${CACHE:-f16}
+DEADLINE=${DEADLINE:-570}
+T0=$(date +%s)
+mkdir -p "$OUT" "$MD"
+want() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+left() { echo $((DEADLINE - ($(date +%s) - T0) - 5)); }
+say() { echo "[$(($(date +%s) - T0))s] $*"; }
+gen() { # gen PRESET TYPE -> path
+  local f=$MD/$1-$2.gguf
+  [ -f "$f" ] || $K gen-model --preset "$1" --type "$2" --out "$f" --quiet --threads "$(nproc)" >&2
+  echo "$f"
+}
+say "node_check on $(hostname): $(nproc) CPUs; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)"
+if want tests; then
+  for t in test_cuda_bridge test_cuda_bridge_dev; do
+    say "== $t"
+    timeout "$(left)" "$D/$t" 2>&1 | tail -12
+  done
+fi
+if want verify; then
+  say "== verify --device cuda"
+  (cd "$MD" && timeout "$(left)" "$OLDPWD/$K" verify --device cuda --preset tiny --preset tiny-qwen2 --preset tiny-qwen3 \
+    --preset tiny-llama3 --preset qwen3-0.6b --preset llama3.2-1b) >"$OUT/verify_cuda.txt" 2>&1
+  echo "verify rc=$?"; grep -E "SHORT|PASS|FAIL|not run" "$OUT/verify_cuda.txt" | head -20
+  say "== verify --device cuda --perturb (must fail)"
+  (cd "$MD" && timeout "$(left)" "$OLDPWD/$K" verify --device cuda --preset tiny --perturb) 2>&1 | tail -3
+fi
+if want cost; then
+  say "== bridge cost, 8B shape"
+  f=$(gen llama3.1-8b q8_0)
+  timeout "$(left)" $K bench prefill --device cuda -m "$f" --tokens "$COST_SIZES" --reps 3 --bridge "$CACHE" \
+    --ceiling-reps 10 2>"$OUT/cost.err" | tee "$OUT/cost.txt"
+  tail -3 "$OUT/cost.err"
+fi
+if want ladder; then
+  say "== ladder, 1B shape, CUDA prefill -> CPU decode"
+  f=$(gen llama3.2-1b q8_0)
+  timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths "$LADDER_LENGTHS" --seeds 1 \
+    --alone-max "$ALONE_MAX" --cache-type "$CACHE" 2>"$OUT/ladder.err" | tee "$OUT/ladder.txt"
+  tail -5 "$OUT/ladder.err"
+fi
+if want million; then
+  say "== one bridged 1M-token prompt, 1B shape"
+  f=$(gen llama3.2-1b q8_0)
+  timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths 1048576 --seeds 1 --alone-max 0 \
+    --prefill-alone-max 0 --cache-type "${MILLION_CACHE:-q8_0}" 2>"$OUT/million.err" | tee "$OUT/million.txt"
+  tail -5 "$OUT/million.err"
+fi
+say "done"
