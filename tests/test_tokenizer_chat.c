@@ -25,6 +25,8 @@
  *    assistant c+'<|end|>\n'; system messages are dropped by that template.
  *  - gemma (gemma-7b-it): bos, '<start_of_turn>'+(assistant->model)+'\n'+ c|trim
  *    +'<end_of_turn>\n', prompt '<start_of_turn>model\n'; system raises.
+ *  - gemma 3 (T_GEMMA3, Google's Gemma 3 template): the same turns, and a system message is
+ *    allowed: its content + '\n\n' goes in front of the first user turn (test_render_gemma3).
  * Families whose template rejects or drops a system message get our documented extension
  * (tested separately): mistral/gemma prepend it to the first user message with "\n\n", phi3
  * renders "<|system|>\n...<|end|>\n" as Phi-3's later template does. */
@@ -76,6 +78,56 @@ static const char T_GEMMA[] =
     "(message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif "
     "%}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if "
     "add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}";
+
+/* Gemma 3's official template: "chat_template" of Google's Gemma 3 instruction-tuned
+ * tokenizer_config.json (google/gemma-3-*-it; the GGUF we test with, gemma-3-270m-q4_k_m.gguf,
+ * carries no tokenizer.chat_template). Whitespace and the \n escapes inside the Jinja string
+ * literals as stored there; rendering does not depend on either (every tag is {%- -%}). Unlike
+ * gemma-7b-it's it takes a system message: its content, untrimmed, + "\n\n" is put in front of
+ * the first (user) turn's trimmed content. The fixtures in test_render_gemma3 are this template
+ * rendered with jinja2 as transformers' apply_chat_template does (trim_blocks, lstrip_blocks;
+ * bos_token "<bos>"), minus the leading "<bos>". */
+static const char T_GEMMA3[] =
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\\n'}}\n"
+    "{%- endif -%}\n";
 
 static const kvb_chat_msg CONV_SYS[] = {
     {"system", "You are a helpful assistant."},
@@ -201,6 +253,63 @@ static void test_render_gemma(void **state) {
           "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n");
 }
 
+static void check_gen(kvb_chat_family f, const kvb_chat_msg *m, size_t n, bool gen, const char *want) {
+    char *out = NULL;
+    kvb_err err = {0};
+    assert_int_equal(kvb_chat_render(f, m, n, gen, &out, &err), KVB_OK);
+    if (strcmp(out, want) != 0)
+        fail_msg("%s (generation prompt %d) rendered\n[%s]\nwanted\n[%s]", kvb_chat_family_name(f), gen, out, want);
+    free(out);
+}
+
+/* Gemma 3 (T_GEMMA3): a single user turn, system + user, user/assistant/user, each with and
+ * without the generation prompt; and whitespace: system content kept as it is, turns trimmed. */
+static void test_render_gemma3(void **state) {
+    (void)state;
+    detect_is(T_GEMMA3, KVB_CHAT_GEMMA);
+    static const struct {
+        const kvb_chat_msg *m;
+        size_t n;
+        const char *want; /* with the generation prompt; without it, the same minus "<start_of_turn>model\n" */
+    } cases[] = {
+        {CONV_SYS + 1, 1, "<start_of_turn>user\nHello<end_of_turn>\n<start_of_turn>model\n"},
+        {CONV_SYS, 2,
+         "<start_of_turn>user\nYou are a helpful assistant.\n\nHello<end_of_turn>\n<start_of_turn>model\n"},
+        {CONV_SYS + 1, 3,
+         "<start_of_turn>user\nHello<end_of_turn>\n<start_of_turn>model\nHi there!<end_of_turn>\n"
+         "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n"},
+        {CONV_SYS, 4,
+         "<start_of_turn>user\nYou are a helpful assistant.\n\nHello<end_of_turn>\n<start_of_turn>model\nHi "
+         "there!<end_of_turn>\n<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n"},
+    };
+    static const char prompt[] = "<start_of_turn>model\n";
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
+        check_gen(KVB_CHAT_GEMMA, cases[i].m, cases[i].n, true, cases[i].want);
+        size_t len = strlen(cases[i].want) - strlen(prompt);
+        assert_string_equal(cases[i].want + len, prompt);
+        char *want = strndup(cases[i].want, len);
+        assert_non_null(want);
+        check_gen(KVB_CHAT_GEMMA, cases[i].m, cases[i].n, false, want);
+        free(want);
+    }
+    const kvb_chat_msg ws[] = {{"system", "  Be brief.\n"}, {"user", "\tHi\t"}};
+    check_gen(KVB_CHAT_GEMMA, ws, 2, true, "<start_of_turn>user\n  Be brief.\n\n\nHi<end_of_turn>\n<start_of_turn>model\n");
+}
+
+/* `| trim` and .strip() are Python's str.strip(): Unicode whitespace goes too (U+00A0, U+3000,
+ * U+2028, U+0085, U+001C ...; jinja2 renders T_GEMMA3 with content "\u00a0\u3000 Hi\x1c\u2028\x85"
+ * as "Hi"); other characters and ill-formed UTF-8 stay. */
+static void test_trim_unicode(void **state) {
+    (void)state;
+    const kvb_chat_msg m[] = {{"user", "\xc2\xa0\xe3\x80\x80 Hi\x1c\xe2\x80\xa8\xc2\x85"}};
+    check_gen(KVB_CHAT_GEMMA, m, 1, false, "<start_of_turn>user\nHi<end_of_turn>\n");
+    check_gen(KVB_CHAT_LLAMA3, m, 1, false, "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>");
+    const kvb_chat_msg keep[] = {{"user", "\xe2\x80\x8b x \xe2\x80\xa8\xe2\x80"}}; /* ZWSP is not whitespace; a cut char */
+    check_gen(KVB_CHAT_GEMMA, keep, 1, false, "<start_of_turn>user\n\xe2\x80\x8b x \xe2\x80\xa8\xe2\x80<end_of_turn>\n");
+    const kvb_chat_msg all[] = {{"user", " \xe2\x80\x83\xe1\x9a\x80\xe2\x81\x9f\xe2\x80\xaf\t"}};
+    check_gen(KVB_CHAT_GEMMA, all, 1, false, "<start_of_turn>user\n<end_of_turn>\n");
+}
+
 /* Our documented handling of system messages where the reference template has none. */
 static void test_system_extensions(void **state) {
     (void)state;
@@ -244,6 +353,8 @@ int main(void) {
         cmocka_unit_test(test_render_chatml),   cmocka_unit_test(test_render_mistral),
         cmocka_unit_test(test_render_phi3),     cmocka_unit_test(test_render_gemma),
         cmocka_unit_test(test_system_extensions), cmocka_unit_test(test_qwen_config_template),
+        cmocka_unit_test(test_render_gemma3),
+        cmocka_unit_test(test_trim_unicode),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -21,6 +21,17 @@ int kvb_bench_ladder(int argc, char **argv);
 /* `kvbridge bench link` (cmd_bench_link.c). */
 int kvb_bench_link(int argc, char **argv);
 
+/* A deterministic long-context prompt for a quality benchmark (cli/quality_prompts.c): a readable
+ * English document (company report, travel journal or facts about fictional cities, from word
+ * lists and sentence templates) of about target_tokens_approx tokens (~4 characters per token),
+ * with one needle sentence ("The secret code of the blue lighthouse is 48217.") at a depth chosen
+ * from the seed; *needle_question asks for it ("What is the secret code of the blue lighthouse?")
+ * and *needle_answer is the code ("48217"), whose digits occur exactly once in *text. The same
+ * seed and size give the same bytes on every machine. Returns 0, or -1 (bad arguments:
+ * target 0 or above 2^26, NULL outputs; out of memory) with the outputs NULL. Caller frees all three. */
+int kvb_quality_prompt(uint64_t seed, uint32_t target_tokens_approx, char **text, char **needle_question,
+                       char **needle_answer);
+
 /* Small shared helpers for option parsing (cli/args.c). */
 bool kvb_arg_is_help(const char *a);
 /* Parses a whole decimal integer in [lo, hi]; prints "kvbridge CMD: --OPT expects ..." and

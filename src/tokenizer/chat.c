@@ -88,12 +88,36 @@ static void put_n(sbuf *b, const char *s, size_t n) {
 }
 static void put(sbuf *b, const char *s) { put_n(b, s, strlen(s)); }
 
-/* Python's str.strip() / Jinja's trim for ASCII whitespace */
-static void put_trim(sbuf *b, const char *s) {
-    size_t n = strlen(s), a = 0;
-    while (a < n && strchr(" \t\n\r\v\f", s[a])) a++;
-    while (n > a && strchr(" \t\n\r\v\f", s[n - 1])) n--;
-    put_n(b, s + a, n - a);
+/* Length of the whitespace character (Python's str.isspace(): what str.strip() and Jinja's trim
+ * remove) that s[0..n) starts with, else 0: U+0009-000D, U+001C-0020, U+0085, U+00A0, U+1680,
+ * U+2000-200A, U+2028, U+2029, U+202F, U+205F, U+3000. Exact UTF-8 byte patterns, so any bytes
+ * are safe. */
+static size_t space_len(const unsigned char *s, size_t n) {
+    if (n >= 1 && ((s[0] >= 0x09 && s[0] <= 0x0D) || (s[0] >= 0x1C && s[0] <= 0x20))) return 1;
+    if (n >= 2 && s[0] == 0xC2 && (s[1] == 0x85 || s[1] == 0xA0)) return 2;
+    if (n >= 3 && s[0] == 0xE1 && s[1] == 0x9A && s[2] == 0x80) return 3;
+    if (n >= 3 && s[0] == 0xE2 && s[1] == 0x80 &&
+        (s[2] <= 0x8A || s[2] == 0xA8 || s[2] == 0xA9 || s[2] == 0xAF) && s[2] >= 0x80) return 3;
+    if (n >= 3 && s[0] == 0xE2 && s[1] == 0x81 && s[2] == 0x9F) return 3;
+    if (n >= 3 && s[0] == 0xE3 && s[1] == 0x80 && s[2] == 0x80) return 3;
+    return 0;
+}
+
+/* Python's str.strip() / Jinja's trim: whitespace as str.isspace() has it, Unicode included */
+static void put_trim(sbuf *b, const char *str) {
+    const unsigned char *s = (const unsigned char *)str;
+    size_t n = strlen(str), a = 0, k;
+    while (a < n && (k = space_len(s + a, n - a)) != 0) a += k;
+    for (bool more = true; more && n > a;) {
+        more = false;
+        for (k = 1; k <= 3 && k <= n - a; k++)
+            if (space_len(s + n - k, k) == k) {
+                n -= k;
+                more = true;
+                break;
+            }
+    }
+    put_n(b, str + a, n - a);
 }
 
 static bool is_role(const kvb_chat_msg *m, const char *r) { return m->role && strcmp(m->role, r) == 0; }
