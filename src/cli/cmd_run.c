@@ -17,7 +17,7 @@ static void help(FILE *f) {
             "usage: kvbridge run -m MODEL (--tokens 1,2,3 | -p TEXT) [-n N] [options]\n\n"
             "Runs the model on this machine's CPU (or GPU with --device cuda): prefills the prompt, then\n"
             "generates N tokens.\n\n"
-            "  -m, --model FILE     GGUF model (llama, qwen2, qwen3; F32/F16/BF16/Q8_0/Q4_0)\n"
+            "  -m, --model FILE     GGUF model (llama, qwen2, qwen3, gemma3; F32/F16/BF16/Q8_0/Q4_0/Q5_0/Q4_K/Q5_K/Q6_K)\n"
             "  --tokens LIST        prompt as comma-separated token ids\n"
             "  -p, --prompt TEXT    prompt as text (tokenized with the model's own vocabulary)\n"
             "  --chat               wrap -p TEXT as a user message in the model's chat template\n"
