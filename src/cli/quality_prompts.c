@@ -22,36 +22,9 @@
 
 /* ---- a growable string ------------------------------------------------------------------------ */
 
-typedef struct {
-    char *p;
-    size_t n, cap;
-    bool oom;
-} qbuf;
-
-static void q_putn(qbuf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 1024;
-        while (cap < b->n + n + 1) {
-            if (cap > SIZE_MAX / 2) {
-                b->oom = true;
-                return;
-            }
-            cap *= 2;
-        }
-        char *np = realloc(b->p, cap);
-        if (!np) {
-            b->oom = true;
-            return;
-        }
-        b->p = np;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-static void q_put(qbuf *b, const char *s) { q_putn(b, s, strlen(s)); }
+typedef kvb_strbuf qbuf;
+static void q_putn(qbuf *b, const char *s, size_t n) { kvb_strbuf_putn(b, s, n); }
+static void q_put(qbuf *b, const char *s) { kvb_strbuf_put(b, s); }
 
 /* ---- word lists ----------------------------------------------------------------------------- */
 

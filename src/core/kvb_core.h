@@ -72,6 +72,16 @@ static inline bool kvb_add_overflow_u64(uint64_t a, uint64_t b, uint64_t *out) {
 
 /* ---- thread pool: fixed workers, one parallel-for at a time ----------------------------- */
 
+/* A growable NUL-terminated string: zero-initialise, append, free(p). After an allocation failure
+ * (or a size overflow) `oom` is set and further appends do nothing. */
+typedef struct {
+    char *p;
+    size_t n, cap;
+    bool oom;
+} kvb_strbuf;
+void kvb_strbuf_putn(kvb_strbuf *b, const char *s, size_t n);
+void kvb_strbuf_put(kvb_strbuf *b, const char *s);
+
 typedef struct kvb_pool kvb_pool;
 /* Task body: called once for each task index in [0, n_tasks), on some worker. `worker` is in
  * [0, kvb_pool_size(pool)). Which worker runs a task must never change a result: split work so

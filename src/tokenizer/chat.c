@@ -57,36 +57,9 @@ kvb_status kvb_chat_family_detect(const char *tmpl, kvb_chat_family *out, kvb_er
 
 /* ---- a small string builder ------------------------------------------------------------------- */
 
-typedef struct {
-    char *p;
-    size_t n, cap;
-    bool oom;
-} sbuf;
-
-static void put_n(sbuf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->n + n + 1) {
-            if (cap > SIZE_MAX / 2) {
-                b->oom = true;
-                return;
-            }
-            cap *= 2;
-        }
-        char *np = realloc(b->p, cap);
-        if (!np) {
-            b->oom = true;
-            return;
-        }
-        b->p = np;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-static void put(sbuf *b, const char *s) { put_n(b, s, strlen(s)); }
+typedef kvb_strbuf sbuf;
+static void put_n(sbuf *b, const char *s, size_t n) { kvb_strbuf_putn(b, s, n); }
+static void put(sbuf *b, const char *s) { kvb_strbuf_put(b, s); }
 
 /* Length of the whitespace character (Python's str.isspace(): what str.strip() and Jinja's trim
  * remove) that s[0..n) starts with, else 0: U+0009-000D, U+001C-0020, U+0085, U+00A0, U+1680,

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "bridge_kernels.h"
+#include "bridge_quant.cuh"
 #include "kvb_quant_scalar.h"
 
 #define QK 32
@@ -79,28 +80,9 @@ __global__ static void k_quantize_act(const float *x, uint8_t *act, size_t act_s
     const int t = idx / nb, b = idx % nb;
     const float *xb = x + (size_t)t * E + (size_t)b * QK;
     uint8_t *y = act + (size_t)t * act_stride + (size_t)b * 34;
-    float amax = 0.0f;
-    int nan = 0;
-    for (int j = 0; j < QK; j++) {
-        const float a = fabsf(xb[j]);
-        if (a != a) nan = 1;
-        else if (a > amax) amax = a;
-    }
-    if (nan) amax = __int_as_float(0x7fc00000);
-    const float d = __fdiv_rn(amax, 127.0f);
-    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
-    const uint16_t dh = kvb_f32_to_fp16_inl(d);
+    const uint16_t dh = kvb_f32_to_fp16_inl(kvb_bq_quantize32(xb, (int8_t *)(y + 2)));
     y[0] = (uint8_t)(dh & 0xff);
     y[1] = (uint8_t)(dh >> 8);
-    for (int j = 0; j < QK; j++) {
-        float v = __fmul_rn(xb[j], id);
-        if (!(v == v)) {
-            y[2 + j] = 0;
-            continue;
-        }
-        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        y[2 + j] = (uint8_t)(int8_t)kvb_rne_small(v);
-    }
 }
 
 __global__ static void k_copy_act(const float *x, uint8_t *act, size_t act_stride, int n, int E) {

@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "bridge_kernels.h"
+#include "bridge_quant.cuh"
 #include "kvb_quant_scalar.h"
 
 #define MMA_QK 32
@@ -169,27 +170,7 @@ __global__ static void k_quantize_act_i8(const float *x, int n, int E, int8_t *a
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * nb) return;
     const float *xb = x + (size_t)idx * MMA_QK; // (t * nb + b) * 32 = t * E + b * 32
-    float amax = 0.0f;
-    int nan = 0;
-    for (int j = 0; j < MMA_QK; j++) {
-        const float a = fabsf(xb[j]);
-        if (a != a) nan = 1;
-        else if (a > amax) amax = a;
-    }
-    if (nan) amax = __int_as_float(0x7fc00000);
-    const float d = __fdiv_rn(amax, 127.0f);
-    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
-    asc[idx] = kvb_fp16_to_f32_inl(kvb_f32_to_fp16_inl(d));
-    int8_t *q = aq + (size_t)idx * MMA_QK;
-    for (int j = 0; j < MMA_QK; j++) {
-        float v = __fmul_rn(xb[j], id);
-        if (!(v == v)) {
-            q[j] = 0;
-            continue;
-        }
-        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        q[j] = (int8_t)kvb_rne_small(v);
-    }
+    asc[idx] = kvb_fp16_to_f32_inl(kvb_f32_to_fp16_inl(kvb_bq_quantize32(xb, aq + (size_t)idx * MMA_QK)));
 }
 
 static unsigned mma_grid1(long long threads) { return (unsigned)((threads + 127) / 128); }
