@@ -238,6 +238,34 @@ static void test_prefill_mode(void **state) {
     kvb_prefill_node_stop(pn);
 }
 
+/* Many cold prompts through a small prefix cache: bridged blocks are cached for later turns but
+ * hold no reference once the reply is done, so least-recently-used ones are evicted and every
+ * request still bridges `complete` (2026-12-03: the decode node kept a reference per bridged
+ * block, and the third cold prompt found the store full). */
+static void test_bridged_blocks_are_evictable(void **state) {
+    (void)state;
+    kvb_prefill_node *pn = start_prefill(g_model, PSK, NULL);
+    char peer[32];
+    snprintf(peer, sizeof peer, "127.0.0.1:%u", kvb_prefill_node_port(pn));
+    kvb_decode_config c = {.http_listen = "127.0.0.1:0", .peer = peer, .model_path = g_model, .psk = PSK,
+                           .n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 4096,
+                           .peer_timeout_ms = 10000, .cache_blocks = 48}; /* room for one 31-block prompt */
+    kvb_decode_node *dn = NULL;
+    kvb_err err = {0};
+    if (kvb_decode_node_start(&c, &dn, &err)) fail_msg("decode node: %s", err.msg);
+    int32_t ids[1000];
+    for (int i = 0; i < 4; i++) {
+        prompt_ids(ids, 1000, 1000 + (uint64_t)i); /* a fresh prompt: nothing cached */
+        reply b;
+        complete_ids(kvb_decode_node_port(dn), ids, 1000, &b);
+        assert_string_equal(b.verdict, "complete");
+        assert_int_equal(b.bridged, 992);
+        free(b.content);
+    }
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+}
+
 static void test_openai_client_streams(void **state) {
     (void)state;
     const char *src = getenv("KVB_SOURCE_DIR");
@@ -266,6 +294,7 @@ int main(void) {
         cmocka_unit_test(test_fault_wrong_key),
         cmocka_unit_test(test_fault_other_model),
         cmocka_unit_test(test_prefill_mode),
+        cmocka_unit_test(test_bridged_blocks_are_evictable),
         cmocka_unit_test(test_openai_client_streams),
     };
     return cmocka_run_group_tests(tests, setup, NULL);

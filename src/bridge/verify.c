@@ -37,9 +37,8 @@ static kvb_status collect_slab(void *ctx, const kvb_slab *s, kvb_err *err) {
     c->bytes += s->k_bytes + s->v_bytes;
     if (c->store) {
         const uint32_t bt = c->fmt->block_tokens;
-        kvb_block_id committed;
         return kvb_store_slab_put(c->pending[s->pos0 / bt], s->layer, s->pos0 % bt, s->n, s->k, s->k_bytes, s->v,
-                                  s->v_bytes, s->checksum, &committed, err);
+                                  s->v_bytes, s->checksum, NULL, err);
     }
     return KVB_OK;
 }

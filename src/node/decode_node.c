@@ -130,13 +130,12 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
         if (m.type == KVB_FRAME_SLAB) {
             const kvb_msg_slab *s = &m.u.slab;
             uint32_t g = s->pos0 / bt;
-            kvb_block_id committed;
             kvb_status st = KVB_OK;
             if (g < b0 || g >= b0 + nb)
                 st = kvb_err_set(&err, KVB_ERR_FORMAT, "slab for position %u outside the requested range", s->pos0);
             else
                 st = kvb_store_slab_put(pend[g - b0], s->layer, s->pos0 % bt, s->n, s->k, s->k_bytes, s->v, s->v_bytes,
-                                        s->checksum, &committed, &err);
+                                        s->checksum, NULL, &err);
             if (st) {
                 snprintf(o->fault, sizeof o->fault, "corrupt slab rejected: %.120s", err.msg);
                 o->fault_kind = "corrupt_slab";
