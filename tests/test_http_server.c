@@ -157,6 +157,7 @@ static void fake_completion(void *ctx, const kvb_completion_req *req, kvb_comple
         .lookup_s = 0.001,
         .prefill_s = 0.25,
         .transfer_s = 0.125,
+        .native_s = 0.0625,
         .decode_s = 0.5,
     };
     kvb_completion_finish(out, st == KVB_ERR_RANGE ? KVB_FINISH_LENGTH : KVB_FINISH_STOP, &u);
@@ -427,6 +428,7 @@ static void expect_kvbridge_usage(const cJSON *usage, const char *verdict_header
     assert_true(jnum(usage, "kvbridge.native_tokens") == 7);
     assert_true(jnum(usage, "kvbridge.lookup_s") == 0.001);
     assert_true(jnum(usage, "kvbridge.prefill_s") == 0.25);
+    assert_true(jnum(usage, "kvbridge.native_s") == 0.0625);
     assert_true(jnum(usage, "kvbridge.transfer_s") == 0.125);
     assert_true(jnum(usage, "kvbridge.decode_s") == 0.5);
 }

@@ -626,6 +626,60 @@ static void test_slab_layout_and_checksum(void **state) {
     kvb_store_free(s);
 }
 
+/* A tail (the partial block before the last prompt token): assembled with the same checks over
+ * its own tokens only, never committed or visible, its page taken once complete; a tail that is
+ * closed untaken gives its page back. */
+static void test_slab_tail(void **state) {
+    (void)state;
+    kvb_store *s = new_store(4);
+    kvb_err e = {0};
+    kvb_slab_pending *pp;
+    assert_int_equal(kvb_store_slab_begin_tail(s, 0, &pp, &e), KVB_ERR_INVALID);
+    assert_int_equal(kvb_store_slab_begin_tail(s, BT, &pp, &e), KVB_ERR_INVALID);
+    assert_int_equal(kvb_store_slab_begin_tail(s, 3, &pp, &e), KVB_OK);
+    const uint32_t tail = 3;
+    uint8_t blk[BB_MAX];
+    for (size_t i = 0; i < sizeof blk; i++) blk[i] = (uint8_t)(i * 31 + 7);
+    kvb_block_id got = 123;
+    /* a token past the tail is refused, nothing written */
+    assert_int_equal(put_slab(pp, blk, (slab_desc){0, 2, 2}, &got, &e), KVB_ERR_FORMAT);
+    assert_non_null(strstr(e.msg, "tail"));
+    assert_int_equal(kvb_store_slab_take_tail(pp), KVB_BLOCK_NONE); /* not complete */
+    for (uint32_t l = 0; l < NL; l++) {
+        assert_int_equal(put_slab(pp, blk, (slab_desc){l, 0, 1}, &got, &e), KVB_OK);
+        assert_int_equal(put_slab(pp, blk, (slab_desc){l, 1, tail - 1}, &got, &e), KVB_OK);
+        assert_int_equal(got, KVB_BLOCK_NONE); /* never committed */
+    }
+    assert_int_equal(kvb_store_slab_missing(pp), 0);
+    assert_false(kvb_store_slab_committed(pp));
+    kvb_store_stats st;
+    kvb_store_get_stats(s, &st);
+    assert_int_equal(st.committed, 0);
+    kvb_block_id page = kvb_store_slab_take_tail(pp);
+    assert_int_not_equal(page, KVB_BLOCK_NONE);
+    assert_int_equal(kvb_store_slab_take_tail(pp), KVB_BLOCK_NONE); /* taken once */
+    assert_int_equal(put_slab(pp, blk, (slab_desc){0, 0, 1}, &got, &e), KVB_ERR_INVALID); /* taken: nothing more goes in */
+    kvb_store_slab_close(pp);
+    /* the page survived close, with the tail's rows where a block's would be */
+    const uint8_t *d = kvb_store_block_data(s, page);
+    for (uint32_t l = 0; l < NL; l++)
+        for (uint32_t t = 0; t < tail; t++)
+            assert_memory_equal(d + kvb_kvformat_row_offset(&g_fmt, l, 1, 1, t),
+                                blk + kvb_kvformat_row_offset(&g_fmt, l, 1, 1, t), g_row);
+    kvb_store_get_stats(s, &st);
+    assert_int_equal(st.writing, 1);
+    assert_int_equal(st.pending_slab_blocks, 0);
+    assert_int_equal(kvb_store_release(s, &page, 1, &e), KVB_OK);
+    /* closed untaken: the page goes back */
+    assert_int_equal(kvb_store_slab_begin_tail(s, 2, &pp, &e), KVB_OK);
+    kvb_store_slab_close(pp);
+    kvb_store_get_stats(s, &st);
+    assert_int_equal(st.free, 4);
+    assert_int_equal(st.writing, 0);
+    check_store(s);
+    kvb_store_free(s);
+}
+
 static void test_corrupt_slabs_rejected(void **state) {
     (void)state;
     kvb_store *s = new_store(4);
@@ -1277,6 +1331,7 @@ int main(void) {
         cmocka_unit_test(test_lru_order),
         cmocka_unit_test(test_incomplete_blocks_invisible),
         cmocka_unit_test(test_slab_layout_and_checksum),
+        cmocka_unit_test(test_slab_tail),
         cmocka_unit_test(test_corrupt_slabs_rejected),
         cmocka_unit_test(test_threads_commit_and_lookup),
         cmocka_unit_test(test_random_ops_against_model),

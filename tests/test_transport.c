@@ -180,7 +180,7 @@ static void test_header_corruption_every_byte(void **state) {
         const char *needle;
     } fields[] = {{6, 0, "unknown frame type 0"}, {6, KVB_FRAME_TYPE_MAX + 1, "unknown frame type"},
                   {8, 1, "unknown flags"},        {11, 0x80, "unknown flags"},
-                  {4, 2, "protocol version 2"},   {0, 'X', "bad magic"}};
+                  {4, KVB_WIRE_VERSION + 1, "protocol version"},   {0, 'X', "bad magic"}};
     for (size_t k = 0; k < KVB_ARRAY_LEN(fields); k++) {
         uint8_t bad[KVB_WIRE_HEADER_BYTES];
         memcpy(bad, frame, sizeof bad);
@@ -358,9 +358,15 @@ static void test_prefill_roundtrip_and_truncations(void **state) {
     {
         kvb_kvformat fmt = test_format(); /* 16 tokens per block */
         assert_int_equal(kvb_msg_prefill_check(d, &fmt, &e), KVB_OK);
-        d->ship_tokens = 33;
+        d->ship_tokens = 36; /* 2 blocks and a tail of 4, before the last of 37 tokens */
+        assert_int_equal(kvb_msg_prefill_check(d, &fmt, &e), KVB_OK);
+        d->ship_tokens = 37; /* a tail that swallows the last prompt token */
         assert_int_equal(kvb_msg_prefill_check(d, &fmt, &e), KVB_ERR_FORMAT);
-        assert_true(strstr(e.msg, "ship_tokens 33") != NULL);
+        assert_true(strstr(e.msg, "ship_tokens 37") != NULL);
+        d->cached_tokens = 17;
+        d->ship_tokens = 32;
+        assert_int_equal(kvb_msg_prefill_check(d, &fmt, &e), KVB_ERR_FORMAT);
+        assert_true(strstr(e.msg, "cached_tokens 17") != NULL);
     }
     kvb_msg_free(&msg);
     free(frame);

@@ -33,14 +33,18 @@ static void help(FILE *f) {
             "  --alone-max N        run the decoder-alone legs only up to N tokens (default 1048576); longer\n"
             "                       rows print 'not run'\n"
             "  --prefill-alone-max N  time the in-process prefill node alone only up to N tokens (default\n"
-            "                       1048576)\n");
+            "                       1048576)\n"
+            "  --slab-path-only     the in-process prefill node ships filler rows without computing them: the\n"
+            "                       time and GB/s of the slab path alone (cutting, staging, transport, the\n"
+            "                       decoder's verification and commit) — its ceiling. The decoder's cache then\n"
+            "                       holds filler, so no decoder-alone or prefill-alone legs are run\n");
 }
 
 
 typedef struct {
     double ttft;
     int bridged;
-    double transfer_s;
+    double transfer_s, prefill_s, native_s; /* usage.kvbridge phases */
     char verdict[160];
 } leg;
 
@@ -73,6 +77,8 @@ static int one_leg(uint16_t port, int len, uint64_t seed, uint32_t n_vocab, leg 
     cJSON *kb = cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "kvbridge");
     out->bridged = (int)cJSON_GetNumberValue(cJSON_GetObjectItem(kb, "bridged_tokens"));
     out->transfer_s = cJSON_GetNumberValue(cJSON_GetObjectItem(kb, "transfer_s"));
+    out->prefill_s = cJSON_GetNumberValue(cJSON_GetObjectItem(kb, "prefill_s"));
+    out->native_s = cJSON_GetNumberValue(cJSON_GetObjectItem(kb, "native_s"));
     cJSON_Delete(root);
     kvb_http_reply_free(&h);
     return 0;
@@ -82,7 +88,7 @@ int kvb_bench_ladder(int argc, char **argv) {
     const char *model = NULL, *lengths = "1024,4096", *peer = NULL, *psk = getenv("KVB_PSK");
     long long seeds = 3, threads = 0, chunk = 0, alone_max = 1 << 20, pa_max = 1 << 20;
     uint32_t cache_type = KVB_TYPE_F16;
-    bool cuda = false;
+    bool cuda = false, filler = false;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v;
         if (kvb_arg_is_help(a)) {
@@ -110,6 +116,9 @@ int kvb_bench_ladder(int argc, char **argv) {
         } else if (!strcmp(a, "--prefill-alone-max")) {
             if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 0, 1 << 24, &pa_max))
                 return 2;
+        } else if (!strcmp(a, "--slab-path-only")) {
+            filler = true;
+            alone_max = pa_max = 0;
         } else if (!strcmp(a, "--device")) {
             if (!(v = kvb_arg_value("bench", argc, argv, &i))) return 2;
             if (strcmp(v, "cpu") && strcmp(v, "cuda")) {
@@ -159,7 +168,7 @@ int kvb_bench_ladder(int argc, char **argv) {
     if (!peer) {
         kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = psk, .n_threads = (int)threads,
                                  .cache_dtype = cache_type, .max_ctx = ctx, .cuda = cuda,
-                                 .chunk_tokens = (uint32_t)chunk};
+                                 .chunk_tokens = (uint32_t)chunk, .bench_filler_rows = filler};
         if (kvb_prefill_node_start(&pc, &pn, &err)) goto fail;
         snprintf(peer_addr, sizeof peer_addr, "127.0.0.1:%u", kvb_prefill_node_port(pn));
         peer = peer_addr;
@@ -174,14 +183,16 @@ int kvb_bench_ladder(int argc, char **argv) {
     ac.peer = NULL;
     if (kvb_decode_node_start(&ac, &alone, &err)) goto fail;
     printf("ladder: %s, %lld decoder threads, prefill node %s (%s), decoder cache %s\n", model, threads, peer,
-           pn ? (cuda ? "CUDA engine, in process" : "CPU engine, in process") : "remote", kvb_type_name(cache_type));
+           !pn ? "remote" : filler ? "filler rows, in process: the slab path alone"
+                          : cuda ? "CUDA engine, in process" : "CPU engine, in process",
+           kvb_type_name(cache_type));
     printf("%8s  %12s  %12s  %6s  %13s  %9s  %10s  %9s  %s\n", "tokens", "alone TTFT s", "bridged s", "ratio",
            "prefill alone", "vs alone", "bytes/tok", "GB/s", "verdicts (bridged)");
     size_t rb = kvb_row_bytes(cache_type, m->d.head_dim);
     double bytes_per_tok = 2.0 * m->d.n_layer * m->d.n_head_kv * (double)rb;
     uint64_t seed = (uint64_t)(kvb_now_s() * 1e3);
     for (int li = 0; li < n_lens; li++) {
-        double a[100], b[100], gbs[100], pa[100];
+        double a[100], b[100], gbs[100], pa[100], ph_pre[100], ph_xfer[100], ph_nat[100];
         char verdicts[512] = "";
         const bool run_alone = lens[li] <= alone_max;
         for (int s = 0; s < seeds; s++) {
@@ -194,6 +205,9 @@ int kvb_bench_ladder(int argc, char **argv) {
             if (pn && lens[li] <= pa_max && kvb_prefill_node_time_alone(pn, (uint32_t)lens[li], seed++, &pa[s], &err)) goto fail;
             a[s] = la.ttft;
             b[s] = lb.ttft;
+            ph_pre[s] = lb.prefill_s;
+            ph_xfer[s] = lb.transfer_s;
+            ph_nat[s] = lb.native_s;
             gbs[s] = lb.transfer_s > 0 ? lb.bridged * bytes_per_tok / lb.transfer_s / 1e9 : 0;
             fprintf(stderr, "ladder %d tokens, seed %d: alone %.3f s, bridged %.3f s (%s), prefill alone %.3f s\n",
                     lens[li], s, la.ttft, lb.ttft, lb.verdict, pa[s]);
@@ -225,6 +239,10 @@ int kvb_bench_ladder(int argc, char **argv) {
             for (int s = 0; s < seeds; s++) printf(" %.3f", pa[s]);
         }
         printf(" (sorted)\n");
+        printf("          bridged phases (medians): prefill node %.3f s, exchange (request to DONE) %.3f s, decoder's "
+               "native tail %.3f s\n",
+               kvb_median_sort(ph_pre, (int)seeds), kvb_median_sort(ph_xfer, (int)seeds),
+               kvb_median_sort(ph_nat, (int)seeds));
         if (pn) printf("          prefill node capture memory, peak so far: %.1f KiB\n",
                        kvb_prefill_node_peak_capture_bytes(pn) / 1024.0);
         fflush(stdout);

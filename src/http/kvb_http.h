@@ -136,7 +136,11 @@ typedef struct {
     int64_t cached_tokens; /* prompt tokens found in the prefix cache */
     int64_t bridged_tokens;/* prompt tokens whose cache the prefill node shipped */
     int64_t native_tokens; /* prompt tokens the decoder computed itself */
-    double lookup_s, prefill_s, transfer_s, decode_s; /* per-phase wall seconds */
+    /* per-phase wall seconds: prefix lookup; the prefill node's prefill (its own clock, from its
+     * DONE); the bridge exchange on this node (request to DONE, overlapping that prefill); this
+     * node's own prompt computation (the tail after what arrived, or all of it when native);
+     * decoding */
+    double lookup_s, prefill_s, transfer_s, native_s, decode_s;
 } kvb_usage;
 
 /* The verdict ("complete", "partial 3/8", "declined: peer down"): required before the first

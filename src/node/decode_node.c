@@ -47,6 +47,7 @@ struct kvb_decode_node {
 
 typedef struct {
     uint32_t blocks_total;
+    kvb_block_id tail_page; /* the tail, complete and verified: a writing page now ours, or NONE */
     uint64_t bytes;
     double transfer_s, prefill_s;
     char fault[160]; /* why bridging stopped short ("" = it did not) */
@@ -78,14 +79,17 @@ static kvb_status ensure_peer(kvb_decode_node *n, kvb_err *err) {
     return KVB_OK;
 }
 
-/* Asks the peer for blocks [cached, ship) and commits what arrives; the store keeps any block
- * that completed and verified, lookups see only the contiguous committed chain. */
+/* Asks the peer for blocks [cached, ship) and the tail [ship, ship + tail) (the partial block
+ * before the last prompt token) and commits what arrives; the store keeps any block that
+ * completed and verified, lookups see only the contiguous committed chain. A complete tail comes
+ * back as o->tail_page for the sequence to adopt. */
 static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_tok, uint32_t cached, uint32_t ship,
-                          bridge_outcome *o) {
+                          uint32_t tail, bridge_outcome *o) {
     const uint32_t bt = n->cfg.block_tokens, b0 = cached / bt, nb = (ship - cached) / bt;
     o->blocks_total = nb;
-    uint64_t *keys = malloc(sizeof(uint64_t) * (ship / bt));
-    kvb_slab_pending **pend = calloc(nb, sizeof *pend);
+    o->tail_page = KVB_BLOCK_NONE;
+    uint64_t *keys = malloc(sizeof(uint64_t) * (ship / bt + 1));
+    kvb_slab_pending **pend = calloc(nb + 1, sizeof *pend); /* (blocks, then the tail) */
     kvb_err err = {0};
     uint32_t slabs = 0;
     double t0 = kvb_now_s();
@@ -104,9 +108,14 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
             goto done;
         }
     }
+    if (tail && kvb_store_slab_begin_tail(n->store, tail, &pend[nb], &err)) {
+        snprintf(o->fault, sizeof o->fault, "cache full: %.120s", err.msg);
+        o->fault_kind = "cache_full";
+        goto done;
+    }
     uint64_t rid = ++n->next_request_id;
     kvb_msg_prefill p = {.request_id = rid, .bridge_mode = n->hello.bridge_mode, .n_tokens = n_tok,
-                         .cached_tokens = cached, .ship_tokens = ship,
+                         .cached_tokens = cached, .ship_tokens = ship + tail,
                          .last_cached_key = b0 ? keys[b0 - 1] : root, .tokens = (int32_t *)toks};
     if (kvb_conn_send_prefill(n->conn, &p, n->cfg.peer_timeout_ms, &err)) {
         snprintf(o->fault, sizeof o->fault, "peer lost: %.130s", err.msg);
@@ -131,7 +140,7 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
             const kvb_msg_slab *s = &m.u.slab;
             uint32_t g = s->pos0 / bt;
             kvb_status st = KVB_OK;
-            if (g < b0 || g >= b0 + nb)
+            if (g < b0 || g > b0 + nb || (g == b0 + nb && !tail))
                 st = kvb_err_set(&err, KVB_ERR_FORMAT, "slab for position %u outside the requested range", s->pos0);
             else
                 st = kvb_store_slab_put(pend[g - b0], s->layer, s->pos0 % bt, s->n, s->k, s->k_bytes, s->v, s->v_bytes,
@@ -150,13 +159,16 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
             uint64_t digest = kvb_wire_chain_digest(keys + b0, nb);
             uint32_t missing = 0;
             for (uint32_t b = 0; b < nb; b++) missing += !kvb_store_slab_committed(pend[b]);
+            missing += tail && kvb_store_slab_missing(pend[nb]) != 0;
             o->prefill_s = d->prefill_seconds;
-            if (d->tokens_covered != ship || d->blocks != nb || d->slabs != slabs || d->chain_digest != digest ||
+            if (d->tokens_covered != ship + tail || d->blocks != nb || d->slabs != slabs || d->chain_digest != digest ||
                 missing) {
                 snprintf(o->fault, sizeof o->fault,
                          "DONE does not match what arrived (tokens %u/%u, blocks %u/%u, slabs %u/%u, %u blocks missing)",
-                         d->tokens_covered, ship, d->blocks, nb, d->slabs, slabs, missing);
+                         d->tokens_covered, ship + tail, d->blocks, nb, d->slabs, slabs, missing);
                 o->fault_kind = "done_mismatch";
+            } else if (tail) {
+                o->tail_page = kvb_store_slab_take_tail(pend[nb]);
             }
             break;
         } else if (m.type == KVB_FRAME_ERROR) {
@@ -169,7 +181,7 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
 done:
     o->transfer_s = kvb_now_s() - t0;
     if (pend)
-        for (uint32_t b = 0; b < nb; b++) kvb_store_slab_close(pend[b]); /* uncommitted pages go back */
+        for (uint32_t b = 0; b <= nb; b++) kvb_store_slab_close(pend[b]); /* uncommitted pages go back */
     free(pend);
     free(keys);
     if (o->fault_kind) kvb_metric_add(n->m_faults, KVB_LABELS(o->fault_kind), 1);
@@ -314,7 +326,9 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     if (!st) st = kvb_seq_attach_cached(s, toks, (uint32_t)n_tok, &cached, &err);
     adopted = cached;
     u.lookup_s = kvb_now_s() - t_lookup;
-    const uint32_t ship = (uint32_t)((n_tok - 1) / bt * bt);
+    /* ship: whole blocks before the last prompt token; tail: the partial block after them, also
+     * before the last prompt token, whose logits the decoder always computes itself */
+    const uint32_t ship = (uint32_t)((n_tok - 1) / bt * bt), tail = (uint32_t)(n_tok - 1) - ship;
     const char *kind = "declined";
     if (st) {
     } else if (req->bridge == KVB_BRIDGE_OFF) {
@@ -334,14 +348,23 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
         bridge_outcome o = {0};
         kvb_seq_free(s); /* the cached prefix is re-adopted below, with what arrived */
         s = NULL;
-        bridge_blocks(n, toks, (uint32_t)n_tok, cached, ship, &o);
+        bridge_blocks(n, toks, (uint32_t)n_tok, cached, ship, tail, &o);
         u.transfer_s = o.transfer_s;
         u.prefill_s = o.prefill_s;
         st = kvb_seq_create(n->e, &s, &err);
         if (!st) st = kvb_seq_attach_cached(s, toks, (uint32_t)n_tok, &adopted, &err);
         uint32_t got = adopted > cached ? (adopted - cached) / bt : 0;
-        u.bridged_tokens = (int64_t)got * bt;
-        if (got == o.blocks_total && !o.fault_kind) {
+        bool tail_ok = false; /* the tail continues the chain only when every block before it is there */
+        if (!st && o.tail_page != KVB_BLOCK_NONE && adopted == ship &&
+            !kvb_seq_adopt_tail(s, o.tail_page, toks + ship, tail, &err)) {
+            tail_ok = true;
+            adopted += tail;
+        } else if (o.tail_page != KVB_BLOCK_NONE) {
+            kvb_store_release(n->store, &o.tail_page, 1, NULL); /* unused: its page goes back */
+            memset(&err, 0, sizeof err);
+        }
+        u.bridged_tokens = (int64_t)got * bt + (tail_ok ? tail : 0);
+        if (got == o.blocks_total && (tail == 0 || tail_ok) && !o.fault_kind) {
             snprintf(verdict, sizeof verdict, "complete");
             kind = "complete";
         } else {
@@ -354,7 +377,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     u.native_tokens = (int64_t)n_tok - (int64_t)adopted;
     double t_native = kvb_now_s();
     if (!st) st = kvb_engine_forward(n->e, s, toks + adopted, (uint32_t)n_tok - adopted, logits, false, &err);
-    u.prefill_s += kvb_now_s() - t_native;
+    u.native_s = kvb_now_s() - t_native;
     if (st) {
         engine_release(n);
         kvb_completion_fail(out, st == KVB_ERR_RANGE ? 503 : 500, NULL, NULL, "%s", err.msg);
@@ -458,6 +481,7 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                           .max_ctx = c->max_ctx, .n_blocks = c->cache_blocks};
     if ((st = kvb_engine_create(n->m, &eo, &n->e, err))) goto fail;
     n->store = kvb_engine_store(n->e);
+    kvb_store_prefault(n->store); /* page faults at start, not while the first prompts arrive */
     if (n->peer) {
         if (!cfg->psk || strlen(cfg->psk) < KVB_WIRE_PSK_MIN) {
             st = kvb_err_set(err, KVB_ERR_INVALID, "--peer needs a pre-shared key of at least %d bytes (--psk)",

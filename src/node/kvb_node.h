@@ -38,6 +38,12 @@ typedef struct {
      * "die:N" drops the connection before the Nth slab; "stall:N" stops sending before the Nth
      * slab for 30 s). NULL in production. */
     const char *fault;
+    /* Bench-only (`kvbridge bench ladder --slab-path-only`): ship rows without computing them —
+     * every (chunk, layer) of the request gets deterministic filler rows in the decoder's dtype,
+     * cut, checksummed, staged and sent exactly as computed rows are. Measures the slab path
+     * (staging, transport, the decoder's verification and commit) with no engine in the way. The
+     * decoder's cache then holds filler: never set this on a node that serves answers. */
+    bool bench_filler_rows;
 } kvb_prefill_config;
 
 typedef struct kvb_prefill_node kvb_prefill_node;

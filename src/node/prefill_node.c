@@ -90,6 +90,25 @@ static void *sender_main(void *arg) {
     return NULL;
 }
 
+/* bench_filler_rows: every (chunk, layer) of [ship_from, ship_to) as filler rows through the same
+ * cutting, staging and sending as computed rows (the slab path's own ceiling). */
+static kvb_status ship_filler_rows(kvb_prefill_node *n, kvb_err *err) {
+    const uint32_t chunk = n->cfg.chunk_tokens;
+    const size_t tok_bytes = (size_t)n->m->d.n_head_kv * kvb_kvformat_row_bytes(&n->fmt);
+    uint8_t *k = malloc(chunk * tok_bytes), *v = malloc(chunk * tok_bytes); /* (chunk, n_head_kv, row_bytes) */
+    kvb_status st = k && v ? KVB_OK : kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for filler rows");
+    if (!st) /* (stands in for the engine's rows: not staging memory, not counted as capture) */
+        for (size_t i = 0; i < chunk * tok_bytes; i++) k[i] = (uint8_t)(i * 7), v[i] = (uint8_t)(i * 13);
+    for (uint32_t p = n->ship_from; !st && p < n->ship_to; p += chunk) {
+        const uint32_t cnt = n->ship_to - p < chunk ? n->ship_to - p : chunk;
+        for (uint32_t l = 0; !st && l < n->m->d.n_layer; l++)
+            st = kvb_bridge_cpu_rows(n->br, l, p, cnt, k, v, n->fmt.dtype, err);
+    }
+    free(k);
+    free(v);
+    return st;
+}
+
 #ifdef KVB_HAVE_CUDA
 /* The CUDA engine's layer hook: the bridge kernel on the positions the decoder lacks. */
 static kvb_status cuda_layer_hook(void *ctx, uint32_t layer, uint32_t pos0, uint32_t cnt, const float *d_h,
@@ -166,10 +185,12 @@ static void serve_prefill(kvb_prefill_node *n, kvb_conn *c, kvb_msg_prefill *p) 
         sender_started = pthread_create(&sender, NULL, sender_main, &sc) == 0;
         if (!sender_started) st = kvb_err_set(&err, KVB_ERR_INTERNAL, "could not start the sender thread");
     }
-    if (!st && n->e && p->ship_tokens > adopted)
+    if (!st && n->cfg.bench_filler_rows)
+        st = ship_filler_rows(n, &err);
+    else if (!st && n->e && p->ship_tokens > adopted)
         st = kvb_engine_forward(n->e, s, p->tokens + adopted, p->ship_tokens - adopted, NULL, false, &err);
 #ifdef KVB_HAVE_CUDA
-    if (!st && n->ce) st = prefill_on_cuda(n, p, &err);
+    if (!st && n->ce && !n->cfg.bench_filler_rows) st = prefill_on_cuda(n, p, &err);
 #endif
     kvb_ring_close(&n->ring);
     if (sender_started) pthread_join(sender, NULL);

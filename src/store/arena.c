@@ -68,6 +68,12 @@ void kvb_store_free(kvb_store *s) {
     free(s);
 }
 
+void kvb_store_prefault(kvb_store *s) {
+    const size_t bytes = (size_t)s->n_blocks * s->block_bytes;
+    volatile uint8_t *p = s->arena; /* every write must happen: each one is a page's first touch */
+    for (size_t off = 0; off < bytes; off += 4096) p[off] = 0;
+}
+
 const kvb_kvformat *kvb_store_kvformat(const kvb_store *s) { return &s->fmt; }
 uint32_t kvb_store_n_blocks(const kvb_store *s) { return s->n_blocks; }
 size_t kvb_store_block_bytes(const kvb_store *s) { return s->block_bytes; }

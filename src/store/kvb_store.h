@@ -44,6 +44,10 @@ uint64_t kvb_chain_next(uint64_t parent_key, const int32_t *tokens, uint32_t n_t
  * kvb_kvformat_fingerprint(fmt). KVB_ERR_RANGE if the arena would exceed 1 TiB. */
 kvb_status kvb_store_create(const kvb_kvformat *fmt, uint64_t model_fingerprint, uint32_t n_blocks, kvb_store **out,
                             kvb_err *err);
+/* Touches every page of the arena once, so the operating system commits the memory now: a
+ * server pays its page faults at start (and learns there whether the memory exists) rather than
+ * on the hot path of its first requests. Optional; a fresh store works without it. */
+void kvb_store_prefault(kvb_store *s);
 /* Frees the arena and everything in it. No block may be in use; outstanding pending slab blocks
  * must be closed first. NULL is a no-op. */
 void kvb_store_free(kvb_store *s);
@@ -144,6 +148,17 @@ kvb_status kvb_store_slab_begin(kvb_store *s, uint64_t key, uint64_t parent_key,
 kvb_status kvb_store_slab_put(kvb_slab_pending *p, uint32_t layer, uint32_t token0, uint32_t n_tokens,
                               const void *k, size_t k_bytes, const void *v, size_t v_bytes, uint64_t checksum,
                               kvb_block_id *committed_out, kvb_err *err);
+
+/* The prompt's TAIL: the tokens after its last full block, up to (never including) the last
+ * prompt token. Assembled like a block (same checks, same scatter) but into a private page that
+ * is never committed here and has no key: tokens [0, n_tokens) of it, 1 <= n_tokens <
+ * block_tokens. Once complete (kvb_store_slab_missing == 0) the caller takes the page
+ * (kvb_store_slab_take_tail) and hands it to a sequence, which finishes the block with its own
+ * tokens and commits it through the one block writer when full. Partial blocks stay invisible. */
+kvb_status kvb_store_slab_begin_tail(kvb_store *s, uint32_t n_tokens, kvb_slab_pending **out, kvb_err *err);
+/* A complete tail's page, WRITING and now owned by the caller (released with kvb_store_release
+ * like any writing page); KVB_BLOCK_NONE when the tail is not complete or was taken. */
+kvb_block_id kvb_store_slab_take_tail(kvb_slab_pending *p);
 
 /* (layer, token) cells still missing: 0 once complete. */
 uint32_t kvb_store_slab_missing(const kvb_slab_pending *p);

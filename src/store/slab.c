@@ -25,6 +25,8 @@ struct kvb_slab_pending {
     pending_phase phase;
     int32_t *tokens;        /* (block_tokens) */
     uint8_t *covered;       /* (n_layer, block_tokens): 1 once that layer of that token arrived */
+    uint32_t n_valid;       /* tokens [0, n_valid) of the page are assembled: block_tokens, or a tail's length */
+    bool tail;              /* a tail: never committed; its page is taken by a sequence */
 };
 
 uint64_t kvb_slab_checksum(const void *k, size_t k_bytes, const void *v, size_t v_bytes) {
@@ -35,6 +37,8 @@ uint64_t kvb_slab_checksum(const void *k, size_t k_bytes, const void *v, size_t 
     if (v_bytes) XXH3_64bits_update(&st, v, v_bytes);
     return XXH3_64bits_digest(&st);
 }
+
+static kvb_status pending_open(kvb_store *s, uint32_t n_valid, kvb_slab_pending **out, kvb_err *err);
 
 kvb_status kvb_store_slab_begin(kvb_store *s, uint64_t key, uint64_t parent_key, const int32_t *tokens,
                                 kvb_slab_pending **out, kvb_err *err) {
@@ -47,6 +51,36 @@ kvb_status kvb_store_slab_begin(kvb_store *s, uint64_t key, uint64_t parent_key,
                            "slab assembly: chain key %016llx does not match its parent key %016llx and tokens "
                            "(expected %016llx)",
                            (unsigned long long)key, (unsigned long long)parent_key, (unsigned long long)expected);
+    kvb_slab_pending *p;
+    kvb_status st = pending_open(s, f->block_tokens, &p, err);
+    if (st) return st;
+    p->key = key;
+    p->parent_key = parent_key;
+    memcpy(p->tokens, tokens, (size_t)f->block_tokens * sizeof(int32_t));
+    *out = p;
+    return KVB_OK;
+}
+
+kvb_status kvb_store_slab_begin_tail(kvb_store *s, uint32_t n_tokens, kvb_slab_pending **out, kvb_err *err) {
+    *out = NULL;
+    if (n_tokens == 0 || n_tokens >= s->fmt.block_tokens)
+        return kvb_err_set(err, KVB_ERR_INVALID, "slab assembly: a tail has 1..%u tokens, not %u",
+                           s->fmt.block_tokens - 1, n_tokens);
+    kvb_status st = pending_open(s, n_tokens, out, err);
+    if (!st) (*out)->tail = true;
+    return st;
+}
+
+kvb_block_id kvb_store_slab_take_tail(kvb_slab_pending *p) {
+    if (!p || !p->tail || p->n_missing || p->page == KVB_BLOCK_NONE) return KVB_BLOCK_NONE;
+    kvb_block_id id = p->page;
+    p->page = KVB_BLOCK_NONE; /* the caller's now (still counted as writing): close leaves it alone */
+    return id;
+}
+
+/* A pending assembly over tokens [0, n_valid) of a fresh private page. */
+static kvb_status pending_open(kvb_store *s, uint32_t n_valid, kvb_slab_pending **out, kvb_err *err) {
+    const kvb_kvformat *f = &s->fmt;
     const size_t n_cells = (size_t)f->n_layer * f->block_tokens;
     kvb_slab_pending *p = calloc(1, sizeof *p);
     if (p) {
@@ -70,11 +104,9 @@ kvb_status kvb_store_slab_begin(kvb_store *s, uint64_t key, uint64_t parent_key,
     }
     p->store = s;
     p->committed = KVB_BLOCK_NONE;
-    p->key = key;
-    p->parent_key = parent_key;
-    p->n_missing = (uint32_t)n_cells;
+    p->n_valid = n_valid;
+    p->n_missing = f->n_layer * n_valid;
     p->phase = PENDING_ASSEMBLING;
-    memcpy(p->tokens, tokens, (size_t)f->block_tokens * sizeof(int32_t));
     pthread_mutex_lock(&s->mu);
     s->n_pending++;
     pthread_mutex_unlock(&s->mu);
@@ -119,9 +151,12 @@ kvb_status kvb_store_slab_put(kvb_slab_pending *p, uint32_t layer, uint32_t toke
     if (layer >= f->n_layer)
         return reject(p, err, KVB_ERR_FORMAT, "layer %u is out of range (the format has %u layers)", layer,
                       f->n_layer);
-    if (n_tokens == 0 || token0 >= bt || n_tokens > bt - token0)
-        return reject(p, err, KVB_ERR_FORMAT, "token range %u+%u is not inside the block (0..%u)", token0, n_tokens,
-                      bt);
+    if (n_tokens == 0 || token0 >= p->n_valid || n_tokens > p->n_valid - token0)
+        return reject(p, err, KVB_ERR_FORMAT, "token range %u+%u is not inside the %s (0..%u)", token0, n_tokens,
+                      p->tail ? "tail" : "block", p->n_valid);
+    if (p->page == KVB_BLOCK_NONE)
+        return reject(p, err, KVB_ERR_INVALID, "layer %u tokens %u+%u: the tail was already taken", layer, token0,
+                      n_tokens);
     const size_t want = (size_t)n_tokens * nkv * row;
     if (k_bytes != want || v_bytes != want)
         return reject(p, err, KVB_ERR_FORMAT,
@@ -150,7 +185,7 @@ kvb_status kvb_store_slab_put(kvb_slab_pending *p, uint32_t layer, uint32_t toke
     pthread_mutex_lock(&s->mu);
     s->slabs_accepted++;
     pthread_mutex_unlock(&s->mu);
-    if (p->n_missing) return KVB_OK;
+    if (p->n_missing || p->tail) return KVB_OK; /* a complete tail waits to be taken, never committed */
 
     /* ---- complete: publish through the one block writer ---- */
     kvb_block_id id;

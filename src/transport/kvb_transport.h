@@ -42,7 +42,7 @@
  * once the payload is in, payload_hash. */
 
 #define KVB_WIRE_MAGIC "KVB1"
-#define KVB_WIRE_VERSION 1
+#define KVB_WIRE_VERSION 2 /* 2: PREFILL may ship a partial last block (the tail) */
 #define KVB_WIRE_HEADER_BYTES 44
 #define KVB_WIRE_DEFAULT_MAX_PAYLOAD (64ull << 20) /* per frame, after the handshake */
 #define KVB_WIRE_MAX_PAYLOAD_LIMIT (1ull << 30)    /* the largest limit a caller may configure */
@@ -183,7 +183,9 @@ kvb_status kvb_msg_auth_decode(const uint8_t *p, size_t n, kvb_msg_auth *m, kvb_
  *    8 4 bridge_mode u32 (kvb_bridge_mode)
  *   12 4 n_tokens u32 (>= 1)
  *   16 4 cached_tokens u32: the prefix the decoder already holds (a multiple of block_tokens)
- *   20 4 ship_tokens u32: ship positions [cached_tokens, ship_tokens) (a multiple of block_tokens)
+ *   20 4 ship_tokens u32: ship positions [cached_tokens, ship_tokens): whole blocks, and when
+ *        ship_tokens is not a multiple of block_tokens, the partial block after them too (the
+ *        tail, which then ends before the last prompt token: ship_tokens < n_tokens)
  *   24 8 last_cached_key u64: chain key of block cached_tokens/block_tokens - 1, or
  *        kvb_chain_root(model, format) when cached_tokens == 0 (the parent of the first shipped
  *        block either way)
@@ -203,7 +205,7 @@ typedef struct {
 kvb_status kvb_msg_prefill_encode(const kvb_msg_prefill *m, uint8_t *buf, size_t cap, size_t *len, kvb_err *err);
 kvb_status kvb_msg_prefill_decode(const uint8_t *p, size_t n, kvb_msg_prefill *m, kvb_err *err);
 void kvb_msg_prefill_free(kvb_msg_prefill *m);
-/* cached_tokens and ship_tokens multiples of fmt->block_tokens. */
+/* cached_tokens a multiple of fmt->block_tokens; ship_tokens one too, or < n_tokens (a tail). */
 kvb_status kvb_msg_prefill_check(const kvb_msg_prefill *m, const kvb_kvformat *fmt, kvb_err *err);
 
 /* SLAB, 40 + k_bytes + v_bytes (prefill -> decode), the shape of the bridge's kvb_slab:

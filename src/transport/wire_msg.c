@@ -233,9 +233,11 @@ kvb_status kvb_msg_prefill_check(const kvb_msg_prefill *m, const kvb_kvformat *f
     if (m->cached_tokens % fmt->block_tokens)
         return kvb_err_set(err, KVB_ERR_FORMAT, "PREFILL: cached_tokens %u is not a multiple of the block size %u",
                            m->cached_tokens, fmt->block_tokens);
-    if (m->ship_tokens % fmt->block_tokens)
-        return kvb_err_set(err, KVB_ERR_FORMAT, "PREFILL: ship_tokens %u is not a multiple of the block size %u",
-                           m->ship_tokens, fmt->block_tokens);
+    if (m->ship_tokens % fmt->block_tokens && m->ship_tokens >= m->n_tokens)
+        return kvb_err_set(err, KVB_ERR_FORMAT,
+                           "PREFILL: ship_tokens %u ends in a partial block but does not stop before the last prompt "
+                           "token (%u tokens)",
+                           m->ship_tokens, m->n_tokens);
     return KVB_OK;
 }
 

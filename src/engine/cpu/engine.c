@@ -167,6 +167,21 @@ kvb_status kvb_cpu_seq_commit_full(kvb_seq *s, kvb_err *err) {
     return KVB_OK;
 }
 
+kvb_status kvb_seq_adopt_tail(kvb_seq *s, kvb_block_id page, const int32_t *tokens, uint32_t n, kvb_err *err) {
+    const uint32_t bt = s->e->o.block_tokens;
+    if (n == 0 || n >= bt || s->len % bt || s->n_blocks != s->len / bt)
+        return kvb_err_set(err, KVB_ERR_INVALID, "a tail of %u tokens needs 1..%u tokens on a sequence that ends "
+                           "on a block boundary (it has %u tokens)", n, bt - 1, s->len);
+    if (page >= kvb_store_n_blocks(s->e->store))
+        return kvb_err_set(err, KVB_ERR_INVALID, "tail page %u is not a block of this engine's store", page);
+    kvb_status st = seq_grow(s, s->n_blocks + 1, err);
+    if (st) return st;
+    s->blocks[s->n_blocks++] = page;
+    memcpy(s->tokens + s->len, tokens, (size_t)n * sizeof(int32_t));
+    s->len += n;
+    return KVB_OK;
+}
+
 kvb_status kvb_seq_attach_cached(kvb_seq *s, const int32_t *tokens, uint32_t n, uint32_t *n_cached, kvb_err *err) {
     *n_cached = 0;
     if (s->len != 0 || s->n_blocks != 0)

@@ -60,6 +60,12 @@ uint32_t kvb_seq_len(const kvb_seq *s);
  * last token is always computed, so its logits exist). *n_cached = tokens now in the sequence
  * (a multiple of block_tokens); the caller forwards tokens[*n_cached .. n). */
 kvb_status kvb_seq_attach_cached(kvb_seq *s, const int32_t *tokens, uint32_t n, uint32_t *n_cached, kvb_err *err);
+/* Appends a partial block whose K/V for tokens (n, 1 <= n < block_tokens) are already in `page`
+ * (a WRITING page of the engine's store, e.g. a bridged tail from kvb_store_slab_take_tail) to a
+ * sequence that ends on a block boundary. On success the sequence owns the page: the forward pass
+ * fills the rest of the block and commits it, full, through the one block writer; on error the
+ * caller still owns it. */
+kvb_status kvb_seq_adopt_tail(kvb_seq *s, kvb_block_id page, const int32_t *tokens, uint32_t n, kvb_err *err);
 
 /* Runs tokens[0..n) at positions seq_len .. seq_len+n-1 (chunked by max_batch), appending their
  * K/V to the sequence. logits: NULL, or (n_vocab) floats for the last token, or when all_logits
