@@ -10,6 +10,9 @@
 #   ladder  bench ladder --device cuda on the llama3.2-1b shape (CUDA prefill node -> CPU decode
 #           node on loopback) at LADDER_LENGTHS, decoder alone up to ALONE_MAX tokens
 #   million one bridged 1,048,576-token prompt on the 1B shape (bench ladder, decoder alone not run)
+#   link    the raw loopback link and kvbridge's transport over it (bench link), then the slab path
+#           alone (bench ladder --slab-path-only: filler rows, no engine) at LADDER_LENGTHS, the
+#           same run: the figures the ladder's GB/s is judged against
 # Logs under $OUT (default /tmp/kvb-node-check); DEADLINE (seconds, default 570) bounds the whole.
 set -u
 D=${D:-.devcarry-gpu}
@@ -61,6 +64,17 @@ if want ladder; then
   timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths "$LADDER_LENGTHS" --seeds 1 \
     --alone-max "$ALONE_MAX" --cache-type "$CACHE" 2>"$OUT/ladder.err" | tee "$OUT/ladder.txt"
   tail -5 "$OUT/ladder.err"
+fi
+if want link; then
+  say "== link: raw loopback vs the transport, then the slab path alone"
+  $K bench link --listen 127.0.0.1:47000 --psk kvb-node-check-link-key >/dev/null 2>&1 &
+  lp=$!
+  sleep 1
+  timeout "$(left)" $K bench link --peer 127.0.0.1:47000 --psk kvb-node-check-link-key --slab-bytes 65536 2>&1 | tail -4 | tee "$OUT/link.txt"
+  kill $lp 2>/dev/null
+  f=$(gen llama3.2-1b q8_0)
+  timeout "$(left)" $K bench ladder -m "$f" --lengths "$LADDER_LENGTHS" --seeds 2 --slab-path-only --cache-type "$CACHE" \
+    2>"$OUT/slabpath.err" | tee "$OUT/slabpath.txt"
 fi
 if want million; then
   say "== one bridged 1M-token prompt, 1B shape"
