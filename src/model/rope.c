@@ -95,8 +95,12 @@ void kvb_rope_tables_fill(kvb_rope_tables *t, uint32_t pos0, uint32_t n) {
     t->n = n;
 }
 
+uint32_t kvb_rope_tables_kind(const kvb_rope_tables *t, uint32_t layer) {
+    return t->n_kinds == 2 && kvb_layer_is_local(&t->m->d, layer) ? 1 : 0;
+}
+
 void kvb_rope_tables_layer(const kvb_rope_tables *t, uint32_t layer, const float **cos, const float **sin) {
-    const size_t k = t->n_kinds == 2 && kvb_layer_is_local(&t->m->d, layer) ? 1 : 0;
+    const size_t k = kvb_rope_tables_kind(t, layer);
     *cos = t->cos + k * (size_t)t->cap * t->half;
     *sin = t->sin + k * (size_t)t->cap * t->half;
 }
