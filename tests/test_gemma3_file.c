@@ -24,6 +24,8 @@
 #include "kvb_model.h"
 #include "kvb_quant.h"
 #include "kvb_tokenizer.h"
+#include "gguf_variant.h"
+#include "greedy_text.h"
 #include "kvbt.h"
 #include "ref_model.h"
 
@@ -201,52 +203,10 @@ static void test_logits_vs_reference(void **state) {
     gemma_close(&g);
 }
 
-/* Writes a copy of src with attention.sliding_window := window (0: unchanged) and, when to_f32,
- * every matrix decoded to F32 by quant's dequantisers (the reference decodes the original blocks
- * with its own; both give the same values, see test_quant), so the engine runs the real model's
- * weights without activation quantisation. */
+/* Writes the variant (gguf_variant.h) or fails the test. */
 static void write_variant(const char *src_path, const char *dst, uint32_t window, bool to_f32) {
-    kvb_gguf *src = NULL;
-    kvb_gguf_writer *w = NULL;
-    kvb_err err = {0};
-    assert_int_equal(kvb_gguf_open(src_path, &src, &err), KVB_OK);
-    assert_int_equal(kvb_gguf_writer_create(&w, &err), KVB_OK);
-    for (uint64_t i = 0; i < kvb_gguf_n_kv(src); i++) {
-        const kvb_gguf_kv *kv = kvb_gguf_kv_at(src, i);
-        if (window && kvb_gguf_str_eq(kv->key, "gemma3.attention.sliding_window"))
-            assert_int_equal(kvb_gguf_writer_add_u32(w, "gemma3.attention.sliding_window", window, &err), KVB_OK);
-        else if (to_f32 && kvb_gguf_str_eq(kv->key, "general.file_type"))
-            assert_int_equal(kvb_gguf_writer_add_u32(w, "general.file_type", 0, &err), KVB_OK);
-        else assert_int_equal(kvb_gguf_writer_copy_kv(w, kv, &err), KVB_OK);
-    }
-    for (uint64_t i = 0; i < kvb_gguf_n_tensors(src); i++) {
-        const kvb_gguf_tensor *t = kvb_gguf_tensor_at(src, i);
-        char name[128];
-        snprintf(name, sizeof name, "%.*s", (int)t->name.len, t->name.ptr);
-        assert_int_equal(kvb_gguf_writer_add_tensor(w, name, t->n_dims, t->ne, to_f32 ? KVB_TYPE_F32 : t->type, &err),
-                         KVB_OK);
-    }
-    FILE *f = fopen(dst, "wb");
-    assert_non_null(f);
-    assert_int_equal(kvb_gguf_writer_write_header(w, f, &err), KVB_OK);
-    for (uint64_t i = 0; i < kvb_gguf_n_tensors(src); i++) {
-        const kvb_gguf_tensor *t = kvb_gguf_tensor_at(src, i);
-        if (!to_f32 || t->type == KVB_TYPE_F32) {
-            assert_int_equal(kvb_gguf_writer_write_tensor_data(w, f, i, t->data, t->n_bytes, &err), KVB_OK);
-            continue;
-        }
-        const uint64_t cols = t->ne[0], rows = t->n_bytes / kvb_row_bytes(t->type, (int64_t)cols);
-        float *buf = malloc(sizeof(float) * cols * rows); /* (rows, cols) */
-        assert_non_null(buf);
-        for (uint64_t r = 0; r < rows; r++)
-            kvb_row_to_f32(t->type, (const uint8_t *)t->data + r * kvb_row_bytes(t->type, (int64_t)cols),
-                           buf + r * cols, (int64_t)cols);
-        assert_int_equal(kvb_gguf_writer_write_tensor_data(w, f, i, buf, sizeof(float) * cols * rows, &err), KVB_OK);
-        free(buf);
-    }
-    assert_int_equal(fclose(f), 0);
-    kvb_gguf_writer_destroy(w);
-    kvb_gguf_close(src);
+    char e[512];
+    if (kvbt_gguf_variant(src_path, dst, window, to_f32, e, sizeof e)) fail_msg("%s", e);
 }
 
 /* The real model's weights decoded to F32 and its window rewritten to 8 tokens: a 27-token prompt
@@ -284,39 +244,38 @@ static void test_f32_weights_short_window(void **state) {
     remove(path);
 }
 
+typedef struct {
+    kvb_engine *e;
+    kvb_seq *s;
+} cpu_step_ctx;
+
+static int cpu_step(void *ctx, int32_t next, float *logits, char *err, size_t cap) {
+    cpu_step_ctx *c = ctx;
+    kvb_err e = {0};
+    if (kvb_engine_forward(c->e, c->s, &next, 1, logits, false, &e) == KVB_OK) return 0;
+    snprintf(err, cap, "engine: %s", e.msg);
+    return -1;
+}
+
 /* Greedy continuation (F16 cache, the CLI's default) of prompt, n_gen tokens, as text. */
 static void greedy(const gemma *g, const char *prompt, int n_gen, char *out, size_t cap) {
     size_t n;
     int32_t *ids = tokenize(g, prompt, &n);
     kvb_engine_opts o = {.cache_dtype = KVB_TYPE_F16, .max_ctx = 512};
-    kvb_engine *e = NULL;
-    kvb_seq *s = NULL;
+    cpu_step_ctx c = {0};
     kvb_err err = {0};
     float *logits = malloc(sizeof(float) * g->m->d.n_vocab);
     assert_non_null(logits);
-    if (kvb_engine_create(g->m, &o, &e, &err) || kvb_seq_create(e, &s, &err) ||
-        kvb_engine_forward(e, s, ids, (uint32_t)n, logits, false, &err))
+    if (kvb_engine_create(g->m, &o, &c.e, &err) || kvb_seq_create(c.e, &c.s, &err) ||
+        kvb_engine_forward(c.e, c.s, ids, (uint32_t)n, logits, false, &err))
         fail_msg("engine: %s", err.msg);
-    kvb_detok dt;
-    kvb_detok_init(&dt, g->tok);
-    size_t used = 0;
-    out[0] = 0;
-    for (int i = 0; i < n_gen; i++) {
-        int32_t next = ref_argmax_f32(logits, (int)g->m->d.n_vocab);
-        if (kvb_tokenizer_is_eog(g->tok, next)) break;
-        char piece[512];
-        size_t k = kvb_detok_push(&dt, next, piece, sizeof piece);
-        if (used + k < cap) {
-            memcpy(out + used, piece, k);
-            used += k;
-            out[used] = 0;
-        }
-        if (kvb_engine_forward(e, s, &next, 1, logits, false, &err)) fail_msg("engine: %s", err.msg);
-    }
+    char e2[512];
+    if (kvbt_greedy_text(g->tok, g->m->d.n_vocab, logits, n_gen, cpu_step, &c, out, cap, e2, sizeof e2))
+        fail_msg("%s", e2);
     free(logits);
     free(ids);
-    kvb_seq_free(s);
-    kvb_engine_free(e);
+    kvb_seq_free(c.s);
+    kvb_engine_free(c.e);
 }
 
 static void test_greedy_answers(void **state) {
