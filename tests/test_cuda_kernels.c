@@ -1,16 +1,21 @@
 /* test_cuda_kernels — every CUDA engine kernel against its CPU twin (in double, from the same bf16
  * inputs), on fresh random inputs each run (seed printed; KVB_TEST_SEED repeats one), with the
  * outputs poisoned (NaN bit patterns) before the launch so an element the kernel forgets to write
- * fails. Kernels: embedding gather, RMSNorm, SwiGLU, the GEMM call (layout, beta accumulation, bf16
- * out), the fused QKV epilogue (bias, q/k-norm, RoPE both pairings, partial rotary, cache write;
- * cache bytes it must not touch stay poisoned), and causal attention over a paged cache holding a
- * prefix (tensor-core kernel for D = 64/128 with 64 and 128 query rows per CTA, and the generic
- * kernel; cache rows past the visible
- * range are NaN, so a kernel that reads them fails).
+ * fails. Kernels: embedding gather (plain, and times gemma3's sqrt(n_embd)), RMSNorm, gemma3's
+ * post norm added into the f32 residual stream, SwiGLU and GeGLU (tanh GELU), the GEMM call
+ * (layout, beta accumulation, bf16 out), the fused QKV epilogue (bias, q/k-norm, RoPE both
+ * pairings, partial rotary, cache write; cache bytes it must not touch stay poisoned), and causal
+ * attention over a paged cache holding a prefix (tensor-core kernel for D = 64/128 with 64 and 128
+ * query rows per CTA, and the generic kernel, D up to 256), with and without a sliding window and
+ * with scales other than 1/sqrt(D); cache rows past the visible range — and, with a window, every
+ * row before the window of the chunk's first query — are NaN, so a kernel that reads them fails.
  *
  * Tolerances (the GPU rounds each output to bf16 once: relative error <= 2^-8 = 3.9e-3):
- *   embed: exact. rmsnorm, swiglu: |gpu - ref| <= 4.5e-3 |ref| + 1e-6 (f32 arithmetic before the
- *   rounding adds ~1e-6 relative). qkv epilogue: same per element, plus 2e-5 x the head's max
+ *   embed: exact (the scaled one too: one f32 product, as on the host). rmsnorm, swiglu:
+ *   |gpu - ref| <= 4.5e-3 |ref| + 1e-6 (f32 arithmetic before the rounding adds ~1e-6 relative).
+ *   geglu: the same plus 2e-7 |g u| (tanhf's absolute error, <= 2 ulp of 1 = 1.2e-7, times 0.5 |g u|,
+ *   matters where 1 + tanh cancels). post norm (f32 out, no bf16 rounding): |gpu - ref| <=
+ *   1e-5 (|x| + |normed|) + 1e-6. qkv epilogue: as rmsnorm per element, plus 2e-5 x the head's max
  *   |value| for RoPE outputs near cancellation. GEMM f32 out: relative L2 <= 1e-4 (f32 accumulation
  *   of exact bf16 products over <= 300 terms ~1e-6); bf16 out: <= 4e-3. attention: relative L2 of
  *   each (token, head) row <= 1e-2 (P rounded to bf16 before P.V, 2^-9 RMS per weight, plus the
@@ -73,9 +78,10 @@ static void check_close(double got, double ref, double rel, double abs_tol, cons
 static void test_embed(void **state) {
     (void)state;
     require_gpu();
-    const uint32_t V = 1000, Es[] = {384, 130, 77};
+    const uint32_t V = 1000, Es[] = {384, 130, 77, 640, 640};
     for (size_t c = 0; c < KVB_ARRAY_LEN(Es); c++) {
         const uint32_t E = Es[c], n = 37;
+        const float scale = c % 2 ? sqrtf((float)E) : 0.0f; /* gemma3's embedding scale on every other case */
         uint16_t *tab = malloc(sizeof(uint16_t) * V * E);
         int32_t tok[37];
         float *x = malloc(sizeof(float) * n * E);
@@ -85,12 +91,14 @@ static void test_embed(void **state) {
         for (uint32_t t = 0; t < n; t++) tok[t] = (int32_t)(kvb_rng_u64(&g_rng) % V);
         poison_f32(x, (size_t)n * E);
         kvb_err err = {0};
-        if (kvb_cuda_test_embed(tab, V, E, tok, n, x, &err)) fail_msg("%s", err.msg);
+        if (kvb_cuda_test_embed(tab, V, E, tok, n, scale, x, &err)) fail_msg("%s", err.msg);
         for (uint32_t t = 0; t < n; t++)
             for (uint32_t i = 0; i < E; i++) {
-                double want = bf(tab[(size_t)tok[t] * E + i]);
-                if ((double)x[(size_t)t * E + i] != want)
-                    fail_msg("embed E=%u: x[%u][%u] = %g, want %g", E, t, i, x[(size_t)t * E + i], want);
+                const float row = kvb_bf16_to_f32(tab[(size_t)tok[t] * E + i]);
+                const float want = scale != 0.0f ? row * scale : row; /* one f32 product (no contraction here) */
+                if (memcmp(&x[(size_t)t * E + i], &want, sizeof want) != 0)
+                    fail_msg("embed E=%u scale %g: x[%u][%u] = %.9g, want %.9g", E, (double)scale, t, i,
+                             x[(size_t)t * E + i], (double)want);
             }
         free(tab);
         free(x);
@@ -113,7 +121,7 @@ static void test_rmsnorm(void **state) {
         for (uint32_t i = 0; i < E; i++) w[i] = 1.0f + 0.5f * rnd_normal();
         poison_bf16(y, (size_t)n * E);
         kvb_err err = {0};
-        if (kvb_cuda_test_rmsnorm(x, n, E, w, eps, y, &err)) fail_msg("%s", err.msg);
+        if (kvb_cuda_test_rmsnorm(x, n, E, w, eps, y, NULL, &err)) fail_msg("%s", err.msg);
         for (uint32_t t = 0; t < n; t++) {
             double ss = 0;
             for (uint32_t i = 0; i < E; i++) ss += (double)x[t * E + i] * x[t * E + i];
@@ -127,28 +135,73 @@ static void test_rmsnorm(void **state) {
     }
 }
 
-static void test_swiglu(void **state) {
+/* gemma3's post norm: x += rmsnorm(src) * w, in f32 */
+static void test_rmsnorm_add(void **state) {
     (void)state;
     require_gpu();
-    const uint32_t FFs[] = {640, 14336, 7};
-    for (size_t c = 0; c < KVB_ARRAY_LEN(FFs); c++) {
-        const uint32_t FF = FFs[c], n = 13;
-        uint16_t *gu = malloc(sizeof(uint16_t) * n * 2 * FF), *out = malloc(sizeof(uint16_t) * n * FF);
-        assert_non_null(gu);
-        assert_non_null(out);
-        for (size_t i = 0; i < (size_t)n * 2 * FF; i++) gu[i] = to_bf(3.0f * rnd_normal());
-        poison_bf16(out, (size_t)n * FF);
+    const uint32_t Es[] = {640, 256, 4096, 1002};
+    for (size_t c = 0; c < KVB_ARRAY_LEN(Es); c++) {
+        const uint32_t E = Es[c], n = 23;
+        const float eps = 1e-6f, scale = (float)(0.01 + 100.0 * kvb_rng_uniform(&g_rng));
+        float *src = malloc(sizeof(float) * n * E), *w = malloc(sizeof(float) * E);
+        float *x = malloc(sizeof(float) * n * E), *x0 = malloc(sizeof(float) * n * E);
+        assert_true(src && w && x && x0);
+        for (size_t i = 0; i < (size_t)n * E; i++) {
+            src[i] = rnd_normal() * scale;
+            x0[i] = x[i] = 4.0f * rnd_normal();
+        }
+        for (uint32_t i = 0; i < E; i++) w[i] = 1.0f + 20.0f * fabsf(rnd_normal()); /* Gemma's stored norm weights reach the hundreds */
         kvb_err err = {0};
-        if (kvb_cuda_test_swiglu(gu, n, FF, out, &err)) fail_msg("%s", err.msg);
-        for (uint32_t t = 0; t < n; t++)
-            for (uint32_t i = 0; i < FF; i++) {
-                double g = bf(gu[(size_t)t * 2 * FF + i]), u = bf(gu[(size_t)t * 2 * FF + FF + i]);
-                check_close(bf(out[(size_t)t * FF + i]), g / (1.0 + exp(-g)) * u, 4.5e-3, 1e-6, "swiglu",
-                            (size_t)t * FF + i);
+        if (kvb_cuda_test_rmsnorm(src, n, E, w, eps, NULL, x, &err)) fail_msg("%s", err.msg);
+        for (uint32_t t = 0; t < n; t++) {
+            double ss = 0;
+            for (uint32_t i = 0; i < E; i++) ss += (double)src[t * E + i] * src[t * E + i];
+            const double r = 1.0 / sqrt(ss / E + eps);
+            for (uint32_t i = 0; i < E; i++) {
+                const size_t k = (size_t)t * E + i;
+                const double o = src[k] * r * w[i];
+                check_close(x[k], x0[k] + o, 0.0, 1e-5 * (fabs(x0[k]) + fabs(o)) + 1e-6, "rmsnorm_add", k);
             }
-        free(gu);
-        free(out);
+        }
+        free(src);
+        free(w);
+        free(x);
+        free(x0);
     }
+}
+
+static double gelu_tanh_ref(double g) {
+    return 0.5 * g * (1.0 + tanh(sqrt(2.0 / M_PI) * (g + 0.044715 * g * g * g)));
+}
+
+/* SwiGLU (llama, qwen) and GeGLU (gemma3) */
+static void test_glu(void **state) {
+    (void)state;
+    require_gpu();
+    const uint32_t FFs[] = {640, 14336, 7, 2048};
+    for (int gelu = 0; gelu < 2; gelu++)
+        for (size_t c = 0; c < KVB_ARRAY_LEN(FFs); c++) {
+            const uint32_t FF = FFs[c], n = 13;
+            uint16_t *gu = malloc(sizeof(uint16_t) * n * 2 * FF), *out = malloc(sizeof(uint16_t) * n * FF);
+            assert_non_null(gu);
+            assert_non_null(out);
+            for (size_t i = 0; i < (size_t)n * 2 * FF; i++) gu[i] = to_bf(3.0f * rnd_normal());
+            poison_bf16(out, (size_t)n * FF);
+            kvb_err err = {0};
+            if (kvb_cuda_test_glu(gu, n, FF, gelu != 0, out, &err)) fail_msg("%s", err.msg);
+            for (uint32_t t = 0; t < n; t++)
+                for (uint32_t i = 0; i < FF; i++) {
+                    double g = bf(gu[(size_t)t * 2 * FF + i]), u = bf(gu[(size_t)t * 2 * FF + FF + i]);
+                    if (gelu)
+                        check_close(bf(out[(size_t)t * FF + i]), gelu_tanh_ref(g) * u, 4.5e-3, 1e-6 + 2e-7 * fabs(g * u),
+                                    "geglu", (size_t)t * FF + i);
+                    else
+                        check_close(bf(out[(size_t)t * FF + i]), g / (1.0 + exp(-g)) * u, 4.5e-3, 1e-6, "swiglu",
+                                    (size_t)t * FF + i);
+                }
+            free(gu);
+            free(out);
+        }
 }
 
 static void test_gemm(void **state) {
@@ -353,16 +406,21 @@ static void test_qkv_post(void **state) {
 typedef struct {
     uint32_t D, H, Hkv, n, pos0, bt;
     int variant;
+    uint32_t window; /* 0: plain causal; else a local layer's sliding window */
+    float scale;     /* 0: 1/sqrt(D) */
 } att_cfg;
 
 static void run_att_case(const att_cfg *k) {
-    const uint32_t n_layer = 2, layer = 1, D = k->D, n = k->n, pos0 = k->pos0, H = k->H, Hkv = k->Hkv;
+    const uint32_t n_layer = 2, layer = 1, D = k->D, n = k->n, pos0 = k->pos0, H = k->H, Hkv = k->Hkv, W = k->window;
+    const double scale = k->scale > 0 ? k->scale : 1.0 / sqrt((double)D);
+#define LO(p) (W && (p) + 1 > W ? (p) + 1 - W : 0u) /* the first key query p reads (the CPU engine's rule) */
     host_cache hc;
     cache_make(&hc, n_layer, Hkv, D, k->bt, pos0 + n);
+    /* rows before the window of the first query stay NaN: no query may read them */
     for (uint32_t l = 0; l < n_layer; l++)
         for (uint32_t kv = 0; kv < 2; kv++)
             for (uint32_t h = 0; h < Hkv; h++)
-                for (uint32_t p = 0; p < pos0 + n; p++) {
+                for (uint32_t p = LO(pos0); p < pos0 + n; p++) {
                     uint16_t *r = cache_row(&hc, l, kv, h, p);
                     for (uint32_t i = 0; i < D; i++) r[i] = to_bf(rnd_normal());
                 }
@@ -373,22 +431,23 @@ static void run_att_case(const att_cfg *k) {
     for (size_t i = 0; i < (size_t)n * H * D; i++) q[i] = to_bf(1.5f * rnd_normal());
     poison_bf16(out, (size_t)n * H * D);
     kvb_err err = {0};
-    if (kvb_cuda_test_attention(q, n, H, pos0, layer, &hc.c, k->variant, out, &err)) fail_msg("%s", err.msg);
+    if (kvb_cuda_test_attention(q, n, H, pos0, layer, W, k->scale, &hc.c, k->variant, out, &err))
+        fail_msg("%s", err.msg);
     double worst = 0;
     for (uint32_t t = 0; t < n; t++)
         for (uint32_t h = 0; h < H; h++) {
             const uint32_t p = pos0 + t, kvh = h / (H / Hkv);
             const uint16_t *qh = q + ((size_t)t * H + h) * D;
             double mx = -INFINITY, sum = 0;
-            for (uint32_t j = 0; j <= p; j++) {
+            for (uint32_t j = LO(p); j <= p; j++) {
                 const uint16_t *kr = cache_row(&hc, layer, 0, kvh, j);
                 double s = 0;
                 for (uint32_t i = 0; i < D; i++) s += bf(qh[i]) * bf(kr[i]);
-                sc[j] = s / sqrt((double)D);
+                sc[j] = s * scale;
                 if (sc[j] > mx) mx = sc[j];
             }
             for (uint32_t i = 0; i < D; i++) ref[i] = 0;
-            for (uint32_t j = 0; j <= p; j++) {
+            for (uint32_t j = LO(p); j <= p; j++) {
                 double w = exp(sc[j] - mx);
                 sum += w;
                 const uint16_t *vr = cache_row(&hc, layer, 1, kvh, j);
@@ -401,11 +460,13 @@ static void run_att_case(const att_cfg *k) {
             double e = rel_l2_f(got, ref, D);
             if (!(e <= worst)) worst = e;
             if (!(e <= 1e-2))
-                fail_msg("attention D%u H%u/%u n%u pos0 %u bt%u variant %d: token %u head %u: rel-L2 %.3g > 1e-2", D, H,
-                         Hkv, n, pos0, k->bt, k->variant, t, h, e);
+                fail_msg("attention D%u H%u/%u n%u pos0 %u bt%u variant %d window %u: token %u head %u: rel-L2 %.3g > "
+                         "1e-2",
+                         D, H, Hkv, n, pos0, k->bt, k->variant, W, t, h, e);
         }
-    print_message("attention D%u H%u/%u n%u pos0 %u bt%u variant %d: worst row rel-L2 %.3g\n", D, H, Hkv, n, pos0,
-                  k->bt, k->variant, worst);
+    print_message("attention D%u H%u/%u n%u pos0 %u bt%u variant %d window %u scale %.4g: worst row rel-L2 %.3g\n", D, H,
+                  Hkv, n, pos0, k->bt, k->variant, W, scale, worst);
+#undef LO
     free(q);
     free(out);
     free(sc);
@@ -418,11 +479,33 @@ static void test_attention(void **state) {
     (void)state;
     require_gpu();
     const att_cfg cfgs[] = {
-        {128, 8, 2, 130, 77, 16, 0},  {128, 8, 2, 1, 300, 64, 0},  {64, 8, 8, 50, 0, 64, 0},
-        {64, 4, 1, 200, 33, 32, 0},   {128, 4, 4, 64, 0, 16, 0},   {128, 4, 1, 300, 1000, 64, 0},
-        {32, 8, 2, 40, 20, 16, 0},    {80, 4, 2, 30, 10, 16, 1},   {128, 8, 2, 70, 45, 16, 1},
-        {64, 2, 1, 129, 63, 1024, 0}, {128, 8, 2, 130, 77, 16, 2}, {64, 4, 1, 200, 33, 32, 2},
-        {128, 4, 1, 300, 1000, 64, 3}, {64, 8, 8, 257, 0, 64, 3}, {128, 4, 2, 1, 0, 16, 3},
+        {128, 8, 2, 130, 77, 16, 0, 0, 0},  {128, 8, 2, 1, 300, 64, 0, 0, 0},  {64, 8, 8, 50, 0, 64, 0, 0, 0},
+        {64, 4, 1, 200, 33, 32, 0, 0, 0},   {128, 4, 4, 64, 0, 16, 0, 0, 0},   {128, 4, 1, 300, 1000, 64, 0, 0, 0},
+        {32, 8, 2, 40, 20, 16, 0, 0, 0},    {80, 4, 2, 30, 10, 16, 1, 0, 0},   {128, 8, 2, 70, 45, 16, 1, 0, 0},
+        {64, 2, 1, 129, 63, 1024, 0, 0, 0}, {128, 8, 2, 130, 77, 16, 2, 0, 0}, {64, 4, 1, 200, 33, 32, 2, 0, 0},
+        {128, 4, 1, 300, 1000, 64, 3, 0, 0}, {64, 8, 8, 257, 0, 64, 3, 0, 0}, {128, 4, 2, 1, 0, 16, 3, 0, 0},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cfgs); i++) run_att_case(&cfgs[i]);
+}
+
+/* Local (sliding-window) layers, other scales, and Gemma 3 270M's head size 256 (generic kernel) */
+static void test_attention_window(void **state) {
+    (void)state;
+    require_gpu();
+    const att_cfg cfgs[] = {
+        {64, 4, 1, 200, 33, 32, 0, 16, 0},        /* tiny-gemma3's shape: window 16, 128 rows per CTA */
+        {64, 4, 1, 200, 33, 32, 2, 16, 0},        /* ... 64 rows per CTA */
+        {64, 4, 1, 100, 0, 16, 1, 16, 0},         /* ... the generic kernel, from position 0 */
+        {128, 8, 2, 130, 300, 16, 3, 100, 0.05f}, /* a window that is no multiple of the 64-key tile, prefix past it */
+        {128, 8, 2, 130, 300, 16, 2, 100, 0.05f},
+        {128, 8, 2, 1, 1000, 64, 0, 512, 0},      /* one-token decode step */
+        {64, 8, 8, 257, 0, 64, 3, 64, 0},         /* window == tile */
+        {128, 4, 1, 70, 10, 16, 0, 1, 0},         /* window 1: each query reads only itself */
+        {64, 2, 1, 50, 5, 16, 0, 4096, 0},        /* window past every position: plain causal */
+        {80, 4, 2, 60, 90, 16, 0, 33, 0},         /* generic kernel, odd head size */
+        {256, 4, 1, 40, 530, 16, 0, 512, 0.0625f}, /* Gemma 3 270M local layer (D 256: generic kernel) */
+        {256, 4, 1, 37, 20, 16, 0, 0, 0.0625f},   /* ... its global layer */
+        {256, 4, 1, 1, 700, 64, 0, 512, 0.0625f}, /* ... a decode step past the window */
     };
     for (size_t i = 0; i < KVB_ARRAY_LEN(cfgs); i++) run_att_case(&cfgs[i]);
 }
@@ -434,8 +517,9 @@ int main(void) {
            (unsigned long long)g_seed);
     kvb_rng_seed(&g_rng, g_seed);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_embed),   cmocka_unit_test(test_rmsnorm), cmocka_unit_test(test_swiglu),
-        cmocka_unit_test(test_gemm),    cmocka_unit_test(test_qkv_post), cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_embed),    cmocka_unit_test(test_rmsnorm),   cmocka_unit_test(test_rmsnorm_add),
+        cmocka_unit_test(test_glu),      cmocka_unit_test(test_gemm),      cmocka_unit_test(test_qkv_post),
+        cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_window),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

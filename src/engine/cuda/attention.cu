@@ -1,5 +1,7 @@
 /* engine/cuda/attention.cu — causal attention for a chunk of queries over the paged bf16 cache,
- * which already holds the chunk's own K/V and any prefix before it.
+ * which already holds the chunk's own K/V and any prefix before it; on a local (sliding-window)
+ * layer a query at p reads only keys k with p - k < window (lo(p) = max(0, p - window + 1) .. p,
+ * the CPU engine's convention).
  *
  * fa_kernel<D, BR> (D = 64 or 128): flash attention in the FlashAttention-2 style on the tensor
  * cores (mma.sync m16n8k16 bf16 -> f32). One CTA = BR/16 warps = BR query rows of one query head
@@ -8,13 +10,19 @@
  * registers.
  * K/V tiles of 64 keys are gathered row by row through the block table with cp.async (two stages,
  * so the next tile loads while this one is used) into XOR-swizzled shared memory (conflict-free
- * ldmatrix). Scores are scaled by log2(e)/sqrt(D) and exponentiated with exp2f; the softmax is
+ * ldmatrix). Scores are scaled by log2(e) x scale (1/sqrt(D) unless the model says otherwise) and
+ * exponentiated with exp2f; the softmax is
  * online (running max and sum per row, the accumulator rescaled per tile); P is rounded to bf16 for
- * the P.V product. Only tiles that touch the causal diagonal are masked. The grid runs the longest
+ * the P.V product. Only tiles that touch the causal diagonal or a window's lower edge are masked.
+ * With a window, a CTA starts at the tile holding lo of its first row; keys before that lo are
+ * zero-filled, never loaded (nor their block-table entries read). The grid runs the longest
  * query tiles first. GQA: query head h reads kv head h / (H / Hkv).
  *
- * attn_generic_kernel: any D <= 256, one warp per (token, head), f32 throughout; used for other
- * head sizes and as a second implementation in tests. */
+ * attn_generic_kernel: any D <= 256, one warp per (token, head), f32 throughout, keys lo(p) .. p;
+ * used for other head sizes (Gemma 3's 256) and as a second implementation in tests.
+ *
+ * Both kernels take the window as a large number (FA_NO_WINDOW) on global layers, so one mask
+ * expression serves both kinds and a global layer's arithmetic is the plain causal one. */
 #include <cuda_bf16.h>
 #include <math.h>
 #include <stdint.h>
@@ -25,6 +33,7 @@
 typedef __nv_bfloat16 bf16;
 
 #define FA_BC 64
+#define FA_NO_WINDOW (1 << 30) /* "no window": p - k < 2^30 for every position the engine reaches */
 
 __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
@@ -59,9 +68,10 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 /* element offset of 16-byte chunk ch of row r in a swizzled (rows, D) bf16 tile */
 template <int D> __device__ __forceinline__ int swz(int r, int ch) { return r * D + ((ch ^ (r & 7)) << 3); }
 
+/* keys j0 .. j0 + FA_BC - 1 into one stage; keys outside [kv_lo, kv_len) are zero-filled */
 template <int D, int NT>
 __device__ __forceinline__ void load_kv_tile(bf16 *sK, bf16 *sV, const kvb_cu_cache &c, size_t k_row0, size_t v_row0,
-                                             int j0, int kv_len, int tid) {
+                                             int j0, int kv_lo, int kv_len, int tid) {
     constexpr int CH = D / 8;
     static_assert(FA_BC * CH % NT == 0, "tile loads must divide evenly");
     const int bt_mask = (1 << c.bt_shift) - 1;
@@ -69,18 +79,19 @@ __device__ __forceinline__ void load_kv_tile(bf16 *sK, bf16 *sV, const kvb_cu_ca
     for (int it = 0; it < FA_BC * CH / NT; it++) {
         const int i = tid + it * NT, r = i / CH, ch = i % CH, j = j0 + r;
         const uint32_t dk = smem_u32(sK + swz<D>(r, ch)), dv = smem_u32(sV + swz<D>(r, ch));
-        if (j < kv_len) {
+        if (j < kv_len && j >= kv_lo) {
             const bf16 *blk = (const bf16 *)(c.pool + (size_t)c.blocks[j >> c.bt_shift] * c.block_bytes);
             const size_t in = (size_t)(j & bt_mask);
             cp_async16(dk, blk + (k_row0 + in) * D + ch * 8, 16);
             cp_async16(dv, blk + (v_row0 + in) * D + ch * 8, 16);
-        } else { /* zero-fill: keys past the end never carry NaN garbage into P.V */
+        } else { /* zero-fill: keys past the end (or before every row's window) never carry NaN garbage into P.V */
             cp_async16(dk, c.pool, 0);
             cp_async16(dv, c.pool, 0);
         }
     }
 }
 
+/* a.window: FA_NO_WINDOW or a local layer's window (> 0) */
 template <int D, int FA_BR> __global__ void __launch_bounds__(FA_BR * 2) fa_kernel(kvb_cu_attn_args a, float scale_log2) {
     constexpr int FA_THREADS = FA_BR * 2; /* one warp per 16 rows */
     extern __shared__ __align__(128) unsigned char fa_smem[];
@@ -98,8 +109,12 @@ template <int D, int FA_BR> __global__ void __launch_bounds__(FA_BR * 2) fa_kern
     const size_t k_row0 = (((size_t)a.layer * 2 + 0) * c.n_head_kv + kvh) << c.bt_shift;
     const size_t v_row0 = (((size_t)a.layer * 2 + 1) * c.n_head_kv + kvh) << c.bt_shift;
     const int t_end = min(t0 + FA_BR, a.n);
-    const int kv_len = a.pos0 + t_end; /* keys [0, kv_len) are visible to some row of this tile */
+    const int kv_len = a.pos0 + t_end; /* keys [kv_lo, kv_len) are visible to some row of this tile */
     const int n_kt = (kv_len + FA_BC - 1) / FA_BC;
+    const int W = a.window, pmin = a.pos0 + t0, pmax = kv_len - 1; /* first and last real row's position */
+    const int kv_lo = max(0, pmin + 1 - W); /* lo(pmin): no row of the tile reads a key before it */
+    const int kt0 = kv_lo / FA_BC;
+    const int win_edge = pmax + 1 - W;      /* tiles starting before lo(pmax) hold keys some row must not read */
 
     const bf16 *qg = (const bf16 *)a.q;
     for (int i = tid; i < FA_BR * CH; i += FA_THREADS) {
@@ -107,7 +122,7 @@ template <int D, int FA_BR> __global__ void __launch_bounds__(FA_BR * 2) fa_kern
         const bf16 *src = qg + (size_t)(t < a.n ? t : 0) * q_stride + (size_t)h * D + ch * 8;
         cp_async16(smem_u32(sQ + swz<D>(r, ch)), src, t < a.n ? 16 : 0);
     }
-    load_kv_tile<D, FA_THREADS>(sK, sV, c, k_row0, v_row0, 0, kv_len, tid);
+    load_kv_tile<D, FA_THREADS>(sK, sV, c, k_row0, v_row0, kt0 * FA_BC, kv_lo, kv_len, tid);
     cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
@@ -126,19 +141,18 @@ template <int D, int FA_BR> __global__ void __launch_bounds__(FA_BR * 2) fa_kern
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
     const int g = lane >> 2, tig = lane & 3;
     const int prow0 = a.pos0 + t0 + warp * 16 + g, prow1 = prow0 + 8;
-    const int pmin = a.pos0 + t0;
     const int mi = lane >> 3, mr = lane & 7;
 
-    for (int kt = 0; kt < n_kt; kt++) {
-        const int buf = kt & 1;
+    for (int kt = kt0; kt < n_kt; kt++) {
+        const int buf = (kt - kt0) & 1;
         const bf16 *cK = sK + buf * FA_BC * D, *cV = sV + buf * FA_BC * D;
-        if (kt > 0) {
+        if (kt > kt0) {
             cp_async_wait_all(); /* tile kt landed (issued last iteration) */
             __syncthreads();     /* ... for every thread; and everyone is done with tile kt-1 */
         }
         if (kt + 1 < n_kt) {
             load_kv_tile<D, FA_THREADS>(sK + (buf ^ 1) * FA_BC * D, sV + (buf ^ 1) * FA_BC * D, c, k_row0, v_row0,
-                            (kt + 1) * FA_BC, kv_len, tid);
+                            (kt + 1) * FA_BC, kv_lo, kv_len, tid);
             cp_async_commit();
         }
 
@@ -158,15 +172,15 @@ template <int D, int FA_BR> __global__ void __launch_bounds__(FA_BR * 2) fa_kern
         }
 
         const int j0 = kt * FA_BC;
-        const bool need_mask = j0 + FA_BC - 1 > pmin;
+        const bool need_mask = j0 + FA_BC - 1 > pmin || j0 < win_edge;
 #pragma unroll
         for (int nt = 0; nt < FA_BC / 8; nt++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 float v = s[nt][e] * scale_log2;
                 if (need_mask) {
-                    const int key = j0 + nt * 8 + 2 * tig + (e & 1);
-                    if (key > (e < 2 ? prow0 : prow1)) v = -INFINITY;
+                    const int key = j0 + nt * 8 + 2 * tig + (e & 1), pr = e < 2 ? prow0 : prow1;
+                    if (key > pr || pr - key >= W) v = -INFINITY;
                 }
                 s[nt][e] = v;
             }
@@ -261,7 +275,7 @@ __global__ void attn_generic_kernel(kvb_cu_attn_args a, float scale) {
         acc[k] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    for (int j = 0; j <= p; j++) {
+    for (int j = max(0, p + 1 - a.window); j <= p; j++) { /* a.window: FA_NO_WINDOW on a global layer */
         const bf16 *blk = (const bf16 *)(c.pool + (size_t)c.blocks[j >> c.bt_shift] * c.block_bytes);
         const bf16 *kr = blk + (k_row0 + (size_t)(j & bt_mask)) * D;
         const bf16 *vr = blk + (v_row0 + (size_t)(j & bt_mask)) * D;
@@ -321,25 +335,30 @@ static int fa_br(void) {
     return br;
 }
 
-template <int D, int BR> static void fa_launch(const kvb_cu_attn_args *a, cudaStream_t st) {
+template <int D, int BR> static void fa_launch(const kvb_cu_attn_args *a, float scale, cudaStream_t st) {
     const int n_qt = (a->n + BR - 1) / BR;
-    const float scale_log2 = (1.0f / sqrtf((float)a->D)) * 1.4426950408889634f;
+    const float scale_log2 = scale * 1.4426950408889634f;
     dim3 grid((unsigned)a->H, (unsigned)n_qt);
     fa_kernel<D, BR><<<grid, BR * 2, fa_smem_bytes<D, BR>(), st>>>(*a, scale_log2);
 }
 
-extern "C" cudaError_t kvb_cu_attention(const kvb_cu_attn_args *a, int variant, cudaStream_t st) {
-    if (a->n <= 0) return cudaSuccess;
-    if (a->Hkv <= 0 || a->H % a->Hkv != 0 || a->D <= 0 || a->D > 256) return cudaErrorInvalidValue;
-    if (variant != 1 && (a->D == 64 || a->D == 128)) {
+extern "C" cudaError_t kvb_cu_attention(const kvb_cu_attn_args *args, int variant, cudaStream_t st) {
+    if (args->n <= 0) return cudaSuccess;
+    if (args->Hkv <= 0 || args->H % args->Hkv != 0 || args->D <= 0 || args->D > 256 || args->window < 0 ||
+        args->pos0 < 0 || (long long)args->pos0 + args->n >= FA_NO_WINDOW)
+        return cudaErrorInvalidValue;
+    kvb_cu_attn_args a = *args;
+    if (a.window == 0) a.window = FA_NO_WINDOW;
+    const float scale = a.scale > 0.0f ? a.scale : 1.0f / sqrtf((float)a.D);
+    if (variant != 1 && (a.D == 64 || a.D == 128)) {
         const int br = variant == 2 ? 64 : variant == 3 ? 128 : fa_br();
-        if ((a->n + br - 1) / br > 65535) return cudaErrorInvalidValue;
-        if (a->D == 128) br == 128 ? fa_launch<128, 128>(a, st) : fa_launch<128, 64>(a, st);
-        else br == 128 ? fa_launch<64, 128>(a, st) : fa_launch<64, 64>(a, st);
+        if ((a.n + br - 1) / br > 65535) return cudaErrorInvalidValue;
+        if (a.D == 128) br == 128 ? fa_launch<128, 128>(&a, scale, st) : fa_launch<128, 64>(&a, scale, st);
+        else br == 128 ? fa_launch<64, 128>(&a, scale, st) : fa_launch<64, 64>(&a, scale, st);
         return cudaGetLastError();
     }
-    const long long warps = (long long)a->n * a->H, blocks = (warps + GEN_WARPS - 1) / GEN_WARPS;
+    const long long warps = (long long)a.n * a.H, blocks = (warps + GEN_WARPS - 1) / GEN_WARPS;
     if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
-    attn_generic_kernel<<<(unsigned)blocks, GEN_WARPS * 32, 0, st>>>(*a, 1.0f / sqrtf((float)a->D));
+    attn_generic_kernel<<<(unsigned)blocks, GEN_WARPS * 32, 0, st>>>(a, scale);
     return cudaGetLastError();
 }

@@ -24,13 +24,17 @@ typedef struct {
     int n_head_kv, head_dim;
 } kvb_cu_cache;
 
-/* x (n, E) f32 = widen(table[tok[t]]), table (V, E) bf16. */
-cudaError_t kvb_cu_embed(const void *table, const int32_t *tok, int n, int E, float *x, cudaStream_t st);
+/* x (n, E) f32 = widen(table[tok[t]]), table (V, E) bf16; times scale (one f32 product per element)
+ * unless scale == 0 (gemma3: sqrtf(n_embd)). */
+cudaError_t kvb_cu_embed(const void *table, const int32_t *tok, int n, int E, float scale, float *x, cudaStream_t st);
 /* For rows r < n: y[r*y_stride ..] = bf16((x[r*x_stride ..] * (1/sqrtf(ss/E + eps))) * w); when y32
  * is not NULL also y32 (n, E) = the same values before rounding to bf16 (the bridge's attention
  * inputs). */
 cudaError_t kvb_cu_rmsnorm(const float *x, size_t x_stride, int n, int E, const float *w, float eps, void *y,
                            size_t y_stride, float *y32, cudaStream_t st);
+/* gemma3's post norms: for rows r < n, x[r] (f32) += (src[r] * (1/sqrtf(ss/E + eps))) * w, each sum
+ * rounded once (the CPU engine's norm then residual add); src, x (n, E) f32, distinct buffers. */
+cudaError_t kvb_cu_rmsnorm_add(const float *src, int n, int E, const float *w, float eps, float *x, cudaStream_t st);
 
 typedef struct {
     const float *qkv; /* (n, (H + 2 Hkv) * D) f32 */
@@ -46,17 +50,23 @@ typedef struct {
 } kvb_cu_qkv_post_args;
 cudaError_t kvb_cu_qkv_post(const kvb_cu_qkv_post_args *a, cudaStream_t st);
 
-/* out (n, FF) bf16 = bf16(silu(g) * u), gu (n, 2 FF) bf16 rows [g | u]. */
-cudaError_t kvb_cu_swiglu(const void *gu, int n, int FF, void *out, cudaStream_t st);
+/* out (n, FF) bf16 = bf16(silu(g) * u) (SwiGLU), or with gelu bf16(gelu_tanh(g) * u) (gemma3's
+ * GeGLU, the CPU engine's formula), gu (n, 2 FF) bf16 rows [g | u]. */
+cudaError_t kvb_cu_glu(const void *gu, int n, int FF, int gelu, void *out, cudaStream_t st);
 
 typedef struct {
     const void *q; /* (n, H * D) bf16 */
     void *out;     /* (n, H * D) bf16 */
     kvb_cu_cache cache;
     int layer, H, Hkv, D, n, pos0;
+    int window;    /* > 0: a local layer, the query at p reads keys k with p - k < window (the CPU
+                      engine's convention); 0: every key up to p */
+    float scale;   /* scores are (q . k) * scale; 0 = 1/sqrtf(D) */
 } kvb_cu_attn_args;
 /* variant 0: tensor-core flash attention when D is 64 or 128 (128 query rows per CTA, or 64 with
- * KVB_CUDA_FA_BR=64), else generic; 1: generic; 2 / 3: tensor-core with 64 / 128 rows per CTA. */
+ * KVB_CUDA_FA_BR=64), else generic; 1: generic; 2 / 3: tensor-core with 64 / 128 rows per CTA.
+ * Keys before the window of the chunk's first query are never read (neither their cache rows nor
+ * their block-table entries). */
 cudaError_t kvb_cu_attention(const kvb_cu_attn_args *a, int variant, cudaStream_t st);
 /* One-time per-process setup (shared-memory limits); idempotent. */
 cudaError_t kvb_cu_attention_init(void);

@@ -1,11 +1,13 @@
 /* engine/cuda/engine.c — the CUDA engine's host side: device checks, weights converted to bf16 and
- * uploaded (fused Q|K|V and gate|up matrices), the RoPE table (kvb_rope_table, computed once on
- * the host for every position up to max_ctx), the GPU block pool with its host bookkeeping
- * (free list, refcounts, chain-key index, LRU of cached blocks nobody holds), sequences, and the
- * forward pass: per chunk of at most max_batch tokens, per layer
- *   rmsnorm -> GEMM Q|K|V (f32) -> qkv_post (bias, q/k-norm, RoPE, q out, K/V into the cache)
- *   -> flash attention over the cache -> GEMM O (x += , f32) -> rmsnorm -> GEMM gate|up (bf16)
- *   -> SwiGLU -> GEMM down (x +=, f32);
+ * uploaded (fused Q|K|V and gate|up matrices), the RoPE tables (kvb_rope_table, computed once on
+ * the host for every position up to max_ctx: one per kind of layer, so gemma3's local layers
+ * rotate with their own base), the GPU block pool with its host bookkeeping (free list,
+ * refcounts, chain-key index, LRU of cached blocks nobody holds), sequences, and the forward pass:
+ * embed (gemma3: times sqrt(n_embd)), then per chunk of at most max_batch tokens, per layer
+ *   rmsnorm -> GEMM Q|K|V (f32) -> qkv_post (bias, q/k-norm, RoPE with the layer's table, q out,
+ *   K/V into the cache) -> flash attention over the cache (a sliding window on local layers)
+ *   -> GEMM O (x +=, f32; gemma3: to f32, post-attention norm, x +=) -> rmsnorm
+ *   -> GEMM gate|up (bf16) -> SwiGLU or GeGLU -> GEMM down (x +=, f32; gemma3: post-MLP norm);
  * then the final norm and the output head for the rows whose logits are wanted. Everything is
  * queued on one stream; the host waits once, when the logits are copied back. */
 #include <math.h>
@@ -219,6 +221,9 @@ static bool bm_publish(blockmgr *b, uint32_t id, uint64_t key, uint64_t parent) 
 typedef struct {
     void *w_qkv, *w_o, *w_gu, *w_down; /* bf16 */
     float *attn_norm, *ffn_norm, *b_qkv, *q_norm, *k_norm;
+    float *post_attn_norm, *post_ffw_norm; /* gemma3, else NULL */
+    uint32_t rope_kind; /* which RoPE table (kvb_rope_tables_kind) */
+    int window;         /* local layer: its sliding window; 0 = global */
 } cu_layer;
 
 struct kvb_cuda_engine {
@@ -237,7 +242,7 @@ struct kvb_cuda_engine {
     bool output_shared;
     float *output_norm;
     cu_layer *L;
-    float *rope_cos, *rope_sin; /* (max_ctx, n_rot/2) */
+    float *rope_cos[2], *rope_sin[2]; /* per kind of layer (global, local): (max_ctx, n_rot/2) */
     /* cache */
     uint8_t *kv_pool;
     size_t block_bytes;
@@ -245,6 +250,7 @@ struct kvb_cuda_engine {
     uint64_t chain_root;
     /* activations */
     float *x, *qkv, *logits_d;
+    float *o32; /* (max_batch, n_embd) f32 branch output before a post norm (gemma3), or NULL */
     void *h, *q, *att, *gu, *act;
     float *h32; /* (max_batch, n_embd) f32 attention inputs for the layer hook, or NULL */
     int32_t *d_tok;
@@ -426,6 +432,13 @@ static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *er
         }
         if (w->q_norm && (st = upload_f32(w->q_norm, D, &L->q_norm, &e->weight_bytes, "q_norm", err))) break;
         if (w->k_norm && (st = upload_f32(w->k_norm, D, &L->k_norm, &e->weight_bytes, "k_norm", err))) break;
+        if (w->post_attn_norm &&
+            (st = upload_f32(w->post_attn_norm, E, &L->post_attn_norm, &e->weight_bytes, "post_attention_norm", err)))
+            break;
+        if (w->post_ffw_norm &&
+            (st = upload_f32(w->post_ffw_norm, E, &L->post_ffw_norm, &e->weight_bytes, "post_ffw_norm", err)))
+            break;
+        L->window = kvb_layer_is_local(d, l) ? (int)d->swa_window : 0;
     }
     free(bias);
 done:
@@ -436,30 +449,42 @@ done:
     return st;
 }
 
+/* One table per kind of layer (kvb_rope_tables: global, and local when local layers rotate with
+ * their own base), each for every position up to max_ctx; each layer notes its kind. */
 static kvb_status upload_rope(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *err) {
     const kvb_model_desc *d = &e->m->d;
     const uint32_t half = d->n_rot / 2, max_ctx = e->o.max_ctx;
     const size_t n = (size_t)max_ctx * (half ? half : 1);
-    kvb_status st = KVB_OK;
-    double *inv = malloc(sizeof(double) * (half ? half : 1));
+    kvb_rope_tables kinds; /* only its inverse frequencies and kinds are used (no positions) */
+    kvb_status st = kvb_rope_tables_init(&kinds, e->m, 0, err);
+    if (st) return st;
     float *cs = malloc(n * sizeof(float)), *sn = malloc(n * sizeof(float));
-    if (!inv || !cs || !sn) {
+    if (!cs || !sn) {
         st = kvb_err_set(err, KVB_ERR_NOMEM, "out of host memory for the RoPE table (%u positions)", max_ctx);
         goto done;
     }
-    if (half) {
-        kvb_rope_inv_freq(e->m, inv);
-        rope_job j = {inv, d->n_rot, max_ctx, 1024, cs, sn};
-        kvb_pool_parallel_for(pool, (int)((max_ctx + 1023) / 1024), rope_task, &j);
-    } else {
-        memset(cs, 0, n * sizeof(float));
-        memset(sn, 0, n * sizeof(float));
+    for (uint32_t k = 0; k < kinds.n_kinds && k < 2; k++) {
+        if (half) {
+            rope_job j = {kinds.inv_freq + (size_t)k * half, d->n_rot, max_ctx, 1024, cs, sn};
+            kvb_pool_parallel_for(pool, (int)((max_ctx + 1023) / 1024), rope_task, &j);
+        } else {
+            memset(cs, 0, n * sizeof(float));
+            memset(sn, 0, n * sizeof(float));
+        }
+        if ((st = upload_f32(cs, n, &e->rope_cos[k], &e->act_bytes, "RoPE cos table", err)) ||
+            (st = upload_f32(sn, n, &e->rope_sin[k], &e->act_bytes, "RoPE sin table", err)))
+            goto done;
     }
-    if ((st = upload_f32(cs, n, &e->rope_cos, &e->act_bytes, "RoPE cos table", err)) ||
-        (st = upload_f32(sn, n, &e->rope_sin, &e->act_bytes, "RoPE sin table", err)))
-        goto done;
+    for (uint32_t l = 0; l < d->n_layer; l++) {
+        e->L[l].rope_kind = kvb_rope_tables_kind(&kinds, l);
+        if (e->L[l].rope_kind >= kinds.n_kinds || e->L[l].rope_kind >= 2) {
+            st = kvb_err_set(err, KVB_ERR_INTERNAL, "layer %u: RoPE table kind %u of %u", l, e->L[l].rope_kind,
+                             kinds.n_kinds);
+            goto done;
+        }
+    }
 done:
-    free(inv);
+    kvb_rope_tables_free(&kinds);
     free(cs);
     free(sn);
     return st;
@@ -467,8 +492,6 @@ done:
 
 kvb_status kvb_cuda_engine_create(const kvb_model *m, const kvb_cuda_opts *opts, kvb_cuda_engine **out, kvb_err *err) {
     *out = NULL;
-    if (m->d.arch == KVB_ARCH_GEMMA3)
-        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "architecture gemma3 is not supported by the CUDA engine yet");
     char why[256];
     if (!kvb_cuda_device_available(why, sizeof why)) return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s", why);
     kvb_cuda_engine *e = calloc(1, sizeof *e);
@@ -557,6 +580,8 @@ kvb_status kvb_cuda_engine_create(const kvb_model *m, const kvb_cuda_opts *opts,
         if ((st = dev_alloc(e, (void **)&e->x, B * E * 4, &e->act_bytes, "activations", err)) ||
             (st = dev_alloc(e, &e->h, B * E * 2, &e->act_bytes, "activations", err)) ||
             (o->layer_hook && (st = dev_alloc(e, (void **)&e->h32, B * E * 4, &e->act_bytes, "activations", err))) ||
+            (d->has_post_norms &&
+             (st = dev_alloc(e, (void **)&e->o32, B * E * 4, &e->act_bytes, "activations", err))) ||
             (st = dev_alloc(e, (void **)&e->qkv, B * S * 4, &e->act_bytes, "activations", err)) ||
             (st = dev_alloc(e, &e->q, B * Q * 2, &e->act_bytes, "activations", err)) ||
             (st = dev_alloc(e, &e->att, B * Q * 2, &e->act_bytes, "activations", err)) ||
@@ -583,14 +608,17 @@ void kvb_cuda_engine_free(kvb_cuda_engine *e) {
     if (e->L) {
         for (uint32_t l = 0; l < e->m->d.n_layer; l++) {
             cu_layer *L = &e->L[l];
-            void *ps[] = {L->w_qkv, L->w_o, L->w_gu, L->w_down, L->attn_norm, L->ffn_norm, L->b_qkv, L->q_norm, L->k_norm};
+            void *ps[] = {L->w_qkv,  L->w_o,    L->w_gu, L->w_down, L->attn_norm,      L->ffn_norm,
+                          L->b_qkv,  L->q_norm, L->k_norm, L->post_attn_norm, L->post_ffw_norm};
             for (size_t i = 0; i < KVB_ARRAY_LEN(ps); i++) cudaFree(ps[i]);
         }
         free(e->L);
     }
     if (!e->output_shared) cudaFree(e->output);
-    void *ps[] = {e->tok_embd, e->output_norm, e->rope_cos, e->rope_sin, e->kv_pool, e->x, e->qkv, e->logits_d,
-                  e->h, e->h32, e->q, e->att, e->gu, e->act, e->d_tok, e->cublas_ws};
+    void *ps[] = {e->tok_embd, e->output_norm, e->rope_cos[0], e->rope_sin[0], e->rope_cos[1], e->rope_sin[1],
+                  e->kv_pool,  e->x,           e->qkv,         e->logits_d,    e->h,          e->h32,
+                  e->o32,      e->q,           e->att,         e->gu,          e->act,        e->d_tok,
+                  e->cublas_ws};
     for (size_t i = 0; i < KVB_ARRAY_LEN(ps); i++) cudaFree(ps[i]);
     if (e->cublas) cublasDestroy(e->cublas);
     if (e->st) cudaStreamDestroy(e->st);
@@ -726,6 +754,18 @@ static bool skip_attention(void) {
     return skip != 0;
 }
 
+/* x (n, E) += W in (W (E, cols) bf16, in (n, cols) bf16): with beta = 1 in the GEMM; or, with a
+ * post norm (gemma3), the product to o32 (f32) and x += rmsnorm(o32) * post_norm. */
+static kvb_status residual_branch(kvb_cuda_engine *e, const void *W, int E, int cols, const void *in, int n,
+                                  const float *post_norm, kvb_err *err) {
+    if (!post_norm) return kvb_cu_gemm(e->cublas, W, E, cols, in, n, 1.0f, e->x, false, err);
+    if (!e->o32) return kvb_err_set(err, KVB_ERR_INTERNAL, "a post norm without its buffer");
+    kvb_status rs = kvb_cu_gemm(e->cublas, W, E, cols, in, n, 0.0f, e->o32, false, err);
+    if (rs) return rs;
+    KVB_CU(kvb_cu_rmsnorm_add(e->o32, n, E, post_norm, e->m->d.norm_eps, e->x, e->st));
+    return KVB_OK;
+}
+
 static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t pos0, uint32_t c, float *logits,
                                 bool all_logits, bool want_last, kvb_err *err) {
     const kvb_model_desc *d = &e->m->d;
@@ -735,7 +775,7 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
     cudaStream_t st = e->st;
     kvb_status rs;
 
-    KVB_CU(kvb_cu_embed(e->tok_embd, e->d_tok + pos0, n, E, e->x, st));
+    KVB_CU(kvb_cu_embed(e->tok_embd, e->d_tok + pos0, n, E, d->embd_scale, e->x, st)); /* embd_scale 0: none */
     const kvb_cu_cache cache = {e->kv_pool, e->block_bytes, s->d_blocks, e->bt_shift, Hkv, D};
     for (uint32_t l = 0; l < d->n_layer; l++) {
         const cu_layer *L = &e->L[l];
@@ -743,15 +783,17 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
         if (e->o.layer_hook && (rs = e->o.layer_hook(e->o.layer_hook_ctx, l, pos0, c, e->h32, st, err))) return rs;
         if ((rs = kvb_cu_gemm(e->cublas, L->w_qkv, S, E, e->h, n, 0.0f, e->qkv, false, err))) return rs;
         kvb_cu_qkv_post_args qa = {e->qkv, n, H, Hkv, D, (int)d->n_rot, d->rope_neox ? 1 : 0, L->b_qkv, L->q_norm,
-                                   L->k_norm, eps, e->rope_cos, e->rope_sin, (int)pos0, e->q, cache, (int)l};
+                                   L->k_norm, eps, e->rope_cos[L->rope_kind], e->rope_sin[L->rope_kind], (int)pos0,
+                                   e->q, cache, (int)l};
         KVB_CU(kvb_cu_qkv_post(&qa, st));
-        kvb_cu_attn_args aa = {e->q, e->att, cache, (int)l, H, Hkv, D, n, (int)pos0};
+        kvb_cu_attn_args aa = {e->q, e->att, cache, (int)l, H, Hkv, D, n, (int)pos0, L->window, d->attn_scale};
         if (!skip_attention()) KVB_CU(kvb_cu_attention(&aa, 0, st));
-        if ((rs = kvb_cu_gemm(e->cublas, L->w_o, E, Q, e->att, n, 1.0f, e->x, false, err))) return rs;
+        /* x += W_o att: in the GEMM's epilogue, or (gemma3) through the post-attention norm */
+        if ((rs = residual_branch(e, L->w_o, E, Q, e->att, n, L->post_attn_norm, err))) return rs;
         KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->ffn_norm, eps, e->h, (size_t)E, NULL, st));
         if ((rs = kvb_cu_gemm(e->cublas, L->w_gu, 2 * FF, E, e->h, n, 0.0f, e->gu, true, err))) return rs;
-        KVB_CU(kvb_cu_swiglu(e->gu, n, FF, e->act, st));
-        if ((rs = kvb_cu_gemm(e->cublas, L->w_down, E, FF, e->act, n, 1.0f, e->x, false, err))) return rs;
+        KVB_CU(kvb_cu_glu(e->gu, n, FF, d->mlp_gelu ? 1 : 0, e->act, st));
+        if ((rs = residual_branch(e, L->w_down, E, FF, e->act, n, L->post_ffw_norm, err))) return rs;
     }
     if (all_logits && logits) {
         for (uint32_t r0 = 0; r0 < c; r0 += e->logit_rows) {

@@ -1,8 +1,9 @@
 /* engine/cuda/kernels.cu — the elementwise and row kernels of the CUDA forward pass: embedding
- * gather, RMSNorm (f32 in, bf16 out), the fused QKV epilogue (bias, per-head q/k RMSNorm, RoPE,
- * q out, K/V into the paged cache), SwiGLU, and a random fill for benchmarks. Each has a CPU twin
- * in tests/test_cuda_kernels.c. RoPE products are rounded one by one (__fmul_rn/__fsub_rn/
- * __fadd_rn) like the CPU engine's; reductions use f32 in a fixed tree order. */
+ * gather (gemma3: times sqrt(n_embd)), RMSNorm (f32 in, bf16 out; or, for gemma3's post norms,
+ * f32 added into the residual stream), the fused QKV epilogue (bias, per-head q/k RMSNorm, RoPE,
+ * q out, K/V into the paged cache), SwiGLU / GeGLU, and a random fill for benchmarks. Each has a
+ * CPU twin in tests/test_cuda_kernels.c. RoPE products are rounded one by one (__fmul_rn/
+ * __fsub_rn/__fadd_rn) like the CPU engine's; reductions use f32 in a fixed tree order. */
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -12,7 +13,10 @@ typedef __nv_bfloat16 bf16;
 
 /* ---- embedding --------------------------------------------------------------------------- */
 
-__global__ void embed_kernel(const bf16 *__restrict__ table, const int32_t *__restrict__ tok, int E,
+/* scale == 0: the row as is; else each element times scale (one f32 product, as the CPU engine) */
+__device__ __forceinline__ float embed_scaled(float v, float scale) { return scale != 0.0f ? __fmul_rn(v, scale) : v; }
+
+__global__ void embed_kernel(const bf16 *__restrict__ table, const int32_t *__restrict__ tok, int E, float scale,
                              float *__restrict__ x) {
     const int t = blockIdx.x;
     const bf16 *row = table + (size_t)tok[t] * E;
@@ -20,16 +24,19 @@ __global__ void embed_kernel(const bf16 *__restrict__ table, const int32_t *__re
     if ((E & 1) == 0) {
         const __nv_bfloat162 *r2 = reinterpret_cast<const __nv_bfloat162 *>(row);
         float2 *o2 = reinterpret_cast<float2 *>(out);
-        for (int i = threadIdx.x; i < E / 2; i += blockDim.x) o2[i] = __bfloat1622float2(r2[i]);
+        for (int i = threadIdx.x; i < E / 2; i += blockDim.x) {
+            const float2 v = __bfloat1622float2(r2[i]);
+            o2[i] = make_float2(embed_scaled(v.x, scale), embed_scaled(v.y, scale));
+        }
     } else {
-        for (int i = threadIdx.x; i < E; i += blockDim.x) out[i] = __bfloat162float(row[i]);
+        for (int i = threadIdx.x; i < E; i += blockDim.x) out[i] = embed_scaled(__bfloat162float(row[i]), scale);
     }
 }
 
-extern "C" cudaError_t kvb_cu_embed(const void *table, const int32_t *tok, int n, int E, float *x,
+extern "C" cudaError_t kvb_cu_embed(const void *table, const int32_t *tok, int n, int E, float scale, float *x,
                                     cudaStream_t st) {
     if (n <= 0) return cudaSuccess;
-    embed_kernel<<<n, 256, 0, st>>>((const bf16 *)table, tok, E, x);
+    embed_kernel<<<n, 256, 0, st>>>((const bf16 *)table, tok, E, scale, x);
     return cudaGetLastError();
 }
 
@@ -47,11 +54,15 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
     return s;
 }
 
+/* Row blockIdx.x of x: o = (x * (1/sqrtf(ss/E + eps))) * w; then y = bf16(o) (when y), y32 = o (when
+ * y32) and acc += o (when acc; acc rows at x_stride, like x's). */
 __global__ void rmsnorm_kernel(const float *__restrict__ x, size_t x_stride, int E, const float *__restrict__ w,
-                               float eps, bf16 *__restrict__ y, size_t y_stride, float *__restrict__ y32) {
+                               float eps, bf16 *__restrict__ y, size_t y_stride, float *__restrict__ y32,
+                               float *__restrict__ acc) {
     __shared__ float red[32];
     const float *xr = x + (size_t)blockIdx.x * x_stride;
-    bf16 *yr = y + (size_t)blockIdx.x * y_stride;
+    bf16 *yr = y ? y + (size_t)blockIdx.x * y_stride : nullptr;
+    float *ar = acc ? acc + (size_t)blockIdx.x * x_stride : nullptr;
     float ss = 0.0f;
     if ((E & 3) == 0) {
         const float4 *x4 = reinterpret_cast<const float4 *>(xr);
@@ -70,31 +81,49 @@ __global__ void rmsnorm_kernel(const float *__restrict__ x, size_t x_stride, int
     if ((E & 3) == 0) {
         const float4 *x4 = reinterpret_cast<const float4 *>(xr);
         const float4 *w4 = reinterpret_cast<const float4 *>(w);
-        __nv_bfloat162 *y2 = reinterpret_cast<__nv_bfloat162 *>(yr);
+        __nv_bfloat162 *y2 = reinterpret_cast<__nv_bfloat162 *>(yr); /* NULL when yr is */
         float4 *o4 = y32 ? reinterpret_cast<float4 *>(y32 + (size_t)blockIdx.x * E) : nullptr;
+        float4 *a4 = reinterpret_cast<float4 *>(ar);
         for (int i = threadIdx.x; i < E / 4; i += blockDim.x) {
             float4 v = x4[i], g = w4[i];
             float4 o = make_float4(__fmul_rn(__fmul_rn(v.x, r), g.x), __fmul_rn(__fmul_rn(v.y, r), g.y),
                                    __fmul_rn(__fmul_rn(v.z, r), g.z), __fmul_rn(__fmul_rn(v.w, r), g.w));
-            y2[2 * i] = __floats2bfloat162_rn(o.x, o.y);
-            y2[2 * i + 1] = __floats2bfloat162_rn(o.z, o.w);
+            if (y2) {
+                y2[2 * i] = __floats2bfloat162_rn(o.x, o.y);
+                y2[2 * i + 1] = __floats2bfloat162_rn(o.z, o.w);
+            }
             if (o4) o4[i] = o;
+            if (a4) {
+                const float4 s = a4[i];
+                a4[i] = make_float4(__fadd_rn(s.x, o.x), __fadd_rn(s.y, o.y), __fadd_rn(s.z, o.z), __fadd_rn(s.w, o.w));
+            }
         }
     } else {
         float *o32 = y32 ? y32 + (size_t)blockIdx.x * E : nullptr;
         for (int i = threadIdx.x; i < E; i += blockDim.x) {
             const float o = __fmul_rn(__fmul_rn(xr[i], r), w[i]);
-            yr[i] = __float2bfloat16_rn(o);
+            if (yr) yr[i] = __float2bfloat16_rn(o);
             if (o32) o32[i] = o;
+            if (ar) ar[i] = __fadd_rn(ar[i], o);
         }
     }
 }
 
+static int rmsnorm_threads(int E) { return E >= 4096 ? 512 : E >= 1024 ? 256 : 128; }
+
 extern "C" cudaError_t kvb_cu_rmsnorm(const float *x, size_t x_stride, int n, int E, const float *w, float eps,
                                       void *y, size_t y_stride, float *y32, cudaStream_t st) {
     if (n <= 0) return cudaSuccess;
-    int threads = E >= 4096 ? 512 : E >= 1024 ? 256 : 128;
-    rmsnorm_kernel<<<n, threads, 0, st>>>(x, x_stride, E, w, eps, (bf16 *)y, y_stride, y32);
+    if (!y) return cudaErrorInvalidValue;
+    rmsnorm_kernel<<<n, rmsnorm_threads(E), 0, st>>>(x, x_stride, E, w, eps, (bf16 *)y, y_stride, y32, nullptr);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t kvb_cu_rmsnorm_add(const float *src, int n, int E, const float *w, float eps, float *x,
+                                          cudaStream_t st) {
+    if (n <= 0) return cudaSuccess;
+    if (!x || x == src) return cudaErrorInvalidValue;
+    rmsnorm_kernel<<<n, rmsnorm_threads(E), 0, st>>>(src, (size_t)E, E, w, eps, nullptr, 0, nullptr, x);
     return cudaGetLastError();
 }
 
@@ -182,47 +211,66 @@ extern "C" cudaError_t kvb_cu_qkv_post(const kvb_cu_qkv_post_args *a, cudaStream
     return cudaGetLastError();
 }
 
-/* ---- SwiGLU -------------------------------------------------------------------------------- */
+/* ---- SwiGLU / GeGLU --------------------------------------------------------------------------- */
 
 __device__ __forceinline__ float silu_mul(float g, float u) {
     return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
 }
 
-__global__ void swiglu2_kernel(const __nv_bfloat162 *__restrict__ gu, long long n_pairs, int FF2,
-                               __nv_bfloat162 *__restrict__ out) {
+/* gelu_tanh(g) * u in the CPU engine's order (kvb_cpu_gelu_tanh): x3 = (g g) g, inner =
+ * 0.7978845608 (g + 0.044715 x3), (0.5 g) (1 + tanhf(inner)), then times u; each step rounded. */
+__device__ __forceinline__ float gelu_mul(float g, float u) {
+    const float x3 = __fmul_rn(__fmul_rn(g, g), g);
+    const float inner = __fmul_rn(0.7978845608f, __fadd_rn(g, __fmul_rn(0.044715f, x3)));
+    return __fmul_rn(__fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.0f, tanhf(inner))), u);
+}
+
+template <bool GELU> __device__ __forceinline__ float glu_mul(float g, float u) {
+    return GELU ? gelu_mul(g, u) : silu_mul(g, u);
+}
+
+template <bool GELU>
+__global__ void glu2_kernel(const __nv_bfloat162 *__restrict__ gu, long long n_pairs, int FF2,
+                            __nv_bfloat162 *__restrict__ out) {
     /* FF2 = FF / 2 pairs per row; row t: g pairs [t*2*FF2, +FF2), u pairs after them */
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n_pairs;
          idx += (long long)gridDim.x * blockDim.x) {
         const long long t = idx / FF2, i = idx % FF2;
         const float2 g = __bfloat1622float2(gu[t * 2 * FF2 + i]);
         const float2 u = __bfloat1622float2(gu[t * 2 * FF2 + FF2 + i]);
-        out[idx] = __floats2bfloat162_rn(silu_mul(g.x, u.x), silu_mul(g.y, u.y));
+        out[idx] = __floats2bfloat162_rn(glu_mul<GELU>(g.x, u.x), glu_mul<GELU>(g.y, u.y));
     }
 }
 
-__global__ void swiglu1_kernel(const bf16 *__restrict__ gu, long long n_el, int FF, bf16 *__restrict__ out) {
+template <bool GELU>
+__global__ void glu1_kernel(const bf16 *__restrict__ gu, long long n_el, int FF, bf16 *__restrict__ out) {
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n_el;
          idx += (long long)gridDim.x * blockDim.x) {
         const long long t = idx / FF, i = idx % FF;
         out[idx] = __float2bfloat16_rn(
-            silu_mul(__bfloat162float(gu[t * 2 * FF + i]), __bfloat162float(gu[t * 2 * FF + FF + i])));
+            glu_mul<GELU>(__bfloat162float(gu[t * 2 * FF + i]), __bfloat162float(gu[t * 2 * FF + FF + i])));
     }
 }
 
-extern "C" cudaError_t kvb_cu_swiglu(const void *gu, int n, int FF, void *out, cudaStream_t st) {
-    if (n <= 0) return cudaSuccess;
+template <bool GELU> static void glu_launch(const void *gu, int n, int FF, void *out, cudaStream_t st) {
     if ((FF & 1) == 0) {
         long long pairs = (long long)n * (FF / 2);
         long long blocks = (pairs + 255) / 256;
         if (blocks > 132 * 64) blocks = 132 * 64;
-        swiglu2_kernel<<<(unsigned)blocks, 256, 0, st>>>((const __nv_bfloat162 *)gu, pairs, FF / 2,
-                                                         (__nv_bfloat162 *)out);
+        glu2_kernel<GELU><<<(unsigned)blocks, 256, 0, st>>>((const __nv_bfloat162 *)gu, pairs, FF / 2,
+                                                            (__nv_bfloat162 *)out);
     } else {
         long long el = (long long)n * FF;
         long long blocks = (el + 255) / 256;
         if (blocks > 132 * 64) blocks = 132 * 64;
-        swiglu1_kernel<<<(unsigned)blocks, 256, 0, st>>>((const bf16 *)gu, el, FF, (bf16 *)out);
+        glu1_kernel<GELU><<<(unsigned)blocks, 256, 0, st>>>((const bf16 *)gu, el, FF, (bf16 *)out);
     }
+}
+
+extern "C" cudaError_t kvb_cu_glu(const void *gu, int n, int FF, int gelu, void *out, cudaStream_t st) {
+    if (n <= 0) return cudaSuccess;
+    if (gelu) glu_launch<true>(gu, n, FF, out, st);
+    else glu_launch<false>(gu, n, FF, out, st);
     return cudaGetLastError();
 }
 

@@ -1,8 +1,10 @@
-/* engine/cuda — the CUDA engine: bf16 weights on the GPU (F32/F16/BF16/Q8_0/Q4_0 files are
- * converted at load), cuBLAS GEMMs (bf16 operands, f32 accumulation), fused kernels (RMSNorm,
- * bias + q/k-norm + RoPE + cache write, SwiGLU; the residual add rides on the GEMM epilogue) and
- * a causal flash-attention kernel (tensor cores, online softmax) over a paged bf16 KV cache that
- * may already hold a prefix. Long prompts run in chunks of max_batch tokens, so activation memory
+/* engine/cuda — the CUDA engine: bf16 weights on the GPU (files of every type the quant module
+ * decodes — F32/F16/BF16/Q8_0/Q4_0/Q5_0/Q4_K/Q5_K/Q6_K — are converted at load), cuBLAS GEMMs
+ * (bf16 operands, f32 accumulation), fused kernels (RMSNorm, bias + q/k-norm + RoPE + cache write,
+ * SwiGLU or GeGLU; the residual add rides on the GEMM epilogue, or on gemma3's post norms) and
+ * a causal flash-attention kernel (tensor cores, online softmax; a sliding window on gemma3's
+ * local layers) over a paged bf16 KV cache that may already hold a prefix. Architectures: llama,
+ * qwen2, qwen3, gemma3 (as the CPU engine reads them: kvb_model_desc). Long prompts run in chunks of max_batch tokens, so activation memory
  * is fixed at creation, whatever the prompt length. Filled blocks are indexed under their chain
  * keys (the store module's kvb_chain_root / kvb_chain_next, rooted in the model and cache-format
  * fingerprints), so a prompt that extends a cached prefix computes only the new part.
@@ -13,16 +15,24 @@
  *
  * Cache layout: kvformat's (layer, k_or_v, kv_head, token, head_dim) per block, dtype BF16.
  * Arithmetic (what "bf16 forward" means here, so tolerances can be argued):
- *   x (residual stream)  f32 on the device; embedding rows are the bf16 weights widened
- *   h = rmsnorm(x) * w   f32 math, rounded to bf16 (GEMM operand)
+ *   x (residual stream)  f32 on the device; embedding rows are the bf16 weights widened (gemma3:
+ *                        times sqrtf(n_embd), one f32 product)
+ *   h = rmsnorm(x) * w   f32 math, rounded to bf16 (GEMM operand); norm weights as the file stores
+ *                        them (gemma3's include their +1, see model/desc.c)
  *   qkv = W_qkv h        bf16 x bf16, f32 accumulate, f32 out; + bias (f32); q/k-norm in f32;
- *                        RoPE from kvb_rope_table (one host table, products rounded, no fma);
+ *                        RoPE from kvb_rope_table (one host table per kind of layer — gemma3's
+ *                        local layers have their own base — products rounded, no fma);
  *                        q rounded to bf16, K and V rounded to bf16 into the cache
- *   attention            bf16 Q.K^T and P.V on tensor cores with f32 accumulation, f32 online
- *                        softmax (P rounded to bf16 for the P.V product), output rounded to bf16
- *   x += W_o att         f32 out, residual added in the GEMM (beta = 1)
- *   g|u = W_gu h         bf16 out; a = silu(g) * u in f32, rounded to bf16; x += W_down a (f32)
- *   logits = W_out rmsnorm(x)   f32 out */
+ *   attention            bf16 Q.K^T and P.V on tensor cores with f32 accumulation, scores times
+ *                        the description's attn_scale, f32 online softmax (P rounded to bf16 for
+ *                        the P.V product), output rounded to bf16; on a local layer the query at
+ *                        p reads keys k with p - k < swa_window
+ *   x += W_o att         f32 out, residual added in the GEMM (beta = 1); gemma3: o = W_o att in
+ *                        f32, x += rmsnorm(o) * post_attention_norm in f32
+ *   g|u = W_gu h         bf16 out; a = silu(g) * u (gemma3: gelu_tanh(g) * u, the CPU engine's
+ *                        formula) in f32, rounded to bf16; x += W_down a (f32; gemma3 through the
+ *                        post-MLP norm like the attention branch)
+ *   logits = W_out rmsnorm(x)   f32 out (W_out = the embedding table when the file ties them) */
 #ifndef KVB_ENGINE_CUDA_H
 #define KVB_ENGINE_CUDA_H
 
@@ -110,14 +120,16 @@ kvb_status kvb_cuda_gemm_bench(int device, int m, int n, int k, int reps, double
  * caller reaches the device) to the device, runs one kernel, and copies the outputs back. bf16
  * values are raw uint16_t bits. Not for production paths (they allocate and synchronise). */
 
-/* x (n, E) f32 = table[tok[t]] (V, E) bf16 widened. */
+/* x (n, E) f32 = table[tok[t]] (V, E) bf16 widened, times scale unless scale == 0. */
 kvb_status kvb_cuda_test_embed(const uint16_t *table, uint32_t V, uint32_t E, const int32_t *tok, uint32_t n,
-                               float *x, kvb_err *err);
-/* y (n, E) bf16 = bf16((x * (1/sqrtf(mean(x^2) + eps))) * w); x (n, E) f32. */
+                               float scale, float *x, kvb_err *err);
+/* With y: y (n, E) bf16 = bf16((x * (1/sqrtf(mean(x^2) + eps))) * w); with acc instead (gemma3's
+ * post norm): acc (n, E) f32 += the same values unrounded; x (n, E) f32. */
 kvb_status kvb_cuda_test_rmsnorm(const float *x, uint32_t n, uint32_t E, const float *w, float eps, uint16_t *y,
-                                 kvb_err *err);
-/* out (n, FF) bf16 = bf16(silu(g) * u) with gu (n, 2*FF) bf16 rows [g | u]. */
-kvb_status kvb_cuda_test_swiglu(const uint16_t *gu, uint32_t n, uint32_t FF, uint16_t *out, kvb_err *err);
+                                 float *acc, kvb_err *err);
+/* out (n, FF) bf16 = bf16(silu(g) * u), or with gelu bf16(gelu_tanh(g) * u), with gu (n, 2*FF) bf16
+ * rows [g | u]. */
+kvb_status kvb_cuda_test_glu(const uint16_t *gu, uint32_t n, uint32_t FF, bool gelu, uint16_t *out, kvb_err *err);
 /* y (n, rows) f32 = beta * y + W x for W (rows, cols) bf16 and x (n, cols) bf16, through the
  * engine's cuBLAS call. y_bf16: write bf16 (then beta must be 0). */
 kvb_status kvb_cuda_test_gemm(const uint16_t *W, uint32_t rows, uint32_t cols, const uint16_t *x, uint32_t n,
@@ -151,10 +163,12 @@ typedef struct {
 kvb_status kvb_cuda_test_qkv_post(const kvb_cuda_test_qkv_args *a, kvb_err *err);
 
 /* out (n, H*D) bf16 = causal attention of q (n, H*D) bf16 at positions pos0 .. pos0+n-1 over the
- * cache's K/V of `layer` for positions 0 .. pos0+n-1; scale 1/sqrt(D); GQA head h -> h/(H/Hkv).
- * variant 0: the engine's choice (tensor-core kernel for D = 64 or 128), 1: the generic kernel,
- * 2 / 3: the tensor-core kernel with 64 / 128 query rows per CTA. */
+ * cache's K/V of `layer` for positions 0 .. pos0+n-1 (window > 0: only keys k with p - k < window);
+ * scores times scale (0: 1/sqrt(D)); GQA head h -> h/(H/Hkv). variant 0: the engine's choice
+ * (tensor-core kernel for D = 64 or 128), 1: the generic kernel, 2 / 3: the tensor-core kernel with
+ * 64 / 128 query rows per CTA. */
 kvb_status kvb_cuda_test_attention(const uint16_t *q, uint32_t n, uint32_t H, uint32_t pos0, uint32_t layer,
-                                   const kvb_cuda_test_cache *cache, int variant, uint16_t *out, kvb_err *err);
+                                   uint32_t window, float scale, const kvb_cuda_test_cache *cache, int variant,
+                                   uint16_t *out, kvb_err *err);
 
 #endif

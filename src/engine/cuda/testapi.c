@@ -41,8 +41,19 @@ static kvb_status finish(kvb_err *err) {
     return KVB_OK;
 }
 
+/* After one launch (its result ce, the launcher's name what): checks it, waits, and copies the
+ * device output dev (bytes) back to host. */
+static kvb_status fetch(cudaError_t ce, const char *what, void *host, const void *dev, size_t bytes, kvb_err *err) {
+    if (ce != cudaSuccess) return kvb_cu_fail(err, ce, what, __FILE__, __LINE__);
+    kvb_status st = finish(err);
+    if (st) return st;
+    if (cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost) != cudaSuccess)
+        return kvb_err_set(err, KVB_ERR_INTERNAL, "%s: copy back failed", what);
+    return KVB_OK;
+}
+
 kvb_status kvb_cuda_test_embed(const uint16_t *table, uint32_t V, uint32_t E, const int32_t *tok, uint32_t n,
-                               float *x, kvb_err *err) {
+                               float scale, float *x, kvb_err *err) {
     kvb_status st = need_device(err);
     if (st) return st;
     dbufs b = {{0}, 0};
@@ -50,62 +61,41 @@ kvb_status kvb_cuda_test_embed(const uint16_t *table, uint32_t V, uint32_t E, co
     if ((st = dput(&b, &dt, table, (size_t)V * E * 2, err)) || (st = dput(&b, &dk, tok, (size_t)n * 4, err)) ||
         (st = dput(&b, &dx, x, (size_t)n * E * 4, err)))
         goto done;
-    {
-        cudaError_t ce = kvb_cu_embed(dt, dk, (int)n, (int)E, dx, 0);
-        if (ce != cudaSuccess) {
-            st = kvb_cu_fail(err, ce, "kvb_cu_embed", __FILE__, __LINE__);
-            goto done;
-        }
-    }
-    if ((st = finish(err))) goto done;
-    if (cudaMemcpy(x, dx, (size_t)n * E * 4, cudaMemcpyDeviceToHost) != cudaSuccess)
-        st = kvb_err_set(err, KVB_ERR_INTERNAL, "copy back failed");
+    st = fetch(kvb_cu_embed(dt, dk, (int)n, (int)E, scale, dx, 0), "kvb_cu_embed", x, dx, (size_t)n * E * 4, err);
 done:
     dbufs_free(&b);
     return st;
 }
 
 kvb_status kvb_cuda_test_rmsnorm(const float *x, uint32_t n, uint32_t E, const float *w, float eps, uint16_t *y,
-                                 kvb_err *err) {
+                                 float *acc, kvb_err *err) {
     kvb_status st = need_device(err);
     if (st) return st;
+    if (!y == !acc) return kvb_err_set(err, KVB_ERR_INVALID, "kvb_cuda_test_rmsnorm: give y or acc, not both");
+    const size_t out_bytes = (size_t)n * E * (y ? 2 : 4);
     dbufs b = {{0}, 0};
     void *dx, *dw, *dy;
     if ((st = dput(&b, &dx, x, (size_t)n * E * 4, err)) || (st = dput(&b, &dw, w, (size_t)E * 4, err)) ||
-        (st = dput(&b, &dy, y, (size_t)n * E * 2, err)))
+        (st = dput(&b, &dy, y ? (const void *)y : (const void *)acc, out_bytes, err)))
         goto done;
-    {
-        cudaError_t ce = kvb_cu_rmsnorm(dx, E, (int)n, (int)E, dw, eps, dy, E, NULL, 0);
-        if (ce != cudaSuccess) {
-            st = kvb_cu_fail(err, ce, "kvb_cu_rmsnorm", __FILE__, __LINE__);
-            goto done;
-        }
-    }
-    if ((st = finish(err))) goto done;
-    if (cudaMemcpy(y, dy, (size_t)n * E * 2, cudaMemcpyDeviceToHost) != cudaSuccess)
-        st = kvb_err_set(err, KVB_ERR_INTERNAL, "copy back failed");
+    if (y)
+        st = fetch(kvb_cu_rmsnorm(dx, E, (int)n, (int)E, dw, eps, dy, E, NULL, 0), "kvb_cu_rmsnorm", y, dy, out_bytes,
+                   err);
+    else st = fetch(kvb_cu_rmsnorm_add(dx, (int)n, (int)E, dw, eps, dy, 0), "kvb_cu_rmsnorm_add", acc, dy, out_bytes, err);
 done:
     dbufs_free(&b);
     return st;
 }
 
-kvb_status kvb_cuda_test_swiglu(const uint16_t *gu, uint32_t n, uint32_t FF, uint16_t *out, kvb_err *err) {
+kvb_status kvb_cuda_test_glu(const uint16_t *gu, uint32_t n, uint32_t FF, bool gelu, uint16_t *out, kvb_err *err) {
     kvb_status st = need_device(err);
     if (st) return st;
     dbufs b = {{0}, 0};
     void *dg, *dout;
     if ((st = dput(&b, &dg, gu, (size_t)n * 2 * FF * 2, err)) || (st = dput(&b, &dout, out, (size_t)n * FF * 2, err)))
         goto done;
-    {
-        cudaError_t ce = kvb_cu_swiglu(dg, (int)n, (int)FF, dout, 0);
-        if (ce != cudaSuccess) {
-            st = kvb_cu_fail(err, ce, "kvb_cu_swiglu", __FILE__, __LINE__);
-            goto done;
-        }
-    }
-    if ((st = finish(err))) goto done;
-    if (cudaMemcpy(out, dout, (size_t)n * FF * 2, cudaMemcpyDeviceToHost) != cudaSuccess)
-        st = kvb_err_set(err, KVB_ERR_INTERNAL, "copy back failed");
+    st = fetch(kvb_cu_glu(dg, (int)n, (int)FF, gelu ? 1 : 0, dout, 0), "kvb_cu_glu", out, dout, (size_t)n * FF * 2,
+               err);
 done:
     dbufs_free(&b);
     return st;
@@ -203,7 +193,8 @@ done:
 }
 
 kvb_status kvb_cuda_test_attention(const uint16_t *q, uint32_t n, uint32_t H, uint32_t pos0, uint32_t layer,
-                                   const kvb_cuda_test_cache *c, int variant, uint16_t *out, kvb_err *err) {
+                                   uint32_t window, float scale, const kvb_cuda_test_cache *c, int variant,
+                                   uint16_t *out, kvb_err *err) {
     kvb_status st = need_device(err);
     if (st) return st;
     const int bts = shift_of(c->block_tokens);
@@ -219,17 +210,12 @@ kvb_status kvb_cuda_test_attention(const uint16_t *q, uint32_t n, uint32_t H, ui
         if (ce == cudaSuccess) {
             kvb_cu_attn_args aa = {dq, dout,
                                    {dpool, cache_block_bytes(c), dtab, bts, (int)c->n_head_kv, (int)c->head_dim},
-                                   (int)layer, (int)H, (int)c->n_head_kv, (int)c->head_dim, (int)n, (int)pos0};
+                                   (int)layer, (int)H, (int)c->n_head_kv, (int)c->head_dim, (int)n, (int)pos0,
+                                   (int)window, scale};
             ce = kvb_cu_attention(&aa, variant, 0);
         }
-        if (ce != cudaSuccess) {
-            st = kvb_cu_fail(err, ce, "kvb_cu_attention", __FILE__, __LINE__);
-            goto done;
-        }
+        st = fetch(ce, "kvb_cu_attention", out, dout, qb, err);
     }
-    if ((st = finish(err))) goto done;
-    if (cudaMemcpy(out, dout, qb, cudaMemcpyDeviceToHost) != cudaSuccess)
-        st = kvb_err_set(err, KVB_ERR_INTERNAL, "copy back failed");
 done:
     dbufs_free(&b);
     return st;
