@@ -4,8 +4,10 @@
  * last stage, weight-row counts and token counts that are not multiples of the 32 x 32 tile —
  * for every quantised weight type it takes; (2) the prefill node's device-input path
  * (kvb_bridge_cuda_enqueue/flush: attention inputs already on the GPU, rows shipped one layer
- * late from pinned slots), checking every shipped row set and the order they arrive in. Output
- * buffers are poisoned, so an unwritten byte fails. Label `gpu`; skips without a device. */
+ * late from pinned slots), checking every shipped row set and the order they arrive in, on qwen3
+ * and on gemma3 (each layer rotates with its own kind's RoPE table: local layers have their own
+ * base). Output buffers are poisoned, so an unwritten byte fails. Label `gpu`; skips without a
+ * device. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -75,21 +77,21 @@ static void fake_free(fake_model *f) {
     free(f->wv);
 }
 
-/* CPU rows for layer l of m at positions pos0 .. pos0+n-1 from h (n, E). */
+/* CPU rows for layer l of m at positions pos0 .. pos0+n-1 from h (n, E), with the layer's own RoPE
+ * table as the CPU engine fills it (kvb_rope_tables). */
 static void cpu_rows(const kvb_model *m, uint32_t l, uint32_t dtype, uint32_t pos0, uint32_t n, const float *h,
                      uint8_t *k, uint8_t *v) {
-    const uint32_t half = m->d.n_rot / 2;
-    double *inv = malloc(sizeof(double) * half);
-    float *cs = malloc(sizeof(float) * n * half), *sn = malloc(sizeof(float) * n * half);
+    kvb_rope_tables rope;
+    kvb_err err = {0};
+    if (kvb_rope_tables_init(&rope, m, n, &err)) fail_msg("%s", err.msg);
+    kvb_rope_tables_fill(&rope, pos0, n);
+    const float *cs, *sn;
+    kvb_rope_tables_layer(&rope, l, &cs, &sn);
     void *scratch = kvb_aligned_alloc(64, kvb_kv_produce_scratch_bytes(m, n));
-    kvb_rope_inv_freq(m, inv);
-    kvb_rope_table(inv, m->d.n_rot, pos0, n, cs, sn);
     kvb_kv_produce_args a = {m, l, dtype, NULL, cs, sn, false};
     kvb_kv_produce(&a, h, n, scratch, k, v);
     kvb_aligned_free(scratch);
-    free(inv);
-    free(cs);
-    free(sn);
+    kvb_rope_tables_free(&rope);
 }
 
 static void test_mma_wide_shapes(void **state) {
@@ -177,12 +179,10 @@ static kvb_status ship_check(void *ctx, uint32_t layer, uint32_t pos0, uint32_t 
     return KVB_OK;
 }
 
-static void test_enqueue_path(void **state) {
-    (void)state;
-    need_device();
+static void enqueue_path(const char *preset) {
     char path[512];
-    snprintf(path, sizeof path, "%s/dev-path.gguf", kvbt_tmpdir());
-    kvb_gen_opts o = {.preset = "tiny-qwen3", .type = KVB_TYPE_Q8_0, .seed = 11, .n_threads = 2};
+    snprintf(path, sizeof path, "%s/dev-path-%s.gguf", kvbt_tmpdir(), preset);
+    kvb_gen_opts o = {.preset = preset, .type = KVB_TYPE_Q8_0, .seed = 11, .n_threads = 2};
     kvb_model *m = NULL;
     kvb_err err = {0};
     if (kvb_gen_model(&o, path, &err) || kvb_model_load(path, &m, &err)) fail_msg("%s", err.msg);
@@ -207,9 +207,9 @@ static void test_enqueue_path(void **state) {
                 if (kvb_bridge_cuda_enqueue(b, l, c * n, n, d_h, NULL, &err)) fail_msg("%s", err.msg);
             }
         if (kvb_bridge_cuda_flush(b, &err)) fail_msg("%s", err.msg);
-        print_message("device-input path, %s cache: %u ship calls (want %u), %u out of order, %u with wrong rows; "
-                      "pinned staging %zu bytes\n",
-                      kvb_type_name(dtypes[dt]), log.calls, chunks * L, log.bad_order, log.bad_rows,
+        print_message("device-input path, %s, %s cache: %u ship calls (want %u), %u out of order, %u with wrong "
+                      "rows; pinned staging %zu bytes\n",
+                      preset, kvb_type_name(dtypes[dt]), log.calls, chunks * L, log.bad_order, log.bad_rows,
                       kvb_bridge_cuda_pinned_bytes(b));
         assert_int_equal(log.calls, chunks * L);
         assert_int_equal(log.bad_order, 0);
@@ -219,6 +219,13 @@ static void test_enqueue_path(void **state) {
         free(h_all);
     }
     kvb_model_free(m);
+}
+
+static void test_enqueue_path(void **state) {
+    (void)state;
+    need_device();
+    enqueue_path("tiny-qwen3");
+    enqueue_path("tiny-gemma3"); /* 5 local + 1 global layers: two RoPE tables */
 }
 #else
 static void test_mma_wide_shapes(void **state) {

@@ -23,8 +23,7 @@ static void help(FILE *f) {
             "  chunked  bridge output computed in odd 5-token chunks vs in one shot\n"
             "and exits 1 if any row is short.\n\n"
             "  --preset NAME   generate (once, into models/) and verify this preset; repeatable\n"
-            "                  (default: tiny, tiny-qwen2, tiny-qwen3, tiny-llama3, and tiny-gemma3 unless\n"
-            "                  --device cuda: the CUDA bridge does not run local-layer models yet)\n"
+            "                  (default: tiny, tiny-qwen2, tiny-qwen3, tiny-llama3, tiny-gemma3)\n"
             "  --model FILE    verify this GGUF instead\n"
             "  --device D      cpu (default) or cuda (needs the CUDA bridge; said plainly when absent)\n"
             "  --threads T     CPU threads (default: all)\n"
@@ -108,10 +107,8 @@ int kvb_cmd_verify(int argc, char **argv) {
         }
     }
     if (!model && n_presets == 0) {
-        /* tiny-gemma3 last: the CUDA bridge refuses models with local (sliding-window) layers for now */
         static const char *dflt[] = {"tiny", "tiny-qwen2", "tiny-qwen3", "tiny-llama3", "tiny-gemma3"};
-        const size_t n_dflt = sizeof dflt / sizeof dflt[0] - (strcmp(device, "cuda") == 0 ? 1 : 0);
-        for (size_t i = 0; i < n_dflt; i++) presets[n_presets++] = dflt[i];
+        for (size_t i = 0; i < sizeof dflt / sizeof dflt[0]; i++) presets[n_presets++] = dflt[i];
     }
     printf("kvbridge verify%s: bridge (decoder mode) vs the decoder's own cache, bit for bit\n",
            perturb ? " (PERTURBED bridge: every row must be short)" : "");

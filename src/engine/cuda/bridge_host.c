@@ -1,8 +1,10 @@
 /* engine/cuda/bridge_host.c — host side of the CUDA bridge: uploads the decoder's K/V weights
  * once (and, for Q8_0/Q4_0/Q5_0, unpacks them to int8 rows for the tensor-core projection), and
- * per (chunk, layer) copies the RoPE table (computed on the host, kvb_rope_table) to the device,
- * runs quantise -> project K, V -> post, and copies the rows back — on the device-input path on a
- * second stream, so the copy overlaps the engine's next kernels. */
+ * per (chunk, layer) copies the layer's own RoPE table (computed on the host, kvb_rope_table, from
+ * the inverse frequencies of the layer's kind — gemma3's local layers have their own base — as
+ * the CPU's kvb_rope_tables gives kvb_kv_produce) to the device, runs quantise -> project K, V ->
+ * post, and copies the rows back — on the device-input path on a second stream, so the copy
+ * overlaps the engine's next kernels. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,7 +35,7 @@ struct kvb_bridge_cuda {
     uint32_t dtype, max_tokens;
     size_t row_bytes, act_stride;
     bool perturbed;
-    double *inv_freq;           /* (n_rot/2) */
+    kvb_rope_tables rope;       /* inverse frequencies per kind of layer (no positions: cap 0) */
     float *h_cos, *h_sin;       /* host (max, n_rot/2) */
     bridge_layer *layers;       /* (n_layer) device */
     float *d_h, *d_k, *d_v, *d_cos, *d_sin;
@@ -61,6 +63,11 @@ static bool tensor_core_type(uint32_t t) {
     return t == KVB_TYPE_Q8_0 || t == KVB_TYPE_Q4_0 || t == KVB_TYPE_Q5_0;
 }
 
+/* The weight types whose canonical dot the bridge kernels reproduce (bridge.cu's canon_dot). */
+static bool bridge_weight_type(uint32_t t) {
+    return tensor_core_type(t) || t == KVB_TYPE_F32 || t == KVB_TYPE_F16 || t == KVB_TYPE_BF16;
+}
+
 /* The file's blocks (already on the device at raw) -> int8 rows and f32 scales. */
 static kvb_status unpack(const kvb_mat *W, const uint8_t *raw, int8_t **q, float **sc, kvb_err *err) {
     KVB_CU(cudaMalloc((void **)q, (size_t)W->rows * W->cols));
@@ -82,9 +89,15 @@ kvb_status kvb_bridge_cuda_create(const kvb_model *m, uint32_t dtype, uint32_t m
                                   kvb_err *err) {
     *out = NULL;
     const kvb_model_desc *d = &m->d;
-    if (kvb_model_has_local_layers(d)) /* one RoPE table for every layer here; local layers need their own */
-        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "the CUDA bridge does not support models with local "
-                           "(sliding-window) layers yet (%s)", d->arch_name);
+    for (uint32_t l = 0; l < d->n_layer; l++) {
+        const kvb_mat *ws[2] = {&m->layers[l].wk, &m->layers[l].wv};
+        for (int i = 0; i < 2; i++)
+            if (!bridge_weight_type(ws[i]->type))
+                return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                                   "layer %u: the CUDA bridge does not reproduce %s K/V weights (it takes F32, F16, "
+                                   "BF16, Q8_0, Q4_0 and Q5_0); use the CPU bridge",
+                                   l, kvb_type_name(ws[i]->type));
+    }
     if (dtype != KVB_TYPE_F32 && dtype != KVB_TYPE_F16 && dtype != KVB_TYPE_BF16 && dtype != KVB_TYPE_Q8_0)
         return kvb_err_set(err, KVB_ERR_INVALID, "cache type %s is not one the bridge writes", kvb_type_name(dtype));
     kvb_bridge_cuda *b = calloc(1, sizeof *b);
@@ -97,16 +110,18 @@ kvb_status kvb_bridge_cuda_create(const kvb_model *m, uint32_t dtype, uint32_t m
     const uint32_t at = kvb_act_type(m->layers[0].wk.type);
     b->act_stride = kvb_row_bytes(at == KVB_TYPE_Q8_0 || kvb_act_type(m->layers[0].wv.type) == KVB_TYPE_Q8_0
                                       ? KVB_TYPE_F32 : at, (int64_t)E); /* f32 is the widest activation row */
-    kvb_status st = KVB_OK;
-    b->inv_freq = malloc(sizeof(double) * half);
+    kvb_status st = kvb_rope_tables_init(&b->rope, m, 0, err);
+    if (st) {
+        free(b);
+        return st;
+    }
     b->h_cos = malloc(sizeof(float) * half * max_tokens);
     b->h_sin = malloc(sizeof(float) * half * max_tokens);
     b->layers = calloc(d->n_layer, sizeof *b->layers);
-    if (!b->inv_freq || !b->h_cos || !b->h_sin || !b->layers) {
+    if (!b->h_cos || !b->h_sin || !b->layers) {
         st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
         goto fail;
     }
-    kvb_rope_inv_freq(m, b->inv_freq);
     for (uint32_t l = 0; l < d->n_layer && !st; l++) {
         const kvb_layer_weights *w = &m->layers[l];
         bridge_layer *bl = &b->layers[l];
@@ -188,7 +203,7 @@ void kvb_bridge_cuda_free(kvb_bridge_cuda *b) {
     }
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) cudaFree(dev[i]);
     free(b->layers);
-    free(b->inv_freq);
+    kvb_rope_tables_free(&b->rope);
     free(b->h_cos);
     free(b->h_sin);
     free(b);
@@ -250,6 +265,15 @@ static kvb_status enqueue_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t n, 
     return KVB_OK;
 }
 
+/* Layer `layer`'s RoPE table for positions pos0 .. pos0+n-1 into cos_t, sin_t (n, n_rot/2) host
+ * memory: kvb_rope_table from the inverse frequencies of the layer's kind, the very numbers the CPU
+ * engine's and the CPU bridge's kvb_rope_tables_fill hand kvb_kv_produce for that layer. */
+static void layer_rope_table(const kvb_bridge_cuda *b, uint32_t layer, uint32_t pos0, uint32_t n, float *cos_t,
+                             float *sin_t) {
+    const uint32_t kind = kvb_rope_tables_kind(&b->rope, layer);
+    kvb_rope_table(b->rope.inv_freq + (size_t)kind * b->rope.half, 2 * b->rope.half, pos0, n, cos_t, sin_t);
+}
+
 static kvb_status check_call(const kvb_bridge_cuda *b, uint32_t layer, uint32_t n, kvb_err *err) {
     if (layer >= b->m->d.n_layer || n == 0 || n > b->max_tokens)
         return kvb_err_set(err, KVB_ERR_INVALID, "bridge call for layer %u with %u tokens is out of range (at most %u)",
@@ -261,7 +285,7 @@ kvb_status kvb_bridge_cuda_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t po
                                  uint8_t *k_rows, uint8_t *v_rows, kvb_err *err) {
     kvb_status st = check_call(b, layer, n, err);
     if (st) return st;
-    kvb_rope_table(b->inv_freq, b->m->d.n_rot, pos0, n, b->h_cos, b->h_sin);
+    layer_rope_table(b, layer, pos0, n, b->h_cos, b->h_sin);
     KVB_CU(cudaMemcpy(b->d_h, h, (size_t)n * b->m->d.n_embd * sizeof(float), cudaMemcpyHostToDevice));
     kvb_bridge_cuda_discard(b); /* the device slots are shared with the device-input path */
     if ((st = enqueue_layer(b, layer, n, b->d_h, b->h_cos, b->h_sin, NULL, 0, k_rows, v_rows, NULL, err))) return st;
@@ -310,7 +334,7 @@ kvb_status kvb_bridge_cuda_enqueue(kvb_bridge_cuda *b, uint32_t layer, uint32_t 
     if (!b->slot[0].made && (st = alloc_slots(b, err))) return st;
     pinned_slot *p = &b->slot[b->next_slot], *prev = &b->slot[b->next_slot ^ 1];
     if ((st = finish_slot(b, p, err))) return st; /* normally already shipped */
-    kvb_rope_table(b->inv_freq, b->m->d.n_rot, pos0, n, p->cos, p->sin);
+    layer_rope_table(b, layer, pos0, n, p->cos, p->sin);
     if ((st = enqueue_layer(b, layer, n, d_h, p->cos, p->sin, (cudaStream_t)stream, (int)b->next_slot, p->k, p->v,
                             p->done, err)))
         return st;
