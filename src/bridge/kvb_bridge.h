@@ -13,6 +13,7 @@
 #include "kvb_engine_cpu.h"
 #include "kvb_kvformat.h"
 #include "kvb_model.h"
+#include "kvb_store.h"
 
 /* One slab: tokens [pos0, pos0+n) of one layer, all inside one cache block.
  * k, v: (n, n_head_kv, row_bytes) in the decoder's cache dtype. */
@@ -57,6 +58,38 @@ void kvb_bridge_cpu_set_producer(kvb_bridge_cpu *b, kvb_rows_producer fn, void *
 /* Test-only: perturb the bridge's arithmetic by one reordered addition (the K bias is added to the
  * projection in a different association), so `kvbridge verify` can prove it detects a change. */
 void kvb_bridge_cpu_set_perturbed(kvb_bridge_cpu *b, bool perturbed);
+
+/* ---- an in-process receiver: slabs into a store, as a decode node commits them ---------------
+ * The decode node's side of the bridge without the wire: one pending block (kvb_store_slab_begin)
+ * per full block of tokens [ship_from, ship_to) under its chain key, and when ship_to ends inside
+ * a block, a pending tail (kvb_store_slab_begin_tail) for the rest; each slab goes to the store's
+ * slab assembler (kvb_store_slab_put: every field and the checksum checked before a byte is
+ * copied), a block is committed through the one block writer once every layer of every token has
+ * arrived (a tail never is: a sequence adopts its page). No reference is kept to a committed block
+ * (like the decode node): a decoder engine over the same store adopts the chain with
+ * kvb_seq_attach_cached, then the tail with kvb_seq_adopt_tail. `kvbridge verify` and
+ * `kvbridge bench quality` run the bridge into a store through it. */
+typedef struct kvb_bridge_receiver kvb_bridge_receiver;
+
+/* tokens: the prompt, at least ship_to of them; ship_from a multiple of the store's block_tokens,
+ * ship_from <= ship_to (a decode node ships up to, never including, the last prompt token). Fails
+ * (nothing held) when the store cannot take the blocks. */
+kvb_status kvb_bridge_receiver_create(kvb_store *store, const int32_t *tokens, uint32_t ship_from, uint32_t ship_to,
+                                      kvb_bridge_receiver **out, kvb_err *err);
+/* The sink (kvb_slab_sink): KVB_ERR_FORMAT for a slab outside [ship_from, ship_to), else what the
+ * slab assembler says. */
+kvb_status kvb_bridge_receiver_put(void *receiver, const kvb_slab *slab, kvb_err *err);
+/* Blocks not yet committed, plus 1 for an incomplete tail (0 once the bridge delivered everything). */
+uint32_t kvb_bridge_receiver_missing(const kvb_bridge_receiver *r);
+/* Slab bytes (K + V) accepted so far. */
+uint64_t kvb_bridge_receiver_bytes(const kvb_bridge_receiver *r);
+/* The complete tail's page, a WRITING page of the store now owned by the caller (hand it to
+ * kvb_seq_adopt_tail, or give it back with kvb_store_release); KVB_BLOCK_NONE when there is no
+ * tail, it is incomplete, or it was taken. */
+kvb_block_id kvb_bridge_receiver_take_tail(kvb_bridge_receiver *r);
+/* Closes every pending block (an uncommitted one's page, and an untaken tail's, go back;
+ * committed blocks stay in the store, unreferenced). NULL is a no-op. */
+void kvb_bridge_receiver_free(kvb_bridge_receiver *r);
 
 /* ---- verification (`kvbridge verify`) ------------------------------------------------------ */
 

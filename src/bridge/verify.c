@@ -22,8 +22,7 @@ typedef struct {
     uint32_t ship;
     size_t tok_bytes;       /* n_head_kv * row_bytes */
     uint8_t *k, *v;         /* (layer, pos, n_head_kv, row_bytes) every shipped row */
-    kvb_store *store;       /* assemble into this store (NULL: only collect) */
-    kvb_slab_pending **pending; /* (ship / block_tokens) */
+    kvb_bridge_receiver *rcv; /* assemble into a store through it (NULL: only collect) */
     uint64_t bytes;
 } collector;
 
@@ -35,20 +34,13 @@ static kvb_status collect_slab(void *ctx, const kvb_slab *s, kvb_err *err) {
     memcpy(c->k + off, s->k, s->k_bytes);
     memcpy(c->v + off, s->v, s->v_bytes);
     c->bytes += s->k_bytes + s->v_bytes;
-    if (c->store) {
-        const uint32_t bt = c->fmt->block_tokens;
-        return kvb_store_slab_put(c->pending[s->pos0 / bt], s->layer, s->pos0 % bt, s->n, s->k, s->k_bytes, s->v,
-                                  s->v_bytes, s->checksum, NULL, err);
-    }
-    return KVB_OK;
+    return c->rcv ? kvb_bridge_receiver_put(c->rcv, s, err) : KVB_OK;
 }
 
 static void collector_free(collector *c) {
     free(c->k);
     free(c->v);
-    if (c->pending)
-        for (uint32_t b = 0; b < c->ship / c->fmt->block_tokens; b++) kvb_store_slab_close(c->pending[b]);
-    free(c->pending);
+    kvb_bridge_receiver_free(c->rcv);
 }
 
 /* The decoder's attention inputs, recorded by its layer hook: (layer, pos, n_embd) for pos < ship. */
@@ -145,17 +137,7 @@ kvb_status kvb_verify_cpu(const kvb_model *m, const kvb_verify_opts *o, kvb_veri
         cs[i]->v = calloc((size_t)d->n_layer * ship, tok_bytes);
         if (!cs[i]->k || !cs[i]->v) st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
     }
-    if (!st) {
-        one.store = bstore;
-        one.pending = calloc(nb, sizeof *one.pending);
-        if (!one.pending) st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
-        uint64_t parent = kvb_store_root_key(bstore);
-        for (uint32_t b = 0; b < nb && !st; b++) {
-            uint64_t key = kvb_chain_next(parent, toks + (size_t)b * bt, bt);
-            st = kvb_store_slab_begin(bstore, key, parent, toks + (size_t)b * bt, &one.pending[b], err);
-            parent = key;
-        }
-    }
+    if (!st) st = kvb_bridge_receiver_create(bstore, toks, 0, ship, &one.rcv, err);
     if (!st) st = run_bridge(m, o, fmt, &in, ship, &one, err);
     /* 3. the bridge again, in odd chunks that straddle block boundaries */
     if (!st) st = run_bridge(m, o, fmt, &in, 5, &chunked, err);
