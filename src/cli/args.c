@@ -79,3 +79,10 @@ bool kvb_arg_type(const char *cmd, const char *opt, const char *val, uint32_t *o
     *out = t;
     return true;
 }
+
+void kvb_gemma3_path(char *buf, size_t cap) {
+    const char *env = getenv("KVB_GEMMA3_GGUF"), *dir = getenv("KVB_CACHE_DIR"), *home = getenv("HOME");
+    if (env && *env) snprintf(buf, cap, "%s", env);
+    else if (dir && *dir) snprintf(buf, cap, "%s/gemma-3-270m-q4_k_m.gguf", dir);
+    else snprintf(buf, cap, "%s/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf", home ? home : "");
+}

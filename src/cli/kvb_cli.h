@@ -5,6 +5,7 @@
 #define KVB_CLI_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 int kvb_cmd_gen_model(int argc, char **argv);
@@ -20,6 +21,8 @@ int kvb_cmd_doctor(int argc, char **argv);
 int kvb_bench_ladder(int argc, char **argv);
 /* `kvbridge bench link` (cmd_bench_link.c). */
 int kvb_bench_link(int argc, char **argv);
+/* `kvbridge bench quality` (cmd_bench_quality.c). */
+int kvb_bench_quality(int argc, char **argv);
 
 /* A deterministic long-context prompt for a quality benchmark (cli/quality_prompts.c): a readable
  * English document (company report, travel journal or facts about fictional cities, from word
@@ -45,6 +48,9 @@ bool kvb_arg_float(const char *cmd, const char *opt, const char *val, double lo,
 const char *kvb_arg_value(const char *cmd, int argc, char **argv, int *i);
 /* Parses a tensor/cache type name ("f16", "q8_0", ...) into *out, or prints what is wrong. */
 bool kvb_arg_type(const char *cmd, const char *opt, const char *val, uint32_t *out);
+/* Where the real Gemma 3 270M file is (tools/fetch_gemma3.sh puts it there): $KVB_GEMMA3_GGUF,
+ * else ${KVB_CACHE_DIR:-$HOME/.cache/kvbridge}/gemma-3-270m-q4_k_m.gguf. It may not exist. */
+void kvb_gemma3_path(char *buf, size_t cap);
 /* Sorts v (n >= 1) ascending and returns its median (benchmarks list the runs sorted). */
 double kvb_median_sort(double *v, int n);
 
