@@ -2,8 +2,8 @@
  * few short prompts): --help works, the table prints for both bridge modes, decoder mode shows
  * agreement 100 % and KL 0 and its checked claim holds; with the test-only perturbed bridge the
  * claim fails with exit 1 (so the check is computed, not printed); bad options exit 2; a missing
- * model names tools/fetch_gemma3.sh. The real Gemma 3 270M file: test_bench_quality_gemma3.c
- * (label slow). */
+ * Gemma 3 file (the default model here, and `demo --model gemma3`) names tools/fetch_gemma3.sh.
+ * The real Gemma 3 270M file: test_bench_quality_gemma3.c and test_demo_gemma3.c (label slow). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -129,7 +129,11 @@ static void test_bad_options(void **state) {
     snprintf(cmd, sizeof cmd, "'%s' bench quality -m '%s' --prompts 1", kvbt_bin(), g_model);
     assert_int_equal(kvbt_sh(cmd, g_out, sizeof g_out, 1), 1);
     assert_non_null(strstr(g_out, "context"));
+    /* the default model, and the demo's keyword gemma3, name the script that fetches it when absent */
     snprintf(cmd, sizeof cmd, "KVB_GEMMA3_GGUF=/nonexistent/g.gguf '%s' bench quality --prompts 1", kvbt_bin());
+    assert_int_equal(kvbt_sh(cmd, g_out, sizeof g_out, 1), 1);
+    assert_non_null(strstr(g_out, "tools/fetch_gemma3.sh"));
+    snprintf(cmd, sizeof cmd, "KVB_GEMMA3_GGUF=/nonexistent/g.gguf '%s' demo --model gemma3", kvbt_bin());
     assert_int_equal(kvbt_sh(cmd, g_out, sizeof g_out, 1), 1);
     assert_non_null(strstr(g_out, "tools/fetch_gemma3.sh"));
 }

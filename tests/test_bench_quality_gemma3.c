@@ -19,18 +19,13 @@ static char g_out[65536];
 
 static void test_gemma3_quality(void **state) {
     (void)state;
-    const char *env = getenv("KVB_GEMMA3_GGUF"), *home = getenv("HOME");
-    char path[1024], cmd[2048];
-    if (env && *env) snprintf(path, sizeof path, "%s", env);
-    else snprintf(path, sizeof path, "%s/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf", home ? home : "");
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        print_message("test_bench_quality_gemma3: SKIP: no Gemma 3 270M file at %s (run tools/fetch_gemma3.sh or "
-                      "set KVB_GEMMA3_GGUF)\n",
-                      path);
+    const char *path = kvbt_gemma3_path();
+    char cmd[2048];
+    if (!path) {
+        print_message("%s: SKIP: no Gemma 3 270M file (run tools/fetch_gemma3.sh or set KVB_GEMMA3_GGUF)\n",
+                      "test_bench_quality_gemma3");
         skip();
     }
-    fclose(f);
     snprintf(cmd, sizeof cmd,
              "'%s' bench quality -m '%s' --prompts 4 --min-tokens 256 --max-tokens 1024 --gen 24 --threads 2 2>&1",
              kvbt_bin(), path);

@@ -1,7 +1,12 @@
 /* cli/cmd_demo.c — `kvbridge demo`, the README's main command: generates the tiny model if
  * absent, starts a prefill node and a decode node on loopback (plus a second, native-only decode
  * node as the baseline), holds a 4-turn conversation through the OpenAI API, and prints the
- * multi-turn table beside the same conversation served natively. */
+ * multi-turn table beside the same conversation served natively. `--model gemma3` is the real
+ * Gemma 3 270M file tools/fetch_gemma3.sh fetches. A model without a chat template (a base,
+ * pretrained model such as that one: chat markup is only echoed back) holds the conversation as
+ * a transcript it continues through /v1/completions instead of chat messages: an interview with
+ * one example exchange, one line per reply, each turn's prompt the previous one plus the reply
+ * and the next question. */
 #include <cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,6 +14,7 @@
 #include <sys/stat.h>
 
 #include "kvb_cli.h"
+#include "kvb_gguf.h"
 #include "kvb_model.h"
 #include "kvb_node.h"
 #include "kvb_quant.h"
@@ -18,14 +24,20 @@
 
 static void help(FILE *f) {
     fprintf(f,
-            "usage: kvbridge demo [--model FILE] [--threads T] [--turns N]\n\n"
+            "usage: kvbridge demo [--model FILE|gemma3] [--threads T] [--turns N]\n\n"
             "Starts a prefill node and a decode node on loopback (CPU -> CPU here; the prefill node computes the\n"
             "decode node's own cache), holds a multi-turn conversation through the OpenAI API, and prints per\n"
             "turn: prompt tokens, tokens already cached, tokens bridged, prefill and transfer seconds, reply\n"
             "seconds and the verdict — beside the same conversation on a decode node without a prefill node.\n"
+            "The decode node bridges any whole uncached block (threshold one block of 32 tokens; serve's default\n"
+            "is two), so turns with short increments are bridged too.\n"
             "The default model is generated (models/tiny-q8_0.gguf, random weights: the replies are noise; the\n"
             "demo shows the machinery, and that bridged and native replies are identical).\n\n"
-            "  --model FILE   use this GGUF instead of the generated tiny model\n"
+            "  --model FILE   use this GGUF instead of the generated tiny model; `gemma3` is the real Gemma 3 270M\n"
+            "                 (~/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf, fetched by tools/fetch_gemma3.sh). A model\n"
+            "                 without a chat template (a base model, like that one) holds the conversation as an\n"
+            "                 interview transcript it continues (/v1/completions, one line per reply) and the\n"
+            "                 replies are printed\n"
             "  --threads T    CPU threads per node (default 1)\n"
             "  --turns N      conversation turns (default 4)\n"
             "  --device D     the prefill node's engine: auto (default: cuda when a GPU is usable, else cpu),\n"
@@ -45,6 +57,37 @@ static const char *k_questions[] = {
     "Thank you. Anything else worth knowing?",
 };
 
+/* For a base model: an interview it continues, one example exchange, then the visitor's questions. */
+static const char *k_interview =
+    "The following is an interview with the harbour master of Kestrel Point, a small granite port. The harbour "
+    "master answers each question in one or two sentences, using the history below.\n\n"
+    "History of the harbour\n"
+    "Kestrel Point harbour was built in 1887 to ship granite from the quarries on the ridge above the town. Each "
+    "morning the stone came down to the quay on a cable railway, two wagons at a time, and each evening the barges "
+    "left on the tide for the cities of the south coast. At its busiest, in 1912, the harbour shipped forty "
+    "thousand tons of granite a year and employed three hundred men. The quarries closed in 1958, when concrete "
+    "replaced stone in most new buildings, and the cable railway was taken down two years later. Today the harbour "
+    "is used by fishing boats and sailing yachts, and the old stone warehouse on the quay is a museum of the "
+    "granite trade.\n\n"
+    "Visitor: Good morning. Who are you?\n"
+    "Harbour master: Good morning. I am the harbour master of Kestrel Point, and I have worked here for twenty "
+    "years.\n";
+
+static const char *k_visitor_questions[] = {
+    "I arrived on the morning ferry and walked up from the station, past the old sheds and the fish market, "
+    "and everyone in the town seems to talk about the granite. When was the harbour built, and what did it ship?",
+    "From the end of the quay I can see the ridge and the scars of the old quarries high above the town, but no "
+    "road climbs up there from the water. How did the stone get down to the quay?",
+    "It must have been a hard and noisy place to work, with the wagons coming down every morning and the barges "
+    "leaving every evening, in every season of the year. Why did the quarries close?",
+    "On my way here I passed a long stone building on the quay with a new sign over its door and a queue of "
+    "schoolchildren waiting outside it. What is the old warehouse used for today?",
+    "My grandfather used to tell me that half the town once worked down here, loading stone from dawn until the "
+    "evening tide. How many men worked here in 1912?",
+    "Thank you, this has been very helpful, and I still have the whole afternoon before my ferry leaves. What "
+    "should I see first?",
+};
+
 typedef struct {
     int prompt, cached, bridged, native, completion;
     double prefill_s, transfer_s, reply_s;
@@ -52,29 +95,26 @@ typedef struct {
     char *content;
 } turn_result;
 
-static int chat_turn(uint16_t port, cJSON *messages, turn_result *r) {
-    cJSON *req = cJSON_CreateObject();
-    cJSON_AddStringToObject(req, "model", "demo");
-    cJSON_AddItemReferenceToObject(req, "messages", messages);
-    cJSON_AddNumberToObject(req, "max_tokens", 24);
-    cJSON_AddNumberToObject(req, "temperature", 0);
+/* One request (req: its JSON body, consumed) to `path`; the reply is choices[0].message.content
+ * (chat) or choices[0].text (completions). */
+static int post_turn(uint16_t port, const char *path, cJSON *req, turn_result *r) {
     char *body = cJSON_PrintUnformatted(req);
     cJSON_Delete(req);
     kvb_http_reply rep;
     kvb_err err = {0};
     double t0 = kvb_now_s();
-    kvb_status st = kvb_http_post("127.0.0.1", port, "/v1/chat/completions", body, 600000, &rep, &err);
+    kvb_status st = body ? kvb_http_post("127.0.0.1", port, path, body, 600000, &rep, &err) : KVB_ERR_NOMEM;
     r->reply_s = kvb_now_s() - t0;
     free(body);
     if (st) {
-        fprintf(stderr, "kvbridge demo: %s\n", err.msg);
+        fprintf(stderr, "kvbridge demo: %s\n", body ? err.msg : "out of memory");
         return -1;
     }
     cJSON *root = cJSON_Parse(rep.body);
     cJSON *usage = cJSON_GetObjectItem(root, "usage"), *kb = cJSON_GetObjectItem(usage, "kvbridge");
-    cJSON *choices = cJSON_GetObjectItem(root, "choices");
-    cJSON *msg = cJSON_GetObjectItem(cJSON_GetArrayItem(choices, 0), "message");
-    cJSON *content = cJSON_GetObjectItem(msg, "content");
+    cJSON *choice = cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0);
+    cJSON *msg = cJSON_GetObjectItem(choice, "message");
+    cJSON *content = msg ? cJSON_GetObjectItem(msg, "content") : cJSON_GetObjectItem(choice, "text");
     if (rep.status != 200 || !kb || !cJSON_IsString(content)) {
         fprintf(stderr, "kvbridge demo: HTTP %d: %s\n", rep.status, rep.body);
         cJSON_Delete(root);
@@ -95,6 +135,50 @@ static int chat_turn(uint16_t port, cJSON *messages, turn_result *r) {
     cJSON_Delete(root);
     kvb_http_reply_free(&rep);
     return r->content ? 0 : -1;
+}
+
+static int chat_turn(uint16_t port, cJSON *messages, turn_result *r) {
+    cJSON *req = cJSON_CreateObject();
+    cJSON_AddStringToObject(req, "model", "demo");
+    cJSON_AddItemReferenceToObject(req, "messages", messages);
+    cJSON_AddNumberToObject(req, "max_tokens", 24);
+    cJSON_AddNumberToObject(req, "temperature", 0);
+    return post_turn(port, "/v1/chat/completions", req, r);
+}
+
+/* A base model's turn: the transcript so far, continued greedily up to the end of the line. */
+static int transcript_turn(uint16_t port, const char *transcript, turn_result *r) {
+    cJSON *req = cJSON_CreateObject();
+    cJSON_AddStringToObject(req, "model", "demo");
+    cJSON_AddStringToObject(req, "prompt", transcript);
+    cJSON_AddNumberToObject(req, "max_tokens", 40);
+    cJSON_AddNumberToObject(req, "temperature", 0);
+    cJSON_AddStringToObject(req, "stop", "\n");
+    return post_turn(port, "/v1/completions", req, r);
+}
+
+/* One interview against one decode node: each turn appends the question, the model continues the
+ * harbour master's line, and its reply stays in the transcript. */
+static int interview(uint16_t port, int turns, turn_result *out) {
+    kvb_strbuf t = {0};
+    kvb_strbuf_put(&t, k_interview);
+    int rc = 0;
+    for (int i = 0; i < turns && !rc; i++) {
+        kvb_strbuf_put(&t, "\nVisitor: ");
+        kvb_strbuf_put(&t, k_visitor_questions[i % 6]);
+        kvb_strbuf_put(&t, "\nHarbour master:");
+        if (t.oom) {
+            rc = -1;
+            break;
+        }
+        rc = transcript_turn(port, t.p, &out[i]);
+        if (!rc) {
+            kvb_strbuf_put(&t, out[i].content);
+            kvb_strbuf_put(&t, "\n");
+        }
+    }
+    free(t.p);
+    return rc;
 }
 
 /* One conversation against one decode node; results per turn. */
@@ -152,6 +236,16 @@ int kvb_cmd_demo(int argc, char **argv) {
     }
     struct stat sb;
     kvb_err err = {0};
+    char gemma3[1024];
+    if (!strcmp(model, "gemma3")) {
+        kvb_gemma3_path(gemma3, sizeof gemma3);
+        model = gemma3;
+        if (stat(model, &sb) != 0) {
+            fprintf(stderr, "kvbridge demo: --model gemma3: the Gemma 3 270M file is not at %s; run "
+                            "tools/fetch_gemma3.sh to fetch it (or give --model FILE)\n", model);
+            return 1;
+        }
+    }
     if (stat(model, &sb) != 0) {
         if (strcmp(model, "models/tiny-q8_0.gguf") != 0) {
             fprintf(stderr, "kvbridge demo: %s does not exist\n", model);
@@ -165,6 +259,19 @@ int kvb_cmd_demo(int argc, char **argv) {
             return 1;
         }
     }
+    /* no chat template: a base model, which would only echo chat markup; it continues a transcript */
+    bool base = false;
+    char name[128] = "";
+    kvb_gguf *g = NULL;
+    if (kvb_gguf_open(model, &g, &err)) {
+        fprintf(stderr, "kvbridge demo: %s\n", err.msg);
+        return 1;
+    }
+    base = !kvb_gguf_find(g, "tokenizer.chat_template");
+    if (kvb_gguf_get_str(g, "general.name", name, sizeof name, &err)) snprintf(name, sizeof name, "?");
+    memset(&err, 0, sizeof err);
+    kvb_gguf_close(g);
+    const bool show = base || strcmp(model, "models/tiny-q8_0.gguf") != 0; /* the tiny model's replies are noise */
     /* a fresh random key per demo: the nodes authenticate each other with it */
     kvb_rng rng;
     kvb_rng_seed(&rng, (uint64_t)(kvb_now_s() * 1e9));
@@ -187,7 +294,7 @@ int kvb_cmd_demo(int argc, char **argv) {
     snprintf(peer, sizeof peer, "127.0.0.1:%u", kvb_prefill_node_port(pn));
     kvb_decode_config dc = {.http_listen = "127.0.0.1:0", .peer = peer, .model_path = model, .psk = psk,
                             .n_threads = (int)threads, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32,
-                            .max_ctx = 8192};
+                            .max_ctx = 8192, .bridge_min_tokens = 32 /* any whole block: short turns bridge too */};
     if (kvb_decode_node_start(&dc, &dn, &err)) goto fail;
     kvb_decode_config nc = dc;
     nc.peer = NULL;
@@ -195,10 +302,27 @@ int kvb_cmd_demo(int argc, char **argv) {
     printf("demo: prefill node (%s engine) on %s; decode node (OpenAI API) on 127.0.0.1:%u; native-only decode node on "
            "127.0.0.1:%u\n",
            cuda ? "CUDA" : "CPU", peer, kvb_decode_node_port(dn), kvb_decode_node_port(native));
-    printf("demo: a %lld-turn conversation (greedy, 24 tokens per reply), bridged and natively...\n\n", turns);
+    if (base)
+        printf("demo: %s (general.name \"%s\") has no chat template: a base (pretrained) model, not instruction-tuned,\n"
+               "      which only echoes chat markup. The conversation is an interview transcript it continues through\n"
+               "      /v1/completions (one example exchange, greedy, each reply up to the end of its line, at most 40\n"
+               "      tokens); each turn's prompt is the previous one plus the reply and the next question.\n",
+               model, name);
+    printf("demo: a %lld-turn conversation (greedy, %d tokens per reply at most), bridged and natively...\n\n", turns,
+           base ? 40 : 24);
     fflush(stdout);
-    if (converse(kvb_decode_node_port(dn), (int)turns, br) || converse(kvb_decode_node_port(native), (int)turns, nat))
+    if (base ? interview(kvb_decode_node_port(dn), (int)turns, br) || interview(kvb_decode_node_port(native), (int)turns, nat)
+             : converse(kvb_decode_node_port(dn), (int)turns, br) ||
+                   converse(kvb_decode_node_port(native), (int)turns, nat))
         goto done;
+    if (show) {
+        for (int t = 0; t < turns; t++) {
+            const char *reply = br[t].content + (br[t].content[0] == ' ');
+            if (base) printf("  Visitor:        %s\n  Harbour master: %s\n", k_visitor_questions[t % 6], reply);
+            else printf("  user:      %s\n  assistant: %s\n", k_questions[t % 6], reply);
+        }
+        printf("  (the bridged conversation; the native one is compared below)\n\n");
+    }
 
     printf("turn  prompt  cached  bridged  native  prefill s  transfer s  reply s | native reply s  same reply  verdict\n");
     int same = 0;

@@ -59,3 +59,12 @@ const char *kvbt_shared_dir(void) {
     if (!d || stat(d, &st) != 0 || !S_ISDIR(st.st_mode)) return NULL;
     return d;
 }
+
+const char *kvbt_gemma3_path(void) {
+    static char path[1024];
+    const char *env = getenv("KVB_GEMMA3_GGUF"), *home = getenv("HOME");
+    if (env && *env) snprintf(path, sizeof path, "%s", env);
+    else snprintf(path, sizeof path, "%s/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf", home ? home : "");
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode) ? path : NULL;
+}

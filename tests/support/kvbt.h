@@ -16,5 +16,8 @@ int kvbt_sh(const char *cmdline, char *out, size_t cap, int merge_stderr);
 const char *kvbt_bin(void);
 /* The shared data directory (KVB_SHARED_DIR) or NULL if unset/absent. */
 const char *kvbt_shared_dir(void);
+/* The real Gemma 3 270M file: $KVB_GEMMA3_GGUF, else ~/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf
+ * (tools/fetch_gemma3.sh); NULL when it is not there. */
+const char *kvbt_gemma3_path(void);
 
 #endif
