@@ -198,19 +198,32 @@ static void test_payload_corruption_every_byte(void **state) {
     uint8_t payload[200];
     for (size_t i = 0; i < sizeof payload; i++) payload[i] = (uint8_t)(i * 31 + 7);
     uint8_t *frame;
-    frame_roundtrip(KVB_FRAME_SLAB, 9, payload, sizeof payload, &frame);
     size_t w = KVB_WIRE_HEADER_BYTES + sizeof payload;
     kvb_err e = {0};
-    for (size_t i = KVB_WIRE_HEADER_BYTES; i < w; i++)
-        for (int bit = 0; bit < 8; bit += 3) {
-            frame[i] ^= (uint8_t)(1u << bit);
-            kvb_frame f;
-            kvb_status st = kvb_wire_frame_parse(frame, w, 1 << 20, &f, &e);
-            if (st == KVB_OK) fail_msg("payload byte %zu bit %d went undetected", i - KVB_WIRE_HEADER_BYTES, bit);
-            assert_true(kvb_wire_err_is_checksum(&e));
-            assert_true(strstr(e.msg, "SLAB payload") != NULL);
-            frame[i] ^= (uint8_t)(1u << bit);
-        }
+    /* every payload byte of a PREFILL frame; of a SLAB frame its 40-byte head (which carries the
+     * slab checksum): K || V after it are the slab checksum's, verified by the store */
+    const uint16_t types[] = {KVB_FRAME_PREFILL, KVB_FRAME_SLAB};
+    for (int ti = 0; ti < 2; ti++) {
+        frame_roundtrip(types[ti], 9, payload, sizeof payload, &frame);
+        const size_t hashed = types[ti] == KVB_FRAME_SLAB ? KVB_SLAB_HEAD_BYTES : sizeof payload;
+        assert_true(kvb_wire_hashed_len(types[ti], sizeof payload) == hashed);
+        for (size_t i = KVB_WIRE_HEADER_BYTES; i < w; i++)
+            for (int bit = 0; bit < 8; bit += 3) {
+                frame[i] ^= (uint8_t)(1u << bit);
+                kvb_frame f;
+                kvb_status st = kvb_wire_frame_parse(frame, w, 1 << 20, &f, &e);
+                if (i - KVB_WIRE_HEADER_BYTES < hashed) {
+                    if (st == KVB_OK)
+                        fail_msg("payload byte %zu bit %d went undetected", i - KVB_WIRE_HEADER_BYTES, bit);
+                    assert_true(kvb_wire_err_is_checksum(&e));
+                    assert_true(strstr(e.msg, kvb_frame_type_name(types[ti])) != NULL);
+                } else {
+                    assert_int_equal(st, KVB_OK); /* the slab checksum's job */
+                }
+                frame[i] ^= (uint8_t)(1u << bit);
+            }
+        if (ti == 0) free(frame);
+    }
     /* a frame shorter or longer than its header says */
     kvb_frame f;
     assert_int_equal(kvb_wire_frame_parse(frame, w - 1, 1 << 20, &f, &e), KVB_ERR_FORMAT);

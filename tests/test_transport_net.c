@@ -579,7 +579,9 @@ static void hostile_after_auth(int variant, kvb_status want, const char *needle)
         kvb_iov iov = {slab, sizeof slab};
         kvb_err e = {0};
         kvb_wire_frame_encode(KVB_FRAME_SLAB, 3, &iov, 1, frame, sizeof frame, &w, &e);
-        frame[w - 1] ^= 0x20; /* flip a V bit in transit */
+        /* flip a bit of the slab's head in transit (pos0): the frame hash covers the head; a K or V
+         * bit is the slab checksum's to catch, in the store (test_store, test_node_loop) */
+        frame[KVB_WIRE_HEADER_BYTES + 4] ^= 0x20;
         write_all(fd, frame, w);
     } else if (variant == 2) {
         int32_t tok[1] = {5};

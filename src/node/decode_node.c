@@ -123,19 +123,25 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
         drop_peer(n);
         goto done;
     }
-    for (;;) {
+    /* a receiving thread reads ahead while this one verifies and commits */
+    kvb_recv_pipe *pipe = NULL;
+    if (kvb_recv_pipe_start(n->conn, rid, n->cfg.peer_timeout_ms, &pipe, &err)) {
+        snprintf(o->fault, sizeof o->fault, "%.150s", err.msg);
+        o->fault_kind = "internal";
+        drop_peer(n); /* the PREFILL went out: its stream would arrive unread */
+        goto done;
+    }
+    bool drop = false;
+    for (;; kvb_recv_pipe_release(pipe)) {
         kvb_msg m;
-        if (kvb_conn_recv(n->conn, n->cfg.peer_timeout_ms, &m, &err)) {
+        if (kvb_recv_pipe_next(pipe, &m, &err)) {
             bool timeout = strstr(err.msg, "timed out") != NULL;
             snprintf(o->fault, sizeof o->fault, "%s: %.120s", timeout ? "peer stalled" : "peer lost", err.msg);
             o->fault_kind = timeout ? "timeout" : "peer_lost";
-            drop_peer(n);
+            drop = true;
             break;
         }
-        if (m.request_id != rid && m.type != KVB_FRAME_PONG) {
-            kvb_msg_free(&m);
-            continue; /* a late frame of an abandoned request */
-        }
+        if (m.request_id != rid && m.type != KVB_FRAME_PONG) continue; /* a late frame of an abandoned request */
         if (m.type == KVB_FRAME_SLAB) {
             const kvb_msg_slab *s = &m.u.slab;
             uint32_t g = s->pos0 / bt;
@@ -149,7 +155,7 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
                 snprintf(o->fault, sizeof o->fault, "corrupt slab rejected: %.120s", err.msg);
                 o->fault_kind = "corrupt_slab";
                 kvb_conn_send_cancel(n->conn, rid, 1000, NULL);
-                drop_peer(n); /* its stream can no longer be trusted */
+                drop = true; /* its stream can no longer be trusted */
                 break;
             }
             slabs++;
@@ -176,8 +182,9 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
             o->fault_kind = "peer_error";
             break;
         }
-        kvb_msg_free(&m);
     }
+    kvb_recv_pipe_stop(pipe);
+    if (drop) drop_peer(n);
 done:
     o->transfer_s = kvb_now_s() - t0;
     if (pend)

@@ -1,4 +1,5 @@
-/* node/node_internal.h — private to the node module: the staging ring. */
+/* node/node_internal.h — private to the node module: the staging ring (prefill side) and the
+ * receiving thread (decode side). */
 #ifndef KVB_NODE_INTERNAL_H
 #define KVB_NODE_INTERNAL_H
 
@@ -7,6 +8,7 @@
 
 #include "kvb_bridge.h"
 #include "kvb_node.h"
+#include "kvb_transport.h"
 
 typedef struct {
     uint32_t n_slots;
@@ -29,5 +31,17 @@ bool kvb_ring_peek(kvb_ring *r, kvb_slab *out);
 void kvb_ring_pop(kvb_ring *r);
 void kvb_ring_close(kvb_ring *r); /* producer done */
 void kvb_ring_fail(kvb_ring *r);  /* consumer gave up: producer's pushes fail */
+
+/* The decode side's receiving thread for one request (recv_pipe.c). */
+typedef struct kvb_recv_pipe kvb_recv_pipe;
+kvb_status kvb_recv_pipe_start(kvb_conn *c, uint64_t request_id, int timeout_ms, kvb_recv_pipe **out, kvb_err *err);
+/* The oldest unreleased message (waits for it); a receive failure is returned with its error, and
+ * nothing follows it. */
+kvb_status kvb_recv_pipe_next(kvb_recv_pipe *p, kvb_msg *m, kvb_err *err);
+/* Done with the message next returned: its buffer may be reused. */
+void kvb_recv_pipe_release(kvb_recv_pipe *p);
+/* Ends the thread (shutting the connection down if it is still receiving this request's stream:
+ * that stream can no longer be trusted) and frees everything. NULL is a no-op. */
+void kvb_recv_pipe_stop(kvb_recv_pipe *p);
 
 #endif

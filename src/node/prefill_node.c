@@ -3,6 +3,7 @@
  * (chunk, layer), streaming slabs through the staging ring to a sender thread, then DONE. Its own
  * store is its prefix cache: a conversation's next turn recomputes only from the decoder's cached
  * prefix (capped by what this node's cache holds), never less than what it must ship. */
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,7 +38,7 @@ struct kvb_prefill_node {
     kvb_listener *l;
     pthread_t accept_thread;
     bool accept_started;
-    volatile bool stop;
+    atomic_bool stop; /* read by the accept and connection threads */
     pthread_mutex_t mu; /* conns list and the engine: one request at a time */
     kvb_conn *conns[MAX_CONNS];
     pthread_t conn_threads[MAX_CONNS];

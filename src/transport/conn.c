@@ -81,7 +81,7 @@ kvb_status wire_conn_send(kvb_conn *c, uint16_t type, uint64_t request_id, const
     uint64_t total = 0;
     for (int i = 0; i < n_iov; i++) total += iov[i].len;
     kvb_frame_header h = {.type = type, .request_id = request_id, .payload_len = total};
-    h.payload_hash = kvb_wire_payload_hash(iov, n_iov);
+    h.payload_hash = kvb_wire_frame_payload_hash(type, iov, n_iov);
     uint8_t hdr[KVB_WIRE_HEADER_BYTES];
     kvb_wire_header_encode(&h, hdr);
     kvb_status st = c->backend->send_frame(c->link, hdr, iov, n_iov, deadline, err);
@@ -103,19 +103,20 @@ static const char *allowed_list(uint32_t allowed, char *buf, size_t cap) {
     return buf;
 }
 
-kvb_status wire_conn_recv(kvb_conn *c, uint32_t allowed, uint64_t max_payload, double deadline, kvb_frame *out,
-                          kvb_err *err) {
+kvb_status wire_conn_recv(kvb_conn *c, uint32_t allowed, uint64_t max_payload, double deadline, kvb_wire_buf *buf,
+                          kvb_frame *out, kvb_err *err) {
     if (atomic_load(&c->broken)) return fail_fast(c, err);
+    if (!buf) buf = &c->rbuf;
     kvb_frame_header h;
-    kvb_status st = c->backend->recv_frame(c->link, max_payload, &h, &c->rbuf, deadline, err);
+    kvb_status st = c->backend->recv_frame(c->link, max_payload, &h, buf, deadline, err);
     if (st) return fail(c, st, err);
-    const uint8_t *payload = h.payload_len ? c->rbuf.data : (const uint8_t *)"";
-    uint64_t got = wire_hash(payload, (size_t)h.payload_len);
+    const uint8_t *payload = h.payload_len ? buf->data : (const uint8_t *)"";
+    uint64_t got = wire_hash(payload, (size_t)kvb_wire_hashed_len(h.type, h.payload_len));
     if (got != h.payload_hash) {
         kvb_err_set(err, KVB_ERR_FORMAT,
                     "%s payload from %s: " WIRE_CHECKSUM_MSG " (header says %016llx, %llu bytes hash to %016llx)",
                     kvb_frame_type_name(h.type), c->link->peer_addr, (unsigned long long)h.payload_hash,
-                    (unsigned long long)h.payload_len, (unsigned long long)got);
+                    (unsigned long long)kvb_wire_hashed_len(h.type, h.payload_len), (unsigned long long)got);
         return fail(c, KVB_ERR_FORMAT, err);
     }
     atomic_fetch_add_explicit(&c->bytes_received, KVB_WIRE_HEADER_BYTES + h.payload_len, memory_order_relaxed);
@@ -175,13 +176,17 @@ kvb_status kvb_msg_decode(const kvb_frame *f, kvb_msg *out, kvb_err *err) {
 }
 
 kvb_status kvb_conn_recv(kvb_conn *c, int timeout_ms, kvb_msg *out, kvb_err *err) {
+    return kvb_conn_recv_into(c, timeout_ms, NULL, out, err);
+}
+
+kvb_status kvb_conn_recv_into(kvb_conn *c, int timeout_ms, kvb_wire_buf *buf, kvb_msg *out, kvb_err *err) {
     memset(out, 0, sizeof *out);
     if (!c || !c->authenticated) return kvb_err_set(err, KVB_ERR_INVALID, "receive: no authenticated connection");
     double deadline;
     kvb_status st = wire_deadline(timeout_ms, &deadline, err);
     if (st) return st;
     kvb_frame f;
-    st = wire_conn_recv(c, c->recv_allowed, c->max_payload, deadline, &f, err);
+    st = wire_conn_recv(c, c->recv_allowed, c->max_payload, deadline, buf, &f, err);
     if (st) return st;
     st = kvb_msg_decode(&f, out, err);
     if (st) {

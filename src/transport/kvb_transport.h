@@ -35,14 +35,20 @@
  *        8    4 flags u32         no flag is defined in version 1: must be 0
  *       12    8 request_id u64    the request a frame belongs to (0: the connection itself)
  *       20    8 payload_len u64   bytes of payload that follow the header
- *       28    8 payload_hash u64  XXH3-64 (seed 0) of the payload bytes (of nothing when empty)
+ *       28    8 payload_hash u64  XXH3-64 (seed 0) of the payload bytes (of nothing when empty);
+ *                                 for SLAB frames (version 2) of the payload's 40-byte head only:
+ *                                 the head carries the slab checksum, XXH3-64 of K || V, which the
+ *                                 receiving store verifies before it commits a byte — one pass
+ *                                 over the bulk bytes on each side instead of two
+ *                                 (kvb_wire_hashed_len)
  *       36    8 header_hash u64   XXH3-64 (seed 0) of header bytes [0, 36)
  * then payload_len bytes of payload (layouts below). The receiver checks, in this order: magic,
  * version, header_hash, type, flags, payload_len <= its limit (before allocating anything), and,
  * once the payload is in, payload_hash. */
 
 #define KVB_WIRE_MAGIC "KVB1"
-#define KVB_WIRE_VERSION 2 /* 2: PREFILL may ship a partial last block (the tail) */
+#define KVB_WIRE_VERSION 2 /* 2: PREFILL may ship a partial last block (the tail); a SLAB's frame hash
+                              covers its head, its K || V the slab checksum in that head */
 #define KVB_WIRE_HEADER_BYTES 44
 #define KVB_WIRE_DEFAULT_MAX_PAYLOAD (64ull << 20) /* per frame, after the handshake */
 #define KVB_WIRE_MAX_PAYLOAD_LIMIT (1ull << 30)    /* the largest limit a caller may configure */
@@ -98,6 +104,8 @@ typedef struct {
 
 /* XXH3-64 (seed 0) of the concatenation of the pieces (streamed, no copy). */
 uint64_t kvb_wire_payload_hash(const kvb_iov *iov, int n_iov);
+/* A frame's payload_hash: kvb_wire_payload_hash over the first kvb_wire_hashed_len bytes. */
+uint64_t kvb_wire_frame_payload_hash(uint16_t type, const kvb_iov *iov, int n_iov);
 /* Fills h->version = KVB_WIRE_VERSION, flags = 0 and writes the 44 header bytes (header hash
  * included). h->type, request_id, payload_len and payload_hash are the caller's. */
 void kvb_wire_header_encode(const kvb_frame_header *h, uint8_t out[KVB_WIRE_HEADER_BYTES]);
@@ -223,6 +231,10 @@ typedef struct {
     uint64_t checksum;
 } kvb_msg_slab;
 #define KVB_SLAB_HEAD_BYTES 40
+/* How many leading payload bytes a frame's payload_hash covers: all of them, except for SLAB
+ * frames, whose hash covers the head (K || V are covered by the slab checksum in it). A consumer
+ * of SLAB frames must verify that checksum (the store's slab assembler does) before using K or V. */
+uint64_t kvb_wire_hashed_len(uint16_t type, uint64_t payload_len);
 /* Writes the 40-byte head only (K and V follow as separate pieces, see kvb_conn_send_slab). */
 void kvb_msg_slab_encode_head(const kvb_msg_slab *m, uint8_t out[KVB_SLAB_HEAD_BYTES]);
 kvb_status kvb_msg_slab_decode(const uint8_t *p, size_t n, kvb_msg_slab *m, kvb_err *err);
@@ -425,6 +437,12 @@ kvb_status kvb_msg_decode(const kvb_frame *f, kvb_msg *out, kvb_err *err);
  * KVB_FRAME_ERROR), not as a failure. timeout_ms >= 1 bounds the call. Any failure (timeout, peer
  * gone, corrupt or malformed frame, unexpected type) leaves the connection unusable. */
 kvb_status kvb_conn_recv(kvb_conn *c, int timeout_ms, kvb_msg *out, kvb_err *err);
+/* As kvb_conn_recv, but the payload lands in the caller's buffer (grown as needed) instead of the
+ * connection's own, so a SLAB's K and V views stay valid until the caller reuses buf: a receiving
+ * thread can rotate several buffers while another thread verifies and commits what arrived. One
+ * receiving thread per connection; one other thread may send meanwhile (the directions share
+ * nothing but the broken flag). */
+kvb_status kvb_conn_recv_into(kvb_conn *c, int timeout_ms, kvb_wire_buf *buf, kvb_msg *out, kvb_err *err);
 
 /* Typed senders (timeout_ms >= 1 bounds the call; a peer that stops reading makes it time out).
  * Each refuses a frame this node's role may not send (decode: PREFILL, CANCEL, ERROR, PING, PONG;

@@ -91,7 +91,7 @@ kvb_status kvb_wire_frame_encode(uint16_t type, uint64_t request_id, const kvb_i
         return kvb_err_set(err, KVB_ERR_RANGE, "frame encode: %llu bytes needed, buffer holds %zu",
                            (unsigned long long)need, cap);
     kvb_frame_header h = {.type = type, .request_id = request_id, .payload_len = total};
-    h.payload_hash = kvb_wire_payload_hash(payload, n_iov);
+    h.payload_hash = kvb_wire_frame_payload_hash(type, payload, n_iov);
     kvb_wire_header_encode(&h, out);
     size_t off = KVB_WIRE_HEADER_BYTES;
     for (int i = 0; i < n_iov; i++) {
@@ -111,7 +111,7 @@ kvb_status kvb_wire_frame_parse(const uint8_t *bytes, size_t n, uint64_t max_pay
     if (h.payload_len != n - KVB_WIRE_HEADER_BYTES)
         return kvb_err_set(err, KVB_ERR_FORMAT, "frame: header announces %llu payload bytes, %zu are present",
                            (unsigned long long)h.payload_len, n - KVB_WIRE_HEADER_BYTES);
-    uint64_t got = wire_hash(bytes + KVB_WIRE_HEADER_BYTES, (size_t)h.payload_len);
+    uint64_t got = wire_hash(bytes + KVB_WIRE_HEADER_BYTES, (size_t)kvb_wire_hashed_len(h.type, h.payload_len));
     if (got != h.payload_hash)
         return kvb_err_set(err, KVB_ERR_FORMAT, "%s payload: " WIRE_CHECKSUM_MSG " (header says %016llx, bytes hash to %016llx)",
                            kvb_frame_type_name(h.type), (unsigned long long)h.payload_hash, (unsigned long long)got);
