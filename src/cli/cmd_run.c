@@ -33,7 +33,9 @@ static void help(FILE *f) {
             "  --ctx N              context limit in tokens (default: min(training context, 8192))\n"
             "  --ignore-eos         keep generating past end-of-generation tokens\n"
             "  --output text|ids    print decoded text (default) or the generated ids on one line\n"
-            "  --verbose            print timings to stderr\n");
+            "  --verbose            print timings to stderr\n"
+            "  --logits-out FILE    write the last prompt token's logits (n_vocab little-endian f32) to FILE,\n"
+            "                       for comparison with another implementation\n");
 }
 
 /* The engine a run uses: the CPU engine, or (--device cuda) the CUDA engine. */
@@ -100,6 +102,7 @@ int kvb_cmd_run(int argc, char **argv) {
     const char *cmd = "run", *model_path = NULL, *tokens_arg = NULL, *prompt = NULL, *tmpl_name = NULL;
     long long n_gen = 32, threads = 0, ctx = 0;
     bool ids_out = false, ignore_eos = false, verbose = false, chat = false, cuda = false;
+    const char *logits_out = NULL;
     kvb_sampler_opts so = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .seed = 0};
     uint32_t cache_type = KVB_TYPE_F16;
     for (int i = 1; i < argc; i++) {
@@ -156,6 +159,8 @@ int kvb_cmd_run(int argc, char **argv) {
 #endif
         } else if (!strcmp(a, "--ignore-eos")) {
             ignore_eos = true;
+        } else if (!strcmp(a, "--logits-out")) {
+            if (!(logits_out = kvb_arg_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--verbose") || !strcmp(a, "-v")) {
             verbose = true;
         } else if (!strcmp(a, "--output")) {
@@ -283,6 +288,15 @@ int kvb_cmd_run(int argc, char **argv) {
     double t0 = kvb_now_s();
     if (re_forward(&re, ids, n_ids, logits, &err) != KVB_OK) goto fail;
     double t1 = kvb_now_s();
+    if (logits_out) {
+        FILE *lf = fopen(logits_out, "wb");
+        bool ok = lf && fwrite(logits, sizeof(float), m->d.n_vocab, lf) == m->d.n_vocab;
+        if (lf && fclose(lf) != 0) ok = false;
+        if (!ok) {
+            kvb_err_set(&err, KVB_ERR_IO, "cannot write the logits to %s", logits_out);
+            goto fail;
+        }
+    }
     kvb_detok dt;
     if (tok) kvb_detok_init(&dt, tok);
     char piece[512];
