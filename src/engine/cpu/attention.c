@@ -8,16 +8,25 @@
  * never decoded, and each token scores exactly its own window's keys, block by block in the same
  * order whatever the tile. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_internal.h"
 
 #define ATT_TILE 8
+/* Keys are reduced in fixed segments of ATT_SEG_BLOCKS cache blocks (by absolute position): each
+ * segment's softmax state starts fresh and runs block by block, and the segments' states are
+ * merged in segment order. The same arithmetic whether one task walks the segments in turn or
+ * several tasks compute them side by side (a long context with few query tokens: decoding, the
+ * last prompt token after a bridge), so results never depend on the split, the thread count, the
+ * tile or the chunking. */
+#define ATT_SEG_BLOCKS 64
+#define ATT_PARALLEL_MAX_FLOATS (16u << 20) /* segment states kept for the side-by-side merge */
 
 size_t kvb_cpu_attn_scratch_floats(const kvb_engine *e) {
     const kvb_model_desc *d = &e->m->d;
     size_t G = d->n_head / d->n_head_kv, hd = d->head_dim, bt = e->o.block_tokens;
-    return 2 * bt * hd + G * bt + (size_t)ATT_TILE * G * (hd + 2) + 64;
+    return 2 * bt * hd + G * bt + 2 * (size_t)ATT_TILE * G * (hd + 2) + 64;
 }
 
 typedef struct {
@@ -26,34 +35,62 @@ typedef struct {
     uint32_t layer, pos0, n;
     const float *q; /* (n, n_head, head_dim) */
     float *out;     /* (n, n_head, head_dim) */
-    uint32_t n_tiles;
+    uint32_t n_tiles, n_segs;
+    float *seg_states; /* side by side: (tile, kv head, segment, tile token, group head, [m, l, acc]) */
 } attn_job;
 
-static void attn_task(void *ctx, int task, int worker) {
-    const attn_job *j = ctx;
+#define WINDOW_LO(local, W, p) ((local) && (p) + 1 > (W) ? (p) + 1 - (W) : 0u) /* first key query p reads */
+
+/* state (count entries of [m, l, acc(head_dim)]) = the empty softmax */
+static void state_init(float *state, uint32_t count, uint32_t hd) {
+    for (uint32_t i = 0; i < count; i++) {
+        float *st = state + (size_t)i * (hd + 2);
+        st[0] = -INFINITY;
+        st[1] = 0.0f;
+        memset(st + 2, 0, hd * sizeof(float));
+    }
+}
+
+/* run = run (+) seg, entry by entry, in this order of IEEE operations; an entry of seg that saw
+ * no key (m = -inf) leaves run as it is, and an empty run takes seg as it is. */
+static void state_merge(float *run, const float *seg, uint32_t count, uint32_t hd) {
+    for (uint32_t i = 0; i < count; i++) {
+        float *r = run + (size_t)i * (hd + 2);
+        const float *g = seg + (size_t)i * (hd + 2);
+        if (g[0] == -INFINITY) continue;
+        if (r[0] == -INFINITY) {
+            memcpy(r, g, (hd + 2) * sizeof(float));
+            continue;
+        }
+        const float m = r[0] > g[0] ? r[0] : g[0];
+        const float cr = expf(r[0] - m), cg = expf(g[0] - m);
+        r[1] = r[1] * cr + g[1] * cg;
+        for (uint32_t k = 0; k < hd; k++) r[2 + k] = r[2 + k] * cr + g[2 + k] * cg;
+        r[0] = m;
+    }
+}
+
+/* Tokens [t0, t1) of the job, kv head kvh, against the cache blocks of segment seg, online
+ * softmax block by block into state (tile token, group head, [m, l, acc]), which the caller
+ * initialised. Each block's K and V rows are decoded once and shared by the group's heads and
+ * the tile's tokens; rows before the tile's first window are never decoded. */
+static void attend_segment(const attn_job *j, uint32_t kvh, uint32_t t0, uint32_t t1, uint32_t seg, float *wscratch,
+                           float *state) {
     kvb_engine *e = j->e;
     const kvb_model_desc *d = &e->m->d;
     const uint32_t hd = d->head_dim, G = d->n_head / d->n_head_kv, bt = e->o.block_tokens;
-    const uint32_t kvh = (uint32_t)task / j->n_tiles, tile = (uint32_t)task % j->n_tiles;
-    const uint32_t t0 = tile * ATT_TILE, t1 = t0 + ATT_TILE < j->n ? t0 + ATT_TILE : j->n;
     const float scale = d->attn_scale;
     const bool local = kvb_layer_is_local(d, j->layer);
     const uint32_t W = d->swa_window;
-#define WINDOW_LO(p) (local && (p) + 1 > W ? (p) + 1 - W : 0u) /* first key position query p may read */
-
-    float *kbuf = e->attn_scratch[worker];       /* (bt, head_dim) */
+    float *kbuf = wscratch;                      /* (bt, head_dim) */
     float *vbuf = kbuf + (size_t)bt * hd;        /* (bt, head_dim) */
     float *sc = vbuf + (size_t)bt * hd;          /* (group head, bt) raw scores */
-    float *state = sc + (size_t)G * bt;          /* (tile token, group head, [m, l, acc(head_dim)]) */
     const size_t st_stride = hd + 2;
-    for (uint32_t i = 0; i < (t1 - t0) * G; i++) {
-        state[i * st_stride] = -INFINITY;
-        state[i * st_stride + 1] = 0.0f;
-        memset(state + i * st_stride + 2, 0, hd * sizeof(float));
-    }
     const uint32_t last_pos = j->pos0 + t1 - 1;
-    const uint32_t tile_lo = WINDOW_LO(j->pos0 + t0); /* lo(p) grows with p: the tile's smallest */
-    for (uint32_t b = tile_lo / bt; b * bt <= last_pos; b++) {
+    const uint32_t tile_lo = WINDOW_LO(local, W, j->pos0 + t0); /* lo(p) grows with p: the tile's smallest */
+    uint32_t b = tile_lo / bt;
+    if (b < seg * ATT_SEG_BLOCKS) b = seg * ATT_SEG_BLOCKS;
+    for (; b < (seg + 1) * ATT_SEG_BLOCKS && b * bt <= last_pos; b++) {
         const uint8_t *blk = kvb_store_block_data(e->store, j->s->blocks[b]);
         const uint32_t j0 = b * bt, j_end = (b + 1) * bt <= last_pos + 1 ? (b + 1) * bt : last_pos + 1;
         const uint32_t nj = j_end - j0;
@@ -65,7 +102,7 @@ static void attn_task(void *ctx, int task, int worker) {
             kvb_row_to_f32(e->fmt.dtype, vrow + jj * e->row_bytes, vbuf + (size_t)jj * hd, hd);
         }
         for (uint32_t t = t0; t < t1; t++) {
-            const uint32_t p = j->pos0 + t, lo = WINDOW_LO(p);
+            const uint32_t p = j->pos0 + t, lo = WINDOW_LO(local, W, p);
             if (p < j0 || lo >= j_end) continue; /* block after the query, or wholly before its window */
             const uint32_t ks = lo > j0 ? lo - j0 : 0;            /* first row of the block in the window */
             const uint32_t nv = (p + 1 < j_end ? p + 1 - j0 : nj) - ks; /* keys max(j0, lo) .. min(p, j_end-1) */
@@ -99,18 +136,93 @@ static void attn_task(void *ctx, int task, int worker) {
             }
         }
     }
+}
+
+/* Tokens [t0, t1), kv head kvh: normalises the merged state into the output rows. */
+static void write_out(const attn_job *j, uint32_t kvh, uint32_t t0, uint32_t t1, const float *state) {
+    const kvb_model_desc *d = &j->e->m->d;
+    const uint32_t hd = d->head_dim, G = d->n_head / d->n_head_kv;
     for (uint32_t t = t0; t < t1; t++)
         for (uint32_t g = 0; g < G; g++) {
-            const float *stt = state + ((size_t)(t - t0) * G + g) * st_stride;
+            const float *stt = state + ((size_t)(t - t0) * G + g) * (hd + 2);
             float *o = j->out + ((size_t)t * d->n_head + kvh * G + g) * hd;
             const float inv = 1.0f / stt[1];
             for (uint32_t i = 0; i < hd; i++) o[i] = stt[2 + i] * inv;
         }
-#undef WINDOW_LO
+}
+
+static void tile_range(const attn_job *j, uint32_t tile, uint32_t *t0, uint32_t *t1) {
+    *t0 = tile * ATT_TILE;
+    *t1 = *t0 + ATT_TILE < j->n ? *t0 + ATT_TILE : j->n;
+}
+
+static size_t entries(const attn_job *j) { return (size_t)ATT_TILE * (j->e->m->d.n_head / j->e->m->d.n_head_kv); }
+
+/* One task per (kv head, tile): the segments in turn, each merged as it finishes. */
+static void attn_task(void *ctx, int task, int worker) {
+    const attn_job *j = ctx;
+    const uint32_t hd = j->e->m->d.head_dim, bt = j->e->o.block_tokens;
+    const uint32_t kvh = (uint32_t)task / j->n_tiles, tile = (uint32_t)task % j->n_tiles;
+    uint32_t t0, t1;
+    tile_range(j, tile, &t0, &t1);
+    float *w = j->e->attn_scratch[worker];
+    float *run = w + 2 * (size_t)bt * hd + (size_t)(j->e->m->d.n_head / j->e->m->d.n_head_kv) * bt;
+    float *seg = run + entries(j) * (hd + 2);
+    const uint32_t count = (t1 - t0) * (j->e->m->d.n_head / j->e->m->d.n_head_kv);
+    state_init(run, count, hd);
+    for (uint32_t sg = 0; sg < j->n_segs; sg++) {
+        state_init(seg, count, hd);
+        attend_segment(j, kvh, t0, t1, sg, w, seg);
+        state_merge(run, seg, count, hd);
+    }
+    write_out(j, kvh, t0, t1, run);
+}
+
+/* Side by side: one task per (kv head, tile, segment) into its own state ... */
+static void attn_segment_task(void *ctx, int task, int worker) {
+    const attn_job *j = ctx;
+    const uint32_t hd = j->e->m->d.head_dim;
+    const uint32_t sg = (uint32_t)task % j->n_segs, kt = (uint32_t)task / j->n_segs;
+    const uint32_t kvh = kt / j->n_tiles, tile = kt % j->n_tiles;
+    uint32_t t0, t1;
+    tile_range(j, tile, &t0, &t1);
+    float *state = j->seg_states + (size_t)task * entries(j) * (hd + 2);
+    state_init(state, (t1 - t0) * (j->e->m->d.n_head / j->e->m->d.n_head_kv), hd);
+    attend_segment(j, kvh, t0, t1, sg, j->e->attn_scratch[worker], state);
+}
+
+/* ... then one per (kv head, tile) merging them in segment order. */
+static void attn_merge_task(void *ctx, int task, int worker) {
+    (void)worker;
+    const attn_job *j = ctx;
+    const uint32_t hd = j->e->m->d.head_dim;
+    const uint32_t kvh = (uint32_t)task / j->n_tiles, tile = (uint32_t)task % j->n_tiles;
+    uint32_t t0, t1;
+    tile_range(j, tile, &t0, &t1);
+    const size_t one = entries(j) * (hd + 2);
+    float *run = j->seg_states + (size_t)task * j->n_segs * one; /* segment 0's state, merged into */
+    const uint32_t count = (t1 - t0) * (j->e->m->d.n_head / j->e->m->d.n_head_kv);
+    /* attn_task's empty running state merged with segment 0 is segment 0's state, bit for bit;
+     * every later segment is merged in order, as there */
+    for (uint32_t sg = 1; sg < j->n_segs; sg++) state_merge(run, run + (size_t)sg * one, count, hd);
+    write_out(j, kvh, t0, t1, run);
 }
 
 void kvb_cpu_attention(kvb_engine *e, const kvb_seq *s, uint32_t layer, uint32_t pos0, uint32_t n, const float *q,
                        float *out) {
-    attn_job j = {e, s, layer, pos0, n, q, out, (n + ATT_TILE - 1) / ATT_TILE};
-    kvb_pool_parallel_for(e->pool, (int)(j.n_tiles * e->m->d.n_head_kv), attn_task, &j);
+    const uint32_t bt = e->o.block_tokens, last_block = (pos0 + n - 1) / bt;
+    attn_job j = {e, s, layer, pos0, n, q, out, (n + ATT_TILE - 1) / ATT_TILE, last_block / ATT_SEG_BLOCKS + 1, NULL};
+    const uint32_t kvh = e->m->d.n_head_kv, hd = e->m->d.head_dim;
+    const size_t tasks = (size_t)j.n_tiles * kvh;
+    const size_t floats = tasks * j.n_segs * entries(&j) * (hd + 2);
+    /* few (tile, kv head) tasks for the threads and several segments: compute the segments side
+     * by side (same results; see ATT_SEG_BLOCKS) */
+    if (j.n_segs > 1 && tasks < (size_t)kvb_pool_size(e->pool) && floats <= ATT_PARALLEL_MAX_FLOATS &&
+        (j.seg_states = malloc(floats * sizeof(float))) != NULL) {
+        kvb_pool_parallel_for(e->pool, (int)(tasks * j.n_segs), attn_segment_task, &j);
+        kvb_pool_parallel_for(e->pool, (int)tasks, attn_merge_task, &j);
+        free(j.seg_states);
+        return;
+    }
+    kvb_pool_parallel_for(e->pool, (int)tasks, attn_task, &j);
 }
