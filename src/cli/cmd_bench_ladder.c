@@ -37,7 +37,9 @@ static void help(FILE *f) {
             "  --slab-path-only     the in-process prefill node ships filler rows without computing them: the\n"
             "                       time and GB/s of the slab path alone (cutting, staging, transport, the\n"
             "                       decoder's verification and commit) — its ceiling. The decoder's cache then\n"
-            "                       holds filler, so no decoder-alone or prefill-alone legs are run\n");
+            "                       holds filler, so no decoder-alone or prefill-alone legs are run. Each row\n"
+            "                       also sends the same bytes over a plain TCP loopback connection and prints\n"
+            "                       the slab path's GB/s as a share of that raw link's\n");
 }
 
 
@@ -243,6 +245,13 @@ int kvb_bench_ladder(int argc, char **argv) {
                "native tail %.3f s\n",
                kvb_median_sort(ph_pre, (int)seeds), kvb_median_sort(ph_xfer, (int)seeds),
                kvb_median_sort(ph_nat, (int)seeds));
+        if (filler) {
+            /* the raw link the same way in the same run: as many bytes as one leg shipped */
+            const uint64_t leg_bytes = (uint64_t)((lens[li] - 1) * bytes_per_tok);
+            const double raw = kvb_bench_raw_loopback_gbs(leg_bytes, 65536);
+            printf("          raw TCP loopback, same bytes, this run: %.2f GB/s; slab path / raw: %.0f %%\n", raw,
+                   raw > 0 ? 100.0 * mg / raw : 0.0);
+        }
         if (pn) printf("          prefill node capture memory, peak so far: %.1f KiB\n",
                        kvb_prefill_node_peak_capture_bytes(pn) / 1024.0);
         fflush(stdout);

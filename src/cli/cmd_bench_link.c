@@ -5,6 +5,8 @@
  * receiver's acknowledgement; alternated, medians of --reps. One side listens, the other connects
  * (two hosts, two namespaces, or one machine). */
 #include <netdb.h>
+#include <netinet/in.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,6 +58,63 @@ static bool recv_all(int fd, void *p, size_t n) {
         off += (size_t)k;
     }
     return true;
+}
+
+/* ---- the raw loopback, in process (bench ladder --slab-path-only's yardstick) ---- */
+
+typedef struct {
+    int lfd;
+    uint64_t bytes;
+    bool ok;
+} raw_sink;
+
+static void *raw_sink_main(void *arg) {
+    raw_sink *r = arg;
+    int fd = accept(r->lfd, NULL, NULL);
+    char *buf = malloc(1 << 20);
+    uint64_t got = 0;
+    while (fd >= 0 && buf && got < r->bytes) {
+        ssize_t k = recv(fd, buf, 1 << 20, 0);
+        if (k <= 0) break;
+        got += (uint64_t)k;
+    }
+    r->ok = got == r->bytes && send_all(fd, "k", 1);
+    free(buf);
+    if (fd >= 0) close(fd);
+    return NULL;
+}
+
+double kvb_bench_raw_loopback_gbs(uint64_t bytes, size_t piece) {
+    raw_sink r = {.lfd = tcp_listen("127.0.0.1", "0"), .bytes = bytes};
+    struct sockaddr_storage sa;
+    socklen_t sl = sizeof sa;
+    char port[16];
+    uint8_t *data = malloc(piece);
+    if (r.lfd < 0 || !data || getsockname(r.lfd, (struct sockaddr *)&sa, &sl) != 0) {
+        if (r.lfd >= 0) close(r.lfd);
+        free(data);
+        return 0;
+    }
+    snprintf(port, sizeof port, "%u", ntohs(((struct sockaddr_in *)&sa)->sin_port));
+    for (size_t i = 0; i < piece; i++) data[i] = (uint8_t)(i * 131 + 7);
+    pthread_t th;
+    double gbs = 0;
+    if (pthread_create(&th, NULL, raw_sink_main, &r) == 0) {
+        int fd = kvb_tcp_dial("127.0.0.1", port);
+        double t0 = kvb_now_s();
+        bool ok = fd >= 0;
+        for (uint64_t sent = 0; ok && sent < bytes; sent += piece)
+            ok = send_all(fd, data, (size_t)(bytes - sent < piece ? bytes - sent : piece));
+        char ack;
+        ok = ok && recv_all(fd, &ack, 1);
+        double dt = kvb_now_s() - t0;
+        if (fd >= 0) close(fd);
+        pthread_join(th, NULL);
+        if (ok && r.ok) gbs = (double)bytes / dt / 1e9;
+    }
+    close(r.lfd);
+    free(data);
+    return gbs;
 }
 
 static kvb_status make_hello(kvb_wire_role role, kvb_hello *h, kvb_err *err) {

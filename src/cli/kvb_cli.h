@@ -21,6 +21,10 @@ int kvb_cmd_doctor(int argc, char **argv);
 int kvb_bench_ladder(int argc, char **argv);
 /* `kvbridge bench link` (cmd_bench_link.c). */
 int kvb_bench_link(int argc, char **argv);
+/* GB/s of `bytes` sent over a plain TCP connection on 127.0.0.1 in pieces of `piece` bytes, from
+ * the first byte to the receiver's acknowledgement (a thread of this process receives); 0 on
+ * failure. The yardstick for the slab path on the same machine, in the same run. */
+double kvb_bench_raw_loopback_gbs(uint64_t bytes, size_t piece);
 /* `kvbridge bench quality` (cmd_bench_quality.c). */
 int kvb_bench_quality(int argc, char **argv);
 
