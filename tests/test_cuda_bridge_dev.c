@@ -224,8 +224,14 @@ static void enqueue_path(const char *preset) {
 static void test_enqueue_path(void **state) {
     (void)state;
     need_device();
-    enqueue_path("tiny-qwen3");
-    enqueue_path("tiny-gemma3"); /* 5 local + 1 global layers: two RoPE tables */
+    /* rows shipped inline on the enqueueing thread, then by the bridge's shipping thread */
+    for (int shipper = 0; shipper < 2; shipper++) {
+        setenv("KVB_BRIDGE_SHIPPER", shipper ? "1" : "0", 1);
+        print_message("shipping %s\n", shipper ? "on the bridge's thread (KVB_BRIDGE_SHIPPER=1)" : "inline");
+        enqueue_path("tiny-qwen3");
+        enqueue_path("tiny-gemma3"); /* 5 local + 1 global layers: two RoPE tables */
+    }
+    unsetenv("KVB_BRIDGE_SHIPPER");
 }
 #else
 static void test_mma_wide_shapes(void **state) {
