@@ -21,17 +21,19 @@
 #include "kvbt.h"
 
 #define PSK "test-key-0123456789abcdef"
-static char g_model[512], g_other[512];
+static char g_model[512], g_other[512], g_gemma[512];
 
 static int setup(void **state) {
     (void)state;
     kvb_err err = {0};
     kvbt_tmp_path(g_model, sizeof g_model, "loop.gguf");
     kvbt_tmp_path(g_other, sizeof g_other, "other.gguf");
+    kvbt_tmp_path(g_gemma, sizeof g_gemma, "loop-gemma3.gguf");
     kvb_gen_opts o = {.preset = "tiny", .type = KVB_TYPE_Q8_0, .seed = 21, .n_threads = 2};
-    kvb_gen_opts o2 = o;
+    kvb_gen_opts o2 = o, o3 = o;
     o2.seed = 22;
-    if (kvb_gen_model(&o, g_model, &err) || kvb_gen_model(&o2, g_other, &err)) {
+    o3.preset = "tiny-gemma3";
+    if (kvb_gen_model(&o, g_model, &err) || kvb_gen_model(&o2, g_other, &err) || kvb_gen_model(&o3, g_gemma, &err)) {
         fprintf(stderr, "setup: %s\n", err.msg);
         return -1;
     }
@@ -154,6 +156,76 @@ static void test_multiturn_ships_only_increments(void **state) {
     kvb_decode_node_stop(nat);
     kvb_decode_node_stop(dn);
     kvb_prefill_node_stop(pn);
+}
+
+/* Sliding-window layers (tiny-gemma3: 5 local layers, window 16, then 1 global): every turn ships
+ * its increment's global rows and only the local rows the decoder keeps (from the last shipped
+ * block's position - 15 on), the answers equal the native ones on the same decoder, and a prompt
+ * that shares only blocks whose local rows were never kept is not handed them: it is bridged again
+ * from 0, still equal to native. */
+static void test_gemma3_window_multiturn(void **state) {
+    (void)state;
+    kvb_model *m = NULL;
+    kvb_kvformat f;
+    kvb_err err = {0};
+    if (kvb_model_load(g_gemma, &m, &err) || kvb_model_kvformat(&m->d, KVB_TYPE_F16, 32, &f, &err))
+        fail_msg("%s", err.msg);
+    assert_int_equal(f.window, 16);
+    assert_int_equal(f.n_local, 5);
+    kvb_prefill_node *pn = start_prefill(g_gemma, PSK, NULL);
+    char peer[32];
+    snprintf(peer, sizeof peer, "127.0.0.1:%u", kvb_prefill_node_port(pn));
+    kvb_decode_config c = {.http_listen = "127.0.0.1:0", .peer = peer, .model_path = g_gemma, .psk = PSK,
+                           .n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 4096,
+                           .peer_timeout_ms = 10000};
+    kvb_decode_config cn = c;
+    cn.peer = NULL;
+    kvb_decode_node *dn = NULL, *nat = NULL;
+    if (kvb_decode_node_start(&c, &dn, &err) || kvb_decode_node_start(&cn, &nat, &err)) fail_msg("%s", err.msg);
+    int32_t ids[600];
+    prompt_ids(ids, 600, 77);
+    const int lens[] = {300, 420, 600};
+    uint32_t prev_ship = 0;
+    for (int t = 0; t < 3; t++) {
+        reply b, n;
+        double bytes0 = metric(kvb_decode_node_port(dn), "kvbridge_slab_bytes_total ");
+        complete_ids(kvb_decode_node_port(dn), ids, lens[t], &b);
+        complete_ids(kvb_decode_node_port(nat), ids, lens[t], &n);
+        const uint32_t shipped = (uint32_t)lens[t] - 1, ship = shipped / 32 * 32;
+        assert_string_equal(b.verdict, "complete");
+        assert_int_equal(b.cached, prev_ship); /* the previous turn's blocks, their window kept */
+        assert_int_equal(b.bridged, shipped - prev_ship);
+        assert_int_equal(b.native, 1);
+        uint64_t g, l;
+        kvb_kvformat_ship_bytes(&f, prev_ship, shipped, &g, &l);
+        double bytes = metric(kvb_decode_node_port(dn), "kvbridge_slab_bytes_total ") - bytes0;
+        uint64_t per_g, per_l;
+        kvb_kvformat_token_bytes(&f, &per_g, &per_l);
+        assert_true(l <= (uint64_t)(16 + 32 - 1) * per_l); /* local rows: the window only (< 47 positions) */
+        assert_true(g == (uint64_t)(shipped - prev_ship) * per_g);
+        assert_true(bytes == (double)(g + l));       /* what was shipped: global all, local the kept rows */
+        assert_string_equal(b.content, n.content);   /* the native answer on the same decoder */
+        prev_ship = ship;
+        free(b.content);
+        free(n.content);
+    }
+    /* shares blocks 0..5 only, whose local rows were never kept: not adopted, bridged again */
+    int32_t other[350];
+    memcpy(other, ids, sizeof(int32_t) * 200);
+    prompt_ids(other + 200, 150, 78);
+    reply b, n;
+    complete_ids(kvb_decode_node_port(dn), other, 350, &b);
+    complete_ids(kvb_decode_node_port(nat), other, 350, &n);
+    assert_string_equal(b.verdict, "complete");
+    assert_int_equal(b.cached, 0);
+    assert_int_equal(b.bridged, 349);
+    assert_string_equal(b.content, n.content);
+    free(b.content);
+    free(n.content);
+    kvb_decode_node_stop(nat);
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+    kvb_model_free(m);
 }
 
 /* A fault during bridging: the answer equals the native one; the verdict is honest. */
@@ -289,6 +361,7 @@ static void test_openai_client_streams(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_multiturn_ships_only_increments),
+        cmocka_unit_test(test_gemma3_window_multiturn),
         cmocka_unit_test(test_fault_corrupt_slab),
         cmocka_unit_test(test_fault_peer_killed),
         cmocka_unit_test(test_fault_peer_stalls),

@@ -19,6 +19,7 @@ struct kvb_bridge_cpu {
     void *scratch;
     uint8_t *k_rows, *v_rows;    /* (max_chunk, n_head_kv, row_bytes) */
     uint32_t ship_from, ship_to;
+    uint32_t local_from;         /* local layers: the decoder keeps rows from here on (the cut) */
     kvb_slab_sink sink;
     void *sink_ctx;
     bool perturbed;
@@ -68,6 +69,7 @@ void kvb_bridge_cpu_begin(kvb_bridge_cpu *b, uint32_t ship_from, uint32_t ship_t
                           void *sink_ctx) {
     b->ship_from = ship_from;
     b->ship_to = ship_to;
+    b->local_from = kvb_kvformat_local_keep_from(&b->fmt, ship_to);
     b->sink = sink;
     b->sink_ctx = sink_ctx;
 }
@@ -81,13 +83,13 @@ void kvb_bridge_cpu_set_producer(kvb_bridge_cpu *b, kvb_rows_producer fn, void *
 
 static kvb_status emit_slabs(kvb_bridge_cpu *b, uint32_t layer, uint32_t pos0, uint32_t n, const uint8_t *k_rows,
                              const uint8_t *v_rows, kvb_err *err);
-static bool clip_to_ship(const kvb_bridge_cpu *b, uint32_t *pos0, uint32_t *n, uint32_t *skip);
+static bool clip_to_ship(const kvb_bridge_cpu *b, uint32_t layer, uint32_t *pos0, uint32_t *n, uint32_t *skip);
 
 kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
                                 kvb_err *err) {
     kvb_bridge_cpu *b = bridge;
     uint32_t skip; /* only what the decoder lacks */
-    if (!clip_to_ship(b, &pos0, &n, &skip)) return KVB_OK;
+    if (!clip_to_ship(b, layer, &pos0, &n, &skip)) return KVB_OK;
     h += (size_t)skip * b->m->d.n_embd;
     if (n > b->max_chunk)
         return kvb_err_set(err, KVB_ERR_INVALID, "bridge chunk of %u tokens exceeds its buffers (%u)", n, b->max_chunk);
@@ -126,12 +128,16 @@ static kvb_status emit_slabs(kvb_bridge_cpu *b, uint32_t layer, uint32_t pos0, u
     return KVB_OK;
 }
 
-/* Clips [pos0, pos0+n) to the shipped range; returns false when nothing of it is shipped. */
-static bool clip_to_ship(const kvb_bridge_cpu *b, uint32_t *pos0, uint32_t *n, uint32_t *skip) {
+/* Clips [pos0, pos0+n) to the shipped range — for a local (sliding-window) layer, to the part of
+ * it the decoder keeps: rows before local_from are neither computed nor shipped; returns false
+ * when nothing of it is shipped. */
+static bool clip_to_ship(const kvb_bridge_cpu *b, uint32_t layer, uint32_t *pos0, uint32_t *n, uint32_t *skip) {
     *skip = 0;
-    if (*pos0 + *n <= b->ship_from || *pos0 >= b->ship_to) return false;
-    if (*pos0 < b->ship_from) {
-        *skip = b->ship_from - *pos0;
+    const uint32_t from = kvb_kvformat_layer_local(&b->fmt, layer) && b->local_from > b->ship_from ? b->local_from
+                                                                                                 : b->ship_from;
+    if (*pos0 + *n <= from || *pos0 >= b->ship_to) return false;
+    if (*pos0 < from) {
+        *skip = from - *pos0;
         *pos0 += *skip;
         *n -= *skip;
     }
@@ -143,7 +149,7 @@ kvb_status kvb_bridge_cpu_rows(void *bridge, uint32_t layer, uint32_t pos0, uint
                                const uint8_t *v_rows, uint32_t src_dtype, kvb_err *err) {
     kvb_bridge_cpu *b = bridge;
     uint32_t skip;
-    if (!clip_to_ship(b, &pos0, &n, &skip)) return KVB_OK;
+    if (!clip_to_ship(b, layer, &pos0, &n, &skip)) return KVB_OK;
     if (n > b->max_chunk)
         return kvb_err_set(err, KVB_ERR_INVALID, "bridge chunk of %u tokens exceeds its buffers (%u)", n, b->max_chunk);
     const uint32_t hd = b->m->d.head_dim, rows = n * b->m->d.n_head_kv;

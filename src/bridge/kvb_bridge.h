@@ -2,8 +2,9 @@
  * (chunk, layer) it runs the decoder's cache-producing arithmetic (kvb_kv_produce, with the
  * DECODER's K/V weights and cache format) and cuts the encoded rows into slabs at block
  * boundaries, each with its XXH3 checksum, handed to a sink (the transport, or a store's slab
- * assembler in tests and `kvbridge verify`). Only tokens of full blocks before the last prompt
- * token are shipped: the decoder computes the tail and the last token itself. */
+ * assembler in tests and `kvbridge verify`). Positions up to (never including) the last prompt
+ * token are shipped, the decoder computes that one itself; a local (sliding-window) layer's rows
+ * only where the decoder keeps them (kvb_kvformat_local_keep_from). */
 #ifndef KVB_BRIDGE_H
 #define KVB_BRIDGE_H
 
@@ -36,7 +37,9 @@ kvb_status kvb_bridge_cpu_create(const kvb_model *decoder, const kvb_kvformat *f
                                  uint32_t max_chunk, kvb_bridge_cpu **out, kvb_err *err);
 void kvb_bridge_cpu_free(kvb_bridge_cpu *b);
 /* Sets the sink and the positions [ship_from, ship_to) to ship for the next prompt (what the
- * decoder lacks: from its cached prefix to the last full block before the last prompt token). */
+ * decoder lacks: from its cached prefix up to the last prompt token). Local (sliding-window)
+ * layers ship only the positions the decoder keeps, from kvb_kvformat_local_keep_from(fmt,
+ * ship_to) on; global layers ship every position. */
 void kvb_bridge_cpu_begin(kvb_bridge_cpu *b, uint32_t ship_from, uint32_t ship_to, kvb_slab_sink sink,
                           void *sink_ctx);
 /* The engine's layer hook (kvb_layer_hook): h (n, n_embd) attention inputs at pos0 .. pos0+n-1. */
@@ -72,8 +75,10 @@ void kvb_bridge_cpu_set_perturbed(kvb_bridge_cpu *b, bool perturbed);
 typedef struct kvb_bridge_receiver kvb_bridge_receiver;
 
 /* tokens: the prompt, at least ship_to of them; ship_from a multiple of the store's block_tokens,
- * ship_from <= ship_to (a decode node ships up to, never including, the last prompt token). Fails
- * (nothing held) when the store cannot take the blocks. */
+ * ship_from <= ship_to (a decode node ships up to, never including, the last prompt token). With
+ * local layers each block expects their rows only from kvb_kvformat_local_keep_from(fmt, ship_to)
+ * on (kvb_store_slab_keep_local_from), as the bridge cuts them. Fails (nothing held) when the
+ * store cannot take the blocks. */
 kvb_status kvb_bridge_receiver_create(kvb_store *store, const int32_t *tokens, uint32_t ship_from, uint32_t ship_to,
                                       kvb_bridge_receiver **out, kvb_err *err);
 /* The sink (kvb_slab_sink): KVB_ERR_FORMAT for a slab outside [ship_from, ship_to), else what the
@@ -105,9 +110,13 @@ typedef struct {
 
 typedef struct {
     uint32_t arrays_ok, arrays_total;   /* (layer x K/V) cache arrays bit-identical: bridge vs decoder */
-    uint32_t blocks_ok, blocks_total;   /* blocks committed via slabs vs blocks the decoder committed */
+    uint32_t blocks_ok, blocks_total;   /* blocks committed via slabs vs blocks the decoder committed
+                                           (the rows the receiving store keeps) */
     uint32_t chunked_ok, chunked_total; /* (layer x K/V) bridge output chunked (odd chunks) == one-shot */
     uint64_t slab_bytes;                /* bytes the bridge shipped */
+    uint64_t slab_bytes_local;          /* of which local (sliding-window) layers' rows */
+    uint32_t ship_tokens;               /* positions shipped (every full block before the last token) */
+    uint32_t local_keep_from;           /* local layers' rows shipped and compared from here on (0: all) */
 } kvb_verify_result;
 
 /* Runs the decoder natively on a random prompt (its engine commits its own blocks) and records

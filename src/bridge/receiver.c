@@ -38,11 +38,13 @@ kvb_status kvb_bridge_receiver_create(kvb_store *store, const int32_t *tokens, u
     }
     kvb_store_chain_keys(store, tokens, ship_to, keys);
     const uint64_t root = kvb_store_root_key(store);
+    const uint32_t keep = kvb_kvformat_local_keep_from(kvb_store_kvformat(store), ship_to);
     kvb_status st = KVB_OK;
     for (uint32_t b = 0; b < r->nb && !st; b++) {
-        const uint32_t g = r->b0 + b;
+        const uint32_t g = r->b0 + b, lo = kvb_kvformat_block_local_lo(kvb_store_kvformat(store), keep, g);
         st = kvb_store_slab_begin(store, keys[g], g ? keys[g - 1] : root, tokens + (size_t)g * bt, &r->pending[b],
                                   err);
+        if (!st && lo) st = kvb_store_slab_keep_local_from(r->pending[b], lo, err);
     }
     if (!st && r->tail) st = kvb_store_slab_begin_tail(store, r->tail, &r->pending[r->nb], err);
     free(keys);

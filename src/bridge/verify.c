@@ -23,7 +23,7 @@ typedef struct {
     size_t tok_bytes;       /* n_head_kv * row_bytes */
     uint8_t *k, *v;         /* (layer, pos, n_head_kv, row_bytes) every shipped row */
     kvb_bridge_receiver *rcv; /* assemble into a store through it (NULL: only collect) */
-    uint64_t bytes;
+    uint64_t bytes, local_bytes; /* every slab; those of local layers */
 } collector;
 
 static kvb_status collect_slab(void *ctx, const kvb_slab *s, kvb_err *err) {
@@ -34,6 +34,7 @@ static kvb_status collect_slab(void *ctx, const kvb_slab *s, kvb_err *err) {
     memcpy(c->k + off, s->k, s->k_bytes);
     memcpy(c->v + off, s->v, s->v_bytes);
     c->bytes += s->k_bytes + s->v_bytes;
+    if (kvb_kvformat_layer_local(c->fmt, s->layer)) c->local_bytes += s->k_bytes + s->v_bytes;
     return c->rcv ? kvb_bridge_receiver_put(c->rcv, s, err) : KVB_OK;
 }
 
@@ -146,10 +147,14 @@ kvb_status kvb_verify_cpu(const kvb_model *m, const kvb_verify_opts *o, kvb_veri
         const uint8_t *kv[2] = {one.k, one.v}, *kvc[2] = {chunked.k, chunked.v};
         const size_t rb = kvb_kvformat_row_bytes(fmt);
         kvb_store *ds_store = kvb_engine_store(de);
+        /* local (sliding-window) layers: the rows the decoder keeps, from keep on (the bridge cuts
+         * the others and the receiving store never holds them) */
+        const uint32_t keep = kvb_kvformat_local_keep_from(fmt, ship);
+        r->local_keep_from = keep;
         for (uint32_t l = 0; l < d->n_layer; l++)
             for (uint32_t w = 0; w < 2; w++) {
                 bool same = true;
-                for (uint32_t p = 0; p < ship && same; p++)
+                for (uint32_t p = kvb_kvformat_layer_local(fmt, l) ? keep : 0; p < ship && same; p++)
                     for (uint32_t h = 0; h < d->n_head_kv && same; h++) {
                         const uint8_t *dec = kvb_store_block_data(ds_store, dec_ids[p / bt]) +
                                              kvb_kvformat_row_offset(fmt, l, w, h, p % bt);
@@ -165,11 +170,23 @@ kvb_status kvb_verify_cpu(const kvb_model *m, const kvb_verify_opts *o, kvb_veri
         uint32_t n_br = 0;
         st = kvb_store_lookup(bstore, toks, ship, br_ids, &n_br, err);
         r->blocks_total = nb;
-        for (uint32_t b = 0; b < n_br && !st; b++)
-            r->blocks_ok += memcmp(kvb_store_block_data(bstore, br_ids[b]), kvb_store_block_data(ds_store, dec_ids[b]),
-                                   kvb_kvformat_block_bytes(fmt)) == 0;
+        for (uint32_t b = 0; b < n_br && !st; b++) {
+            const uint8_t *x = kvb_store_block_data(bstore, br_ids[b]), *y = kvb_store_block_data(ds_store, dec_ids[b]);
+            bool same = true; /* every row the receiving store keeps */
+            for (uint32_t l = 0; l < d->n_layer && same; l++) {
+                const uint32_t lo = kvb_kvformat_layer_local(fmt, l) ? kvb_kvformat_block_local_lo(fmt, keep, b) : 0;
+                for (uint32_t w = 0; w < 2 && same; w++)
+                    for (uint32_t h = 0; h < d->n_head_kv && same; h++) {
+                        const size_t off = kvb_kvformat_row_offset(fmt, l, w, h, lo);
+                        same = memcmp(x + off, y + off, (size_t)(bt - lo) * rb) == 0;
+                    }
+            }
+            r->blocks_ok += same;
+        }
         if (!st) kvb_store_release(bstore, br_ids, n_br, NULL);
         r->slab_bytes = one.bytes;
+        r->slab_bytes_local = one.local_bytes;
+        r->ship_tokens = ship;
         kvb_store_release(ds_store, dec_ids, n_dec, NULL);
     }
     collector_free(&one);

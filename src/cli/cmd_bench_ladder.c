@@ -190,11 +190,18 @@ int kvb_bench_ladder(int argc, char **argv) {
            kvb_type_name(cache_type));
     printf("%8s  %12s  %12s  %6s  %13s  %9s  %10s  %9s  %s\n", "tokens", "alone TTFT s", "bridged s", "ratio",
            "prefill alone", "vs alone", "bytes/tok", "GB/s", "verdicts (bridged)");
-    size_t rb = kvb_row_bytes(cache_type, m->d.head_dim);
-    double bytes_per_tok = 2.0 * m->d.n_layer * m->d.n_head_kv * (double)rb;
+    /* what a leg ships: global layers' rows for every shipped position, local (sliding-window)
+     * layers' rows only where the decoder keeps them (the decode node's 32-token blocks) */
+    kvb_kvformat lf;
+    if (kvb_model_kvformat(&m->d, cache_type, 32, &lf, &err)) goto fail;
+    uint64_t tok_global, tok_local;
+    kvb_kvformat_token_bytes(&lf, &tok_global, &tok_local);
     uint64_t seed = (uint64_t)(kvb_now_s() * 1e3);
     for (int li = 0; li < n_lens; li++) {
         double a[100], b[100], gbs[100], pa[100], ph_pre[100], ph_xfer[100], ph_nat[100];
+        uint64_t len_global, len_local;
+        kvb_kvformat_ship_bytes(&lf, 0, (uint32_t)lens[li] - 1, &len_global, &len_local);
+        const double bytes_per_tok = (double)(len_global + len_local) / lens[li];
         char verdicts[512] = "";
         const bool run_alone = lens[li] <= alone_max;
         for (int s = 0; s < seeds; s++) {
@@ -210,7 +217,9 @@ int kvb_bench_ladder(int argc, char **argv) {
             ph_pre[s] = lb.prefill_s;
             ph_xfer[s] = lb.transfer_s;
             ph_nat[s] = lb.native_s;
-            gbs[s] = lb.transfer_s > 0 ? lb.bridged * bytes_per_tok / lb.transfer_s / 1e9 : 0;
+            uint64_t leg_g, leg_l; /* what this leg shipped (all of it when complete) */
+            kvb_kvformat_ship_bytes(&lf, 0, (uint32_t)lb.bridged, &leg_g, &leg_l);
+            gbs[s] = lb.transfer_s > 0 ? (double)(leg_g + leg_l) / lb.transfer_s / 1e9 : 0;
             fprintf(stderr, "ladder %d tokens, seed %d: alone %.3f s, bridged %.3f s (%s), prefill alone %.3f s\n",
                     lens[li], s, la.ttft, lb.ttft, lb.verdict, pa[s]);
             strncat(verdicts, s ? ", " : "", sizeof verdicts - strlen(verdicts) - 1);
@@ -241,13 +250,19 @@ int kvb_bench_ladder(int argc, char **argv) {
             for (int s = 0; s < seeds; s++) printf(" %.3f", pa[s]);
         }
         printf(" (sorted)\n");
+        if (lf.window)
+            printf("          bytes per prompt token: global layers %.1f + local layers %.1f (window %u: rows kept "
+                   "for %llu positions) = %.1f; every row of every layer would be %.1f\n",
+                   (double)len_global / lens[li], (double)len_local / lens[li], lf.window,
+                   (unsigned long long)(tok_local ? len_local / tok_local : 0), bytes_per_tok,
+                   (double)(tok_global + tok_local) * (lens[li] - 1) / lens[li]);
         printf("          bridged phases (medians): prefill node %.3f s, exchange (request to DONE) %.3f s, decoder's "
                "native tail %.3f s\n",
                kvb_median_sort(ph_pre, (int)seeds), kvb_median_sort(ph_xfer, (int)seeds),
                kvb_median_sort(ph_nat, (int)seeds));
         if (filler) {
             /* the raw link the same way in the same run: as many bytes as one leg shipped */
-            const uint64_t leg_bytes = (uint64_t)((lens[li] - 1) * bytes_per_tok);
+            const uint64_t leg_bytes = len_global + len_local;
             const double raw = kvb_bench_raw_loopback_gbs(leg_bytes, 65536);
             printf("          raw TCP loopback, same bytes, this run: %.2f GB/s; slab path / raw: %.0f %%\n", raw,
                    raw > 0 ? 100.0 * mg / raw : 0.0);

@@ -565,8 +565,7 @@ static kvb_status bench_setup(qbench *q, kvb_err *err) {
     q->dec_opts = (kvb_engine_opts){.n_threads = (int)o->threads, .cache_dtype = o->cache_type,
                                     .block_tokens = BLOCK_TOKENS, .max_ctx = q->max_ctx, .max_batch = MAX_BATCH};
     kvb_kvformat fmt;
-    if ((st = kvb_kvformat_init(&fmt, o->cache_type, BLOCK_TOKENS, q->m->d.n_layer, q->m->d.n_head_kv,
-                                q->m->d.head_dim, err)))
+    if ((st = kvb_model_kvformat(&q->m->d, o->cache_type, BLOCK_TOKENS, &fmt, err)))
         return st;
     for (int m = 0; m < N_MODES && !st; m++)
         if (o->modes[m]) st = kvb_bridge_cpu_create(q->m, &fmt, NULL, MAX_BATCH, &q->br[m], err);

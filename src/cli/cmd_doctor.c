@@ -64,7 +64,7 @@ int kvb_cmd_doctor(int argc, char **argv) {
     kvb_hello me, theirs;
     kvb_conn *c = NULL;
     if (kvb_model_load(model, &m, &err) ||
-        kvb_kvformat_init(&fmt, cache_type, (uint32_t)bt, m->d.n_layer, m->d.n_head_kv, m->d.head_dim, &err) ||
+        kvb_model_kvformat(&m->d, cache_type, (uint32_t)bt, &fmt, &err) ||
         kvb_hello_init(&me, KVB_ROLE_DECODE, !strcmp(mode, "prefill") ? KVB_BRIDGE_MODE_PREFILL : KVB_BRIDGE_MODE_DECODER,
                        "doctor", m->fingerprint, &fmt, &err)) {
         fprintf(stderr, "kvbridge doctor: %s\n", err.msg);

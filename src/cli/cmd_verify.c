@@ -27,12 +27,48 @@ static void help(FILE *f) {
             "  --model FILE    verify this GGUF instead\n"
             "  --device D      cpu (default) or cuda (needs the CUDA bridge; said plainly when absent)\n"
             "  --threads T     CPU threads (default: all)\n"
-            "  --perturb       test-only: perturb the bridge by one reordered addition; every row must fail\n");
+            "  --perturb       test-only: perturb the bridge by one reordered addition; every row must fail\n"
+            "  --bytes-at LIST prompt lengths for the bytes-per-token table by layer kind (default 1024,8192,30720;\n"
+            "                  'none' to leave it out)\n\n"
+            "  bytes    the slab bytes shipped, by layer kind, equal the rule: global layers every position,\n"
+            "           local (sliding-window) layers only the positions the decoder keeps\n");
 }
 
 static const uint32_t k_formats[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0};
 
-static int verify_model(const char *label, const char *path, int threads, bool perturb, bool cuda, int *short_rows) {
+/* Bytes per token by layer kind for prompts of the given lengths, bridged from position 0 into a
+ * decoder with the CLI's default cache (f16, 32-token blocks): global layers ship every position,
+ * local layers only the positions the decoder keeps (kvb_kvformat_ship_bytes, the rule the bridge
+ * and the receiver follow, checked against the shipped bytes by the "bytes" rows). */
+static void print_bytes_table(const char *label, const kvb_model *m, const uint32_t *lens, int n_lens) {
+    const char *slash = strrchr(label, '/');
+    if (slash) label = slash + 1;
+    kvb_kvformat f;
+    kvb_err err = {0};
+    if (kvb_model_kvformat(&m->d, KVB_TYPE_F16, 32, &f, &err)) return;
+    uint64_t tg, tl;
+    kvb_kvformat_token_bytes(&f, &tg, &tl);
+    printf("  bytes per token, %s (f16 cache, 32-token blocks): %u global layer(s) %llu B/position, "
+           "%u local layer(s) %llu B/position",
+           label, f.n_layer - f.n_local, (unsigned long long)tg, f.n_local, (unsigned long long)tl);
+    if (f.window)
+        printf(" (window %u: kept for at most the last %u positions)\n", f.window, f.window + f.block_tokens - 1);
+    else
+        printf("\n");
+    printf("  %-14s %8s %12s %12s %12s %12s %12s %8s\n", "model", "prompt", "global B/tok", "local B/tok",
+           "total B/tok", "all rows B/t", "shipped MB", "saved");
+    for (int i = 0; i < n_lens; i++) {
+        uint64_t g, l;
+        const uint32_t n = lens[i], shipped = n > 1 ? n - 1 : 0;
+        kvb_kvformat_ship_bytes(&f, 0, shipped, &g, &l);
+        const double per = n ? 1.0 / n : 0, all = (double)(tg + tl) * shipped;
+        printf("  %-14s %8u %12.1f %12.1f %12.1f %12.1f %12.2f %7.1f%%\n", label, n, g * per, l * per, (g + l) * per,
+               all * per, (g + l) / 1e6, all > 0 ? 100.0 * (1.0 - (double)(g + l) / all) : 0.0);
+    }
+}
+
+static int verify_model(const char *label, const char *path, int threads, bool perturb, bool cuda, int *short_rows,
+                        const uint32_t *lens, int n_lens) {
     kvb_err err = {0};
     kvb_model *m = NULL;
     if (kvb_model_load(path, &m, &err)) {
@@ -54,14 +90,28 @@ static int verify_model(const char *label, const char *path, int threads, bool p
             uint32_t ok, total;
         } rows[] = {{"arrays", r.arrays_ok, r.arrays_total},
                     {"blocks", r.blocks_ok, r.blocks_total},
-                    {"chunked", r.chunked_ok, r.chunked_total}};
-        for (size_t k = 0; k < 3; k++) {
+                    {"chunked", r.chunked_ok, r.chunked_total},
+                    {"bytes", 0, 1}};
+        /* bytes: what the bridge shipped, by layer kind, equals the rule (local rows only where kept) */
+        kvb_kvformat f;
+        uint64_t g = 0, l = 0;
+        if (!kvb_model_kvformat(&m->d, k_formats[i], o.block_tokens, &f, &err)) {
+            kvb_kvformat_ship_bytes(&f, 0, r.ship_tokens, &g, &l);
+            rows[3].ok = r.slab_bytes_local == l && r.slab_bytes - r.slab_bytes_local == g;
+        }
+        for (size_t k = 0; k < (perturb ? 3u : 4u); k++) { /* bytes are no arithmetic: not a perturbed row */
             bool good = rows[k].ok == rows[k].total && rows[k].total > 0;
             printf("  %-14s %-5s %-5s %-8s %4u/%-4u %s\n", label, fmt, cuda ? "cuda" : "cpu", rows[k].name, rows[k].ok,
                    rows[k].total, good ? "ok" : "SHORT");
             if (!good) (*short_rows)++;
         }
+        if (f.window)
+            printf("  %-14s %-5s %-5s local rows shipped from position %u of %u (window %u): %llu B global + %llu B "
+                   "local\n",
+                   label, fmt, cuda ? "cuda" : "cpu", r.local_keep_from, r.ship_tokens, f.window,
+                   (unsigned long long)(r.slab_bytes - r.slab_bytes_local), (unsigned long long)r.slab_bytes_local);
     }
+    if (n_lens && !cuda) print_bytes_table(label, m, lens, n_lens);
     kvb_model_free(m);
     return 0;
 }
@@ -69,7 +119,8 @@ static int verify_model(const char *label, const char *path, int threads, bool p
 int kvb_cmd_verify(int argc, char **argv) {
     const char *presets[16], *model = NULL, *device = "cpu";
     char *paths[16] = {0};
-    int n_presets = 0, threads = 0;
+    int n_presets = 0, threads = 0, n_lens = 3;
+    uint32_t lens[8] = {1024, 8192, 30720};
     bool perturb = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -101,6 +152,20 @@ int kvb_cmd_verify(int argc, char **argv) {
             threads = (int)n;
         } else if (!strcmp(a, "--perturb")) {
             perturb = true;
+        } else if (!strcmp(a, "--bytes-at")) {
+            if (!(v = kvb_arg_value("verify", argc, argv, &i))) return 2;
+            n_lens = 0;
+            if (strcmp(v, "none")) {
+                char buf[256];
+                snprintf(buf, sizeof buf, "%s", v);
+                for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+                    if (n_lens == 8 || !kvb_arg_int("verify", a, tok, 2, 1 << 30, &n)) {
+                        if (n_lens == 8) fprintf(stderr, "kvbridge verify: --bytes-at takes at most 8 lengths\n");
+                        return 2;
+                    }
+                    lens[n_lens++] = (uint32_t)n;
+                }
+            }
         } else {
             fprintf(stderr, "kvbridge verify: unknown option '%s' (see kvbridge verify --help)\n", a);
             return 2;
@@ -115,7 +180,7 @@ int kvb_cmd_verify(int argc, char **argv) {
     printf("  %-14s %-5s %-5s %-8s %9s\n", "model", "cache", "dev", "row", "identical");
     int short_rows = 0;
     if (model) {
-        if (verify_model(model, model, threads, perturb, false, &short_rows)) return 1;
+        if (verify_model(model, model, threads, perturb, false, &short_rows, lens, n_lens)) return 1;
     }
     for (int i = 0; i < n_presets; i++) {
         char path[512];
@@ -132,15 +197,15 @@ int kvb_cmd_verify(int argc, char **argv) {
             }
         }
         paths[i] = strdup(path);
-        if (!paths[i] || verify_model(presets[i], path, threads, perturb, false, &short_rows)) return 1;
+        if (!paths[i] || verify_model(presets[i], path, threads, perturb, false, &short_rows, lens, n_lens)) return 1;
     }
     /* the CUDA rows: the bridge kernel on the GPU against the same decoder's own cache */
 #ifdef KVB_HAVE_CUDA
     char why[256] = "";
     if (!strcmp(device, "cuda") && kvb_cuda_device_available(why, sizeof why)) {
-        if (model && verify_model(model, model, threads, perturb, true, &short_rows)) return 1;
+        if (model && verify_model(model, model, threads, perturb, true, &short_rows, lens, n_lens)) return 1;
         for (int i = 0; i < n_presets; i++)
-            if (verify_model(presets[i], paths[i], threads, perturb, true, &short_rows)) return 1;
+            if (verify_model(presets[i], paths[i], threads, perturb, true, &short_rows, lens, n_lens)) return 1;
     } else if (!strcmp(device, "cuda")) {
         printf("  CUDA rows: not run — %s.\n", why);
     } else {

@@ -6,11 +6,13 @@
 #ifndef KVB_KVFORMAT_H
 #define KVB_KVFORMAT_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "kvb_core.h"
 
 #define KVB_KVFORMAT_VERSION 1
+#define KVB_KVFORMAT_MAX_LAYERS 1024 /* = KVB_MAX_LAYERS of the model module */
 
 typedef struct {
     uint32_t version;       /* KVB_KVFORMAT_VERSION */
@@ -19,6 +21,15 @@ typedef struct {
     uint32_t n_layer;
     uint32_t n_head_kv;
     uint32_t head_dim;
+    /* Sliding-window (local) layers: 0 for a model without them (then the fields below are zero,
+     * the fingerprint and every layout are exactly those of a format without this extension).
+     * A query at position p of a local layer reads keys max(0, p - window + 1) .. p only, so the
+     * decoder keeps a local layer's rows only for the positions a later query can still read
+     * (kvb_kvformat_local_keep_from); a block whose early local rows were never kept carries that
+     * in the store (kvb_store_slab_keep_local_from). Set with kvb_kvformat_set_window. */
+    uint32_t window;
+    uint32_t n_local;                                 /* how many layers are local */
+    uint64_t local_mask[KVB_KVFORMAT_MAX_LAYERS / 64]; /* bit l set: layer l is local */
 } kvb_kvformat;
 
 /* Block layout: (layer, k_or_v, kv_head, token, head_dim) with each (token, head_dim) row
@@ -36,8 +47,29 @@ size_t kvb_kvformat_row_offset(const kvb_kvformat *f, uint32_t layer, uint32_t k
  * engine's own writes and slab assembly both go through it. */
 void kvb_kvformat_scatter_rows(const kvb_kvformat *f, uint8_t *block, uint32_t layer, uint32_t token0, uint32_t n,
                                const uint8_t *k_rows, const uint8_t *v_rows);
+/* Declares the local layers (local[l] for l < n_layer) and their window (>= 1). With no local
+ * layer (or window 0) the format stays as it was. KVB_ERR_INVALID when n_layer exceeds
+ * KVB_KVFORMAT_MAX_LAYERS. */
+kvb_status kvb_kvformat_set_window(kvb_kvformat *f, uint32_t window, const bool *local, kvb_err *err);
+bool kvb_kvformat_layer_local(const kvb_kvformat *f, uint32_t layer);
+/* The first position whose local-layer rows a decoder keeps when it adopts every full block
+ * before position ship_to (ship_to: the end of what is shipped, the last prompt token excluded)
+ * and computes on from E = ship_to rounded down to a block boundary: max(0, E - (window - 1)), the
+ * first key the query at E reads; every later query reads later keys only. 0 without local
+ * layers. The bridge ships local-layer rows only from here, the receiver expects only these. */
+uint32_t kvb_kvformat_local_keep_from(const kvb_kvformat *f, uint32_t ship_to);
+/* The first token of block `block` (positions block*bt ..) whose local rows are kept when they are
+ * kept from position keep_from on: keep_from - block*bt clamped to 0 .. block_tokens. */
+uint32_t kvb_kvformat_block_local_lo(const kvb_kvformat *f, uint32_t keep_from, uint32_t block);
+/* Bytes of one position's rows (K and V, every kv head) over the global layers and over the local
+ * layers. */
+void kvb_kvformat_token_bytes(const kvb_kvformat *f, uint64_t *global_bytes, uint64_t *local_bytes);
+/* Cache bytes a bridge ships (and the decoder keeps) for positions [ship_from, ship_to): global
+ * layers' rows for all of them, local layers' rows from kvb_kvformat_local_keep_from(ship_to) on. */
+void kvb_kvformat_ship_bytes(const kvb_kvformat *f, uint32_t ship_from, uint32_t ship_to, uint64_t *global_bytes,
+                             uint64_t *local_bytes);
 uint64_t kvb_kvformat_fingerprint(const kvb_kvformat *f);
-/* "q8_0/32tok/16L/8h/64d" */
+/* "q8_0/32tok/16L/8h/64d", with "/15local@512" appended when there are local layers */
 void kvb_kvformat_describe(const kvb_kvformat *f, char *buf, size_t cap);
 
 #endif

@@ -47,9 +47,64 @@ void kvb_kvformat_scatter_rows(const kvb_kvformat *f, uint8_t *block, uint32_t l
         }
 }
 
+kvb_status kvb_kvformat_set_window(kvb_kvformat *f, uint32_t window, const bool *local, kvb_err *err) {
+    f->window = 0;
+    f->n_local = 0;
+    memset(f->local_mask, 0, sizeof f->local_mask);
+    if (window == 0 || !local) return KVB_OK;
+    if (f->n_layer > KVB_KVFORMAT_MAX_LAYERS)
+        return kvb_err_set(err, KVB_ERR_INVALID, "cache format: %u layers exceed the %d a window can describe",
+                           f->n_layer, KVB_KVFORMAT_MAX_LAYERS);
+    for (uint32_t l = 0; l < f->n_layer; l++)
+        if (local[l]) {
+            f->local_mask[l / 64] |= (uint64_t)1 << (l % 64);
+            f->n_local++;
+        }
+    if (f->n_local) f->window = window;
+    return KVB_OK;
+}
+
+bool kvb_kvformat_layer_local(const kvb_kvformat *f, uint32_t layer) {
+    if (!f->window || layer >= f->n_layer || layer >= KVB_KVFORMAT_MAX_LAYERS) return false;
+    return (f->local_mask[layer / 64] >> (layer % 64)) & 1;
+}
+
+uint32_t kvb_kvformat_local_keep_from(const kvb_kvformat *f, uint32_t ship_to) {
+    if (!f->window) return 0;
+    const uint32_t e = ship_to / f->block_tokens * f->block_tokens;
+    return e > f->window - 1 ? e - (f->window - 1) : 0;
+}
+
+uint32_t kvb_kvformat_block_local_lo(const kvb_kvformat *f, uint32_t keep_from, uint32_t block) {
+    const uint64_t b0 = (uint64_t)block * f->block_tokens;
+    if (keep_from <= b0) return 0;
+    return keep_from - b0 < f->block_tokens ? (uint32_t)(keep_from - b0) : f->block_tokens;
+}
+
+void kvb_kvformat_token_bytes(const kvb_kvformat *f, uint64_t *global_bytes, uint64_t *local_bytes) {
+    const uint64_t per_layer = 2 * (uint64_t)f->n_head_kv * kvb_kvformat_row_bytes(f);
+    *global_bytes = per_layer * (f->n_layer - f->n_local);
+    *local_bytes = per_layer * f->n_local;
+}
+
+void kvb_kvformat_ship_bytes(const kvb_kvformat *f, uint32_t ship_from, uint32_t ship_to, uint64_t *global_bytes,
+                             uint64_t *local_bytes) {
+    uint64_t g, l;
+    kvb_kvformat_token_bytes(f, &g, &l);
+    if (ship_to < ship_from) ship_to = ship_from;
+    uint32_t keep = kvb_kvformat_local_keep_from(f, ship_to);
+    if (keep < ship_from) keep = ship_from;
+    *global_bytes = g * (ship_to - ship_from);
+    *local_bytes = l * (ship_to - keep);
+}
+
 uint64_t kvb_kvformat_fingerprint(const kvb_kvformat *f) {
     uint32_t v[6] = {f->version, f->dtype, f->block_tokens, f->n_layer, f->n_head_kv, f->head_dim};
-    return kvb_hash64(v, sizeof v, 0x6b76622d6b76666dULL);
+    uint64_t h = kvb_hash64(v, sizeof v, 0x6b76622d6b76666dULL);
+    if (!f->window) return h; /* a format without local layers: the fingerprint it always had */
+    uint64_t w[2 + KVB_KVFORMAT_MAX_LAYERS / 64] = {f->window, f->n_local};
+    memcpy(w + 2, f->local_mask, sizeof f->local_mask);
+    return kvb_hash64(w, sizeof w, h);
 }
 
 void kvb_kvformat_describe(const kvb_kvformat *f, char *buf, size_t cap) {
@@ -57,5 +112,9 @@ void kvb_kvformat_describe(const kvb_kvformat *f, char *buf, size_t cap) {
     snprintf(t, sizeof t, "%s", kvb_type_name(f->dtype));
     for (char *c = t; *c; c++)
         if (*c >= 'A' && *c <= 'Z') *c = (char)(*c - 'A' + 'a');
-    snprintf(buf, cap, "%s/%utok/%uL/%uh/%ud", t, f->block_tokens, f->n_layer, f->n_head_kv, f->head_dim);
+    if (f->window)
+        snprintf(buf, cap, "%s/%utok/%uL/%uh/%ud/%ulocal@%u", t, f->block_tokens, f->n_layer, f->n_head_kv,
+                 f->head_dim, f->n_local, f->window);
+    else
+        snprintf(buf, cap, "%s/%utok/%uL/%uh/%ud", t, f->block_tokens, f->n_layer, f->n_head_kv, f->head_dim);
 }

@@ -217,6 +217,15 @@ bool kvb_model_has_local_layers(const kvb_model_desc *d) {
     return false;
 }
 
+kvb_status kvb_model_kvformat(const kvb_model_desc *d, uint32_t dtype, uint32_t block_tokens, kvb_kvformat *f,
+                              kvb_err *err) {
+    kvb_status st = kvb_kvformat_init(f, dtype, block_tokens, d->n_layer, d->n_head_kv, d->head_dim, err);
+    if (st || !kvb_model_has_local_layers(d)) return st;
+    bool local[KVB_MAX_LAYERS];
+    for (uint32_t l = 0; l < d->n_layer; l++) local[l] = kvb_layer_is_local(d, l);
+    return kvb_kvformat_set_window(f, d->swa_window, local, err);
+}
+
 uint64_t kvb_model_n_params_nonembd(const kvb_model_desc *d) {
     uint64_t e = d->n_embd, q = (uint64_t)d->n_head * d->head_dim, kv = (uint64_t)d->n_head_kv * d->head_dim;
     uint64_t per_layer = e * q + 2 * e * kv + q * e + 3 * e * d->n_ff + (d->has_post_norms ? 4 : 2) * e;

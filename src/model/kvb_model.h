@@ -12,6 +12,7 @@
 
 #include "kvb_core.h"
 #include "kvb_gguf.h"
+#include "kvb_kvformat.h"
 
 typedef enum {
     KVB_ARCH_LLAMA = 0, /* Llama 2/3, Mistral, TinyLlama */
@@ -121,6 +122,11 @@ void kvb_rope_inv_freq_layer(const kvb_model *m, uint32_t layer, double *out);
 bool kvb_layer_is_local(const kvb_model_desc *d, uint32_t layer);
 /* Whether any layer is local. */
 bool kvb_model_has_local_layers(const kvb_model_desc *d);
+/* The decoder's cache format for this model: kvb_kvformat_init with the model's geometry, and its
+ * local layers and window (kvb_kvformat_set_window) when it has any. Every node and tool that
+ * stores or ships this model's cache takes its format from here, so the fingerprints agree. */
+kvb_status kvb_model_kvformat(const kvb_model_desc *d, uint32_t dtype, uint32_t block_tokens, kvb_kvformat *f,
+                              kvb_err *err);
 /* The RoPE table every engine and the bridge use (one table, computed on the host in double and
  * rounded to f32 once): for positions pos0 .. pos0+n_pos-1 and i < n_rot/2,
  *     cos_out[p * (n_rot/2) + i] = (float)cos(pos * inv_freq[i]), sin_out likewise.  */

@@ -100,11 +100,19 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
     }
     kvb_store_chain_keys(n->store, toks, ship, keys);
     const uint64_t root = kvb_store_root_key(n->store);
+    /* local (sliding-window) layers: only the rows this node keeps are expected (the bridge cuts the same) */
+    const uint32_t keep = kvb_kvformat_local_keep_from(kvb_store_kvformat(n->store), ship + tail);
     for (uint32_t b = 0; b < nb; b++) {
         uint32_t g = b0 + b;
         if (kvb_store_slab_begin(n->store, keys[g], g ? keys[g - 1] : root, toks + (size_t)g * bt, &pend[b], &err)) {
             snprintf(o->fault, sizeof o->fault, "cache full: %.120s", err.msg);
             o->fault_kind = "cache_full";
+            goto done;
+        }
+        const uint32_t lo = kvb_kvformat_block_local_lo(kvb_store_kvformat(n->store), keep, g);
+        if (lo && kvb_store_slab_keep_local_from(pend[b], lo, &err)) {
+            snprintf(o->fault, sizeof o->fault, "internal: %.120s", err.msg);
+            o->fault_kind = "internal";
             goto done;
         }
     }

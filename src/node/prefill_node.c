@@ -333,8 +333,7 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
         kvb_engine_opts eo = {.n_threads = cfg->n_threads, .cache_dtype = engine_dtype, .block_tokens = bt,
                               .max_ctx = n->cfg.max_ctx, .max_batch = n->cfg.chunk_tokens,
                               .n_blocks = 2 * ((n->cfg.max_ctx + bt - 1) / bt)};
-        st = kvb_kvformat_init(&n->fmt, cfg->cache_dtype, bt, n->m->d.n_layer, n->m->d.n_head_kv, n->m->d.head_dim,
-                               err);
+        st = kvb_model_kvformat(&n->m->d, cfg->cache_dtype, bt, &n->fmt, err);
         if (!st) st = kvb_bridge_cpu_create(n->m, &n->fmt, NULL, n->cfg.chunk_tokens, &n->br, err);
         if (!st && cfg->cuda) {
 #ifdef KVB_HAVE_CUDA

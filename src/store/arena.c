@@ -233,6 +233,8 @@ void kvb_store_get_stats(kvb_store *s, kvb_store_stats *o) {
         .lookup_hit_blocks = s->lookup_hit_blocks,
         .slabs_accepted = s->slabs_accepted,
         .slabs_rejected = s->slabs_rejected,
+        .local_completions = s->local_completions,
+        .lookup_window_cuts = s->lookup_window_cuts,
     };
     pthread_mutex_unlock(&s->mu);
 }

@@ -12,8 +12,36 @@ static void reference_locked(kvb_store *s, kvb_block_id id) {
     }
 }
 
+/* The committed block `existing` keeps its local rows from token meta.local_lo on; the WRITING
+ * page `id` of the same key holds them from local_lo on, earlier: copy the rows existing lacks.
+ * No holder of `existing` reads those rows (a lookup hands a block out only where the window its
+ * adopter reads starts at or after local_lo), so the bytes a reader may read never change. */
+static void complete_local_locked(kvb_store *s, kvb_block_id existing, kvb_block_id id, uint32_t local_lo) {
+    const kvb_kvformat *f = &s->fmt;
+    const uint32_t have = s->meta[existing].local_lo;
+    const size_t row = kvb_kvformat_row_bytes(f);
+    uint8_t *dst = kvb_store_block_data(s, existing);
+    const uint8_t *src = kvb_store_block_data(s, id);
+    for (uint32_t l = 0; l < f->n_layer; l++) {
+        if (!kvb_kvformat_layer_local(f, l)) continue;
+        for (uint32_t w = 0; w < 2; w++)
+            for (uint32_t h = 0; h < f->n_head_kv; h++) {
+                const size_t off = kvb_kvformat_row_offset(f, l, w, h, local_lo);
+                memcpy(dst + off, src + off, (size_t)(have - local_lo) * row);
+            }
+    }
+    s->meta[existing].local_lo = local_lo;
+    s->local_completions++;
+}
+
 kvb_status kvb_store_commit_block(kvb_store *s, kvb_block_id id, uint64_t key, uint64_t parent_key,
                                   const int32_t *tokens, kvb_block_id *committed_out, kvb_err *err) {
+    return kvb_store_commit_block_kept(s, id, key, parent_key, tokens, 0, committed_out, err);
+}
+
+kvb_status kvb_store_commit_block_kept(kvb_store *s, kvb_block_id id, uint64_t key, uint64_t parent_key,
+                                       const int32_t *tokens, uint32_t local_lo, kvb_block_id *committed_out,
+                                       kvb_err *err) {
     const uint32_t bt = s->fmt.block_tokens;
     if (committed_out) *committed_out = KVB_BLOCK_NONE;
     if (!tokens || !committed_out) {
@@ -52,7 +80,9 @@ kvb_status kvb_store_commit_block(kvb_store *s, kvb_block_id id, uint64_t key, u
                                "with other tokens or another parent (hash collision)",
                                id, (unsigned long long)key, existing);
         }
-        kvb_store_free_page_locked(s, id); /* dedup: the first committed copy wins */
+        /* dedup: the first committed copy wins; local rows it never kept are taken from this one */
+        if (s->meta[existing].local_lo > local_lo) complete_local_locked(s, existing, id, local_lo);
+        kvb_store_free_page_locked(s, id);
         reference_locked(s, existing);
         s->dedups++;
         *committed_out = existing;
@@ -62,6 +92,7 @@ kvb_status kvb_store_commit_block(kvb_store *s, kvb_block_id id, uint64_t key, u
     block_meta *m = &s->meta[id];
     m->key = key;
     m->parent_key = parent_key;
+    m->local_lo = s->fmt.window ? local_lo : 0;
     m->state = BLOCK_COMMITTED;
     m->refs = 1;
     memcpy(s->tokens + (size_t)id * bt, tokens, (size_t)bt * sizeof(int32_t));
@@ -96,6 +127,21 @@ kvb_status kvb_store_lookup(kvb_store *s, const int32_t *tokens, uint32_t n_toke
         ids_out[found] = id;
         parent = key;
     }
+    /* Sliding-window layers: whoever adopts c blocks computes position P = c * bt next, whose
+     * local layers read keys from max(0, P - window + 1) on; a chain is handed out only as far as
+     * every block in that window kept its local rows there (a bridged block may have been cut). */
+    const uint32_t before = found;
+    while (s->fmt.window && found > 0) {
+        const uint64_t P = (uint64_t)found * bt, lo = P > s->fmt.window - 1 ? P - (s->fmt.window - 1) : 0;
+        bool ok = true;
+        for (uint32_t b = (uint32_t)(lo / bt); b < found && ok; b++) {
+            const uint64_t b0 = (uint64_t)b * bt, need = lo > b0 ? lo - b0 : 0; /* first row the window reads */
+            ok = s->meta[ids_out[b]].local_lo <= need;
+        }
+        if (ok) break;
+        found--;
+    }
+    if (found < before) s->lookup_window_cuts++;
     for (uint32_t i = 0; i < found; i++) reference_locked(s, ids_out[i]);
     s->lookups++;
     s->lookup_hit_blocks += found;

@@ -93,7 +93,9 @@ kvb_status kvb_store_commit_block(kvb_store *s, kvb_block_id id, uint64_t key, u
 
 /* The longest committed chain for tokens (n_tokens; only full blocks count): walks keys from the
  * root and stops at the first block that is not committed (or whose stored parent key or tokens do
- * not match). ids_out (n_tokens / block_tokens) receives the block ids in chain order, each with a
+ * not match). With local layers the chain is then shortened to the longest c blocks whose window
+ * (positions max(0, c*bt - window + 1) .. c*bt - 1, what the adopter's next query reads) kept its
+ * local rows (see kvb_store_slab_keep_local_from); a format without them is never shortened. ids_out (n_tokens / block_tokens) receives the block ids in chain order, each with a
  * new reference held by the caller; *n_blocks_out how many. A caller that must compute the last
  * prompt token itself passes n_tokens - 1. Never fails for a miss (0 blocks). */
 kvb_status kvb_store_lookup(kvb_store *s, const int32_t *tokens, uint32_t n_tokens, kvb_block_id *ids_out,
@@ -160,6 +162,16 @@ kvb_status kvb_store_slab_begin_tail(kvb_store *s, uint32_t n_tokens, kvb_slab_p
  * like any writing page); KVB_BLOCK_NONE when the tail is not complete or was taken. */
 kvb_block_id kvb_store_slab_take_tail(kvb_slab_pending *p);
 
+/* Sliding-window layers (a format with kvb_kvformat.window): the decoder keeps this block's
+ * local-layer rows only for tokens [token0, block_tokens) (kvb_kvformat_local_keep_from tells
+ * which positions; token0 = keep_from - the block's first position, clamped to 0..block_tokens).
+ * Those local cells of earlier tokens are not expected: the block completes without them, and a
+ * slab carrying one is rejected (KVB_ERR_FORMAT, nothing written). The committed block records
+ * token0, and kvb_store_lookup hands the block out only to adopters whose window never reads the
+ * rows it lacks. Call before the first slab; KVB_ERR_INVALID on a tail (a tail is always whole), a
+ * format without local layers with token0 > 0, token0 > block_tokens, or after a slab. */
+kvb_status kvb_store_slab_keep_local_from(kvb_slab_pending *p, uint32_t token0, kvb_err *err);
+
 /* (layer, token) cells still missing: 0 once complete. */
 uint32_t kvb_store_slab_missing(const kvb_slab_pending *p);
 /* True once the block was committed by kvb_store_slab_put. */
@@ -192,6 +204,8 @@ typedef struct {
     uint64_t lookup_hit_blocks; /* blocks returned by lookups */
     uint64_t slabs_accepted;
     uint64_t slabs_rejected;    /* malformed or corrupt slabs */
+    uint64_t local_completions; /* dedups that filled in local-layer rows the committed block had not kept */
+    uint64_t lookup_window_cuts;/* lookups shortened because a block in the window had not kept its local rows */
 } kvb_store_stats;
 
 void kvb_store_get_stats(kvb_store *s, kvb_store_stats *out);

@@ -27,6 +27,8 @@ struct kvb_slab_pending {
     uint8_t *covered;       /* (n_layer, block_tokens): 1 once that layer of that token arrived */
     uint32_t n_valid;       /* tokens [0, n_valid) of the page are assembled: block_tokens, or a tail's length */
     bool tail;              /* a tail: never committed; its page is taken by a sequence */
+    uint32_t local_lo;      /* local layers' rows of tokens before this are not kept (never arrive) */
+    uint64_t n_accepted;    /* slabs accepted so far */
 };
 
 uint64_t kvb_slab_checksum(const void *k, size_t k_bytes, const void *v, size_t v_bytes) {
@@ -165,6 +167,11 @@ kvb_status kvb_store_slab_put(kvb_slab_pending *p, uint32_t layer, uint32_t toke
                       layer, token0, n_tokens, k_bytes, v_bytes, want, n_tokens, nkv, row);
     if (!k || !v) return reject(p, err, KVB_ERR_FORMAT, "layer %u tokens %u+%u: K or V bytes are missing", layer,
                                 token0, n_tokens);
+    if (token0 < p->local_lo && kvb_kvformat_layer_local(f, layer))
+        return reject(p, err, KVB_ERR_FORMAT,
+                      "layer %u tokens %u+%u: a local (sliding-window) layer's rows before token %u are not kept by "
+                      "the decoder",
+                      layer, token0, n_tokens, p->local_lo);
     uint8_t *cov = p->covered + (size_t)layer * bt;
     for (uint32_t t = token0; t < token0 + n_tokens; t++)
         if (cov[t])
@@ -182,6 +189,7 @@ kvb_status kvb_store_slab_put(kvb_slab_pending *p, uint32_t layer, uint32_t toke
     kvb_kvformat_scatter_rows(f, kvb_store_block_data(s, p->page), layer, token0, n_tokens, k, v);
     memset(cov + token0, 1, n_tokens);
     p->n_missing -= n_tokens;
+    p->n_accepted++;
     pthread_mutex_lock(&s->mu);
     s->slabs_accepted++;
     pthread_mutex_unlock(&s->mu);
@@ -189,7 +197,7 @@ kvb_status kvb_store_slab_put(kvb_slab_pending *p, uint32_t layer, uint32_t toke
 
     /* ---- complete: publish through the one block writer ---- */
     kvb_block_id id;
-    kvb_status st = kvb_store_commit_block(s, p->page, p->key, p->parent_key, p->tokens, &id, err);
+    kvb_status st = kvb_store_commit_block_kept(s, p->page, p->key, p->parent_key, p->tokens, p->local_lo, &id, err);
     if (st) {
         p->phase = PENDING_FAILED;
         return kvb_err_prefix(err, "slab assembly: ");
@@ -201,6 +209,26 @@ kvb_status kvb_store_slab_put(kvb_slab_pending *p, uint32_t layer, uint32_t toke
         *committed_out = id;
     else
         kvb_store_release(s, &id, 1, NULL);
+    return KVB_OK;
+}
+
+kvb_status kvb_store_slab_keep_local_from(kvb_slab_pending *p, uint32_t token0, kvb_err *err) {
+    if (!p) return kvb_err_set(err, KVB_ERR_INVALID, "slab assembly: no pending block");
+    const kvb_kvformat *f = &p->store->fmt;
+    if (token0 == p->local_lo) return KVB_OK;
+    if (p->tail) return kvb_err_set(err, KVB_ERR_INVALID, "slab assembly: a tail keeps every local row");
+    if (!f->window) return kvb_err_set(err, KVB_ERR_INVALID, "slab assembly: the cache format has no local layers");
+    if (token0 > f->block_tokens)
+        return kvb_err_set(err, KVB_ERR_INVALID, "slab assembly: local rows kept from token %u of a %u-token block",
+                           token0, f->block_tokens);
+    if (p->n_accepted || p->phase != PENDING_ASSEMBLING || p->local_lo)
+        return kvb_err_set(err, KVB_ERR_INVALID, "slab assembly: the kept local rows are set before the first slab");
+    for (uint32_t l = 0; l < f->n_layer; l++)
+        if (kvb_kvformat_layer_local(f, l)) {
+            memset(p->covered + (size_t)l * f->block_tokens, 1, token0); /* not expected: never arrive */
+            p->n_missing -= token0;
+        }
+    p->local_lo = token0;
     return KVB_OK;
 }
 

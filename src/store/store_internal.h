@@ -18,6 +18,8 @@ typedef struct {
     kvb_block_id lru_prev;    /* COMMITTED with refs == 0: neighbours on the LRU list */
     kvb_block_id lru_next;
     kvb_block_id index_next;  /* COMMITTED: next block in the same index bucket */
+    uint32_t local_lo;        /* COMMITTED: the block's local-layer rows are kept for tokens [local_lo,
+                                 block_tokens) only (0: every row; always 0 without local layers) */
 } block_meta;
 
 struct kvb_store {
@@ -37,8 +39,15 @@ struct kvb_store {
     uint32_t n_writing, n_committed, n_referenced, n_evictable, n_pending;
     uint64_t commits, dedups, commit_refusals, evictions, alloc_failures, lookups, lookup_hit_blocks;
     uint64_t slabs_accepted, slabs_rejected;
+    uint64_t local_completions, lookup_window_cuts;
     pthread_mutex_t mu;
 };
+
+/* commit.c: kvb_store_commit_block for a block whose local-layer rows are kept from token local_lo
+ * on (slab assembly of a block the bridge cut). */
+kvb_status kvb_store_commit_block_kept(kvb_store *s, kvb_block_id id, uint64_t key, uint64_t parent_key,
+                                       const int32_t *tokens, uint32_t local_lo, kvb_block_id *committed_out,
+                                       kvb_err *err);
 
 /* chain_index.c: the key -> committed block hash index (chained through meta.index_next). */
 kvb_block_id kvb_store_index_find_locked(const kvb_store *s, uint64_t key);

@@ -29,8 +29,7 @@ kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *opts, kv
     if (!o->max_ctx) o->max_ctx = d->n_ctx_train < 8192 ? d->n_ctx_train : 8192;
     if (!o->max_batch) o->max_batch = 512;
     if (!o->n_blocks) o->n_blocks = (o->max_ctx + o->block_tokens - 1) / o->block_tokens;
-    kvb_status st = kvb_kvformat_init(&e->fmt, o->cache_dtype, o->block_tokens, d->n_layer, d->n_head_kv,
-                                      d->head_dim, err);
+    kvb_status st = kvb_model_kvformat(d, o->cache_dtype, o->block_tokens, &e->fmt, err);
     if (st) goto fail;
     e->row_bytes = kvb_kvformat_row_bytes(&e->fmt);
     e->block_bytes = kvb_kvformat_block_bytes(&e->fmt);
