@@ -32,6 +32,7 @@ struct kvb_prefill_node {
     kvb_bridge_cuda *bc;  /* ... and the bridge kernel fed from its layer hook */
 #endif
     uint32_t ship_from, ship_to; /* the request in flight: positions the decoder lacks */
+    uint32_t local_from;         /* local (sliding-window) layers: the decoder keeps rows from here on */
     kvb_kvformat fmt; /* the decoder's format */
     kvb_hello hello;
     kvb_transport_config tcfg;
@@ -115,7 +116,10 @@ static kvb_status ship_filler_rows(kvb_prefill_node *n, kvb_err *err) {
 static kvb_status cuda_layer_hook(void *ctx, uint32_t layer, uint32_t pos0, uint32_t cnt, const float *d_h,
                                   void *stream, kvb_err *err) {
     kvb_prefill_node *n = ctx;
-    const uint32_t lo = pos0 > n->ship_from ? pos0 : n->ship_from;
+    /* a local layer's rows the decoder does not keep are not computed (the bridge would drop them) */
+    const uint32_t from = kvb_kvformat_layer_local(&n->fmt, layer) && n->local_from > n->ship_from ? n->local_from
+                                                                                                : n->ship_from;
+    const uint32_t lo = pos0 > from ? pos0 : from;
     const uint32_t hi = pos0 + cnt < n->ship_to ? pos0 + cnt : n->ship_to;
     if (lo >= hi) return KVB_OK;
     return kvb_bridge_cuda_enqueue(n->bc, layer, lo, hi - lo, d_h + (size_t)(lo - pos0) * n->m->d.n_embd, stream,
@@ -177,6 +181,7 @@ static void serve_prefill(kvb_prefill_node *n, kvb_conn *c, kvb_msg_prefill *p) 
     }
     n->ship_from = p->cached_tokens;
     n->ship_to = p->ship_tokens;
+    n->local_from = kvb_kvformat_local_keep_from(&n->fmt, p->ship_tokens);
     kvb_ring_reset(&n->ring);
     sender_ctx sc = {.n = n, .c = c, .request_id = p->request_id};
     pthread_t sender;
@@ -401,7 +406,7 @@ kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, u
     kvb_rng_seed(&r, seed);
     for (uint32_t i = 0; i < n_tokens; i++) tok[i] = (int32_t)(kvb_rng_u64(&r) % n->m->d.n_vocab);
     pthread_mutex_lock(&n->mu);
-    n->ship_from = n->ship_to = 0; /* the bridge idles: nothing is shipped */
+    n->ship_from = n->ship_to = n->local_from = 0; /* the bridge idles: nothing is shipped */
     kvb_bridge_cpu_begin(n->br, 0, 0, sink_to_ring, n);
     kvb_status st = KVB_OK;
     const double t0 = kvb_now_s();

@@ -250,6 +250,8 @@ static kvb_status check_locked(kvb_store *s, kvb_err *err) {
         if (m->state != BLOCK_COMMITTED && m->refs)
             return kvb_err_set(err, KVB_ERR_INTERNAL, "block %u: not committed but has %u refs", i, m->refs);
         if (m->state == BLOCK_COMMITTED) {
+            if (m->local_lo > (s->fmt.window ? s->fmt.block_tokens : 0))
+                return kvb_err_set(err, KVB_ERR_INTERNAL, "block %u: local rows kept from token %u", i, m->local_lo);
             if (m->refs) n_ref++;
             else n_zero++;
             if (kvb_store_index_find_locked(s, m->key) != i)
