@@ -33,7 +33,10 @@ typedef struct {
 } kvb_kvformat;
 
 /* Block layout: (layer, k_or_v, kv_head, token, head_dim) with each (token, head_dim) row
- * encoded in dtype; one row = kvb_row_bytes(dtype, head_dim) bytes. */
+ * encoded in dtype; one row = kvb_row_bytes(dtype, head_dim) bytes. With local layers the layer
+ * order in a block is: the global layers, then the local layers (each group in model order), so
+ * the local layers' rows are one contiguous tail of the block (kvb_kvformat_local_part); without
+ * them the order is the model's, as it always was. */
 kvb_status kvb_kvformat_init(kvb_kvformat *f, uint32_t dtype, uint32_t block_tokens, uint32_t n_layer,
                              uint32_t n_head_kv, uint32_t head_dim, kvb_err *err);
 size_t kvb_kvformat_row_bytes(const kvb_kvformat *f);
@@ -41,6 +44,9 @@ size_t kvb_kvformat_block_bytes(const kvb_kvformat *f);
 /* Byte offset of row (layer, kv, head, token) inside a block. kv: 0 = K, 1 = V. */
 size_t kvb_kvformat_row_offset(const kvb_kvformat *f, uint32_t layer, uint32_t kv, uint32_t head,
                                uint32_t token);
+/* The local layers' part of a block: returns its byte offset (= the global layers' bytes) and sets
+ * *bytes to its length (0 without local layers). */
+size_t kvb_kvformat_local_part(const kvb_kvformat *f, size_t *bytes);
 /* Writes n tokens' rows, given token-major as the cache-producing arithmetic emits them —
  * k_rows, v_rows (n, n_head_kv, row_bytes) — into block positions token0 .. token0+n-1 of one
  * layer of a block (token0 + n <= block_tokens). The one place that knows the block layout: the

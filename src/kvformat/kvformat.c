@@ -31,9 +31,32 @@ size_t kvb_kvformat_block_bytes(const kvb_kvformat *f) {
     return (size_t)f->n_layer * 2 * f->n_head_kv * f->block_tokens * kvb_kvformat_row_bytes(f);
 }
 
+/* local layers strictly before `layer` */
+static uint32_t locals_before(const kvb_kvformat *f, uint32_t layer) {
+    uint32_t n = 0;
+    for (uint32_t w = 0; w < layer / 64; w++) n += (uint32_t)__builtin_popcountll(f->local_mask[w]);
+    if (layer % 64) n += (uint32_t)__builtin_popcountll(f->local_mask[layer / 64] & (((uint64_t)1 << (layer % 64)) - 1));
+    return n;
+}
+
+/* Where layer `layer`'s rows sit in a block: the layer itself without local layers; with them the
+ * global layers come first (in order), then the local layers (in order), so a block's local rows
+ * are one contiguous tail (kvb_kvformat_local_part). */
+static uint32_t layer_slot(const kvb_kvformat *f, uint32_t layer) {
+    if (!f->window) return layer;
+    const uint32_t before = locals_before(f, layer);
+    return kvb_kvformat_layer_local(f, layer) ? f->n_layer - f->n_local + before : layer - before;
+}
+
 size_t kvb_kvformat_row_offset(const kvb_kvformat *f, uint32_t layer, uint32_t kv, uint32_t head, uint32_t token) {
-    size_t rows = (((size_t)layer * 2 + kv) * f->n_head_kv + head) * f->block_tokens + token;
+    size_t rows = (((size_t)layer_slot(f, layer) * 2 + kv) * f->n_head_kv + head) * f->block_tokens + token;
     return rows * kvb_kvformat_row_bytes(f);
+}
+
+size_t kvb_kvformat_local_part(const kvb_kvformat *f, size_t *bytes) {
+    const size_t per_layer = (size_t)2 * f->n_head_kv * f->block_tokens * kvb_kvformat_row_bytes(f);
+    *bytes = per_layer * f->n_local;
+    return per_layer * (f->n_layer - f->n_local);
 }
 
 void kvb_kvformat_scatter_rows(const kvb_kvformat *f, uint8_t *block, uint32_t layer, uint32_t token0, uint32_t n,

@@ -3,6 +3,8 @@
  * references (retain/release), stats and the invariant check. */
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "store_internal.h"
 
@@ -35,7 +37,19 @@ kvb_status kvb_store_create(const kvb_kvformat *fmt, uint64_t model_fingerprint,
     uint32_t n_buckets = 16;
     while (n_buckets < 2 * (uint64_t)n_blocks && n_buckets < (1u << 31)) n_buckets *= 2;
     s->bucket_mask = n_buckets - 1;
-    s->arena = kvb_aligned_alloc(64, (size_t)arena_bytes);
+    /* local layers: the span of OS pages wholly inside each page's local part, which a block that
+     * keeps none of its local rows gives back (page-aligned arena so the span is the same for all) */
+    const long os_page = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : 4096;
+    if (fmt->window) {
+        size_t len, off = kvb_kvformat_local_part(fmt, &len);
+        const size_t lo = (off + (size_t)os_page - 1) / (size_t)os_page * (size_t)os_page;
+        const size_t hi = (off + len) / (size_t)os_page * (size_t)os_page;
+        if (block_bytes % (size_t)os_page == 0 && hi > lo) { /* every page the same span */
+            s->local_release_off = lo;
+            s->local_release_len = hi - lo;
+        }
+    }
+    s->arena = kvb_aligned_alloc(fmt->window ? (size_t)os_page : 64, (size_t)arena_bytes);
     s->meta = calloc(n_blocks, sizeof *s->meta);
     s->tokens = malloc((size_t)n_blocks * fmt->block_tokens * sizeof(int32_t));
     s->free_stack = malloc((size_t)n_blocks * sizeof(kvb_block_id));
@@ -71,7 +85,28 @@ void kvb_store_free(kvb_store *s) {
 void kvb_store_prefault(kvb_store *s) {
     const size_t bytes = (size_t)s->n_blocks * s->block_bytes;
     volatile uint8_t *p = s->arena; /* every write must happen: each one is a page's first touch */
-    for (size_t off = 0; off < bytes; off += 4096) p[off] = 0;
+    for (size_t off = 0; off < bytes; off += 4096) {
+        const size_t in_page = off % s->block_bytes; /* local parts are touched by whoever writes them */
+        if (s->local_release_len && in_page >= s->local_release_off &&
+            in_page < s->local_release_off + s->local_release_len)
+            continue;
+        p[off] = 0;
+    }
+}
+
+void kvb_store_release_local_locked(kvb_store *s, kvb_block_id id) {
+    if (!s->local_release_len || s->meta[id].local_released) return;
+    if (madvise(s->arena + (size_t)id * s->block_bytes + s->local_release_off, s->local_release_len,
+                MADV_DONTNEED) != 0)
+        return; /* kept: nothing is lost but memory */
+    s->meta[id].local_released = 1;
+    s->n_local_released++;
+}
+
+void kvb_store_reuse_local_locked(kvb_store *s, kvb_block_id id) {
+    if (!s->meta[id].local_released) return; /* the next write faults fresh zero pages in */
+    s->meta[id].local_released = 0;
+    s->n_local_released--;
 }
 
 const kvb_kvformat *kvb_store_kvformat(const kvb_store *s) { return &s->fmt; }
@@ -145,6 +180,7 @@ kvb_status kvb_store_alloc(kvb_store *s, uint32_t n, kvb_block_id *ids_out, kvb_
             s->n_committed--;
             s->evictions++;
         }
+        kvb_store_reuse_local_locked(s, id);
         s->meta[id].state = BLOCK_WRITING;
         s->meta[id].refs = 0;
         s->n_writing++;
@@ -235,6 +271,8 @@ void kvb_store_get_stats(kvb_store *s, kvb_store_stats *o) {
         .slabs_rejected = s->slabs_rejected,
         .local_completions = s->local_completions,
         .lookup_window_cuts = s->lookup_window_cuts,
+        .local_released = s->n_local_released,
+        .local_released_bytes = (uint64_t)s->n_local_released * s->local_release_len,
     };
     pthread_mutex_unlock(&s->mu);
 }
@@ -252,6 +290,8 @@ static kvb_status check_locked(kvb_store *s, kvb_err *err) {
         if (m->state == BLOCK_COMMITTED) {
             if (m->local_lo > (s->fmt.window ? s->fmt.block_tokens : 0))
                 return kvb_err_set(err, KVB_ERR_INTERNAL, "block %u: local rows kept from token %u", i, m->local_lo);
+            if (m->local_released && m->local_lo != s->fmt.block_tokens)
+                return kvb_err_set(err, KVB_ERR_INTERNAL, "block %u: local part given back but rows kept", i);
             if (m->refs) n_ref++;
             else n_zero++;
             if (kvb_store_index_find_locked(s, m->key) != i)
@@ -261,6 +301,11 @@ static kvb_status check_locked(kvb_store *s, kvb_err *err) {
                 return kvb_err_set(err, KVB_ERR_INTERNAL, "block %u: key does not match parent key and tokens", i);
         }
     }
+    uint32_t n_released = 0;
+    for (uint32_t i = 0; i < N; i++) n_released += s->meta[i].local_released != 0;
+    if (n_released != s->n_local_released)
+        return kvb_err_set(err, KVB_ERR_INTERNAL, "%u pages with their local part given back, counted %u", n_released,
+                           s->n_local_released);
     if (n_state[BLOCK_FREE] != s->n_free || n_state[BLOCK_WRITING] != s->n_writing ||
         n_state[BLOCK_COMMITTED] != s->n_committed || n_ref != s->n_referenced || n_zero != s->n_evictable)
         return kvb_err_set(err, KVB_ERR_INTERNAL,

@@ -30,6 +30,7 @@ static void complete_local_locked(kvb_store *s, kvb_block_id existing, kvb_block
                 memcpy(dst + off, src + off, (size_t)(have - local_lo) * row);
             }
     }
+    kvb_store_reuse_local_locked(s, existing); /* the copy above faulted its memory back in */
     s->meta[existing].local_lo = local_lo;
     s->local_completions++;
 }
@@ -93,6 +94,7 @@ kvb_status kvb_store_commit_block_kept(kvb_store *s, kvb_block_id id, uint64_t k
     m->key = key;
     m->parent_key = parent_key;
     m->local_lo = s->fmt.window ? local_lo : 0;
+    if (s->fmt.window && m->local_lo >= bt) kvb_store_release_local_locked(s, id); /* keeps no local row */
     m->state = BLOCK_COMMITTED;
     m->refs = 1;
     memcpy(s->tokens + (size_t)id * bt, tokens, (size_t)bt * sizeof(int32_t));

@@ -39,8 +39,11 @@ uint64_t kvb_chain_next(uint64_t parent_key, const int32_t *tokens, uint32_t n_t
 
 /* ---- lifetime --------------------------------------------------------------------------- */
 
-/* An arena of n_blocks (>= 1) pages of kvb_kvformat_block_bytes(fmt) bytes each (64-byte aligned;
- * the memory is not cleared). The root chain key folds in model_fingerprint and
+/* An arena of n_blocks (>= 1) pages of kvb_kvformat_block_bytes(fmt) bytes each (64-byte aligned,
+ * OS-page aligned with local layers; the memory is not cleared). With local layers, a committed
+ * block that keeps none of its local rows gives the OS pages wholly inside its local part (the
+ * page's tail, kvb_kvformat_local_part) back to the system (stats: local_released); they return
+ * as zero pages when written again. The root chain key folds in model_fingerprint and
  * kvb_kvformat_fingerprint(fmt). KVB_ERR_RANGE if the arena would exceed 1 TiB. */
 kvb_status kvb_store_create(const kvb_kvformat *fmt, uint64_t model_fingerprint, uint32_t n_blocks, kvb_store **out,
                             kvb_err *err);
@@ -206,6 +209,9 @@ typedef struct {
     uint64_t slabs_rejected;    /* malformed or corrupt slabs */
     uint64_t local_completions; /* dedups that filled in local-layer rows the committed block had not kept */
     uint64_t lookup_window_cuts;/* lookups shortened because a block in the window had not kept its local rows */
+    uint32_t local_released;    /* pages whose local-layer part is given back to the system (a committed block
+                                   that keeps none of its local rows; memory returns when the page is reused) */
+    uint64_t local_released_bytes; /* the memory those parts no longer hold */
 } kvb_store_stats;
 
 void kvb_store_get_stats(kvb_store *s, kvb_store_stats *out);

@@ -20,6 +20,7 @@ typedef struct {
     kvb_block_id index_next;  /* COMMITTED: next block in the same index bucket */
     uint32_t local_lo;        /* COMMITTED: the block's local-layer rows are kept for tokens [local_lo,
                                  block_tokens) only (0: every row; always 0 without local layers) */
+    uint32_t local_released;  /* 1: the memory of the page's local part was given back to the system */
 } block_meta;
 
 struct kvb_store {
@@ -40,6 +41,8 @@ struct kvb_store {
     uint64_t commits, dedups, commit_refusals, evictions, alloc_failures, lookups, lookup_hit_blocks;
     uint64_t slabs_accepted, slabs_rejected;
     uint64_t local_completions, lookup_window_cuts;
+    uint32_t n_local_released; /* pages whose local part is given back */
+    size_t local_release_off, local_release_len; /* page-aligned span inside a page's local part */
     pthread_mutex_t mu;
 };
 
@@ -48,6 +51,11 @@ struct kvb_store {
 kvb_status kvb_store_commit_block_kept(kvb_store *s, kvb_block_id id, uint64_t key, uint64_t parent_key,
                                        const int32_t *tokens, uint32_t local_lo, kvb_block_id *committed_out,
                                        kvb_err *err);
+
+/* arena.c: a page's local part back to the system (a committed block that keeps none of its
+ * local rows), and the bookkeeping when its memory is used again. */
+void kvb_store_release_local_locked(kvb_store *s, kvb_block_id id);
+void kvb_store_reuse_local_locked(kvb_store *s, kvb_block_id id);
 
 /* chain_index.c: the key -> committed block hash index (chained through meta.index_next). */
 kvb_block_id kvb_store_index_find_locked(const kvb_store *s, uint64_t key);
