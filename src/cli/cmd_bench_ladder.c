@@ -267,6 +267,8 @@ int kvb_bench_ladder(int argc, char **argv) {
             printf("          raw TCP loopback, same bytes, this run: %.2f GB/s; slab path / raw: %.0f %%\n", raw,
                    raw > 0 ? 100.0 * mg / raw : 0.0);
         }
+        if (pn && cuda) printf("          prefill node GPU memory in use, peak so far: %.2f GiB\n",
+                               kvb_prefill_node_peak_gpu_bytes(pn) / 1073741824.0);
         if (pn) printf("          prefill node capture memory, peak so far: %.1f KiB\n",
                        kvb_prefill_node_peak_capture_bytes(pn) / 1024.0);
         fflush(stdout);

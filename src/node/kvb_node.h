@@ -52,6 +52,9 @@ uint16_t kvb_prefill_node_port(const kvb_prefill_node *n);
 /* Peak bytes of staging memory a request used: the ring's slots in use, plus on CUDA the bridge's
  * two pinned row slots (fixed at start). Never grows with the prompt. */
 uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n);
+/* Peak GPU memory in use while this node ran (cudaMemGetInfo, every process on the device), or 0
+ * on the CPU engine. */
+uint64_t kvb_prefill_node_peak_gpu_bytes(kvb_prefill_node *n);
 /* Times a cold prefill of n_tokens random tokens (seeded) on this node's engine with the bridge
  * idle — nothing computed for or shipped to a decoder: "the prefill engine alone", the yardstick
  * for a bridged time to first token. Waits for any request in flight. */

@@ -395,6 +395,20 @@ uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n) {
     return n->peak_capture;
 }
 
+uint64_t kvb_prefill_node_peak_gpu_bytes(kvb_prefill_node *n) {
+#ifdef KVB_HAVE_CUDA
+    if (n->ce) {
+        kvb_cuda_stats cs;
+        pthread_mutex_lock(&n->mu); /* the engine is busy while a request runs */
+        kvb_cuda_engine_stats(n->ce, &cs);
+        pthread_mutex_unlock(&n->mu);
+        return cs.dev_peak_used_bytes;
+    }
+#endif
+    (void)n;
+    return 0;
+}
+
 kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, uint64_t seed, double *seconds,
                                        kvb_err *err) {
     *seconds = 0;
