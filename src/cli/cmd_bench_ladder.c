@@ -267,6 +267,14 @@ int kvb_bench_ladder(int argc, char **argv) {
             printf("          raw TCP loopback, same bytes, this run: %.2f GB/s; slab path / raw: %.0f %%\n", raw,
                    raw > 0 ? 100.0 * mg / raw : 0.0);
         }
+        if (pn) {
+            double full_s, empty_s, rd_s, cons_s;
+            kvb_prefill_node_last_staging_waits(pn, &full_s, &empty_s);
+            kvb_decode_node_last_receive_waits(dn, &rd_s, &cons_s);
+            printf("          slab path stages (last bridged leg): staging ring full %.3f s, empty %.3f s; decoder's "
+                   "reader waited %.3f s for buffers, its verifier %.3f s for frames\n",
+                   full_s, empty_s, rd_s, cons_s);
+        }
         if (pn && cuda) printf("          prefill node GPU memory in use, peak so far: %.2f GiB\n",
                                kvb_prefill_node_peak_gpu_bytes(pn) / 1073741824.0);
         if (pn) printf("          prefill node capture memory, peak so far: %.1f KiB\n",

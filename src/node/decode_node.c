@@ -41,6 +41,7 @@ struct kvb_decode_node {
     double peer_backoff_s;
     /* metrics */
     kvb_metric *m_requests, *m_tokens, *m_faults, *m_slab_bytes, *m_peer_up, *m_queue;
+    double last_reader_wait_s, last_consumer_wait_s; /* the last bridge's receiving stages */
 };
 
 /* ---- the bridge, decode side ----------------------------------------------------------------- */
@@ -191,6 +192,7 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
             break;
         }
     }
+    kvb_recv_pipe_waits(pipe, &n->last_reader_wait_s, &n->last_consumer_wait_s);
     kvb_recv_pipe_stop(pipe);
     if (drop) drop_peer(n);
 done:
@@ -539,6 +541,13 @@ fail:
 }
 
 uint16_t kvb_decode_node_port(const kvb_decode_node *n) { return kvb_http_server_port(n->http); }
+
+void kvb_decode_node_last_receive_waits(kvb_decode_node *n, double *reader_s, double *consumer_s) {
+    engine_acquire(n); /* between requests */
+    *reader_s = n->last_reader_wait_s;
+    *consumer_s = n->last_consumer_wait_s;
+    engine_release(n);
+}
 
 void kvb_decode_node_stop(kvb_decode_node *n) {
     if (!n) return;

@@ -55,6 +55,10 @@ uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n);
 /* Peak GPU memory in use while this node ran (cudaMemGetInfo, every process on the device), or 0
  * on the CPU engine. */
 uint64_t kvb_prefill_node_peak_gpu_bytes(kvb_prefill_node *n);
+/* The last request's staging ring: seconds the producer (the engine's hook, or the CUDA bridge's
+ * shipper) blocked on a full ring — the link or the decoder was slower — and the sender waited on
+ * an empty one — the producer was. */
+void kvb_prefill_node_last_staging_waits(kvb_prefill_node *n, double *full_s, double *empty_s);
 /* Times a cold prefill of n_tokens random tokens (seeded) on this node's engine with the bridge
  * idle — nothing computed for or shipped to a decoder: "the prefill engine alone", the yardstick
  * for a bridged time to first token. Waits for any request in flight. */
@@ -85,6 +89,10 @@ typedef struct {
 typedef struct kvb_decode_node kvb_decode_node;
 kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node **out, kvb_err *err);
 uint16_t kvb_decode_node_port(const kvb_decode_node *n);
+/* The last bridged request's receiving stages (bench ladder's diagnosis): seconds its reading
+ * thread waited for a free buffer (verification and commit were the slower stage) and its
+ * verifying thread waited for a frame (the link or the prefill node was). */
+void kvb_decode_node_last_receive_waits(kvb_decode_node *n, double *reader_s, double *consumer_s);
 void kvb_decode_node_stop(kvb_decode_node *n);
 
 /* ---- a minimal HTTP/1.1 client (demo, ladder benchmark, tests) --------------------------------- */

@@ -17,6 +17,9 @@ typedef struct {
     kvb_slab *meta;  /* (n_slots) */
     uint32_t head, tail, count, peak;
     bool closed, failed, inited;
+    double full_s, empty_s; /* since the last reset: the producer blocked on a full ring (the link or
+                               the decoder is the slower stage), the sender on an empty one (the
+                               producer is) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
 } kvb_ring;
@@ -43,5 +46,8 @@ void kvb_recv_pipe_release(kvb_recv_pipe *p);
 /* Ends the thread (shutting the connection down if it is still receiving this request's stream:
  * that stream can no longer be trusted) and frees everything. NULL is a no-op. */
 void kvb_recv_pipe_stop(kvb_recv_pipe *p);
+/* Seconds the reader waited for a free buffer (the verifying thread is the slower stage) and the
+ * verifying thread waited for a frame (the link or the sender is). Call before stop. */
+void kvb_recv_pipe_waits(kvb_recv_pipe *p, double *reader_s, double *consumer_s);
 
 #endif

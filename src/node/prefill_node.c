@@ -46,6 +46,7 @@ struct kvb_prefill_node {
     bool conn_used[MAX_CONNS];
     kvb_ring ring;
     uint64_t peak_capture;
+    double last_ring_full_s, last_ring_empty_s; /* the last request's staging stages */
     int fault_kind; /* 0 none, 1 corrupt, 2 die, 3 stall */
     uint32_t fault_at;
 };
@@ -201,6 +202,8 @@ static void serve_prefill(kvb_prefill_node *n, kvb_conn *c, kvb_msg_prefill *p) 
     kvb_ring_close(&n->ring);
     if (sender_started) pthread_join(sender, NULL);
     if (n->ring.peak * n->ring.slot_bytes > n->peak_capture) n->peak_capture = n->ring.peak * n->ring.slot_bytes;
+    n->last_ring_full_s = n->ring.full_s;
+    n->last_ring_empty_s = n->ring.empty_s;
     kvb_seq_free(s);
     pthread_mutex_unlock(&n->mu);
 
@@ -393,6 +396,13 @@ uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n) {
     if (n->bc) return n->peak_capture + kvb_bridge_cuda_pinned_bytes(n->bc);
 #endif
     return n->peak_capture;
+}
+
+void kvb_prefill_node_last_staging_waits(kvb_prefill_node *n, double *full_s, double *empty_s) {
+    pthread_mutex_lock(&n->mu);
+    *full_s = n->last_ring_full_s;
+    *empty_s = n->last_ring_empty_s;
+    pthread_mutex_unlock(&n->mu);
 }
 
 uint64_t kvb_prefill_node_peak_gpu_bytes(kvb_prefill_node *n) {

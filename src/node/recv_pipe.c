@@ -26,6 +26,7 @@ struct kvb_recv_pipe {
     pipe_item items[PIPE_SLOTS];
     uint32_t head, count;
     bool reader_done, stop;
+    double reader_wait_s, consumer_wait_s; /* see kvb_recv_pipe_waits */
     pthread_t reader;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -35,7 +36,11 @@ static void *reader_main(void *arg) {
     kvb_recv_pipe *p = arg;
     for (;;) {
         pthread_mutex_lock(&p->mu);
-        while (p->count == PIPE_SLOTS && !p->stop) pthread_cond_wait(&p->cv, &p->mu);
+        if (p->count == PIPE_SLOTS && !p->stop) {
+            const double t0 = kvb_now_s();
+            while (p->count == PIPE_SLOTS && !p->stop) pthread_cond_wait(&p->cv, &p->mu);
+            p->reader_wait_s += kvb_now_s() - t0;
+        }
         const bool stop = p->stop;
         const uint32_t slot = (p->head + p->count) % PIPE_SLOTS;
         pthread_mutex_unlock(&p->mu);
@@ -81,7 +86,11 @@ kvb_status kvb_recv_pipe_start(kvb_conn *c, uint64_t request_id, int timeout_ms,
 
 kvb_status kvb_recv_pipe_next(kvb_recv_pipe *p, kvb_msg *m, kvb_err *err) {
     pthread_mutex_lock(&p->mu);
-    while (p->count == 0 && !p->reader_done) pthread_cond_wait(&p->cv, &p->mu);
+    if (p->count == 0 && !p->reader_done) {
+        const double t0 = kvb_now_s();
+        while (p->count == 0 && !p->reader_done) pthread_cond_wait(&p->cv, &p->mu);
+        p->consumer_wait_s += kvb_now_s() - t0;
+    }
     if (p->count == 0) { /* the reader ended after its last item was released: nothing more comes */
         pthread_mutex_unlock(&p->mu);
         return kvb_err_set(err, KVB_ERR_INVALID, "receive: the request's stream already ended");
@@ -101,6 +110,13 @@ void kvb_recv_pipe_release(kvb_recv_pipe *p) {
         p->count--;
         pthread_cond_broadcast(&p->cv);
     }
+    pthread_mutex_unlock(&p->mu);
+}
+
+void kvb_recv_pipe_waits(kvb_recv_pipe *p, double *reader_s, double *consumer_s) {
+    pthread_mutex_lock(&p->mu);
+    *reader_s = p->reader_wait_s;
+    *consumer_s = p->consumer_wait_s;
     pthread_mutex_unlock(&p->mu);
 }
 

@@ -37,6 +37,7 @@ void kvb_ring_reset(kvb_ring *r) {
     pthread_mutex_lock(&r->mu);
     r->head = r->tail = r->count = 0;
     r->closed = r->failed = false;
+    r->full_s = r->empty_s = 0;
     pthread_mutex_unlock(&r->mu);
 }
 
@@ -45,7 +46,11 @@ kvb_status kvb_ring_push(kvb_ring *r, const kvb_slab *s, kvb_err *err) {
         return kvb_err_set(err, KVB_ERR_INTERNAL, "slab of %zu bytes exceeds a staging slot (%zu)",
                            s->k_bytes + s->v_bytes, r->slot_bytes);
     pthread_mutex_lock(&r->mu);
-    while (r->count == r->n_slots && !r->failed) pthread_cond_wait(&r->cv, &r->mu);
+    if (r->count == r->n_slots && !r->failed) {
+        const double t0 = kvb_now_s();
+        while (r->count == r->n_slots && !r->failed) pthread_cond_wait(&r->cv, &r->mu);
+        r->full_s += kvb_now_s() - t0;
+    }
     if (r->failed) {
         pthread_mutex_unlock(&r->mu);
         return kvb_err_set(err, KVB_ERR_IO, "the link to the decode node failed; stopping this prefill");
@@ -70,7 +75,11 @@ kvb_status kvb_ring_push(kvb_ring *r, const kvb_slab *s, kvb_err *err) {
 
 bool kvb_ring_peek(kvb_ring *r, kvb_slab *out) {
     pthread_mutex_lock(&r->mu);
-    while (r->count == 0 && !r->closed && !r->failed) pthread_cond_wait(&r->cv, &r->mu);
+    if (r->count == 0 && !r->closed && !r->failed) {
+        const double t0 = kvb_now_s();
+        while (r->count == 0 && !r->closed && !r->failed) pthread_cond_wait(&r->cv, &r->mu);
+        r->empty_s += kvb_now_s() - t0;
+    }
     bool have = r->count > 0 && !r->failed;
     if (have) *out = r->meta[r->head];
     pthread_mutex_unlock(&r->mu);
