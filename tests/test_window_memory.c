@@ -111,9 +111,77 @@ static void test_bridged_local_memory_is_bounded(void **state) {
     kvb_model_free(m);
 }
 
+/* The same for what the decoder computes itself: a native prefill of 1800 tokens, freed with its
+ * prompt end named, keeps the local rows of the windows a continuation reads and gives the rest
+ * back; a continuation adopts the whole chain and its logits equal a cold computation bit for bit;
+ * a prompt diverging in the middle gets a chain cut to where a window is intact (here: nothing)
+ * and equals a cold computation too. */
+static void test_native_local_memory_is_bounded(void **state) {
+    (void)state;
+    char path[512];
+    kvbt_tmp_path(path, sizeof path, "window-memory-native.gguf");
+    kvb_err err = {0};
+    kvb_gen_opts go = {.preset = "tiny-gemma3", .type = KVB_TYPE_Q8_0, .seed = 6, .n_threads = 2};
+    kvb_model *m = NULL;
+    if (kvb_gen_model(&go, path, &err) || kvb_model_load(path, &m, &err)) fail_msg("%s", err.msg);
+    const uint32_t L = MAX_LEN, EXTRA = 40, V = m->d.n_vocab;
+    kvb_engine *e = NULL, *cold = NULL;
+    kvb_engine_opts o = {.n_threads = 2, .cache_dtype = KVB_TYPE_F16, .block_tokens = BT, .max_ctx = L + EXTRA + BT,
+                         .max_batch = 512};
+    if (kvb_engine_create(m, &o, &e, &err) || kvb_engine_create(m, &o, &cold, &err)) fail_msg("%s", err.msg);
+    int32_t *toks = malloc(sizeof(int32_t) * (L + EXTRA)), *other = malloc(sizeof(int32_t) * (L + EXTRA));
+    float *a = malloc(sizeof(float) * V), *b = malloc(sizeof(float) * V);
+    assert_non_null(toks);
+    assert_non_null(other);
+    assert_non_null(a);
+    assert_non_null(b);
+    kvb_rng rng;
+    kvb_rng_seed(&rng, 7);
+    for (uint32_t i = 0; i < L + EXTRA; i++) toks[i] = 3 + (int32_t)(kvb_rng_u64(&rng) % 250);
+    memcpy(other, toks, sizeof(int32_t) * (L + EXTRA));
+    for (uint32_t i = 900; i < L + EXTRA; i++) other[i] = 3 + (int32_t)(kvb_rng_u64(&rng) % 250);
+
+    kvb_seq *s = NULL;
+    if (kvb_seq_create(e, &s, &err) || kvb_engine_forward(e, s, toks, L, a, false, &err)) fail_msg("%s", err.msg);
+    kvb_seq_keep_window_at(s, L);
+    kvb_seq_free(s);
+    kvb_store_stats st;
+    kvb_store_get_stats(kvb_engine_store(e), &st);
+    print_message("native %u tokens: %u blocks committed, %llu gave up their local rows, %u resident local parts\n",
+                  L, st.committed, (unsigned long long)st.local_drops, st.committed - st.local_released);
+    assert_true(st.local_drops >= L / BT - 2);       /* all but the window's blocks */
+    assert_true(st.committed - st.local_released <= 2);
+    if (kvb_store_check(kvb_engine_store(e), &err)) fail_msg("store check: %s", err.msg);
+
+    const int32_t *prompts[2] = {toks, other};
+    const uint32_t want_cached[2] = {L / BT * BT, 0};
+    for (int p = 0; p < 2; p++) {
+        uint32_t cached = 0;
+        kvb_seq *cs = NULL, *ks = NULL;
+        assert_int_equal(kvb_seq_create(e, &cs, &err), KVB_OK);
+        assert_int_equal(kvb_seq_attach_cached(cs, prompts[p], L + EXTRA, &cached, &err), KVB_OK);
+        assert_int_equal(cached, want_cached[p]);
+        if (kvb_engine_forward(e, cs, prompts[p] + cached, L + EXTRA - cached, a, false, &err)) fail_msg("%s", err.msg);
+        kvb_seq_free(cs);
+        if (kvb_seq_create(cold, &ks, &err) || kvb_engine_forward(cold, ks, prompts[p], L + EXTRA, b, false, &err))
+            fail_msg("%s", err.msg);
+        kvb_seq_free(ks);
+        assert_memory_equal(a, b, sizeof(float) * V); /* adopted == cold, bit for bit */
+        if (kvb_store_check(kvb_engine_store(e), &err)) fail_msg("store check: %s", err.msg);
+    }
+    free(toks);
+    free(other);
+    free(a);
+    free(b);
+    kvb_engine_free(e);
+    kvb_engine_free(cold);
+    kvb_model_free(m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bridged_local_memory_is_bounded),
+        cmocka_unit_test(test_native_local_memory_is_bounded),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -443,6 +443,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
 cleanup_unlocked:
     kvb_sampler_free(&smp);
     free(sf.buf);
+    if (s) kvb_seq_keep_window_at(s, (uint32_t)n_tok); /* a next turn may diverge where the reply began */
     kvb_seq_free(s); /* its blocks stay cached for the next turn */
     free(logits);
     free(toks);

@@ -103,6 +103,24 @@ void kvb_store_release_local_locked(kvb_store *s, kvb_block_id id) {
     s->n_local_released++;
 }
 
+uint32_t kvb_store_drop_local_rows(kvb_store *s, const kvb_block_id *ids, uint32_t n) {
+    if (!s->fmt.window) return 0;
+    uint32_t dropped = 0;
+    pthread_mutex_lock(&s->mu);
+    for (uint32_t i = 0; i < n; i++) {
+        const kvb_block_id id = ids[i];
+        if (id >= s->n_blocks || s->meta[id].state != BLOCK_COMMITTED || s->meta[id].refs != 1 ||
+            s->meta[id].local_lo >= s->fmt.block_tokens)
+            continue;
+        s->meta[id].local_lo = s->fmt.block_tokens; /* keeps no local row: lookups see it (kvb_store_lookup) */
+        kvb_store_release_local_locked(s, id);
+        dropped++;
+    }
+    s->local_drops += dropped;
+    pthread_mutex_unlock(&s->mu);
+    return dropped;
+}
+
 void kvb_store_reuse_local_locked(kvb_store *s, kvb_block_id id) {
     if (!s->meta[id].local_released) return; /* the next write faults fresh zero pages in */
     s->meta[id].local_released = 0;
@@ -270,6 +288,7 @@ void kvb_store_get_stats(kvb_store *s, kvb_store_stats *o) {
         .slabs_accepted = s->slabs_accepted,
         .slabs_rejected = s->slabs_rejected,
         .local_completions = s->local_completions,
+        .local_drops = s->local_drops,
         .lookup_window_cuts = s->lookup_window_cuts,
         .local_released = s->n_local_released,
         .local_released_bytes = (uint64_t)s->n_local_released * s->local_release_len,

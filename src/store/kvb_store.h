@@ -116,6 +116,14 @@ kvb_status kvb_store_retain(kvb_store *s, const kvb_block_id *ids, uint32_t n, k
  * others are still released). Pending slab blocks are given up with kvb_store_slab_close, not
  * here. */
 kvb_status kvb_store_release(kvb_store *s, const kvb_block_id *ids, uint32_t n, kvb_err *err);
+/* Sliding-window layers: a finished sequence's committed blocks ids[0 .. n) that lie wholly before
+ * its last window stop keeping their local-layer rows (as a bridged block cut by the window does:
+ * their memory goes back to the system), unless someone else holds them (refs > 1: a live sequence
+ * may be reading them). A continuation of the sequence adopts its whole chain (its window is
+ * kept); a prompt that diverges earlier gets a chain shortened by the lookup rule and recomputes
+ * the rest (a dedup fills the rows back in). Call before releasing the blocks. A no-op without
+ * local layers. Returns how many blocks gave up their local rows. */
+uint32_t kvb_store_drop_local_rows(kvb_store *s, const kvb_block_id *ids, uint32_t n);
 
 /* ---- slab assembly (the bridge receiver) -------------------------------------------------
  * A slab is (token range inside one block, layer, K and V bytes for those tokens of that layer,
@@ -208,6 +216,7 @@ typedef struct {
     uint64_t slabs_accepted;
     uint64_t slabs_rejected;    /* malformed or corrupt slabs */
     uint64_t local_completions; /* dedups that filled in local-layer rows the committed block had not kept */
+    uint64_t local_drops;       /* committed blocks that gave up their local rows when a sequence ended */
     uint64_t lookup_window_cuts;/* lookups shortened because a block in the window had not kept its local rows */
     uint32_t local_released;    /* pages whose local-layer part is given back to the system (a committed block
                                    that keeps none of its local rows; memory returns when the page is reused) */

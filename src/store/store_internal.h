@@ -40,7 +40,7 @@ struct kvb_store {
     uint32_t n_writing, n_committed, n_referenced, n_evictable, n_pending;
     uint64_t commits, dedups, commit_refusals, evictions, alloc_failures, lookups, lookup_hit_blocks;
     uint64_t slabs_accepted, slabs_rejected;
-    uint64_t local_completions, lookup_window_cuts;
+    uint64_t local_completions, lookup_window_cuts, local_drops;
     uint32_t n_local_released; /* pages whose local part is given back */
     size_t local_release_off, local_release_len; /* page-aligned span inside a page's local part */
     pthread_mutex_t mu;

@@ -38,6 +38,7 @@ struct kvb_seq {
     uint32_t n_committed; /* blocks [0, n_committed) are committed (referenced); the rest WRITING */
     uint64_t last_key;    /* chain key of the last committed block (the root when none) */
     bool commit_refused;  /* a commit hit a key collision: stop publishing this sequence */
+    uint32_t keep_window_at; /* 0, or a position a continuation may resume at (kvb_seq_keep_window_at) */
 };
 
 /* y (n_tok, W->rows) = W x for x (n_tok, W->cols) f32; act: scratch for quantised x. */

@@ -108,6 +108,18 @@ kvb_status kvb_seq_create(kvb_engine *e, kvb_seq **out, kvb_err *err) {
 
 void kvb_seq_free(kvb_seq *s) {
     if (!s) return;
+    /* sliding-window layers: only the local rows a continuation's window reads stay — one resuming
+     * at the end of the committed chain, or at the position kvb_seq_keep_window_at named (the
+     * prompt's end: a next turn whose reply tokenizes differently resumes there); blocks wholly
+     * before both windows give theirs up, so the decoder's memory for local layers stays about two
+     * windows per conversation, however long it grew */
+    const uint32_t W = s->e->fmt.window, bt = s->e->o.block_tokens;
+    if (W) {
+        uint32_t resume = s->n_committed * bt;
+        if (s->keep_window_at && s->keep_window_at < resume) resume = s->keep_window_at / bt * bt;
+        const uint32_t lo = resume + 1 > W ? resume + 1 - W : 0; /* the first key that window reads */
+        kvb_store_drop_local_rows(s->e->store, s->blocks, lo / bt);
+    }
     if (s->n_blocks) kvb_store_release(s->e->store, s->blocks, s->n_blocks, NULL);
     free(s->blocks);
     free(s->tokens);
@@ -165,6 +177,8 @@ kvb_status kvb_cpu_seq_commit_full(kvb_seq *s, kvb_err *err) {
     }
     return KVB_OK;
 }
+
+void kvb_seq_keep_window_at(kvb_seq *s, uint32_t pos) { s->keep_window_at = pos; }
 
 kvb_status kvb_seq_adopt_tail(kvb_seq *s, kvb_block_id page, const int32_t *tokens, uint32_t n, kvb_err *err) {
     const uint32_t bt = s->e->o.block_tokens;

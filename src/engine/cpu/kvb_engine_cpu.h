@@ -54,7 +54,15 @@ kvb_store *kvb_engine_store(const kvb_engine *e);
  * pass fills completely is committed to the store through kvb_store_commit_block (the one block
  * writer) under its chain key, so later sequences with the same prefix find it. */
 kvb_status kvb_seq_create(kvb_engine *e, kvb_seq **out, kvb_err *err);
-void kvb_seq_free(kvb_seq *s); /* releases its blocks (committed ones stay cached) */
+/* Releases its blocks (committed ones stay cached). With sliding-window layers, committed blocks
+ * wholly before the window of a continuation give up their local-layer rows (their memory goes
+ * back to the system; see kvb_store_drop_local_rows): the windows kept are the one ending at the
+ * committed chain's end and, if named, the one ending at kvb_seq_keep_window_at's position. */
+void kvb_seq_free(kvb_seq *s);
+/* A later prompt may resume this sequence's chain at pos (the decode node passes its prompt's
+ * length: a next turn whose reply tokenizes differently matches up to there): keep that window's
+ * local rows too when the sequence is freed. */
+void kvb_seq_keep_window_at(kvb_seq *s, uint32_t pos);
 uint32_t kvb_seq_len(const kvb_seq *s);
 /* On an empty sequence: adopts the longest committed chain of blocks for tokens[0 .. n-2] (the
  * last token is always computed, so its logits exist). *n_cached = tokens now in the sequence
