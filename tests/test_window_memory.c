@@ -141,11 +141,20 @@ static void test_native_local_memory_is_bounded(void **state) {
     memcpy(other, toks, sizeof(int32_t) * (L + EXTRA));
     for (uint32_t i = 900; i < L + EXTRA; i++) other[i] = 3 + (int32_t)(kvb_rng_u64(&rng) % 250);
 
-    kvb_seq *s = NULL;
+    kvb_seq *s = NULL, *twin = NULL;
     if (kvb_seq_create(e, &s, &err) || kvb_engine_forward(e, s, toks, L, a, false, &err)) fail_msg("%s", err.msg);
+    /* a second live sequence on the same blocks: the first one's end drops nothing it may read */
+    uint32_t twin_cached = 0;
+    assert_int_equal(kvb_seq_create(e, &twin, &err), KVB_OK);
+    assert_int_equal(kvb_seq_attach_cached(twin, toks, L, &twin_cached, &err), KVB_OK);
+    assert_int_equal(twin_cached, L / BT * BT);
     kvb_seq_keep_window_at(s, L);
     kvb_seq_free(s);
     kvb_store_stats st;
+    kvb_store_get_stats(kvb_engine_store(e), &st);
+    assert_int_equal(st.local_drops, 0); /* every block is still the twin's */
+    kvb_seq_keep_window_at(twin, L);
+    kvb_seq_free(twin);
     kvb_store_get_stats(kvb_engine_store(e), &st);
     print_message("native %u tokens: %u blocks committed, %llu gave up their local rows, %u resident local parts\n",
                   L, st.committed, (unsigned long long)st.local_drops, st.committed - st.local_released);
