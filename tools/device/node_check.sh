@@ -10,6 +10,8 @@
 #   ladder  bench ladder --device cuda on the llama3.2-1b shape (CUDA prefill node -> CPU decode
 #           node on loopback) at LADDER_LENGTHS, decoder alone up to ALONE_MAX tokens
 #   million one bridged 1,048,576-token prompt on the 1B shape (bench ladder, decoder alone not run)
+#   shipper the ladder again (bridged legs and GPU alone only) with KVB_BRIDGE_SHIPPER=1: the CUDA
+#           bridge's shipping thread, to compare with the ladder stage's inline shipping
 #   link    the raw loopback link and kvbridge's transport over it (bench link), then the slab path
 #           alone (bench ladder --slab-path-only: filler rows, no engine) at LADDER_LENGTHS, the
 #           same run: the figures the ladder's GB/s is judged against
@@ -64,6 +66,13 @@ if want ladder; then
   timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths "$LADDER_LENGTHS" --seeds 1 \
     --alone-max "$ALONE_MAX" --cache-type "$CACHE" 2>"$OUT/ladder.err" | tee "$OUT/ladder.txt"
   tail -5 "$OUT/ladder.err"
+fi
+if want shipper; then
+  say "== ladder with the CUDA bridge's shipping thread (KVB_BRIDGE_SHIPPER=1)"
+  f=$(gen llama3.2-1b q8_0)
+  KVB_BRIDGE_SHIPPER=1 timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths "$LADDER_LENGTHS" --seeds 1 \
+    --alone-max 0 --cache-type "$CACHE" 2>"$OUT/shipper.err" | tee "$OUT/shipper.txt"
+  tail -5 "$OUT/shipper.err"
 fi
 if want link; then
   say "== link: raw loopback vs the transport, then the slab path alone"
