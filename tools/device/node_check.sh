@@ -18,7 +18,8 @@
 # Logs under $OUT (default /tmp/kvb-node-check); DEADLINE (seconds, default 570) bounds the whole.
 set -u
 D=${D:-.devcarry-gpu}
-export LD_LIBRARY_PATH="$PWD/$D/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+case $D in /*) DL=$D/lib ;; *) DL=$PWD/$D/lib ;; esac # D may be absolute (a copy kept in /tmp between calls)
+export LD_LIBRARY_PATH="$DL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 K=$D/kvbridge
 OUT=${OUT:-/tmp/kvb-node-check}
 MD=${MODELS_DIR:-/tmp/kvb-models}
