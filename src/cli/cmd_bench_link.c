@@ -60,6 +60,26 @@ static bool recv_all(int fd, void *p, size_t n) {
     return true;
 }
 
+/* The raw leg, both ends: `bytes` sent in pieces of `piece` bytes, then a 1-byte acknowledgement
+ * once the receiver has read them all (buf: its receive buffer of cap bytes). */
+static bool raw_send_acked(int fd, const uint8_t *data, size_t piece, uint64_t bytes) {
+    bool ok = true;
+    for (uint64_t sent = 0; ok && sent < bytes; sent += piece)
+        ok = send_all(fd, data, (size_t)(bytes - sent < piece ? bytes - sent : piece));
+    char ack;
+    return ok && recv_all(fd, &ack, 1);
+}
+
+static bool raw_recv_acked(int fd, char *buf, size_t cap, uint64_t bytes) {
+    uint64_t got = 0;
+    while (got < bytes) {
+        ssize_t k = recv(fd, buf, cap, 0);
+        if (k <= 0) break;
+        got += (uint64_t)k;
+    }
+    return got == bytes && send_all(fd, "k", 1);
+}
+
 /* ---- the raw loopback, in process (bench ladder --slab-path-only's yardstick) ---- */
 
 typedef struct {
@@ -72,13 +92,7 @@ static void *raw_sink_main(void *arg) {
     raw_sink *r = arg;
     int fd = accept(r->lfd, NULL, NULL);
     char *buf = malloc(1 << 20);
-    uint64_t got = 0;
-    while (fd >= 0 && buf && got < r->bytes) {
-        ssize_t k = recv(fd, buf, 1 << 20, 0);
-        if (k <= 0) break;
-        got += (uint64_t)k;
-    }
-    r->ok = got == r->bytes && send_all(fd, "k", 1);
+    r->ok = fd >= 0 && buf && raw_recv_acked(fd, buf, 1 << 20, r->bytes);
     free(buf);
     if (fd >= 0) close(fd);
     return NULL;
@@ -102,11 +116,7 @@ double kvb_bench_raw_loopback_gbs(uint64_t bytes, size_t piece) {
     if (pthread_create(&th, NULL, raw_sink_main, &r) == 0) {
         int fd = kvb_tcp_dial("127.0.0.1", port);
         double t0 = kvb_now_s();
-        bool ok = fd >= 0;
-        for (uint64_t sent = 0; ok && sent < bytes; sent += piece)
-            ok = send_all(fd, data, (size_t)(bytes - sent < piece ? bytes - sent : piece));
-        char ack;
-        ok = ok && recv_all(fd, &ack, 1);
+        bool ok = fd >= 0 && raw_send_acked(fd, data, piece, bytes);
         double dt = kvb_now_s() - t0;
         if (fd >= 0) close(fd);
         pthread_join(th, NULL);
@@ -165,13 +175,7 @@ static int serve(const char *addr, const char *psk) {
             close(fd);
             break;
         }
-        for (uint64_t got = 0; got < n;) {
-            ssize_t k = recv(fd, buf, cap, 0);
-            if (k <= 0) break;
-            got += (uint64_t)k;
-        }
-        char ack = 1;
-        send_all(fd, &ack, 1);
+        raw_recv_acked(fd, buf, cap, n);
         close(fd);
         kvb_conn *c = NULL;
         if (kvb_transport_accept(l, &me, &cfg, 60000, &c, NULL, &err)) {
@@ -229,11 +233,7 @@ static int measure(const char *addr, const char *psk, uint64_t bytes, size_t sla
             goto fail;
         }
         double t0 = kvb_now_s();
-        bool ok = send_all(fd, &bytes, 8);
-        for (uint64_t sent = 0; ok && sent < bytes; sent += slab)
-            ok = send_all(fd, data, (size_t)(bytes - sent < slab ? bytes - sent : slab));
-        char ack;
-        ok = ok && recv_all(fd, &ack, 1);
+        bool ok = send_all(fd, &bytes, 8) && raw_send_acked(fd, data, slab, bytes);
         raw[r] = bytes / (kvb_now_s() - t0) / 1e9;
         close(fd);
         if (!ok) {

@@ -36,7 +36,9 @@ typedef struct {
     const float *q; /* (n, n_head, head_dim) */
     float *out;     /* (n, n_head, head_dim) */
     uint32_t n_tiles, n_segs;
-    float *seg_states; /* side by side: (tile, kv head, segment, tile token, group head, [m, l, acc]) */
+    uint32_t G, hd;       /* query heads per kv head; head_dim */
+    size_t state_floats;  /* one tile's softmax state: (ATT_TILE, G, [m, l, acc(hd)]) */
+    float *seg_states;    /* side by side: (tile, kv head, segment, tile state) */
 } attn_job;
 
 #define WINDOW_LO(local, W, p) ((local) && (p) + 1 > (W) ? (p) + 1 - (W) : 0u) /* first key query p reads */
@@ -151,24 +153,23 @@ static void write_out(const attn_job *j, uint32_t kvh, uint32_t t0, uint32_t t1,
         }
 }
 
-static void tile_range(const attn_job *j, uint32_t tile, uint32_t *t0, uint32_t *t1) {
+/* The tile's tokens [t0, t1); returns its state entries ((t1 - t0) tokens x G heads). */
+static uint32_t tile_range(const attn_job *j, uint32_t tile, uint32_t *t0, uint32_t *t1) {
     *t0 = tile * ATT_TILE;
     *t1 = *t0 + ATT_TILE < j->n ? *t0 + ATT_TILE : j->n;
+    return (*t1 - *t0) * j->G;
 }
-
-static size_t entries(const attn_job *j) { return (size_t)ATT_TILE * (j->e->m->d.n_head / j->e->m->d.n_head_kv); }
 
 /* One task per (kv head, tile): the segments in turn, each merged as it finishes. */
 static void attn_task(void *ctx, int task, int worker) {
     const attn_job *j = ctx;
-    const uint32_t hd = j->e->m->d.head_dim, bt = j->e->o.block_tokens;
+    const uint32_t hd = j->hd, bt = j->e->o.block_tokens;
     const uint32_t kvh = (uint32_t)task / j->n_tiles, tile = (uint32_t)task % j->n_tiles;
     uint32_t t0, t1;
-    tile_range(j, tile, &t0, &t1);
-    float *w = j->e->attn_scratch[worker];
-    float *run = w + 2 * (size_t)bt * hd + (size_t)(j->e->m->d.n_head / j->e->m->d.n_head_kv) * bt;
-    float *seg = run + entries(j) * (hd + 2);
-    const uint32_t count = (t1 - t0) * (j->e->m->d.n_head / j->e->m->d.n_head_kv);
+    const uint32_t count = tile_range(j, tile, &t0, &t1);
+    float *w = j->e->attn_scratch[worker]; /* attend_segment's (kbuf, vbuf, scores), then two states */
+    float *run = w + 2 * (size_t)bt * hd + (size_t)j->G * bt;
+    float *seg = run + j->state_floats;
     state_init(run, count, hd);
     for (uint32_t sg = 0; sg < j->n_segs; sg++) {
         state_init(seg, count, hd);
@@ -181,13 +182,12 @@ static void attn_task(void *ctx, int task, int worker) {
 /* Side by side: one task per (kv head, tile, segment) into its own state ... */
 static void attn_segment_task(void *ctx, int task, int worker) {
     const attn_job *j = ctx;
-    const uint32_t hd = j->e->m->d.head_dim;
     const uint32_t sg = (uint32_t)task % j->n_segs, kt = (uint32_t)task / j->n_segs;
     const uint32_t kvh = kt / j->n_tiles, tile = kt % j->n_tiles;
     uint32_t t0, t1;
-    tile_range(j, tile, &t0, &t1);
-    float *state = j->seg_states + (size_t)task * entries(j) * (hd + 2);
-    state_init(state, (t1 - t0) * (j->e->m->d.n_head / j->e->m->d.n_head_kv), hd);
+    const uint32_t count = tile_range(j, tile, &t0, &t1);
+    float *state = j->seg_states + (size_t)task * j->state_floats;
+    state_init(state, count, j->hd);
     attend_segment(j, kvh, t0, t1, sg, j->e->attn_scratch[worker], state);
 }
 
@@ -195,26 +195,26 @@ static void attn_segment_task(void *ctx, int task, int worker) {
 static void attn_merge_task(void *ctx, int task, int worker) {
     (void)worker;
     const attn_job *j = ctx;
-    const uint32_t hd = j->e->m->d.head_dim;
     const uint32_t kvh = (uint32_t)task / j->n_tiles, tile = (uint32_t)task % j->n_tiles;
     uint32_t t0, t1;
-    tile_range(j, tile, &t0, &t1);
-    const size_t one = entries(j) * (hd + 2);
+    const uint32_t count = tile_range(j, tile, &t0, &t1);
+    const size_t one = j->state_floats;
     float *run = j->seg_states + (size_t)task * j->n_segs * one; /* segment 0's state, merged into */
-    const uint32_t count = (t1 - t0) * (j->e->m->d.n_head / j->e->m->d.n_head_kv);
     /* attn_task's empty running state merged with segment 0 is segment 0's state, bit for bit;
      * every later segment is merged in order, as there */
-    for (uint32_t sg = 1; sg < j->n_segs; sg++) state_merge(run, run + (size_t)sg * one, count, hd);
+    for (uint32_t sg = 1; sg < j->n_segs; sg++) state_merge(run, run + (size_t)sg * one, count, j->hd);
     write_out(j, kvh, t0, t1, run);
 }
 
 void kvb_cpu_attention(kvb_engine *e, const kvb_seq *s, uint32_t layer, uint32_t pos0, uint32_t n, const float *q,
                        float *out) {
     const uint32_t bt = e->o.block_tokens, last_block = (pos0 + n - 1) / bt;
-    attn_job j = {e, s, layer, pos0, n, q, out, (n + ATT_TILE - 1) / ATT_TILE, last_block / ATT_SEG_BLOCKS + 1, NULL};
-    const uint32_t kvh = e->m->d.n_head_kv, hd = e->m->d.head_dim;
-    const size_t tasks = (size_t)j.n_tiles * kvh;
-    const size_t floats = tasks * j.n_segs * entries(&j) * (hd + 2);
+    const kvb_model_desc *d = &e->m->d;
+    const uint32_t G = d->n_head / d->n_head_kv;
+    attn_job j = {e, s, layer, pos0, n, q, out, (n + ATT_TILE - 1) / ATT_TILE, last_block / ATT_SEG_BLOCKS + 1,
+                  G, d->head_dim, (size_t)ATT_TILE * G * (d->head_dim + 2), NULL};
+    const size_t tasks = (size_t)j.n_tiles * d->n_head_kv;
+    const size_t floats = tasks * j.n_segs * j.state_floats;
     /* few (tile, kv head) tasks for the threads and several segments: compute the segments side
      * by side (same results; see ATT_SEG_BLOCKS) */
     if (j.n_segs > 1 && tasks < (size_t)kvb_pool_size(e->pool) && floats <= ATT_PARALLEL_MAX_FLOATS &&
