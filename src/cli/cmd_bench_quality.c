@@ -23,11 +23,21 @@
  * (the answer in the generated text, case-insensitive) for both paths. Generation does not stop
  * at end-of-generation tokens: both paths generate exactly --gen tokens. Decoder mode must be
  * bit-exact (every step's logits identical, so KL 0 and agreement 100 %): checked, printed as a
- * claim, exit status 1 when it does not hold. */
+ * claim, exit status 1 when it does not hold.
+ * Resumable and shardable (the full set takes hours): --results FILE appends one JSON line per
+ * finished prompt and a later run over the same FILE loads the prompts it holds instead of
+ * computing them; --first skips prompts; --table-only tabulates a file (shards concatenated) without
+ * computing. See "the results file" below. */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include <cJSON.h>
 #include <math.h>
 
 #include "kvb_bridge.h"
@@ -80,6 +90,29 @@ static void help(FILE *f) {
             "  --verbose                also print each prompt's generated texts (stderr)\n"
             "  --perturb                test-only: perturb the decoder-mode bridge by one reordered addition\n"
             "                           (as kvbridge verify --perturb); the decoder-mode claim must then fail\n\n"
+            "Resuming and sharding (the default set takes hours):\n"
+            "  --results FILE           append one JSON line to FILE as each prompt finishes: its figures, its\n"
+            "                           0-based \"index\" (the progress line shows index + 1) and the settings\n"
+            "                           that decide them (model file name and fingerprint, --seed, --min-tokens,\n"
+            "                           --max-tokens, --gen, --modes, --cache-type, --prefill-engine-cache,\n"
+            "                           --perturb). When FILE exists, the prompts it holds are loaded and not\n"
+            "                           computed again; a line from other settings stops the command (use\n"
+            "                           another FILE), as does a damaged line (its line number is named). A last\n"
+            "                           line without its newline (a run killed while writing it) is dropped\n"
+            "                           with a warning. Shards' files can be concatenated into one.\n"
+            "  --first I                skip the first I prompts: compute prompts I+1 .. N of --prompts N only\n"
+            "                           (prompt i is the same in every shard); the tables cover those and the\n"
+            "                           ones FILE holds (default 0)\n"
+            "  --table-only             compute nothing (the model file need not be here): print the tables and\n"
+            "                           the decoder-mode claim over the prompts of 1 .. --prompts that\n"
+            "                           --results FILE holds, saying how many are present; give the run's\n"
+            "                           settings (they must match the file's)\n"
+            "A run stopped part way continues where it stopped when the same command is run again. On two\n"
+            "machines, then one table:\n"
+            "  A:  kvbridge bench quality --prompts 100 --results a.jsonl\n"
+            "  B:  kvbridge bench quality --first 100 --prompts 200 --results b.jsonl\n"
+            "  cat a.jsonl b.jsonl > all.jsonl\n"
+            "  kvbridge bench quality --prompts 200 --results all.jsonl --table-only\n\n"
             "Cost: two prefills per prompt with both modes (the native forward with the decoder-mode bridge on\n"
             "it, and the prefill engine's), plus about 3 x --gen decode steps.\n");
 }
@@ -92,6 +125,9 @@ typedef struct {
     bool modes[N_MODES];
     bool verbose;
     bool perturb;
+    const char *results; /* --results FILE, or NULL */
+    long long first;     /* --first: prompts [first, n_prompts) are computed */
+    bool table_only;
 } qopts;
 
 /* One prompt's figures in one mode. */
@@ -106,6 +142,7 @@ typedef struct {
 } mode_result;
 
 typedef struct {
+    uint32_t index;    /* 0-based; the progress line says index + 1 */
     uint32_t tokens, ship;
     bool needle_native;
     double native_s;   /* the native forward (with the decoder-mode bridge hooked on it) and decode */
@@ -466,6 +503,395 @@ static void print_table(const prompt_result *pr, uint32_t n, int mode, uint32_t 
     table_row("total", pr, n, mode, 0, UINT32_MAX, gen);
 }
 
+/* ---- the results file (--results) ------------------------------------------------------------ */
+
+/* One JSON object a line, one a finished prompt:
+ *   {"run": {...}, "index": I, "tokens": T, "ship": T-1, "needle_native": B, "native_s": S,
+ *    "decoder": {"agree": A, "same": N, "exact": E, "kl_mean": K, "kl_max": K, "needle": B,
+ *                "seconds": S}, "prefill": {...}}
+ * with one object per enabled mode. "run" holds every setting that decides the figures
+ * (run_json); "index" is 0-based. A line is written whole, by one write(2) on an O_APPEND
+ * descriptor, as its prompt finishes, so a killed run leaves at most its last line cut short.
+ * Doubles are printed so that they read back to the same bits (cJSON: %.15g, else %.17g): a KL of
+ * exactly 0 stays 0 and the decoder-mode claim holds over loaded prompts as over computed ones.
+ * The file is hostile input: every field's type and range is checked. */
+
+#define RESULTS_MAX_BYTES ((size_t)256 << 20)
+#define KL_FLOOR -1e-6 /* KL >= 0; its sum in double may land a few ulps below */
+
+static const char *base_name(const char *path) {
+    const char *s = strrchr(path, '/');
+    return s ? s + 1 : path;
+}
+
+/* The settings that decide a prompt's figures: the model (its file name, and its fingerprint when
+ * fp is not NULL), the prompt set, --gen, the modes and cache types, --perturb. Not --threads or
+ * --verbose: they change no figure. NULL when out of memory. */
+static cJSON *run_json(const qopts *o, const uint64_t *fp) {
+    char buf[32];
+    cJSON *r = cJSON_CreateObject(), *modes = NULL;
+    bool ok = r && cJSON_AddStringToObject(r, "model", base_name(o->model));
+    if (ok && fp) {
+        snprintf(buf, sizeof buf, "%016" PRIx64, *fp);
+        ok = cJSON_AddStringToObject(r, "fingerprint", buf) != NULL;
+    }
+    snprintf(buf, sizeof buf, "%" PRIu64, o->seed); /* a string: a JSON number holds 53 bits */
+    ok = ok && cJSON_AddStringToObject(r, "seed", buf) && cJSON_AddNumberToObject(r, "min_tokens", (double)o->min_tok) &&
+         cJSON_AddNumberToObject(r, "max_tokens", (double)o->max_tok) &&
+         cJSON_AddNumberToObject(r, "gen", (double)o->gen) && (modes = cJSON_AddArrayToObject(r, "modes"));
+    for (int m = 0; m < N_MODES && ok; m++)
+        if (o->modes[m]) ok = cJSON_AddItemToArray(modes, cJSON_CreateString(k_mode_names[m]));
+    ok = ok && cJSON_AddStringToObject(r, "cache_type", kvb_type_name(o->cache_type));
+    if (ok && o->modes[MODE_PREFILL])
+        ok = cJSON_AddStringToObject(r, "prefill_engine_cache", kvb_type_name(o->prefill_cache_type)) != NULL;
+    ok = ok && cJSON_AddBoolToObject(r, "perturb", o->perturb);
+    if (!ok) {
+        cJSON_Delete(r);
+        return NULL;
+    }
+    return r;
+}
+
+/* Opens FILE for appending (creating it), first cutting it to `keep` bytes when keep >= 0 (a last
+ * line without its newline, which the next line must not be glued to). -1 on error. */
+static int results_open(const char *path, long keep, kvb_err *err) {
+    const int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        kvb_err_set(err, KVB_ERR_IO, "cannot open %s to append results: %s", path, strerror(errno));
+        return -1;
+    }
+    if (keep >= 0 && ftruncate(fd, (off_t)keep)) {
+        kvb_err_set(err, KVB_ERR_IO, "cannot cut the unfinished last line off %s: %s", path, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Appends prompt p's line (see above) to fd in one write. */
+static kvb_status results_append(int fd, const char *path, cJSON *run, const bool modes[N_MODES],
+                                 const prompt_result *p, kvb_err *err) {
+    cJSON *o = cJSON_CreateObject();
+    bool ok = o && cJSON_AddItemReferenceToObject(o, "run", run) && cJSON_AddNumberToObject(o, "index", p->index) &&
+              cJSON_AddNumberToObject(o, "tokens", p->tokens) && cJSON_AddNumberToObject(o, "ship", p->ship) &&
+              cJSON_AddBoolToObject(o, "needle_native", p->needle_native) &&
+              cJSON_AddNumberToObject(o, "native_s", p->native_s);
+    for (int m = 0; m < N_MODES && ok; m++) {
+        if (!modes[m]) continue;
+        const mode_result *r = &p->m[m];
+        cJSON *j = cJSON_AddObjectToObject(o, k_mode_names[m]);
+        ok = j && cJSON_AddNumberToObject(j, "agree", r->agree) && cJSON_AddNumberToObject(j, "same", r->same) &&
+             cJSON_AddNumberToObject(j, "exact", r->exact) && cJSON_AddNumberToObject(j, "kl_mean", r->kl_mean) &&
+             cJSON_AddNumberToObject(j, "kl_max", r->kl_max) && cJSON_AddBoolToObject(j, "needle", r->needle) &&
+             cJSON_AddNumberToObject(j, "seconds", r->seconds);
+    }
+    char *json = ok ? cJSON_PrintUnformatted(o) : NULL;
+    cJSON_Delete(o);
+    const size_t n = json ? strlen(json) : 0;
+    char *line = json ? malloc(n + 1) : NULL;
+    if (line) {
+        memcpy(line, json, n);
+        line[n] = '\n';
+    }
+    cJSON_free(json);
+    if (!line) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory writing a line of %s", path);
+    size_t off = 0;
+    while (off < n + 1) {
+        const ssize_t k = write(fd, line + off, n + 1 - off);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) {
+            const int e = k < 0 ? errno : EIO;
+            free(line);
+            return kvb_err_set(err, KVB_ERR_IO, "cannot append prompt %u's results to %s: %s", p->index + 1, path,
+                               strerror(e));
+        }
+        off += (size_t)k;
+    }
+    free(line);
+    return KVB_OK;
+}
+
+/* One line being read: where it is, for messages. */
+typedef struct {
+    const char *path;
+    size_t line;
+    kvb_err *err;
+} rline;
+
+/* A short rendering of a value found in the file (or "missing"). */
+static void shown(const cJSON *v, char *buf, size_t cap) {
+    if (cJSON_IsNumber(v) && !isfinite(v->valuedouble)) { /* cJSON would print null */
+        snprintf(buf, cap, "%g", v->valuedouble);
+        return;
+    }
+    char *s = v ? cJSON_PrintUnformatted(v) : NULL;
+    if (s && strlen(s) > 40) snprintf(buf, cap, "%.37s...", s);
+    else snprintf(buf, cap, "%s", v ? (s ? s : "?") : "missing");
+    cJSON_free(s);
+}
+
+static kvb_status bad_line(const rline *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static kvb_status bad_line(const rline *c, const char *fmt, ...) {
+    char what[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    return kvb_err_set(c->err, KVB_ERR_INVALID,
+                       "%s line %zu: %s. The file is damaged or is not a bench quality results file: repair or "
+                       "delete that line, or give another --results file",
+                       c->path, c->line, what);
+}
+
+/* obj[key] (named where+key in messages) as a whole number in [lo, hi]. */
+static kvb_status get_u32(const rline *c, const cJSON *obj, const char *where, const char *key, uint32_t lo,
+                          uint32_t hi, uint32_t *out) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (!cJSON_IsNumber(v) || !(v->valuedouble >= lo && v->valuedouble <= hi) || v->valuedouble != floor(v->valuedouble)) {
+        char got[48];
+        shown(v, got, sizeof got);
+        return bad_line(c, "\"%s%s\" must be a whole number from %u to %u, not %s", where, key, lo, hi, got);
+    }
+    *out = (uint32_t)v->valuedouble;
+    return KVB_OK;
+}
+
+/* obj[key] as a finite number >= lo; with nan_ok, null too (what a NaN is written as), read as NaN. */
+static kvb_status get_num(const rline *c, const cJSON *obj, const char *where, const char *key, double lo,
+                          bool nan_ok, double *out) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (nan_ok && cJSON_IsNull(v)) {
+        *out = NAN;
+        return KVB_OK;
+    }
+    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble) || v->valuedouble < lo) {
+        char got[48];
+        shown(v, got, sizeof got);
+        return bad_line(c, "\"%s%s\" must be a number, at least %g, not %s", where, key, lo, got);
+    }
+    *out = v->valuedouble;
+    return KVB_OK;
+}
+
+static kvb_status get_bool(const rline *c, const cJSON *obj, const char *where, const char *key, bool *out) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (!cJSON_IsBool(v)) {
+        char got[48];
+        shown(v, got, sizeof got);
+        return bad_line(c, "\"%s%s\" must be true or false, not %s", where, key, got);
+    }
+    *out = cJSON_IsTrue(v);
+    return KVB_OK;
+}
+
+/* Mode m's figures in record rec. */
+static kvb_status parse_mode(const rline *c, const cJSON *rec, int m, uint32_t gen, mode_result *r) {
+    const cJSON *o = cJSON_GetObjectItemCaseSensitive(rec, k_mode_names[m]);
+    if (!cJSON_IsObject(o)) return bad_line(c, "\"%s\" (that mode's figures) must be an object", k_mode_names[m]);
+    char w[16];
+    snprintf(w, sizeof w, "%s.", k_mode_names[m]);
+    kvb_status st = get_u32(c, o, w, "agree", 0, gen, &r->agree);
+    if (!st) st = get_u32(c, o, w, "same", 0, gen, &r->same);
+    if (!st) st = get_u32(c, o, w, "exact", 0, gen, &r->exact);
+    if (!st) st = get_num(c, o, w, "kl_mean", KL_FLOOR, true, &r->kl_mean);
+    if (!st) st = get_num(c, o, w, "kl_max", KL_FLOOR, true, &r->kl_max);
+    if (!st) st = get_bool(c, o, w, "needle", &r->needle);
+    if (!st) st = get_num(c, o, w, "seconds", 0, false, &r->seconds);
+    if (!st && r->agree > r->same)
+        st = bad_line(c, "\"%sagree\" %u is above \"%ssame\" %u (the tokens before the first divergence are the same)",
+                      w, r->agree, w, r->same);
+    return st;
+}
+
+/* A record's figures into *p (its index included); the run is checked by check_run. */
+static kvb_status parse_record(const rline *c, const cJSON *rec, const qopts *o, prompt_result *p) {
+    memset(p, 0, sizeof *p);
+    const uint32_t max_tokens = (uint32_t)(o->max_tok + o->max_tok / 8 + BLOCK_TOKENS - 1); /* make_prompt's limit */
+    kvb_status st = get_u32(c, rec, "", "index", 0, 99999, &p->index);
+    if (!st) st = get_u32(c, rec, "", "tokens", BLOCK_TOKENS + 1, max_tokens, &p->tokens);
+    if (!st) st = get_u32(c, rec, "", "ship", BLOCK_TOKENS, max_tokens - 1, &p->ship);
+    if (!st && p->ship != p->tokens - 1)
+        st = bad_line(c, "\"ship\" %u must be \"tokens\" - 1 (%u): every position before the last prompt token",
+                      p->ship, p->tokens - 1);
+    if (!st) st = get_bool(c, rec, "", "needle_native", &p->needle_native);
+    if (!st) st = get_num(c, rec, "", "native_s", 0, false, &p->native_s);
+    for (int m = 0; m < N_MODES && !st; m++)
+        if (o->modes[m]) st = parse_mode(c, rec, m, (uint32_t)o->gen, &p->m[m]);
+    return st;
+}
+
+/* Whether the record's "run" is this run's settings `want`; if not, an error naming the first
+ * setting that differs. With --table-only (want has no fingerprint: the model is not loaded) the
+ * first line's fingerprint joins want, so that every line must come from one model file. */
+static kvb_status check_run(const rline *c, const cJSON *run, cJSON *want, size_t *fp_line) {
+    if (!cJSON_IsObject(run))
+        return bad_line(c, "\"run\" (the settings of the run that wrote the line) must be an object");
+    const cJSON *fp = cJSON_GetObjectItemCaseSensitive(run, "fingerprint");
+    if (!cJSON_GetObjectItemCaseSensitive(want, "fingerprint") && cJSON_IsString(fp)) {
+        cJSON *copy = cJSON_Duplicate(fp, false);
+        if (!copy || !cJSON_AddItemToObject(want, "fingerprint", copy)) {
+            cJSON_Delete(copy);
+            return kvb_err_set(c->err, KVB_ERR_NOMEM, "out of memory");
+        }
+        *fp_line = c->line;
+    }
+    const cJSON *w, *g, *diff = NULL;
+    cJSON_ArrayForEach(w, want) {
+        g = cJSON_GetObjectItemCaseSensitive(run, w->string);
+        if (!g || !cJSON_Compare(w, g, true)) {
+            diff = w;
+            break;
+        }
+    }
+    cJSON_ArrayForEach(g, run) {
+        if (diff) break;
+        if (g->string && !cJSON_GetObjectItemCaseSensitive(want, g->string)) diff = g;
+    }
+    if (!diff) return KVB_OK;
+    const char *key = diff->string ? diff->string : "?";
+    char there[48], here[48], ref[32] = "this run's";
+    shown(cJSON_GetObjectItemCaseSensitive(run, key), there, sizeof there);
+    shown(cJSON_GetObjectItemCaseSensitive(want, key), here, sizeof here);
+    if (!strcmp(key, "fingerprint") && *fp_line) snprintf(ref, sizeof ref, "line %zu's", *fp_line);
+    return kvb_err_set(c->err, KVB_ERR_INVALID,
+                       "%s line %zu holds the results of another run: its %s is %s where %s is %s. The file belongs "
+                       "to other settings: give another --results file (or that run's settings)",
+                       c->path, c->line, key, there, ref, here);
+}
+
+/* Whether two results of one prompt have the same figures (all but the times). */
+static bool same_figures(const prompt_result *a, const prompt_result *b, const bool modes[N_MODES]) {
+    bool same = a->tokens == b->tokens && a->needle_native == b->needle_native;
+    for (int m = 0; m < N_MODES; m++) {
+        const mode_result *x = &a->m[m], *y = &b->m[m];
+        if (modes[m])
+            same = same && x->agree == y->agree && x->same == y->same && x->exact == y->exact &&
+                   !memcmp(&x->kl_mean, &y->kl_mean, sizeof(double)) && !memcmp(&x->kl_max, &y->kl_max, sizeof(double)) &&
+                   x->needle == y->needle;
+    }
+    return same;
+}
+
+/* Reads o->results into a NUL-terminated buffer; *buf NULL (and OK) when the file does not exist. */
+static kvb_status results_read(const char *path, char **buf, size_t *n, kvb_err *err) {
+    *buf = NULL;
+    *n = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        if (errno == ENOENT) return KVB_OK;
+        return kvb_err_set(err, KVB_ERR_IO, "cannot open results file %s: %s", path, strerror(errno));
+    }
+    size_t cap = 0, k;
+    char tmp[65536];
+    kvb_status st = KVB_OK;
+    while (!st && (k = fread(tmp, 1, sizeof tmp, f)) > 0) {
+        if (*n + k > RESULTS_MAX_BYTES) {
+            st = kvb_err_set(err, KVB_ERR_RANGE, "%s is larger than %zu MiB: not a bench quality results file; give "
+                             "another --results file", path, RESULTS_MAX_BYTES >> 20);
+        } else if (*n + k + 1 > cap) {
+            cap = (*n + k + 1) * 2;
+            char *nb = realloc(*buf, cap);
+            if (!nb) st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory reading %s", path);
+            else *buf = nb;
+        }
+        if (!st) {
+            memcpy(*buf + *n, tmp, k);
+            *n += k;
+        }
+    }
+    if (!st && ferror(f)) st = kvb_err_set(err, KVB_ERR_IO, "cannot read results file %s: %s", path, strerror(errno));
+    fclose(f);
+    if (!st && !*buf && !(*buf = calloc(1, 1))) st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    if (st) {
+        free(*buf);
+        *buf = NULL;
+        return st;
+    }
+    (*buf)[*n] = 0;
+    return KVB_OK;
+}
+
+static bool blank(const char *p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != ' ' && p[i] != '\t' && p[i] != '\r') return false;
+    return true;
+}
+
+/* Loads the results file o->results, when it exists (*existed): every line is checked (its run
+ * against this run's settings, fp: the model's fingerprint, NULL with --table-only); the prompts
+ * of index < --prompts go into pr[] with have[] set (*loaded of them; when an index is there twice
+ * the first line counts, and other figures on the later line are warned about). A last line
+ * without its newline is ignored with a warning and *keep is set to where it starts (else -1). */
+static kvb_status results_load(const qopts *o, const uint64_t *fp, prompt_result *pr, bool *have, uint32_t *loaded,
+                               bool *existed, long *keep, kvb_err *err) {
+    *loaded = 0;
+    *keep = -1;
+    char *buf;
+    size_t size;
+    kvb_status st = results_read(o->results, &buf, &size, err);
+    *existed = buf != NULL;
+    if (st || !buf) return st;
+    cJSON *want = run_json(o, fp);
+    size_t *line_of = calloc((size_t)o->n_prompts, sizeof *line_of), fp_line = 0;
+    if (!want || !line_of) st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    rline c = {.path = o->results, .err = err};
+    for (const char *p = buf, *end = buf + size; !st && p < end;) {
+        c.line++;
+        const char *nl = memchr(p, '\n', (size_t)(end - p));
+        if (!nl) {
+            if (!blank(p, (size_t)(end - p))) {
+                fprintf(stderr, "kvbridge bench quality: warning: %s line %zu has no newline at its end: a run "
+                                "stopped while writing it. Ignored (%s)\n", o->results, c.line,
+                        o->table_only ? "its prompt is left out" : "cut off before the next line is appended");
+                *keep = (long)(p - buf);
+            }
+            break;
+        }
+        const size_t len = (size_t)(nl - p);
+        const char *line = p, *stop = NULL;
+        p = nl + 1;
+        if (blank(line, len)) continue;
+        cJSON *rec = cJSON_ParseWithLengthOpts(line, len, &stop, false);
+        prompt_result r;
+        const size_t col = (stop ? (size_t)(stop - line) : 0) + 1;
+        if (!rec) st = bad_line(&c, "not JSON (a syntax error at column %zu)", col);
+        else if (!cJSON_IsObject(rec)) st = bad_line(&c, "a JSON value but not an object");
+        else if (!blank(stop, len - (col - 1))) st = bad_line(&c, "something after the JSON object at column %zu", col);
+        if (!st) st = check_run(&c, cJSON_GetObjectItemCaseSensitive(rec, "run"), want, &fp_line);
+        if (!st) st = parse_record(&c, rec, o, &r);
+        cJSON_Delete(rec);
+        if (st || r.index >= o->n_prompts) continue;
+        if (!have[r.index]) {
+            pr[r.index] = r;
+            have[r.index] = true;
+            line_of[r.index] = c.line;
+            (*loaded)++;
+        } else if (!same_figures(&pr[r.index], &r, o->modes)) {
+            fprintf(stderr, "kvbridge bench quality: warning: %s lines %zu and %zu both hold prompt %u, with other "
+                            "figures; line %zu's are used\n", o->results, line_of[r.index], c.line, r.index + 1,
+                    line_of[r.index]);
+        }
+    }
+    cJSON_Delete(want);
+    free(line_of);
+    free(buf);
+    return st;
+}
+
+/* Prints the prompt numbers (1-based) i in [lo, hi) with have[i] == want as ranges: "1-5, 8". */
+static void print_ranges(const bool *have, uint32_t lo, uint32_t hi, bool want) {
+    const char *sep = "";
+    for (uint32_t i = lo; i < hi; i++) {
+        if (have[i] != want) continue;
+        uint32_t j = i;
+        while (j + 1 < hi && have[j + 1] == want) j++;
+        if (j > i) printf("%s%u-%u", sep, i + 1, j + 1);
+        else printf("%s%u", sep, i + 1);
+        sep = ", ";
+        i = j;
+    }
+}
+
 /* ---- the command ----------------------------------------------------------------------------- */
 
 static int parse_modes(const char *v, bool modes[N_MODES]) {
@@ -522,6 +948,12 @@ static int parse_args(int argc, char **argv, qopts *o, char *model_buf, size_t c
             o->verbose = true;
         } else if (!strcmp(a, "--perturb")) {
             o->perturb = true;
+        } else if (!strcmp(a, "--results")) {
+            if (!(o->results = kvb_arg_value(cmd, argc, argv, &i))) return 2;
+        } else if (!strcmp(a, "--first")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 0, 99999, &o->first)) return 2;
+        } else if (!strcmp(a, "--table-only")) {
+            o->table_only = true;
         } else {
             fprintf(stderr, "kvbridge bench quality: unknown option '%s' (see kvbridge bench quality --help)\n", a);
             return 2;
@@ -530,6 +962,22 @@ static int parse_args(int argc, char **argv, qopts *o, char *model_buf, size_t c
     if (o->min_tok > o->max_tok) {
         fprintf(stderr, "kvbridge bench quality: --min-tokens %lld is above --max-tokens %lld\n", o->min_tok,
                 o->max_tok);
+        return 2;
+    }
+    if (o->table_only && !o->results) {
+        fprintf(stderr, "kvbridge bench quality: --table-only tabulates the results of earlier runs: give their "
+                        "file with --results FILE\n");
+        return 2;
+    }
+    if (o->table_only && o->first) {
+        fprintf(stderr, "kvbridge bench quality: --first chooses the prompts to compute and --table-only computes "
+                        "none (the tables cover the prompts of 1 .. --prompts that the file holds); drop --first\n");
+        return 2;
+    }
+    if (o->first >= o->n_prompts) {
+        fprintf(stderr, "kvbridge bench quality: --first %lld skips all %lld prompts of --prompts %lld: nothing to "
+                        "compute (--first I computes prompts I+1 .. --prompts)\n", o->first, o->n_prompts,
+                o->n_prompts);
         return 2;
     }
     if (!o->model) {
@@ -619,31 +1067,81 @@ static void progress(const qbench *q, uint32_t i, const prompt_result *p) {
     fprintf(stderr, "\n");
 }
 
-/* Decoder mode's claim, checked on every prompt: logits bit-identical at every step. */
-static bool decoder_claim(const qbench *q, const prompt_result *pr, uint32_t n) {
+/* Decoder mode's claim, checked on every prompt of pr[0, n) (the prompts present): logits
+ * bit-identical at every step. */
+static bool decoder_claim(uint32_t gen, const prompt_result *pr, uint32_t n) {
     uint32_t ok = 0, steps = 0, exact = 0, first_bad = UINT32_MAX;
     for (uint32_t i = 0; i < n; i++) {
         const mode_result *r = &pr[i].m[MODE_DECODER];
-        const bool good = r->exact == q->gen && r->agree == q->gen && r->same == q->gen && r->kl_max == 0 &&
+        const bool good = r->exact == gen && r->agree == gen && r->same == gen && r->kl_max == 0 &&
                           r->kl_mean == 0 && r->needle == pr[i].needle_native;
         ok += good;
         if (!good && first_bad == UINT32_MAX) first_bad = i;
-        steps += q->gen;
+        steps += gen;
         exact += r->exact;
     }
     if (ok == n) {
         printf("\ndecoder mode, checked: on %u/%u prompts the bridged decoder's next-token logits were bit-identical "
                "to the native ones at every step (%u/%u steps), so KL = 0 exactly and %u/%u generated tokens agree: "
                "decoder-exact holds.\n",
-               ok, n, exact, steps, q->gen, q->gen);
+               ok, n, exact, steps, gen, gen);
         return true;
     }
     const mode_result *r = &pr[first_bad].m[MODE_DECODER];
     printf("\ndecoder mode FAILED its claim: %u/%u prompts bit-exact (%u/%u steps with identical logits); first "
            "failure: prompt %u (%u tokens): %u/%u steps identical, agreement %u/%u, max KL %.3g. The bridge no "
            "longer reproduces the decoder's own cache (run kvbridge verify).\n",
-           ok, n, exact, steps, first_bad + 1, pr[first_bad].tokens, r->exact, q->gen, r->agree, q->gen, r->kl_max);
+           ok, n, exact, steps, pr[first_bad].index + 1, pr[first_bad].tokens, r->exact, gen, r->agree, gen, r->kl_max);
     return false;
+}
+
+/* The "modes" and "prompts" lines of the header. */
+static void print_settings(const qopts *o) {
+    printf("modes     ");
+    if (o->modes[MODE_DECODER])
+        printf(" decoder (the bridge on the decoder's own forward%s)", o->perturb ? "; PERTURBED bridge: test-only" : "");
+    if (o->modes[MODE_PREFILL])
+        printf("%s prefill (prefill engine cache %s, rows re-encoded to %s)", o->modes[MODE_DECODER] ? ";" : "",
+               kvb_type_name(o->prefill_cache_type), kvb_type_name(o->cache_type));
+    printf("\nprompts    %lld needle-in-a-document prompts, %lld-%lld tokens, seed %llu; greedy, %lld tokens per path\n",
+           o->n_prompts, o->min_tok, o->max_tok, (unsigned long long)o->seed, o->gen);
+}
+
+/* Computes the prompts of [o->first, --prompts) that have[] does not hold yet, appending each to
+ * the results file when there is one (from `keep`: see results_load); *computed of them. */
+static kvb_status compute(qbench *q, prompt_result *pr, bool *have, long keep, uint32_t *computed, kvb_err *err) {
+    const qopts *o = q->o;
+    int fd = -1;
+    cJSON *run = NULL;
+    kvb_status st = KVB_OK;
+    bool todo = false;
+    for (uint32_t i = (uint32_t)o->first; i < (uint32_t)o->n_prompts; i++) todo = todo || !have[i];
+    if (o->results && todo) {
+        if (!(run = run_json(o, &q->m->fingerprint))) st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+        else if ((fd = results_open(o->results, keep, err)) < 0) st = err->code;
+    }
+    for (uint32_t i = (uint32_t)o->first; i < (uint32_t)o->n_prompts && !st; i++) {
+        if (have[i]) continue;
+        int32_t *ids = NULL;
+        uint32_t n = 0;
+        char *answer = NULL;
+        st = make_prompt(q, i, &ids, &n, &answer, err);
+        if (!st) st = run_prompt(q, ids, n, answer, &pr[i], err);
+        free(ids);
+        free(answer);
+        if (st) {
+            kvb_err_prefix(err, "prompt %u: ", i + 1);
+            break;
+        }
+        pr[i].index = i;
+        progress(q, i, &pr[i]);
+        if (fd >= 0 && (st = results_append(fd, o->results, run, o->modes, &pr[i], err))) break;
+        have[i] = true;
+        (*computed)++;
+    }
+    if (fd >= 0) close(fd);
+    cJSON_Delete(run);
+    return st;
 }
 
 int kvb_bench_quality(int argc, char **argv) {
@@ -652,72 +1150,113 @@ int kvb_bench_quality(int argc, char **argv) {
     char model_buf[1024];
     int prc = parse_args(argc, argv, &o, model_buf, sizeof model_buf);
     if (prc) return prc == 1 ? 0 : prc;
-    FILE *mf = fopen(o.model, "rb");
-    if (!mf) {
+    FILE *mf = o.table_only ? NULL : fopen(o.model, "rb");
+    if (!o.table_only && !mf) {
         fprintf(stderr, "kvbridge bench quality: %s does not exist; run tools/fetch_gemma3.sh for the Gemma 3 270M "
                         "file, or give -m MODEL\n", o.model);
         return 1;
     }
-    fclose(mf);
+    if (mf) fclose(mf);
     qbench q = {.o = &o};
     kvb_err err = {0};
-    prompt_result *pr = calloc((size_t)o.n_prompts, sizeof *pr);
+    const uint32_t n_prompts = (uint32_t)o.n_prompts, gen = (uint32_t)o.gen;
+    prompt_result *pr = calloc(n_prompts, sizeof *pr);
+    bool *have = calloc(n_prompts, sizeof *have), existed = false;
+    uint32_t resumed = 0, computed = 0, present = 0;
+    long keep = -1;
     int rc = 1;
     const double t_start = kvb_now_s();
-    if (!pr) {
+    if (!pr || !have) {
         kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
         goto fail;
     }
-    if (bench_setup(&q, &err)) goto fail;
-    char desc[512];
-    kvb_model_describe(q.m, desc, sizeof desc);
-    printf("bench quality: %s\n", o.model);
-    printf("model      %s\n", desc);
-    printf("decoder    CPU engine, %d threads, %s kernels, cache %s, %u-token blocks\n", kvb_engine_threads(q.dec),
-           kvb_simd_name(), kvb_type_name(o.cache_type), BLOCK_TOKENS);
-    printf("modes     ");
-    if (o.modes[MODE_DECODER])
-        printf(" decoder (the bridge on the decoder's own forward%s)", o.perturb ? "; PERTURBED bridge: test-only" : "");
-    if (o.modes[MODE_PREFILL])
-        printf("%s prefill (prefill engine cache %s, rows re-encoded to %s)", o.modes[MODE_DECODER] ? ";" : "",
-               kvb_type_name(o.prefill_cache_type), kvb_type_name(o.cache_type));
-    printf("\nprompts    %lld needle-in-a-document prompts, %lld-%lld tokens, seed %llu; greedy, %u tokens per path\n",
-           o.n_prompts, o.min_tok, o.max_tok, (unsigned long long)o.seed, q.gen);
-    fflush(stdout);
-    for (uint32_t i = 0; i < (uint32_t)o.n_prompts; i++) {
-        int32_t *ids = NULL;
-        uint32_t n = 0;
-        char *answer = NULL;
-        kvb_status st = make_prompt(&q, i, &ids, &n, &answer, &err);
-        if (!st) st = run_prompt(&q, ids, n, answer, &pr[i], &err);
-        free(ids);
-        free(answer);
-        if (st) {
-            kvb_err_prefix(&err, "prompt %u: ", i + 1);
-            goto fail;
+    if (o.table_only) {
+        printf("bench quality: tables from %s (--table-only: nothing computed)\n", o.results);
+        printf("model      %s\n", base_name(o.model));
+    } else {
+        if (bench_setup(&q, &err)) goto fail;
+        char desc[512];
+        kvb_model_describe(q.m, desc, sizeof desc);
+        printf("bench quality: %s\n", o.model);
+        printf("model      %s\n", desc);
+        printf("decoder    CPU engine, %d threads, %s kernels, cache %s, %u-token blocks\n", kvb_engine_threads(q.dec),
+               kvb_simd_name(), kvb_type_name(o.cache_type), BLOCK_TOKENS);
+    }
+    print_settings(&o);
+    if (o.results &&
+        results_load(&o, o.table_only ? NULL : &q.m->fingerprint, pr, have, &resumed, &existed, &keep, &err))
+        goto fail;
+    if (o.table_only && !existed) {
+        kvb_err_set(&err, KVB_ERR_NOT_FOUND, "%s does not exist: --table-only tabulates the file that runs with "
+                    "--results FILE (and without --table-only) write", o.results);
+        goto fail;
+    }
+    if (!o.table_only) {
+        if (o.results && existed) {
+            printf("resumed %u prompts from %s", resumed, o.results);
+            if (resumed) {
+                printf(" (prompts ");
+                print_ranges(have, 0, n_prompts, true);
+                printf(": not computed again)");
+            }
+            printf("\n");
+        } else if (o.results) {
+            printf("results    %s (a new file): one line per prompt as it finishes\n", o.results);
         }
-        progress(&q, i, &pr[i]);
+        bool before = false;
+        for (uint32_t i = 0; i < (uint32_t)o.first; i++) before = before || !have[i];
+        if (before) {
+            printf("prompts ");
+            print_ranges(have, 0, (uint32_t)o.first, false);
+            printf(" are before --first %lld%s%s: absent from the tables\n", o.first, o.results ? " and not in " : "",
+                   o.results ? o.results : "");
+        }
+        fflush(stdout);
+        if (compute(&q, pr, have, keep, &computed, &err)) goto fail;
+    }
+    /* the tables and the claim are over the prompts present, gathered at the front of pr */
+    for (uint32_t i = 0; i < n_prompts; i++)
+        if (have[i]) pr[present++] = pr[i];
+    if (!present) {
+        kvb_err_set(&err, KVB_ERR_NOT_FOUND, "%s holds none of prompts 1-%u of these settings: nothing to tabulate",
+                    o.results, n_prompts);
+        goto fail;
+    }
+    if (o.results || o.first) {
+        printf("\n%u of %u prompts present", present, n_prompts);
+        if (present < n_prompts) {
+            printf(" (absent: ");
+            print_ranges(have, 0, n_prompts, false);
+            printf("); the tables and the claim are over the present ones");
+        }
+        printf("\n");
     }
     for (int m = 0; m < N_MODES; m++) {
         if (!o.modes[m]) continue;
         printf("\nmode %s: %s\n", k_mode_names[m],
                m == MODE_DECODER ? "the bridge runs the decoder's arithmetic on the prefill engine's attention inputs"
                                  : "the prefill engine's own K/V rows re-encoded into the decoder's format");
-        print_table(pr, (uint32_t)o.n_prompts, m, q.gen);
+        print_table(pr, present, m, gen);
     }
     printf("\nagree run: generated tokens before the first divergence / %u; same tokens: positions with the same "
            "token; identical: prompts with all %u the same; KL(native || bridged) per step, teacher-forced on the "
            "native tokens (mean of prompt means; max over all steps); needle: the answer in the %u generated "
            "tokens.\n",
-           q.gen, q.gen, q.gen);
+           gen, gen, gen);
     rc = 0;
-    if (o.modes[MODE_DECODER] && !decoder_claim(&q, pr, (uint32_t)o.n_prompts)) rc = 1;
-    printf("\nbench quality: %lld prompts in %.1f s\n", o.n_prompts, kvb_now_s() - t_start);
+    if (o.modes[MODE_DECODER] && !decoder_claim(gen, pr, present)) rc = 1;
+    if (o.table_only) printf("\nbench quality: %u of %u prompts, tabulated from %s\n", present, n_prompts, o.results);
+    else {
+        printf("\nbench quality: %u prompts in %.1f s", computed, kvb_now_s() - t_start);
+        if (resumed) printf(", %u resumed from %s", resumed, o.results);
+        printf("\n");
+    }
     goto done;
 fail:
     fprintf(stderr, "kvbridge bench quality: %s\n", err.msg);
 done:
     bench_free(&q);
     free(pr);
+    free(have);
     return rc;
 }
