@@ -510,6 +510,56 @@ static void test_attention_window(void **state) {
     for (size_t i = 0; i < KVB_ARRAY_LEN(cfgs); i++) run_att_case(&cfgs[i]);
 }
 
+/* cuDNN's fused attention (variant 4: the K/V gather, then cuDNN's graph), against the same float64
+ * reference and limit as our kernels. cuDNN is required here: the test runs where the GPU tests
+ * run, and the engine's default depends on it. Shapes: prefixes (bottom-right causal mask), GQA,
+ * one query, odd lengths, Llama-3.1-8B's and Llama-3.2-1B's heads. */
+static void test_attention_cudnn(void **state) {
+    (void)state;
+    require_gpu();
+    const att_cfg cfgs[] = {
+        {128, 8, 2, 130, 77, 16, 4, 0, 0},    {128, 8, 2, 1, 300, 64, 4, 0, 0},  {64, 8, 8, 50, 0, 64, 4, 0, 0},
+        {64, 4, 1, 200, 33, 32, 4, 0, 0},     {128, 4, 1, 300, 1000, 64, 4, 0, 0}, {128, 32, 8, 256, 1100, 64, 4, 0, 0},
+        {64, 32, 8, 257, 700, 64, 4, 0, 0.05f}, {128, 4, 4, 64, 0, 16, 4, 0, 0},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cfgs); i++) run_att_case(&cfgs[i]);
+}
+
+/* The gather that feeds cuDNN: every row bit-exact, from a table of scattered blocks */
+static void test_gather_kv(void **state) {
+    (void)state;
+    require_gpu();
+    const uint32_t shapes[][4] = {{8, 128, 64, 1000}, {2, 64, 16, 77}, {4, 256, 32, 33}, {8, 64, 1024, 1500}};
+    for (size_t si = 0; si < KVB_ARRAY_LEN(shapes); si++) {
+        const uint32_t Hkv = shapes[si][0], D = shapes[si][1], bt = shapes[si][2], n_pos = shapes[si][3], layer = 1;
+        host_cache hc;
+        cache_make(&hc, 3, Hkv, D, bt, n_pos);
+        for (uint32_t l = 0; l < 3; l++)
+            for (uint32_t kv = 0; kv < 2; kv++)
+                for (uint32_t h = 0; h < Hkv; h++)
+                    for (uint32_t p = 0; p < n_pos; p++) {
+                        uint16_t *r = cache_row(&hc, l, kv, h, p);
+                        for (uint32_t i = 0; i < D; i++) r[i] = to_bf(rnd_normal());
+                    }
+        const size_t nb = (size_t)Hkv * n_pos * D;
+        uint16_t *k = malloc(nb * 2), *v = malloc(nb * 2);
+        assert_true(k && v);
+        poison_bf16(k, nb);
+        poison_bf16(v, nb);
+        kvb_err err = {0};
+        if (kvb_cuda_test_gather_kv(&hc.c, layer, n_pos, k, v, &err)) fail_msg("%s", err.msg);
+        for (uint32_t h = 0; h < Hkv; h++)
+            for (uint32_t p = 0; p < n_pos; p++)
+                if (memcmp(k + ((size_t)h * n_pos + p) * D, cache_row(&hc, layer, 0, h, p), D * 2) ||
+                    memcmp(v + ((size_t)h * n_pos + p) * D, cache_row(&hc, layer, 1, h, p), D * 2))
+                    fail_msg("gather Hkv %u D %u bt %u: head %u position %u differs", Hkv, D, bt, h, p);
+        print_message("gather Hkv %u D %u bt %u positions %u: bit-exact\n", Hkv, D, bt, n_pos);
+        free(k);
+        free(v);
+        cache_free(&hc);
+    }
+}
+
 int main(void) {
     const char *s = getenv("KVB_TEST_SEED");
     g_seed = s ? strtoull(s, NULL, 0) : ((uint64_t)time(NULL) ^ ((uint64_t)clock() << 32));
@@ -520,6 +570,7 @@ int main(void) {
         cmocka_unit_test(test_embed),    cmocka_unit_test(test_rmsnorm),   cmocka_unit_test(test_rmsnorm_add),
         cmocka_unit_test(test_glu),      cmocka_unit_test(test_gemm),      cmocka_unit_test(test_qkv_post),
         cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_window),
+        cmocka_unit_test(test_attention_cudnn), cmocka_unit_test(test_gather_kv),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -43,7 +43,14 @@ static void help(FILE *f) {
             "                       fraction of the prefill time (kernels and copies to pinned memory; the\n"
             "                       slabs are not sent anywhere)\n"
             "  --ceiling-reps N     (cuda) timed GEMMs for the ceiling (default 20)\n"
-            "  --warmup N           (cuda) untimed forwards before each size's timed ones (default 1)\n");
+            "  --warmup N           (cuda) untimed forwards before each size's timed ones (default 1)\n"
+            "  --attention A        (cuda) attention on global layers: own (the engine's flash kernel), cudnn\n"
+            "                       (cuDNN's fused attention, libcudnn.so.9 on LD_LIBRARY_PATH), both (each size\n"
+            "                       with each, side by side, and their ratio) or auto (default: cuDNN when it\n"
+            "                       loads; KVB_CUDA_ATTENTION=own|cudnn sets the default everywhere)\n"
+            "  --host-overhead      (cuda) after each size, one forward enqueued behind a gate kernel (the GPU\n"
+            "                       waits until the host has enqueued everything), timed on the GPU: the share of\n"
+            "                       the wall time the GPU spent waiting for the host (launch gaps, host work)\n");
 }
 
 
@@ -166,7 +173,20 @@ static kvb_status bench_bridge_ship(void *ctx, uint32_t layer, uint32_t pos0, ui
 }
 
 static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, int reps, int warmup, uint32_t chunk,
-                              int ceiling_reps, const char *peer_json, const char *json_path, uint32_t bridge_dtype) {
+                              int ceiling_reps, const char *peer_json, const char *json_path, uint32_t bridge_dtype,
+                              const char *attn_arg, bool host_overhead) {
+    /* --attention: the kinds to time side by side (0 = the engine's choice) */
+    kvb_cuda_attention kinds[2] = {KVB_CUDA_ATTN_AUTO, KVB_CUDA_ATTN_AUTO};
+    int n_kinds = 1;
+    if (attn_arg) {
+        if (!strcmp(attn_arg, "own")) kinds[0] = KVB_CUDA_ATTN_OWN;
+        else if (!strcmp(attn_arg, "cudnn")) kinds[0] = KVB_CUDA_ATTN_CUDNN;
+        else if (!strcmp(attn_arg, "both")) kinds[0] = KVB_CUDA_ATTN_OWN, kinds[1] = KVB_CUDA_ATTN_CUDNN, n_kinds = 2;
+        else if (strcmp(attn_arg, "auto")) {
+            fprintf(stderr, "kvbridge bench: --attention expects own, cudnn, both or auto, got '%s'\n", attn_arg);
+            return 2;
+        }
+    }
     long long sizes[16];
     int n_sizes = 0;
     long long max_n = 0;
@@ -195,13 +215,15 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
     cJSON *peer = NULL, *out = NULL;
     bench_bridge bb = {0};
     double *tps_bridged = NULL;
+    double gated[2][16] = {{0}}; /* --host-overhead: the gated forward's GPU seconds per kind and size */
     int rc = 1;
     if (peer_json && !(peer = read_json(peer_json)))
         fprintf(stderr, "kvbridge bench: could not read peer figures from %s; continuing without them\n", peer_json);
 
     double t0 = kvb_now_s();
     if (kvb_model_load(model_path, &m, &err)) goto fail;
-    kvb_cuda_opts o = {.max_ctx = (uint32_t)max_n, .max_batch = chunk, .no_prefix_cache = true};
+    kvb_cuda_opts o = {.max_ctx = (uint32_t)max_n, .max_batch = chunk, .no_prefix_cache = true,
+                       .attention = n_kinds == 2 ? KVB_CUDA_ATTN_CUDNN : kinds[0]};
     if (bridge_dtype) {
         if (kvb_bridge_cuda_create(m, bridge_dtype, chunk ? chunk : (max_n < 8192 ? (uint32_t)max_n : 8192), &bb.b,
                                    &err))
@@ -209,7 +231,7 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
         kvb_bridge_cuda_set_ship(bb.b, bench_bridge_ship, &bb);
         o.layer_hook = bench_bridge_hook;
         o.layer_hook_ctx = &bb;
-        if (!(tps_bridged = calloc((size_t)reps * n_sizes, sizeof(double)))) {
+        if (!(tps_bridged = calloc((size_t)reps * n_sizes * n_kinds, sizeof(double)))) {
             kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
             goto fail;
         }
@@ -217,7 +239,7 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
     if (kvb_cuda_engine_create(m, &o, &e, &err)) goto fail;
     double t_load = kvb_now_s() - t0;
     toks = malloc(sizeof(int32_t) * (size_t)max_n);
-    tps = malloc(sizeof(double) * (size_t)reps * n_sizes);
+    tps = malloc(sizeof(double) * (size_t)reps * n_sizes * n_kinds);
     if (!toks || !tps) {
         kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
         goto fail;
@@ -231,8 +253,16 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
     if (getenv("KVB_CUDA_DEBUG_SKIP_ATTENTION"))
         printf("NOTE       KVB_CUDA_DEBUG_SKIP_ATTENTION is set: attention is left out (diagnostic timing only)\n");
     if (getenv("KVB_CUDA_FA_BR")) printf("NOTE       KVB_CUDA_FA_BR=%s\n", getenv("KVB_CUDA_FA_BR"));
+    char adesc[2][768];
+    for (int ai = 0; ai < n_kinds; ai++) {
+        if (n_kinds == 2 && kvb_cuda_engine_set_attention(e, kinds[ai], &err)) goto fail;
+        kvb_cuda_engine_attention_describe(e, adesc[ai], sizeof adesc[ai]);
+        printf("attention  %s%s\n", n_kinds == 2 ? (ai ? "[B] " : "[A] ") : "", adesc[ai]);
+    }
 
     kvb_rng rng;
+    for (int ai = 0; ai < n_kinds; ai++) {
+    if (n_kinds == 2 && kvb_cuda_engine_set_attention(e, kinds[ai], &err)) goto fail;
     for (int si = 0; si < n_sizes; si++) {
         const uint32_t n = (uint32_t)sizes[si];
         for (int pass = 0; pass < (bridge_dtype ? 2 : 1); pass++)
@@ -254,13 +284,35 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
             kvb_cuda_seq_free(s);
             free(lg);
             if (st) goto fail;
+            if (r == reps - 1 && pass == 0 && host_overhead) { /* one more forward, gated */
+                kvb_cuda_stats cs0;
+                kvb_cuda_engine_stats(e, &cs0);
+                const int gate_ms = (int)(2000.0 * cs0.last_forward_s) + 50;
+                kvb_cuda_seq *gs = NULL;
+                float *glg = malloc(sizeof(float) * m->d.n_vocab);
+                kvb_status gst = !glg ? kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory")
+                                      : kvb_cuda_engine_gate_next(e, gate_ms < 60000 ? gate_ms : 60000, &err);
+                if (!gst) gst = kvb_cuda_seq_create(e, &gs, &err);
+                if (!gst) gst = kvb_cuda_forward(e, gs, toks, n, glg, false, &err);
+                kvb_cuda_seq_free(gs);
+                free(glg);
+                if (gst) goto fail;
+                kvb_cuda_engine_stats(e, &cs0);
+                gated[ai][si] = cs0.last_gated_gpu_s;
+            }
             if (r >= 0) {
-                double *dst = pass ? tps_bridged : tps;
+                double *dst = (pass ? tps_bridged : tps) + (size_t)ai * n_sizes * reps;
                 dst[si * reps + r] = n / (b - a);
-                fprintf(stderr, "bench prefill cuda: %u tokens%s, run %d/%d: %.0f tok/s (%.3f s)\n", n,
-                        pass ? " with the bridge" : "", r + 1, reps, dst[si * reps + r], b - a);
+                fprintf(stderr, "bench prefill cuda: %u tokens%s%s, run %d/%d: %.0f tok/s (%.3f s)\n", n,
+                        pass ? " with the bridge" : "", n_kinds == 2 ? (ai ? " [B]" : " [A]") : "", r + 1, reps,
+                        dst[si * reps + r], b - a);
             }
         }
+    }
+    }
+    if (n_kinds == 2) { /* a fallback counted during the runs shows in the description */
+        kvb_cuda_engine_attention_describe(e, adesc[1], sizeof adesc[1]);
+        printf("attention  [B] after the runs: %s\n", adesc[1]);
     }
     double c_med = 0, c_best = 0;
     if (kvb_cuda_gemm_bench(kvb_cuda_engine_opts(e)->device, 8192, 8192, 8192, ceiling_reps, &c_med, &c_best, &err))
@@ -274,14 +326,17 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
         const cJSON *pn = cJSON_GetObjectItem(peer, "peer");
         printf("peer       %s\n", cJSON_IsString(pn) ? pn->valuestring : peer_json);
     }
-    printf("%8s %12s %10s %9s %12s %8s   %s\n", "tokens", "tok/s", "TFLOP/s", "%ceiling", "peer tok/s", "vs peer",
-           "runs (tok/s)");
     out = cJSON_CreateObject();
     cJSON *arr = cJSON_AddArrayToObject(out, "results");
+    for (int ai = 0; ai < n_kinds; ai++) {
+    if (n_kinds == 2) printf("%s %s\n", ai ? "[B]" : "[A]", ai ? "cuDNN fused attention" : "own attention kernel");
+    printf("%8s %12s %10s %9s %12s %8s   %s\n", "tokens", "tok/s", "TFLOP/s", "%ceiling", "peer tok/s", "vs peer",
+           "runs (tok/s)");
     for (int si = 0; si < n_sizes; si++) {
         double runs[100];
-        memcpy(runs, tps + si * reps, sizeof(double) * (size_t)reps);
-        double med = kvb_median_sort(tps + si * reps, reps);
+        const double *tk = tps + (size_t)ai * n_sizes * reps;
+        memcpy(runs, tk + si * reps, sizeof(double) * (size_t)reps);
+        double med = kvb_median_sort(runs, reps);
         double tf = prefill_flops(&m->d, (double)sizes[si]) / ((double)sizes[si] / med) / 1e12;
         double pt = peer ? peer_tok_s(peer, sizes[si]) : -1;
         char ps[32] = "-", pr[32] = "-";
@@ -298,9 +353,35 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
         cJSON_AddNumberToObject(it, "tflops", tf);
         cJSON_AddNumberToObject(it, "ceiling_fraction", tf / c_med);
         cJSON_AddNumberToObject(it, "peer_tok_s", pt);
+        cJSON_AddStringToObject(it, "attention", adesc[ai]);
         cJSON *ra = cJSON_AddArrayToObject(it, "runs_tok_s");
         for (int r = 0; r < reps; r++) cJSON_AddItemToArray(ra, cJSON_CreateNumber(runs[r]));
         cJSON_AddItemToArray(arr, it);
+    }
+    }
+    if (host_overhead) {
+        printf("host overhead: the GPU's time for a forward enqueued behind a gate and run back to back, vs the\n"
+               "median wall time; the difference is time the GPU waited for the host (launch gaps, host work)\n");
+        printf("%8s %6s %12s %12s %10s\n", "tokens", "attn", "wall s", "GPU s", "host share");
+        for (int ai = 0; ai < n_kinds; ai++)
+            for (int si = 0; si < n_sizes; si++) {
+                double rr[100];
+                memcpy(rr, tps + ((size_t)ai * n_sizes + si) * reps, sizeof(double) * (size_t)reps);
+                const double wall = (double)sizes[si] / kvb_median_sort(rr, reps);
+                printf("%8lld %6s %12.4f %12.4f %9.1f%%\n", sizes[si],
+                       kinds[ai] == KVB_CUDA_ATTN_OWN ? "own" : kinds[ai] == KVB_CUDA_ATTN_CUDNN ? "cudnn" : "auto", wall,
+                       gated[ai][si], 100.0 * (1.0 - gated[ai][si] / wall));
+            }
+    }
+    if (n_kinds == 2) {
+        printf("side by side: cuDNN / own kernel, median tok/s\n");
+        for (int si = 0; si < n_sizes; si++) {
+            double ra[100], rb[100];
+            memcpy(ra, tps + si * reps, sizeof(double) * (size_t)reps);
+            memcpy(rb, tps + ((size_t)n_sizes + si) * reps, sizeof(double) * (size_t)reps);
+            const double ma = kvb_median_sort(ra, reps), mb = kvb_median_sort(rb, reps);
+            printf("%8lld %12.0f %12.0f %8.2fx\n", sizes[si], ma, mb, mb / ma);
+        }
     }
     if (bridge_dtype) {
         printf("bridge     decoder-mode bridge kernel (this file's K/V weights, %s, cache %s) hooked after every\n"
@@ -309,6 +390,7 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
         printf("%8s %12s %14s %10s\n", "tokens", "plain tok/s", "bridged tok/s", "cost");
         for (int si = 0; si < n_sizes; si++) {
             double mp = kvb_median_sort(tps + si * reps, reps), mb = kvb_median_sort(tps_bridged + si * reps, reps);
+            /* (kind A's figures when two kinds ran) */
             printf("%8lld %12.0f %14.0f %9.1f%%\n", sizes[si], mp, mb, 100.0 * (mp / mb - 1.0));
         }
     }
@@ -361,8 +443,8 @@ int kvb_cmd_bench(int argc, char **argv) {
         return 2;
     }
     long long threads = 0, n_tok = 512, n_gen = 128, n_ctx = 16, reps = 3, chunk = 0, ceiling_reps = 20, warmup = 1;
-    const char *tokens_arg = NULL, *peer_json = NULL;
-    bool cuda = false;
+    const char *tokens_arg = NULL, *peer_json = NULL, *attn_arg = NULL;
+    bool cuda = false, host_overhead = false;
     uint32_t cache_type = KVB_TYPE_F16, bridge_type = 0;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -405,6 +487,10 @@ int kvb_cmd_bench(int argc, char **argv) {
             if (!(json_path = kvb_arg_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--bridge")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &bridge_type)) return 2;
+        } else if (!strcmp(a, "--attention")) {
+            if (!(attn_arg = kvb_arg_value(cmd, argc, argv, &i))) return 2;
+        } else if (!strcmp(a, "--host-overhead")) {
+            host_overhead = true;
         } else {
             fprintf(stderr, "kvbridge bench: unknown option '%s' (see kvbridge bench --help)\n", a);
             return 2;
@@ -421,9 +507,10 @@ int kvb_cmd_bench(int argc, char **argv) {
         }
 #ifdef KVB_HAVE_CUDA
         return bench_prefill_cuda(model_path, tokens_arg ? tokens_arg : "2048", (int)reps, (int)warmup,
-                                  (uint32_t)chunk, (int)ceiling_reps, peer_json, json_path, bridge_type);
+                                  (uint32_t)chunk, (int)ceiling_reps, peer_json, json_path, bridge_type,
+                                  attn_arg, host_overhead);
 #else
-        (void)bridge_type;
+        (void)bridge_type, (void)attn_arg, (void)host_overhead;
         fprintf(stderr, "kvbridge bench: --device cuda: this kvbridge was built without the CUDA engine "
                         "(configure with -DKVB_CUDA=ON where nvcc is installed)\n");
         return 2;

@@ -23,6 +23,7 @@
 #   STAGES ("tests peer bench split small"; split = the 8B bench again without attention and with
 #   64-row attention tiles, to see where the time goes)  PEER_JSON: use this peer JSON instead of
 #   running the peer (when the stage list leaves "peer" out)  LONG=1: also 131072 tokens on the 8B shape (1 run)
+#   ATTENTION (both: every bench with our kernel and cuDNN's, side by side; own|cudnn|auto: one)
 #   SMALL_SIZES (1024,8192,32768)  DEADLINE (seconds for the whole script, default 3000: each
 #   step's timeout is cut to what is left, and steps that cannot start in time are skipped)
 set -u
@@ -106,6 +107,8 @@ EOF
     if [ -e "$d/libcublas.so.13" ]; then export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; break; fi
   done
 fi
+. "$ROOT/tools/device/cudnn_env.sh" | tee -a "$LOG" # cuDNN for the fused-attention alternative (dlopen)
+. "$ROOT/tools/device/cudnn_env.sh" >/dev/null       # (again outside the pipe, so the export sticks)
 if ldd "$BIN" | grep "not found" | tee -a "$LOG" | grep -q .; then
   say "kvbridge cannot find its libraries (above); stopping"
   exit 1
@@ -163,13 +166,14 @@ fi
 if want bench && [ -s "$L8B" ] && enough 40 "bench 8B"; then
   say "kvbridge bench prefill --device cuda, llama3.1-8b at $SIZES"
   timeout "$(tmo 300)" "$BIN" bench prefill --device cuda -m "$L8B" --tokens "$SIZES" --reps "$REPS" \
-    --peer-json "${PEER_JSON:-$OUT/peer.json}" --json "$OUT/bench_8b.json" >"$OUT/bench_8b.txt" 2>&1
+    --peer-json "${PEER_JSON:-$OUT/peer.json}" --json "$OUT/bench_8b.json" --attention "${ATTENTION:-both}" \
+    >"$OUT/bench_8b.txt" 2>&1
   say "bench 8B: exit $?"
   cat "$OUT/bench_8b.txt" >>"$LOG"
   if [ "${LONG:-0}" = 1 ] && enough 90 "bench 8B 128K"; then
     say "kvbridge bench prefill --device cuda, llama3.1-8b at 131072 tokens"
     timeout "$(tmo 400)" "$BIN" bench prefill --device cuda -m "$L8B" --tokens 131072 --reps 1 --warmup 0 \
-      --ceiling-reps 5 >>"$OUT/bench_small.txt" 2>&1
+      --ceiling-reps 5 --attention "${ATTENTION:-both}" >>"$OUT/bench_small.txt" 2>&1
     say "bench 8B 128K: exit $?"
   fi
 fi
@@ -187,7 +191,8 @@ if want small; then
     [ -s "$f" ] || continue
     enough 25 "bench $(basename "$f")" || continue
     say "kvbridge bench prefill --device cuda, $(basename "$f") at $SMALL_SIZES"
-    timeout "$(tmo 200)" "$BIN" bench prefill --device cuda -m "$f" --tokens "$SMALL_SIZES" --reps "$REPS" >>"$OUT/bench_small.txt" 2>&1
+    timeout "$(tmo 200)" "$BIN" bench prefill --device cuda -m "$f" --tokens "$SMALL_SIZES" --reps "$REPS" \
+      --attention "${ATTENTION:-both}" --host-overhead >>"$OUT/bench_small.txt" 2>&1
     say "bench $(basename "$f"): exit $?"
   done
   [ -f "$OUT/bench_small.txt" ] && grep -vE '^bench prefill cuda: ' "$OUT/bench_small.txt" >>"$LOG"
@@ -200,11 +205,11 @@ fi
   printf '%s\n' "${SUMMARY[@]}"
   if [ -s "$OUT/bench_8b.txt" ]; then
     echo "---- llama3.1-8b bf16 prefill (kvbridge bench prefill --device cuda)"
-    grep -E '^(ceiling|peer|memory|device) ' "$OUT/bench_8b.txt"
-    awk '/^  *tokens /{p=1} p && !/^memory/' "$OUT/bench_8b.txt"
+    grep -E '^(ceiling|peer|memory|device|attention) ' "$OUT/bench_8b.txt"
+    awk '/^(\[A\]|  *tokens )/{p=1} p && !/^memory/' "$OUT/bench_8b.txt"
   fi
   if [ -s "$OUT/bench_small.txt" ]; then
     echo "---- more benchmarks (bench_small.txt)"
-    grep -E '^(model  |NOTE  |  *[0-9]+ )' "$OUT/bench_small.txt" | grep -v '^           '
+    grep -E '^(model  |NOTE  |attention|host overhead|side by side|\[[AB]\]|  *[0-9]+ )' "$OUT/bench_small.txt" | grep -v '^           '
   fi
 } | tee -a "$LOG"

@@ -21,6 +21,7 @@ D=${D:-.devcarry-gpu}
 case $D in /*) DL=$D/lib ;; *) DL=$PWD/$D/lib ;; esac # D may be absolute (a copy kept in /tmp between calls)
 export LD_LIBRARY_PATH="$DL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 K=$D/kvbridge
+. "$(dirname "$0")/cudnn_env.sh" # cuDNN for the engine's fused-attention choice (dlopen), when the host has it
 OUT=${OUT:-/tmp/kvb-node-check}
 MD=${MODELS_DIR:-/tmp/kvb-models}
 STAGES=${STAGES:-"tests verify cost ladder"}

@@ -306,6 +306,34 @@ __global__ void attn_generic_kernel(kvb_cu_attn_args a, float scale) {
     }
 }
 
+/* ---- K/V gather for cuDNN's attention ------------------------------------------------------------- */
+
+/* One thread per 16 bytes of a row: k_out / v_out (Hkv, n_pos, D) <- the cache rows of `layer`. */
+__global__ void gather_kv_kernel(kvb_cu_cache c, int layer, int n_pos, uint4 *k_out, uint4 *v_out) {
+    const int vec = c.head_dim / 8, Hkv = c.n_head_kv;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 2LL * Hkv * n_pos * vec) return;
+    const int w = (int)(i % vec);
+    long long r = i / vec;
+    const int p = (int)(r % n_pos);
+    r /= n_pos;
+    const int h = (int)(r % Hkv), kv = (int)(r / Hkv), bt = 1 << c.bt_shift;
+    const uint8_t *blk = c.pool + (size_t)c.blocks[p >> c.bt_shift] * c.block_bytes;
+    const size_t row = ((size_t)(layer * 2 + kv) * Hkv + h) * bt + (p & (bt - 1));
+    const uint4 *src = (const uint4 *)(blk + row * (size_t)c.head_dim * 2);
+    (kv ? v_out : k_out)[((size_t)h * n_pos + p) * vec + w] = src[w];
+}
+
+extern "C" cudaError_t kvb_cu_gather_kv(const kvb_cu_cache *c, int layer, int n_pos, void *k_out, void *v_out,
+                                        cudaStream_t st) {
+    if (n_pos <= 0) return cudaSuccess;
+    if (c->head_dim <= 0 || c->head_dim % 8 || c->n_head_kv <= 0 || layer < 0) return cudaErrorInvalidValue;
+    const long long total = 2LL * c->n_head_kv * n_pos * (c->head_dim / 8), blocks = (total + 255) / 256;
+    if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
+    gather_kv_kernel<<<(unsigned)blocks, 256, 0, st>>>(*c, layer, n_pos, (uint4 *)k_out, (uint4 *)v_out);
+    return cudaGetLastError();
+}
+
 /* ---- launchers ---------------------------------------------------------------------------------- */
 
 extern "C" cudaError_t kvb_cu_attention_init(void) {

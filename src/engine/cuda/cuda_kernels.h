@@ -68,11 +68,18 @@ typedef struct {
  * Keys before the window of the chunk's first query are never read (neither their cache rows nor
  * their block-table entries). */
 cudaError_t kvb_cu_attention(const kvb_cu_attn_args *a, int variant, cudaStream_t st);
+/* Copies the K and V rows of `layer` for positions 0 .. n_pos-1 out of the paged cache into
+ * k_out, v_out (Hkv, n_pos, D) bf16, contiguous (cuDNN's attention reads them so); D % 8 == 0. */
+cudaError_t kvb_cu_gather_kv(const kvb_cu_cache *c, int layer, int n_pos, void *k_out, void *v_out, cudaStream_t st);
 /* One-time per-process setup (shared-memory limits); idempotent. */
 cudaError_t kvb_cu_attention_init(void);
 
 /* n bf16 values, uniform in [-scale, scale), from a counter-based hash of (seed, index). */
 cudaError_t kvb_cu_fill_random_bf16(void *p, size_t n, uint64_t seed, float scale, cudaStream_t st);
+
+/* Diagnostics: a one-thread kernel that spins until *flag (device view of host-mapped memory)
+ * becomes non-zero. */
+cudaError_t kvb_cu_gate(volatile int *flag, cudaStream_t st);
 
 #ifdef __cplusplus
 }

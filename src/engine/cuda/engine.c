@@ -11,11 +11,14 @@
  * then the final norm and the output head for the rows whose logits are wanted. Everything is
  * queued on one stream; the host waits once, when the logits are copied back. */
 #include <math.h>
+#include <pthread.h>
+#include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cuda_internal.h"
+#include "cudnn_attention.h"
 #include "kvb_quant.h"
 #include "kvb_store.h"
 
@@ -258,6 +261,16 @@ struct kvb_cuda_engine {
     /* accounting */
     size_t weight_bytes, kv_bytes, act_bytes, peak_used;
     uint64_t prefix_hit_tokens;
+    /* attention on global layers: cuDNN's when dnn is loaded and o.attention says so */
+    kvb_cudnn_attn *dnn;
+    char dnn_why[512];   /* why cuDNN is not in use, or the first shape it refused */
+    uint64_t dnn_fallbacks; /* calls cuDNN refused (no engine for the shape): run by the engine's kernel */
+    /* diagnostics (kvb_cuda_engine_gate_next) */
+    int gate_ms;            /* > 0: the next forward is gated */
+    volatile int *gate_host; /* host-mapped flag, and its device view */
+    int *gate_dev;
+    cudaEvent_t gate_ev[2];
+    double last_gated_gpu_s;
     double last_forward_s, last_enqueue_s;
 };
 
@@ -490,6 +503,57 @@ done:
     return st;
 }
 
+/* Resolves o.attention (AUTO: the environment's KVB_CUDA_ATTENTION, else cuDNN when it loads) and
+ * loads cuDNN's attention unless OWN was asked for. */
+static kvb_status attention_setup(kvb_cuda_engine *e, kvb_err *err) {
+    kvb_cuda_attention want = e->o.attention;
+    const char *env = getenv("KVB_CUDA_ATTENTION");
+    if (want == KVB_CUDA_ATTN_AUTO && env && *env) {
+        if (!strcmp(env, "own")) want = KVB_CUDA_ATTN_OWN;
+        else if (!strcmp(env, "cudnn")) want = KVB_CUDA_ATTN_CUDNN;
+        else if (strcmp(env, "auto"))
+            return kvb_err_set(err, KVB_ERR_INVALID, "KVB_CUDA_ATTENTION must be own, cudnn or auto, got '%s'", env);
+    }
+    e->o.attention = KVB_CUDA_ATTN_OWN;
+    if (want == KVB_CUDA_ATTN_OWN) {
+        snprintf(e->dnn_why, sizeof e->dnn_why, "not asked for");
+        return KVB_OK;
+    }
+    const kvb_model_desc *d = &e->m->d;
+    kvb_err de = {0};
+    size_t scratch = 0;
+    if (kvb_cudnn_attn_create(e->st, (int)d->n_head_kv, (int)d->head_dim, e->o.max_ctx, &e->dnn, &scratch, &de)) {
+        if (want == KVB_CUDA_ATTN_CUDNN) {
+            *err = de;
+            return de.code ? de.code : KVB_ERR_UNSUPPORTED;
+        }
+        snprintf(e->dnn_why, sizeof e->dnn_why, "%s", de.msg);
+        return KVB_OK;
+    }
+    e->act_bytes += scratch;
+    e->o.attention = KVB_CUDA_ATTN_CUDNN;
+    return KVB_OK;
+}
+
+kvb_status kvb_cuda_engine_set_attention(kvb_cuda_engine *e, kvb_cuda_attention a, kvb_err *err) {
+    if (a == KVB_CUDA_ATTN_CUDNN && !e->dnn)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "cuDNN attention is not loaded: %s", e->dnn_why);
+    if (a != KVB_CUDA_ATTN_CUDNN && a != KVB_CUDA_ATTN_OWN)
+        return kvb_err_set(err, KVB_ERR_INVALID, "attention must be own or cudnn");
+    e->o.attention = a;
+    return KVB_OK;
+}
+
+void kvb_cuda_engine_attention_describe(const kvb_cuda_engine *e, char *buf, size_t cap) {
+    if (e->o.attention == KVB_CUDA_ATTN_CUDNN)
+        snprintf(buf, cap, "%s on global layers (gather + fused SDPA)%s%llu calls fell back to the own kernel%s%s",
+                 kvb_cudnn_attn_describe(e->dnn), e->dnn_fallbacks ? "; " : "",
+                 (unsigned long long)e->dnn_fallbacks, e->dnn_fallbacks ? ": " : "",
+                 e->dnn_fallbacks ? e->dnn_why : "");
+    else
+        snprintf(buf, cap, "own flash-attention kernel (cuDNN: %s)", e->dnn ? "loaded, not selected" : e->dnn_why);
+}
+
 kvb_status kvb_cuda_engine_create(const kvb_model *m, const kvb_cuda_opts *opts, kvb_cuda_engine **out, kvb_err *err) {
     *out = NULL;
     char why[256];
@@ -558,6 +622,7 @@ kvb_status kvb_cuda_engine_create(const kvb_model *m, const kvb_cuda_opts *opts,
         }
     }
     KVB_CU_GOTO(kvb_cu_attention_init());
+    if ((st = attention_setup(e, err))) goto fail;
 
     if ((st = kvb_pool_create(o->n_threads > 0 ? o->n_threads : kvb_cpu_count(), &pool, err))) goto fail;
     if ((st = upload_weights(e, pool, err))) goto fail;
@@ -620,6 +685,12 @@ void kvb_cuda_engine_free(kvb_cuda_engine *e) {
                   e->o32,      e->q,           e->att,         e->gu,          e->act,        e->d_tok,
                   e->cublas_ws};
     for (size_t i = 0; i < KVB_ARRAY_LEN(ps); i++) cudaFree(ps[i]);
+    kvb_cudnn_attn_free(e->dnn);
+    if (e->gate_host) {
+        cudaFreeHost((void *)e->gate_host);
+        cudaEventDestroy(e->gate_ev[0]);
+        cudaEventDestroy(e->gate_ev[1]);
+    }
     if (e->cublas) cublasDestroy(e->cublas);
     if (e->st) cudaStreamDestroy(e->st);
     bm_free(&e->bm);
@@ -655,6 +726,30 @@ void kvb_cuda_engine_stats(kvb_cuda_engine *e, kvb_cuda_stats *out) {
     out->prefix_hit_tokens = e->prefix_hit_tokens;
     out->last_forward_s = e->last_forward_s;
     out->last_enqueue_s = e->last_enqueue_s;
+    out->last_gated_gpu_s = e->last_gated_gpu_s;
+}
+
+kvb_status kvb_cuda_engine_gate_next(kvb_cuda_engine *e, int gate_ms, kvb_err *err) {
+    if (gate_ms <= 0 || gate_ms > 60000) return kvb_err_set(err, KVB_ERR_INVALID, "gate_ms must be in 1..60000");
+    if (!e->gate_host) {
+        void *h = NULL;
+        KVB_CU(cudaHostAlloc(&h, sizeof(int), cudaHostAllocMapped));
+        e->gate_host = h;
+        *e->gate_host = 0;
+        KVB_CU(cudaHostGetDevicePointer((void **)&e->gate_dev, h, 0));
+        KVB_CU(cudaEventCreate(&e->gate_ev[0]));
+        KVB_CU(cudaEventCreate(&e->gate_ev[1]));
+    }
+    e->gate_ms = gate_ms;
+    return KVB_OK;
+}
+
+static void *gate_opener(void *arg) {
+    kvb_cuda_engine *e = arg;
+    struct timespec ts = {e->gate_ms / 1000, (long)(e->gate_ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+    __atomic_store_n((int *)e->gate_host, 1, __ATOMIC_SEQ_CST);
+    return NULL;
 }
 
 /* ---- sequences -------------------------------------------------------------------------------- */
@@ -766,6 +861,23 @@ static kvb_status residual_branch(kvb_cuda_engine *e, const void *W, int E, int 
     return KVB_OK;
 }
 
+/* One layer's attention: cuDNN's on a global layer when selected (a shape it has no engine for
+ * runs on the engine's kernel instead, counted), else the engine's kernel. */
+static kvb_status run_attention(kvb_cuda_engine *e, const cu_layer *L, const kvb_cu_attn_args *aa, kvb_err *err) {
+    if (e->o.attention == KVB_CUDA_ATTN_CUDNN && !L->window) {
+        kvb_err de = {0};
+        kvb_status rs = kvb_cudnn_attn_run(e->dnn, aa, &de);
+        if (!rs) return KVB_OK;
+        if (rs != KVB_ERR_UNSUPPORTED) {
+            *err = de;
+            return rs;
+        }
+        if (!e->dnn_fallbacks++) snprintf(e->dnn_why, sizeof e->dnn_why, "%s", de.msg);
+    }
+    KVB_CU(kvb_cu_attention(aa, 0, e->st));
+    return KVB_OK;
+}
+
 static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t pos0, uint32_t c, float *logits,
                                 bool all_logits, bool want_last, kvb_err *err) {
     const kvb_model_desc *d = &e->m->d;
@@ -787,7 +899,7 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
                                    e->q, cache, (int)l};
         KVB_CU(kvb_cu_qkv_post(&qa, st));
         kvb_cu_attn_args aa = {e->q, e->att, cache, (int)l, H, Hkv, D, n, (int)pos0, L->window, d->attn_scale};
-        if (!skip_attention()) KVB_CU(kvb_cu_attention(&aa, 0, st));
+        if (!skip_attention() && (rs = run_attention(e, L, &aa, err))) return rs;
         /* x += W_o att: in the GEMM's epilogue, or (gemma3) through the post-attention norm */
         if ((rs = residual_branch(e, L->w_o, E, Q, e->att, n, L->post_attn_norm, err))) return rs;
         KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->ffn_norm, eps, e->h, (size_t)E, NULL, st));
@@ -840,19 +952,45 @@ kvb_status kvb_cuda_forward(kvb_cuda_engine *e, kvb_cuda_seq *s, const int32_t *
     /* one upload for all chunks (a pageable copy waits for the stream: do it once, up front) */
     KVB_CU(cudaMemcpyAsync(e->d_tok + s->len, tokens, sizeof(int32_t) * n, cudaMemcpyHostToDevice, e->st));
 
+    /* diagnostics: a gated forward (kvb_cuda_engine_gate_next) */
+    pthread_t opener;
+    bool gated = false;
+    e->last_gated_gpu_s = 0;
+    if (e->gate_ms > 0) {
+        *e->gate_host = 0;
+        KVB_CU(kvb_cu_gate(e->gate_dev, e->st));
+        KVB_CU(cudaEventRecord(e->gate_ev[0], e->st));
+        if (pthread_create(&opener, NULL, gate_opener, e)) {
+            *e->gate_host = 1;
+            return kvb_err_set(err, KVB_ERR_INTERNAL, "cannot start the gate's thread");
+        }
+        gated = true;
+    }
     const uint32_t B = e->o.max_batch;
     for (uint32_t done = 0; done < n;) {
         const uint32_t c = n - done < B ? n - done : B;
         const bool last = done + c == n;
         float *lg = logits && all_logits ? logits + (size_t)done * V : logits;
         if ((st = forward_chunk(e, s, s->len + done, c, lg, all_logits, last, err))) {
+            if (gated) pthread_join(opener, NULL), e->gate_ms = 0;
             cudaStreamSynchronize(e->st);
             return st;
         }
         done += c;
     }
     const double t_enq = kvb_now_s();
+    if (gated) {
+        e->gate_ms = 0;
+        cudaError_t ge = cudaEventRecord(e->gate_ev[1], e->st);
+        pthread_join(opener, NULL);
+        KVB_CU(ge);
+    }
     KVB_CU(cudaStreamSynchronize(e->st));
+    if (gated) {
+        float ms = 0;
+        KVB_CU(cudaEventElapsedTime(&ms, e->gate_ev[0], e->gate_ev[1]));
+        e->last_gated_gpu_s = ms / 1000.0;
+    }
     KVB_CU(cudaGetLastError());
     s->len += n;
 

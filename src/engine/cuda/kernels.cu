@@ -298,3 +298,14 @@ extern "C" cudaError_t kvb_cu_fill_random_bf16(void *p, size_t n, uint64_t seed,
     fill_random_kernel<<<132 * 16, 256, 0, st>>>((bf16 *)p, n, seed, scale);
     return cudaGetLastError();
 }
+
+/* A diagnostic gate: one thread waits until the host writes non-zero to *flag (host-mapped
+ * memory), so work enqueued behind it runs back to back once released. */
+__global__ void gate_kernel(volatile int *flag) {
+    while (*flag == 0) __nanosleep(2000);
+}
+
+extern "C" cudaError_t kvb_cu_gate(volatile int *flag, cudaStream_t st) {
+    gate_kernel<<<1, 1, 0, st>>>(flag);
+    return cudaGetLastError();
+}

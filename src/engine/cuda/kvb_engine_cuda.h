@@ -52,6 +52,14 @@
 typedef kvb_status (*kvb_cuda_layer_hook)(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const float *d_h,
                                           void *stream, kvb_err *err);
 
+/* Which attention runs on global layers (sliding-window layers always use the engine's kernel). */
+typedef enum {
+    KVB_CUDA_ATTN_AUTO = 0, /* KVB_CUDA_ATTENTION from the environment (own|cudnn) if set, else cuDNN's
+                               fused attention when libcudnn.so.9 loads, else the engine's kernel */
+    KVB_CUDA_ATTN_OWN,      /* the engine's flash-attention kernel (attention.cu) */
+    KVB_CUDA_ATTN_CUDNN,    /* cuDNN's fused attention; creation fails when cuDNN cannot be loaded */
+} kvb_cuda_attention;
+
 typedef struct {
     int device;            /* CUDA device ordinal (default 0) */
     uint32_t block_tokens; /* tokens per cache block: a power of two in [16, 1024]; 0 = 64 */
@@ -62,6 +70,7 @@ typedef struct {
     int n_threads;         /* host threads for converting weights at load; 0 = all CPUs */
     kvb_cuda_layer_hook layer_hook; /* the bridge (prefill node), or NULL */
     void *layer_hook_ctx;
+    kvb_cuda_attention attention;   /* after creation: OWN or CUDNN, the one in use */
 } kvb_cuda_opts;
 
 typedef struct kvb_cuda_engine kvb_cuda_engine;
@@ -76,6 +85,11 @@ void kvb_cuda_engine_free(kvb_cuda_engine *e);
 const kvb_kvformat *kvb_cuda_engine_kvformat(const kvb_cuda_engine *e);
 /* The options after defaults were applied. */
 const kvb_cuda_opts *kvb_cuda_engine_opts(const kvb_cuda_engine *e);
+/* Switches global layers between the engine's kernel and cuDNN's (for side-by-side benchmarks);
+ * CUDNN fails with the reason when cuDNN was not loaded at creation. */
+kvb_status kvb_cuda_engine_set_attention(kvb_cuda_engine *e, kvb_cuda_attention a, kvb_err *err);
+/* "cuDNN 9.13.0 fused attention" or "own flash-attention kernel (cuDNN: <why not>)" */
+void kvb_cuda_engine_attention_describe(const kvb_cuda_engine *e, char *buf, size_t cap);
 /* "NVIDIA H200, 132 SMs, 139.8 GiB; weights 15.0 GiB bf16, KV 4.0 GiB (512 blocks of 64 tokens)" */
 void kvb_cuda_engine_describe(const kvb_cuda_engine *e, char *buf, size_t cap);
 
@@ -107,7 +121,17 @@ typedef struct {
     double last_forward_s;   /* wall time of the last kvb_cuda_forward */
     double last_enqueue_s;   /* of which the host spent enqueueing (close to last_forward_s when
                                 the GPU is the bottleneck: the launch queue fills and blocks) */
+    double last_gated_gpu_s; /* after a gated forward (kvb_cuda_engine_gate_next): the GPU's time for
+                                the work enqueued behind the gate, run back to back; else 0 */
 } kvb_cuda_stats;
+
+/* Diagnostics for the host-side overhead (launch gaps and host work) of a forward: the next
+ * kvb_cuda_forward enqueues a gate kernel first, so the GPU waits while the host enqueues the
+ * whole forward; a helper thread opens the gate after gate_ms milliseconds (choose it longer
+ * than the enqueueing), and CUDA events time what follows. 1 - last_gated_gpu_s / (an ungated
+ * forward's wall time) is the share of a forward the GPU spends waiting for the host. The gated
+ * forward's own wall time includes the wait and means nothing. */
+kvb_status kvb_cuda_engine_gate_next(kvb_cuda_engine *e, int gate_ms, kvb_err *err);
 void kvb_cuda_engine_stats(kvb_cuda_engine *e, kvb_cuda_stats *out);
 
 /* The bf16 GEMM ceiling: C(m,n) = A(m,k) B(k,n) in bf16 with f32 accumulation through cuBLAS on
@@ -166,9 +190,14 @@ kvb_status kvb_cuda_test_qkv_post(const kvb_cuda_test_qkv_args *a, kvb_err *err)
  * cache's K/V of `layer` for positions 0 .. pos0+n-1 (window > 0: only keys k with p - k < window);
  * scores times scale (0: 1/sqrt(D)); GQA head h -> h/(H/Hkv). variant 0: the engine's choice
  * (tensor-core kernel for D = 64 or 128), 1: the generic kernel, 2 / 3: the tensor-core kernel with
- * 64 / 128 query rows per CTA. */
+ * 64 / 128 query rows per CTA, 4: cuDNN's fused attention after the K/V gather (window must be 0;
+ * KVB_ERR_UNSUPPORTED when cuDNN cannot be loaded or has no engine for the shape). */
 kvb_status kvb_cuda_test_attention(const uint16_t *q, uint32_t n, uint32_t H, uint32_t pos0, uint32_t layer,
                                    uint32_t window, float scale, const kvb_cuda_test_cache *cache, int variant,
                                    uint16_t *out, kvb_err *err);
+/* k_out, v_out (Hkv, n_pos, D) bf16 = the cache's K and V rows of `layer` for positions 0 ..
+ * n_pos-1 (the gather that feeds cuDNN's attention). */
+kvb_status kvb_cuda_test_gather_kv(const kvb_cuda_test_cache *cache, uint32_t layer, uint32_t n_pos, uint16_t *k_out,
+                                   uint16_t *v_out, kvb_err *err);
 
 #endif

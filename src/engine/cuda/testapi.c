@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "cuda_internal.h"
+#include "cudnn_attention.h"
 
 #define NBUF 8
 
@@ -206,15 +207,45 @@ kvb_status kvb_cuda_test_attention(const uint16_t *q, uint32_t n, uint32_t H, ui
         (st = dput(&b, &dpool, c->pool, pool_bytes, err)) || (st = dput(&b, &dtab, c->blocks, (size_t)c->n_table * 4, err)))
         goto done;
     {
-        cudaError_t ce = kvb_cu_attention_init();
-        if (ce == cudaSuccess) {
-            kvb_cu_attn_args aa = {dq, dout,
-                                   {dpool, cache_block_bytes(c), dtab, bts, (int)c->n_head_kv, (int)c->head_dim},
-                                   (int)layer, (int)H, (int)c->n_head_kv, (int)c->head_dim, (int)n, (int)pos0,
-                                   (int)window, scale};
-            ce = kvb_cu_attention(&aa, variant, 0);
+        kvb_cu_attn_args aa = {dq, dout,
+                               {dpool, cache_block_bytes(c), dtab, bts, (int)c->n_head_kv, (int)c->head_dim},
+                               (int)layer, (int)H, (int)c->n_head_kv, (int)c->head_dim, (int)n, (int)pos0,
+                               (int)window, scale};
+        if (variant == 4) {
+            kvb_cudnn_attn *dnn = NULL;
+            if (!(st = kvb_cudnn_attn_create(0, (int)c->n_head_kv, (int)c->head_dim, pos0 + n, &dnn, NULL, err)))
+                st = kvb_cudnn_attn_run(dnn, &aa, err);
+            kvb_cudnn_attn_free(dnn);
+            if (!st) st = fetch(cudaSuccess, "cuDNN attention", out, dout, qb, err);
+        } else {
+            cudaError_t ce = kvb_cu_attention_init();
+            if (ce == cudaSuccess) ce = kvb_cu_attention(&aa, variant, 0);
+            st = fetch(ce, "kvb_cu_attention", out, dout, qb, err);
         }
-        st = fetch(ce, "kvb_cu_attention", out, dout, qb, err);
+    }
+done:
+    dbufs_free(&b);
+    return st;
+}
+
+kvb_status kvb_cuda_test_gather_kv(const kvb_cuda_test_cache *c, uint32_t layer, uint32_t n_pos, uint16_t *k_out,
+                                   uint16_t *v_out, kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    const int bts = shift_of(c->block_tokens);
+    if (bts < 0) return kvb_err_set(err, KVB_ERR_INVALID, "block_tokens must be a power of two");
+    const size_t pool_bytes = cache_block_bytes(c) * c->n_pool_blocks, ob = (size_t)c->n_head_kv * n_pos * c->head_dim * 2;
+    dbufs b = {{0}, 0};
+    void *dk, *dv, *dpool, *dtab;
+    if ((st = dput(&b, &dk, k_out, ob, err)) || (st = dput(&b, &dv, v_out, ob, err)) ||
+        (st = dput(&b, &dpool, c->pool, pool_bytes, err)) || (st = dput(&b, &dtab, c->blocks, (size_t)c->n_table * 4, err)))
+        goto done;
+    {
+        const kvb_cu_cache cc = {dpool, cache_block_bytes(c), dtab, bts, (int)c->n_head_kv, (int)c->head_dim};
+        if (!(st = fetch(kvb_cu_gather_kv(&cc, (int)layer, (int)n_pos, dk, dv, 0), "kvb_cu_gather_kv", k_out, dk, ob,
+                         err)) &&
+            cudaMemcpy(v_out, dv, ob, cudaMemcpyDeviceToHost) != cudaSuccess)
+            st = kvb_err_set(err, KVB_ERR_INTERNAL, "kvb_cu_gather_kv: copy back failed");
     }
 done:
     dbufs_free(&b);
