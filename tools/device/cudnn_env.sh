@@ -1,6 +1,7 @@
-# tools/device/cudnn_env.sh — sourced by the device scripts: puts cuDNN 9 (and NVRTC, which cuDNN's
-# runtime-compiled attention engines load) on LD_LIBRARY_PATH from wherever the host has them —
-# the CUDA toolkit, or PyTorch's nvidia-* wheels — so kvbridge's dlopen("libcudnn.so.9") finds it.
+# tools/device/cudnn_env.sh — sourced by the device scripts: puts cuDNN 9 (with NVRTC, which cuDNN's
+# runtime-compiled attention engines load, and the CUDA runtime) on LD_LIBRARY_PATH from wherever
+# the host has them — the CUDA toolkit, or PyTorch's nvidia-* wheels — so kvbridge's
+# dlopen("libcudnn.so.9") finds it.
 # Prints one line saying which cuDNN it found (or that none was found: the engine then uses its own
 # attention kernel, and says so).
 kvb_cudnn_dirs=$(python3 - <<'PYEOF' 2>/dev/null
@@ -10,7 +11,7 @@ for m in ("nvidia.cudnn", "nvidia.cuda_nvrtc", "nvidia.cu13", "nvidia"):
     try:
         for p in importlib.import_module(m).__path__:
             for root, dirs, files in os.walk(p):
-                if any(f.startswith(("libcudnn.so.9", "libnvrtc.so", "libnvrtc-builtins.so")) for f in files):
+                if any(f.startswith(("libcudnn.so.9", "libnvrtc.so", "libnvrtc-builtins.so", "libcudart.so")) for f in files):
                     if root not in seen:
                         seen.append(root)
     except Exception:

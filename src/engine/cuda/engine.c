@@ -545,11 +545,11 @@ kvb_status kvb_cuda_engine_set_attention(kvb_cuda_engine *e, kvb_cuda_attention 
 }
 
 void kvb_cuda_engine_attention_describe(const kvb_cuda_engine *e, char *buf, size_t cap) {
-    if (e->o.attention == KVB_CUDA_ATTN_CUDNN)
-        snprintf(buf, cap, "%s on global layers (gather + fused SDPA)%s%llu calls fell back to the own kernel%s%s",
-                 kvb_cudnn_attn_describe(e->dnn), e->dnn_fallbacks ? "; " : "",
-                 (unsigned long long)e->dnn_fallbacks, e->dnn_fallbacks ? ": " : "",
-                 e->dnn_fallbacks ? e->dnn_why : "");
+    if (e->o.attention == KVB_CUDA_ATTN_CUDNN && e->dnn_fallbacks)
+        snprintf(buf, cap, "%s on global layers (gather + fused SDPA); %llu calls fell back to the own kernel: %s",
+                 kvb_cudnn_attn_describe(e->dnn), (unsigned long long)e->dnn_fallbacks, e->dnn_why);
+    else if (e->o.attention == KVB_CUDA_ATTN_CUDNN)
+        snprintf(buf, cap, "%s on global layers (gather + fused SDPA)", kvb_cudnn_attn_describe(e->dnn));
     else
         snprintf(buf, cap, "own flash-attention kernel (cuDNN: %s)", e->dnn ? "loaded, not selected" : e->dnn_why);
 }
