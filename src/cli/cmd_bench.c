@@ -310,9 +310,10 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
         }
     }
     }
-    if (n_kinds == 2) { /* a fallback counted during the runs shows in the description */
-        kvb_cuda_engine_attention_describe(e, adesc[1], sizeof adesc[1]);
-        printf("attention  [B] after the runs: %s\n", adesc[1]);
+    { /* the plans built and any fallback counted during the runs show in the description */
+        char after[768];
+        kvb_cuda_engine_attention_describe(e, after, sizeof after);
+        printf("attention  %safter the runs: %s\n", n_kinds == 2 ? "[B] " : "", after);
     }
     double c_med = 0, c_best = 0;
     if (kvb_cuda_gemm_bench(kvb_cuda_engine_opts(e)->device, 8192, 8192, 8192, ceiling_reps, &c_med, &c_best, &err))

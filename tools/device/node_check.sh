@@ -10,8 +10,9 @@
 #   ladder  bench ladder --device cuda on the llama3.2-1b shape (CUDA prefill node -> CPU decode
 #           node on loopback) at LADDER_LENGTHS, decoder alone up to ALONE_MAX tokens
 #   million one bridged 1,048,576-token prompt on the 1B shape (bench ladder, decoder alone not run)
-#   shipper the ladder again (bridged legs and GPU alone only) with KVB_BRIDGE_SHIPPER=1: the CUDA
-#           bridge's shipping thread, to compare with the ladder stage's inline shipping
+#   shipper the ladder again (bridged legs and GPU alone only) with KVB_BRIDGE_SHIPPER=0: the CUDA
+#           bridge shipping inline on the engine's thread, to compare with the default shipping
+#           thread the ladder stage uses
 #   link    the raw loopback link and kvbridge's transport over it (bench link), then the slab path
 #           alone (bench ladder --slab-path-only: filler rows, no engine) at LADDER_LENGTHS, the
 #           same run: the figures the ladder's GB/s is judged against
@@ -20,7 +21,7 @@ set -u
 D=${D:-.devcarry-gpu}
 case $D in /*) DL=$D/lib ;; *) DL=$PWD/$D/lib ;; esac # D may be absolute (a copy kept in /tmp between calls)
 export LD_LIBRARY_PATH="$DL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-K=$D/kvbridge
+case $D in /*) K=$D/kvbridge ;; *) K=$PWD/$D/kvbridge ;; esac # absolute: verify runs it from the models dir
 . "$(dirname "$0")/cudnn_env.sh" # cuDNN for the engine's fused-attention choice (dlopen), when the host has it
 OUT=${OUT:-/tmp/kvb-node-check}
 MD=${MODELS_DIR:-/tmp/kvb-models}
@@ -49,11 +50,11 @@ if want tests; then
 fi
 if want verify; then
   say "== verify --device cuda"
-  (cd "$MD" && timeout "$(left)" "$OLDPWD/$K" verify --device cuda --preset tiny --preset tiny-qwen2 --preset tiny-qwen3 \
+  (cd "$MD" && timeout "$(left)" "$K" verify --device cuda --preset tiny --preset tiny-qwen2 --preset tiny-qwen3 \
     --preset tiny-llama3 --preset qwen3-0.6b --preset llama3.2-1b) >"$OUT/verify_cuda.txt" 2>&1
   echo "verify rc=$?"; grep -E "SHORT|PASS|FAIL|not run" "$OUT/verify_cuda.txt" | head -20
   say "== verify --device cuda --perturb (must fail)"
-  (cd "$MD" && timeout "$(left)" "$OLDPWD/$K" verify --device cuda --preset tiny --perturb) 2>&1 | tail -3
+  (cd "$MD" && timeout "$(left)" "$K" verify --device cuda --preset tiny --perturb) 2>&1 | tail -3
 fi
 if want cost; then
   say "== bridge cost, 8B shape"
@@ -70,9 +71,9 @@ if want ladder; then
   tail -5 "$OUT/ladder.err"
 fi
 if want shipper; then
-  say "== ladder with the CUDA bridge's shipping thread (KVB_BRIDGE_SHIPPER=1)"
+  say "== ladder with the CUDA bridge shipping inline (KVB_BRIDGE_SHIPPER=0)"
   f=$(gen llama3.2-1b q8_0)
-  KVB_BRIDGE_SHIPPER=1 timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths "$LADDER_LENGTHS" --seeds 1 \
+  KVB_BRIDGE_SHIPPER=0 timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths "$LADDER_LENGTHS" --seeds 1 \
     --alone-max 0 --cache-type "$CACHE" 2>"$OUT/shipper.err" | tee "$OUT/shipper.txt"
   tail -5 "$OUT/shipper.err"
 fi

@@ -38,7 +38,7 @@ kvb_status kvb_cudnn_attn_create(cudaStream_t st, int Hkv, int D, uint32_t max_k
     return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "cuDNN attention: this build had no cuDNN headers (cudnn_graph.h)");
 }
 void kvb_cudnn_attn_free(kvb_cudnn_attn *a) { (void)a; }
-const char *kvb_cudnn_attn_describe(const kvb_cudnn_attn *a) {
+const char *kvb_cudnn_attn_describe(kvb_cudnn_attn *a) {
     (void)a;
     return "cuDNN: not built";
 }
@@ -95,7 +95,10 @@ struct kvb_cudnn_attn {
     size_t ws_cap;
     plan_slot slots[PLAN_CACHE];
     uint64_t clock;
-    char describe[96];
+    uint32_t plans_built;  /* plans built so far, and the host seconds they took */
+    double build_s;
+    char version[48];
+    char describe[160];
 };
 
 /* Tensor ids in the variant pack and the graph. */
@@ -420,8 +423,7 @@ kvb_status kvb_cudnn_attn_create(cudaStream_t stream, int Hkv, int D, uint32_t m
     KVB_CU_GOTO(cudaMalloc(&a->v, bytes));
     {
         const size_t v = a->api.GetVersion();
-        snprintf(a->describe, sizeof a->describe, "cuDNN %zu.%zu.%zu fused attention", v / 10000, v / 100 % 100,
-                 v % 100);
+        snprintf(a->version, sizeof a->version, "cuDNN %zu.%zu.%zu", v / 10000, v / 100 % 100, v % 100);
     }
     if (scratch_bytes) *scratch_bytes = 2 * bytes;
     *out = a;
@@ -444,7 +446,12 @@ void kvb_cudnn_attn_free(kvb_cudnn_attn *a) {
     free(a);
 }
 
-const char *kvb_cudnn_attn_describe(const kvb_cudnn_attn *a) { return a ? a->describe : "cuDNN: not loaded"; }
+const char *kvb_cudnn_attn_describe(kvb_cudnn_attn *a) {
+    if (!a) return "cuDNN: not loaded";
+    snprintf(a->describe, sizeof a->describe, "%s fused attention (%u execution plans built, %.3f s)", a->version,
+             a->plans_built, a->build_s);
+    return a->describe;
+}
 
 /* The slot holding this shape's plan, built now if absent (the least recently used slot is
  * replaced). */
@@ -469,7 +476,10 @@ static kvb_status get_plan(kvb_cudnn_attn *a, int H, int s_q, int s_kv, plan_slo
     victim->s_q = s_q;
     victim->s_kv = s_kv;
     victim->last_use = ++a->clock;
+    const double t0 = kvb_now_s();
     kvb_status st = build_plan(a, victim, err);
+    a->build_s += kvb_now_s() - t0;
+    a->plans_built += st == KVB_OK;
     if (st) { /* whatever the reason, this shape has no plan: remembered, and the caller falls back */
         const plan_slot keep = {.H = victim->H, .Hkv = victim->Hkv, .D = victim->D, .s_q = victim->s_q, .s_kv = victim->s_kv};
         slot_clear(a, victim);

@@ -28,8 +28,9 @@ typedef struct kvb_cudnn_attn kvb_cudnn_attn;
 kvb_status kvb_cudnn_attn_create(cudaStream_t st, int Hkv, int D, uint32_t max_kv, kvb_cudnn_attn **out,
                                  size_t *scratch_bytes, kvb_err *err);
 void kvb_cudnn_attn_free(kvb_cudnn_attn *a);
-/* "cuDNN 9.13.0 (libcudnn.so.9)" */
-const char *kvb_cudnn_attn_describe(const kvb_cudnn_attn *a);
+/* "cuDNN 9.19.0 fused attention (12 execution plans built, 0.842 s)": the version and the plans
+ * built so far with the host time they took (one per new shape). Valid until the next call. */
+const char *kvb_cudnn_attn_describe(kvb_cudnn_attn *a);
 
 /* a->out (n, H*D) bf16 = causal attention of a->q (n, H*D) bf16 at positions pos0 .. pos0+n-1
  * over the cache's layer a->layer (window must be 0), enqueued on the handle's stream. */

@@ -34,10 +34,10 @@ kvb_status kvb_bridge_cuda_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t po
  * was queued before the previous layer's own compute) through the ship callback — so the host
  * cuts and sends layer L's slabs while the GPU computes layer L. kvb_bridge_cuda_flush ships what
  * is still pending, in order; call it after the forward. Staging memory is the two slots
- * (kvb_bridge_cuda_pinned_bytes), whatever the prompt length. With KVB_BRIDGE_SHIPPER=1 a thread
- * of the bridge ships instead, so the hook returns at once and the engine's thread keeps the
- * stream full (not yet run on a GPU: off by default). The ship callback then runs on that thread;
- * a failure it returns comes back from the next enqueue, or from flush. */
+ * (kvb_bridge_cuda_pinned_bytes), whatever the prompt length. By default a thread of the bridge
+ * ships instead, so the hook returns at once and the engine's thread keeps the stream full
+ * (KVB_BRIDGE_SHIPPER=0: the engine's thread ships inline, as described first). The ship callback
+ * then runs on that thread; a failure it returns comes back from the next enqueue, or from flush. */
 typedef kvb_status (*kvb_bridge_rows_ship)(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n,
                                            const uint8_t *k_rows, const uint8_t *v_rows, kvb_err *err);
 void kvb_bridge_cuda_set_ship(kvb_bridge_cuda *b, kvb_bridge_rows_ship fn, void *ctx);
