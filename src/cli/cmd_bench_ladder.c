@@ -34,6 +34,9 @@ static void help(FILE *f) {
             "                       rows print 'not run'\n"
             "  --prefill-alone-max N  time the in-process prefill node alone only up to N tokens (default\n"
             "                       1048576)\n"
+            "  --warmup N           untimed bridged prompts of each length before its timed ones (default 1\n"
+            "                       with --device cuda, where the first prompt of a length builds cuDNN\n"
+            "                       execution plans, ~0.1 s per shape; 0 on cpu)\n"
             "  --slab-path-only     the in-process prefill node ships filler rows without computing them: the\n"
             "                       time and GB/s of the slab path alone (cutting, staging, transport, the\n"
             "                       decoder's verification and commit) — its ceiling. The decoder's cache then\n"
@@ -88,7 +91,7 @@ static int one_leg(uint16_t port, int len, uint64_t seed, uint32_t n_vocab, leg 
 
 int kvb_bench_ladder(int argc, char **argv) {
     const char *model = NULL, *lengths = "1024,4096", *peer = NULL, *psk = getenv("KVB_PSK");
-    long long seeds = 3, threads = 0, chunk = 0, alone_max = 1 << 20, pa_max = 1 << 20;
+    long long seeds = 3, threads = 0, chunk = 0, alone_max = 1 << 20, pa_max = 1 << 20, warmup = -1;
     uint32_t cache_type = KVB_TYPE_F16;
     bool cuda = false, filler = false;
     for (int i = 2; i < argc; i++) {
@@ -118,6 +121,8 @@ int kvb_bench_ladder(int argc, char **argv) {
         } else if (!strcmp(a, "--prefill-alone-max")) {
             if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 0, 1 << 24, &pa_max))
                 return 2;
+        } else if (!strcmp(a, "--warmup")) {
+            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 0, 100, &warmup)) return 2;
         } else if (!strcmp(a, "--slab-path-only")) {
             filler = true;
             alone_max = pa_max = 0;
@@ -188,6 +193,12 @@ int kvb_bench_ladder(int argc, char **argv) {
            !pn ? "remote" : filler ? "filler rows, in process: the slab path alone"
                           : cuda ? "CUDA engine, in process" : "CPU engine, in process",
            kvb_type_name(cache_type));
+    if (warmup < 0) warmup = cuda ? 1 : 0;
+    if (warmup)
+        printf("warm-up    %lld untimed bridged prompt(s) of each length first (fresh tokens, no cache hits): the "
+               "prefill node's\n           per-shape state (cuDNN execution plans) is then built, as on a server "
+               "that has seen this length\n",
+               warmup);
     printf("%8s  %12s  %12s  %6s  %13s  %9s  %10s  %9s  %s\n", "tokens", "alone TTFT s", "bridged s", "ratio",
            "prefill alone", "vs alone", "bytes/tok", "GB/s", "verdicts (bridged)");
     /* what a leg ships: global layers' rows for every shipped position, local (sliding-window)
@@ -204,6 +215,11 @@ int kvb_bench_ladder(int argc, char **argv) {
         const double bytes_per_tok = (double)(len_global + len_local) / lens[li];
         char verdicts[512] = "";
         const bool run_alone = lens[li] <= alone_max;
+        for (int w = 0; w < warmup; w++) {
+            leg lw = {0};
+            if (one_leg(kvb_decode_node_port(dn), lens[li], seed++, m->d.n_vocab, &lw)) goto done;
+            fprintf(stderr, "ladder %d tokens, warm-up %d: bridged %.3f s (%s)\n", lens[li], w + 1, lw.ttft, lw.verdict);
+        }
         for (int s = 0; s < seeds; s++) {
             leg la = {0}, lb;
             /* a fresh prompt for each leg: neither node has seen it */
