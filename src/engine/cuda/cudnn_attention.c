@@ -31,9 +31,9 @@
 struct kvb_cudnn_attn {
     int unused;
 };
-kvb_status kvb_cudnn_attn_create(cudaStream_t st, int Hkv, int D, uint32_t max_kv, kvb_cudnn_attn **out,
+kvb_status kvb_cudnn_attn_create(cudaStream_t st, int Hkv, int D, uint32_t max_q, uint32_t max_kv, kvb_cudnn_attn **out,
                                  size_t *scratch_bytes, kvb_err *err) {
-    (void)st, (void)Hkv, (void)D, (void)max_kv, (void)scratch_bytes;
+    (void)st, (void)Hkv, (void)D, (void)max_q, (void)max_kv, (void)scratch_bytes;
     *out = NULL;
     return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "cuDNN attention: this build had no cuDNN headers (cudnn_graph.h)");
 }
@@ -89,7 +89,7 @@ struct kvb_cudnn_attn {
     cudnnHandle_t h;
     cudaStream_t st;
     int Hkv, D;
-    uint32_t max_kv;
+    uint32_t max_q, max_kv; /* query rows the caller's Q/O buffers hold; key rows of the scratch */
     void *k, *v; /* scratch (Hkv, max_kv, D) bf16 each */
     void *ws;
     size_t ws_cap;
@@ -389,11 +389,11 @@ done:
 
 /* ---- the contract ---------------------------------------------------------------------------- */
 
-kvb_status kvb_cudnn_attn_create(cudaStream_t stream, int Hkv, int D, uint32_t max_kv, kvb_cudnn_attn **out,
-                                 size_t *scratch_bytes, kvb_err *err) {
+kvb_status kvb_cudnn_attn_create(cudaStream_t stream, int Hkv, int D, uint32_t max_q, uint32_t max_kv,
+                                 kvb_cudnn_attn **out, size_t *scratch_bytes, kvb_err *err) {
     *out = NULL;
     if (scratch_bytes) *scratch_bytes = 0;
-    if (Hkv <= 0 || D <= 0 || D % 8 || max_kv == 0)
+    if (Hkv <= 0 || D <= 0 || D % 8 || max_kv == 0 || max_q == 0)
         return kvb_err_set(err, KVB_ERR_INVALID, "cuDNN attention: bad shape (Hkv %d, D %d, max_kv %u)", Hkv, D, max_kv);
     kvb_cudnn_attn *a = calloc(1, sizeof *a);
     if (!a) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
@@ -406,6 +406,7 @@ kvb_status kvb_cudnn_attn_create(cudaStream_t stream, int Hkv, int D, uint32_t m
     a->Hkv = Hkv;
     a->D = D;
     a->max_kv = max_kv;
+    a->max_q = max_q;
     const size_t bytes = (size_t)Hkv * max_kv * (size_t)D * 2;
     {
         cudnnStatus_t s = a->api.Create(&a->h);
@@ -500,8 +501,13 @@ kvb_status kvb_cudnn_attn_run(kvb_cudnn_attn *a, const kvb_cu_attn_args *args, k
     if (args->Hkv != a->Hkv || args->D != a->D || args->H % args->Hkv || args->pos0 < 0)
         return kvb_err_set(err, KVB_ERR_INVALID, "cuDNN attention: shape differs from the one it was created for");
     const long long s_kv = (long long)args->pos0 + args->n;
-    if (s_kv > a->max_kv)
-        return kvb_err_set(err, KVB_ERR_RANGE, "cuDNN attention: %lld keys exceed the scratch's %u", s_kv, a->max_kv);
+    if (s_kv > a->max_kv || (uint32_t)args->n > a->max_q)
+        return kvb_err_set(err, KVB_ERR_RANGE, "cuDNN attention: %d queries over %lld keys exceed the buffers' %u x %u",
+                           args->n, s_kv, a->max_q, a->max_kv);
+    /* The plan's shape is the exact (queries, keys). Padding the shapes so that nearby lengths
+     * share plans, with the true lengths passed to the mask, was tried on the H200 (2026-12-03)
+     * and was wrong (rel-L2 3.8 at the first query): the fused engine evidently places the
+     * causal diagonal from the tensors' dimensions, not from the s_q / s_kv values. */
     plan_slot *p = NULL;
     kvb_status st = get_plan(a, args->H, args->n, (int)s_kv, &p, err);
     if (st) return st;

@@ -24,10 +24,12 @@
 typedef struct kvb_cudnn_attn kvb_cudnn_attn;
 
 /* Loads cuDNN and creates a handle bound to stream st, with K/V scratch for up to max_kv
- * positions of Hkv heads of head_dim D (2 * max_kv * Hkv * D bf16; *scratch_bytes set). */
-kvb_status kvb_cudnn_attn_create(cudaStream_t st, int Hkv, int D, uint32_t max_kv, kvb_cudnn_attn **out,
-                                 size_t *scratch_bytes, kvb_err *err);
+ * positions of Hkv heads of head_dim D (2 * max_kv * Hkv * D bf16; *scratch_bytes set). max_q:
+ * the most query rows a call may have. */
+kvb_status kvb_cudnn_attn_create(cudaStream_t st, int Hkv, int D, uint32_t max_q, uint32_t max_kv,
+                                 kvb_cudnn_attn **out, size_t *scratch_bytes, kvb_err *err);
 void kvb_cudnn_attn_free(kvb_cudnn_attn *a);
+
 /* "cuDNN 9.19.0 fused attention (12 execution plans built, 0.842 s)": the version and the plans
  * built so far with the host time they took (one per new shape). Valid until the next call. */
 const char *kvb_cudnn_attn_describe(kvb_cudnn_attn *a);

@@ -522,7 +522,8 @@ static kvb_status attention_setup(kvb_cuda_engine *e, kvb_err *err) {
     const kvb_model_desc *d = &e->m->d;
     kvb_err de = {0};
     size_t scratch = 0;
-    if (kvb_cudnn_attn_create(e->st, (int)d->n_head_kv, (int)d->head_dim, e->o.max_ctx, &e->dnn, &scratch, &de)) {
+    if (kvb_cudnn_attn_create(e->st, (int)d->n_head_kv, (int)d->head_dim, e->o.max_batch, e->o.max_ctx, &e->dnn,
+                              &scratch, &de)) {
         if (want == KVB_CUDA_ATTN_CUDNN) {
             *err = de;
             return de.code ? de.code : KVB_ERR_UNSUPPORTED;

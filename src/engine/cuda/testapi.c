@@ -213,7 +213,7 @@ kvb_status kvb_cuda_test_attention(const uint16_t *q, uint32_t n, uint32_t H, ui
                                (int)window, scale};
         if (variant == 4) {
             kvb_cudnn_attn *dnn = NULL;
-            if (!(st = kvb_cudnn_attn_create(0, (int)c->n_head_kv, (int)c->head_dim, pos0 + n, &dnn, NULL, err)))
+            if (!(st = kvb_cudnn_attn_create(0, (int)c->n_head_kv, (int)c->head_dim, n, pos0 + n, &dnn, NULL, err)))
                 st = kvb_cudnn_attn_run(dnn, &aa, err);
             kvb_cudnn_attn_free(dnn);
             if (!st) st = fetch(cudaSuccess, "cuDNN attention", out, dout, qb, err);
