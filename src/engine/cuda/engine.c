@@ -520,6 +520,16 @@ static kvb_status attention_setup(kvb_cuda_engine *e, kvb_err *err) {
         return KVB_OK;
     }
     const kvb_model_desc *d = &e->m->d;
+    if (d->head_dim != 64 && d->head_dim != 128) { /* what test_cuda_kernels checks cuDNN on */
+        if (want == KVB_CUDA_ATTN_CUDNN)
+            return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                               "cuDNN attention is checked here for head sizes 64 and 128 only (this model: %u); "
+                               "use the engine's own attention",
+                               d->head_dim);
+        snprintf(e->dnn_why, sizeof e->dnn_why, "head size %u (cuDNN's attention is checked for 64 and 128 only)",
+                 d->head_dim);
+        return KVB_OK;
+    }
     kvb_err de = {0};
     size_t scratch = 0;
     if (kvb_cudnn_attn_create(e->st, (int)d->n_head_kv, (int)d->head_dim, e->o.max_batch, e->o.max_ctx, &e->dnn,

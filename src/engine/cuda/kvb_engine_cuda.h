@@ -55,7 +55,8 @@ typedef kvb_status (*kvb_cuda_layer_hook)(void *ctx, uint32_t layer, uint32_t po
 /* Which attention runs on global layers (sliding-window layers always use the engine's kernel). */
 typedef enum {
     KVB_CUDA_ATTN_AUTO = 0, /* KVB_CUDA_ATTENTION from the environment (own|cudnn) if set, else cuDNN's
-                               fused attention when libcudnn.so.9 loads, else the engine's kernel */
+                               fused attention when libcudnn.so.9 loads and the head size is 64 or
+                               128 (the sizes its test covers), else the engine's kernel */
     KVB_CUDA_ATTN_OWN,      /* the engine's flash-attention kernel (attention.cu) */
     KVB_CUDA_ATTN_CUDNN,    /* cuDNN's fused attention; creation fails when cuDNN cannot be loaded */
 } kvb_cuda_attention;
