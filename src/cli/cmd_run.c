@@ -276,9 +276,10 @@ int kvb_cmd_run(int argc, char **argv) {
         kvb_model_describe(m, desc, sizeof desc);
 #ifdef KVB_HAVE_CUDA
         if (re.ge) {
-            char gd[512];
+            char gd[512], ad[768];
             kvb_cuda_engine_describe(re.ge, gd, sizeof gd);
-            fprintf(stderr, "run: %s; CUDA: %s; prompt %u tokens\n", desc, gd, n_ids);
+            kvb_cuda_engine_attention_describe(re.ge, ad, sizeof ad);
+            fprintf(stderr, "run: %s; CUDA: %s; attention: %s; prompt %u tokens\n", desc, gd, ad, n_ids);
         } else
 #endif
             fprintf(stderr, "run: %s; %d threads, %s kernels, prompt %u tokens\n", desc, kvb_engine_threads(re.e),

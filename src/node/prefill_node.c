@@ -356,6 +356,11 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
                 kvb_cuda_opts co = {.max_ctx = n->cfg.max_ctx, .max_batch = n->cfg.chunk_tokens,
                                     .n_threads = cfg->n_threads, .layer_hook = cuda_layer_hook, .layer_hook_ctx = n};
                 st = kvb_cuda_engine_create(n->m, &co, &n->ce, err);
+                if (!st) {
+                    char ad[768];
+                    kvb_cuda_engine_attention_describe(n->ce, ad, sizeof ad);
+                    kvb_log(KVB_LOG_INFO, "prefill: CUDA engine attention: %s", ad);
+                }
             }
 #else
             st = kvb_err_set(err, KVB_ERR_UNSUPPORTED, "this build has no CUDA engine (built without nvcc)");
