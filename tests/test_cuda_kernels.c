@@ -510,10 +510,10 @@ static void test_attention_window(void **state) {
     for (size_t i = 0; i < KVB_ARRAY_LEN(cfgs); i++) run_att_case(&cfgs[i]);
 }
 
-/* cuDNN's fused attention (variant 4: the K/V gather, then cuDNN's graph), against the same float64
- * reference and limit as our kernels. cuDNN is required here: the test runs where the GPU tests
- * run, and the engine's default depends on it. Shapes: prefixes (bottom-right causal mask), GQA,
- * one query, odd lengths, Llama-3.1-8B's and Llama-3.2-1B's heads. */
+/* cuDNN's fused attention (variant 4: the K/V gather, then cuDNN's graph), against the same
+ * float64 reference and limit as our kernels. cuDNN is required here: the test runs where the
+ * GPU tests run, and the engine's default depends on it. Shapes: prefixes (bottom-right causal
+ * mask), GQA, one query, odd lengths, Llama-3.1-8B's and Llama-3.2-1B's heads. */
 static void test_attention_cudnn(void **state) {
     (void)state;
     require_gpu();

@@ -262,53 +262,53 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
 
     kvb_rng rng;
     for (int ai = 0; ai < n_kinds; ai++) {
-    if (n_kinds == 2 && kvb_cuda_engine_set_attention(e, kinds[ai], &err)) goto fail;
-    for (int si = 0; si < n_sizes; si++) {
-        const uint32_t n = (uint32_t)sizes[si];
-        for (int pass = 0; pass < (bridge_dtype ? 2 : 1); pass++)
-        for (int r = -warmup; r < reps; r++) { /* r < 0: warm-up; pass 1: with the bridge */
-            bb.on = pass == 1;
-            kvb_rng_seed(&rng, 1000003ULL * (uint64_t)n + (uint64_t)(r + 2)); /* fresh tokens every run */
-            for (uint32_t i = 0; i < n; i++) toks[i] = (int32_t)(kvb_rng_u64(&rng) % m->d.n_vocab);
-            kvb_cuda_seq *s = NULL;
-            float *lg = malloc(sizeof(float) * m->d.n_vocab);
-            if (!lg || kvb_cuda_seq_create(e, &s, &err)) {
+        if (n_kinds == 2 && kvb_cuda_engine_set_attention(e, kinds[ai], &err)) goto fail;
+        for (int si = 0; si < n_sizes; si++) {
+            const uint32_t n = (uint32_t)sizes[si];
+            for (int pass = 0; pass < (bridge_dtype ? 2 : 1); pass++)
+            for (int r = -warmup; r < reps; r++) { /* r < 0: warm-up; pass 1: with the bridge */
+                bb.on = pass == 1;
+                kvb_rng_seed(&rng, 1000003ULL * (uint64_t)n + (uint64_t)(r + 2)); /* fresh tokens every run */
+                for (uint32_t i = 0; i < n; i++) toks[i] = (int32_t)(kvb_rng_u64(&rng) % m->d.n_vocab);
+                kvb_cuda_seq *s = NULL;
+                float *lg = malloc(sizeof(float) * m->d.n_vocab);
+                if (!lg || kvb_cuda_seq_create(e, &s, &err)) {
+                    free(lg);
+                    if (!lg) kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
+                    goto fail;
+                }
+                double a = kvb_now_s();
+                kvb_status st = kvb_cuda_forward(e, s, toks, n, lg, false, &err);
+                if (!st && bb.on) st = kvb_bridge_cuda_flush(bb.b, &err);
+                double b = kvb_now_s();
+                kvb_cuda_seq_free(s);
                 free(lg);
-                if (!lg) kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
-                goto fail;
-            }
-            double a = kvb_now_s();
-            kvb_status st = kvb_cuda_forward(e, s, toks, n, lg, false, &err);
-            if (!st && bb.on) st = kvb_bridge_cuda_flush(bb.b, &err);
-            double b = kvb_now_s();
-            kvb_cuda_seq_free(s);
-            free(lg);
-            if (st) goto fail;
-            if (r == reps - 1 && pass == 0 && host_overhead) { /* one more forward, gated */
-                kvb_cuda_stats cs0;
-                kvb_cuda_engine_stats(e, &cs0);
-                const int gate_ms = (int)(2000.0 * cs0.last_forward_s) + 50;
-                kvb_cuda_seq *gs = NULL;
-                float *glg = malloc(sizeof(float) * m->d.n_vocab);
-                kvb_status gst = !glg ? kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory")
-                                      : kvb_cuda_engine_gate_next(e, gate_ms < 60000 ? gate_ms : 60000, &err);
-                if (!gst) gst = kvb_cuda_seq_create(e, &gs, &err);
-                if (!gst) gst = kvb_cuda_forward(e, gs, toks, n, glg, false, &err);
-                kvb_cuda_seq_free(gs);
-                free(glg);
-                if (gst) goto fail;
-                kvb_cuda_engine_stats(e, &cs0);
-                gated[ai][si] = cs0.last_gated_gpu_s;
-            }
-            if (r >= 0) {
-                double *dst = (pass ? tps_bridged : tps) + (size_t)ai * n_sizes * reps;
-                dst[si * reps + r] = n / (b - a);
-                fprintf(stderr, "bench prefill cuda: %u tokens%s%s, run %d/%d: %.0f tok/s (%.3f s)\n", n,
-                        pass ? " with the bridge" : "", n_kinds == 2 ? (ai ? " [B]" : " [A]") : "", r + 1, reps,
-                        dst[si * reps + r], b - a);
+                if (st) goto fail;
+                if (r == reps - 1 && pass == 0 && host_overhead) { /* one more forward, gated */
+                    kvb_cuda_stats cs0;
+                    kvb_cuda_engine_stats(e, &cs0);
+                    const int gate_ms = (int)(2000.0 * cs0.last_forward_s) + 50;
+                    kvb_cuda_seq *gs = NULL;
+                    float *glg = malloc(sizeof(float) * m->d.n_vocab);
+                    kvb_status gst = !glg ? kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory")
+                                          : kvb_cuda_engine_gate_next(e, gate_ms < 60000 ? gate_ms : 60000, &err);
+                    if (!gst) gst = kvb_cuda_seq_create(e, &gs, &err);
+                    if (!gst) gst = kvb_cuda_forward(e, gs, toks, n, glg, false, &err);
+                    kvb_cuda_seq_free(gs);
+                    free(glg);
+                    if (gst) goto fail;
+                    kvb_cuda_engine_stats(e, &cs0);
+                    gated[ai][si] = cs0.last_gated_gpu_s;
+                }
+                if (r >= 0) {
+                    double *dst = (pass ? tps_bridged : tps) + (size_t)ai * n_sizes * reps;
+                    dst[si * reps + r] = n / (b - a);
+                    fprintf(stderr, "bench prefill cuda: %u tokens%s%s, run %d/%d: %.0f tok/s (%.3f s)\n", n,
+                            pass ? " with the bridge" : "", n_kinds == 2 ? (ai ? " [B]" : " [A]") : "", r + 1, reps,
+                            dst[si * reps + r], b - a);
+                }
             }
         }
-    }
     }
     { /* the plans built and any fallback counted during the runs show in the description */
         char after[768];
@@ -330,35 +330,35 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
     out = cJSON_CreateObject();
     cJSON *arr = cJSON_AddArrayToObject(out, "results");
     for (int ai = 0; ai < n_kinds; ai++) {
-    if (n_kinds == 2) printf("%s %s\n", ai ? "[B]" : "[A]", ai ? "cuDNN fused attention" : "own attention kernel");
-    printf("%8s %12s %10s %9s %12s %8s   %s\n", "tokens", "tok/s", "TFLOP/s", "%ceiling", "peer tok/s", "vs peer",
-           "runs (tok/s)");
-    for (int si = 0; si < n_sizes; si++) {
-        double runs[100];
-        const double *tk = tps + (size_t)ai * n_sizes * reps;
-        memcpy(runs, tk + si * reps, sizeof(double) * (size_t)reps);
-        double med = kvb_median_sort(runs, reps);
-        double tf = prefill_flops(&m->d, (double)sizes[si]) / ((double)sizes[si] / med) / 1e12;
-        double pt = peer ? peer_tok_s(peer, sizes[si]) : -1;
-        char ps[32] = "-", pr[32] = "-";
-        if (pt > 0) {
-            snprintf(ps, sizeof ps, "%.0f", pt);
-            snprintf(pr, sizeof pr, "%.2fx", med / pt);
+        if (n_kinds == 2) printf("%s %s\n", ai ? "[B]" : "[A]", ai ? "cuDNN fused attention" : "own attention kernel");
+        printf("%8s %12s %10s %9s %12s %8s   %s\n", "tokens", "tok/s", "TFLOP/s", "%ceiling", "peer tok/s", "vs peer",
+               "runs (tok/s)");
+        for (int si = 0; si < n_sizes; si++) {
+            double runs[100];
+            const double *tk = tps + (size_t)ai * n_sizes * reps;
+            memcpy(runs, tk + si * reps, sizeof(double) * (size_t)reps);
+            double med = kvb_median_sort(runs, reps);
+            double tf = prefill_flops(&m->d, (double)sizes[si]) / ((double)sizes[si] / med) / 1e12;
+            double pt = peer ? peer_tok_s(peer, sizes[si]) : -1;
+            char ps[32] = "-", pr[32] = "-";
+            if (pt > 0) {
+                snprintf(ps, sizeof ps, "%.0f", pt);
+                snprintf(pr, sizeof pr, "%.2fx", med / pt);
+            }
+            printf("%8lld %12.0f %10.1f %8.1f%% %12s %8s  ", sizes[si], med, tf, 100.0 * tf / c_med, ps, pr);
+            for (int r = 0; r < reps; r++) printf(" %.0f", runs[r]);
+            printf("\n");
+            cJSON *it = cJSON_CreateObject();
+            cJSON_AddNumberToObject(it, "tokens", (double)sizes[si]);
+            cJSON_AddNumberToObject(it, "tok_s", med);
+            cJSON_AddNumberToObject(it, "tflops", tf);
+            cJSON_AddNumberToObject(it, "ceiling_fraction", tf / c_med);
+            cJSON_AddNumberToObject(it, "peer_tok_s", pt);
+            cJSON_AddStringToObject(it, "attention", adesc[ai]);
+            cJSON *ra = cJSON_AddArrayToObject(it, "runs_tok_s");
+            for (int r = 0; r < reps; r++) cJSON_AddItemToArray(ra, cJSON_CreateNumber(runs[r]));
+            cJSON_AddItemToArray(arr, it);
         }
-        printf("%8lld %12.0f %10.1f %8.1f%% %12s %8s  ", sizes[si], med, tf, 100.0 * tf / c_med, ps, pr);
-        for (int r = 0; r < reps; r++) printf(" %.0f", runs[r]);
-        printf("\n");
-        cJSON *it = cJSON_CreateObject();
-        cJSON_AddNumberToObject(it, "tokens", (double)sizes[si]);
-        cJSON_AddNumberToObject(it, "tok_s", med);
-        cJSON_AddNumberToObject(it, "tflops", tf);
-        cJSON_AddNumberToObject(it, "ceiling_fraction", tf / c_med);
-        cJSON_AddNumberToObject(it, "peer_tok_s", pt);
-        cJSON_AddStringToObject(it, "attention", adesc[ai]);
-        cJSON *ra = cJSON_AddArrayToObject(it, "runs_tok_s");
-        for (int r = 0; r < reps; r++) cJSON_AddItemToArray(ra, cJSON_CreateNumber(runs[r]));
-        cJSON_AddItemToArray(arr, it);
-    }
     }
     if (host_overhead) {
         printf("host overhead: the GPU's time for a forward enqueued behind a gate and run back to back, vs the\n"
