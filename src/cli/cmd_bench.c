@@ -172,6 +172,22 @@ static kvb_status bench_bridge_ship(void *ctx, uint32_t layer, uint32_t pos0, ui
     return KVB_OK;
 }
 
+/* One forward of toks[0..n) on a fresh sequence (last token's logits to the host), then the
+ * bridge's flush when flush is set; *seconds: its wall time. */
+static kvb_status forward_fresh(kvb_cuda_engine *e, const int32_t *toks, uint32_t n, uint32_t n_vocab,
+                                kvb_bridge_cuda *flush, double *seconds, kvb_err *err) {
+    kvb_cuda_seq *s = NULL;
+    float *lg = malloc(sizeof(float) * n_vocab);
+    kvb_status st = !lg ? kvb_err_set(err, KVB_ERR_NOMEM, "out of memory") : kvb_cuda_seq_create(e, &s, err);
+    const double a = kvb_now_s();
+    if (!st) st = kvb_cuda_forward(e, s, toks, n, lg, false, err);
+    if (!st && flush) st = kvb_bridge_cuda_flush(flush, err);
+    *seconds = kvb_now_s() - a;
+    kvb_cuda_seq_free(s);
+    free(lg);
+    return st;
+}
+
 static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, int reps, int warmup, uint32_t chunk,
                               int ceiling_reps, const char *peer_json, const char *json_path, uint32_t bridge_dtype,
                               const char *attn_arg, bool host_overhead) {
@@ -270,42 +286,25 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
                 bb.on = pass == 1;
                 kvb_rng_seed(&rng, 1000003ULL * (uint64_t)n + (uint64_t)(r + 2)); /* fresh tokens every run */
                 for (uint32_t i = 0; i < n; i++) toks[i] = (int32_t)(kvb_rng_u64(&rng) % m->d.n_vocab);
-                kvb_cuda_seq *s = NULL;
-                float *lg = malloc(sizeof(float) * m->d.n_vocab);
-                if (!lg || kvb_cuda_seq_create(e, &s, &err)) {
-                    free(lg);
-                    if (!lg) kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
-                    goto fail;
-                }
-                double a = kvb_now_s();
-                kvb_status st = kvb_cuda_forward(e, s, toks, n, lg, false, &err);
-                if (!st && bb.on) st = kvb_bridge_cuda_flush(bb.b, &err);
-                double b = kvb_now_s();
-                kvb_cuda_seq_free(s);
-                free(lg);
-                if (st) goto fail;
+                double secs = 0;
+                if (forward_fresh(e, toks, n, m->d.n_vocab, bb.on ? bb.b : NULL, &secs, &err)) goto fail;
                 if (r == reps - 1 && pass == 0 && host_overhead) { /* one more forward, gated */
                     kvb_cuda_stats cs0;
                     kvb_cuda_engine_stats(e, &cs0);
                     const int gate_ms = (int)(2000.0 * cs0.last_forward_s) + 50;
-                    kvb_cuda_seq *gs = NULL;
-                    float *glg = malloc(sizeof(float) * m->d.n_vocab);
-                    kvb_status gst = !glg ? kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory")
-                                          : kvb_cuda_engine_gate_next(e, gate_ms < 60000 ? gate_ms : 60000, &err);
-                    if (!gst) gst = kvb_cuda_seq_create(e, &gs, &err);
-                    if (!gst) gst = kvb_cuda_forward(e, gs, toks, n, glg, false, &err);
-                    kvb_cuda_seq_free(gs);
-                    free(glg);
-                    if (gst) goto fail;
+                    double gated_wall; /* includes the wait at the gate: means nothing */
+                    if (kvb_cuda_engine_gate_next(e, gate_ms < 60000 ? gate_ms : 60000, &err) ||
+                        forward_fresh(e, toks, n, m->d.n_vocab, NULL, &gated_wall, &err))
+                        goto fail;
                     kvb_cuda_engine_stats(e, &cs0);
                     gated[ai][si] = cs0.last_gated_gpu_s;
                 }
                 if (r >= 0) {
                     double *dst = (pass ? tps_bridged : tps) + (size_t)ai * n_sizes * reps;
-                    dst[si * reps + r] = n / (b - a);
+                    dst[si * reps + r] = n / secs;
                     fprintf(stderr, "bench prefill cuda: %u tokens%s%s, run %d/%d: %.0f tok/s (%.3f s)\n", n,
                             pass ? " with the bridge" : "", n_kinds == 2 ? (ai ? " [B]" : " [A]") : "", r + 1, reps,
-                            dst[si * reps + r], b - a);
+                            dst[si * reps + r], secs);
                 }
             }
         }

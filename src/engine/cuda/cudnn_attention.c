@@ -115,6 +115,8 @@ static kvb_status dnn_fail(const kvb_cudnn_attn *a, kvb_err *err, cudnnStatus_t 
                        line, last[0] ? ": " : "", last);
 }
 
+/* A cuDNN call in a function with kvb_cudnn_attn *a, kvb_err *err, kvb_status st and a done:
+ * label: on failure st says what failed and control goes to done. */
 #define DNN(call)                                                                                              \
     do {                                                                                                       \
         cudnnStatus_t dnn_s_ = (call);                                                                         \
@@ -265,15 +267,6 @@ static cudnnStatus_t matmul(graph_b *g, bdesc A, bdesc B, bdesc C, bdesc *op) {
     return g->a->api.Finalize(*op);
 }
 
-#define GB(call)                                                                                               \
-    do {                                                                                                       \
-        cudnnStatus_t gb_s_ = (call);                                                                          \
-        if (gb_s_ != CUDNN_STATUS_SUCCESS) {                                                                   \
-            st = dnn_fail(a, err, gb_s_, #call, __LINE__);                                                     \
-            goto done;                                                                                         \
-        }                                                                                                      \
-    } while (0)
-
 /* Builds the execution plan for one shape into slot (plan and workspace size). */
 static kvb_status build_plan(kvb_cudnn_attn *a, plan_slot *slot, kvb_err *err) {
     kvb_status st = KVB_OK;
@@ -291,68 +284,68 @@ static kvb_status build_plan(kvb_cudnn_attn *a, plan_slot *slot, kvb_err *err) {
     bdesc s0, s1, row, col, row1, row2, mask, s2, mx, sub, ex, sum, lg, stats, p;
     bdesc ops[16];
     int n_ops = 0;
-    GB(tensor(g, UID_Q, BF, q_dim, q_str, false, false, &tq));
-    GB(tensor(g, UID_K, BF, kt_dim, kt_str, false, false, &tk));
-    GB(tensor(g, UID_V, BF, v_dim, v_str, false, false, &tv));
-    GB(tensor(g, UID_O, BF, q_dim, q_str, false, false, &to));
-    GB(scalar(g, UID_SCALE, F32, &tscale));
-    GB(scalar(g, UID_NEG_INF, F32, &tneg));
-    GB(scalar(g, UID_S_KV, I32, &tskv));
-    GB(scalar(g, UID_S_Q, I32, &tsq));
+    DNN(tensor(g, UID_Q, BF, q_dim, q_str, false, false, &tq));
+    DNN(tensor(g, UID_K, BF, kt_dim, kt_str, false, false, &tk));
+    DNN(tensor(g, UID_V, BF, v_dim, v_str, false, false, &tv));
+    DNN(tensor(g, UID_O, BF, q_dim, q_str, false, false, &to));
+    DNN(scalar(g, UID_SCALE, F32, &tscale));
+    DNN(scalar(g, UID_NEG_INF, F32, &tneg));
+    DNN(scalar(g, UID_S_KV, I32, &tskv));
+    DNN(scalar(g, UID_S_Q, I32, &tsq));
     /* S = Q K^T; S * scale */
-    GB(tensor(g, -1, F32, s_dim, s_str, true, false, &s0));
-    GB(matmul(g, tq, tk, s0, &ops[n_ops++]));
-    GB(tensor(g, -1, F32, s_dim, s_str, true, false, &s1));
-    GB(pointwise(g, CUDNN_POINTWISE_MUL, F32, -1, s0, tscale, NULL, s1, &ops[n_ops++]));
+    DNN(tensor(g, -1, F32, s_dim, s_str, true, false, &s0));
+    DNN(matmul(g, tq, tk, s0, &ops[n_ops++]));
+    DNN(tensor(g, -1, F32, s_dim, s_str, true, false, &s1));
+    DNN(pointwise(g, CUDNN_POINTWISE_MUL, F32, -1, s0, tscale, NULL, s1, &ops[n_ops++]));
     /* causal, bottom right: keep where row + s_kv - s_q >= col */
-    GB(tensor(g, -1, I32, s_dim, s_str, true, false, &row));
-    GB(pointwise(g, CUDNN_POINTWISE_GEN_INDEX, F32, 2, s1, NULL, NULL, row, &ops[n_ops++]));
-    GB(tensor(g, -1, I32, s_dim, s_str, true, false, &col));
-    GB(pointwise(g, CUDNN_POINTWISE_GEN_INDEX, F32, 3, s1, NULL, NULL, col, &ops[n_ops++]));
-    GB(tensor(g, -1, I32, s_dim, s_str, true, false, &row1));
-    GB(pointwise(g, CUDNN_POINTWISE_ADD, I32, -1, row, tskv, NULL, row1, &ops[n_ops++]));
-    GB(tensor(g, -1, I32, s_dim, s_str, true, false, &row2));
-    GB(pointwise(g, CUDNN_POINTWISE_SUB, I32, -1, row1, tsq, NULL, row2, &ops[n_ops++]));
-    GB(tensor(g, -1, BOOL, s_dim, s_str, true, false, &mask));
-    GB(pointwise(g, CUDNN_POINTWISE_CMP_GE, BOOL, -1, row2, col, NULL, mask, &ops[n_ops++]));
-    GB(tensor(g, -1, F32, s_dim, s_str, true, false, &s2));
-    GB(pointwise(g, CUDNN_POINTWISE_BINARY_SELECT, F32, -1, s1, tneg, mask, s2, &ops[n_ops++]));
+    DNN(tensor(g, -1, I32, s_dim, s_str, true, false, &row));
+    DNN(pointwise(g, CUDNN_POINTWISE_GEN_INDEX, F32, 2, s1, NULL, NULL, row, &ops[n_ops++]));
+    DNN(tensor(g, -1, I32, s_dim, s_str, true, false, &col));
+    DNN(pointwise(g, CUDNN_POINTWISE_GEN_INDEX, F32, 3, s1, NULL, NULL, col, &ops[n_ops++]));
+    DNN(tensor(g, -1, I32, s_dim, s_str, true, false, &row1));
+    DNN(pointwise(g, CUDNN_POINTWISE_ADD, I32, -1, row, tskv, NULL, row1, &ops[n_ops++]));
+    DNN(tensor(g, -1, I32, s_dim, s_str, true, false, &row2));
+    DNN(pointwise(g, CUDNN_POINTWISE_SUB, I32, -1, row1, tsq, NULL, row2, &ops[n_ops++]));
+    DNN(tensor(g, -1, BOOL, s_dim, s_str, true, false, &mask));
+    DNN(pointwise(g, CUDNN_POINTWISE_CMP_GE, BOOL, -1, row2, col, NULL, mask, &ops[n_ops++]));
+    DNN(tensor(g, -1, F32, s_dim, s_str, true, false, &s2));
+    DNN(pointwise(g, CUDNN_POINTWISE_BINARY_SELECT, F32, -1, s1, tneg, mask, s2, &ops[n_ops++]));
     /* softmax with its (virtual) statistics, as the frontend lowers it */
-    GB(tensor(g, -1, F32, r_dim, r_str, true, false, &mx));
-    GB(reduction(g, CUDNN_REDUCE_TENSOR_MAX, s2, mx, &ops[n_ops++]));
-    GB(tensor(g, -1, F32, s_dim, s_str, true, false, &sub));
-    GB(pointwise(g, CUDNN_POINTWISE_SUB, F32, -1, s2, mx, NULL, sub, &ops[n_ops++]));
-    GB(tensor(g, -1, F32, s_dim, s_str, true, false, &ex));
-    GB(pointwise(g, CUDNN_POINTWISE_EXP, F32, -1, sub, NULL, NULL, ex, &ops[n_ops++]));
-    GB(tensor(g, -1, F32, r_dim, r_str, true, false, &sum));
-    GB(reduction(g, CUDNN_REDUCE_TENSOR_ADD, ex, sum, &ops[n_ops++]));
-    GB(tensor(g, -1, F32, r_dim, r_str, true, false, &lg));
-    GB(pointwise(g, CUDNN_POINTWISE_LOG, F32, -1, sum, NULL, NULL, lg, &ops[n_ops++]));
-    GB(tensor(g, -1, F32, r_dim, r_str, true, false, &stats));
-    GB(pointwise(g, CUDNN_POINTWISE_ADD, F32, -1, mx, lg, NULL, stats, &ops[n_ops++]));
-    GB(tensor(g, -1, BF, s_dim, s_str, true, false, &p));
-    GB(pointwise(g, CUDNN_POINTWISE_DIV, F32, -1, ex, sum, NULL, p, &ops[n_ops++]));
+    DNN(tensor(g, -1, F32, r_dim, r_str, true, false, &mx));
+    DNN(reduction(g, CUDNN_REDUCE_TENSOR_MAX, s2, mx, &ops[n_ops++]));
+    DNN(tensor(g, -1, F32, s_dim, s_str, true, false, &sub));
+    DNN(pointwise(g, CUDNN_POINTWISE_SUB, F32, -1, s2, mx, NULL, sub, &ops[n_ops++]));
+    DNN(tensor(g, -1, F32, s_dim, s_str, true, false, &ex));
+    DNN(pointwise(g, CUDNN_POINTWISE_EXP, F32, -1, sub, NULL, NULL, ex, &ops[n_ops++]));
+    DNN(tensor(g, -1, F32, r_dim, r_str, true, false, &sum));
+    DNN(reduction(g, CUDNN_REDUCE_TENSOR_ADD, ex, sum, &ops[n_ops++]));
+    DNN(tensor(g, -1, F32, r_dim, r_str, true, false, &lg));
+    DNN(pointwise(g, CUDNN_POINTWISE_LOG, F32, -1, sum, NULL, NULL, lg, &ops[n_ops++]));
+    DNN(tensor(g, -1, F32, r_dim, r_str, true, false, &stats));
+    DNN(pointwise(g, CUDNN_POINTWISE_ADD, F32, -1, mx, lg, NULL, stats, &ops[n_ops++]));
+    DNN(tensor(g, -1, BF, s_dim, s_str, true, false, &p));
+    DNN(pointwise(g, CUDNN_POINTWISE_DIV, F32, -1, ex, sum, NULL, p, &ops[n_ops++]));
     /* O = P V */
-    GB(matmul(g, p, tv, to, &ops[n_ops++]));
+    DNN(matmul(g, p, tv, to, &ops[n_ops++]));
 
     bdesc graph, heur;
-    GB(make(g, CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, &graph));
-    GB(SET(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, n_ops, ops));
-    GB(SET(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &a->h));
-    GB(a->api.Finalize(graph));
-    GB(make(g, CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, &heur));
+    DNN(make(g, CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, &graph));
+    DNN(SET(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, n_ops, ops));
+    DNN(SET(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &a->h));
+    DNN(a->api.Finalize(graph));
+    DNN(make(g, CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, &heur));
     {
         const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
-        GB(SET(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &graph));
-        GB(SET(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode));
-        GB(a->api.Finalize(heur));
+        DNN(SET(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &graph));
+        DNN(SET(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode));
+        DNN(a->api.Finalize(heur));
     }
     {
         enum { MAX_CFG = 8 };
         bdesc cfgs[MAX_CFG];
         int64_t n_cfg = 0;
-        for (int i = 0; i < MAX_CFG; i++) GB(make(g, CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &cfgs[i]));
-        GB(a->api.GetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, MAX_CFG, &n_cfg,
+        for (int i = 0; i < MAX_CFG; i++) DNN(make(g, CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &cfgs[i]));
+        DNN(a->api.GetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, MAX_CFG, &n_cfg,
                                cfgs));
         cudnnStatus_t last = CUDNN_STATUS_NOT_SUPPORTED;
         char why[512] = "";
