@@ -1152,6 +1152,66 @@ static void test_dot_accuracy(void **state) {
     force("auto");
 }
 
+/* ---- weighted sum of rows (attention's P·V) ------------------------------------------------ */
+
+/* Same bits as the contract's loop (computed here, one product and one sum per step), for
+ * every kernel set, on random rows with specials; nothing written outside acc[0, n). NaN results
+ * must agree only in NaN-ness. */
+static void test_rows_weighted_add_simd(void **state) {
+    (void)state;
+    enum { MAXN = 300, MAXR = 40, STRIDE = 320 };
+    float *rows = xmalloc(sizeof(float) * MAXR * STRIDE), *w = xmalloc(sizeof(float) * MAXR);
+    float *acc0 = xmalloc(sizeof(float) * (MAXN + 16)), *ref = xmalloc(sizeof(float) * (MAXN + 16));
+    float *got = xmalloc(sizeof(float) * (MAXN + 16));
+    static const int64_t lens[] = {0, 1, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 128, 256, 300};
+    static const int nrs[] = {0, 1, 2, 5, 32, 40};
+    static const float sp[] = {NAN, INFINITY, -INFINITY, -0.0f, 0x1p-149f, -0x1p-130f, 3e38f, -3e38f};
+    int compared = 0;
+    for (int round = 0; round < 8; round++) {
+        for (int i = 0; i < MAXR * STRIDE; i++) rows[i] = (float)(rndint(-100000, 100000)) * 1e-5f;
+        for (int i = 0; i < MAXR; i++) w[i] = (float)rndint(0, 100000) * 1e-5f;
+        for (int i = 0; i < MAXN + 16; i++) acc0[i] = (float)rndint(-100000, 100000) * 1e-4f;
+        if (round >= 4)
+            for (int k = 0; k < 30; k++) {
+                rows[rndint(0, MAXR * STRIDE - 1)] = sp[rndint(0, (int)KVB_ARRAY_LEN(sp) - 1)];
+                acc0[rndint(0, MAXN - 1)] = sp[rndint(0, (int)KVB_ARRAY_LEN(sp) - 1)];
+                if (k < 3) w[rndint(0, MAXR - 1)] = sp[rndint(0, (int)KVB_ARRAY_LEN(sp) - 1)];
+            }
+        for (size_t li = 0; li < KVB_ARRAY_LEN(lens); li++)
+            for (size_t ri = 0; ri < KVB_ARRAY_LEN(nrs); ri++) {
+                const int64_t n = lens[li];
+                const int nr = nrs[ri];
+                memcpy(ref, acc0, sizeof(float) * (MAXN + 16));
+                for (int r = 0; r < nr; r++)
+                    for (int64_t i = 0; i < n; i++) {
+                        const float prod = w[r] * rows[(size_t)r * STRIDE + i];
+                        ref[i] = ref[i] + prod;
+                    }
+                for (size_t k = 0; k < KVB_ARRAY_LEN(k_simd) + 1; k++) {
+                    const char *name = k < KVB_ARRAY_LEN(k_simd) ? k_simd[k] : "scalar";
+                    if (!force(name)) continue;
+                    memcpy(got, acc0, sizeof(float) * (MAXN + 16));
+                    kvb_f32_rows_weighted_add(got, w, rows, STRIDE, nr, n);
+                    for (int64_t i = 0; i < MAXN + 16; i++) {
+                        const bool both_nan = isnan(ref[i]) && isnan(got[i]);
+                        if (!both_nan && memcmp(&ref[i], &got[i], sizeof(float)) != 0)
+                            FAILF("%s rows_weighted_add: element %" PRId64 " of n %" PRId64 ", %d rows: %a, want %a "
+                                  "(round %d)\n",
+                                  name, i, n, nr, (double)got[i], (double)ref[i], round);
+                    }
+                    compared++;
+                }
+            }
+    }
+    force("auto");
+    assert_true(compared >= 8 * (int)(KVB_ARRAY_LEN(lens) * KVB_ARRAY_LEN(nrs)) * 2);
+    free(rows);
+    free(w);
+    free(acc0);
+    free(ref);
+    free(got);
+}
+
 static void test_dispatch(void **state) {
     (void)state;
     kvb_err err;
@@ -1214,6 +1274,7 @@ int main(void) {
         cmocka_unit_test(test_matmul_simd_vs_scalar),
         cmocka_unit_test(test_matmul_specials),
         cmocka_unit_test(test_dot_accuracy),
+        cmocka_unit_test(test_rows_weighted_add_simd),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

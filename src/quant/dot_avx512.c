@@ -533,9 +533,42 @@ static void f16_to_f32_avx512(const uint16_t *src, float *dst, int64_t n) {
     for (; i < n; i++) dst[i] = kvb_fp16_to_f32(src[i]);
 }
 
+/* kvb_f32_rows_weighted_add: 64 accumulator elements in registers across all rows, then the next
+ * 64; mul then add (two roundings, as the contract says); a tail of fewer than 16 elements uses
+ * masked loads and stores, so no element outside [0, n) is read or written. */
+static void rows_weighted_add_avx512(float *acc, const float *w, const float *rows, size_t row_stride, int n_rows,
+                                     int64_t n) {
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m512 a0 = _mm512_loadu_ps(acc + i), a1 = _mm512_loadu_ps(acc + i + 16);
+        __m512 a2 = _mm512_loadu_ps(acc + i + 32), a3 = _mm512_loadu_ps(acc + i + 48);
+        for (int r = 0; r < n_rows; r++) {
+            const float *row = rows + (size_t)r * row_stride + i;
+            const __m512 wr = _mm512_set1_ps(w[r]);
+            a0 = _mm512_add_ps(a0, _mm512_mul_ps(wr, _mm512_loadu_ps(row)));
+            a1 = _mm512_add_ps(a1, _mm512_mul_ps(wr, _mm512_loadu_ps(row + 16)));
+            a2 = _mm512_add_ps(a2, _mm512_mul_ps(wr, _mm512_loadu_ps(row + 32)));
+            a3 = _mm512_add_ps(a3, _mm512_mul_ps(wr, _mm512_loadu_ps(row + 48)));
+        }
+        _mm512_storeu_ps(acc + i, a0);
+        _mm512_storeu_ps(acc + i + 16, a1);
+        _mm512_storeu_ps(acc + i + 32, a2);
+        _mm512_storeu_ps(acc + i + 48, a3);
+    }
+    for (; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        __m512 a = _mm512_maskz_loadu_ps(m, acc + i);
+        for (int r = 0; r < n_rows; r++)
+            a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_set1_ps(w[r]),
+                                               _mm512_maskz_loadu_ps(m, rows + (size_t)r * row_stride + i)));
+        _mm512_mask_storeu_ps(acc + i, m, a);
+    }
+}
+
 const kvb_quant_kernels kvb_quant_kernels_avx512 = {
     .name = "avx512-vnni",
     .matmul = matmul_avx512,
     .quantize_q8_0 = quantize_q8_0_avx512,
     .f16_to_f32 = f16_to_f32_avx512,
+    .rows_weighted_add = rows_weighted_add_avx512,
 };

@@ -150,6 +150,15 @@ uint16_t kvb_f32_to_bf16(float f);
 void kvb_row_to_f32(uint32_t type, const void *src, float *dst, int64_t n);
 void kvb_f32_to_row(uint32_t type, const float *src, void *dst, int64_t n);
 
+/* Weighted sum of rows into an accumulator (attention's P·V, one query head): for r = 0 ..
+ * n_rows-1 in this order, for every i < n:
+ *     acc[i] = acc[i] + w[r] * rows[r * row_stride + i]
+ * with the product rounded to f32 and then the sum rounded (never a fused multiply-add). Every
+ * element is its own chain of operations, so every implementation (SIMD width, dispatch) returns
+ * the same bits. acc must not overlap rows. row_stride is in floats. */
+void kvb_f32_rows_weighted_add(float *acc, const float *w, const float *rows, size_t row_stride, int n_rows,
+                               int64_t n);
+
 /* ---- canonical dot products ----------------------------------------------------------------
  *
  * A weight row of type W is multiplied with an activation row in that type's "activation type":

@@ -243,6 +243,22 @@ static void quantize_q6_k(const float *x, kvb_block_q6_k *y) {
 
 /* ---- row conversions ------------------------------------------------------------------- */
 
+void kvb_f32_rows_weighted_add(float *acc, const float *w, const float *rows, size_t row_stride, int n_rows,
+                               int64_t n) {
+    const kvb_quant_kernels *k = kvb_quant_active();
+    if (k->rows_weighted_add) {
+        k->rows_weighted_add(acc, w, rows, row_stride, n_rows, n);
+        return;
+    }
+    for (int r = 0; r < n_rows; r++) {
+        const float wr = w[r], *row = rows + (size_t)r * row_stride; /* (n) */
+        for (int64_t i = 0; i < n; i++) {
+            const float prod = wr * row[i];
+            acc[i] = acc[i] + prod;
+        }
+    }
+}
+
 void kvb_row_to_f32(uint32_t type, const void *src, float *dst, int64_t n) {
     switch (type) {
     case KVB_TYPE_F32:

@@ -90,6 +90,9 @@ static void attend_segment(const attn_job *j, uint32_t kvh, uint32_t t0, uint32_
     const size_t st_stride = hd + 2;
     const uint32_t last_pos = j->pos0 + t1 - 1;
     const uint32_t tile_lo = WINDOW_LO(local, W, j->pos0 + t0); /* lo(p) grows with p: the tile's smallest */
+    /* consecutive tokens' rows of one head are adjacent in a block and a row is whole blocks of
+     * its dtype, so (rows x head_dim) elements convert as one row: the same values */
+    const bool rows_one_run = (size_t)e->row_bytes * 2 == kvb_row_bytes(e->fmt.dtype, 2 * (int64_t)hd);
     uint32_t b = tile_lo / bt;
     if (b < seg * ATT_SEG_BLOCKS) b = seg * ATT_SEG_BLOCKS;
     for (; b < (seg + 1) * ATT_SEG_BLOCKS && b * bt <= last_pos; b++) {
@@ -99,9 +102,15 @@ static void attend_segment(const attn_job *j, uint32_t kvh, uint32_t t0, uint32_
         const uint32_t first_row = tile_lo > j0 ? tile_lo - j0 : 0; /* rows before it: outside every window */
         const uint8_t *krow = blk + kvb_kvformat_row_offset(&e->fmt, j->layer, 0, kvh, 0);
         const uint8_t *vrow = blk + kvb_kvformat_row_offset(&e->fmt, j->layer, 1, kvh, 0);
-        for (uint32_t jj = first_row; jj < nj; jj++) {
-            kvb_row_to_f32(e->fmt.dtype, krow + jj * e->row_bytes, kbuf + (size_t)jj * hd, hd);
-            kvb_row_to_f32(e->fmt.dtype, vrow + jj * e->row_bytes, vbuf + (size_t)jj * hd, hd);
+        if (rows_one_run) { /* the block's rows of this head are one run of the cache dtype: one call each */
+            const int64_t cnt = (int64_t)(nj - first_row) * hd;
+            kvb_row_to_f32(e->fmt.dtype, krow + first_row * e->row_bytes, kbuf + (size_t)first_row * hd, cnt);
+            kvb_row_to_f32(e->fmt.dtype, vrow + first_row * e->row_bytes, vbuf + (size_t)first_row * hd, cnt);
+        } else {
+            for (uint32_t jj = first_row; jj < nj; jj++) {
+                kvb_row_to_f32(e->fmt.dtype, krow + jj * e->row_bytes, kbuf + (size_t)jj * hd, hd);
+                kvb_row_to_f32(e->fmt.dtype, vrow + jj * e->row_bytes, vbuf + (size_t)jj * hd, hd);
+            }
         }
         for (uint32_t t = t0; t < t1; t++) {
             const uint32_t p = j->pos0 + t, lo = WINDOW_LO(local, W, p);
@@ -127,12 +136,13 @@ static void attend_segment(const attn_job *j, uint32_t kvh, uint32_t t0, uint32_
                 float l = stt[1] * corr;
                 float *acc = stt + 2;
                 for (uint32_t i = 0; i < hd; i++) acc[i] = acc[i] * corr;
-                for (uint32_t jj = 0; jj < nv; jj++) {
-                    float w = expf(scg[jj] - m_new);
-                    l = l + w;
-                    const float *vj = vb + (size_t)jj * hd;
-                    for (uint32_t i = 0; i < hd; i++) acc[i] = acc[i] + w * vj[i];
+                for (uint32_t jj = 0; jj < nv; jj++) { /* the weights, in place of the scores */
+                    scg[jj] = expf(scg[jj] - m_new);
+                    l = l + scg[jj];
                 }
+                /* acc[i] = acc[i] + w_jj * v_jj[i], key by key in order: the same operations as
+                 * one key at a time, at SIMD width */
+                kvb_f32_rows_weighted_add(acc, scg, vb, hd, (int)nv, hd);
                 stt[0] = m_new;
                 stt[1] = l;
             }
