@@ -1,10 +1,12 @@
 /* engine/cuda/bridge_host.c — host side of the CUDA bridge: uploads the decoder's K/V weights
  * once (and, for Q8_0/Q4_0/Q5_0, unpacks them to int8 rows for the tensor-core projection), and
- * per (chunk, layer) copies the layer's own RoPE table (computed on the host, kvb_rope_table, from
- * the inverse frequencies of the layer's kind — gemma3's local layers have their own base — as
- * the CPU's kvb_rope_tables gives kvb_kv_produce) to the device, runs quantise -> project K, V ->
- * post, and copies the rows back — on the device-input path on a second stream, so the copy
- * overlaps the engine's next kernels. */
+ * per (chunk, layer) runs quantise -> project K, V -> post and copies the rows back — on the
+ * device-input path on a second stream, so the copy overlaps the engine's next kernels. RoPE uses
+ * the layer kind's own table (computed on the host, kvb_rope_table, from the inverse frequencies
+ * of the layer's kind — gemma3's local layers have their own base — as the CPU's kvb_rope_tables
+ * gives kvb_kv_produce); it is computed and uploaded once per (chunk, kind), not per layer: double
+ * cos/sin for 8,192 positions take ~5 ms of host time, which on the engine's thread starved the GPU
+ * (H200, 1B shape: the prefill node took 0.47 s for a 32K prompt the GPU alone does in 0.28 s). */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,7 +42,10 @@ struct kvb_bridge_cuda {
     kvb_rope_tables rope;       /* inverse frequencies per kind of layer (no positions: cap 0) */
     float *h_cos, *h_sin;       /* host (max, n_rot/2) */
     bridge_layer *layers;       /* (n_layer) device */
-    float *d_h, *d_k, *d_v, *d_cos, *d_sin;
+    float *d_h, *d_k, *d_v;
+    float *d_cos[2], *d_sin[2]; /* per kind of layer (kvb_rope_tables_kind): (max_tokens, n_rot/2) ... */
+    bool tab_ok[2];             /* ... holding positions tab_pos0[k] .. + tab_n[k] - 1 when tab_ok[k] */
+    uint32_t tab_pos0[2], tab_n[2];
     uint8_t *d_act;
     int8_t *d_aq;               /* tensor-core path: activations (max, n_embd) int8 ... */
     float *d_asc;               /* ... and their scales (max, n_embd/32) */
@@ -172,8 +177,10 @@ kvb_status kvb_bridge_cuda_create(const kvb_model *m, uint32_t dtype, uint32_t m
     ALLOC(b->d_h, (size_t)max_tokens * E * sizeof(float));
     ALLOC(b->d_k, (size_t)max_tokens * KV * sizeof(float));
     ALLOC(b->d_v, (size_t)max_tokens * KV * sizeof(float));
-    ALLOC(b->d_cos, (size_t)max_tokens * half * sizeof(float));
-    ALLOC(b->d_sin, (size_t)max_tokens * half * sizeof(float));
+    for (uint32_t k = 0; k < b->rope.n_kinds && k < 2; k++) {
+        ALLOC(b->d_cos[k], (size_t)max_tokens * half * sizeof(float));
+        ALLOC(b->d_sin[k], (size_t)max_tokens * half * sizeof(float));
+    }
     ALLOC(b->d_act, (size_t)max_tokens * b->act_stride);
     for (int i = 0; i < 2; i++) {
         ALLOC(b->d_krows[i], (size_t)max_tokens * d->n_head_kv * b->row_bytes);
@@ -213,8 +220,9 @@ void kvb_bridge_cuda_free(kvb_bridge_cuda *b) {
         cudaFreeHost(b->slot[i].sin);
         if (b->slot[i].made) cudaEventDestroy(b->slot[i].done);
     }
-    void *dev[] = {b->d_h,        b->d_k,        b->d_v,        b->d_cos,      b->d_sin,     b->d_act,
-                   b->d_aq,       b->d_asc,      b->d_krows[0], b->d_vrows[0], b->d_krows[1], b->d_vrows[1]};
+    void *dev[] = {b->d_h,        b->d_k,        b->d_v,        b->d_cos[0],   b->d_sin[0],   b->d_cos[1],
+                   b->d_sin[1],   b->d_act,      b->d_aq,       b->d_asc,      b->d_krows[0], b->d_vrows[0],
+                   b->d_krows[1], b->d_vrows[1]};
     if (b->copy_st) {
         cudaStreamDestroy(b->copy_st);
         cudaEventDestroy(b->post_ev[0]);
@@ -251,28 +259,58 @@ static kvb_status project(kvb_bridge_cuda *b, const kvb_mat *W, const uint8_t *d
     return KVB_OK;
 }
 
-/* Enqueues one layer's rows on `stream`: RoPE table (cos/sin (n, n_rot/2), host memory) up, the
- * projections of d_h (n, n_embd) f32 device memory, post into device slot `slot`. Then the rows
- * go down into k_dst, v_dst (n, n_head_kv, row_bytes) host memory: on `stream` when copy_done is
- * NULL, else on the copy stream after the post, recording copy_done there. Nothing waits here. */
-static kvb_status enqueue_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t n, const float *d_h, const float *cos_t,
-                                const float *sin_t, cudaStream_t stream, int slot, uint8_t *k_dst, uint8_t *v_dst,
-                                cudaEvent_t copy_done, kvb_err *err) {
+/* Layer `layer`'s RoPE table for positions pos0 .. pos0+n-1 into cos_t, sin_t (n, n_rot/2) host
+ * memory: kvb_rope_table from the inverse frequencies of the layer's kind, the very numbers the CPU
+ * engine's and the CPU bridge's kvb_rope_tables_fill hand kvb_kv_produce for that layer. */
+static void layer_rope_table(const kvb_bridge_cuda *b, uint32_t layer, uint32_t pos0, uint32_t n, float *cos_t,
+                             float *sin_t) {
+    const uint32_t kind = kvb_rope_tables_kind(&b->rope, layer);
+    kvb_rope_table(b->rope.inv_freq + (size_t)kind * b->rope.half, 2 * b->rope.half, pos0, n, cos_t, sin_t);
+}
+
+/* Makes the device table of `layer`'s kind hold positions pos0 .. pos0+n-1, queued on `stream`:
+ * computed into cos_t, sin_t (n, n_rot/2) host memory and copied up only when it holds other
+ * positions (the first layer of each kind in a chunk). cos_t/sin_t must stay untouched until the
+ * stream has passed the copy (the device-input path hands a free pinned slot's). */
+static kvb_status ensure_rope_table(kvb_bridge_cuda *b, uint32_t layer, uint32_t pos0, uint32_t n, float *cos_t,
+                                    float *sin_t, cudaStream_t stream, uint32_t *kind_out, kvb_err *err) {
+    const uint32_t k = kvb_rope_tables_kind(&b->rope, layer);
+    *kind_out = k;
+    if (b->tab_ok[k] && b->tab_pos0[k] == pos0 && b->tab_n[k] == n) return KVB_OK;
+    b->tab_ok[k] = false;
+    layer_rope_table(b, layer, pos0, n, cos_t, sin_t);
+    const size_t bytes = (size_t)n * (b->m->d.n_rot / 2) * sizeof(float);
+    KVB_CU(cudaMemcpyAsync(b->d_cos[k], cos_t, bytes, cudaMemcpyHostToDevice, stream));
+    KVB_CU(cudaMemcpyAsync(b->d_sin[k], sin_t, bytes, cudaMemcpyHostToDevice, stream));
+    b->tab_ok[k] = true;
+    b->tab_pos0[k] = pos0;
+    b->tab_n[k] = n;
+    return KVB_OK;
+}
+
+/* Enqueues one layer's rows on `stream`: the RoPE table of its kind (ensure_rope_table, with
+ * cos_t/sin_t as host scratch), the projections of d_h (n, n_embd) f32 device memory, post into
+ * device slot `slot`. Then the rows go down into k_dst, v_dst (n, n_head_kv, row_bytes) host
+ * memory: on `stream` when copy_done is NULL, else on the copy stream after the post, recording
+ * copy_done there. Nothing waits here. */
+static kvb_status enqueue_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t n, const float *d_h, uint32_t pos0,
+                                float *cos_t, float *sin_t, cudaStream_t stream, int slot, uint8_t *k_dst,
+                                uint8_t *v_dst, cudaEvent_t copy_done, kvb_err *err) {
     const kvb_model_desc *d = &b->m->d;
     const kvb_layer_weights *w = &b->m->layers[layer];
     const bridge_layer *bl = &b->layers[layer];
-    const size_t half = d->n_rot / 2;
-    KVB_CU(cudaMemcpyAsync(b->d_cos, cos_t, (size_t)n * half * sizeof(float), cudaMemcpyHostToDevice, stream));
-    KVB_CU(cudaMemcpyAsync(b->d_sin, sin_t, (size_t)n * half * sizeof(float), cudaMemcpyHostToDevice, stream));
+    uint32_t kind;
+    kvb_status st = ensure_rope_table(b, layer, pos0, n, cos_t, sin_t, stream, &kind, err);
+    if (st) return st;
     /* the perturbation splits at the middle block, like the CPU's */
     int split = b->perturbed ? (int)(w->wk.cols / 2 / 32 * 32) : 0;
     bool act_ready = false;
-    kvb_status st = project(b, &w->wk, bl->wk, bl->wk_q, bl->wk_s, d_h, n, b->d_k, split, &act_ready, stream, err);
+    st = project(b, &w->wk, bl->wk, bl->wk_q, bl->wk_s, d_h, n, b->d_k, split, &act_ready, stream, err);
     if (!st) st = project(b, &w->wv, bl->wv, bl->wv_q, bl->wv_s, d_h, n, b->d_v, 0, &act_ready, stream, err);
     if (st) return st;
     BK(kvb_bk_post(b->d_k, b->d_v, (int)n, (int)d->n_head_kv, (int)d->head_dim, bl->bk, bl->bv, bl->knorm, d->norm_eps,
-                   (int)d->n_rot, d->rope_neox, b->d_cos, b->d_sin, b->dtype, b->d_krows[slot], b->d_vrows[slot],
-                   b->row_bytes, stream));
+                   (int)d->n_rot, d->rope_neox, b->d_cos[kind], b->d_sin[kind], b->dtype, b->d_krows[slot],
+                   b->d_vrows[slot], b->row_bytes, stream));
     const size_t rows = (size_t)n * d->n_head_kv * b->row_bytes;
     cudaStream_t cs = stream;
     if (copy_done) {
@@ -286,15 +324,6 @@ static kvb_status enqueue_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t n, 
     return KVB_OK;
 }
 
-/* Layer `layer`'s RoPE table for positions pos0 .. pos0+n-1 into cos_t, sin_t (n, n_rot/2) host
- * memory: kvb_rope_table from the inverse frequencies of the layer's kind, the very numbers the CPU
- * engine's and the CPU bridge's kvb_rope_tables_fill hand kvb_kv_produce for that layer. */
-static void layer_rope_table(const kvb_bridge_cuda *b, uint32_t layer, uint32_t pos0, uint32_t n, float *cos_t,
-                             float *sin_t) {
-    const uint32_t kind = kvb_rope_tables_kind(&b->rope, layer);
-    kvb_rope_table(b->rope.inv_freq + (size_t)kind * b->rope.half, 2 * b->rope.half, pos0, n, cos_t, sin_t);
-}
-
 static kvb_status check_call(const kvb_bridge_cuda *b, uint32_t layer, uint32_t n, kvb_err *err) {
     if (layer >= b->m->d.n_layer || n == 0 || n > b->max_tokens)
         return kvb_err_set(err, KVB_ERR_INVALID, "bridge call for layer %u with %u tokens is out of range (at most %u)",
@@ -306,10 +335,10 @@ kvb_status kvb_bridge_cuda_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t po
                                  uint8_t *k_rows, uint8_t *v_rows, kvb_err *err) {
     kvb_status st = check_call(b, layer, n, err);
     if (st) return st;
-    layer_rope_table(b, layer, pos0, n, b->h_cos, b->h_sin);
     KVB_CU(cudaMemcpy(b->d_h, h, (size_t)n * b->m->d.n_embd * sizeof(float), cudaMemcpyHostToDevice));
     kvb_bridge_cuda_discard(b); /* the device slots are shared with the device-input path */
-    if ((st = enqueue_layer(b, layer, n, b->d_h, b->h_cos, b->h_sin, NULL, 0, k_rows, v_rows, NULL, err))) return st;
+    if ((st = enqueue_layer(b, layer, n, b->d_h, pos0, b->h_cos, b->h_sin, NULL, 0, k_rows, v_rows, NULL, err)))
+        return st;
     KVB_CU(cudaDeviceSynchronize());
     return KVB_OK;
 }
@@ -450,9 +479,8 @@ kvb_status kvb_bridge_cuda_enqueue(kvb_bridge_cuda *b, uint32_t layer, uint32_t 
     } else if (p->pending && (st = ship_inline(b, false, err))) {
         return st;
     }
-    layer_rope_table(b, layer, pos0, n, p->cos, p->sin);
-    if ((st = enqueue_layer(b, layer, n, d_h, p->cos, p->sin, (cudaStream_t)stream, (int)b->next_slot, p->k, p->v,
-                            p->done, err)))
+    if ((st = enqueue_layer(b, layer, n, d_h, pos0, p->cos, p->sin, (cudaStream_t)stream, (int)b->next_slot, p->k,
+                            p->v, p->done, err)))
         return st;
     if (b->has_shipper) pthread_mutex_lock(&b->mu);
     p->pending = true;
@@ -476,6 +504,7 @@ kvb_status kvb_bridge_cuda_flush(kvb_bridge_cuda *b, kvb_err *err) {
 void kvb_bridge_cuda_discard(kvb_bridge_cuda *b) {
     kvb_err ignored;
     wait_idle(b, true, &ignored);
+    b->tab_ok[0] = b->tab_ok[1] = false; /* after a failed forward, trust no queued table upload */
 }
 
 static void stop_shipper(kvb_bridge_cuda *b) {
