@@ -17,6 +17,8 @@
 #           alone (bench ladder --slab-path-only: filler rows, no engine) at LADDER_LENGTHS, the
 #           same run: the figures the ladder's GB/s is judged against
 # Logs under $OUT (default /tmp/kvb-node-check); DEADLINE (seconds, default 570) bounds the whole.
+# Knobs: LADDER_LENGTHS, LADDER_SEEDS (prompts per length, default 1), ALONE_MAX, CACHE (f16),
+# COST_SIZES, VERIFY_PRESETS (default: tiny .. llama3.2-1b), MILLION_CACHE.
 set -u
 D=${D:-.devcarry-gpu}
 case $D in /*) DL=$D/lib ;; *) DL=$PWD/$D/lib ;; esac # D may be absolute (a copy kept in /tmp between calls)
@@ -30,6 +32,8 @@ COST_SIZES=${COST_SIZES:-8192,32768}
 LADDER_LENGTHS=${LADDER_LENGTHS:-8192,32768,131072}
 ALONE_MAX=${ALONE_MAX:-32768}
 CACHE=${CACHE:-f16}
+LADDER_SEEDS=${LADDER_SEEDS:-1}
+VERIFY_PRESETS=${VERIFY_PRESETS:-"tiny tiny-qwen2 tiny-qwen3 tiny-llama3 qwen3-0.6b llama3.2-1b"}
 DEADLINE=${DEADLINE:-570}
 T0=$(date +%s)
 mkdir -p "$OUT" "$MD"
@@ -50,8 +54,10 @@ if want tests; then
 fi
 if want verify; then
   say "== verify --device cuda"
-  (cd "$MD" && timeout "$(left)" "$K" verify --device cuda --preset tiny --preset tiny-qwen2 --preset tiny-qwen3 \
-    --preset tiny-llama3 --preset qwen3-0.6b --preset llama3.2-1b) >"$OUT/verify_cuda.txt" 2>&1
+  vp=""
+  for p in $VERIFY_PRESETS; do vp="$vp --preset $p"; done
+  # shellcheck disable=SC2086 # one word per preset flag
+  (cd "$MD" && timeout "$(left)" "$K" verify --device cuda $vp) >"$OUT/verify_cuda.txt" 2>&1
   echo "verify rc=$?"; grep -E "SHORT|PASS|FAIL|not run" "$OUT/verify_cuda.txt" | head -20
   say "== verify --device cuda --perturb (must fail)"
   (cd "$MD" && timeout "$(left)" "$K" verify --device cuda --preset tiny --perturb) 2>&1 | tail -3
@@ -66,14 +72,14 @@ fi
 if want ladder; then
   say "== ladder, 1B shape, CUDA prefill -> CPU decode"
   f=$(gen llama3.2-1b q8_0)
-  timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths "$LADDER_LENGTHS" --seeds 1 \
+  timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths "$LADDER_LENGTHS" --seeds "$LADDER_SEEDS" \
     --alone-max "$ALONE_MAX" --cache-type "$CACHE" 2>"$OUT/ladder.err" | tee "$OUT/ladder.txt"
   tail -5 "$OUT/ladder.err"
 fi
 if want shipper; then
   say "== ladder with the CUDA bridge shipping inline (KVB_BRIDGE_SHIPPER=0)"
   f=$(gen llama3.2-1b q8_0)
-  KVB_BRIDGE_SHIPPER=0 timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths "$LADDER_LENGTHS" --seeds 1 \
+  KVB_BRIDGE_SHIPPER=0 timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths "$LADDER_LENGTHS" --seeds "$LADDER_SEEDS" \
     --alone-max 0 --cache-type "$CACHE" 2>"$OUT/shipper.err" | tee "$OUT/shipper.txt"
   tail -5 "$OUT/shipper.err"
 fi
