@@ -74,6 +74,7 @@ static kvb_decode_node *start_decode(uint16_t peer_port, const char *psk, int ti
 typedef struct {
     char verdict[160];
     int prompt, cached, bridged, native;
+    bool pipelined; /* usage.kvbridge.native_pipelined */
     char *content;
 } reply;
 
@@ -100,6 +101,7 @@ static void complete_ids(uint16_t port, const int32_t *ids, int n, reply *r) {
     r->cached = (int)cJSON_GetObjectItem(kb, "cached_tokens")->valuedouble;
     r->bridged = (int)cJSON_GetObjectItem(kb, "bridged_tokens")->valuedouble;
     r->native = (int)cJSON_GetObjectItem(kb, "native_tokens")->valuedouble;
+    r->pipelined = cJSON_IsTrue(cJSON_GetObjectItem(kb, "native_pipelined"));
     cJSON *text = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0), "text");
     r->content = strdup(text->valuestring);
     cJSON_Delete(root);
@@ -142,6 +144,8 @@ static void test_multiturn_ships_only_increments(void **state) {
         assert_int_equal(b.cached, prev_ship);            /* the previous turn's blocks were cached */
         assert_int_equal(b.bridged, shipped - prev_ship); /* only the increment was shipped */
         assert_int_equal(b.native, 1);                    /* the decoder computed the last token only */
+        assert_true(b.pipelined);                         /* ... while the blocks arrived */
+        assert_false(n.pipelined);
         double bytes = metric(kvb_decode_node_port(dn), "kvbridge_slab_bytes_total ") - bytes0;
         /* tiny: 4 layers x K,V x 2 kv heads x 64 dims x f16 = 2048 bytes per token */
         assert_true(bytes == (double)(shipped - prev_ship) * 2048.0);
@@ -153,6 +157,46 @@ static void test_multiturn_ships_only_increments(void **state) {
     }
     /* capture memory on the prefill node is the ring, not the prompt */
     assert_true(kvb_prefill_node_peak_capture_bytes(pn) <= 16 * 2 * 32 * 2 * 4 * 2 * 64 * 2);
+    kvb_decode_node_stop(nat);
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+}
+
+/* The pipelined tail at the block edges, against the same prompts computed natively (greedy
+ * replies equal; a second turn then reuses the block holding the last token's row):
+ *   - the last token first in a fresh block (no tail: the pipe takes a page for it);
+ *   - the last token filling the tail's block (the block is committed as the sequence adopts it);
+ *   - a tail in between; and the same with KVB_DECODE_PIPELINED_TAIL=0 (run after the transfer). */
+static void test_pipelined_tail_edges(void **state) {
+    (void)state;
+    kvb_prefill_node *pn = start_prefill(g_model, PSK, NULL);
+    kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
+    kvb_decode_node *nat = start_decode(0, PSK, 10000);
+    int32_t ids[1400];
+    static const struct {
+        int len, next; /* a first turn and a longer second one sharing its prefix */
+        bool pipelined, env_off;
+    } cases[] = {{641, 900, true, false}, {640, 800, true, false}, {650, 1000, true, false},
+                 {650, 1000, false, true}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        prompt_ids(ids, 1400, 500 + c);
+        if (cases[c].env_off) setenv("KVB_DECODE_PIPELINED_TAIL", "0", 1);
+        for (int turn = 0; turn < 2; turn++) {
+            const int len = turn ? cases[c].next : cases[c].len;
+            reply b, n;
+            complete_ids(kvb_decode_node_port(dn), ids, len, &b);
+            complete_ids(kvb_decode_node_port(nat), ids, len, &n);
+            if (strcmp(b.verdict, "complete") != 0) fail_msg("case %zu turn %d: verdict %s", c, turn, b.verdict);
+            const bool want = turn ? !cases[c].env_off : cases[c].pipelined;
+            if (b.pipelined != want) fail_msg("case %zu turn %d (%d tokens): pipelined %d", c, turn, len, b.pipelined);
+            assert_int_equal(b.native, 1);
+            if (strcmp(b.content, n.content) != 0)
+                fail_msg("case %zu turn %d: bridged '%s' vs native '%s'", c, turn, b.content, n.content);
+            free(b.content);
+            free(n.content);
+        }
+        unsetenv("KVB_DECODE_PIPELINED_TAIL");
+    }
     kvb_decode_node_stop(nat);
     kvb_decode_node_stop(dn);
     kvb_prefill_node_stop(pn);
@@ -244,6 +288,7 @@ static void check_fault(const char *fault, const char *model, const char *psk_pr
         fail_msg("fault %s: verdict '%s', expected '%s...'", fault ? fault : "-", b.verdict, verdict_prefix);
     assert_string_equal(b.content, n.content);
     assert_true(b.bridged < 599); /* never reported as fully bridged */
+    assert_false(b.pipelined);    /* the pipelined tail's result is never used after a fault */
     if (fault_series) assert_true(metric(kvb_decode_node_port(dn), fault_series) >= 1);
     free(b.content);
     free(n.content);
@@ -361,6 +406,7 @@ static void test_openai_client_streams(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_multiturn_ships_only_increments),
+        cmocka_unit_test(test_pipelined_tail_edges),
         cmocka_unit_test(test_gemma3_window_multiturn),
         cmocka_unit_test(test_fault_corrupt_slab),
         cmocka_unit_test(test_fault_peer_killed),

@@ -1,7 +1,7 @@
 /* format.c — OpenAI response bodies: chat.completion / text_completion objects, streaming
  * chunks (chat.completion.chunk / text_completion) as SSE lines, and the usage object with our
  * usage.kvbridge block: {"verdict", "cached_tokens", "bridged_tokens", "native_tokens",
- * "lookup_s", "prefill_s", "transfer_s", "native_s", "decode_s"}. The OpenAI-standard
+ * "lookup_s", "prefill_s", "transfer_s", "native_s", "decode_s", "native_pipelined"}. The OpenAI-standard
  * usage.prompt_tokens_details.cached_tokens carries the cached count too. */
 #include <stdlib.h>
 #include <string.h>
@@ -33,6 +33,7 @@ cJSON *http_usage_json(const kvb_usage *u, const char *verdict) {
         cJSON_AddNumberToObject(kb, "transfer_s", u->transfer_s);
         cJSON_AddNumberToObject(kb, "native_s", u->native_s);
         cJSON_AddNumberToObject(kb, "decode_s", u->decode_s);
+        cJSON_AddBoolToObject(kb, "native_pipelined", u->native_pipelined);
     }
     if (!details || !kb) { cJSON_Delete(usage); return NULL; }
     return usage;

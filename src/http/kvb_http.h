@@ -141,6 +141,8 @@ typedef struct {
      * node's own prompt computation (the tail after what arrived, or all of it when native);
      * decoding */
     double lookup_s, prefill_s, transfer_s, native_s, decode_s;
+    bool native_pipelined; /* the last prompt token ran layer by layer while the bridged blocks
+                              arrived (native_s is then only what it ran on after the transfer) */
 } kvb_usage;
 
 /* The verdict ("complete", "partial 3/8", "declined: peer down"): required before the first

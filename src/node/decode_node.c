@@ -1,9 +1,10 @@
 /* node/decode_node.c — the decode role, the front door: the OpenAI API handler. Per request:
  * tokenize (chat template), look up the prefix cache, decide (enough uncached tokens and a
  * reachable peer -> bridge; else native), commit arriving slabs through the store's slab path
- * and one block writer, compute the rest natively (always the last prompt token), decode and
- * stream; the verdict says what actually happened. Requests run one at a time on the engine in
- * arrival order (a ticket queue). */
+ * and one block writer, compute the rest natively (always the last prompt token: while the
+ * blocks arrive, layer by layer, on the pipelined tail's thread — tail_pipe.c; KVB_DECODE_PIPELINED_TAIL=0
+ * runs it after the transfer instead), decode and stream; the verdict says what actually happened.
+ * Requests run one at a time on the engine in arrival order (a ticket queue). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,7 +54,15 @@ typedef struct {
     double transfer_s, prefill_s;
     char fault[160]; /* why bridging stopped short ("" = it did not) */
     const char *fault_kind;
+    bool last_ready;        /* the pipelined tail computed the last token: logits hold its logits and */
+    kvb_block_id last_page; /* this page (WRITING, ours) holds the tail's rows and the last token's */
+    double tail_wait_s;     /* how long the pipelined tail ran on after the transfer */
 } bridge_outcome;
+
+static bool pipelined_tail_on(void) {
+    const char *v = getenv("KVB_DECODE_PIPELINED_TAIL");
+    return !v || !*v || *v != '0';
+}
 
 static void drop_peer(kvb_decode_node *n) {
     kvb_conn_close(n->conn);
@@ -83,17 +92,19 @@ static kvb_status ensure_peer(kvb_decode_node *n, kvb_err *err) {
 /* Asks the peer for blocks [cached, ship) and the tail [ship, ship + tail) (the partial block
  * before the last prompt token) and commits what arrives; the store keeps any block that
  * completed and verified, lookups see only the contiguous committed chain. A complete tail comes
- * back as o->tail_page for the sequence to adopt. */
+ * back as o->tail_page for the sequence to adopt. Meanwhile the pipelined tail may compute the
+ * last token into logits (n_vocab): o->last_ready says whether it did. */
 static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_tok, uint32_t cached, uint32_t ship,
-                          uint32_t tail, bridge_outcome *o) {
+                          uint32_t tail, float *logits, bridge_outcome *o) {
     const uint32_t bt = n->cfg.block_tokens, b0 = cached / bt, nb = (ship - cached) / bt;
     o->blocks_total = nb;
-    o->tail_page = KVB_BLOCK_NONE;
+    o->tail_page = o->last_page = KVB_BLOCK_NONE;
+    kvb_tail_pipe *tp = NULL;
     uint64_t *keys = malloc(sizeof(uint64_t) * (ship / bt + 1));
     kvb_slab_pending **pend = calloc(nb + 1, sizeof *pend); /* (blocks, then the tail) */
     kvb_err err = {0};
     uint32_t slabs = 0;
-    double t0 = kvb_now_s();
+    double t0 = kvb_now_s(), t_end = 0; /* the transfer's end (before the pipelined tail's last layers) */
     if (!keys || !pend) {
         snprintf(o->fault, sizeof o->fault, "out of memory");
         o->fault_kind = "internal";
@@ -140,6 +151,11 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
         drop_peer(n); /* the PREFILL went out: its stream would arrive unread */
         goto done;
     }
+    if (pipelined_tail_on()) {
+        kvb_err terr = {0}; /* without it the last token runs after the transfer, as before */
+        if (kvb_tail_pipe_start(n->e, toks, n_tok, cached, pend, nb + (tail ? 1 : 0), tail != 0, logits, &tp, &terr))
+            kvb_log(KVB_LOG_WARN, "decode node: no pipelined tail for this request: %s", terr.msg);
+    }
     bool drop = false;
     for (;; kvb_recv_pipe_release(pipe)) {
         kvb_msg m;
@@ -169,6 +185,7 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
             }
             slabs++;
             o->bytes += s->k_bytes + s->v_bytes;
+            kvb_tail_pipe_slab(tp, g - b0, s->layer);
         } else if (m.type == KVB_FRAME_DONE) {
             const kvb_msg_done *d = &m.u.done;
             uint64_t digest = kvb_wire_chain_digest(keys + b0, nb);
@@ -192,11 +209,13 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
             break;
         }
     }
+    t_end = kvb_now_s();
+    o->last_ready = kvb_tail_pipe_finish(tp, o->fault_kind != NULL, o->tail_page, &o->last_page, &o->tail_wait_s);
     kvb_recv_pipe_waits(pipe, &n->last_reader_wait_s, &n->last_consumer_wait_s);
     kvb_recv_pipe_stop(pipe);
     if (drop) drop_peer(n);
 done:
-    o->transfer_s = kvb_now_s() - t0;
+    o->transfer_s = (t_end > 0 ? t_end : kvb_now_s()) - t0;
     if (pend)
         for (uint32_t b = 0; b <= nb; b++) kvb_store_slab_close(pend[b]); /* uncommitted pages go back */
     free(pend);
@@ -338,6 +357,8 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     stop_filter sf = {0};
     char verdict[KVB_VERDICT_MAX];
     uint32_t cached = 0, adopted = 0; /* prompt tokens cached before; in the sequence before native */
+    bool last_done = false;           /* the pipelined tail computed the last token (logits hold it) */
+    double tail_wait_s = 0;
     double t_lookup = kvb_now_s();
     kvb_status st = logits ? kvb_seq_create(n->e, &s, &err) : kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
     if (!st) st = kvb_seq_attach_cached(s, toks, (uint32_t)n_tok, &cached, &err);
@@ -365,19 +386,24 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
         bridge_outcome o = {0};
         kvb_seq_free(s); /* the cached prefix is re-adopted below, with what arrived */
         s = NULL;
-        bridge_blocks(n, toks, (uint32_t)n_tok, cached, ship, tail, &o);
+        bridge_blocks(n, toks, (uint32_t)n_tok, cached, ship, tail, logits, &o);
         u.transfer_s = o.transfer_s;
         u.prefill_s = o.prefill_s;
+        tail_wait_s = o.tail_wait_s;
         st = kvb_seq_create(n->e, &s, &err);
         if (!st) st = kvb_seq_attach_cached(s, toks, (uint32_t)n_tok, &adopted, &err);
         uint32_t got = adopted > cached ? (adopted - cached) / bt : 0;
         bool tail_ok = false; /* the tail continues the chain only when every block before it is there */
-        if (!st && o.tail_page != KVB_BLOCK_NONE && adopted == ship &&
-            !kvb_seq_adopt_tail(s, o.tail_page, toks + ship, tail, &err)) {
+        /* with the pipelined tail's result, its page also holds the last token's row */
+        const kvb_block_id tail_pg = o.last_ready ? o.last_page : o.tail_page;
+        const uint32_t tail_n = o.last_ready ? tail + 1 : tail;
+        if (!st && tail_pg != KVB_BLOCK_NONE && adopted == ship &&
+            !kvb_seq_adopt_tail(s, tail_pg, toks + ship, tail_n, &err)) {
             tail_ok = true;
-            adopted += tail;
-        } else if (o.tail_page != KVB_BLOCK_NONE) {
-            kvb_store_release(n->store, &o.tail_page, 1, NULL); /* unused: its page goes back */
+            adopted += tail_n;
+            last_done = o.last_ready;
+        } else if (tail_pg != KVB_BLOCK_NONE) {
+            kvb_store_release(n->store, &tail_pg, 1, NULL); /* unused: its page goes back */
             memset(&err, 0, sizeof err);
         }
         u.bridged_tokens = (int64_t)got * bt + (tail_ok ? tail : 0);
@@ -391,10 +417,12 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
         }
     }
     u.cached_tokens = cached;
-    u.native_tokens = (int64_t)n_tok - (int64_t)adopted;
+    u.native_tokens = (int64_t)n_tok - (int64_t)adopted + (last_done ? 1 : 0); /* the decoder's own tokens */
     double t_native = kvb_now_s();
-    if (!st) st = kvb_engine_forward(n->e, s, toks + adopted, (uint32_t)n_tok - adopted, logits, false, &err);
-    u.native_s = kvb_now_s() - t_native;
+    if (!st && !last_done)
+        st = kvb_engine_forward(n->e, s, toks + adopted, (uint32_t)n_tok - adopted, logits, false, &err);
+    u.native_s = last_done ? tail_wait_s : kvb_now_s() - t_native; /* pipelined: what ran on after DONE */
+    u.native_pipelined = last_done;
     if (st) {
         engine_release(n);
         kvb_completion_fail(out, st == KVB_ERR_RANGE ? 503 : 500, NULL, NULL, "%s", err.msg);

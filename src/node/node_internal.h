@@ -7,7 +7,9 @@
 #include <stdbool.h>
 
 #include "kvb_bridge.h"
+#include "kvb_engine_cpu.h"
 #include "kvb_node.h"
+#include "kvb_store.h"
 #include "kvb_transport.h"
 
 typedef struct {
@@ -49,5 +51,26 @@ void kvb_recv_pipe_stop(kvb_recv_pipe *p);
 /* Seconds the reader waited for a free buffer (the verifying thread is the slower stage) and the
  * verifying thread waited for a frame (the link or the sender is). Call before stop. */
 void kvb_recv_pipe_waits(kvb_recv_pipe *p, double *reader_s, double *consumer_s);
+
+/* The decoder's pipelined tail (tail_pipe.c): the prompt's last token runs on a thread while the
+ * bridged blocks arrive, each layer once every pending block holds it. Start it after the pending
+ * blocks are begun: pend (n_pend) in position order, the tail last when has_tail (pages of
+ * positions cached .. n_tok - 2; without a tail it takes a page for the last token's row itself);
+ * `cached` must be what kvb_seq_attach_cached finds for toks now. The engine is the thread's until
+ * finish; logits (n_vocab) is written by it. */
+typedef struct kvb_tail_pipe kvb_tail_pipe;
+kvb_status kvb_tail_pipe_start(kvb_engine *e, const int32_t *toks, uint32_t n_tok, uint32_t cached,
+                               kvb_slab_pending *const *pend, uint32_t n_pend, bool has_tail, float *logits,
+                               kvb_tail_pipe **out, kvb_err *err);
+/* After an accepted slab of pend[i], layer `layer` (on the thread that puts the slabs). NULL: no-op. */
+void kvb_tail_pipe_slab(kvb_tail_pipe *t, uint32_t i, uint32_t layer);
+/* Ends it (abort: the bridge stopped short; a waiting forward gives up) and frees it; call before
+ * closing the pending blocks. True when logits hold the last token's logits over exactly what
+ * was committed: every block committed on the page the forward read, and the tail complete and
+ * taken as tail_page (KVB_BLOCK_NONE without a tail). Then *last_page is the page holding the
+ * tail's rows and the last token's row (the taken tail page, or the one it took: now the
+ * caller's, WRITING). *wait_s: how long finish waited for the forward. NULL: false. */
+bool kvb_tail_pipe_finish(kvb_tail_pipe *t, bool abort, kvb_block_id tail_page, kvb_block_id *last_page,
+                          double *wait_s);
 
 #endif

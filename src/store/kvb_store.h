@@ -185,6 +185,10 @@ kvb_status kvb_store_slab_keep_local_from(kvb_slab_pending *p, uint32_t token0, 
 
 /* (layer, token) cells still missing: 0 once complete. */
 uint32_t kvb_store_slab_missing(const kvb_slab_pending *p);
+/* Tokens of `layer` still missing (0 once that layer has arrived, and for local-layer rows the
+ * block does not keep): lets a reader wait for one layer of a block (the decoder's pipelined tail
+ * reads a layer as soon as every block has it). The caller orders that reader after the puts. */
+uint32_t kvb_store_slab_layer_missing(const kvb_slab_pending *p, uint32_t layer);
 /* True once the block was committed by kvb_store_slab_put. */
 bool kvb_store_slab_committed(const kvb_slab_pending *p);
 /* The page being assembled (its bytes are private until commit; diagnostics and tests); once

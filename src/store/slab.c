@@ -233,6 +233,15 @@ kvb_status kvb_store_slab_keep_local_from(kvb_slab_pending *p, uint32_t token0, 
 }
 
 uint32_t kvb_store_slab_missing(const kvb_slab_pending *p) { return p->n_missing; }
+
+uint32_t kvb_store_slab_layer_missing(const kvb_slab_pending *p, uint32_t layer) {
+    const kvb_kvformat *f = &p->store->fmt;
+    if (layer >= f->n_layer) return 0;
+    const uint8_t *cov = p->covered + (size_t)layer * f->block_tokens; /* (block_tokens) */
+    uint32_t missing = 0;
+    for (uint32_t t = 0; t < p->n_valid; t++) missing += !cov[t];
+    return missing;
+}
 bool kvb_store_slab_committed(const kvb_slab_pending *p) { return p->phase == PENDING_COMMITTED; }
 kvb_block_id kvb_store_slab_block(const kvb_slab_pending *p) {
     return p->phase == PENDING_COMMITTED ? p->committed : p->page;

@@ -108,6 +108,15 @@ kvb_status kvb_seq_create(kvb_engine *e, kvb_seq **out, kvb_err *err) {
 
 void kvb_seq_free(kvb_seq *s) {
     if (!s) return;
+    if (s->has_borrowed) { /* a provisional sequence: only its own (cached, referenced) blocks go back */
+        if (s->borrowed_from) kvb_store_release(s->e->store, s->blocks, s->borrowed_from, NULL);
+        if (s->n_blocks > s->borrowed_to) /* pages a forward took past the borrowed ones */
+            kvb_store_release(s->e->store, s->blocks + s->borrowed_to, s->n_blocks - s->borrowed_to, NULL);
+        free(s->blocks);
+        free(s->tokens);
+        free(s);
+        return;
+    }
     /* sliding-window layers: only the local rows a continuation's window reads stay — one resuming
      * at the end of the committed chain, or at the position kvb_seq_keep_window_at named (the
      * prompt's end: a next turn whose reply tokenizes differently resumes there); blocks wholly
@@ -157,6 +166,7 @@ kvb_status kvb_cpu_seq_reserve(kvb_seq *s, uint32_t new_len, kvb_err *err) {
 
 kvb_status kvb_cpu_seq_commit_full(kvb_seq *s, kvb_err *err) {
     const uint32_t bt = s->e->o.block_tokens;
+    if (s->has_borrowed) return KVB_OK; /* a provisional sequence publishes nothing */
     while (!s->commit_refused && s->n_committed < s->len / bt) {
         const uint32_t b = s->n_committed;
         const int32_t *toks = s->tokens + (size_t)b * bt;
@@ -182,9 +192,9 @@ void kvb_seq_keep_window_at(kvb_seq *s, uint32_t pos) { s->keep_window_at = pos;
 
 kvb_status kvb_seq_adopt_tail(kvb_seq *s, kvb_block_id page, const int32_t *tokens, uint32_t n, kvb_err *err) {
     const uint32_t bt = s->e->o.block_tokens;
-    if (n == 0 || n >= bt || s->len % bt || s->n_blocks != s->len / bt)
+    if (n == 0 || n > bt || s->len % bt || s->n_blocks != s->len / bt)
         return kvb_err_set(err, KVB_ERR_INVALID, "a tail of %u tokens needs 1..%u tokens on a sequence that ends "
-                           "on a block boundary (it has %u tokens)", n, bt - 1, s->len);
+                           "on a block boundary (it has %u tokens)", n, bt, s->len);
     if (page >= kvb_store_n_blocks(s->e->store))
         return kvb_err_set(err, KVB_ERR_INVALID, "tail page %u is not a block of this engine's store", page);
     kvb_status st = seq_grow(s, s->n_blocks + 1, err);
@@ -192,6 +202,42 @@ kvb_status kvb_seq_adopt_tail(kvb_seq *s, kvb_block_id page, const int32_t *toke
     s->blocks[s->n_blocks++] = page;
     memcpy(s->tokens + s->len, tokens, (size_t)n * sizeof(int32_t));
     s->len += n;
+    if (n < bt) return KVB_OK;
+    if ((st = kvb_cpu_seq_commit_full(s, err))) { /* a whole block: published now, through the one writer */
+        s->n_blocks--;
+        s->len -= n;
+    }
+    return st;
+}
+
+void kvb_seq_set_layer_gate(kvb_seq *s, kvb_layer_gate gate, void *ctx) {
+    s->gate = gate;
+    s->gate_ctx = ctx;
+}
+
+kvb_status kvb_seq_borrow_pages(kvb_seq *s, const kvb_block_id *pages, uint32_t n_pages, const int32_t *tokens,
+                                uint32_t n_tokens, kvb_err *err) {
+    const uint32_t bt = s->e->o.block_tokens;
+    if (s->len % bt || s->n_blocks != s->len / bt || s->has_borrowed)
+        return kvb_err_set(err, KVB_ERR_INVALID, "pages are borrowed once, by a sequence that ends on a block boundary "
+                           "(it has %u tokens)", s->len);
+    if ((uint64_t)n_pages * bt < n_tokens || n_pages == 0)
+        return kvb_err_set(err, KVB_ERR_INVALID, "%u borrowed pages cannot hold %u tokens", n_pages, n_tokens);
+    if ((uint64_t)s->len + n_tokens > s->e->o.max_ctx)
+        return kvb_err_set(err, KVB_ERR_RANGE, "%u + %u tokens exceed the context limit of %u tokens", s->len,
+                           n_tokens, s->e->o.max_ctx);
+    for (uint32_t i = 0; i < n_pages; i++)
+        if (pages[i] >= kvb_store_n_blocks(s->e->store))
+            return kvb_err_set(err, KVB_ERR_INVALID, "page %u is not a block of this engine's store", pages[i]);
+    kvb_status st = seq_grow(s, s->n_blocks + n_pages, err);
+    if (st) return st;
+    s->borrowed_from = s->n_blocks;
+    s->has_borrowed = true;
+    memcpy(s->blocks + s->n_blocks, pages, (size_t)n_pages * sizeof(kvb_block_id));
+    s->n_blocks += n_pages;
+    s->borrowed_to = s->n_blocks;
+    memcpy(s->tokens + s->len, tokens, (size_t)n_tokens * sizeof(int32_t));
+    s->len += n_tokens;
     return KVB_OK;
 }
 

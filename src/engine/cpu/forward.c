@@ -132,6 +132,7 @@ static kvb_status forward_chunk(kvb_engine *e, kvb_seq *s, const int32_t *tokens
 
         kvb_cpu_matmul(e->pool, &w->wq, e->h, n, e->q, e->act);
         kvb_pool_parallel_for(tok_pool, (int)n, q_post_task, &tj);
+        if (s->gate && (st = s->gate(s->gate_ctx, l, err))) return st; /* earlier positions' layer l is there */
         kvb_cpu_attention(e, s, l, pos0, n, e->q, e->att);
         kvb_cpu_matmul(e->pool, &w->wo, e->att, n, e->h, e->act); /* h := attention output (n, E) */
         tj.src = e->h;

@@ -68,12 +68,33 @@ uint32_t kvb_seq_len(const kvb_seq *s);
  * last token is always computed, so its logits exist). *n_cached = tokens now in the sequence
  * (a multiple of block_tokens); the caller forwards tokens[*n_cached .. n). */
 kvb_status kvb_seq_attach_cached(kvb_seq *s, const int32_t *tokens, uint32_t n, uint32_t *n_cached, kvb_err *err);
-/* Appends a partial block whose K/V for tokens (n, 1 <= n < block_tokens) are already in `page`
- * (a WRITING page of the engine's store, e.g. a bridged tail from kvb_store_slab_take_tail) to a
- * sequence that ends on a block boundary. On success the sequence owns the page: the forward pass
- * fills the rest of the block and commits it, full, through the one block writer; on error the
- * caller still owns it. */
+/* Appends a block whose K/V for tokens (n, 1 <= n <= block_tokens) are already in `page` (a
+ * WRITING page of the engine's store, e.g. a bridged tail from kvb_store_slab_take_tail) to a
+ * sequence that ends on a block boundary. On success the sequence owns the page: a partial block
+ * is filled by the forward pass and committed, full, through the one block writer; a full one
+ * (the pipelined tail's page with the last token's row) is committed here. On error the caller
+ * still owns it. */
 kvb_status kvb_seq_adopt_tail(kvb_seq *s, kvb_block_id page, const int32_t *tokens, uint32_t n, kvb_err *err);
+
+/* ---- the decoder's pipelined tail -----------------------------------------------------------
+ * A bridged prompt's last token can run while the bridged blocks are still arriving: layer L of
+ * its forward needs only layer L of every earlier position. The decode node builds a provisional
+ * sequence: the cached prefix (kvb_seq_attach_cached), then the pages of the blocks still being
+ * assembled and of the tail, BORROWED (kvb_seq_borrow_pages), and a gate the forward calls before
+ * each layer's attention, which waits until that layer has arrived everywhere. The forward then
+ * writes the last token's own K/V row into the borrowed tail page and returns the logits: the
+ * same arithmetic on the same bytes as running that token after the transfer. */
+
+/* Called by the forward before layer `layer`'s attention; a non-OK return aborts the forward. */
+typedef kvb_status (*kvb_layer_gate)(void *ctx, uint32_t layer, kvb_err *err);
+void kvb_seq_set_layer_gate(kvb_seq *s, kvb_layer_gate gate, void *ctx);
+/* Appends pages to a sequence that ends on a block boundary: n_tokens tokens (their K/V are or
+ * will be in the pages, block_tokens per page) and n_pages >= ceil(n_tokens / block_tokens) pages,
+ * the ones past the tokens left for the next forward to write into. The sequence never releases,
+ * commits or gives up local rows of anything while it holds borrowed pages (free it without
+ * harm to them); the caller keeps them alive until the sequence is freed. */
+kvb_status kvb_seq_borrow_pages(kvb_seq *s, const kvb_block_id *pages, uint32_t n_pages, const int32_t *tokens,
+                                uint32_t n_tokens, kvb_err *err);
 
 /* Runs tokens[0..n) at positions seq_len .. seq_len+n-1 (chunked by max_batch), appending their
  * K/V to the sequence. logits: NULL, or (n_vocab) floats for the last token, or when all_logits
