@@ -50,6 +50,7 @@ typedef struct {
     double ttft;
     int bridged;
     double transfer_s, prefill_s, native_s; /* usage.kvbridge phases */
+    bool pipelined;                         /* usage.kvbridge.native_pipelined */
     char verdict[160];
 } leg;
 
@@ -84,6 +85,7 @@ static int one_leg(uint16_t port, int len, uint64_t seed, uint32_t n_vocab, leg 
     out->transfer_s = cJSON_GetNumberValue(cJSON_GetObjectItem(kb, "transfer_s"));
     out->prefill_s = cJSON_GetNumberValue(cJSON_GetObjectItem(kb, "prefill_s"));
     out->native_s = cJSON_GetNumberValue(cJSON_GetObjectItem(kb, "native_s"));
+    out->pipelined = cJSON_IsTrue(cJSON_GetObjectItem(kb, "native_pipelined"));
     cJSON_Delete(root);
     kvb_http_reply_free(&h);
     return 0;
@@ -210,6 +212,7 @@ int kvb_bench_ladder(int argc, char **argv) {
     uint64_t seed = (uint64_t)(kvb_now_s() * 1e3);
     for (int li = 0; li < n_lens; li++) {
         double a[100], b[100], gbs[100], pa[100], ph_pre[100], ph_xfer[100], ph_nat[100];
+        int n_piped = 0; /* bridged legs whose last token ran with the transfer */
         uint64_t len_global, len_local;
         kvb_kvformat_ship_bytes(&lf, 0, (uint32_t)lens[li] - 1, &len_global, &len_local);
         const double bytes_per_tok = (double)(len_global + len_local) / lens[li];
@@ -233,6 +236,7 @@ int kvb_bench_ladder(int argc, char **argv) {
             ph_pre[s] = lb.prefill_s;
             ph_xfer[s] = lb.transfer_s;
             ph_nat[s] = lb.native_s;
+            n_piped += lb.pipelined;
             uint64_t leg_g, leg_l; /* what this leg shipped (all of it when complete) */
             kvb_kvformat_ship_bytes(&lf, 0, (uint32_t)lb.bridged, &leg_g, &leg_l);
             gbs[s] = lb.transfer_s > 0 ? (double)(leg_g + leg_l) / lb.transfer_s / 1e9 : 0;
@@ -273,9 +277,9 @@ int kvb_bench_ladder(int argc, char **argv) {
                    (unsigned long long)(tok_local ? len_local / tok_local : 0), bytes_per_tok,
                    (double)(tok_global + tok_local) * (lens[li] - 1) / lens[li]);
         printf("          bridged phases (medians): prefill node %.3f s, exchange (request to DONE) %.3f s, decoder's "
-               "native tail %.3f s\n",
+               "native tail %.3f s (after DONE; pipelined with the transfer in %d of %lld)\n",
                kvb_median_sort(ph_pre, (int)seeds), kvb_median_sort(ph_xfer, (int)seeds),
-               kvb_median_sort(ph_nat, (int)seeds));
+               kvb_median_sort(ph_nat, (int)seeds), n_piped, seeds);
         if (filler) {
             /* the raw link the same way in the same run: as many bytes as one leg shipped */
             const uint64_t leg_bytes = len_global + len_local;
