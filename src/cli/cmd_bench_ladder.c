@@ -29,6 +29,8 @@ static void help(FILE *f) {
             "  --device cpu|cuda    the in-process prefill node's engine (default cpu); with cuda the column\n"
             "                       'prefill alone' is the GPU prefilling the same length with the bridge idle,\n"
             "                       and 'vs alone' is bridged TTFT / that time\n"
+            "  --block-tokens N     the decoder's cache block in tokens (default 32): a slab carries one block's\n"
+            "                       rows of one layer, so this sets how many slabs a prompt takes\n"
             "  --chunk N            prefill node chunk in tokens (default 512 on cpu, 8192 on cuda)\n"
             "  --alone-max N        run the decoder-alone legs only up to N tokens (default 1048576); longer\n"
             "                       rows print 'not run'\n"
@@ -93,7 +95,7 @@ static int one_leg(uint16_t port, int len, uint64_t seed, uint32_t n_vocab, leg 
 
 int kvb_bench_ladder(int argc, char **argv) {
     const char *model = NULL, *lengths = "1024,4096", *peer = NULL, *psk = getenv("KVB_PSK");
-    long long seeds = 3, threads = 0, chunk = 0, alone_max = 1 << 20, pa_max = 1 << 20, warmup = -1;
+    long long seeds = 3, threads = 0, chunk = 0, alone_max = 1 << 20, pa_max = 1 << 20, warmup = -1, block = 32;
     uint32_t cache_type = KVB_TYPE_F16;
     bool cuda = false, filler = false;
     for (int i = 2; i < argc; i++) {
@@ -115,6 +117,8 @@ int kvb_bench_ladder(int argc, char **argv) {
             if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 1024, &threads)) return 2;
         } else if (!strcmp(a, "--cache-type")) {
             if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_type("bench", a, v, &cache_type)) return 2;
+        } else if (!strcmp(a, "--block-tokens")) {
+            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 4096, &block)) return 2;
         } else if (!strcmp(a, "--chunk")) {
             if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 16, 1 << 20, &chunk)) return 2;
         } else if (!strcmp(a, "--alone-max")) {
@@ -177,16 +181,17 @@ int kvb_bench_ladder(int argc, char **argv) {
     if (!peer) {
         kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = psk, .n_threads = (int)threads,
                                  .cache_dtype = cache_type, .max_ctx = ctx, .cuda = cuda,
-                                 .chunk_tokens = (uint32_t)chunk, .bench_filler_rows = filler};
+                                 .chunk_tokens = (uint32_t)chunk, .bench_filler_rows = filler,
+                                 .block_tokens = (uint32_t)block};
         if (kvb_prefill_node_start(&pc, &pn, &err)) goto fail;
         snprintf(peer_addr, sizeof peer_addr, "127.0.0.1:%u", kvb_prefill_node_port(pn));
         peer = peer_addr;
     }
     kvb_decode_config dc = {.http_listen = "127.0.0.1:0", .peer = peer, .model_path = model, .psk = psk,
                             .n_threads = (int)threads, .cache_dtype = cache_type, .max_ctx = ctx,
-                            .peer_timeout_ms = 600000,
+                            .peer_timeout_ms = 600000, .block_tokens = (uint32_t)block,
                             /* one prompt's blocks and some room: legs use fresh prompts, LRU evicts */
-                            .cache_blocks = (ctx + 31) / 32 + 64};
+                            .cache_blocks = (ctx + (uint32_t)block - 1) / (uint32_t)block + 64};
     if (kvb_decode_node_start(&dc, &dn, &err)) goto fail;
     kvb_decode_config ac = dc;
     ac.peer = NULL;
@@ -204,9 +209,9 @@ int kvb_bench_ladder(int argc, char **argv) {
     printf("%8s  %12s  %12s  %6s  %13s  %9s  %10s  %9s  %s\n", "tokens", "alone TTFT s", "bridged s", "ratio",
            "prefill alone", "vs alone", "bytes/tok", "GB/s", "verdicts (bridged)");
     /* what a leg ships: global layers' rows for every shipped position, local (sliding-window)
-     * layers' rows only where the decoder keeps them (the decode node's 32-token blocks) */
+     * layers' rows only where the decoder keeps them (the decode node's blocks) */
     kvb_kvformat lf;
-    if (kvb_model_kvformat(&m->d, cache_type, 32, &lf, &err)) goto fail;
+    if (kvb_model_kvformat(&m->d, cache_type, (uint32_t)block, &lf, &err)) goto fail;
     uint64_t tok_global, tok_local;
     kvb_kvformat_token_bytes(&lf, &tok_global, &tok_local);
     uint64_t seed = (uint64_t)(kvb_now_s() * 1e3);
@@ -286,6 +291,15 @@ int kvb_bench_ladder(int argc, char **argv) {
             const double raw = kvb_bench_raw_loopback_gbs(leg_bytes, 65536);
             printf("          raw TCP loopback, same bytes, this run: %.2f GB/s; slab path / raw: %.0f %%\n", raw,
                    raw > 0 ? 100.0 * mg / raw : 0.0);
+        } else if (pn && mp > 0) {
+            /* the floor a link sets: bridged time to first token cannot beat the prefill alone, nor
+             * the time the raw link takes for the bytes (measured now, the same way as bench link) */
+            const uint64_t leg_bytes = len_global + len_local;
+            const double raw = kvb_bench_raw_loopback_gbs(leg_bytes, 65536);
+            const double link_s = raw > 0 ? (double)leg_bytes / raw / 1e9 : 0, floor_s = link_s > mp ? link_s : mp;
+            printf("          link floor: these %.1f MB over raw TCP loopback (%.2f GB/s, this run) take %.3f s; "
+                   "bridged / max(prefill alone, that) = %.2fx\n",
+                   leg_bytes / 1e6, raw, link_s, floor_s > 0 ? mb / floor_s : 0.0);
         }
         if (pn) {
             double full_s, empty_s, rd_s, cons_s;

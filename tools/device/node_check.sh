@@ -18,7 +18,8 @@
 #           same run: the figures the ladder's GB/s is judged against
 # Logs under $OUT (default /tmp/kvb-node-check); DEADLINE (seconds, default 570) bounds the whole.
 # Knobs: LADDER_LENGTHS, LADDER_SEEDS (prompts per length, default 1), ALONE_MAX, CACHE (f16),
-# COST_SIZES, VERIFY_PRESETS (default: tiny .. llama3.2-1b), MILLION_CACHE.
+# COST_SIZES, VERIFY_PRESETS (default: tiny .. llama3.2-1b), MILLION_CACHE, LADDER_EXTRA (more
+# bench ladder flags for the ladder and link stages, e.g. "--block-tokens 64").
 set -u
 D=${D:-.devcarry-gpu}
 case $D in /*) DL=$D/lib ;; *) DL=$PWD/$D/lib ;; esac # D may be absolute (a copy kept in /tmp between calls)
@@ -33,6 +34,7 @@ LADDER_LENGTHS=${LADDER_LENGTHS:-8192,32768,131072}
 ALONE_MAX=${ALONE_MAX:-32768}
 CACHE=${CACHE:-f16}
 LADDER_SEEDS=${LADDER_SEEDS:-1}
+LADDER_EXTRA=${LADDER_EXTRA:-}
 VERIFY_PRESETS=${VERIFY_PRESETS:-"tiny tiny-qwen2 tiny-qwen3 tiny-llama3 qwen3-0.6b llama3.2-1b"}
 DEADLINE=${DEADLINE:-570}
 T0=$(date +%s)
@@ -73,7 +75,7 @@ if want ladder; then
   say "== ladder, 1B shape, CUDA prefill -> CPU decode"
   f=$(gen llama3.2-1b q8_0)
   timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths "$LADDER_LENGTHS" --seeds "$LADDER_SEEDS" \
-    --alone-max "$ALONE_MAX" --cache-type "$CACHE" 2>"$OUT/ladder.err" | tee "$OUT/ladder.txt"
+    --alone-max "$ALONE_MAX" --cache-type "$CACHE" $LADDER_EXTRA 2>"$OUT/ladder.err" | tee "$OUT/ladder.txt"
   tail -5 "$OUT/ladder.err"
 fi
 if want shipper; then
@@ -91,7 +93,7 @@ if want link; then
   timeout "$(left)" $K bench link --peer 127.0.0.1:47000 --psk kvb-node-check-link-key --slab-bytes 65536 2>&1 | tail -4 | tee "$OUT/link.txt"
   kill $lp 2>/dev/null
   f=$(gen llama3.2-1b q8_0)
-  timeout "$(left)" $K bench ladder -m "$f" --lengths "$LADDER_LENGTHS" --seeds 2 --slab-path-only --cache-type "$CACHE" \
+  timeout "$(left)" $K bench ladder -m "$f" --lengths "$LADDER_LENGTHS" --seeds 2 --slab-path-only --cache-type "$CACHE" $LADDER_EXTRA \
     2>"$OUT/slabpath.err" | tee "$OUT/slabpath.txt"
 fi
 if want million; then
