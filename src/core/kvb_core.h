@@ -92,6 +92,9 @@ typedef void (*kvb_task_fn)(void *ctx, int task, int worker);
 kvb_status kvb_pool_create(int n_threads, kvb_pool **out, kvb_err *err);
 void kvb_pool_destroy(kvb_pool *pool);
 int kvb_pool_size(const kvb_pool *pool);
+/* Workers spinning after a job (they spin a moment for the next one) go to sleep now: call before
+ * a long wait, so they leave the CPUs to other threads. The next parallel_for wakes them. */
+void kvb_pool_park(kvb_pool *pool);
 /* Runs fn(ctx, t, w) for t in [0, n_tasks) and returns when all are done. Tasks are handed out
  * dynamically. Not reentrant: one parallel_for per pool at a time. pool == NULL runs serially. */
 void kvb_pool_parallel_for(kvb_pool *pool, int n_tasks, kvb_task_fn fn, void *ctx);

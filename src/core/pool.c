@@ -34,6 +34,7 @@ struct kvb_pool {
     atomic_int n_active; /* helpers still inside the current job */
     atomic_uint generation;
     atomic_int n_sleeping; /* workers waiting on cv_work */
+    atomic_uint park;      /* bumped by kvb_pool_park: spinning workers go to sleep */
     atomic_bool stop;
 };
 
@@ -59,8 +60,11 @@ static void *worker_main(void *arg) {
     for (;;) {
         /* spin (with pause) until a new job or the spin deadline */
         unsigned g = atomic_load_explicit(&p->generation, memory_order_acquire);
+        const unsigned parked = atomic_load_explicit(&p->park, memory_order_relaxed);
         double deadline = kvb_now_s() + KVB_POOL_SPIN_S;
-        for (unsigned spin = 1; g == seen && !atomic_load_explicit(&p->stop, memory_order_relaxed); spin++) {
+        for (unsigned spin = 1; g == seen && !atomic_load_explicit(&p->stop, memory_order_relaxed) &&
+                                atomic_load_explicit(&p->park, memory_order_relaxed) == parked;
+             spin++) {
             cpu_relax();
             if ((spin & 255) == 0) {
                 if (kvb_now_s() > deadline) break;
@@ -132,6 +136,10 @@ void kvb_pool_destroy(kvb_pool *p) {
 }
 
 int kvb_pool_size(const kvb_pool *p) { return p ? p->n_threads : 1; }
+
+void kvb_pool_park(kvb_pool *p) {
+    if (p) atomic_fetch_add_explicit(&p->park, 1, memory_order_relaxed);
+}
 
 void kvb_pool_parallel_for(kvb_pool *p, int n_tasks, kvb_task_fn fn, void *ctx) {
     if (n_tasks <= 0) return;

@@ -40,6 +40,7 @@ struct kvb_tail_pipe {
 static kvb_status gate(void *ctx, uint32_t layer, kvb_err *err) {
     kvb_tail_pipe *t = ctx;
     pthread_mutex_lock(&t->mu);
+    if (!t->abort && t->ready[layer] < t->n_pend) kvb_engine_park_threads(t->e); /* the receiver needs the CPUs */
     while (!t->abort && t->ready[layer] < t->n_pend) pthread_cond_wait(&t->cv, &t->mu);
     const bool abort = t->abort;
     pthread_mutex_unlock(&t->mu);

@@ -85,9 +85,13 @@ kvb_status kvb_seq_adopt_tail(kvb_seq *s, kvb_block_id page, const int32_t *toke
  * writes the last token's own K/V row into the borrowed tail page and returns the logits: the
  * same arithmetic on the same bytes as running that token after the transfer. */
 
-/* Called by the forward before layer `layer`'s attention; a non-OK return aborts the forward. */
+/* Called by the forward before layer `layer`'s attention; a non-OK return aborts the forward.
+ * A gate that will block parks the engine's threads first (kvb_engine_park_threads). */
 typedef kvb_status (*kvb_layer_gate)(void *ctx, uint32_t layer, kvb_err *err);
 void kvb_seq_set_layer_gate(kvb_seq *s, kvb_layer_gate gate, void *ctx);
+/* The engine's worker threads stop spinning for work and sleep until its next parallel step, so
+ * a forward waiting at a gate leaves the CPUs to the threads receiving what it waits for. */
+void kvb_engine_park_threads(kvb_engine *e);
 /* Appends pages to a sequence that ends on a block boundary: n_tokens tokens (their K/V are or
  * will be in the pages, block_tokens per page) and n_pages >= ceil(n_tokens / block_tokens) pages,
  * the ones past the tokens left for the next forward to write into. The sequence never releases,
