@@ -19,7 +19,7 @@
 # Logs under $OUT (default /tmp/kvb-node-check); DEADLINE (seconds, default 570) bounds the whole.
 # Knobs: LADDER_LENGTHS, LADDER_SEEDS (prompts per length, default 1), ALONE_MAX, CACHE (f16),
 # COST_SIZES, VERIFY_PRESETS (default: tiny .. llama3.2-1b), MILLION_CACHE, LADDER_EXTRA (more
-# bench ladder flags for the ladder and link stages, e.g. "--block-tokens 64").
+# bench ladder flags for the ladder, link and million stages, e.g. "--block-tokens 64").
 set -u
 D=${D:-.devcarry-gpu}
 case $D in /*) DL=$D/lib ;; *) DL=$PWD/$D/lib ;; esac # D may be absolute (a copy kept in /tmp between calls)
@@ -100,7 +100,7 @@ if want million; then
   say "== one bridged 1M-token prompt, 1B shape"
   f=$(gen llama3.2-1b q8_0)
   timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths 1048576 --seeds 1 --alone-max 0 \
-    --prefill-alone-max 0 --cache-type "${MILLION_CACHE:-q8_0}" 2>"$OUT/million.err" | tee "$OUT/million.txt"
+    --prefill-alone-max 0 --cache-type "${MILLION_CACHE:-q8_0}" $LADDER_EXTRA 2>"$OUT/million.err" | tee "$OUT/million.txt"
   tail -5 "$OUT/million.err"
 fi
 say "done"
