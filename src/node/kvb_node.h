@@ -50,7 +50,7 @@ typedef struct kvb_prefill_node kvb_prefill_node;
 kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_node **out, kvb_err *err);
 uint16_t kvb_prefill_node_port(const kvb_prefill_node *n);
 /* Peak bytes of staging memory a request used: the ring's slots in use, plus on CUDA the bridge's
- * two pinned row slots (fixed at start). Never grows with the prompt. */
+ * pinned row slots (two, or KVB_BRIDGE_SLOTS; fixed at start). Never grows with the prompt. */
 uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n);
 /* Peak GPU memory in use while this node ran (cudaMemGetInfo, every process on the device), or 0
  * on the CPU engine. */

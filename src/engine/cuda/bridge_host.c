@@ -23,6 +23,9 @@ typedef struct {
     float *wk_s, *wv_s;        /* (rows, n_embd/32) f32 block scales */
 } bridge_layer;
 
+#define BRIDGE_MAX_SLOTS 8
+#define BRIDGE_DEFAULT_SLOTS 2
+
 /* One staging slot of the device-input path: rows land here (pinned host memory) and are shipped
  * once its event has fired. */
 typedef struct {
@@ -49,11 +52,12 @@ struct kvb_bridge_cuda {
     uint8_t *d_act;
     int8_t *d_aq;               /* tensor-core path: activations (max, n_embd) int8 ... */
     float *d_asc;               /* ... and their scales (max, n_embd/32) */
-    uint8_t *d_krows[2], *d_vrows[2]; /* (max, n_head_kv, row_bytes), one pair per slot */
+    uint32_t n_slots;           /* staging slots in turn (KVB_BRIDGE_SLOTS, 2 .. BRIDGE_MAX_SLOTS) */
+    uint8_t *d_krows[BRIDGE_MAX_SLOTS], *d_vrows[BRIDGE_MAX_SLOTS]; /* (max, n_head_kv, row_bytes), one pair per slot */
     cudaStream_t copy_st;       /* device-input path: rows go down here */
-    cudaEvent_t post_ev[2];     /* a slot's rows are ready on the device */
+    cudaEvent_t post_ev[BRIDGE_MAX_SLOTS]; /* a slot's rows are ready on the device */
     bool naive;                 /* KVB_BRIDGE_NAIVE=1: one dot per thread (to measure against) */
-    pinned_slot slot[2];
+    pinned_slot slot[BRIDGE_MAX_SLOTS];
     unsigned next_slot;
     uint64_t seq;               /* fill order of the slots */
     size_t pinned_bytes;
@@ -126,6 +130,17 @@ kvb_status kvb_bridge_cuda_create(const kvb_model *m, uint32_t dtype, uint32_t m
     b->m = m;
     b->dtype = dtype;
     b->max_tokens = max_tokens;
+    b->n_slots = BRIDGE_DEFAULT_SLOTS;
+    const char *ns = getenv("KVB_BRIDGE_SLOTS"); /* more slots absorb the link's jitter, for pinned memory */
+    if (ns && *ns) {
+        char *end;
+        long v = strtol(ns, &end, 10);
+        if (*end || v < 2 || v > BRIDGE_MAX_SLOTS) {
+            kvb_bridge_cuda_free(b);
+            return kvb_err_set(err, KVB_ERR_INVALID, "KVB_BRIDGE_SLOTS must be 2..%d, got '%s'", BRIDGE_MAX_SLOTS, ns);
+        }
+        b->n_slots = (uint32_t)v;
+    }
     b->row_bytes = kvb_row_bytes(dtype, d->head_dim);
     const size_t E = d->n_embd, KV = (size_t)d->n_head_kv * d->head_dim, half = d->n_rot / 2;
     const uint32_t at = kvb_act_type(m->layers[0].wk.type);
@@ -182,7 +197,7 @@ kvb_status kvb_bridge_cuda_create(const kvb_model *m, uint32_t dtype, uint32_t m
         ALLOC(b->d_sin[k], (size_t)max_tokens * half * sizeof(float));
     }
     ALLOC(b->d_act, (size_t)max_tokens * b->act_stride);
-    for (int i = 0; i < 2; i++) {
+    for (uint32_t i = 0; i < b->n_slots; i++) {
         ALLOC(b->d_krows[i], (size_t)max_tokens * d->n_head_kv * b->row_bytes);
         ALLOC(b->d_vrows[i], (size_t)max_tokens * d->n_head_kv * b->row_bytes);
     }
@@ -213,20 +228,21 @@ void kvb_bridge_cuda_free(kvb_bridge_cuda *b) {
         }
     kvb_bridge_cuda_discard(b);
     stop_shipper(b);
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < BRIDGE_MAX_SLOTS; i++) {
         cudaFreeHost(b->slot[i].k);
         cudaFreeHost(b->slot[i].v);
         cudaFreeHost(b->slot[i].cos);
         cudaFreeHost(b->slot[i].sin);
         if (b->slot[i].made) cudaEventDestroy(b->slot[i].done);
     }
-    void *dev[] = {b->d_h,        b->d_k,        b->d_v,        b->d_cos[0],   b->d_sin[0],   b->d_cos[1],
-                   b->d_sin[1],   b->d_act,      b->d_aq,       b->d_asc,      b->d_krows[0], b->d_vrows[0],
-                   b->d_krows[1], b->d_vrows[1]};
+    void *dev[] = {b->d_h, b->d_k, b->d_v, b->d_cos[0], b->d_sin[0], b->d_cos[1], b->d_sin[1], b->d_act, b->d_aq, b->d_asc};
+    for (int i = 0; i < BRIDGE_MAX_SLOTS; i++) {
+        cudaFree(b->d_krows[i]);
+        cudaFree(b->d_vrows[i]);
+    }
     if (b->copy_st) {
         cudaStreamDestroy(b->copy_st);
-        cudaEventDestroy(b->post_ev[0]);
-        cudaEventDestroy(b->post_ev[1]);
+        for (uint32_t i = 0; i < b->n_slots; i++) cudaEventDestroy(b->post_ev[i]);
     }
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) cudaFree(dev[i]);
     free(b->layers);
@@ -343,11 +359,11 @@ kvb_status kvb_bridge_cuda_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t po
     return KVB_OK;
 }
 
-/* ---- the device-input path: two pinned slots used in turn ----------------------------------
+/* ---- the device-input path: pinned slots used in turn (two; KVB_BRIDGE_SLOTS=N for N) --------
  * A slot is free, pending (its kernels and copy are queued; layer L), or shipping. A shipper thread
  * takes pending slots in the order they were filled, waits for each one's copy, and hands its rows
  * to the ship callback (cut, checksum, staging: milliseconds of host work per (chunk, layer)). The
- * engine's thread only waits when the slot it needs still holds layer L-2. Before the shipper,
+ * engine's thread only waits when the slot it needs still holds layer L-N. Before the shipper,
  * the engine's thread did that work inside the hook, at the start of each layer, when its stream
  * held little more than the layer's norm and bridge kernels. The GPU then idled for most of it:
  * 0.52 s of 5.55 s on a 128K-token prompt, 1B shape, H200. The shipper is the default since it
@@ -370,7 +386,7 @@ static kvb_status ship_slot(kvb_bridge_cuda *b, pinned_slot *p, bool drop, kvb_e
 /* The oldest pending slot, or NULL. Caller holds mu. */
 static pinned_slot *oldest_pending(kvb_bridge_cuda *b) {
     pinned_slot *o = NULL;
-    for (int i = 0; i < 2; i++)
+    for (uint32_t i = 0; i < b->n_slots; i++)
         if (b->slot[i].pending && !b->slot[i].shipping && (!o || b->slot[i].seq < o->seq)) o = &b->slot[i];
     return o;
 }
@@ -408,7 +424,7 @@ static void *shipper_main(void *arg) {
 static kvb_status alloc_slots(kvb_bridge_cuda *b, kvb_err *err) {
     const kvb_model_desc *d = &b->m->d;
     const size_t rows = (size_t)b->max_tokens * d->n_head_kv * b->row_bytes, tab = (size_t)b->max_tokens * (d->n_rot / 2);
-    for (int i = 0; i < 2; i++) {
+    for (uint32_t i = 0; i < b->n_slots; i++) {
         pinned_slot *p = &b->slot[i];
         KVB_CU(cudaHostAlloc((void **)&p->k, rows, cudaHostAllocDefault));
         KVB_CU(cudaHostAlloc((void **)&p->v, rows, cudaHostAllocDefault));
@@ -418,9 +434,9 @@ static kvb_status alloc_slots(kvb_bridge_cuda *b, kvb_err *err) {
         p->made = true;
     }
     KVB_CU(cudaStreamCreateWithFlags(&b->copy_st, cudaStreamNonBlocking));
-    KVB_CU(cudaEventCreateWithFlags(&b->post_ev[0], cudaEventDisableTiming));
-    KVB_CU(cudaEventCreateWithFlags(&b->post_ev[1], cudaEventDisableTiming));
-    b->pinned_bytes = 2 * (2 * rows + 2 * tab * sizeof(float));
+    for (uint32_t i = 0; i < b->n_slots; i++)
+        KVB_CU(cudaEventCreateWithFlags(&b->post_ev[i], cudaEventDisableTiming));
+    b->pinned_bytes = b->n_slots * (2 * rows + 2 * tab * sizeof(float));
     const char *on = getenv("KVB_BRIDGE_SHIPPER"); /* default: on; "0" ships inline */
     if (!on || !*on || *on != '0') {
         KVB_CU(cudaGetDevice(&b->device));
@@ -439,13 +455,19 @@ static kvb_status ship_inline(kvb_bridge_cuda *b, bool drop, kvb_err *err) {
     return ship_slot(b, p, drop, err);
 }
 
+static bool any_pending(const kvb_bridge_cuda *b) {
+    for (uint32_t i = 0; i < b->n_slots; i++)
+        if (b->slot[i].pending) return true;
+    return false;
+}
+
 /* Waits until no slot is pending (all shipped, or dropped when drop); returns the first shipping
  * failure since the last wait, and clears it. */
 static kvb_status wait_idle(kvb_bridge_cuda *b, bool drop, kvb_err *err) {
     if (!b->has_shipper) {
         kvb_status st = KVB_OK;
         kvb_err later;
-        for (int i = 0; i < 2; i++) {
+        for (uint32_t i = 0; i < b->n_slots; i++) {
             kvb_status s2 = ship_inline(b, drop || st != KVB_OK, st ? &later : err);
             if (!st) st = s2;
         }
@@ -454,7 +476,7 @@ static kvb_status wait_idle(kvb_bridge_cuda *b, bool drop, kvb_err *err) {
     pthread_mutex_lock(&b->mu);
     b->dropping = drop;
     pthread_cond_broadcast(&b->cv);
-    while (b->slot[0].pending || b->slot[1].pending) pthread_cond_wait(&b->cv, &b->mu);
+    while (any_pending(b)) pthread_cond_wait(&b->cv, &b->mu);
     b->dropping = false;
     kvb_status st = b->ship_st;
     if (st) *err = b->ship_err;
@@ -492,7 +514,7 @@ kvb_status kvb_bridge_cuda_enqueue(kvb_bridge_cuda *b, uint32_t layer, uint32_t 
         pthread_cond_broadcast(&b->cv);
         pthread_mutex_unlock(&b->mu);
     }
-    b->next_slot ^= 1;
+    b->next_slot = (b->next_slot + 1) % b->n_slots;
     /* inline: ship the previous layer while the GPU runs this one's bridge kernels */
     return b->has_shipper ? KVB_OK : ship_inline(b, false, err);
 }

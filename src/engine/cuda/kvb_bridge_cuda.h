@@ -30,10 +30,11 @@ kvb_status kvb_bridge_cuda_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t po
 /* ---- the prefill node's path: attention inputs already on the device ------------------------
  * The CUDA engine's layer hook hands over d_h (n, n_embd) f32 in device memory on its stream.
  * kvb_bridge_cuda_enqueue queues the bridge kernels on that stream and copies the rows into one
- * of two pinned host slots, then ships the PREVIOUS call's rows (waiting for their copy, which
- * was queued before the previous layer's own compute) through the ship callback — so the host
+ * of the pinned host slots (two; KVB_BRIDGE_SLOTS=N, 2..8, for N), then ships the PREVIOUS
+ * call's rows (waiting for their copy, which was queued before the previous layer's own compute)
+ * through the ship callback — so the host
  * cuts and sends layer L's slabs while the GPU computes layer L. kvb_bridge_cuda_flush ships what
- * is still pending, in order; call it after the forward. Staging memory is the two slots
+ * is still pending, in order; call it after the forward. Staging memory is the slots
  * (kvb_bridge_cuda_pinned_bytes), whatever the prompt length. By default a thread of the bridge
  * ships instead, so the hook returns at once and the engine's thread keeps the stream full
  * (KVB_BRIDGE_SHIPPER=0: the engine's thread ships inline, as described first). The ship callback
