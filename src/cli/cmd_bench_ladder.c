@@ -41,7 +41,8 @@ static void help(FILE *f) {
             "                       execution plans, ~0.1 s per shape; 0 on cpu)\n"
             "  --slab-path-only     the in-process prefill node ships filler rows without computing them: the\n"
             "                       time and GB/s of the slab path alone (cutting, staging, transport, the\n"
-            "                       decoder's verification and commit) — its ceiling. The decoder's cache then\n"
+            "                       decoder's verification and commit) — its ceiling; the decoder's last\n"
+            "                       token then runs after the transfer, not beside it. The decoder's cache\n"
             "                       holds filler, so no decoder-alone or prefill-alone legs are run. Each row\n"
             "                       also sends the same bytes over a plain TCP loopback connection and prints\n"
             "                       the slab path's GB/s as a share of that raw link's\n");
@@ -190,6 +191,7 @@ int kvb_bench_ladder(int argc, char **argv) {
     kvb_decode_config dc = {.http_listen = "127.0.0.1:0", .peer = peer, .model_path = model, .psk = psk,
                             .n_threads = (int)threads, .cache_dtype = cache_type, .max_ctx = ctx,
                             .peer_timeout_ms = 600000, .block_tokens = (uint32_t)block,
+                            .tail_after_transfer = filler, /* the slab path's ceiling, measured alone */
                             /* one prompt's blocks and some room: legs use fresh prompts, LRU evicts */
                             .cache_blocks = (ctx + (uint32_t)block - 1) / (uint32_t)block + 64};
     if (kvb_decode_node_start(&dc, &dn, &err)) goto fail;

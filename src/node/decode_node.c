@@ -59,9 +59,9 @@ typedef struct {
     double tail_wait_s;     /* how long the pipelined tail ran on after the transfer */
 } bridge_outcome;
 
-static bool pipelined_tail_on(void) {
+static bool pipelined_tail_on(const kvb_decode_node *n) {
     const char *v = getenv("KVB_DECODE_PIPELINED_TAIL");
-    return !v || !*v || *v != '0';
+    return !n->cfg.tail_after_transfer && (!v || !*v || *v != '0');
 }
 
 static void drop_peer(kvb_decode_node *n) {
@@ -151,7 +151,7 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
         drop_peer(n); /* the PREFILL went out: its stream would arrive unread */
         goto done;
     }
-    if (pipelined_tail_on()) {
+    if (pipelined_tail_on(n)) {
         kvb_err terr = {0}; /* without it the last token runs after the transfer, as before */
         if (kvb_tail_pipe_start(n->e, toks, n_tok, cached, pend, nb + (tail ? 1 : 0), tail != 0, logits, &tp, &terr))
             kvb_log(KVB_LOG_WARN, "decode node: no pipelined tail for this request: %s", terr.msg);

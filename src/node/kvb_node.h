@@ -84,6 +84,9 @@ typedef struct {
     uint32_t default_max_tokens; /* when a request names none (default 256) */
     int peer_timeout_ms;       /* per frame while bridging (default 10000) */
     bool prefill_mode;         /* ask for bridge mode `prefill` (the prefill node must run it too) */
+    bool tail_after_transfer;  /* run the last prompt token after the transfer, not pipelined with
+                                  it (also KVB_DECODE_PIPELINED_TAIL=0); bench ladder
+                                  --slab-path-only, so the link's ceiling is measured alone */
 } kvb_decode_config;
 
 typedef struct kvb_decode_node kvb_decode_node;
