@@ -1152,6 +1152,52 @@ static void test_dot_accuracy(void **state) {
     force("auto");
 }
 
+/* Cache rows to f32 (what attention reads): every kernel set gives the scalar loop's bits for
+ * Q8_0 (random bytes, scales including fp16 specials) and F16 rows; NaN agrees in NaN-ness. */
+static void test_row_to_f32_simd(void **state) {
+    (void)state;
+    enum { NB = 96 };
+    kvb_block_q8_0 *q = xmalloc(sizeof *q * NB);
+    uint16_t *h = xmalloc(sizeof(uint16_t) * NB * 32);
+    float *ref = xmalloc(sizeof(float) * (NB * 32 + 16)), *got = xmalloc(sizeof(float) * (NB * 32 + 16));
+    static const uint16_t sp[] = {0x7c00, 0xfc00, 0x7e00, 0x8000, 0x0000, 0x0001, 0x03ff, 0x7bff};
+    static const int64_t lens[] = {32, 64, 96, 32 * 37, NB * 32};
+    int compared = 0;
+    for (int round = 0; round < 6; round++) {
+        for (int b = 0; b < NB; b++) {
+            q[b].d = round >= 3 && b % 7 == 0 ? sp[rndint(0, (int)KVB_ARRAY_LEN(sp) - 1)] : (uint16_t)rndint(0, 0x7bff);
+            if (rndint(0, 1)) q[b].d |= 0x8000;
+            for (int j = 0; j < 32; j++) q[b].qs[j] = (int8_t)rndint(-128, 127);
+        }
+        for (int i = 0; i < NB * 32; i++) h[i] = (uint16_t)rndint(0, 0xffff);
+        for (size_t li = 0; li < KVB_ARRAY_LEN(lens); li++)
+            for (int t = 0; t < 2; t++) {
+                const uint32_t type = t ? KVB_TYPE_F16 : KVB_TYPE_Q8_0;
+                const void *src = t ? (const void *)h : (const void *)q;
+                const int64_t n = lens[li];
+                force("scalar");
+                memset(ref, 0x5a, sizeof(float) * (NB * 32 + 16));
+                kvb_row_to_f32(type, src, ref, n);
+                for (size_t k = 0; k < KVB_ARRAY_LEN(k_simd); k++) {
+                    if (!force(k_simd[k])) continue;
+                    memset(got, 0x5a, sizeof(float) * (NB * 32 + 16));
+                    kvb_row_to_f32(type, src, got, n);
+                    for (int64_t i = 0; i < NB * 32 + 16; i++)
+                        if (!(isnan(ref[i]) && isnan(got[i])) && memcmp(&ref[i], &got[i], sizeof(float)) != 0)
+                            FAILF("%s %s row to f32: element %" PRId64 " of %" PRId64 ": %a, want %a (round %d)\n",
+                                  k_simd[k], t ? "F16" : "Q8_0", i, n, (double)got[i], (double)ref[i], round);
+                    compared++;
+                }
+            }
+    }
+    force("auto");
+    assert_true(compared > 0);
+    free(q);
+    free(h);
+    free(ref);
+    free(got);
+}
+
 /* ---- weighted sum of rows (attention's P·V) ------------------------------------------------ */
 
 /* Same bits as the contract's loop (computed here, one product and one sum per step), for
@@ -1275,6 +1321,7 @@ int main(void) {
         cmocka_unit_test(test_matmul_specials),
         cmocka_unit_test(test_dot_accuracy),
         cmocka_unit_test(test_rows_weighted_add_simd),
+        cmocka_unit_test(test_row_to_f32_simd),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

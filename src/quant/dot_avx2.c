@@ -443,6 +443,18 @@ static void f16_to_f32_avx2(const uint16_t *src, float *dst, int64_t n) {
     for (; i < n; i++) dst[i] = kvb_fp16_to_f32(src[i]);
 }
 
+/* Q8_0 -> f32: int8 -> f32 is exact and the one product rounds as the scalar (float)q * d does. */
+static void q8_0_to_f32_avx2(const void *src, float *dst, int64_t n_blocks) {
+    const kvb_block_q8_0 *b = src; /* (n_blocks) */
+    for (int64_t i = 0; i < n_blocks; i++) {
+        const __m256 d = _mm256_set1_ps(kvb_fp16_to_f32(b[i].d));
+        for (int g = 0; g < 4; g++) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(const void *)(b[i].qs + 8 * g));
+            _mm256_storeu_ps(dst + i * 32 + 8 * g, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+        }
+    }
+}
+
 /* kvb_f32_rows_weighted_add: 32 accumulator elements in registers across all rows, then the next
  * 32; mul then add (two roundings, as the contract says); the tail past a multiple of 8 runs the
  * scalar chain, which is the same operations. */
@@ -488,5 +500,6 @@ const kvb_quant_kernels kvb_quant_kernels_avx2 = {
     .matmul = matmul_avx2,
     .quantize_q8_0 = quantize_q8_0_avx2,
     .f16_to_f32 = f16_to_f32_avx2,
+    .q8_0_to_f32 = q8_0_to_f32_avx2,
     .rows_weighted_add = rows_weighted_add_avx2,
 };

@@ -533,6 +533,18 @@ static void f16_to_f32_avx512(const uint16_t *src, float *dst, int64_t n) {
     for (; i < n; i++) dst[i] = kvb_fp16_to_f32(src[i]);
 }
 
+/* Q8_0 -> f32: int8 -> f32 is exact and the one product rounds as the scalar (float)q * d does. */
+static void q8_0_to_f32_avx512(const void *src, float *dst, int64_t n_blocks) {
+    const kvb_block_q8_0 *b = src; /* (n_blocks) */
+    for (int64_t i = 0; i < n_blocks; i++) {
+        const __m512 d = _mm512_set1_ps(kvb_fp16_to_f32(b[i].d));
+        const __m128i lo = _mm_loadu_si128((const __m128i *)(const void *)b[i].qs);
+        const __m128i hi = _mm_loadu_si128((const __m128i *)(const void *)(b[i].qs + 16));
+        _mm512_storeu_ps(dst + i * 32, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), d));
+        _mm512_storeu_ps(dst + i * 32 + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), d));
+    }
+}
+
 /* kvb_f32_rows_weighted_add: 64 accumulator elements in registers across all rows, then the next
  * 64; mul then add (two roundings, as the contract says); a tail of fewer than 16 elements uses
  * masked loads and stores, so no element outside [0, n) is read or written. */
@@ -570,5 +582,6 @@ const kvb_quant_kernels kvb_quant_kernels_avx512 = {
     .matmul = matmul_avx512,
     .quantize_q8_0 = quantize_q8_0_avx512,
     .f16_to_f32 = f16_to_f32_avx512,
+    .q8_0_to_f32 = q8_0_to_f32_avx512,
     .rows_weighted_add = rows_weighted_add_avx512,
 };

@@ -24,6 +24,9 @@ typedef struct {
     /* f16 row -> f32 (exact conversion; NULL: the portable loop in types.c). The attention reads
      * f16 cache rows through this. */
     void (*f16_to_f32)(const uint16_t *src, float *dst, int64_t n);
+    /* Q8_0 blocks (n_blocks) -> f32, each element (float)q * d rounded once (NULL: the portable
+     * loop in types.c). The attention reads q8_0 cache rows through this. */
+    void (*q8_0_to_f32)(const void *src, float *dst, int64_t n_blocks);
     /* kvb_f32_rows_weighted_add (NULL: the portable loop in types.c). */
     void (*rows_weighted_add)(float *acc, const float *w, const float *rows, size_t row_stride, int n_rows,
                               int64_t n);

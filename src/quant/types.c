@@ -281,6 +281,11 @@ void kvb_row_to_f32(uint32_t type, const void *src, float *dst, int64_t n) {
     }
     case KVB_TYPE_Q8_0: {
         const kvb_block_q8_0 *b = src; /* [n/32] */
+        const kvb_quant_kernels *k = kvb_quant_active();
+        if (k->q8_0_to_f32) {
+            k->q8_0_to_f32(src, dst, n / KVB_QK8_0);
+            return;
+        }
         for (int64_t i = 0; i < n / KVB_QK8_0; i++) {
             const float d = kvb_fp16_to_f32(b[i].d);
             for (int j = 0; j < KVB_QK8_0; j++) dst[i * KVB_QK8_0 + j] = (float)b[i].qs[j] * d;
