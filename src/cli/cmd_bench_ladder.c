@@ -318,7 +318,8 @@ int kvb_bench_ladder(int argc, char **argv) {
         fflush(stdout);
     }
     if (pn) printf("capture    peak staging memory on the prefill node: %.1f KiB (a fixed ring%s)\n",
-                   kvb_prefill_node_peak_capture_bytes(pn) / 1024.0, cuda ? " + the CUDA bridge's pinned row slots" : "");
+                   kvb_prefill_node_peak_capture_bytes(pn) / 1024.0,
+                   cuda ? " + the CUDA bridge's pinned row slots" : "");
     rc = 0;
     goto done;
 fail:

@@ -2,9 +2,10 @@
  * tokenize (chat template), look up the prefix cache, decide (enough uncached tokens and a
  * reachable peer -> bridge; else native), commit arriving slabs through the store's slab path
  * and one block writer, compute the rest natively (always the last prompt token: while the
- * blocks arrive, layer by layer, on the pipelined tail's thread — tail_pipe.c; KVB_DECODE_PIPELINED_TAIL=0
- * runs it after the transfer instead), decode and stream; the verdict says what actually happened.
- * Requests run one at a time on the engine in arrival order (a ticket queue). */
+ * blocks arrive, layer by layer, on the pipelined tail's thread — tail_pipe.c;
+ * KVB_DECODE_PIPELINED_TAIL=0 runs it after the transfer instead), decode and stream; the verdict
+ * says what actually happened. Requests run one at a time on the engine in arrival order (a
+ * ticket queue). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

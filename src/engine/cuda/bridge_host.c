@@ -235,7 +235,8 @@ void kvb_bridge_cuda_free(kvb_bridge_cuda *b) {
         cudaFreeHost(b->slot[i].sin);
         if (b->slot[i].made) cudaEventDestroy(b->slot[i].done);
     }
-    void *dev[] = {b->d_h, b->d_k, b->d_v, b->d_cos[0], b->d_sin[0], b->d_cos[1], b->d_sin[1], b->d_act, b->d_aq, b->d_asc};
+    void *dev[] = {b->d_h,      b->d_k,      b->d_v,   b->d_cos[0], b->d_sin[0],
+                   b->d_cos[1], b->d_sin[1], b->d_act, b->d_aq,     b->d_asc};
     for (int i = 0; i < BRIDGE_MAX_SLOTS; i++) {
         cudaFree(b->d_krows[i]);
         cudaFree(b->d_vrows[i]);
