@@ -2,7 +2,8 @@
  * committed to the store under chain keys; a later prompt with the same prefix adopts them and
  * computes only the rest, and its logits are bit-identical to computing everything (the cache
  * bytes and the per-token arithmetic are the same). Also: prefill == token-by-token decode bit
- * for bit, and referenced blocks survive store pressure. */
+ * for bit, referenced blocks survive store pressure, and the pipelined tail's borrowed pages and
+ * layer gate. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -207,12 +208,114 @@ static void test_cache_full_is_an_error(void **state) {
     kvb_engine_free(e);
 }
 
+/* ---- the pipelined tail's engine side: borrowed pages and a layer gate ------------------------ */
+
+typedef struct {
+    kvb_store *store;
+    const kvb_kvformat *fmt;
+    const kvb_block_id *pages; /* where positions p land: pages[p / block_tokens] */
+} page_filler;
+
+/* rows_hook of a second engine on the same store: its rows go into the test's own pages, as a
+ * bridge receiver would put them */
+static kvb_status fill_pages(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const uint8_t *k_rows,
+                             const uint8_t *v_rows, uint32_t dtype, kvb_err *err) {
+    (void)dtype, (void)err;
+    page_filler *f = ctx;
+    const uint32_t bt = f->fmt->block_tokens;
+    const size_t tok_bytes = (size_t)f->fmt->n_head_kv * kvb_kvformat_row_bytes(f->fmt);
+    for (uint32_t t = 0; t < n;) {
+        const uint32_t p = pos0 + t, cnt = n - t < bt - p % bt ? n - t : bt - p % bt;
+        kvb_kvformat_scatter_rows(f->fmt, kvb_store_block_data(f->store, f->pages[p / bt]), layer, p % bt, cnt,
+                                  k_rows + t * tok_bytes, v_rows + t * tok_bytes);
+        t += cnt;
+    }
+    return KVB_OK;
+}
+
+typedef struct {
+    uint32_t calls, abort_at; /* abort_at: the layer whose gate fails (UINT32_MAX: none) */
+} gate_count;
+
+static kvb_status count_gate(void *ctx, uint32_t layer, kvb_err *err) {
+    gate_count *g = ctx;
+    assert_int_equal(layer, g->calls); /* once per layer, in order */
+    g->calls++;
+    return layer == g->abort_at ? kvb_err_set(err, KVB_ERR_INTERNAL, "gate closed at layer %u", layer) : KVB_OK;
+}
+
+/* The last token's forward over borrowed pages (filled by another engine's rows, as a bridge would)
+ * gives logits bit-identical to one forward over the whole prompt; the gate runs once per layer;
+ * a gate that fails aborts the forward, and freeing the sequence leaves the borrowed pages (still
+ * the test's) and the store consistent. */
+static void test_borrowed_pages_and_gate(void **state) {
+    (void)state;
+    kvb_err err = {0};
+    const uint32_t V = g_model->d.n_vocab, n = 150, bt = 16;
+    kvb_engine *e, *fill;
+    kvb_engine_opts o = {.n_threads = 2, .cache_dtype = KVB_TYPE_F16, .block_tokens = bt, .max_ctx = 512,
+                         .n_blocks = 64};
+    assert_int_equal(kvb_engine_create(g_model, &o, &e, &err), KVB_OK);
+    kvb_store *store = kvb_engine_store(e);
+    int32_t toks[150];
+    random_tokens(toks, n, (uint64_t)time(NULL) ^ 0x5eed);
+    float *ref = malloc(sizeof(float) * V), *got = malloc(sizeof(float) * V);
+    assert_true(ref && got);
+    kvb_seq *s;
+    assert_int_equal(kvb_seq_create(e, &s, &err), KVB_OK);
+    assert_int_equal(kvb_engine_forward(e, s, toks, n, ref, false, &err), KVB_OK);
+    kvb_seq_free(s);
+
+    /* pages for positions 0 .. n-1: the first n-1 filled by the other engine, the last left for the forward */
+    const uint32_t n_pages = (n - 1) / bt + 1;
+    kvb_block_id pages[16];
+    assert_int_equal(kvb_store_alloc(store, n_pages, pages, &err), KVB_OK);
+    page_filler pf = {store, kvb_engine_kvformat(e), pages};
+    kvb_engine_opts fo = o;
+    fo.store = store;
+    fo.rows_hook = fill_pages;
+    fo.rows_hook_ctx = &pf;
+    assert_int_equal(kvb_engine_create(g_model, &fo, &fill, &err), KVB_OK);
+    assert_int_equal(kvb_seq_create(fill, &s, &err), KVB_OK);
+    assert_int_equal(kvb_engine_forward(fill, s, toks, n - 1, NULL, false, &err), KVB_OK);
+    kvb_seq_free(s); /* its own blocks; the copies in pages stay */
+
+    for (int abort = 0; abort < 2; abort++) {
+        gate_count g = {0, abort ? 1u : UINT32_MAX};
+        assert_int_equal(kvb_seq_create(e, &s, &err), KVB_OK);
+        assert_int_equal(kvb_seq_borrow_pages(s, pages, n_pages, toks, n - 1, &err), KVB_OK);
+        assert_int_equal(kvb_seq_borrow_pages(s, pages, n_pages, toks, 1, &err), KVB_ERR_INVALID); /* once */
+        kvb_seq_set_layer_gate(s, count_gate, &g);
+        kvb_status st = kvb_engine_forward(e, s, toks + n - 1, 1, got, false, &err);
+        if (abort) {
+            assert_int_equal(st, KVB_ERR_INTERNAL);
+            assert_int_equal(g.calls, 2);
+        } else {
+            assert_int_equal(st, KVB_OK);
+            assert_int_equal(g.calls, g_model->d.n_layer);
+            assert_memory_equal(got, ref, sizeof(float) * V);
+        }
+        kvb_seq_free(s);
+        kvb_store_stats stats;
+        kvb_store_get_stats(store, &stats);
+        assert_true(stats.writing >= n_pages); /* the borrowed pages are still the test's */
+        assert_int_equal(kvb_store_check(store, &err), KVB_OK);
+    }
+    assert_int_equal(kvb_store_release(store, pages, n_pages, &err), KVB_OK);
+    assert_int_equal(kvb_store_check(store, &err), KVB_OK);
+    kvb_engine_free(fill);
+    kvb_engine_free(e);
+    free(ref);
+    free(got);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_prefix_reuse_is_exact),
         cmocka_unit_test(test_prefill_equals_decode_bitwise),
         cmocka_unit_test(test_segmented_attention),
         cmocka_unit_test(test_cache_full_is_an_error),
+        cmocka_unit_test(test_borrowed_pages_and_gate),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

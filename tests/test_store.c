@@ -612,7 +612,13 @@ static void test_slab_layout_and_checksum(void **state) {
     memcpy(kv + sizeof k, v, sizeof v);
     uint64_t sum = kvb_hash64(kv, sizeof kv, 0);
     assert_true(kvb_slab_checksum(k, sizeof k, v, sizeof v) == sum);
+    assert_int_equal(kvb_store_slab_layer_missing(pp, 1), BT);
     assert_int_equal(kvb_store_slab_put(pp, 1, 1, 2, k, sizeof k, v, sizeof v, sum, NULL, &e), KVB_OK);
+    /* what the decoder's pipelined tail waits on: the tokens of one layer still missing */
+    assert_int_equal(kvb_store_slab_layer_missing(pp, 1), BT - 2);
+    assert_int_equal(kvb_store_slab_layer_missing(pp, 0), BT);
+    assert_int_equal(kvb_store_slab_missing(pp), (uint32_t)g_fmt.n_layer * BT - 2);
+    assert_int_equal(kvb_store_slab_layer_missing(pp, g_fmt.n_layer), 0); /* no such layer */
     const uint8_t *blk = kvb_store_block_data(s, kvb_store_slab_block(pp));
     for (uint32_t kvi = 0; kvi < 2; kvi++)
         for (uint32_t h = 0; h < NKV; h++)

@@ -94,7 +94,10 @@ static kvb_block_id assemble(kvb_store *s, const int32_t *toks, const uint64_t *
     kvb_block_id id = KVB_BLOCK_NONE;
     for (uint32_t l = 0; l < NL; l++) {
         const uint32_t from = l < 2 ? lo : 0;
+        /* a local layer waits only for the rows it keeps (the pipelined tail's gate counts this) */
+        assert_int_equal(kvb_store_slab_layer_missing(p, l), from < BT ? BT - from : 0);
         if (from < BT) assert_int_equal(put(p, l, from, BT - from, (float)i, &id, &e), KVB_OK);
+        assert_int_equal(kvb_store_slab_layer_missing(p, l), 0);
     }
     assert_true(kvb_store_slab_committed(p));
     kvb_store_slab_close(p);
