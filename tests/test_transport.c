@@ -425,6 +425,29 @@ static void test_prefill_roundtrip_and_truncations(void **state) {
     assert_true(strstr(e.msg, "token 3") != NULL);
 }
 
+/* core's XXH3 over pieces (the payload hash and the slab checksum): the library's XXH3-64 of the
+ * concatenation, for sizes on both sides of the AVX2 kernel's 1 KiB threshold and any split. */
+static void test_xxh3_pieces_match_the_library(void **state) {
+    (void)state;
+    enum { MAX = 70000 };
+    uint8_t *buf = malloc(MAX);
+    assert_non_null(buf);
+    kvb_rng r;
+    kvb_rng_seed(&r, 77);
+    for (size_t i = 0; i < MAX; i++) buf[i] = (uint8_t)kvb_rng_u64(&r);
+    static const size_t lens[] = {0, 1, 17, 240, 1023, 1024, 1025, 4096, 65536, 65536 + 3, MAX};
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+        const size_t n = lens[li], a = n / 3, b = n / 2;
+        const uint64_t want = XXH3_64bits(buf, n);
+        assert_true(kvb_xxh3(buf, n) == want);
+        const kvb_bytes two[2] = {{buf, a}, {buf + a, n - a}};
+        const kvb_bytes three[3] = {{buf, a}, {buf + a, b - a}, {buf + b, n - b}};
+        assert_true(kvb_xxh3_pieces(two, 2) == want);
+        assert_true(kvb_xxh3_pieces(three, 3) == want);
+    }
+    free(buf);
+}
+
 static void test_slab_roundtrip_and_truncations(void **state) {
     (void)state;
     uint8_t k[96], v[64];
@@ -638,6 +661,7 @@ int main(void) {
         cmocka_unit_test(test_hello_roundtrip_and_truncations),
         cmocka_unit_test(test_auth_roundtrip_and_truncations),
         cmocka_unit_test(test_prefill_roundtrip_and_truncations),
+        cmocka_unit_test(test_xxh3_pieces_match_the_library),
         cmocka_unit_test(test_slab_roundtrip_and_truncations),
         cmocka_unit_test(test_done_roundtrip_and_truncations),
         cmocka_unit_test(test_chain_digest),

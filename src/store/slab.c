@@ -9,8 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
-#include <xxhash.h>
 
 #include "store_internal.h"
 
@@ -32,12 +30,8 @@ struct kvb_slab_pending {
 };
 
 uint64_t kvb_slab_checksum(const void *k, size_t k_bytes, const void *v, size_t v_bytes) {
-    XXH3_state_t st;
-    XXH3_INITSTATE(&st);
-    XXH3_64bits_reset(&st);
-    if (k_bytes) XXH3_64bits_update(&st, k, k_bytes);
-    if (v_bytes) XXH3_64bits_update(&st, v, v_bytes);
-    return XXH3_64bits_digest(&st);
+    const kvb_bytes kv[2] = {{k, k_bytes}, {v, v_bytes}};
+    return kvb_xxh3_pieces(kv, 2);
 }
 
 static kvb_status pending_open(kvb_store *s, uint32_t n_valid, kvb_slab_pending **out, kvb_err *err);

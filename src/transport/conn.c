@@ -111,7 +111,7 @@ kvb_status wire_conn_recv(kvb_conn *c, uint32_t allowed, uint64_t max_payload, d
     kvb_status st = c->backend->recv_frame(c->link, max_payload, &h, buf, deadline, err);
     if (st) return fail(c, st, err);
     const uint8_t *payload = h.payload_len ? buf->data : (const uint8_t *)"";
-    uint64_t got = wire_hash(payload, (size_t)kvb_wire_hashed_len(h.type, h.payload_len));
+    uint64_t got = kvb_xxh3(payload, (size_t)kvb_wire_hashed_len(h.type, h.payload_len));
     if (got != h.payload_hash) {
         kvb_err_set(err, KVB_ERR_FORMAT,
                     "%s payload from %s: " WIRE_CHECKSUM_MSG " (header says %016llx, %llu bytes hash to %016llx)",

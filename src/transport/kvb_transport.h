@@ -87,10 +87,7 @@ typedef struct {
 } kvb_frame_header;
 
 /* One piece of a payload to send (the pieces are sent back to back without copying). */
-typedef struct {
-    const void *data;
-    size_t len;
-} kvb_iov;
+typedef kvb_bytes kvb_iov;
 
 /* A received frame: payload points into the connection's receive buffer and stays valid until the
  * next receive on that connection or its close. The payload hash has been verified. */

@@ -28,11 +28,6 @@ static inline uint64_t wire_get_u64(const uint8_t *p) {
     return v;
 }
 
-/* XXH3-64 (seed 0) with the fastest kernel this CPU runs (wire_hash.c); the *_avx2 ones exist in
- * x86 builds only and need AVX2. */
-uint64_t wire_hash(const void *p, size_t n);
-uint64_t wire_hash_avx2(const void *p, size_t n);
-uint64_t wire_hash_iov_avx2(const kvb_iov *iov, int n_iov);
 
 /* Message prefix of a checksum failure (kvb_wire_err_is_checksum looks for it). */
 #define WIRE_CHECKSUM_MSG "checksum mismatch"

@@ -111,7 +111,7 @@ kvb_status kvb_wire_frame_parse(const uint8_t *bytes, size_t n, uint64_t max_pay
     if (h.payload_len != n - KVB_WIRE_HEADER_BYTES)
         return kvb_err_set(err, KVB_ERR_FORMAT, "frame: header announces %llu payload bytes, %zu are present",
                            (unsigned long long)h.payload_len, n - KVB_WIRE_HEADER_BYTES);
-    uint64_t got = wire_hash(bytes + KVB_WIRE_HEADER_BYTES, (size_t)kvb_wire_hashed_len(h.type, h.payload_len));
+    uint64_t got = kvb_xxh3(bytes + KVB_WIRE_HEADER_BYTES, (size_t)kvb_wire_hashed_len(h.type, h.payload_len));
     if (got != h.payload_hash)
         return kvb_err_set(err, KVB_ERR_FORMAT, "%s payload: " WIRE_CHECKSUM_MSG " (header says %016llx, bytes hash to %016llx)",
                            kvb_frame_type_name(h.type), (unsigned long long)h.payload_hash, (unsigned long long)got);
