@@ -36,6 +36,8 @@ static void help(FILE *f) {
             "                       GPU and runs the bridge kernel there (decoder mode)\n"
             "  --chunk N            prefill: tokens per forward chunk (default 512 on cpu, 8192 on cuda)\n"
             "  --cache-blocks N     decode: prefix-cache size in blocks (default: 4 contexts' worth)\n"
+            "  --tail-after-transfer  decode: compute the prompt's last token after the bridged cache has\n"
+            "                       arrived, not layer by layer while it arrives (the default, same answer)\n"
             "  --fault SPEC         prefill, test-only: corrupt:N, die:N or stall:N at the Nth slab\n"
             "  --verbose            log connections and faults\n");
 }
@@ -51,6 +53,7 @@ int kvb_cmd_serve(int argc, char **argv) {
                *psk = getenv("KVB_PSK"), *tmpl = NULL, *model_id = NULL, *fault = NULL, *mode = "decoder",
                *device = "cpu";
     long long threads = 0, bt = 32, ctx = 0, bridge_min = 0, max_tokens = 0, chunk = 0, cache_blocks = 0;
+    bool tail_after = false;
     uint32_t cache_type = KVB_TYPE_F16, engine_type = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -76,6 +79,7 @@ int kvb_cmd_serve(int argc, char **argv) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &engine_type)) return 2;
         }
         else if (!strcmp(a, "--verbose") || !strcmp(a, "-v")) kvb_log_set_level(KVB_LOG_INFO);
+        else if (!strcmp(a, "--tail-after-transfer")) tail_after = true;
         else {
             fprintf(stderr, "kvbridge serve: unknown option '%s' (see kvbridge serve --help)\n", a);
             return 2;
@@ -119,7 +123,8 @@ int kvb_cmd_serve(int argc, char **argv) {
                                .psk = psk, .chat_template = tmpl, .n_threads = (int)threads, .cache_dtype = cache_type,
                                .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
                                .bridge_min_tokens = (uint32_t)bridge_min, .default_max_tokens = (uint32_t)max_tokens,
-                               .prefill_mode = prefill_mode, .cache_blocks = (uint32_t)cache_blocks};
+                               .prefill_mode = prefill_mode, .cache_blocks = (uint32_t)cache_blocks,
+                               .tail_after_transfer = tail_after};
         if (kvb_decode_node_start(&c, &dn, &err)) goto fail;
         printf("kvbridge decode node: OpenAI API on port %u, prefill node %s\n", kvb_decode_node_port(dn),
                peer ? peer : "none (native only)");
