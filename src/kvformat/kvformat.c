@@ -61,13 +61,18 @@ size_t kvb_kvformat_local_part(const kvb_kvformat *f, size_t *bytes) {
 
 void kvb_kvformat_scatter_rows(const kvb_kvformat *f, uint8_t *block, uint32_t layer, uint32_t token0, uint32_t n,
                                const uint8_t *k_rows, const uint8_t *v_rows) {
-    const size_t row = kvb_kvformat_row_bytes(f);
-    for (uint32_t t = 0; t < n; t++)
-        for (uint32_t h = 0; h < f->n_head_kv; h++) {
-            const size_t src = ((size_t)t * f->n_head_kv + h) * row;
-            memcpy(block + kvb_kvformat_row_offset(f, layer, 0, h, token0 + t), k_rows + src, row);
-            memcpy(block + kvb_kvformat_row_offset(f, layer, 1, h, token0 + t), v_rows + src, row);
+    const size_t row = kvb_kvformat_row_bytes(f), tok_bytes = (size_t)f->n_head_kv * row;
+    /* head by head: a head's rows of consecutive tokens are adjacent in the block, so the
+     * destination walks forward by one row (the offsets computed once per head) */
+    for (uint32_t h = 0; h < f->n_head_kv; h++) {
+        uint8_t *kd = block + kvb_kvformat_row_offset(f, layer, 0, h, token0);
+        uint8_t *vd = block + kvb_kvformat_row_offset(f, layer, 1, h, token0);
+        const uint8_t *ks = k_rows + (size_t)h * row, *vs = v_rows + (size_t)h * row;
+        for (uint32_t t = 0; t < n; t++, kd += row, vd += row, ks += tok_bytes, vs += tok_bytes) {
+            memcpy(kd, ks, row);
+            memcpy(vd, vs, row);
         }
+    }
 }
 
 kvb_status kvb_kvformat_set_window(kvb_kvformat *f, uint32_t window, const bool *local, kvb_err *err) {
