@@ -25,6 +25,8 @@ int kvb_bench_link(int argc, char **argv);
  * the first byte to the receiver's acknowledgement (a thread of this process receives); 0 on
  * failure. The yardstick for the slab path on the same machine, in the same run. */
 double kvb_bench_raw_loopback_gbs(uint64_t bytes, size_t piece);
+/* `kvbridge bench slab` (cmd_bench_slab.c). */
+int kvb_bench_slab(int argc, char **argv);
 /* `kvbridge bench quality` (cmd_bench_quality.c). */
 int kvb_bench_quality(int argc, char **argv);
 
