@@ -64,7 +64,8 @@ kvb_status kvb_tail_pipe_start(kvb_engine *e, const int32_t *toks, uint32_t n_to
                                kvb_tail_pipe **out, kvb_err *err);
 /* After an accepted slab of pend[i], layer `layer` (on the thread that puts the slabs). NULL: no-op. */
 void kvb_tail_pipe_slab(kvb_tail_pipe *t, uint32_t i, uint32_t layer);
-/* Ends it (abort: the bridge stopped short; a waiting forward gives up) and frees it; call before
+/* Ends it (abort: the bridge stopped short; a waiting forward gives up, as it does when any layer
+ * never arrived everywhere, so finish never waits for what cannot come) and frees it; call before
  * closing the pending blocks. True when logits hold the last token's logits over exactly what
  * was committed: every block committed on the page the forward read, and the tail complete and
  * taken as tail_page (KVB_BLOCK_NONE without a tail). Then *last_page is the page holding the

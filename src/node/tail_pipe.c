@@ -146,6 +146,8 @@ bool kvb_tail_pipe_finish(kvb_tail_pipe *t, bool abort, kvb_block_id tail_page, 
     if (!t) return false;
     const double t0 = kvb_now_s();
     pthread_mutex_lock(&t->mu);
+    for (uint32_t l = 0; !abort && l < t->n_layer; l++)
+        abort = t->ready[l] < t->n_pend; /* a layer that never arrived: its gate would wait forever */
     if (abort) t->abort = true;
     pthread_cond_broadcast(&t->cv);
     pthread_mutex_unlock(&t->mu);
