@@ -27,15 +27,13 @@ int kvb_bench_slab(int argc, char **argv) {
     uint32_t dtype = KVB_TYPE_F16;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v;
-        if (kvb_arg_is_help(a)) {
-            help(stdout);
-            return 0;
-        }
 #define NUM(opt, var, lo, hi)                                                                                   \
     else if (!strcmp(a, opt)) {                                                                                 \
         if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, lo, hi, &var)) return 2; \
     }
-        if (0) {
+        if (kvb_arg_is_help(a)) {
+            help(stdout);
+            return 0;
         }
         NUM("--tokens", tokens, 1, 1 << 22) NUM("--layers", layers, 1, 256) NUM("--kv-heads", heads, 1, 256)
         NUM("--head-dim", hd, 32, 1024) NUM("--block-tokens", bt, 1, 4096) NUM("--reps", reps, 1, 100)
@@ -71,9 +69,7 @@ int kvb_bench_slab(int argc, char **argv) {
     double best_put = 1e30, best_hash = 1e30, best_scatter = 1e30;
     volatile uint64_t sink = 0;
     for (long long r = 0; r < reps; r++) {
-        for (uint32_t b = 0; b < nb; b++) {
-            for (uint32_t t = 0; t < bt; t++) toks[(size_t)b * bt + t] = (int32_t)(r * 1000003 + b * bt + t);
-        }
+        for (size_t t = 0; t < (size_t)nb * bt; t++) toks[t] = (int32_t)(r * 1000003 + (long long)t); /* fresh keys */
         kvb_store_chain_keys(s, toks, nb * (uint32_t)bt, keys);
         for (uint32_t b = 0; b < nb; b++)
             if (kvb_store_slab_begin(s, keys[b], b ? keys[b - 1] : kvb_store_root_key(s), toks + (size_t)b * bt, &p[b],

@@ -90,9 +90,6 @@ static void attend_segment(const attn_job *j, uint32_t kvh, uint32_t t0, uint32_
     const size_t st_stride = hd + 2;
     const uint32_t last_pos = j->pos0 + t1 - 1;
     const uint32_t tile_lo = WINDOW_LO(local, W, j->pos0 + t0); /* lo(p) grows with p: the tile's smallest */
-    /* consecutive tokens' rows of one head are adjacent in a block and a row is whole blocks of
-     * its dtype, so (rows x head_dim) elements convert as one row: the same values */
-    const bool rows_one_run = (size_t)e->row_bytes * 2 == kvb_row_bytes(e->fmt.dtype, 2 * (int64_t)hd);
     uint32_t b = tile_lo / bt;
     if (b < seg * ATT_SEG_BLOCKS) b = seg * ATT_SEG_BLOCKS;
     for (; b < (seg + 1) * ATT_SEG_BLOCKS && b * bt <= last_pos; b++) {
@@ -102,16 +99,11 @@ static void attend_segment(const attn_job *j, uint32_t kvh, uint32_t t0, uint32_
         const uint32_t first_row = tile_lo > j0 ? tile_lo - j0 : 0; /* rows before it: outside every window */
         const uint8_t *krow = blk + kvb_kvformat_row_offset(&e->fmt, j->layer, 0, kvh, 0);
         const uint8_t *vrow = blk + kvb_kvformat_row_offset(&e->fmt, j->layer, 1, kvh, 0);
-        if (rows_one_run) { /* the block's rows of this head are one run of the cache dtype: one call each */
-            const int64_t cnt = (int64_t)(nj - first_row) * hd;
-            kvb_row_to_f32(e->fmt.dtype, krow + first_row * e->row_bytes, kbuf + (size_t)first_row * hd, cnt);
-            kvb_row_to_f32(e->fmt.dtype, vrow + first_row * e->row_bytes, vbuf + (size_t)first_row * hd, cnt);
-        } else {
-            for (uint32_t jj = first_row; jj < nj; jj++) {
-                kvb_row_to_f32(e->fmt.dtype, krow + jj * e->row_bytes, kbuf + (size_t)jj * hd, hd);
-                kvb_row_to_f32(e->fmt.dtype, vrow + jj * e->row_bytes, vbuf + (size_t)jj * hd, hd);
-            }
-        }
+        /* a head's rows of consecutive tokens are adjacent in the block, and the cache format makes
+         * a row whole blocks of its dtype (kvb_kvformat_init), so they convert as one run */
+        const int64_t cnt = (int64_t)(nj - first_row) * hd;
+        kvb_row_to_f32(e->fmt.dtype, krow + first_row * e->row_bytes, kbuf + (size_t)first_row * hd, cnt);
+        kvb_row_to_f32(e->fmt.dtype, vrow + first_row * e->row_bytes, vbuf + (size_t)first_row * hd, cnt);
         for (uint32_t t = t0; t < t1; t++) {
             const uint32_t p = j->pos0 + t, lo = WINDOW_LO(local, W, p);
             if (p < j0 || lo >= j_end) continue; /* block after the query, or wholly before its window */

@@ -39,8 +39,7 @@ struct kvb_seq {
     uint64_t last_key;    /* chain key of the last committed block (the root when none) */
     bool commit_refused;  /* a commit hit a key collision: stop publishing this sequence */
     uint32_t keep_window_at; /* 0, or a position a continuation may resume at (kvb_seq_keep_window_at) */
-    uint32_t borrowed_from, borrowed_to; /* blocks [from, to) are borrowed when has_borrowed */
-    bool has_borrowed;
+    uint32_t borrowed_from, borrowed_to; /* blocks [from, to) are borrowed; to == 0: none */
     kvb_layer_gate gate;     /* or NULL */
     void *gate_ctx;
 };

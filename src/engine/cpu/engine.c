@@ -106,17 +106,8 @@ kvb_status kvb_seq_create(kvb_engine *e, kvb_seq **out, kvb_err *err) {
     return KVB_OK;
 }
 
-void kvb_seq_free(kvb_seq *s) {
-    if (!s) return;
-    if (s->has_borrowed) { /* a provisional sequence: only its own (cached, referenced) blocks go back */
-        if (s->borrowed_from) kvb_store_release(s->e->store, s->blocks, s->borrowed_from, NULL);
-        if (s->n_blocks > s->borrowed_to) /* pages a forward took past the borrowed ones */
-            kvb_store_release(s->e->store, s->blocks + s->borrowed_to, s->n_blocks - s->borrowed_to, NULL);
-        free(s->blocks);
-        free(s->tokens);
-        free(s);
-        return;
-    }
+/* An ordinary sequence's blocks go back (committed ones stay cached). */
+static void seq_release_blocks(kvb_seq *s) {
     /* sliding-window layers: only the local rows a continuation's window reads stay — one resuming
      * at the end of the committed chain, or at the position kvb_seq_keep_window_at named (the
      * prompt's end: a next turn whose reply tokenizes differently resumes there); blocks wholly
@@ -130,6 +121,17 @@ void kvb_seq_free(kvb_seq *s) {
         kvb_store_drop_local_rows(s->e->store, s->blocks, lo / bt);
     }
     if (s->n_blocks) kvb_store_release(s->e->store, s->blocks, s->n_blocks, NULL);
+}
+
+void kvb_seq_free(kvb_seq *s) {
+    if (!s) return;
+    if (s->borrowed_to) { /* a provisional sequence: only its own blocks go back, none gives up rows */
+        if (s->borrowed_from) kvb_store_release(s->e->store, s->blocks, s->borrowed_from, NULL);
+        if (s->n_blocks > s->borrowed_to) /* pages a forward took past the borrowed ones */
+            kvb_store_release(s->e->store, s->blocks + s->borrowed_to, s->n_blocks - s->borrowed_to, NULL);
+    } else {
+        seq_release_blocks(s);
+    }
     free(s->blocks);
     free(s->tokens);
     free(s);
@@ -166,7 +168,7 @@ kvb_status kvb_cpu_seq_reserve(kvb_seq *s, uint32_t new_len, kvb_err *err) {
 
 kvb_status kvb_cpu_seq_commit_full(kvb_seq *s, kvb_err *err) {
     const uint32_t bt = s->e->o.block_tokens;
-    if (s->has_borrowed) return KVB_OK; /* a provisional sequence publishes nothing */
+    if (s->borrowed_to) return KVB_OK; /* a provisional sequence publishes nothing */
     while (!s->commit_refused && s->n_committed < s->len / bt) {
         const uint32_t b = s->n_committed;
         const int32_t *toks = s->tokens + (size_t)b * bt;
@@ -220,7 +222,7 @@ void kvb_seq_set_layer_gate(kvb_seq *s, kvb_layer_gate gate, void *ctx) {
 kvb_status kvb_seq_borrow_pages(kvb_seq *s, const kvb_block_id *pages, uint32_t n_pages, const int32_t *tokens,
                                 uint32_t n_tokens, kvb_err *err) {
     const uint32_t bt = s->e->o.block_tokens;
-    if (s->len % bt || s->n_blocks != s->len / bt || s->has_borrowed)
+    if (s->len % bt || s->n_blocks != s->len / bt || s->borrowed_to)
         return kvb_err_set(err, KVB_ERR_INVALID, "pages are borrowed once, by a sequence that ends on a block boundary "
                            "(it has %u tokens)", s->len);
     if ((uint64_t)n_pages * bt < n_tokens || n_pages == 0)
@@ -234,7 +236,6 @@ kvb_status kvb_seq_borrow_pages(kvb_seq *s, const kvb_block_id *pages, uint32_t 
     kvb_status st = seq_grow(s, s->n_blocks + n_pages, err);
     if (st) return st;
     s->borrowed_from = s->n_blocks;
-    s->has_borrowed = true;
     memcpy(s->blocks + s->n_blocks, pages, (size_t)n_pages * sizeof(kvb_block_id));
     s->n_blocks += n_pages;
     s->borrowed_to = s->n_blocks;

@@ -47,8 +47,7 @@ struct kvb_bridge_cuda {
     bridge_layer *layers;       /* (n_layer) device */
     float *d_h, *d_k, *d_v;
     float *d_cos[2], *d_sin[2]; /* per kind of layer (kvb_rope_tables_kind): (max_tokens, n_rot/2) ... */
-    bool tab_ok[2];             /* ... holding positions tab_pos0[k] .. + tab_n[k] - 1 when tab_ok[k] */
-    uint32_t tab_pos0[2], tab_n[2];
+    uint32_t tab_pos0[2], tab_n[2]; /* ... holding positions tab_pos0[k] .. + tab_n[k] - 1 (0: none) */
     uint8_t *d_act;
     int8_t *d_aq;               /* tensor-core path: activations (max, n_embd) int8 ... */
     float *d_asc;               /* ... and their scales (max, n_embd/32) */
@@ -293,13 +292,12 @@ static kvb_status ensure_rope_table(kvb_bridge_cuda *b, uint32_t layer, uint32_t
                                     float *sin_t, cudaStream_t stream, uint32_t *kind_out, kvb_err *err) {
     const uint32_t k = kvb_rope_tables_kind(&b->rope, layer);
     *kind_out = k;
-    if (b->tab_ok[k] && b->tab_pos0[k] == pos0 && b->tab_n[k] == n) return KVB_OK;
-    b->tab_ok[k] = false;
+    if (b->tab_n[k] == n && b->tab_pos0[k] == pos0) return KVB_OK; /* n >= 1 (check_call) */
+    b->tab_n[k] = 0;
     layer_rope_table(b, layer, pos0, n, cos_t, sin_t);
     const size_t bytes = (size_t)n * (b->m->d.n_rot / 2) * sizeof(float);
     KVB_CU(cudaMemcpyAsync(b->d_cos[k], cos_t, bytes, cudaMemcpyHostToDevice, stream));
     KVB_CU(cudaMemcpyAsync(b->d_sin[k], sin_t, bytes, cudaMemcpyHostToDevice, stream));
-    b->tab_ok[k] = true;
     b->tab_pos0[k] = pos0;
     b->tab_n[k] = n;
     return KVB_OK;
@@ -527,7 +525,7 @@ kvb_status kvb_bridge_cuda_flush(kvb_bridge_cuda *b, kvb_err *err) {
 void kvb_bridge_cuda_discard(kvb_bridge_cuda *b) {
     kvb_err ignored;
     wait_idle(b, true, &ignored);
-    b->tab_ok[0] = b->tab_ok[1] = false; /* after a failed forward, trust no queued table upload */
+    b->tab_n[0] = b->tab_n[1] = 0; /* after a failed forward, trust no queued table upload */
 }
 
 static void stop_shipper(kvb_bridge_cuda *b) {
