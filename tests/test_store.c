@@ -4,8 +4,11 @@
  * pressure, and a full store fails at once with KVB_ERR_RANGE); a lookup never returns a block
  * that is being written or assembled; hostile slabs (checksum mismatch, wrong lengths, layer or
  * token out of range, duplicates, overlaps, missing bytes) are rejected with a message, write
- * nothing and commit nothing; 4 threads commit (engine path and slab path) and look up shared
- * prefixes concurrently and every block they read holds the bytes its committer wrote; and 10^6
+ * nothing and commit nothing; several threads put the slabs of the same pending blocks at once
+ * (shuffled, with a thread polling the getters): each block is committed exactly once with the bytes
+ * of a sequential assembly, a racing duplicate is rejected exactly once, a racing corrupt slab
+ * leaves its cells free for the good one; 4 threads commit (engine path and slab path) and look up
+ * shared prefixes concurrently and every block they read holds the bytes its committer wrote; and 10^6
  * random operations (KVB_STORE_MODEL_OPS overrides) are checked one by one against a plain model of
  * the store (states, refcounts, exact LRU victim, dedup, counters). Block bytes are a function of
  * the chain key, so any reader can verify any block. */
@@ -15,6 +18,8 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -132,6 +137,18 @@ typedef struct {
 } slab_desc;
 
 /* Cuts every layer's tokens into random runs, in a random order. */
+/* Fisher-Yates over n elements of `size` bytes (at most 1 KiB). */
+static void shuffle(void *a, uint32_t n, size_t size, kvb_rng *r) {
+    uint8_t *p = a, tmp[1024];
+    assert_true(size <= sizeof tmp);
+    for (uint32_t i = n; i > 1; i--) {
+        uint32_t j = (uint32_t)(kvb_rng_u64(r) % i);
+        memcpy(tmp, p + (size_t)(i - 1) * size, size);
+        memcpy(p + (size_t)(i - 1) * size, p + (size_t)j * size, size);
+        memcpy(p + (size_t)j * size, tmp, size);
+    }
+}
+
 static uint32_t plan_slabs(kvb_rng *r, slab_desc *out) {
     uint32_t n = 0;
     for (uint32_t l = 0; l < NL; l++)
@@ -140,12 +157,7 @@ static uint32_t plan_slabs(kvb_rng *r, slab_desc *out) {
             out[n++] = (slab_desc){l, t, len};
             t += len;
         }
-    for (uint32_t i = n; i > 1; i--) {
-        uint32_t j = (uint32_t)(kvb_rng_u64(r) % i);
-        slab_desc tmp = out[i - 1];
-        out[i - 1] = out[j];
-        out[j] = tmp;
-    }
+    shuffle(out, n, sizeof *out, r);
     return n;
 }
 
@@ -814,6 +826,483 @@ static void test_corrupt_slabs_rejected(void **state) {
     kvb_store_free(s);
 }
 
+/* ---- one pending block, several putting threads -------------------------------------------------
+ * The decode node stripes a request's slabs over several connections, one receiving thread each:
+ * several threads put different slabs of the same pending blocks at once while others read how
+ * much is missing. */
+
+#define CP_NB 6 /* blocks of one chain assembled at once */
+#define CP_NT 4 /* putting threads */
+
+typedef struct {
+    uint32_t b; /* the block (index into the pendings) */
+    slab_desc d;
+    kvb_status st;    /* the put's result */
+    kvb_block_id got; /* its committed_out */
+    kvb_err e;
+} put_job;
+
+typedef struct {
+    kvb_slab_pending **pend;    /* (CP_NB) */
+    const uint8_t (*blk)[BB_MAX]; /* (CP_NB, block bytes) what each block must hold */
+    put_job *jobs;
+    uint32_t first, stride, n_jobs; /* this thread puts jobs first, first + stride, ... */
+} putter;
+
+static void *putter_main(void *arg) {
+    putter *t = arg;
+    kvb_rng r;
+    kvb_rng_seed(&r, t->first);
+    for (uint32_t i = t->first; i < t->n_jobs; i += t->stride) {
+        put_job *j = &t->jobs[i];
+        for (volatile uint32_t spin = (uint32_t)(kvb_rng_u64(&r) % 1024); spin; spin--) { /* spread the puts out */
+        }
+        j->st = put_slab(t->pend[j->b], t->blk[j->b], j->d, &j->got, &j->e);
+    }
+    return NULL;
+}
+
+/* Polls the getters while the putters run: missing counts never grow, a committed block misses
+ * nothing, and a layer that misses nothing already holds its bytes (the put that completed it
+ * happened before the getter said so). */
+typedef struct {
+    kvb_store *s;
+    kvb_slab_pending **pend;      /* (CP_NB) */
+    const uint8_t (*blk)[BB_MAX]; /* (CP_NB, block bytes) */
+    pthread_mutex_t mu;
+    bool stop; /* guarded by mu: the putters have ended */
+    int failures;
+    char msg[300];
+    uint64_t passes, early; /* polls; layers seen complete (and checked) before their block was */
+} watcher;
+
+static void watcher_fail(watcher *w, uint32_t b, uint32_t l, const char *what) {
+    if (!w->failures++) snprintf(w->msg, sizeof w->msg, "block %u layer %u: %s", b, l, what);
+}
+
+static void *watcher_main(void *arg) {
+    watcher *w = arg;
+    const size_t layer_bytes = 2 * NKV * BT * g_row; /* a layer of the block layout: (kv, kv_head, token, row) */
+    uint32_t last[CP_NB], last_layer[CP_NB][NL];
+    bool seen[CP_NB][NL];
+    for (uint32_t b = 0; b < CP_NB; b++) {
+        last[b] = NL * BT;
+        for (uint32_t l = 0; l < NL; l++) {
+            last_layer[b][l] = BT;
+            seen[b][l] = false;
+        }
+    }
+    for (bool stop = false; !stop && !w->failures; w->passes++) {
+        pthread_mutex_lock(&w->mu);
+        stop = w->stop; /* read before the pass: the last pass sees every put */
+        pthread_mutex_unlock(&w->mu);
+        for (uint32_t b = 0; b < CP_NB; b++) {
+            kvb_slab_pending *p = w->pend[b];
+            const bool committed = kvb_store_slab_committed(p);
+            const uint32_t missing = kvb_store_slab_missing(p);
+            if (missing > last[b]) watcher_fail(w, b, 0, "the block's missing count grew");
+            if (committed && missing) watcher_fail(w, b, 0, "committed with cells missing");
+            last[b] = missing;
+            for (uint32_t l = 0; l < NL; l++) {
+                const uint32_t m = kvb_store_slab_layer_missing(p, l);
+                if (m > last_layer[b][l]) watcher_fail(w, b, l, "the layer's missing count grew");
+                last_layer[b][l] = m;
+                if (m || seen[b][l]) continue;
+                seen[b][l] = true;
+                w->early += !committed && missing;
+                const size_t off = kvb_kvformat_row_offset(&g_fmt, l, 0, 0, 0);
+                if (memcmp(kvb_store_block_data(w->s, kvb_store_slab_block(p)) + off, w->blk[b] + off, layer_bytes))
+                    watcher_fail(w, b, l, "complete, but its bytes are not in the page");
+            }
+        }
+    }
+    for (uint32_t b = 0; b < CP_NB; b++)
+        for (uint32_t l = 0; l < NL; l++)
+            if (!seen[b][l]) watcher_fail(w, b, l, "never complete");
+    return NULL;
+}
+
+/* Shared set-up: CP_NB pendings of one chain in each store of ss (n_ss), the blocks' bytes, and
+ * every block's slabs (random runs) in one shuffled list. Returns the number of jobs. */
+static uint32_t cp_setup(kvb_store *const *ss, uint32_t n_ss, const universe *u, kvb_rng *r,
+                         kvb_slab_pending *(*pend)[CP_NB], uint8_t (*blk)[BB_MAX], put_job *jobs) {
+    kvb_err e = {0};
+    uint32_t nj = 0;
+    for (uint32_t b = 0; b < CP_NB; b++) {
+        fill_block(blk[b], ukey(u, 0, b));
+        for (uint32_t i = 0; i < n_ss; i++)
+            if (kvb_store_slab_begin(ss[i], ukey(u, 0, b), uparent(u, 0, b), utok(u, 0) + b * BT, &pend[i][b], &e))
+                fail_msg("slab begin: %s", e.msg);
+        slab_desc sl[MAX_SLABS];
+        const uint32_t n = plan_slabs(r, sl);
+        for (uint32_t i = 0; i < n; i++) jobs[nj++] = (put_job){.b = b, .d = sl[i], .got = KVB_BLOCK_NONE};
+    }
+    shuffle(jobs, nj, sizeof *jobs, r);
+    return nj;
+}
+
+/* (a) 4 threads put every slab of 6 blocks in a shuffled order while a fifth polls the getters:
+ * each block is committed exactly once, by one put, with the same bytes as the same slabs put
+ * one by one in another store. */
+static void test_slab_puts_from_threads(void **state) {
+    (void)state;
+    uint64_t accepted = 0, passes = 0, early = 0;
+    for (uint32_t round = 0; round < 60; round++) {
+        kvb_store *ss[2] = {new_store(CP_NB), new_store(CP_NB)}; /* concurrent, sequential */
+        universe u;
+        universe_init(&u, ss[0], 1, CP_NB);
+        assert_true(kvb_store_root_key(ss[1]) == u.root);
+        kvb_rng r;
+        kvb_rng_seed(&r, 5000 + round);
+        kvb_slab_pending *pend[2][CP_NB];
+        static uint8_t blk[CP_NB][BB_MAX];
+        static put_job jobs[CP_NB * MAX_SLABS];
+        const uint32_t nj = cp_setup(ss, 2, &u, &r, pend, blk, jobs);
+
+        watcher w = {.s = ss[0], .pend = pend[0], .blk = (const uint8_t(*)[BB_MAX])blk};
+        assert_int_equal(pthread_mutex_init(&w.mu, NULL), 0);
+        pthread_t wt, th[CP_NT];
+        putter t[CP_NT];
+        assert_int_equal(pthread_create(&wt, NULL, watcher_main, &w), 0);
+        for (uint32_t i = 0; i < CP_NT; i++) {
+            t[i] = (putter){.pend = pend[0], .blk = (const uint8_t(*)[BB_MAX])blk, .jobs = jobs, .first = i,
+                            .stride = CP_NT, .n_jobs = nj};
+            assert_int_equal(pthread_create(&th[i], NULL, putter_main, &t[i]), 0);
+        }
+        for (uint32_t i = 0; i < CP_NT; i++) pthread_join(th[i], NULL);
+        pthread_mutex_lock(&w.mu);
+        w.stop = true;
+        pthread_mutex_unlock(&w.mu);
+        pthread_join(wt, NULL);
+        pthread_mutex_destroy(&w.mu);
+        if (w.failures) fail_msg("round %u: getters: %d failure(s), first: %s", round, w.failures, w.msg);
+        passes += w.passes;
+        early += w.early;
+
+        /* the same slabs, same order, one by one */
+        kvb_block_id seq[CP_NB], got[CP_NB];
+        uint32_t commits[CP_NB] = {0};
+        for (uint32_t b = 0; b < CP_NB; b++) seq[b] = got[b] = KVB_BLOCK_NONE;
+        for (uint32_t i = 0; i < nj; i++) {
+            const put_job *j = &jobs[i];
+            if (j->st) fail_msg("round %u: concurrent put %u: %s", round, i, j->e.msg);
+            if (j->got != KVB_BLOCK_NONE) {
+                commits[j->b]++;
+                got[j->b] = j->got;
+            }
+            kvb_err e = {0};
+            kvb_block_id id;
+            if (put_slab(pend[1][j->b], blk[j->b], j->d, &id, &e)) fail_msg("round %u: put: %s", round, e.msg);
+            if (id != KVB_BLOCK_NONE) seq[j->b] = id;
+        }
+        for (uint32_t b = 0; b < CP_NB; b++) {
+            assert_int_equal(commits[b], 1); /* exactly one put committed it */
+            assert_true(kvb_store_slab_committed(pend[0][b]));
+            assert_int_equal(kvb_store_slab_missing(pend[0][b]), 0);
+            assert_int_equal(kvb_store_slab_block(pend[0][b]), got[b]);
+            assert_int_not_equal(seq[b], KVB_BLOCK_NONE);
+            assert_memory_equal(kvb_store_block_data(ss[0], got[b]), kvb_store_block_data(ss[1], seq[b]), g_bb);
+            assert_true(block_matches(kvb_store_block_data(ss[0], got[b]), ukey(&u, 0, b)));
+        }
+        kvb_store_stats st;
+        kvb_store_get_stats(ss[0], &st);
+        assert_int_equal(st.slabs_accepted, nj);
+        assert_int_equal(st.slabs_rejected, 0);
+        assert_int_equal(st.commits, CP_NB);
+        assert_int_equal(st.committed, CP_NB);
+        assert_int_equal(st.pending_slab_blocks, CP_NB);
+        accepted += st.slabs_accepted;
+        /* the whole chain is visible */
+        kvb_block_id ids[CP_NB];
+        uint32_t n;
+        kvb_err e = {0};
+        assert_int_equal(kvb_store_lookup(ss[0], utok(&u, 0), CP_NB * BT, ids, &n, &e), KVB_OK);
+        assert_int_equal(n, CP_NB);
+        assert_memory_equal(ids, got, sizeof ids);
+        assert_int_equal(kvb_store_release(ss[0], ids, n, &e), KVB_OK);
+        for (uint32_t i = 0; i < 2; i++) {
+            for (uint32_t b = 0; b < CP_NB; b++) kvb_store_slab_close(pend[i][b]);
+            assert_int_equal(kvb_store_release(ss[i], i ? seq : got, CP_NB, &e), KVB_OK);
+            check_store(ss[i]);
+            kvb_store_free(ss[i]);
+        }
+        universe_free(&u);
+    }
+    printf("slab puts from %d threads: %llu slabs accepted; %llu getter passes saw %llu layers complete "
+           "before their block\n",
+           CP_NT, (unsigned long long)accepted, (unsigned long long)passes, (unsigned long long)early);
+}
+
+/* (b) Two threads put the same slabs of one block at the same moment, in the same order: every
+ * slab is accepted once and rejected once as a duplicate, one put commits, the block is right.
+ * Main is one of the two putters and starts the other with an atomic store; the two are pinned to
+ * two CPUs and pause at random before each put, so they meet at every phase: without the
+ * pending's lock both copies of a slab soon pass the coverage check together (on a 2-core machine
+ * every run without it failed, most within a few dozen iterations). No assertion depends on the
+ * timing. */
+#define DUP_ITERS 10000
+
+typedef struct {
+    kvb_slab_pending *cur;   /* the iteration's pending: set by main before it publishes go */
+    const uint8_t *blk;      /* (block bytes) */
+    atomic_int go, done;     /* the iteration main started (-1: stop), the last one the helper finished */
+    kvb_status st[2][MAX_SLABS]; /* (putter, layer * BT + token) this iteration's results */
+    kvb_block_id got[2][MAX_SLABS];
+    bool dup[2][MAX_SLABS];  /* the message says "duplicate" */
+    cpu_set_t allowed;       /* the CPUs main may run on (restored at the end) */
+} dup_race;
+
+/* Puts every single-token slab, starting at the iteration's cell, each after a random pause (the
+ * first put of an iteration is the tightest race: later ones are spread by the store's lock). */
+static void dup_put_all(dup_race *r, int who, int it, kvb_rng *rng) {
+    for (uint32_t i = 0; i < NL * BT; i++) {
+        const uint32_t c = (i + (uint32_t)it) % (NL * BT);
+        for (volatile uint32_t spin = (uint32_t)(kvb_rng_u64(rng) % 256); spin; spin--) {
+        }
+        kvb_err e = {0};
+        r->st[who][c] = put_slab(r->cur, r->blk, (slab_desc){c / BT, c % BT, 1}, &r->got[who][c], &e);
+        r->dup[who][c] = strstr(e.msg, "duplicate") != NULL;
+    }
+}
+
+/* Spins until *a is want (true) or -1 (false). */
+static bool dup_wait(atomic_int *a, int want) {
+    for (unsigned spins = 1;; spins++) {
+        const int v = atomic_load_explicit(a, memory_order_acquire);
+        if (v == want || v == -1) return v == want;
+        if (spins % 64 == 0) sched_yield(); /* 2 cores, maybe busy: let the other side run */
+    }
+}
+
+/* Pins the calling thread to the which-th CPU of allowed, so racing putters run side by side
+ * rather than taking turns on one core; a no-op with fewer than two CPUs. */
+static void pin_to_cpu(const cpu_set_t *allowed, int which) {
+    const int n = CPU_COUNT(allowed);
+    if (n < 2) return;
+    for (int c = 0, seen = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, allowed) && seen++ == which % n) {
+            cpu_set_t one;
+            CPU_ZERO(&one);
+            CPU_SET(c, &one);
+            pthread_setaffinity_np(pthread_self(), sizeof one, &one);
+            return;
+        }
+}
+
+static void *dup_helper_main(void *arg) {
+    dup_race *r = arg;
+    pin_to_cpu(&r->allowed, 1);
+    kvb_rng rng;
+    kvb_rng_seed(&rng, 2);
+    for (int it = 1; it <= DUP_ITERS && dup_wait(&r->go, it); it++) {
+        dup_put_all(r, 1, it, &rng);
+        atomic_store_explicit(&r->done, it, memory_order_release);
+    }
+    return NULL;
+}
+
+/* The iteration's outcome checked: NULL, or what is wrong (in why). */
+static const char *dup_check(const dup_race *r, kvb_store *s, uint64_t key, kvb_block_id *got, char *why, size_t n) {
+    uint32_t commits = 0;
+    *got = KVB_BLOCK_NONE;
+    for (uint32_t c = 0; c < NL * BT; c++) {
+        const int ok = (r->st[0][c] == KVB_OK) + (r->st[1][c] == KVB_OK), lost = r->st[0][c] == KVB_OK;
+        if (ok != 1) {
+            snprintf(why, n, "layer %u token %u accepted %d times (statuses %d, %d)", c / BT, c % BT, ok, r->st[0][c],
+                     r->st[1][c]);
+            return why;
+        }
+        if (r->st[lost][c] != KVB_ERR_FORMAT || !r->dup[lost][c]) {
+            snprintf(why, n, "layer %u token %u: the second copy got status %d, not a duplicate", c / BT, c % BT,
+                     r->st[lost][c]);
+            return why;
+        }
+        for (int i = 0; i < 2; i++)
+            if (r->got[i][c] != KVB_BLOCK_NONE) {
+                commits++;
+                *got = r->got[i][c];
+            }
+    }
+    if (commits != 1) snprintf(why, n, "committed by %u puts", commits);
+    else if (!kvb_store_slab_committed(r->cur) || kvb_store_slab_block(r->cur) != *got)
+        snprintf(why, n, "the pending does not say it was committed as block %u", *got);
+    else if (!block_matches(kvb_store_block_data(s, *got), key))
+        snprintf(why, n, "the committed bytes are wrong");
+    else
+        return NULL;
+    return why;
+}
+
+static void test_slab_duplicates_race(void **state) {
+    (void)state;
+    kvb_store *s = new_store(4);
+    universe u;
+    universe_init(&u, s, 1, 1);
+    uint8_t blk[BB_MAX];
+    fill_block(blk, ukey(&u, 0, 0));
+    dup_race r = {.blk = blk};
+    atomic_init(&r.go, 0);
+    atomic_init(&r.done, 0);
+    kvb_rng rng;
+    kvb_rng_seed(&rng, 1);
+    assert_int_equal(pthread_getaffinity_np(pthread_self(), sizeof r.allowed, &r.allowed), 0);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, dup_helper_main, &r), 0);
+    pin_to_cpu(&r.allowed, 0);
+    kvb_err e = {0};
+    char why[200];
+    const char *bad = NULL;
+    int it;
+    for (it = 1; it <= DUP_ITERS; it++) {
+        if (kvb_store_slab_begin(s, ukey(&u, 0, 0), u.root, utok(&u, 0), &r.cur, &e)) {
+            bad = e.msg;
+            break;
+        }
+        atomic_store_explicit(&r.go, it, memory_order_release);
+        dup_put_all(&r, 0, it, &rng);
+        dup_wait(&r.done, it);
+        kvb_block_id got;
+        bad = dup_check(&r, s, ukey(&u, 0, 0), &got, why, sizeof why);
+        kvb_store_slab_close(r.cur);
+        if (got != KVB_BLOCK_NONE) kvb_store_release(s, &got, 1, NULL);
+        if (bad) break;
+    }
+    atomic_store_explicit(&r.go, -1, memory_order_release); /* the helper waits for the next iteration: stop */
+    pthread_join(th, NULL);
+    pthread_setaffinity_np(pthread_self(), sizeof r.allowed, &r.allowed);
+    if (bad) fail_msg("iteration %d: %s", it, bad);
+    kvb_store_stats st;
+    kvb_store_get_stats(s, &st);
+    assert_int_equal(st.slabs_accepted, (uint64_t)DUP_ITERS * NL * BT);
+    assert_int_equal(st.slabs_rejected, (uint64_t)DUP_ITERS * NL * BT);
+    assert_int_equal(st.commits, 1); /* then the same key again: dedup */
+    assert_int_equal(st.dedups, DUP_ITERS - 1);
+    assert_int_equal(st.pending_slab_blocks, 0);
+    check_store(s);
+    universe_free(&u);
+    kvb_store_free(s);
+}
+
+/* (c) A corrupt slab racing with good ones gives its cells back: three threads put every slab of
+ * 6 blocks but one per block; a fourth puts that one corrupt (K flipped, V flipped, wrong sum),
+ * each rejected with nothing written and the cells still missing, then the good one, accepted:
+ * every block commits. */
+typedef struct {
+    kvb_slab_pending **pend;      /* (CP_NB) */
+    const uint8_t (*blk)[BB_MAX]; /* (CP_NB, block bytes) */
+    kvb_store *s;
+    const slab_desc *victim;      /* (CP_NB) the slab of each block that arrives corrupt first */
+    int failures;
+    char msg[300];
+    uint32_t commits;
+} corrupter;
+
+static void *corrupter_main(void *arg) {
+    corrupter *t = arg;
+    const size_t one = NKV * g_row; /* one token of one layer, K or V */
+    for (uint32_t b = 0; b < CP_NB && !t->failures; b++) {
+        const slab_desc d = t->victim[b];
+        const size_t nb = d.n * one;
+        uint8_t k[BT * NKV * HD * 4], v[BT * NKV * HD * 4];
+        for (int how = 0; how < 3; how++) {
+            make_slab(t->blk[b], d, k, v);
+            uint64_t sum = kvb_slab_checksum(k, nb, v, nb);
+            if (how == 0) k[nb / 2] ^= 0x40;
+            if (how == 1) v[nb - 1] ^= 0x01;
+            if (how == 2) sum ^= 1;
+            kvb_err e = {0};
+            kvb_block_id got = 7;
+            kvb_status st = kvb_store_slab_put(t->pend[b], d.layer, d.t0, d.n, k, nb, v, nb, sum, &got, &e);
+            if (st != KVB_ERR_FORMAT || !strstr(e.msg, "checksum mismatch") || got != KVB_BLOCK_NONE) {
+                if (!t->failures++)
+                    snprintf(t->msg, sizeof t->msg, "block %u corrupt slab %d: status %d: %.200s", b, how, st, e.msg);
+                return NULL;
+            }
+            /* nothing written (the page was 0xa5 before), and the cells are still missing */
+            const uint8_t *page = kvb_store_block_data(t->s, kvb_store_slab_block(t->pend[b]));
+            for (uint32_t kv = 0; kv < 2; kv++)
+                for (uint32_t h = 0; h < NKV; h++)
+                    for (size_t i = 0; i < d.n * g_row; i++)
+                        if (page[kvb_kvformat_row_offset(&g_fmt, d.layer, kv, h, d.t0) + i] != 0xa5 && !t->failures++)
+                            snprintf(t->msg, sizeof t->msg, "block %u corrupt slab %d: bytes written", b, how);
+            if (kvb_store_slab_layer_missing(t->pend[b], d.layer) < d.n && !t->failures++)
+                snprintf(t->msg, sizeof t->msg, "block %u corrupt slab %d: its cells count as arrived", b, how);
+        }
+        kvb_err e = {0};
+        kvb_block_id got;
+        if (put_slab(t->pend[b], t->blk[b], d, &got, &e)) {
+            if (!t->failures++) snprintf(t->msg, sizeof t->msg, "block %u good slab after corrupt: %.200s", b, e.msg);
+            return NULL;
+        }
+        t->commits += got != KVB_BLOCK_NONE;
+    }
+    return NULL;
+}
+
+static void test_slab_corrupt_races_good(void **state) {
+    (void)state;
+    for (uint32_t round = 0; round < 40; round++) {
+        kvb_store *s = new_store(CP_NB);
+        universe u;
+        universe_init(&u, s, 1, CP_NB);
+        kvb_rng r;
+        kvb_rng_seed(&r, 9000 + round);
+        kvb_slab_pending *pend[1][CP_NB];
+        static uint8_t blk[CP_NB][BB_MAX];
+        static put_job jobs[CP_NB * MAX_SLABS];
+        uint32_t nj = cp_setup(&s, 1, &u, &r, pend, blk, jobs);
+        /* each block's first slab in the list is the victim: out of the good threads' list */
+        slab_desc victim[CP_NB];
+        bool have[CP_NB] = {false};
+        uint32_t n_good = 0;
+        for (uint32_t i = 0; i < nj; i++) {
+            if (!have[jobs[i].b]) {
+                have[jobs[i].b] = true;
+                victim[jobs[i].b] = jobs[i].d;
+            } else {
+                jobs[n_good++] = jobs[i];
+            }
+        }
+        for (uint32_t b = 0; b < CP_NB; b++) memset(kvb_store_block_data(s, kvb_store_slab_block(pend[0][b])), 0xa5, g_bb);
+        corrupter c = {.pend = pend[0], .blk = (const uint8_t(*)[BB_MAX])blk, .s = s, .victim = victim};
+        pthread_t ct, th[CP_NT - 1];
+        putter t[CP_NT - 1];
+        assert_int_equal(pthread_create(&ct, NULL, corrupter_main, &c), 0);
+        for (uint32_t i = 0; i < CP_NT - 1; i++) {
+            t[i] = (putter){.pend = pend[0], .blk = (const uint8_t(*)[BB_MAX])blk, .jobs = jobs, .first = i,
+                            .stride = CP_NT - 1, .n_jobs = n_good};
+            assert_int_equal(pthread_create(&th[i], NULL, putter_main, &t[i]), 0);
+        }
+        for (uint32_t i = 0; i < CP_NT - 1; i++) pthread_join(th[i], NULL);
+        pthread_join(ct, NULL);
+        if (c.failures) fail_msg("round %u: corrupt slabs: %d failure(s), first: %s", round, c.failures, c.msg);
+        uint32_t commits = c.commits;
+        kvb_block_id got[CP_NB];
+        for (uint32_t b = 0; b < CP_NB; b++) got[b] = KVB_BLOCK_NONE;
+        for (uint32_t i = 0; i < n_good; i++) {
+            if (jobs[i].st) fail_msg("round %u: good put %u: %s", round, i, jobs[i].e.msg);
+            commits += jobs[i].got != KVB_BLOCK_NONE;
+        }
+        assert_int_equal(commits, CP_NB);
+        for (uint32_t b = 0; b < CP_NB; b++) {
+            assert_true(kvb_store_slab_committed(pend[0][b]));
+            got[b] = kvb_store_slab_block(pend[0][b]);
+            assert_true(block_matches(kvb_store_block_data(s, got[b]), ukey(&u, 0, b)));
+        }
+        kvb_store_stats st;
+        kvb_store_get_stats(s, &st);
+        assert_int_equal(st.slabs_accepted, nj);
+        assert_int_equal(st.slabs_rejected, 3 * CP_NB);
+        assert_int_equal(st.commits, CP_NB);
+        kvb_err e = {0};
+        for (uint32_t b = 0; b < CP_NB; b++) kvb_store_slab_close(pend[0][b]);
+        assert_int_equal(kvb_store_release(s, got, CP_NB, &e), KVB_OK);
+        check_store(s);
+        kvb_store_free(s);
+        universe_free(&u);
+    }
+}
+
 /* ---- threads ---------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -1339,6 +1828,9 @@ int main(void) {
         cmocka_unit_test(test_slab_layout_and_checksum),
         cmocka_unit_test(test_slab_tail),
         cmocka_unit_test(test_corrupt_slabs_rejected),
+        cmocka_unit_test(test_slab_puts_from_threads),
+        cmocka_unit_test(test_slab_duplicates_race),
+        cmocka_unit_test(test_slab_corrupt_races_good),
         cmocka_unit_test(test_threads_commit_and_lookup),
         cmocka_unit_test(test_random_ops_against_model),
     };

@@ -132,9 +132,21 @@ uint32_t kvb_store_drop_local_rows(kvb_store *s, const kvb_block_id *ids, uint32
  * layout (layer, kv, kv_head, token, head_dim). Slabs are hostile input: every field is checked and
  * the checksum verified BEFORE a byte is copied; a rejected slab writes nothing and leaves the
  * pending block as it was (a valid retransmission may follow). When every (layer, token) of the
- * block has arrived, the block is committed through kvb_store_commit_block. One pending block is
- * used by one thread at a time (the store's lock is taken only to allocate, commit, close and
- * count). */
+ * block has arrived, the block is committed through kvb_store_commit_block.
+ * Threads: each pending block has its own mutex (taken before the store's lock, never after it).
+ * - kvb_store_slab_put may run on several threads at once on the same pending block (a request's
+ *   slabs striped over several connections): one put's checks and its claim on the slab's
+ *   (layer, token) cells are atomic, so a duplicate or overlapping slab that races with another is
+ *   rejected exactly as it would be after it; checksum and scatter run outside the lock (slabs of
+ *   distinct cells write distinct bytes); exactly one put, the one that completes the block,
+ *   commits it. Puts on distinct pending blocks are independent.
+ * - kvb_store_slab_missing, _layer_missing, _committed and _block may be called from any thread at
+ *   any time before close. A cell counts as missing until its bytes are in the page: once a reader
+ *   sees a layer with nothing missing (or the block committed), the bytes of those puts are visible
+ *   to it (the pending's mutex orders them).
+ * - begin, begin_tail, keep_local_from (before any put), take_tail and close belong to the owner;
+ *   take_tail and close are called after every put has returned (join the receiving threads
+ *   first): close frees the handle. */
 typedef struct kvb_slab_pending kvb_slab_pending;
 
 /* The slab checksum: XXH3-64 (seed 0) over the bytes K || V. */
@@ -150,9 +162,11 @@ kvb_status kvb_store_slab_begin(kvb_store *s, uint64_t key, uint64_t parent_key,
 /* Accepts one slab for tokens [token0, token0 + n_tokens) of `layer`. Rejected (KVB_ERR_FORMAT,
  * nothing written, counted in slabs_rejected) when: layer >= n_layer; n_tokens == 0 or the range
  * leaves the block; k_bytes or v_bytes != n_tokens * n_head_kv * row_bytes; k or v is NULL; any
- * (layer, token) of the range has already arrived (duplicate or overlap); the checksum of K || V
- * differs; any slab once the block is complete (a duplicate). KVB_ERR_INVALID (also counted) after
- * a refused commit: the pending block has failed.
+ * (layer, token) of the range has already arrived or is being put by another thread right now
+ * (duplicate or overlap; the message says "duplicate"); the checksum of K || V differs (the range
+ * is free again for a retransmission); any slab once the block is complete (a duplicate).
+ * KVB_ERR_INVALID (also counted) after a refused commit (the pending block has failed) or once
+ * the tail was taken.
  * When this slab completes the block, it is committed (with dedup, as kvb_store_commit_block) and
  * *committed_out (may be NULL only if the caller never wants the block: then the reference is
  * dropped at once) receives the committed id with one reference held by the caller; otherwise
@@ -187,7 +201,8 @@ kvb_status kvb_store_slab_keep_local_from(kvb_slab_pending *p, uint32_t token0, 
 uint32_t kvb_store_slab_missing(const kvb_slab_pending *p);
 /* Tokens of `layer` still missing (0 once that layer has arrived, and for local-layer rows the
  * block does not keep): lets a reader wait for one layer of a block (the decoder's pipelined tail
- * reads a layer as soon as every block has it). The caller orders that reader after the puts. */
+ * reads a layer as soon as every block has it). Any thread, while puts run: a token counts as
+ * missing until its put has scattered it, so on 0 that layer's bytes are visible to the caller. */
 uint32_t kvb_store_slab_layer_missing(const kvb_slab_pending *p, uint32_t layer);
 /* True once the block was committed by kvb_store_slab_put. */
 bool kvb_store_slab_committed(const kvb_slab_pending *p);
