@@ -125,6 +125,15 @@ static void decode_payload(uint16_t type, const uint8_t *p, size_t n) {
         check_reencoded(buf, len, p, n, "ping round trip");
         return;
     }
+    case KVB_FRAME_LANE: {
+        kvb_msg_lane l;
+        if (kvb_msg_lane_decode(p, n, &l, &err) != KVB_OK) return;
+        check(l.group != 0 && l.lanes >= 1 && l.lanes <= KVB_WIRE_MAX_LANES && l.lane < l.lanes, "lane fields");
+        uint8_t buf[KVB_LANE_BYTES];
+        check(kvb_msg_lane_encode(&l, buf, sizeof buf, &len, &err) == KVB_OK, "lane re-encodes");
+        check_reencoded(buf, len, p, n, "lane round trip");
+        return;
+    }
     }
 }
 

@@ -2,8 +2,11 @@
  * nodes in this process, talking through the real transport and HTTP API. Multi-turn: each turn
  * ships only its increment (bridged tokens and slab bytes asserted); replies equal the native
  * ones; every fault (corrupt slab, peer killed mid-stream, stalled peer, peer down, wrong key,
- * other model) still yields the native answer with an honest verdict and a counted fault; the
- * official openai client streams a chat completion from the real node. */
+ * other model) still yields the native answer with an honest verdict and a counted fault — with
+ * the slabs striped over the default 4 lanes; one lane and 3 lanes carry the multi-turn run too,
+ * and a lane group is checked on the wire (slabs spread over every lane, each lane's DONE counting
+ * its own, an incomplete group refused); the official openai client streams a chat completion
+ * from the real node. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -17,11 +20,14 @@
 
 #include "kvb_model.h"
 #include "kvb_node.h"
+#include "kvb_store.h"
+#include "kvb_transport.h"
 #include "kvb_quant.h"
 #include "kvbt.h"
 
 #define PSK "test-key-0123456789abcdef"
 static char g_model[512], g_other[512], g_gemma[512];
+static uint32_t g_lanes; /* decode nodes' lanes (0: the default) */
 
 static int setup(void **state) {
     (void)state;
@@ -60,7 +66,8 @@ static kvb_decode_node *start_decode_mode(uint16_t peer_port, const char *psk, i
     snprintf(peer, sizeof peer, "127.0.0.1:%u", peer_port);
     kvb_decode_config c = {.http_listen = "127.0.0.1:0", .peer = peer_port ? peer : NULL, .model_path = g_model,
                            .psk = psk, .n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32,
-                           .max_ctx = 4096, .peer_timeout_ms = timeout_ms, .prefill_mode = prefill_mode};
+                           .max_ctx = 4096, .peer_timeout_ms = timeout_ms, .prefill_mode = prefill_mode,
+                           .lanes = g_lanes};
     kvb_decode_node *n = NULL;
     kvb_err err = {0};
     if (kvb_decode_node_start(&c, &n, &err)) fail_msg("decode node: %s", err.msg);
@@ -124,8 +131,8 @@ static double metric(uint16_t port, const char *series) {
     return 0;
 }
 
-static void test_multiturn_ships_only_increments(void **state) {
-    (void)state;
+static void multiturn_ships_only_increments(uint32_t lanes) {
+    g_lanes = lanes;
     kvb_prefill_node *pn = start_prefill(g_model, PSK, NULL);
     kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
     kvb_decode_node *nat = start_decode(0, PSK, 10000);
@@ -159,6 +166,100 @@ static void test_multiturn_ships_only_increments(void **state) {
     assert_true(kvb_prefill_node_peak_capture_bytes(pn) <= 16 * 2 * 32 * 2 * 4 * 2 * 64 * 2);
     kvb_decode_node_stop(nat);
     kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+    g_lanes = 0;
+}
+
+static void test_multiturn_ships_only_increments(void **state) {
+    (void)state;
+    multiturn_ships_only_increments(0); /* the default: 4 lanes */
+}
+static void test_multiturn_one_lane(void **state) {
+    (void)state;
+    multiturn_ships_only_increments(1); /* one connection, no LANE frame (protocol 2's way) */
+}
+static void test_multiturn_three_lanes(void **state) {
+    (void)state;
+    multiturn_ships_only_increments(3);
+}
+
+/* Dials the prefill node as a decode node would (decoder mode, f16, 32-token blocks). */
+static kvb_conn *dial_as_decoder(uint16_t port, const kvb_model *m, kvb_kvformat *f) {
+    kvb_err err = {0};
+    kvb_hello h;
+    char addr[32];
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
+    assert_int_equal(kvb_model_kvformat(&m->d, KVB_TYPE_F16, 32, f, &err), KVB_OK);
+    assert_int_equal(kvb_hello_init(&h, KVB_ROLE_DECODE, KVB_BRIDGE_MODE_DECODER, "t", m->fingerprint, f, &err), KVB_OK);
+    kvb_transport_config tc = {.psk = (const uint8_t *)PSK, .psk_len = strlen(PSK)};
+    kvb_conn *c = NULL;
+    if (kvb_transport_connect(addr, &h, &tc, 5000, &c, NULL, &err)) fail_msg("connect: %s", err.msg);
+    return c;
+}
+
+static void lane_and_ping(kvb_conn *c, uint64_t group, uint32_t lane, uint32_t lanes) {
+    kvb_err err = {0};
+    kvb_msg_lane l = {.group = group, .lane = lane, .lanes = lanes};
+    assert_int_equal(kvb_conn_send_lane(c, &l, 5000, &err), KVB_OK);
+    assert_int_equal(kvb_conn_send_ping(c, 7, 5000, &err), KVB_OK);
+    kvb_msg m;
+    assert_int_equal(kvb_conn_recv(c, 5000, &m, &err), KVB_OK);
+    assert_int_equal(m.type, KVB_FRAME_PONG);
+}
+
+/* The lane group on the wire: a PREFILL on lane 0 of a 3-lane group is answered over all three —
+ * every lane carries slabs, each lane's DONE counts exactly that lane's slabs, the sum is the
+ * whole request's (4 layers x 20 blocks) — and the same PREFILL on lane 0 of a group whose other
+ * lanes never connected is refused with a message, not answered on one lane. */
+static void test_lane_group_on_the_wire(void **state) {
+    (void)state;
+    kvb_prefill_node *pn = start_prefill(g_model, PSK, NULL);
+    kvb_model *m = NULL;
+    kvb_err err = {0};
+    assert_int_equal(kvb_model_load(g_model, &m, &err), KVB_OK);
+    kvb_kvformat f;
+    kvb_conn *c[3];
+    for (int l = 0; l < 3; l++) c[l] = dial_as_decoder(kvb_prefill_node_port(pn), m, &f);
+    for (int l = 0; l < 3; l++) lane_and_ping(c[l], 0x1234, (uint32_t)l, 3);
+    int32_t ids[641];
+    prompt_ids(ids, 641, 11);
+    kvb_msg_prefill p = {.request_id = 5, .bridge_mode = KVB_BRIDGE_MODE_DECODER, .n_tokens = 641,
+                         .cached_tokens = 0, .ship_tokens = 640,
+                         .last_cached_key = kvb_chain_root(m->fingerprint, kvb_kvformat_fingerprint(&f)),
+                         .tokens = ids};
+    assert_int_equal(kvb_conn_send_prefill(c[0], &p, 5000, &err), KVB_OK);
+    uint32_t total = 0;
+    for (int l = 0; l < 3; l++) {
+        uint32_t slabs = 0;
+        for (;;) {
+            kvb_msg r;
+            if (kvb_conn_recv(c[l], 20000, &r, &err)) fail_msg("lane %d: %s", l, err.msg);
+            assert_int_equal(r.request_id, 5);
+            if (r.type == KVB_FRAME_SLAB) {
+                slabs++;
+                continue;
+            }
+            assert_int_equal(r.type, KVB_FRAME_DONE);
+            assert_int_equal(r.u.done.slabs, slabs); /* this lane's own */
+            assert_int_equal(r.u.done.blocks, 20);
+            break;
+        }
+        assert_true(slabs > 0); /* striped: every lane carried some */
+        total += slabs;
+    }
+    assert_int_equal(total, 4 * 20);
+    for (int l = 0; l < 3; l++) kvb_conn_close(c[l]);
+
+    /* lane 0 of 2, lane 1 never connected: refused on lane 0 with the reason */
+    kvb_conn *solo = dial_as_decoder(kvb_prefill_node_port(pn), m, &f);
+    lane_and_ping(solo, 0x5678, 0, 2);
+    assert_int_equal(kvb_conn_send_prefill(solo, &p, 5000, &err), KVB_OK);
+    kvb_msg r;
+    assert_int_equal(kvb_conn_recv(solo, 20000, &r, &err), KVB_OK);
+    assert_int_equal(r.type, KVB_FRAME_ERROR);
+    assert_non_null(strstr(r.u.error.msg, "lane 1 of the 2"));
+    kvb_conn_close(solo);
+    kvb_model_free(m);
     kvb_prefill_node_stop(pn);
 }
 
@@ -406,6 +507,9 @@ static void test_openai_client_streams(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_multiturn_ships_only_increments),
+        cmocka_unit_test(test_multiturn_one_lane),
+        cmocka_unit_test(test_multiturn_three_lanes),
+        cmocka_unit_test(test_lane_group_on_the_wire),
         cmocka_unit_test(test_pipelined_tail_edges),
         cmocka_unit_test(test_gemma3_window_multiturn),
         cmocka_unit_test(test_fault_corrupt_slab),

@@ -66,6 +66,7 @@ static kvb_status dec_done(const uint8_t *p, size_t n, void *o, kvb_err *e) { re
 static kvb_status dec_error(const uint8_t *p, size_t n, void *o, kvb_err *e) { return kvb_msg_error_decode(p, n, o, e); }
 static kvb_status dec_cancel(const uint8_t *p, size_t n, void *o, kvb_err *e) { return kvb_msg_cancel_decode(p, n, o, e); }
 static kvb_status dec_ping(const uint8_t *p, size_t n, void *o, kvb_err *e) { return kvb_msg_ping_decode(p, n, o, e); }
+static kvb_status dec_lane(const uint8_t *p, size_t n, void *o, kvb_err *e) { return kvb_msg_lane_decode(p, n, o, e); }
 
 /* Every strict prefix and a one-byte extension of a valid payload must be refused. */
 static void check_truncations(const char *what, decode_fn fn, const uint8_t *p, size_t n) {
@@ -78,6 +79,7 @@ static void check_truncations(const char *what, decode_fn fn, const uint8_t *p, 
         kvb_msg_error er;
         kvb_msg_cancel c;
         kvb_msg_ping pg;
+        kvb_msg_lane ln;
     } out;
     kvb_err e = {0};
     if (decode_copy(fn, p, n, &out, &e) != KVB_OK) fail_msg("%s: the full payload must decode: %s", what, e.msg);
@@ -652,6 +654,37 @@ static void test_cancel_ping_roundtrip_and_truncations(void **state) {
     free(frame);
 }
 
+/* LANE: round trip, byte layout, and every out-of-range field refused with a message. */
+static void test_lane_roundtrip_and_refusals(void **state) {
+    (void)state;
+    uint8_t buf[KVB_LANE_BYTES];
+    size_t n;
+    kvb_err e = {0};
+    kvb_msg_lane l = {.group = 0x0102030405060708ULL, .lane = 2, .lanes = 3};
+    assert_int_equal(kvb_msg_lane_encode(&l, buf, sizeof buf, &n, &e), KVB_OK);
+    assert_int_equal(n, KVB_LANE_BYTES);
+    assert_int_equal(buf[0], 0x08);
+    assert_int_equal(buf[8], 2);
+    assert_int_equal(buf[12], 3);
+    uint8_t *frame;
+    kvb_frame f = frame_roundtrip(KVB_FRAME_LANE, 0, buf, n, &frame);
+    kvb_msg msg;
+    assert_int_equal(kvb_msg_decode(&f, &msg, &e), KVB_OK);
+    assert_int_equal(msg.u.lane.group, l.group);
+    assert_int_equal(msg.u.lane.lane, 2);
+    assert_int_equal(msg.u.lane.lanes, 3);
+    free(frame);
+    check_truncations("LANE", dec_lane, buf, n);
+    const kvb_msg_lane bad[] = {{0, 0, 1}, {1, 0, 0}, {1, 0, KVB_WIRE_MAX_LANES + 1}, {1, 3, 3}, {1, 5, 2}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(kvb_msg_lane_encode(&bad[i], buf, sizeof buf, &n, &e), KVB_OK); /* encode is canonical */
+        kvb_msg_lane out;
+        e.msg[0] = 0;
+        assert_int_equal(kvb_msg_lane_decode(buf, n, &out, &e), KVB_ERR_FORMAT);
+        assert_non_null(strstr(e.msg, "LANE"));
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_header_roundtrip),
@@ -667,6 +700,7 @@ int main(void) {
         cmocka_unit_test(test_chain_digest),
         cmocka_unit_test(test_error_roundtrip_and_truncations),
         cmocka_unit_test(test_cancel_ping_roundtrip_and_truncations),
+        cmocka_unit_test(test_lane_roundtrip_and_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

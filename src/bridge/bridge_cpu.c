@@ -25,6 +25,7 @@ struct kvb_bridge_cpu {
     bool perturbed;
     kvb_rows_producer producer; /* NULL: kvb_kv_produce here */
     void *producer_ctx;
+    bool sink_checksums;        /* slabs leave with checksum 0: the sink computes it */
 };
 
 kvb_status kvb_bridge_cpu_create(const kvb_model *decoder, const kvb_kvformat *fmt, kvb_pool *pool,
@@ -76,6 +77,8 @@ void kvb_bridge_cpu_begin(kvb_bridge_cpu *b, uint32_t ship_from, uint32_t ship_t
 
 void kvb_bridge_cpu_set_perturbed(kvb_bridge_cpu *b, bool perturbed) { b->perturbed = perturbed; }
 
+void kvb_bridge_cpu_sink_checksums(kvb_bridge_cpu *b, bool on) { b->sink_checksums = on; }
+
 void kvb_bridge_cpu_set_producer(kvb_bridge_cpu *b, kvb_rows_producer fn, void *ctx) {
     b->producer = fn;
     b->producer_ctx = ctx;
@@ -120,7 +123,7 @@ static kvb_status emit_slabs(kvb_bridge_cpu *b, uint32_t layer, uint32_t pos0, u
                       .v = v_rows + (size_t)t * tok_bytes,
                       .k_bytes = cnt * tok_bytes,
                       .v_bytes = cnt * tok_bytes};
-        s.checksum = kvb_slab_checksum(s.k, s.k_bytes, s.v, s.v_bytes);
+        if (!b->sink_checksums) s.checksum = kvb_slab_checksum(s.k, s.k_bytes, s.v, s.v_bytes);
         kvb_status st = b->sink(b->sink_ctx, &s, err);
         if (st) return st;
         t += cnt;

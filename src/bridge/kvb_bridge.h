@@ -23,7 +23,8 @@ typedef struct {
     uint32_t pos0, n;
     const uint8_t *k, *v;
     size_t k_bytes, v_bytes;
-    uint64_t checksum; /* kvb_slab_checksum(k, v) */
+    uint64_t checksum; /* kvb_slab_checksum(k, v); 0 until the sink computes it under
+                          kvb_bridge_cpu_sink_checksums */
 } kvb_slab;
 
 typedef kvb_status (*kvb_slab_sink)(void *ctx, const kvb_slab *slab, kvb_err *err);
@@ -58,6 +59,9 @@ kvb_status kvb_bridge_cpu_rows(void *bridge, uint32_t layer, uint32_t pos0, uint
 typedef kvb_status (*kvb_rows_producer)(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const float *h,
                                         uint8_t *k_rows, uint8_t *v_rows, kvb_err *err);
 void kvb_bridge_cpu_set_producer(kvb_bridge_cpu *b, kvb_rows_producer fn, void *ctx);
+/* on: slabs reach the sink with checksum 0 and the sink computes kvb_slab_checksum itself (the
+ * prefill node's senders do, one per lane, in parallel, instead of the one thread that cuts). */
+void kvb_bridge_cpu_sink_checksums(kvb_bridge_cpu *b, bool on);
 /* Test-only: perturb the bridge's arithmetic by one reordered addition (the K bias is added to the
  * projection in a different association), so `kvbridge verify` can prove it detects a change. */
 void kvb_bridge_cpu_set_perturbed(kvb_bridge_cpu *b, bool perturbed);

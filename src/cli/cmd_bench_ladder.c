@@ -31,6 +31,10 @@ static void help(FILE *f) {
             "                       and 'vs alone' is bridged TTFT / that time\n"
             "  --block-tokens N     the decoder's cache block in tokens (default 32): a slab carries one block's\n"
             "                       rows of one layer, so this sets how many slabs a prompt takes\n"
+            "  --lanes N            connections from the decoder to the prefill node that a bridged request's\n"
+            "                       slabs are striped over (1..%d; default: the decode node's, %d); the raw\n"
+            "                       TCP loopback each row is measured against (the link floor, or with\n"
+            "                       --slab-path-only the raw link's GB/s) uses as many streams at once\n"
             "  --chunk N            prefill node chunk in tokens (default 512 on cpu, 8192 on cuda)\n"
             "  --alone-max N        run the decoder-alone legs only up to N tokens (default 1048576); longer\n"
             "                       rows print 'not run'\n"
@@ -44,8 +48,10 @@ static void help(FILE *f) {
             "                       decoder's verification and commit) — its ceiling; the decoder's last\n"
             "                       token then runs after the transfer, not beside it. The decoder's cache\n"
             "                       holds filler, so no decoder-alone or prefill-alone legs are run. Each row\n"
-            "                       also sends the same bytes over a plain TCP loopback connection and prints\n"
-            "                       the slab path's GB/s as a share of that raw link's\n");
+            "                       also sends the same bytes over plain TCP loopback connections, as many\n"
+            "                       streams at once as the decoder has lanes, and prints the slab path's GB/s\n"
+            "                       as a share of that raw link's\n",
+            KVB_MAX_LANES, KVB_DEFAULT_LANES);
 }
 
 
@@ -96,7 +102,8 @@ static int one_leg(uint16_t port, int len, uint64_t seed, uint32_t n_vocab, leg 
 
 int kvb_bench_ladder(int argc, char **argv) {
     const char *model = NULL, *lengths = "1024,4096", *peer = NULL, *psk = getenv("KVB_PSK");
-    long long seeds = 3, threads = 0, chunk = 0, alone_max = 1 << 20, pa_max = 1 << 20, warmup = -1, block = 32;
+    long long seeds = 3, threads = 0, chunk = 0, alone_max = 1 << 20, pa_max = 1 << 20, warmup = -1, block = 32,
+              lanes = 0; /* 0: the decode node's default */
     uint32_t cache_type = KVB_TYPE_F16;
     bool cuda = false, filler = false;
     for (int i = 2; i < argc; i++) {
@@ -120,6 +127,9 @@ int kvb_bench_ladder(int argc, char **argv) {
             if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_type("bench", a, v, &cache_type)) return 2;
         } else if (!strcmp(a, "--block-tokens")) {
             if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 4096, &block)) return 2;
+        } else if (!strcmp(a, "--lanes")) {
+            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, KVB_MAX_LANES, &lanes))
+                return 2;
         } else if (!strcmp(a, "--chunk")) {
             if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 16, 1 << 20, &chunk)) return 2;
         } else if (!strcmp(a, "--alone-max")) {
@@ -190,18 +200,21 @@ int kvb_bench_ladder(int argc, char **argv) {
     }
     kvb_decode_config dc = {.http_listen = "127.0.0.1:0", .peer = peer, .model_path = model, .psk = psk,
                             .n_threads = (int)threads, .cache_dtype = cache_type, .max_ctx = ctx,
-                            .peer_timeout_ms = 600000, .block_tokens = (uint32_t)block,
+                            .peer_timeout_ms = 600000, .block_tokens = (uint32_t)block, .lanes = (uint32_t)lanes,
                             .tail_after_transfer = filler, /* the slab path's ceiling, measured alone */
                             /* one prompt's blocks and some room: legs use fresh prompts, LRU evicts */
                             .cache_blocks = (ctx + (uint32_t)block - 1) / (uint32_t)block + 64};
     if (kvb_decode_node_start(&dc, &dn, &err)) goto fail;
+    /* the raw-link yardsticks stream as many connections at once as the bridge stripes over */
+    const uint32_t lanes_used = lanes ? (uint32_t)lanes : KVB_DEFAULT_LANES;
     kvb_decode_config ac = dc;
     ac.peer = NULL;
     if (kvb_decode_node_start(&ac, &alone, &err)) goto fail;
-    printf("ladder: %s, %lld decoder threads, prefill node %s (%s), decoder cache %s\n", model, threads, peer,
+    printf("ladder: %s, %lld decoder threads, prefill node %s (%s), decoder cache %s, %u lanes\n", model, threads,
+           peer,
            !pn ? "remote" : filler ? "filler rows, in process: the slab path alone"
                           : cuda ? "CUDA engine, in process" : "CPU engine, in process",
-           kvb_type_name(cache_type));
+           kvb_type_name(cache_type), lanes_used);
     if (warmup < 0) warmup = cuda ? 1 : 0;
     if (warmup)
         printf("warm-up    %lld untimed bridged prompt(s) of each length first (fresh tokens, no cache hits): the "
@@ -290,18 +303,19 @@ int kvb_bench_ladder(int argc, char **argv) {
         if (filler) {
             /* the raw link the same way in the same run: as many bytes as one leg shipped */
             const uint64_t leg_bytes = len_global + len_local;
-            const double raw = kvb_bench_raw_loopback_gbs(leg_bytes, 65536);
-            printf("          raw TCP loopback, same bytes, this run: %.2f GB/s; slab path / raw: %.0f %%\n", raw,
-                   raw > 0 ? 100.0 * mg / raw : 0.0);
+            const double raw = kvb_bench_raw_loopback_gbs(leg_bytes, 65536, lanes_used);
+            printf("          raw TCP loopback, %u stream%s, same bytes, this run: %.2f GB/s; slab path / raw: %.0f %%\n",
+                   lanes_used, lanes_used == 1 ? "" : "s", raw, raw > 0 ? 100.0 * mg / raw : 0.0);
         } else if (pn && mp > 0) {
             /* the floor a link sets: bridged time to first token cannot beat the prefill alone, nor
              * the time the raw link takes for the bytes (measured now, the same way as bench link) */
             const uint64_t leg_bytes = len_global + len_local;
-            const double raw = kvb_bench_raw_loopback_gbs(leg_bytes, 65536);
+            const double raw = kvb_bench_raw_loopback_gbs(leg_bytes, 65536, lanes_used);
             const double link_s = raw > 0 ? (double)leg_bytes / raw / 1e9 : 0, floor_s = link_s > mp ? link_s : mp;
-            printf("          link floor: these %.1f MB over raw TCP loopback (%.2f GB/s, this run) take %.3f s; "
-                   "bridged / max(prefill alone, that) = %.2fx\n",
-                   leg_bytes / 1e6, raw, link_s, floor_s > 0 ? mb / floor_s : 0.0);
+            printf("          link floor: these %.1f MB over raw TCP loopback (%u stream%s, %.2f GB/s, this run) take "
+                   "%.3f s; bridged / max(prefill alone, that) = %.2fx\n",
+                   leg_bytes / 1e6, lanes_used, lanes_used == 1 ? "" : "s", raw, link_s,
+                   floor_s > 0 ? mb / floor_s : 0.0);
         }
         if (pn) {
             double full_s, empty_s, rd_s, cons_s;

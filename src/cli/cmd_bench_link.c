@@ -1,9 +1,11 @@
 /* cli/cmd_bench_link.c — `kvbridge bench link`: the transport's throughput beside the raw link,
  * measured the same way in the same run: N bytes as plain TCP sends of S bytes, then N bytes as
  * authenticated, checksummed SLAB frames of S bytes (the sender computes each slab's checksum and
- * the receiver verifies it, as the bridge and the store do), each timed from the first byte to the
- * receiver's acknowledgement; alternated, medians of --reps. One side listens, the other connects
- * (two hosts, two namespaces, or one machine). */
+ * the receiver verifies it, as the bridge and the store do), each way over one connection or over
+ * --streams connections at once (N / streams bytes on each, one sending and one receiving thread
+ * per connection, started together, as a decode node stripes a request's slabs over its lanes),
+ * timed from the first byte to the last acknowledgement; alternated, medians of --reps. One side
+ * listens, the other connects (two hosts, two namespaces, or one machine). */
 #include <netdb.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -22,11 +24,19 @@
 static void help(FILE *f) {
     fprintf(f,
             "usage: kvbridge bench link --listen HOST:PORT [--psk KEY]\n"
-            "       kvbridge bench link --peer HOST:PORT [--bytes N] [--slab-bytes S] [--reps R] [--psk KEY]\n\n"
+            "       kvbridge bench link --peer HOST:PORT [--bytes N] [--slab-bytes S] [--reps R] [--streams C]\n"
+            "                           [--psk KEY]\n\n"
             "Measures kvbridge's transport against the raw TCP link between two machines: the listener serves\n"
             "plain TCP on PORT and the transport on PORT+1; the connecting side sends N bytes (default 1 GiB)\n"
             "each way of sending, in pieces of S bytes (default 1 MiB), alternating, R times (default 3), and\n"
-            "prints both GB/s and their ratio. Both sides need the same pre-shared key (--psk or KVB_PSK).\n");
+            "prints both GB/s and their ratio. Both sides need the same pre-shared key (--psk or KVB_PSK).\n\n"
+            "  --streams C   send each way over C connections at once (1..%d, default 1): C plain TCP\n"
+            "                connections, then C authenticated kvbridge connections, N/C bytes on each, one\n"
+            "                sending thread per connection on this side and one receiving thread per\n"
+            "                connection on the listener's, timed from the first byte to the last\n"
+            "                acknowledgement (the raw yardstick for a decode node striping over C lanes).\n"
+            "                The listener takes the count from each round's header.\n",
+            KVB_MAX_LANES);
 }
 
 static int tcp_listen(const char *host, const char *port) {
@@ -34,7 +44,8 @@ static int tcp_listen(const char *host, const char *port) {
     if (getaddrinfo(*host ? host : NULL, port, &hints, &ai) != 0 || !ai) return -1;
     int fd = socket(ai->ai_family, SOCK_STREAM, 0), one = 1;
     if (fd >= 0) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (fd >= 0 && (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 4) != 0)) {
+    /* a round's streams are all dialed before any is accepted: room for all of them */
+    if (fd >= 0 && (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 2 * KVB_MAX_LANES) != 0)) {
         close(fd);
         fd = -1;
     }
@@ -80,49 +91,178 @@ static bool raw_recv_acked(int fd, char *buf, size_t cap, uint64_t bytes) {
     return got == bytes && send_all(fd, "k", 1);
 }
 
-/* ---- the raw loopback, in process (bench ladder --slab-path-only's yardstick) ---- */
+/* Stream i's share when `bytes` are split over `streams` connections (the first ones carry the
+ * remainder, a byte each). */
+static uint64_t stream_share(uint64_t bytes, uint32_t streams, uint32_t i) {
+    return bytes / streams + (i < bytes % streams ? 1 : 0);
+}
 
+/* ---- parallel streams: each end of each connection on its own thread, started together ---- */
+
+/* Holds every thread of a run until all of them exist, so the streams start together; or, when
+ * one could not be created, lets the others go without sending anything. */
 typedef struct {
-    int lfd;
-    uint64_t bytes;
-    bool ok;
-} raw_sink;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int state; /* 0: wait, 1: go, -1: abort */
+} start_gate;
 
-static void *raw_sink_main(void *arg) {
-    raw_sink *r = arg;
-    int fd = accept(r->lfd, NULL, NULL);
-    char *buf = malloc(1 << 20);
-    r->ok = fd >= 0 && buf && raw_recv_acked(fd, buf, 1 << 20, r->bytes);
-    free(buf);
-    if (fd >= 0) close(fd);
+static bool gate_pass(start_gate *g) {
+    pthread_mutex_lock(&g->mu);
+    while (g->state == 0) pthread_cond_wait(&g->cv, &g->mu);
+    const bool go = g->state > 0;
+    pthread_mutex_unlock(&g->mu);
+    return go;
+}
+
+/* One end of one connection. The thread only uses the socket or connection; the caller opens and
+ * closes it. An end that fails shuts its socket or connection down, so that the other end, which
+ * may be waiting for bytes or for the acknowledgement, fails too instead of waiting forever. */
+typedef struct {
+    void *(*main)(void *); /* raw_send_main, raw_recv_main, slab_send_main or slab_recv_main */
+    int fd;                /* raw ends: the socket */
+    kvb_conn *conn;        /* transport ends: the authenticated connection */
+    const uint8_t *data;   /* senders: `piece` bytes of filler, shared, read-only */
+    size_t piece;          /* senders: bytes per send or per slab; raw receivers: the buffer's size */
+    uint64_t bytes;        /* what this connection carries (raw receivers: what they expect) */
+    start_gate *gate;      /* set by run_ends */
+    bool ok;               /* set by the thread */
+    double done_s;         /* senders: kvb_now_s() when the acknowledgement arrived */
+    kvb_err err;           /* transport ends: what failed */
+} stream_end;
+
+static void *raw_send_main(void *arg) {
+    stream_end *s = arg;
+    if (!gate_pass(s->gate)) return NULL;
+    s->ok = raw_send_acked(s->fd, s->data, s->piece, s->bytes);
+    s->done_s = kvb_now_s();
+    if (!s->ok) shutdown(s->fd, SHUT_RDWR);
     return NULL;
 }
 
-double kvb_bench_raw_loopback_gbs(uint64_t bytes, size_t piece) {
-    raw_sink r = {.lfd = tcp_listen("127.0.0.1", "0"), .bytes = bytes};
+static void *raw_recv_main(void *arg) {
+    stream_end *s = arg;
+    char *buf = malloc(s->piece); /* before the start: not timed */
+    if (gate_pass(s->gate)) s->ok = buf && raw_recv_acked(s->fd, buf, s->piece, s->bytes);
+    free(buf);
+    if (!s->ok) shutdown(s->fd, SHUT_RDWR);
+    return NULL;
+}
+
+/* The framed leg's sender: SLAB frames (each slab's checksum computed here), then PING; the PONG
+ * is the acknowledgement. */
+static void *slab_send_main(void *arg) {
+    stream_end *s = arg;
+    if (!gate_pass(s->gate)) return NULL;
+    kvb_status st = KVB_OK;
+    for (uint64_t sent = 0; !st && sent < s->bytes; sent += s->piece) {
+        size_t piece = (size_t)(s->bytes - sent < s->piece ? s->bytes - sent : s->piece);
+        kvb_msg_slab m = {.layer = 0, .pos0 = 0, .n = 1, .k = s->data, .v = s->data + piece / 2,
+                          .k_bytes = piece / 2, .v_bytes = piece - piece / 2};
+        m.checksum = kvb_slab_checksum(m.k, m.k_bytes, m.v, m.v_bytes);
+        st = kvb_conn_send_slab(s->conn, 1, &m, 60000, &s->err);
+    }
+    kvb_msg pong;
+    if (!st) st = kvb_conn_send_ping(s->conn, 42, 10000, &s->err);
+    if (!st) st = kvb_conn_recv(s->conn, 60000, &pong, &s->err);
+    if (!st && pong.type != KVB_FRAME_PONG)
+        st = kvb_err_set(&s->err, KVB_ERR_FORMAT, "the listener answered PING with frame type %u, not PONG",
+                         (unsigned)pong.type);
+    s->done_s = kvb_now_s();
+    s->ok = st == KVB_OK;
+    if (!s->ok) kvb_conn_shutdown(s->conn);
+    return NULL;
+}
+
+/* The framed leg's receiver: verifies every slab's checksum until PING, answers PONG. */
+static void *slab_recv_main(void *arg) {
+    stream_end *s = arg;
+    if (!gate_pass(s->gate)) return NULL;
+    for (;;) {
+        kvb_msg m;
+        if (kvb_conn_recv(s->conn, 60000, &m, &s->err)) break;
+        if (m.type == KVB_FRAME_SLAB &&
+            kvb_slab_checksum(m.u.slab.k, m.u.slab.k_bytes, m.u.slab.v, m.u.slab.v_bytes) != m.u.slab.checksum) {
+            kvb_err_set(&s->err, KVB_ERR_FORMAT, "a slab arrived corrupt (its checksum does not match)");
+            kvb_msg_free(&m);
+            break;
+        }
+        if (m.type == KVB_FRAME_PING) {
+            s->ok = kvb_conn_send_pong(s->conn, m.u.ping.token, 10000, &s->err) == KVB_OK;
+            break;
+        }
+    }
+    if (!s->ok) kvb_conn_shutdown(s->conn);
+    return NULL;
+}
+
+/* Runs each of the n ends (n <= 2 * KVB_MAX_LANES) on its own thread, all released together once
+ * every thread exists, and waits for them. True when every end succeeded; *seconds then runs from
+ * the release to the last sender's acknowledgement. A thread that cannot be created fails the
+ * run: the ones already created are released without sending. */
+static bool run_ends(stream_end *e, size_t n, double *seconds) {
+    pthread_t th[2 * KVB_MAX_LANES];
+    if (n == 0 || n > sizeof th / sizeof th[0]) return false;
+    start_gate g = {.state = 0};
+    pthread_mutex_init(&g.mu, NULL);
+    pthread_cond_init(&g.cv, NULL);
+    size_t made = 0;
+    for (; made < n; made++) {
+        e[made].gate = &g;
+        e[made].ok = false;
+        e[made].done_s = 0;
+        if (pthread_create(&th[made], NULL, e[made].main, &e[made]) != 0) break;
+    }
+    pthread_mutex_lock(&g.mu);
+    g.state = made == n ? 1 : -1;
+    const double t0 = kvb_now_s();
+    pthread_cond_broadcast(&g.cv);
+    pthread_mutex_unlock(&g.mu);
+    bool ok = made == n;
+    double last = t0;
+    for (size_t i = 0; i < made; i++) {
+        pthread_join(th[i], NULL);
+        ok = ok && e[i].ok;
+        if (e[i].done_s > last) last = e[i].done_s;
+    }
+    pthread_cond_destroy(&g.cv);
+    pthread_mutex_destroy(&g.mu);
+    *seconds = last - t0;
+    return ok;
+}
+
+/* ---- the raw loopback, in process (bench ladder's yardstick) ---- */
+
+double kvb_bench_raw_loopback_gbs(uint64_t bytes, size_t piece, uint32_t streams) {
+    if (streams < 1 || streams > KVB_MAX_LANES || piece == 0) return 0;
+    stream_end e[2 * KVB_MAX_LANES]; /* the senders, then their receivers */
+    for (uint32_t i = 0; i < 2 * streams; i++) e[i] = (stream_end){.fd = -1};
+    int lfd = tcp_listen("127.0.0.1", "0");
     struct sockaddr_storage sa;
     socklen_t sl = sizeof sa;
     char port[16];
     uint8_t *data = malloc(piece);
-    if (r.lfd < 0 || !data || getsockname(r.lfd, (struct sockaddr *)&sa, &sl) != 0) {
-        if (r.lfd >= 0) close(r.lfd);
-        free(data);
-        return 0;
+    bool ok = lfd >= 0 && data && getsockname(lfd, (struct sockaddr *)&sa, &sl) == 0;
+    if (ok) {
+        snprintf(port, sizeof port, "%u", ntohs(((struct sockaddr_in *)&sa)->sin_port));
+        for (size_t i = 0; i < piece; i++) data[i] = (uint8_t)(i * 131 + 7);
     }
-    snprintf(port, sizeof port, "%u", ntohs(((struct sockaddr_in *)&sa)->sin_port));
-    for (size_t i = 0; i < piece; i++) data[i] = (uint8_t)(i * 131 + 7);
-    pthread_t th;
-    double gbs = 0;
-    if (pthread_create(&th, NULL, raw_sink_main, &r) == 0) {
-        int fd = kvb_tcp_dial("127.0.0.1", port);
-        double t0 = kvb_now_s();
-        bool ok = fd >= 0 && raw_send_acked(fd, data, piece, bytes);
-        double dt = kvb_now_s() - t0;
-        if (fd >= 0) close(fd);
-        pthread_join(th, NULL);
-        if (ok && r.ok) gbs = (double)bytes / dt / 1e9;
+    /* one connection at a time, so the socket accepted is the one just dialed: each receiver
+     * knows its sender's share */
+    for (uint32_t i = 0; ok && i < streams; i++) {
+        stream_end *snd = &e[i], *rcv = &e[streams + i];
+        const uint64_t share = stream_share(bytes, streams, i);
+        *snd = (stream_end){.main = raw_send_main, .fd = kvb_tcp_dial("127.0.0.1", port), .data = data,
+                            .piece = piece, .bytes = share};
+        *rcv = (stream_end){.main = raw_recv_main, .fd = snd->fd >= 0 ? accept(lfd, NULL, NULL) : -1,
+                            .piece = 1 << 20, .bytes = share};
+        ok = snd->fd >= 0 && rcv->fd >= 0;
     }
-    close(r.lfd);
+    double dt = 0, gbs = 0;
+    if (ok && run_ends(e, 2 * (size_t)streams, &dt) && dt > 0) gbs = (double)bytes / dt / 1e9;
+    for (uint32_t i = 0; i < 2 * streams; i++)
+        if (e[i].fd >= 0) close(e[i].fd);
+    if (lfd >= 0) close(lfd);
     free(data);
     return gbs;
 }
@@ -142,6 +282,12 @@ static long split_addr(const char *addr, char *host, size_t cap) {
     return strtol(c + 1, NULL, 10);
 }
 
+/* A round, between the two sides: the connecting side opens the round's raw connections, each
+ * starting with the header {bytes on this connection, the round's stream count} (uint64 each,
+ * host order), and sends; the listener accepts as many as the first header says, receives and
+ * acknowledges each; then the connecting side opens as many transport connections and sends
+ * SLAB frames and a PING on each, which the listener verifies and answers with PONG. A header
+ * with a stream count of 0 ends the listener. */
 static int serve(const char *addr, const char *psk) {
     char host[128], port[16], tport[140];
     long p = split_addr(addr, host, sizeof host);
@@ -164,51 +310,115 @@ static int serve(const char *addr, const char *psk) {
     kvb_transport_config cfg = {.psk = (const uint8_t *)psk, .psk_len = strlen(psk)};
     printf("bench link: serving raw TCP on %s and the transport on %s\n", addr, tport);
     fflush(stdout);
-    size_t cap = 1 << 24;
-    char *buf = malloc(cap);
     int rc = 0;
-    for (;;) { /* each round: one raw transfer, then one framed transfer; a raw length of 0 ends */
+    for (;;) { /* each round: the raw transfer, then the framed one, over the round's streams */
+        stream_end e[KVB_MAX_LANES];
+        uint64_t hdr[2] = {0, 0};
         int fd = accept(lfd, NULL, NULL);
-        uint64_t n = 0;
-        if (fd < 0 || !recv_all(fd, &n, 8)) break;
-        if (n == 0) {
-            close(fd);
+        if (fd < 0 || !recv_all(fd, hdr, sizeof hdr) || hdr[1] == 0) {
+            if (fd >= 0) close(fd);
             break;
         }
-        raw_recv_acked(fd, buf, cap, n);
-        close(fd);
-        kvb_conn *c = NULL;
-        if (kvb_transport_accept(l, &me, &cfg, 60000, &c, NULL, &err)) {
+        if (hdr[1] > KVB_MAX_LANES) {
+            fprintf(stderr, "kvbridge bench link: a round asked for %llu streams (at most %d)\n",
+                    (unsigned long long)hdr[1], KVB_MAX_LANES);
+            close(fd);
+            rc = 1;
+            break;
+        }
+        const uint32_t streams = (uint32_t)hdr[1];
+        uint32_t n = 0;
+        bool ok = true;
+        for (;;) {
+            e[n++] = (stream_end){.main = raw_recv_main, .fd = fd, .piece = 1 << 24, .bytes = hdr[0]};
+            if (n == streams) break;
+            fd = accept(lfd, NULL, NULL);
+            ok = fd >= 0 && recv_all(fd, hdr, sizeof hdr) && hdr[1] == streams;
+            if (!ok) {
+                if (fd >= 0) close(fd);
+                break;
+            }
+        }
+        double dt;
+        if (ok) run_ends(e, n, &dt); /* a failed transfer shows on the connecting side */
+        for (uint32_t i = 0; i < n; i++) close(e[i].fd);
+        if (!ok) {
+            fprintf(stderr, "kvbridge bench link: a round of %u streams did not open all of them\n", streams);
+            rc = 1;
+            break;
+        }
+        for (n = 0; n < streams; n++) {
+            e[n] = (stream_end){.main = slab_recv_main, .fd = -1};
+            if (kvb_transport_accept(l, &me, &cfg, 60000, &e[n].conn, NULL, &err)) break;
+        }
+        if (n == streams) {
+            run_ends(e, n, &dt);
+            for (uint32_t i = 0; i < n; i++)
+                if (!e[i].ok && e[i].err.msg[0]) fprintf(stderr, "kvbridge bench link: %s\n", e[i].err.msg);
+        }
+        for (uint32_t i = 0; i < n; i++) kvb_conn_close(e[i].conn);
+        if (n < streams) {
             fprintf(stderr, "kvbridge bench link: %s\n", err.msg);
             rc = 1;
             break;
         }
-        for (;;) {
-            kvb_msg m;
-            if (kvb_conn_recv(c, 60000, &m, &err)) {
-                fprintf(stderr, "kvbridge bench link: %s\n", err.msg);
-                break;
-            }
-            if (m.type == KVB_FRAME_SLAB &&
-                kvb_slab_checksum(m.u.slab.k, m.u.slab.k_bytes, m.u.slab.v, m.u.slab.v_bytes) != m.u.slab.checksum) {
-                fprintf(stderr, "kvbridge bench link: a slab arrived corrupt (its checksum does not match)\n");
-                kvb_msg_free(&m);
-                break;
-            }
-            if (m.type == KVB_FRAME_PING) {
-                kvb_conn_send_pong(c, m.u.ping.token, 10000, &err);
-                break;
-            }
-        }
-        kvb_conn_close(c);
     }
-    free(buf);
     close(lfd);
     kvb_listener_close(l);
     return rc;
 }
 
-static int measure(const char *addr, const char *psk, uint64_t bytes, size_t slab, int reps) {
+/* The connecting side's raw leg of one round; *gbs on success. */
+static bool raw_leg(const char *host, const char *port, const uint8_t *data, size_t piece, uint64_t bytes,
+                    uint32_t streams, double *gbs, kvb_err *err) {
+    stream_end e[KVB_MAX_LANES];
+    uint32_t n = 0;
+    bool ok = true;
+    while (ok && n < streams) {
+        uint64_t hdr[2] = {stream_share(bytes, streams, n), streams};
+        e[n] = (stream_end){.main = raw_send_main, .fd = kvb_tcp_dial(host, port), .data = data, .piece = piece,
+                            .bytes = hdr[0]};
+        ok = e[n].fd >= 0 && send_all(e[n].fd, hdr, sizeof hdr);
+        if (e[n].fd >= 0) n++;
+    }
+    double dt = 0;
+    if (!ok) kvb_err_set(err, KVB_ERR_IO, "cannot connect to %s:%s", host, port);
+    else if (!run_ends(e, n, &dt) || dt <= 0) {
+        kvb_err_set(err, KVB_ERR_IO, "raw transfer to %s:%s failed", host, port);
+        ok = false;
+    }
+    for (uint32_t i = 0; i < n; i++) close(e[i].fd);
+    if (ok) *gbs = (double)bytes / dt / 1e9;
+    return ok;
+}
+
+/* The connecting side's framed leg of one round; *gbs on success. */
+static bool framed_leg(const char *tport, const kvb_hello *me, const kvb_transport_config *cfg, const uint8_t *data,
+                       size_t slab, uint64_t bytes, uint32_t streams, double *gbs, kvb_err *err) {
+    stream_end e[KVB_MAX_LANES];
+    uint32_t n = 0;
+    bool ok = true;
+    for (; ok && n < streams; n++) {
+        e[n] = (stream_end){.main = slab_send_main, .fd = -1, .data = data, .piece = slab,
+                            .bytes = stream_share(bytes, streams, n)};
+        ok = kvb_transport_connect(tport, me, cfg, 10000, &e[n].conn, NULL, err) == KVB_OK;
+    }
+    double dt = 0;
+    if (ok && (!run_ends(e, n, &dt) || dt <= 0)) {
+        ok = false;
+        kvb_err_set(err, KVB_ERR_IO, "transport transfer to %s failed", tport);
+        for (uint32_t i = 0; i < n; i++)
+            if (!e[i].ok && e[i].err.msg[0]) {
+                *err = e[i].err;
+                break;
+            }
+    }
+    for (uint32_t i = 0; i < n; i++) kvb_conn_close(e[i].conn); /* NULL where the connect failed */
+    if (ok) *gbs = (double)bytes / dt / 1e9;
+    return ok;
+}
+
+static int measure(const char *addr, const char *psk, uint64_t bytes, size_t slab, int reps, uint32_t streams) {
     char host[128], port[16], tport[140];
     long p = split_addr(addr, host, sizeof host);
     if (p <= 0 || p > 65534) {
@@ -227,49 +437,24 @@ static int measure(const char *addr, const char *psk, uint64_t bytes, size_t sla
     int rc = 0;
     if (make_hello(KVB_ROLE_PREFILL, &me, &err)) goto fail;
     for (int r = 0; r < reps; r++) {
-        int fd = kvb_tcp_dial(host, port);
-        if (fd < 0) {
-            kvb_err_set(&err, KVB_ERR_IO, "cannot connect to %s", addr);
+        if (!raw_leg(host, port, data, slab, bytes, streams, &raw[r], &err) ||
+            !framed_leg(tport, &me, &cfg, data, slab, bytes, streams, &framed[r], &err))
             goto fail;
-        }
-        double t0 = kvb_now_s();
-        bool ok = send_all(fd, &bytes, 8) && raw_send_acked(fd, data, slab, bytes);
-        raw[r] = bytes / (kvb_now_s() - t0) / 1e9;
-        close(fd);
-        if (!ok) {
-            kvb_err_set(&err, KVB_ERR_IO, "raw transfer to %s failed", addr);
-            goto fail;
-        }
-        kvb_conn *c = NULL;
-        if (kvb_transport_connect(tport, &me, &cfg, 10000, &c, NULL, &err)) goto fail;
-        t0 = kvb_now_s();
-        kvb_status st = KVB_OK;
-        for (uint64_t sent = 0; !st && sent < bytes; sent += slab) {
-            size_t piece = (size_t)(bytes - sent < slab ? bytes - sent : slab);
-            kvb_msg_slab m = {.layer = 0, .pos0 = 0, .n = 1, .k = data, .v = data + piece / 2,
-                              .k_bytes = piece / 2, .v_bytes = piece - piece / 2};
-            m.checksum = kvb_slab_checksum(m.k, m.k_bytes, m.v, m.v_bytes);
-            st = kvb_conn_send_slab(c, 1, &m, 60000, &err);
-        }
-        kvb_msg pong;
-        if (!st) st = kvb_conn_send_ping(c, 42, 10000, &err);
-        if (!st) st = kvb_conn_recv(c, 60000, &pong, &err);
-        framed[r] = bytes / (kvb_now_s() - t0) / 1e9;
-        kvb_conn_close(c);
-        if (st) goto fail;
         fprintf(stderr, "bench link: round %d: raw %.3f GB/s, kvbridge transport %.3f GB/s\n", r + 1, raw[r], framed[r]);
     }
     {
-        int fd = kvb_tcp_dial(host, port); /* tell the server to stop */
-        uint64_t zero = 0;
+        int fd = kvb_tcp_dial(host, port); /* tell the server to stop: a round of 0 streams */
+        uint64_t stop[2] = {0, 0};
         if (fd >= 0) {
-            send_all(fd, &zero, 8);
+            send_all(fd, stop, sizeof stop);
             close(fd);
         }
     }
     double mr = kvb_median_sort(raw, reps), mf = kvb_median_sort(framed, reps);
-    printf("link       %s, %.2f GiB per leg in %zu-byte pieces, %d rounds (medians)\n", addr, bytes / 1073741824.0,
-           slab, reps);
+    char over[80] = "";
+    if (streams > 1) snprintf(over, sizeof over, ", each leg over %u connections at once", streams);
+    printf("link       %s, %.2f GiB per leg in %zu-byte pieces%s, %d rounds (medians)\n", addr,
+           bytes / 1073741824.0, slab, over, reps);
     printf("raw TCP    %.3f GB/s\nkvbridge   %.3f GB/s (SLAB frames: header and slab head hashed, the slab checksum of K || V computed and verified, authenticated link)\n"
            "ratio      %.0f %% of the raw link\n",
            mr, mf, 100.0 * mf / mr);
@@ -284,7 +469,7 @@ done:
 
 int kvb_bench_link(int argc, char **argv) {
     const char *listen = NULL, *peer = NULL, *psk = getenv("KVB_PSK");
-    long long bytes = 1LL << 30, slab = 1 << 20, reps = 3;
+    long long bytes = 1LL << 30, slab = 1 << 20, reps = 3, streams = 1;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v;
         if (kvb_arg_is_help(a)) {
@@ -304,6 +489,10 @@ int kvb_bench_link(int argc, char **argv) {
                 return 2;
         } else if (!strcmp(a, "--reps")) {
             if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 100, &reps)) return 2;
+        } else if (!strcmp(a, "--streams")) {
+            if (!(v = kvb_arg_value("bench", argc, argv, &i)) ||
+                !kvb_arg_int("bench", a, v, 1, KVB_MAX_LANES, &streams))
+                return 2;
         } else {
             fprintf(stderr, "kvbridge bench link: unknown option '%s' (see kvbridge bench link --help)\n", a);
             return 2;
@@ -314,5 +503,6 @@ int kvb_bench_link(int argc, char **argv) {
                         "(--psk or KVB_PSK)\n", KVB_WIRE_PSK_MIN);
         return 2;
     }
-    return listen ? serve(listen, psk) : measure(peer, psk, (uint64_t)bytes, (size_t)slab, (int)reps);
+    return listen ? serve(listen, psk)
+                  : measure(peer, psk, (uint64_t)bytes, (size_t)slab, (int)reps, (uint32_t)streams);
 }

@@ -38,6 +38,8 @@ static void help(FILE *f) {
             "  --cache-blocks N     decode: prefix-cache size in blocks (default: 4 contexts' worth)\n"
             "  --tail-after-transfer  decode: compute the prompt's last token after the bridged cache has\n"
             "                       arrived, not layer by layer while it arrives (the default, same answer)\n"
+            "  --lanes N            decode: connections to the prefill node that each bridged request's slabs\n"
+            "                       are striped over, each with its own receiving thread (1..8, default 4)\n"
             "  --fault SPEC         prefill, test-only: corrupt:N, die:N or stall:N at the Nth slab\n"
             "  --verbose            log connections and faults\n");
 }
@@ -52,7 +54,7 @@ int kvb_cmd_serve(int argc, char **argv) {
     const char *cmd = "serve", *role = NULL, *model = NULL, *listen = NULL, *http = NULL, *peer = NULL,
                *psk = getenv("KVB_PSK"), *tmpl = NULL, *model_id = NULL, *fault = NULL, *mode = "decoder",
                *device = "cpu";
-    long long threads = 0, bt = 32, ctx = 0, bridge_min = 0, max_tokens = 0, chunk = 0, cache_blocks = 0;
+    long long threads = 0, bt = 32, ctx = 0, bridge_min = 0, max_tokens = 0, chunk = 0, cache_blocks = 0, lanes = 0;
     bool tail_after = false;
     uint32_t cache_type = KVB_TYPE_F16, engine_type = 0;
     for (int i = 1; i < argc; i++) {
@@ -72,6 +74,7 @@ int kvb_cmd_serve(int argc, char **argv) {
         NUM("--chunk", chunk, 16, 1 << 20) NUM("--cache-blocks", cache_blocks, 16, 1LL << 31)
         NUM("--threads", threads, 1, 1024) NUM("--block-tokens", bt, 1, 4096) NUM("--ctx", ctx, 16, 1 << 24)
         NUM("--bridge-min", bridge_min, 1, 1 << 24) NUM("--max-tokens", max_tokens, 1, 1 << 24)
+        NUM("--lanes", lanes, 1, KVB_MAX_LANES)
         else if (!strcmp(a, "--cache-type")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &cache_type)) return 2;
         }
@@ -124,7 +127,7 @@ int kvb_cmd_serve(int argc, char **argv) {
                                .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
                                .bridge_min_tokens = (uint32_t)bridge_min, .default_max_tokens = (uint32_t)max_tokens,
                                .prefill_mode = prefill_mode, .cache_blocks = (uint32_t)cache_blocks,
-                               .tail_after_transfer = tail_after};
+                               .tail_after_transfer = tail_after, .lanes = (uint32_t)lanes};
         if (kvb_decode_node_start(&c, &dn, &err)) goto fail;
         printf("kvbridge decode node: OpenAI API on port %u, prefill node %s\n", kvb_decode_node_port(dn),
                peer ? peer : "none (native only)");

@@ -21,10 +21,12 @@ int kvb_cmd_doctor(int argc, char **argv);
 int kvb_bench_ladder(int argc, char **argv);
 /* `kvbridge bench link` (cmd_bench_link.c). */
 int kvb_bench_link(int argc, char **argv);
-/* GB/s of `bytes` sent over a plain TCP connection on 127.0.0.1 in pieces of `piece` bytes, from
- * the first byte to the receiver's acknowledgement (a thread of this process receives); 0 on
- * failure. The yardstick for the slab path on the same machine, in the same run. */
-double kvb_bench_raw_loopback_gbs(uint64_t bytes, size_t piece);
+/* GB/s of `bytes` sent over `streams` (1..KVB_MAX_LANES) plain TCP connections on 127.0.0.1 at
+ * once, bytes / streams on each in pieces of `piece` bytes, each connection with its own sending
+ * and its own receiving thread of this process, all started together; timed from the start to the
+ * last receiver's acknowledgement. 0 on failure (or a stream count out of range). The yardstick
+ * for the slab path striped over as many lanes, on the same machine, in the same run. */
+double kvb_bench_raw_loopback_gbs(uint64_t bytes, size_t piece, uint32_t streams);
 /* `kvbridge bench slab` (cmd_bench_slab.c). */
 int kvb_bench_slab(int argc, char **argv);
 /* `kvbridge bench quality` (cmd_bench_quality.c). */

@@ -1,12 +1,14 @@
 /* node/decode_node.c — the decode role, the front door: the OpenAI API handler. Per request:
  * tokenize (chat template), look up the prefix cache, decide (enough uncached tokens and a
  * reachable peer -> bridge; else native), commit arriving slabs through the store's slab path
- * and one block writer, compute the rest natively (always the last prompt token: while the
+ * and one block writer — the slabs striped over the peer's lanes (several connections, grouped
+ * with LANE frames), one receiving and one committing thread per lane — compute the rest natively (always the last prompt token: while the
  * blocks arrive, layer by layer, on the pipelined tail's thread — tail_pipe.c;
  * KVB_DECODE_PIPELINED_TAIL=0 runs it after the transfer instead), decode and stream; the verdict
  * says what actually happened. Requests run one at a time on the engine in arrival order (a
  * ticket queue). */
 #include <stdio.h>
+#include <sys/random.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,8 +35,9 @@ struct kvb_decode_node {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     uint64_t next_ticket, serving;
-    /* the peer link (used only while holding the engine) */
-    kvb_conn *conn;
+    /* the peer link (used only while holding the engine): lane 0 carries PREFILL and CANCEL */
+    kvb_conn *lanes[KVB_MAX_LANES];
+    uint32_t n_lanes;
     kvb_hello hello;
     kvb_transport_config tcfg;
     uint64_t next_request_id;
@@ -66,19 +69,53 @@ static bool pipelined_tail_on(const kvb_decode_node *n) {
 }
 
 static void drop_peer(kvb_decode_node *n) {
-    kvb_conn_close(n->conn);
-    n->conn = NULL;
+    for (uint32_t l = 0; l < KVB_MAX_LANES; l++) {
+        kvb_conn_close(n->lanes[l]);
+        n->lanes[l] = NULL;
+    }
     kvb_metric_set(n->m_peer_up, NULL, 0);
 }
 
+static bool peer_usable(const kvb_decode_node *n) {
+    for (uint32_t l = 0; l < n->n_lanes; l++)
+        if (!n->lanes[l] || !kvb_conn_usable(n->lanes[l])) return false;
+    return true;
+}
+
+/* Groups the lanes at the peer: LANE on each, then a PING whose PONG says the peer has read it (a
+ * connection's frames are handled in order), so a PREFILL on lane 0 finds the group complete. */
+static kvb_status group_lanes(kvb_decode_node *n, kvb_err *err) {
+    uint64_t group = 0;
+    while (!group)
+        if (getrandom(&group, sizeof group, 0) != (ssize_t)sizeof group)
+            group = (uint64_t)(kvb_now_s() * 1e9) ^ (uint64_t)(uintptr_t)n; /* no entropy: unique is enough */
+    for (uint32_t l = 0; l < n->n_lanes; l++) {
+        kvb_msg_lane m = {.group = group, .lane = l, .lanes = n->n_lanes};
+        kvb_status st = kvb_conn_send_lane(n->lanes[l], &m, 5000, err);
+        if (!st) st = kvb_conn_send_ping(n->lanes[l], group + l, 5000, err);
+        kvb_msg r = {0};
+        if (!st) st = kvb_conn_recv(n->lanes[l], 5000, &r, err);
+        if (!st && (r.type != KVB_FRAME_PONG || r.u.ping.token != group + l))
+            st = kvb_err_set(err, KVB_ERR_FORMAT, "lane %u: the peer answered %s, not the PONG to its LANE", l,
+                             kvb_frame_type_name(r.type));
+        kvb_msg_free(&r);
+        if (st) return kvb_err_prefix(err, "grouping the lanes: ");
+    }
+    return KVB_OK;
+}
+
 static kvb_status ensure_peer(kvb_decode_node *n, kvb_err *err) {
-    if (n->conn && kvb_conn_usable(n->conn)) return KVB_OK;
+    if (peer_usable(n)) return KVB_OK;
     drop_peer(n);
     double now = kvb_now_s();
     if (now < n->peer_retry_at) /* a peer that just failed is not dialled for every request */
         return kvb_err_set(err, KVB_ERR_IO, "%s (next attempt in %.1f s)", n->peer_state, n->peer_retry_at - now);
-    kvb_status st = kvb_transport_connect(n->peer, &n->hello, &n->tcfg, 5000, &n->conn, NULL, err);
+    kvb_status st = KVB_OK;
+    for (uint32_t l = 0; !st && l < n->n_lanes; l++)
+        st = kvb_transport_connect(n->peer, &n->hello, &n->tcfg, 5000, &n->lanes[l], NULL, err);
+    if (!st && n->n_lanes > 1) st = group_lanes(n, err);
     if (st) {
+        drop_peer(n);
         snprintf(n->peer_state, sizeof n->peer_state, "down: %.140s", err->msg);
         n->peer_backoff_s = n->peer_backoff_s ? KVB_MIN(2 * n->peer_backoff_s, 30.0) : 0.5;
         n->peer_retry_at = kvb_now_s() + n->peer_backoff_s;
@@ -88,6 +125,104 @@ static kvb_status ensure_peer(kvb_decode_node *n, kvb_err *err) {
     snprintf(n->peer_state, sizeof n->peer_state, "up");
     kvb_metric_set(n->m_peer_up, NULL, 1);
     return KVB_OK;
+}
+
+/* ---- receiving a bridged request: one committing thread per lane -------------------------------- */
+
+typedef struct lane_rx lane_rx;
+typedef struct {
+    kvb_store *store;
+    kvb_slab_pending **pend; /* (nb, then the tail) */
+    uint32_t bt, b0, nb, tail;
+    uint64_t rid;
+    kvb_tail_pipe *tp;
+    lane_rx *lanes; /* (n_lanes) */
+    uint32_t n_lanes;
+    pthread_mutex_t mu; /* the fields below */
+    char fault[160];    /* the first fault on any lane ("" = none) */
+    const char *fault_kind;
+    bool drop;          /* the lanes can no longer be trusted */
+    bool stopping;      /* a lane faulted: the others stop */
+} bridge_rx;
+
+struct lane_rx {
+    bridge_rx *rx;
+    kvb_recv_pipe *pipe;
+    uint32_t slabs;  /* accepted on this lane */
+    uint64_t bytes;
+    bool got_done;
+    kvb_msg_done done;
+    pthread_t thread;
+    bool started;
+};
+
+/* Records the first fault; unless it is the peer's own refusal (which comes on every lane), the
+ * other lanes are shut so their threads stop now. */
+static void rx_fault(bridge_rx *rx, const char *kind, bool drop, const char *fmt, const char *msg) {
+    pthread_mutex_lock(&rx->mu);
+    const bool first = rx->fault_kind == NULL;
+    if (first) {
+        snprintf(rx->fault, sizeof rx->fault, fmt, msg);
+        rx->fault_kind = kind;
+    }
+    rx->drop |= drop;
+    const bool stop_others = drop && !rx->stopping;
+    if (stop_others) rx->stopping = true;
+    pthread_mutex_unlock(&rx->mu);
+    if (stop_others)
+        for (uint32_t l = 0; l < rx->n_lanes; l++) kvb_recv_pipe_abort(rx->lanes[l].pipe);
+}
+
+static bool rx_stopping(bridge_rx *rx) {
+    pthread_mutex_lock(&rx->mu);
+    const bool s = rx->stopping;
+    pthread_mutex_unlock(&rx->mu);
+    return s;
+}
+
+/* One lane: verifies and commits its slabs until its DONE or ERROR, or a fault anywhere. */
+static void *lane_main(void *arg) {
+    lane_rx *ln = arg;
+    bridge_rx *rx = ln->rx;
+    kvb_err err = {0};
+    for (;; kvb_recv_pipe_release(ln->pipe)) {
+        kvb_msg m;
+        if (kvb_recv_pipe_next(ln->pipe, &m, &err)) {
+            if (!rx_stopping(rx)) {
+                const bool timeout = strstr(err.msg, "timed out") != NULL;
+                rx_fault(rx, timeout ? "timeout" : "peer_lost", true,
+                         timeout ? "peer stalled: %.120s" : "peer lost: %.120s", err.msg);
+            }
+            break;
+        }
+        if (rx_stopping(rx)) break;
+        if (m.request_id != rx->rid) continue; /* a late frame of an abandoned request, a PONG */
+        if (m.type == KVB_FRAME_SLAB) {
+            const kvb_msg_slab *sl = &m.u.slab;
+            const uint32_t g = sl->pos0 / rx->bt;
+            kvb_status st = KVB_OK;
+            if (g < rx->b0 || g > rx->b0 + rx->nb || (g == rx->b0 + rx->nb && !rx->tail))
+                st = kvb_err_set(&err, KVB_ERR_FORMAT, "slab for position %u outside the requested range", sl->pos0);
+            else
+                st = kvb_store_slab_put(rx->pend[g - rx->b0], sl->layer, sl->pos0 % rx->bt, sl->n, sl->k, sl->k_bytes,
+                                        sl->v, sl->v_bytes, sl->checksum, NULL, &err);
+            if (st) {
+                rx_fault(rx, "corrupt_slab", true, "corrupt slab rejected: %.120s", err.msg);
+                break;
+            }
+            ln->slabs++;
+            ln->bytes += sl->k_bytes + sl->v_bytes;
+            kvb_tail_pipe_slab(rx->tp, g - rx->b0, sl->layer);
+        } else if (m.type == KVB_FRAME_DONE) {
+            ln->done = m.u.done;
+            ln->got_done = true;
+            break;
+        } else if (m.type == KVB_FRAME_ERROR) {
+            rx_fault(rx, "peer_error", false, "peer refused: %.130s", m.u.error.msg);
+            break;
+        }
+    }
+    return NULL;
 }
 
 /* Asks the peer for blocks [cached, ship) and the tail [ship, ship + tail) (the partial block
@@ -104,7 +239,6 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
     uint64_t *keys = malloc(sizeof(uint64_t) * (ship / bt + 1));
     kvb_slab_pending **pend = calloc(nb + 1, sizeof *pend); /* (blocks, then the tail) */
     kvb_err err = {0};
-    uint32_t slabs = 0;
     double t0 = kvb_now_s(), t_end = 0; /* the transfer's end (before the pipelined tail's last layers) */
     if (!keys || !pend) {
         snprintf(o->fault, sizeof o->fault, "out of memory");
@@ -138,83 +272,78 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
     kvb_msg_prefill p = {.request_id = rid, .bridge_mode = n->hello.bridge_mode, .n_tokens = n_tok,
                          .cached_tokens = cached, .ship_tokens = ship + tail,
                          .last_cached_key = b0 ? keys[b0 - 1] : root, .tokens = (int32_t *)toks};
-    if (kvb_conn_send_prefill(n->conn, &p, n->cfg.peer_timeout_ms, &err)) {
+    if (kvb_conn_send_prefill(n->lanes[0], &p, n->cfg.peer_timeout_ms, &err)) {
         snprintf(o->fault, sizeof o->fault, "peer lost: %.130s", err.msg);
         o->fault_kind = "peer_lost";
         drop_peer(n);
         goto done;
     }
-    /* a receiving thread reads ahead while this one verifies and commits */
-    kvb_recv_pipe *pipe = NULL;
-    if (kvb_recv_pipe_start(n->conn, rid, n->cfg.peer_timeout_ms, &pipe, &err)) {
-        snprintf(o->fault, sizeof o->fault, "%.150s", err.msg);
-        o->fault_kind = "internal";
-        drop_peer(n); /* the PREFILL went out: its stream would arrive unread */
-        goto done;
+    lane_rx lanes[KVB_MAX_LANES];
+    memset(lanes, 0, sizeof lanes);
+    bridge_rx rx = {.store = n->store, .pend = pend, .bt = bt, .b0 = b0, .nb = nb, .tail = tail, .rid = rid,
+                    .lanes = lanes, .n_lanes = n->n_lanes};
+    pthread_mutex_init(&rx.mu, NULL);
+    /* per lane, a receiving thread reads ahead while a committing thread verifies and commits */
+    for (uint32_t l = 0; l < n->n_lanes; l++) {
+        lanes[l].rx = &rx;
+        if (kvb_recv_pipe_start(n->lanes[l], rid, n->cfg.peer_timeout_ms, &lanes[l].pipe, &err)) {
+            rx_fault(&rx, "internal", true, "%.150s", err.msg); /* the PREFILL went out: its stream would arrive unread */
+            break;
+        }
     }
-    if (pipelined_tail_on(n)) {
+    if (!rx.fault_kind && pipelined_tail_on(n)) {
         kvb_err terr = {0}; /* without it the last token runs after the transfer, as before */
         if (kvb_tail_pipe_start(n->e, toks, n_tok, cached, pend, nb + (tail ? 1 : 0), tail != 0, logits, &tp, &terr))
             kvb_log(KVB_LOG_WARN, "decode node: no pipelined tail for this request: %s", terr.msg);
     }
-    bool drop = false;
-    for (;; kvb_recv_pipe_release(pipe)) {
-        kvb_msg m;
-        if (kvb_recv_pipe_next(pipe, &m, &err)) {
-            bool timeout = strstr(err.msg, "timed out") != NULL;
-            snprintf(o->fault, sizeof o->fault, "%s: %.120s", timeout ? "peer stalled" : "peer lost", err.msg);
-            o->fault_kind = timeout ? "timeout" : "peer_lost";
-            drop = true;
-            break;
-        }
-        if (m.request_id != rid && m.type != KVB_FRAME_PONG) continue; /* a late frame of an abandoned request */
-        if (m.type == KVB_FRAME_SLAB) {
-            const kvb_msg_slab *s = &m.u.slab;
-            uint32_t g = s->pos0 / bt;
-            kvb_status st = KVB_OK;
-            if (g < b0 || g > b0 + nb || (g == b0 + nb && !tail))
-                st = kvb_err_set(&err, KVB_ERR_FORMAT, "slab for position %u outside the requested range", s->pos0);
-            else
-                st = kvb_store_slab_put(pend[g - b0], s->layer, s->pos0 % bt, s->n, s->k, s->k_bytes, s->v, s->v_bytes,
-                                        s->checksum, NULL, &err);
-            if (st) {
-                snprintf(o->fault, sizeof o->fault, "corrupt slab rejected: %.120s", err.msg);
-                o->fault_kind = "corrupt_slab";
-                kvb_conn_send_cancel(n->conn, rid, 1000, NULL);
-                drop = true; /* its stream can no longer be trusted */
-                break;
-            }
-            slabs++;
-            o->bytes += s->k_bytes + s->v_bytes;
-            kvb_tail_pipe_slab(tp, g - b0, s->layer);
-        } else if (m.type == KVB_FRAME_DONE) {
-            const kvb_msg_done *d = &m.u.done;
-            uint64_t digest = kvb_wire_chain_digest(keys + b0, nb);
-            uint32_t missing = 0;
-            for (uint32_t b = 0; b < nb; b++) missing += !kvb_store_slab_committed(pend[b]);
-            missing += tail && kvb_store_slab_missing(pend[nb]) != 0;
-            o->prefill_s = d->prefill_seconds;
-            if (d->tokens_covered != ship + tail || d->blocks != nb || d->slabs != slabs || d->chain_digest != digest ||
-                missing) {
-                snprintf(o->fault, sizeof o->fault,
-                         "DONE does not match what arrived (tokens %u/%u, blocks %u/%u, slabs %u/%u, %u blocks missing)",
-                         d->tokens_covered, ship + tail, d->blocks, nb, d->slabs, slabs, missing);
-                o->fault_kind = "done_mismatch";
-            } else if (tail) {
-                o->tail_page = kvb_store_slab_take_tail(pend[nb]);
-            }
-            break;
-        } else if (m.type == KVB_FRAME_ERROR) {
-            snprintf(o->fault, sizeof o->fault, "peer refused: %.130s", m.u.error.msg);
-            o->fault_kind = "peer_error";
-            break;
+    rx.tp = tp;
+    for (uint32_t l = 0; !rx.fault_kind && l < n->n_lanes; l++) {
+        lanes[l].started = pthread_create(&lanes[l].thread, NULL, lane_main, &lanes[l]) == 0;
+        if (!lanes[l].started) rx_fault(&rx, "internal", true, "%s", "could not start a receiving thread");
+    }
+    for (uint32_t l = 0; l < n->n_lanes; l++)
+        if (lanes[l].started) pthread_join(lanes[l].thread, NULL);
+    t_end = kvb_now_s();
+    uint32_t slabs = 0;
+    for (uint32_t l = 0; l < n->n_lanes; l++) {
+        slabs += lanes[l].slabs;
+        o->bytes += lanes[l].bytes;
+    }
+    if (rx.fault_kind) {
+        snprintf(o->fault, sizeof o->fault, "%s", rx.fault);
+        o->fault_kind = rx.fault_kind;
+    } else { /* every lane ended with its DONE: they agree, each counts its own slabs */
+        const kvb_msg_done *d = &lanes[0].done;
+        uint64_t digest = kvb_wire_chain_digest(keys + b0, nb);
+        uint32_t missing = 0, lane_off = 0;
+        for (uint32_t b = 0; b < nb; b++) missing += !kvb_store_slab_committed(pend[b]);
+        missing += tail && kvb_store_slab_missing(pend[nb]) != 0;
+        for (uint32_t l = 0; l < n->n_lanes; l++)
+            lane_off += lanes[l].done.slabs != lanes[l].slabs || lanes[l].done.tokens_covered != d->tokens_covered ||
+                        lanes[l].done.blocks != d->blocks || lanes[l].done.chain_digest != d->chain_digest;
+        o->prefill_s = d->prefill_seconds;
+        if (d->tokens_covered != ship + tail || d->blocks != nb || d->chain_digest != digest || lane_off || missing) {
+            snprintf(o->fault, sizeof o->fault,
+                     "DONE does not match what arrived (tokens %u/%u, blocks %u/%u, %u slabs, %u of %u lanes "
+                     "disagree, %u blocks missing)",
+                     d->tokens_covered, ship + tail, d->blocks, nb, slabs, lane_off, n->n_lanes, missing);
+            o->fault_kind = "done_mismatch";
+        } else if (tail) {
+            o->tail_page = kvb_store_slab_take_tail(pend[nb]);
         }
     }
-    t_end = kvb_now_s();
     o->last_ready = kvb_tail_pipe_finish(tp, o->fault_kind != NULL, o->tail_page, &o->last_page, &o->tail_wait_s);
-    kvb_recv_pipe_waits(pipe, &n->last_reader_wait_s, &n->last_consumer_wait_s);
-    kvb_recv_pipe_stop(pipe);
-    if (drop) drop_peer(n);
+    n->last_reader_wait_s = n->last_consumer_wait_s = 0;
+    for (uint32_t l = 0; l < n->n_lanes; l++) {
+        double r = 0, c = 0;
+        if (lanes[l].pipe) kvb_recv_pipe_waits(lanes[l].pipe, &r, &c);
+        n->last_reader_wait_s += r / n->n_lanes; /* per lane, on average */
+        n->last_consumer_wait_s += c / n->n_lanes;
+    }
+    if (rx.fault_kind && !strcmp(rx.fault_kind, "corrupt_slab")) kvb_conn_send_cancel(n->lanes[0], rid, 1000, NULL);
+    for (uint32_t l = 0; l < n->n_lanes; l++) kvb_recv_pipe_stop(lanes[l].pipe);
+    pthread_mutex_destroy(&rx.mu);
+    if (rx.drop) drop_peer(n);
 done:
     o->transfer_s = (t_end > 0 ? t_end : kvb_now_s()) - t0;
     if (pend)
@@ -504,6 +633,13 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
     if (!c->bridge_min_tokens) c->bridge_min_tokens = 2 * c->block_tokens;
     if (!c->default_max_tokens) c->default_max_tokens = 256;
     if (!c->peer_timeout_ms) c->peer_timeout_ms = 10000;
+    if (!c->lanes) c->lanes = KVB_DEFAULT_LANES;
+    if (c->lanes > KVB_MAX_LANES) {
+        st = kvb_err_set(err, KVB_ERR_INVALID, "--lanes %u: at most %d connections to the prefill node", c->lanes,
+                         KVB_MAX_LANES);
+        goto fail;
+    }
+    n->n_lanes = c->lanes;
     n->peer = cfg->peer ? strdup(cfg->peer) : NULL;
     const char *base = strrchr(cfg->model_path, '/');
     n->model_id = strdup(cfg->model_id ? cfg->model_id : base ? base + 1 : cfg->model_path);
@@ -582,7 +718,7 @@ void kvb_decode_node_last_receive_waits(kvb_decode_node *n, double *reader_s, do
 void kvb_decode_node_stop(kvb_decode_node *n) {
     if (!n) return;
     kvb_http_server_stop(n->http);
-    kvb_conn_close(n->conn);
+    for (uint32_t l = 0; l < KVB_MAX_LANES; l++) kvb_conn_close(n->lanes[l]);
     kvb_engine_free(n->e);
     kvb_tokenizer_free(n->tok);
     kvb_model_free(n->m);

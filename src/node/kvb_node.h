@@ -68,6 +68,9 @@ void kvb_prefill_node_stop(kvb_prefill_node *n);
 
 /* ---- decode node ------------------------------------------------------------------------------ */
 
+#define KVB_MAX_LANES 8
+#define KVB_DEFAULT_LANES 4
+
 typedef struct {
     const char *http_listen;   /* "HOST:PORT" for the OpenAI API (port 0 = ephemeral) */
     const char *peer;          /* prefill node "HOST:PORT", or NULL: always native */
@@ -83,6 +86,8 @@ typedef struct {
     uint32_t bridge_min_tokens;/* bridge only when at least this many uncached tokens (default 2 blocks) */
     uint32_t default_max_tokens; /* when a request names none (default 256) */
     int peer_timeout_ms;       /* per frame while bridging (default 10000) */
+    uint32_t lanes;            /* connections to the peer a bridged request's slabs are striped over
+                                  (1..KVB_MAX_LANES; 0 = KVB_DEFAULT_LANES) */
     bool prefill_mode;         /* ask for bridge mode `prefill` (the prefill node must run it too) */
     bool tail_after_transfer;  /* run the last prompt token after the transfer, not pipelined with
                                   it (also KVB_DECODE_PIPELINED_TAIL=0); bench ladder

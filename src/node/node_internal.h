@@ -17,11 +17,13 @@ typedef struct {
     size_t slot_bytes;
     uint8_t *buf;    /* (n_slots, slot_bytes): K then V of one slab */
     kvb_slab *meta;  /* (n_slots) */
-    uint32_t head, tail, count, peak;
+    bool *sent;      /* (n_slots) taken and sent, not yet freed (an older slot is still in flight) */
+    uint32_t head, tail, count, peak; /* count: filled slots not yet freed, oldest at head */
+    uint32_t next_take, untaken;      /* the oldest filled slot no sender took yet; how many */
     bool closed, failed, inited;
     double full_s, empty_s; /* since the last reset: the producer blocked on a full ring (the link or
-                               the decoder is the slower stage), the sender on an empty one (the
-                               producer is) */
+                               the decoder is the slower stage), the senders on an empty one (the
+                               producer is; summed over the senders) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
 } kvb_ring;
@@ -31,9 +33,19 @@ void kvb_ring_destroy(kvb_ring *r);
 void kvb_ring_reset(kvb_ring *r);
 /* Copies the slab into the next free slot; blocks while the ring is full; fails once failed. */
 kvb_status kvb_ring_push(kvb_ring *r, const kvb_slab *s, kvb_err *err);
-/* Waits for the oldest filled slot (true), or returns false once closed and drained, or failed. */
-bool kvb_ring_peek(kvb_ring *r, kvb_slab *out);
-void kvb_ring_pop(kvb_ring *r);
+/* As push, but without the copy: the slot holds the slab's own K and V pointers, so the caller
+ * keeps those bytes unchanged until kvb_ring_wait_sent returns (the CUDA bridge's pinned rows are
+ * sent straight from its slot). */
+kvb_status kvb_ring_push_view(kvb_ring *r, const kvb_slab *s, kvb_err *err);
+/* Waits until every slab pushed so far was sent (the time counts as the ring standing full); fails
+ * once failed. */
+kvb_status kvb_ring_wait_sent(kvb_ring *r, kvb_err *err);
+/* Takes the oldest filled slot no sender has taken (waits for one): true with its slot index and
+ * slab (views into the slot, valid until kvb_ring_done); false once closed and every slot taken,
+ * or failed. Several senders may take at once. */
+bool kvb_ring_take(kvb_ring *r, uint32_t *slot, kvb_slab *out);
+/* The taken slot was sent: it is free again once every older slot is too. */
+void kvb_ring_done(kvb_ring *r, uint32_t slot);
 void kvb_ring_close(kvb_ring *r); /* producer done */
 void kvb_ring_fail(kvb_ring *r);  /* consumer gave up: producer's pushes fail */
 
@@ -48,6 +60,10 @@ void kvb_recv_pipe_release(kvb_recv_pipe *p);
 /* Ends the thread (shutting the connection down if it is still receiving this request's stream:
  * that stream can no longer be trusted) and frees everything. NULL is a no-op. */
 void kvb_recv_pipe_stop(kvb_recv_pipe *p);
+/* The first half of stop, safe from any thread while another consumes: the reader ends (shutting
+ * the connection down if it is still receiving), and next returns what is buffered, then fails.
+ * NULL is a no-op. */
+void kvb_recv_pipe_abort(kvb_recv_pipe *p);
 /* Seconds the reader waited for a free buffer (the verifying thread is the slower stage) and the
  * verifying thread waited for a frame (the link or the sender is). Call before stop. */
 void kvb_recv_pipe_waits(kvb_recv_pipe *p, double *reader_s, double *consumer_s);
@@ -62,7 +78,7 @@ typedef struct kvb_tail_pipe kvb_tail_pipe;
 kvb_status kvb_tail_pipe_start(kvb_engine *e, const int32_t *toks, uint32_t n_tok, uint32_t cached,
                                kvb_slab_pending *const *pend, uint32_t n_pend, bool has_tail, float *logits,
                                kvb_tail_pipe **out, kvb_err *err);
-/* After an accepted slab of pend[i], layer `layer` (on the thread that puts the slabs). NULL: no-op. */
+/* After an accepted slab of pend[i], layer `layer`, on any thread that puts slabs. NULL: no-op. */
 void kvb_tail_pipe_slab(kvb_tail_pipe *t, uint32_t i, uint32_t layer);
 /* Ends it (abort: the bridge stopped short; a waiting forward gives up, as it does when any layer
  * never arrived everywhere, so finish never waits for what cannot come) and frees it; call before

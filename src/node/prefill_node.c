@@ -1,6 +1,8 @@
 /* node/prefill_node.c — the prefill role: accepts authenticated decode nodes, and for each
  * PREFILL computes what the decoder lacks on its engine with the bridge hooked after every
- * (chunk, layer), streaming slabs through the staging ring to a sender thread, then DONE. Its own
+ * (chunk, layer), streaming slabs through the staging ring to one sender thread per lane (the
+ * connections a decode node grouped with LANE frames; a connection without one is its own group),
+ * then DONE on every lane. Its own
  * store is its prefix cache: a conversation's next turn recomputes only from the decoder's cached
  * prefix (capped by what this node's cache holds), never less than what it must ship. */
 #include <stdatomic.h>
@@ -19,7 +21,7 @@
 #include "kvb_transport.h"
 #include "node_internal.h"
 
-#define MAX_CONNS 16
+#define MAX_CONNS 64 /* connections: a decode node holds one per lane */
 
 struct kvb_prefill_node {
     kvb_prefill_config cfg;
@@ -44,6 +46,9 @@ struct kvb_prefill_node {
     kvb_conn *conns[MAX_CONNS];
     pthread_t conn_threads[MAX_CONNS];
     bool conn_used[MAX_CONNS];
+    pthread_mutex_t lanes_mu;     /* the lane fields (a LANE frame may arrive while a request runs) */
+    kvb_msg_lane lane[MAX_CONNS]; /* each connection's lane (group 0: it sent none) */
+    atomic_uint slab_seq;         /* slabs sent for the request in flight, over all lanes (faults) */
     kvb_ring ring;
     uint64_t peak_capture;
     double last_ring_full_s, last_ring_empty_s; /* the last request's staging stages */
@@ -55,21 +60,32 @@ typedef struct {
     kvb_prefill_node *n;
     kvb_conn *c;
     uint64_t request_id;
-    uint32_t slabs_sent;
+    uint32_t slabs_sent; /* on this lane */
     kvb_err err;
-    bool failed;
+    bool failed, started;
+    pthread_t thread;
 } sender_ctx;
 
+/* The CPU engine's rows live in buffers it reuses at once: copied into the ring. */
 static kvb_status sink_to_ring(void *ctx, const kvb_slab *s, kvb_err *err) {
     return kvb_ring_push(&((kvb_prefill_node *)ctx)->ring, s, err);
+}
+
+/* Rows that stay put until the call that cut them returns (the CUDA bridge's pinned slot, the
+ * bench's filler): sent from where they lie; that call ends with kvb_ring_wait_sent. */
+static kvb_status sink_view_to_ring(void *ctx, const kvb_slab *s, kvb_err *err) {
+    return kvb_ring_push_view(&((kvb_prefill_node *)ctx)->ring, s, err);
 }
 
 static void *sender_main(void *arg) {
     sender_ctx *sc = arg;
     kvb_prefill_node *n = sc->n;
     kvb_slab s;
-    while (kvb_ring_peek(&n->ring, &s)) {
-        uint32_t idx = ++sc->slabs_sent;
+    uint32_t slot;
+    while (kvb_ring_take(&n->ring, &slot, &s)) {
+        sc->slabs_sent++;
+        const uint32_t idx = atomic_fetch_add(&n->slab_seq, 1) + 1; /* over all lanes */
+        s.checksum = kvb_slab_checksum(s.k, s.k_bytes, s.v, s.v_bytes); /* here: one thread per lane */
         if (n->fault_kind && idx == n->fault_at) {
             if (n->fault_kind == 1) ((uint8_t *)s.k)[s.k_bytes / 2] ^= 0x40; /* after its checksum */
             if (n->fault_kind == 2) {
@@ -88,7 +104,7 @@ static void *sender_main(void *arg) {
             kvb_ring_fail(&n->ring);
             break;
         }
-        kvb_ring_pop(&n->ring);
+        kvb_ring_done(&n->ring, slot);
     }
     return NULL;
 }
@@ -104,8 +120,10 @@ static kvb_status ship_filler_rows(kvb_prefill_node *n, kvb_err *err) {
         for (size_t i = 0; i < chunk * tok_bytes; i++) k[i] = (uint8_t)(i * 7), v[i] = (uint8_t)(i * 13);
     for (uint32_t p = n->ship_from; !st && p < n->ship_to; p += chunk) {
         const uint32_t cnt = n->ship_to - p < chunk ? n->ship_to - p : chunk;
-        for (uint32_t l = 0; !st && l < n->m->d.n_layer; l++)
+        for (uint32_t l = 0; !st && l < n->m->d.n_layer; l++) {
             st = kvb_bridge_cpu_rows(n->br, l, p, cnt, k, v, n->fmt.dtype, err);
+            if (!st) st = kvb_ring_wait_sent(&n->ring, err); /* the views point into k and v */
+        }
     }
     free(k);
     free(v);
@@ -127,11 +145,13 @@ static kvb_status cuda_layer_hook(void *ctx, uint32_t layer, uint32_t pos0, uint
                                    err);
 }
 
-/* The CUDA bridge's rows, one layer late, cut into slabs for the ring. */
+/* The CUDA bridge's rows, one layer late, cut into slabs sent straight from its pinned slot: the
+ * slot is handed back once they are all sent. */
 static kvb_status cuda_ship_rows(void *ctx, uint32_t layer, uint32_t pos0, uint32_t cnt, const uint8_t *k,
                                  const uint8_t *v, kvb_err *err) {
     kvb_prefill_node *n = ctx;
-    return kvb_bridge_cpu_rows(n->br, layer, pos0, cnt, k, v, n->fmt.dtype, err);
+    kvb_status st = kvb_bridge_cpu_rows(n->br, layer, pos0, cnt, k, v, n->fmt.dtype, err);
+    return st ? st : kvb_ring_wait_sent(&n->ring, err);
 }
 
 /* Prefills tokens[0 .. p->ship_tokens) on the GPU, adopting this node's cached prefix up to the
@@ -150,27 +170,66 @@ static kvb_status prefill_on_cuda(kvb_prefill_node *n, const kvb_msg_prefill *p,
 }
 #endif
 
-static void serve_prefill(kvb_prefill_node *n, kvb_conn *c, kvb_msg_prefill *p) {
+/* The lanes a PREFILL on connection `slot` is answered over: that connection, and when it is lane 0
+ * of a group, the group's other lanes in order (out: (lanes) connections). 0 with a message when
+ * the group is incomplete. Caller holds n->mu (no connection is reaped meanwhile). */
+static uint32_t gather_lanes(kvb_prefill_node *n, int slot, kvb_conn **out, char *why, size_t why_cap) {
+    out[0] = n->conns[slot];
+    pthread_mutex_lock(&n->lanes_mu);
+    const kvb_msg_lane me = n->lane[slot];
+    uint32_t lanes = me.group && me.lane == 0 ? me.lanes : 1;
+    for (uint32_t l = 1; l < lanes; l++) {
+        out[l] = NULL;
+        for (int i = 0; i < MAX_CONNS && !out[l]; i++)
+            if (n->conn_used[i] && i != slot && n->lane[i].group == me.group && n->lane[i].lane == l &&
+                n->lane[i].lanes == lanes && kvb_conn_usable(n->conns[i]))
+                out[l] = n->conns[i];
+        if (!out[l]) {
+            snprintf(why, why_cap, "lane %u of the %u this connection's group has is not connected", l, lanes);
+            lanes = 0;
+        }
+    }
+    pthread_mutex_unlock(&n->lanes_mu);
+    return lanes;
+}
+
+static void send_error_all(kvb_conn *const *lanes, uint32_t n_lanes, uint64_t request_id, uint32_t code,
+                           const char *msg) {
+    for (uint32_t l = 0; l < n_lanes; l++) kvb_conn_send_error(lanes[l], request_id, code, msg, 10000, NULL);
+}
+
+/* Serves one PREFILL that arrived on connection `slot`, over its lanes, one request at a time. */
+static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
     kvb_err err = {0};
     const uint32_t bt = n->fmt.block_tokens;
+    kvb_conn *lanes[KVB_WIRE_MAX_LANES];
+    char why[160];
+    double t0 = kvb_now_s();
+    pthread_mutex_lock(&n->mu);
+    const uint32_t n_lanes = gather_lanes(n, slot, lanes, why, sizeof why);
+    if (!n_lanes) {
+        kvb_conn_send_error(n->conns[slot], p->request_id, KVB_WIRE_ERR_REQUEST, why, 10000, NULL);
+        pthread_mutex_unlock(&n->mu);
+        return;
+    }
     if (p->bridge_mode != n->hello.bridge_mode) {
-        kvb_conn_send_error(c, p->request_id, KVB_WIRE_ERR_MODE, "this prefill node runs another bridge mode", 10000,
-                            NULL);
+        send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_MODE, "this prefill node runs another bridge mode");
+        pthread_mutex_unlock(&n->mu);
         return;
     }
     if (kvb_msg_prefill_check(p, &n->fmt, &err) || p->n_tokens > n->cfg.max_ctx) {
         if (!err.msg[0]) snprintf(err.msg, sizeof err.msg, "prompt of %u tokens exceeds this node's limit of %u",
                                   p->n_tokens, n->cfg.max_ctx);
-        kvb_conn_send_error(c, p->request_id, KVB_WIRE_ERR_REQUEST, err.msg, 10000, NULL);
+        send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST, err.msg);
+        pthread_mutex_unlock(&n->mu);
         return;
     }
     for (uint32_t i = 0; i < p->n_tokens; i++)
         if ((uint32_t)p->tokens[i] >= n->m->d.n_vocab) {
-            kvb_conn_send_error(c, p->request_id, KVB_WIRE_ERR_REQUEST, "token id outside the vocabulary", 10000, NULL);
+            send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST, "token id outside the vocabulary");
+            pthread_mutex_unlock(&n->mu);
             return;
         }
-    double t0 = kvb_now_s();
-    pthread_mutex_lock(&n->mu);
     kvb_seq *s = NULL;
     uint32_t adopted = 0;
     kvb_status st = KVB_OK;
@@ -184,13 +243,17 @@ static void serve_prefill(kvb_prefill_node *n, kvb_conn *c, kvb_msg_prefill *p) 
     n->ship_to = p->ship_tokens;
     n->local_from = kvb_kvformat_local_keep_from(&n->fmt, p->ship_tokens);
     kvb_ring_reset(&n->ring);
-    sender_ctx sc = {.n = n, .c = c, .request_id = p->request_id};
-    pthread_t sender;
-    bool sender_started = false;
+    atomic_store(&n->slab_seq, 0);
+    sender_ctx sc[KVB_WIRE_MAX_LANES];
+    memset(sc, 0, sizeof sc);
     if (!st) {
-        kvb_bridge_cpu_begin(n->br, p->cached_tokens, p->ship_tokens, sink_to_ring, n);
-        sender_started = pthread_create(&sender, NULL, sender_main, &sc) == 0;
-        if (!sender_started) st = kvb_err_set(&err, KVB_ERR_INTERNAL, "could not start the sender thread");
+        const bool views = n->cfg.bench_filler_rows || !n->e; /* rows that stay put: filler, pinned slots */
+        kvb_bridge_cpu_begin(n->br, p->cached_tokens, p->ship_tokens, views ? sink_view_to_ring : sink_to_ring, n);
+        for (uint32_t l = 0; !st && l < n_lanes; l++) {
+            sc[l] = (sender_ctx){.n = n, .c = lanes[l], .request_id = p->request_id};
+            sc[l].started = pthread_create(&sc[l].thread, NULL, sender_main, &sc[l]) == 0;
+            if (!sc[l].started) st = kvb_err_set(&err, KVB_ERR_INTERNAL, "could not start a sender thread");
+        }
     }
     if (!st && n->cfg.bench_filler_rows)
         st = ship_filler_rows(n, &err);
@@ -200,20 +263,29 @@ static void serve_prefill(kvb_prefill_node *n, kvb_conn *c, kvb_msg_prefill *p) 
     if (!st && n->ce && !n->cfg.bench_filler_rows) st = prefill_on_cuda(n, p, &err);
 #endif
     kvb_ring_close(&n->ring);
-    if (sender_started) pthread_join(sender, NULL);
+    if (st) kvb_ring_fail(&n->ring); /* what was staged is not sent: the request failed */
+    bool link_failed = false;
+    for (uint32_t l = 0; l < n_lanes; l++) {
+        if (sc[l].started) pthread_join(sc[l].thread, NULL);
+        if (sc[l].failed && !link_failed) {
+            link_failed = true;
+            kvb_log(KVB_LOG_WARN, "prefill: request %llu: link failed on lane %u: %s",
+                    (unsigned long long)p->request_id, l, sc[l].err.msg);
+        }
+    }
     if (n->ring.peak * n->ring.slot_bytes > n->peak_capture) n->peak_capture = n->ring.peak * n->ring.slot_bytes;
     n->last_ring_full_s = n->ring.full_s;
-    n->last_ring_empty_s = n->ring.empty_s;
+    n->last_ring_empty_s = n->ring.empty_s / n_lanes;
     kvb_seq_free(s);
-    pthread_mutex_unlock(&n->mu);
 
-    if (sc.failed) {
-        kvb_log(KVB_LOG_WARN, "prefill: request %llu: link failed: %s", (unsigned long long)p->request_id, sc.err.msg);
-        return; /* the connection is unusable; the decoder keeps what it committed */
+    if (link_failed) { /* the connection is unusable; the decoder keeps what it committed */
+        pthread_mutex_unlock(&n->mu);
+        return;
     }
     if (st) {
         kvb_log(KVB_LOG_WARN, "prefill: request %llu failed: %s", (unsigned long long)p->request_id, err.msg);
-        kvb_conn_send_error(c, p->request_id, KVB_WIRE_ERR_REQUEST, err.msg, 10000, NULL);
+        send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST, err.msg);
+        pthread_mutex_unlock(&n->mu);
         return;
     }
     uint32_t nb = (p->ship_tokens - p->cached_tokens) / bt;
@@ -225,12 +297,15 @@ static void serve_prefill(kvb_prefill_node *n, kvb_conn *c, kvb_msg_prefill *p) 
     }
     kvb_msg_done d = {.tokens_covered = p->ship_tokens,
                       .blocks = nb,
-                      .slabs = sc.slabs_sent,
                       .chain_digest = keys ? kvb_wire_chain_digest(keys, nb) : 0,
                       .prefill_seconds = kvb_now_s() - t0};
     free(keys);
-    if (kvb_conn_send_done(c, p->request_id, &d, 10000, &err))
-        kvb_log(KVB_LOG_WARN, "prefill: sending DONE failed: %s", err.msg);
+    for (uint32_t l = 0; l < n_lanes; l++) { /* each lane's DONE counts that lane's slabs */
+        d.slabs = sc[l].slabs_sent;
+        if (kvb_conn_send_done(lanes[l], p->request_id, &d, 10000, &err))
+            kvb_log(KVB_LOG_WARN, "prefill: sending DONE on lane %u failed: %s", l, err.msg);
+    }
+    pthread_mutex_unlock(&n->mu);
 }
 
 typedef struct {
@@ -241,7 +316,8 @@ typedef struct {
 static void *conn_main(void *arg) {
     conn_arg *ca = arg;
     kvb_prefill_node *n = ca->n;
-    kvb_conn *c = n->conns[ca->slot];
+    const int slot = ca->slot;
+    kvb_conn *c = n->conns[slot];
     free(ca);
     while (!n->stop && kvb_conn_usable(c)) {
         kvb_msg m;
@@ -250,8 +326,12 @@ static void *conn_main(void *arg) {
             if (!n->stop) kvb_log(KVB_LOG_INFO, "prefill: connection from %s ended: %s", kvb_conn_peer_addr(c), err.msg);
             break;
         }
-        if (m.type == KVB_FRAME_PREFILL) serve_prefill(n, c, &m.u.prefill);
-        else if (m.type == KVB_FRAME_PING) kvb_conn_send_pong(c, m.u.ping.token, 10000, NULL);
+        if (m.type == KVB_FRAME_PREFILL) serve_prefill(n, slot, &m.u.prefill);
+        else if (m.type == KVB_FRAME_LANE) {
+            pthread_mutex_lock(&n->lanes_mu);
+            n->lane[slot] = m.u.lane;
+            pthread_mutex_unlock(&n->lanes_mu);
+        } else if (m.type == KVB_FRAME_PING) kvb_conn_send_pong(c, m.u.ping.token, 10000, NULL);
         else if (m.type == KVB_FRAME_ERROR) kvb_log(KVB_LOG_WARN, "prefill: peer error: %s", m.u.error.msg);
         kvb_msg_free(&m);
     }
@@ -289,6 +369,9 @@ static void *accept_main(void *arg) {
         }
         *ca = (conn_arg){n, slot};
         n->conns[slot] = c;
+        pthread_mutex_lock(&n->lanes_mu);
+        n->lane[slot] = (kvb_msg_lane){0}; /* a group of one until it says otherwise */
+        pthread_mutex_unlock(&n->lanes_mu);
         n->conn_used[slot] = pthread_create(&n->conn_threads[slot], NULL, conn_main, ca) == 0;
         if (!n->conn_used[slot]) {
             free(ca);
@@ -323,6 +406,7 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
     if (n->cfg.chunk_tokens > n->cfg.max_ctx) n->cfg.chunk_tokens = n->cfg.max_ctx;
     if (!n->cfg.ring_slots) n->cfg.ring_slots = 16;
     pthread_mutex_init(&n->mu, NULL);
+    pthread_mutex_init(&n->lanes_mu, NULL);
     kvb_status st = parse_fault(n, cfg->fault, err);
     if (!st && (!cfg->psk || strlen(cfg->psk) < KVB_WIRE_PSK_MIN))
         st = kvb_err_set(err, KVB_ERR_INVALID, "a pre-shared key of at least %d bytes is required (--psk)",
@@ -343,6 +427,7 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
                               .n_blocks = 2 * ((n->cfg.max_ctx + bt - 1) / bt)};
         st = kvb_model_kvformat(&n->m->d, cfg->cache_dtype, bt, &n->fmt, err);
         if (!st) st = kvb_bridge_cpu_create(n->m, &n->fmt, NULL, n->cfg.chunk_tokens, &n->br, err);
+        if (!st) kvb_bridge_cpu_sink_checksums(n->br, true); /* the senders hash, one per lane */
         if (!st && cfg->cuda) {
 #ifdef KVB_HAVE_CUDA
             /* the GPU computes the prompt in bf16 (its own cache); the bridge kernel runs the
@@ -504,6 +589,7 @@ void kvb_prefill_node_stop(kvb_prefill_node *n) {
     kvb_bridge_cpu_free(n->br);
     kvb_model_free(n->m);
     pthread_mutex_destroy(&n->mu);
+    pthread_mutex_destroy(&n->lanes_mu);
     free(n->psk);
     free(n);
 }

@@ -120,7 +120,7 @@ void kvb_recv_pipe_waits(kvb_recv_pipe *p, double *reader_s, double *consumer_s)
     pthread_mutex_unlock(&p->mu);
 }
 
-void kvb_recv_pipe_stop(kvb_recv_pipe *p) {
+void kvb_recv_pipe_abort(kvb_recv_pipe *p) {
     if (!p) return;
     pthread_mutex_lock(&p->mu);
     const bool running = !p->reader_done;
@@ -128,6 +128,11 @@ void kvb_recv_pipe_stop(kvb_recv_pipe *p) {
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
     if (running) kvb_conn_shutdown(p->c); /* a reader blocked in receive wakes up and fails */
+}
+
+void kvb_recv_pipe_stop(kvb_recv_pipe *p) {
+    if (!p) return;
+    kvb_recv_pipe_abort(p);
     pthread_join(p->reader, NULL);
     while (p->count) kvb_recv_pipe_release(p);
     for (int i = 0; i < PIPE_SLOTS; i++) free(p->bufs[i].data);

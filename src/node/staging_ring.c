@@ -1,7 +1,8 @@
 /* node/staging_ring.c — the prefill node's bounded capture memory: a fixed ring of slab-sized
- * staging slots between the bridge (producer, on the engine's thread) and the sender thread.
- * A full ring blocks the producer (back-pressure from a slow link); memory never grows with the
- * prompt. */
+ * staging slots between the bridge (producer, on the engine's thread) and the sender threads, one
+ * per lane. Senders take filled slots in order and finish them in any order; a slot is free again
+ * once it and every older slot are sent. A full ring blocks the producer (back-pressure from a slow
+ * link); memory never grows with the prompt. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -13,7 +14,8 @@ kvb_status kvb_ring_init(kvb_ring *r, uint32_t slots, size_t slot_bytes, kvb_err
     r->slot_bytes = slot_bytes;
     r->buf = malloc((size_t)slots * slot_bytes);
     r->meta = calloc(slots, sizeof *r->meta);
-    if (!r->buf || !r->meta) {
+    r->sent = calloc(slots, sizeof *r->sent);
+    if (!r->buf || !r->meta || !r->sent) {
         kvb_ring_destroy(r);
         return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for %u staging slots of %zu bytes", slots, slot_bytes);
     }
@@ -30,21 +32,21 @@ void kvb_ring_destroy(kvb_ring *r) {
     }
     free(r->buf);
     free(r->meta);
+    free(r->sent);
     memset(r, 0, sizeof *r);
 }
 
 void kvb_ring_reset(kvb_ring *r) {
     pthread_mutex_lock(&r->mu);
-    r->head = r->tail = r->count = 0;
+    r->head = r->tail = r->count = r->next_take = r->untaken = 0;
+    memset(r->sent, 0, r->n_slots * sizeof *r->sent);
     r->closed = r->failed = false;
     r->full_s = r->empty_s = 0;
     pthread_mutex_unlock(&r->mu);
 }
 
-kvb_status kvb_ring_push(kvb_ring *r, const kvb_slab *s, kvb_err *err) {
-    if (s->k_bytes + s->v_bytes > r->slot_bytes)
-        return kvb_err_set(err, KVB_ERR_INTERNAL, "slab of %zu bytes exceeds a staging slot (%zu)",
-                           s->k_bytes + s->v_bytes, r->slot_bytes);
+/* Waits for a free slot (the ring full: back-pressure) and returns it, or fails once failed. */
+static kvb_status ring_claim(kvb_ring *r, uint32_t *slot, kvb_err *err) {
     pthread_mutex_lock(&r->mu);
     if (r->count == r->n_slots && !r->failed) {
         const double t0 = kvb_now_s();
@@ -55,8 +57,29 @@ kvb_status kvb_ring_push(kvb_ring *r, const kvb_slab *s, kvb_err *err) {
         pthread_mutex_unlock(&r->mu);
         return kvb_err_set(err, KVB_ERR_IO, "the link to the decode node failed; stopping this prefill");
     }
-    uint32_t slot = r->tail;
+    *slot = r->tail;
     pthread_mutex_unlock(&r->mu);
+    return KVB_OK;
+}
+
+/* The claimed slot (meta filled) is ready for the senders. */
+static void ring_publish(kvb_ring *r) {
+    pthread_mutex_lock(&r->mu);
+    r->tail = (r->tail + 1) % r->n_slots;
+    r->count++;
+    r->untaken++;
+    if (r->count > r->peak) r->peak = r->count;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+kvb_status kvb_ring_push(kvb_ring *r, const kvb_slab *s, kvb_err *err) {
+    if (s->k_bytes + s->v_bytes > r->slot_bytes)
+        return kvb_err_set(err, KVB_ERR_INTERNAL, "slab of %zu bytes exceeds a staging slot (%zu)",
+                           s->k_bytes + s->v_bytes, r->slot_bytes);
+    uint32_t slot = 0;
+    kvb_status st = ring_claim(r, &slot, err);
+    if (st) return st;
     /* the slot is ours until count says otherwise: copy without the lock */
     uint8_t *dst = r->buf + (size_t)slot * r->slot_bytes;
     memcpy(dst, s->k, s->k_bytes);
@@ -64,33 +87,60 @@ kvb_status kvb_ring_push(kvb_ring *r, const kvb_slab *s, kvb_err *err) {
     r->meta[slot] = *s;
     r->meta[slot].k = dst;
     r->meta[slot].v = dst + s->k_bytes;
-    pthread_mutex_lock(&r->mu);
-    r->tail = (r->tail + 1) % r->n_slots;
-    r->count++;
-    if (r->count > r->peak) r->peak = r->count;
-    pthread_cond_broadcast(&r->cv);
-    pthread_mutex_unlock(&r->mu);
+    ring_publish(r);
     return KVB_OK;
 }
 
-bool kvb_ring_peek(kvb_ring *r, kvb_slab *out) {
+kvb_status kvb_ring_push_view(kvb_ring *r, const kvb_slab *s, kvb_err *err) {
+    uint32_t slot = 0;
+    kvb_status st = ring_claim(r, &slot, err);
+    if (st) return st;
+    r->meta[slot] = *s; /* K and V stay where they are: the caller waits (kvb_ring_wait_sent) */
+    ring_publish(r);
+    return KVB_OK;
+}
+
+kvb_status kvb_ring_wait_sent(kvb_ring *r, kvb_err *err) {
     pthread_mutex_lock(&r->mu);
-    if (r->count == 0 && !r->closed && !r->failed) {
+    if (r->count && !r->failed) {
         const double t0 = kvb_now_s();
-        while (r->count == 0 && !r->closed && !r->failed) pthread_cond_wait(&r->cv, &r->mu);
+        while (r->count && !r->failed) pthread_cond_wait(&r->cv, &r->mu);
+        r->full_s += kvb_now_s() - t0;
+    }
+    const bool failed = r->failed;
+    pthread_mutex_unlock(&r->mu);
+    return failed ? kvb_err_set(err, KVB_ERR_IO, "the link to the decode node failed; stopping this prefill") : KVB_OK;
+}
+
+bool kvb_ring_take(kvb_ring *r, uint32_t *slot, kvb_slab *out) {
+    pthread_mutex_lock(&r->mu);
+    if (r->untaken == 0 && !r->closed && !r->failed) {
+        const double t0 = kvb_now_s();
+        while (r->untaken == 0 && !r->closed && !r->failed) pthread_cond_wait(&r->cv, &r->mu);
         r->empty_s += kvb_now_s() - t0;
     }
-    bool have = r->count > 0 && !r->failed;
-    if (have) *out = r->meta[r->head];
+    bool have = r->untaken > 0 && !r->failed;
+    if (have) {
+        *slot = r->next_take;
+        *out = r->meta[r->next_take];
+        r->next_take = (r->next_take + 1) % r->n_slots;
+        r->untaken--;
+    }
     pthread_mutex_unlock(&r->mu);
     return have;
 }
 
-void kvb_ring_pop(kvb_ring *r) {
+void kvb_ring_done(kvb_ring *r, uint32_t slot) {
     pthread_mutex_lock(&r->mu);
-    r->head = (r->head + 1) % r->n_slots;
-    r->count--;
-    pthread_cond_broadcast(&r->cv);
+    r->sent[slot] = true;
+    bool freed = false;
+    while (r->count > r->untaken && r->sent[r->head]) { /* the oldest taken slots that are sent */
+        r->sent[r->head] = false;
+        r->head = (r->head + 1) % r->n_slots;
+        r->count--;
+        freed = true;
+    }
+    if (freed) pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
 }
 

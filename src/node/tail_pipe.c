@@ -25,8 +25,8 @@ struct kvb_tail_pipe {
     kvb_block_id own_page;         /* the last token's page when there is no tail (ours), or NONE */
     int32_t last_token;
     float *logits;                 /* (n_vocab) the caller's */
-    uint8_t *counted;              /* (n_pend, n_layer) 1 once counted in ready */
     /* guarded by mu */
+    uint8_t *counted;              /* (n_pend, n_layer) 1 once counted in ready */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     uint32_t *ready;               /* (n_layer) pending blocks holding that layer */
@@ -62,13 +62,14 @@ static void *tail_main(void *arg) {
 }
 
 /* Counts pending i's layer when it is complete and not yet counted; wakes the gate when that
- * layer is now complete everywhere. Caller: the thread that puts the slabs. */
+ * layer is now complete everywhere. Callers: the threads that put the slabs (one per lane). */
 static void count_layer(kvb_tail_pipe *t, uint32_t i, uint32_t layer) {
-    uint8_t *c = t->counted + (size_t)i * t->n_layer + layer;
-    if (*c || kvb_store_slab_layer_missing(t->pend[i], layer)) return;
-    *c = 1;
     pthread_mutex_lock(&t->mu);
-    if (++t->ready[layer] == t->n_pend) pthread_cond_broadcast(&t->cv);
+    uint8_t *c = t->counted + (size_t)i * t->n_layer + layer;
+    if (!*c && !kvb_store_slab_layer_missing(t->pend[i], layer)) {
+        *c = 1;
+        if (++t->ready[layer] == t->n_pend) pthread_cond_broadcast(&t->cv);
+    }
     pthread_mutex_unlock(&t->mu);
 }
 

@@ -161,6 +161,7 @@ kvb_status kvb_msg_decode(const kvb_frame *f, kvb_msg *out, kvb_err *err) {
     case KVB_FRAME_ERROR: return kvb_msg_error_decode(p, n, &out->u.error, err);
     case KVB_FRAME_PING:
     case KVB_FRAME_PONG: return kvb_msg_ping_decode(p, n, &out->u.ping, err);
+    case KVB_FRAME_LANE: return kvb_msg_lane_decode(p, n, &out->u.lane, err);
     default:
         return kvb_err_set(err, KVB_ERR_FORMAT, "%s frame is not a message after the handshake",
                            kvb_frame_type_name(f->type));
@@ -238,57 +239,47 @@ kvb_status kvb_conn_send_slab(kvb_conn *c, uint64_t request_id, const kvb_msg_sl
     return wire_conn_send(c, KVB_FRAME_SLAB, request_id, iov, 3, deadline, err);
 }
 
+/* A small message already encoded into buf: the role check, then one frame. */
 static kvb_status send_small(kvb_conn *c, uint16_t type, uint64_t request_id, const uint8_t *buf, size_t len,
-                             double deadline, kvb_err *err) {
+                             int timeout_ms, kvb_err *err) {
+    double deadline;
+    kvb_status st = send_check(c, type, timeout_ms, &deadline, err);
+    if (st) return st;
     kvb_iov iov = {buf, len};
     return wire_conn_send(c, type, request_id, &iov, 1, deadline, err);
 }
 
 kvb_status kvb_conn_send_done(kvb_conn *c, uint64_t request_id, const kvb_msg_done *m, int timeout_ms, kvb_err *err) {
-    double deadline;
-    kvb_status st = send_check(c, KVB_FRAME_DONE, timeout_ms, &deadline, err);
-    if (st) return st;
     uint8_t buf[KVB_DONE_BYTES];
     size_t len;
-    st = kvb_msg_done_encode(m, buf, sizeof buf, &len, err);
-    if (st) return st;
-    return send_small(c, KVB_FRAME_DONE, request_id, buf, len, deadline, err);
+    kvb_status st = kvb_msg_done_encode(m, buf, sizeof buf, &len, err);
+    return st ? st : send_small(c, KVB_FRAME_DONE, request_id, buf, len, timeout_ms, err);
 }
 
 kvb_status kvb_conn_send_error(kvb_conn *c, uint64_t request_id, uint32_t code, const char *msg, int timeout_ms,
                                kvb_err *err) {
-    double deadline;
-    kvb_status st = send_check(c, KVB_FRAME_ERROR, timeout_ms, &deadline, err);
-    if (st) return st;
     kvb_msg_error m;
     kvb_msg_error_set(&m, code, msg);
     uint8_t buf[8 + KVB_WIRE_ERROR_MSG_MAX];
     size_t len;
-    st = kvb_msg_error_encode(&m, buf, sizeof buf, &len, err);
-    if (st) return st;
-    return send_small(c, KVB_FRAME_ERROR, request_id, buf, len, deadline, err);
+    kvb_status st = kvb_msg_error_encode(&m, buf, sizeof buf, &len, err);
+    return st ? st : send_small(c, KVB_FRAME_ERROR, request_id, buf, len, timeout_ms, err);
 }
 
 kvb_status kvb_conn_send_cancel(kvb_conn *c, uint64_t request_id, int timeout_ms, kvb_err *err) {
-    double deadline;
-    kvb_status st = send_check(c, KVB_FRAME_CANCEL, timeout_ms, &deadline, err);
-    if (st) return st;
     kvb_msg_cancel m = {request_id};
     uint8_t buf[8];
     size_t len;
     kvb_msg_cancel_encode(&m, buf, sizeof buf, &len, NULL);
-    return send_small(c, KVB_FRAME_CANCEL, request_id, buf, len, deadline, err);
+    return send_small(c, KVB_FRAME_CANCEL, request_id, buf, len, timeout_ms, err);
 }
 
 static kvb_status send_ping_pong(kvb_conn *c, uint16_t type, uint64_t token, int timeout_ms, kvb_err *err) {
-    double deadline;
-    kvb_status st = send_check(c, type, timeout_ms, &deadline, err);
-    if (st) return st;
     kvb_msg_ping m = {token};
     uint8_t buf[8];
     size_t len;
     kvb_msg_ping_encode(&m, buf, sizeof buf, &len, NULL);
-    return send_small(c, type, 0, buf, len, deadline, err);
+    return send_small(c, type, 0, buf, len, timeout_ms, err);
 }
 
 kvb_status kvb_conn_send_ping(kvb_conn *c, uint64_t token, int timeout_ms, kvb_err *err) {
@@ -297,6 +288,13 @@ kvb_status kvb_conn_send_ping(kvb_conn *c, uint64_t token, int timeout_ms, kvb_e
 
 kvb_status kvb_conn_send_pong(kvb_conn *c, uint64_t token, int timeout_ms, kvb_err *err) {
     return send_ping_pong(c, KVB_FRAME_PONG, token, timeout_ms, err);
+}
+
+kvb_status kvb_conn_send_lane(kvb_conn *c, const kvb_msg_lane *m, int timeout_ms, kvb_err *err) {
+    uint8_t buf[KVB_LANE_BYTES];
+    size_t len;
+    kvb_status st = kvb_msg_lane_encode(m, buf, sizeof buf, &len, err);
+    return st ? st : send_small(c, KVB_FRAME_LANE, 0, buf, len, timeout_ms, err);
 }
 
 /* ---- state ------------------------------------------------------------------------------------ */

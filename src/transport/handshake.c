@@ -228,7 +228,7 @@ static kvb_status refuse_with(kvb_conn *c, uint32_t code, kvb_status st, double 
 static kvb_status recv_handshake(kvb_conn *c, uint16_t want, double deadline, kvb_frame *f, kvb_err *err) {
     uint32_t allowed = BIT(KVB_FRAME_HELLO) | BIT(KVB_FRAME_AUTH) | BIT(KVB_FRAME_AUTH_OK) | BIT(KVB_FRAME_ERROR) |
                        BIT(KVB_FRAME_PREFILL) | BIT(KVB_FRAME_SLAB) | BIT(KVB_FRAME_DONE) | BIT(KVB_FRAME_CANCEL) |
-                       BIT(KVB_FRAME_PING) | BIT(KVB_FRAME_PONG);
+                       BIT(KVB_FRAME_PING) | BIT(KVB_FRAME_PONG) | BIT(KVB_FRAME_LANE);
     kvb_status st = wire_conn_recv(c, allowed, KVB_WIRE_HANDSHAKE_MAX_PAYLOAD, deadline, NULL, f, err);
     if (st) {
         /* A frame we could not accept (wrong version, corrupt, too large) is answered; a timeout or a
@@ -286,9 +286,9 @@ static void set_authenticated(kvb_conn *c, const kvb_transport_config *cfg) {
     uint32_t common = BIT(KVB_FRAME_ERROR) | BIT(KVB_FRAME_PING) | BIT(KVB_FRAME_PONG);
     if (c->mine.role == KVB_ROLE_DECODE) {
         c->recv_allowed = common | BIT(KVB_FRAME_SLAB) | BIT(KVB_FRAME_DONE);
-        c->send_allowed = common | BIT(KVB_FRAME_PREFILL) | BIT(KVB_FRAME_CANCEL);
+        c->send_allowed = common | BIT(KVB_FRAME_PREFILL) | BIT(KVB_FRAME_CANCEL) | BIT(KVB_FRAME_LANE);
     } else {
-        c->recv_allowed = common | BIT(KVB_FRAME_PREFILL) | BIT(KVB_FRAME_CANCEL);
+        c->recv_allowed = common | BIT(KVB_FRAME_PREFILL) | BIT(KVB_FRAME_CANCEL) | BIT(KVB_FRAME_LANE);
         c->send_allowed = common | BIT(KVB_FRAME_SLAB) | BIT(KVB_FRAME_DONE);
     }
     c->authenticated = true;

@@ -47,8 +47,10 @@
  * once the payload is in, payload_hash. */
 
 #define KVB_WIRE_MAGIC "KVB1"
-#define KVB_WIRE_VERSION 2 /* 2: PREFILL may ship a partial last block (the tail); a SLAB's frame hash
-                              covers its head, its K || V the slab checksum in that head */
+#define KVB_WIRE_VERSION 3 /* 2: PREFILL may ship a partial last block (the tail); a SLAB's frame hash
+                              covers its head, its K || V the slab checksum in that head.
+                              3: LANE groups several connections so one request's slabs are
+                              striped over all of them */
 #define KVB_WIRE_HEADER_BYTES 44
 #define KVB_WIRE_DEFAULT_MAX_PAYLOAD (64ull << 20) /* per frame, after the handshake */
 #define KVB_WIRE_MAX_PAYLOAD_LIMIT (1ull << 30)    /* the largest limit a caller may configure */
@@ -71,8 +73,9 @@ typedef enum {
     KVB_FRAME_CANCEL = 8,  /* decode -> prefill: stop a request */
     KVB_FRAME_PING = 9,    /* either way: health probe; the peer answers PONG with the same token */
     KVB_FRAME_PONG = 10,
+    KVB_FRAME_LANE = 11,   /* decode -> prefill: this connection is lane i of n of a lane group */
 } kvb_frame_type;
-#define KVB_FRAME_TYPE_MAX 10
+#define KVB_FRAME_TYPE_MAX 11
 
 const char *kvb_frame_type_name(uint32_t type); /* "SLAB"; "unknown" for other values */
 
@@ -303,6 +306,24 @@ typedef struct {
 kvb_status kvb_msg_ping_encode(const kvb_msg_ping *m, uint8_t *buf, size_t cap, size_t *len, kvb_err *err);
 kvb_status kvb_msg_ping_decode(const uint8_t *p, size_t n, kvb_msg_ping *m, kvb_err *err);
 
+/* LANE, 16 bytes (decode -> prefill, request id 0; sent once, right after the handshake, on each
+ * connection of a lane group):
+ *    0 8 group u64: a random token the decode node draws for the group (never 0)
+ *    8 4 lane u32: this connection's index, < lanes
+ *   12 4 lanes u32: connections in the group, 1..KVB_WIRE_MAX_LANES
+ * A PREFILL that arrives on lane 0 of a complete group is answered over every lane: its SLABs
+ * striped across them in any order, and its final frame (DONE or ERROR) sent on each lane, a
+ * DONE's `slabs` counting the SLABs of that lane only. A connection that sent no LANE is a group of
+ * one (protocol version 2's behaviour). */
+#define KVB_WIRE_MAX_LANES 16
+typedef struct {
+    uint64_t group;
+    uint32_t lane, lanes;
+} kvb_msg_lane;
+#define KVB_LANE_BYTES 16
+kvb_status kvb_msg_lane_encode(const kvb_msg_lane *m, uint8_t *buf, size_t cap, size_t *len, kvb_err *err);
+kvb_status kvb_msg_lane_decode(const uint8_t *p, size_t n, kvb_msg_lane *m, kvb_err *err);
+
 /* ==== backends ================================================================================
  * A backend moves whole frames. The framing layer (this header) builds and checks headers and
  * payload hashes; a backend only transports bytes, honouring an absolute deadline (kvb_now_s()
@@ -420,16 +441,17 @@ typedef struct {
         kvb_msg_error error;
         kvb_msg_cancel cancel;
         kvb_msg_ping ping; /* PING and PONG */
+        kvb_msg_lane lane;
     } u;
 } kvb_msg;
 void kvb_msg_free(kvb_msg *m); /* frees what a received PREFILL allocated; other types: nothing */
-/* Decodes a parsed frame of type PREFILL, SLAB, DONE, ERROR, CANCEL, PING or PONG (handshake types
+/* Decodes a parsed frame of type PREFILL, SLAB, DONE, ERROR, CANCEL, PING, PONG or LANE (handshake types
  * are KVB_ERR_FORMAT here); a PREFILL's or CANCEL's payload request id must equal the header's. */
 kvb_status kvb_msg_decode(const kvb_frame *f, kvb_msg *out, kvb_err *err);
 
 /* Receives and decodes the next message (frame checks, payload hash, then the message decode).
  * Only what this node's role may receive is accepted: a decode node receives SLAB, DONE, ERROR,
- * PING, PONG; a prefill node PREFILL, CANCEL, ERROR, PING, PONG; a PREFILL's or CANCEL's request
+ * PING, PONG; a prefill node PREFILL, CANCEL, ERROR, PING, PONG, LANE; a PREFILL's or CANCEL's request
  * id must equal the header's. An ERROR frame from the peer is returned as a message (type
  * KVB_FRAME_ERROR), not as a failure. timeout_ms >= 1 bounds the call. Any failure (timeout, peer
  * gone, corrupt or malformed frame, unexpected type) leaves the connection unusable. */
@@ -442,7 +464,7 @@ kvb_status kvb_conn_recv(kvb_conn *c, int timeout_ms, kvb_msg *out, kvb_err *err
 kvb_status kvb_conn_recv_into(kvb_conn *c, int timeout_ms, kvb_wire_buf *buf, kvb_msg *out, kvb_err *err);
 
 /* Typed senders (timeout_ms >= 1 bounds the call; a peer that stops reading makes it time out).
- * Each refuses a frame this node's role may not send (decode: PREFILL, CANCEL, ERROR, PING, PONG;
+ * Each refuses a frame this node's role may not send (decode: PREFILL, CANCEL, ERROR, PING, PONG, LANE;
  * prefill: SLAB, DONE, ERROR, PING, PONG). */
 kvb_status kvb_conn_send_prefill(kvb_conn *c, const kvb_msg_prefill *m, int timeout_ms, kvb_err *err);
 /* Header + 40-byte head + K + V, K and V sent from the caller's memory without a copy. */
@@ -453,6 +475,7 @@ kvb_status kvb_conn_send_error(kvb_conn *c, uint64_t request_id, uint32_t code, 
 kvb_status kvb_conn_send_cancel(kvb_conn *c, uint64_t request_id, int timeout_ms, kvb_err *err);
 kvb_status kvb_conn_send_ping(kvb_conn *c, uint64_t token, int timeout_ms, kvb_err *err);
 kvb_status kvb_conn_send_pong(kvb_conn *c, uint64_t token, int timeout_ms, kvb_err *err);
+kvb_status kvb_conn_send_lane(kvb_conn *c, const kvb_msg_lane *m, int timeout_ms, kvb_err *err);
 
 /* Counters (for /metrics), all since the TCP connection opened, handshake included. */
 typedef struct {

@@ -23,6 +23,7 @@ const char *kvb_frame_type_name(uint32_t type) {
     case KVB_FRAME_CANCEL: return "CANCEL";
     case KVB_FRAME_PING: return "PING";
     case KVB_FRAME_PONG: return "PONG";
+    case KVB_FRAME_LANE: return "LANE";
     }
     return "unknown";
 }

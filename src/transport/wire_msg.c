@@ -396,3 +396,25 @@ kvb_status kvb_msg_ping_decode(const uint8_t *p, size_t n, kvb_msg_ping *m, kvb_
     m->token = wire_get_u64(p);
     return KVB_OK;
 }
+
+kvb_status kvb_msg_lane_encode(const kvb_msg_lane *m, uint8_t *buf, size_t cap, size_t *len, kvb_err *err) {
+    kvb_status st = need_cap("lane", KVB_LANE_BYTES, cap, len, err);
+    if (st) return st;
+    wire_put_u64(buf, m->group);
+    wire_put_u32(buf + 8, m->lane);
+    wire_put_u32(buf + 12, m->lanes);
+    return KVB_OK;
+}
+
+kvb_status kvb_msg_lane_decode(const uint8_t *p, size_t n, kvb_msg_lane *m, kvb_err *err) {
+    kvb_status st = exact_size("LANE", n, KVB_LANE_BYTES, err);
+    if (st) return st;
+    m->group = wire_get_u64(p);
+    m->lane = wire_get_u32(p + 8);
+    m->lanes = wire_get_u32(p + 12);
+    if (m->group == 0) return kvb_err_set(err, KVB_ERR_FORMAT, "LANE: group 0 is reserved");
+    if (m->lanes < 1 || m->lanes > KVB_WIRE_MAX_LANES)
+        return kvb_err_set(err, KVB_ERR_FORMAT, "LANE: lanes %u outside 1..%d", m->lanes, KVB_WIRE_MAX_LANES);
+    if (m->lane >= m->lanes) return kvb_err_set(err, KVB_ERR_FORMAT, "LANE: lane %u of %u", m->lane, m->lanes);
+    return KVB_OK;
+}

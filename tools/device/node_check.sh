@@ -19,7 +19,8 @@
 # Logs under $OUT (default /tmp/kvb-node-check); DEADLINE (seconds, default 570) bounds the whole.
 # Knobs: LADDER_LENGTHS, LADDER_SEEDS (prompts per length, default 1), ALONE_MAX, CACHE (f16),
 # COST_SIZES, VERIFY_PRESETS (default: tiny .. llama3.2-1b), MILLION_CACHE, LADDER_EXTRA (more
-# bench ladder flags for the ladder, link and million stages, e.g. "--block-tokens 64").
+# bench ladder flags for the ladder, link and million stages, e.g. "--block-tokens 64" or
+# "--lanes 1"), LINK_STREAMS (bench link's --streams, default 1).
 set -u
 D=${D:-.devcarry-gpu}
 case $D in /*) DL=$D/lib ;; *) DL=$PWD/$D/lib ;; esac # D may be absolute (a copy kept in /tmp between calls)
@@ -90,7 +91,8 @@ if want link; then
   $K bench link --listen 127.0.0.1:47000 --psk kvb-node-check-link-key >/dev/null 2>&1 &
   lp=$!
   sleep 1
-  timeout "$(left)" $K bench link --peer 127.0.0.1:47000 --psk kvb-node-check-link-key --slab-bytes 65536 2>&1 | tail -4 | tee "$OUT/link.txt"
+  timeout "$(left)" $K bench link --peer 127.0.0.1:47000 --psk kvb-node-check-link-key --slab-bytes 65536 \
+    --streams "${LINK_STREAMS:-1}" 2>&1 | tail -4 | tee "$OUT/link.txt"
   kill $lp 2>/dev/null
   f=$(gen llama3.2-1b q8_0)
   timeout "$(left)" $K bench ladder -m "$f" --lengths "$LADDER_LENGTHS" --seeds 2 --slab-path-only --cache-type "$CACHE" $LADDER_EXTRA \
