@@ -283,10 +283,15 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
     bridge_rx rx = {.store = n->store, .pend = pend, .bt = bt, .b0 = b0, .nb = nb, .tail = tail, .rid = rid,
                     .lanes = lanes, .n_lanes = n->n_lanes};
     pthread_mutex_init(&rx.mu, NULL);
-    /* per lane, a receiving thread reads ahead while a committing thread verifies and commits */
+    /* per lane, a receiving thread reads ahead while a committing thread verifies and commits. A
+     * lane carries about one frame in n_lanes, so its wait for the next one may be n_lanes times
+     * the per-frame timeout before the peer counts as stalled (the last frames of a request, DONE
+     * on every lane, come after the whole prefill) */
+    const long long lane_timeout = (long long)n->cfg.peer_timeout_ms * n->n_lanes;
+    const int lane_timeout_ms = lane_timeout > 24LL * 3600 * 1000 ? 24 * 3600 * 1000 : (int)lane_timeout;
     for (uint32_t l = 0; l < n->n_lanes; l++) {
         lanes[l].rx = &rx;
-        if (kvb_recv_pipe_start(n->lanes[l], rid, n->cfg.peer_timeout_ms, &lanes[l].pipe, &err)) {
+        if (kvb_recv_pipe_start(n->lanes[l], rid, lane_timeout_ms, &lanes[l].pipe, &err)) {
             rx_fault(&rx, "internal", true, "%.150s", err.msg); /* the PREFILL went out: its stream would arrive unread */
             break;
         }
@@ -297,9 +302,13 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
             kvb_log(KVB_LOG_WARN, "decode node: no pipelined tail for this request: %s", terr.msg);
     }
     rx.tp = tp;
-    for (uint32_t l = 0; !rx.fault_kind && l < n->n_lanes; l++) {
+    bool starting = rx.fault_kind == NULL; /* read before any lane thread runs; after, under rx.mu */
+    for (uint32_t l = 0; starting && l < n->n_lanes; l++) {
         lanes[l].started = pthread_create(&lanes[l].thread, NULL, lane_main, &lanes[l]) == 0;
-        if (!lanes[l].started) rx_fault(&rx, "internal", true, "%s", "could not start a receiving thread");
+        if (!lanes[l].started) {
+            rx_fault(&rx, "internal", true, "%s", "could not start a receiving thread");
+            starting = false;
+        }
     }
     for (uint32_t l = 0; l < n->n_lanes; l++)
         if (lanes[l].started) pthread_join(lanes[l].thread, NULL);

@@ -85,7 +85,8 @@ typedef struct {
     uint32_t cache_blocks;     /* prefix-cache size in blocks (default 4 contexts' worth) */
     uint32_t bridge_min_tokens;/* bridge only when at least this many uncached tokens (default 2 blocks) */
     uint32_t default_max_tokens; /* when a request names none (default 256) */
-    int peer_timeout_ms;       /* per frame while bridging (default 10000) */
+    int peer_timeout_ms;       /* per frame while bridging (default 10000); a lane waits up to lanes x this
+                                  for its next frame, since it carries about one frame in `lanes` */
     uint32_t lanes;            /* connections to the peer a bridged request's slabs are striped over
                                   (1..KVB_MAX_LANES; 0 = KVB_DEFAULT_LANES) */
     bool prefill_mode;         /* ask for bridge mode `prefill` (the prefill node must run it too) */
