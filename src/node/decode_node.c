@@ -2,11 +2,11 @@
  * tokenize (chat template), look up the prefix cache, decide (enough uncached tokens and a
  * reachable peer -> bridge; else native), commit arriving slabs through the store's slab path
  * and one block writer — the slabs striped over the peer's lanes (several connections, grouped
- * with LANE frames), one receiving and one committing thread per lane — compute the rest natively (always the last prompt token: while the
- * blocks arrive, layer by layer, on the pipelined tail's thread — tail_pipe.c;
- * KVB_DECODE_PIPELINED_TAIL=0 runs it after the transfer instead), decode and stream; the verdict
- * says what actually happened. Requests run one at a time on the engine in arrival order (a
- * ticket queue). */
+ * with LANE frames), one receiving and one committing thread per lane — compute the rest
+ * natively (always the last prompt token: while the blocks arrive, layer by layer, on the
+ * pipelined tail's thread — tail_pipe.c; KVB_DECODE_PIPELINED_TAIL=0 runs it after the transfer
+ * instead), decode and stream; the verdict says what actually happened. Requests run one at a
+ * time on the engine in arrival order (a ticket queue). */
 #include <stdio.h>
 #include <sys/random.h>
 #include <stdlib.h>
@@ -131,7 +131,6 @@ static kvb_status ensure_peer(kvb_decode_node *n, kvb_err *err) {
 
 typedef struct lane_rx lane_rx;
 typedef struct {
-    kvb_store *store;
     kvb_slab_pending **pend; /* (nb, then the tail) */
     uint32_t bt, b0, nb, tail;
     uint64_t rid;
@@ -150,8 +149,7 @@ struct lane_rx {
     kvb_recv_pipe *pipe;
     uint32_t slabs;  /* accepted on this lane */
     uint64_t bytes;
-    bool got_done;
-    kvb_msg_done done;
+    kvb_msg_done done; /* its DONE (every lane has one when no fault was recorded) */
     pthread_t thread;
     bool started;
 };
@@ -215,7 +213,6 @@ static void *lane_main(void *arg) {
             kvb_tail_pipe_slab(rx->tp, g - rx->b0, sl->layer);
         } else if (m.type == KVB_FRAME_DONE) {
             ln->done = m.u.done;
-            ln->got_done = true;
             break;
         } else if (m.type == KVB_FRAME_ERROR) {
             rx_fault(rx, "peer_error", false, "peer refused: %.130s", m.u.error.msg);
@@ -280,7 +277,7 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
     }
     lane_rx lanes[KVB_MAX_LANES];
     memset(lanes, 0, sizeof lanes);
-    bridge_rx rx = {.store = n->store, .pend = pend, .bt = bt, .b0 = b0, .nb = nb, .tail = tail, .rid = rid,
+    bridge_rx rx = {.pend = pend, .bt = bt, .b0 = b0, .nb = nb, .tail = tail, .rid = rid,
                     .lanes = lanes, .n_lanes = n->n_lanes};
     pthread_mutex_init(&rx.mu, NULL);
     /* per lane, a receiving thread reads ahead while a committing thread verifies and commits. A
