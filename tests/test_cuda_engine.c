@@ -84,24 +84,6 @@
 
 static uint64_t g_seed;
 
-static void require_gpu(void) {
-    char why[256];
-    if (!kvb_cuda_device_available(why, sizeof why)) {
-        print_message("%s: skipping\n", why);
-        skip();
-    }
-}
-
-static double rel_l2(const float *a, const float *ref, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        double d = (double)a[i] - ref[i];
-        num += d * d;
-        den += (double)ref[i] * ref[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
 static int argmax_f(const float *x, int n) {
     int b = 0;
     for (int i = 1; i < n; i++)
@@ -116,7 +98,7 @@ static double compare_rows(const float *got, const float *ref, uint32_t n, uint3
     int agree = 0, checked = 0;
     for (uint32_t t = 0; t < n; t++) {
         const float *g = got + (size_t)t * V, *r = ref + (size_t)t * V;
-        double e = rel_l2(g, r, V);
+        double e = kvbt_rel_l2(g, r, V);
         if (!(e <= worst)) worst = e;
         if (!(e <= tol)) fail_msg("%s: token %u: logits rel-L2 %.4g > %.3g", what, t, e, tol);
         int best = argmax_f(r, (int)V);
@@ -292,29 +274,29 @@ static void check_preset(const char *preset) {
 
 static void test_tiny_llama(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     check_preset("tiny");
 }
 static void test_tiny_qwen2(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     check_preset("tiny-qwen2");
 }
 static void test_tiny_qwen3(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     check_preset("tiny-qwen3");
 }
 static void test_tiny_gemma3(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     check_preset("tiny-gemma3");
 }
 
 /* Random fixtures in every weight type vs the float64 reference. */
 static void test_fixtures_vs_reference(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     const char *archs[] = {"llama", "qwen2", "qwen3"};
     const uint32_t types[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_Q8_0, KVB_TYPE_Q4_0};
     enum { N = 29 };
@@ -354,7 +336,7 @@ static void test_fixtures_vs_reference(void **state) {
 /* Real shapes, when the GPU host's script generated them. */
 static void test_real_shapes(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     const char *list = getenv("KVB_CUDA_TEST_MODELS");
     if (!list || !*list) {
         print_message("KVB_CUDA_TEST_MODELS is not set (tools/device/gpu_check.sh sets it): skipping real shapes\n");
@@ -457,7 +439,7 @@ static void gemma_next_tokens(const char *path) {
         for (uint32_t k = 0; k < V; k++)
             if ((int)k != ct && cl[k] > second) second = cl[k];
         print_message("gemma3 270M \"%s\": next token GPU %d, CPU engine %d (CPU margin %.3g), GPU vs CPU rel-L2 %.4g\n",
-                      cases[i].prompt, gt, ct, cl[ct] - second, rel_l2(gl, cl, V));
+                      cases[i].prompt, gt, ct, cl[ct] - second, kvbt_rel_l2(gl, cl, V));
         if (gt != ct) fail_msg("gemma3 270M \"%s\": GPU next token %d, CPU engine %d", cases[i].prompt, gt, ct);
         if (cases[i].expect) {
             char text[1024];
@@ -534,7 +516,7 @@ static void gemma_short_window(const char *src) {
 
 static void test_gemma3_270m(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     char path[1024];
     if (!gemma_file(path, sizeof path)) {
         print_message("no Gemma 3 270M file at %s (set KVB_GEMMA3_GGUF or run tools/fetch_gemma3.sh): skipping\n",

@@ -9,6 +9,9 @@
  * query rows per CTA, and the generic kernel, D up to 256), with and without a sliding window and
  * with scales other than 1/sqrt(D); cache rows past the visible range — and, with a window, every
  * row before the window of the chunk's first query — are NaN, so a kernel that reads them fails.
+ * And the tensor-parallel all-reduce's sum (kvb_cu_sum_f32), bit for bit against the same f32 adds
+ * in the same order on the host, through its float4 and scalar paths (pointers one float off a
+ * 16-byte boundary, counts not a multiple of 4), with the floats around its output checked.
  *
  * Tolerances (the GPU rounds each output to bf16 once: relative error <= 2^-8 = 3.9e-3):
  *   embed: exact (the scaled one too: one f32 product, as on the host). rmsnorm, swiglu:
@@ -38,17 +41,11 @@
 
 #ifdef KVB_HAVE_CUDA
 #include "kvb_engine_cuda.h"
+#include "kvbt.h"
+#include "tp_comm.h"
 
 static uint64_t g_seed;
 static kvb_rng g_rng;
-
-static void require_gpu(void) {
-    char why[256];
-    if (!kvb_cuda_device_available(why, sizeof why)) {
-        print_message("%s: skipping\n", why);
-        skip();
-    }
-}
 
 #define BF16_NAN 0xFFC1u
 static float rnd_normal(void) { return kvb_rng_normal(&g_rng); }
@@ -77,7 +74,7 @@ static void check_close(double got, double ref, double rel, double abs_tol, cons
 
 static void test_embed(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     const uint32_t V = 1000, Es[] = {384, 130, 77, 640, 640};
     for (size_t c = 0; c < KVB_ARRAY_LEN(Es); c++) {
         const uint32_t E = Es[c], n = 37;
@@ -107,7 +104,7 @@ static void test_embed(void **state) {
 
 static void test_rmsnorm(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     const uint32_t Es[] = {256, 4096, 1002, 64};
     for (size_t c = 0; c < KVB_ARRAY_LEN(Es); c++) {
         const uint32_t E = Es[c], n = 19;
@@ -138,7 +135,7 @@ static void test_rmsnorm(void **state) {
 /* gemma3's post norm: x += rmsnorm(src) * w, in f32 */
 static void test_rmsnorm_add(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     const uint32_t Es[] = {640, 256, 4096, 1002};
     for (size_t c = 0; c < KVB_ARRAY_LEN(Es); c++) {
         const uint32_t E = Es[c], n = 23;
@@ -177,7 +174,7 @@ static double gelu_tanh_ref(double g) {
 /* SwiGLU (llama, qwen) and GeGLU (gemma3) */
 static void test_glu(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     const uint32_t FFs[] = {640, 14336, 7, 2048};
     for (int gelu = 0; gelu < 2; gelu++)
         for (size_t c = 0; c < KVB_ARRAY_LEN(FFs); c++) {
@@ -206,7 +203,7 @@ static void test_glu(void **state) {
 
 static void test_gemm(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     const uint32_t rows = 300, cols = 264, n = 45;
     uint16_t *W = malloc(sizeof(uint16_t) * rows * cols), *x = malloc(sizeof(uint16_t) * n * cols);
     float *y = malloc(sizeof(float) * n * rows), *y0 = malloc(sizeof(float) * n * rows);
@@ -388,7 +385,7 @@ static void run_qkv_case(const qkv_cfg *k) {
 
 static void test_qkv_post(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     const qkv_cfg cfgs[] = {
         {4, 2, 64, 64, false, false, false},  /* llama */
         {4, 2, 64, 64, true, true, false},    /* qwen2 */
@@ -488,7 +485,7 @@ static void run_att_case(const att_cfg *k) { run_att_case_probe(k, false); }
 
 static void test_attention(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     const att_cfg cfgs[] = {
         {128, 8, 2, 130, 77, 16, 0, 0, 0},  {128, 8, 2, 1, 300, 64, 0, 0, 0},  {64, 8, 8, 50, 0, 64, 0, 0, 0},
         {64, 4, 1, 200, 33, 32, 0, 0, 0},   {128, 4, 4, 64, 0, 16, 0, 0, 0},   {128, 4, 1, 300, 1000, 64, 0, 0, 0},
@@ -502,7 +499,7 @@ static void test_attention(void **state) {
 /* Local (sliding-window) layers, other scales, and Gemma 3 270M's head size 256 (generic kernel) */
 static void test_attention_window(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     const att_cfg cfgs[] = {
         {64, 4, 1, 200, 33, 32, 0, 16, 0},        /* tiny-gemma3's shape: window 16, 128 rows per CTA */
         {64, 4, 1, 200, 33, 32, 2, 16, 0},        /* ... 64 rows per CTA */
@@ -527,7 +524,7 @@ static void test_attention_window(void **state) {
  * mask), GQA, one query, odd lengths, Llama-3.1-8B's and Llama-3.2-1B's heads. */
 static void test_attention_cudnn(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     const att_cfg cfgs[] = {
         {128, 8, 2, 130, 77, 16, 4, 0, 0},    {128, 8, 2, 1, 300, 64, 4, 0, 0},  {64, 8, 8, 50, 0, 64, 4, 0, 0},
         {64, 4, 1, 200, 33, 32, 4, 0, 0},     {128, 4, 1, 300, 1000, 64, 4, 0, 0}, {128, 32, 8, 256, 1100, 64, 4, 0, 0},
@@ -543,7 +540,7 @@ static void test_attention_cudnn(void **state) {
 /* The gather that feeds cuDNN: every row bit-exact, from a table of scattered blocks */
 static void test_gather_kv(void **state) {
     (void)state;
-    require_gpu();
+    kvbt_require_gpu();
     const uint32_t shapes[][4] = {{8, 128, 64, 1000}, {2, 64, 16, 77}, {4, 256, 32, 33}, {8, 64, 1024, 1500}};
     for (size_t si = 0; si < KVB_ARRAY_LEN(shapes); si++) {
         const uint32_t Hkv = shapes[si][0], D = shapes[si][1], bt = shapes[si][2], n_pos = shapes[si][3], layer = 1;
@@ -575,6 +572,60 @@ static void test_gather_kv(void **state) {
     }
 }
 
+/* Values whose sums round differently in another order: magnitudes 2^-20 .. 2^20, both signs, a
+ * few zeros of each sign and subnormals. */
+static float rnd_wide(void) {
+    const uint64_t k = kvb_rng_u64(&g_rng) % 64;
+    if (k == 0) return 0.0f;
+    if (k == 1) return -0.0f;
+    if (k == 2) return ldexpf(rnd_normal(), -130); /* subnormal */
+    return ldexpf(rnd_normal(), (int)(kvb_rng_u64(&g_rng) % 41) - 20);
+}
+
+/* The tensor-parallel all-reduce's sum: out = ((in[0] + in[1]) + in[2]) ..., bit for bit */
+static void test_sum_f32(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    const int ns[] = {1, 2, 3, 5, 8};
+    const size_t counts[] = {1, 7, 4096, 1001, 65539, 262144};
+    for (size_t ni = 0; ni < KVB_ARRAY_LEN(ns); ni++)
+        for (size_t ci = 0; ci < KVB_ARRAY_LEN(counts); ci++) {
+            const int n = ns[ni];
+            const size_t count = counts[ci];
+            /* all aligned; out off; the last input off (the others aligned); a random mix */
+            const size_t mis[] = {0, (size_t)1 << 8, (size_t)1 << (n - 1), (size_t)(kvb_rng_u64(&g_rng) & 0x1ff)};
+            float *in[8], *out = malloc(sizeof(float) * count), *want = malloc(sizeof(float) * count);
+            assert_true(out && want);
+            for (int i = 0; i < n; i++) {
+                in[i] = malloc(sizeof(float) * count);
+                assert_non_null(in[i]);
+            }
+            for (size_t mi = 0; mi < KVB_ARRAY_LEN(mis); mi++) {
+                for (int i = 0; i < n; i++)
+                    for (size_t j = 0; j < count; j++) in[i][j] = rnd_wide();
+                for (size_t j = 0; j < count; j++) {
+                    float acc = in[0][j];
+                    for (int i = 1; i < n; i++) acc = acc + in[i][j]; /* one rounded f32 add each */
+                    want[j] = acc;
+                }
+                poison_f32(out, count);
+                kvb_err err = {0};
+                if (kvb_cuda_test_sum_f32((const float *const *)in, n, count, mis[mi], out, &err))
+                    fail_msg("%s", err.msg);
+                if (memcmp(out, want, sizeof(float) * count) != 0)
+                    for (size_t j = 0; j < count; j++)
+                        if (memcmp(&out[j], &want[j], sizeof(float)) != 0)
+                            fail_msg("sum of %d, count %zu, misalign 0x%zx: out[%zu] = %a, want %a", n, count, mis[mi],
+                                     j, (double)out[j], (double)want[j]);
+            }
+            print_message("sum of %d buffers, count %zu: bit-exact (misalign 0, 0x100, 0x%zx, 0x%zx)\n", n, count,
+                          mis[2], mis[3]);
+            for (int i = 0; i < n; i++) free(in[i]);
+            free(out);
+            free(want);
+        }
+}
+
 int main(void) {
     const char *s = getenv("KVB_TEST_SEED");
     g_seed = s ? strtoull(s, NULL, 0) : ((uint64_t)time(NULL) ^ ((uint64_t)clock() << 32));
@@ -585,7 +636,7 @@ int main(void) {
         cmocka_unit_test(test_embed),    cmocka_unit_test(test_rmsnorm),   cmocka_unit_test(test_rmsnorm_add),
         cmocka_unit_test(test_glu),      cmocka_unit_test(test_gemm),      cmocka_unit_test(test_qkv_post),
         cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_window),
-        cmocka_unit_test(test_attention_cudnn), cmocka_unit_test(test_gather_kv),
+        cmocka_unit_test(test_attention_cudnn), cmocka_unit_test(test_gather_kv), cmocka_unit_test(test_sum_f32),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

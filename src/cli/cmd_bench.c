@@ -51,7 +51,11 @@ static void help(FILE *f) {
             "                       loads; KVB_CUDA_ATTENTION=own|cudnn sets the default everywhere)\n"
             "  --host-overhead      (cuda) after each size, one forward enqueued behind a gate kernel (the GPU\n"
             "                       waits until the host has enqueued everything), timed on the GPU: the share of\n"
-            "                       the wall time the GPU spent waiting for the host (launch gaps, host work)\n");
+            "                       the wall time the GPU spent waiting for the host (launch gaps, host work)\n"
+            "  --gpus N             (cuda) tensor-parallel prefill over N GPUs (devices 0..N-1, NCCL all-reduce;\n"
+            "                       heads and the MLP width divide by N; KV heads by N, or N by them)\n"
+            "  --tp-one-device      (cuda) with --gpus N: every rank on one GPU, summed by the engine itself (tests\n"
+            "                       the split and measures its overhead on a one-GPU host; not faster)\n");
 }
 
 
@@ -191,7 +195,7 @@ static kvb_status forward_fresh(kvb_cuda_engine *e, const int32_t *toks, uint32_
 
 static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, int reps, int warmup, uint32_t chunk,
                               int ceiling_reps, const char *peer_json, const char *json_path, uint32_t bridge_dtype,
-                              const char *attn_arg, bool host_overhead) {
+                              const char *attn_arg, bool host_overhead, int gpus, bool tp_one_device) {
     /* --attention: the kinds to time side by side (0 = the engine's choice) */
     kvb_cuda_attention kinds[2] = {KVB_CUDA_ATTN_AUTO, KVB_CUDA_ATTN_AUTO};
     int n_kinds = 1;
@@ -240,7 +244,8 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
     double t0 = kvb_now_s();
     if (kvb_model_load(model_path, &m, &err)) goto fail;
     kvb_cuda_opts o = {.max_ctx = (uint32_t)max_n, .max_batch = chunk, .no_prefix_cache = true,
-                       .attention = n_kinds == 2 ? KVB_CUDA_ATTN_CUDNN : kinds[0]};
+                       .attention = n_kinds == 2 ? KVB_CUDA_ATTN_CUDNN : kinds[0], .n_gpus = gpus,
+                       .tp_one_device = tp_one_device};
     if (bridge_dtype) {
         if (kvb_bridge_cuda_create(m, bridge_dtype, chunk ? chunk : (max_n < 8192 ? (uint32_t)max_n : 8192), &bb.b,
                                    &err))
@@ -446,7 +451,8 @@ int kvb_cmd_bench(int argc, char **argv) {
     }
     long long threads = 0, n_tok = 512, n_gen = 128, n_ctx = 16, reps = 3, chunk = 0, ceiling_reps = 20, warmup = 1;
     const char *tokens_arg = NULL, *peer_json = NULL, *attn_arg = NULL;
-    bool cuda = false, host_overhead = false;
+    bool cuda = false, host_overhead = false, tp_one_device = false;
+    long long gpus = 1;
     uint32_t cache_type = KVB_TYPE_F16, bridge_type = 0;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -493,6 +499,10 @@ int kvb_cmd_bench(int argc, char **argv) {
             if (!(attn_arg = kvb_arg_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--host-overhead")) {
             host_overhead = true;
+        } else if (!strcmp(a, "--gpus")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 8, &gpus)) return 2;
+        } else if (!strcmp(a, "--tp-one-device")) {
+            tp_one_device = true;
         } else {
             fprintf(stderr, "kvbridge bench: unknown option '%s' (see kvbridge bench --help)\n", a);
             return 2;
@@ -510,9 +520,9 @@ int kvb_cmd_bench(int argc, char **argv) {
 #ifdef KVB_HAVE_CUDA
         return bench_prefill_cuda(model_path, tokens_arg ? tokens_arg : "2048", (int)reps, (int)warmup,
                                   (uint32_t)chunk, (int)ceiling_reps, peer_json, json_path, bridge_type,
-                                  attn_arg, host_overhead);
+                                  attn_arg, host_overhead, (int)gpus, tp_one_device);
 #else
-        (void)bridge_type, (void)attn_arg, (void)host_overhead;
+        (void)bridge_type, (void)attn_arg, (void)host_overhead, (void)gpus, (void)tp_one_device;
         fprintf(stderr, "kvbridge bench: --device cuda: this kvbridge was built without the CUDA engine "
                         "(configure with -DKVB_CUDA=ON where nvcc is installed)\n");
         return 2;

@@ -36,6 +36,8 @@ static void help(FILE *f) {
             "                       TCP loopback each row is measured against (the link floor, or with\n"
             "                       --slab-path-only the raw link's GB/s) uses as many streams at once\n"
             "  --chunk N            prefill node chunk in tokens (default 512 on cpu, 8192 on cuda)\n"
+            "  --gpus N             cuda: the prefill node's tensor-parallel ranks (GPUs 0..N-1, NCCL)\n"
+            "  --tp-one-device      cuda, --gpus N: every rank on one GPU (tests the split; not faster)\n"
             "  --alone-max N        run the decoder-alone legs only up to N tokens (default 1048576); longer\n"
             "                       rows print 'not run'\n"
             "  --prefill-alone-max N  time the in-process prefill node alone only up to N tokens (default\n"
@@ -103,9 +105,10 @@ static int one_leg(uint16_t port, int len, uint64_t seed, uint32_t n_vocab, leg 
 int kvb_bench_ladder(int argc, char **argv) {
     const char *model = NULL, *lengths = "1024,4096", *peer = NULL, *psk = getenv("KVB_PSK");
     long long seeds = 3, threads = 0, chunk = 0, alone_max = 1 << 20, pa_max = 1 << 20, warmup = -1, block = 32,
-              lanes = 0; /* 0: the decode node's default */
+              lanes = 0, /* 0: the decode node's default */
+              gpus = 1;
     uint32_t cache_type = KVB_TYPE_F16;
-    bool cuda = false, filler = false;
+    bool cuda = false, filler = false, tp_one_device = false;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v;
         if (kvb_arg_is_help(a)) {
@@ -150,6 +153,10 @@ int kvb_bench_ladder(int argc, char **argv) {
                 return 2;
             }
             cuda = !strcmp(v, "cuda");
+        } else if (!strcmp(a, "--gpus")) {
+            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 8, &gpus)) return 2;
+        } else if (!strcmp(a, "--tp-one-device")) {
+            tp_one_device = true;
         } else {
             fprintf(stderr, "kvbridge bench ladder: unknown option '%s' (see kvbridge bench ladder --help)\n", a);
             return 2;
@@ -193,7 +200,8 @@ int kvb_bench_ladder(int argc, char **argv) {
         kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = psk, .n_threads = (int)threads,
                                  .cache_dtype = cache_type, .max_ctx = ctx, .cuda = cuda,
                                  .chunk_tokens = (uint32_t)chunk, .bench_filler_rows = filler,
-                                 .block_tokens = (uint32_t)block};
+                                 .block_tokens = (uint32_t)block, .gpus = (int)gpus,
+                                 .tp_one_device = tp_one_device};
         if (kvb_prefill_node_start(&pc, &pn, &err)) goto fail;
         snprintf(peer_addr, sizeof peer_addr, "127.0.0.1:%u", kvb_prefill_node_port(pn));
         peer = peer_addr;

@@ -41,7 +41,9 @@ static void help(FILE *f) {
             "  --threads T    CPU threads per node (default 1)\n"
             "  --turns N      conversation turns (default 4)\n"
             "  --device D     the prefill node's engine: auto (default: cuda when a GPU is usable, else cpu),\n"
-            "                 cpu or cuda\n");
+            "                 cpu or cuda\n"
+            "  --gpus N       cuda: tensor-parallel prefill over GPUs 0..N-1 (NCCL)\n"
+            "  --tp-one-device  cuda, --gpus N: every rank on one GPU (tests the split)\n");
 }
 
 static const char *k_document =
@@ -208,8 +210,9 @@ static int converse(uint16_t port, int turns, turn_result *out) {
 
 int kvb_cmd_demo(int argc, char **argv) {
     const char *model = "models/tiny-q8_0.gguf";
-    long long threads = 1, turns = 4;
+    long long threads = 1, turns = 4, gpus = 1;
     const char *device = "auto";
+    bool tp_one_device = false;
     for (int i = 1; i < argc; i++) {
         const char *v;
         if (kvb_arg_is_help(argv[i])) {
@@ -226,6 +229,11 @@ int kvb_cmd_demo(int argc, char **argv) {
                 fprintf(stderr, "kvbridge demo: --device expects auto, cpu or cuda, got '%s'\n", device);
                 return 2;
             }
+        } else if (!strcmp(argv[i], "--gpus")) {
+            if (!(v = kvb_arg_value("demo", argc, argv, &i)) || !kvb_arg_int("demo", "--gpus", v, 1, 8, &gpus))
+                return 2;
+        } else if (!strcmp(argv[i], "--tp-one-device")) {
+            tp_one_device = true;
         } else if (!strcmp(argv[i], "--turns")) {
             if (!(v = kvb_arg_value("demo", argc, argv, &i)) || !kvb_arg_int("demo", "--turns", v, 1, 6, &turns))
                 return 2;
@@ -288,7 +296,8 @@ int kvb_cmd_demo(int argc, char **argv) {
     if (!strcmp(device, "auto")) cuda = kvb_cuda_device_available(why, sizeof why);
 #endif
     kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = psk, .n_threads = (int)threads,
-                             .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 8192, .cuda = cuda};
+                             .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 8192, .cuda = cuda,
+                             .gpus = (int)gpus, .tp_one_device = tp_one_device};
     if (kvb_prefill_node_start(&pc, &pn, &err)) goto fail;
     char peer[32];
     snprintf(peer, sizeof peer, "127.0.0.1:%u", kvb_prefill_node_port(pn));
@@ -333,11 +342,23 @@ int kvb_cmd_demo(int argc, char **argv) {
                br[t].bridged, br[t].native, br[t].prefill_s, br[t].transfer_s, br[t].reply_s, nat[t].reply_s,
                eq ? "yes" : "NO", br[t].verdict);
     }
+    int complete = 0;
+    for (int t = 0; t < turns; t++) complete += !strcmp(br[t].verdict, "complete");
     printf("\ndemo: %d/%lld replies identical to the native ones. Turn 1 ships the whole prompt; later turns ship only\n"
            "their increment (the decode node keeps the conversation cached). Capture memory on the prefill node:\n"
            "%.1f KiB of staging ring, whatever the prompt length.\n",
            same, turns, kvb_prefill_node_peak_capture_bytes(pn) / 1024.0);
-    rc = same == turns ? 0 : 1;
+    /* A CPU prefill node computes the decoder's own cache bit for bit: its replies must be the
+     * native ones. A GPU prefill node runs the decoder's arithmetic on the GPU's bf16 hidden
+     * states, which differ from the decoder's by bf16 rounding: the cache is close, not equal, and
+     * a model with near-tied logits (the generated one has random weights) can part from the
+     * native reply. There every turn must be bridged `complete`, and agreement is reported. */
+    if (cuda)
+        printf("demo: the prefill node ran on the GPU (bf16 forward): its cache is the decoder's arithmetic on the\n"
+               "GPU's hidden states, close to the native cache but not bit-identical, so on this model's near-tied\n"
+               "logits replies may part (--device cpu bridges bit for bit). %d/%lld turns bridged `complete`.\n",
+               complete, turns);
+    rc = (cuda ? complete == turns : same == turns) ? 0 : 1;
     goto done;
 fail:
     fprintf(stderr, "kvbridge demo: %s\n", err.msg);

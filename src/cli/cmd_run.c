@@ -29,6 +29,8 @@ static void help(FILE *f) {
             "  --top-p P            nucleus sampling threshold (default 0.95; 1 = off)\n"
             "  --threads T          CPU threads (default: all)\n"
             "  --device cpu|cuda    where the model runs (default cpu; cuda: bf16 weights and KV cache)\n"
+            "  --gpus N             (cuda) tensor-parallel over GPUs 0..N-1 (NCCL all-reduce)\n"
+            "  --tp-one-device      (cuda) with --gpus N: every rank on one GPU (tests the split)\n"
             "  --cache-type T       KV cache dtype: f16 (default), f32, bf16, q8_0\n"
             "  --ctx N              context limit in tokens (default: min(training context, 8192))\n"
             "  --ignore-eos         keep generating past end-of-generation tokens\n"
@@ -100,8 +102,8 @@ static bool parse_ids(const char *s, int32_t **out, uint32_t *n) {
 
 int kvb_cmd_run(int argc, char **argv) {
     const char *cmd = "run", *model_path = NULL, *tokens_arg = NULL, *prompt = NULL, *tmpl_name = NULL;
-    long long n_gen = 32, threads = 0, ctx = 0;
-    bool ids_out = false, ignore_eos = false, verbose = false, chat = false, cuda = false;
+    long long n_gen = 32, threads = 0, ctx = 0, gpus = 1;
+    bool ids_out = false, ignore_eos = false, verbose = false, chat = false, cuda = false, tp_one_device = false;
     const char *logits_out = NULL;
     kvb_sampler_opts so = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .seed = 0};
     uint32_t cache_type = KVB_TYPE_F16;
@@ -159,6 +161,10 @@ int kvb_cmd_run(int argc, char **argv) {
 #endif
         } else if (!strcmp(a, "--ignore-eos")) {
             ignore_eos = true;
+        } else if (!strcmp(a, "--gpus")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 8, &gpus)) return 2;
+        } else if (!strcmp(a, "--tp-one-device")) {
+            tp_one_device = true;
         } else if (!strcmp(a, "--logits-out")) {
             if (!(logits_out = kvb_arg_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--verbose") || !strcmp(a, "-v")) {
@@ -254,13 +260,14 @@ int kvb_cmd_run(int argc, char **argv) {
     }
 #ifdef KVB_HAVE_CUDA
     if (cuda) {
-        kvb_cuda_opts co = {.max_ctx = eo.max_ctx, .n_threads = (int)threads};
+        kvb_cuda_opts co = {.max_ctx = eo.max_ctx, .n_threads = (int)threads, .n_gpus = (int)gpus,
+                            .tp_one_device = tp_one_device};
         if (kvb_cuda_engine_create(m, &co, &re.ge, &err) != KVB_OK) goto fail;
         if (kvb_cuda_seq_create(re.ge, &re.gs, &err) != KVB_OK) goto fail;
     } else
 #endif
     {
-        (void)cuda;
+        (void)cuda, (void)gpus, (void)tp_one_device;
         if (kvb_engine_create(m, &eo, &re.e, &err) != KVB_OK) goto fail;
         if (kvb_seq_create(re.e, &re.s, &err) != KVB_OK) goto fail;
     }

@@ -35,6 +35,9 @@ static void help(FILE *f) {
             "  --device cpu|cuda    prefill: the engine that prefills (default cpu); cuda prefills in bf16 on the\n"
             "                       GPU and runs the bridge kernel there (decoder mode)\n"
             "  --chunk N            prefill: tokens per forward chunk (default 512 on cpu, 8192 on cuda)\n"
+            "  --gpus N             prefill, cuda: tensor-parallel prefill over GPUs 0..N-1 (NCCL); the decoder\n"
+            "                       receives the same slab sequence as from one GPU\n"
+            "  --tp-one-device      prefill, cuda, --gpus N: every rank on one GPU (tests the split; not faster)\n"
             "  --cache-blocks N     decode: prefix-cache size in blocks (default: 4 contexts' worth)\n"
             "  --tail-after-transfer  decode: compute the prompt's last token after the bridged cache has\n"
             "                       arrived, not layer by layer while it arrives (the default, same answer)\n"
@@ -55,7 +58,8 @@ int kvb_cmd_serve(int argc, char **argv) {
                *psk = getenv("KVB_PSK"), *tmpl = NULL, *model_id = NULL, *fault = NULL, *mode = "decoder",
                *device = "cpu";
     long long threads = 0, bt = 32, ctx = 0, bridge_min = 0, max_tokens = 0, chunk = 0, cache_blocks = 0, lanes = 0;
-    bool tail_after = false;
+    long long gpus = 1;
+    bool tail_after = false, tp_one_device = false;
     uint32_t cache_type = KVB_TYPE_F16, engine_type = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -74,7 +78,7 @@ int kvb_cmd_serve(int argc, char **argv) {
         NUM("--chunk", chunk, 16, 1 << 20) NUM("--cache-blocks", cache_blocks, 16, 1LL << 31)
         NUM("--threads", threads, 1, 1024) NUM("--block-tokens", bt, 1, 4096) NUM("--ctx", ctx, 16, 1 << 24)
         NUM("--bridge-min", bridge_min, 1, 1 << 24) NUM("--max-tokens", max_tokens, 1, 1 << 24)
-        NUM("--lanes", lanes, 1, KVB_MAX_LANES)
+        NUM("--lanes", lanes, 1, KVB_MAX_LANES) NUM("--gpus", gpus, 1, 8)
         else if (!strcmp(a, "--cache-type")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &cache_type)) return 2;
         }
@@ -83,6 +87,7 @@ int kvb_cmd_serve(int argc, char **argv) {
         }
         else if (!strcmp(a, "--verbose") || !strcmp(a, "-v")) kvb_log_set_level(KVB_LOG_INFO);
         else if (!strcmp(a, "--tail-after-transfer")) tail_after = true;
+        else if (!strcmp(a, "--tp-one-device")) tp_one_device = true;
         else {
             fprintf(stderr, "kvbridge serve: unknown option '%s' (see kvbridge serve --help)\n", a);
             return 2;
@@ -118,7 +123,8 @@ int kvb_cmd_serve(int argc, char **argv) {
         kvb_prefill_config c = {.listen = listen, .model_path = model, .psk = psk, .n_threads = (int)threads,
                                 .cache_dtype = cache_type, .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
                                 .fault = fault, .prefill_mode = prefill_mode, .engine_cache_dtype = engine_type,
-                                .cuda = !strcmp(device, "cuda"), .chunk_tokens = (uint32_t)chunk};
+                                .cuda = !strcmp(device, "cuda"), .chunk_tokens = (uint32_t)chunk,
+                                .gpus = (int)gpus, .tp_one_device = tp_one_device};
         if (kvb_prefill_node_start(&c, &pn, &err)) goto fail;
         printf("kvbridge prefill node: listening on port %u (model %s)\n", kvb_prefill_node_port(pn), model);
     } else {

@@ -30,6 +30,8 @@ typedef struct {
     uint32_t chunk_tokens;     /* prefill chunk (default 512 on the CPU, 8192 on CUDA) */
     bool cuda;                 /* prefill on the CUDA engine (bf16) with the CUDA bridge kernel fed
                                   from its layer hook; decoder mode only */
+    int gpus;                  /* cuda: tensor-parallel ranks (0/1 = one GPU); see kvb_engine_cuda.h */
+    bool tp_one_device;        /* cuda, gpus > 1: every rank on one GPU (testing the split) */
     uint32_t ring_slots;       /* staging slots (default 16) */
     bool prefill_mode;         /* bridge mode `prefill`: ship this engine's own K/V re-encoded (cheaper,
                                   not exact) instead of the decoder's arithmetic (mode `decoder`) */

@@ -439,7 +439,8 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
             if (!st) {
                 kvb_bridge_cuda_set_ship(n->bc, cuda_ship_rows, n);
                 kvb_cuda_opts co = {.max_ctx = n->cfg.max_ctx, .max_batch = n->cfg.chunk_tokens,
-                                    .n_threads = cfg->n_threads, .layer_hook = cuda_layer_hook, .layer_hook_ctx = n};
+                                    .n_threads = cfg->n_threads, .layer_hook = cuda_layer_hook, .layer_hook_ctx = n,
+                                    .n_gpus = cfg->gpus, .tp_one_device = cfg->tp_one_device};
                 st = kvb_cuda_engine_create(n->m, &co, &n->ce, err);
                 if (!st) {
                     char ad[768];

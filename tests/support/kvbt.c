@@ -1,6 +1,13 @@
 /* tests/support/kvbt.c — see kvbt.h. */
 #include "kvbt.h"
 
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,4 +74,29 @@ const char *kvbt_gemma3_path(void) {
     else snprintf(path, sizeof path, "%s/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf", home ? home : "");
     struct stat st;
     return stat(path, &st) == 0 && S_ISREG(st.st_mode) ? path : NULL;
+}
+
+double kvbt_rel_l2(const float *a, const float *ref, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - ref[i];
+        num += d * d;
+        den += (double)ref[i] * ref[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+#ifdef KVB_HAVE_CUDA
+#include "kvb_engine_cuda.h"
+#endif
+
+void kvbt_require_gpu(void) {
+#ifdef KVB_HAVE_CUDA
+    char why[256];
+    if (kvb_cuda_device_available(why, sizeof why)) return;
+    print_message("%s: skipping\n", why);
+#else
+    print_message("no CUDA device: this build has no CUDA engine; skipping\n");
+#endif
+    skip();
 }

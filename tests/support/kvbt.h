@@ -1,5 +1,6 @@
 /* tests/support/kvbt.h — small helpers shared by the tests: a private temp directory, running
- * the kvbridge binary and capturing its output and exit code, reading test environment paths. */
+ * the kvbridge binary and capturing its output and exit code, reading test environment paths,
+ * a relative L2 distance, skipping a test that needs a GPU. */
 #ifndef KVBT_H
 #define KVBT_H
 
@@ -19,5 +20,10 @@ const char *kvbt_shared_dir(void);
 /* The real Gemma 3 270M file: $KVB_GEMMA3_GGUF, else ~/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf
  * (tools/fetch_gemma3.sh); NULL when it is not there. */
 const char *kvbt_gemma3_path(void);
+/* |a - ref| / |ref| in double (|a - ref| when ref is all zero). */
+double kvbt_rel_l2(const float *a, const float *ref, size_t n);
+/* In a cmocka test: skips it, saying why, when no CUDA device can be used (always in a build
+ * without the CUDA engine). */
+void kvbt_require_gpu(void);
 
 #endif

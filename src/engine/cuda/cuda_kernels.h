@@ -54,6 +54,13 @@ cudaError_t kvb_cu_qkv_post(const kvb_cu_qkv_post_args *a, cudaStream_t st);
  * GeGLU, the CPU engine's formula), gu (n, 2 FF) bf16 rows [g | u]. */
 cudaError_t kvb_cu_glu(const void *gu, int n, int FF, int gelu, void *out, cudaStream_t st);
 
+/* The tensor-parallel all-reduce's sum (tp_comm.c): out (count) f32 = ((in[0] + in[1]) + in[2]) ...
+ * over in[0 .. n_in), n_in in 1..8, one rounded f32 add at a time in that order, so the result is
+ * the same bits wherever it runs. in: a HOST array of n_in device pointers (count f32 each; they
+ * reach the kernel by value); out may equal none of them. float4 loads and stores when every
+ * pointer is 16-byte aligned and count % 4 == 0, else one float at a time. */
+cudaError_t kvb_cu_sum_f32(float *out, const float *const *in, int n_in, size_t count, cudaStream_t st);
+
 typedef struct {
     const void *q; /* (n, H * D) bf16 */
     void *out;     /* (n, H * D) bf16 */

@@ -20,6 +20,8 @@
 #include "cuda_internal.h"
 #include "cudnn_attention.h"
 #include "kvb_quant.h"
+#include "tp_comm.h"
+#include "tp_group.h"
 #include "kvb_store.h"
 
 #define BLK_NONE UINT32_MAX
@@ -168,13 +170,20 @@ static void lru_push(blockmgr *b, uint32_t id) {
     b->n_lru++;
 }
 
-/* n blocks, all or nothing: free ones first, then the least recently used cached ones. */
-static kvb_status bm_alloc(blockmgr *b, uint32_t n, uint32_t *ids, kvb_err *err) {
+/* Whether n blocks can be had (free, or cached ones nobody holds). */
+static kvb_status bm_check(const blockmgr *b, uint32_t n, kvb_err *err) {
     if ((uint64_t)b->n_free + b->n_lru < n)
         return kvb_err_set(err, KVB_ERR_RANGE,
                            "GPU KV cache is full: %u blocks needed, %u free and %u cached blocks can be reused (of "
                            "%u); raise n_blocks or free sequences",
                            n, b->n_free, b->n_lru, b->n);
+    return KVB_OK;
+}
+
+/* n blocks, all or nothing: free ones first, then the least recently used cached ones. */
+static kvb_status bm_alloc(blockmgr *b, uint32_t n, uint32_t *ids, kvb_err *err) {
+    kvb_status st = bm_check(b, n, err);
+    if (st) return st;
     for (uint32_t i = 0; i < n; i++) {
         uint32_t id;
         if (b->n_free) id = b->free_ids[--b->n_free];
@@ -232,6 +241,15 @@ typedef struct {
 struct kvb_cuda_engine {
     const kvb_model *m;
     kvb_cuda_opts o;
+    /* tensor parallelism: a leader (grp set) only dispatches to its ranks; a rank (or the one
+     * engine of a one-GPU run) computes its shard: nh heads, nkv KV heads, nff MLP columns */
+    bool leader;
+    kvb_tp_group *grp;
+    kvb_tp_comm *comm; /* a rank's all-reduce (NULL with one GPU) */
+    int tp_rank, tp_size;
+    uint32_t nh, nkv, nff;
+    kvb_err hook_err;  /* a rank's first layer-hook error in this forward (tensor parallel) */
+    kvb_status hook_st;
     kvb_kvformat fmt;
     int bt_shift;
     char dev_name[256];
@@ -276,6 +294,7 @@ struct kvb_cuda_engine {
 
 struct kvb_cuda_seq {
     kvb_cuda_engine *e;
+    kvb_tp_seq *tps;   /* a leader's sequence: one per rank */
     uint32_t len;
     uint32_t *blocks; /* host block table (cap entries) */
     uint32_t n_blocks, n_dev_blocks, cap;
@@ -308,9 +327,9 @@ static kvb_status dev_alloc(kvb_cuda_engine *e, void **p, size_t bytes, size_t *
 
 typedef struct {
     const kvb_mat *w;
-    int64_t r0;
-    uint16_t *stage;
-    float **tmp; /* per worker (cols floats) */
+    int64_t r0, c0, nc; /* rows r0 + task, columns c0 .. c0+nc-1 */
+    uint16_t *stage;    /* (rows, nc) bf16 */
+    float **tmp;        /* per worker (cols floats) */
 } conv_job;
 
 static void conv_task(void *ctx, int task, int worker) {
@@ -319,8 +338,8 @@ static void conv_task(void *ctx, int task, int worker) {
     const int64_t r = j->r0 + task;
     float *t = j->tmp[worker];
     kvb_row_to_f32(w->type, (const uint8_t *)w->data + (size_t)r * w->row_bytes, t, w->cols);
-    uint16_t *dst = j->stage + (size_t)task * w->cols;
-    for (int64_t i = 0; i < w->cols; i++) dst[i] = kvb_f32_to_bf16(t[i]);
+    uint16_t *dst = j->stage + (size_t)task * j->nc;
+    for (int64_t i = 0; i < j->nc; i++) dst[i] = kvb_f32_to_bf16(t[j->c0 + i]);
 }
 
 typedef struct {
@@ -331,23 +350,31 @@ typedef struct {
     int n_tmp;
 } uploader;
 
-/* Writes W as bf16 rows at dst (device). */
-static kvb_status upload_mat(uploader *u, const kvb_mat *w, void *dst, const char *name, kvb_err *err) {
+/* Writes rows [row0, row0+nrows) x columns [col0, col0+ncols) of W as bf16 rows of ncols at dst
+ * (device); nrows or ncols 0 = all of them (a tensor-parallel rank takes a slice). */
+static kvb_status upload_mat(uploader *u, const kvb_mat *w, int64_t row0, int64_t nrows, int64_t col0, int64_t ncols,
+                             void *dst, const char *name, kvb_err *err) {
     const kvb_type_info *ti = kvb_type_get(w->type);
     if (!ti || !ti->supported)
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: weight type %s cannot be converted for the GPU", name,
                            kvb_type_name(w->type));
-    if (w->type == KVB_TYPE_BF16 && w->row_bytes == (size_t)w->cols * 2) {
-        KVB_CU(cudaMemcpy(dst, w->data, (size_t)w->rows * w->row_bytes, cudaMemcpyHostToDevice));
+    if (!nrows) nrows = w->rows - row0;
+    if (!ncols) ncols = w->cols - col0;
+    if (row0 < 0 || col0 < 0 || nrows < 0 || ncols < 0 || row0 + nrows > w->rows || col0 + ncols > w->cols)
+        return kvb_err_set(err, KVB_ERR_INTERNAL, "%s: slice outside the %lldx%lld matrix", name,
+                           (long long)w->rows, (long long)w->cols);
+    if (w->type == KVB_TYPE_BF16 && w->row_bytes == (size_t)w->cols * 2 && ncols == w->cols) {
+        KVB_CU(cudaMemcpy(dst, (const uint8_t *)w->data + (size_t)row0 * w->row_bytes, (size_t)nrows * w->row_bytes,
+                          cudaMemcpyHostToDevice));
         return KVB_OK;
     }
-    int64_t rows_per = (int64_t)(u->stage_elems / (size_t)w->cols);
+    int64_t rows_per = (int64_t)(u->stage_elems / (size_t)ncols);
     if (rows_per < 1) return kvb_err_set(err, KVB_ERR_INTERNAL, "%s: staging buffer too small", name);
-    for (int64_t r0 = 0; r0 < w->rows; r0 += rows_per) {
-        int64_t nr = w->rows - r0 < rows_per ? w->rows - r0 : rows_per;
-        conv_job j = {w, r0, u->stage, u->tmp};
+    for (int64_t r0 = 0; r0 < nrows; r0 += rows_per) {
+        int64_t nr = nrows - r0 < rows_per ? nrows - r0 : rows_per;
+        conv_job j = {w, row0 + r0, col0, ncols, u->stage, u->tmp};
         kvb_pool_parallel_for(u->pool, (int)nr, conv_task, &j);
-        KVB_CU(cudaMemcpy((uint16_t *)dst + (size_t)r0 * w->cols, u->stage, (size_t)nr * w->cols * 2,
+        KVB_CU(cudaMemcpy((uint16_t *)dst + (size_t)r0 * ncols, u->stage, (size_t)nr * ncols * 2,
                           cudaMemcpyHostToDevice));
     }
     return KVB_OK;
@@ -377,12 +404,15 @@ static void rope_task(void *ctx, int task, int worker) {
 static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *err) {
     const kvb_model *m = e->m;
     const kvb_model_desc *d = &m->d;
-    const size_t E = d->n_embd, D = d->head_dim, Q = (size_t)d->n_head * D, KV = (size_t)d->n_head_kv * D;
-    const size_t FF = d->n_ff, S = Q + 2 * KV;
+    /* this rank's shard: Q/K/V and gate/up rows from q0/kv0/f0, O and down columns likewise */
+    const size_t E = d->n_embd, D = d->head_dim, Q = (size_t)e->nh * D, KV = (size_t)e->nkv * D;
+    const size_t FF = e->nff, S = Q + 2 * KV;
+    const int64_t q0 = (int64_t)(e->tp_rank * Q), f0 = (int64_t)(e->tp_rank * FF);
+    const int64_t kv0 = (int64_t)((size_t)e->tp_rank * d->n_head_kv / (size_t)e->tp_size * D); /* see opts_resolve */
     kvb_status st = KVB_OK;
     uploader u = {pool, NULL, (size_t)32 << 20, NULL, kvb_pool_size(pool)};
-    size_t max_cols = E > Q ? E : Q;
-    if (FF > max_cols) max_cols = FF;
+    size_t max_cols = E > (size_t)d->n_head * D ? E : (size_t)d->n_head * D; /* whole rows are converted */
+    if (d->n_ff > max_cols) max_cols = d->n_ff;
     u.stage = malloc(u.stage_elems * sizeof(uint16_t));
     u.tmp = calloc((size_t)u.n_tmp, sizeof(float *));
     if (!u.stage || !u.tmp) {
@@ -396,12 +426,13 @@ static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *er
         }
 
     if ((st = dev_alloc(e, &e->tok_embd, (size_t)d->n_vocab * E * 2, &e->weight_bytes, "token embeddings", err)) ||
-        (st = upload_mat(&u, &m->tok_embd, e->tok_embd, "token_embd", err)))
+        (st = upload_mat(&u, &m->tok_embd, 0, 0, 0, 0, e->tok_embd, "token_embd", err)))
         goto done;
     e->output_shared = m->output.data == m->tok_embd.data && m->output.type == m->tok_embd.type;
     if (e->output_shared) e->output = e->tok_embd;
-    else if ((st = dev_alloc(e, &e->output, (size_t)d->n_vocab * E * 2, &e->weight_bytes, "output head", err)) ||
-             (st = upload_mat(&u, &m->output, e->output, "output", err)))
+    else if (e->tp_rank == 0 && /* the logits are rank 0's */
+             ((st = dev_alloc(e, &e->output, (size_t)d->n_vocab * E * 2, &e->weight_bytes, "output head", err)) ||
+              (st = upload_mat(&u, &m->output, 0, 0, 0, 0, e->output, "output", err))))
         goto done;
     if ((st = upload_f32(m->output_norm, E, &e->output_norm, &e->weight_bytes, "output norm", err))) goto done;
 
@@ -421,13 +452,14 @@ static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *er
             (st = dev_alloc(e, &L->w_gu, 2 * FF * E * 2, &e->weight_bytes, nm, err)) ||
             (st = dev_alloc(e, &L->w_down, E * FF * 2, &e->weight_bytes, nm, err)))
             break;
-        if ((st = upload_mat(&u, &w->wq, L->w_qkv, "attn_q", err)) ||
-            (st = upload_mat(&u, &w->wk, (uint16_t *)L->w_qkv + Q * E, "attn_k", err)) ||
-            (st = upload_mat(&u, &w->wv, (uint16_t *)L->w_qkv + (Q + KV) * E, "attn_v", err)) ||
-            (st = upload_mat(&u, &w->wo, L->w_o, "attn_output", err)) ||
-            (st = upload_mat(&u, &w->w_gate, L->w_gu, "ffn_gate", err)) ||
-            (st = upload_mat(&u, &w->w_up, (uint16_t *)L->w_gu + FF * E, "ffn_up", err)) ||
-            (st = upload_mat(&u, &w->w_down, L->w_down, "ffn_down", err)))
+        if ((st = upload_mat(&u, &w->wq, q0, (int64_t)Q, 0, 0, L->w_qkv, "attn_q", err)) ||
+            (st = upload_mat(&u, &w->wk, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w_qkv + Q * E, "attn_k", err)) ||
+            (st = upload_mat(&u, &w->wv, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w_qkv + (Q + KV) * E, "attn_v",
+                             err)) ||
+            (st = upload_mat(&u, &w->wo, 0, 0, q0, (int64_t)Q, L->w_o, "attn_output", err)) ||
+            (st = upload_mat(&u, &w->w_gate, f0, (int64_t)FF, 0, 0, L->w_gu, "ffn_gate", err)) ||
+            (st = upload_mat(&u, &w->w_up, f0, (int64_t)FF, 0, 0, (uint16_t *)L->w_gu + FF * E, "ffn_up", err)) ||
+            (st = upload_mat(&u, &w->w_down, 0, 0, f0, (int64_t)FF, L->w_down, "ffn_down", err)))
             break;
         if ((st = upload_f32(w->attn_norm, E, &L->attn_norm, &e->weight_bytes, "attn_norm", err)) ||
             (st = upload_f32(w->ffn_norm, E, &L->ffn_norm, &e->weight_bytes, "ffn_norm", err)))
@@ -438,9 +470,9 @@ static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *er
                 break;
             }
             memset(bias, 0, S * sizeof(float));
-            if (w->bq) memcpy(bias, w->bq, Q * sizeof(float));
-            if (w->bk) memcpy(bias + Q, w->bk, KV * sizeof(float));
-            if (w->bv) memcpy(bias + Q + KV, w->bv, KV * sizeof(float));
+            if (w->bq) memcpy(bias, w->bq + q0, Q * sizeof(float));
+            if (w->bk) memcpy(bias + Q, w->bk + kv0, KV * sizeof(float));
+            if (w->bv) memcpy(bias + Q + KV, w->bv + kv0, KV * sizeof(float));
             if ((st = upload_f32(bias, S, &L->b_qkv, &e->weight_bytes, "qkv bias", err))) break;
         }
         if (w->q_norm && (st = upload_f32(w->q_norm, D, &L->q_norm, &e->weight_bytes, "q_norm", err))) break;
@@ -532,7 +564,7 @@ static kvb_status attention_setup(kvb_cuda_engine *e, kvb_err *err) {
     }
     kvb_err de = {0};
     size_t scratch = 0;
-    if (kvb_cudnn_attn_create(e->st, (int)d->n_head_kv, (int)d->head_dim, e->o.max_batch, e->o.max_ctx, &e->dnn,
+    if (kvb_cudnn_attn_create(e->st, (int)e->nkv, (int)d->head_dim, e->o.max_batch, e->o.max_ctx, &e->dnn,
                               &scratch, &de)) {
         if (want == KVB_CUDA_ATTN_CUDNN) {
             *err = de;
@@ -547,6 +579,14 @@ static kvb_status attention_setup(kvb_cuda_engine *e, kvb_err *err) {
 }
 
 kvb_status kvb_cuda_engine_set_attention(kvb_cuda_engine *e, kvb_cuda_attention a, kvb_err *err) {
+    if (e->leader) {
+        for (int r = 0; r < e->tp_size; r++) {
+            kvb_status st = kvb_cuda_engine_set_attention(kvb_tp_group_rank(e->grp, r), a, err);
+            if (st) return st;
+        }
+        e->o.attention = a;
+        return KVB_OK;
+    }
     if (a == KVB_CUDA_ATTN_CUDNN && !e->dnn)
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "cuDNN attention is not loaded: %s", e->dnn_why);
     if (a != KVB_CUDA_ATTN_CUDNN && a != KVB_CUDA_ATTN_OWN)
@@ -556,6 +596,10 @@ kvb_status kvb_cuda_engine_set_attention(kvb_cuda_engine *e, kvb_cuda_attention 
 }
 
 void kvb_cuda_engine_attention_describe(const kvb_cuda_engine *e, char *buf, size_t cap) {
+    if (e->leader) {
+        kvb_cuda_engine_attention_describe(kvb_tp_group_rank(e->grp, 0), buf, cap);
+        return;
+    }
     if (e->o.attention == KVB_CUDA_ATTN_CUDNN && e->dnn_fallbacks)
         snprintf(buf, cap, "%s on global layers (gather + fused SDPA); %llu calls fell back to the own kernel: %s",
                  kvb_cudnn_attn_describe(e->dnn), (unsigned long long)e->dnn_fallbacks, e->dnn_why);
@@ -565,40 +609,90 @@ void kvb_cuda_engine_attention_describe(const kvb_cuda_engine *e, char *buf, siz
         snprintf(buf, cap, "own flash-attention kernel (cuDNN: %s)", e->dnn ? "loaded, not selected" : e->dnn_why);
 }
 
-kvb_status kvb_cuda_engine_create(const kvb_model *m, const kvb_cuda_opts *opts, kvb_cuda_engine **out, kvb_err *err) {
-    *out = NULL;
-    char why[256];
-    if (!kvb_cuda_device_available(why, sizeof why)) return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s", why);
-    kvb_cuda_engine *e = calloc(1, sizeof *e);
-    if (!e) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory creating the CUDA engine");
-    e->m = m;
-    e->o = opts ? *opts : (kvb_cuda_opts){0};
-    kvb_cuda_opts *o = &e->o;
-    const kvb_model_desc *d = &m->d;
-    kvb_status st = KVB_OK;
-    kvb_pool *pool = NULL;
-
+/* Applies the defaults and checks what every engine (one GPU, a tensor-parallel leader or rank)
+ * needs of the options and the model's shape. */
+static kvb_status opts_resolve(const kvb_model_desc *d, kvb_cuda_opts *o, kvb_err *err) {
     if (!o->block_tokens) o->block_tokens = 64;
     if (!o->max_ctx) o->max_ctx = d->n_ctx_train < 8192 ? d->n_ctx_train : 8192;
     if (!o->max_batch) o->max_batch = 8192;
     if (o->max_batch > o->max_ctx) o->max_batch = o->max_ctx;
-    if (o->block_tokens < 16 || o->block_tokens > 1024 || (o->block_tokens & (o->block_tokens - 1))) {
-        st = kvb_err_set(err, KVB_ERR_INVALID, "block_tokens must be a power of two in [16, 1024], got %u",
-                         o->block_tokens);
-        goto fail;
-    }
-    while ((1u << e->bt_shift) < o->block_tokens) e->bt_shift++;
+    if (o->n_gpus <= 0) o->n_gpus = 1;
+    if (o->block_tokens < 16 || o->block_tokens > 1024 || (o->block_tokens & (o->block_tokens - 1)))
+        return kvb_err_set(err, KVB_ERR_INVALID, "block_tokens must be a power of two in [16, 1024], got %u",
+                           o->block_tokens);
     if (!o->n_blocks) o->n_blocks = (o->max_ctx + o->block_tokens - 1) / o->block_tokens;
     if (d->head_dim > 256 || d->head_dim % 8 || d->n_head % d->n_head_kv || d->n_rot > d->head_dim ||
-        d->n_ff % 2 || d->n_embd % 8) {
-        st = kvb_err_set(err, KVB_ERR_UNSUPPORTED,
-                         "the CUDA engine needs head_dim <= 256 and a multiple of 8, n_ff even, n_embd a multiple "
-                         "of 8 (model: head_dim %u, n_ff %u, n_embd %u)",
-                         d->head_dim, d->n_ff, d->n_embd);
-        goto fail;
+        d->n_ff % 2 || d->n_embd % 8)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                           "the CUDA engine needs head_dim <= 256 and a multiple of 8, n_ff even, n_embd a multiple "
+                           "of 8 (model: head_dim %u, n_ff %u, n_embd %u)",
+                           d->head_dim, d->n_ff, d->n_embd);
+    const uint32_t N = (uint32_t)o->n_gpus;
+    if (N > KVB_TP_MAX_RANKS)
+        return kvb_err_set(err, KVB_ERR_INVALID, "--gpus %u: at most %d tensor-parallel ranks", N, KVB_TP_MAX_RANKS);
+    /* fewer KV heads than ranks: each KV head is on N / Hkv ranks (their query heads all read it) */
+    if (d->n_head % N || (d->n_head_kv % N && N % d->n_head_kv) || d->n_ff % N || (d->n_ff / N) % 2)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                           "%u tensor-parallel ranks need the heads (%u) and the MLP width (%u, into even parts) to "
+                           "divide evenly, and the KV heads (%u) to divide by the ranks or the ranks by them",
+                           N, d->n_head, d->n_ff, d->n_head_kv);
+    return KVB_OK;
+}
+
+/* A leader: the engine callers see when n_gpus > 1; its ranks compute (tp_group.c). */
+static kvb_status engine_create_leader(const kvb_model *m, const kvb_cuda_opts *o, kvb_cuda_engine **out,
+                                       kvb_err *err) {
+    kvb_cuda_engine *e = calloc(1, sizeof *e);
+    if (!e) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory creating the CUDA engine");
+    e->m = m;
+    e->o = *o;
+    e->leader = true;
+    e->tp_size = o->n_gpus;
+    const kvb_model_desc *d = &m->d;
+    kvb_status st = kvb_kvformat_init(&e->fmt, KVB_TYPE_BF16, o->block_tokens, d->n_layer, d->n_head_kv,
+                                      d->head_dim, err);
+    if (!st) st = kvb_tp_group_create(m, &e->o, &e->grp, err);
+    if (st) {
+        kvb_cuda_engine_free(e);
+        return st;
     }
-    if ((st = kvb_kvformat_init(&e->fmt, KVB_TYPE_BF16, o->block_tokens, d->n_layer, d->n_head_kv, d->head_dim,
-                                err)))
+    e->o.attention = kvb_cuda_engine_opts(kvb_tp_group_rank(e->grp, 0))->attention;
+    *out = e;
+    return KVB_OK;
+}
+
+kvb_status kvb_cuda_engine_create(const kvb_model *m, const kvb_cuda_opts *opts, kvb_cuda_engine **out, kvb_err *err) {
+    *out = NULL;
+    char why[256];
+    if (!kvb_cuda_device_available(why, sizeof why)) return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s", why);
+    kvb_cuda_opts o = opts ? *opts : (kvb_cuda_opts){0};
+    kvb_status st = opts_resolve(&m->d, &o, err);
+    if (st) return st;
+    if (o.n_gpus > 1) return engine_create_leader(m, &o, out, err);
+    return kvb_cu_engine_create_rank(m, &o, 0, 1, NULL, out, err);
+}
+
+kvb_status kvb_cu_engine_create_rank(const kvb_model *m, const kvb_cuda_opts *opts, int rank, int size,
+                                     kvb_tp_comm *comm, kvb_cuda_engine **out, kvb_err *err) {
+    *out = NULL;
+    kvb_cuda_engine *e = calloc(1, sizeof *e);
+    if (!e) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory creating the CUDA engine");
+    e->m = m;
+    e->o = *opts;
+    kvb_cuda_opts *o = &e->o;
+    const kvb_model_desc *d = &m->d;
+    kvb_status st = opts_resolve(d, o, err);
+    kvb_pool *pool = NULL;
+    if (st) goto fail;
+    e->tp_rank = rank;
+    e->tp_size = size;
+    e->comm = comm;
+    e->nh = d->n_head / (uint32_t)size;
+    e->nkv = d->n_head_kv >= (uint32_t)size ? d->n_head_kv / (uint32_t)size : 1; /* replicated when fewer */
+    e->nff = d->n_ff / (uint32_t)size;
+    if (rank != 0) o->layer_hook = NULL, o->layer_hook_ctx = NULL; /* the hook is rank 0's */
+    while ((1u << e->bt_shift) < o->block_tokens) e->bt_shift++;
+    if ((st = kvb_kvformat_init(&e->fmt, KVB_TYPE_BF16, o->block_tokens, d->n_layer, e->nkv, d->head_dim, err)))
         goto fail;
     e->block_bytes = kvb_kvformat_block_bytes(&e->fmt);
 
@@ -650,8 +744,8 @@ kvb_status kvb_cuda_engine_create(const kvb_model *m, const kvb_cuda_opts *opts,
         e->chain_root = kvb_chain_root(m->fingerprint, kvb_kvformat_fingerprint(&e->fmt));
     }
     {
-        const size_t B = o->max_batch, E = d->n_embd, D = d->head_dim, Q = (size_t)d->n_head * D;
-        const size_t S = Q + 2 * (size_t)d->n_head_kv * D, FF = d->n_ff;
+        const size_t B = o->max_batch, E = d->n_embd, D = d->head_dim, Q = (size_t)e->nh * D;
+        const size_t S = Q + 2 * (size_t)e->nkv * D, FF = e->nff;
         e->logit_rows = o->max_batch < 64 ? o->max_batch : 64;
         if ((st = dev_alloc(e, (void **)&e->x, B * E * 4, &e->act_bytes, "activations", err)) ||
             (st = dev_alloc(e, &e->h, B * E * 2, &e->act_bytes, "activations", err)) ||
@@ -680,6 +774,11 @@ fail:
 
 void kvb_cuda_engine_free(kvb_cuda_engine *e) {
     if (!e) return;
+    if (e->leader) {
+        kvb_tp_group_free(e->grp);
+        free(e);
+        return;
+    }
     if (e->st) cudaStreamSynchronize(e->st);
     if (e->L) {
         for (uint32_t l = 0; l < e->m->d.n_layer; l++) {
@@ -712,6 +811,13 @@ const kvb_kvformat *kvb_cuda_engine_kvformat(const kvb_cuda_engine *e) { return 
 const kvb_cuda_opts *kvb_cuda_engine_opts(const kvb_cuda_engine *e) { return &e->o; }
 
 void kvb_cuda_engine_describe(const kvb_cuda_engine *e, char *buf, size_t cap) {
+    if (e->leader) {
+        char r0[512];
+        kvb_cuda_engine_describe(kvb_tp_group_rank(e->grp, 0), r0, sizeof r0);
+        snprintf(buf, cap, "%d tensor-parallel ranks (%s); rank 0: %s", e->tp_size, kvb_tp_group_describe(e->grp),
+                 r0);
+        return;
+    }
     snprintf(buf, cap,
              "%s (sm_%d%d, %d SMs, %.1f GiB); weights %.2f GiB bf16, KV cache %.2f GiB (%u blocks of %u tokens), "
              "activations %.2f GiB (chunks of %u tokens)",
@@ -721,6 +827,19 @@ void kvb_cuda_engine_describe(const kvb_cuda_engine *e, char *buf, size_t cap) {
 }
 
 void kvb_cuda_engine_stats(kvb_cuda_engine *e, kvb_cuda_stats *out) {
+    if (e->leader) {
+        kvb_cuda_engine_stats(kvb_tp_group_rank(e->grp, 0), out);
+        for (int r = 1; r < e->tp_size; r++) {
+            kvb_cuda_stats rs;
+            kvb_cuda_engine_stats(kvb_tp_group_rank(e->grp, r), &rs);
+            out->weight_bytes += rs.weight_bytes;
+            out->kv_bytes += rs.kv_bytes;
+            out->act_bytes += rs.act_bytes;
+        }
+        out->last_forward_s = e->last_forward_s;
+        out->last_enqueue_s = e->last_forward_s;
+        return;
+    }
     memset(out, 0, sizeof *out);
     out->weight_bytes = e->weight_bytes;
     out->kv_bytes = e->kv_bytes;
@@ -742,6 +861,7 @@ void kvb_cuda_engine_stats(kvb_cuda_engine *e, kvb_cuda_stats *out) {
 
 kvb_status kvb_cuda_engine_gate_next(kvb_cuda_engine *e, int gate_ms, kvb_err *err) {
     if (gate_ms <= 0 || gate_ms > 60000) return kvb_err_set(err, KVB_ERR_INVALID, "gate_ms must be in 1..60000");
+    if (e->leader) return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "a gated forward is for one GPU (not --gpus > 1)");
     if (!e->gate_host) {
         void *h = NULL;
         KVB_CU(cudaHostAlloc(&h, sizeof(int), cudaHostAllocMapped));
@@ -770,6 +890,12 @@ kvb_status kvb_cuda_seq_create(kvb_cuda_engine *e, kvb_cuda_seq **out, kvb_err *
     kvb_cuda_seq *s = calloc(1, sizeof *s);
     if (!s) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory creating a sequence");
     s->e = e;
+    if (e->leader) {
+        kvb_status st = kvb_tp_seq_create(e->grp, &s->tps, err);
+        if (st) free(s);
+        else *out = s;
+        return st;
+    }
     s->cap = (e->o.max_ctx + e->o.block_tokens - 1) / e->o.block_tokens;
     s->blocks = malloc(sizeof(uint32_t) * s->cap);
     s->keys = malloc(sizeof(uint64_t) * s->cap);
@@ -788,6 +914,11 @@ kvb_status kvb_cuda_seq_create(kvb_cuda_engine *e, kvb_cuda_seq **out, kvb_err *
 
 void kvb_cuda_seq_free(kvb_cuda_seq *s) {
     if (!s) return;
+    if (s->tps) {
+        kvb_tp_seq_free(s->e->grp, s->tps);
+        free(s);
+        return;
+    }
     /* last to first, so a chain's first blocks stay cached longer than its extensions */
     for (uint32_t i = s->n_blocks; i-- > 0;) bm_release(&s->e->bm, s->blocks[i]);
     if (s->d_blocks) {
@@ -800,7 +931,9 @@ void kvb_cuda_seq_free(kvb_cuda_seq *s) {
     free(s);
 }
 
-uint32_t kvb_cuda_seq_len(const kvb_cuda_seq *s) { return s->len; }
+uint32_t kvb_cuda_seq_len(const kvb_cuda_seq *s) {
+    return s->tps ? kvb_cuda_seq_len(kvb_tp_seq_rank(s->tps, 0)) : s->len;
+}
 
 static kvb_status seq_tokens_reserve(kvb_cuda_seq *s, uint32_t n, kvb_err *err) {
     if (n <= s->tok_cap) return KVB_OK;
@@ -817,6 +950,7 @@ kvb_status kvb_cuda_seq_attach_cached(kvb_cuda_seq *s, const int32_t *tokens, ui
                                       kvb_err *err) {
     kvb_cuda_engine *e = s->e;
     *n_cached = 0;
+    if (s->tps) return kvb_tp_attach_cached(e->grp, s->tps, tokens, n, n_cached, err);
     if (s->len != 0 || s->n_blocks != 0)
         return kvb_err_set(err, KVB_ERR_INVALID, "attach_cached needs an empty sequence (this one holds %u tokens)",
                            s->len);
@@ -864,10 +998,15 @@ static bool skip_attention(void) {
  * post norm (gemma3), the product to o32 (f32) and x += rmsnorm(o32) * post_norm. */
 static kvb_status residual_branch(kvb_cuda_engine *e, const void *W, int E, int cols, const void *in, int n,
                                   const float *post_norm, kvb_err *err) {
-    if (!post_norm) return kvb_cu_gemm(e->cublas, W, E, cols, in, n, 1.0f, e->x, false, err);
+    kvb_status rs;
+    if (!post_norm) { /* tensor parallel: rank 0 adds into x, the others give their product; then the sum */
+        rs = kvb_cu_gemm(e->cublas, W, E, cols, in, n, e->tp_rank == 0 ? 1.0f : 0.0f, e->x, false, err);
+        if (rs || !e->comm) return rs;
+        return kvb_tp_comm_allreduce(e->comm, e->tp_rank, e->x, (size_t)n * E, e->st, err);
+    }
     if (!e->o32) return kvb_err_set(err, KVB_ERR_INTERNAL, "a post norm without its buffer");
-    kvb_status rs = kvb_cu_gemm(e->cublas, W, E, cols, in, n, 0.0f, e->o32, false, err);
-    if (rs) return rs;
+    if ((rs = kvb_cu_gemm(e->cublas, W, E, cols, in, n, 0.0f, e->o32, false, err))) return rs;
+    if (e->comm && (rs = kvb_tp_comm_allreduce(e->comm, e->tp_rank, e->o32, (size_t)n * E, e->st, err))) return rs;
     KVB_CU(kvb_cu_rmsnorm_add(e->o32, n, E, post_norm, e->m->d.norm_eps, e->x, e->st));
     return KVB_OK;
 }
@@ -892,8 +1031,8 @@ static kvb_status run_attention(kvb_cuda_engine *e, const cu_layer *L, const kvb
 static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t pos0, uint32_t c, float *logits,
                                 bool all_logits, bool want_last, kvb_err *err) {
     const kvb_model_desc *d = &e->m->d;
-    const int E = (int)d->n_embd, D = (int)d->head_dim, H = (int)d->n_head, Hkv = (int)d->n_head_kv;
-    const int Q = H * D, S = Q + 2 * Hkv * D, FF = (int)d->n_ff, V = (int)d->n_vocab, n = (int)c;
+    const int E = (int)d->n_embd, D = (int)d->head_dim, H = (int)e->nh, Hkv = (int)e->nkv; /* this rank's */
+    const int Q = H * D, S = Q + 2 * Hkv * D, FF = (int)e->nff, V = (int)d->n_vocab, n = (int)c;
     const float eps = d->norm_eps;
     cudaStream_t st = e->st;
     kvb_status rs;
@@ -903,7 +1042,11 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
     for (uint32_t l = 0; l < d->n_layer; l++) {
         const cu_layer *L = &e->L[l];
         KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->attn_norm, eps, e->h, (size_t)E, e->h32, st));
-        if (e->o.layer_hook && (rs = e->o.layer_hook(e->o.layer_hook_ctx, l, pos0, c, e->h32, st, err))) return rs;
+        if (e->o.layer_hook && !e->hook_st && (rs = e->o.layer_hook(e->o.layer_hook_ctx, l, pos0, c, e->h32, st, err))) {
+            if (!e->comm) return rs;
+            e->hook_st = rs; /* tensor parallel: the ranks stay in lockstep; returned at the end */
+            e->hook_err = *err;
+        }
         if ((rs = kvb_cu_gemm(e->cublas, L->w_qkv, S, E, e->h, n, 0.0f, e->qkv, false, err))) return rs;
         kvb_cu_qkv_post_args qa = {e->qkv, n, H, Hkv, D, (int)d->n_rot, d->rope_neox ? 1 : 0, L->b_qkv, L->q_norm,
                                    L->k_norm, eps, e->rope_cos[L->rope_kind], e->rope_sin[L->rope_kind], (int)pos0,
@@ -934,11 +1077,8 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
     return KVB_OK;
 }
 
-kvb_status kvb_cuda_forward(kvb_cuda_engine *e, kvb_cuda_seq *s, const int32_t *tokens, uint32_t n, float *logits,
-                            bool all_logits, kvb_err *err) {
-    const double t_start = kvb_now_s();
-    if (n == 0) return kvb_err_set(err, KVB_ERR_INVALID, "forward called with no tokens");
-    if (s->e != e) return kvb_err_set(err, KVB_ERR_INVALID, "sequence belongs to another engine");
+kvb_status kvb_cu_forward_check(kvb_cuda_engine *e, kvb_cuda_seq *s, const int32_t *tokens, uint32_t n,
+                                kvb_err *err) {
     if ((uint64_t)s->len + n > e->o.max_ctx)
         return kvb_err_set(err, KVB_ERR_RANGE, "%u + %u tokens exceed the context limit of %u tokens", s->len, n,
                            e->o.max_ctx);
@@ -947,7 +1087,24 @@ kvb_status kvb_cuda_forward(kvb_cuda_engine *e, kvb_cuda_seq *s, const int32_t *
         if (tokens[t] < 0 || (uint32_t)tokens[t] >= V)
             return kvb_err_set(err, KVB_ERR_INVALID, "token id %d at position %u is outside the vocabulary (0..%u)",
                                tokens[t], s->len + t, V - 1);
-    kvb_status st;
+    const uint32_t need = (s->len + n + bt - 1) / bt;
+    return need > s->n_blocks ? bm_check(&e->bm, need - s->n_blocks, err) : KVB_OK;
+}
+
+kvb_status kvb_cuda_forward(kvb_cuda_engine *e, kvb_cuda_seq *s, const int32_t *tokens, uint32_t n, float *logits,
+                            bool all_logits, kvb_err *err) {
+    const double t_start = kvb_now_s();
+    if (n == 0) return kvb_err_set(err, KVB_ERR_INVALID, "forward called with no tokens");
+    if (s->e != e) return kvb_err_set(err, KVB_ERR_INVALID, "sequence belongs to another engine");
+    if (e->leader) {
+        kvb_status ls = kvb_tp_forward(e->grp, s->tps, tokens, n, logits, all_logits, err);
+        e->last_forward_s = kvb_now_s() - t_start;
+        return ls;
+    }
+    e->hook_st = KVB_OK;
+    kvb_status st = kvb_cu_forward_check(e, s, tokens, n, err);
+    if (st) return st;
+    const uint32_t V = e->m->d.n_vocab, bt = e->o.block_tokens;
     const uint32_t need = (s->len + n + bt - 1) / bt;
     if (need > s->n_blocks) {
         if ((st = bm_alloc(&e->bm, need - s->n_blocks, s->blocks + s->n_blocks, err))) return st;
@@ -1003,6 +1160,10 @@ kvb_status kvb_cuda_forward(kvb_cuda_engine *e, kvb_cuda_seq *s, const int32_t *
         e->last_gated_gpu_s = ms / 1000.0;
     }
     KVB_CU(cudaGetLastError());
+    if (e->hook_st) { /* a tensor-parallel rank finished in lockstep after its hook failed */
+        *err = e->hook_err;
+        return e->hook_st;
+    }
     s->len += n;
 
     /* index every block that is now full */
@@ -1096,3 +1257,5 @@ fail:
     if (s) cudaStreamDestroy(s);
     return st;
 }
+
+bool kvb_cu_engine_hook_failed(const kvb_cuda_engine *e) { return e->hook_st != KVB_OK; }

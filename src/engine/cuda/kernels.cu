@@ -1,9 +1,10 @@
 /* engine/cuda/kernels.cu — the elementwise and row kernels of the CUDA forward pass: embedding
  * gather (gemma3: times sqrt(n_embd)), RMSNorm (f32 in, bf16 out; or, for gemma3's post norms,
  * f32 added into the residual stream), the fused QKV epilogue (bias, per-head q/k RMSNorm, RoPE,
- * q out, K/V into the paged cache), SwiGLU / GeGLU, and a random fill for benchmarks. Each has a
- * CPU twin in tests/test_cuda_kernels.c. RoPE products are rounded one by one (__fmul_rn/
- * __fsub_rn/__fadd_rn) like the CPU engine's; reductions use f32 in a fixed tree order. */
+ * q out, K/V into the paged cache), SwiGLU / GeGLU, the tensor-parallel all-reduce's sum of up to
+ * 8 buffers (rank order, plain f32 adds), and a random fill for benchmarks. Each has a CPU twin in
+ * tests/test_cuda_kernels.c. RoPE products are rounded one by one (__fmul_rn/__fsub_rn/__fadd_rn)
+ * like the CPU engine's; reductions use f32 in a fixed tree order. */
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -271,6 +272,65 @@ extern "C" cudaError_t kvb_cu_glu(const void *gu, int n, int FF, int gelu, void 
     if (n <= 0) return cudaSuccess;
     if (gelu) glu_launch<true>(gu, n, FF, out, st);
     else glu_launch<false>(gu, n, FF, out, st);
+    return cudaGetLastError();
+}
+
+/* ---- sum of buffers (the tensor-parallel all-reduce, tp_comm.c) ------------------------------- */
+
+#define SUM_MAX_IN 8
+
+/* The inputs travel by value in the kernel's parameters (a host array of device pointers). */
+typedef struct {
+    const float *p[SUM_MAX_IN];
+} sum_inputs;
+
+__device__ __forceinline__ float4 add4(float4 a, float4 b) {
+    return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
+}
+
+/* out[j] = ((in[0][j] + in[1][j]) + in[2][j]) ... over the first N inputs, each add rounded once;
+ * V = float4 (n = count / 4 vectors, every pointer 16-byte aligned) or float (n = count). */
+template <int N, typename V> __global__ void sum_kernel(sum_inputs in, V *__restrict__ out, size_t n) {
+    for (size_t j = (size_t)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += (size_t)gridDim.x * blockDim.x) {
+        V acc = reinterpret_cast<const V *>(in.p[0])[j];
+#pragma unroll
+        for (int i = 1; i < N; i++) {
+            const V v = reinterpret_cast<const V *>(in.p[i])[j];
+            if constexpr (sizeof(V) == sizeof(float4)) acc = add4(acc, v);
+            else acc = __fadd_rn(acc, v);
+        }
+        out[j] = acc;
+    }
+}
+
+template <typename V> static void sum_launch(const sum_inputs &in, int n_in, V *out, size_t n, cudaStream_t st) {
+    size_t blocks = (n + 255) / 256;
+    if (blocks > 132 * 16) blocks = 132 * 16;
+    const dim3 g((unsigned)blocks), b(256);
+    switch (n_in) {
+    case 1: sum_kernel<1, V><<<g, b, 0, st>>>(in, out, n); break;
+    case 2: sum_kernel<2, V><<<g, b, 0, st>>>(in, out, n); break;
+    case 3: sum_kernel<3, V><<<g, b, 0, st>>>(in, out, n); break;
+    case 4: sum_kernel<4, V><<<g, b, 0, st>>>(in, out, n); break;
+    case 5: sum_kernel<5, V><<<g, b, 0, st>>>(in, out, n); break;
+    case 6: sum_kernel<6, V><<<g, b, 0, st>>>(in, out, n); break;
+    case 7: sum_kernel<7, V><<<g, b, 0, st>>>(in, out, n); break;
+    default: sum_kernel<8, V><<<g, b, 0, st>>>(in, out, n); break;
+    }
+}
+
+extern "C" cudaError_t kvb_cu_sum_f32(float *out, const float *const *in, int n_in, size_t count, cudaStream_t st) {
+    if (n_in < 1 || n_in > SUM_MAX_IN || !in || !out) return cudaErrorInvalidValue;
+    if (count == 0) return cudaSuccess;
+    sum_inputs a = {};
+    bool aligned = (count & 3) == 0 && ((uintptr_t)out & 15) == 0;
+    for (int i = 0; i < n_in; i++) {
+        if (!in[i] || in[i] == out) return cudaErrorInvalidValue;
+        a.p[i] = in[i];
+        aligned = aligned && ((uintptr_t)in[i] & 15) == 0;
+    }
+    if (aligned) sum_launch<float4>(a, n_in, reinterpret_cast<float4 *>(out), count / 4, st);
+    else sum_launch<float>(a, n_in, out, count, st);
     return cudaGetLastError();
 }
 

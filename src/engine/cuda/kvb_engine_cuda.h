@@ -72,7 +72,26 @@ typedef struct {
     kvb_cuda_layer_hook layer_hook; /* the bridge (prefill node), or NULL */
     void *layer_hook_ctx;
     kvb_cuda_attention attention;   /* after creation: OWN or CUDNN, the one in use */
+    int n_gpus;            /* tensor-parallel ranks, 1..8 (0 = 1): see "Tensor parallelism" below */
+    bool tp_one_device;    /* n_gpus > 1: every rank on `device`, summed by the engine itself (testing
+                              the split on a one-GPU host); else ranks on device .. device+n_gpus-1
+                              through NCCL */
 } kvb_cuda_opts;
+
+/* Tensor parallelism (n_gpus = N > 1). One host thread per rank drives that rank's GPU; rank r
+ * holds heads [r H/N, (r+1) H/N), KV heads [r Hkv/N, (r+1) Hkv/N) (their Q/K/V rows, bias and
+ * cache) and MLP columns [r FF/N, (r+1) FF/N) (gate/up rows, down columns), and the O and down
+ * projections' matching input columns. After each of those two row-parallel GEMMs one all-reduce
+ * (f32, NCCL's or the engine's own) sums the ranks' partial products, so the residual stream x is
+ * the same on every rank, bit for bit; rank 0 adds x itself (beta = 1) and the others contribute
+ * only their products (gemma3: the branch output is summed before its post norm). Embeddings,
+ * norms and RoPE tables are on every rank; the output head and the logits on rank 0. The layer
+ * hook runs on rank 0 only (its attention input is every rank's). Callers see one engine:
+ * kvb_cuda_engine_kvformat describes the whole model's cache; sequences, prefix caching and
+ * forward behave as with one GPU. Needs H and FF divisible by N, and Hkv divisible by N or N by
+ * Hkv (then each KV head is computed and cached on the N/Hkv ranks whose query heads read it). A layer hook's error stops
+ * further hook calls, lets the forward finish in lockstep, and is returned at its end; any other
+ * failure on a rank aborts the all-reduce and leaves the engine refusing further work. */
 
 typedef struct kvb_cuda_engine kvb_cuda_engine;
 typedef struct kvb_cuda_seq kvb_cuda_seq;
@@ -115,7 +134,8 @@ typedef struct {
     size_t kv_bytes;         /* device bytes of the KV pool */
     size_t act_bytes;        /* device bytes of activations, tables and workspaces */
     size_t dev_total_bytes;  /* the device's memory */
-    size_t dev_used_bytes;   /* in use now on the device (cudaMemGetInfo; all processes) */
+    size_t dev_used_bytes;   /* in use now on the device (cudaMemGetInfo; all processes; with tensor
+                                parallelism rank 0's device, weight/kv/act bytes summed over ranks) */
     size_t dev_peak_used_bytes; /* the most seen in use at the end of a forward since creation */
     uint32_t n_blocks, free_blocks, cached_blocks; /* cached: indexed blocks no sequence holds */
     uint64_t prefix_hit_tokens; /* tokens adopted from the cache by attach_cached, in total */
