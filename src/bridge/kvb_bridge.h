@@ -110,6 +110,8 @@ typedef struct {
     int n_threads;
     bool perturb;          /* test-only: perturb the bridge; every exactness row must then fail */
     bool cuda;             /* compute the bridge rows with the CUDA bridge kernel (needs a GPU) */
+    int gpus;              /* with cuda, > 1: that many tensor-parallel rank bridges, each computing
+                              its KV heads' columns (kvb_bridge_cuda_create_ranks) */
 } kvb_verify_opts;
 
 typedef struct {

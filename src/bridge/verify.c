@@ -11,9 +11,12 @@
 #ifdef KVB_HAVE_CUDA
 #include "kvb_bridge_cuda.h"
 
+/* ctx: a NULL-terminated array of CUDA bridges (tensor-parallel ranks: each writes its KV heads). */
 static kvb_status cuda_rows(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const float *h, uint8_t *k_rows,
                             uint8_t *v_rows, kvb_err *err) {
-    return kvb_bridge_cuda_layer(ctx, layer, pos0, n, h, k_rows, v_rows, err);
+    kvb_status st = KVB_OK;
+    for (kvb_bridge_cuda **b = ctx; *b && !st; b++) st = kvb_bridge_cuda_layer(*b, layer, pos0, n, h, k_rows, v_rows, err);
+    return st;
 }
 #endif
 
@@ -68,13 +71,17 @@ static kvb_status run_bridge(const kvb_model *m, const kvb_verify_opts *o, const
     if (st) return st;
     kvb_bridge_cpu_set_perturbed(br, o->perturb);
 #ifdef KVB_HAVE_CUDA
-    kvb_bridge_cuda *gpu = NULL;
+    kvb_bridge_cuda *gpu[9] = {0}; /* NULL-terminated: one bridge, or o->gpus rank bridges */
     if (o->cuda) {
-        if ((st = kvb_bridge_cuda_create(m, fmt->dtype, chunk, &gpu, err))) {
+        const int ranks = o->gpus > 1 ? o->gpus : 1;
+        st = ranks > 8 ? kvb_err_set(err, KVB_ERR_INVALID, "--gpus %d: at most 8", ranks)
+             : ranks > 1 ? kvb_bridge_cuda_create_ranks(m, fmt->dtype, chunk, ranks, NULL, gpu, err)
+                         : kvb_bridge_cuda_create(m, fmt->dtype, chunk, &gpu[0], err);
+        if (st) {
             kvb_bridge_cpu_free(br);
             return st;
         }
-        kvb_bridge_cuda_set_perturbed(gpu, o->perturb);
+        for (int r = 0; r < ranks; r++) kvb_bridge_cuda_set_perturbed(gpu[r], o->perturb);
         kvb_bridge_cpu_set_producer(br, cuda_rows, gpu);
     }
 #else
@@ -91,7 +98,7 @@ static kvb_status run_bridge(const kvb_model *m, const kvb_verify_opts *o, const
     }
     kvb_bridge_cpu_free(br);
 #ifdef KVB_HAVE_CUDA
-    kvb_bridge_cuda_free(gpu);
+    kvb_bridge_cuda_free(gpu[0]); /* and the other ranks' */
 #endif
     return st;
 }

@@ -15,7 +15,8 @@
 
 static void help(FILE *f) {
     fprintf(f,
-            "usage: kvbridge verify [--preset NAME]... [--model FILE] [--device cpu|cuda] [--threads T] [--perturb]\n\n"
+            "usage: kvbridge verify [--preset NAME]... [--model FILE] [--device cpu|cuda [--gpus N]] [--threads T]\n"
+            "                       [--perturb]\n\n"
             "Proves the bridge computes the decoder's own cache: for each model and each cache format\n"
             "(f32, f16, bf16, q8_0) it compares, bit for bit,\n"
             "  arrays   every layer's K and V written by the bridge vs by the decoder's own forward\n"
@@ -26,6 +27,8 @@ static void help(FILE *f) {
             "                  (default: tiny, tiny-qwen2, tiny-qwen3, tiny-llama3, tiny-gemma3)\n"
             "  --model FILE    verify this GGUF instead\n"
             "  --device D      cpu (default) or cuda (needs the CUDA bridge; said plainly when absent)\n"
+            "  --gpus N        with cuda: N tensor-parallel rank bridges, each computing its share of the KV\n"
+            "                  heads into the same rows (GPUs 0..N-1 when the host has them, else all on GPU 0)\n"
             "  --threads T     CPU threads (default: all)\n"
             "  --perturb       test-only: perturb the bridge by one reordered addition; every row must fail\n"
             "  --bytes-at LIST prompt lengths for the bytes-per-token table by layer kind (default 1024,8192,30720;\n"
@@ -67,7 +70,8 @@ static void print_bytes_table(const char *label, const kvb_model *m, const uint3
     }
 }
 
-static int verify_model(const char *label, const char *path, int threads, bool perturb, bool cuda, int *short_rows,
+/* cuda: 0 = the CPU bridge; N >= 1: the CUDA bridge, as N tensor-parallel rank bridges when N > 1 */
+static int verify_model(const char *label, const char *path, int threads, bool perturb, int cuda, int *short_rows,
                         const uint32_t *lens, int n_lens) {
     kvb_err err = {0};
     kvb_model *m = NULL;
@@ -77,7 +81,9 @@ static int verify_model(const char *label, const char *path, int threads, bool p
     }
     for (size_t i = 0; i < sizeof k_formats / sizeof k_formats[0]; i++) {
         kvb_verify_opts o = {.cache_dtype = k_formats[i], .block_tokens = 16, .prompt_tokens = 4 * 16 + 7,
-                             .seed = 0x5eed + i, .n_threads = threads, .perturb = perturb, .cuda = cuda};
+                             .seed = 0x5eed + i, .n_threads = threads, .perturb = perturb, .cuda = cuda > 0, .gpus = cuda};
+        char dev[16];
+        snprintf(dev, sizeof dev, cuda > 1 ? "cudax%d" : cuda ? "cuda" : "cpu", cuda);
         kvb_verify_result r;
         if (kvb_verify_cpu(m, &o, &r, &err)) {
             fprintf(stderr, "kvbridge verify: %s (%s): %s\n", label, kvb_type_name(k_formats[i]), err.msg);
@@ -101,14 +107,14 @@ static int verify_model(const char *label, const char *path, int threads, bool p
         }
         for (size_t k = 0; k < (perturb ? 3u : 4u); k++) { /* bytes are no arithmetic: not a perturbed row */
             bool good = rows[k].ok == rows[k].total && rows[k].total > 0;
-            printf("  %-14s %-5s %-5s %-8s %4u/%-4u %s\n", label, fmt, cuda ? "cuda" : "cpu", rows[k].name, rows[k].ok,
+            printf("  %-14s %-5s %-5s %-8s %4u/%-4u %s\n", label, fmt, dev, rows[k].name, rows[k].ok,
                    rows[k].total, good ? "ok" : "SHORT");
             if (!good) (*short_rows)++;
         }
         if (f.window)
             printf("  %-14s %-5s %-5s local rows shipped from position %u of %u (window %u): %llu B global + %llu B "
                    "local\n",
-                   label, fmt, cuda ? "cuda" : "cpu", r.local_keep_from, r.ship_tokens, f.window,
+                   label, fmt, dev, r.local_keep_from, r.ship_tokens, f.window,
                    (unsigned long long)(r.slab_bytes - r.slab_bytes_local), (unsigned long long)r.slab_bytes_local);
     }
     if (n_lens && !cuda) print_bytes_table(label, m, lens, n_lens);
@@ -122,6 +128,7 @@ int kvb_cmd_verify(int argc, char **argv) {
     int n_presets = 0, threads = 0, n_lens = 3;
     uint32_t lens[8] = {1024, 8192, 30720};
     bool perturb = false;
+    long long gpus = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         long long n;
@@ -150,6 +157,8 @@ int kvb_cmd_verify(int argc, char **argv) {
         } else if (!strcmp(a, "--threads")) {
             if (!(v = kvb_arg_value("verify", argc, argv, &i)) || !kvb_arg_int("verify", a, v, 1, 1024, &n)) return 2;
             threads = (int)n;
+        } else if (!strcmp(a, "--gpus")) {
+            if (!(v = kvb_arg_value("verify", argc, argv, &i)) || !kvb_arg_int("verify", a, v, 1, 8, &gpus)) return 2;
         } else if (!strcmp(a, "--perturb")) {
             perturb = true;
         } else if (!strcmp(a, "--bytes-at")) {
@@ -180,7 +189,7 @@ int kvb_cmd_verify(int argc, char **argv) {
     printf("  %-14s %-5s %-5s %-8s %9s\n", "model", "cache", "dev", "row", "identical");
     int short_rows = 0;
     if (model) {
-        if (verify_model(model, model, threads, perturb, false, &short_rows, lens, n_lens)) return 1;
+        if (verify_model(model, model, threads, perturb, 0, &short_rows, lens, n_lens)) return 1;
     }
     for (int i = 0; i < n_presets; i++) {
         char path[512];
@@ -197,15 +206,15 @@ int kvb_cmd_verify(int argc, char **argv) {
             }
         }
         paths[i] = strdup(path);
-        if (!paths[i] || verify_model(presets[i], path, threads, perturb, false, &short_rows, lens, n_lens)) return 1;
+        if (!paths[i] || verify_model(presets[i], path, threads, perturb, 0, &short_rows, lens, n_lens)) return 1;
     }
     /* the CUDA rows: the bridge kernel on the GPU against the same decoder's own cache */
 #ifdef KVB_HAVE_CUDA
     char why[256] = "";
     if (!strcmp(device, "cuda") && kvb_cuda_device_available(why, sizeof why)) {
-        if (model && verify_model(model, model, threads, perturb, true, &short_rows, lens, n_lens)) return 1;
+        if (model && verify_model(model, model, threads, perturb, (int)gpus, &short_rows, lens, n_lens)) return 1;
         for (int i = 0; i < n_presets; i++)
-            if (verify_model(presets[i], paths[i], threads, perturb, true, &short_rows, lens, n_lens)) return 1;
+            if (verify_model(presets[i], paths[i], threads, perturb, (int)gpus, &short_rows, lens, n_lens)) return 1;
     } else if (!strcmp(device, "cuda")) {
         printf("  CUDA rows: not run — %s.\n", why);
     } else {

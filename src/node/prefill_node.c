@@ -31,7 +31,9 @@ struct kvb_prefill_node {
     kvb_bridge_cpu *br;   /* cuts rows into slabs (and computes them, on the CPU engine) */
 #ifdef KVB_HAVE_CUDA
     kvb_cuda_engine *ce;  /* --device cuda: the prefill engine ... */
-    kvb_bridge_cuda *bc;  /* ... and the bridge kernel fed from its layer hook */
+    kvb_bridge_cuda *bc;  /* ... and the bridge kernel fed from its layer hook (tensor parallel:
+                             rank 0's, which ships; bcr holds every rank's, each for its KV heads) */
+    kvb_bridge_cuda *bcr[8];
 #endif
     uint32_t ship_from, ship_to; /* the request in flight: positions the decoder lacks */
     uint32_t local_from;         /* local (sliding-window) layers: the decoder keeps rows from here on */
@@ -132,8 +134,8 @@ static kvb_status ship_filler_rows(kvb_prefill_node *n, kvb_err *err) {
 
 #ifdef KVB_HAVE_CUDA
 /* The CUDA engine's layer hook: the bridge kernel on the positions the decoder lacks. */
-static kvb_status cuda_layer_hook(void *ctx, uint32_t layer, uint32_t pos0, uint32_t cnt, const float *d_h,
-                                  void *stream, kvb_err *err) {
+static kvb_status cuda_layer_hook(void *ctx, int rank, uint32_t layer, uint32_t pos0, uint32_t cnt,
+                                  const float *d_h, void *stream, kvb_err *err) {
     kvb_prefill_node *n = ctx;
     /* a local layer's rows the decoder does not keep are not computed (the bridge would drop them) */
     const uint32_t from = kvb_kvformat_layer_local(&n->fmt, layer) && n->local_from > n->ship_from ? n->local_from
@@ -141,8 +143,8 @@ static kvb_status cuda_layer_hook(void *ctx, uint32_t layer, uint32_t pos0, uint
     const uint32_t lo = pos0 > from ? pos0 : from;
     const uint32_t hi = pos0 + cnt < n->ship_to ? pos0 + cnt : n->ship_to;
     if (lo >= hi) return KVB_OK;
-    return kvb_bridge_cuda_enqueue(n->bc, layer, lo, hi - lo, d_h + (size_t)(lo - pos0) * n->m->d.n_embd, stream,
-                                   err);
+    return kvb_bridge_cuda_enqueue(n->bcr[rank], layer, lo, hi - lo, d_h + (size_t)(lo - pos0) * n->m->d.n_embd,
+                                   stream, err);
 }
 
 /* The CUDA bridge's rows, one layer late, cut into slabs sent straight from its pinned slot: the
@@ -435,12 +437,23 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
             if (cfg->prefill_mode)
                 st = kvb_err_set(err, KVB_ERR_UNSUPPORTED,
                                  "bridge mode prefill is not available with --device cuda (use decoder mode)");
-            if (!st) st = kvb_bridge_cuda_create(n->m, cfg->cache_dtype, n->cfg.chunk_tokens, &n->bc, err);
+            const int gpus = cfg->gpus > 1 ? cfg->gpus : 1;
+            if (!st && gpus > 8) st = kvb_err_set(err, KVB_ERR_INVALID, "--gpus %d: at most 8", gpus);
+            if (!st && gpus == 1) st = kvb_bridge_cuda_create(n->m, cfg->cache_dtype, n->cfg.chunk_tokens, &n->bc, err);
+            if (!st && gpus == 1) n->bcr[0] = n->bc;
+            if (!st && gpus > 1) { /* each rank's bridge on its rank's device, as the engine places them */
+                int devs[8];
+                for (int r = 0; r < gpus; r++) devs[r] = cfg->tp_one_device ? 0 : r;
+                st = kvb_bridge_cuda_create_ranks(n->m, cfg->cache_dtype, n->cfg.chunk_tokens, gpus, devs, n->bcr,
+                                                  err);
+                if (!st) n->bc = n->bcr[0];
+            }
             if (!st) {
                 kvb_bridge_cuda_set_ship(n->bc, cuda_ship_rows, n);
                 kvb_cuda_opts co = {.max_ctx = n->cfg.max_ctx, .max_batch = n->cfg.chunk_tokens,
                                     .n_threads = cfg->n_threads, .layer_hook = cuda_layer_hook, .layer_hook_ctx = n,
-                                    .n_gpus = cfg->gpus, .tp_one_device = cfg->tp_one_device};
+                                    .n_gpus = cfg->gpus, .tp_one_device = cfg->tp_one_device,
+                                    .hook_every_rank = true};
                 st = kvb_cuda_engine_create(n->m, &co, &n->ce, err);
                 if (!st) {
                     char ad[768];

@@ -17,6 +17,7 @@
 #include "kvb_quant.h"
 
 typedef struct {
+    kvb_mat wk_m, wv_m;        /* this bridge's rows of the file's K/V weights (its KV heads) */
     uint8_t *wk, *wv;          /* raw file bytes (rows, row_bytes) */
     float *bk, *bv, *knorm;    /* or NULL */
     int8_t *wk_q, *wv_q;       /* tensor-core path: (rows, n_embd) int8, or NULL */
@@ -25,6 +26,7 @@ typedef struct {
 
 #define BRIDGE_MAX_SLOTS 8
 #define BRIDGE_DEFAULT_SLOTS 2
+#define BRIDGE_MAX_RANKS 8
 
 /* One staging slot of the device-input path: rows land here (pinned host memory) and are shipped
  * once its event has fired. */
@@ -35,11 +37,25 @@ typedef struct {
     bool made, pending, shipping;
     uint64_t seq;
     uint32_t layer, pos0, n;
+    /* tensor parallelism: ranks that have queued their heads' rows for call `seq`, and the last
+     * call shipped (or dropped) from this slot; a rank's call c may use it once c - n_slots is */
+    uint32_t filled;
+    uint64_t shipped_call;
 } pinned_slot;
 
 struct kvb_bridge_cuda {
     const kvb_model *m;
     uint32_t dtype, max_tokens;
+    /* the KV heads this bridge computes, [h0, h0 + nh) of n_head_kv (all of them but with tensor
+     * parallelism); rank r of n_ranks writes them into its leader's (rank 0's) pinned slots */
+    uint32_t h0, nh;
+    int rank, n_ranks;
+    kvb_bridge_cuda *leader;                   /* itself, unless a follower */
+    kvb_bridge_cuda *ranks[BRIDGE_MAX_RANKS];  /* the leader's: every rank's bridge */
+    uint64_t calls;                            /* tensor parallel: this rank's enqueues since the last reset */
+    float *r_cos[BRIDGE_MAX_SLOTS], *r_sin[BRIDGE_MAX_SLOTS]; /* a follower's own RoPE scratch, pinned */
+    cudaEvent_t r_done[BRIDGE_MAX_SLOTS];      /* a follower's copy into slot i is done */
+    bool r_made;
     size_t row_bytes, act_stride;
     bool perturbed;
     kvb_rope_tables rope;       /* inverse frequencies per kind of layer (no positions: cap 0) */
@@ -105,8 +121,9 @@ static kvb_status upload(void **dst, const void *src, size_t bytes, kvb_err *err
     return KVB_OK;
 }
 
-kvb_status kvb_bridge_cuda_create(const kvb_model *m, uint32_t dtype, uint32_t max_tokens, kvb_bridge_cuda **out,
-                                  kvb_err *err) {
+/* A bridge for KV heads [h0, h0 + nh) on the current device. */
+static kvb_status create_shard(const kvb_model *m, uint32_t dtype, uint32_t max_tokens, uint32_t h0, uint32_t nh,
+                               kvb_bridge_cuda **out, kvb_err *err) {
     *out = NULL;
     const kvb_model_desc *d = &m->d;
     for (uint32_t l = 0; l < d->n_layer; l++) {
@@ -129,6 +146,11 @@ kvb_status kvb_bridge_cuda_create(const kvb_model *m, uint32_t dtype, uint32_t m
     b->m = m;
     b->dtype = dtype;
     b->max_tokens = max_tokens;
+    b->h0 = h0;
+    b->nh = nh;
+    b->n_ranks = 1;
+    b->leader = b;
+    b->ranks[0] = b;
     b->n_slots = BRIDGE_DEFAULT_SLOTS;
     const char *ns = getenv("KVB_BRIDGE_SLOTS"); /* more slots absorb the link's jitter, for pinned memory */
     if (ns && *ns) {
@@ -141,7 +163,7 @@ kvb_status kvb_bridge_cuda_create(const kvb_model *m, uint32_t dtype, uint32_t m
         b->n_slots = (uint32_t)v;
     }
     b->row_bytes = kvb_row_bytes(dtype, d->head_dim);
-    const size_t E = d->n_embd, KV = (size_t)d->n_head_kv * d->head_dim, half = d->n_rot / 2;
+    const size_t E = d->n_embd, KV = (size_t)nh * d->head_dim, half = d->n_rot / 2, r0 = (size_t)h0 * d->head_dim;
     const uint32_t at = kvb_act_type(m->layers[0].wk.type);
     b->act_stride = kvb_row_bytes(at == KVB_TYPE_Q8_0 || kvb_act_type(m->layers[0].wv.type) == KVB_TYPE_Q8_0
                                       ? KVB_TYPE_F32 : at, (int64_t)E); /* f32 is the widest activation row */
@@ -160,10 +182,17 @@ kvb_status kvb_bridge_cuda_create(const kvb_model *m, uint32_t dtype, uint32_t m
     for (uint32_t l = 0; l < d->n_layer && !st; l++) {
         const kvb_layer_weights *w = &m->layers[l];
         bridge_layer *bl = &b->layers[l];
-        if (!st) st = upload((void **)&bl->wk, w->wk.data, (size_t)w->wk.rows * w->wk.row_bytes, err);
-        if (!st) st = upload((void **)&bl->wv, w->wv.data, (size_t)w->wv.rows * w->wv.row_bytes, err);
-        if (!st) st = upload((void **)&bl->bk, w->bk, KV * sizeof(float), err);
-        if (!st) st = upload((void **)&bl->bv, w->bv, KV * sizeof(float), err);
+        bl->wk_m = w->wk; /* this bridge's heads: rows r0 .. r0 + KV of each */
+        bl->wk_m.data = (const uint8_t *)w->wk.data + r0 * w->wk.row_bytes;
+        bl->wk_m.rows = (int64_t)KV;
+        bl->wv_m = w->wv;
+        bl->wv_m.data = (const uint8_t *)w->wv.data + r0 * w->wv.row_bytes;
+        bl->wv_m.rows = (int64_t)KV;
+        if (!KV) continue; /* a rank with no KV head of its own */
+        if (!st) st = upload((void **)&bl->wk, bl->wk_m.data, KV * w->wk.row_bytes, err);
+        if (!st) st = upload((void **)&bl->wv, bl->wv_m.data, KV * w->wv.row_bytes, err);
+        if (!st) st = upload((void **)&bl->bk, w->bk ? w->bk + r0 : NULL, KV * sizeof(float), err);
+        if (!st) st = upload((void **)&bl->bv, w->bv ? w->bv + r0 : NULL, KV * sizeof(float), err);
         if (!st) st = upload((void **)&bl->knorm, w->k_norm, d->head_dim * sizeof(float), err);
     }
     if (st) goto fail;
@@ -173,12 +202,12 @@ kvb_status kvb_bridge_cuda_create(const kvb_model *m, uint32_t dtype, uint32_t m
     for (uint32_t l = 0; l < d->n_layer && !st; l++) {
         const kvb_layer_weights *w = &m->layers[l];
         bridge_layer *bl = &b->layers[l];
-        if (!st && tensor_core_type(w->wk.type) && E % 32 == 0) {
-            st = unpack(&w->wk, bl->wk, &bl->wk_q, &bl->wk_s, err);
+        if (!st && tensor_core_type(w->wk.type) && E % 32 == 0 && nh) {
+            st = unpack(&bl->wk_m, bl->wk, &bl->wk_q, &bl->wk_s, err);
             any_i8 = true;
         }
-        if (!st && tensor_core_type(w->wv.type) && E % 32 == 0) {
-            st = unpack(&w->wv, bl->wv, &bl->wv_q, &bl->wv_s, err);
+        if (!st && tensor_core_type(w->wv.type) && E % 32 == 0 && nh) {
+            st = unpack(&bl->wv_m, bl->wv, &bl->wv_q, &bl->wv_s, err);
             any_i8 = true;
         }
     }
@@ -189,16 +218,16 @@ kvb_status kvb_bridge_cuda_create(const kvb_model *m, uint32_t dtype, uint32_t m
         ALLOC(b->d_asc, (size_t)max_tokens * (E / 32) * sizeof(float));
     }
     ALLOC(b->d_h, (size_t)max_tokens * E * sizeof(float));
-    ALLOC(b->d_k, (size_t)max_tokens * KV * sizeof(float));
-    ALLOC(b->d_v, (size_t)max_tokens * KV * sizeof(float));
+    ALLOC(b->d_k, (size_t)max_tokens * (KV ? KV : 1) * sizeof(float));
+    ALLOC(b->d_v, (size_t)max_tokens * (KV ? KV : 1) * sizeof(float));
     for (uint32_t k = 0; k < b->rope.n_kinds && k < 2; k++) {
         ALLOC(b->d_cos[k], (size_t)max_tokens * half * sizeof(float));
         ALLOC(b->d_sin[k], (size_t)max_tokens * half * sizeof(float));
     }
     ALLOC(b->d_act, (size_t)max_tokens * b->act_stride);
     for (uint32_t i = 0; i < b->n_slots; i++) {
-        ALLOC(b->d_krows[i], (size_t)max_tokens * d->n_head_kv * b->row_bytes);
-        ALLOC(b->d_vrows[i], (size_t)max_tokens * d->n_head_kv * b->row_bytes);
+        ALLOC(b->d_krows[i], (size_t)max_tokens * (nh ? nh : 1) * b->row_bytes);
+        ALLOC(b->d_vrows[i], (size_t)max_tokens * (nh ? nh : 1) * b->row_bytes);
     }
 #undef ALLOC
     KVB_CU_GOTO(cudaDeviceSynchronize()); /* the unpacking kernels */
@@ -209,10 +238,79 @@ fail:
     return st;
 }
 
+kvb_status kvb_bridge_cuda_create(const kvb_model *m, uint32_t dtype, uint32_t max_tokens, kvb_bridge_cuda **out,
+                                  kvb_err *err) {
+    return create_shard(m, dtype, max_tokens, 0, m->d.n_head_kv, out, err);
+}
+
+static kvb_status alloc_slots(kvb_bridge_cuda *b, kvb_err *err);
+static kvb_status alloc_follower(kvb_bridge_cuda *b, kvb_err *err);
+
+kvb_status kvb_bridge_cuda_create_ranks(const kvb_model *m, uint32_t dtype, uint32_t max_tokens, int n_ranks,
+                                        const int *devices, kvb_bridge_cuda **out, kvb_err *err) {
+    if (n_ranks < 2 || n_ranks > BRIDGE_MAX_RANKS)
+        return kvb_err_set(err, KVB_ERR_INVALID, "the CUDA bridge takes 2..%d ranks, got %d", BRIDGE_MAX_RANKS, n_ranks);
+    const char *on = getenv("KVB_BRIDGE_SHIPPER");
+    if (on && *on == '0')
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "KVB_BRIDGE_SHIPPER=0 (inline shipping) is for one GPU");
+    int prev = 0, n_dev = 0, own[BRIDGE_MAX_RANKS];
+    KVB_CU(cudaGetDevice(&prev));
+    KVB_CU(cudaGetDeviceCount(&n_dev));
+    if (!devices) {
+        for (int r = 0; r < n_ranks; r++) own[r] = n_dev >= n_ranks ? r : prev;
+        devices = own;
+    }
+    const uint32_t hkv = m->d.n_head_kv;
+    kvb_status st = KVB_OK;
+    for (int r = 0; r < n_ranks; r++) out[r] = NULL;
+    for (int r = 0; r < n_ranks && !st; r++) {
+        /* rank r's share of the KV heads; with fewer heads than ranks some ranks have none */
+        const uint32_t a = (uint32_t)((uint64_t)r * hkv / (uint32_t)n_ranks);
+        const uint32_t z = (uint32_t)((uint64_t)(r + 1) * hkv / (uint32_t)n_ranks);
+        cudaError_t ce = cudaSetDevice(devices[r]);
+        if (ce != cudaSuccess) st = kvb_cu_fail(err, ce, "cudaSetDevice (a bridge rank)", __FILE__, __LINE__);
+        if (!st) st = create_shard(m, dtype, max_tokens, a, z - a, &out[r], err);
+        if (st) break;
+        out[r]->rank = r;
+        out[r]->n_ranks = n_ranks;
+        out[r]->leader = out[0];
+        out[0]->ranks[r] = out[r];
+        st = r == 0 ? alloc_slots(out[r], err) : alloc_follower(out[r], err);
+    }
+    cudaSetDevice(prev);
+    if (st) {
+        for (int r = n_ranks; r-- > 0;) {
+            if (out[r]) out[r]->n_ranks = 1, out[r]->leader = out[r]; /* freed one by one */
+            kvb_bridge_cuda_free(out[r]);
+            out[r] = NULL;
+        }
+    }
+    return st;
+}
+
 static void stop_shipper(kvb_bridge_cuda *b);
 
 void kvb_bridge_cuda_free(kvb_bridge_cuda *b) {
     if (!b) return;
+    if (b->leader != b) return; /* a follower is freed with its leader */
+    if (b->n_ranks > 1) {       /* the leader: stop shipping before its followers go */
+        kvb_bridge_cuda_discard(b);
+        stop_shipper(b);
+        for (int r = 1; r < b->n_ranks; r++) {
+            kvb_bridge_cuda *f = b->ranks[r];
+            if (!f) continue;
+            f->leader = f;
+            f->n_ranks = 1;
+            kvb_bridge_cuda_free(f);
+            b->ranks[r] = NULL;
+        }
+        b->n_ranks = 1;
+    }
+    for (int i = 0; i < BRIDGE_MAX_SLOTS; i++) { /* a follower's own (none on other bridges) */
+        cudaFreeHost(b->r_cos[i]);
+        cudaFreeHost(b->r_sin[i]);
+        if (b->r_made && (uint32_t)i < b->n_slots) cudaEventDestroy(b->r_done[i]);
+    }
     if (b->layers)
         for (uint32_t l = 0; l < b->m->d.n_layer; l++) {
             cudaFree(b->layers[l].wk);
@@ -303,38 +401,40 @@ static kvb_status ensure_rope_table(kvb_bridge_cuda *b, uint32_t layer, uint32_t
     return KVB_OK;
 }
 
-/* Enqueues one layer's rows on `stream`: the RoPE table of its kind (ensure_rope_table, with
- * cos_t/sin_t as host scratch), the projections of d_h (n, n_embd) f32 device memory, post into
- * device slot `slot`. Then the rows go down into k_dst, v_dst (n, n_head_kv, row_bytes) host
- * memory: on `stream` when copy_done is NULL, else on the copy stream after the post, recording
- * copy_done there. Nothing waits here. */
+/* Enqueues one layer's rows of this bridge's KV heads on `stream`: the RoPE table of its kind
+ * (ensure_rope_table, with cos_t/sin_t as host scratch), the projections of d_h (n, n_embd) f32
+ * device memory, post into device slot `slot` (n, nh, row_bytes). Then the rows go down into
+ * k_dst, v_dst host memory, row t of head h0 + j at t * dst_pitch + j * row_bytes (the heads of
+ * the whole cache row (n, n_head_kv, row_bytes) start at k_dst - h0 * row_bytes): on `stream`
+ * when copy_done is NULL, else on the copy stream after the post, recording copy_done there.
+ * Nothing waits here. */
 static kvb_status enqueue_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t n, const float *d_h, uint32_t pos0,
                                 float *cos_t, float *sin_t, cudaStream_t stream, int slot, uint8_t *k_dst,
-                                uint8_t *v_dst, cudaEvent_t copy_done, kvb_err *err) {
+                                uint8_t *v_dst, size_t dst_pitch, cudaEvent_t copy_done, kvb_err *err) {
     const kvb_model_desc *d = &b->m->d;
-    const kvb_layer_weights *w = &b->m->layers[layer];
     const bridge_layer *bl = &b->layers[layer];
-    uint32_t kind;
-    kvb_status st = ensure_rope_table(b, layer, pos0, n, cos_t, sin_t, stream, &kind, err);
-    if (st) return st;
-    /* the perturbation splits at the middle block, like the CPU's */
-    int split = b->perturbed ? (int)(w->wk.cols / 2 / 32 * 32) : 0;
-    bool act_ready = false;
-    st = project(b, &w->wk, bl->wk, bl->wk_q, bl->wk_s, d_h, n, b->d_k, split, &act_ready, stream, err);
-    if (!st) st = project(b, &w->wv, bl->wv, bl->wv_q, bl->wv_s, d_h, n, b->d_v, 0, &act_ready, stream, err);
-    if (st) return st;
-    BK(kvb_bk_post(b->d_k, b->d_v, (int)n, (int)d->n_head_kv, (int)d->head_dim, bl->bk, bl->bv, bl->knorm, d->norm_eps,
-                   (int)d->n_rot, d->rope_neox, b->d_cos[kind], b->d_sin[kind], b->dtype, b->d_krows[slot],
-                   b->d_vrows[slot], b->row_bytes, stream));
-    const size_t rows = (size_t)n * d->n_head_kv * b->row_bytes;
-    cudaStream_t cs = stream;
-    if (copy_done) {
-        KVB_CU(cudaEventRecord(b->post_ev[slot], stream));
-        KVB_CU(cudaStreamWaitEvent(b->copy_st, b->post_ev[slot], 0));
-        cs = b->copy_st;
+    cudaStream_t cs = copy_done ? b->copy_st : stream;
+    if (b->nh) { /* a tensor-parallel rank may have no KV head of its own: then only the event */
+        uint32_t kind;
+        kvb_status st = ensure_rope_table(b, layer, pos0, n, cos_t, sin_t, stream, &kind, err);
+        if (st) return st;
+        /* the perturbation splits at the middle block, like the CPU's */
+        int split = b->perturbed ? (int)(bl->wk_m.cols / 2 / 32 * 32) : 0;
+        bool act_ready = false;
+        st = project(b, &bl->wk_m, bl->wk, bl->wk_q, bl->wk_s, d_h, n, b->d_k, split, &act_ready, stream, err);
+        if (!st) st = project(b, &bl->wv_m, bl->wv, bl->wv_q, bl->wv_s, d_h, n, b->d_v, 0, &act_ready, stream, err);
+        if (st) return st;
+        BK(kvb_bk_post(b->d_k, b->d_v, (int)n, (int)b->nh, (int)d->head_dim, bl->bk, bl->bv, bl->knorm, d->norm_eps,
+                       (int)d->n_rot, d->rope_neox, b->d_cos[kind], b->d_sin[kind], b->dtype, b->d_krows[slot],
+                       b->d_vrows[slot], b->row_bytes, stream));
+        if (copy_done) { /* the post above is what the copy stream must wait for */
+            KVB_CU(cudaEventRecord(b->post_ev[slot], stream));
+            KVB_CU(cudaStreamWaitEvent(b->copy_st, b->post_ev[slot], 0));
+        }
+        const size_t w = (size_t)b->nh * b->row_bytes;
+        KVB_CU(cudaMemcpy2DAsync(k_dst, dst_pitch, b->d_krows[slot], w, w, n, cudaMemcpyDeviceToHost, cs));
+        KVB_CU(cudaMemcpy2DAsync(v_dst, dst_pitch, b->d_vrows[slot], w, w, n, cudaMemcpyDeviceToHost, cs));
     }
-    KVB_CU(cudaMemcpyAsync(k_dst, b->d_krows[slot], rows, cudaMemcpyDeviceToHost, cs));
-    KVB_CU(cudaMemcpyAsync(v_dst, b->d_vrows[slot], rows, cudaMemcpyDeviceToHost, cs));
     if (copy_done) KVB_CU(cudaEventRecord(copy_done, cs));
     return KVB_OK;
 }
@@ -352,7 +452,9 @@ kvb_status kvb_bridge_cuda_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t po
     if (st) return st;
     KVB_CU(cudaMemcpy(b->d_h, h, (size_t)n * b->m->d.n_embd * sizeof(float), cudaMemcpyHostToDevice));
     kvb_bridge_cuda_discard(b); /* the device slots are shared with the device-input path */
-    if ((st = enqueue_layer(b, layer, n, b->d_h, pos0, b->h_cos, b->h_sin, NULL, 0, k_rows, v_rows, NULL, err)))
+    const size_t off = (size_t)b->h0 * b->row_bytes, pitch = (size_t)b->m->d.n_head_kv * b->row_bytes;
+    if ((st = enqueue_layer(b, layer, n, b->d_h, pos0, b->h_cos, b->h_sin, NULL, 0, k_rows + off, v_rows + off, pitch,
+                            NULL, err)))
         return st;
     KVB_CU(cudaDeviceSynchronize());
     return KVB_OK;
@@ -375,9 +477,11 @@ void kvb_bridge_cuda_set_ship(kvb_bridge_cuda *b, kvb_bridge_rows_ship fn, void 
     b->ship_ctx = ctx;
 }
 
-/* Waits for a filled slot's rows and hands them to the ship callback (unless dropping). */
+/* Waits for a filled slot's rows (every rank's part) and hands them to the ship callback (unless
+ * dropping). */
 static kvb_status ship_slot(kvb_bridge_cuda *b, pinned_slot *p, bool drop, kvb_err *err) {
     KVB_CU(cudaEventSynchronize(p->done));
+    for (int r = 1; r < b->n_ranks; r++) KVB_CU(cudaEventSynchronize(b->ranks[r]->r_done[p - b->slot]));
     if (drop || !b->ship) return KVB_OK;
     return b->ship(b->ship_ctx, p->layer, p->pos0, p->n, p->k, p->v, err);
 }
@@ -414,6 +518,7 @@ static void *shipper_main(void *arg) {
             b->ship_err = e;
         }
         p->shipping = p->pending = false;
+        p->shipped_call = p->seq;
         pthread_cond_broadcast(&b->cv);
     }
     pthread_mutex_unlock(&b->mu);
@@ -423,10 +528,11 @@ static void *shipper_main(void *arg) {
 static kvb_status alloc_slots(kvb_bridge_cuda *b, kvb_err *err) {
     const kvb_model_desc *d = &b->m->d;
     const size_t rows = (size_t)b->max_tokens * d->n_head_kv * b->row_bytes, tab = (size_t)b->max_tokens * (d->n_rot / 2);
+    /* portable: with tensor parallelism every rank's device copies into them */
     for (uint32_t i = 0; i < b->n_slots; i++) {
         pinned_slot *p = &b->slot[i];
-        KVB_CU(cudaHostAlloc((void **)&p->k, rows, cudaHostAllocDefault));
-        KVB_CU(cudaHostAlloc((void **)&p->v, rows, cudaHostAllocDefault));
+        KVB_CU(cudaHostAlloc((void **)&p->k, rows, cudaHostAllocPortable));
+        KVB_CU(cudaHostAlloc((void **)&p->v, rows, cudaHostAllocPortable));
         KVB_CU(cudaHostAlloc((void **)&p->cos, tab * sizeof(float), cudaHostAllocDefault));
         KVB_CU(cudaHostAlloc((void **)&p->sin, tab * sizeof(float), cudaHostAllocDefault));
         KVB_CU(cudaEventCreateWithFlags(&p->done, cudaEventDisableTiming));
@@ -443,6 +549,22 @@ static kvb_status alloc_slots(kvb_bridge_cuda *b, kvb_err *err) {
             return kvb_err_set(err, KVB_ERR_INTERNAL, "CUDA bridge: could not start the shipping thread");
         b->has_shipper = true;
     }
+    return KVB_OK;
+}
+
+/* A follower's own pieces, on its device: its copy stream and events, its RoPE scratch per slot. */
+static kvb_status alloc_follower(kvb_bridge_cuda *b, kvb_err *err) {
+    const kvb_bridge_cuda *l = b->leader;
+    const size_t tab = (size_t)b->max_tokens * (b->m->d.n_rot / 2);
+    KVB_CU(cudaStreamCreateWithFlags(&b->copy_st, cudaStreamNonBlocking));
+    for (uint32_t i = 0; i < l->n_slots; i++) {
+        KVB_CU(cudaEventCreateWithFlags(&b->post_ev[i], cudaEventDisableTiming));
+        KVB_CU(cudaHostAlloc((void **)&b->r_cos[i], tab * sizeof(float), cudaHostAllocDefault));
+        KVB_CU(cudaHostAlloc((void **)&b->r_sin[i], tab * sizeof(float), cudaHostAllocDefault));
+    }
+    b->n_slots = l->n_slots;
+    for (uint32_t i = 0; i < l->n_slots; i++) KVB_CU(cudaEventCreateWithFlags(&b->r_done[i], cudaEventDisableTiming));
+    b->r_made = true;
     return KVB_OK;
 }
 
@@ -480,14 +602,66 @@ static kvb_status wait_idle(kvb_bridge_cuda *b, bool drop, kvb_err *err) {
     kvb_status st = b->ship_st;
     if (st) *err = b->ship_err;
     b->ship_st = KVB_OK;
+    if (b->n_ranks > 1 && b->leader == b) { /* between forwards (no rank is enqueueing): the ranks start over in step */
+        for (uint32_t i = 0; i < b->n_slots; i++) b->slot[i].filled = 0, b->slot[i].shipped_call = 0;
+        for (int r = 0; r < b->n_ranks; r++) b->ranks[r]->calls = 0;
+        b->seq = 0;
+    }
     pthread_mutex_unlock(&b->mu);
+    return st;
+}
+
+/* Tensor parallelism: a rank's failure fails the call for every rank (until the next flush or
+ * discard), so none waits for a part that will not come. */
+static void fail_ranks(kvb_bridge_cuda *l, kvb_status st, const kvb_err *err) {
+    pthread_mutex_lock(&l->mu);
+    if (!l->ship_st) l->ship_st = st, l->ship_err = *err;
+    pthread_cond_broadcast(&l->cv);
+    pthread_mutex_unlock(&l->mu);
+}
+
+/* Tensor parallelism: rank b's part of the leader's next slot. Each rank's c-th call since the last
+ * flush uses slot (c - 1) % n_slots once that slot's call c - n_slots has shipped; the last rank
+ * to queue its part makes the slot pending. */
+static kvb_status enqueue_rank(kvb_bridge_cuda *b, uint32_t layer, uint32_t pos0, uint32_t n, const float *d_h,
+                               cudaStream_t stream, kvb_err *err) {
+    kvb_bridge_cuda *l = b->leader;
+    const uint32_t idx = (uint32_t)(b->calls % l->n_slots);
+    const uint64_t call = ++b->calls;
+    pinned_slot *p = &l->slot[idx];
+    pthread_mutex_lock(&l->mu);
+    while (!l->ship_st && p->shipped_call + l->n_slots < call) pthread_cond_wait(&l->cv, &l->mu);
+    kvb_status st = l->ship_st;
+    if (st) *err = l->ship_err;
+    pthread_mutex_unlock(&l->mu);
+    if (st) return st;
+    const size_t off = (size_t)b->h0 * l->row_bytes, pitch = (size_t)b->m->d.n_head_kv * l->row_bytes;
+    st = enqueue_layer(b, layer, n, d_h, pos0, b == l ? p->cos : b->r_cos[idx], b == l ? p->sin : b->r_sin[idx],
+                       stream, (int)idx, p->k + off, p->v + off, pitch, b == l ? p->done : b->r_done[idx], err);
+    if (st) {
+        fail_ranks(l, st, err);
+        return st;
+    }
+    pthread_mutex_lock(&l->mu);
+    if (++p->filled == (uint32_t)l->n_ranks) {
+        p->filled = 0;
+        p->pending = true;
+        p->seq = call;
+        p->layer = layer;
+        p->pos0 = pos0;
+        p->n = n;
+    }
+    pthread_cond_broadcast(&l->cv);
+    pthread_mutex_unlock(&l->mu);
     return st;
 }
 
 kvb_status kvb_bridge_cuda_enqueue(kvb_bridge_cuda *b, uint32_t layer, uint32_t pos0, uint32_t n, const float *d_h,
                                    void *stream, kvb_err *err) {
     kvb_status st = check_call(b, layer, n, err);
+    if (st && b->n_ranks > 1) fail_ranks(b->leader, st, err); /* the other ranks must not wait for this one */
     if (st) return st;
+    if (b->n_ranks > 1) return enqueue_rank(b, layer, pos0, n, d_h, (cudaStream_t)stream, err);
     if (!b->slot[0].made && (st = alloc_slots(b, err))) return st;
     pinned_slot *p = &b->slot[b->next_slot];
     if (b->has_shipper) {
@@ -501,7 +675,7 @@ kvb_status kvb_bridge_cuda_enqueue(kvb_bridge_cuda *b, uint32_t layer, uint32_t 
         return st;
     }
     if ((st = enqueue_layer(b, layer, n, d_h, pos0, p->cos, p->sin, (cudaStream_t)stream, (int)b->next_slot, p->k,
-                            p->v, p->done, err)))
+                            p->v, (size_t)b->nh * b->row_bytes, p->done, err)))
         return st;
     if (b->has_shipper) pthread_mutex_lock(&b->mu);
     p->pending = true;
@@ -524,8 +698,13 @@ kvb_status kvb_bridge_cuda_flush(kvb_bridge_cuda *b, kvb_err *err) {
 
 void kvb_bridge_cuda_discard(kvb_bridge_cuda *b) {
     kvb_err ignored;
+    if (b->leader != b) { /* a follower (its own host path): its tables only */
+        b->tab_n[0] = b->tab_n[1] = 0;
+        return;
+    }
     wait_idle(b, true, &ignored);
-    b->tab_n[0] = b->tab_n[1] = 0; /* after a failed forward, trust no queued table upload */
+    for (int r = 0; r < b->n_ranks; r++) /* after a failed forward, trust no queued table upload */
+        b->ranks[r]->tab_n[0] = b->ranks[r]->tab_n[1] = 0;
 }
 
 static void stop_shipper(kvb_bridge_cuda *b) {

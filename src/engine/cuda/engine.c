@@ -690,7 +690,7 @@ kvb_status kvb_cu_engine_create_rank(const kvb_model *m, const kvb_cuda_opts *op
     e->nh = d->n_head / (uint32_t)size;
     e->nkv = d->n_head_kv >= (uint32_t)size ? d->n_head_kv / (uint32_t)size : 1; /* replicated when fewer */
     e->nff = d->n_ff / (uint32_t)size;
-    if (rank != 0) o->layer_hook = NULL, o->layer_hook_ctx = NULL; /* the hook is rank 0's */
+    if (rank != 0 && !o->hook_every_rank) o->layer_hook = NULL, o->layer_hook_ctx = NULL; /* rank 0's */
     while ((1u << e->bt_shift) < o->block_tokens) e->bt_shift++;
     if ((st = kvb_kvformat_init(&e->fmt, KVB_TYPE_BF16, o->block_tokens, d->n_layer, e->nkv, d->head_dim, err)))
         goto fail;
@@ -1042,7 +1042,8 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
     for (uint32_t l = 0; l < d->n_layer; l++) {
         const cu_layer *L = &e->L[l];
         KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->attn_norm, eps, e->h, (size_t)E, e->h32, st));
-        if (e->o.layer_hook && !e->hook_st && (rs = e->o.layer_hook(e->o.layer_hook_ctx, l, pos0, c, e->h32, st, err))) {
+        if (e->o.layer_hook && !e->hook_st &&
+            (rs = e->o.layer_hook(e->o.layer_hook_ctx, e->tp_rank, l, pos0, c, e->h32, st, err))) {
             if (!e->comm) return rs;
             e->hook_st = rs; /* tensor parallel: the ranks stay in lockstep; returned at the end */
             e->hook_err = *err;

@@ -19,6 +19,17 @@ typedef struct kvb_bridge_cuda kvb_bridge_cuda;
  * positions per call. cache_dtype: F32, F16, BF16 or Q8_0. */
 kvb_status kvb_bridge_cuda_create(const kvb_model *decoder, uint32_t cache_dtype, uint32_t max_tokens,
                                   kvb_bridge_cuda **out, kvb_err *err);
+/* Tensor-parallel prefill: n_ranks (2..8) bridges, out[r] on devices[r] computing KV heads
+ * [r Hkv / n_ranks, (r+1) Hkv / n_ranks) (none for some ranks when Hkv < n_ranks). Each rank's
+ * engine thread calls kvb_bridge_cuda_enqueue on its own bridge with its own attention input (every
+ * rank's is the same); the rows land at their heads' place in out[0]'s pinned slots, and out[0]
+ * ships a slot once every rank has filled it — the slab sequence one bridge would ship, bit for bit.
+ * set_ship, flush, discard, pinned_bytes and free go to out[0] (free releases every rank's). Needs
+ * the shipping thread (not KVB_BRIDGE_SHIPPER=0). kvb_bridge_cuda_layer on out[r] writes only its
+ * heads' columns of k_rows/v_rows. devices NULL: ranks on devices 0 .. n_ranks-1 when the host
+ * has that many, else all on the current device. */
+kvb_status kvb_bridge_cuda_create_ranks(const kvb_model *decoder, uint32_t cache_dtype, uint32_t max_tokens,
+                                        int n_ranks, const int *devices, kvb_bridge_cuda **out, kvb_err *err);
 void kvb_bridge_cuda_free(kvb_bridge_cuda *b);
 /* Test-only: the K projection as dot(first half) + dot(second half), as the CPU's test_perturb. */
 void kvb_bridge_cuda_set_perturbed(kvb_bridge_cuda *b, bool perturbed);

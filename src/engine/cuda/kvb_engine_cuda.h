@@ -49,8 +49,8 @@
  * before the engine rounds it to bf16 — for positions pos0 .. pos0+n-1. Work the hook enqueues on
  * `stream` (the engine's cudaStream_t) sees d_h; the engine overwrites it after the hook returns,
  * in stream order. A non-OK status aborts the forward with that status. */
-typedef kvb_status (*kvb_cuda_layer_hook)(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const float *d_h,
-                                          void *stream, kvb_err *err);
+typedef kvb_status (*kvb_cuda_layer_hook)(void *ctx, int rank, uint32_t layer, uint32_t pos0, uint32_t n,
+                                          const float *d_h, void *stream, kvb_err *err);
 
 /* Which attention runs on global layers (sliding-window layers always use the engine's kernel). */
 typedef enum {
@@ -71,6 +71,8 @@ typedef struct {
     int n_threads;         /* host threads for converting weights at load; 0 = all CPUs */
     kvb_cuda_layer_hook layer_hook; /* the bridge (prefill node), or NULL */
     void *layer_hook_ctx;
+    bool hook_every_rank;  /* tensor parallel: call the hook on every rank's thread (rank = its index,
+                              d_h and stream on its device), not on rank 0's only */
     kvb_cuda_attention attention;   /* after creation: OWN or CUDNN, the one in use */
     int n_gpus;            /* tensor-parallel ranks, 1..8 (0 = 1): see "Tensor parallelism" below */
     bool tp_one_device;    /* n_gpus > 1: every rank on `device`, summed by the engine itself (testing
@@ -86,7 +88,8 @@ typedef struct {
  * the same on every rank, bit for bit; rank 0 adds x itself (beta = 1) and the others contribute
  * only their products (gemma3: the branch output is summed before its post norm). Embeddings,
  * norms and RoPE tables are on every rank; the output head and the logits on rank 0. The layer
- * hook runs on rank 0 only (its attention input is every rank's). Callers see one engine:
+ * hook runs on rank 0 only (its attention input is every rank's), or with hook_every_rank on each
+ * rank (the tensor-parallel bridge: each rank its KV heads). Callers see one engine:
  * kvb_cuda_engine_kvformat describes the whole model's cache; sequences, prefix caching and
  * forward behave as with one GPU. Needs H and FF divisible by N, and Hkv divisible by N or N by
  * Hkv (then each KV head is computed and cached on the N/Hkv ranks whose query heads read it). A layer hook's error stops
