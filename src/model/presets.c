@@ -1,6 +1,6 @@
 /* model/presets.c — the shapes `kvbridge gen-model` knows: tiny test models for CI (one per
  * architecture) and the real shapes of models users run (Qwen3-0.6B, Qwen2.5-0.5B,
- * Llama-3.2-1B, Llama-3.1-8B, Llama-2-7B, TinyLlama-1.1B, Gemma-3-270M), with their RoPE, norm
+ * Llama-3.2-1B, Llama-3.1-8B and -70B, Llama-2-7B, TinyLlama-1.1B, Gemma-3-270M), with their RoPE, norm
  * and (Gemma 3) sliding-window constants. */
 #include <string.h>
 
@@ -50,6 +50,11 @@ static const kvb_preset k_presets[] = {
     {"llama3.1-8b", "Llama-3.1-8B shape: 32 layers, embd 4096, 32/8 heads x 128, ff 14336, vocab 128256",
      {.arch = KVB_ARCH_LLAMA, .arch_name = "llama", .n_vocab = 128256, .n_ctx_train = 131072, .n_embd = 4096,
       .n_layer = 32, .n_ff = 14336, .n_head = 32, .n_head_kv = 8, .head_dim = 128, .n_rot = 128, LLAMA3_ROPE,
+      .rope_scale_factor = 8.0f, .norm_eps = 1e-5f}},
+    {"llama3.1-70b", "Llama-3.1-70B shape: 80 layers, embd 8192, 64/8 heads x 128, ff 28672, vocab 128256 (141 GB in "
+                     "bf16: tensor-parallel prefill across GPUs)",
+     {.arch = KVB_ARCH_LLAMA, .arch_name = "llama", .n_vocab = 128256, .n_ctx_train = 131072, .n_embd = 8192,
+      .n_layer = 80, .n_ff = 28672, .n_head = 64, .n_head_kv = 8, .head_dim = 128, .n_rot = 128, LLAMA3_ROPE,
       .rope_scale_factor = 8.0f, .norm_eps = 1e-5f}},
     {"llama2-7b", "Llama-2-7B shape: 32 layers, embd 4096, 32/32 heads x 128, ff 11008, vocab 32000",
      {.arch = KVB_ARCH_LLAMA, .arch_name = "llama", .n_vocab = 32000, .n_ctx_train = 4096, .n_embd = 4096,
