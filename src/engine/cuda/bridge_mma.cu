@@ -11,11 +11,7 @@
 // by the canonical activation quantiser writing that layout (k_quantize_act_i8), so the tile
 // loads are 16-byte vector loads.
 //
-// Tiling: a CTA of 4 warps computes 32 tokens x 32 weight rows; warp (wm, wn) owns 16 tokens x 16
-// rows (two m16n8 tiles), so each thread carries 8 outputs x 16 lanes of accumulators. K runs in
-// stages of 16 blocks (512 elements) staged in shared memory; inside a stage, block kb feeds lane
-// kb (stages start at multiples of 16 blocks), and blocks past the row's end never touch their
-// lane (the canonical rule for idle lanes).
+// Tiling: see k_project_i8 below (lane-major order, 64 x 64 CTA tiles).
 #include <cuda_runtime.h>
 
 #include "bridge_kernels.h"
@@ -23,9 +19,6 @@
 #include "kvb_quant_scalar.h"
 
 #define MMA_QK 32
-#define MMA_TILE 32     // tokens and rows per CTA
-#define MMA_STAGE 16    // blocks per shared-memory stage (= the 16 canonical lanes)
-#define MMA_THREADS 128
 
 __device__ static inline uint16_t mma_ld_u16(const uint8_t *p) { return *(const uint16_t *)p; } // 2-byte aligned
 
@@ -61,20 +54,6 @@ __device__ static inline void mma_unpack_weight(uint32_t wtype, const uint8_t *b
     }
 }
 
-// The canonical 16-lane tree (h = 8, 4, 2, 1: acc[i] += acc[i + h]), spelled out so every index
-// is a constant and the accumulators stay in registers.
-#define MMA_TREE_STEP(a, h)                                                                                  \
-    _Pragma("unroll") for (int i = 0; i < (h); i++)(a)[i] = __fadd_rn((a)[i], (a)[i + (h)])
-__device__ static __forceinline__ float mma_tree16(float (&acc)[16]) {
-    MMA_TREE_STEP(acc, 8);
-    MMA_TREE_STEP(acc, 4);
-    MMA_TREE_STEP(acc, 2);
-    MMA_TREE_STEP(acc, 1);
-    return acc[0];
-}
-
-#define MMA_ROW (MMA_STAGE * MMA_QK + 16) // shared row: 512 bytes + 16 of padding (no bank conflicts)
-
 // (float)c for a block sum |c| < 2^22 (here < 2^19), exactly, in two full-rate operations: the bits
 // 0x4B400000 + c are the float 1.5 * 2^23 + c, and subtracting 1.5 * 2^23 is exact. The same value
 // __int2float_rn gives, which runs at a quarter of the rate and bounded the epilogue.
@@ -82,82 +61,169 @@ __device__ static __forceinline__ float mma_i2f_exact(int c) {
     return __fsub_rn(__int_as_float(0x4B400000 + c), 12582912.0f);
 }
 
-__global__ static void __launch_bounds__(MMA_THREADS)
-k_project_i8(const int8_t *__restrict__ wq, const float *__restrict__ wsc, int rows, const int8_t *__restrict__ aq,
-             const float *__restrict__ asc, int n, int E, float *__restrict__ y) {
-    // (token or row, stage bytes) int8 and (token or row, stage block) scales
-    __shared__ __align__(16) int8_t sA[MMA_TILE][MMA_ROW];
-    __shared__ __align__(16) int8_t sB[MMA_TILE][MMA_ROW];
-    __shared__ float sdA[MMA_TILE][MMA_STAGE], sdB[MMA_TILE][MMA_STAGE];
+// ---- the projection in lane-major order ----------------------------------------------------------
+// The canonical dot's 16 lanes are independent fma chains (lane l: blocks l, l+16, l+32, ... in
+// order) joined by a fixed tree. Taking the lanes one after another in bit-reversed order
+// (0, 8, 4, 12, 2, 10, 6, 14, 1, 9, ...) lets the tree be summed as it goes, like a binary counter:
+// after the lane at position p, its chain is added to the pending partial of each level whose bit
+// p has set, so the sums are exactly the tree's (acc[i] + acc[i + h], same pairs, same nesting)
+// while an output needs 5 live floats (the chain and 4 levels) instead of 16. That frees the
+// registers for 64 x 64 CTA tiles (8 warps of 32 tokens x 16 rows), which halves the operand
+// traffic of 32 x 32 tiles, the most that 16 live lanes per output allowed (H200, 1B shape, one
+// 8K-token layer's K projection: 308 us with those, 184 us with these; ncu). A stage holds up to
+// PJ_SB blocks of one lane (strided by 16 blocks in memory), double-buffered with cp.async. Two
+// CTAs per SM (128 registers, a few spilled) measured faster than one (162 registers): 184 vs 237 us.
+#define PJ_TM 64
+#define PJ_TN 64
+#define PJ_SB 4
+#define PJ_THREADS 256
+#define PJ_ROW (PJ_SB * MMA_QK + 16) // shared row bytes: 4 blocks + 16 of padding
+
+__device__ __forceinline__ static void pj_cp16(void *dst, const void *src, int src_bytes) {
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ static void pj_cp4(void *dst, const void *src, int src_bytes) {
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ static int pj_bitrev4(int p) {
+    return ((p & 1) << 3) | ((p & 2) << 1) | ((p & 4) >> 1) | ((p & 8) >> 3);
+}
+
+// Stage s of the lane-major walk: lane pj_bitrev4(pos), its blocks q0 .. q0 + PJ_SB - 1 (those
+// that exist). Queues the copies into buffer buf; returns how many blocks it holds.
+__device__ __forceinline__ static int pj_stage(const int8_t *__restrict__ wq, const float *__restrict__ wsc, int rows,
+                                               const int8_t *__restrict__ aq, const float *__restrict__ asc, int n,
+                                               int E, int nb, int lane, int q0, int tok0, int row0,
+                                               int8_t (*sA)[PJ_ROW], int8_t (*sB)[PJ_ROW], float (*sdA)[PJ_SB],
+                                               float (*sdB)[PJ_SB]) {
+    const int have = (nb - lane + 15) / 16 - q0, cnt = have < PJ_SB ? have : PJ_SB;
+    const int tid = threadIdx.x;
+    // 64 rows x PJ_SB blocks x 2 pieces of 16 bytes per operand: 2 pieces per thread each
+    for (int it = tid; it < PJ_TM * PJ_SB * 2; it += PJ_THREADS) {
+        const int i = it / (PJ_SB * 2), k = it % (PJ_SB * 2), blk = k >> 1, b = lane + 16 * (q0 + blk);
+        const int t = tok0 + i, r = row0 + i;
+        const bool okb = blk < cnt;
+        const size_t off = (size_t)b * MMA_QK + (k & 1) * 16;
+        pj_cp16(&sA[i][k * 16], okb && t < n ? aq + (size_t)t * E + off : aq, okb && t < n ? 16 : 0);
+        pj_cp16(&sB[i][k * 16], okb && r < rows ? wq + (size_t)r * E + off : wq, okb && r < rows ? 16 : 0);
+    }
+    for (int it = tid; it < PJ_TM * PJ_SB; it += PJ_THREADS) {
+        const int i = it / PJ_SB, blk = it % PJ_SB, b = lane + 16 * (q0 + blk);
+        const int t = tok0 + i, r = row0 + i;
+        const bool okb = blk < cnt;
+        pj_cp4(&sdA[i][blk], okb && t < n ? asc + (size_t)t * nb + b : asc, okb && t < n ? 4 : 0);
+        pj_cp4(&sdB[i][blk], okb && r < rows ? wsc + (size_t)r * nb + b : wsc, okb && r < rows ? 4 : 0);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+    return cnt;
+}
+
+__global__ static void __launch_bounds__(PJ_THREADS, 2)
+k_project_i8(const int8_t *__restrict__ wq, const float *__restrict__ wsc, int rows,
+                   const int8_t *__restrict__ aq, const float *__restrict__ asc, int n, int E, float *__restrict__ y) {
+    // two buffers of (token or row, PJ_SB blocks) int8 and their (token or row, block) scales
+    __shared__ __align__(16) int8_t sA[2][PJ_TM][PJ_ROW];
+    __shared__ __align__(16) int8_t sB[2][PJ_TN][PJ_ROW];
+    __shared__ float sdA[2][PJ_TM][PJ_SB], sdB[2][PJ_TN][PJ_SB];
     const int tid = threadIdx.x, warp = tid >> 5, lane_id = tid & 31, g = lane_id >> 2, tig = lane_id & 3;
-    const int wm = warp >> 1, wn = warp & 1, nb = E / MMA_QK;
-    const int tok0 = blockIdx.y * MMA_TILE, row0 = blockIdx.x * MMA_TILE;
+    const int wm = warp >> 2, wn = warp & 3, nb = E / MMA_QK; // warp: tokens wm*32 .. +32, rows wn*16 .. +16
+    const int tok0 = blockIdx.y * PJ_TM, row0 = blockIdx.x * PJ_TN;
 
-    float acc[8][16]; // (output: n-tile j * 4 + c, canonical lane)
+    // per output (m-tile mt, n-tile nt, c): the lane's chain and the tree's pending partials
+    float cur[2][2][4], p1[2][2][4], p2[2][2][4], p3[2][2][4], p4[2][2][4];
 #pragma unroll
-    for (int o = 0; o < 8; o++)
+    for (int a = 0; a < 2; a++)
 #pragma unroll
-        for (int l = 0; l < 16; l++) acc[o][l] = 0.0f;
+        for (int b = 0; b < 2; b++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) cur[a][b][c] = p1[a][b][c] = p2[a][b][c] = p3[a][b][c] = p4[a][b][c] = 0.0f;
 
-    for (int b0 = 0; b0 < nb; b0 += MMA_STAGE) {
-        // 32 rows x 32 16-byte pieces of each operand: 8 pieces per thread per operand
-        for (int it = tid; it < MMA_TILE * 32; it += MMA_THREADS) {
-            const int i = it >> 5, c = it & 31, b = b0 + (c >> 1);
-            const int t = tok0 + i, r = row0 + i;
-            int4 va = make_int4(0, 0, 0, 0), vb = make_int4(0, 0, 0, 0);
-            if (b < nb) {
-                if (t < n) va = *(const int4 *)(aq + (size_t)t * E + (size_t)b0 * MMA_QK + c * 16);
-                if (r < rows) vb = *(const int4 *)(wq + (size_t)r * E + (size_t)b0 * MMA_QK + c * 16);
-            }
-            *(int4 *)&sA[i][c * 16] = va;
-            *(int4 *)&sB[i][c * 16] = vb;
-        }
-        for (int it = tid; it < MMA_TILE * MMA_STAGE; it += MMA_THREADS) {
-            const int i = it / MMA_STAGE, kb = it % MMA_STAGE, b = b0 + kb;
-            const int t = tok0 + i, r = row0 + i;
-            sdA[i][kb] = b < nb && t < n ? asc[(size_t)t * nb + b] : 0.0f;
-            sdB[i][kb] = b < nb && r < rows ? wsc[(size_t)r * nb + b] : 0.0f;
-        }
+    // the walk: (pos, q0) stages; stage k+1 is in flight while stage k is computed
+    int pos = 0, q0 = 0, buf = 0;
+    int cnt = pj_stage(wq, wsc, rows, aq, asc, n, E, nb, pj_bitrev4(0), 0, tok0, row0, sA[0], sB[0], sdA[0], sdB[0]);
+    for (;;) {
+        // the next stage: more blocks of this lane, or the next lane
+        const int lane = pj_bitrev4(pos), lane_blocks = (nb - lane + 15) / 16;
+        int npos = pos, nq0 = q0 + PJ_SB;
+        if (nq0 >= lane_blocks) npos = pos + 1, nq0 = 0;
+        int ncnt = 0;
+        if (npos < 16)
+            ncnt = pj_stage(wq, wsc, rows, aq, asc, n, E, nb, pj_bitrev4(npos), nq0, tok0, row0, sA[buf ^ 1],
+                            sB[buf ^ 1], sdA[buf ^ 1], sdB[buf ^ 1]);
+        if (npos < 16) asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        else asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         __syncthreads();
+        for (int kb = 0; kb < cnt; kb++) { // this lane's blocks, in order
+            uint32_t a[2][4];
+            float dx[2][2];
 #pragma unroll
-        for (int kb = 0; kb < MMA_STAGE; kb++) {
-            if (b0 + kb < nb) { // uniform: idle lanes are never touched
-                const int ra = wm * 16 + g, k0 = kb * MMA_QK + tig * 4;
-                const uint32_t a0 = *(const uint32_t *)&sA[ra][k0];
-                const uint32_t a1 = *(const uint32_t *)&sA[ra + 8][k0];
-                const uint32_t a2 = *(const uint32_t *)&sA[ra][k0 + 16];
-                const uint32_t a3 = *(const uint32_t *)&sA[ra + 8][k0 + 16];
-                const float dx0 = sdA[ra][kb], dx1 = sdA[ra + 8][kb];
+            for (int mt = 0; mt < 2; mt++) {
+                const int ra = wm * 32 + mt * 16 + g, k0 = kb * MMA_QK + tig * 4;
+                a[mt][0] = *(const uint32_t *)&sA[buf][ra][k0];
+                a[mt][1] = *(const uint32_t *)&sA[buf][ra + 8][k0];
+                a[mt][2] = *(const uint32_t *)&sA[buf][ra][k0 + 16];
+                a[mt][3] = *(const uint32_t *)&sA[buf][ra + 8][k0 + 16];
+                dx[mt][0] = sdA[buf][ra][kb];
+                dx[mt][1] = sdA[buf][ra + 8][kb];
+            }
 #pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    const int rb = wn * 16 + j * 8;
-                    const uint32_t bb0 = *(const uint32_t *)&sB[rb + g][k0];
-                    const uint32_t bb1 = *(const uint32_t *)&sB[rb + g][k0 + 16];
+            for (int nt = 0; nt < 2; nt++) {
+                const int rb = wn * 16 + nt * 8, k0 = kb * MMA_QK + tig * 4;
+                const uint32_t b0 = *(const uint32_t *)&sB[buf][rb + g][k0];
+                const uint32_t b1 = *(const uint32_t *)&sB[buf][rb + g][k0 + 16];
+                const float dw0 = sdB[buf][rb + 2 * tig][kb], dw1 = sdB[buf][rb + 2 * tig + 1][kb];
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
                     int c0 = 0, c1 = 0, c2 = 0, c3 = 0;
                     asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
                                  "{%8,%9}, {%0,%1,%2,%3};\n"
                                  : "+r"(c0), "+r"(c1), "+r"(c2), "+r"(c3)
-                                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(bb0), "r"(bb1));
+                                 : "r"(a[mt][0]), "r"(a[mt][1]), "r"(a[mt][2]), "r"(a[mt][3]), "r"(b0), "r"(b1));
                     // c0: (token ra, row rb + 2 tig), c1: (ra, rb + 2 tig + 1), c2/c3: token ra + 8
-                    const float dw0 = sdB[rb + 2 * tig][kb], dw1 = sdB[rb + 2 * tig + 1][kb];
-                    acc[j * 4 + 0][kb] = __fmaf_rn(mma_i2f_exact(c0), __fmul_rn(dw0, dx0), acc[j * 4 + 0][kb]);
-                    acc[j * 4 + 1][kb] = __fmaf_rn(mma_i2f_exact(c1), __fmul_rn(dw1, dx0), acc[j * 4 + 1][kb]);
-                    acc[j * 4 + 2][kb] = __fmaf_rn(mma_i2f_exact(c2), __fmul_rn(dw0, dx1), acc[j * 4 + 2][kb]);
-                    acc[j * 4 + 3][kb] = __fmaf_rn(mma_i2f_exact(c3), __fmul_rn(dw1, dx1), acc[j * 4 + 3][kb]);
+                    float *o = cur[mt][nt];
+                    o[0] = __fmaf_rn(mma_i2f_exact(c0), __fmul_rn(dw0, dx[mt][0]), o[0]);
+                    o[1] = __fmaf_rn(mma_i2f_exact(c1), __fmul_rn(dw1, dx[mt][0]), o[1]);
+                    o[2] = __fmaf_rn(mma_i2f_exact(c2), __fmul_rn(dw0, dx[mt][1]), o[2]);
+                    o[3] = __fmaf_rn(mma_i2f_exact(c3), __fmul_rn(dw1, dx[mt][1]), o[3]);
                 }
             }
         }
-        __syncthreads();
+        if (npos != pos) { // the lane's chain is done: into the tree, as a binary counter at position pos
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        float s = cur[mt][nt][c];
+                        cur[mt][nt][c] = 0.0f;
+                        if (!(pos & 1)) { p1[mt][nt][c] = s; continue; }
+                        s = __fadd_rn(p1[mt][nt][c], s);
+                        if (!(pos & 2)) { p2[mt][nt][c] = s; continue; }
+                        s = __fadd_rn(p2[mt][nt][c], s);
+                        if (!(pos & 4)) { p3[mt][nt][c] = s; continue; }
+                        s = __fadd_rn(p3[mt][nt][c], s);
+                        if (!(pos & 8)) { p4[mt][nt][c] = s; continue; }
+                        p4[mt][nt][c] = __fadd_rn(p4[mt][nt][c], s); // pos 15: the whole tree
+                    }
+        }
+        __syncthreads(); // buffer buf is free for the stage after next
+        if (npos >= 16) break;
+        pos = npos, q0 = nq0, cnt = ncnt, buf ^= 1;
     }
 #pragma unroll
-    for (int j = 0; j < 2; j++)
+    for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const int t = tok0 + wm * 16 + g + (c >= 2 ? 8 : 0);
-            const int r = row0 + wn * 16 + j * 8 + 2 * tig + (c & 1);
-            const float v = mma_tree16(acc[j * 4 + c]);
-            if (t < n && r < rows) y[(size_t)t * rows + r] = v;
-        }
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int t = tok0 + wm * 32 + mt * 16 + g + (c >= 2 ? 8 : 0);
+                const int r = row0 + wn * 16 + nt * 8 + 2 * tig + (c & 1);
+                if (t < n && r < rows) y[(size_t)t * rows + r] = p4[mt][nt][c];
+            }
 }
 
 // One thread per (row, block): the file's block -> 32 int8 values and the f32 scale.
@@ -203,7 +269,7 @@ extern "C" int kvb_bk_quantize_act_i8(const float *x, int n, int E, int8_t *aq, 
 
 extern "C" int kvb_bk_project_i8(const int8_t *wq, const float *wsc, int rows, const int8_t *aq, const float *asc,
                                  int n, int E, float *y, void *stream) {
-    dim3 grid((unsigned)((rows + MMA_TILE - 1) / MMA_TILE), (unsigned)((n + MMA_TILE - 1) / MMA_TILE));
-    k_project_i8<<<grid, MMA_THREADS, 0, (cudaStream_t)stream>>>(wq, wsc, rows, aq, asc, n, E, y);
+    dim3 grid((unsigned)((rows + PJ_TN - 1) / PJ_TN), (unsigned)((n + PJ_TM - 1) / PJ_TM));
+    k_project_i8<<<grid, PJ_THREADS, 0, (cudaStream_t)stream>>>(wq, wsc, rows, aq, asc, n, E, y);
     return (int)cudaGetLastError();
 }
