@@ -59,6 +59,20 @@ bool kvb_arg_float(const char *cmd, const char *opt, const char *val, double lo,
     return true;
 }
 
+bool kvb_arg_gpus_ok(const char *cmd, long long gpus, bool tp_one_device, bool cuda) {
+    if ((gpus > 1 || tp_one_device) && !cuda) {
+        fprintf(stderr, "kvbridge %s: --gpus and --tp-one-device split the CUDA engine over GPUs; add --device cuda\n",
+                cmd);
+        return false;
+    }
+    if (tp_one_device && gpus < 2) {
+        fprintf(stderr, "kvbridge %s: --tp-one-device puts the ranks of --gpus N (N >= 2) on one GPU; give --gpus\n",
+                cmd);
+        return false;
+    }
+    return true;
+}
+
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;

@@ -509,6 +509,7 @@ int kvb_cmd_bench(int argc, char **argv) {
             return 2;
         }
     }
+    if (!kvb_arg_gpus_ok("bench", gpus, tp_one_device, cuda)) return 2;
     if (!model_path) {
         fprintf(stderr, "kvbridge bench: -m MODEL is required (see kvbridge bench --help)\n");
         return 2;

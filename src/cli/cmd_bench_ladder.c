@@ -162,6 +162,7 @@ int kvb_bench_ladder(int argc, char **argv) {
             return 2;
         }
     }
+    if (!kvb_arg_gpus_ok("bench ladder", gpus, tp_one_device, cuda)) return 2;
     if (!model) {
         fprintf(stderr, "kvbridge bench ladder: -m MODEL is required\n");
         return 2;

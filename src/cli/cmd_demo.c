@@ -242,6 +242,7 @@ int kvb_cmd_demo(int argc, char **argv) {
             return 2;
         }
     }
+    if (!kvb_arg_gpus_ok("demo", gpus, tp_one_device, !strcmp(device, "cuda"))) return 2;
     struct stat sb;
     kvb_err err = {0};
     char gemma3[1024];

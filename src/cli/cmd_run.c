@@ -186,6 +186,7 @@ int kvb_cmd_run(int argc, char **argv) {
         fprintf(stderr, "kvbridge run: give -m MODEL and exactly one of --tokens or -p (see kvbridge run --help)\n");
         return 2;
     }
+    if (!kvb_arg_gpus_ok("run", gpus, tp_one_device, cuda)) return 2;
 
     int rc = 1;
     kvb_err err = {0};

@@ -109,6 +109,12 @@ int kvb_cmd_serve(int argc, char **argv) {
         fprintf(stderr, "kvbridge serve: --device expects cpu or cuda, got '%s'\n", device);
         return 2;
     }
+    if (!prefill && (gpus > 1 || tp_one_device)) {
+        fprintf(stderr, "kvbridge serve: --gpus and --tp-one-device are the prefill node's (--role prefill --device "
+                        "cuda); a decode node decodes on its CPU\n");
+        return 2;
+    }
+    if (!kvb_arg_gpus_ok("serve", gpus, tp_one_device, !strcmp(device, "cuda"))) return 2;
     if (prefill ? !listen : !http) {
         fprintf(stderr, "kvbridge serve: --role %s needs %s HOST:PORT\n", role, prefill ? "--listen" : "--http");
         return 2;

@@ -438,7 +438,16 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
                 st = kvb_err_set(err, KVB_ERR_UNSUPPORTED,
                                  "bridge mode prefill is not available with --device cuda (use decoder mode)");
             const int gpus = cfg->gpus > 1 ? cfg->gpus : 1;
-            if (!st && gpus > 8) st = kvb_err_set(err, KVB_ERR_INVALID, "--gpus %d: at most 8", gpus);
+            /* the engine first: it checks the GPUs (count, shape splits) and says what is wrong */
+            kvb_cuda_opts co = {.max_ctx = n->cfg.max_ctx, .max_batch = n->cfg.chunk_tokens,
+                                .n_threads = cfg->n_threads, .layer_hook = cuda_layer_hook, .layer_hook_ctx = n,
+                                .n_gpus = gpus, .tp_one_device = cfg->tp_one_device, .hook_every_rank = true};
+            if (!st) st = kvb_cuda_engine_create(n->m, &co, &n->ce, err);
+            if (!st) {
+                char ad[768];
+                kvb_cuda_engine_attention_describe(n->ce, ad, sizeof ad);
+                kvb_log(KVB_LOG_INFO, "prefill: CUDA engine attention: %s", ad);
+            }
             if (!st && gpus == 1) st = kvb_bridge_cuda_create(n->m, cfg->cache_dtype, n->cfg.chunk_tokens, &n->bc, err);
             if (!st && gpus == 1) n->bcr[0] = n->bc;
             if (!st && gpus > 1) { /* each rank's bridge on its rank's device, as the engine places them */
@@ -448,19 +457,7 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
                                                   err);
                 if (!st) n->bc = n->bcr[0];
             }
-            if (!st) {
-                kvb_bridge_cuda_set_ship(n->bc, cuda_ship_rows, n);
-                kvb_cuda_opts co = {.max_ctx = n->cfg.max_ctx, .max_batch = n->cfg.chunk_tokens,
-                                    .n_threads = cfg->n_threads, .layer_hook = cuda_layer_hook, .layer_hook_ctx = n,
-                                    .n_gpus = cfg->gpus, .tp_one_device = cfg->tp_one_device,
-                                    .hook_every_rank = true};
-                st = kvb_cuda_engine_create(n->m, &co, &n->ce, err);
-                if (!st) {
-                    char ad[768];
-                    kvb_cuda_engine_attention_describe(n->ce, ad, sizeof ad);
-                    kvb_log(KVB_LOG_INFO, "prefill: CUDA engine attention: %s", ad);
-                }
-            }
+            if (!st) kvb_bridge_cuda_set_ship(n->bc, cuda_ship_rows, n);
 #else
             st = kvb_err_set(err, KVB_ERR_UNSUPPORTED, "this build has no CUDA engine (built without nvcc)");
 #endif

@@ -69,6 +69,11 @@ if want bench && [ -f "$M8" ]; then
       $extra >"$OUT/bench-tp$g.log" 2>&1 || add "bench prefill gpus $g: rc $?"
     grep -E "^device|tok/s|^ceiling|^ *[0-9]+ " "$OUT/bench-tp$g.log" | head -12 | sed "s/^/  [tp$g] /" | tee -a "$LOG"
   done
+  # TP$GPUS / TP1 tok/s per size (the table rows: tokens, tok/s, ...)
+  while read -r n t1; do
+    tg=$(awk -v n="$n" '$1 == n && $2 ~ /^[0-9]+$/ {print $2}' "$OUT/bench-tp$GPUS.log" | head -1)
+    [ -n "$tg" ] && add "8B bf16 prefill, $n tokens: TP1 $t1 tok/s, TP$GPUS ${ONE:+(one device) }$tg tok/s, ratio $(awk -v a="$tg" -v b="$t1" 'BEGIN {printf "%.3f", a / b}')"
+  done < <(awk '$1 ~ /^[0-9]+$/ && $2 ~ /^[0-9]+$/ && NF >= 5 {print $1, $2}' "$OUT/bench-tp1.log")
 fi
 
 if want logits && [ -f "$M8" ]; then
