@@ -10,6 +10,7 @@
 #include "kvb_store.h"
 #ifdef KVB_HAVE_CUDA
 #include "kvb_bridge_cuda.h"
+#include "kvb_engine_cuda.h"
 
 /* ctx: a NULL-terminated array of CUDA bridges (tensor-parallel ranks: each writes its KV heads). */
 static kvb_status cuda_rows(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const float *h, uint8_t *k_rows,
@@ -71,10 +72,10 @@ static kvb_status run_bridge(const kvb_model *m, const kvb_verify_opts *o, const
     if (st) return st;
     kvb_bridge_cpu_set_perturbed(br, o->perturb);
 #ifdef KVB_HAVE_CUDA
-    kvb_bridge_cuda *gpu[9] = {0}; /* NULL-terminated: one bridge, or o->gpus rank bridges */
+    kvb_bridge_cuda *gpu[KVB_CUDA_MAX_GPUS + 1] = {0}; /* NULL-terminated: one, or o->gpus rank bridges */
     if (o->cuda) {
         const int ranks = o->gpus > 1 ? o->gpus : 1;
-        st = ranks > 8 ? kvb_err_set(err, KVB_ERR_INVALID, "--gpus %d: at most 8", ranks)
+        st = ranks > KVB_CUDA_MAX_GPUS ? kvb_err_set(err, KVB_ERR_INVALID, "--gpus %d: at most %d", ranks, KVB_CUDA_MAX_GPUS)
              : ranks > 1 ? kvb_bridge_cuda_create_ranks(m, fmt->dtype, chunk, ranks, NULL, gpu, err)
                          : kvb_bridge_cuda_create(m, fmt->dtype, chunk, &gpu[0], err);
         if (st) {

@@ -501,7 +501,7 @@ int kvb_cmd_bench(int argc, char **argv) {
         } else if (!strcmp(a, "--host-overhead")) {
             host_overhead = true;
         } else if (!strcmp(a, "--gpus")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 8, &gpus)) return 2;
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, KVB_CLI_MAX_GPUS, &gpus)) return 2;
         } else if (!strcmp(a, "--tp-one-device")) {
             tp_one_device = true;
         } else {

@@ -154,7 +154,7 @@ int kvb_bench_ladder(int argc, char **argv) {
             }
             cuda = !strcmp(v, "cuda");
         } else if (!strcmp(a, "--gpus")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 8, &gpus)) return 2;
+            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, KVB_CLI_MAX_GPUS, &gpus)) return 2;
         } else if (!strcmp(a, "--tp-one-device")) {
             tp_one_device = true;
         } else {

@@ -230,7 +230,7 @@ int kvb_cmd_demo(int argc, char **argv) {
                 return 2;
             }
         } else if (!strcmp(argv[i], "--gpus")) {
-            if (!(v = kvb_arg_value("demo", argc, argv, &i)) || !kvb_arg_int("demo", "--gpus", v, 1, 8, &gpus))
+            if (!(v = kvb_arg_value("demo", argc, argv, &i)) || !kvb_arg_int("demo", "--gpus", v, 1, KVB_CLI_MAX_GPUS, &gpus))
                 return 2;
         } else if (!strcmp(argv[i], "--tp-one-device")) {
             tp_one_device = true;

@@ -8,6 +8,7 @@
 #include "kvb_engine_cpu.h"
 #ifdef KVB_HAVE_CUDA
 #include "kvb_engine_cuda.h"
+_Static_assert(KVB_CLI_MAX_GPUS == KVB_CUDA_MAX_GPUS, "the CLI's --gpus limit is the engine's");
 #endif
 #include "kvb_quant.h"
 #include "kvb_tokenizer.h"
@@ -162,7 +163,7 @@ int kvb_cmd_run(int argc, char **argv) {
         } else if (!strcmp(a, "--ignore-eos")) {
             ignore_eos = true;
         } else if (!strcmp(a, "--gpus")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 8, &gpus)) return 2;
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, KVB_CLI_MAX_GPUS, &gpus)) return 2;
         } else if (!strcmp(a, "--tp-one-device")) {
             tp_one_device = true;
         } else if (!strcmp(a, "--logits-out")) {

@@ -78,7 +78,7 @@ int kvb_cmd_serve(int argc, char **argv) {
         NUM("--chunk", chunk, 16, 1 << 20) NUM("--cache-blocks", cache_blocks, 16, 1LL << 31)
         NUM("--threads", threads, 1, 1024) NUM("--block-tokens", bt, 1, 4096) NUM("--ctx", ctx, 16, 1 << 24)
         NUM("--bridge-min", bridge_min, 1, 1 << 24) NUM("--max-tokens", max_tokens, 1, 1 << 24)
-        NUM("--lanes", lanes, 1, KVB_MAX_LANES) NUM("--gpus", gpus, 1, 8)
+        NUM("--lanes", lanes, 1, KVB_MAX_LANES) NUM("--gpus", gpus, 1, KVB_CLI_MAX_GPUS)
         else if (!strcmp(a, "--cache-type")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &cache_type)) return 2;
         }

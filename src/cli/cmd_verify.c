@@ -158,7 +158,7 @@ int kvb_cmd_verify(int argc, char **argv) {
             if (!(v = kvb_arg_value("verify", argc, argv, &i)) || !kvb_arg_int("verify", a, v, 1, 1024, &n)) return 2;
             threads = (int)n;
         } else if (!strcmp(a, "--gpus")) {
-            if (!(v = kvb_arg_value("verify", argc, argv, &i)) || !kvb_arg_int("verify", a, v, 1, 8, &gpus)) return 2;
+            if (!(v = kvb_arg_value("verify", argc, argv, &i)) || !kvb_arg_int("verify", a, v, 1, KVB_CLI_MAX_GPUS, &gpus)) return 2;
         } else if (!strcmp(a, "--perturb")) {
             perturb = true;
         } else if (!strcmp(a, "--bytes-at")) {

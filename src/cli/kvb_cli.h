@@ -56,6 +56,8 @@ bool kvb_arg_float(const char *cmd, const char *opt, const char *val, double lo,
 const char *kvb_arg_value(const char *cmd, int argc, char **argv, int *i);
 /* Parses a tensor/cache type name ("f16", "q8_0", ...) into *out, or prints what is wrong. */
 bool kvb_arg_type(const char *cmd, const char *opt, const char *val, uint32_t *out);
+/* The most GPUs --gpus takes (the CUDA engine's KVB_CUDA_MAX_GPUS, checked where both are seen). */
+#define KVB_CLI_MAX_GPUS 8
 /* --gpus N (> 1) and --tp-one-device need the CUDA engine (cuda): false, with a message, otherwise. */
 bool kvb_arg_gpus_ok(const char *cmd, long long gpus, bool tp_one_device, bool cuda);
 /* Where the real Gemma 3 270M file is (tools/fetch_gemma3.sh puts it there): $KVB_GEMMA3_GGUF,

@@ -33,7 +33,7 @@ struct kvb_prefill_node {
     kvb_cuda_engine *ce;  /* --device cuda: the prefill engine ... */
     kvb_bridge_cuda *bc;  /* ... and the bridge kernel fed from its layer hook (tensor parallel:
                              rank 0's, which ships; bcr holds every rank's, each for its KV heads) */
-    kvb_bridge_cuda *bcr[8];
+    kvb_bridge_cuda *bcr[KVB_CUDA_MAX_GPUS];
 #endif
     uint32_t ship_from, ship_to; /* the request in flight: positions the decoder lacks */
     uint32_t local_from;         /* local (sliding-window) layers: the decoder keeps rows from here on */
@@ -451,7 +451,7 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
             if (!st && gpus == 1) st = kvb_bridge_cuda_create(n->m, cfg->cache_dtype, n->cfg.chunk_tokens, &n->bc, err);
             if (!st && gpus == 1) n->bcr[0] = n->bc;
             if (!st && gpus > 1) { /* each rank's bridge on its rank's device, as the engine places them */
-                int devs[8];
+                int devs[KVB_CUDA_MAX_GPUS];
                 for (int r = 0; r < gpus; r++) devs[r] = cfg->tp_one_device ? 0 : r;
                 st = kvb_bridge_cuda_create_ranks(n->m, cfg->cache_dtype, n->cfg.chunk_tokens, gpus, devs, n->bcr,
                                                   err);

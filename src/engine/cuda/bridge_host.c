@@ -26,7 +26,7 @@ typedef struct {
 
 #define BRIDGE_MAX_SLOTS 8
 #define BRIDGE_DEFAULT_SLOTS 2
-#define BRIDGE_MAX_RANKS 8
+#define BRIDGE_MAX_RANKS KVB_CUDA_MAX_GPUS
 
 /* One staging slot of the device-input path: rows land here (pinned host memory) and are shipped
  * once its event has fired. */

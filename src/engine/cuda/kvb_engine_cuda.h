@@ -52,6 +52,9 @@
 typedef kvb_status (*kvb_cuda_layer_hook)(void *ctx, int rank, uint32_t layer, uint32_t pos0, uint32_t n,
                                           const float *d_h, void *stream, kvb_err *err);
 
+/* The most tensor-parallel ranks (GPUs) one engine takes. */
+#define KVB_CUDA_MAX_GPUS 8
+
 /* Which attention runs on global layers (sliding-window layers always use the engine's kernel). */
 typedef enum {
     KVB_CUDA_ATTN_AUTO = 0, /* KVB_CUDA_ATTENTION from the environment (own|cudnn) if set, else cuDNN's

@@ -50,7 +50,7 @@ typedef struct {
 } nccl_api;
 #endif
 
-#define TP_MAX 8
+#define TP_MAX KVB_CUDA_MAX_GPUS
 
 struct kvb_tp_comm {
     kvb_tp_comm_kind kind;

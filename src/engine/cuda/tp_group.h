@@ -12,7 +12,7 @@
 #include "kvb_engine_cuda.h"
 #include "tp_comm.h"
 
-#define KVB_TP_MAX_RANKS 8
+#define KVB_TP_MAX_RANKS KVB_CUDA_MAX_GPUS
 
 typedef struct kvb_tp_group kvb_tp_group;
 typedef struct kvb_tp_seq kvb_tp_seq; /* one kvb_cuda_seq per rank */
