@@ -11,9 +11,13 @@
 #    GPU and with --gpus $GPUS (on one device unless the host has $GPUS GPUs: then NCCL), and the
 #    last prompt token's logits of both (`run --logits-out`) compared (rel-L2, top-1);
 # 3. a bridged conversation over the tensor-parallel prefill node (`demo --device cuda --gpus`),
-#    and `bench ladder` on the llama3.2-1b shape (Q8_0) at $LADDER_LENGTHS with --gpus.
+#    `kvbridge verify --device cuda --gpus $GPUS`, and `bench ladder` on the llama3.2-1b shape
+#    (Q8_0) at $LADDER_LENGTHS with --gpus;
+# 4. stage "big" (not in the default list; a host with >= 2 GPUs and ~60 GB of free disk): the
+#    Llama-3.1-70B shape generated in Q4_0 (~40 GB; the engine converts it to 141 GB of bf16,
+#    more than one H200 holds with a useful cache) prefilled with --gpus $GPUS at 8K tokens.
 # Logs under $OUT (default /tmp/kvb-tp-check); the summary is printed last. Knobs: SIZES
-# (8192,32768) REPS (2) GPUS (2) STAGES ("tests bench logits loop") MODELS_DIR (/tmp/kvb-models)
+# (8192,32768) REPS (2) GPUS (2) STAGES ("tests bench logits loop"; add "big") MODELS_DIR (/tmp/kvb-models)
 # LADDER_LENGTHS (8192,32768) DEADLINE (seconds for the whole script, default 570).
 set -u
 export NCCL_NVLS_ENABLE=0 # NVLink multicast stays off on these hosts (the engine sets it too)
@@ -100,12 +104,32 @@ if want loop; then
     add "demo: rc $?"
   grep -E "complete|partial|declined|identical|turn" "$OUT/demo.log" | head -14 | tee -a "$LOG"
   add "demo: $(grep -c complete "$OUT/demo.log") 'complete' lines; $(grep -iE 'identical' "$OUT/demo.log" | head -1)"
+  say "verify --device cuda --gpus $GPUS"
+  timeout "$(tmo 120)" "$K" verify --device cuda --gpus "$GPUS" --bytes-at none >"$OUT/verify.log" 2>&1
+  add "verify --gpus $GPUS: $(tail -1 "$OUT/verify.log")"
   M1=$(gen llama3.2-1b q8_0)
   if [ -f "$M1" ]; then
     say "ladder 1B q8_0 over --gpus $GPUS at $LADDER_LENGTHS"
     timeout "$(tmo 240)" "$K" bench ladder -m "$M1" --device cuda --gpus "$GPUS" $ONE --lengths "$LADDER_LENGTHS" \
       --seeds 1 --alone-max 0 >"$OUT/ladder.log" 2>&1 || add "ladder: rc $?"
     grep -vE "^\s*$" "$OUT/ladder.log" | tail -20 | tee -a "$LOG"
+  fi
+fi
+if want big; then
+  if [ -n "$ONE" ]; then
+    add "big: skipped (the 70B shape needs $GPUS GPUs; this host has $NDEV)"
+  else
+    say "gen llama3.1-70b q4_0 (~40 GB)"
+    M70=$(gen llama3.1-70b q4_0)
+    if [ -f "$M70" ]; then
+      say "bench prefill 70B, gpus $GPUS"
+      timeout "$(tmo 400)" "$K" bench prefill -m "$M70" --device cuda --tokens 8192 --reps 2 --ceiling-reps 3 \
+        --gpus "$GPUS" >"$OUT/bench-70b.log" 2>&1 || add "bench prefill 70B: rc $?"
+      grep -E "^device|^ *[0-9]+ " "$OUT/bench-70b.log" | head -4 | tee -a "$LOG"
+      add "70B shape, --gpus $GPUS, 8K tokens: $(awk '$1 == 8192 && $2 ~ /^[0-9]+$/ {print $2 " tok/s"}' "$OUT/bench-70b.log")"
+    else
+      add "big: the 70B file could not be generated (disk?)"
+    fi
   fi
 fi
 echo "==== summary ($(($(date +%s) - T0)) s)" | tee -a "$LOG"
