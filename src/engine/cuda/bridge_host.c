@@ -49,7 +49,7 @@ struct kvb_bridge_cuda {
     /* the KV heads this bridge computes, [h0, h0 + nh) of n_head_kv (all of them but with tensor
      * parallelism); rank r of n_ranks writes them into its leader's (rank 0's) pinned slots */
     uint32_t h0, nh;
-    int rank, n_ranks;
+    int n_ranks;
     kvb_bridge_cuda *leader;                   /* itself, unless a follower */
     kvb_bridge_cuda *ranks[BRIDGE_MAX_RANKS];  /* the leader's: every rank's bridge */
     uint64_t calls;                            /* tensor parallel: this rank's enqueues since the last reset */
@@ -271,7 +271,6 @@ kvb_status kvb_bridge_cuda_create_ranks(const kvb_model *m, uint32_t dtype, uint
         if (ce != cudaSuccess) st = kvb_cu_fail(err, ce, "cudaSetDevice (a bridge rank)", __FILE__, __LINE__);
         if (!st) st = create_shard(m, dtype, max_tokens, a, z - a, &out[r], err);
         if (st) break;
-        out[r]->rank = r;
         out[r]->n_ranks = n_ranks;
         out[r]->leader = out[0];
         out[0]->ranks[r] = out[r];
@@ -404,13 +403,12 @@ static kvb_status ensure_rope_table(kvb_bridge_cuda *b, uint32_t layer, uint32_t
 /* Enqueues one layer's rows of this bridge's KV heads on `stream`: the RoPE table of its kind
  * (ensure_rope_table, with cos_t/sin_t as host scratch), the projections of d_h (n, n_embd) f32
  * device memory, post into device slot `slot` (n, nh, row_bytes). Then the rows go down into
- * k_dst, v_dst host memory, row t of head h0 + j at t * dst_pitch + j * row_bytes (the heads of
- * the whole cache row (n, n_head_kv, row_bytes) start at k_dst - h0 * row_bytes): on `stream`
+ * their heads' columns of k_rows, v_rows (n, n_head_kv, row_bytes) host memory: on `stream`
  * when copy_done is NULL, else on the copy stream after the post, recording copy_done there.
  * Nothing waits here. */
 static kvb_status enqueue_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t n, const float *d_h, uint32_t pos0,
-                                float *cos_t, float *sin_t, cudaStream_t stream, int slot, uint8_t *k_dst,
-                                uint8_t *v_dst, size_t dst_pitch, cudaEvent_t copy_done, kvb_err *err) {
+                                float *cos_t, float *sin_t, cudaStream_t stream, int slot, uint8_t *k_rows,
+                                uint8_t *v_rows, cudaEvent_t copy_done, kvb_err *err) {
     const kvb_model_desc *d = &b->m->d;
     const bridge_layer *bl = &b->layers[layer];
     cudaStream_t cs = copy_done ? b->copy_st : stream;
@@ -431,9 +429,10 @@ static kvb_status enqueue_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t n, 
             KVB_CU(cudaEventRecord(b->post_ev[slot], stream));
             KVB_CU(cudaStreamWaitEvent(b->copy_st, b->post_ev[slot], 0));
         }
-        const size_t w = (size_t)b->nh * b->row_bytes;
-        KVB_CU(cudaMemcpy2DAsync(k_dst, dst_pitch, b->d_krows[slot], w, w, n, cudaMemcpyDeviceToHost, cs));
-        KVB_CU(cudaMemcpy2DAsync(v_dst, dst_pitch, b->d_vrows[slot], w, w, n, cudaMemcpyDeviceToHost, cs));
+        const size_t w = (size_t)b->nh * b->row_bytes, off = (size_t)b->h0 * b->row_bytes;
+        const size_t pitch = (size_t)d->n_head_kv * b->row_bytes; /* a whole cache row */
+        KVB_CU(cudaMemcpy2DAsync(k_rows + off, pitch, b->d_krows[slot], w, w, n, cudaMemcpyDeviceToHost, cs));
+        KVB_CU(cudaMemcpy2DAsync(v_rows + off, pitch, b->d_vrows[slot], w, w, n, cudaMemcpyDeviceToHost, cs));
     }
     if (copy_done) KVB_CU(cudaEventRecord(copy_done, cs));
     return KVB_OK;
@@ -452,9 +451,7 @@ kvb_status kvb_bridge_cuda_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t po
     if (st) return st;
     KVB_CU(cudaMemcpy(b->d_h, h, (size_t)n * b->m->d.n_embd * sizeof(float), cudaMemcpyHostToDevice));
     kvb_bridge_cuda_discard(b); /* the device slots are shared with the device-input path */
-    const size_t off = (size_t)b->h0 * b->row_bytes, pitch = (size_t)b->m->d.n_head_kv * b->row_bytes;
-    if ((st = enqueue_layer(b, layer, n, b->d_h, pos0, b->h_cos, b->h_sin, NULL, 0, k_rows + off, v_rows + off, pitch,
-                            NULL, err)))
+    if ((st = enqueue_layer(b, layer, n, b->d_h, pos0, b->h_cos, b->h_sin, NULL, 0, k_rows, v_rows, NULL, err)))
         return st;
     KVB_CU(cudaDeviceSynchronize());
     return KVB_OK;
@@ -605,7 +602,6 @@ static kvb_status wait_idle(kvb_bridge_cuda *b, bool drop, kvb_err *err) {
     if (b->n_ranks > 1 && b->leader == b) { /* between forwards (no rank is enqueueing): the ranks start over in step */
         for (uint32_t i = 0; i < b->n_slots; i++) b->slot[i].filled = 0, b->slot[i].shipped_call = 0;
         for (int r = 0; r < b->n_ranks; r++) b->ranks[r]->calls = 0;
-        b->seq = 0;
     }
     pthread_mutex_unlock(&b->mu);
     return st;
@@ -635,9 +631,8 @@ static kvb_status enqueue_rank(kvb_bridge_cuda *b, uint32_t layer, uint32_t pos0
     if (st) *err = l->ship_err;
     pthread_mutex_unlock(&l->mu);
     if (st) return st;
-    const size_t off = (size_t)b->h0 * l->row_bytes, pitch = (size_t)b->m->d.n_head_kv * l->row_bytes;
     st = enqueue_layer(b, layer, n, d_h, pos0, b == l ? p->cos : b->r_cos[idx], b == l ? p->sin : b->r_sin[idx],
-                       stream, (int)idx, p->k + off, p->v + off, pitch, b == l ? p->done : b->r_done[idx], err);
+                       stream, (int)idx, p->k, p->v, b == l ? p->done : b->r_done[idx], err);
     if (st) {
         fail_ranks(l, st, err);
         return st;
@@ -675,7 +670,7 @@ kvb_status kvb_bridge_cuda_enqueue(kvb_bridge_cuda *b, uint32_t layer, uint32_t 
         return st;
     }
     if ((st = enqueue_layer(b, layer, n, d_h, pos0, p->cos, p->sin, (cudaStream_t)stream, (int)b->next_slot, p->k,
-                            p->v, (size_t)b->nh * b->row_bytes, p->done, err)))
+                            p->v, p->done, err)))
         return st;
     if (b->has_shipper) pthread_mutex_lock(&b->mu);
     p->pending = true;

@@ -248,6 +248,7 @@ struct kvb_cuda_engine {
     kvb_tp_comm *comm; /* a rank's all-reduce (NULL with one GPU) */
     int tp_rank, tp_size;
     uint32_t nh, nkv, nff;
+    uint32_t kv_first; /* the first of this rank's KV heads */
     kvb_err hook_err;  /* a rank's first layer-hook error in this forward (tensor parallel) */
     kvb_status hook_st;
     kvb_kvformat fmt;
@@ -407,8 +408,7 @@ static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *er
     /* this rank's shard: Q/K/V and gate/up rows from q0/kv0/f0, O and down columns likewise */
     const size_t E = d->n_embd, D = d->head_dim, Q = (size_t)e->nh * D, KV = (size_t)e->nkv * D;
     const size_t FF = e->nff, S = Q + 2 * KV;
-    const int64_t q0 = (int64_t)(e->tp_rank * Q), f0 = (int64_t)(e->tp_rank * FF);
-    const int64_t kv0 = (int64_t)((size_t)e->tp_rank * d->n_head_kv / (size_t)e->tp_size * D); /* see opts_resolve */
+    const int64_t q0 = (int64_t)(e->tp_rank * Q), f0 = (int64_t)(e->tp_rank * FF), kv0 = (int64_t)(e->kv_first * D);
     kvb_status st = KVB_OK;
     uploader u = {pool, NULL, (size_t)32 << 20, NULL, kvb_pool_size(pool)};
     size_t max_cols = E > (size_t)d->n_head * D ? E : (size_t)d->n_head * D; /* whole rows are converted */
@@ -678,17 +678,17 @@ kvb_status kvb_cu_engine_create_rank(const kvb_model *m, const kvb_cuda_opts *op
     kvb_cuda_engine *e = calloc(1, sizeof *e);
     if (!e) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory creating the CUDA engine");
     e->m = m;
-    e->o = *opts;
+    e->o = *opts; /* resolved by kvb_cuda_engine_create (opts_resolve) */
     kvb_cuda_opts *o = &e->o;
     const kvb_model_desc *d = &m->d;
-    kvb_status st = opts_resolve(d, o, err);
+    kvb_status st = KVB_OK;
     kvb_pool *pool = NULL;
-    if (st) goto fail;
     e->tp_rank = rank;
     e->tp_size = size;
     e->comm = comm;
     e->nh = d->n_head / (uint32_t)size;
     e->nkv = d->n_head_kv >= (uint32_t)size ? d->n_head_kv / (uint32_t)size : 1; /* replicated when fewer */
+    e->kv_first = (uint32_t)((uint64_t)rank * d->n_head_kv / (uint32_t)size);
     e->nff = d->n_ff / (uint32_t)size;
     if (rank != 0 && !o->hook_every_rank) o->layer_hook = NULL, o->layer_hook_ctx = NULL; /* rank 0's */
     while ((1u << e->bt_shift) < o->block_tokens) e->bt_shift++;

@@ -37,7 +37,6 @@ struct kvb_tp_group {
     /* a failure that broke lockstep: every later call returns it */
     kvb_status broken;
     kvb_err broken_err;
-    char desc[160];
 };
 
 struct kvb_tp_seq {
@@ -172,7 +171,6 @@ kvb_status kvb_tp_group_create(const kvb_model *m, const kvb_cuda_opts *o, kvb_t
         kvb_tp_group_free(g);
         return st;
     }
-    snprintf(g->desc, sizeof g->desc, "%s", kvb_tp_comm_describe(g->comm));
     *out = g;
     return KVB_OK;
 }
@@ -197,7 +195,7 @@ void kvb_tp_group_free(kvb_tp_group *g) {
 }
 
 kvb_cuda_engine *kvb_tp_group_rank(kvb_tp_group *g, int r) { return g->rank[r]; }
-const char *kvb_tp_group_describe(const kvb_tp_group *g) { return g->desc; }
+const char *kvb_tp_group_describe(const kvb_tp_group *g) { return kvb_tp_comm_describe(g->comm); }
 
 /* ---- sequences ---------------------------------------------------------------------------- */
 

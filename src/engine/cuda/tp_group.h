@@ -34,8 +34,9 @@ kvb_status kvb_tp_attach_cached(kvb_tp_group *g, kvb_tp_seq *s, const int32_t *t
 kvb_status kvb_tp_forward(kvb_tp_group *g, kvb_tp_seq *s, const int32_t *tokens, uint32_t n, float *logits,
                           bool all_logits, kvb_err *err);
 
-/* engine.c, for the group: a rank's engine (rank of size; comm NULL when size is 1), and whether
- * the rank's last forward failed only in its layer hook (the ranks then finished in lockstep). */
+/* engine.c, for the group: a rank's engine (rank of size; comm NULL when size is 1; o already
+ * resolved by kvb_cuda_engine_create), and whether the rank's last forward failed only in its
+ * layer hook (the ranks then finished in lockstep). */
 kvb_status kvb_cu_engine_create_rank(const kvb_model *m, const kvb_cuda_opts *o, int rank, int size,
                                      kvb_tp_comm *comm, kvb_cuda_engine **out, kvb_err *err);
 bool kvb_cu_engine_hook_failed(const kvb_cuda_engine *e);
