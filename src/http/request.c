@@ -212,10 +212,13 @@ static kvb_status parse_token_ids(req_storage *st, const cJSON *arr, const char 
     size_t i = 0;
     const cJSON *t;
     cJSON_ArrayForEach(t, arr) {
-        char p[112];
-        snprintf(p, sizeof p, "%s[%zu]", param, i);
-        kvb_status s = check_integer(t, p, 0, (double)INT32_MAX, e);
-        if (s) return s;
+        const double d = cJSON_IsNumber(t) ? t->valuedouble : -1;
+        if (!(d >= 0 && d <= (double)INT32_MAX && d == floor(d))) { /* the element's name only for the error */
+            char p[112];
+            snprintf(p, sizeof p, "%s[%zu]", param, i);
+            kvb_status s = check_integer(t, p, 0, (double)INT32_MAX, e);
+            if (s) return s;
+        }
         st->tokens[i++] = (int32_t)t->valuedouble;
     }
     st->req.prompt_tokens = st->tokens;
