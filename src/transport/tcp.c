@@ -1,8 +1,8 @@
 /* transport/tcp.c — the TCP backend: "HOST:PORT" addresses, a non-blocking listener (several
  * threads may accept on it), blocking connected sockets driven with MSG_DONTWAIT and poll() so
  * every call honours its deadline (a stalled peer is a timeout, never a hang), TCP_NODELAY, large
- * socket buffers, MSG_NOSIGNAL instead of SIGPIPE, and frames sent as one gather write (header +
- * payload pieces, no copy). */
+ * socket buffers, MSG_NOSIGNAL instead of SIGPIPE, frames sent as one gather write (header +
+ * payload pieces, no copy) and received with the next frame's header read ahead with each payload. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -25,6 +25,10 @@
 typedef struct {
     kvb_link base;
     int fd;
+    /* the start of the next frame's header, read together with the previous frame's payload
+     * (tcp_recv_frame asks for both in one recvmsg): (ahead_n) bytes */
+    uint8_t ahead[KVB_WIRE_HEADER_BYTES];
+    size_t ahead_n;
 } tcp_link;
 
 typedef struct {
@@ -285,11 +289,22 @@ static kvb_status tcp_send_frame(kvb_link *base, const uint8_t header[KVB_WIRE_H
     return KVB_OK;
 }
 
-static kvb_status recv_exact(tcp_link *t, uint8_t *dst, size_t n, double deadline, const char *what, kvb_err *err) {
+/* Receives exactly n bytes into dst; with read_ahead, each receive also asks for the next frame's
+ * header (into t->ahead, up to its size, once dst is full): one system call per frame instead of
+ * two when the sender is ahead, as it is while slabs stream. */
+static kvb_status recv_exact(tcp_link *t, uint8_t *dst, size_t n, bool read_ahead, double deadline, const char *what,
+                             kvb_err *err) {
     size_t got = 0;
     while (got < n) {
-        ssize_t r = recv(t->fd, dst + got, n - got, MSG_DONTWAIT);
+        struct iovec v[2] = {{.iov_base = dst + got, .iov_len = n - got},
+                             {.iov_base = t->ahead, .iov_len = sizeof t->ahead}};
+        struct msghdr msg = {.msg_iov = v, .msg_iovlen = read_ahead ? 2 : 1};
+        ssize_t r = recvmsg(t->fd, &msg, MSG_DONTWAIT);
         if (r > 0) {
+            if ((size_t)r > n - got) { /* the rest went into the next header */
+                t->ahead_n = (size_t)r - (n - got);
+                r = (ssize_t)(n - got);
+            }
             got += (size_t)r;
             continue;
         }
@@ -313,14 +328,17 @@ static kvb_status tcp_recv_frame(kvb_link *base, uint64_t max_payload, kvb_frame
                                  double deadline, kvb_err *err) {
     tcp_link *t = (tcp_link *)base;
     uint8_t h[KVB_WIRE_HEADER_BYTES];
-    kvb_status st = recv_exact(t, h, sizeof h, deadline, "frame header", err);
+    const size_t had = t->ahead_n; /* read with the last payload */
+    memcpy(h, t->ahead, had);
+    t->ahead_n = 0;
+    kvb_status st = had < sizeof h ? recv_exact(t, h + had, sizeof h - had, false, deadline, "frame header", err) : KVB_OK;
     if (st) return st;
     st = kvb_wire_header_decode(h, max_payload, hdr, err);
     if (st) return st;
     if (hdr->payload_len > SIZE_MAX) return kvb_err_set(err, KVB_ERR_RANGE, "payload does not fit in memory");
     st = kvb_wire_buf_reserve(buf, (size_t)hdr->payload_len, err); /* only after the length passed the limit */
     if (st) return st;
-    return recv_exact(t, buf->data, (size_t)hdr->payload_len, deadline, kvb_frame_type_name(hdr->type), err);
+    return recv_exact(t, buf->data, (size_t)hdr->payload_len, true, deadline, kvb_frame_type_name(hdr->type), err);
 }
 
 static void tcp_shutdown(kvb_link *base) {
