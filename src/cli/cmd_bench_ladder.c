@@ -41,7 +41,10 @@ static void help(FILE *f) {
             "  --alone-max N        run the decoder-alone legs only up to N tokens (default 1048576); longer\n"
             "                       rows print 'not run'\n"
             "  --prefill-alone-max N  time the in-process prefill node alone only up to N tokens (default\n"
-            "                       1048576)\n"
+            "                       1048576): once with the bridge idle ('prefill alone') and once with the\n"
+            "                       bridge computing and cutting the decoder's rows, which are then dropped\n"
+            "                       instead of sent ('+bridge'): the prefill node's own work for a bridged\n"
+            "                       request, so 'vs +bridge' is what the link and the exchange add to it\n"
             "  --warmup N           untimed bridged prompts of each length before its timed ones (default 1\n"
             "                       with --device cuda, where the first prompt of a length builds cuDNN\n"
             "                       execution plans, ~0.1 s per shape; 0 on cpu)\n"
@@ -230,8 +233,8 @@ int kvb_bench_ladder(int argc, char **argv) {
                "prefill node's\n           per-shape state (cuDNN execution plans) is then built, as on a server "
                "that has seen this length\n",
                warmup);
-    printf("%8s  %12s  %12s  %6s  %13s  %9s  %10s  %9s  %s\n", "tokens", "alone TTFT s", "bridged s", "ratio",
-           "prefill alone", "vs alone", "bytes/tok", "GB/s", "verdicts (bridged)");
+    printf("%8s  %12s  %12s  %6s  %13s  %9s  %8s  %10s  %10s  %9s  %s\n", "tokens", "alone TTFT s", "bridged s",
+           "ratio", "prefill alone", "vs alone", "+bridge", "vs +bridge", "bytes/tok", "GB/s", "verdicts (bridged)");
     /* what a leg ships: global layers' rows for every shipped position, local (sliding-window)
      * layers' rows only where the decoder keeps them (the decode node's blocks) */
     kvb_kvformat lf;
@@ -240,7 +243,7 @@ int kvb_bench_ladder(int argc, char **argv) {
     kvb_kvformat_token_bytes(&lf, &tok_global, &tok_local);
     uint64_t seed = (uint64_t)(kvb_now_s() * 1e3);
     for (int li = 0; li < n_lens; li++) {
-        double a[100], b[100], gbs[100], pa[100], ph_pre[100], ph_xfer[100], ph_nat[100];
+        double a[100], b[100], gbs[100], pa[100], pb[100], ph_pre[100], ph_xfer[100], ph_nat[100];
         int n_piped = 0; /* bridged legs whose last token ran with the transfer */
         uint64_t len_global, len_local;
         kvb_kvformat_ship_bytes(&lf, 0, (uint32_t)lens[li] - 1, &len_global, &len_local);
@@ -258,8 +261,11 @@ int kvb_bench_ladder(int argc, char **argv) {
             if ((run_alone && one_leg(kvb_decode_node_port(alone), lens[li], seed++, m->d.n_vocab, &la)) ||
                 one_leg(kvb_decode_node_port(dn), lens[li], seed++, m->d.n_vocab, &lb))
                 goto done;
-            pa[s] = 0;
-            if (pn && lens[li] <= pa_max && kvb_prefill_node_time_alone(pn, (uint32_t)lens[li], seed++, &pa[s], &err)) goto fail;
+            pa[s] = pb[s] = 0;
+            if (pn && lens[li] <= pa_max &&
+                (kvb_prefill_node_time_alone(pn, (uint32_t)lens[li], seed++, false, &pa[s], &err) ||
+                 kvb_prefill_node_time_alone(pn, (uint32_t)lens[li], seed++, true, &pb[s], &err)))
+                goto fail;
             a[s] = la.ttft;
             b[s] = lb.ttft;
             ph_pre[s] = lb.prefill_s;
@@ -269,14 +275,16 @@ int kvb_bench_ladder(int argc, char **argv) {
             uint64_t leg_g, leg_l; /* what this leg shipped (all of it when complete) */
             kvb_kvformat_ship_bytes(&lf, 0, (uint32_t)lb.bridged, &leg_g, &leg_l);
             gbs[s] = lb.transfer_s > 0 ? (double)(leg_g + leg_l) / lb.transfer_s / 1e9 : 0;
-            fprintf(stderr, "ladder %d tokens, seed %d: alone %.3f s, bridged %.3f s (%s), prefill alone %.3f s\n",
-                    lens[li], s, la.ttft, lb.ttft, lb.verdict, pa[s]);
+            fprintf(stderr,
+                    "ladder %d tokens, seed %d: alone %.3f s, bridged %.3f s (%s), prefill alone %.3f s, +bridge %.3f s\n",
+                    lens[li], s, la.ttft, lb.ttft, lb.verdict, pa[s], pb[s]);
             strncat(verdicts, s ? ", " : "", sizeof verdicts - strlen(verdicts) - 1);
             strncat(verdicts, lb.verdict, sizeof verdicts - strlen(verdicts) - 1);
         }
         double ma = kvb_median_sort(a, (int)seeds), mb = kvb_median_sort(b, (int)seeds);
         double mg = kvb_median_sort(gbs, (int)seeds), mp = kvb_median_sort(pa, (int)seeds);
-        char ca[16] = "not run", cr[16] = "-", cp[16] = "-", cv[16] = "-";
+        const double mpb = kvb_median_sort(pb, (int)seeds);
+        char ca[16] = "not run", cr[16] = "-", cp[16] = "-", cv[16] = "-", cpb[16] = "-", cvb[16] = "-";
         if (run_alone) {
             snprintf(ca, sizeof ca, "%.3f", ma);
             snprintf(cr, sizeof cr, "%.2fx", ma / mb);
@@ -285,9 +293,11 @@ int kvb_bench_ladder(int argc, char **argv) {
         if (ran_pa) {
             snprintf(cp, sizeof cp, "%.3f", mp);
             snprintf(cv, sizeof cv, "%.2fx", mb / mp);
+            snprintf(cpb, sizeof cpb, "%.3f", mpb);
+            snprintf(cvb, sizeof cvb, "%.2fx", mb / mpb);
         }
-        printf("%8d  %12s  %12.3f  %6s  %13s  %9s  %10.0f  %9.2f  %s\n", lens[li], ca, mb, cr, cp, cv, bytes_per_tok,
-               mg, verdicts);
+        printf("%8d  %12s  %12.3f  %6s  %13s  %9s  %8s  %10s  %10.0f  %9.2f  %s\n", lens[li], ca, mb, cr, cp, cv, cpb,
+               cvb, bytes_per_tok, mg, verdicts);
         printf("          runs alone:");
         if (run_alone)
             for (int s = 0; s < seeds; s++) printf(" %.3f", a[s]);
@@ -297,6 +307,8 @@ int kvb_bench_ladder(int argc, char **argv) {
         if (ran_pa) {
             printf("; prefill alone:");
             for (int s = 0; s < seeds; s++) printf(" %.3f", pa[s]);
+            printf("; +bridge:");
+            for (int s = 0; s < seeds; s++) printf(" %.3f", pb[s]);
         }
         printf(" (sorted)\n");
         if (lf.window)

@@ -16,6 +16,8 @@
 
 #include "kvb_core.h"
 
+typedef struct kvb_conn kvb_conn; /* kvb_transport.h: one authenticated connection */
+
 /* ---- prefill node ---------------------------------------------------------------------------- */
 
 typedef struct {
@@ -61,12 +63,23 @@ uint64_t kvb_prefill_node_peak_gpu_bytes(kvb_prefill_node *n);
  * shipper) blocked on a full ring — the link or the decoder was slower — and the sender waited on
  * an empty one — the producer was. */
 void kvb_prefill_node_last_staging_waits(kvb_prefill_node *n, double *full_s, double *empty_s);
-/* Times a cold prefill of n_tokens random tokens (seeded) on this node's engine with the bridge
- * idle — nothing computed for or shipped to a decoder: "the prefill engine alone", the yardstick
- * for a bridged time to first token. Waits for any request in flight. */
-kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, uint64_t seed, double *seconds,
-                                       kvb_err *err);
+/* Times a cold prefill of n_tokens random tokens (seeded) on this node's engine. with_bridge
+ * false: the bridge idle — nothing computed for or shipped to a decoder: "the prefill engine
+ * alone", the yardstick for a bridged time to first token. with_bridge true: the bridge also
+ * computes and cuts the decoder's rows for tokens [0, n_tokens - 1), as a request would, and they
+ * are dropped instead of sent — the GPU's whole share of a bridged request, without the link.
+ * Waits for any request in flight. */
+kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, uint64_t seed, bool with_bridge,
+                                       double *seconds, kvb_err *err);
 void kvb_prefill_node_stop(kvb_prefill_node *n);
+
+/* A decode node's receiving side of one lane, without a store: request_id's frames on c read by
+ * the node's receiving thread (kvb_conn_recv_into into its own buffers, ahead of this thread) while
+ * this thread verifies each SLAB's checksum, as a lane's committing thread does before the store
+ * takes the rows; until that request's DONE. *slab_bytes: the K and V bytes that arrived. For
+ * `bench link`, whose transport leg is received the way a decode node receives. */
+kvb_status kvb_decode_lane_drain(kvb_conn *c, uint64_t request_id, int timeout_ms, uint64_t *slab_bytes,
+                                 kvb_err *err);
 
 /* ---- decode node ------------------------------------------------------------------------------ */
 

@@ -520,8 +520,14 @@ uint64_t kvb_prefill_node_peak_gpu_bytes(kvb_prefill_node *n) {
     return 0;
 }
 
-kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, uint64_t seed, double *seconds,
-                                       kvb_err *err) {
+/* A timing leg's rows (kvb_prefill_node_time_alone with the bridge on): cut, then dropped. */
+static kvb_status sink_discard(void *ctx, const kvb_slab *s, kvb_err *err) {
+    (void)ctx, (void)s, (void)err;
+    return KVB_OK;
+}
+
+kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, uint64_t seed, bool with_bridge,
+                                       double *seconds, kvb_err *err) {
     *seconds = 0;
     if (n_tokens == 0 || n_tokens > n->cfg.max_ctx)
         return kvb_err_set(err, KVB_ERR_RANGE, "%u tokens: outside 1..%u", n_tokens, n->cfg.max_ctx);
@@ -531,8 +537,13 @@ kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, u
     kvb_rng_seed(&r, seed);
     for (uint32_t i = 0; i < n_tokens; i++) tok[i] = (int32_t)(kvb_rng_u64(&r) % n->m->d.n_vocab);
     pthread_mutex_lock(&n->mu);
-    n->ship_from = n->ship_to = n->local_from = 0; /* the bridge idles: nothing is shipped */
-    kvb_bridge_cpu_begin(n->br, 0, 0, sink_to_ring, n);
+    /* the bridge idles, or computes what a request for these tokens would ship (all but the last
+     * token, as a decoder asks) and its rows are dropped where the senders would take them */
+    n->ship_from = 0;
+    n->ship_to = with_bridge ? n_tokens - 1 : 0;
+    n->local_from = with_bridge ? kvb_kvformat_local_keep_from(&n->fmt, n->ship_to) : 0;
+    kvb_ring_reset(&n->ring);
+    kvb_bridge_cpu_begin(n->br, 0, n->ship_to, with_bridge ? sink_discard : sink_to_ring, n);
     kvb_status st = KVB_OK;
     const double t0 = kvb_now_s();
     if (n->e) {
@@ -546,10 +557,13 @@ kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, u
         kvb_cuda_seq *s = NULL;
         st = kvb_cuda_seq_create(n->ce, &s, err);
         if (!st) st = kvb_cuda_forward(n->ce, s, tok, n_tokens, NULL, false, err);
+        if (!st) st = kvb_bridge_cuda_flush(n->bc, err); /* the last layer's rows, when computed */
+        else kvb_bridge_cuda_discard(n->bc);
         kvb_cuda_seq_free(s);
     }
 #endif
     *seconds = kvb_now_s() - t0;
+    n->ship_to = 0;
     pthread_mutex_unlock(&n->mu);
     free(tok);
     return st;
