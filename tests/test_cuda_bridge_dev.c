@@ -6,8 +6,10 @@
  * (kvb_bridge_cuda_enqueue/flush: attention inputs already on the GPU, rows shipped one layer
  * late from pinned slots), checking every shipped row set and the order they arrive in, on qwen3
  * and on gemma3 (each layer rotates with its own kind's RoPE table: local layers have their own
- * base). Output buffers are poisoned, so an unwritten byte fails. Label `gpu`; skips without a
- * device. */
+ * base); (3) the tensor-core path's activation quantiser against kvb_quantize_act, with zero,
+ * NaN, infinite, subnormal and clamping blocks. Output buffers are poisoned, so an unwritten byte
+ * fails. Label `gpu`; skips without a device. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -24,6 +26,7 @@
 #ifdef KVB_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "bridge_kernels.h"
 #include "kvb_bridge_cuda.h"
 #include "kvb_engine_cuda.h"
 
@@ -233,6 +236,63 @@ static void test_enqueue_path(void **state) {
     }
     unsetenv("KVB_BRIDGE_SHIPPER");
 }
+/* The activation quantiser of the tensor-core path (kvb_bk_quantize_act_i8) against the CPU's
+ * kvb_quantize_act (Q8_0), value for value, on rows with the blocks that take its other branches:
+ * all zeros, a NaN (its block's values 0 and its scale NaN), infinities, values that clamp,
+ * subnormals, signed zeros, and rows of random normals. Outputs poisoned first. */
+static void test_quantize_act_i8(void **state) {
+    (void)state;
+    need_device();
+    const int n = 77, E = 4160, nb = E / 32; /* 130 blocks per row: groups of 8 lanes straddle warps */
+    kvb_rng r;
+    kvb_rng_seed(&r, (uint64_t)time(NULL) ^ 0x51u);
+    float *x = malloc(sizeof(float) * n * E);
+    for (size_t i = 0; i < (size_t)n * E; i++) x[i] = kvb_rng_normal(&r) * (i % 7 ? 1.0f : 40.0f);
+    memset(x + 0 * 32, 0, sizeof(float) * 32);        /* a zero block */
+    x[1 * 32 + 9] = NAN;                               /* a NaN */
+    x[2 * 32 + 31] = INFINITY;                         /* an infinity: amax inf, d inf, id 0 */
+    x[3 * 32 + 0] = -INFINITY;
+    for (int j = 0; j < 32; j++) x[4 * 32 + j] = 1e-40f * (float)(j - 16); /* subnormals */
+    x[5 * 32 + 3] = -0.0f;
+    for (int j = 0; j < 32; j++) x[(size_t)(n - 1) * E + 6 * 32 + j] = j == 7 ? 3e38f : -1e-3f; /* clamping */
+    int8_t *gq = malloc((size_t)n * E);
+    float *gs = malloc(sizeof(float) * n * nb);
+    uint8_t *cpu = malloc((size_t)n * nb * 34); /* (n, nb) Q8_0 blocks: fp16 d, int8 q[32] */
+    for (int t = 0; t < n; t++) kvb_quantize_act(KVB_TYPE_Q8_0, x + (size_t)t * E, cpu + (size_t)t * nb * 34, E);
+    void *dx, *dq, *ds;
+    assert_int_equal(cudaMalloc(&dx, sizeof(float) * n * E), 0);
+    assert_int_equal(cudaMalloc(&dq, (size_t)n * E), 0);
+    assert_int_equal(cudaMalloc(&ds, sizeof(float) * n * nb), 0);
+    assert_int_equal(cudaMemcpy(dx, x, sizeof(float) * n * E, cudaMemcpyHostToDevice), 0);
+    assert_int_equal(cudaMemset(dq, 0x5A, (size_t)n * E), 0);
+    assert_int_equal(cudaMemset(ds, 0xFF, sizeof(float) * n * nb), 0); /* NaN patterns */
+    assert_int_equal(kvb_bk_quantize_act_i8(dx, n, E, dq, ds, NULL), 0);
+    assert_int_equal(cudaDeviceSynchronize(), 0);
+    assert_int_equal(cudaMemcpy(gq, dq, (size_t)n * E, cudaMemcpyDeviceToHost), 0);
+    assert_int_equal(cudaMemcpy(gs, ds, sizeof(float) * n * nb, cudaMemcpyDeviceToHost), 0);
+    int bad = 0;
+    for (int t = 0; t < n; t++)
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = cpu + ((size_t)t * nb + b) * 34;
+            uint16_t dh;
+            memcpy(&dh, blk, 2);
+            const float cd = kvb_fp16_to_f32(dh), gd = gs[(size_t)t * nb + b];
+            const bool d_ok = (isnan(cd) && isnan(gd)) || memcmp(&cd, &gd, sizeof cd) == 0;
+            const bool q_ok = memcmp(blk + 2, gq + (size_t)t * E + (size_t)b * 32, 32) == 0;
+            if (!(d_ok && q_ok) && bad++ < 5)
+                print_message("token %d block %d: scale %g vs %g, values %s\n", t, b, (double)cd, (double)gd,
+                              q_ok ? "same" : "differ");
+        }
+    print_message("quantize_act_i8: %d of %d blocks differ from kvb_quantize_act\n", bad, n * nb);
+    cudaFree(dx);
+    cudaFree(dq);
+    cudaFree(ds);
+    free(x);
+    free(gq);
+    free(gs);
+    free(cpu);
+    assert_int_equal(bad, 0);
+}
 #else
 static void test_mma_wide_shapes(void **state) {
     (void)state;
@@ -240,12 +300,14 @@ static void test_mma_wide_shapes(void **state) {
     skip();
 }
 static void test_enqueue_path(void **state) { test_mma_wide_shapes(state); }
+static void test_quantize_act_i8(void **state) { test_mma_wide_shapes(state); }
 #endif
 
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_mma_wide_shapes),
         cmocka_unit_test(test_enqueue_path),
+        cmocka_unit_test(test_quantize_act_i8),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

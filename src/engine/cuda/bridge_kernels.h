@@ -23,7 +23,8 @@ int kvb_bk_project(uint32_t wtype, const uint8_t *w, size_t w_row_bytes, int row
  *   kvb_bk_unpack_weights   the file's blocks w (rows, row_bytes) -> wq (rows, E) int8 and
  *                           wsc (rows, E/32) f32 (once, at creation)
  *   kvb_bk_quantize_act_i8  x (n, E) f32 -> aq (n, E) int8, asc (n, E/32) f32 by the canonical
- *                           activation quantiser (the scale is fp16(d), widened)
+ *                           activation quantiser (the scale is fp16(d), widened); x 16-byte and
+ *                           aq 4-byte aligned, else cudaErrorMisalignedAddress, nothing launched
  *   kvb_bk_project_i8       y (n, rows) = the canonical dots */
 int kvb_bk_unpack_weights(uint32_t wtype, const uint8_t *w, size_t w_row_bytes, int rows, int E, int8_t *wq,
                           float *wsc, void *stream);

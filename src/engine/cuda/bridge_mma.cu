@@ -54,11 +54,14 @@ __device__ static inline void mma_unpack_weight(uint32_t wtype, const uint8_t *b
     }
 }
 
-// (float)c for a block sum |c| < 2^22 (here < 2^19), exactly, in two full-rate operations: the bits
-// 0x4B400000 + c are the float 1.5 * 2^23 + c, and subtracting 1.5 * 2^23 is exact. The same value
-// __int2float_rn gives, which runs at a quarter of the rate and bounded the epilogue.
-__device__ static __forceinline__ float mma_i2f_exact(int c) {
-    return __fsub_rn(__int_as_float(0x4B400000 + c), 12582912.0f);
+// (float)c for a block sum |c| < 2^22 (here < 2^19), exactly, with one full-rate operation: an mma
+// whose accumulator starts at MMA_F32_BIAS_BITS leaves 0x4B400000 + c, the bits of the float
+// 1.5 * 2^23 + c, and subtracting 1.5 * 2^23 is exact. The same value __int2float_rn gives, which
+// runs at a quarter of the rate and bounded the epilogue; adding the bias after the mma cost one
+// more integer operation per output and block.
+#define MMA_F32_BIAS_BITS 0x4B400000
+__device__ static __forceinline__ float mma_f_from_biased(int biased) {
+    return __fsub_rn(__int_as_float(biased), 12582912.0f);
 }
 
 // ---- the projection in lane-major order ----------------------------------------------------------
@@ -175,19 +178,25 @@ k_project_i8(const int8_t *__restrict__ wq, const float *__restrict__ wsc, int r
                 const uint32_t b0 = *(const uint32_t *)&sB[buf][rb + g][k0];
                 const uint32_t b1 = *(const uint32_t *)&sB[buf][rb + g][k0 + 16];
                 const float dw0 = sdB[buf][rb + 2 * tig][kb], dw1 = sdB[buf][rb + 2 * tig + 1][kb];
+                // the accumulators start at the bits of 1.5 * 2^23: each mma leaves 0x4B400000 + s_b,
+                // the float 1.5 * 2^23 + s_b, so (float)s_b is one exact subtraction (mma_f_from_biased)
+                int c[2][4];
 #pragma unroll
                 for (int mt = 0; mt < 2; mt++) {
-                    int c0 = 0, c1 = 0, c2 = 0, c3 = 0;
-                    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-                                 "{%8,%9}, {%0,%1,%2,%3};\n"
-                                 : "+r"(c0), "+r"(c1), "+r"(c2), "+r"(c3)
-                                 : "r"(a[mt][0]), "r"(a[mt][1]), "r"(a[mt][2]), "r"(a[mt][3]), "r"(b0), "r"(b1));
+                    c[mt][0] = c[mt][1] = c[mt][2] = c[mt][3] = MMA_F32_BIAS_BITS;
+                    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                        "{%8,%9}, {%0,%1,%2,%3};\n"
+                        : "+r"(c[mt][0]), "+r"(c[mt][1]), "+r"(c[mt][2]), "+r"(c[mt][3])
+                        : "r"(a[mt][0]), "r"(a[mt][1]), "r"(a[mt][2]), "r"(a[mt][3]), "r"(b0), "r"(b1));
+                }
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
                     // c0: (token ra, row rb + 2 tig), c1: (ra, rb + 2 tig + 1), c2/c3: token ra + 8
                     float *o = cur[mt][nt];
-                    o[0] = __fmaf_rn(mma_i2f_exact(c0), __fmul_rn(dw0, dx[mt][0]), o[0]);
-                    o[1] = __fmaf_rn(mma_i2f_exact(c1), __fmul_rn(dw1, dx[mt][0]), o[1]);
-                    o[2] = __fmaf_rn(mma_i2f_exact(c2), __fmul_rn(dw0, dx[mt][1]), o[2]);
-                    o[3] = __fmaf_rn(mma_i2f_exact(c3), __fmul_rn(dw1, dx[mt][1]), o[3]);
+                    o[0] = __fmaf_rn(mma_f_from_biased(c[mt][0]), __fmul_rn(dw0, dx[mt][0]), o[0]);
+                    o[1] = __fmaf_rn(mma_f_from_biased(c[mt][1]), __fmul_rn(dw1, dx[mt][0]), o[1]);
+                    o[2] = __fmaf_rn(mma_f_from_biased(c[mt][2]), __fmul_rn(dw0, dx[mt][1]), o[2]);
+                    o[3] = __fmaf_rn(mma_f_from_biased(c[mt][3]), __fmul_rn(dw1, dx[mt][1]), o[3]);
                 }
             }
         }
@@ -238,18 +247,25 @@ __global__ static void k_unpack_weights(uint32_t wtype, const uint8_t *w, size_t
 
 // The canonical activation quantiser (kvb_quant.h, as k_quantize_act in bridge.cu) writing int8
 // rows (n, E) and f32 scales (n, E/32): the scale stored is fp16(d) widened, the value the dot uses.
-// One warp per 32-element block, lane j on element j (kvb_bq_quantize32_warp), so the loads and
-// stores are coalesced: with one thread per block they were 128 bytes apart, and the kernel took
-// 228 us per 8K-token layer of the 1B shape (H200, ncu), 20 % of the bridge's GPU time.
+// 8 lanes per 32-element block, 4 elements each (kvb_bq_quantize32_oct): 16-byte loads, 4-byte
+// stores. One thread per block took 228 us per 8K-token layer of the 1B shape (H200, ncu), a warp
+// per block (one element per lane) 90 us.
 __global__ static void k_quantize_act_i8(const float *x, int n, int E, int8_t *aq, float *asc) {
     const int nb = E / MMA_QK;
-    const long long blk = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; // warp-uniform
-    const int lane = (int)(threadIdx.x & 31);
-    if (blk >= (long long)n * nb) return;
-    int8_t q;
-    const float d = kvb_bq_quantize32_warp(x[(size_t)blk * MMA_QK + lane], &q); // (t * nb + b) * 32 = t * E + b * 32
-    aq[(size_t)blk * MMA_QK + lane] = q;
-    if (lane == 0) asc[blk] = kvb_fp16_to_f32_inl(kvb_f32_to_fp16_inl(d));
+    const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long blk = gid >> 3; // uniform over each group of 8 lanes
+    const int part = (int)(gid & 7);
+    const bool live = blk < (long long)n * nb; // dead lanes still join the group's shuffles
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (live) v = *(const float4 *)(x + (size_t)blk * MMA_QK + part * 4); // (t * nb + b) * 32 = t * E + b * 32
+    const float xs[4] = {v.x, v.y, v.z, v.w};
+    int8_t q[4];
+    const float d = kvb_bq_quantize32_oct(xs, q);
+    if (!live) return;
+    const uint32_t packed = (uint32_t)(uint8_t)q[0] | ((uint32_t)(uint8_t)q[1] << 8) |
+                            ((uint32_t)(uint8_t)q[2] << 16) | ((uint32_t)(uint8_t)q[3] << 24);
+    *(uint32_t *)(aq + (size_t)blk * MMA_QK + part * 4) = packed;
+    if (part == 0) asc[blk] = kvb_fp16_to_f32_inl(kvb_f32_to_fp16_inl(d));
 }
 
 static unsigned mma_grid1(long long threads) { return (unsigned)((threads + 127) / 128); }
@@ -263,7 +279,8 @@ extern "C" int kvb_bk_unpack_weights(uint32_t wtype, const uint8_t *w, size_t w_
 }
 
 extern "C" int kvb_bk_quantize_act_i8(const float *x, int n, int E, int8_t *aq, float *asc, void *stream) {
-    k_quantize_act_i8<<<mma_grid1((long long)n * (E / MMA_QK) * 32), 128, 0, (cudaStream_t)stream>>>(x, n, E, aq, asc);
+    if (((uintptr_t)x & 15u) || ((uintptr_t)aq & 3u)) return (int)cudaErrorMisalignedAddress; // 16-byte loads, 4-byte stores
+    k_quantize_act_i8<<<mma_grid1((long long)n * (E / MMA_QK) * 8), 128, 0, (cudaStream_t)stream>>>(x, n, E, aq, asc);
     return (int)cudaGetLastError();
 }
 

@@ -33,24 +33,33 @@ __device__ static inline float kvb_bq_quantize32(const float *xb, int8_t *q) {
     return d;
 }
 
-// The same quantiser with one block spread over a warp, lane j holding x[j] (coalesced loads):
-// amax is the maximum of the lanes' |x| that are not NaN (a maximum is exact whatever the order,
-// and it starts from 0 as the loop does), NaN when any lane is; then every lane does the loop's
-// own operations on its element. Returns d on every lane; *q gets lane j's value.
-__device__ static inline float kvb_bq_quantize32_warp(float x, int8_t *q) {
-    const float a = fabsf(x);
-    const unsigned nan = __ballot_sync(0xffffffffu, a != a);
-    float amax = a != a ? 0.0f : a;
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if (nan) amax = __int_as_float(0x7fc00000);
+// The same quantiser with one block spread over 8 lanes of a warp (lanes 8g .. 8g+7 hold block g's
+// elements 4i .. 4i+3 in lane 8g+i: one 16-byte load each, coalesced). amax is the maximum of the
+// block's |x| that are not NaN (a maximum is exact whatever the order, and it starts from 0 as the
+// loop does), NaN when any element is; then every element gets the loop's own operations.
+// Returns d on the group's lanes; q[0..3] get the lane's four values.
+__device__ static inline float kvb_bq_quantize32_oct(const float x[4], int8_t q[4]) {
+    float amax = 0.0f;
+    bool nan = false;
+    for (int j = 0; j < 4; j++) {
+        const float a = fabsf(x[j]);
+        if (a != a) nan = true;
+        else amax = fmaxf(amax, a);
+    }
+    const int lane = (int)(threadIdx.x & 31);
+    const unsigned group_nan = (__ballot_sync(0xffffffffu, nan) >> (lane & ~7)) & 0xffu;
+    for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o)); // within the 8
+    if (group_nan) amax = __int_as_float(0x7fc00000);
     const float d = __fdiv_rn(amax, 127.0f);
     const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
-    float v = __fmul_rn(x, id);
-    if (!(v == v)) {
-        *q = 0;
-    } else {
-        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        *q = (int8_t)kvb_rne_small(v);
+    for (int j = 0; j < 4; j++) {
+        float v = __fmul_rn(x[j], id);
+        if (!(v == v)) {
+            q[j] = 0;
+        } else {
+            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+            q[j] = (int8_t)kvb_rne_small(v);
+        }
     }
     return d;
 }
