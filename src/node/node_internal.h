@@ -25,7 +25,8 @@ typedef struct {
                                the decoder is the slower stage), the senders on an empty one (the
                                producer is; summed over the senders) */
     pthread_mutex_t mu;
-    pthread_cond_t cv;
+    pthread_cond_t cv_taken; /* senders wait here for a slab to take (one woken per slab) */
+    pthread_cond_t cv_freed; /* the producer waits here for free slots (or all sent) */
 } kvb_ring;
 
 kvb_status kvb_ring_init(kvb_ring *r, uint32_t slots, size_t slot_bytes, kvb_err *err);

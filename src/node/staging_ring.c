@@ -2,7 +2,8 @@
  * staging slots between the bridge (producer, on the engine's thread) and the sender threads, one
  * per lane. Senders take filled slots in order and finish them in any order; a slot is free again
  * once it and every older slot are sent. A full ring blocks the producer (back-pressure from a slow
- * link); memory never grows with the prompt. */
+ * link); memory never grows with the prompt. Senders and the producer wait on separate condition
+ * variables, so a published slab wakes one sender and a freed slot the producer, not every thread. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,7 +21,8 @@ kvb_status kvb_ring_init(kvb_ring *r, uint32_t slots, size_t slot_bytes, kvb_err
         return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for %u staging slots of %zu bytes", slots, slot_bytes);
     }
     pthread_mutex_init(&r->mu, NULL);
-    pthread_cond_init(&r->cv, NULL);
+    pthread_cond_init(&r->cv_taken, NULL);
+    pthread_cond_init(&r->cv_freed, NULL);
     r->inited = true;
     return KVB_OK;
 }
@@ -28,7 +30,8 @@ kvb_status kvb_ring_init(kvb_ring *r, uint32_t slots, size_t slot_bytes, kvb_err
 void kvb_ring_destroy(kvb_ring *r) {
     if (r->inited) {
         pthread_mutex_destroy(&r->mu);
-        pthread_cond_destroy(&r->cv);
+        pthread_cond_destroy(&r->cv_taken);
+        pthread_cond_destroy(&r->cv_freed);
     }
     free(r->buf);
     free(r->meta);
@@ -50,7 +53,7 @@ static kvb_status ring_claim(kvb_ring *r, uint32_t *slot, kvb_err *err) {
     pthread_mutex_lock(&r->mu);
     if (r->count == r->n_slots && !r->failed) {
         const double t0 = kvb_now_s();
-        while (r->count == r->n_slots && !r->failed) pthread_cond_wait(&r->cv, &r->mu);
+        while (r->count == r->n_slots && !r->failed) pthread_cond_wait(&r->cv_freed, &r->mu);
         r->full_s += kvb_now_s() - t0;
     }
     if (r->failed) {
@@ -69,7 +72,7 @@ static void ring_publish(kvb_ring *r) {
     r->count++;
     r->untaken++;
     if (r->count > r->peak) r->peak = r->count;
-    pthread_cond_broadcast(&r->cv);
+    pthread_cond_signal(&r->cv_taken); /* one slab: one sender */
     pthread_mutex_unlock(&r->mu);
 }
 
@@ -104,7 +107,7 @@ kvb_status kvb_ring_wait_sent(kvb_ring *r, kvb_err *err) {
     pthread_mutex_lock(&r->mu);
     if (r->count && !r->failed) {
         const double t0 = kvb_now_s();
-        while (r->count && !r->failed) pthread_cond_wait(&r->cv, &r->mu);
+        while (r->count && !r->failed) pthread_cond_wait(&r->cv_freed, &r->mu);
         r->full_s += kvb_now_s() - t0;
     }
     const bool failed = r->failed;
@@ -116,7 +119,7 @@ bool kvb_ring_take(kvb_ring *r, uint32_t *slot, kvb_slab *out) {
     pthread_mutex_lock(&r->mu);
     if (r->untaken == 0 && !r->closed && !r->failed) {
         const double t0 = kvb_now_s();
-        while (r->untaken == 0 && !r->closed && !r->failed) pthread_cond_wait(&r->cv, &r->mu);
+        while (r->untaken == 0 && !r->closed && !r->failed) pthread_cond_wait(&r->cv_taken, &r->mu);
         r->empty_s += kvb_now_s() - t0;
     }
     bool have = r->untaken > 0 && !r->failed;
@@ -140,20 +143,21 @@ void kvb_ring_done(kvb_ring *r, uint32_t slot) {
         r->count--;
         freed = true;
     }
-    if (freed) pthread_cond_broadcast(&r->cv);
+    if (freed) pthread_cond_signal(&r->cv_freed); /* one producer */
     pthread_mutex_unlock(&r->mu);
 }
 
 void kvb_ring_close(kvb_ring *r) {
     pthread_mutex_lock(&r->mu);
     r->closed = true;
-    pthread_cond_broadcast(&r->cv);
+    pthread_cond_broadcast(&r->cv_taken);
     pthread_mutex_unlock(&r->mu);
 }
 
 void kvb_ring_fail(kvb_ring *r) {
     pthread_mutex_lock(&r->mu);
     r->failed = true;
-    pthread_cond_broadcast(&r->cv);
+    pthread_cond_broadcast(&r->cv_taken);
+    pthread_cond_broadcast(&r->cv_freed);
     pthread_mutex_unlock(&r->mu);
 }
