@@ -1,8 +1,7 @@
 /* cli/cmd_bench_link.c — `kvbridge bench link`: the transport's throughput beside the raw link,
  * measured the same way in the same run: N bytes as plain TCP sends of S bytes, then N bytes as
- * authenticated, checksummed SLAB frames of S bytes (the sender computes each slab's checksum as a
- * prefill node's lane does; the receiver reads with a decode node's receiving thread and verifies
- * each checksum on another, as a decode node's lane does before the store), each way over one connection or over
+ * authenticated, checksummed SLAB frames of S bytes (the sender computes each slab's checksum and
+ * the receiver verifies it, as the bridge and the store do), each way over one connection or over
  * --streams connections at once (N / streams bytes on each, one sending and one receiving thread
  * per connection, started together, as a decode node stripes a request's slabs over its lanes),
  * timed from the first byte to the last acknowledgement; alternated, medians of --reps. One side
@@ -33,10 +32,9 @@ static void help(FILE *f) {
             "prints both GB/s and their ratio. Both sides need the same pre-shared key (--psk or KVB_PSK).\n\n"
             "  --streams C   send each way over C connections at once (1..%d, default 1): C plain TCP\n"
             "                connections, then C authenticated kvbridge connections, N/C bytes on each, one\n"
-            "                sending thread per connection on this side and on the listener's one receiving\n"
-            "                thread per raw connection, two per kvbridge connection (reading; verifying, as\n"
-            "                a decode node's lane), timed from the first byte to the last acknowledgement\n"
-            "                (the raw yardstick for a decode node striping over C lanes).\n"
+            "                sending thread per connection on this side and one receiving thread per\n"
+            "                connection on the listener's, timed from the first byte to the last\n"
+            "                acknowledgement (the raw yardstick for a decode node striping over C lanes).\n"
             "                The listener takes the count from each round's header.\n",
             KVB_MAX_LANES);
 }
@@ -151,8 +149,8 @@ static void *raw_recv_main(void *arg) {
     return NULL;
 }
 
-/* The framed leg's sender, as a prefill node's lane sends: SLAB frames of request 1 (each slab's
- * checksum computed here), then its DONE, then PING; the PONG is the acknowledgement. */
+/* The framed leg's sender: SLAB frames (each slab's checksum computed here), then PING; the PONG
+ * is the acknowledgement. */
 static void *slab_send_main(void *arg) {
     stream_end *s = arg;
     if (!gate_pass(s->gate)) return NULL;
@@ -165,8 +163,6 @@ static void *slab_send_main(void *arg) {
         st = kvb_conn_send_slab(s->conn, 1, &m, 60000, &s->err);
     }
     kvb_msg pong;
-    const kvb_msg_done done = {.slabs = (uint32_t)((s->bytes + s->piece - 1) / s->piece)};
-    if (!st) st = kvb_conn_send_done(s->conn, 1, &done, 10000, &s->err);
     if (!st) st = kvb_conn_send_ping(s->conn, 42, 10000, &s->err);
     if (!st) st = kvb_conn_recv(s->conn, 60000, &pong, &s->err);
     if (!st && pong.type != KVB_FRAME_PONG)
@@ -178,17 +174,23 @@ static void *slab_send_main(void *arg) {
     return NULL;
 }
 
-/* The framed leg's receiver, as a decode node's lane receives (kvb_decode_lane_drain: a reading
- * thread ahead of this one, which verifies every slab's checksum) until DONE; then answers PING. */
+/* The framed leg's receiver: verifies every slab's checksum until PING, answers PONG. */
 static void *slab_recv_main(void *arg) {
     stream_end *s = arg;
     if (!gate_pass(s->gate)) return NULL;
-    uint64_t got = 0;
-    kvb_msg m;
-    if (!kvb_decode_lane_drain(s->conn, 1, 60000, &got, &s->err) && !kvb_conn_recv(s->conn, 60000, &m, &s->err)) {
-        if (m.type == KVB_FRAME_PING) s->ok = kvb_conn_send_pong(s->conn, m.u.ping.token, 10000, &s->err) == KVB_OK;
-        else kvb_err_set(&s->err, KVB_ERR_FORMAT, "expected PING after DONE, got frame type %u", (unsigned)m.type);
-        kvb_msg_free(&m);
+    for (;;) {
+        kvb_msg m;
+        if (kvb_conn_recv(s->conn, 60000, &m, &s->err)) break;
+        if (m.type == KVB_FRAME_SLAB &&
+            kvb_slab_checksum(m.u.slab.k, m.u.slab.k_bytes, m.u.slab.v, m.u.slab.v_bytes) != m.u.slab.checksum) {
+            kvb_err_set(&s->err, KVB_ERR_FORMAT, "a slab arrived corrupt (its checksum does not match)");
+            kvb_msg_free(&m);
+            break;
+        }
+        if (m.type == KVB_FRAME_PING) {
+            s->ok = kvb_conn_send_pong(s->conn, m.u.ping.token, 10000, &s->err) == KVB_OK;
+            break;
+        }
     }
     if (!s->ok) kvb_conn_shutdown(s->conn);
     return NULL;

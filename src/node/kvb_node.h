@@ -16,8 +16,6 @@
 
 #include "kvb_core.h"
 
-typedef struct kvb_conn kvb_conn; /* kvb_transport.h: one authenticated connection */
-
 /* ---- prefill node ---------------------------------------------------------------------------- */
 
 typedef struct {
@@ -72,14 +70,6 @@ void kvb_prefill_node_last_staging_waits(kvb_prefill_node *n, double *full_s, do
 kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, uint64_t seed, bool with_bridge,
                                        double *seconds, kvb_err *err);
 void kvb_prefill_node_stop(kvb_prefill_node *n);
-
-/* A decode node's receiving side of one lane, without a store: request_id's frames on c read by
- * the node's receiving thread (kvb_conn_recv_into into its own buffers, ahead of this thread) while
- * this thread verifies each SLAB's checksum, as a lane's committing thread does before the store
- * takes the rows; until that request's DONE. *slab_bytes: the K and V bytes that arrived. For
- * `bench link`, whose transport leg is received the way a decode node receives. */
-kvb_status kvb_decode_lane_drain(kvb_conn *c, uint64_t request_id, int timeout_ms, uint64_t *slab_bytes,
-                                 kvb_err *err);
 
 /* ---- decode node ------------------------------------------------------------------------------ */
 

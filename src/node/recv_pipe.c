@@ -140,26 +140,3 @@ void kvb_recv_pipe_stop(kvb_recv_pipe *p) {
     pthread_cond_destroy(&p->cv);
     free(p);
 }
-
-kvb_status kvb_decode_lane_drain(kvb_conn *c, uint64_t request_id, int timeout_ms, uint64_t *slab_bytes,
-                                 kvb_err *err) {
-    *slab_bytes = 0;
-    kvb_recv_pipe *p;
-    kvb_status st = kvb_recv_pipe_start(c, request_id, timeout_ms, &p, err);
-    for (bool done = false; !st && !done; kvb_recv_pipe_release(p)) {
-        kvb_msg m;
-        if ((st = kvb_recv_pipe_next(p, &m, err))) break;
-        if (m.request_id != request_id) continue;
-        if (m.type == KVB_FRAME_SLAB) {
-            const kvb_msg_slab *sl = &m.u.slab;
-            if (kvb_slab_checksum(sl->k, sl->k_bytes, sl->v, sl->v_bytes) != sl->checksum)
-                st = kvb_err_set(err, KVB_ERR_FORMAT, "a slab arrived corrupt (its checksum does not match)");
-            *slab_bytes += sl->k_bytes + sl->v_bytes;
-        } else if (m.type == KVB_FRAME_ERROR) {
-            st = kvb_err_set(err, KVB_ERR_IO, "the peer refused: %.150s", m.u.error.msg);
-        }
-        done = m.type == KVB_FRAME_DONE;
-    }
-    if (p) kvb_recv_pipe_stop(p);
-    return st;
-}
