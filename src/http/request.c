@@ -62,6 +62,13 @@ static kvb_status get_number(const cJSON *obj, const char *name, double lo, doub
     return KVB_OK;
 }
 
+/* Whether v is an integral JSON number in [lo, hi] (check_integer words why not). */
+static bool is_integer_in(const cJSON *v, double lo, double hi) {
+    if (!cJSON_IsNumber(v)) return false;
+    const double d = v->valuedouble;
+    return isfinite(d) && d == floor(d) && d >= lo && d <= hi;
+}
+
 /* An integral JSON number in [lo, hi]. */
 static kvb_status check_integer(const cJSON *v, const char *param, double lo, double hi,
                                 kvb_http_error *e) {
@@ -212,8 +219,7 @@ static kvb_status parse_token_ids(req_storage *st, const cJSON *arr, const char 
     size_t i = 0;
     const cJSON *t;
     cJSON_ArrayForEach(t, arr) {
-        const double d = cJSON_IsNumber(t) ? t->valuedouble : -1;
-        if (!(d >= 0 && d <= (double)INT32_MAX && d == floor(d))) { /* the element's name only for the error */
+        if (!is_integer_in(t, 0, (double)INT32_MAX)) { /* the element's name only for the error */
             char p[112];
             snprintf(p, sizeof p, "%s[%zu]", param, i);
             kvb_status s = check_integer(t, p, 0, (double)INT32_MAX, e);

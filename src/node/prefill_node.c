@@ -563,7 +563,6 @@ kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, u
     }
 #endif
     *seconds = kvb_now_s() - t0;
-    n->ship_to = 0;
     pthread_mutex_unlock(&n->mu);
     free(tok);
     return st;

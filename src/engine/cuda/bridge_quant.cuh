@@ -8,6 +8,23 @@
 
 #include "kvb_quant_scalar.h"
 
+// The block's scale from its amax (NaN when any element is): d = amax / 127 and *id = 1 / d (0 when
+// d is 0), the loop's own operations.
+__device__ static inline float kvb_bq_scale(float amax, float *id) {
+    const float d = __fdiv_rn(amax, 127.0f);
+    *id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    return d;
+}
+
+// One element x -> int8 with the block's inverse scale id: 0 for NaN, else clamped to +-127 and
+// rounded to nearest even.
+__device__ static inline int8_t kvb_bq_encode(float x, float id) {
+    float v = __fmul_rn(x, id);
+    if (!(v == v)) return 0;
+    v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+    return (int8_t)kvb_rne_small(v);
+}
+
 // xb (32) f32 -> q (32) int8; returns d = amax / 127 (NaN if any x is NaN), before its fp16
 // rounding: the caller stores kvb_f32_to_fp16_inl(d).
 __device__ static inline float kvb_bq_quantize32(const float *xb, int8_t *q) {
@@ -19,17 +36,9 @@ __device__ static inline float kvb_bq_quantize32(const float *xb, int8_t *q) {
         else if (a > amax) amax = a;
     }
     if (nan) amax = __int_as_float(0x7fc00000);
-    const float d = __fdiv_rn(amax, 127.0f);
-    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
-    for (int j = 0; j < 32; j++) {
-        float v = __fmul_rn(xb[j], id);
-        if (!(v == v)) {
-            q[j] = 0;
-            continue;
-        }
-        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        q[j] = (int8_t)kvb_rne_small(v);
-    }
+    float id;
+    const float d = kvb_bq_scale(amax, &id);
+    for (int j = 0; j < 32; j++) q[j] = kvb_bq_encode(xb[j], id);
     return d;
 }
 
@@ -50,17 +59,9 @@ __device__ static inline float kvb_bq_quantize32_oct(const float x[4], int8_t q[
     const unsigned group_nan = (__ballot_sync(0xffffffffu, nan) >> (lane & ~7)) & 0xffu;
     for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o)); // within the 8
     if (group_nan) amax = __int_as_float(0x7fc00000);
-    const float d = __fdiv_rn(amax, 127.0f);
-    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
-    for (int j = 0; j < 4; j++) {
-        float v = __fmul_rn(x[j], id);
-        if (!(v == v)) {
-            q[j] = 0;
-        } else {
-            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-            q[j] = (int8_t)kvb_rne_small(v);
-        }
-    }
+    float id;
+    const float d = kvb_bq_scale(amax, &id);
+    for (int j = 0; j < 4; j++) q[j] = kvb_bq_encode(x[j], id);
     return d;
 }
 
