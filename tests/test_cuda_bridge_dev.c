@@ -255,30 +255,32 @@ static void test_quantize_act_i8(void **state) {
     for (int j = 0; j < 32; j++) x[4 * 32 + j] = 1e-40f * (float)(j - 16); /* subnormals */
     x[5 * 32 + 3] = -0.0f;
     for (int j = 0; j < 32; j++) x[(size_t)(n - 1) * E + 6 * 32 + j] = j == 7 ? 3e38f : -1e-3f; /* clamping */
-    int8_t *gq = malloc((size_t)n * E);
-    float *gs = malloc(sizeof(float) * n * nb);
+    const size_t qbytes = kvb_bk_aq_bytes(n, E), scount = kvb_bk_asc_count(n, E); /* fragment order */
+    int8_t *gq = malloc(qbytes);
+    float *gs = malloc(sizeof(float) * scount);
     uint8_t *cpu = malloc((size_t)n * nb * 34); /* (n, nb) Q8_0 blocks: fp16 d, int8 q[32] */
     for (int t = 0; t < n; t++) kvb_quantize_act(KVB_TYPE_Q8_0, x + (size_t)t * E, cpu + (size_t)t * nb * 34, E);
     void *dx, *dq, *ds;
     assert_int_equal(cudaMalloc(&dx, sizeof(float) * n * E), 0);
-    assert_int_equal(cudaMalloc(&dq, (size_t)n * E), 0);
-    assert_int_equal(cudaMalloc(&ds, sizeof(float) * n * nb), 0);
+    assert_int_equal(cudaMalloc(&dq, qbytes), 0);
+    assert_int_equal(cudaMalloc(&ds, sizeof(float) * scount), 0);
     assert_int_equal(cudaMemcpy(dx, x, sizeof(float) * n * E, cudaMemcpyHostToDevice), 0);
-    assert_int_equal(cudaMemset(dq, 0x5A, (size_t)n * E), 0);
-    assert_int_equal(cudaMemset(ds, 0xFF, sizeof(float) * n * nb), 0); /* NaN patterns */
+    assert_int_equal(cudaMemset(dq, 0x5A, qbytes), 0);
+    assert_int_equal(cudaMemset(ds, 0xFF, sizeof(float) * scount), 0); /* NaN patterns */
     assert_int_equal(kvb_bk_quantize_act_i8(dx, n, E, dq, ds, NULL), 0);
     assert_int_equal(cudaDeviceSynchronize(), 0);
-    assert_int_equal(cudaMemcpy(gq, dq, (size_t)n * E, cudaMemcpyDeviceToHost), 0);
-    assert_int_equal(cudaMemcpy(gs, ds, sizeof(float) * n * nb, cudaMemcpyDeviceToHost), 0);
+    assert_int_equal(cudaMemcpy(gq, dq, qbytes, cudaMemcpyDeviceToHost), 0);
+    assert_int_equal(cudaMemcpy(gs, ds, sizeof(float) * scount, cudaMemcpyDeviceToHost), 0);
     int bad = 0;
     for (int t = 0; t < n; t++)
         for (int b = 0; b < nb; b++) {
             const uint8_t *blk = cpu + ((size_t)t * nb + b) * 34;
             uint16_t dh;
             memcpy(&dh, blk, 2);
-            const float cd = kvb_fp16_to_f32(dh), gd = gs[(size_t)t * nb + b];
+            const float cd = kvb_fp16_to_f32(dh), gd = gs[kvb_bk_asc_index(t, b, nb)];
             const bool d_ok = (isnan(cd) && isnan(gd)) || memcmp(&cd, &gd, sizeof cd) == 0;
-            const bool q_ok = memcmp(blk + 2, gq + (size_t)t * E + (size_t)b * 32, 32) == 0;
+            bool q_ok = true;
+            for (int j = 0; j < 32; j++) q_ok &= (int8_t)blk[2 + j] == gq[kvb_bk_aq_offset(t, (size_t)b * 32 + j, nb)];
             if (!(d_ok && q_ok) && bad++ < 5)
                 print_message("token %d block %d: scale %g vs %g, values %s\n", t, b, (double)cd, (double)gd,
                               q_ok ? "same" : "differ");

@@ -20,8 +20,8 @@ typedef struct {
     kvb_mat wk_m, wv_m;        /* this bridge's rows of the file's K/V weights (its KV heads) */
     uint8_t *wk, *wv;          /* raw file bytes (rows, row_bytes) */
     float *bk, *bv, *knorm;    /* or NULL */
-    int8_t *wk_q, *wv_q;       /* tensor-core path: (rows, n_embd) int8, or NULL */
-    float *wk_s, *wv_s;        /* (rows, n_embd/32) f32 block scales */
+    int8_t *wk_q, *wv_q;       /* tensor-core path: int8 weights in fragment order (bridge_kernels.h), or NULL */
+    float *wk_s, *wv_s;        /* their f32 block scales, fragment order */
 } bridge_layer;
 
 #define BRIDGE_MAX_SLOTS 8
@@ -65,8 +65,8 @@ struct kvb_bridge_cuda {
     float *d_cos[2], *d_sin[2]; /* per kind of layer (kvb_rope_tables_kind): (max_tokens, n_rot/2) ... */
     uint32_t tab_pos0[2], tab_n[2]; /* ... holding positions tab_pos0[k] .. + tab_n[k] - 1 (0: none) */
     uint8_t *d_act;
-    int8_t *d_aq;               /* tensor-core path: activations (max, n_embd) int8 ... */
-    float *d_asc;               /* ... and their scales (max, n_embd/32) */
+    int8_t *d_aq;               /* tensor-core path: activations int8 and their f32 scales, in */
+    float *d_asc;               /* fragment order (bridge_kernels.h) */
     uint32_t n_slots;           /* staging slots in turn (KVB_BRIDGE_SLOTS, 2 .. BRIDGE_MAX_SLOTS) */
     uint8_t *d_krows[BRIDGE_MAX_SLOTS], *d_vrows[BRIDGE_MAX_SLOTS]; /* (max, n_head_kv, row_bytes), one pair per slot */
     cudaStream_t copy_st;       /* device-input path: rows go down here */
@@ -106,8 +106,12 @@ static bool bridge_weight_type(uint32_t t) {
 
 /* The file's blocks (already on the device at raw) -> int8 rows and f32 scales. */
 static kvb_status unpack(const kvb_mat *W, const uint8_t *raw, int8_t **q, float **sc, kvb_err *err) {
-    KVB_CU(cudaMalloc((void **)q, (size_t)W->rows * W->cols));
-    KVB_CU(cudaMalloc((void **)sc, (size_t)W->rows * (W->cols / 32) * sizeof(float)));
+    const size_t qb = kvb_bk_wq_bytes((size_t)W->rows, (size_t)W->cols);
+    const size_t sb = kvb_bk_wsc_count((size_t)W->rows, (size_t)W->cols) * sizeof(float);
+    KVB_CU(cudaMalloc((void **)q, qb));
+    KVB_CU(cudaMalloc((void **)sc, sb));
+    KVB_CU(cudaMemset(*q, 0, qb)); /* the pad rows of the last 8-row tile */
+    KVB_CU(cudaMemset(*sc, 0, sb));
     const int e = kvb_bk_unpack_weights(W->type, raw, W->row_bytes, (int)W->rows, (int)W->cols, *q, *sc, NULL);
     if (e) return kvb_cu_fail(err, (cudaError_t)e, "kvb_bk_unpack_weights", __FILE__, __LINE__);
     return KVB_OK;
@@ -214,8 +218,11 @@ static kvb_status create_shard(const kvb_model *m, uint32_t dtype, uint32_t max_
     if (st) goto fail;
 #define ALLOC(p, bytes) KVB_CU_GOTO(cudaMalloc((void **)&(p), (bytes)))
     if (any_i8) {
-        ALLOC(b->d_aq, (size_t)max_tokens * E);
-        ALLOC(b->d_asc, (size_t)max_tokens * (E / 32) * sizeof(float));
+        const size_t qb = kvb_bk_aq_bytes(max_tokens, E), sb = kvb_bk_asc_count(max_tokens, E) * sizeof(float);
+        ALLOC(b->d_aq, qb);
+        ALLOC(b->d_asc, sb);
+        KVB_CU_GOTO(cudaMemset(b->d_aq, 0, qb)); /* the pad tokens of the last 16-token tile: finite */
+        KVB_CU_GOTO(cudaMemset(b->d_asc, 0, sb));
     }
     ALLOC(b->d_h, (size_t)max_tokens * E * sizeof(float));
     ALLOC(b->d_k, (size_t)max_tokens * (KV ? KV : 1) * sizeof(float));

@@ -75,50 +75,92 @@ __device__ static __forceinline__ float mma_f_from_biased(int biased) {
 // traffic of 32 x 32 tiles, the most that 16 live lanes per output allowed (H200, 1B shape, one
 // 8K-token layer's K projection: 308 us with those, 184 us with these; ncu). A stage holds up to
 // PJ_SB blocks of one lane (strided by 16 blocks in memory), double-buffered with cp.async. Two
-// CTAs per SM (128 registers, a few spilled) measured faster than one (162 registers): 184 vs 237 us.
-#define PJ_TM 64
-#define PJ_TN 64
+// CTAs per SM (128 registers) measured faster than one (162 registers): 184 vs 237 us.
+// The operands are in fragment order (bridge_kernels.h): a stage is 16-byte runs copied as they
+// are, and a warp's fragments of one block are one 16-byte (A) or 8-byte (B, scales) shared load
+// per thread, where row-major tiles took 12 shared loads and their address arithmetic per block;
+// with the copy plan below (pj_plan) one 8K-token layer's K projection takes 129 us, 182 before
+// (H200, 1B shape, ncu; 73 M instructions issued instead of ~100 M).
+#define PJ_TM 64             // tokens per CTA: 4 tiles of 16
+#define PJ_TN 64             // rows per CTA: 8 tiles of 8
 #define PJ_SB 4
 #define PJ_THREADS 256
-#define PJ_ROW (PJ_SB * MMA_QK + 16) // shared row bytes: 4 blocks + 16 of padding
-
-__device__ __forceinline__ static void pj_cp16(void *dst, const void *src, int src_bytes) {
-    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ static void pj_cp4(void *dst, const void *src, int src_bytes) {
-    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
-}
+#define PJ_AT (PJ_TM / 16)   // token tiles
+#define PJ_BT (PJ_TN / 8)    // row tiles
 
 __device__ __forceinline__ static int pj_bitrev4(int p) {
     return ((p & 1) << 3) | ((p & 2) << 1) | ((p & 4) >> 1) | ((p & 8) >> 3);
 }
 
-// Stage s of the lane-major walk: lane pj_bitrev4(pos), its blocks q0 .. q0 + PJ_SB - 1 (those
-// that exist). Queues the copies into buffer buf; returns how many blocks it holds.
-__device__ __forceinline__ static int pj_stage(const int8_t *__restrict__ wq, const float *__restrict__ wsc, int rows,
-                                               const int8_t *__restrict__ aq, const float *__restrict__ asc, int n,
-                                               int E, int nb, int lane, int q0, int tok0, int row0,
-                                               int8_t (*sA)[PJ_ROW], int8_t (*sB)[PJ_ROW], float (*sdA)[PJ_SB],
-                                               float (*sdB)[PJ_SB]) {
-    const int have = (nb - lane + 15) / 16 - q0, cnt = have < PJ_SB ? have : PJ_SB;
+// One stage's shared buffers: per (tile, block of the stage) one operand piece in fragment order.
+struct pj_stage_buf {
+    uint4 a[PJ_AT][PJ_SB][32];    // (token tile, block, thread) 16 bytes: a0..a3
+    uint2 b[PJ_BT][PJ_SB][32];    // (row tile, block, thread) 8 bytes: b0, b1
+    float2 da[PJ_AT][PJ_SB][8];   // (token tile, block, g): scales of tokens g, g + 8
+    float2 db[PJ_BT][PJ_SB][4];   // (row tile, block, c): scales of rows 2c, 2c + 1
+};
+
+// What one thread copies in every stage, fixed for the CTA: two 16-byte runs of A, two of B and
+// (threads 0 .. 127) one of the scales, each at its (tile, block of the stage, piece) place.
+// A stage of lane l, blocks q0 .. q0 + PJ_SB - 1, moves every source by (l + 16 q0) blocks, so a
+// stage costs a few instructions per copy instead of the index arithmetic of each.
+struct pj_plan {
+    const int8_t *src[5];  // at block 0 of the stage (A 0, A 1, B 0, B 1, scale)
+    uint32_t dst[5];       // shared address in buffer 0
+    uint32_t unit[5];      // bytes per block of its operand (512, 512, 256, 256, 64 or 32)
+    int blk[5];            // block of the stage it copies
+    bool live[5];          // its tile exists (and for the scale, that this thread has one)
+    const int8_t *dummy[5];  // a valid address for the zero-filling copies
+};
+
+__device__ __forceinline__ static void pj_make_plan(const int8_t *wq, const float *wsc, int r8, const int8_t *aq,
+                                                    const float *asc, int n16, int nb, int tt0, int rt0,
+                                                    pj_stage_buf *sb0, pj_plan *pl) {
+    static_assert(PJ_AT * PJ_SB * 32 == 2 * PJ_THREADS && PJ_BT * PJ_SB * 16 == 2 * PJ_THREADS, "2 copies each");
+    static_assert(PJ_AT * PJ_SB * 4 + PJ_BT * PJ_SB * 2 <= PJ_THREADS, "one scale copy at most");
     const int tid = threadIdx.x;
-    // 64 rows x PJ_SB blocks x 2 pieces of 16 bytes per operand: 2 pieces per thread each
-    for (int it = tid; it < PJ_TM * PJ_SB * 2; it += PJ_THREADS) {
-        const int i = it / (PJ_SB * 2), k = it % (PJ_SB * 2), blk = k >> 1, b = lane + 16 * (q0 + blk);
-        const int t = tok0 + i, r = row0 + i;
-        const bool okb = blk < cnt;
-        const size_t off = (size_t)b * MMA_QK + (k & 1) * 16;
-        pj_cp16(&sA[i][k * 16], okb && t < n ? aq + (size_t)t * E + off : aq, okb && t < n ? 16 : 0);
-        pj_cp16(&sB[i][k * 16], okb && r < rows ? wq + (size_t)r * E + off : wq, okb && r < rows ? 16 : 0);
+    for (int j = 0; j < 2; j++) { // A: (tile, block, 16-byte piece of 32)
+        const int i = (tid + j * PJ_THREADS) / (PJ_SB * 32), blk = (tid >> 5) % PJ_SB, c = tid & 31;
+        pl->src[j] = aq + ((size_t)(tt0 + i) * nb + 16 * blk) * 512 + (size_t)c * 16;
+        pl->dst[j] = (uint32_t)__cvta_generic_to_shared(&sb0->a[i][blk][c]);
+        pl->unit[j] = 512, pl->blk[j] = blk, pl->live[j] = tt0 + i < n16, pl->dummy[j] = aq;
     }
-    for (int it = tid; it < PJ_TM * PJ_SB; it += PJ_THREADS) {
-        const int i = it / PJ_SB, blk = it % PJ_SB, b = lane + 16 * (q0 + blk);
-        const int t = tok0 + i, r = row0 + i;
-        const bool okb = blk < cnt;
-        pj_cp4(&sdA[i][blk], okb && t < n ? asc + (size_t)t * nb + b : asc, okb && t < n ? 4 : 0);
-        pj_cp4(&sdB[i][blk], okb && r < rows ? wsc + (size_t)r * nb + b : wsc, okb && r < rows ? 4 : 0);
+    for (int j = 0; j < 2; j++) { // B: (tile, block, 16-byte piece of 16)
+        const int i = (tid + j * PJ_THREADS) / (PJ_SB * 16), blk = (tid >> 4) % PJ_SB, c = tid & 15;
+        pl->src[2 + j] = wq + ((size_t)(rt0 + i) * nb + 16 * blk) * 256 + (size_t)c * 16;
+        pl->dst[2 + j] = (uint32_t)__cvta_generic_to_shared((uint8_t *)&sb0->b[i][blk][0] + c * 16);
+        pl->unit[2 + j] = 256, pl->blk[2 + j] = blk, pl->live[2 + j] = rt0 + i < r8, pl->dummy[2 + j] = wq;
+    }
+    pl->blk[4] = 0, pl->live[4] = false, pl->dst[4] = 0, pl->unit[4] = 0;
+    pl->src[4] = pl->dummy[4] = (const int8_t *)asc;
+    if (tid < PJ_AT * PJ_SB * 4) { // A scales: (tile, block, 16 bytes of 64)
+        const int i = tid / (PJ_SB * 4), blk = (tid / 4) % PJ_SB, c = tid % 4;
+        pl->src[4] = (const int8_t *)(asc + ((size_t)(tt0 + i) * nb + 16 * blk) * 16 + (size_t)c * 4);
+        pl->dst[4] = (uint32_t)__cvta_generic_to_shared(&sb0->da[i][blk][2 * c]);
+        pl->unit[4] = 64, pl->blk[4] = blk, pl->live[4] = tt0 + i < n16;
+    } else if (tid < PJ_AT * PJ_SB * 4 + PJ_BT * PJ_SB * 2) { // B scales: (tile, block, 16 bytes of 32)
+        const int u = tid - PJ_AT * PJ_SB * 4, i = u / (PJ_SB * 2), blk = (u / 2) % PJ_SB, c = u % 2;
+        pl->src[4] = (const int8_t *)(wsc + ((size_t)(rt0 + i) * nb + 16 * blk) * 8 + (size_t)c * 4);
+        pl->dst[4] = (uint32_t)__cvta_generic_to_shared(&sb0->db[i][blk][2 * c]);
+        pl->unit[4] = 32, pl->blk[4] = blk, pl->live[4] = rt0 + i < r8;
+        pl->dummy[4] = (const int8_t *)wsc;
+    }
+}
+
+// Stage of the lane-major walk: lane `lane`, its blocks q0 .. q0 + PJ_SB - 1 (those that exist),
+// into buffer buf. Returns how many blocks it holds; the rest, and tiles past the operands, are
+// zero-filled.
+__device__ __forceinline__ static int pj_stage(const pj_plan *pl, int nb, int lane, int q0, int buf) {
+    const int have = (nb - lane + 15) / 16 - q0, cnt = have < PJ_SB ? have : PJ_SB;
+    const size_t first = (size_t)lane + 16 * (size_t)q0; // the stage's first block
+    const uint32_t boff = (uint32_t)buf * (uint32_t)sizeof(pj_stage_buf);
+#pragma unroll
+    for (int k = 0; k < 5; k++) {
+        if (k == 4 && !pl->unit[4]) break; // no scale copy for this thread
+        const bool ok = pl->live[k] && pl->blk[k] < cnt;
+        const int8_t *src = ok ? pl->src[k] + first * pl->unit[k] : pl->dummy[k];
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(pl->dst[k] + boff), "l"(src),
+                     "r"(ok ? 16 : 0));
     }
     asm volatile("cp.async.commit_group;\n" ::);
     return cnt;
@@ -127,13 +169,11 @@ __device__ __forceinline__ static int pj_stage(const int8_t *__restrict__ wq, co
 __global__ static void __launch_bounds__(PJ_THREADS, 2)
 k_project_i8(const int8_t *__restrict__ wq, const float *__restrict__ wsc, int rows,
                    const int8_t *__restrict__ aq, const float *__restrict__ asc, int n, int E, float *__restrict__ y) {
-    // two buffers of (token or row, PJ_SB blocks) int8 and their (token or row, block) scales
-    __shared__ __align__(16) int8_t sA[2][PJ_TM][PJ_ROW];
-    __shared__ __align__(16) int8_t sB[2][PJ_TN][PJ_ROW];
-    __shared__ float sdA[2][PJ_TM][PJ_SB], sdB[2][PJ_TN][PJ_SB];
+    __shared__ __align__(16) pj_stage_buf sbuf[2];
     const int tid = threadIdx.x, warp = tid >> 5, lane_id = tid & 31, g = lane_id >> 2, tig = lane_id & 3;
     const int wm = warp >> 2, wn = warp & 3, nb = E / MMA_QK; // warp: tokens wm*32 .. +32, rows wn*16 .. +16
-    const int tok0 = blockIdx.y * PJ_TM, row0 = blockIdx.x * PJ_TN;
+    const int tt0 = blockIdx.y * PJ_AT, rt0 = blockIdx.x * PJ_BT, n16 = (n + 15) / 16, r8 = (rows + 7) / 8;
+    const int bias = MMA_F32_BIAS_BITS; // the accumulators' start: mma leaves the bits of 1.5 * 2^23 + s_b
 
     // per output (m-tile mt, n-tile nt, c): the lane's chain and the tree's pending partials
     float cur[2][2][4], p1[2][2][4], p2[2][2][4], p3[2][2][4], p4[2][2][4];
@@ -145,58 +185,50 @@ k_project_i8(const int8_t *__restrict__ wq, const float *__restrict__ wsc, int r
             for (int c = 0; c < 4; c++) cur[a][b][c] = p1[a][b][c] = p2[a][b][c] = p3[a][b][c] = p4[a][b][c] = 0.0f;
 
     // the walk: (pos, q0) stages; stage k+1 is in flight while stage k is computed
+    pj_plan plan;
+    pj_make_plan(wq, wsc, r8, aq, asc, n16, nb, tt0, rt0, &sbuf[0], &plan);
     int pos = 0, q0 = 0, buf = 0;
-    int cnt = pj_stage(wq, wsc, rows, aq, asc, n, E, nb, pj_bitrev4(0), 0, tok0, row0, sA[0], sB[0], sdA[0], sdB[0]);
+    int cnt = pj_stage(&plan, nb, pj_bitrev4(0), 0, 0);
     for (;;) {
         // the next stage: more blocks of this lane, or the next lane
         const int lane = pj_bitrev4(pos), lane_blocks = (nb - lane + 15) / 16;
         int npos = pos, nq0 = q0 + PJ_SB;
         if (nq0 >= lane_blocks) npos = pos + 1, nq0 = 0;
         int ncnt = 0;
-        if (npos < 16)
-            ncnt = pj_stage(wq, wsc, rows, aq, asc, n, E, nb, pj_bitrev4(npos), nq0, tok0, row0, sA[buf ^ 1],
-                            sB[buf ^ 1], sdA[buf ^ 1], sdB[buf ^ 1]);
+        if (npos < 16) ncnt = pj_stage(&plan, nb, pj_bitrev4(npos), nq0, buf ^ 1);
         if (npos < 16) asm volatile("cp.async.wait_group 1;\n" ::: "memory");
         else asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         __syncthreads();
-        for (int kb = 0; kb < cnt; kb++) { // this lane's blocks, in order
-            uint32_t a[2][4];
-            float dx[2][2];
+        const pj_stage_buf *sb = &sbuf[buf];
+#pragma unroll
+        for (int kb = 0; kb < PJ_SB; kb++) { // this lane's blocks, in order
+            if (kb >= cnt) break;
+            uint4 a[2];
+            float2 dx[2]; // (token g, token g + 8) of m-tile mt
 #pragma unroll
             for (int mt = 0; mt < 2; mt++) {
-                const int ra = wm * 32 + mt * 16 + g, k0 = kb * MMA_QK + tig * 4;
-                a[mt][0] = *(const uint32_t *)&sA[buf][ra][k0];
-                a[mt][1] = *(const uint32_t *)&sA[buf][ra + 8][k0];
-                a[mt][2] = *(const uint32_t *)&sA[buf][ra][k0 + 16];
-                a[mt][3] = *(const uint32_t *)&sA[buf][ra + 8][k0 + 16];
-                dx[mt][0] = sdA[buf][ra][kb];
-                dx[mt][1] = sdA[buf][ra + 8][kb];
+                a[mt] = sb->a[wm * 2 + mt][kb][lane_id];
+                dx[mt] = sb->da[wm * 2 + mt][kb][g];
             }
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
-                const int rb = wn * 16 + nt * 8, k0 = kb * MMA_QK + tig * 4;
-                const uint32_t b0 = *(const uint32_t *)&sB[buf][rb + g][k0];
-                const uint32_t b1 = *(const uint32_t *)&sB[buf][rb + g][k0 + 16];
-                const float dw0 = sdB[buf][rb + 2 * tig][kb], dw1 = sdB[buf][rb + 2 * tig + 1][kb];
-                // the accumulators start at the bits of 1.5 * 2^23: each mma leaves 0x4B400000 + s_b,
-                // the float 1.5 * 2^23 + s_b, so (float)s_b is one exact subtraction (mma_f_from_biased)
+                const uint2 bf = sb->b[wn * 2 + nt][kb][lane_id];
+                const float2 dw = sb->db[wn * 2 + nt][kb][tig]; // rows 2 tig, 2 tig + 1
                 int c[2][4];
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
-                    c[mt][0] = c[mt][1] = c[mt][2] = c[mt][3] = MMA_F32_BIAS_BITS;
+                for (int mt = 0; mt < 2; mt++)
                     asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-                        "{%8,%9}, {%0,%1,%2,%3};\n"
-                        : "+r"(c[mt][0]), "+r"(c[mt][1]), "+r"(c[mt][2]), "+r"(c[mt][3])
-                        : "r"(a[mt][0]), "r"(a[mt][1]), "r"(a[mt][2]), "r"(a[mt][3]), "r"(b0), "r"(b1));
-                }
+                        "{%8,%9}, {%10,%10,%10,%10};\n"
+                        : "=r"(c[mt][0]), "=r"(c[mt][1]), "=r"(c[mt][2]), "=r"(c[mt][3])
+                        : "r"(a[mt].x), "r"(a[mt].y), "r"(a[mt].z), "r"(a[mt].w), "r"(bf.x), "r"(bf.y), "r"(bias));
 #pragma unroll
                 for (int mt = 0; mt < 2; mt++) {
-                    // c0: (token ra, row rb + 2 tig), c1: (ra, rb + 2 tig + 1), c2/c3: token ra + 8
+                    // c0: (token g, row 2 tig), c1: (g, 2 tig + 1), c2/c3: token g + 8
                     float *o = cur[mt][nt];
-                    o[0] = __fmaf_rn(mma_f_from_biased(c[mt][0]), __fmul_rn(dw0, dx[mt][0]), o[0]);
-                    o[1] = __fmaf_rn(mma_f_from_biased(c[mt][1]), __fmul_rn(dw1, dx[mt][0]), o[1]);
-                    o[2] = __fmaf_rn(mma_f_from_biased(c[mt][2]), __fmul_rn(dw0, dx[mt][1]), o[2]);
-                    o[3] = __fmaf_rn(mma_f_from_biased(c[mt][3]), __fmul_rn(dw1, dx[mt][1]), o[3]);
+                    o[0] = __fmaf_rn(mma_f_from_biased(c[mt][0]), __fmul_rn(dw.x, dx[mt].x), o[0]);
+                    o[1] = __fmaf_rn(mma_f_from_biased(c[mt][1]), __fmul_rn(dw.y, dx[mt].x), o[1]);
+                    o[2] = __fmaf_rn(mma_f_from_biased(c[mt][2]), __fmul_rn(dw.x, dx[mt].y), o[2]);
+                    o[3] = __fmaf_rn(mma_f_from_biased(c[mt][3]), __fmul_rn(dw.y, dx[mt].y), o[3]);
                 }
             }
         }
@@ -229,24 +261,32 @@ k_project_i8(const int8_t *__restrict__ wq, const float *__restrict__ wsc, int r
         for (int nt = 0; nt < 2; nt++)
 #pragma unroll
             for (int c = 0; c < 4; c++) {
-                const int t = tok0 + wm * 32 + mt * 16 + g + (c >= 2 ? 8 : 0);
-                const int r = row0 + wn * 16 + nt * 8 + 2 * tig + (c & 1);
+                const int t = tt0 * 16 + wm * 32 + mt * 16 + g + (c >= 2 ? 8 : 0);
+                const int r = rt0 * 8 + wn * 16 + nt * 8 + 2 * tig + (c & 1);
                 if (t < n && r < rows) y[(size_t)t * rows + r] = p4[mt][nt][c];
             }
 }
 
-// One thread per (row, block): the file's block -> 32 int8 values and the f32 scale.
+// One thread per (row, block): the file's block -> 32 int8 values and the f32 scale, in fragment
+// order (bridge_kernels.h).
 __global__ static void k_unpack_weights(uint32_t wtype, const uint8_t *w, size_t w_row_bytes, int w_block_bytes,
                                         int rows, int nb, int8_t *wq, float *wsc) {
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)rows * nb) return;
     const int r = (int)(idx / nb), b = (int)(idx % nb);
-    mma_unpack_weight(wtype, w + (size_t)r * w_row_bytes + (size_t)b * w_block_bytes, wq + (size_t)r * nb * MMA_QK + (size_t)b * MMA_QK,
-                      wsc + (size_t)r * nb + b);
+    int8_t q[MMA_QK];
+    float d;
+    mma_unpack_weight(wtype, w + (size_t)r * w_row_bytes + (size_t)b * w_block_bytes, q, &d);
+    for (int p = 0; p < MMA_QK / 4; p++) // 4-byte pieces: each lands whole in one thread's slot
+        *(uint32_t *)(wq + kvb_bk_wq_offset((size_t)r, (size_t)b * MMA_QK + 4 * p, (size_t)nb)) =
+            (uint32_t)(uint8_t)q[4 * p] | ((uint32_t)(uint8_t)q[4 * p + 1] << 8) |
+            ((uint32_t)(uint8_t)q[4 * p + 2] << 16) | ((uint32_t)(uint8_t)q[4 * p + 3] << 24);
+    wsc[kvb_bk_wsc_index((size_t)r, (size_t)b, (size_t)nb)] = d;
 }
 
 // The canonical activation quantiser (kvb_quant.h, as k_quantize_act in bridge.cu) writing int8
-// rows (n, E) and f32 scales (n, E/32): the scale stored is fp16(d) widened, the value the dot uses.
+// values and f32 scales in fragment order (bridge_kernels.h): the scale stored is fp16(d) widened,
+// the value the dot uses.
 // 8 lanes per 32-element block, 4 elements each (kvb_bq_quantize32_oct): 16-byte loads, 4-byte
 // stores. One thread per block took 228 us per 8K-token layer of the 1B shape (H200, ncu), a warp
 // per block (one element per lane) 90 us.
@@ -264,8 +304,9 @@ __global__ static void k_quantize_act_i8(const float *x, int n, int E, int8_t *a
     if (!live) return;
     const uint32_t packed = (uint32_t)(uint8_t)q[0] | ((uint32_t)(uint8_t)q[1] << 8) |
                             ((uint32_t)(uint8_t)q[2] << 16) | ((uint32_t)(uint8_t)q[3] << 24);
-    *(uint32_t *)(aq + (size_t)blk * MMA_QK + part * 4) = packed;
-    if (part == 0) asc[blk] = kvb_fp16_to_f32_inl(kvb_f32_to_fp16_inl(d));
+    const size_t t = (size_t)(blk / nb), b = (size_t)(blk % nb);
+    *(uint32_t *)(aq + kvb_bk_aq_offset(t, b * MMA_QK + (size_t)part * 4, (size_t)nb)) = packed;
+    if (part == 0) asc[kvb_bk_asc_index(t, b, (size_t)nb)] = kvb_fp16_to_f32_inl(kvb_f32_to_fp16_inl(d));
 }
 
 static unsigned mma_grid1(long long threads) { return (unsigned)((threads + 127) / 128); }
@@ -286,6 +327,7 @@ extern "C" int kvb_bk_quantize_act_i8(const float *x, int n, int E, int8_t *aq, 
 
 extern "C" int kvb_bk_project_i8(const int8_t *wq, const float *wsc, int rows, const int8_t *aq, const float *asc,
                                  int n, int E, float *y, void *stream) {
+    if (((uintptr_t)wq | (uintptr_t)wsc | (uintptr_t)aq | (uintptr_t)asc) & 15u) return (int)cudaErrorMisalignedAddress;
     dim3 grid((unsigned)((rows + PJ_TN - 1) / PJ_TN), (unsigned)((n + PJ_TM - 1) / PJ_TM));
     k_project_i8<<<grid, PJ_THREADS, 0, (cudaStream_t)stream>>>(wq, wsc, rows, aq, asc, n, E, y);
     return (int)cudaGetLastError();
