@@ -7,8 +7,9 @@
  * late from pinned slots), checking every shipped row set and the order they arrive in, on qwen3
  * and on gemma3 (each layer rotates with its own kind's RoPE table: local layers have their own
  * base); (3) the tensor-core path's activation quantiser against kvb_quantize_act, with zero,
- * NaN, infinite, subnormal and clamping blocks. Output buffers are poisoned, so an unwritten byte
- * fails. Label `gpu`; skips without a device. */
+ * NaN, infinite, subnormal and clamping blocks; (4) the post kernel's 16-lanes-per-row form against
+ * its one-thread-per-row form. Output buffers are poisoned, so an unwritten byte fails. Label
+ * `gpu`; skips without a device. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -295,6 +296,92 @@ static void test_quantize_act_i8(void **state) {
     free(cpu);
     assert_int_equal(bad, 0);
 }
+
+/* The post kernel's two forms (kvb_bk_post: 16 lanes per row, and one thread per row with serial
+ * set) byte for byte, on shapes both take — neox and interleaved RoPE, partial rotary, with and
+ * without k-norm and biases, every cache type — with NaNs, infinities and large values among the
+ * inputs, a row count that leaves half a CTA idle, and outputs poisoned differently each time. */
+static void test_post_paths(void **state) {
+    (void)state;
+    need_device();
+    const struct {
+        int hd, n_rot, neox, knorm, bias;
+    } shapes[] = {{64, 64, 1, 1, 1}, {64, 64, 0, 0, 0}, {128, 128, 0, 1, 1},
+                  {80, 32, 1, 0, 1}, {256, 256, 1, 1, 0}, {96, 64, 0, 1, 1}};
+    const uint32_t dtypes[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0};
+    const int n = 37, nkv = 3;
+    kvb_rng r;
+    kvb_rng_seed(&r, (uint64_t)time(NULL) ^ 0x9057u);
+    int compared = 0, differ = 0;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int hd = shapes[si].hd, half = shapes[si].n_rot / 2;
+        const size_t nv = (size_t)n * nkv * hd;
+        float *k = malloc(sizeof(float) * nv), *v = malloc(sizeof(float) * nv);
+        float *bk = malloc(sizeof(float) * nkv * hd), *bv = malloc(sizeof(float) * nkv * hd);
+        float *kn = malloc(sizeof(float) * hd), *cs = malloc(sizeof(float) * n * half), *sn = malloc(sizeof(float) * n * half);
+        for (size_t i = 0; i < nv; i++) k[i] = kvb_rng_normal(&r) * (i % 11 ? 1.0f : 300.0f), v[i] = kvb_rng_normal(&r);
+        k[5] = NAN, v[2 * hd + 31] = NAN, k[3 * hd + 7] = INFINITY, v[4 * hd] = -INFINITY; /* rows 0, 2, 3, 4 */
+        for (int i = 0; i < nkv * hd; i++) bk[i] = kvb_rng_normal(&r) * 0.1f, bv[i] = kvb_rng_normal(&r) * 0.1f;
+        for (int i = 0; i < hd; i++) kn[i] = 1.0f + kvb_rng_normal(&r) * 0.2f;
+        for (int i = 0; i < n * half; i++) {
+            const double a = kvb_rng_normal(&r) * 3.0;
+            cs[i] = (float)cos(a), sn[i] = (float)sin(a);
+        }
+        void *dk, *dv, *dbk, *dbv, *dkn, *dcs, *dsn, *dko, *dvo;
+        assert_int_equal(cudaMalloc(&dk, sizeof(float) * nv), 0);
+        assert_int_equal(cudaMalloc(&dv, sizeof(float) * nv), 0);
+        assert_int_equal(cudaMalloc(&dbk, sizeof(float) * nkv * hd), 0);
+        assert_int_equal(cudaMalloc(&dbv, sizeof(float) * nkv * hd), 0);
+        assert_int_equal(cudaMalloc(&dkn, sizeof(float) * hd), 0);
+        assert_int_equal(cudaMalloc(&dcs, sizeof(float) * n * half), 0);
+        assert_int_equal(cudaMalloc(&dsn, sizeof(float) * n * half), 0);
+        assert_int_equal(cudaMemcpy(dbk, bk, sizeof(float) * nkv * hd, cudaMemcpyHostToDevice), 0);
+        assert_int_equal(cudaMemcpy(dbv, bv, sizeof(float) * nkv * hd, cudaMemcpyHostToDevice), 0);
+        assert_int_equal(cudaMemcpy(dkn, kn, sizeof(float) * hd, cudaMemcpyHostToDevice), 0);
+        assert_int_equal(cudaMemcpy(dcs, cs, sizeof(float) * n * half, cudaMemcpyHostToDevice), 0);
+        assert_int_equal(cudaMemcpy(dsn, sn, sizeof(float) * n * half, cudaMemcpyHostToDevice), 0);
+        for (size_t di = 0; di < sizeof dtypes / sizeof dtypes[0]; di++) {
+            if (dtypes[di] == KVB_TYPE_Q8_0 && hd % 32) continue;
+            const size_t rb = kvb_row_bytes(dtypes[di], hd), ob = (size_t)n * nkv * rb;
+            assert_int_equal(cudaMalloc(&dko, ob), 0);
+            assert_int_equal(cudaMalloc(&dvo, ob), 0);
+            uint8_t *out[2][2]; /* (form, K/V) */
+            for (int form = 0; form < 2; form++) { /* 0: 16 lanes, 1: serial; k, v fresh (modified in place) */
+                assert_int_equal(cudaMemcpy(dk, k, sizeof(float) * nv, cudaMemcpyHostToDevice), 0);
+                assert_int_equal(cudaMemcpy(dv, v, sizeof(float) * nv, cudaMemcpyHostToDevice), 0);
+                assert_int_equal(cudaMemset(dko, form ? 0xA5 : 0x5A, ob), 0);
+                assert_int_equal(cudaMemset(dvo, form ? 0xA5 : 0x5A, ob), 0);
+                assert_int_equal(kvb_bk_post(dk, dv, n, nkv, hd, shapes[si].bias ? dbk : NULL,
+                                             shapes[si].bias ? dbv : NULL, shapes[si].knorm ? dkn : NULL, 1e-6f,
+                                             shapes[si].n_rot, shapes[si].neox, dcs, dsn, dtypes[di], dko, dvo, rb,
+                                             form, NULL),
+                                 0);
+                assert_int_equal(cudaDeviceSynchronize(), 0);
+                out[form][0] = malloc(ob);
+                out[form][1] = malloc(ob);
+                assert_int_equal(cudaMemcpy(out[form][0], dko, ob, cudaMemcpyDeviceToHost), 0);
+                assert_int_equal(cudaMemcpy(out[form][1], dvo, ob, cudaMemcpyDeviceToHost), 0);
+            }
+            for (int kv = 0; kv < 2; kv++) {
+                const bool same = memcmp(out[0][kv], out[1][kv], ob) == 0;
+                compared++;
+                if (!same && differ++ < 5)
+                    print_message("post: hd %d n_rot %d neox %d knorm %d bias %d %s %s: the two forms differ\n", hd,
+                                  shapes[si].n_rot, shapes[si].neox, shapes[si].knorm, shapes[si].bias,
+                                  kvb_type_name(dtypes[di]), kv ? "V" : "K");
+            }
+            for (int form = 0; form < 2; form++) free(out[form][0]), free(out[form][1]);
+            cudaFree(dko);
+            cudaFree(dvo);
+        }
+        void *dev[] = {dk, dv, dbk, dbv, dkn, dcs, dsn};
+        for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) cudaFree(dev[i]);
+        free(k), free(v), free(bk), free(bv), free(kn), free(cs), free(sn);
+    }
+    print_message("post: 16 lanes per row == one thread per row: %d of %d row sets differ\n", differ, compared);
+    assert_int_equal(differ, 0);
+    assert_true(compared >= 40);
+}
 #else
 static void test_mma_wide_shapes(void **state) {
     (void)state;
@@ -303,6 +390,7 @@ static void test_mma_wide_shapes(void **state) {
 }
 static void test_enqueue_path(void **state) { test_mma_wide_shapes(state); }
 static void test_quantize_act_i8(void **state) { test_mma_wide_shapes(state); }
+static void test_post_paths(void **state) { test_mma_wide_shapes(state); }
 #endif
 
 int main(void) {
@@ -310,6 +398,7 @@ int main(void) {
         cmocka_unit_test(test_mma_wide_shapes),
         cmocka_unit_test(test_enqueue_path),
         cmocka_unit_test(test_quantize_act_i8),
+        cmocka_unit_test(test_post_paths),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -457,7 +457,7 @@ static kvb_status enqueue_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t n, 
         if (st) return st;
         BK(kvb_bk_post(b->d_k, b->d_v, (int)n, (int)b->nh, (int)d->head_dim, bl->bk, bl->bv, bl->knorm, d->norm_eps,
                        (int)d->n_rot, d->rope_neox, b->d_cos[kind], b->d_sin[kind], b->dtype, b->d_krows[slot],
-                       b->d_vrows[slot], b->row_bytes, stream));
+                       b->d_vrows[slot], b->row_bytes, 0, stream));
         if (copy_done) { /* the post above is what the copy stream must wait for */
             KVB_CU(cudaEventRecord(b->post_ev[slot], stream));
             KVB_CU(cudaStreamWaitEvent(b->copy_st, b->post_ev[slot], 0));

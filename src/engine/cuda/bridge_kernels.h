@@ -70,10 +70,12 @@ int kvb_bk_quantize_act_i8(const float *x, int n, int E, int8_t *aq, float *asc,
 int kvb_bk_project_i8(const int8_t *wq, const float *wsc, int rows, const int8_t *aq, const float *asc, int n, int E,
                       float *y, void *stream);
 /* Per (token, kv head): bias, k-norm, RoPE (cos/sin (n, n_rot/2)), encode K and V rows into
- * k_rows / v_rows (n, nkv, row_bytes) of dtype. k, v (n, nkv*hd) f32 are modified in place. */
+ * k_rows / v_rows (n, nkv, row_bytes) of dtype. k, v (n, nkv*hd) f32 may be modified in place.
+ * 16 lanes per row where the shape allows (bridge.cu), one thread per row when serial (to test
+ * the one against the other) or where it does not; the same bytes either way. */
 int kvb_bk_post(float *k, float *v, int n, int nkv, int hd, const float *bk, const float *bv, const float *knorm,
                 float eps, int n_rot, int neox, const float *cos_t, const float *sin_t, uint32_t dtype,
-                uint8_t *k_rows, uint8_t *v_rows, size_t row_bytes, void *stream);
+                uint8_t *k_rows, uint8_t *v_rows, size_t row_bytes, int serial, void *stream);
 
 #ifdef __cplusplus
 }
