@@ -6,10 +6,9 @@
 // fixed 16-lane tree. So the result equals canon_dot in bridge.cu and kvb_dot on the CPU, only
 // faster: the naive kernel does one whole dot per thread.
 //
-// Operands are unpacked once into plain int8 rows plus f32 block scales: the weights at bridge
-// creation (k_unpack_weights, from the file's Q8_0/Q4_0/Q5_0 blocks), the activations per layer
-// by the canonical activation quantiser writing that layout (k_quantize_act_i8), so the tile
-// loads are 16-byte vector loads.
+// Operands are unpacked into int8 values plus f32 block scales in fragment order (bridge_kernels.h):
+// the weights once at bridge creation (k_unpack_weights, from the file's Q8_0/Q4_0/Q5_0 blocks),
+// the activations per layer by the canonical activation quantiser (k_quantize_act_i8).
 //
 // Tiling: see k_project_i8 below (lane-major order, 64 x 64 CTA tiles).
 #include <cuda_runtime.h>
@@ -289,22 +288,29 @@ __global__ static void k_unpack_weights(uint32_t wtype, const uint8_t *w, size_t
 // the value the dot uses.
 // 8 lanes per 32-element block, 4 elements each (kvb_bq_quantize32_oct): 16-byte loads, 4-byte
 // stores. One thread per block took 228 us per 8K-token layer of the 1B shape (H200, ncu), a warp
-// per block (one element per lane) 90 us.
+// per block (one element per lane) 90 us, 8 lanes 38 us into row-major int8. A warp's four blocks
+// are tokens g and g + 8 of a 16-token tile times blocks b and b + 1, whose values fill whole
+// 16-byte thread slots of the fragment order: 47.7 us, where four blocks of one token (half of
+// each slot) took 49-50 us. It is bound by issue (39 M instructions, 83 % of issue slots): the
+// fragment order's index arithmetic is what the row-major store did not pay.
 __global__ static void k_quantize_act_i8(const float *x, int n, int E, int8_t *aq, float *asc) {
-    const int nb = E / MMA_QK;
-    const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long blk = gid >> 3; // uniform over each group of 8 lanes
-    const int part = (int)(gid & 7);
-    const bool live = blk < (long long)n * nb; // dead lanes still join the group's shuffles
+    // 32-bit index arithmetic (the launcher checks that the grid fits)
+    const unsigned nb = (unsigned)E / MMA_QK, npair = (nb + 1) / 2;
+    const unsigned gid = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned unit = gid >> 5;     // (tile, g, block pair): one warp
+    const unsigned q = (gid >> 3) & 3u; // the warp's group: bit 0 token g or g + 8, bit 1 block b or b + 1
+    const int part = (int)(gid & 7u);
+    const unsigned tg = unit / npair;   // tile * 8 + g
+    const size_t t = (tg >> 3) * 16 + (tg & 7) + 8 * (q & 1), b = 2 * (unit - tg * npair) + (q >> 1);
+    const bool live = t < (size_t)n && b < (size_t)nb; // dead lanes still join the group's shuffles
     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (live) v = *(const float4 *)(x + (size_t)blk * MMA_QK + part * 4); // (t * nb + b) * 32 = t * E + b * 32
+    if (live) v = *(const float4 *)(x + t * (size_t)E + b * MMA_QK + part * 4);
     const float xs[4] = {v.x, v.y, v.z, v.w};
-    int8_t q[4];
-    const float d = kvb_bq_quantize32_oct(xs, q);
+    int8_t qv[4];
+    const float d = kvb_bq_quantize32_oct(xs, qv);
     if (!live) return;
-    const uint32_t packed = (uint32_t)(uint8_t)q[0] | ((uint32_t)(uint8_t)q[1] << 8) |
-                            ((uint32_t)(uint8_t)q[2] << 16) | ((uint32_t)(uint8_t)q[3] << 24);
-    const size_t t = (size_t)(blk / nb), b = (size_t)(blk % nb);
+    const uint32_t packed = (uint32_t)(uint8_t)qv[0] | ((uint32_t)(uint8_t)qv[1] << 8) |
+                            ((uint32_t)(uint8_t)qv[2] << 16) | ((uint32_t)(uint8_t)qv[3] << 24);
     *(uint32_t *)(aq + kvb_bk_aq_offset(t, b * MMA_QK + (size_t)part * 4, (size_t)nb)) = packed;
     if (part == 0) asc[kvb_bk_asc_index(t, b, (size_t)nb)] = kvb_fp16_to_f32_inl(kvb_f32_to_fp16_inl(d));
 }
@@ -321,7 +327,9 @@ extern "C" int kvb_bk_unpack_weights(uint32_t wtype, const uint8_t *w, size_t w_
 
 extern "C" int kvb_bk_quantize_act_i8(const float *x, int n, int E, int8_t *aq, float *asc, void *stream) {
     if (((uintptr_t)x & 15u) || ((uintptr_t)aq & 3u)) return (int)cudaErrorMisalignedAddress; // 16-byte loads, 4-byte stores
-    k_quantize_act_i8<<<mma_grid1((long long)n * (E / MMA_QK) * 8), 128, 0, (cudaStream_t)stream>>>(x, n, E, aq, asc);
+    const long long units = (long long)(n + 15) / 16 * 8 * ((E / MMA_QK + 1) / 2); // warps: (tile, g, block pair)
+    if (units * 32 > 0x7fffffffLL) return (int)cudaErrorInvalidValue;            // 32-bit thread indices
+    k_quantize_act_i8<<<mma_grid1(units * 32), 128, 0, (cudaStream_t)stream>>>(x, n, E, aq, asc);
     return (int)cudaGetLastError();
 }
 
