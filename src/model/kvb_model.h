@@ -132,6 +132,10 @@ kvb_status kvb_model_kvformat(const kvb_model_desc *d, uint32_t dtype, uint32_t 
  *     cos_out[p * (n_rot/2) + i] = (float)cos(pos * inv_freq[i]), sin_out likewise.  */
 void kvb_rope_table(const double *inv_freq, uint32_t n_rot, uint32_t pos0, uint32_t n_pos, float *cos_out,
                     float *sin_out);
+/* The same table with its positions split over `pool` (NULL: this thread), each position computed
+ * whole by one task: the same numbers whatever the pool. */
+void kvb_rope_table_pool(kvb_pool *pool, const double *inv_freq, uint32_t n_rot, uint32_t pos0, uint32_t n_pos,
+                         float *cos_out, float *sin_out);
 /* Llama-3 frequency divisors (what llama.cpp's converter stores as rope_freqs.weight). */
 void kvb_llama3_rope_factors(const kvb_model_desc *d, float *out);
 

@@ -117,3 +117,25 @@ void kvb_rope_table(const double *inv_freq, uint32_t n_rot, uint32_t pos0, uint3
         }
     }
 }
+
+/* One task of kvb_rope_table_pool: positions [task * ROPE_TASK_POS, +ROPE_TASK_POS) of the call. */
+#define ROPE_TASK_POS 256
+typedef struct {
+    const double *inv_freq;
+    uint32_t n_rot, pos0, n;
+    float *cos_t, *sin_t;
+} rope_job;
+
+static void rope_task(void *ctx, int task, int worker) {
+    (void)worker;
+    const rope_job *j = ctx;
+    const uint32_t p = (uint32_t)task * ROPE_TASK_POS, cnt = j->n - p < ROPE_TASK_POS ? j->n - p : ROPE_TASK_POS;
+    const size_t at = (size_t)p * (j->n_rot / 2);
+    kvb_rope_table(j->inv_freq, j->n_rot, j->pos0 + p, cnt, j->cos_t + at, j->sin_t + at);
+}
+
+void kvb_rope_table_pool(kvb_pool *pool, const double *inv_freq, uint32_t n_rot, uint32_t pos0, uint32_t n_pos,
+                         float *cos_out, float *sin_out) {
+    rope_job j = {inv_freq, n_rot, pos0, n_pos, cos_out, sin_out};
+    kvb_pool_parallel_for(pool, (int)((n_pos + ROPE_TASK_POS - 1) / ROPE_TASK_POS), rope_task, &j);
+}

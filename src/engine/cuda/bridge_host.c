@@ -383,22 +383,6 @@ static kvb_status project(kvb_bridge_cuda *b, const kvb_mat *W, const uint8_t *d
     return KVB_OK;
 }
 
-/* One task of layer_rope_table: positions [task * ROPE_TASK_POS, +ROPE_TASK_POS) of the call. */
-#define ROPE_TASK_POS 256
-typedef struct {
-    const double *inv_freq;
-    uint32_t n_rot, pos0, n;
-    float *cos_t, *sin_t;
-} rope_job;
-
-static void rope_task(void *ctx, int task, int worker) {
-    (void)worker;
-    const rope_job *j = ctx;
-    const uint32_t p = (uint32_t)task * ROPE_TASK_POS, cnt = j->n - p < ROPE_TASK_POS ? j->n - p : ROPE_TASK_POS;
-    const size_t at = (size_t)p * (j->n_rot / 2);
-    kvb_rope_table(j->inv_freq, j->n_rot, j->pos0 + p, cnt, j->cos_t + at, j->sin_t + at);
-}
-
 /* Layer `layer`'s RoPE table for positions pos0 .. pos0+n-1 into cos_t, sin_t (n, n_rot/2) host
  * memory: kvb_rope_table from the inverse frequencies of the layer's kind, the very numbers the CPU
  * engine's and the CPU bridge's kvb_rope_tables_fill hand kvb_kv_produce for that layer (each
@@ -409,8 +393,8 @@ static void rope_task(void *ctx, int task, int worker) {
 static void layer_rope_table(const kvb_bridge_cuda *b, uint32_t layer, uint32_t pos0, uint32_t n, float *cos_t,
                              float *sin_t) {
     const uint32_t kind = kvb_rope_tables_kind(&b->rope, layer);
-    rope_job j = {b->rope.inv_freq + (size_t)kind * b->rope.half, 2 * b->rope.half, pos0, n, cos_t, sin_t};
-    kvb_pool_parallel_for(b->rope_pool, (int)((n + ROPE_TASK_POS - 1) / ROPE_TASK_POS), rope_task, &j);
+    kvb_rope_table_pool(b->rope_pool, b->rope.inv_freq + (size_t)kind * b->rope.half, 2 * b->rope.half, pos0, n,
+                        cos_t, sin_t);
     kvb_pool_park(b->rope_pool); /* the helpers sleep until the next chunk: the CPUs are the senders' */
 }
 

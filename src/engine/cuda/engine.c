@@ -388,20 +388,6 @@ static kvb_status upload_f32(const float *src, size_t n, float **dst, size_t *ac
     return KVB_OK;
 }
 
-typedef struct {
-    const double *inv;
-    uint32_t n_rot, max_ctx, per;
-    float *cs, *sn;
-} rope_job;
-
-static void rope_task(void *ctx, int task, int worker) {
-    (void)worker;
-    const rope_job *j = ctx;
-    uint32_t p0 = (uint32_t)task * j->per, np = j->max_ctx - p0 < j->per ? j->max_ctx - p0 : j->per;
-    size_t off = (size_t)p0 * (j->n_rot / 2);
-    kvb_rope_table(j->inv, j->n_rot, p0, np, j->cs + off, j->sn + off);
-}
-
 static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *err) {
     const kvb_model *m = e->m;
     const kvb_model_desc *d = &m->d;
@@ -510,8 +496,7 @@ static kvb_status upload_rope(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *err) 
     }
     for (uint32_t k = 0; k < kinds.n_kinds && k < 2; k++) {
         if (half) {
-            rope_job j = {kinds.inv_freq + (size_t)k * half, d->n_rot, max_ctx, 1024, cs, sn};
-            kvb_pool_parallel_for(pool, (int)((max_ctx + 1023) / 1024), rope_task, &j);
+            kvb_rope_table_pool(pool, kinds.inv_freq + (size_t)k * half, d->n_rot, 0, max_ctx, cs, sn);
         } else {
             memset(cs, 0, n * sizeof(float));
             memset(sn, 0, n * sizeof(float));
