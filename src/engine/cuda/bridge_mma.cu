@@ -79,7 +79,8 @@ __device__ static __forceinline__ float mma_f_from_biased(int biased) {
 // are, and a warp's fragments of one block are one 16-byte (A) or 8-byte (B, scales) shared load
 // per thread, where row-major tiles took 12 shared loads and their address arithmetic per block;
 // with the copy plan below (pj_plan) one 8K-token layer's K projection takes 129 us, 182 before
-// (H200, 1B shape, ncu; 73 M instructions issued instead of ~100 M).
+// (H200, 1B shape, ncu; 73 M instructions issued instead of ~100 M), and 114 us (67 M) once the
+// plan's offsets were 32-bit.
 #define PJ_TM 64             // tokens per CTA: 4 tiles of 16
 #define PJ_TN 64             // rows per CTA: 8 tiles of 8
 #define PJ_SB 4
@@ -102,65 +103,72 @@ struct pj_stage_buf {
 // What one thread copies in every stage, fixed for the CTA: two 16-byte runs of A, two of B and
 // (threads 0 .. 127) one of the scales, each at its (tile, block of the stage, piece) place.
 // A stage of lane l, blocks q0 .. q0 + PJ_SB - 1, moves every source by (l + 16 q0) blocks, so a
-// stage costs a few instructions per copy instead of the index arithmetic of each.
+// stage costs a few instructions per copy instead of the index arithmetic of each. Offsets are
+// 32-bit bytes from the operand's base (the launcher checks the operands fit): 64-bit pointers
+// per copy spilled the plan to local memory.
 struct pj_plan {
-    const int8_t *src[5];  // at block 0 of the stage (A 0, A 1, B 0, B 1, scale)
-    uint32_t dst[5];       // shared address in buffer 0
-    uint32_t unit[5];      // bytes per block of its operand (512, 512, 256, 256, 64 or 32)
-    int blk[5];            // block of the stage it copies
-    bool live[5];          // its tile exists (and for the scale, that this thread has one)
-    const int8_t *dummy[5];  // a valid address for the zero-filling copies
+    uint32_t off[5]; // bytes from its operand's base at block 0 of the stage (A 0, A 1, B 0, B 1, scale)
+    uint32_t dst[5]; // shared address in buffer 0
+    int blk[5];      // block of the stage it copies; PJ_SB: none (a tile past the operand: zero-filled)
+    int scale;       // 0: no scale copy, 1: an A scale run (64 bytes per block), 2: a B scale run (32)
 };
 
-__device__ __forceinline__ static void pj_make_plan(const int8_t *wq, const float *wsc, int r8, const int8_t *aq,
-                                                    const float *asc, int n16, int nb, int tt0, int rt0,
-                                                    pj_stage_buf *sb0, pj_plan *pl) {
+__device__ __forceinline__ static void pj_make_plan(int r8, int n16, int nb, int tt0, int rt0, pj_stage_buf *sb0,
+                                                    pj_plan *pl) {
     static_assert(PJ_AT * PJ_SB * 32 == 2 * PJ_THREADS && PJ_BT * PJ_SB * 16 == 2 * PJ_THREADS, "2 copies each");
     static_assert(PJ_AT * PJ_SB * 4 + PJ_BT * PJ_SB * 2 <= PJ_THREADS, "one scale copy at most");
     const int tid = threadIdx.x;
     for (int j = 0; j < 2; j++) { // A: (tile, block, 16-byte piece of 32)
         const int i = (tid + j * PJ_THREADS) / (PJ_SB * 32), blk = (tid >> 5) % PJ_SB, c = tid & 31;
-        pl->src[j] = aq + ((size_t)(tt0 + i) * nb + 16 * blk) * 512 + (size_t)c * 16;
+        const bool live = tt0 + i < n16;
+        pl->off[j] = live ? ((uint32_t)(tt0 + i) * nb + 16 * blk) * 512 + c * 16 : 0;
         pl->dst[j] = (uint32_t)__cvta_generic_to_shared(&sb0->a[i][blk][c]);
-        pl->unit[j] = 512, pl->blk[j] = blk, pl->live[j] = tt0 + i < n16, pl->dummy[j] = aq;
+        pl->blk[j] = live ? blk : PJ_SB;
     }
     for (int j = 0; j < 2; j++) { // B: (tile, block, 16-byte piece of 16)
         const int i = (tid + j * PJ_THREADS) / (PJ_SB * 16), blk = (tid >> 4) % PJ_SB, c = tid & 15;
-        pl->src[2 + j] = wq + ((size_t)(rt0 + i) * nb + 16 * blk) * 256 + (size_t)c * 16;
+        const bool live = rt0 + i < r8;
+        pl->off[2 + j] = live ? ((uint32_t)(rt0 + i) * nb + 16 * blk) * 256 + c * 16 : 0;
         pl->dst[2 + j] = (uint32_t)__cvta_generic_to_shared((uint8_t *)&sb0->b[i][blk][0] + c * 16);
-        pl->unit[2 + j] = 256, pl->blk[2 + j] = blk, pl->live[2 + j] = rt0 + i < r8, pl->dummy[2 + j] = wq;
+        pl->blk[2 + j] = live ? blk : PJ_SB;
     }
-    pl->blk[4] = 0, pl->live[4] = false, pl->dst[4] = 0, pl->unit[4] = 0;
-    pl->src[4] = pl->dummy[4] = (const int8_t *)asc;
+    pl->off[4] = 0, pl->dst[4] = 0, pl->blk[4] = PJ_SB, pl->scale = 0;
     if (tid < PJ_AT * PJ_SB * 4) { // A scales: (tile, block, 16 bytes of 64)
         const int i = tid / (PJ_SB * 4), blk = (tid / 4) % PJ_SB, c = tid % 4;
-        pl->src[4] = (const int8_t *)(asc + ((size_t)(tt0 + i) * nb + 16 * blk) * 16 + (size_t)c * 4);
+        const bool live = tt0 + i < n16;
+        pl->off[4] = live ? ((uint32_t)(tt0 + i) * nb + 16 * blk) * 64 + c * 16 : 0;
         pl->dst[4] = (uint32_t)__cvta_generic_to_shared(&sb0->da[i][blk][2 * c]);
-        pl->unit[4] = 64, pl->blk[4] = blk, pl->live[4] = tt0 + i < n16;
+        pl->blk[4] = live ? blk : PJ_SB, pl->scale = 1;
     } else if (tid < PJ_AT * PJ_SB * 4 + PJ_BT * PJ_SB * 2) { // B scales: (tile, block, 16 bytes of 32)
         const int u = tid - PJ_AT * PJ_SB * 4, i = u / (PJ_SB * 2), blk = (u / 2) % PJ_SB, c = u % 2;
-        pl->src[4] = (const int8_t *)(wsc + ((size_t)(rt0 + i) * nb + 16 * blk) * 8 + (size_t)c * 4);
+        const bool live = rt0 + i < r8;
+        pl->off[4] = live ? ((uint32_t)(rt0 + i) * nb + 16 * blk) * 32 + c * 16 : 0;
         pl->dst[4] = (uint32_t)__cvta_generic_to_shared(&sb0->db[i][blk][2 * c]);
-        pl->unit[4] = 32, pl->blk[4] = blk, pl->live[4] = rt0 + i < r8;
-        pl->dummy[4] = (const int8_t *)wsc;
+        pl->blk[4] = live ? blk : PJ_SB, pl->scale = 2;
     }
+}
+
+__device__ __forceinline__ static void pj_cp16(uint32_t dst, const int8_t *base, uint32_t off, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(base + (ok ? off : 0u)),
+                 "r"(ok ? 16 : 0));
 }
 
 // Stage of the lane-major walk: lane `lane`, its blocks q0 .. q0 + PJ_SB - 1 (those that exist),
 // into buffer buf. Returns how many blocks it holds; the rest, and tiles past the operands, are
-// zero-filled.
-__device__ __forceinline__ static int pj_stage(const pj_plan *pl, int nb, int lane, int q0, int buf) {
+// zero-filled (from the operand's base, which is valid).
+__device__ __forceinline__ static int pj_stage(const pj_plan *pl, const int8_t *wq, const float *wsc,
+                                               const int8_t *aq, const float *asc, int nb, int lane, int q0,
+                                               int buf) {
     const int have = (nb - lane + 15) / 16 - q0, cnt = have < PJ_SB ? have : PJ_SB;
-    const size_t first = (size_t)lane + 16 * (size_t)q0; // the stage's first block
+    const uint32_t first = (uint32_t)lane + 16u * (uint32_t)q0; // the stage's first block
     const uint32_t boff = (uint32_t)buf * (uint32_t)sizeof(pj_stage_buf);
-#pragma unroll
-    for (int k = 0; k < 5; k++) {
-        if (k == 4 && !pl->unit[4]) break; // no scale copy for this thread
-        const bool ok = pl->live[k] && pl->blk[k] < cnt;
-        const int8_t *src = ok ? pl->src[k] + first * pl->unit[k] : pl->dummy[k];
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(pl->dst[k] + boff), "l"(src),
-                     "r"(ok ? 16 : 0));
-    }
+    pj_cp16(pl->dst[0] + boff, aq, pl->off[0] + first * 512u, pl->blk[0] < cnt);
+    pj_cp16(pl->dst[1] + boff, aq, pl->off[1] + first * 512u, pl->blk[1] < cnt);
+    pj_cp16(pl->dst[2] + boff, wq, pl->off[2] + first * 256u, pl->blk[2] < cnt);
+    pj_cp16(pl->dst[3] + boff, wq, pl->off[3] + first * 256u, pl->blk[3] < cnt);
+    if (pl->scale == 1) pj_cp16(pl->dst[4] + boff, (const int8_t *)asc, pl->off[4] + first * 64u, pl->blk[4] < cnt);
+    else if (pl->scale == 2)
+        pj_cp16(pl->dst[4] + boff, (const int8_t *)wsc, pl->off[4] + first * 32u, pl->blk[4] < cnt);
     asm volatile("cp.async.commit_group;\n" ::);
     return cnt;
 }
@@ -185,16 +193,16 @@ k_project_i8(const int8_t *__restrict__ wq, const float *__restrict__ wsc, int r
 
     // the walk: (pos, q0) stages; stage k+1 is in flight while stage k is computed
     pj_plan plan;
-    pj_make_plan(wq, wsc, r8, aq, asc, n16, nb, tt0, rt0, &sbuf[0], &plan);
+    pj_make_plan(r8, n16, nb, tt0, rt0, &sbuf[0], &plan);
     int pos = 0, q0 = 0, buf = 0;
-    int cnt = pj_stage(&plan, nb, pj_bitrev4(0), 0, 0);
+    int cnt = pj_stage(&plan, wq, wsc, aq, asc, nb, pj_bitrev4(0), 0, 0);
     for (;;) {
         // the next stage: more blocks of this lane, or the next lane
         const int lane = pj_bitrev4(pos), lane_blocks = (nb - lane + 15) / 16;
         int npos = pos, nq0 = q0 + PJ_SB;
         if (nq0 >= lane_blocks) npos = pos + 1, nq0 = 0;
         int ncnt = 0;
-        if (npos < 16) ncnt = pj_stage(&plan, nb, pj_bitrev4(npos), nq0, buf ^ 1);
+        if (npos < 16) ncnt = pj_stage(&plan, wq, wsc, aq, asc, nb, pj_bitrev4(npos), nq0, buf ^ 1);
         if (npos < 16) asm volatile("cp.async.wait_group 1;\n" ::: "memory");
         else asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         __syncthreads();
@@ -336,6 +344,8 @@ extern "C" int kvb_bk_quantize_act_i8(const float *x, int n, int E, int8_t *aq, 
 extern "C" int kvb_bk_project_i8(const int8_t *wq, const float *wsc, int rows, const int8_t *aq, const float *asc,
                                  int n, int E, float *y, void *stream) {
     if (((uintptr_t)wq | (uintptr_t)wsc | (uintptr_t)aq | (uintptr_t)asc) & 15u) return (int)cudaErrorMisalignedAddress;
+    if (kvb_bk_aq_bytes((size_t)n, (size_t)E) > 0xffffffffu || kvb_bk_wq_bytes((size_t)rows, (size_t)E) > 0xffffffffu)
+        return (int)cudaErrorInvalidValue; // the copy plan's 32-bit offsets
     dim3 grid((unsigned)((rows + PJ_TN - 1) / PJ_TN), (unsigned)((n + PJ_TM - 1) / PJ_TM));
     k_project_i8<<<grid, PJ_THREADS, 0, (cudaStream_t)stream>>>(wq, wsc, rows, aq, asc, n, E, y);
     return (int)cudaGetLastError();
