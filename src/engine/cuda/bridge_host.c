@@ -364,23 +364,41 @@ void kvb_bridge_cuda_free(kvb_bridge_cuda *b) {
 
 void kvb_bridge_cuda_set_perturbed(kvb_bridge_cuda *b, bool perturbed) { b->perturbed = perturbed; }
 
-/* One projection, y (n, rows) f32: on the tensor cores from the unpacked weights when it has
- * them (activations quantised once per layer, before the first such projection: *act_ready),
- * else quantise (or copy) d_h for this weight's activation type and run the per-thread dots. */
-static kvb_status project(kvb_bridge_cuda *b, const kvb_mat *W, const uint8_t *dw, const int8_t *wq, const float *ws,
-                          const float *d_h, uint32_t n, float *dy, int split, bool *act_ready, cudaStream_t stream,
-                          kvb_err *err) {
+/* One projection on the per-thread path, y (n, rows) f32: quantise (or copy) d_h for this weight's
+ * activation type and run the per-thread dots (split > 0: the test-only perturbation). */
+static kvb_status project_naive(kvb_bridge_cuda *b, const kvb_mat *W, const uint8_t *dw, const float *d_h, uint32_t n,
+                                float *dy, int split, cudaStream_t stream, kvb_err *err) {
     const int E = (int)b->m->d.n_embd;
-    if (wq && !split && !b->naive) {
-        if (!*act_ready) BK(kvb_bk_quantize_act_i8(d_h, (int)n, E, b->d_aq, b->d_asc, stream));
-        *act_ready = true;
-        BK(kvb_bk_project_i8(wq, ws, (int)W->rows, b->d_aq, b->d_asc, (int)n, E, dy, stream));
-        return KVB_OK;
-    }
     BK(kvb_bk_quantize_act(d_h, b->d_act, b->act_stride, (int)n, E, kvb_act_type(W->type) == KVB_TYPE_Q8_0, stream));
     BK(kvb_bk_project(W->type, dw, W->row_bytes, (int)W->rows, b->d_act, b->act_stride, (int)n, E, dy, split,
                       stream));
     return KVB_OK;
+}
+
+/* A layer's K and V projections of d_h (n, n_embd) into d_k, d_v (n, rows) f32. On the tensor
+ * cores from the unpacked weights where the bridge has them (the activations quantised once for
+ * both; K and V in one launch when both go there), else per thread. */
+static kvb_status project_kv(kvb_bridge_cuda *b, const bridge_layer *bl, const float *d_h, uint32_t n, int split,
+                             cudaStream_t stream, kvb_err *err) {
+    const int E = (int)b->m->d.n_embd;
+    const bool k_i8 = bl->wk_q && !split && !b->naive, v_i8 = bl->wv_q && !b->naive;
+    if (k_i8 || v_i8) BK(kvb_bk_quantize_act_i8(d_h, (int)n, E, b->d_aq, b->d_asc, stream));
+    if (k_i8 && v_i8 && bl->wk_m.rows == bl->wv_m.rows) {
+        BK(kvb_bk_project_i8(bl->wk_q, bl->wk_s, b->d_k, bl->wv_q, bl->wv_s, b->d_v, (int)bl->wk_m.rows, b->d_aq,
+                             b->d_asc, (int)n, E, stream));
+        return KVB_OK;
+    }
+    kvb_status st = KVB_OK;
+    if (k_i8)
+        BK(kvb_bk_project_i8(bl->wk_q, bl->wk_s, b->d_k, NULL, NULL, NULL, (int)bl->wk_m.rows, b->d_aq, b->d_asc,
+                             (int)n, E, stream));
+    else st = project_naive(b, &bl->wk_m, bl->wk, d_h, n, b->d_k, split, stream, err);
+    if (st) return st;
+    if (v_i8)
+        BK(kvb_bk_project_i8(bl->wv_q, bl->wv_s, b->d_v, NULL, NULL, NULL, (int)bl->wv_m.rows, b->d_aq, b->d_asc,
+                             (int)n, E, stream));
+    else st = project_naive(b, &bl->wv_m, bl->wv, d_h, n, b->d_v, 0, stream, err);
+    return st;
 }
 
 /* Layer `layer`'s RoPE table for positions pos0 .. pos0+n-1 into cos_t, sin_t (n, n_rot/2) host
@@ -435,10 +453,7 @@ static kvb_status enqueue_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t n, 
         if (st) return st;
         /* the perturbation splits at the middle block, like the CPU's */
         int split = b->perturbed ? (int)(bl->wk_m.cols / 2 / 32 * 32) : 0;
-        bool act_ready = false;
-        st = project(b, &bl->wk_m, bl->wk, bl->wk_q, bl->wk_s, d_h, n, b->d_k, split, &act_ready, stream, err);
-        if (!st) st = project(b, &bl->wv_m, bl->wv, bl->wv_q, bl->wv_s, d_h, n, b->d_v, 0, &act_ready, stream, err);
-        if (st) return st;
+        if ((st = project_kv(b, bl, d_h, n, split, stream, err))) return st;
         BK(kvb_bk_post(b->d_k, b->d_v, (int)n, (int)b->nh, (int)d->head_dim, bl->bk, bl->bv, bl->knorm, d->norm_eps,
                        (int)d->n_rot, d->rope_neox, b->d_cos[kind], b->d_sin[kind], b->dtype, b->d_krows[slot],
                        b->d_vrows[slot], b->row_bytes, 0, stream));

@@ -67,8 +67,10 @@ KVB_BK_LAYOUT size_t kvb_bk_wsc_count(size_t rows, size_t E) { return (rows + 7)
 int kvb_bk_unpack_weights(uint32_t wtype, const uint8_t *w, size_t w_row_bytes, int rows, int E, int8_t *wq,
                           float *wsc, void *stream);
 int kvb_bk_quantize_act_i8(const float *x, int n, int E, int8_t *aq, float *asc, void *stream);
-int kvb_bk_project_i8(const int8_t *wq, const float *wsc, int rows, const int8_t *aq, const float *asc, int n, int E,
-                      float *y, void *stream);
+/* y (n, rows) from (wq, wsc) and, when wq2 is not NULL, y2 (n, rows) from (wq2, wsc2) in the same
+ * launch (a layer's K and V: one grid instead of two). */
+int kvb_bk_project_i8(const int8_t *wq, const float *wsc, float *y, const int8_t *wq2, const float *wsc2, float *y2,
+                      int rows, const int8_t *aq, const float *asc, int n, int E, void *stream);
 /* Per (token, kv head): bias, k-norm, RoPE (cos/sin (n, n_rot/2)), encode K and V rows into
  * k_rows / v_rows (n, nkv, row_bytes) of dtype. k, v (n, nkv*hd) f32 may be modified in place.
  * 16 lanes per row where the shape allows (bridge.cu), one thread per row when serial (to test

@@ -192,8 +192,13 @@ __device__ __forceinline__ static int pj_stage(const pj_plan *pl, const int8_t *
 #define PJ_SMEM_BYTES (2 * sizeof(pj_stage_buf) + 16 * PJ_THREADS * sizeof(float))
 
 __global__ static void __launch_bounds__(PJ_THREADS, 2)
-k_project_i8(const int8_t *__restrict__ wq, const float *__restrict__ wsc, int rows,
-             const int8_t *__restrict__ aq, const float *__restrict__ asc, int n, int E, float *__restrict__ y) {
+k_project_i8(const int8_t *__restrict__ wq0, const float *__restrict__ wsc0, float *__restrict__ y0,
+             const int8_t *__restrict__ wq1, const float *__restrict__ wsc1, float *__restrict__ y1, int rows,
+             const int8_t *__restrict__ aq, const float *__restrict__ asc, int n, int E) {
+    // blockIdx.z picks the product: 0 (wq0, wsc0 -> y0), 1 (wq1, wsc1 -> y1), e.g. a layer's K and V
+    const int8_t *__restrict__ wq = blockIdx.z ? wq1 : wq0;
+    const float *__restrict__ wsc = blockIdx.z ? wsc1 : wsc0;
+    float *__restrict__ y = blockIdx.z ? y1 : y0;
     extern __shared__ __align__(16) uint8_t pj_smem[];
     pj_stage_buf *sbuf = (pj_stage_buf *)pj_smem;                 // two stages
     float *p4 = (float *)(pj_smem + 2 * sizeof(pj_stage_buf));    // (output, thread): the tree's level 4
@@ -337,7 +342,7 @@ __global__ static void k_quantize_act_i8(const float *x, int n, int E, int8_t *a
     const float d = kvb_bq_quantize32_oct(xs, qv);
     if (!live) return;
     *(uint32_t *)(aq + kvb_bk_aq_offset(t, b * MMA_QK + (size_t)part * 4, (size_t)nb)) = mma_pack4(qv);
-    if (part == 0) asc[kvb_bk_asc_index(t, b, (size_t)nb)] = kvb_fp16_to_f32_inl(kvb_f32_to_fp16_inl(d));
+    if (part == 0) asc[kvb_bk_asc_index(t, b, (size_t)nb)] = kvb_bq_round_f16(d);
 }
 
 static unsigned mma_grid1(long long threads) { return (unsigned)((threads + 127) / 128); }
@@ -358,12 +363,13 @@ extern "C" int kvb_bk_quantize_act_i8(const float *x, int n, int E, int8_t *aq, 
     return (int)cudaGetLastError();
 }
 
-extern "C" int kvb_bk_project_i8(const int8_t *wq, const float *wsc, int rows, const int8_t *aq, const float *asc,
-                                 int n, int E, float *y, void *stream) {
-    if (((uintptr_t)wq | (uintptr_t)wsc | (uintptr_t)aq | (uintptr_t)asc) & 15u) return (int)cudaErrorMisalignedAddress;
+extern "C" int kvb_bk_project_i8(const int8_t *wq, const float *wsc, float *y, const int8_t *wq2, const float *wsc2,
+                                 float *y2, int rows, const int8_t *aq, const float *asc, int n, int E, void *stream) {
+    const uintptr_t align = (uintptr_t)wq | (uintptr_t)wsc | (uintptr_t)aq | (uintptr_t)asc |
+                            (wq2 ? (uintptr_t)wq2 | (uintptr_t)wsc2 : 0u);
+    if (align & 15u) return (int)cudaErrorMisalignedAddress;
     if (kvb_bk_aq_bytes((size_t)n, (size_t)E) > 0xffffffffu || kvb_bk_wq_bytes((size_t)rows, (size_t)E) > 0xffffffffu)
         return (int)cudaErrorInvalidValue; // the copy plan's 32-bit offsets
-    dim3 grid((unsigned)((rows + PJ_TN - 1) / PJ_TN), (unsigned)((n + PJ_TM - 1) / PJ_TM));
     static std::atomic<bool> smem_ready{false}; // opted in to the dynamic shared memory (idempotent: a race is harmless)
     if (!smem_ready.load()) {
         const cudaError_t e = cudaFuncSetAttribute(k_project_i8, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -371,6 +377,9 @@ extern "C" int kvb_bk_project_i8(const int8_t *wq, const float *wsc, int rows, c
         if (e != cudaSuccess) return (int)e;
         smem_ready.store(true);
     }
-    k_project_i8<<<grid, PJ_THREADS, PJ_SMEM_BYTES, (cudaStream_t)stream>>>(wq, wsc, rows, aq, asc, n, E, y);
+    // both products in one launch: one grid's tail instead of two
+    dim3 grid((unsigned)((rows + PJ_TN - 1) / PJ_TN), (unsigned)((n + PJ_TM - 1) / PJ_TM), wq2 ? 2u : 1u);
+    k_project_i8<<<grid, PJ_THREADS, PJ_SMEM_BYTES, (cudaStream_t)stream>>>(wq, wsc, y, wq2, wsc2, y2, rows, aq, asc,
+                                                                              n, E);
     return (int)cudaGetLastError();
 }

@@ -4,6 +4,7 @@
 #ifndef KVB_BRIDGE_QUANT_CUH
 #define KVB_BRIDGE_QUANT_CUH
 
+#include <cuda_fp16.h>
 #include <stdint.h>
 
 #include "kvb_quant_scalar.h"
@@ -17,12 +18,23 @@ __device__ static inline float kvb_bq_scale(float amax, float *id) {
 }
 
 // One element x -> int8 with the block's inverse scale id: 0 for NaN, else clamped to +-127 and
-// rounded to nearest even.
+// rounded to nearest even, without a branch: adding 1.5 * 2^23 to |c| <= 127 rounds it to an
+// integer in the FADD's own round-to-nearest-even and leaves that integer in the low bits (the
+// value stays in [2^23, 2^24), where the spacing is 1) — kvb_rne_small's result, which cost a
+// branch chain per element.
 __device__ static inline int8_t kvb_bq_encode(float x, float id) {
-    float v = __fmul_rn(x, id);
-    if (!(v == v)) return 0;
-    v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-    return (int8_t)kvb_rne_small(v);
+    const float v = __fmul_rn(x, id);
+    const float c = fminf(fmaxf(v, -127.0f), 127.0f); // v NaN: -127, dropped below
+    const int r = __float_as_int(__fadd_rn(c, 12582912.0f)) - 0x4B400000;
+    return v == v ? (int8_t)r : (int8_t)0;
+}
+
+// fp16(d) widened back to f32, the scale the dot uses: the hardware conversions (IEEE round to
+// nearest even, overflow to infinity, subnormals; exact on the way back) for every d but NaN,
+// whose payload kvb_f32_to_fp16_inl keeps as the CPU's F16C does.
+__device__ static inline float kvb_bq_round_f16(float d) {
+    if (d != d) return kvb_fp16_to_f32_inl(kvb_f32_to_fp16_inl(d));
+    return __half2float(__float2half_rn(d));
 }
 
 // xb (32) f32 -> q (32) int8; returns d = amax / 127 (NaN if any x is NaN), before its fp16
