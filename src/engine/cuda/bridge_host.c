@@ -222,6 +222,7 @@ static kvb_status create_shard(const kvb_model *m, uint32_t dtype, uint32_t max_
 #define ALLOC(p, bytes) KVB_CU_GOTO(cudaMalloc((void **)&(p), (bytes)))
     if (any_i8) {
         const size_t qb = kvb_bk_aq_bytes(max_tokens, E), sb = kvb_bk_asc_count(max_tokens, E) * sizeof(float);
+        KVB_CU_GOTO((cudaError_t)kvb_bk_project_i8_init()); /* on this bridge's device (an attribute per device) */
         ALLOC(b->d_aq, qb);
         ALLOC(b->d_asc, sb);
         KVB_CU_GOTO(cudaMemset(b->d_aq, 0, qb)); /* the pad tokens of the last 16-token tile: finite */

@@ -67,6 +67,9 @@ KVB_BK_LAYOUT size_t kvb_bk_wsc_count(size_t rows, size_t E) { return (rows + 7)
 int kvb_bk_unpack_weights(uint32_t wtype, const uint8_t *w, size_t w_row_bytes, int rows, int E, int8_t *wq,
                           float *wsc, void *stream);
 int kvb_bk_quantize_act_i8(const float *x, int n, int E, int8_t *aq, float *asc, void *stream);
+/* The projection's opt-in to more than 48 KiB of shared memory, on the current device: once per
+ * device before its first kvb_bk_project_i8 there (a function attribute is per device). */
+int kvb_bk_project_i8_init(void);
 /* y (n, rows) from (wq, wsc) and, when wq2 is not NULL, y2 (n, rows) from (wq2, wsc2) in the same
  * launch (a layer's K and V: one grid instead of two). */
 int kvb_bk_project_i8(const int8_t *wq, const float *wsc, float *y, const int8_t *wq2, const float *wsc2, float *y2,

@@ -13,8 +13,6 @@
 // Tiling: see k_project_i8 below (lane-major order, 64 x 64 CTA tiles).
 #include <cuda_runtime.h>
 
-#include <atomic>
-
 #include "bridge_kernels.h"
 #include "bridge_quant.cuh"
 #include "kvb_quant_scalar.h"
@@ -368,6 +366,14 @@ extern "C" int kvb_bk_quantize_act_i8(const float *x, int n, int E, int8_t *aq, 
     return (int)cudaGetLastError();
 }
 
+extern "C" int kvb_bk_project_i8_init(void) {
+    cudaError_t e = cudaFuncSetAttribute(k_project_i8<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)PJ_SMEM_BYTES);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(k_project_i8<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PJ_SMEM_BYTES);
+    return (int)e;
+}
+
 extern "C" int kvb_bk_project_i8(const int8_t *wq, const float *wsc, float *y, const int8_t *wq2, const float *wsc2,
                                  float *y2, int rows, const int8_t *aq, const float *asc, int n, int E, void *stream) {
     const uintptr_t align = (uintptr_t)wq | (uintptr_t)wsc | (uintptr_t)aq | (uintptr_t)asc |
@@ -375,16 +381,6 @@ extern "C" int kvb_bk_project_i8(const int8_t *wq, const float *wsc, float *y, c
     if (align & 15u) return (int)cudaErrorMisalignedAddress;
     if (kvb_bk_aq_bytes((size_t)n, (size_t)E) > 0xffffffffu || kvb_bk_wq_bytes((size_t)rows, (size_t)E) > 0xffffffffu)
         return (int)cudaErrorInvalidValue; // the copy plan's 32-bit offsets
-    static std::atomic<bool> smem_ready{false}; // opted in to the dynamic shared memory (idempotent: a race is harmless)
-    if (!smem_ready.load()) {
-        cudaError_t e = cudaFuncSetAttribute(k_project_i8<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             (int)PJ_SMEM_BYTES);
-        if (e == cudaSuccess)
-            e = cudaFuncSetAttribute(k_project_i8<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)PJ_SMEM_BYTES);
-        if (e != cudaSuccess) return (int)e;
-        smem_ready.store(true);
-    }
     // both products in one launch: one grid's tail instead of two
     dim3 grid((unsigned)((rows + PJ_TN - 1) / PJ_TN), (unsigned)((n + PJ_TM - 1) / PJ_TM), wq2 ? 2u : 1u);
     // every lane a whole number of stages (E a multiple of 16 * PJ_SB * 32): no partial stage to test for
