@@ -208,7 +208,7 @@ static void lane_and_ping(kvb_conn *c, uint64_t group, uint32_t lane, uint32_t l
 }
 
 /* The lane group on the wire: a PREFILL on lane 0 of a 3-lane group is answered over all three —
- * every lane carries slabs, each lane's DONE counts exactly that lane's slabs, the sum is the
+ * more than one lane carries slabs, each lane's DONE counts exactly that lane's slabs, the sum is the
  * whole request's (4 layers x 20 blocks) — and the same PREFILL on lane 0 of a group whose other
  * lanes never connected is refused with a message, not answered on one lane. */
 static void test_lane_group_on_the_wire(void **state) {
@@ -228,7 +228,7 @@ static void test_lane_group_on_the_wire(void **state) {
                          .last_cached_key = kvb_chain_root(m->fingerprint, kvb_kvformat_fingerprint(&f)),
                          .tokens = ids};
     assert_int_equal(kvb_conn_send_prefill(c[0], &p, 5000, &err), KVB_OK);
-    uint32_t total = 0;
+    uint32_t total = 0, lanes_used = 0;
     for (int l = 0; l < 3; l++) {
         uint32_t slabs = 0;
         for (;;) {
@@ -244,9 +244,13 @@ static void test_lane_group_on_the_wire(void **state) {
             assert_int_equal(r.u.done.blocks, 20);
             break;
         }
-        assert_true(slabs > 0); /* striped: every lane carried some */
+        lanes_used += slabs > 0;
         total += slabs;
     }
+    /* striped: the senders take slabs as they come free, so more than one lane carries them; not
+     * necessarily every lane — on a loaded 2-core machine (CI under ASan) one lane's sender once
+     * found all 80 slabs of this short request taken by the other two */
+    assert_true(lanes_used >= 2);
     assert_int_equal(total, 4 * 20);
     for (int l = 0; l < 3; l++) kvb_conn_close(c[l]);
 
