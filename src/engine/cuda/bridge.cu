@@ -122,8 +122,8 @@ __device__ static void encode_row(uint32_t dtype, const float *x, int hd, uint8_
                 const float a = fabsf(xb[j]);
                 amax = amax > a ? amax : a;
             }
-            const float d = __fdiv_rn(amax, 127.0f);
-            const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+            float id;
+            const float d = kvb_bq_scale(amax, &id);
             const uint16_t dh = kvb_f32_to_fp16_inl(d);
             y[0] = (uint8_t)(dh & 0xff);
             y[1] = (uint8_t)(dh >> 8);
@@ -249,8 +249,8 @@ __device__ static inline void p16_encode(uint32_t dtype, const float *x, int l, 
 #pragma unroll
         for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(P16_FULL, amax, o, 16));
         if (last == 31) amax = __int_as_float(0x7fc00000);
-        const float d = __fdiv_rn(amax, 127.0f);
-        const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+        float id;
+        const float d = kvb_bq_scale(amax, &id);
         if (!live) continue;
         uint8_t *y = dst + (size_t)b * 34;
         if (l == 0) {

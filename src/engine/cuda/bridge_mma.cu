@@ -60,13 +60,12 @@ __device__ static inline void mma_unpack_weight(uint32_t wtype, const uint8_t *b
 }
 
 // (float)c for a block sum |c| < 2^22 (here < 2^19), exactly, with one full-rate operation: an mma
-// whose accumulator starts at MMA_F32_BIAS_BITS leaves 0x4B400000 + c, the bits of the float
+// whose accumulator starts at KVB_BQ_INT_MAGIC_BITS leaves those bits + c, the float
 // 1.5 * 2^23 + c, and subtracting 1.5 * 2^23 is exact. The same value __int2float_rn gives, which
 // runs at a quarter of the rate and bounded the epilogue; adding the bias after the mma cost one
 // more integer operation per output and block.
-#define MMA_F32_BIAS_BITS 0x4B400000
 __device__ static __forceinline__ float mma_f_from_biased(int biased) {
-    return __fsub_rn(__int_as_float(biased), 12582912.0f);
+    return __fsub_rn(__int_as_float(biased), KVB_BQ_INT_MAGIC);
 }
 
 // ---- the projection in lane-major order ----------------------------------------------------------
@@ -208,7 +207,7 @@ k_project_i8(const int8_t *__restrict__ wq0, const float *__restrict__ wsc0, flo
     const int tid = threadIdx.x, warp = tid >> 5, lane_id = tid & 31, g = lane_id >> 2, tig = lane_id & 3;
     const int wm = warp >> 2, wn = warp & 3, nb = E / MMA_QK; // warp: tokens wm*32 .. +32, rows wn*16 .. +16
     const int tt0 = blockIdx.y * PJ_AT, rt0 = blockIdx.x * PJ_BT, n16 = (n + 15) / 16, r8 = (rows + 7) / 8;
-    const int bias = MMA_F32_BIAS_BITS; // the accumulators' start: mma leaves the bits of 1.5 * 2^23 + s_b
+    const int bias = KVB_BQ_INT_MAGIC_BITS; // the accumulators' start: mma leaves the bits of 1.5 * 2^23 + s_b
 
     float cur[16], p1[16], p2[16], p3[16];
 #pragma unroll
@@ -326,8 +325,8 @@ __global__ static void k_unpack_weights(uint32_t wtype, const uint8_t *w, size_t
 // per block (one element per lane) 90 us, 8 lanes 38 us into row-major int8. A warp's four blocks
 // are tokens g and g + 8 of a 16-token tile times blocks b and b + 1, whose values fill whole
 // 16-byte thread slots of the fragment order: 47.7 us, where four blocks of one token (half of
-// each slot) took 49-50 us. It is bound by issue (39 M instructions, 83 % of issue slots): the
-// fragment order's index arithmetic is what the row-major store did not pay.
+// each slot) took 49-50 us; 35 us (26.5 M instructions, was 39 M) once kvb_bq_encode and the
+// scale's fp16 round trip lost their branches. It is bound by issue.
 __global__ static void k_quantize_act_i8(const float *x, int n, int E, int8_t *aq, float *asc) {
     // 32-bit index arithmetic (the launcher checks that the grid fits)
     const unsigned nb = (unsigned)E / MMA_QK, npair = (nb + 1) / 2;

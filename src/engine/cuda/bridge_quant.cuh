@@ -9,6 +9,12 @@
 
 #include "kvb_quant_scalar.h"
 
+// 1.5 * 2^23 and its bits. A float in [2^23, 2^24) has a spacing of 1, so an integer |c| < 2^22
+// added to it sits exactly in its low mantissa bits: float -> integer after a rounding add
+// (kvb_bq_encode), integer -> float after an mma that starts its accumulator there (bridge_mma.cu).
+#define KVB_BQ_INT_MAGIC 12582912.0f
+#define KVB_BQ_INT_MAGIC_BITS 0x4B400000
+
 // The block's scale from its amax (NaN when any element is): d = amax / 127 and *id = 1 / d (0 when
 // d is 0), the loop's own operations.
 __device__ static inline float kvb_bq_scale(float amax, float *id) {
@@ -18,14 +24,13 @@ __device__ static inline float kvb_bq_scale(float amax, float *id) {
 }
 
 // One element x -> int8 with the block's inverse scale id: 0 for NaN, else clamped to +-127 and
-// rounded to nearest even, without a branch: adding 1.5 * 2^23 to |c| <= 127 rounds it to an
-// integer in the FADD's own round-to-nearest-even and leaves that integer in the low bits (the
-// value stays in [2^23, 2^24), where the spacing is 1) — kvb_rne_small's result, which cost a
-// branch chain per element.
+// rounded to nearest even, without a branch: adding KVB_BQ_INT_MAGIC to |c| <= 127 rounds it to
+// an integer in the FADD's own round-to-nearest-even and leaves that integer in the low bits —
+// kvb_rne_small's result, which cost a branch chain per element.
 __device__ static inline int8_t kvb_bq_encode(float x, float id) {
     const float v = __fmul_rn(x, id);
     const float c = fminf(fmaxf(v, -127.0f), 127.0f); // v NaN: -127, dropped below
-    const int r = __float_as_int(__fadd_rn(c, 12582912.0f)) - 0x4B400000;
+    const int r = __float_as_int(__fadd_rn(c, KVB_BQ_INT_MAGIC)) - KVB_BQ_INT_MAGIC_BITS;
     return v == v ? (int8_t)r : (int8_t)0;
 }
 
