@@ -6,6 +6,8 @@
  *  - logits vs the float64 reference model on random fixtures in F32, F16, Q8_0 and Q4_0 files
  *    (converted to bf16 at load) for llama, qwen2 and qwen3 (head_dim 16/32: the generic
  *    attention kernel);
+ *  - packed weights (kept in the file's type, a layer expanded to bf16 before it runs) == bf16
+ *    weights bit for bit, every packable type, one GPU and two ranks on one device;
  *  - chunked prefill (max_batch 7) == one-shot, prefill then token-by-token decode == one-shot;
  *  - extend-a-cached-prefix == cold: a prompt whose first blocks another sequence computed adopts
  *    them (attach_cached) and computes only the rest; its logits match a cold run;
@@ -333,6 +335,81 @@ static void test_fixtures_vs_reference(void **state) {
         }
 }
 
+/* All logits of tok (n) from a fresh engine with the given weights form, chunks of 7 tokens (each
+ * chunk expands every layer again when packed); NULL when creation failed (err says why). */
+static float *weights_logits(const kvb_model *m, kvb_cuda_weights w, int gpus, const int32_t *tok, uint32_t n,
+                             kvb_err *err) {
+    kvb_cuda_opts o = {.max_ctx = 64, .max_batch = 7, .block_tokens = 16, .attention = KVB_CUDA_ATTN_OWN,
+                       .weights = w, .n_gpus = gpus, .tp_one_device = gpus > 1};
+    kvb_cuda_engine *e = NULL;
+    if (kvb_cuda_engine_create(m, &o, &e, err)) return NULL;
+    if (kvb_cuda_engine_opts(e)->weights != w) fail_msg("asked for weights form %d, the engine took %d", (int)w,
+                                                        (int)kvb_cuda_engine_opts(e)->weights);
+    char desc[1024];
+    kvb_cuda_engine_describe(e, desc, sizeof desc);
+    if ((strstr(desc, "packed") != NULL) != (w == KVB_CUDA_WEIGHTS_PACKED)) fail_msg("describe: %s", desc);
+    float *l = malloc(sizeof(float) * n * m->d.n_vocab);
+    assert_non_null(l);
+    gpu_logits(e, tok, n, 0, l, m->d.n_vocab);
+    kvb_cuda_engine_free(e);
+    return l;
+}
+
+/* Packed weights (the matrices kept in the file's type, a layer expanded to bf16 before it runs)
+ * give the same bits as bf16 weights converted at load, for every packable type, on llama and
+ * gemma3 (post norms), and with two tensor-parallel ranks on one device (row and column slices of
+ * the packed matrices); a column slice that cuts a quantisation block is refused with a message. */
+static void test_packed_weights(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    const struct {
+        const char *preset;
+        uint32_t type;
+        int gpus;
+    } cases[] = {{"tiny", KVB_TYPE_F16, 1},        {"tiny", KVB_TYPE_BF16, 1},    {"tiny", KVB_TYPE_Q8_0, 1},
+                 {"tiny", KVB_TYPE_Q4_0, 1},       {"tiny", KVB_TYPE_Q5_0, 1},    {"tiny", KVB_TYPE_Q4_K, 1},
+                 {"tiny", KVB_TYPE_Q5_K, 1},       {"tiny", KVB_TYPE_Q6_K, 1},    {"tiny-gemma3", KVB_TYPE_Q4_0, 1},
+                 {"tiny-qwen2", KVB_TYPE_Q8_0, 1}, {"tiny", KVB_TYPE_Q4_0, 2},    {"tiny", KVB_TYPE_Q8_0, 2}};
+    enum { N = 40 };
+    for (size_t c = 0; c < KVB_ARRAY_LEN(cases); c++) {
+        char path[600], what[160];
+        kvbt_tmp_path(path, sizeof path, "packed.gguf");
+        kvb_gen_opts go = {.preset = cases[c].preset, .type = cases[c].type, .seed = g_seed + c, .n_threads = 0};
+        kvb_err err = {0};
+        kvb_model *m = NULL;
+        if (kvb_gen_model(&go, path, &err) || kvb_model_load(path, &m, &err)) fail_msg("%s: %s", cases[c].preset, err.msg);
+        snprintf(what, sizeof what, "%s %s, %d rank(s)", cases[c].preset, kvb_type_name(cases[c].type), cases[c].gpus);
+        int32_t tok[N];
+        random_tokens(tok, N, m->d.n_vocab, g_seed + 31 * c);
+        float *ref = weights_logits(m, KVB_CUDA_WEIGHTS_BF16, cases[c].gpus, tok, N, &err);
+        if (!ref) fail_msg("%s, bf16: %s", what, err.msg);
+        float *got = weights_logits(m, KVB_CUDA_WEIGHTS_PACKED, cases[c].gpus, tok, N, &err);
+        if (!got) fail_msg("%s, packed: %s", what, err.msg);
+        const size_t count = (size_t)N * m->d.n_vocab;
+        for (size_t i = 0; i < count; i++)
+            if (memcmp(&got[i], &ref[i], sizeof(float)) != 0)
+                fail_msg("%s: packed logit [%zu][%zu] = %a, bf16 weights %a", what, i / m->d.n_vocab,
+                         i % m->d.n_vocab, (double)got[i], (double)ref[i]);
+        print_message("%s: packed == bf16 weights, %d tokens x %u logits bit for bit\n", what, N, m->d.n_vocab);
+        free(ref);
+        free(got);
+        kvb_model_free(m);
+    }
+    /* tiny's per-rank Q width (128) and MLP width (384) cut Q4_K's 256-element blocks in two */
+    char path[600];
+    kvbt_tmp_path(path, sizeof path, "packed.gguf");
+    kvb_gen_opts go = {.preset = "tiny", .type = KVB_TYPE_Q4_K, .seed = g_seed, .n_threads = 0};
+    kvb_err err = {0};
+    kvb_model *m = NULL;
+    if (kvb_gen_model(&go, path, &err) || kvb_model_load(path, &m, &err)) fail_msg("tiny Q4_K: %s", err.msg);
+    int32_t tok[4] = {1, 2, 3, 4};
+    float *none = weights_logits(m, KVB_CUDA_WEIGHTS_PACKED, 2, tok, 4, &err);
+    if (none) fail_msg("a Q4_K column slice of 128 elements was accepted for packed weights");
+    if (!strstr(err.msg, "whole")) fail_msg("refusal without the reason: %s", err.msg);
+    print_message("tiny Q4_K over 2 ranks, packed: refused (%s)\n", err.msg);
+    kvb_model_free(m);
+}
+
 /* Real shapes, when the GPU host's script generated them. */
 static void test_real_shapes(void **state) {
     (void)state;
@@ -538,6 +615,7 @@ int main(void) {
         cmocka_unit_test(test_tiny_qwen3),
         cmocka_unit_test(test_tiny_gemma3),
         cmocka_unit_test(test_fixtures_vs_reference),
+        cmocka_unit_test(test_packed_weights),
         cmocka_unit_test(test_real_shapes),
         cmocka_unit_test(test_gemma3_270m),
     };

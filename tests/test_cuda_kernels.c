@@ -12,6 +12,8 @@
  * And the tensor-parallel all-reduce's sum (kvb_cu_sum_f32), bit for bit against the same f32 adds
  * in the same order on the host, through its float4 and scalar paths (pointers one float off a
  * 16-byte boundary, counts not a multiple of 4), with the floats around its output checked.
+ * And the packed-weight expansion (kvb_cu_expand_bf16) of every type it takes, bit for bit against
+ * the CPU's conversion at load, with NaN, infinite, subnormal and zero scales.
  *
  * Tolerances (the GPU rounds each output to bf16 once: relative error <= 2^-8 = 3.9e-3):
  *   embed: exact (the scaled one too: one f32 product, as on the host). rmsnorm, swiglu:
@@ -626,6 +628,57 @@ static void test_sum_f32(void **state) {
         }
 }
 
+/* Packed weights: the device's expansion of every packable type == the CPU's conversion at load
+ * (kvb_row_to_f32, then kvb_f32_to_bf16), bit for bit, on random bytes (every bit pattern is a
+ * valid block), with NaN, infinite, subnormal and zero scales planted. */
+static void test_expand_bf16(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    const uint32_t types[] = {KVB_TYPE_F32,  KVB_TYPE_F16,  KVB_TYPE_BF16, KVB_TYPE_Q8_0, KVB_TYPE_Q4_0,
+                              KVB_TYPE_Q5_0, KVB_TYPE_Q4_K, KVB_TYPE_Q5_K, KVB_TYPE_Q6_K};
+    const uint16_t odd_scales[] = {0x7e01, 0xfc00, 0x7c00, 0x0001, 0x8000, 0x0000, 0x7bff, 0x03ff};
+    const uint32_t rows = 37, cols = 768;
+    float *tmp = malloc(sizeof(float) * cols);
+    uint16_t *want = malloc(sizeof(uint16_t) * rows * cols), *got = malloc(sizeof(uint16_t) * rows * cols);
+    assert_true(tmp && want && got);
+    for (size_t ti = 0; ti < KVB_ARRAY_LEN(types); ti++) {
+        const uint32_t type = types[ti];
+        const kvb_type_info *info = kvb_type_get(type);
+        const size_t rb = kvb_row_bytes(type, cols);
+        uint8_t *src = malloc(rows * rb);
+        assert_non_null(src);
+        for (size_t i = 0; i < rows * rb; i++) src[i] = (uint8_t)kvb_rng_u64(&g_rng);
+        if (info->block_elems > 1) { /* the scale fields: d first, except Q6_K's (last two bytes) */
+            const size_t nb = rows * rb / (size_t)info->block_bytes;
+            const size_t off = type == KVB_TYPE_Q6_K ? offsetof(kvb_block_q6_k, d) : 0;
+            for (size_t k = 0; k < KVB_ARRAY_LEN(odd_scales); k++) {
+                const size_t blk = (size_t)(kvb_rng_u64(&g_rng) % nb);
+                memcpy(src + blk * (size_t)info->block_bytes + off, &odd_scales[k], 2);
+            }
+        }
+        for (uint32_t r = 0; r < rows; r++) {
+            kvb_row_to_f32(type, src + r * rb, tmp, cols);
+            for (uint32_t c = 0; c < cols; c++) want[(size_t)r * cols + c] = to_bf(tmp[c]);
+        }
+        poison_bf16(got, (size_t)rows * cols);
+        kvb_err err = {0};
+        if (kvb_cuda_test_expand_bf16(type, src, rb, rows, cols, got, &err)) fail_msg("%s", err.msg);
+        for (size_t i = 0; i < (size_t)rows * cols; i++)
+            if (got[i] != want[i])
+                fail_msg("expand %s: element (%zu, %zu) = 0x%04x, the CPU's conversion 0x%04x", info->name, i / cols,
+                         i % cols, got[i], want[i]);
+        print_message("expand %s: %u x %u bit-exact\n", info->name, rows, cols);
+        free(src);
+    }
+    /* a row length that is not whole 32-element units is refused, not half done */
+    uint8_t blk[68] = {0};
+    kvb_err err = {0};
+    assert_int_not_equal(kvb_cuda_test_expand_bf16(KVB_TYPE_F16, blk, sizeof blk, 1, 34, got, &err), KVB_OK);
+    free(tmp);
+    free(want);
+    free(got);
+}
+
 int main(void) {
     const char *s = getenv("KVB_TEST_SEED");
     g_seed = s ? strtoull(s, NULL, 0) : ((uint64_t)time(NULL) ^ ((uint64_t)clock() << 32));
@@ -637,6 +690,7 @@ int main(void) {
         cmocka_unit_test(test_glu),      cmocka_unit_test(test_gemm),      cmocka_unit_test(test_qkv_post),
         cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_window),
         cmocka_unit_test(test_attention_cudnn), cmocka_unit_test(test_gather_kv), cmocka_unit_test(test_sum_f32),
+        cmocka_unit_test(test_expand_bf16),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -73,6 +73,17 @@ bool kvb_arg_gpus_ok(const char *cmd, long long gpus, bool tp_one_device, bool c
     return true;
 }
 
+bool kvb_arg_gpu_weights(const char *cmd, const char *val, int *out) {
+    static const char *const names[] = {"auto", "bf16", "packed"}; /* kvb_cuda_weights' order */
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(val, names[i])) {
+            *out = i;
+            return true;
+        }
+    fprintf(stderr, "kvbridge %s: --gpu-weights expects auto, bf16 or packed, got '%s'\n", cmd, val);
+    return false;
+}
+
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;

@@ -55,7 +55,8 @@ static void help(FILE *f) {
             "  --gpus N             (cuda) tensor-parallel prefill over N GPUs (devices 0..N-1, NCCL all-reduce;\n"
             "                       heads and the MLP width divide by N; KV heads by N, or N by them)\n"
             "  --tp-one-device      (cuda) with --gpus N: every rank on one GPU, summed by the engine itself (tests\n"
-            "                       the split and measures its overhead on a one-GPU host; not faster)\n");
+            "                       the split and measures its overhead on a one-GPU host; not faster)\n"
+            KVB_CLI_GPU_WEIGHTS_HELP);
 }
 
 
@@ -196,7 +197,8 @@ static kvb_status forward_fresh(kvb_cuda_engine *e, const int32_t *toks, uint32_
 
 static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, int reps, int warmup, uint32_t chunk,
                               int ceiling_reps, const char *peer_json, const char *json_path, uint32_t bridge_dtype,
-                              const char *attn_arg, bool host_overhead, int gpus, bool tp_one_device) {
+                              const char *attn_arg, bool host_overhead, int gpus, bool tp_one_device,
+                              int gpu_weights) {
     /* --attention: the kinds to time side by side (0 = the engine's choice) */
     kvb_cuda_attention kinds[2] = {KVB_CUDA_ATTN_AUTO, KVB_CUDA_ATTN_AUTO};
     int n_kinds = 1;
@@ -246,7 +248,7 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
     if (kvb_model_load(model_path, &m, &err)) goto fail;
     kvb_cuda_opts o = {.max_ctx = (uint32_t)max_n, .max_batch = chunk, .no_prefix_cache = true,
                        .attention = n_kinds == 2 ? KVB_CUDA_ATTN_CUDNN : kinds[0], .n_gpus = gpus,
-                       .tp_one_device = tp_one_device};
+                       .tp_one_device = tp_one_device, .weights = (kvb_cuda_weights)gpu_weights};
     if (bridge_dtype) {
         if (kvb_bridge_cuda_create(m, bridge_dtype, chunk ? chunk : (max_n < 8192 ? (uint32_t)max_n : 8192), &bb.b,
                                    &err))
@@ -454,6 +456,7 @@ int kvb_cmd_bench(int argc, char **argv) {
     const char *tokens_arg = NULL, *peer_json = NULL, *attn_arg = NULL;
     bool cuda = false, host_overhead = false, tp_one_device = false;
     long long gpus = 1;
+    int gpu_weights = 0;
     uint32_t cache_type = KVB_TYPE_F16, bridge_type = 0;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -504,6 +507,8 @@ int kvb_cmd_bench(int argc, char **argv) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, KVB_CLI_MAX_GPUS, &gpus)) return 2;
         } else if (!strcmp(a, "--tp-one-device")) {
             tp_one_device = true;
+        } else if (!strcmp(a, "--gpu-weights")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_gpu_weights("bench", v, &gpu_weights)) return 2;
         } else {
             fprintf(stderr, "kvbridge bench: unknown option '%s' (see kvbridge bench --help)\n", a);
             return 2;
@@ -522,9 +527,9 @@ int kvb_cmd_bench(int argc, char **argv) {
 #ifdef KVB_HAVE_CUDA
         return bench_prefill_cuda(model_path, tokens_arg ? tokens_arg : "2048", (int)reps, (int)warmup,
                                   (uint32_t)chunk, (int)ceiling_reps, peer_json, json_path, bridge_type,
-                                  attn_arg, host_overhead, (int)gpus, tp_one_device);
+                                  attn_arg, host_overhead, (int)gpus, tp_one_device, gpu_weights);
 #else
-        (void)bridge_type, (void)attn_arg, (void)host_overhead, (void)gpus, (void)tp_one_device;
+        (void)bridge_type, (void)attn_arg, (void)host_overhead, (void)gpus, (void)tp_one_device, (void)gpu_weights;
         fprintf(stderr, "kvbridge bench: --device cuda: this kvbridge was built without the CUDA engine "
                         "(configure with -DKVB_CUDA=ON where nvcc is installed)\n");
         return 2;

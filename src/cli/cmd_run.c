@@ -9,6 +9,8 @@
 #ifdef KVB_HAVE_CUDA
 #include "kvb_engine_cuda.h"
 _Static_assert(KVB_CLI_MAX_GPUS == KVB_CUDA_MAX_GPUS, "the CLI's --gpus limit is the engine's");
+_Static_assert(KVB_CUDA_WEIGHTS_AUTO == 0 && KVB_CUDA_WEIGHTS_BF16 == 1 && KVB_CUDA_WEIGHTS_PACKED == 2,
+               "kvb_arg_gpu_weights numbers --gpu-weights in kvb_cuda_weights' order");
 #endif
 #include "kvb_quant.h"
 #include "kvb_tokenizer.h"
@@ -32,6 +34,7 @@ static void help(FILE *f) {
             "  --device cpu|cuda    where the model runs (default cpu; cuda: bf16 weights and KV cache)\n"
             "  --gpus N             (cuda) tensor-parallel over GPUs 0..N-1 (NCCL all-reduce)\n"
             "  --tp-one-device      (cuda) with --gpus N: every rank on one GPU (tests the split)\n"
+            KVB_CLI_GPU_WEIGHTS_HELP
             "  --cache-type T       KV cache dtype: f16 (default), f32, bf16, q8_0\n"
             "  --ctx N              context limit in tokens (default: min(training context, 8192))\n"
             "  --ignore-eos         keep generating past end-of-generation tokens\n"
@@ -104,6 +107,7 @@ static bool parse_ids(const char *s, int32_t **out, uint32_t *n) {
 int kvb_cmd_run(int argc, char **argv) {
     const char *cmd = "run", *model_path = NULL, *tokens_arg = NULL, *prompt = NULL, *tmpl_name = NULL;
     long long n_gen = 32, threads = 0, ctx = 0, gpus = 1;
+    int gpu_weights = 0;
     bool ids_out = false, ignore_eos = false, verbose = false, chat = false, cuda = false, tp_one_device = false;
     const char *logits_out = NULL;
     kvb_sampler_opts so = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .seed = 0};
@@ -166,6 +170,8 @@ int kvb_cmd_run(int argc, char **argv) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, KVB_CLI_MAX_GPUS, &gpus)) return 2;
         } else if (!strcmp(a, "--tp-one-device")) {
             tp_one_device = true;
+        } else if (!strcmp(a, "--gpu-weights")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_gpu_weights("run", v, &gpu_weights)) return 2;
         } else if (!strcmp(a, "--logits-out")) {
             if (!(logits_out = kvb_arg_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--verbose") || !strcmp(a, "-v")) {
@@ -263,13 +269,13 @@ int kvb_cmd_run(int argc, char **argv) {
 #ifdef KVB_HAVE_CUDA
     if (cuda) {
         kvb_cuda_opts co = {.max_ctx = eo.max_ctx, .n_threads = (int)threads, .n_gpus = (int)gpus,
-                            .tp_one_device = tp_one_device};
+                            .tp_one_device = tp_one_device, .weights = (kvb_cuda_weights)gpu_weights};
         if (kvb_cuda_engine_create(m, &co, &re.ge, &err) != KVB_OK) goto fail;
         if (kvb_cuda_seq_create(re.ge, &re.gs, &err) != KVB_OK) goto fail;
     } else
 #endif
     {
-        (void)cuda, (void)gpus, (void)tp_one_device;
+        (void)cuda, (void)gpus, (void)tp_one_device, (void)gpu_weights;
         if (kvb_engine_create(m, &eo, &re.e, &err) != KVB_OK) goto fail;
         if (kvb_seq_create(re.e, &re.s, &err) != KVB_OK) goto fail;
     }

@@ -60,6 +60,13 @@ bool kvb_arg_type(const char *cmd, const char *opt, const char *val, uint32_t *o
 #define KVB_CLI_MAX_GPUS 8
 /* --gpus N (> 1) and --tp-one-device need the CUDA engine (cuda): false, with a message, otherwise. */
 bool kvb_arg_gpus_ok(const char *cmd, long long gpus, bool tp_one_device, bool cuda);
+/* --gpu-weights auto|bf16|packed: *out = 0, 1 or 2 (kvb_cuda_weights); false after a message. */
+bool kvb_arg_gpu_weights(const char *cmd, const char *val, int *out);
+/* The help line of --gpu-weights, shared by every command that takes it. */
+#define KVB_CLI_GPU_WEIGHTS_HELP                                                                                \
+    "  --gpu-weights W      (cuda) auto (default: bf16 when the model's bf16 form fits the GPU with the cache,\n" \
+    "                       else packed), bf16 (every matrix converted at load) or packed (matrices kept in\n"   \
+    "                       the file's type, a layer expanded to bf16 just before it runs; same results)\n"
 /* Where the real Gemma 3 270M file is (tools/fetch_gemma3.sh puts it there): $KVB_GEMMA3_GGUF,
  * else ${KVB_CACHE_DIR:-$HOME/.cache/kvbridge}/gemma-3-270m-q4_k_m.gguf. It may not exist. */
 void kvb_gemma3_path(char *buf, size_t cap);

@@ -52,7 +52,7 @@ static const kvb_preset k_presets[] = {
       .n_layer = 32, .n_ff = 14336, .n_head = 32, .n_head_kv = 8, .head_dim = 128, .n_rot = 128, LLAMA3_ROPE,
       .rope_scale_factor = 8.0f, .norm_eps = 1e-5f}},
     {"llama3.1-70b", "Llama-3.1-70B shape: 80 layers, embd 8192, 64/8 heads x 128, ff 28672, vocab 128256 (141 GB in "
-                     "bf16: tensor-parallel prefill across GPUs)",
+                     "bf16: across GPUs, or on one H200 with packed weights)",
      {.arch = KVB_ARCH_LLAMA, .arch_name = "llama", .n_vocab = 128256, .n_ctx_train = 131072, .n_embd = 8192,
       .n_layer = 80, .n_ff = 28672, .n_head = 64, .n_head_kv = 8, .head_dim = 128, .n_rot = 128, LLAMA3_ROPE,
       .rope_scale_factor = 8.0f, .norm_eps = 1e-5f}},

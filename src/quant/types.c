@@ -100,47 +100,6 @@ uint16_t kvb_f32_to_fp16(float f) { return kvb_f32_to_fp16_inl(f); }
 float kvb_bf16_to_f32(uint16_t h) { return kvb_bf16_to_f32_inl(h); }
 uint16_t kvb_f32_to_bf16(float f) { return kvb_f32_to_bf16_inl(f); }
 
-/* ---- block decoding helpers -------------------------------------------------------------- */
-
-/* Q5_0's fifth bits as one little-endian word: bit j belongs to element j. */
-static uint32_t q5_0_high_bits(const kvb_block_q5_0 *b) {
-    return (uint32_t)b->qh[0] | (uint32_t)b->qh[1] << 8 | (uint32_t)b->qh[2] << 16 |
-           (uint32_t)b->qh[3] << 24;
-}
-
-/* A Q4_K or Q5_K super-block's fields (Q5_K adds qh). */
-typedef struct {
-    float d, dmin;         /* the fp16 super-scales as f32 */
-    const uint8_t *scales; /* [12] packed 6-bit scales and mins */
-    const uint8_t *qs;     /* [128] nibbles */
-    const uint8_t *qh;     /* [32] fifth bits (Q5_K) or NULL (Q4_K) */
-} k_super;
-
-static void k_super_view(const uint8_t *blk, int five, k_super *k) {
-    uint16_t d, dmin;
-    memcpy(&d, blk, 2);
-    memcpy(&dmin, blk + 2, 2);
-    k->d = kvb_fp16_to_f32(d);
-    k->dmin = kvb_fp16_to_f32(dmin);
-    k->scales = blk + 4;
-    k->qh = five ? blk + 16 : NULL;
-    k->qs = blk + (five ? 48 : 16);
-}
-
-/* The 4- or 5-bit q of element l of sub-block s. */
-static int k_quant(const k_super *k, int s, int l) {
-    const int lo = (k->qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0x0f;
-    return k->qh ? lo | ((k->qh[l] >> s) & 1) << 4 : lo;
-}
-
-/* Q6_K's q (0..63) of element e (0..255). */
-static int q6_k_quant(const kvb_block_q6_k *b, int e) {
-    const int h = e / 128, c = (e % 128) / 32, l = e % 32;
-    const int lo = (b->ql[64 * h + 32 * (c % 2) + l] >> (4 * (c / 2))) & 0x0f;
-    const int hi = (b->qh[32 * h + l] >> (2 * c)) & 3;
-    return lo | hi << 4;
-}
-
 /* ---- K-quant quantisers (the rule is in kvb_quant.h) ------------------------------------- */
 
 /* The smallest fp16 >= v (v >= 0), capped at the largest finite fp16; NaN -> the cap too. */
@@ -280,70 +239,21 @@ void kvb_row_to_f32(uint32_t type, const void *src, float *dst, int64_t n) {
         return;
     }
     case KVB_TYPE_Q8_0: {
-        const kvb_block_q8_0 *b = src; /* [n/32] */
         const kvb_quant_kernels *k = kvb_quant_active();
         if (k->q8_0_to_f32) {
             k->q8_0_to_f32(src, dst, n / KVB_QK8_0);
             return;
         }
-        for (int64_t i = 0; i < n / KVB_QK8_0; i++) {
-            const float d = kvb_fp16_to_f32(b[i].d);
-            for (int j = 0; j < KVB_QK8_0; j++) dst[i * KVB_QK8_0 + j] = (float)b[i].qs[j] * d;
-        }
+        for (int64_t u = 0; u < n / 32; u++) kvb_row_unit_to_f32(type, src, u, dst + u * 32);
         return;
     }
-    case KVB_TYPE_Q4_0: {
-        const kvb_block_q4_0 *b = src; /* [n/32] */
-        for (int64_t i = 0; i < n / KVB_QK4_0; i++) {
-            const float d = kvb_fp16_to_f32(b[i].d);
-            for (int j = 0; j < KVB_QK4_0 / 2; j++) {
-                dst[i * KVB_QK4_0 + j] = (float)((b[i].qs[j] & 0x0f) - 8) * d;
-                dst[i * KVB_QK4_0 + j + 16] = (float)((b[i].qs[j] >> 4) - 8) * d;
-            }
-        }
-        return;
-    }
-    case KVB_TYPE_Q5_0: {
-        const kvb_block_q5_0 *b = src; /* [n/32] */
-        for (int64_t i = 0; i < n / KVB_QK5_0; i++) {
-            const float d = kvb_fp16_to_f32(b[i].d);
-            const uint32_t qh = q5_0_high_bits(&b[i]);
-            for (int j = 0; j < KVB_QK5_0 / 2; j++) {
-                const int lo = (b[i].qs[j] & 0x0f) | (int)((qh >> j) & 1u) << 4;
-                const int hi = (b[i].qs[j] >> 4) | (int)((qh >> (j + 16)) & 1u) << 4;
-                dst[i * KVB_QK5_0 + j] = (float)(lo - 16) * d;
-                dst[i * KVB_QK5_0 + j + 16] = (float)(hi - 16) * d;
-            }
-        }
-        return;
-    }
+    case KVB_TYPE_Q4_0:
+    case KVB_TYPE_Q5_0:
     case KVB_TYPE_Q4_K:
-    case KVB_TYPE_Q5_K: {
-        const int five = type == KVB_TYPE_Q5_K;
-        const size_t bb = five ? sizeof(kvb_block_q5_k) : sizeof(kvb_block_q4_k);
-        for (int64_t i = 0; i < n / KVB_QK_K; i++) {
-            const uint8_t *blk = (const uint8_t *)src + (size_t)i * bb;
-            k_super k;
-            k_super_view(blk, five, &k);
-            float *y = dst + i * KVB_QK_K; /* [256] */
-            for (int s = 0; s < 8; s++) {
-                int sc, m;
-                kvb_k_scale_min(k.scales, s, &sc, &m);
-                const float ds = k.d * (float)sc, ms = k.dmin * (float)m; /* both exact */
-                for (int l = 0; l < 32; l++) y[32 * s + l] = ds * (float)k_quant(&k, s, l) - ms;
-            }
-        }
+    case KVB_TYPE_Q5_K:
+    case KVB_TYPE_Q6_K:
+        for (int64_t u = 0; u < n / 32; u++) kvb_row_unit_to_f32(type, src, u, dst + u * 32); /* (n/32, 32) */
         return;
-    }
-    case KVB_TYPE_Q6_K: {
-        const kvb_block_q6_k *b = src; /* [n/256] */
-        for (int64_t i = 0; i < n / KVB_QK_K; i++) {
-            const float d = kvb_fp16_to_f32(b[i].d);
-            for (int e = 0; e < KVB_QK_K; e++)
-                dst[i * KVB_QK_K + e] = (d * (float)b[i].scales[e / 16]) * (float)(q6_k_quant(&b[i], e) - 32);
-        }
-        return;
-    }
     default:
         for (int64_t i = 0; i < n; i++) dst[i] = NAN; /* caller bug: make it visible */
         return;

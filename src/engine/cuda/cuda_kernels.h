@@ -4,6 +4,7 @@
 #ifndef KVB_CUDA_KERNELS_H
 #define KVB_CUDA_KERNELS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -80,6 +81,15 @@ cudaError_t kvb_cu_attention(const kvb_cu_attn_args *a, int variant, cudaStream_
 cudaError_t kvb_cu_gather_kv(const kvb_cu_cache *c, int layer, int n_pos, void *k_out, void *v_out, cudaStream_t st);
 /* One-time per-process setup (shared-memory limits); idempotent. */
 cudaError_t kvb_cu_attention_init(void);
+
+/* Packed weights (expand.cu): dst (rows, cols) bf16 = src (rows, src_row_bytes) of `type`, a
+ * matrix in its file's block layout, decoded and rounded exactly as the CPU converts it at load
+ * (kvb_row_to_f32 then kvb_f32_to_bf16). cols % 32 == 0 and dst 16-byte aligned, else
+ * cudaErrorInvalidValue, as for a type kvb_cu_expand_type_ok refuses. */
+cudaError_t kvb_cu_expand_bf16(uint32_t type, const void *src, size_t src_row_bytes, int64_t rows, int64_t cols,
+                               void *dst, cudaStream_t st);
+/* True for the types kvb_cu_expand_bf16 takes (F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K). */
+bool kvb_cu_expand_type_ok(uint32_t type);
 
 /* n bf16 values, uniform in [-scale, scale), from a counter-based hash of (seed, index). */
 cudaError_t kvb_cu_fill_random_bf16(void *p, size_t n, uint64_t seed, float scale, cudaStream_t st);

@@ -230,8 +230,22 @@ static bool bm_publish(blockmgr *b, uint32_t id, uint64_t key, uint64_t parent) 
 
 /* ---- engine --------------------------------------------------------------------------------- */
 
+/* A matrix slice kept in its file's type on the device (packed weights): rows of row_bytes, each
+ * cols elements in the file's block layout. */
 typedef struct {
-    void *w_qkv, *w_o, *w_gu, *w_down; /* bf16 */
+    uint8_t *d;
+    uint32_t type;
+    size_t row_bytes;
+    int64_t rows, cols;
+} cu_packed;
+
+/* A layer's matrices as the packed form holds them, and where each expands to in the bf16 set:
+ * Q, K, V into w_qkv, gate and up into w_gu. */
+enum { PK_Q, PK_K, PK_V, PK_O, PK_GATE, PK_UP, PK_DOWN, PK_COUNT };
+
+typedef struct {
+    void *w_qkv, *w_o, *w_gu, *w_down; /* bf16: (S, E), (E, Q), (2 FF, E), (E, FF); NULL when packed */
+    cu_packed pk[PK_COUNT];            /* the packed form (packed weights), else all NULL */
     float *attn_norm, *ffn_norm, *b_qkv, *q_norm, *k_norm;
     float *post_attn_norm, *post_ffw_norm; /* gemma3, else NULL */
     uint32_t rope_kind; /* which RoPE table (kvb_rope_tables_kind) */
@@ -264,6 +278,9 @@ struct kvb_cuda_engine {
     bool output_shared;
     float *output_norm;
     cu_layer *L;
+    bool packed;                      /* matrices packed; each layer's expanded into xw before it runs */
+    void *xw_qkv, *xw_o, *xw_gu, *xw_down; /* (packed) one layer's bf16 matrices, as cu_layer's */
+    size_t xw_bytes;
     float *rope_cos[2], *rope_sin[2]; /* per kind of layer (global, local): (max_ctx, n_rot/2) */
     /* cache */
     uint8_t *kv_pool;
@@ -381,6 +398,52 @@ static kvb_status upload_mat(uploader *u, const kvb_mat *w, int64_t row0, int64_
     return KVB_OK;
 }
 
+/* Packed weights: rows [row0, row0+nrows) x columns [col0, col0+ncols) of W copied to the device
+ * as they lie in the file (nrows or ncols 0 = all); the columns must be whole blocks. */
+static kvb_status upload_packed(kvb_cuda_engine *e, const kvb_mat *w, int64_t row0, int64_t nrows, int64_t col0,
+                                int64_t ncols, cu_packed *p, const char *name, kvb_err *err) {
+    const kvb_type_info *ti = kvb_type_get(w->type);
+    if (!ti || !kvb_cu_expand_type_ok(w->type))
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                           "%s: weight type %s cannot stay packed on the GPU (F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, "
+                           "Q5_K and Q6_K can); use bf16 weights (--gpu-weights bf16)",
+                           name, kvb_type_name(w->type));
+    if (!nrows) nrows = w->rows - row0;
+    if (!ncols) ncols = w->cols - col0;
+    const int64_t be = ti->block_elems;
+    if (row0 < 0 || col0 < 0 || nrows < 0 || ncols < 0 || row0 + nrows > w->rows || col0 + ncols > w->cols)
+        return kvb_err_set(err, KVB_ERR_INTERNAL, "%s: slice outside the %lldx%lld matrix", name,
+                           (long long)w->rows, (long long)w->cols);
+    if (ncols % 32 || col0 % be || ncols % be)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                           "%s: columns %lld..%lld are not whole %s blocks of 32 elements or more; packed weights need "
+                           "them (use --gpu-weights bf16)",
+                           name, (long long)col0, (long long)(col0 + ncols), ti->name);
+    const size_t slice = (size_t)(ncols / be) * (size_t)ti->block_bytes;
+    kvb_status st = dev_alloc(e, (void **)&p->d, (size_t)nrows * slice, &e->weight_bytes, name, err);
+    if (st) return st;
+    KVB_CU(cudaMemcpy2D(p->d, slice, (const uint8_t *)w->data + (size_t)row0 * w->row_bytes + (size_t)(col0 / be) * ti->block_bytes,
+                        w->row_bytes, slice, (size_t)nrows, cudaMemcpyHostToDevice));
+    *p = (cu_packed){p->d, w->type, slice, nrows, ncols};
+    return KVB_OK;
+}
+
+/* Packed weights: layer L's matrices expanded into the engine's bf16 set (xw_*), in stream order. */
+static kvb_status expand_layer(kvb_cuda_engine *e, const cu_layer *L, kvb_err *err) {
+    void *dst[PK_COUNT];
+    const cu_packed *pk = L->pk;
+    dst[PK_Q] = e->xw_qkv;
+    dst[PK_K] = (uint16_t *)e->xw_qkv + (size_t)pk[PK_Q].rows * pk[PK_Q].cols;
+    dst[PK_V] = (uint16_t *)dst[PK_K] + (size_t)pk[PK_K].rows * pk[PK_K].cols;
+    dst[PK_O] = e->xw_o;
+    dst[PK_GATE] = e->xw_gu;
+    dst[PK_UP] = (uint16_t *)e->xw_gu + (size_t)pk[PK_GATE].rows * pk[PK_GATE].cols;
+    dst[PK_DOWN] = e->xw_down;
+    for (int i = 0; i < PK_COUNT; i++)
+        KVB_CU(kvb_cu_expand_bf16(pk[i].type, pk[i].d, pk[i].row_bytes, pk[i].rows, pk[i].cols, dst[i], e->st));
+    return KVB_OK;
+}
+
 static kvb_status upload_f32(const float *src, size_t n, float **dst, size_t *acct, const char *what, kvb_err *err) {
     kvb_status st = dev_alloc(NULL, (void **)dst, n * sizeof(float), acct, what, err);
     if (st) return st;
@@ -433,19 +496,29 @@ static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *er
         cu_layer *L = &e->L[l];
         char nm[64];
         snprintf(nm, sizeof nm, "layer %u weights", l);
-        if ((st = dev_alloc(e, &L->w_qkv, S * E * 2, &e->weight_bytes, nm, err)) ||
-            (st = dev_alloc(e, &L->w_o, E * Q * 2, &e->weight_bytes, nm, err)) ||
-            (st = dev_alloc(e, &L->w_gu, 2 * FF * E * 2, &e->weight_bytes, nm, err)) ||
-            (st = dev_alloc(e, &L->w_down, E * FF * 2, &e->weight_bytes, nm, err)))
-            break;
-        if ((st = upload_mat(&u, &w->wq, q0, (int64_t)Q, 0, 0, L->w_qkv, "attn_q", err)) ||
-            (st = upload_mat(&u, &w->wk, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w_qkv + Q * E, "attn_k", err)) ||
-            (st = upload_mat(&u, &w->wv, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w_qkv + (Q + KV) * E, "attn_v",
-                             err)) ||
-            (st = upload_mat(&u, &w->wo, 0, 0, q0, (int64_t)Q, L->w_o, "attn_output", err)) ||
-            (st = upload_mat(&u, &w->w_gate, f0, (int64_t)FF, 0, 0, L->w_gu, "ffn_gate", err)) ||
-            (st = upload_mat(&u, &w->w_up, f0, (int64_t)FF, 0, 0, (uint16_t *)L->w_gu + FF * E, "ffn_up", err)) ||
-            (st = upload_mat(&u, &w->w_down, 0, 0, f0, (int64_t)FF, L->w_down, "ffn_down", err)))
+        if (e->packed) {
+            if ((st = upload_packed(e, &w->wq, q0, (int64_t)Q, 0, 0, &L->pk[PK_Q], "attn_q", err)) ||
+                (st = upload_packed(e, &w->wk, kv0, (int64_t)KV, 0, 0, &L->pk[PK_K], "attn_k", err)) ||
+                (st = upload_packed(e, &w->wv, kv0, (int64_t)KV, 0, 0, &L->pk[PK_V], "attn_v", err)) ||
+                (st = upload_packed(e, &w->wo, 0, 0, q0, (int64_t)Q, &L->pk[PK_O], "attn_output", err)) ||
+                (st = upload_packed(e, &w->w_gate, f0, (int64_t)FF, 0, 0, &L->pk[PK_GATE], "ffn_gate", err)) ||
+                (st = upload_packed(e, &w->w_up, f0, (int64_t)FF, 0, 0, &L->pk[PK_UP], "ffn_up", err)) ||
+                (st = upload_packed(e, &w->w_down, 0, 0, f0, (int64_t)FF, &L->pk[PK_DOWN], "ffn_down", err)))
+                break;
+        } else if ((st = dev_alloc(e, &L->w_qkv, S * E * 2, &e->weight_bytes, nm, err)) ||
+                   (st = dev_alloc(e, &L->w_o, E * Q * 2, &e->weight_bytes, nm, err)) ||
+                   (st = dev_alloc(e, &L->w_gu, 2 * FF * E * 2, &e->weight_bytes, nm, err)) ||
+                   (st = dev_alloc(e, &L->w_down, E * FF * 2, &e->weight_bytes, nm, err)) ||
+                   (st = upload_mat(&u, &w->wq, q0, (int64_t)Q, 0, 0, L->w_qkv, "attn_q", err)) ||
+                   (st = upload_mat(&u, &w->wk, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w_qkv + Q * E, "attn_k",
+                                    err)) ||
+                   (st = upload_mat(&u, &w->wv, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w_qkv + (Q + KV) * E,
+                                    "attn_v", err)) ||
+                   (st = upload_mat(&u, &w->wo, 0, 0, q0, (int64_t)Q, L->w_o, "attn_output", err)) ||
+                   (st = upload_mat(&u, &w->w_gate, f0, (int64_t)FF, 0, 0, L->w_gu, "ffn_gate", err)) ||
+                   (st = upload_mat(&u, &w->w_up, f0, (int64_t)FF, 0, 0, (uint16_t *)L->w_gu + FF * E, "ffn_up",
+                                    err)) ||
+                   (st = upload_mat(&u, &w->w_down, 0, 0, f0, (int64_t)FF, L->w_down, "ffn_down", err)))
             break;
         if ((st = upload_f32(w->attn_norm, E, &L->attn_norm, &e->weight_bytes, "attn_norm", err)) ||
             (st = upload_f32(w->ffn_norm, E, &L->ffn_norm, &e->weight_bytes, "ffn_norm", err)))
@@ -642,6 +715,7 @@ static kvb_status engine_create_leader(const kvb_model *m, const kvb_cuda_opts *
         return st;
     }
     e->o.attention = kvb_cuda_engine_opts(kvb_tp_group_rank(e->grp, 0))->attention;
+    e->o.weights = kvb_cuda_engine_opts(kvb_tp_group_rank(e->grp, 0))->weights;
     *out = e;
     return KVB_OK;
 }
@@ -655,6 +729,50 @@ kvb_status kvb_cuda_engine_create(const kvb_model *m, const kvb_cuda_opts *opts,
     if (st) return st;
     if (o.n_gpus > 1) return engine_create_leader(m, &o, out, err);
     return kvb_cu_engine_create_rank(m, &o, 0, 1, NULL, out, err);
+}
+
+/* This rank's device bytes for its weight matrices in bf16 (the embeddings and output head stay
+ * bf16 either way), for the cache, and for the activations created below (a close estimate). */
+static void plan_bytes(const kvb_cuda_engine *e, size_t *mats_bf16, size_t *one_layer_bf16, size_t *rest) {
+    const kvb_model_desc *d = &e->m->d;
+    const size_t E = d->n_embd, D = d->head_dim, Q = (size_t)e->nh * D, S = Q + 2 * (size_t)e->nkv * D, FF = e->nff;
+    const size_t B = e->o.max_batch, V = d->n_vocab;
+    *one_layer_bf16 = (S * E + E * Q + 2 * FF * E + E * FF) * 2;
+    *mats_bf16 = *one_layer_bf16 * d->n_layer;
+    const bool own_output = !(e->m->output.data == e->m->tok_embd.data) && e->tp_rank == 0;
+    *rest = V * E * 2 * (own_output ? 2 : 1) + e->block_bytes * e->o.n_blocks +
+            B * (E * 4 * 3 + E * 2 + S * 4 + Q * 2 * 2 + FF * 2 * 3) + (size_t)e->o.max_ctx * 4 +
+            (size_t)64 * V * 4 + ((size_t)32 << 20);
+}
+
+/* Resolves o.weights (AUTO: bf16 when everything fits the free memory with room to spare). */
+static kvb_status choose_weights(kvb_cuda_engine *e, kvb_err *err) {
+    if (e->o.weights == KVB_CUDA_WEIGHTS_AUTO) {
+        size_t mats, layer, rest, fr = 0, tot = 0;
+        plan_bytes(e, &mats, &layer, &rest);
+        KVB_CU(cudaMemGetInfo(&fr, &tot));
+        const size_t spare = tot / 20 > ((size_t)2 << 30) ? tot / 20 : (size_t)2 << 30;
+        e->o.weights = mats + rest + spare <= fr ? KVB_CUDA_WEIGHTS_BF16 : KVB_CUDA_WEIGHTS_PACKED;
+        if (e->o.weights == KVB_CUDA_WEIGHTS_PACKED)
+            kvb_log(KVB_LOG_INFO,
+                    "CUDA engine: the weights in bf16 (%.2f GiB) with the cache and activations (%.2f GiB) would not "
+                    "fit the %.2f GiB free on device %d with room to spare: keeping them packed, expanding a layer "
+                    "(%.2f GiB) at a time",
+                    mats / 1073741824.0, rest / 1073741824.0, fr / 1073741824.0, e->o.device, layer / 1073741824.0);
+    }
+    e->packed = e->o.weights == KVB_CUDA_WEIGHTS_PACKED;
+    if (!e->packed) return KVB_OK;
+    const kvb_model_desc *d = &e->m->d;
+    const size_t E = d->n_embd, Q = (size_t)e->nh * d->head_dim, S = Q + 2 * (size_t)e->nkv * d->head_dim;
+    const size_t FF = e->nff;
+    kvb_status st;
+    if ((st = dev_alloc(e, &e->xw_qkv, S * E * 2, &e->xw_bytes, "a layer's expanded weights", err)) ||
+        (st = dev_alloc(e, &e->xw_o, E * Q * 2, &e->xw_bytes, "a layer's expanded weights", err)) ||
+        (st = dev_alloc(e, &e->xw_gu, 2 * FF * E * 2, &e->xw_bytes, "a layer's expanded weights", err)) ||
+        (st = dev_alloc(e, &e->xw_down, E * FF * 2, &e->xw_bytes, "a layer's expanded weights", err)))
+        return st;
+    e->act_bytes += e->xw_bytes;
+    return KVB_OK;
 }
 
 kvb_status kvb_cu_engine_create_rank(const kvb_model *m, const kvb_cuda_opts *opts, int rank, int size,
@@ -715,6 +833,7 @@ kvb_status kvb_cu_engine_create_rank(const kvb_model *m, const kvb_cuda_opts *op
     if ((st = attention_setup(e, err))) goto fail;
 
     if ((st = kvb_pool_create(o->n_threads > 0 ? o->n_threads : kvb_cpu_count(), &pool, err))) goto fail;
+    if ((st = choose_weights(e, err))) goto fail;
     if ((st = upload_weights(e, pool, err))) goto fail;
     if ((st = upload_rope(e, pool, err))) goto fail;
 
@@ -771,6 +890,7 @@ void kvb_cuda_engine_free(kvb_cuda_engine *e) {
             void *ps[] = {L->w_qkv,  L->w_o,    L->w_gu, L->w_down, L->attn_norm,      L->ffn_norm,
                           L->b_qkv,  L->q_norm, L->k_norm, L->post_attn_norm, L->post_ffw_norm};
             for (size_t i = 0; i < KVB_ARRAY_LEN(ps); i++) cudaFree(ps[i]);
+            for (int i = 0; i < PK_COUNT; i++) cudaFree(L->pk[i].d);
         }
         free(e->L);
     }
@@ -778,7 +898,7 @@ void kvb_cuda_engine_free(kvb_cuda_engine *e) {
     void *ps[] = {e->tok_embd, e->output_norm, e->rope_cos[0], e->rope_sin[0], e->rope_cos[1], e->rope_sin[1],
                   e->kv_pool,  e->x,           e->qkv,         e->logits_d,    e->h,          e->h32,
                   e->o32,      e->q,           e->att,         e->gu,          e->act,        e->d_tok,
-                  e->cublas_ws};
+                  e->cublas_ws, e->xw_qkv,     e->xw_o,        e->xw_gu,       e->xw_down};
     for (size_t i = 0; i < KVB_ARRAY_LEN(ps); i++) cudaFree(ps[i]);
     kvb_cudnn_attn_free(e->dnn);
     if (e->gate_host) {
@@ -803,11 +923,16 @@ void kvb_cuda_engine_describe(const kvb_cuda_engine *e, char *buf, size_t cap) {
                  r0);
         return;
     }
+    char wd[128];
+    if (e->packed)
+        snprintf(wd, sizeof wd, "packed in the file's types (%s), a layer expanded to bf16 at a time (%.2f GiB)",
+                 e->L ? kvb_type_name(e->L[0].pk[PK_GATE].type) : "?", e->xw_bytes / 1073741824.0);
+    else snprintf(wd, sizeof wd, "bf16");
     snprintf(buf, cap,
-             "%s (sm_%d%d, %d SMs, %.1f GiB); weights %.2f GiB bf16, KV cache %.2f GiB (%u blocks of %u tokens), "
+             "%s (sm_%d%d, %d SMs, %.1f GiB); weights %.2f GiB %s, KV cache %.2f GiB (%u blocks of %u tokens), "
              "activations %.2f GiB (chunks of %u tokens)",
              e->dev_name, e->cc_major, e->cc_minor, e->n_sm, e->dev_total / 1073741824.0,
-             e->weight_bytes / 1073741824.0, e->kv_bytes / 1073741824.0, e->o.n_blocks, e->o.block_tokens,
+             e->weight_bytes / 1073741824.0, wd, e->kv_bytes / 1073741824.0, e->o.n_blocks, e->o.block_tokens,
              e->act_bytes / 1073741824.0, e->o.max_batch);
 }
 
@@ -1026,6 +1151,11 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
     const kvb_cu_cache cache = {e->kv_pool, e->block_bytes, s->d_blocks, e->bt_shift, Hkv, D};
     for (uint32_t l = 0; l < d->n_layer; l++) {
         const cu_layer *L = &e->L[l];
+        const void *w_qkv = L->w_qkv, *w_o = L->w_o, *w_gu = L->w_gu, *w_down = L->w_down;
+        if (e->packed) { /* the previous layer's GEMMs were queued before: the set is free in stream order */
+            if ((rs = expand_layer(e, L, err))) return rs;
+            w_qkv = e->xw_qkv, w_o = e->xw_o, w_gu = e->xw_gu, w_down = e->xw_down;
+        }
         KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->attn_norm, eps, e->h, (size_t)E, e->h32, st));
         if (e->o.layer_hook && !e->hook_st &&
             (rs = e->o.layer_hook(e->o.layer_hook_ctx, e->tp_rank, l, pos0, c, e->h32, st, err))) {
@@ -1033,7 +1163,7 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
             e->hook_st = rs; /* tensor parallel: the ranks stay in lockstep; returned at the end */
             e->hook_err = *err;
         }
-        if ((rs = kvb_cu_gemm(e->cublas, L->w_qkv, S, E, e->h, n, 0.0f, e->qkv, false, err))) return rs;
+        if ((rs = kvb_cu_gemm(e->cublas, w_qkv, S, E, e->h, n, 0.0f, e->qkv, false, err))) return rs;
         kvb_cu_qkv_post_args qa = {e->qkv, n, H, Hkv, D, (int)d->n_rot, d->rope_neox ? 1 : 0, L->b_qkv, L->q_norm,
                                    L->k_norm, eps, e->rope_cos[L->rope_kind], e->rope_sin[L->rope_kind], (int)pos0,
                                    e->q, cache, (int)l};
@@ -1041,11 +1171,11 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
         kvb_cu_attn_args aa = {e->q, e->att, cache, (int)l, H, Hkv, D, n, (int)pos0, L->window, d->attn_scale};
         if (!skip_attention() && (rs = run_attention(e, L, &aa, err))) return rs;
         /* x += W_o att: in the GEMM's epilogue, or (gemma3) through the post-attention norm */
-        if ((rs = residual_branch(e, L->w_o, E, Q, e->att, n, L->post_attn_norm, err))) return rs;
+        if ((rs = residual_branch(e, w_o, E, Q, e->att, n, L->post_attn_norm, err))) return rs;
         KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->ffn_norm, eps, e->h, (size_t)E, NULL, st));
-        if ((rs = kvb_cu_gemm(e->cublas, L->w_gu, 2 * FF, E, e->h, n, 0.0f, e->gu, true, err))) return rs;
+        if ((rs = kvb_cu_gemm(e->cublas, w_gu, 2 * FF, E, e->h, n, 0.0f, e->gu, true, err))) return rs;
         KVB_CU(kvb_cu_glu(e->gu, n, FF, d->mlp_gelu ? 1 : 0, e->act, st));
-        if ((rs = residual_branch(e, L->w_down, E, FF, e->act, n, L->post_ffw_norm, err))) return rs;
+        if ((rs = residual_branch(e, w_down, E, FF, e->act, n, L->post_ffw_norm, err))) return rs;
     }
     if (all_logits && logits) {
         for (uint32_t r0 = 0; r0 < c; r0 += e->logit_rows) {

@@ -1,5 +1,7 @@
 /* engine/cuda — the CUDA engine: bf16 weights on the GPU (files of every type the quant module
- * decodes — F32/F16/BF16/Q8_0/Q4_0/Q5_0/Q4_K/Q5_K/Q6_K — are converted at load), cuBLAS GEMMs
+ * decodes — F32/F16/BF16/Q8_0/Q4_0/Q5_0/Q4_K/Q5_K/Q6_K — are converted at load; or, for a model
+ * whose bf16 form does not fit, kept packed in the file's type and expanded a layer at a time:
+ * kvb_cuda_weights), cuBLAS GEMMs
  * (bf16 operands, f32 accumulation), fused kernels (RMSNorm, bias + q/k-norm + RoPE + cache write,
  * SwiGLU or GeGLU; the residual add rides on the GEMM epilogue, or on gemma3's post norms) and
  * a causal flash-attention kernel (tensor cores, online softmax; a sliding window on gemma3's
@@ -64,6 +66,18 @@ typedef enum {
     KVB_CUDA_ATTN_CUDNN,    /* cuDNN's fused attention; creation fails when cuDNN cannot be loaded */
 } kvb_cuda_attention;
 
+/* How the weight matrices live on the GPU. Either way each GEMM reads the same bf16 values (the
+ * CPU's conversion of the file's type), so the results are the same bits. */
+typedef enum {
+    KVB_CUDA_WEIGHTS_AUTO = 0, /* bf16 when the bf16 weights, the KV cache and the activations fit the
+                                  device's free memory with 2 GiB (or 5 %) to spare, else packed */
+    KVB_CUDA_WEIGHTS_BF16,     /* every matrix converted to bf16 on the host at load */
+    KVB_CUDA_WEIGHTS_PACKED,   /* matrices copied in the file's type (F32, F16, BF16, Q8_0, Q4_0, Q5_0,
+                                  Q4_K, Q5_K, Q6_K), each layer's expanded into one bf16 set on the
+                                  device just before the layer runs: a Q4_0 file takes ~0.28x the
+                                  memory of its bf16 form, for one expansion per layer and chunk */
+} kvb_cuda_weights;
+
 typedef struct {
     int device;            /* CUDA device ordinal (default 0) */
     uint32_t block_tokens; /* tokens per cache block: a power of two in [16, 1024]; 0 = 64 */
@@ -81,6 +95,7 @@ typedef struct {
     bool tp_one_device;    /* n_gpus > 1: every rank on `device`, summed by the engine itself (testing
                               the split on a one-GPU host); else ranks on device .. device+n_gpus-1
                               through NCCL */
+    kvb_cuda_weights weights; /* after creation: BF16 or PACKED, the one in use (rank 0's) */
 } kvb_cuda_opts;
 
 /* Tensor parallelism (n_gpus = N > 1). One host thread per rank drives that rank's GPU; rank r
@@ -226,5 +241,9 @@ kvb_status kvb_cuda_test_attention(const uint16_t *q, uint32_t n, uint32_t H, ui
  * n_pos-1 (the gather that feeds cuDNN's attention). */
 kvb_status kvb_cuda_test_gather_kv(const kvb_cuda_test_cache *cache, uint32_t layer, uint32_t n_pos, uint16_t *k_out,
                                    uint16_t *v_out, kvb_err *err);
+/* out (rows, cols) bf16 = the packed-weight expansion of src (rows, src_row_bytes) of `type`
+ * (what the engine runs before each layer with KVB_CUDA_WEIGHTS_PACKED); cols % 32 == 0. */
+kvb_status kvb_cuda_test_expand_bf16(uint32_t type, const void *src, size_t src_row_bytes, uint32_t rows,
+                                     uint32_t cols, uint16_t *out, kvb_err *err);
 
 #endif

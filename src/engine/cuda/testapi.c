@@ -251,3 +251,17 @@ done:
     dbufs_free(&b);
     return st;
 }
+
+kvb_status kvb_cuda_test_expand_bf16(uint32_t type, const void *src, size_t src_row_bytes, uint32_t rows,
+                                     uint32_t cols, uint16_t *out, kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    const size_t ob = (size_t)rows * cols * 2;
+    dbufs b = {{0}, 0};
+    void *dsrc, *dout;
+    if (!(st = dput(&b, &dsrc, src, (size_t)rows * src_row_bytes, err)) && !(st = dput(&b, &dout, out, ob, err)))
+        st = fetch(kvb_cu_expand_bf16(type, dsrc, src_row_bytes, rows, cols, dout, 0), "kvb_cu_expand_bf16", out, dout,
+                   ob, err);
+    dbufs_free(&b);
+    return st;
+}
