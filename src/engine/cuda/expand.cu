@@ -11,31 +11,57 @@
 #include "kvb_quant.h"
 #include "kvb_quant_scalar.h"
 
-/* dst (rows, units * 32) bf16 from src (rows, src_row_bytes) of type T: thread i expands unit
- * i % units of row i / units. */
+#define EXPAND_THREADS 256
+#define EXPAND_PITCH 20 /* u32 words per unit in shared memory: 16 used, padded so that a quarter
+                           warp's 16-byte writes and reads fall in different banks */
+
+/* dst (rows, units * 32) bf16 from src (rows, src_row_bytes) of type T: thread i decodes unit
+ * i % units of row i / units (units are back to back in dst, rows too). Each warp's 32 units (2 KiB
+ * of dst) go through shared memory, so every store instruction writes 512 contiguous bytes
+ * instead of 16-byte pieces 64 bytes apart. */
 template <uint32_t T>
-__global__ void k_expand_bf16(const uint8_t *__restrict__ src, size_t src_row_bytes, int64_t rows, int64_t units,
-                              uint16_t *__restrict__ dst) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= rows * units) return;
-    const int64_t r = i / units, u = i % units;
-    float v[32];
-    kvb_row_unit_to_f32(T, src + (size_t)r * src_row_bytes, u, v);
+__global__ void __launch_bounds__(EXPAND_THREADS) k_expand_bf16(const uint8_t *__restrict__ src, size_t src_row_bytes,
+                                                                int64_t rows, int64_t units, uint16_t *__restrict__ dst) {
+    __shared__ __align__(16) uint32_t tile[EXPAND_THREADS * EXPAND_PITCH];
+    const int64_t n = rows * units, i = (int64_t)blockIdx.x * EXPAND_THREADS + threadIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint32_t w[16]; /* two bf16 per word, the lower element in the low half (little endian) */
+    if (i < n) {
+        float v[32];
+        kvb_row_unit_to_f32(T, src + (size_t)(i / units) * src_row_bytes, i % units, v);
 #pragma unroll
-    for (int j = 0; j < 16; j++)
-        w[j] = (uint32_t)kvb_f32_to_bf16_inl(v[2 * j]) | (uint32_t)kvb_f32_to_bf16_inl(v[2 * j + 1]) << 16;
-    uint4 *out = reinterpret_cast<uint4 *>(dst + (size_t)i * 32); /* 64 bytes, 16-byte aligned */
+        for (int j = 0; j < 16; j++)
+            w[j] = (uint32_t)kvb_f32_to_bf16_inl(v[2 * j]) | (uint32_t)kvb_f32_to_bf16_inl(v[2 * j + 1]) << 16;
+    }
+    const int64_t w0 = i - lane; /* the warp's first unit */
+    if (w0 + 32 > n) { /* the grid's last, partial warp: each thread stores its own 64 bytes */
+        if (i < n) {
+            uint4 *out = reinterpret_cast<uint4 *>(dst + (size_t)i * 32);
 #pragma unroll
-    for (int q = 0; q < 4; q++) out[q] = make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+            for (int q = 0; q < 4; q++) out[q] = make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+        }
+        return;
+    }
+    uint32_t *t = tile + (size_t)warp * 32 * EXPAND_PITCH;
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+        *reinterpret_cast<uint4 *>(t + lane * EXPAND_PITCH + 4 * q) =
+            make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+    __syncwarp();
+    uint4 *out = reinterpret_cast<uint4 *>(dst + (size_t)w0 * 32); /* 128 uint4: unit k, quarter c = 4k + c */
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const int k = lane + 32 * q;
+        out[k] = *reinterpret_cast<const uint4 *>(t + (k >> 2) * EXPAND_PITCH + 4 * (k & 3));
+    }
 }
 
 template <uint32_t T>
 static cudaError_t launch(const void *src, size_t src_row_bytes, int64_t rows, int64_t units, void *dst,
                           cudaStream_t st) {
-    const int64_t n = rows * units, per = 256, blocks = (n + per - 1) / per;
+    const int64_t n = rows * units, blocks = (n + EXPAND_THREADS - 1) / EXPAND_THREADS;
     if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-    k_expand_bf16<T><<<(unsigned)blocks, (unsigned)per, 0, st>>>((const uint8_t *)src, src_row_bytes, rows, units,
+    k_expand_bf16<T><<<(unsigned)blocks, EXPAND_THREADS, 0, st>>>((const uint8_t *)src, src_row_bytes, rows, units,
                                                                  (uint16_t *)dst);
     return cudaGetLastError();
 }
