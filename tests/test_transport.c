@@ -427,8 +427,14 @@ static void test_prefill_roundtrip_and_truncations(void **state) {
     assert_true(strstr(e.msg, "token 3") != NULL);
 }
 
+#if defined(KVB_X86)
+uint64_t kvb_xxh3_pieces_avx2(const kvb_bytes *pieces, int n); /* core/hash_avx2.c, hash_avx512.c */
+uint64_t kvb_xxh3_pieces_avx512(const kvb_bytes *pieces, int n);
+#endif
+
 /* core's XXH3 over pieces (the payload hash and the slab checksum): the library's XXH3-64 of the
- * concatenation, for sizes on both sides of the AVX2 kernel's 1 KiB threshold and any split. */
+ * concatenation, for sizes on both sides of the SIMD kernels' 1 KiB threshold and any split, through
+ * the dispatch and through each SIMD kernel the CPU has. */
 static void test_xxh3_pieces_match_the_library(void **state) {
     (void)state;
     enum { MAX = 70000 };
@@ -446,6 +452,14 @@ static void test_xxh3_pieces_match_the_library(void **state) {
         const kvb_bytes three[3] = {{buf, a}, {buf + a, b - a}, {buf + b, n - b}};
         assert_true(kvb_xxh3_pieces(two, 2) == want);
         assert_true(kvb_xxh3_pieces(three, 3) == want);
+#if defined(KVB_X86)
+        /* each kernel, not only the one this CPU's dispatch picks */
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx2")) assert_true(kvb_xxh3_pieces_avx2(three, 3) == want);
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+            assert_true(kvb_xxh3_pieces_avx512(three, 3) == want);
+#endif
     }
     free(buf);
 }
