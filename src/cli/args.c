@@ -73,6 +73,14 @@ bool kvb_arg_gpus_ok(const char *cmd, long long gpus, bool tp_one_device, bool c
     return true;
 }
 
+bool kvb_arg_gpu_weights_ok(const char *cmd, int gpu_weights, bool cuda) {
+    if (gpu_weights && !cuda) {
+        fprintf(stderr, "kvbridge %s: --gpu-weights is how the CUDA engine holds the weights; add --device cuda\n", cmd);
+        return false;
+    }
+    return true;
+}
+
 bool kvb_arg_gpu_weights(const char *cmd, const char *val, int *out) {
     static const char *const names[] = {"auto", "bf16", "packed"}; /* kvb_cuda_weights' order */
     for (int i = 0; i < 3; i++)

@@ -514,7 +514,8 @@ int kvb_cmd_bench(int argc, char **argv) {
             return 2;
         }
     }
-    if (!kvb_arg_gpus_ok("bench", gpus, tp_one_device, cuda)) return 2;
+    if (!kvb_arg_gpus_ok("bench", gpus, tp_one_device, cuda) || !kvb_arg_gpu_weights_ok("bench", gpu_weights, cuda))
+        return 2;
     if (!model_path) {
         fprintf(stderr, "kvbridge bench: -m MODEL is required (see kvbridge bench --help)\n");
         return 2;

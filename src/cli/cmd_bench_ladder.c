@@ -38,6 +38,7 @@ static void help(FILE *f) {
             "  --chunk N            prefill node chunk in tokens (default 512 on cpu, 8192 on cuda)\n"
             "  --gpus N             cuda: the prefill node's tensor-parallel ranks (GPUs 0..N-1, NCCL)\n"
             "  --tp-one-device      cuda, --gpus N: every rank on one GPU (tests the split; not faster)\n"
+            KVB_CLI_GPU_WEIGHTS_HELP
             "  --alone-max N        run the decoder-alone legs only up to N tokens (default 1048576); longer\n"
             "                       rows print 'not run'\n"
             "  --prefill-alone-max N  time the in-process prefill node alone only up to N tokens (default\n"
@@ -112,6 +113,7 @@ int kvb_bench_ladder(int argc, char **argv) {
               gpus = 1;
     uint32_t cache_type = KVB_TYPE_F16;
     bool cuda = false, filler = false, tp_one_device = false;
+    int gpu_weights = 0;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v;
         if (kvb_arg_is_help(a)) {
@@ -160,12 +162,17 @@ int kvb_bench_ladder(int argc, char **argv) {
             if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, KVB_CLI_MAX_GPUS, &gpus)) return 2;
         } else if (!strcmp(a, "--tp-one-device")) {
             tp_one_device = true;
+        } else if (!strcmp(a, "--gpu-weights")) {
+            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_gpu_weights("bench ladder", v, &gpu_weights))
+                return 2;
         } else {
             fprintf(stderr, "kvbridge bench ladder: unknown option '%s' (see kvbridge bench ladder --help)\n", a);
             return 2;
         }
     }
-    if (!kvb_arg_gpus_ok("bench ladder", gpus, tp_one_device, cuda)) return 2;
+    if (!kvb_arg_gpus_ok("bench ladder", gpus, tp_one_device, cuda) ||
+        !kvb_arg_gpu_weights_ok("bench ladder", gpu_weights, cuda))
+        return 2;
     if (!model) {
         fprintf(stderr, "kvbridge bench ladder: -m MODEL is required\n");
         return 2;
@@ -205,7 +212,7 @@ int kvb_bench_ladder(int argc, char **argv) {
                                  .cache_dtype = cache_type, .max_ctx = ctx, .cuda = cuda,
                                  .chunk_tokens = (uint32_t)chunk, .bench_filler_rows = filler,
                                  .block_tokens = (uint32_t)block, .gpus = (int)gpus,
-                                 .tp_one_device = tp_one_device};
+                                 .tp_one_device = tp_one_device, .gpu_weights = gpu_weights};
         if (kvb_prefill_node_start(&pc, &pn, &err)) goto fail;
         snprintf(peer_addr, sizeof peer_addr, "127.0.0.1:%u", kvb_prefill_node_port(pn));
         peer = peer_addr;

@@ -193,7 +193,8 @@ int kvb_cmd_run(int argc, char **argv) {
         fprintf(stderr, "kvbridge run: give -m MODEL and exactly one of --tokens or -p (see kvbridge run --help)\n");
         return 2;
     }
-    if (!kvb_arg_gpus_ok("run", gpus, tp_one_device, cuda)) return 2;
+    if (!kvb_arg_gpus_ok("run", gpus, tp_one_device, cuda) || !kvb_arg_gpu_weights_ok("run", gpu_weights, cuda))
+        return 2;
 
     int rc = 1;
     kvb_err err = {0};

@@ -38,6 +38,7 @@ static void help(FILE *f) {
             "  --gpus N             prefill, cuda: tensor-parallel prefill over GPUs 0..N-1 (NCCL); the decoder\n"
             "                       receives the same slab sequence as from one GPU\n"
             "  --tp-one-device      prefill, cuda, --gpus N: every rank on one GPU (tests the split; not faster)\n"
+            KVB_CLI_GPU_WEIGHTS_HELP
             "  --cache-blocks N     decode: prefix-cache size in blocks (default: 4 contexts' worth)\n"
             "  --tail-after-transfer  decode: compute the prompt's last token after the bridged cache has\n"
             "                       arrived, not layer by layer while it arrives (the default, same answer)\n"
@@ -60,6 +61,7 @@ int kvb_cmd_serve(int argc, char **argv) {
     long long threads = 0, bt = 32, ctx = 0, bridge_min = 0, max_tokens = 0, chunk = 0, cache_blocks = 0, lanes = 0;
     long long gpus = 1;
     bool tail_after = false, tp_one_device = false;
+    int gpu_weights = 0;
     uint32_t cache_type = KVB_TYPE_F16, engine_type = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -88,6 +90,9 @@ int kvb_cmd_serve(int argc, char **argv) {
         else if (!strcmp(a, "--verbose") || !strcmp(a, "-v")) kvb_log_set_level(KVB_LOG_INFO);
         else if (!strcmp(a, "--tail-after-transfer")) tail_after = true;
         else if (!strcmp(a, "--tp-one-device")) tp_one_device = true;
+        else if (!strcmp(a, "--gpu-weights")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_gpu_weights(cmd, v, &gpu_weights)) return 2;
+        }
         else {
             fprintf(stderr, "kvbridge serve: unknown option '%s' (see kvbridge serve --help)\n", a);
             return 2;
@@ -114,7 +119,9 @@ int kvb_cmd_serve(int argc, char **argv) {
                         "cuda); a decode node decodes on its CPU\n");
         return 2;
     }
-    if (!kvb_arg_gpus_ok("serve", gpus, tp_one_device, !strcmp(device, "cuda"))) return 2;
+    if (!kvb_arg_gpus_ok("serve", gpus, tp_one_device, !strcmp(device, "cuda")) ||
+        !kvb_arg_gpu_weights_ok("serve", gpu_weights, !strcmp(device, "cuda")))
+        return 2;
     if (prefill ? !listen : !http) {
         fprintf(stderr, "kvbridge serve: --role %s needs %s HOST:PORT\n", role, prefill ? "--listen" : "--http");
         return 2;
@@ -130,7 +137,7 @@ int kvb_cmd_serve(int argc, char **argv) {
                                 .cache_dtype = cache_type, .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
                                 .fault = fault, .prefill_mode = prefill_mode, .engine_cache_dtype = engine_type,
                                 .cuda = !strcmp(device, "cuda"), .chunk_tokens = (uint32_t)chunk,
-                                .gpus = (int)gpus, .tp_one_device = tp_one_device};
+                                .gpus = (int)gpus, .tp_one_device = tp_one_device, .gpu_weights = gpu_weights};
         if (kvb_prefill_node_start(&c, &pn, &err)) goto fail;
         printf("kvbridge prefill node: listening on port %u (model %s)\n", kvb_prefill_node_port(pn), model);
     } else {

@@ -61,6 +61,7 @@ bool kvb_arg_type(const char *cmd, const char *opt, const char *val, uint32_t *o
 /* --gpus N (> 1) and --tp-one-device need the CUDA engine (cuda): false, with a message, otherwise. */
 bool kvb_arg_gpus_ok(const char *cmd, long long gpus, bool tp_one_device, bool cuda);
 /* --gpu-weights auto|bf16|packed: *out = 0, 1 or 2 (kvb_cuda_weights); false after a message. */
+bool kvb_arg_gpu_weights_ok(const char *cmd, int gpu_weights, bool cuda); /* false (said) without cuda */
 bool kvb_arg_gpu_weights(const char *cmd, const char *val, int *out);
 /* The help line of --gpu-weights, shared by every command that takes it. */
 #define KVB_CLI_GPU_WEIGHTS_HELP                                                                                \

@@ -32,6 +32,7 @@ typedef struct {
                                   from its layer hook; decoder mode only */
     int gpus;                  /* cuda: tensor-parallel ranks (0/1 = one GPU); see kvb_engine_cuda.h */
     bool tp_one_device;        /* cuda, gpus > 1: every rank on one GPU (testing the split) */
+    int gpu_weights;           /* cuda: kvb_cuda_weights (0 auto: bf16 when it fits, else packed) */
     uint32_t ring_slots;       /* staging slots (default 16) */
     bool prefill_mode;         /* bridge mode `prefill`: ship this engine's own K/V re-encoded (cheaper,
                                   not exact) instead of the decoder's arithmetic (mode `decoder`) */

@@ -441,7 +441,8 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
             /* the engine first: it checks the GPUs (count, shape splits) and says what is wrong */
             kvb_cuda_opts co = {.max_ctx = n->cfg.max_ctx, .max_batch = n->cfg.chunk_tokens,
                                 .n_threads = cfg->n_threads, .layer_hook = cuda_layer_hook, .layer_hook_ctx = n,
-                                .n_gpus = gpus, .tp_one_device = cfg->tp_one_device, .hook_every_rank = true};
+                                .n_gpus = gpus, .tp_one_device = cfg->tp_one_device, .hook_every_rank = true,
+                                .weights = (kvb_cuda_weights)cfg->gpu_weights};
             if (!st) st = kvb_cuda_engine_create(n->m, &co, &n->ce, err);
             if (!st) {
                 char ad[768];
