@@ -377,7 +377,8 @@ static void test_packed_weights(void **state) {
         kvb_gen_opts go = {.preset = cases[c].preset, .type = cases[c].type, .seed = g_seed + c, .n_threads = 0};
         kvb_err err = {0};
         kvb_model *m = NULL;
-        if (kvb_gen_model(&go, path, &err) || kvb_model_load(path, &m, &err)) fail_msg("%s: %s", cases[c].preset, err.msg);
+        if (kvb_gen_model(&go, path, &err) || kvb_model_load(path, &m, &err))
+            fail_msg("%s: %s", cases[c].preset, err.msg);
         snprintf(what, sizeof what, "%s %s, %d rank(s)", cases[c].preset, kvb_type_name(cases[c].type), cases[c].gpus);
         int32_t tok[N];
         random_tokens(tok, N, m->d.n_vocab, g_seed + 31 * c);

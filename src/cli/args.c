@@ -75,7 +75,8 @@ bool kvb_arg_gpus_ok(const char *cmd, long long gpus, bool tp_one_device, bool c
 
 bool kvb_arg_gpu_weights_ok(const char *cmd, int gpu_weights, bool cuda) {
     if (gpu_weights && !cuda) {
-        fprintf(stderr, "kvbridge %s: --gpu-weights is how the CUDA engine holds the weights; add --device cuda\n", cmd);
+        fprintf(stderr, "kvbridge %s: --gpu-weights is how the CUDA engine holds the weights; add --device cuda\n",
+                cmd);
         return false;
     }
     return true;

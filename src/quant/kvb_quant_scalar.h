@@ -131,9 +131,10 @@ static inline KVB_HD uint16_t kvb_le16(const uint8_t *p) { return (uint16_t)(p[0
 
 /* Elements 32u .. 32u+31 of a row of `type` as f32 into out[32], by kvb_row_to_f32's formulas
  * (kvb_quant.h: each product exact, so the same bits wherever this runs and however a compiler
- * contracts `a * b - c`; NaN results as x86 gives them, kvb_nan_x86). row: the row's first byte, in the block layouts above. Types: F32, F16,
- * BF16, Q8_0, Q4_0, Q5_0 (one block per unit), Q4_K, Q5_K, Q6_K (unit u is sub-block u % 8 of
- * super-block u / 8). False, and nothing written, for any other type. */
+ * contracts `a * b - c`; NaN results as x86 gives them, kvb_nan_x86). row: the row's first byte,
+ * in the block layouts above. Types: F32, F16, BF16, Q8_0, Q4_0, Q5_0 (one block per unit), Q4_K,
+ * Q5_K, Q6_K (unit u is sub-block u % 8 of super-block u / 8). False, and nothing written, for any
+ * other type. */
 static inline KVB_HD bool kvb_row_unit_to_f32(uint32_t type, const uint8_t *row, int64_t u, float *out) {
     switch (type) {
     case KVB_TYPE_F32:
@@ -142,8 +143,10 @@ static inline KVB_HD bool kvb_row_unit_to_f32(uint32_t type, const uint8_t *row,
     case KVB_TYPE_F16:
     case KVB_TYPE_BF16: {
         const uint8_t *p = row + (size_t)u * 64; /* [32] fp16 or bf16 */
-        for (int j = 0; j < 32; j++)
-            out[j] = type == KVB_TYPE_F16 ? kvb_fp16_to_f32_inl(kvb_le16(p + 2 * j)) : kvb_bf16_to_f32_inl(kvb_le16(p + 2 * j));
+        for (int j = 0; j < 32; j++) {
+            const uint16_t h = kvb_le16(p + 2 * j);
+            out[j] = type == KVB_TYPE_F16 ? kvb_fp16_to_f32_inl(h) : kvb_bf16_to_f32_inl(h);
+        }
         return true;
     }
     case KVB_TYPE_Q8_0: {

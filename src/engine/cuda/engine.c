@@ -422,8 +422,8 @@ static kvb_status upload_packed(kvb_cuda_engine *e, const kvb_mat *w, int64_t ro
     const size_t slice = (size_t)(ncols / be) * (size_t)ti->block_bytes;
     kvb_status st = dev_alloc(e, (void **)&p->d, (size_t)nrows * slice, &e->weight_bytes, name, err);
     if (st) return st;
-    KVB_CU(cudaMemcpy2D(p->d, slice, (const uint8_t *)w->data + (size_t)row0 * w->row_bytes + (size_t)(col0 / be) * ti->block_bytes,
-                        w->row_bytes, slice, (size_t)nrows, cudaMemcpyHostToDevice));
+    const uint8_t *from = (const uint8_t *)w->data + (size_t)row0 * w->row_bytes + (size_t)(col0 / be) * ti->block_bytes;
+    KVB_CU(cudaMemcpy2D(p->d, slice, from, w->row_bytes, slice, (size_t)nrows, cudaMemcpyHostToDevice));
     *p = (cu_packed){p->d, w->type, slice, nrows, ncols};
     return KVB_OK;
 }

@@ -20,8 +20,9 @@
  * of dst) go through shared memory, so every store instruction writes 512 contiguous bytes
  * instead of 16-byte pieces 64 bytes apart. */
 template <uint32_t T>
-__global__ void __launch_bounds__(EXPAND_THREADS) k_expand_bf16(const uint8_t *__restrict__ src, size_t src_row_bytes,
-                                                                int64_t rows, int64_t units, uint16_t *__restrict__ dst) {
+__global__ void __launch_bounds__(EXPAND_THREADS)
+    k_expand_bf16(const uint8_t *__restrict__ src, size_t src_row_bytes, int64_t rows, int64_t units,
+                  uint16_t *__restrict__ dst) {
     __shared__ __align__(16) uint32_t tile[EXPAND_THREADS * EXPAND_PITCH];
     const int64_t n = rows * units, i = (int64_t)blockIdx.x * EXPAND_THREADS + threadIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
