@@ -422,7 +422,8 @@ static kvb_status upload_packed(kvb_cuda_engine *e, const kvb_mat *w, int64_t ro
     const size_t slice = (size_t)(ncols / be) * (size_t)ti->block_bytes;
     kvb_status st = dev_alloc(e, (void **)&p->d, (size_t)nrows * slice, &e->weight_bytes, name, err);
     if (st) return st;
-    const uint8_t *from = (const uint8_t *)w->data + (size_t)row0 * w->row_bytes + (size_t)(col0 / be) * ti->block_bytes;
+    const uint8_t *from =
+        (const uint8_t *)w->data + (size_t)row0 * w->row_bytes + (size_t)(col0 / be) * ti->block_bytes;
     KVB_CU(cudaMemcpy2D(p->d, slice, from, w->row_bytes, slice, (size_t)nrows, cudaMemcpyHostToDevice));
     *p = (cu_packed){p->d, w->type, slice, nrows, ncols};
     return KVB_OK;
@@ -751,13 +752,15 @@ static kvb_status choose_weights(kvb_cuda_engine *e, kvb_err *err) {
         size_t mats, layer, rest, fr = 0, tot = 0;
         plan_bytes(e, &mats, &layer, &rest);
         KVB_CU(cudaMemGetInfo(&fr, &tot));
+        /* ranks sharing one device (tp_one_device) are created at once: each counts on its share */
+        if (e->o.tp_one_device && e->tp_size > 1) fr /= (size_t)e->tp_size, tot /= (size_t)e->tp_size;
         const size_t spare = tot / 20 > ((size_t)2 << 30) ? tot / 20 : (size_t)2 << 30;
         e->o.weights = mats + rest + spare <= fr ? KVB_CUDA_WEIGHTS_BF16 : KVB_CUDA_WEIGHTS_PACKED;
         if (e->o.weights == KVB_CUDA_WEIGHTS_PACKED)
             kvb_log(KVB_LOG_INFO,
                     "CUDA engine: the weights in bf16 (%.2f GiB) with the cache and activations (%.2f GiB) would not "
-                    "fit the %.2f GiB free on device %d with room to spare: keeping them packed, expanding a layer "
-                    "(%.2f GiB) at a time",
+                    "fit the %.2f GiB free to this engine on device %d with room to spare: keeping them packed, "
+                    "expanding a layer (%.2f GiB) at a time",
                     mats / 1073741824.0, rest / 1073741824.0, fr / 1073741824.0, e->o.device, layer / 1073741824.0);
     }
     e->packed = e->o.weights == KVB_CUDA_WEIGHTS_PACKED;

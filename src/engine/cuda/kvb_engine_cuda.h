@@ -70,7 +70,8 @@ typedef enum {
  * CPU's conversion of the file's type), so the results are the same bits. */
 typedef enum {
     KVB_CUDA_WEIGHTS_AUTO = 0, /* bf16 when the bf16 weights, the KV cache and the activations fit the
-                                  device's free memory with 2 GiB (or 5 %) to spare, else packed */
+                                  device's free memory with 2 GiB (or 5 %) to spare, else packed
+                                  (with tp_one_device each rank counts on 1/n_gpus of the device) */
     KVB_CUDA_WEIGHTS_BF16,     /* every matrix converted to bf16 on the host at load */
     KVB_CUDA_WEIGHTS_PACKED,   /* matrices copied in the file's type (F32, F16, BF16, Q8_0, Q4_0, Q5_0,
                                   Q4_K, Q5_K, Q6_K), each layer's expanded into one bf16 set on the
