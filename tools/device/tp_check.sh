@@ -33,6 +33,7 @@ DEADLINE=${DEADLINE:-570}
 BIN=${KVB_PREBUILT:?set KVB_PREBUILT to the packed binaries}
 K="$BIN/kvbridge"
 export LD_LIBRARY_PATH="$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. "$(dirname "$0")/cudnn_env.sh" # cuDNN for the engine's fused attention (dlopen), when the host has it
 mkdir -p "$OUT" "$MD"
 LOG="$OUT/run.log"
 T0=$(date +%s)
@@ -44,7 +45,8 @@ tmo() { local left=$((DEADLINE - ($(date +%s) - T0) - 5)); [ "$left" -lt "$1" ] 
 NDEV=$(nvidia-smi -L 2>/dev/null | wc -l)
 ONE=""
 [ "$NDEV" -lt "$GPUS" ] && ONE="--tp-one-device"
-say "host: $NDEV GPU(s); --gpus $GPUS ${ONE:-(NCCL over $GPUS devices)}"
+if [ "$GPUS" = 1 ]; then say "host: $NDEV GPU(s); --gpus 1 (one GPU)"
+else say "host: $NDEV GPU(s); --gpus $GPUS ${ONE:-(NCCL over $GPUS devices)}"; fi
 
 gen() { # gen PRESET TYPE -> path
   local f="$MD/$1-$2.gguf"
