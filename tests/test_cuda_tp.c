@@ -8,6 +8,8 @@
  *  - TP runs repeat bit for bit; chunked (7) and prefill + decode == one-shot under TP; a cached
  *    prefix adopted under TP == cold;
  *  - bad input (a token outside the vocabulary) is refused and the engine keeps working;
+ *  - all of the above for TP 2 with the all-reduces on a second stream beside the GEMMs
+ *    (tp_overlap: the O and down projections of the 77-token chunk in two halves of rows);
  *  - the layer hook runs on one thread, once per (chunk, layer), and its layer-0 input is TP 1's
  *    bit for bit; a hook that fails mid-forward fails that forward, and the next forward is
  *    correct (the ranks stayed in lockstep);
@@ -96,9 +98,13 @@ static kvb_status log_hook(void *ctx, int rank, uint32_t layer, uint32_t pos0, u
     return KVB_OK;
 }
 
+/* check_tp's engines overlap their all-reduces with the GEMMs (kvb_cuda_opts.tp_overlap) */
+static bool g_overlap;
+
 static kvb_cuda_engine *tp_engine(const kvb_model *m, int gpus, uint32_t max_batch, hook_log *hook) {
     kvb_cuda_opts o = {.max_ctx = 4 * N_TOK, .max_batch = max_batch, .block_tokens = 16, .n_gpus = gpus,
-                       .tp_one_device = true, .attention = KVB_CUDA_ATTN_OWN};
+                       .tp_one_device = true, .attention = KVB_CUDA_ATTN_OWN,
+                       .tp_overlap = g_overlap && gpus > 1};
     if (hook) o.layer_hook = log_hook, o.layer_hook_ctx = hook;
     kvb_cuda_engine *e = NULL;
     kvb_err err = {0};
@@ -139,7 +145,7 @@ static void check_tp(const kvb_model *m, const char *name, int gpus, const float
     assert_int_equal(kvb_cuda_engine_kvformat(e)->n_head_kv, m->d.n_head_kv); /* the whole model's cache */
 
     logits_of(e, tok, n, 0, got, V);
-    snprintf(what, sizeof what, "%s: TP%d vs TP1", name, gpus);
+    snprintf(what, sizeof what, "%s: TP%d%s vs TP1", name, gpus, g_overlap ? " (all-reduce overlapped)" : "");
     compare_rows(got, ref1, n, V, TOL_TP, what);
     /* the hook: rank 0's thread only, once per layer (one chunk), layer 0's input = TP1's */
     assert_int_equal(hook.calls, (int)m->d.n_layer);
@@ -239,6 +245,10 @@ static void check_preset(const char *preset) {
     logits_of(e1, tok, n, 0, ref, V);
     kvb_cuda_engine_free(e1);
     for (int gpus = 2; gpus <= 4; gpus *= 2) check_tp(m, preset, gpus, ref, tok, hook.h0);
+    /* the same checks with the all-reduces beside the GEMMs (77 rows: two halves of 38 and 39) */
+    g_overlap = true;
+    check_tp(m, preset, 2, ref, tok, hook.h0);
+    g_overlap = false;
     /* a split the shape cannot take is refused with a message */
     kvb_cuda_opts o = {.max_ctx = 64, .n_gpus = 3, .tp_one_device = true};
     kvb_cuda_engine *e = NULL;

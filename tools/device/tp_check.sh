@@ -8,7 +8,8 @@
 #    ranks on one device, NCCL with one rank, and two when the host has two GPUs), test_cuda_tp
 #    (TP 2 and 4 vs TP 1 on the tiny presets), test_cuda_kernels, test_cuda_engine;
 # 2. the Llama-3.1-8B shape (bf16, generated): `bench prefill --device cuda` at $SIZES with one
-#    GPU and with --gpus $GPUS (on one device unless the host has $GPUS GPUs: then NCCL), and the
+#    GPU and with --gpus $GPUS (on one device unless the host has $GPUS GPUs: then NCCL), again
+#    with the all-reduces overlapped (KVB_TP_OVERLAP=1), and the
 #    last prompt token's logits of both (`run --logits-out`) compared (rel-L2, top-1);
 # 3. a bridged conversation over the tensor-parallel prefill node (`demo --device cuda --gpus`),
 #    `kvbridge verify --device cuda --gpus $GPUS`, and `bench ladder` on the llama3.2-1b shape
@@ -76,10 +77,16 @@ if want bench && [ -f "$M8" ]; then
       $extra >"$OUT/bench-tp$g.log" 2>&1 || add "bench prefill gpus $g: rc $?"
     grep -E "^device|tok/s|^ceiling|^ *[0-9]+ " "$OUT/bench-tp$g.log" | head -12 | sed "s/^/  [tp$g] /" | tee -a "$LOG"
   done
-  # TP$GPUS / TP1 tok/s per size (the table rows: tokens, tok/s, ...)
+  # the same with the all-reduces beside the GEMMs (kvb_cuda_opts.tp_overlap, off by default)
+  say "bench prefill 8B, gpus $GPUS $ONE, KVB_TP_OVERLAP=1"
+  KVB_TP_OVERLAP=1 timeout "$(tmo 200)" "$K" bench prefill -m "$M8" --device cuda --tokens "$SIZES" --reps "$REPS" \
+    --ceiling-reps 5 --gpus "$GPUS" $ONE >"$OUT/bench-tp${GPUS}o.log" 2>&1 || add "bench prefill overlapped: rc $?"
+  grep -E "^ *[0-9]+ " "$OUT/bench-tp${GPUS}o.log" | head -4 | sed "s/^/  [tp${GPUS}, overlapped] /" | tee -a "$LOG"
+  # TP$GPUS / TP1 tok/s per size (the table rows: tokens, tok/s, ...), plain and overlapped
   while read -r n t1; do
     tg=$(awk -v n="$n" '$1 == n && $2 ~ /^[0-9]+$/ {print $2}' "$OUT/bench-tp$GPUS.log" | head -1)
-    [ -n "$tg" ] && add "8B bf16 prefill, $n tokens: TP1 $t1 tok/s, TP$GPUS ${ONE:+(one device) }$tg tok/s, ratio $(awk -v a="$tg" -v b="$t1" 'BEGIN {printf "%.3f", a / b}')"
+    to=$(awk -v n="$n" '$1 == n && $2 ~ /^[0-9]+$/ {print $2}' "$OUT/bench-tp${GPUS}o.log" | head -1)
+    [ -n "$tg" ] && add "8B bf16 prefill, $n tokens: TP1 $t1 tok/s, TP$GPUS ${ONE:+(one device) }$tg tok/s, ratio $(awk -v a="$tg" -v b="$t1" 'BEGIN {printf "%.3f", a / b}')${to:+; overlapped $to tok/s, ratio $(awk -v a="$to" -v b="$t1" 'BEGIN {printf "%.3f", a / b}')}"
   done < <(awk '$1 ~ /^[0-9]+$/ && $2 ~ /^[0-9]+$/ && NF >= 5 {print $1, $2}' "$OUT/bench-tp1.log")
 fi
 

@@ -271,6 +271,8 @@ struct kvb_cuda_engine {
     int n_sm, cc_major, cc_minor;
     size_t dev_total;
     cudaStream_t st;
+    cudaStream_t comm_st;        /* tp_overlap: the all-reduces' stream, else NULL */
+    cudaEvent_t ev_rows, ev_comm; /* tp_overlap: rows ready for the all-reduce; all-reduces done */
     cublasHandle_t cublas;
     void *cublas_ws;
     /* weights */
@@ -676,6 +678,8 @@ static kvb_status opts_resolve(const kvb_model_desc *d, kvb_cuda_opts *o, kvb_er
     if (!o->max_batch) o->max_batch = 8192;
     if (o->max_batch > o->max_ctx) o->max_batch = o->max_ctx;
     if (o->n_gpus <= 0) o->n_gpus = 1;
+    const char *ov = getenv("KVB_TP_OVERLAP");
+    if (ov && !strcmp(ov, "1")) o->tp_overlap = true;
     if (o->block_tokens < 16 || o->block_tokens > 1024 || (o->block_tokens & (o->block_tokens - 1)))
         return kvb_err_set(err, KVB_ERR_INVALID, "block_tokens must be a power of two in [16, 1024], got %u",
                            o->block_tokens);
@@ -817,6 +821,11 @@ kvb_status kvb_cu_engine_create_rank(const kvb_model *m, const kvb_cuda_opts *op
         goto fail;
     }
     KVB_CU_GOTO(cudaStreamCreateWithFlags(&e->st, cudaStreamNonBlocking));
+    if (comm && o->tp_overlap) {
+        KVB_CU_GOTO(cudaStreamCreateWithFlags(&e->comm_st, cudaStreamNonBlocking));
+        KVB_CU_GOTO(cudaEventCreateWithFlags(&e->ev_rows, cudaEventDisableTiming));
+        KVB_CU_GOTO(cudaEventCreateWithFlags(&e->ev_comm, cudaEventDisableTiming));
+    }
     {
         cublasStatus_t cs = cublasCreate(&e->cublas);
         if (cs != CUBLAS_STATUS_SUCCESS) {
@@ -887,6 +896,7 @@ void kvb_cuda_engine_free(kvb_cuda_engine *e) {
         return;
     }
     if (e->st) cudaStreamSynchronize(e->st);
+    if (e->comm_st) cudaStreamSynchronize(e->comm_st);
     if (e->L) {
         for (uint32_t l = 0; l < e->m->d.n_layer; l++) {
             cu_layer *L = &e->L[l];
@@ -910,6 +920,12 @@ void kvb_cuda_engine_free(kvb_cuda_engine *e) {
         cudaEventDestroy(e->gate_ev[1]);
     }
     if (e->cublas) cublasDestroy(e->cublas);
+    if (e->comm_st) {
+        cudaStreamSynchronize(e->comm_st);
+        cudaStreamDestroy(e->comm_st);
+        cudaEventDestroy(e->ev_rows);
+        cudaEventDestroy(e->ev_comm);
+    }
     if (e->st) cudaStreamDestroy(e->st);
     bm_free(&e->bm);
     free(e);
@@ -1107,19 +1123,45 @@ static bool skip_attention(void) {
     return skip != 0;
 }
 
+/* Y (n, E) f32 = beta Y + W in (W (E, cols) bf16, in (n, cols) bf16), then under tensor
+ * parallelism Y summed over the ranks. With tp_overlap the all-reduce runs on the rank's second
+ * stream, and a chunk of 64 rows or more in two halves of rows: the first half's all-reduce beside
+ * the second half's GEMM (disjoint rows of Y); the engine's stream waits for both before its next
+ * kernel. Each row's product is the whole GEMM's, up to cuBLAS choosing another kernel (another
+ * summation order) for the smaller row count: the tolerance of one GPU against itself. */
+static kvb_status gemm_allreduce(kvb_cuda_engine *e, const void *W, int E, int cols, const void *in, int n, float beta,
+                                 float *Y, kvb_err *err) {
+    kvb_status rs;
+    if (!e->comm || !e->comm_st) {
+        rs = kvb_cu_gemm(e->cublas, W, E, cols, in, n, beta, Y, false, err);
+        if (rs || !e->comm) return rs;
+        return kvb_tp_comm_allreduce(e->comm, e->tp_rank, Y, (size_t)n * E, e->st, err);
+    }
+    const int half = n >= 64 ? n / 2 : n; /* rows of the first part */
+    for (int r0 = 0; r0 < n; r0 += half) {
+        const int rows = n - r0 < half ? n - r0 : half;
+        float *y = Y + (size_t)r0 * E;
+        if ((rs = kvb_cu_gemm(e->cublas, W, E, cols, (const uint16_t *)in + (size_t)r0 * cols, rows, beta, y, false,
+                              err)))
+            return rs;
+        KVB_CU(cudaEventRecord(e->ev_rows, e->st));
+        KVB_CU(cudaStreamWaitEvent(e->comm_st, e->ev_rows, 0));
+        if ((rs = kvb_tp_comm_allreduce(e->comm, e->tp_rank, y, (size_t)rows * E, e->comm_st, err))) return rs;
+    }
+    KVB_CU(cudaEventRecord(e->ev_comm, e->comm_st));
+    KVB_CU(cudaStreamWaitEvent(e->st, e->ev_comm, 0));
+    return KVB_OK;
+}
+
 /* x (n, E) += W in (W (E, cols) bf16, in (n, cols) bf16): with beta = 1 in the GEMM; or, with a
- * post norm (gemma3), the product to o32 (f32) and x += rmsnorm(o32) * post_norm. */
+ * post norm (gemma3), the product to o32 (f32) and x += rmsnorm(o32) * post_norm. Tensor parallel:
+ * rank 0 adds into x, the others give their product; then the sum. */
 static kvb_status residual_branch(kvb_cuda_engine *e, const void *W, int E, int cols, const void *in, int n,
                                   const float *post_norm, kvb_err *err) {
-    kvb_status rs;
-    if (!post_norm) { /* tensor parallel: rank 0 adds into x, the others give their product; then the sum */
-        rs = kvb_cu_gemm(e->cublas, W, E, cols, in, n, e->tp_rank == 0 ? 1.0f : 0.0f, e->x, false, err);
-        if (rs || !e->comm) return rs;
-        return kvb_tp_comm_allreduce(e->comm, e->tp_rank, e->x, (size_t)n * E, e->st, err);
-    }
+    if (!post_norm) return gemm_allreduce(e, W, E, cols, in, n, e->tp_rank == 0 ? 1.0f : 0.0f, e->x, err);
     if (!e->o32) return kvb_err_set(err, KVB_ERR_INTERNAL, "a post norm without its buffer");
-    if ((rs = kvb_cu_gemm(e->cublas, W, E, cols, in, n, 0.0f, e->o32, false, err))) return rs;
-    if (e->comm && (rs = kvb_tp_comm_allreduce(e->comm, e->tp_rank, e->o32, (size_t)n * E, e->st, err))) return rs;
+    kvb_status rs = gemm_allreduce(e, W, E, cols, in, n, 0.0f, e->o32, err);
+    if (rs) return rs;
     KVB_CU(kvb_cu_rmsnorm_add(e->o32, n, E, post_norm, e->m->d.norm_eps, e->x, e->st));
     return KVB_OK;
 }

@@ -97,6 +97,11 @@ typedef struct {
                               the split on a one-GPU host); else ranks on device .. device+n_gpus-1
                               through NCCL */
     kvb_cuda_weights weights; /* after creation: BF16 or PACKED, the one in use (rank 0's) */
+    bool tp_overlap;       /* n_gpus > 1: each all-reduce runs on a second stream of the rank, and the
+                              O and down projections of a chunk of 64+ rows run in two halves of
+                              rows, the first half's all-reduce beside the second half's GEMM; off
+                              by default until measured on several GPUs (KVB_TP_OVERLAP=1 turns it
+                              on wherever the engine is created) */
 } kvb_cuda_opts;
 
 /* Tensor parallelism (n_gpus = N > 1). One host thread per rank drives that rank's GPU; rank r
