@@ -53,7 +53,8 @@ static void help(FILE *f) {
             "                       waits until the host has enqueued everything), timed on the GPU: the share of\n"
             "                       the wall time the GPU spent waiting for the host (launch gaps, host work)\n"
             "  --gpus N             (cuda) tensor-parallel prefill over N GPUs (devices 0..N-1, NCCL all-reduce;\n"
-            "                       heads and the MLP width divide by N; KV heads by N, or N by them)\n"
+            "                       heads and the MLP width divide by N; KV heads by N, or N by them);\n"
+            "                       KVB_TP_OVERLAP=1 runs the all-reduces beside the GEMMs (off by default)\n"
             "  --tp-one-device      (cuda) with --gpus N: every rank on one GPU, summed by the engine itself (tests\n"
             "                       the split and measures its overhead on a one-GPU host; not faster)\n"
             KVB_CLI_GPU_WEIGHTS_HELP);
