@@ -240,12 +240,19 @@ typedef struct {
 } cu_packed;
 
 /* A layer's matrices as the packed form holds them, and where each expands to in the bf16 set:
- * Q, K, V into w_qkv, gate and up into w_gu. */
+ * Q, K, V into qkv, gate and up into gu. */
 enum { PK_Q, PK_K, PK_V, PK_O, PK_GATE, PK_UP, PK_DOWN, PK_COUNT };
 
+/* One layer's GEMM operands in bf16: qkv (S, E), o (E, Q), gu (2 FF, E), down (E, FF), this
+ * rank's shard (bf16_set_alloc). */
+enum { BF_QKV, BF_O, BF_GU, BF_DOWN, BF_COUNT };
 typedef struct {
-    void *w_qkv, *w_o, *w_gu, *w_down; /* bf16: (S, E), (E, Q), (2 FF, E), (E, FF); NULL when packed */
-    cu_packed pk[PK_COUNT];            /* the packed form (packed weights), else all NULL */
+    void *m[BF_COUNT];
+} cu_bf16_set;
+
+typedef struct {
+    cu_bf16_set w;          /* bf16 weights; all NULL when packed */
+    cu_packed pk[PK_COUNT]; /* the packed form (packed weights), else all NULL */
     float *attn_norm, *ffn_norm, *b_qkv, *q_norm, *k_norm;
     float *post_attn_norm, *post_ffw_norm; /* gemma3, else NULL */
     uint32_t rope_kind; /* which RoPE table (kvb_rope_tables_kind) */
@@ -281,7 +288,7 @@ struct kvb_cuda_engine {
     float *output_norm;
     cu_layer *L;
     bool packed;                      /* matrices packed; each layer's expanded into xw before it runs */
-    void *xw_qkv, *xw_o, *xw_gu, *xw_down; /* (packed) one layer's bf16 matrices, as cu_layer's */
+    cu_bf16_set xw;                   /* (packed) the set each layer is expanded into before it runs */
     size_t xw_bytes;
     float *rope_cos[2], *rope_sin[2]; /* per kind of layer (global, local): (max_ctx, n_rot/2) */
     /* cache */
@@ -400,6 +407,27 @@ static kvb_status upload_mat(uploader *u, const kvb_mat *w, int64_t row0, int64_
     return KVB_OK;
 }
 
+/* Elements of each matrix of this rank's cu_bf16_set. */
+static void bf16_set_elems(const kvb_cuda_engine *e, size_t elems[BF_COUNT]) {
+    const size_t E = e->m->d.n_embd, D = e->m->d.head_dim, Q = (size_t)e->nh * D, S = Q + 2 * (size_t)e->nkv * D;
+    const size_t FF = e->nff;
+    elems[BF_QKV] = S * E;
+    elems[BF_O] = E * Q;
+    elems[BF_GU] = 2 * FF * E;
+    elems[BF_DOWN] = E * FF;
+}
+
+/* Allocates a cu_bf16_set on the device, its bytes added to *acct. */
+static kvb_status bf16_set_alloc(kvb_cuda_engine *e, cu_bf16_set *w, size_t *acct, const char *what, kvb_err *err) {
+    size_t elems[BF_COUNT];
+    bf16_set_elems(e, elems);
+    for (int i = 0; i < BF_COUNT; i++) {
+        kvb_status st = dev_alloc(e, &w->m[i], elems[i] * 2, acct, what, err);
+        if (st) return st;
+    }
+    return KVB_OK;
+}
+
 /* Packed weights: rows [row0, row0+nrows) x columns [col0, col0+ncols) of W copied to the device
  * as they lie in the file (nrows or ncols 0 = all); the columns must be whole blocks. */
 static kvb_status upload_packed(kvb_cuda_engine *e, const kvb_mat *w, int64_t row0, int64_t nrows, int64_t col0,
@@ -431,17 +459,17 @@ static kvb_status upload_packed(kvb_cuda_engine *e, const kvb_mat *w, int64_t ro
     return KVB_OK;
 }
 
-/* Packed weights: layer L's matrices expanded into the engine's bf16 set (xw_*), in stream order. */
+/* Packed weights: layer L's matrices expanded into the engine's bf16 set (xw), in stream order. */
 static kvb_status expand_layer(kvb_cuda_engine *e, const cu_layer *L, kvb_err *err) {
     void *dst[PK_COUNT];
     const cu_packed *pk = L->pk;
-    dst[PK_Q] = e->xw_qkv;
-    dst[PK_K] = (uint16_t *)e->xw_qkv + (size_t)pk[PK_Q].rows * pk[PK_Q].cols;
+    dst[PK_Q] = e->xw.m[BF_QKV];
+    dst[PK_K] = (uint16_t *)dst[PK_Q] + (size_t)pk[PK_Q].rows * pk[PK_Q].cols;
     dst[PK_V] = (uint16_t *)dst[PK_K] + (size_t)pk[PK_K].rows * pk[PK_K].cols;
-    dst[PK_O] = e->xw_o;
-    dst[PK_GATE] = e->xw_gu;
-    dst[PK_UP] = (uint16_t *)e->xw_gu + (size_t)pk[PK_GATE].rows * pk[PK_GATE].cols;
-    dst[PK_DOWN] = e->xw_down;
+    dst[PK_O] = e->xw.m[BF_O];
+    dst[PK_GATE] = e->xw.m[BF_GU];
+    dst[PK_UP] = (uint16_t *)dst[PK_GATE] + (size_t)pk[PK_GATE].rows * pk[PK_GATE].cols;
+    dst[PK_DOWN] = e->xw.m[BF_DOWN];
     for (int i = 0; i < PK_COUNT; i++)
         KVB_CU(kvb_cu_expand_bf16(pk[i].type, pk[i].d, pk[i].row_bytes, pk[i].rows, pk[i].cols, dst[i], e->st));
     return KVB_OK;
@@ -508,20 +536,17 @@ static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *er
                 (st = upload_packed(e, &w->w_up, f0, (int64_t)FF, 0, 0, &L->pk[PK_UP], "ffn_up", err)) ||
                 (st = upload_packed(e, &w->w_down, 0, 0, f0, (int64_t)FF, &L->pk[PK_DOWN], "ffn_down", err)))
                 break;
-        } else if ((st = dev_alloc(e, &L->w_qkv, S * E * 2, &e->weight_bytes, nm, err)) ||
-                   (st = dev_alloc(e, &L->w_o, E * Q * 2, &e->weight_bytes, nm, err)) ||
-                   (st = dev_alloc(e, &L->w_gu, 2 * FF * E * 2, &e->weight_bytes, nm, err)) ||
-                   (st = dev_alloc(e, &L->w_down, E * FF * 2, &e->weight_bytes, nm, err)) ||
-                   (st = upload_mat(&u, &w->wq, q0, (int64_t)Q, 0, 0, L->w_qkv, "attn_q", err)) ||
-                   (st = upload_mat(&u, &w->wk, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w_qkv + Q * E, "attn_k",
-                                    err)) ||
-                   (st = upload_mat(&u, &w->wv, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w_qkv + (Q + KV) * E,
+        } else if ((st = bf16_set_alloc(e, &L->w, &e->weight_bytes, nm, err)) ||
+                   (st = upload_mat(&u, &w->wq, q0, (int64_t)Q, 0, 0, L->w.m[BF_QKV], "attn_q", err)) ||
+                   (st = upload_mat(&u, &w->wk, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w.m[BF_QKV] + Q * E,
+                                    "attn_k", err)) ||
+                   (st = upload_mat(&u, &w->wv, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w.m[BF_QKV] + (Q + KV) * E,
                                     "attn_v", err)) ||
-                   (st = upload_mat(&u, &w->wo, 0, 0, q0, (int64_t)Q, L->w_o, "attn_output", err)) ||
-                   (st = upload_mat(&u, &w->w_gate, f0, (int64_t)FF, 0, 0, L->w_gu, "ffn_gate", err)) ||
-                   (st = upload_mat(&u, &w->w_up, f0, (int64_t)FF, 0, 0, (uint16_t *)L->w_gu + FF * E, "ffn_up",
-                                    err)) ||
-                   (st = upload_mat(&u, &w->w_down, 0, 0, f0, (int64_t)FF, L->w_down, "ffn_down", err)))
+                   (st = upload_mat(&u, &w->wo, 0, 0, q0, (int64_t)Q, L->w.m[BF_O], "attn_output", err)) ||
+                   (st = upload_mat(&u, &w->w_gate, f0, (int64_t)FF, 0, 0, L->w.m[BF_GU], "ffn_gate", err)) ||
+                   (st = upload_mat(&u, &w->w_up, f0, (int64_t)FF, 0, 0, (uint16_t *)L->w.m[BF_GU] + FF * E,
+                                    "ffn_up", err)) ||
+                   (st = upload_mat(&u, &w->w_down, 0, 0, f0, (int64_t)FF, L->w.m[BF_DOWN], "ffn_down", err)))
             break;
         if ((st = upload_f32(w->attn_norm, E, &L->attn_norm, &e->weight_bytes, "attn_norm", err)) ||
             (st = upload_f32(w->ffn_norm, E, &L->ffn_norm, &e->weight_bytes, "ffn_norm", err)))
@@ -742,7 +767,10 @@ static void plan_bytes(const kvb_cuda_engine *e, size_t *mats_bf16, size_t *one_
     const kvb_model_desc *d = &e->m->d;
     const size_t E = d->n_embd, D = d->head_dim, Q = (size_t)e->nh * D, S = Q + 2 * (size_t)e->nkv * D, FF = e->nff;
     const size_t B = e->o.max_batch, V = d->n_vocab;
-    *one_layer_bf16 = (S * E + E * Q + 2 * FF * E + E * FF) * 2;
+    size_t elems[BF_COUNT];
+    bf16_set_elems(e, elems);
+    *one_layer_bf16 = 0;
+    for (int i = 0; i < BF_COUNT; i++) *one_layer_bf16 += elems[i] * 2;
     *mats_bf16 = *one_layer_bf16 * d->n_layer;
     const bool own_output = !(e->m->output.data == e->m->tok_embd.data) && e->tp_rank == 0;
     *rest = V * E * 2 * (own_output ? 2 : 1) + e->block_bytes * e->o.n_blocks +
@@ -769,15 +797,8 @@ static kvb_status choose_weights(kvb_cuda_engine *e, kvb_err *err) {
     }
     e->packed = e->o.weights == KVB_CUDA_WEIGHTS_PACKED;
     if (!e->packed) return KVB_OK;
-    const kvb_model_desc *d = &e->m->d;
-    const size_t E = d->n_embd, Q = (size_t)e->nh * d->head_dim, S = Q + 2 * (size_t)e->nkv * d->head_dim;
-    const size_t FF = e->nff;
-    kvb_status st;
-    if ((st = dev_alloc(e, &e->xw_qkv, S * E * 2, &e->xw_bytes, "a layer's expanded weights", err)) ||
-        (st = dev_alloc(e, &e->xw_o, E * Q * 2, &e->xw_bytes, "a layer's expanded weights", err)) ||
-        (st = dev_alloc(e, &e->xw_gu, 2 * FF * E * 2, &e->xw_bytes, "a layer's expanded weights", err)) ||
-        (st = dev_alloc(e, &e->xw_down, E * FF * 2, &e->xw_bytes, "a layer's expanded weights", err)))
-        return st;
+    kvb_status st = bf16_set_alloc(e, &e->xw, &e->xw_bytes, "a layer's expanded weights", err);
+    if (st) return st;
     e->act_bytes += e->xw_bytes;
     return KVB_OK;
 }
@@ -900,9 +921,10 @@ void kvb_cuda_engine_free(kvb_cuda_engine *e) {
     if (e->L) {
         for (uint32_t l = 0; l < e->m->d.n_layer; l++) {
             cu_layer *L = &e->L[l];
-            void *ps[] = {L->w_qkv,  L->w_o,    L->w_gu, L->w_down, L->attn_norm,      L->ffn_norm,
-                          L->b_qkv,  L->q_norm, L->k_norm, L->post_attn_norm, L->post_ffw_norm};
+            void *ps[] = {L->attn_norm, L->ffn_norm, L->b_qkv,         L->q_norm,
+                          L->k_norm,    L->post_attn_norm, L->post_ffw_norm};
             for (size_t i = 0; i < KVB_ARRAY_LEN(ps); i++) cudaFree(ps[i]);
+            for (int i = 0; i < BF_COUNT; i++) cudaFree(L->w.m[i]);
             for (int i = 0; i < PK_COUNT; i++) cudaFree(L->pk[i].d);
         }
         free(e->L);
@@ -911,8 +933,9 @@ void kvb_cuda_engine_free(kvb_cuda_engine *e) {
     void *ps[] = {e->tok_embd, e->output_norm, e->rope_cos[0], e->rope_sin[0], e->rope_cos[1], e->rope_sin[1],
                   e->kv_pool,  e->x,           e->qkv,         e->logits_d,    e->h,          e->h32,
                   e->o32,      e->q,           e->att,         e->gu,          e->act,        e->d_tok,
-                  e->cublas_ws, e->xw_qkv,     e->xw_o,        e->xw_gu,       e->xw_down};
+                  e->cublas_ws};
     for (size_t i = 0; i < KVB_ARRAY_LEN(ps); i++) cudaFree(ps[i]);
+    for (int i = 0; i < BF_COUNT; i++) cudaFree(e->xw.m[i]);
     kvb_cudnn_attn_free(e->dnn);
     if (e->gate_host) {
         cudaFreeHost((void *)e->gate_host);
@@ -1196,10 +1219,10 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
     const kvb_cu_cache cache = {e->kv_pool, e->block_bytes, s->d_blocks, e->bt_shift, Hkv, D};
     for (uint32_t l = 0; l < d->n_layer; l++) {
         const cu_layer *L = &e->L[l];
-        const void *w_qkv = L->w_qkv, *w_o = L->w_o, *w_gu = L->w_gu, *w_down = L->w_down;
+        const cu_bf16_set *W = &L->w;
         if (e->packed) { /* the previous layer's GEMMs were queued before: the set is free in stream order */
             if ((rs = expand_layer(e, L, err))) return rs;
-            w_qkv = e->xw_qkv, w_o = e->xw_o, w_gu = e->xw_gu, w_down = e->xw_down;
+            W = &e->xw;
         }
         KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->attn_norm, eps, e->h, (size_t)E, e->h32, st));
         if (e->o.layer_hook && !e->hook_st &&
@@ -1208,7 +1231,7 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
             e->hook_st = rs; /* tensor parallel: the ranks stay in lockstep; returned at the end */
             e->hook_err = *err;
         }
-        if ((rs = kvb_cu_gemm(e->cublas, w_qkv, S, E, e->h, n, 0.0f, e->qkv, false, err))) return rs;
+        if ((rs = kvb_cu_gemm(e->cublas, W->m[BF_QKV], S, E, e->h, n, 0.0f, e->qkv, false, err))) return rs;
         kvb_cu_qkv_post_args qa = {e->qkv, n, H, Hkv, D, (int)d->n_rot, d->rope_neox ? 1 : 0, L->b_qkv, L->q_norm,
                                    L->k_norm, eps, e->rope_cos[L->rope_kind], e->rope_sin[L->rope_kind], (int)pos0,
                                    e->q, cache, (int)l};
@@ -1216,11 +1239,11 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
         kvb_cu_attn_args aa = {e->q, e->att, cache, (int)l, H, Hkv, D, n, (int)pos0, L->window, d->attn_scale};
         if (!skip_attention() && (rs = run_attention(e, L, &aa, err))) return rs;
         /* x += W_o att: in the GEMM's epilogue, or (gemma3) through the post-attention norm */
-        if ((rs = residual_branch(e, w_o, E, Q, e->att, n, L->post_attn_norm, err))) return rs;
+        if ((rs = residual_branch(e, W->m[BF_O], E, Q, e->att, n, L->post_attn_norm, err))) return rs;
         KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->ffn_norm, eps, e->h, (size_t)E, NULL, st));
-        if ((rs = kvb_cu_gemm(e->cublas, w_gu, 2 * FF, E, e->h, n, 0.0f, e->gu, true, err))) return rs;
+        if ((rs = kvb_cu_gemm(e->cublas, W->m[BF_GU], 2 * FF, E, e->h, n, 0.0f, e->gu, true, err))) return rs;
         KVB_CU(kvb_cu_glu(e->gu, n, FF, d->mlp_gelu ? 1 : 0, e->act, st));
-        if ((rs = residual_branch(e, w_down, E, FF, e->act, n, L->post_ffw_norm, err))) return rs;
+        if ((rs = residual_branch(e, W->m[BF_DOWN], E, FF, e->act, n, L->post_ffw_norm, err))) return rs;
     }
     if (all_logits && logits) {
         for (uint32_t r0 = 0; r0 < c; r0 += e->logit_rows) {
