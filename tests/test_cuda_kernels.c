@@ -283,7 +283,7 @@ static void cache_make(host_cache *hc, uint32_t n_layer, uint32_t Hkv, uint32_t 
     hc->c.blocks = hc->table;
 }
 
-static uint16_t *cache_row(host_cache *hc, uint32_t layer, uint32_t kv, uint32_t kvh, uint32_t pos) {
+static uint16_t *cache_row(const host_cache *hc, uint32_t layer, uint32_t kv, uint32_t kvh, uint32_t pos) {
     const kvb_cuda_test_cache *c = &hc->c;
     size_t row = (((size_t)layer * 2 + kv) * c->n_head_kv + kvh) * c->block_tokens + pos % c->block_tokens;
     return (uint16_t *)(c->pool + (size_t)hc->table[pos / c->block_tokens] * hc->block_bytes) + row * c->head_dim;
@@ -409,26 +409,72 @@ typedef struct {
     float scale;     /* 0: 1/sqrt(D) */
 } att_cfg;
 
+/* Fails unless every row of out (n, H*D) bf16 is within rel-L2 1e-2 of the float64 attention of
+ * q at positions pos0 .. pos0+n-1 over hc's layer (window W: keys k with p - k < W); the worst. */
+static double att_check(const host_cache *hc, uint32_t layer, const uint16_t *q, const uint16_t *out, uint32_t n,
+                        uint32_t pos0, uint32_t H, uint32_t Hkv, uint32_t D, uint32_t W, double scale,
+                        const char *what) {
+#define LO(p) (W && (p) + 1 > W ? (p) + 1 - W : 0u) /* the first key query p reads (the CPU engine's rule) */
+    double *sc = malloc(sizeof(double) * (pos0 + n)), *ref = malloc(sizeof(double) * D);
+    float *got = malloc(sizeof(float) * D);
+    assert_true(sc && ref && got);
+    double worst = 0;
+    for (uint32_t t = 0; t < n; t++)
+        for (uint32_t h = 0; h < H; h++) {
+            const uint32_t p = pos0 + t, kvh = h / (H / Hkv);
+            const uint16_t *qh = q + ((size_t)t * H + h) * D;
+            double mx = -INFINITY, sum = 0;
+            for (uint32_t j = LO(p); j <= p; j++) {
+                const uint16_t *kr = cache_row(hc, layer, 0, kvh, j);
+                double s = 0;
+                for (uint32_t i = 0; i < D; i++) s += bf(qh[i]) * bf(kr[i]);
+                sc[j] = s * scale;
+                if (sc[j] > mx) mx = sc[j];
+            }
+            for (uint32_t i = 0; i < D; i++) ref[i] = 0;
+            for (uint32_t j = LO(p); j <= p; j++) {
+                double w = exp(sc[j] - mx);
+                sum += w;
+                const uint16_t *vr = cache_row(hc, layer, 1, kvh, j);
+                for (uint32_t i = 0; i < D; i++) ref[i] += w * bf(vr[i]);
+            }
+            for (uint32_t i = 0; i < D; i++) {
+                ref[i] /= sum;
+                got[i] = (float)bf(out[((size_t)t * H + h) * D + i]);
+            }
+            double e = rel_l2_f(got, ref, D);
+            if (!(e <= worst)) worst = e;
+            if (!(e <= 1e-2)) fail_msg("%s: token %u head %u: rel-L2 %.3g > 1e-2", what, t, h, e);
+        }
+#undef LO
+    free(sc);
+    free(ref);
+    free(got);
+    return worst;
+}
+
+/* Random bf16 K/V rows of every layer for positions lo .. hi-1 */
+static void cache_fill(host_cache *hc, uint32_t n_layer, uint32_t Hkv, uint32_t D, uint32_t lo, uint32_t hi) {
+    for (uint32_t l = 0; l < n_layer; l++)
+        for (uint32_t kv = 0; kv < 2; kv++)
+            for (uint32_t h = 0; h < Hkv; h++)
+                for (uint32_t p = lo; p < hi; p++) {
+                    uint16_t *r = cache_row(hc, l, kv, h, p);
+                    for (uint32_t i = 0; i < D; i++) r[i] = to_bf(rnd_normal());
+                }
+}
+
 /* probe: the implementation may refuse the shape (KVB_ERR_UNSUPPORTED): said, not failed. */
 static void run_att_case_probe(const att_cfg *k, bool probe) {
     const uint32_t n_layer = 2, layer = 1, D = k->D, pos0 = k->pos0, H = k->H, Hkv = k->Hkv, W = k->window;
     uint32_t n = k->n;
     const double scale = k->scale > 0 ? k->scale : 1.0 / sqrt((double)D);
-#define LO(p) (W && (p) + 1 > W ? (p) + 1 - W : 0u) /* the first key query p reads (the CPU engine's rule) */
     host_cache hc;
     cache_make(&hc, n_layer, Hkv, D, k->bt, pos0 + n);
     /* rows before the window of the first query stay NaN: no query may read them */
-    for (uint32_t l = 0; l < n_layer; l++)
-        for (uint32_t kv = 0; kv < 2; kv++)
-            for (uint32_t h = 0; h < Hkv; h++)
-                for (uint32_t p = LO(pos0); p < pos0 + n; p++) {
-                    uint16_t *r = cache_row(&hc, l, kv, h, p);
-                    for (uint32_t i = 0; i < D; i++) r[i] = to_bf(rnd_normal());
-                }
+    cache_fill(&hc, n_layer, Hkv, D, W && pos0 + 1 > W ? pos0 + 1 - W : 0u, pos0 + n);
     uint16_t *q = malloc(sizeof(uint16_t) * n * H * D), *out = malloc(sizeof(uint16_t) * n * H * D);
-    double *sc = malloc(sizeof(double) * (pos0 + n)), *ref = malloc(sizeof(double) * D);
-    float *got = malloc(sizeof(float) * D);
-    assert_true(q && out && sc && ref && got);
+    assert_true(q && out);
     for (size_t i = 0; i < (size_t)n * H * D; i++) q[i] = to_bf(1.5f * rnd_normal());
     poison_bf16(out, (size_t)n * H * D);
     kvb_err err = {0};
@@ -440,46 +486,15 @@ static void run_att_case_probe(const att_cfg *k, bool probe) {
     } else if (ast) {
         fail_msg("%s", err.msg);
     }
-    double worst = 0;
-    for (uint32_t t = 0; t < n; t++)
-        for (uint32_t h = 0; h < H; h++) {
-            const uint32_t p = pos0 + t, kvh = h / (H / Hkv);
-            const uint16_t *qh = q + ((size_t)t * H + h) * D;
-            double mx = -INFINITY, sum = 0;
-            for (uint32_t j = LO(p); j <= p; j++) {
-                const uint16_t *kr = cache_row(&hc, layer, 0, kvh, j);
-                double s = 0;
-                for (uint32_t i = 0; i < D; i++) s += bf(qh[i]) * bf(kr[i]);
-                sc[j] = s * scale;
-                if (sc[j] > mx) mx = sc[j];
-            }
-            for (uint32_t i = 0; i < D; i++) ref[i] = 0;
-            for (uint32_t j = LO(p); j <= p; j++) {
-                double w = exp(sc[j] - mx);
-                sum += w;
-                const uint16_t *vr = cache_row(&hc, layer, 1, kvh, j);
-                for (uint32_t i = 0; i < D; i++) ref[i] += w * bf(vr[i]);
-            }
-            for (uint32_t i = 0; i < D; i++) {
-                ref[i] /= sum;
-                got[i] = (float)bf(out[((size_t)t * H + h) * D + i]);
-            }
-            double e = rel_l2_f(got, ref, D);
-            if (!(e <= worst)) worst = e;
-            if (!(e <= 1e-2))
-                fail_msg("attention D%u H%u/%u n%u pos0 %u bt%u variant %d window %u: token %u head %u: rel-L2 %.3g > "
-                         "1e-2",
-                         D, H, Hkv, n, pos0, k->bt, k->variant, W, t, h, e);
-        }
-    if (n)
-        print_message("attention D%u H%u/%u n%u pos0 %u bt%u variant %d window %u scale %.4g: worst row rel-L2 %.3g\n",
-                      D, H, Hkv, n, pos0, k->bt, k->variant, W, scale, worst);
-#undef LO
+    if (n) {
+        char what[160];
+        snprintf(what, sizeof what, "attention D%u H%u/%u n%u pos0 %u bt%u variant %d window %u", D, H, Hkv, n, pos0,
+                 k->bt, k->variant, W);
+        const double worst = att_check(&hc, layer, q, out, n, pos0, H, Hkv, D, W, scale, what);
+        print_message("%s scale %.4g: worst row rel-L2 %.3g\n", what, scale, worst);
+    }
     free(q);
     free(out);
-    free(sc);
-    free(ref);
-    free(got);
     cache_free(&hc);
 }
 
@@ -537,6 +552,65 @@ static void test_attention_cudnn(void **state) {
      * says whether this host's cuDNN takes it, and checks it when it does */
     const att_cfg d256 = {256, 4, 1, 200, 300, 32, 4, 0, 0};
     run_att_case_probe(&d256, true);
+}
+
+/* Which chunks cuDNN takes (kvb_cudnn_attn_take, as the engine asks once per chunk): a new
+ * small shape goes to the engine's kernel, the same shape again to cuDNN (its plan then built),
+ * a chunk with attention work past KVB_CUDNN_EAGER_FLOPS at first sight; with
+ * KVB_CUDNN_PLANS=eager, every chunk. Each call's output checked against the float64 reference,
+ * whichever kernel ran it; plans built only for the chunks taken. */
+static void test_attention_cudnn_take(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    const uint32_t D = 128, H = 8, Hkv = 2, layer = 1, n_layer = 2, max_q = 512, max_kv = 4096;
+    /* (n, pos0, layers the caller has): a conversation turn, the same turn twice more, another
+     * turn, a long chunk that pays its plan at once (4 x 8 x 128 x 512 x 3840.5 x 4000 = 3.2e13
+     * flops), one query */
+    const uint32_t calls[][3] = {{100, 100, 1},  {100, 100, 1},     {100, 100, 1},
+                                 {120, 130, 1},  {512, 3584, 4000}, {1, 2047, 1}};
+    const bool deferred[] = {false, true, true, false, true, false};
+    const uint32_t nc = KVB_ARRAY_LEN(calls);
+    host_cache hc;
+    cache_make(&hc, n_layer, Hkv, D, 64, max_kv);
+    cache_fill(&hc, n_layer, Hkv, D, 0, max_kv);
+    uint32_t n[KVB_ARRAY_LEN(calls)], pos0[KVB_ARRAY_LEN(calls)], layers[KVB_ARRAY_LEN(calls)];
+    uint16_t *q[KVB_ARRAY_LEN(calls)], *out[KVB_ARRAY_LEN(calls)];
+    for (uint32_t i = 0; i < nc; i++) {
+        n[i] = calls[i][0];
+        pos0[i] = calls[i][1];
+        layers[i] = calls[i][2];
+        q[i] = malloc(sizeof(uint16_t) * n[i] * H * D);
+        out[i] = malloc(sizeof(uint16_t) * n[i] * H * D);
+        assert_true(q[i] && out[i]);
+        for (size_t j = 0; j < (size_t)n[i] * H * D; j++) q[i][j] = to_bf(1.5f * rnd_normal());
+    }
+    const double scale = 1.0 / sqrt((double)D);
+    for (int eager = 0; eager < 2; eager++) {
+        if (eager) setenv("KVB_CUDNN_PLANS", "eager", 1);
+        for (uint32_t i = 0; i < nc; i++) poison_bf16(out[i], (size_t)n[i] * H * D);
+        bool took[KVB_ARRAY_LEN(calls)];
+        uint32_t plans = 0;
+        kvb_err err = {0};
+        if (kvb_cuda_test_cudnn_sequence(&hc.c, layer, H, max_q, max_kv, nc, n, pos0, layers,
+                                         (const uint16_t *const *)q, out, took, &plans, &err))
+            fail_msg("%s", err.msg);
+        for (uint32_t i = 0; i < nc; i++) {
+            char what[128];
+            snprintf(what, sizeof what, "%s plans, call %u: %u queries at %u, on %s", eager ? "eager" : "deferred", i,
+                     n[i], pos0[i], took[i] ? "cuDNN" : "the engine's kernel");
+            att_check(&hc, layer, q[i], out[i], n[i], pos0[i], H, Hkv, D, 0, scale, what);
+            if (took[i] != (eager || deferred[i])) fail_msg("%s: the other kernel was expected", what);
+        }
+        print_message("%s plans: %u calls, %u plans built, every output within 1e-2\n", eager ? "eager" : "deferred", nc,
+                      plans);
+        assert_int_equal(plans, eager ? 4u : 2u); /* distinct shapes taken */
+    }
+    unsetenv("KVB_CUDNN_PLANS");
+    for (uint32_t i = 0; i < nc; i++) {
+        free(q[i]);
+        free(out[i]);
+    }
+    cache_free(&hc);
 }
 
 /* The gather that feeds cuDNN: every row bit-exact, from a table of scattered blocks */
@@ -689,7 +763,8 @@ int main(void) {
         cmocka_unit_test(test_embed),    cmocka_unit_test(test_rmsnorm),   cmocka_unit_test(test_rmsnorm_add),
         cmocka_unit_test(test_glu),      cmocka_unit_test(test_gemm),      cmocka_unit_test(test_qkv_post),
         cmocka_unit_test(test_attention), cmocka_unit_test(test_attention_window),
-        cmocka_unit_test(test_attention_cudnn), cmocka_unit_test(test_gather_kv), cmocka_unit_test(test_sum_f32),
+        cmocka_unit_test(test_attention_cudnn), cmocka_unit_test(test_attention_cudnn_take),
+        cmocka_unit_test(test_gather_kv), cmocka_unit_test(test_sum_f32),
         cmocka_unit_test(test_expand_bf16),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

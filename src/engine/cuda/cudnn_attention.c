@@ -38,6 +38,14 @@ kvb_status kvb_cudnn_attn_create(cudaStream_t st, int Hkv, int D, uint32_t max_q
     return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "cuDNN attention: this build had no cuDNN headers (cudnn_graph.h)");
 }
 void kvb_cudnn_attn_free(kvb_cudnn_attn *a) { (void)a; }
+bool kvb_cudnn_attn_take(kvb_cudnn_attn *a, int H, int n, int pos0, int layers) {
+    (void)a, (void)H, (void)n, (void)pos0, (void)layers;
+    return false;
+}
+uint32_t kvb_cudnn_attn_plans_built(const kvb_cudnn_attn *a) {
+    (void)a;
+    return 0;
+}
 const char *kvb_cudnn_attn_describe(kvb_cudnn_attn *a) {
     (void)a;
     return "cuDNN: not built";
@@ -72,7 +80,7 @@ typedef struct {
     cudnnStatus_t (*Execute)(cudnnHandle_t, bdesc, bdesc);
 } cudnn_api;
 
-enum { PLAN_CACHE = 48, GRAPH_DESCS = 96 };
+enum { PLAN_CACHE = 48, GRAPH_DESCS = 96, SEEN_CAP = 256 };
 
 typedef struct {
     int H, Hkv, D, s_q, s_kv; /* the shape the plan was built for; H == 0: empty slot */
@@ -97,6 +105,12 @@ struct kvb_cudnn_attn {
     uint64_t clock;
     uint32_t plans_built;  /* plans built so far, and the host seconds they took */
     double build_s;
+    bool eager;            /* KVB_CUDNN_PLANS=eager: every new shape gets its plan at once */
+    struct {
+        int H, s_q, s_kv;
+    } seen[SEEN_CAP];      /* shapes declined once (no plan yet), the newest SEEN_CAP; H == 0: empty */
+    uint32_t seen_next;
+    uint64_t declined;     /* calls of kvb_cudnn_attn_take that said no */
     char version[48];
     char describe[160];
 };
@@ -388,6 +402,10 @@ kvb_status kvb_cudnn_attn_create(cudaStream_t stream, int Hkv, int D, uint32_t m
     if (scratch_bytes) *scratch_bytes = 0;
     if (Hkv <= 0 || D <= 0 || D % 8 || max_kv == 0 || max_q == 0)
         return kvb_err_set(err, KVB_ERR_INVALID, "cuDNN attention: bad shape (Hkv %d, D %d, max_kv %u)", Hkv, D, max_kv);
+    const char *plans = getenv("KVB_CUDNN_PLANS");
+    if (plans && *plans && strcmp(plans, "eager") && strcmp(plans, "deferred"))
+        return kvb_err_set(err, KVB_ERR_INVALID, "KVB_CUDNN_PLANS must be eager or deferred, got '%s'", plans);
+    const bool eager = plans && !strcmp(plans, "eager");
     kvb_cudnn_attn *a = calloc(1, sizeof *a);
     if (!a) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
     kvb_status st = load_api(&a->api, err);
@@ -400,6 +418,7 @@ kvb_status kvb_cudnn_attn_create(cudaStream_t stream, int Hkv, int D, uint32_t m
     a->D = D;
     a->max_kv = max_kv;
     a->max_q = max_q;
+    a->eager = eager;
     const size_t bytes = (size_t)Hkv * max_kv * (size_t)D * 2;
     {
         cudnnStatus_t s = a->api.Create(&a->h);
@@ -440,11 +459,39 @@ void kvb_cudnn_attn_free(kvb_cudnn_attn *a) {
     free(a);
 }
 
+uint32_t kvb_cudnn_attn_plans_built(const kvb_cudnn_attn *a) { return a ? a->plans_built : 0; }
+
 const char *kvb_cudnn_attn_describe(kvb_cudnn_attn *a) {
     if (!a) return "cuDNN: not loaded";
-    snprintf(a->describe, sizeof a->describe, "%s fused attention (%u execution plans built, %.3f s)", a->version,
-             a->plans_built, a->build_s);
+    snprintf(a->describe, sizeof a->describe,
+             "%s fused attention (%u execution plans built, %.3f s; %llu calls on a new shape left to the engine's "
+             "kernel)",
+             a->version, a->plans_built, a->build_s, (unsigned long long)a->declined);
     return a->describe;
+}
+
+bool kvb_cudnn_attn_take(kvb_cudnn_attn *a, int H, int n, int pos0, int layers) {
+    if (!a || n <= 0) return false;
+    const int s_kv = pos0 + n;
+    for (int i = 0; i < PLAN_CACHE; i++) {
+        const plan_slot *p = &a->slots[i];
+        if (p->H == H && p->s_q == n && p->s_kv == s_kv) return true; /* built (or refused: run says why) */
+    }
+    /* the call's attention work: 2 matmuls x 2 flops x H x D per (query, key) pair, a query at p
+     * reading p + 1 keys, over `layers` layers */
+    const double work = 4.0 * H * a->D * (double)n * ((double)pos0 + (n + 1) / 2.0) * layers;
+    if (a->eager || work >= KVB_CUDNN_EAGER_FLOPS) return true;
+    for (uint32_t i = 0; i < SEEN_CAP; i++)
+        if (a->seen[i].H == H && a->seen[i].s_q == n && a->seen[i].s_kv == s_kv) {
+            a->seen[i].H = 0; /* the second time: it recurs, so its plan pays */
+            return true;
+        }
+    a->seen[a->seen_next].H = H;
+    a->seen[a->seen_next].s_q = n;
+    a->seen[a->seen_next].s_kv = s_kv;
+    a->seen_next = (a->seen_next + 1) % SEEN_CAP;
+    a->declined++;
+    return false;
 }
 
 /* The slot holding this shape's plan, built now if absent (the least recently used slot is

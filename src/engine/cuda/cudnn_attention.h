@@ -8,14 +8,16 @@
  * dimension, so each call first gathers the layer's K and V rows for positions 0 .. pos0+n-1
  * into contiguous scratch (kv_head, token, head_dim) — a copy that costs ~1 % of the attention
  * it feeds at 32K tokens (measured in bench/RESULTS.md). Execution plans are built per (query
- * rows, key rows) shape and kept (a few dozen; the oldest is dropped; a shape whose plan cannot be
- * built is remembered and refused). Global layers only: a
+ * rows, key rows) shape, ~50 ms of host time each, for the chunks kvb_cudnn_attn_take gives to
+ * cuDNN, and kept (a few dozen; the oldest is dropped; a shape whose plan cannot be built is
+ * remembered and refused). Global layers only: a
  * sliding-window layer is refused (UNSUPPORTED). Arithmetic: bf16 Q.K^T and P.V with f32
  * accumulation, scores times scale, f32 softmax, P rounded to bf16, output bf16 — the same
  * contract as our kernel; the order of accumulation is cuDNN's. */
 #ifndef KVB_CUDNN_ATTENTION_H
 #define KVB_CUDNN_ATTENTION_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "cuda_kernels.h"
@@ -33,6 +35,24 @@ void kvb_cudnn_attn_free(kvb_cudnn_attn *a);
 /* "cuDNN 9.19.0 fused attention (12 execution plans built, 0.842 s)": the version and the plans
  * built so far with the host time they took (one per new shape). Valid until the next call. */
 const char *kvb_cudnn_attn_describe(kvb_cudnn_attn *a);
+
+/* Execution plans built so far. */
+uint32_t kvb_cudnn_attn_plans_built(const kvb_cudnn_attn *a);
+
+/* A chunk's attention work at which its plan is built at first sight: cuDNN's gain in that one
+ * chunk then about pays for the ~50 ms the plan takes to build (measured on the H200: the 1B shape
+ * saves ~9 ms per 8K chunk from position 0 and ~60 ms per 8K chunk at 32K, 4.4e12 and 3.1e13
+ * flops over its 16 layers). */
+#define KVB_CUDNN_EAGER_FLOPS 2.5e13
+
+/* Whether a chunk of n queries at pos0 (H heads, `layers` layers) should run on cuDNN: yes when
+ * its shape has a plan, when its attention work is at least KVB_CUDNN_EAGER_FLOPS, when the shape
+ * was declined once before (it recurs: its plan pays), or with KVB_CUDNN_PLANS=eager; else no, and
+ * the shape is remembered (the newest 256). A plan takes ~50 ms of host time to build, more than a
+ * short chunk's whole attention: a conversation turn or the last chunk of a prompt of a new length
+ * then runs on the engine's own kernel instead of waiting for it. Call once per chunk, then
+ * kvb_cudnn_attn_run for each of its layers when it says yes. */
+bool kvb_cudnn_attn_take(kvb_cudnn_attn *a, int H, int n, int pos0, int layers);
 
 /* a->out (n, H*D) bf16 = causal attention of a->q (n, H*D) bf16 at positions pos0 .. pos0+n-1
  * over the cache's layer a->layer (window must be 0), enqueued on the handle's stream. */

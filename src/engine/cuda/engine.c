@@ -1189,10 +1189,12 @@ static kvb_status residual_branch(kvb_cuda_engine *e, const void *W, int E, int 
     return KVB_OK;
 }
 
-/* One layer's attention: cuDNN's on a global layer when selected (a shape it has no engine for
- * runs on the engine's kernel instead, counted), else the engine's kernel. */
-static kvb_status run_attention(kvb_cuda_engine *e, const cu_layer *L, const kvb_cu_attn_args *aa, kvb_err *err) {
-    if (e->o.attention == KVB_CUDA_ATTN_CUDNN && !L->window) {
+/* One layer's attention: cuDNN's on a global layer when the chunk was given to it (dnn, from
+ * kvb_cudnn_attn_take; a shape it has no engine for runs on the engine's kernel instead, counted),
+ * else the engine's kernel. */
+static kvb_status run_attention(kvb_cuda_engine *e, const cu_layer *L, const kvb_cu_attn_args *aa, bool dnn,
+                                kvb_err *err) {
+    if (dnn && !L->window) {
         kvb_err de = {0};
         kvb_status rs = kvb_cudnn_attn_run(e->dnn, aa, &de);
         if (!rs) return KVB_OK;
@@ -1217,6 +1219,14 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
 
     KVB_CU(kvb_cu_embed(e->tok_embd, e->d_tok + pos0, n, E, d->embd_scale, e->x, st)); /* embd_scale 0: none */
     const kvb_cu_cache cache = {e->kv_pool, e->block_bytes, s->d_blocks, e->bt_shift, Hkv, D};
+    /* cuDNN for this chunk's global layers, or (a new shape whose plan would cost more than it
+     * saves here) the engine's kernel for all of them */
+    bool dnn = false;
+    if (e->o.attention == KVB_CUDA_ATTN_CUDNN) {
+        int global = 0;
+        for (uint32_t l = 0; l < d->n_layer; l++) global += !e->L[l].window;
+        dnn = kvb_cudnn_attn_take(e->dnn, H, n, (int)pos0, global);
+    }
     for (uint32_t l = 0; l < d->n_layer; l++) {
         const cu_layer *L = &e->L[l];
         const cu_bf16_set *W = &L->w;
@@ -1237,7 +1247,7 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
                                    e->q, cache, (int)l};
         KVB_CU(kvb_cu_qkv_post(&qa, st));
         kvb_cu_attn_args aa = {e->q, e->att, cache, (int)l, H, Hkv, D, n, (int)pos0, L->window, d->attn_scale};
-        if (!skip_attention() && (rs = run_attention(e, L, &aa, err))) return rs;
+        if (!skip_attention() && (rs = run_attention(e, L, &aa, dnn, err))) return rs;
         /* x += W_o att: in the GEMM's epilogue, or (gemma3) through the post-attention norm */
         if ((rs = residual_branch(e, W->m[BF_O], E, Q, e->att, n, L->post_attn_norm, err))) return rs;
         KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->ffn_norm, eps, e->h, (size_t)E, NULL, st));

@@ -245,6 +245,15 @@ kvb_status kvb_cuda_test_attention(const uint16_t *q, uint32_t n, uint32_t H, ui
                                    uint16_t *out, kvb_err *err);
 /* k_out, v_out (Hkv, n_pos, D) bf16 = the cache's K and V rows of `layer` for positions 0 ..
  * n_pos-1 (the gather that feeds cuDNN's attention). */
+/* The engine's choice of kernel over a sequence of calls through one cuDNN attention object
+ * (query capacity max_q, key capacity max_kv): for call i, took[i] = whether cuDNN takes a chunk of
+ * n[i] queries at pos0[i] of a model with layers[i] global layers (kvb_cudnn_attn_take), then
+ * out[i] (n[i], H*D) bf16 = its attention from q[i] over the cache's `layer` on cuDNN or, when not
+ * taken, the engine's kernel; *plans = execution plans built over the sequence. */
+kvb_status kvb_cuda_test_cudnn_sequence(const kvb_cuda_test_cache *cache, uint32_t layer, uint32_t H, uint32_t max_q,
+                                        uint32_t max_kv, uint32_t calls, const uint32_t *n, const uint32_t *pos0,
+                                        const uint32_t *layers, const uint16_t *const *q, uint16_t *const *out,
+                                        bool *took, uint32_t *plans, kvb_err *err);
 kvb_status kvb_cuda_test_gather_kv(const kvb_cuda_test_cache *cache, uint32_t layer, uint32_t n_pos, uint16_t *k_out,
                                    uint16_t *v_out, kvb_err *err);
 /* out (rows, cols) bf16 = the packed-weight expansion of src (rows, src_row_bytes) of `type`

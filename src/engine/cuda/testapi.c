@@ -228,6 +228,52 @@ done:
     return st;
 }
 
+kvb_status kvb_cuda_test_cudnn_sequence(const kvb_cuda_test_cache *c, uint32_t layer, uint32_t H, uint32_t max_q,
+                                        uint32_t max_kv, uint32_t calls, const uint32_t *n, const uint32_t *pos0,
+                                        const uint32_t *layers, const uint16_t *const *q, uint16_t *const *out,
+                                        bool *took, uint32_t *plans, kvb_err *err) {
+    *plans = 0;
+    kvb_status st = need_device(err);
+    if (st) return st;
+    const int bts = shift_of(c->block_tokens);
+    if (bts < 0) return kvb_err_set(err, KVB_ERR_INVALID, "block_tokens must be a power of two");
+    for (uint32_t i = 0; i < calls; i++)
+        if (n[i] == 0 || n[i] > max_q || (uint64_t)pos0[i] + n[i] > max_kv)
+            return kvb_err_set(err, KVB_ERR_INVALID, "call %u: %u queries at %u exceed %u x %u", i, n[i], pos0[i], max_q,
+                               max_kv);
+    const size_t row = (size_t)H * c->head_dim * 2;
+    dbufs b = {{0}, 0};
+    void *dq, *dout, *dpool, *dtab;
+    kvb_cudnn_attn *dnn = NULL;
+    if ((st = dput(&b, &dq, NULL, max_q * row, err)) || (st = dput(&b, &dout, NULL, max_q * row, err)) ||
+        (st = dput(&b, &dpool, c->pool, cache_block_bytes(c) * c->n_pool_blocks, err)) ||
+        (st = dput(&b, &dtab, c->blocks, (size_t)c->n_table * 4, err)) ||
+        (st = kvb_cudnn_attn_create(0, (int)c->n_head_kv, (int)c->head_dim, max_q, max_kv, &dnn, NULL, err)))
+        goto done;
+    if (kvb_cu_attention_init() != cudaSuccess) {
+        st = kvb_err_set(err, KVB_ERR_INTERNAL, "kvb_cu_attention_init failed");
+        goto done;
+    }
+    for (uint32_t i = 0; i < calls && !st; i++) {
+        if (cudaMemcpy(dq, q[i], n[i] * row, cudaMemcpyHostToDevice) != cudaSuccess) {
+            st = kvb_err_set(err, KVB_ERR_INTERNAL, "cuDNN sequence test: upload failed");
+            break;
+        }
+        kvb_cu_attn_args aa = {dq, dout,
+                               {dpool, cache_block_bytes(c), dtab, bts, (int)c->n_head_kv, (int)c->head_dim},
+                               (int)layer, (int)H, (int)c->n_head_kv, (int)c->head_dim, (int)n[i], (int)pos0[i], 0, 0};
+        took[i] = kvb_cudnn_attn_take(dnn, (int)H, (int)n[i], (int)pos0[i], (int)layers[i]);
+        if (took[i]) st = kvb_cudnn_attn_run(dnn, &aa, err);
+        else if (kvb_cu_attention(&aa, 0, 0) != cudaSuccess) st = kvb_err_set(err, KVB_ERR_INTERNAL, "kvb_cu_attention failed");
+        if (!st) st = fetch(cudaSuccess, "attention", out[i], dout, n[i] * row, err);
+    }
+    *plans = kvb_cudnn_attn_plans_built(dnn);
+done:
+    kvb_cudnn_attn_free(dnn);
+    dbufs_free(&b);
+    return st;
+}
+
 kvb_status kvb_cuda_test_gather_kv(const kvb_cuda_test_cache *c, uint32_t layer, uint32_t n_pos, uint16_t *k_out,
                                    uint16_t *v_out, kvb_err *err) {
     kvb_status st = need_device(err);
