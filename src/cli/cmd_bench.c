@@ -44,7 +44,8 @@ static void help(FILE *f) {
             "                       fraction of the prefill time (kernels and copies to pinned memory; the\n"
             "                       slabs are not sent anywhere)\n"
             "  --ceiling-reps N     (cuda) timed GEMMs for the ceiling (default 20)\n"
-            "  --warmup N           (cuda) untimed forwards before each size's timed ones (default 1)\n"
+            "  --warmup N           (cuda) untimed forwards before each size's timed ones (default 2: the first\n"
+            "                       runs a new shape on the engine's kernel, the second builds cuDNN's plans)\n"
             "  --attention A        (cuda) attention on global layers: own (the engine's flash kernel), cudnn\n"
             "                       (cuDNN's fused attention, libcudnn.so.9 on LD_LIBRARY_PATH), both (each size\n"
             "                       with each, side by side, and their ratio) or auto (default: cuDNN when it\n"
@@ -455,7 +456,7 @@ int kvb_cmd_bench(int argc, char **argv) {
         fprintf(stderr, "kvbridge bench: unknown benchmark '%s' (prefill, decode, ladder, link, slab or quality; see kvbridge bench --help)\n", what);
         return 2;
     }
-    long long threads = 0, n_tok = 512, n_gen = 128, n_ctx = 16, reps = 3, chunk = 0, ceiling_reps = 20, warmup = 1;
+    long long threads = 0, n_tok = 512, n_gen = 128, n_ctx = 16, reps = 3, chunk = 0, ceiling_reps = 20, warmup = 2;
     const char *tokens_arg = NULL, *peer_json = NULL, *attn_arg = NULL;
     bool cuda = false, host_overhead = false, tp_one_device = false;
     long long gpus = 1;

@@ -46,9 +46,10 @@ static void help(FILE *f) {
             "                       bridge computing and cutting the decoder's rows, which are then dropped\n"
             "                       instead of sent ('+bridge'): the prefill node's own work for a bridged\n"
             "                       request, so 'vs +bridge' is what the link and the exchange add to it\n"
-            "  --warmup N           untimed bridged prompts of each length before its timed ones (default 1\n"
-            "                       with --device cuda, where the first prompt of a length builds cuDNN\n"
-            "                       execution plans, ~0.1 s per shape; 0 on cpu)\n"
+            "  --warmup N           untimed bridged prompts of each length before its timed ones (default 2\n"
+            "                       with --device cuda: a length's first prompt runs on the engine's kernel,\n"
+            "                       the second gets cuDNN's plans for its shapes; 0 on cpu). The in-process\n"
+            "                       CUDA prefill node also warms up at start, as serve --role prefill does\n"
             "  --slab-path-only     the in-process prefill node ships filler rows without computing them: the\n"
             "                       time and GB/s of the slab path alone (cutting, staging, transport, the\n"
             "                       decoder's verification and commit) — its ceiling; the decoder's last\n"
@@ -212,7 +213,8 @@ int kvb_bench_ladder(int argc, char **argv) {
                                  .cache_dtype = cache_type, .max_ctx = ctx, .cuda = cuda,
                                  .chunk_tokens = (uint32_t)chunk, .bench_filler_rows = filler,
                                  .block_tokens = (uint32_t)block, .gpus = (int)gpus,
-                                 .tp_one_device = tp_one_device, .gpu_weights = gpu_weights};
+                                 .tp_one_device = tp_one_device, .gpu_weights = gpu_weights,
+                                 .warmup_tokens = filler ? 0 : (uint32_t)(chunk ? chunk : 8192) + 64};
         if (kvb_prefill_node_start(&pc, &pn, &err)) goto fail;
         snprintf(peer_addr, sizeof peer_addr, "127.0.0.1:%u", kvb_prefill_node_port(pn));
         peer = peer_addr;
@@ -234,7 +236,7 @@ int kvb_bench_ladder(int argc, char **argv) {
            !pn ? "remote" : filler ? "filler rows, in process: the slab path alone"
                           : cuda ? "CUDA engine, in process" : "CPU engine, in process",
            kvb_type_name(cache_type), lanes_used);
-    if (warmup < 0) warmup = cuda ? 1 : 0;
+    if (warmup < 0) warmup = cuda ? 2 : 0; /* the second builds cuDNN's plans (kvb_cudnn_attn_take) */
     if (warmup)
         printf("warm-up    %lld untimed bridged prompt(s) of each length first (fresh tokens, no cache hits): the "
                "prefill node's\n           per-shape state (cuDNN execution plans) is then built, as on a server "

@@ -298,7 +298,7 @@ int kvb_cmd_demo(int argc, char **argv) {
 #endif
     kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = psk, .n_threads = (int)threads,
                              .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 8192, .cuda = cuda,
-                             .gpus = (int)gpus, .tp_one_device = tp_one_device};
+                             .gpus = (int)gpus, .tp_one_device = tp_one_device, .warmup_tokens = 8192 + 64};
     if (kvb_prefill_node_start(&pc, &pn, &err)) goto fail;
     char peer[32];
     snprintf(peer, sizeof peer, "127.0.0.1:%u", kvb_prefill_node_port(pn));

@@ -38,6 +38,10 @@ static void help(FILE *f) {
             "  --gpus N             prefill, cuda: tensor-parallel prefill over GPUs 0..N-1 (NCCL); the decoder\n"
             "                       receives the same slab sequence as from one GPU\n"
             "  --tp-one-device      prefill, cuda, --gpus N: every rank on one GPU (tests the split; not faster)\n"
+            "  --warmup N           prefill, cuda: before listening, prefill N random tokens twice with the\n"
+            "                       bridge's kernels (rows dropped) so the first request does not pay for loading\n"
+            "                       the GPU kernels and libraries and cuDNN's plan for a full first chunk\n"
+            "                       (default: one chunk and 64 tokens; 0 = none)\n"
             KVB_CLI_GPU_WEIGHTS_HELP
             "  --cache-blocks N     decode: prefix-cache size in blocks (default: 4 contexts' worth)\n"
             "  --tail-after-transfer  decode: compute the prompt's last token after the bridged cache has\n"
@@ -58,7 +62,8 @@ int kvb_cmd_serve(int argc, char **argv) {
     const char *cmd = "serve", *role = NULL, *model = NULL, *listen = NULL, *http = NULL, *peer = NULL,
                *psk = getenv("KVB_PSK"), *tmpl = NULL, *model_id = NULL, *fault = NULL, *mode = "decoder",
                *device = "cpu";
-    long long threads = 0, bt = 32, ctx = 0, bridge_min = 0, max_tokens = 0, chunk = 0, cache_blocks = 0, lanes = 0;
+    long long threads = 0, bt = 32, ctx = 0, bridge_min = 0, max_tokens = 0, chunk = 0, cache_blocks = 0, lanes = 0,
+              warmup = -1;
     long long gpus = 1;
     bool tail_after = false, tp_one_device = false;
     int gpu_weights = 0;
@@ -78,6 +83,7 @@ int kvb_cmd_serve(int argc, char **argv) {
         STR("--peer", peer) STR("--psk", psk) STR("--chat-template", tmpl) STR("--model-id", model_id)
         STR("--fault", fault) STR("--bridge-mode", mode) STR("--device", device)
         NUM("--chunk", chunk, 16, 1 << 20) NUM("--cache-blocks", cache_blocks, 16, 1LL << 31)
+        NUM("--warmup", warmup, 0, 1 << 24)
         NUM("--threads", threads, 1, 1024) NUM("--block-tokens", bt, 1, 4096) NUM("--ctx", ctx, 16, 1 << 24)
         NUM("--bridge-min", bridge_min, 1, 1 << 24) NUM("--max-tokens", max_tokens, 1, 1 << 24)
         NUM("--lanes", lanes, 1, KVB_MAX_LANES) NUM("--gpus", gpus, 1, KVB_CLI_MAX_GPUS)
@@ -137,9 +143,14 @@ int kvb_cmd_serve(int argc, char **argv) {
                                 .cache_dtype = cache_type, .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
                                 .fault = fault, .prefill_mode = prefill_mode, .engine_cache_dtype = engine_type,
                                 .cuda = !strcmp(device, "cuda"), .chunk_tokens = (uint32_t)chunk,
-                                .gpus = (int)gpus, .tp_one_device = tp_one_device, .gpu_weights = gpu_weights};
+                                .gpus = (int)gpus, .tp_one_device = tp_one_device, .gpu_weights = gpu_weights,
+                                .warmup_tokens = (uint32_t)(warmup >= 0 ? warmup : (chunk ? chunk : 8192) + 64)};
         if (kvb_prefill_node_start(&c, &pn, &err)) goto fail;
-        printf("kvbridge prefill node: listening on port %u (model %s)\n", kvb_prefill_node_port(pn), model);
+        double wu_s = 0;
+        const uint32_t wu = kvb_prefill_node_warmup(pn, &wu_s);
+        printf("kvbridge prefill node: listening on port %u (model %s", kvb_prefill_node_port(pn), model);
+        if (wu) printf("; GPU warmed up on %u tokens in %.2f s", wu, wu_s);
+        printf(")\n");
     } else {
         kvb_decode_config c = {.http_listen = http, .peer = peer, .model_path = model, .model_id = model_id,
                                .psk = psk, .chat_template = tmpl, .n_threads = (int)threads, .cache_dtype = cache_type,

@@ -37,6 +37,11 @@ typedef struct {
     bool prefill_mode;         /* bridge mode `prefill`: ship this engine's own K/V re-encoded (cheaper,
                                   not exact) instead of the decoder's arithmetic (mode `decoder`) */
     uint32_t engine_cache_dtype; /* this node's own cache dtype in prefill mode (0 = the decoder's) */
+    /* cuda: before listening, prefill this many random tokens twice with the bridge computing and
+     * its rows dropped (at most max_ctx - 1), so the first request does not pay for loading the
+     * kernels, initialising the GPU libraries (~0.2 s on the H200) and cuDNN's plans for these
+     * shapes; 0 = none */
+    uint32_t warmup_tokens;
     /* Test-only fault injection ("corrupt:N" flips a byte of the Nth slab after its checksum;
      * "die:N" drops the connection before the Nth slab; "stall:N" stops sending before the Nth
      * slab for 30 s). NULL in production. */
@@ -52,6 +57,8 @@ typedef struct {
 typedef struct kvb_prefill_node kvb_prefill_node;
 kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_node **out, kvb_err *err);
 uint16_t kvb_prefill_node_port(const kvb_prefill_node *n);
+/* The start's warm-up (warmup_tokens): the tokens it prefilled (0: none) and its seconds. */
+uint32_t kvb_prefill_node_warmup(const kvb_prefill_node *n, double *seconds);
 /* Peak bytes of staging memory a request used: the ring's slots in use, plus on CUDA the bridge's
  * pinned row slots (two, or KVB_BRIDGE_SLOTS; fixed at start). Never grows with the prompt. */
 uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n);

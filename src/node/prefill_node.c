@@ -53,6 +53,8 @@ struct kvb_prefill_node {
     atomic_uint slab_seq;         /* slabs sent for the request in flight, over all lanes (faults) */
     kvb_ring ring;
     uint64_t peak_capture;
+    uint32_t warmup_tokens; /* the start's warm-up prefill, and its seconds */
+    double warmup_s;
     double last_ring_full_s, last_ring_empty_s; /* the last request's staging stages */
     int fault_kind; /* 0 none, 1 corrupt, 2 die, 3 stall */
     uint32_t fault_at;
@@ -479,6 +481,17 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
                                  cfg->name ? cfg->name : "prefill",
                                  n->m->fingerprint, &n->fmt, err);
     n->tcfg = (kvb_transport_config){.psk = (const uint8_t *)n->psk, .psk_len = n->psk ? strlen(n->psk) : 0};
+    if (!st && cfg->cuda && cfg->warmup_tokens) {
+        /* twice: the second pass is its shapes' second sight, so cuDNN's plans for them are built
+         * (kvb_cudnn_attn_take) — a full first chunk is the shape every long prompt starts with */
+        const uint32_t t = cfg->warmup_tokens < n->cfg.max_ctx ? cfg->warmup_tokens : n->cfg.max_ctx - 1;
+        double s1 = 0, s2 = 0;
+        if (t && !(st = kvb_prefill_node_time_alone(n, t, 1, true, &s1, err)) &&
+            !(st = kvb_prefill_node_time_alone(n, t, 1, true, &s2, err))) {
+            n->warmup_tokens = t;
+            n->warmup_s = s1 + s2;
+        }
+    }
     if (!st) st = kvb_transport_listen(cfg->listen, NULL, &n->l, err);
     if (!st) {
         n->accept_started = pthread_create(&n->accept_thread, NULL, accept_main, n) == 0;
@@ -493,6 +506,10 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
 }
 
 uint16_t kvb_prefill_node_port(const kvb_prefill_node *n) { return kvb_listener_port(n->l); }
+uint32_t kvb_prefill_node_warmup(const kvb_prefill_node *n, double *seconds) {
+    *seconds = n->warmup_s;
+    return n->warmup_tokens;
+}
 uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n) {
 #ifdef KVB_HAVE_CUDA
     if (n->bc) return n->peak_capture + kvb_bridge_cuda_pinned_bytes(n->bc);
