@@ -24,6 +24,7 @@
 #include "kvb_transport.h"
 #include "kvb_quant.h"
 #include "kvbt.h"
+#include "node_client.h"
 
 #define PSK "test-key-0123456789abcdef"
 static char g_model[512], g_other[512], g_gemma[512];
@@ -78,73 +79,20 @@ static kvb_decode_node *start_decode(uint16_t peer_port, const char *psk, int ti
     return start_decode_mode(peer_port, psk, timeout_ms, false);
 }
 
-typedef struct {
-    char verdict[160];
-    int prompt, cached, bridged, native;
-    bool pipelined; /* usage.kvbridge.native_pipelined */
-    char *content;
-} reply;
-
-/* One completion request with token ids (exact control over what is cached). */
-static void complete_ids(uint16_t port, const int32_t *ids, int n, reply *r) {
-    cJSON *req = cJSON_CreateObject();
-    cJSON_AddStringToObject(req, "model", "m");
-    cJSON_AddItemToObject(req, "prompt", cJSON_CreateIntArray(ids, n));
-    cJSON_AddNumberToObject(req, "max_tokens", 8);
-    cJSON_AddNumberToObject(req, "temperature", 0);
-    char *body = cJSON_PrintUnformatted(req);
-    cJSON_Delete(req);
-    kvb_http_reply h;
-    kvb_err err = {0};
-    assert_int_equal(kvb_http_post("127.0.0.1", port, "/v1/completions", body, 120000, &h, &err), KVB_OK);
-    free(body);
-    if (h.status != 200) fail_msg("HTTP %d: %s", h.status, h.body);
-    cJSON *root = cJSON_Parse(h.body);
-    cJSON *kb = cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "kvbridge");
-    assert_non_null(kb);
-    snprintf(r->verdict, sizeof r->verdict, "%s", h.verdict);
-    assert_string_equal(cJSON_GetObjectItem(kb, "verdict")->valuestring, h.verdict);
-    r->prompt = (int)cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "prompt_tokens")->valuedouble;
-    r->cached = (int)cJSON_GetObjectItem(kb, "cached_tokens")->valuedouble;
-    r->bridged = (int)cJSON_GetObjectItem(kb, "bridged_tokens")->valuedouble;
-    r->native = (int)cJSON_GetObjectItem(kb, "native_tokens")->valuedouble;
-    r->pipelined = cJSON_IsTrue(cJSON_GetObjectItem(kb, "native_pipelined"));
-    cJSON *text = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0), "text");
-    r->content = strdup(text->valuestring);
-    cJSON_Delete(root);
-    kvb_http_reply_free(&h);
-    assert_int_equal(r->cached + r->bridged + r->native, r->prompt);
-}
-
-static void prompt_ids(int32_t *ids, int n, uint64_t seed) {
-    kvb_rng r;
-    kvb_rng_seed(&r, seed);
-    for (int i = 0; i < n; i++) ids[i] = 3 + (int32_t)(kvb_rng_u64(&r) % 250);
-}
-
-static double metric(uint16_t port, const char *series) {
-    char cmd[256], out[65536];
-    snprintf(cmd, sizeof cmd, "curl -s http://127.0.0.1:%u/metrics", port);
-    if (kvbt_sh(cmd, out, sizeof out, 0) != 0) return -1;
-    for (const char *p = out; (p = strstr(p, series)) != NULL; p++)
-        if (p == out || p[-1] == '\n') return atof(p + strlen(series)); /* a sample line, not # HELP */
-    return 0;
-}
-
 static void multiturn_ships_only_increments(uint32_t lanes) {
     g_lanes = lanes;
     kvb_prefill_node *pn = start_prefill(g_model, PSK, NULL);
     kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
     kvb_decode_node *nat = start_decode(0, PSK, 10000);
     int32_t ids[1200];
-    prompt_ids(ids, 1200, 7);
+    kvbt_prompt_ids(ids, 1200, 7);
     const int lens[] = {700, 900, 1200}; /* each turn extends the previous prompt */
     int prev_ship = 0;
     for (int t = 0; t < 3; t++) {
-        reply b, n;
-        double bytes0 = metric(kvb_decode_node_port(dn), "kvbridge_slab_bytes_total ");
-        complete_ids(kvb_decode_node_port(dn), ids, lens[t], &b);
-        complete_ids(kvb_decode_node_port(nat), ids, lens[t], &n);
+        kvbt_reply b, n;
+        double bytes0 = kvbt_metric(kvb_decode_node_port(dn), "kvbridge_slab_bytes_total ");
+        kvbt_complete_ids(kvb_decode_node_port(dn), ids, lens[t], &b);
+        kvbt_complete_ids(kvb_decode_node_port(nat), ids, lens[t], &n);
         /* shipped: whole blocks and the tail, everything before the last prompt token */
         int ship = (lens[t] - 1) / 32 * 32, shipped = lens[t] - 1;
         assert_string_equal(b.verdict, "complete");
@@ -153,7 +101,7 @@ static void multiturn_ships_only_increments(uint32_t lanes) {
         assert_int_equal(b.native, 1);                    /* the decoder computed the last token only */
         assert_true(b.pipelined);                         /* ... while the blocks arrived */
         assert_false(n.pipelined);
-        double bytes = metric(kvb_decode_node_port(dn), "kvbridge_slab_bytes_total ") - bytes0;
+        double bytes = kvbt_metric(kvb_decode_node_port(dn), "kvbridge_slab_bytes_total ") - bytes0;
         /* tiny: 4 layers x K,V x 2 kv heads x 64 dims x f16 = 2048 bytes per token */
         assert_true(bytes == (double)(shipped - prev_ship) * 2048.0);
         assert_string_equal(b.content, n.content); /* same answer as computing everything natively */
@@ -222,7 +170,7 @@ static void test_lane_group_on_the_wire(void **state) {
     for (int l = 0; l < 3; l++) c[l] = dial_as_decoder(kvb_prefill_node_port(pn), m, &f);
     for (int l = 0; l < 3; l++) lane_and_ping(c[l], 0x1234, (uint32_t)l, 3);
     int32_t ids[641];
-    prompt_ids(ids, 641, 11);
+    kvbt_prompt_ids(ids, 641, 11);
     kvb_msg_prefill p = {.request_id = 5, .bridge_mode = KVB_BRIDGE_MODE_DECODER, .n_tokens = 641,
                          .cached_tokens = 0, .ship_tokens = 640,
                          .last_cached_key = kvb_chain_root(m->fingerprint, kvb_kvformat_fingerprint(&f)),
@@ -284,13 +232,13 @@ static void test_pipelined_tail_edges(void **state) {
     } cases[] = {{641, 900, true, false}, {640, 800, true, false}, {650, 1000, true, false},
                  {650, 1000, false, true}};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-        prompt_ids(ids, 1400, 500 + c);
+        kvbt_prompt_ids(ids, 1400, 500 + c);
         if (cases[c].env_off) setenv("KVB_DECODE_PIPELINED_TAIL", "0", 1);
         for (int turn = 0; turn < 2; turn++) {
             const int len = turn ? cases[c].next : cases[c].len;
-            reply b, n;
-            complete_ids(kvb_decode_node_port(dn), ids, len, &b);
-            complete_ids(kvb_decode_node_port(nat), ids, len, &n);
+            kvbt_reply b, n;
+            kvbt_complete_ids(kvb_decode_node_port(dn), ids, len, &b);
+            kvbt_complete_ids(kvb_decode_node_port(nat), ids, len, &n);
             if (strcmp(b.verdict, "complete") != 0) fail_msg("case %zu turn %d: verdict %s", c, turn, b.verdict);
             const bool want = turn ? !cases[c].env_off : cases[c].pipelined;
             if (b.pipelined != want) fail_msg("case %zu turn %d (%d tokens): pipelined %d", c, turn, len, b.pipelined);
@@ -332,14 +280,14 @@ static void test_gemma3_window_multiturn(void **state) {
     kvb_decode_node *dn = NULL, *nat = NULL;
     if (kvb_decode_node_start(&c, &dn, &err) || kvb_decode_node_start(&cn, &nat, &err)) fail_msg("%s", err.msg);
     int32_t ids[600];
-    prompt_ids(ids, 600, 77);
+    kvbt_prompt_ids(ids, 600, 77);
     const int lens[] = {300, 420, 600};
     uint32_t prev_ship = 0;
     for (int t = 0; t < 3; t++) {
-        reply b, n;
-        double bytes0 = metric(kvb_decode_node_port(dn), "kvbridge_slab_bytes_total ");
-        complete_ids(kvb_decode_node_port(dn), ids, lens[t], &b);
-        complete_ids(kvb_decode_node_port(nat), ids, lens[t], &n);
+        kvbt_reply b, n;
+        double bytes0 = kvbt_metric(kvb_decode_node_port(dn), "kvbridge_slab_bytes_total ");
+        kvbt_complete_ids(kvb_decode_node_port(dn), ids, lens[t], &b);
+        kvbt_complete_ids(kvb_decode_node_port(nat), ids, lens[t], &n);
         const uint32_t shipped = (uint32_t)lens[t] - 1, ship = shipped / 32 * 32;
         assert_string_equal(b.verdict, "complete");
         assert_int_equal(b.cached, prev_ship); /* the previous turn's blocks, their window kept */
@@ -347,7 +295,7 @@ static void test_gemma3_window_multiturn(void **state) {
         assert_int_equal(b.native, 1);
         uint64_t g, l;
         kvb_kvformat_ship_bytes(&f, prev_ship, shipped, &g, &l);
-        double bytes = metric(kvb_decode_node_port(dn), "kvbridge_slab_bytes_total ") - bytes0;
+        double bytes = kvbt_metric(kvb_decode_node_port(dn), "kvbridge_slab_bytes_total ") - bytes0;
         uint64_t per_g, per_l;
         kvb_kvformat_token_bytes(&f, &per_g, &per_l);
         assert_true(l <= (uint64_t)(16 + 32 - 1) * per_l); /* local rows: the window only (< 47 positions) */
@@ -361,10 +309,10 @@ static void test_gemma3_window_multiturn(void **state) {
     /* shares blocks 0..5 only, whose local rows were never kept: not adopted, bridged again */
     int32_t other[350];
     memcpy(other, ids, sizeof(int32_t) * 200);
-    prompt_ids(other + 200, 150, 78);
-    reply b, n;
-    complete_ids(kvb_decode_node_port(dn), other, 350, &b);
-    complete_ids(kvb_decode_node_port(nat), other, 350, &n);
+    kvbt_prompt_ids(other + 200, 150, 78);
+    kvbt_reply b, n;
+    kvbt_complete_ids(kvb_decode_node_port(dn), other, 350, &b);
+    kvbt_complete_ids(kvb_decode_node_port(nat), other, 350, &n);
     assert_string_equal(b.verdict, "complete");
     assert_int_equal(b.cached, 0);
     assert_int_equal(b.bridged, 349);
@@ -385,16 +333,16 @@ static void check_fault(const char *fault, const char *model, const char *psk_pr
     kvb_decode_node *dn = start_decode(port, PSK, timeout_ms);
     kvb_decode_node *nat = start_decode(0, PSK, timeout_ms);
     int32_t ids[600];
-    prompt_ids(ids, 600, 99);
-    reply b, n;
-    complete_ids(kvb_decode_node_port(dn), ids, 600, &b);
-    complete_ids(kvb_decode_node_port(nat), ids, 600, &n);
+    kvbt_prompt_ids(ids, 600, 99);
+    kvbt_reply b, n;
+    kvbt_complete_ids(kvb_decode_node_port(dn), ids, 600, &b);
+    kvbt_complete_ids(kvb_decode_node_port(nat), ids, 600, &n);
     if (strncmp(b.verdict, verdict_prefix, strlen(verdict_prefix)) != 0)
         fail_msg("fault %s: verdict '%s', expected '%s...'", fault ? fault : "-", b.verdict, verdict_prefix);
     assert_string_equal(b.content, n.content);
     assert_true(b.bridged < 599); /* never reported as fully bridged */
     assert_false(b.pipelined);    /* the pipelined tail's result is never used after a fault */
-    if (fault_series) assert_true(metric(kvb_decode_node_port(dn), fault_series) >= 1);
+    if (fault_series) assert_true(kvbt_metric(kvb_decode_node_port(dn), fault_series) >= 1);
     free(b.content);
     free(n.content);
     kvb_decode_node_stop(nat);
@@ -434,15 +382,15 @@ static void test_fault_other_model(void **state) {
 static void test_prefill_mode(void **state) {
     (void)state;
     int32_t ids[500];
-    prompt_ids(ids, 500, 5);
+    kvbt_prompt_ids(ids, 500, 5);
     const uint32_t engine_types[] = {0, KVB_TYPE_F32};
     for (int i = 0; i < 2; i++) {
         kvb_prefill_node *pn = start_prefill_mode(g_model, PSK, NULL, true, engine_types[i]);
         kvb_decode_node *dn = start_decode_mode(kvb_prefill_node_port(pn), PSK, 10000, true);
         kvb_decode_node *nat = start_decode(0, PSK, 10000);
-        reply b, n;
-        complete_ids(kvb_decode_node_port(dn), ids, 500, &b);
-        complete_ids(kvb_decode_node_port(nat), ids, 500, &n);
+        kvbt_reply b, n;
+        kvbt_complete_ids(kvb_decode_node_port(dn), ids, 500, &b);
+        kvbt_complete_ids(kvb_decode_node_port(nat), ids, 500, &n);
         assert_string_equal(b.verdict, "complete");
         assert_int_equal(b.bridged, 499);
         if (i == 0) assert_string_equal(b.content, n.content);
@@ -454,8 +402,8 @@ static void test_prefill_mode(void **state) {
     }
     kvb_prefill_node *pn = start_prefill_mode(g_model, PSK, NULL, true, 0);
     kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000); /* decoder mode */
-    reply b;
-    complete_ids(kvb_decode_node_port(dn), ids, 500, &b);
+    kvbt_reply b;
+    kvbt_complete_ids(kvb_decode_node_port(dn), ids, 500, &b);
     assert_true(strncmp(b.verdict, "declined: prefill node unavailable", 34) == 0);
     free(b.content);
     kvb_decode_node_stop(dn);
@@ -463,7 +411,7 @@ static void test_prefill_mode(void **state) {
 }
 
 /* Many cold prompts through a small prefix cache: bridged blocks are cached for later turns but
- * hold no reference once the reply is done, so least-recently-used ones are evicted and every
+ * hold no reference once the kvbt_reply is done, so least-recently-used ones are evicted and every
  * request still bridges `complete` (2026-12-03: the decode node kept a reference per bridged
  * block, and the third cold prompt found the store full). */
 static void test_bridged_blocks_are_evictable(void **state) {
@@ -479,9 +427,9 @@ static void test_bridged_blocks_are_evictable(void **state) {
     if (kvb_decode_node_start(&c, &dn, &err)) fail_msg("decode node: %s", err.msg);
     int32_t ids[1000];
     for (int i = 0; i < 4; i++) {
-        prompt_ids(ids, 1000, 1000 + (uint64_t)i); /* a fresh prompt: nothing cached */
-        reply b;
-        complete_ids(kvb_decode_node_port(dn), ids, 1000, &b);
+        kvbt_prompt_ids(ids, 1000, 1000 + (uint64_t)i); /* a fresh prompt: nothing cached */
+        kvbt_reply b;
+        kvbt_complete_ids(kvb_decode_node_port(dn), ids, 1000, &b);
         assert_string_equal(b.verdict, "complete");
         assert_int_equal(b.bridged, 999);
         free(b.content);

@@ -1,0 +1,60 @@
+/* tests/support/node_client.c — see node_client.h. */
+#include "node_client.h"
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+#include <cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvb_core.h"
+#include "kvb_node.h"
+#include "kvbt.h"
+
+void kvbt_complete_ids(uint16_t port, const int32_t *ids, int n, kvbt_reply *r) {
+    cJSON *req = cJSON_CreateObject();
+    cJSON_AddStringToObject(req, "model", "m");
+    cJSON_AddItemToObject(req, "prompt", cJSON_CreateIntArray(ids, n));
+    cJSON_AddNumberToObject(req, "max_tokens", 8);
+    cJSON_AddNumberToObject(req, "temperature", 0);
+    char *body = cJSON_PrintUnformatted(req);
+    cJSON_Delete(req);
+    kvb_http_reply h;
+    kvb_err err = {0};
+    assert_int_equal(kvb_http_post("127.0.0.1", port, "/v1/completions", body, 120000, &h, &err), KVB_OK);
+    free(body);
+    if (h.status != 200) fail_msg("HTTP %d: %s", h.status, h.body);
+    cJSON *root = cJSON_Parse(h.body);
+    cJSON *kb = cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "kvbridge");
+    assert_non_null(kb);
+    snprintf(r->verdict, sizeof r->verdict, "%s", h.verdict);
+    assert_string_equal(cJSON_GetObjectItem(kb, "verdict")->valuestring, h.verdict);
+    r->prompt = (int)cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "prompt_tokens")->valuedouble;
+    r->cached = (int)cJSON_GetObjectItem(kb, "cached_tokens")->valuedouble;
+    r->bridged = (int)cJSON_GetObjectItem(kb, "bridged_tokens")->valuedouble;
+    r->native = (int)cJSON_GetObjectItem(kb, "native_tokens")->valuedouble;
+    r->pipelined = cJSON_IsTrue(cJSON_GetObjectItem(kb, "native_pipelined"));
+    cJSON *text = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0), "text");
+    r->content = strdup(text->valuestring);
+    cJSON_Delete(root);
+    kvb_http_reply_free(&h);
+    assert_int_equal(r->cached + r->bridged + r->native, r->prompt);
+}
+
+void kvbt_prompt_ids(int32_t *ids, int n, uint64_t seed) {
+    kvb_rng r;
+    kvb_rng_seed(&r, seed);
+    for (int i = 0; i < n; i++) ids[i] = 3 + (int32_t)(kvb_rng_u64(&r) % 250);
+}
+
+double kvbt_metric(uint16_t port, const char *series) {
+    char cmd[256], out[65536];
+    snprintf(cmd, sizeof cmd, "curl -s http://127.0.0.1:%u/metrics", port);
+    if (kvbt_sh(cmd, out, sizeof out, 0) != 0) return -1;
+    for (const char *p = out; (p = strstr(p, series)) != NULL; p++)
+        if (p == out || p[-1] == '\n') return atof(p + strlen(series)); /* a sample line, not # HELP */
+    return 0;
+}

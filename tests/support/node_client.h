@@ -1,0 +1,28 @@
+/* tests/support/node_client.h — a test's side of the closed loop: one /v1/completions request of
+ * token ids to a decode node with the reply's verdict and token counts (usage.kvbridge), a
+ * deterministic prompt, and one sample of a decode node's /metrics. Shared by the CPU and GPU
+ * closed-loop tests; failures are cmocka failures. */
+#ifndef KVBT_NODE_CLIENT_H
+#define KVBT_NODE_CLIENT_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+typedef struct {
+    char verdict[160];
+    int prompt, cached, bridged, native;
+    bool pipelined; /* usage.kvbridge.native_pipelined */
+    char *content;  /* the completion's text (malloc'd: the caller frees it) */
+} kvbt_reply;
+
+/* One completion of ids[0 .. n) (greedy, 8 tokens at most) from the decode node on port; fails
+ * the test unless the reply is HTTP 200 with X-KVBridge equal to usage.kvbridge.verdict and
+ * cached + bridged + native == prompt tokens. */
+void kvbt_complete_ids(uint16_t port, const int32_t *ids, int n, kvbt_reply *r);
+/* ids[0 .. n) = token ids 3 .. 252 from seed. */
+void kvbt_prompt_ids(int32_t *ids, int n, uint64_t seed);
+/* The value of the sample line of /metrics that starts with series ("name{labels} "), 0 when
+ * absent, -1 when /metrics could not be read. */
+double kvbt_metric(uint16_t port, const char *series);
+
+#endif
