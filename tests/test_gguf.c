@@ -13,6 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdbool.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -356,6 +358,42 @@ static void test_roundtrip_file(void **state) {
     assert_int_equal(kvb_gguf_open(path, &g, &err), KVB_OK);
     check_sample(g);
     kvb_gguf_close(g);
+}
+
+/* kvb_gguf_prefault: the file's pages mapped at once, the handle unchanged; nothing for a memory
+ * buffer; a file truncated under the mapping is an I/O error, not a crash (where the kernel has
+ * MADV_POPULATE_READ, 5.14 and later). */
+static void test_prefault(void **state) {
+    (void)state;
+    const char *path = tmp_path("prefault.gguf");
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    write_sample(f);
+    assert_int_equal(fclose(f), 0);
+    kvb_gguf *g;
+    kvb_err err = {0};
+    assert_int_equal(kvb_gguf_open(path, &g, &err), KVB_OK);
+    assert_int_equal(kvb_gguf_prefault(g, &err), KVB_OK);
+    check_sample(g);
+    bool populate = false;
+#ifdef MADV_POPULATE_READ
+    void *probe = mmap(NULL, 4096, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    assert_true(probe != MAP_FAILED);
+    populate = madvise(probe, 4096, MADV_POPULATE_READ) == 0;
+    munmap(probe, 4096);
+#endif
+    if (populate) {
+        assert_int_equal(truncate(path, 0), 0);
+        assert_int_equal(kvb_gguf_prefault(g, &err), KVB_ERR_IO);
+        print_message("truncated under the mapping: %s\n", err.msg);
+    }
+    kvb_gguf_close(g);
+    size_t n = 0;
+    uint8_t *buf = sample_bytes(&n);
+    assert_int_equal(kvb_gguf_open_memory(buf, n, "sample.gguf", &g, &err), KVB_OK);
+    assert_int_equal(kvb_gguf_prefault(g, &err), KVB_OK);
+    kvb_gguf_close(g);
+    free(buf);
 }
 
 /* Copying every KV and tensor of the sample through a new writer reproduces it byte for byte. */
@@ -1040,6 +1078,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip_memory),
         cmocka_unit_test(test_roundtrip_file),
+        cmocka_unit_test(test_prefault),
         cmocka_unit_test(test_copy_kv_reproduces_file),
         cmocka_unit_test(test_typed_getters),
         cmocka_unit_test(test_many_entries_lookup),

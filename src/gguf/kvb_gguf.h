@@ -73,6 +73,11 @@ kvb_status kvb_gguf_open(const char *path, kvb_gguf **out, kvb_err *err);
 kvb_status kvb_gguf_open_memory(const void *buf, size_t size, const char *name, kvb_gguf **out,
                                 kvb_err *err);
 void kvb_gguf_close(kvb_gguf *g);
+/* Maps every page of the file now (MADV_POPULATE_READ; one read per page on kernels before 5.14),
+ * so that a later first pass over the tensors takes no page fault per page: a server calls it at
+ * start rather than have its first request pay (~1.7 s for a 1.3 GB file on the development
+ * machine). KVB_ERR_IO when the file cannot be read (a truncated file). A memory buffer: nothing. */
+kvb_status kvb_gguf_prefault(const kvb_gguf *g, kvb_err *err);
 
 const char *kvb_gguf_path(const kvb_gguf *g);
 uint32_t kvb_gguf_version(const kvb_gguf *g);

@@ -631,6 +631,8 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
     pthread_mutex_init(&n->mu, NULL);
     pthread_cond_init(&n->cv, NULL);
     kvb_status st = kvb_model_load(cfg->model_path, &n->m, err);
+    /* the engine reads the weights in place: every page now, not on the first request */
+    if (!st) st = kvb_gguf_prefault(n->m->gguf, err);
     if (!st) st = kvb_tokenizer_load(n->m->gguf, &n->tok, err);
     if (st) goto fail;
     if (!c->block_tokens) c->block_tokens = 32;

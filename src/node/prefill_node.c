@@ -417,6 +417,9 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
                          KVB_WIRE_PSK_MIN);
     if (!st && !(n->psk = strdup(cfg->psk))) st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
     if (!st) st = kvb_model_load(cfg->model_path, &n->m, err);
+    /* the CPU engine reads the weights in place: every page now, not on the first request (the
+     * CUDA engine copies them to the GPU at creation) */
+    if (!st && !cfg->cuda) st = kvb_gguf_prefault(n->m->gguf, err);
     const uint32_t bt = n->cfg.block_tokens;
     if (!st) {
         /* the engine computes in the decoder's own cache format, so its attention inputs are the
