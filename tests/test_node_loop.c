@@ -84,6 +84,8 @@ static void multiturn_ships_only_increments(uint32_t lanes) {
     kvb_prefill_node *pn = start_prefill(g_model, PSK, NULL);
     kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
     kvb_decode_node *nat = start_decode(0, PSK, 10000);
+    /* the lanes were connected at start, before any request */
+    assert_true(kvbt_metric(kvb_decode_node_port(dn), "kvbridge_peer_up ") == 1);
     int32_t ids[1200];
     kvbt_prompt_ids(ids, 1200, 7);
     const int lens[] = {700, 900, 1200}; /* each turn extends the previous prompt */
@@ -332,6 +334,10 @@ static void check_fault(const char *fault, const char *model, const char *psk_pr
     uint16_t port = pn ? kvb_prefill_node_port(pn) : 1; /* port 1: nothing listens */
     kvb_decode_node *dn = start_decode(port, PSK, timeout_ms);
     kvb_decode_node *nat = start_decode(0, PSK, timeout_ms);
+    /* a peer that refused the lanes at start (down, wrong key, other model) is dialled again by the
+     * request below, at once (no back-off from the start's attempt): its verdict says why */
+    if (!start_peer || strcmp(psk_prefill, PSK) || model != g_model)
+        assert_true(kvbt_metric(kvb_decode_node_port(dn), "kvbridge_peer_up ") == 0);
     int32_t ids[600];
     kvbt_prompt_ids(ids, 600, 99);
     kvbt_reply b, n;

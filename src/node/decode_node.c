@@ -707,6 +707,17 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
         (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_queue_depth",
                                    "Requests waiting for or holding the engine", NULL, NULL, 0, &n->m_queue, err)))
         goto fail;
+    if (n->peer) { /* the lanes now, not on the first bridged request (connects and handshakes) */
+        engine_acquire(n);
+        kvb_err pe = {0};
+        if (ensure_peer(n, &pe)) { /* not up yet: the first request dials again, without back-off */
+            n->peer_retry_at = 0;
+            n->peer_backoff_s = 0;
+            kvb_log(KVB_LOG_INFO, "decode: prefill node %s not reachable at start (%s); dialled again on the first "
+                    "bridged request", n->peer, pe.msg);
+        }
+        engine_release(n);
+    }
     *out = n;
     return KVB_OK;
 fail:
