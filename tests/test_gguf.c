@@ -346,16 +346,23 @@ static void test_roundtrip_memory(void **state) {
     free(buf);
 }
 
-static void test_roundtrip_file(void **state) {
-    (void)state;
-    const char *path = tmp_path("sample.gguf");
-    FILE *f = fopen(path, "wb");
+/* The sample written to the temp file `name` and opened from it; *path = the file's path. */
+static kvb_gguf *open_sample_file(const char *name, const char **path) {
+    *path = tmp_path(name);
+    FILE *f = fopen(*path, "wb");
     assert_non_null(f);
     write_sample(f);
     assert_int_equal(fclose(f), 0);
     kvb_gguf *g;
     kvb_err err = {0};
-    assert_int_equal(kvb_gguf_open(path, &g, &err), KVB_OK);
+    assert_int_equal(kvb_gguf_open(*path, &g, &err), KVB_OK);
+    return g;
+}
+
+static void test_roundtrip_file(void **state) {
+    (void)state;
+    const char *path;
+    kvb_gguf *g = open_sample_file("sample.gguf", &path);
     check_sample(g);
     kvb_gguf_close(g);
 }
@@ -365,14 +372,9 @@ static void test_roundtrip_file(void **state) {
  * MADV_POPULATE_READ, 5.14 and later). */
 static void test_prefault(void **state) {
     (void)state;
-    const char *path = tmp_path("prefault.gguf");
-    FILE *f = fopen(path, "wb");
-    assert_non_null(f);
-    write_sample(f);
-    assert_int_equal(fclose(f), 0);
-    kvb_gguf *g;
+    const char *path;
+    kvb_gguf *g = open_sample_file("prefault.gguf", &path);
     kvb_err err = {0};
-    assert_int_equal(kvb_gguf_open(path, &g, &err), KVB_OK);
     assert_int_equal(kvb_gguf_prefault(g, &err), KVB_OK);
     check_sample(g);
     bool populate = false;
