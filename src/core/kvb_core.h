@@ -105,6 +105,12 @@ int kvb_pool_size(const kvb_pool *pool);
 /* Workers spinning after a job (they spin a moment for the next one) go to sleep now: call before
  * a long wait, so they leave the CPUs to other threads. The next parallel_for wakes them. */
 void kvb_pool_park(kvb_pool *pool);
+/* Only workers [0, width) take the next jobs (1..size; anything else: all of them); the others
+ * sleep without spinning until the width grows again. For a forward that shares the CPUs with
+ * other busy threads. Results never depend on it (kvb_pool_size stays the pool's size). Call from
+ * the thread that runs parallel_for, between jobs. */
+void kvb_pool_set_width(kvb_pool *pool, int width);
+int kvb_pool_width(const kvb_pool *pool);
 /* Runs fn(ctx, t, w) for t in [0, n_tasks) and returns when all are done. Tasks are handed out
  * dynamically. Not reentrant: one parallel_for per pool at a time. pool == NULL runs serially. */
 void kvb_pool_parallel_for(kvb_pool *pool, int n_tasks, kvb_task_fn fn, void *ctx);

@@ -1,7 +1,9 @@
 /* core/pool.c — a fixed pool of worker threads running one parallel-for at a time. Workers
  * spin for up to KVB_POOL_SPIN_S after a job before sleeping on a condition variable, and the
  * dispatcher only takes the mutex when someone sleeps: decode issues hundreds of small loops
- * per token, and a futex wake-up per loop would cost more than the loop itself. */
+ * per token, and a futex wake-up per loop would cost more than the loop itself. A width below the
+ * pool's size (kvb_pool_set_width) leaves the workers past it asleep on a condition of their own,
+ * neither spinning nor woken per job, until the width takes them in again. */
 #define _POSIX_C_SOURCE 200809L
 #include "kvb_core.h"
 
@@ -35,6 +37,9 @@ struct kvb_pool {
     atomic_uint generation;
     atomic_int n_sleeping; /* workers waiting on cv_work */
     atomic_uint park;      /* bumped by kvb_pool_park: spinning workers go to sleep */
+    atomic_int width;      /* workers [0, width) take jobs; set between jobs by the dispatcher */
+    atomic_int job_width;  /* the current job's width (written before its generation) */
+    pthread_cond_t cv_width; /* workers past the width wait here */
     atomic_bool stop;
 };
 
@@ -58,6 +63,12 @@ static void *worker_main(void *arg) {
     free(wa);
     unsigned seen = 0;
     for (;;) {
+        if (worker >= atomic_load(&p->width)) { /* left out: sleep until the width takes this worker in */
+            pthread_mutex_lock(&p->mu);
+            while (!atomic_load(&p->stop) && worker >= atomic_load(&p->width)) pthread_cond_wait(&p->cv_width, &p->mu);
+            pthread_mutex_unlock(&p->mu);
+            /* `seen` stays the last job looked at: a job begun meanwhile with this worker in it runs */
+        }
         /* spin (with pause) until a new job or the spin deadline */
         unsigned g = atomic_load_explicit(&p->generation, memory_order_acquire);
         const unsigned parked = atomic_load_explicit(&p->park, memory_order_relaxed);
@@ -82,6 +93,7 @@ static void *worker_main(void *arg) {
         }
         if (atomic_load(&p->stop)) return NULL;
         seen = g;
+        if (worker >= atomic_load_explicit(&p->job_width, memory_order_relaxed)) continue; /* not counted in */
         run_tasks(p, worker);
         if (atomic_fetch_sub_explicit(&p->n_active, 1, memory_order_acq_rel) == 1) {
             pthread_mutex_lock(&p->mu);
@@ -98,9 +110,12 @@ kvb_status kvb_pool_create(int n_threads, kvb_pool **out, kvb_err *err) {
     kvb_pool *p = calloc(1, sizeof *p);
     if (!p) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory creating thread pool");
     p->n_threads = n_threads;
+    atomic_store(&p->width, n_threads);
+    atomic_store(&p->job_width, n_threads);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv_work, NULL);
     pthread_cond_init(&p->cv_done, NULL);
+    pthread_cond_init(&p->cv_width, NULL);
     p->threads = calloc((size_t)n_threads, sizeof(pthread_t));
     if (!p->threads) {
         free(p);
@@ -126,11 +141,13 @@ void kvb_pool_destroy(kvb_pool *p) {
     atomic_store(&p->stop, true);
     atomic_fetch_add(&p->generation, 1);
     pthread_cond_broadcast(&p->cv_work);
+    pthread_cond_broadcast(&p->cv_width);
     pthread_mutex_unlock(&p->mu);
     for (int i = 1; i < p->n_threads; i++) pthread_join(p->threads[i], NULL);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv_work);
     pthread_cond_destroy(&p->cv_done);
+    pthread_cond_destroy(&p->cv_width);
     free(p->threads);
     free(p);
 }
@@ -141,9 +158,23 @@ void kvb_pool_park(kvb_pool *p) {
     if (p) atomic_fetch_add_explicit(&p->park, 1, memory_order_relaxed);
 }
 
+void kvb_pool_set_width(kvb_pool *p, int width) {
+    if (!p) return;
+    if (width < 1 || width > p->n_threads) width = p->n_threads;
+    const int was = atomic_exchange(&p->width, width);
+    if (width > was) { /* wake the workers taken in again */
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv_width);
+        pthread_mutex_unlock(&p->mu);
+    }
+}
+
+int kvb_pool_width(const kvb_pool *p) { return p ? atomic_load(&((kvb_pool *)p)->width) : 1; }
+
 void kvb_pool_parallel_for(kvb_pool *p, int n_tasks, kvb_task_fn fn, void *ctx) {
     if (n_tasks <= 0) return;
-    if (!p || p->n_threads == 1 || n_tasks == 1) {
+    const int width = p ? atomic_load(&p->width) : 1;
+    if (width == 1 || n_tasks == 1) {
         for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
         return;
     }
@@ -151,7 +182,8 @@ void kvb_pool_parallel_for(kvb_pool *p, int n_tasks, kvb_task_fn fn, void *ctx) 
     p->ctx = ctx;
     p->n_tasks = n_tasks;
     atomic_store(&p->next_task, 0);
-    atomic_store(&p->n_active, p->n_threads - 1);
+    atomic_store_explicit(&p->job_width, width, memory_order_relaxed); /* published by the generation */
+    atomic_store(&p->n_active, width - 1);
     atomic_fetch_add(&p->generation, 1); /* seq_cst: pairs with the workers' n_sleeping */
     if (atomic_load(&p->n_sleeping) > 0) {
         pthread_mutex_lock(&p->mu);
