@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "kvb_cli.h"
+#include "kvb_core.h"
 
 typedef struct {
     const char *name;
@@ -45,7 +46,13 @@ int main(int argc, char **argv) {
         return 0;
     }
     for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
-        if (strcmp(argv[1], k_commands[i].name) == 0) return k_commands[i].fn(argc - 1, argv + 1);
+        if (strcmp(argv[1], k_commands[i].name) == 0) {
+            kvb_trace_init_from_env(); /* KVB_TRACE=FILE: a timeline of this run, written at its end */
+            int rc = k_commands[i].fn(argc - 1, argv + 1);
+            kvb_err err = {0};
+            if (kvb_trace_write(&err)) fprintf(stderr, "kvbridge: %s\n", err.msg);
+            return rc;
+        }
     fprintf(stderr, "kvbridge: unknown subcommand '%s'\n\n", argv[1]);
     usage(stderr);
     return 2;

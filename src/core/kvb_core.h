@@ -121,6 +121,18 @@ int kvb_cpu_count(void);
  * of a `bytes`-sized buffer; best of `reps` passes after a warm-up. 0 if allocation failed. */
 double kvb_measure_read_bw(kvb_pool *pool, size_t bytes, int reps);
 
+/* ---- timeline trace (opt-in) --------------------------------------------------------------
+ * With KVB_TRACE=FILE in the environment, spans recorded by any thread (name, start and end in
+ * kvb_now_s seconds, one number) are kept in memory and written to FILE as Chrome trace-event JSON
+ * (chrome://tracing, ui.perfetto.dev, tools/trace_report.py) by kvb_trace_write. Off, a span costs
+ * one atomic load. `name` must be a string literal of letters, digits and ". _ -" (not escaped).
+ * Nodes of one host share the monotonic clock, so two processes' files line up. */
+void kvb_trace_init_from_env(void);   /* reads KVB_TRACE and KVB_TRACE_MAX_SPANS (default 4M) */
+bool kvb_trace_enabled(void);
+void kvb_trace_span(const char *name, double t0, double t1, uint64_t arg);
+/* Writes and drops what was recorded (a no-op when off); spans past the cap are counted, not kept. */
+kvb_status kvb_trace_write(kvb_err *err);
+
 /* ---- aligned allocation ------------------------------------------------------------------ */
 
 void *kvb_aligned_alloc(size_t alignment, size_t size); /* free with kvb_aligned_free; NULL on fail */
