@@ -295,7 +295,10 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
     }
     if (!rx.fault_kind && pipelined_tail_on(n)) {
         kvb_err terr = {0}; /* without it the last token runs after the transfer, as before */
-        if (kvb_tail_pipe_start(n->e, toks, n_tok, cached, pend, nb + (tail ? 1 : 0), tail != 0, logits, &tp, &terr))
+        /* while slabs arrive, one CPU per receiving and per committing thread is theirs */
+        const int in_transfer = kvb_engine_threads(n->e) - 2 * (int)n->n_lanes;
+        if (kvb_tail_pipe_start(n->e, toks, n_tok, cached, pend, nb + (tail ? 1 : 0), tail != 0, logits,
+                                in_transfer > 1 ? in_transfer : 1, &tp, &terr))
             kvb_log(KVB_LOG_WARN, "decode node: no pipelined tail for this request: %s", terr.msg);
     }
     rx.tp = tp;

@@ -74,11 +74,13 @@ void kvb_recv_pipe_waits(kvb_recv_pipe *p, double *reader_s, double *consumer_s)
  * blocks are begun: pend (n_pend) in position order, the tail last when has_tail (pages of
  * positions cached .. n_tok - 2; without a tail it takes a page for the last token's row itself);
  * `cached` must be what kvb_seq_attach_cached finds for toks now. The engine is the thread's until
- * finish; logits (n_vocab) is written by it. */
+ * finish; logits (n_vocab) is written by it. While later layers are still arriving the forward
+ * runs on `threads_in_transfer` of the engine's threads (the rest of the CPUs receive and commit
+ * the slabs), then on all of them. */
 typedef struct kvb_tail_pipe kvb_tail_pipe;
 kvb_status kvb_tail_pipe_start(kvb_engine *e, const int32_t *toks, uint32_t n_tok, uint32_t cached,
                                kvb_slab_pending *const *pend, uint32_t n_pend, bool has_tail, float *logits,
-                               kvb_tail_pipe **out, kvb_err *err);
+                               int threads_in_transfer, kvb_tail_pipe **out, kvb_err *err);
 /* After an accepted slab of pend[i], layer `layer`, on any thread that puts slabs. NULL: no-op. */
 void kvb_tail_pipe_slab(kvb_tail_pipe *t, uint32_t i, uint32_t layer);
 /* Ends it (abort: the bridge stopped short; a waiting forward gives up, as it does when any layer

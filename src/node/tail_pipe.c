@@ -4,9 +4,13 @@
  * page for the last token's row. Before each layer's attention the forward waits at a gate until
  * every pending block (and the tail) holds that layer, so layer L runs as soon as the last chunk's
  * layer L has arrived, not after the whole transfer; only the last layer and the output head are
- * left once DONE comes. The result is used only when the bridge was complete and every block was
- * committed on the very page the forward read (a dedup moves a block to another page: then the
- * logits are dropped and the decoder runs the token after the transfer, as without the pipe). */
+ * left once DONE comes. While layers are still arriving the forward runs on fewer of the engine's
+ * threads, so that its workers (which spin between steps) do not take the CPUs from the threads
+ * receiving and committing the slabs (traced on the H200 host with all 16: the tail fell five
+ * layers behind an 8K prompt's transfer, one layer taking 7.7 ms). The result is used only when
+ * the bridge was complete and every block was committed on the very page the forward read (a
+ * dedup moves a block to another page: then the logits are dropped and the decoder runs the token
+ * after the transfer, as without the pipe). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,6 +29,7 @@ struct kvb_tail_pipe {
     kvb_block_id own_page;         /* the last token's page when there is no tail (ours), or NONE */
     int32_t last_token;
     float *logits;                 /* (n_vocab) the caller's */
+    int threads_in_transfer;       /* the engine's pool width while later layers are arriving */
     /* guarded by mu */
     uint8_t *counted;              /* (n_pend, n_layer) 1 once counted in ready */
     pthread_mutex_t mu;
@@ -39,11 +44,16 @@ struct kvb_tail_pipe {
 
 static kvb_status gate(void *ctx, uint32_t layer, kvb_err *err) {
     kvb_tail_pipe *t = ctx;
+    const double t0 = kvb_now_s();
     pthread_mutex_lock(&t->mu);
     if (!t->abort && t->ready[layer] < t->n_pend) kvb_engine_park_threads(t->e); /* the receiver needs the CPUs */
     while (!t->abort && t->ready[layer] < t->n_pend) pthread_cond_wait(&t->cv, &t->mu);
     const bool abort = t->abort;
+    bool arriving = false; /* a later layer still has rows on the way */
+    for (uint32_t l = layer + 1; l < t->n_layer && !arriving; l++) arriving = t->ready[l] < t->n_pend;
     pthread_mutex_unlock(&t->mu);
+    kvb_engine_set_threads(t->e, arriving ? t->threads_in_transfer : 0); /* on the forward's own thread */
+    kvb_trace_span("decode.tail_gate", t0, kvb_now_s(), layer); /* waiting for the layer's rows */
     return abort ? kvb_err_set(err, KVB_ERR_INTERNAL, "pipelined tail: the bridge stopped before layer %u", layer)
                  : KVB_OK;
 }
@@ -51,7 +61,10 @@ static kvb_status gate(void *ctx, uint32_t layer, kvb_err *err) {
 static void *tail_main(void *arg) {
     kvb_tail_pipe *t = arg;
     kvb_err err = {0};
+    const double t0 = kvb_now_s();
     kvb_status st = kvb_engine_forward(t->e, t->ps, &t->last_token, 1, t->logits, false, &err);
+    kvb_engine_set_threads(t->e, 0); /* all of them again, for the decode steps */
+    kvb_trace_span("decode.tail_forward", t0, kvb_now_s(), 0);
     pthread_mutex_lock(&t->mu);
     t->st = st;
     t->err = err;
@@ -87,7 +100,7 @@ static void tail_pipe_free(kvb_tail_pipe *t) {
 
 kvb_status kvb_tail_pipe_start(kvb_engine *e, const int32_t *toks, uint32_t n_tok, uint32_t cached,
                                kvb_slab_pending *const *pend, uint32_t n_pend, bool has_tail, float *logits,
-                               kvb_tail_pipe **out, kvb_err *err) {
+                               int threads_in_transfer, kvb_tail_pipe **out, kvb_err *err) {
     *out = NULL;
     kvb_store *store = kvb_engine_store(e);
     const kvb_kvformat *f = kvb_store_kvformat(store);
@@ -105,6 +118,7 @@ kvb_status kvb_tail_pipe_start(kvb_engine *e, const int32_t *toks, uint32_t n_to
     t->own_page = KVB_BLOCK_NONE;
     t->last_token = toks[n_tok - 1];
     t->logits = logits;
+    t->threads_in_transfer = threads_in_transfer;
     t->pages = malloc(sizeof(kvb_block_id) * (n_pages ? n_pages : 1));
     t->counted = calloc((size_t)n_pend * t->n_layer + 1, 1);
     t->ready = calloc(t->n_layer, sizeof(uint32_t));

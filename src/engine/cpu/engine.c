@@ -214,6 +214,8 @@ kvb_status kvb_seq_adopt_tail(kvb_seq *s, kvb_block_id page, const int32_t *toke
 
 void kvb_engine_park_threads(kvb_engine *e) { kvb_pool_park(e->pool); }
 
+void kvb_engine_set_threads(kvb_engine *e, int n) { kvb_pool_set_width(e->pool, n); }
+
 void kvb_seq_set_layer_gate(kvb_seq *s, kvb_layer_gate gate, void *ctx) {
     s->gate = gate;
     s->gate_ctx = ctx;

@@ -92,6 +92,10 @@ void kvb_seq_set_layer_gate(kvb_seq *s, kvb_layer_gate gate, void *ctx);
 /* The engine's worker threads stop spinning for work and sleep until its next parallel step, so
  * a forward waiting at a gate leaves the CPUs to the threads receiving what it waits for. */
 void kvb_engine_park_threads(kvb_engine *e);
+/* The engine's next parallel steps run on its first n threads (0, or more than it has: all of
+ * them); results never depend on it. From the thread running the forward, between forwards or at
+ * a gate. */
+void kvb_engine_set_threads(kvb_engine *e, int n);
 /* Appends pages to a sequence that ends on a block boundary: n_tokens tokens (their K/V are or
  * will be in the pages, block_tokens per page) and n_pages >= ceil(n_tokens / block_tokens) pages,
  * the ones past the tokens left for the next forward to write into. The sequence never releases,
