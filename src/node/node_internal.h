@@ -13,12 +13,15 @@
 #include "kvb_transport.h"
 
 typedef struct {
-    uint32_t n_slots;
+    uint32_t n_slots;    /* slots with staging memory: the capacity for copies */
+    uint32_t view_slots; /* the capacity for views (no memory of their own): a layer's slabs at once */
+    uint32_t cap;        /* this request's: n_slots, or view_slots once a view was pushed */
     size_t slot_bytes;
     uint8_t *buf;    /* (n_slots, slot_bytes): K then V of one slab */
-    kvb_slab *meta;  /* (n_slots) */
-    bool *sent;      /* (n_slots) taken and sent, not yet freed (an older slot is still in flight) */
-    uint32_t head, tail, count, peak; /* count: filled slots not yet freed, oldest at head */
+    kvb_slab *meta;  /* (max(n_slots, view_slots)) */
+    bool *sent;      /* (max(n_slots, view_slots)) taken and sent, not yet freed (an older slot is still in flight) */
+    uint32_t head, tail, count, peak; /* count: filled slots not yet freed, oldest at head; peak: of copies */
+    bool waits_all;                   /* the producer waits for every slot to be freed (kvb_ring_wait_sent) */
     uint32_t next_take, untaken;      /* the oldest filled slot no sender took yet; how many */
     bool closed, failed, inited;
     double full_s, empty_s; /* since the last reset: the producer blocked on a full ring (the link or
@@ -29,14 +32,17 @@ typedef struct {
     pthread_cond_t cv_freed; /* the producer waits here for free slots (or all sent) */
 } kvb_ring;
 
-kvb_status kvb_ring_init(kvb_ring *r, uint32_t slots, size_t slot_bytes, kvb_err *err);
+/* `slots` staging slots of slot_bytes for copies; up to view_slots views in flight (a view costs
+ * no staging memory, so a whole layer's slabs can wait for the senders at once). */
+kvb_status kvb_ring_init(kvb_ring *r, uint32_t slots, uint32_t view_slots, size_t slot_bytes, kvb_err *err);
 void kvb_ring_destroy(kvb_ring *r);
-void kvb_ring_reset(kvb_ring *r);
+/* Empty for a new request, which pushes either copies or views (views: `views` true). */
+void kvb_ring_reset(kvb_ring *r, bool views);
 /* Copies the slab into the next free slot; blocks while the ring is full; fails once failed. */
 kvb_status kvb_ring_push(kvb_ring *r, const kvb_slab *s, kvb_err *err);
 /* As push, but without the copy: the slot holds the slab's own K and V pointers, so the caller
  * keeps those bytes unchanged until kvb_ring_wait_sent returns (the CUDA bridge's pinned rows are
- * sent straight from its slot). */
+ * sent straight from its slot). Blocks only when view_slots views are in flight. */
 kvb_status kvb_ring_push_view(kvb_ring *r, const kvb_slab *s, kvb_err *err);
 /* Waits until every slab pushed so far was sent (the time counts as the ring standing full); fails
  * once failed. */

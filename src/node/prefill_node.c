@@ -246,12 +246,12 @@ static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
     n->ship_from = p->cached_tokens;
     n->ship_to = p->ship_tokens;
     n->local_from = kvb_kvformat_local_keep_from(&n->fmt, p->ship_tokens);
-    kvb_ring_reset(&n->ring);
+    const bool views = n->cfg.bench_filler_rows || !n->e; /* rows that stay put: filler, pinned slots */
+    kvb_ring_reset(&n->ring, views);
     atomic_store(&n->slab_seq, 0);
     sender_ctx sc[KVB_WIRE_MAX_LANES];
     memset(sc, 0, sizeof sc);
     if (!st) {
-        const bool views = n->cfg.bench_filler_rows || !n->e; /* rows that stay put: filler, pinned slots */
         kvb_bridge_cpu_begin(n->br, p->cached_tokens, p->ship_tokens, views ? sink_view_to_ring : sink_to_ring, n);
         for (uint32_t l = 0; !st && l < n_lanes; l++) {
             sc[l] = (sender_ctx){.n = n, .c = lanes[l], .request_id = p->request_id};
@@ -477,8 +477,8 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
         if (!st && !cfg->cuda) st = kvb_engine_create(n->m, &eo, &n->e, err);
     }
     if (!st)
-        st = kvb_ring_init(&n->ring, n->cfg.ring_slots, 2 * (size_t)bt * n->m->d.n_head_kv * kvb_kvformat_row_bytes(&n->fmt),
-                           err);
+        st = kvb_ring_init(&n->ring, n->cfg.ring_slots, n->cfg.chunk_tokens / bt + 2, /* views: a chunk's layer */
+                           2 * (size_t)bt * n->m->d.n_head_kv * kvb_kvformat_row_bytes(&n->fmt), err);
     if (!st) st = kvb_hello_init(&n->hello, KVB_ROLE_PREFILL,
                                  cfg->prefill_mode ? KVB_BRIDGE_MODE_PREFILL : KVB_BRIDGE_MODE_DECODER,
                                  cfg->name ? cfg->name : "prefill",
@@ -563,7 +563,7 @@ kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, u
     n->ship_from = 0;
     n->ship_to = with_bridge ? n_tokens - 1 : 0;
     n->local_from = with_bridge ? kvb_kvformat_local_keep_from(&n->fmt, n->ship_to) : 0;
-    kvb_ring_reset(&n->ring);
+    kvb_ring_reset(&n->ring, false);
     kvb_bridge_cpu_begin(n->br, 0, n->ship_to, with_bridge ? sink_discard : sink_to_ring, n);
     kvb_status st = KVB_OK;
     const double t0 = kvb_now_s();

@@ -1,0 +1,191 @@
+/* tests/test_staging_ring.c — the prefill node's staging ring (white box, node_internal.h): copies
+ * go through at most `slots` staging slots, in order, with their bytes intact, whatever the number
+ * of senders; a request of views holds a whole layer's slabs at once (view_slots pushed with no
+ * sender running must not block) and counts no staging memory; kvb_ring_wait_sent returns only
+ * once every slab was sent; a copy pushed into a ring reset for views is refused; a failed ring
+ * fails a producer blocked on it; a reset ring starts over. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "node_internal.h"
+
+#define SLOT_BYTES 256
+#define SLOTS 4
+#define VIEW_SLOTS 40
+#define SENDERS 3
+
+typedef struct {
+    kvb_ring *r;
+    atomic_uint taken, bytes_bad, order_bad;
+    _Atomic uint32_t last_pos[SENDERS]; /* per sender: positions come in increasing order */
+    int delay_us;
+} senders_ctx;
+
+typedef struct {
+    senders_ctx *c;
+    int id;
+} sender_arg;
+
+/* A slab's bytes: a function of its position, so a sender can check what it got. */
+static void fill(uint8_t *p, size_t n, uint32_t pos) {
+    for (size_t i = 0; i < n; i++) p[i] = (uint8_t)(pos * 31 + i * 7);
+}
+
+static void *sender_main(void *arg) {
+    sender_arg *a = arg;
+    senders_ctx *c = a->c;
+    uint32_t slot;
+    kvb_slab s;
+    while (kvb_ring_take(c->r, &slot, &s)) {
+        uint8_t want[SLOT_BYTES];
+        fill(want, s.k_bytes, s.pos0);
+        if (memcmp(want, s.k, s.k_bytes)) atomic_fetch_add(&c->bytes_bad, 1);
+        fill(want, s.v_bytes, s.pos0 + 1000000);
+        if (memcmp(want, s.v, s.v_bytes)) atomic_fetch_add(&c->bytes_bad, 1);
+        const uint32_t prev = atomic_load(&c->last_pos[a->id]);
+        if (prev && s.pos0 <= prev) atomic_fetch_add(&c->order_bad, 1);
+        atomic_store(&c->last_pos[a->id], s.pos0);
+        if (c->delay_us) usleep((useconds_t)c->delay_us);
+        atomic_fetch_add(&c->taken, 1);
+        kvb_ring_done(c->r, slot);
+    }
+    return NULL;
+}
+
+static void start_senders(senders_ctx *c, pthread_t *th, sender_arg *args) {
+    for (int i = 0; i < SENDERS; i++) {
+        args[i] = (sender_arg){c, i};
+        assert_int_equal(pthread_create(&th[i], NULL, sender_main, &args[i]), 0);
+    }
+}
+
+static void join_senders(pthread_t *th) {
+    for (int i = 0; i < SENDERS; i++) pthread_join(th[i], NULL);
+}
+
+static void test_copies_through_few_slots(void **state) {
+    (void)state;
+    kvb_ring r;
+    kvb_err err = {0};
+    assert_int_equal(kvb_ring_init(&r, SLOTS, VIEW_SLOTS, SLOT_BYTES, &err), KVB_OK);
+    kvb_ring_reset(&r, false);
+    senders_ctx c = {.r = &r};
+    pthread_t th[SENDERS];
+    sender_arg args[SENDERS];
+    start_senders(&c, th, args);
+    uint8_t k[SLOT_BYTES / 2], v[SLOT_BYTES / 2]; /* reused at once: the ring must have copied them */
+    const uint32_t n = 2000;
+    for (uint32_t i = 1; i <= n; i++) {
+        fill(k, sizeof k, i);
+        fill(v, sizeof v, i + 1000000);
+        kvb_slab s = {.layer = 0, .pos0 = i, .n = 1, .k = k, .v = v, .k_bytes = sizeof k, .v_bytes = sizeof v};
+        assert_int_equal(kvb_ring_push(&r, &s, &err), KVB_OK);
+    }
+    assert_int_equal(kvb_ring_wait_sent(&r, &err), KVB_OK);
+    assert_int_equal(atomic_load(&c.taken), n); /* every slab sent before wait_sent returned */
+    kvb_ring_close(&r);
+    join_senders(th);
+    assert_int_equal(atomic_load(&c.bytes_bad), 0);
+    assert_int_equal(atomic_load(&c.order_bad), 0);
+    assert_true(r.peak >= 1 && r.peak <= SLOTS); /* staging memory never grew past the ring */
+    /* a slab larger than a slot is refused */
+    uint8_t big[SLOT_BYTES];
+    kvb_slab s = {.pos0 = 1, .n = 1, .k = big, .v = big, .k_bytes = sizeof big, .v_bytes = 1};
+    assert_int_equal(kvb_ring_push(&r, &s, &err), KVB_ERR_INTERNAL);
+    kvb_ring_destroy(&r);
+}
+
+static void test_views_hold_a_whole_layer(void **state) {
+    (void)state;
+    kvb_ring r;
+    kvb_err err = {0};
+    assert_int_equal(kvb_ring_init(&r, SLOTS, VIEW_SLOTS, SLOT_BYTES, &err), KVB_OK);
+    static uint8_t rows[VIEW_SLOTS + 1][2][SLOT_BYTES / 2]; /* (slab, K|V, bytes): they stay put */
+    for (int round = 0; round < 3; round++) { /* a reset ring starts over */
+        kvb_ring_reset(&r, true);
+        alarm(30); /* a push that blocks with nobody to free a slot would hang: fail instead */
+        for (uint32_t i = 1; i <= VIEW_SLOTS; i++) { /* no sender runs yet: none of these may wait */
+            fill(rows[i][0], SLOT_BYTES / 2, i);
+            fill(rows[i][1], SLOT_BYTES / 2, i + 1000000);
+            kvb_slab s = {.pos0 = i, .n = 1, .k = rows[i][0], .v = rows[i][1], .k_bytes = SLOT_BYTES / 2,
+                          .v_bytes = SLOT_BYTES / 2};
+            assert_int_equal(kvb_ring_push_view(&r, &s, &err), KVB_OK);
+        }
+        alarm(0);
+        assert_int_equal(r.count, VIEW_SLOTS);
+        senders_ctx c = {.r = &r, .delay_us = 200};
+        pthread_t th[SENDERS];
+        sender_arg args[SENDERS];
+        start_senders(&c, th, args);
+        assert_int_equal(kvb_ring_wait_sent(&r, &err), KVB_OK);
+        assert_int_equal(atomic_load(&c.taken), VIEW_SLOTS); /* all sent, with slow senders */
+        assert_int_equal(r.count, 0);
+        /* a second layer's views while the senders work: pushes go on as slots are freed */
+        for (uint32_t i = 1; i <= VIEW_SLOTS; i++) {
+            kvb_slab s = {.pos0 = VIEW_SLOTS + i, .n = 1, .k = rows[i][0], .v = rows[i][1], .k_bytes = 0, .v_bytes = 0};
+            assert_int_equal(kvb_ring_push_view(&r, &s, &err), KVB_OK);
+        }
+        kvb_ring_close(&r);
+        join_senders(th);
+        assert_int_equal(atomic_load(&c.taken), 2 * VIEW_SLOTS);
+        assert_int_equal(atomic_load(&c.bytes_bad), 0);
+        assert_int_equal(atomic_load(&c.order_bad), 0);
+        assert_int_equal(r.peak, 0); /* views are not staging memory */
+        /* a copy into a ring reset for views is refused (its slot could lie past the staging memory) */
+        uint8_t k[8] = {0};
+        kvb_slab s = {.pos0 = 1, .n = 1, .k = k, .v = k, .k_bytes = 4, .v_bytes = 4};
+        kvb_ring_reset(&r, true);
+        assert_int_equal(kvb_ring_push(&r, &s, &err), KVB_ERR_INTERNAL);
+    }
+    kvb_ring_destroy(&r);
+}
+
+typedef struct {
+    kvb_ring *r;
+    kvb_status st;
+} producer_arg;
+
+static void *blocked_producer(void *arg) {
+    producer_arg *a = arg;
+    kvb_err err = {0};
+    uint8_t k[4] = {0};
+    kvb_slab s = {.pos0 = 1, .n = 1, .k = k, .v = k, .k_bytes = 4, .v_bytes = 4};
+    for (int i = 0; i <= SLOTS && !a->st; i++) a->st = kvb_ring_push(a->r, &s, &err); /* the last one blocks */
+    return NULL;
+}
+
+static void test_fail_releases_a_blocked_producer(void **state) {
+    (void)state;
+    kvb_ring r;
+    kvb_err err = {0};
+    assert_int_equal(kvb_ring_init(&r, SLOTS, VIEW_SLOTS, SLOT_BYTES, &err), KVB_OK);
+    kvb_ring_reset(&r, false);
+    producer_arg a = {.r = &r};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, blocked_producer, &a), 0);
+    while (__atomic_load_n(&r.count, __ATOMIC_SEQ_CST) < SLOTS) usleep(1000); /* the ring is full */
+    usleep(20000);
+    kvb_ring_fail(&r);
+    pthread_join(th, NULL);
+    assert_int_equal(a.st, KVB_ERR_IO);
+    assert_int_equal(kvb_ring_wait_sent(&r, &err), KVB_ERR_IO);
+    kvb_ring_destroy(&r);
+    assert_int_equal(kvb_ring_init(&r, 0, 0, SLOT_BYTES, &err), KVB_ERR_INVALID);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_copies_through_few_slots),
+        cmocka_unit_test(test_views_hold_a_whole_layer),
+        cmocka_unit_test(test_fail_releases_a_blocked_producer),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
