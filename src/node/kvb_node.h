@@ -70,11 +70,12 @@ uint64_t kvb_prefill_node_peak_gpu_bytes(kvb_prefill_node *n);
  * an empty one — the producer was. */
 void kvb_prefill_node_last_staging_waits(kvb_prefill_node *n, double *full_s, double *empty_s);
 /* Times a cold prefill of n_tokens random tokens (seeded) on this node's engine. with_bridge
- * false: the bridge idle — nothing computed for or shipped to a decoder: "the prefill engine
- * alone", the yardstick for a bridged time to first token. with_bridge true: the bridge also
- * computes and cuts the decoder's rows for tokens [0, n_tokens - 1), as a request would, and they
- * are dropped instead of sent — the GPU's whole share of a bridged request, without the link.
- * Waits for any request in flight. */
+ * false: the bridge idle — nothing computed for or shipped to a decoder, and the last token's
+ * logits computed, as a server on this engine alone would to answer with a first token: "the
+ * prefill engine alone", the yardstick for a bridged time to first token. with_bridge true: the
+ * bridge also computes and cuts the decoder's rows for tokens [0, n_tokens - 1), as a request
+ * would, and they are dropped instead of sent; no logits (a prefill node computes none) — the
+ * node's whole share of a bridged request, without the link. Waits for any request in flight. */
 kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, uint64_t seed, bool with_bridge,
                                        double *seconds, kvb_err *err);
 void kvb_prefill_node_stop(kvb_prefill_node *n);

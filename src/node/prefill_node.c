@@ -553,7 +553,12 @@ kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, u
     if (n_tokens == 0 || n_tokens > n->cfg.max_ctx)
         return kvb_err_set(err, KVB_ERR_RANGE, "%u tokens: outside 1..%u", n_tokens, n->cfg.max_ctx);
     int32_t *tok = malloc(sizeof(int32_t) * n_tokens);
-    if (!tok) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    float *logits = with_bridge ? NULL : malloc(sizeof(float) * n->m->d.n_vocab); /* (n_vocab) */
+    if (!tok || (!with_bridge && !logits)) {
+        free(tok);
+        free(logits);
+        return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    }
     kvb_rng r;
     kvb_rng_seed(&r, seed);
     for (uint32_t i = 0; i < n_tokens; i++) tok[i] = (int32_t)(kvb_rng_u64(&r) % n->m->d.n_vocab);
@@ -570,22 +575,24 @@ kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, u
     if (n->e) {
         kvb_seq *s = NULL;
         st = kvb_seq_create(n->e, &s, err);
-        if (!st) st = kvb_engine_forward(n->e, s, tok, n_tokens, NULL, false, err);
+        if (!st) st = kvb_engine_forward(n->e, s, tok, n_tokens, logits, false, err);
         kvb_seq_free(s);
     }
 #ifdef KVB_HAVE_CUDA
     if (n->ce) {
         kvb_cuda_seq *s = NULL;
         st = kvb_cuda_seq_create(n->ce, &s, err);
-        if (!st) st = kvb_cuda_forward(n->ce, s, tok, n_tokens, NULL, false, err);
+        if (!st) st = kvb_cuda_forward(n->ce, s, tok, n_tokens, logits, false, err);
         if (!st) st = kvb_bridge_cuda_flush(n->bc, err); /* the last layer's rows, when computed */
         else kvb_bridge_cuda_discard(n->bc);
         kvb_cuda_seq_free(s);
     }
 #endif
     *seconds = kvb_now_s() - t0;
+    kvb_trace_span(with_bridge ? "prefill.alone_bridge" : "prefill.alone", t0, t0 + *seconds, n_tokens);
     pthread_mutex_unlock(&n->mu);
     free(tok);
+    free(logits);
     return st;
 }
 

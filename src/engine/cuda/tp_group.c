@@ -273,6 +273,7 @@ typedef struct {
  * breaks it. */
 static kvb_status job_forward(kvb_tp_group *g, int r, void *ctx, kvb_err *err) {
     const fwd_job *j = ctx;
+    kvb_cu_engine_set_group_wants_logits(g->rank[r], j->logits != NULL);
     kvb_status st = kvb_cuda_forward(g->rank[r], j->s->s[r], j->tokens, j->n, r == 0 ? j->logits : NULL,
                                      j->all_logits, err);
     if (st && !kvb_cu_engine_hook_failed(g->rank[r])) rank_failed(g, r, st, err);

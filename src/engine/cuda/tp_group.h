@@ -40,6 +40,9 @@ kvb_status kvb_tp_forward(kvb_tp_group *g, kvb_tp_seq *s, const int32_t *tokens,
 kvb_status kvb_cu_engine_create_rank(const kvb_model *m, const kvb_cuda_opts *o, int rank, int size,
                                      kvb_tp_comm *comm, kvb_cuda_engine **out, kvb_err *err);
 bool kvb_cu_engine_hook_failed(const kvb_cuda_engine *e);
+/* Before a rank's forward: whether rank 0 computes logits in it (the other ranks get none but must
+ * run the same layers, for the all-reduces). */
+void kvb_cu_engine_set_group_wants_logits(kvb_cuda_engine *e, bool wants);
 /* The checks a forward makes before any work (tokens, context limit, free blocks), without it. */
 kvb_status kvb_cu_forward_check(kvb_cuda_engine *e, kvb_cuda_seq *s, const int32_t *tokens, uint32_t n,
                                 kvb_err *err);
