@@ -90,6 +90,7 @@ static int one_leg(uint16_t port, int len, uint64_t seed, uint32_t n_vocab, leg 
     double t0 = kvb_now_s();
     kvb_status st = kvb_http_post("127.0.0.1", port, "/v1/completions", body, 3600 * 1000, &h, &err);
     out->ttft = kvb_now_s() - t0;
+    kvb_trace_span("client.ttft", t0, t0 + out->ttft, (uint64_t)len); /* the HTTP request, sent to answered */
     free(body);
     if (st || h.status != 200) {
         fprintf(stderr, "kvbridge bench ladder: %s\n", st ? err.msg : h.body);

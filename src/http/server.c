@@ -170,8 +170,11 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
     kvb_http_server *s = ctx->server;
     kvb_http_error e;
     kvb_api api = ctx->route == ROUTE_CHAT ? KVB_API_CHAT_COMPLETIONS : KVB_API_COMPLETIONS;
-    if (kvb_completion_req_parse(api, ctx->body.data, ctx->body.len, &ctx->req, &e) != KVB_OK)
-        return queue_error(ctx, conn, &e, NULL, NULL);
+    const double t_parse = kvb_now_s();
+    kvb_trace_span("http.receive", ctx->t_start, t_parse, ctx->body.len); /* headers to the body's last byte */
+    const kvb_status parsed = kvb_completion_req_parse(api, ctx->body.data, ctx->body.len, &ctx->req, &e);
+    kvb_trace_span("http.parse", t_parse, kvb_now_s(), ctx->body.len);
+    if (parsed != KVB_OK) return queue_error(ctx, conn, &e, NULL, NULL);
     http_buf_free(&ctx->body);
     if (!s->accept_any_model && strcmp(ctx->req->model, s->model_id) != 0) {
         http_error_set(&e, 404, "model_not_found", "model",
@@ -184,7 +187,9 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
     kvb_completion_out *out = ctx->out;
 
     if (!ctx->req->stream) {
+        const double t_run = kvb_now_s();
         http_completion_run_inline(out);
+        kvb_trace_span("http.completion", t_run, kvb_now_s(), 0);
         if (out->client_gone) return MHD_NO; /* nobody to answer */
         if (out->failed) return queue_completion_error(ctx, conn);
         char *body = http_completion_json(&out->meta, out->text.data ? out->text.data : "",

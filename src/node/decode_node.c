@@ -201,9 +201,12 @@ static void *lane_main(void *arg) {
             kvb_status st = KVB_OK;
             if (g < rx->b0 || g > rx->b0 + rx->nb || (g == rx->b0 + rx->nb && !rx->tail))
                 st = kvb_err_set(&err, KVB_ERR_FORMAT, "slab for position %u outside the requested range", sl->pos0);
-            else
+            else {
+                const double t_put = kvb_now_s();
                 st = kvb_store_slab_put(rx->pend[g - rx->b0], sl->layer, sl->pos0 % rx->bt, sl->n, sl->k, sl->k_bytes,
                                         sl->v, sl->v_bytes, sl->checksum, NULL, &err);
+                kvb_trace_span("decode.slab_put", t_put, kvb_now_s(), sl->layer); /* verify and scatter */
+            }
             if (st) {
                 rx_fault(rx, "corrupt_slab", true, "corrupt slab rejected: %.120s", err.msg);
                 break;
@@ -265,6 +268,8 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
         o->fault_kind = "cache_full";
         goto done;
     }
+    const double t_send = kvb_now_s();
+    kvb_trace_span("decode.bridge_setup", t0, t_send, nb); /* chain keys, pages for the blocks */
     uint64_t rid = ++n->next_request_id;
     kvb_msg_prefill p = {.request_id = rid, .bridge_mode = n->hello.bridge_mode, .n_tokens = n_tok,
                          .cached_tokens = cached, .ship_tokens = ship + tail,
@@ -275,6 +280,8 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
         drop_peer(n);
         goto done;
     }
+    const double t_lanes = kvb_now_s();
+    kvb_trace_span("decode.send_prefill", t_send, t_lanes, n_tok);
     lane_rx lanes[KVB_MAX_LANES];
     memset(lanes, 0, sizeof lanes);
     bridge_rx rx = {.pend = pend, .bt = bt, .b0 = b0, .nb = nb, .tail = tail, .rid = rid,
@@ -313,6 +320,7 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
     for (uint32_t l = 0; l < n->n_lanes; l++)
         if (lanes[l].started) pthread_join(lanes[l].thread, NULL);
     t_end = kvb_now_s();
+    kvb_trace_span("decode.exchange", t_lanes, t_end, nb); /* lanes started until every DONE */
     uint32_t slabs = 0;
     for (uint32_t l = 0; l < n->n_lanes; l++) {
         slabs += lanes[l].slabs;
@@ -341,7 +349,9 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
             o->tail_page = kvb_store_slab_take_tail(pend[nb]);
         }
     }
+    const double t_fin = kvb_now_s();
     o->last_ready = kvb_tail_pipe_finish(tp, o->fault_kind != NULL, o->tail_page, &o->last_page, &o->tail_wait_s);
+    kvb_trace_span("decode.tail_finish", t_fin, kvb_now_s(), o->last_ready);
     n->last_reader_wait_s = n->last_consumer_wait_s = 0;
     for (uint32_t l = 0; l < n->n_lanes; l++) {
         double r = 0, c = 0;
@@ -353,6 +363,7 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
     for (uint32_t l = 0; l < n->n_lanes; l++) kvb_recv_pipe_stop(lanes[l].pipe);
     pthread_mutex_destroy(&rx.mu);
     if (rx.drop) drop_peer(n);
+    kvb_trace_span("decode.lanes_stop", t_fin, kvb_now_s(), 0);
 done:
     o->transfer_s = (t_end > 0 ? t_end : kvb_now_s()) - t0;
     if (pend)
@@ -462,7 +473,9 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     kvb_err err = {0};
     int32_t *toks = NULL;
     size_t n_tok = 0;
+    const double t_req = kvb_now_s();
     int status = prompt_tokens(n, req, &toks, &n_tok, &err);
+    kvb_trace_span("decode.prompt_tokens", t_req, kvb_now_s(), n_tok);
     if (status) {
         kvb_completion_fail(out, status, NULL, req->api == KVB_API_CHAT_COMPLETIONS ? "messages" : "prompt", "%s",
                             err.msg[0] ? err.msg : "out of memory");
@@ -488,7 +501,9 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
         max_new = ctx_max - (int64_t)n_tok;
     }
 
+    const double t_acq = kvb_now_s();
     engine_acquire(n);
+    kvb_trace_span("decode.engine_acquire", t_acq, kvb_now_s(), 0);
     kvb_usage u = {.prompt_tokens = (int64_t)n_tok};
     kvb_seq *s = NULL;
     float *logits = malloc(sizeof(float) * n->m->d.n_vocab);
@@ -525,7 +540,9 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
         bridge_outcome o = {0};
         kvb_seq_free(s); /* the cached prefix is re-adopted below, with what arrived */
         s = NULL;
+        const double t_br = kvb_now_s();
         bridge_blocks(n, toks, (uint32_t)n_tok, cached, ship, tail, logits, &o);
+        kvb_trace_span("decode.bridge", t_br, kvb_now_s(), ship - cached);
         u.transfer_s = o.transfer_s;
         u.prefill_s = o.prefill_s;
         tail_wait_s = o.tail_wait_s;
@@ -561,6 +578,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     if (!st && !last_done)
         st = kvb_engine_forward(n->e, s, toks + adopted, (uint32_t)n_tok - adopted, logits, false, &err);
     u.native_s = last_done ? tail_wait_s : kvb_now_s() - t_native; /* pipelined: what ran on after DONE */
+    kvb_trace_span("decode.native", t_native, kvb_now_s(), u.native_tokens);
     u.native_pipelined = last_done;
     if (st) {
         engine_release(n);
@@ -604,9 +622,11 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
         emit_filtered(out, &sf, req, piece, true);
     }
     u.decode_s = kvb_now_s() - t_decode;
+    kvb_trace_span("decode.sample_emit", t_decode, kvb_now_s(), u.completion_tokens);
     engine_release(n);
     if (st) kvb_completion_fail(out, 500, NULL, NULL, "%s", err.msg);
     else kvb_completion_finish(out, reason, &u);
+    kvb_trace_span("decode.request", t_req, kvb_now_s(), n_tok); /* to the reply's end */
 cleanup_unlocked:
     kvb_sampler_free(&smp);
     free(sf.buf);

@@ -86,7 +86,9 @@ static void *sender_main(void *arg) {
     kvb_prefill_node *n = sc->n;
     kvb_slab s;
     uint32_t slot;
-    while (kvb_ring_take(&n->ring, &slot, &s)) {
+    for (double t_take = kvb_now_s(); kvb_ring_take(&n->ring, &slot, &s); t_take = kvb_now_s()) {
+        const double t_got = kvb_now_s();
+        kvb_trace_span("prefill.ring_take", t_take, t_got, s.layer);
         sc->slabs_sent++;
         const uint32_t idx = atomic_fetch_add(&n->slab_seq, 1) + 1; /* over all lanes */
         s.checksum = kvb_slab_checksum(s.k, s.k_bytes, s.v, s.v_bytes); /* here: one thread per lane */
@@ -108,6 +110,7 @@ static void *sender_main(void *arg) {
             kvb_ring_fail(&n->ring);
             break;
         }
+        kvb_trace_span("prefill.send_slab", t_got, kvb_now_s(), s.layer); /* checksum and send */
         kvb_ring_done(&n->ring, slot);
     }
     return NULL;
@@ -163,12 +166,18 @@ static kvb_status cuda_ship_rows(void *ctx, uint32_t layer, uint32_t pos0, uint3
 static kvb_status prefill_on_cuda(kvb_prefill_node *n, const kvb_msg_prefill *p, kvb_err *err) {
     kvb_cuda_seq *s = NULL;
     uint32_t adopted = 0;
+    const double t0 = kvb_now_s();
     kvb_status st = kvb_cuda_seq_create(n->ce, &s, err);
     if (!st) st = kvb_cuda_seq_attach_cached(s, p->tokens, p->cached_tokens + 1, &adopted, err);
+    const double t1 = kvb_now_s();
+    kvb_trace_span("prefill.cuda_attach", t0, t1, adopted);
     if (!st && p->ship_tokens > adopted)
         st = kvb_cuda_forward(n->ce, s, p->tokens + adopted, p->ship_tokens - adopted, NULL, false, err);
+    const double t2 = kvb_now_s();
+    kvb_trace_span("prefill.cuda_forward", t1, t2, p->ship_tokens - adopted);
     if (!st) st = kvb_bridge_cuda_flush(n->bc, err);
     else kvb_bridge_cuda_discard(n->bc);
+    kvb_trace_span("prefill.cuda_flush", t2, kvb_now_s(), 0); /* the last layers' rows shipped */
     kvb_cuda_seq_free(s);
     return st;
 }
@@ -268,6 +277,8 @@ static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
 #endif
     kvb_ring_close(&n->ring);
     if (st) kvb_ring_fail(&n->ring); /* what was staged is not sent: the request failed */
+    const double t_join = kvb_now_s();
+    kvb_trace_span("prefill.compute", t0, t_join, p->ship_tokens - p->cached_tokens); /* from PREFILL's arrival */
     bool link_failed = false;
     for (uint32_t l = 0; l < n_lanes; l++) {
         if (sc[l].started) pthread_join(sc[l].thread, NULL);
@@ -299,6 +310,8 @@ static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
         key = kvb_chain_next(key, p->tokens + p->cached_tokens + (size_t)b * bt, bt);
         keys[b] = key;
     }
+    const double t_done = kvb_now_s();
+    kvb_trace_span("prefill.senders_join", t_join, t_done, 0);
     kvb_msg_done d = {.tokens_covered = p->ship_tokens,
                       .blocks = nb,
                       .chain_digest = keys ? kvb_wire_chain_digest(keys, nb) : 0,
@@ -309,6 +322,7 @@ static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
         if (kvb_conn_send_done(lanes[l], p->request_id, &d, 10000, &err))
             kvb_log(KVB_LOG_WARN, "prefill: sending DONE on lane %u failed: %s", l, err.msg);
     }
+    kvb_trace_span("prefill.send_done", t_done, kvb_now_s(), n_lanes);
     pthread_mutex_unlock(&n->mu);
 }
 

@@ -48,7 +48,9 @@ static void *reader_main(void *arg) {
         /* the slot is the reader's until count covers it: receive without the lock */
         pipe_item *it = &p->items[slot];
         memset(&it->err, 0, sizeof it->err);
+        const double t_recv = kvb_now_s();
         it->st = kvb_conn_recv_into(p->c, p->timeout_ms, &p->bufs[slot], &it->m, &it->err);
+        kvb_trace_span("decode.recv_frame", t_recv, kvb_now_s(), it->st ? 0 : it->m.type);
         const bool last = it->st || ((it->m.type == KVB_FRAME_DONE || it->m.type == KVB_FRAME_ERROR) &&
                                      it->m.request_id == p->request_id);
         pthread_mutex_lock(&p->mu);

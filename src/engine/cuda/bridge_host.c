@@ -510,10 +510,15 @@ void kvb_bridge_cuda_set_ship(kvb_bridge_cuda *b, kvb_bridge_rows_ship fn, void 
 /* Waits for a filled slot's rows (every rank's part) and hands them to the ship callback (unless
  * dropping). */
 static kvb_status ship_slot(kvb_bridge_cuda *b, pinned_slot *p, bool drop, kvb_err *err) {
+    const double t0 = kvb_now_s();
     KVB_CU(cudaEventSynchronize(p->done));
     for (int r = 1; r < b->n_ranks; r++) KVB_CU(cudaEventSynchronize(b->ranks[r]->r_done[p - b->slot]));
+    const double t1 = kvb_now_s();
+    kvb_trace_span("bridge.rows_wait", t0, t1, p->layer); /* until the GPU's rows are in the pinned slot */
     if (drop || !b->ship) return KVB_OK;
-    return b->ship(b->ship_ctx, p->layer, p->pos0, p->n, p->k, p->v, err);
+    kvb_status st = b->ship(b->ship_ctx, p->layer, p->pos0, p->n, p->k, p->v, err);
+    kvb_trace_span("bridge.ship_rows", t1, kvb_now_s(), p->layer); /* cut, sent, slot free again */
+    return st;
 }
 
 /* The oldest pending slot, or NULL. Caller holds mu. */
@@ -694,7 +699,9 @@ kvb_status kvb_bridge_cuda_enqueue(kvb_bridge_cuda *b, uint32_t layer, uint32_t 
     pinned_slot *p = &b->slot[b->next_slot];
     if (b->has_shipper) {
         pthread_mutex_lock(&b->mu);
+        const double t_wait = kvb_now_s();
         while (p->pending && !b->ship_st) pthread_cond_wait(&b->cv, &b->mu); /* normally shipped long ago */
+        kvb_trace_span("bridge.slot_wait", t_wait, kvb_now_s(), layer);
         st = b->ship_st;
         if (st) *err = b->ship_err; /* the link failed: stop computing for it */
         pthread_mutex_unlock(&b->mu);
