@@ -33,7 +33,9 @@ def load(paths):
 def report(spans, anchor, min_ms, last):
     anchors = [s for s in spans if s[0] == anchor]
     if not anchors:
-        sys.exit(f"no '{anchor}' spans in the trace (try --anchor decode.request)")
+        names = sorted({s[0] for s in spans})
+        sys.exit(f"no '{anchor}' spans in the trace; it has: {', '.join(names) or 'no spans'} "
+                 "(a decode node's own file: --anchor decode.request; bench ladder: client.ttft)")
     for a in anchors[-last:] if last else anchors:
         _, a0, a1, arg = a
         rows = {}
