@@ -444,6 +444,38 @@ static void test_bridged_blocks_are_evictable(void **state) {
     kvb_prefill_node_stop(pn);
 }
 
+/* The slab path's benchmark node (bench ladder --slab-path-only): filler rows, no engine, a
+ * chunk's layer at a time as views. A cold prompt spanning two chunks and a partial third arrives
+ * complete with every byte counted, twice in a row (the filler is made once, at start), and the
+ * node refuses to time an engine it does not have. */
+static void test_filler_rows_slab_path(void **state) {
+    (void)state;
+    kvb_prefill_config c = {.listen = "127.0.0.1:0", .model_path = g_model, .psk = PSK, .n_threads = 1,
+                            .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 4096,
+                            .chunk_tokens = 256, .bench_filler_rows = true};
+    kvb_prefill_node *pn = NULL;
+    kvb_err err = {0};
+    if (kvb_prefill_node_start(&c, &pn, &err)) fail_msg("prefill node: %s", err.msg);
+    kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
+    int32_t ids[700];
+    for (int i = 0; i < 2; i++) {
+        kvbt_prompt_ids(ids, 700, 500 + (uint64_t)i); /* fresh: nothing cached */
+        kvbt_reply b;
+        double bytes0 = kvbt_metric(kvb_decode_node_port(dn), "kvbridge_slab_bytes_total ");
+        kvbt_complete_ids(kvb_decode_node_port(dn), ids, 700, &b);
+        assert_string_equal(b.verdict, "complete");
+        assert_int_equal(b.bridged, 699);
+        /* tiny: 2048 bytes per token (4 layers x K,V x 2 kv heads x 64 dims x f16) */
+        assert_true(kvbt_metric(kvb_decode_node_port(dn), "kvbridge_slab_bytes_total ") - bytes0 == 699.0 * 2048.0);
+        free(b.content);
+    }
+    assert_int_equal(kvb_prefill_node_peak_capture_bytes(pn), 0); /* views only: no staging copies */
+    double secs = -1;
+    assert_int_equal(kvb_prefill_node_time_alone(pn, 64, 1, false, &secs, &err), KVB_ERR_UNSUPPORTED);
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+}
+
 static void test_openai_client_streams(void **state) {
     (void)state;
     const char *src = getenv("KVB_SOURCE_DIR");
@@ -479,6 +511,7 @@ int main(void) {
         cmocka_unit_test(test_fault_other_model),
         cmocka_unit_test(test_prefill_mode),
         cmocka_unit_test(test_bridged_blocks_are_evictable),
+        cmocka_unit_test(test_filler_rows_slab_path),
         cmocka_unit_test(test_openai_client_streams),
     };
     return cmocka_run_group_tests(tests, setup, NULL);

@@ -36,7 +36,8 @@ static void help(FILE *f) {
             "                       slabs are striped over (1..%d; default: the decode node's, %d); the raw\n"
             "                       TCP loopback each row is measured against (the link floor, or with\n"
             "                       --slab-path-only the raw link's GB/s) uses as many streams at once\n"
-            "  --chunk N            prefill node chunk in tokens (default 512 on cpu, 8192 on cuda)\n"
+            "  --chunk N            prefill node chunk in tokens (default 512 on cpu, 8192 on cuda and with\n"
+            "                       --slab-path-only)\n"
             "  --gpus N             cuda: the prefill node's tensor-parallel ranks (GPUs 0..N-1, NCCL)\n"
             "  --tp-one-device      cuda, --gpus N: every rank on one GPU (tests the split; not faster)\n"
             KVB_CLI_GPU_WEIGHTS_HELP
@@ -59,7 +60,9 @@ static void help(FILE *f) {
             "                       holds filler, so no decoder-alone or prefill-alone legs are run. Each row\n"
             "                       also sends the same bytes over plain TCP loopback connections, as many\n"
             "                       streams at once as the decoder has lanes, and prints the slab path's GB/s\n"
-            "                       as a share of that raw link's\n",
+            "                       as a share of that raw link's. The filler goes a chunk's layer at a time\n"
+            "                       (8192 tokens unless --chunk), as a CUDA prefill node's bridge hands its\n"
+            "                       rows over\n",
             KVB_MAX_LANES, KVB_DEFAULT_LANES);
 }
 
@@ -214,7 +217,7 @@ int kvb_bench_ladder(int argc, char **argv) {
     if (!peer) {
         kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = psk, .n_threads = (int)threads,
                                  .cache_dtype = cache_type, .max_ctx = ctx, .cuda = cuda,
-                                 .chunk_tokens = (uint32_t)chunk, .bench_filler_rows = filler,
+                                 .chunk_tokens = (uint32_t)(chunk ? chunk : filler ? 8192 : 0), .bench_filler_rows = filler,
                                  .block_tokens = (uint32_t)block, .gpus = (int)gpus,
                                  .tp_one_device = tp_one_device, .gpu_weights = gpu_weights,
                                  .warmup_tokens = filler ? 0 : (uint32_t)(chunk ? chunk : 8192) + 64};

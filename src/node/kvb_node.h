@@ -48,9 +48,11 @@ typedef struct {
     const char *fault;
     /* Bench-only (`kvbridge bench ladder --slab-path-only`): ship rows without computing them —
      * every (chunk, layer) of the request gets deterministic filler rows in the decoder's dtype,
-     * cut, checksummed, staged and sent exactly as computed rows are. Measures the slab path
-     * (staging, transport, the decoder's verification and commit) with no engine in the way. The
-     * decoder's cache then holds filler: never set this on a node that serves answers. */
+     * cut, checksummed, staged and sent exactly as computed rows are, a chunk's layer at a time
+     * (as the CUDA bridge hands over its pinned slot). Measures the slab path (staging,
+     * transport, the decoder's verification and commit) with no engine in the way: none is made,
+     * and the filler is made at start. The decoder's cache then holds filler: never set this on a
+     * node that serves answers. */
     bool bench_filler_rows;
 } kvb_prefill_config;
 

@@ -52,6 +52,7 @@ struct kvb_prefill_node {
     kvb_msg_lane lane[MAX_CONNS]; /* each connection's lane (group 0: it sent none) */
     atomic_uint slab_seq;         /* slabs sent for the request in flight, over all lanes (faults) */
     kvb_ring ring;
+    uint8_t *filler_k, *filler_v; /* bench_filler_rows: (chunk, n_head_kv, row_bytes) each, made at start */
     uint64_t peak_capture;
     uint32_t warmup_tokens; /* the start's warm-up prefill, and its seconds */
     double warmup_s;
@@ -116,24 +117,30 @@ static void *sender_main(void *arg) {
     return NULL;
 }
 
+/* bench_filler_rows: the filler, made once at start (it stands in for an engine's rows: not
+ * staging memory, not counted as capture, and not the request's time). */
+static kvb_status filler_rows_make(kvb_prefill_node *n, kvb_err *err) {
+    const size_t bytes = (size_t)n->cfg.chunk_tokens * n->m->d.n_head_kv * kvb_kvformat_row_bytes(&n->fmt);
+    n->filler_k = malloc(bytes);
+    n->filler_v = malloc(bytes);
+    if (!n->filler_k || !n->filler_v) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for filler rows");
+    for (size_t i = 0; i < bytes; i++) n->filler_k[i] = (uint8_t)(i * 7), n->filler_v[i] = (uint8_t)(i * 13);
+    return KVB_OK;
+}
+
 /* bench_filler_rows: every (chunk, layer) of [ship_from, ship_to) as filler rows through the same
- * cutting, staging and sending as computed rows (the slab path's own ceiling). */
+ * cutting, staging and sending as computed rows, a chunk's layer at a time as the CUDA bridge
+ * hands over its pinned slot (the slab path's own ceiling). */
 static kvb_status ship_filler_rows(kvb_prefill_node *n, kvb_err *err) {
     const uint32_t chunk = n->cfg.chunk_tokens;
-    const size_t tok_bytes = (size_t)n->m->d.n_head_kv * kvb_kvformat_row_bytes(&n->fmt);
-    uint8_t *k = malloc(chunk * tok_bytes), *v = malloc(chunk * tok_bytes); /* (chunk, n_head_kv, row_bytes) */
-    kvb_status st = k && v ? KVB_OK : kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for filler rows");
-    if (!st) /* (stands in for the engine's rows: not staging memory, not counted as capture) */
-        for (size_t i = 0; i < chunk * tok_bytes; i++) k[i] = (uint8_t)(i * 7), v[i] = (uint8_t)(i * 13);
+    kvb_status st = KVB_OK;
     for (uint32_t p = n->ship_from; !st && p < n->ship_to; p += chunk) {
         const uint32_t cnt = n->ship_to - p < chunk ? n->ship_to - p : chunk;
         for (uint32_t l = 0; !st && l < n->m->d.n_layer; l++) {
-            st = kvb_bridge_cpu_rows(n->br, l, p, cnt, k, v, n->fmt.dtype, err);
-            if (!st) st = kvb_ring_wait_sent(&n->ring, err); /* the views point into k and v */
+            st = kvb_bridge_cpu_rows(n->br, l, p, cnt, n->filler_k, n->filler_v, n->fmt.dtype, err);
+            if (!st) st = kvb_ring_wait_sent(&n->ring, err); /* the views point into the filler */
         }
     }
-    free(k);
-    free(v);
     return st;
 }
 
@@ -488,7 +495,9 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
             eo.layer_hook = kvb_bridge_cpu_layer;
             eo.layer_hook_ctx = n->br;
         }
-        if (!st && !cfg->cuda) st = kvb_engine_create(n->m, &eo, &n->e, err);
+        /* filler rows stand in for the engine: none is made (nor its activations for a chunk) */
+        if (!st && !cfg->cuda && !cfg->bench_filler_rows) st = kvb_engine_create(n->m, &eo, &n->e, err);
+        if (!st && cfg->bench_filler_rows) st = filler_rows_make(n, err);
     }
     if (!st)
         st = kvb_ring_init(&n->ring, n->cfg.ring_slots, n->cfg.chunk_tokens / bt + 2, /* views: a chunk's layer */
@@ -564,6 +573,8 @@ static kvb_status sink_discard(void *ctx, const kvb_slab *s, kvb_err *err) {
 kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, uint64_t seed, bool with_bridge,
                                        double *seconds, kvb_err *err) {
     *seconds = 0;
+    if (n->cfg.bench_filler_rows)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "a node that ships filler rows has no engine to time");
     if (n_tokens == 0 || n_tokens > n->cfg.max_ctx)
         return kvb_err_set(err, KVB_ERR_RANGE, "%u tokens: outside 1..%u", n_tokens, n->cfg.max_ctx);
     int32_t *tok = malloc(sizeof(int32_t) * n_tokens);
@@ -648,6 +659,8 @@ void kvb_prefill_node_stop(kvb_prefill_node *n) {
     kvb_listener_close(n->l);
     kvb_ring_destroy(&n->ring);
     kvb_engine_free(n->e);
+    free(n->filler_k);
+    free(n->filler_v);
 #ifdef KVB_HAVE_CUDA
     kvb_cuda_engine_free(n->ce);
     kvb_bridge_cuda_free(n->bc);
