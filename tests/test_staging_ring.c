@@ -171,7 +171,11 @@ static void test_fail_releases_a_blocked_producer(void **state) {
     producer_arg a = {.r = &r};
     pthread_t th;
     assert_int_equal(pthread_create(&th, NULL, blocked_producer, &a), 0);
-    while (__atomic_load_n(&r.count, __ATOMIC_SEQ_CST) < SLOTS) usleep(1000); /* the ring is full */
+    for (uint32_t filled = 0; filled < SLOTS; usleep(1000)) { /* until the ring is full */
+        pthread_mutex_lock(&r.mu);
+        filled = r.count;
+        pthread_mutex_unlock(&r.mu);
+    }
     usleep(20000);
     kvb_ring_fail(&r);
     pthread_join(th, NULL);

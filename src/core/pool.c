@@ -34,14 +34,21 @@ struct kvb_pool {
     int n_tasks;
     atomic_int next_task;
     atomic_int n_active; /* helpers still inside the current job */
-    atomic_uint generation;
+    _Atomic uint64_t generation; /* see POOL_WIDTH_BITS */
     atomic_int n_sleeping; /* workers waiting on cv_work */
     atomic_uint park;      /* bumped by kvb_pool_park: spinning workers go to sleep */
-    atomic_int width;      /* workers [0, width) take jobs; set between jobs by the dispatcher */
-    atomic_int job_width;  /* the current job's width (written before its generation) */
+    atomic_int width;      /* workers [0, width) take the next jobs; set between jobs by the dispatcher */
     pthread_cond_t cv_width; /* workers past the width wait here */
     atomic_bool stop;
 };
+
+/* `generation` is one word per job: a sequence number above the job's width (the low bits), so a
+ * worker reads the two together. A worker left out of a job is not waited for and may look at
+ * the word late: read apart, it could pair an old sequence number with a newer job's width. 64
+ * bits: a worker asleep past the width through any number of jobs never sees its last word
+ * again. */
+#define POOL_WIDTH_BITS 11 /* widths up to 1024 threads */
+#define POOL_WIDTH_MASK ((1u << POOL_WIDTH_BITS) - 1)
 
 typedef struct {
     kvb_pool *pool;
@@ -61,7 +68,7 @@ static void *worker_main(void *arg) {
     kvb_pool *p = wa->pool;
     int worker = wa->worker;
     free(wa);
-    unsigned seen = 0;
+    uint64_t seen = 0;
     for (;;) {
         if (worker >= atomic_load(&p->width)) { /* left out: sleep until the width takes this worker in */
             pthread_mutex_lock(&p->mu);
@@ -70,7 +77,7 @@ static void *worker_main(void *arg) {
             /* `seen` stays the last job looked at: a job begun meanwhile with this worker in it runs */
         }
         /* spin (with pause) until a new job or the spin deadline */
-        unsigned g = atomic_load_explicit(&p->generation, memory_order_acquire);
+        uint64_t g = atomic_load_explicit(&p->generation, memory_order_acquire);
         const unsigned parked = atomic_load_explicit(&p->park, memory_order_relaxed);
         double deadline = kvb_now_s() + KVB_POOL_SPIN_S;
         for (unsigned spin = 1; g == seen && !atomic_load_explicit(&p->stop, memory_order_relaxed) &&
@@ -93,7 +100,7 @@ static void *worker_main(void *arg) {
         }
         if (atomic_load(&p->stop)) return NULL;
         seen = g;
-        if (worker >= atomic_load_explicit(&p->job_width, memory_order_relaxed)) continue; /* not counted in */
+        if ((uint64_t)worker >= (g & POOL_WIDTH_MASK)) continue; /* not counted in this job */
         run_tasks(p, worker);
         if (atomic_fetch_sub_explicit(&p->n_active, 1, memory_order_acq_rel) == 1) {
             pthread_mutex_lock(&p->mu);
@@ -111,7 +118,6 @@ kvb_status kvb_pool_create(int n_threads, kvb_pool **out, kvb_err *err) {
     if (!p) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory creating thread pool");
     p->n_threads = n_threads;
     atomic_store(&p->width, n_threads);
-    atomic_store(&p->job_width, n_threads);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv_work, NULL);
     pthread_cond_init(&p->cv_done, NULL);
@@ -139,7 +145,7 @@ void kvb_pool_destroy(kvb_pool *p) {
     if (!p) return;
     pthread_mutex_lock(&p->mu);
     atomic_store(&p->stop, true);
-    atomic_fetch_add(&p->generation, 1);
+    atomic_fetch_add(&p->generation, (uint64_t)1 << POOL_WIDTH_BITS); /* wakes them; they see stop */
     pthread_cond_broadcast(&p->cv_work);
     pthread_cond_broadcast(&p->cv_width);
     pthread_mutex_unlock(&p->mu);
@@ -182,9 +188,11 @@ void kvb_pool_parallel_for(kvb_pool *p, int n_tasks, kvb_task_fn fn, void *ctx) 
     p->ctx = ctx;
     p->n_tasks = n_tasks;
     atomic_store(&p->next_task, 0);
-    atomic_store_explicit(&p->job_width, width, memory_order_relaxed); /* published by the generation */
     atomic_store(&p->n_active, width - 1);
-    atomic_fetch_add(&p->generation, 1); /* seq_cst: pairs with the workers' n_sleeping */
+    /* the next sequence number and this job's width, in one store (only this thread writes it
+     * while the pool lives); seq_cst: pairs with the workers' n_sleeping */
+    const uint64_t seq = (atomic_load(&p->generation) >> POOL_WIDTH_BITS) + 1;
+    atomic_store(&p->generation, seq << POOL_WIDTH_BITS | (uint64_t)width);
     if (atomic_load(&p->n_sleeping) > 0) {
         pthread_mutex_lock(&p->mu);
         pthread_cond_broadcast(&p->cv_work);
