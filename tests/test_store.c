@@ -644,6 +644,50 @@ static void test_slab_layout_and_checksum(void **state) {
     kvb_store_free(s);
 }
 
+/* The slab path's scatter with non-temporal stores writes exactly the bytes of the plain scatter:
+ * fresh random rows, several cache types and head sizes (rows of whole 64-byte lines, which
+ * stream on x86, and rows that do not), partial token ranges, every layer, a block on a line
+ * boundary and one that is not (which falls back to plain copies). Bytes outside the range stay. */
+static void test_scatter_stream_equals_scatter(void **state) {
+    (void)state;
+    const struct { uint32_t dtype, head_dim; } cases[] = {
+        {KVB_TYPE_F16, 64}, {KVB_TYPE_F16, 128}, {KVB_TYPE_BF16, 256}, {KVB_TYPE_F32, 64},
+        {KVB_TYPE_Q8_0, 64}, {KVB_TYPE_F16, 40},
+    };
+    uint64_t rng = 0x5eed5ca77e12ULL;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        kvb_kvformat f;
+        kvb_err e = {0};
+        assert_int_equal(kvb_kvformat_init(&f, cases[c].dtype, 32, 3, 4, cases[c].head_dim, &e), KVB_OK);
+        const size_t bb = kvb_kvformat_block_bytes(&f), tok = 4 * kvb_kvformat_row_bytes(&f);
+        uint8_t *k = malloc(32 * tok), *v = malloc(32 * tok); /* (token, kv_head, row) */
+        uint8_t *plain = aligned_alloc(64, bb + 64), *streamed = aligned_alloc(64, bb + 64);
+        assert_non_null(k);
+        assert_non_null(v);
+        assert_non_null(plain);
+        assert_non_null(streamed);
+        for (int misalign = 0; misalign <= 16; misalign += 16) { /* a block on a line, and one off it */
+            uint8_t *pb = plain + misalign, *sb = streamed + misalign;
+            for (size_t i = 0; i < bb; i++) pb[i] = sb[i] = (uint8_t)(i * 31 + 7);
+            for (uint32_t l = 0; l < 3; l++) {
+                const uint32_t t0 = (uint32_t)(l * 7 % 20), n = 32 - t0 - (uint32_t)l; /* partial ranges */
+                for (size_t i = 0; i < 32 * tok; i++) {
+                    rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+                    k[i] = (uint8_t)(rng >> 56);
+                    v[i] = (uint8_t)(rng >> 48);
+                }
+                kvb_kvformat_scatter_rows(&f, pb, l, t0, n, k, v);
+                kvb_kvformat_scatter_rows_stream(&f, sb, l, t0, n, k, v);
+            }
+            assert_memory_equal(pb, sb, bb);
+        }
+        free(k);
+        free(v);
+        free(plain);
+        free(streamed);
+    }
+}
+
 /* A tail (the partial block before the last prompt token): assembled with the same checks over
  * its own tokens only, never committed or visible, its page taken once complete; a tail that is
  * closed untaken gives its page back. */
@@ -1826,6 +1870,7 @@ int main(void) {
         cmocka_unit_test(test_lru_order),
         cmocka_unit_test(test_incomplete_blocks_invisible),
         cmocka_unit_test(test_slab_layout_and_checksum),
+        cmocka_unit_test(test_scatter_stream_equals_scatter),
         cmocka_unit_test(test_slab_tail),
         cmocka_unit_test(test_corrupt_slabs_rejected),
         cmocka_unit_test(test_slab_puts_from_threads),

@@ -53,6 +53,11 @@ size_t kvb_kvformat_local_part(const kvb_kvformat *f, size_t *bytes);
  * engine's own writes and slab assembly both go through it. */
 void kvb_kvformat_scatter_rows(const kvb_kvformat *f, uint8_t *block, uint32_t layer, uint32_t token0, uint32_t n,
                                const uint8_t *k_rows, const uint8_t *v_rows);
+/* The same bytes, written past the caches where the CPU can (x86, rows of whole 64-byte lines):
+ * for rows nobody reads soon (a slab committed into the decoder's store), so the write does not
+ * first read each line in. Ordered (sfence) before it returns. */
+void kvb_kvformat_scatter_rows_stream(const kvb_kvformat *f, uint8_t *block, uint32_t layer, uint32_t token0,
+                                      uint32_t n, const uint8_t *k_rows, const uint8_t *v_rows);
 /* Declares the local layers (local[l] for l < n_layer) and their window (>= 1). With no local
  * layer (or window 0) the format stays as it was. KVB_ERR_INVALID when n_layer exceeds
  * KVB_KVFORMAT_MAX_LAYERS. */

@@ -1,6 +1,10 @@
 /* kvformat/kvformat.c — cache block geometry, description and fingerprint. */
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#if defined(KVB_X86)
+#include <emmintrin.h>
+#endif
 
 #include "kvb_kvformat.h"
 #include "kvb_quant.h"
@@ -59,9 +63,23 @@ size_t kvb_kvformat_local_part(const kvb_kvformat *f, size_t *bytes) {
     return per_layer * (f->n_layer - f->n_local);
 }
 
-void kvb_kvformat_scatter_rows(const kvb_kvformat *f, uint8_t *block, uint32_t layer, uint32_t token0, uint32_t n,
-                               const uint8_t *k_rows, const uint8_t *v_rows) {
+#if defined(KVB_X86)
+/* One row with non-temporal stores: d 16-byte aligned, row a multiple of 16. */
+static inline void copy_row_stream(uint8_t *d, const uint8_t *s, size_t row) {
+    for (size_t i = 0; i < row; i += 16)
+        _mm_stream_si128((__m128i *)(void *)(d + i), _mm_loadu_si128((const __m128i *)(const void *)(s + i)));
+}
+#endif
+
+static void scatter_rows(const kvb_kvformat *f, uint8_t *block, uint32_t layer, uint32_t token0, uint32_t n,
+                         const uint8_t *k_rows, const uint8_t *v_rows, bool stream) {
     const size_t row = kvb_kvformat_row_bytes(f), tok_bytes = (size_t)f->n_head_kv * row;
+#if defined(KVB_X86)
+    /* whole cache lines only: every row starts on a line when rows are multiples of 64 bytes */
+    stream = stream && row % 64 == 0 && ((uintptr_t)block & 63) == 0;
+#else
+    stream = false;
+#endif
     /* head by head: a head's rows of consecutive tokens are adjacent in the block, so the
      * destination walks forward by one row (the offsets computed once per head) */
     for (uint32_t h = 0; h < f->n_head_kv; h++) {
@@ -69,10 +87,30 @@ void kvb_kvformat_scatter_rows(const kvb_kvformat *f, uint8_t *block, uint32_t l
         uint8_t *vd = block + kvb_kvformat_row_offset(f, layer, 1, h, token0);
         const uint8_t *ks = k_rows + (size_t)h * row, *vs = v_rows + (size_t)h * row;
         for (uint32_t t = 0; t < n; t++, kd += row, vd += row, ks += tok_bytes, vs += tok_bytes) {
+#if defined(KVB_X86)
+            if (stream) {
+                copy_row_stream(kd, ks, row);
+                copy_row_stream(vd, vs, row);
+                continue;
+            }
+#endif
             memcpy(kd, ks, row);
             memcpy(vd, vs, row);
         }
     }
+#if defined(KVB_X86)
+    if (stream) _mm_sfence(); /* the rows are in memory before anyone is told they arrived */
+#endif
+}
+
+void kvb_kvformat_scatter_rows(const kvb_kvformat *f, uint8_t *block, uint32_t layer, uint32_t token0, uint32_t n,
+                               const uint8_t *k_rows, const uint8_t *v_rows) {
+    scatter_rows(f, block, layer, token0, n, k_rows, v_rows, false);
+}
+
+void kvb_kvformat_scatter_rows_stream(const kvb_kvformat *f, uint8_t *block, uint32_t layer, uint32_t token0,
+                                      uint32_t n, const uint8_t *k_rows, const uint8_t *v_rows) {
+    scatter_rows(f, block, layer, token0, n, k_rows, v_rows, true);
 }
 
 kvb_status kvb_kvformat_set_window(kvb_kvformat *f, uint32_t window, const bool *local, kvb_err *err) {

@@ -228,7 +228,7 @@ kvb_status kvb_store_slab_put(kvb_slab_pending *p, uint32_t layer, uint32_t toke
     }
 
     /* ---- scatter (token, kv_head, row) -> (layer, kv, kv_head, token, head_dim) ---- */
-    kvb_kvformat_scatter_rows(f, kvb_store_block_data(s, page), layer, token0, n_tokens, k, v);
+    kvb_kvformat_scatter_rows_stream(f, kvb_store_block_data(s, page), layer, token0, n_tokens, k, v);
 
     pthread_mutex_lock(&p->mu);
     memset(cov + token0, CELL_ARRIVED, n_tokens);
