@@ -267,6 +267,8 @@ static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
     atomic_store(&n->slab_seq, 0);
     sender_ctx sc[KVB_WIRE_MAX_LANES];
     memset(sc, 0, sizeof sc);
+    const double t_checked = kvb_now_s();
+    kvb_trace_span("prefill.setup", t0, t_checked, p->n_tokens); /* lanes, checks, our cached prefix */
     if (!st) {
         kvb_bridge_cpu_begin(n->br, p->cached_tokens, p->ship_tokens, views ? sink_view_to_ring : sink_to_ring, n);
         for (uint32_t l = 0; !st && l < n_lanes; l++) {
@@ -275,6 +277,7 @@ static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
             if (!sc[l].started) st = kvb_err_set(&err, KVB_ERR_INTERNAL, "could not start a sender thread");
         }
     }
+    kvb_trace_span("prefill.senders_start", t_checked, kvb_now_s(), n_lanes);
     if (!st && n->cfg.bench_filler_rows)
         st = ship_filler_rows(n, &err);
     else if (!st && n->e && p->ship_tokens > adopted)
