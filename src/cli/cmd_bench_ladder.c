@@ -217,7 +217,7 @@ int kvb_bench_ladder(int argc, char **argv) {
     if (!peer) {
         kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = psk, .n_threads = (int)threads,
                                  .cache_dtype = cache_type, .max_ctx = ctx, .cuda = cuda,
-                                 .chunk_tokens = (uint32_t)(chunk ? chunk : filler ? 8192 : 0), .bench_filler_rows = filler,
+                                 .chunk_tokens = (uint32_t)chunk, .bench_filler_rows = filler,
                                  .block_tokens = (uint32_t)block, .gpus = (int)gpus,
                                  .tp_one_device = tp_one_device, .gpu_weights = gpu_weights,
                                  .warmup_tokens = filler ? 0 : (uint32_t)(chunk ? chunk : 8192) + 64};

@@ -27,7 +27,7 @@ typedef struct {
     uint32_t cache_dtype;      /* the DECODER's cache dtype the bridge produces (kvb_type) */
     uint32_t block_tokens;     /* the decoder's block size (default 32) */
     uint32_t max_ctx;          /* longest prompt (default 32768) */
-    uint32_t chunk_tokens;     /* prefill chunk (default 512 on the CPU, 8192 on CUDA) */
+    uint32_t chunk_tokens;     /* prefill chunk (default 512 on the CPU, 8192 on CUDA and with bench_filler_rows) */
     bool cuda;                 /* prefill on the CUDA engine (bf16) with the CUDA bridge kernel fed
                                   from its layer hook; decoder mode only */
     int gpus;                  /* cuda: tensor-parallel ranks (0/1 = one GPU); see kvb_engine_cuda.h */

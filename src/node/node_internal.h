@@ -15,11 +15,11 @@
 typedef struct {
     uint32_t n_slots;    /* slots with staging memory: the capacity for copies */
     uint32_t view_slots; /* the capacity for views (no memory of their own): a layer's slabs at once */
-    uint32_t cap;        /* this request's: n_slots, or view_slots once a view was pushed */
+    uint32_t cap;        /* this request's: n_slots for copies, view_slots for views (kvb_ring_reset) */
     size_t slot_bytes;
     uint8_t *buf;    /* (n_slots, slot_bytes): K then V of one slab */
-    kvb_slab *meta;  /* (max(n_slots, view_slots)) */
-    bool *sent;      /* (max(n_slots, view_slots)) taken and sent, not yet freed (an older slot is still in flight) */
+    kvb_slab *meta;  /* (view_slots, >= n_slots) */
+    bool *sent;      /* (view_slots) taken and sent, not yet freed (an older slot is still in flight) */
     uint32_t head, tail, count, peak; /* count: filled slots not yet freed, oldest at head; peak: of copies */
     bool waits_all;                   /* the producer waits for every slot to be freed (kvb_ring_wait_sent) */
     uint32_t next_take, untaken;      /* the oldest filled slot no sender took yet; how many */

@@ -262,7 +262,7 @@ static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
     n->ship_from = p->cached_tokens;
     n->ship_to = p->ship_tokens;
     n->local_from = kvb_kvformat_local_keep_from(&n->fmt, p->ship_tokens);
-    const bool views = n->cfg.bench_filler_rows || !n->e; /* rows that stay put: filler, pinned slots */
+    const bool views = !n->e; /* no CPU engine: rows that stay put (pinned slots, the bench's filler) */
     kvb_ring_reset(&n->ring, views);
     atomic_store(&n->slab_seq, 0);
     sender_ctx sc[KVB_WIRE_MAX_LANES];
@@ -430,7 +430,8 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
     n->cfg = *cfg;
     if (!n->cfg.block_tokens) n->cfg.block_tokens = 32;
     if (!n->cfg.max_ctx) n->cfg.max_ctx = 32768;
-    if (!n->cfg.chunk_tokens) n->cfg.chunk_tokens = cfg->cuda ? 8192 : 512;
+    /* filler rows stand in for the GPU's: they go a CUDA chunk's layer at a time */
+    if (!n->cfg.chunk_tokens) n->cfg.chunk_tokens = cfg->cuda || cfg->bench_filler_rows ? 8192 : 512;
     if (n->cfg.chunk_tokens > n->cfg.max_ctx) n->cfg.chunk_tokens = n->cfg.max_ctx;
     if (!n->cfg.ring_slots) n->cfg.ring_slots = 16;
     pthread_mutex_init(&n->mu, NULL);

@@ -114,8 +114,6 @@ static kvb_status forward_chunk(kvb_engine *e, kvb_seq *s, const int32_t *tokens
     }
     memcpy(s->tokens + pos0, tokens, n * sizeof(int32_t));
     kvb_rope_tables_fill(&e->rope, pos0, n);
-    /* The last layer's attention and MLP feed only the logits: a chunk that computes none (a
-     * prefill node's forward, every chunk but a prompt's last) needs of that layer only its K and V */
     kvb_pool *tok_pool = n > 1 ? e->pool : NULL;
 
     for (uint32_t l = 0; l < d->n_layer; l++) {
@@ -131,6 +129,8 @@ static kvb_status forward_chunk(kvb_engine *e, kvb_seq *s, const int32_t *tokens
             (st = e->o.rows_hook(e->o.rows_hook_ctx, l, pos0, n, e->k_rows, e->v_rows, e->fmt.dtype, err)))
             return st;
         store_kv_rows(e, s, l, pos0, n);
+        /* The last layer's attention and MLP feed only the logits: a chunk that computes none (a
+         * prefill node's forward, every chunk but a prompt's last) needs of that layer its K and V */
         if (l + 1 == d->n_layer && !logits) break;
 
         kvb_cpu_matmul(e->pool, &w->wq, e->h, n, e->q, e->act);
