@@ -3,7 +3,9 @@
  * of senders; a request of views holds a whole layer's slabs at once (view_slots pushed with no
  * sender running must not block) and counts no staging memory; kvb_ring_wait_sent returns only
  * once every slab was sent; a copy pushed into a ring reset for views is refused; a failed ring
- * fails a producer blocked on it; a reset ring starts over. */
+ * fails a producer blocked on it; a reset ring starts over. While kvb_ring_wait_sent waits it
+ * checksums the slabs no sender took yet: every checksum a sender is handed is the slab's, and a
+ * layer pushed before any sender runs is checksummed whole by the producer. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -25,6 +27,7 @@
 typedef struct {
     kvb_ring *r;
     atomic_uint taken, bytes_bad, order_bad;
+    atomic_uint sums_known, sums_bad; /* checksums handed to a sender; of those, wrong ones */
     _Atomic uint32_t last_pos[SENDERS]; /* per sender: positions come in increasing order */
     int delay_us;
 } senders_ctx;
@@ -44,7 +47,12 @@ static void *sender_main(void *arg) {
     senders_ctx *c = a->c;
     uint32_t slot;
     kvb_slab s;
-    while (kvb_ring_take(c->r, &slot, &s)) {
+    bool known;
+    while (kvb_ring_take(c->r, &slot, &s, &known)) {
+        if (known) {
+            atomic_fetch_add(&c->sums_known, 1);
+            if (s.checksum != kvb_slab_checksum(s.k, s.k_bytes, s.v, s.v_bytes)) atomic_fetch_add(&c->sums_bad, 1);
+        }
         uint8_t want[SLOT_BYTES];
         fill(want, s.k_bytes, s.pos0);
         if (memcmp(want, s.k, s.k_bytes)) atomic_fetch_add(&c->bytes_bad, 1);
@@ -128,6 +136,9 @@ static void test_views_hold_a_whole_layer(void **state) {
         assert_int_equal(kvb_ring_wait_sent(&r, &err), KVB_OK);
         assert_int_equal(atomic_load(&c.taken), VIEW_SLOTS); /* all sent, with slow senders */
         assert_int_equal(r.count, 0);
+        /* the producer hashed while it waited: each checksum it made reached a sender */
+        const uint32_t known = atomic_load(&c.sums_known);
+        assert_int_equal(known, r.hashed_by_producer);
         /* a second layer's views while the senders work: pushes go on as slots are freed */
         for (uint32_t i = 1; i <= VIEW_SLOTS; i++) {
             kvb_slab s = {.pos0 = VIEW_SLOTS + i, .n = 1, .k = rows[i][0], .v = rows[i][1], .k_bytes = 0, .v_bytes = 0};
@@ -136,6 +147,8 @@ static void test_views_hold_a_whole_layer(void **state) {
         kvb_ring_close(&r);
         join_senders(th);
         assert_int_equal(atomic_load(&c.taken), 2 * VIEW_SLOTS);
+        assert_int_equal(atomic_load(&c.sums_known), known); /* no wait_sent for the second layer */
+        assert_int_equal(atomic_load(&c.sums_bad), 0);       /* and every one was the slab's */
         assert_int_equal(atomic_load(&c.bytes_bad), 0);
         assert_int_equal(atomic_load(&c.order_bad), 0);
         assert_int_equal(r.peak, 0); /* views are not staging memory */
@@ -152,6 +165,60 @@ typedef struct {
     kvb_ring *r;
     kvb_status st;
 } producer_arg;
+
+static void *waiting_producer(void *arg) {
+    producer_arg *a = arg;
+    kvb_err err = {0};
+    a->st = kvb_ring_wait_sent(a->r, &err);
+    return NULL;
+}
+
+static uint32_t hashed_by_producer(kvb_ring *r) {
+    pthread_mutex_lock(&r->mu);
+    const uint32_t n = r->hashed_by_producer;
+    pthread_mutex_unlock(&r->mu);
+    return n;
+}
+
+/* A layer of views pushed before any sender runs: the waiting producer checksums every one of
+ * them (newest first, nobody takes any meanwhile), and the senders that start then only send. */
+static void test_waiting_producer_checksums_untaken_views(void **state) {
+    (void)state;
+    kvb_ring r;
+    kvb_err err = {0};
+    assert_int_equal(kvb_ring_init(&r, SLOTS, VIEW_SLOTS, SLOT_BYTES, &err), KVB_OK);
+    static uint8_t rows[VIEW_SLOTS + 1][2][SLOT_BYTES / 2];
+    for (int round = 0; round < 2; round++) {
+        kvb_ring_reset(&r, true);
+        for (uint32_t i = 1; i <= VIEW_SLOTS; i++) {
+            fill(rows[i][0], SLOT_BYTES / 2, 100 * round + i);
+            fill(rows[i][1], SLOT_BYTES / 2, 100 * round + i + 1000000);
+            kvb_slab s = {.pos0 = 100 * round + i, .n = 1, .k = rows[i][0], .v = rows[i][1],
+                          .k_bytes = SLOT_BYTES / 2, .v_bytes = SLOT_BYTES / 2};
+            assert_int_equal(kvb_ring_push_view(&r, &s, &err), KVB_OK);
+        }
+        producer_arg a = {.r = &r};
+        pthread_t prod;
+        assert_int_equal(pthread_create(&prod, NULL, waiting_producer, &a), 0);
+        alarm(30);
+        while (hashed_by_producer(&r) < VIEW_SLOTS) usleep(1000);
+        alarm(0);
+        senders_ctx c = {.r = &r};
+        pthread_t th[SENDERS];
+        sender_arg args[SENDERS];
+        start_senders(&c, th, args);
+        pthread_join(prod, NULL);
+        assert_int_equal(a.st, KVB_OK);
+        kvb_ring_close(&r);
+        join_senders(th);
+        assert_int_equal(atomic_load(&c.taken), VIEW_SLOTS);
+        assert_int_equal(atomic_load(&c.sums_known), VIEW_SLOTS);
+        assert_int_equal(atomic_load(&c.sums_bad), 0);
+        assert_int_equal(atomic_load(&c.bytes_bad), 0);
+        assert_int_equal(r.hashed_by_producer, VIEW_SLOTS);
+    }
+    kvb_ring_destroy(&r);
+}
 
 static void *blocked_producer(void *arg) {
     producer_arg *a = arg;
@@ -189,6 +256,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_copies_through_few_slots),
         cmocka_unit_test(test_views_hold_a_whole_layer),
+        cmocka_unit_test(test_waiting_producer_checksums_untaken_views),
         cmocka_unit_test(test_fail_releases_a_blocked_producer),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

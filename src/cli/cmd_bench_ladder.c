@@ -354,12 +354,14 @@ int kvb_bench_ladder(int argc, char **argv) {
                    floor_s > 0 ? mb / floor_s : 0.0);
         }
         if (pn) {
-            double full_s, empty_s, rd_s, cons_s;
-            kvb_prefill_node_last_staging_waits(pn, &full_s, &empty_s);
+            double rd_s, cons_s;
+            kvb_staging_stats sg;
+            kvb_prefill_node_last_staging(pn, &sg);
             kvb_decode_node_last_receive_waits(dn, &rd_s, &cons_s);
-            printf("          slab path stages (last bridged leg): staging ring full %.3f s, empty %.3f s; decoder's "
-                   "reader waited %.3f s for buffers, its verifier %.3f s for frames\n",
-                   full_s, empty_s, rd_s, cons_s);
+            printf("          slab path stages (last bridged leg): staging ring full %.3f s, empty %.3f s, "
+                   "checksums by the producer %u of %u slabs; decoder's reader waited %.3f s for buffers, its "
+                   "verifier %.3f s for frames\n",
+                   sg.full_s, sg.empty_s, sg.checksums_by_producer, sg.slabs, rd_s, cons_s);
         }
         if (pn && cuda) printf("          prefill node GPU memory in use, peak so far: %.2f GiB\n",
                                kvb_prefill_node_peak_gpu_bytes(pn) / 1073741824.0);

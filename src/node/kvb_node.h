@@ -67,10 +67,16 @@ uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n);
 /* Peak GPU memory in use while this node ran (cudaMemGetInfo, every process on the device), or 0
  * on the CPU engine. */
 uint64_t kvb_prefill_node_peak_gpu_bytes(kvb_prefill_node *n);
-/* The last request's staging ring: seconds the producer (the engine's hook, or the CUDA bridge's
- * shipper) blocked on a full ring — the link or the decoder was slower — and the sender waited on
- * an empty one — the producer was. */
-void kvb_prefill_node_last_staging_waits(kvb_prefill_node *n, double *full_s, double *empty_s);
+/* The last request's staging ring. */
+typedef struct {
+    double full_s;  /* the producer (the engine's hook, or the CUDA bridge's shipper) idled on a full
+                       ring, or on a layer's views not yet sent: the link or the decoder was slower */
+    double empty_s; /* a sender waited on an empty ring (mean over the lanes): the producer was */
+    uint32_t slabs; /* sent, over every lane */
+    uint32_t checksums_by_producer; /* of those, checksummed by the producer while it waited for its
+                                       views to be sent (the senders hashed the rest) */
+} kvb_staging_stats;
+void kvb_prefill_node_last_staging(kvb_prefill_node *n, kvb_staging_stats *out);
 /* Times a cold prefill of n_tokens random tokens (seeded) on this node's engine. with_bridge
  * false: the bridge idle — nothing computed for or shipped to a decoder, and the last token's
  * logits computed, as a server on this engine alone would to answer with a first token: "the

@@ -12,6 +12,9 @@
 #include "kvb_store.h"
 #include "kvb_transport.h"
 
+enum { RING_HASH_NONE, RING_HASH_BUSY, RING_HASH_DONE }; /* a filled slot's checksum: nobody's yet,
+                                                          the producer's now, made (meta.checksum) */
+
 typedef struct {
     uint32_t n_slots;    /* slots with staging memory: the capacity for copies */
     uint32_t view_slots; /* the capacity for views (no memory of their own): a layer's slabs at once */
@@ -20,6 +23,7 @@ typedef struct {
     uint8_t *buf;    /* (n_slots, slot_bytes): K then V of one slab */
     kvb_slab *meta;  /* (view_slots, >= n_slots) */
     bool *sent;      /* (view_slots) taken and sent, not yet freed (an older slot is still in flight) */
+    uint8_t *hash;   /* (view_slots) RING_HASH_*: who computes the slab's checksum (kvb_ring_wait_sent) */
     uint32_t head, tail, count, peak; /* count: filled slots not yet freed, oldest at head; peak: of copies */
     bool waits_all;                   /* the producer waits for every slot to be freed (kvb_ring_wait_sent) */
     uint32_t next_take, untaken;      /* the oldest filled slot no sender took yet; how many */
@@ -27,9 +31,12 @@ typedef struct {
     double full_s, empty_s; /* since the last reset: the producer blocked on a full ring (the link or
                                the decoder is the slower stage), the senders on an empty one (the
                                producer is; summed over the senders) */
+    uint32_t hashed_by_producer; /* since the last reset: checksums kvb_ring_wait_sent computed */
+    uint32_t hash_waiters;       /* senders waiting for a checksum the producer is computing */
     pthread_mutex_t mu;
-    pthread_cond_t cv_taken; /* senders wait here for a slab to take (one woken per slab) */
-    pthread_cond_t cv_freed; /* the producer waits here for free slots (or all sent) */
+    pthread_cond_t cv_taken;  /* senders wait here for a slab to take (one woken per slab) */
+    pthread_cond_t cv_freed;  /* the producer waits here for free slots (or all sent) */
+    pthread_cond_t cv_hashed; /* senders wait here for a checksum the producer is computing */
 } kvb_ring;
 
 /* `slots` staging slots of slot_bytes for copies; up to view_slots views in flight (a view costs
@@ -44,13 +51,18 @@ kvb_status kvb_ring_push(kvb_ring *r, const kvb_slab *s, kvb_err *err);
  * keeps those bytes unchanged until kvb_ring_wait_sent returns (the CUDA bridge's pinned rows are
  * sent straight from its slot). Blocks only when view_slots views are in flight. */
 kvb_status kvb_ring_push_view(kvb_ring *r, const kvb_slab *s, kvb_err *err);
-/* Waits until every slab pushed so far was sent (the time counts as the ring standing full); fails
- * once failed. */
+/* Waits until every slab pushed so far was sent (the time it idles counts as the ring standing
+ * full); fails once failed. Meanwhile it computes the checksums (kvb_slab_checksum) of the slabs no
+ * sender took yet, newest first, while the senders take the oldest: a sender then only sends, and
+ * the two meet in the middle (a sender otherwise hashes and sends one slab after the other, which
+ * held one lane to ~80 % of a loopback stream). */
 kvb_status kvb_ring_wait_sent(kvb_ring *r, kvb_err *err);
 /* Takes the oldest filled slot no sender has taken (waits for one): true with its slot index and
  * slab (views into the slot, valid until kvb_ring_done); false once closed and every slot taken,
- * or failed. Several senders may take at once. */
-bool kvb_ring_take(kvb_ring *r, uint32_t *slot, kvb_slab *out);
+ * or failed. Several senders may take at once. *checksum_known: out->checksum is the slab's
+ * checksum, computed by kvb_ring_wait_sent (a slab it is computing right now is waited for);
+ * false: the sender computes it. */
+bool kvb_ring_take(kvb_ring *r, uint32_t *slot, kvb_slab *out, bool *checksum_known);
 /* The taken slot was sent: it is free again once every older slot is too. */
 void kvb_ring_done(kvb_ring *r, uint32_t slot);
 void kvb_ring_close(kvb_ring *r); /* producer done */

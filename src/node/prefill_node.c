@@ -56,7 +56,7 @@ struct kvb_prefill_node {
     uint64_t peak_capture;
     uint32_t warmup_tokens; /* the start's warm-up prefill, and its seconds */
     double warmup_s;
-    double last_ring_full_s, last_ring_empty_s; /* the last request's staging stages */
+    kvb_staging_stats last_staging; /* the last request's */
     int fault_kind; /* 0 none, 1 corrupt, 2 die, 3 stall */
     uint32_t fault_at;
 };
@@ -87,12 +87,14 @@ static void *sender_main(void *arg) {
     kvb_prefill_node *n = sc->n;
     kvb_slab s;
     uint32_t slot;
-    for (double t_take = kvb_now_s(); kvb_ring_take(&n->ring, &slot, &s); t_take = kvb_now_s()) {
+    bool checksum_known;
+    for (double t_take = kvb_now_s(); kvb_ring_take(&n->ring, &slot, &s, &checksum_known); t_take = kvb_now_s()) {
         const double t_got = kvb_now_s();
         kvb_trace_span("prefill.ring_take", t_take, t_got, s.layer);
         sc->slabs_sent++;
         const uint32_t idx = atomic_fetch_add(&n->slab_seq, 1) + 1; /* over all lanes */
-        s.checksum = kvb_slab_checksum(s.k, s.k_bytes, s.v, s.v_bytes); /* here: one thread per lane */
+        if (!checksum_known) /* here, one thread per lane, unless the producer made it while it waited */
+            s.checksum = kvb_slab_checksum(s.k, s.k_bytes, s.v, s.v_bytes);
         if (n->fault_kind && idx == n->fault_at) {
             if (n->fault_kind == 1) ((uint8_t *)s.k)[s.k_bytes / 2] ^= 0x40; /* after its checksum */
             if (n->fault_kind == 2) {
@@ -299,8 +301,10 @@ static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
         }
     }
     if (n->ring.peak * n->ring.slot_bytes > n->peak_capture) n->peak_capture = n->ring.peak * n->ring.slot_bytes;
-    n->last_ring_full_s = n->ring.full_s;
-    n->last_ring_empty_s = n->ring.empty_s / n_lanes;
+    n->last_staging = (kvb_staging_stats){.full_s = n->ring.full_s,
+                                          .empty_s = n->ring.empty_s / n_lanes,
+                                          .slabs = atomic_load(&n->slab_seq),
+                                          .checksums_by_producer = n->ring.hashed_by_producer};
     kvb_seq_free(s);
 
     if (link_failed) { /* the connection is unusable; the decoder keeps what it committed */
@@ -547,10 +551,9 @@ uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n) {
     return n->peak_capture;
 }
 
-void kvb_prefill_node_last_staging_waits(kvb_prefill_node *n, double *full_s, double *empty_s) {
+void kvb_prefill_node_last_staging(kvb_prefill_node *n, kvb_staging_stats *out) {
     pthread_mutex_lock(&n->mu);
-    *full_s = n->last_ring_full_s;
-    *empty_s = n->last_ring_empty_s;
+    *out = n->last_staging;
     pthread_mutex_unlock(&n->mu);
 }
 

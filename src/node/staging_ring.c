@@ -6,7 +6,10 @@
  * pinned slot) pushes views instead, many more of them at once: the producer publishes a layer's
  * slabs without waiting for each one's slot (measured on the H200 host: with 16 slots the
  * producer's wake-up per freed slot held the slab path to ~4 GB/s). Senders and the producer wait
- * on separate condition variables; a freed slot wakes the producer only when it can go on. */
+ * on separate condition variables; a freed slot wakes the producer only when it can go on. While
+ * the producer waits for a layer's views to be sent it computes their checksums from the newest
+ * back, as the senders take them from the oldest on: a sender that finds its slab's checksum made
+ * only sends it (each slot's RING_HASH_* state, under the lock, says who hashes it). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,13 +25,15 @@ kvb_status kvb_ring_init(kvb_ring *r, uint32_t slots, uint32_t view_slots, size_
     r->buf = malloc((size_t)slots * slot_bytes);
     r->meta = calloc(r->view_slots, sizeof *r->meta);
     r->sent = calloc(r->view_slots, sizeof *r->sent);
-    if (!r->buf || !r->meta || !r->sent) {
+    r->hash = calloc(r->view_slots, sizeof *r->hash);
+    if (!r->buf || !r->meta || !r->sent || !r->hash) {
         kvb_ring_destroy(r);
         return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for %u staging slots of %zu bytes", slots, slot_bytes);
     }
     pthread_mutex_init(&r->mu, NULL);
     pthread_cond_init(&r->cv_taken, NULL);
     pthread_cond_init(&r->cv_freed, NULL);
+    pthread_cond_init(&r->cv_hashed, NULL);
     r->inited = true;
     return KVB_OK;
 }
@@ -38,10 +43,12 @@ void kvb_ring_destroy(kvb_ring *r) {
         pthread_mutex_destroy(&r->mu);
         pthread_cond_destroy(&r->cv_taken);
         pthread_cond_destroy(&r->cv_freed);
+        pthread_cond_destroy(&r->cv_hashed);
     }
     free(r->buf);
     free(r->meta);
     free(r->sent);
+    free(r->hash);
     memset(r, 0, sizeof *r);
 }
 
@@ -50,8 +57,10 @@ void kvb_ring_reset(kvb_ring *r, bool views) {
     r->head = r->tail = r->count = r->next_take = r->untaken = 0;
     r->cap = views ? r->view_slots : r->n_slots;
     memset(r->sent, 0, r->view_slots * sizeof *r->sent);
+    memset(r->hash, RING_HASH_NONE, r->view_slots * sizeof *r->hash);
     r->closed = r->failed = r->waits_all = false;
     r->full_s = r->empty_s = 0;
+    r->hashed_by_producer = r->hash_waiters = 0;
     pthread_mutex_unlock(&r->mu);
 }
 
@@ -75,6 +84,7 @@ static kvb_status ring_claim(kvb_ring *r, uint32_t *slot, kvb_err *err) {
 /* The claimed slot (meta filled) is ready for the senders. */
 static void ring_publish(kvb_ring *r, bool copy) {
     pthread_mutex_lock(&r->mu);
+    r->hash[r->tail] = RING_HASH_NONE;
     r->tail = (r->tail + 1) % r->cap;
     r->count++;
     r->untaken++;
@@ -112,10 +122,31 @@ kvb_status kvb_ring_push_view(kvb_ring *r, const kvb_slab *s, kvb_err *err) {
     return KVB_OK;
 }
 
+/* Is `slot` filled and not taken by a sender yet? (caller holds mu) */
+static bool ring_untaken(const kvb_ring *r, uint32_t slot) {
+    return r->untaken && (slot + r->cap - r->next_take) % r->cap < r->untaken;
+}
+
 kvb_status kvb_ring_wait_sent(kvb_ring *r, kvb_err *err) {
     pthread_mutex_lock(&r->mu);
-    if (r->count && !r->failed) {
-        const double t0 = kvb_now_s();
+    /* the newest slab first; once the cursor reaches a taken one, every older one is taken too */
+    uint32_t next_hash = (r->tail + r->cap - 1) % r->cap;
+    while (r->count && !r->failed) {
+        if (ring_untaken(r, next_hash) && r->hash[next_hash] == RING_HASH_NONE) {
+            const uint32_t slot = next_hash;
+            next_hash = (next_hash + r->cap - 1) % r->cap;
+            r->hash[slot] = RING_HASH_BUSY; /* a sender that takes it now waits for the checksum */
+            const kvb_slab s = r->meta[slot];
+            pthread_mutex_unlock(&r->mu);
+            const uint64_t sum = kvb_slab_checksum(s.k, s.k_bytes, s.v, s.v_bytes);
+            pthread_mutex_lock(&r->mu);
+            r->meta[slot].checksum = sum;
+            r->hash[slot] = RING_HASH_DONE;
+            r->hashed_by_producer++;
+            if (r->hash_waiters) pthread_cond_broadcast(&r->cv_hashed);
+            continue;
+        }
+        const double t0 = kvb_now_s(); /* nothing left to hash: idle until every slab is sent */
         r->waits_all = true;
         while (r->count && !r->failed) pthread_cond_wait(&r->cv_freed, &r->mu);
         r->waits_all = false;
@@ -126,7 +157,7 @@ kvb_status kvb_ring_wait_sent(kvb_ring *r, kvb_err *err) {
     return failed ? kvb_err_set(err, KVB_ERR_IO, "the link to the decode node failed; stopping this prefill") : KVB_OK;
 }
 
-bool kvb_ring_take(kvb_ring *r, uint32_t *slot, kvb_slab *out) {
+bool kvb_ring_take(kvb_ring *r, uint32_t *slot, kvb_slab *out, bool *checksum_known) {
     pthread_mutex_lock(&r->mu);
     if (r->untaken == 0 && !r->closed && !r->failed) {
         const double t0 = kvb_now_s();
@@ -136,9 +167,15 @@ bool kvb_ring_take(kvb_ring *r, uint32_t *slot, kvb_slab *out) {
     bool have = r->untaken > 0 && !r->failed;
     if (have) {
         *slot = r->next_take;
-        *out = r->meta[r->next_take];
         r->next_take = (r->next_take + 1) % r->cap;
         r->untaken--;
+        while (r->hash[*slot] == RING_HASH_BUSY) { /* the producer is hashing it: a few microseconds */
+            r->hash_waiters++;
+            pthread_cond_wait(&r->cv_hashed, &r->mu);
+            r->hash_waiters--;
+        }
+        *out = r->meta[*slot];
+        *checksum_known = r->hash[*slot] == RING_HASH_DONE;
     }
     pthread_mutex_unlock(&r->mu);
     return have;
