@@ -144,9 +144,11 @@ static kvb_status read_str(cursor *c, const char *what, kvb_gguf_str *out) {
     uint64_t len = 0;
     kvb_status st = read_u64(c, what, &len);
     if (st != KVB_OK) return st;
-    char what_bytes[96];
-    snprintf(what_bytes, sizeof what_bytes, "%s (length %" PRIu64 ")", what, len);
-    if ((st = need(c, len, what_bytes)) != KVB_OK) return st;
+    if (len > bytes_left(c)) { /* the message is made only on failure: vocabularies hold ~1M strings */
+        char what_bytes[96];
+        snprintf(what_bytes, sizeof what_bytes, "%s (length %" PRIu64 ")", what, len);
+        return need(c, len, what_bytes);
+    }
     out->ptr = (const char *)(c->base + c->pos);
     out->len = len;
     c->pos += len;
@@ -233,11 +235,14 @@ static kvb_status walk_string_array(cursor *c, uint64_t n) {
                     " bytes left in the file (each needs at least 8)",
                     c->where, n, bytes_left(c));
     for (uint64_t i = 0; i < n; i++) {
-        char what[64];
-        snprintf(what, sizeof what, "array element %" PRIu64, i);
-        kvb_gguf_str s;
-        kvb_status st = read_str(c, what, &s);
-        if (st != KVB_OK) return st;
+        const uint64_t len = bytes_left(c) >= 8 ? kvb_gguf_le64(c->base + c->pos) : 0;
+        if (bytes_left(c) < 8 || len > bytes_left(c) - 8) { /* named only when it fails */
+            char what[64];
+            snprintf(what, sizeof what, "array element %" PRIu64, i);
+            kvb_gguf_str s;
+            return read_str(c, what, &s);
+        }
+        c->pos += 8 + len;
     }
     return KVB_OK;
 }

@@ -70,7 +70,9 @@ struct kvb_tokenizer {
     int32_t *eog;
     uint32_t n_eog;
     bool add_bos, add_eos, add_space_prefix, ignore_merges, nfc;
-    bool spm_split_ok; /* SPM: no mergeable token has "x▁" inside, so words merge independently */
+    uint64_t *spm_inner_pairs; /* SPM: (KVB_SPM_PAIR_WORDS) a bit per hashed pair of characters
+                                  that stand side by side inside some mergeable token; a pair whose
+                                  bit is clear is never merged across (kvb_spm_pairs_build) */
     uint32_t max_token_len; /* longest raw token, bytes */
 };
 
@@ -110,6 +112,11 @@ void kvb_bpe_ctx_free(kvb_bpe_ctx *c);
 kvb_status kvb_bpe_encode_fragment(kvb_bpe_ctx *c, const uint8_t *s, size_t n, kvb_idvec *out,
                                    kvb_err *err);
 
+/* SPM: the filter of character pairs that merging may join (t->spm_inner_pairs), from every
+ * token that merging can form; with n tokens loaded (spm.c). */
+#define KVB_SPM_PAIR_BITS 20
+#define KVB_SPM_PAIR_WORDS ((size_t)1 << (KVB_SPM_PAIR_BITS - 6))
+kvb_status kvb_spm_pairs_build(kvb_tokenizer *t, uint32_t n, kvb_err *err);
 /* SentencePiece-style BPE of one raw text fragment (spm.c). */
 kvb_status kvb_spm_encode_fragment(const kvb_tokenizer *t, const uint8_t *s, size_t n,
                                    bool space_prefix, kvb_idvec *out, kvb_err *err);

@@ -96,6 +96,7 @@ void kvb_tokenizer_free(kvb_tokenizer *t) {
     free(t->raw_len);
     free(t->type);
     free(t->score);
+    free(t->spm_inner_pairs);
     free(t->by_text.slots);
     free(t->by_raw.slots);
     kvb_merge_table_free(&t->merges);
@@ -506,20 +507,7 @@ static kvb_status load(const kvb_gguf *g, kvb_tokenizer *t, kvb_err *err) {
     } else {
         t->pre = KVB_PRE_NONE;
         strcpy(t->pre_name, "spm");
-        /* if no token that merging can form holds a ▁ right after another character, no merge
-         * can cross the start of a word ("x|▁y"), so the encoder may merge word by word */
-        t->spm_split_ok = true;
-        for (uint32_t i = 0; i < n && t->spm_split_ok; i++) {
-            uint8_t ty = t->type[i];
-            if (ty != KVB_TT_NORMAL && ty != KVB_TT_USER_DEFINED && ty != KVB_TT_UNUSED) continue;
-            const char *s = t->text_blob + t->text_off[i];
-            uint32_t l = t->text_len[i];
-            for (uint32_t p = 1; p + 3 <= l; p++)
-                if (memcmp(s + p, "\xe2\x96\x81", 3) == 0 && (p < 3 || memcmp(s + p - 3, "\xe2\x96\x81", 3) != 0)) {
-                    t->spm_split_ok = false;
-                    break;
-                }
-        }
+        if ((st = kvb_spm_pairs_build(t, n, err))) return st;
     }
     return KVB_OK;
 }
