@@ -210,13 +210,12 @@ static kvb_status parse_messages(req_storage *st, const cJSON *root, kvb_http_er
     return KVB_OK;
 }
 
+/* One walk of the list (a 32K-token prompt is 32K linked items: counting them first cost as
+ * much again), into a buffer that doubles as it fills. */
 static kvb_status parse_token_ids(req_storage *st, const cJSON *arr, const char *param,
                                   kvb_http_error *e) {
-    size_t n = (size_t)cJSON_GetArraySize(arr);
-    if (n == 0) return BAD(e, param, "Invalid '%s': the prompt token list is empty.", param);
-    st->tokens = malloc(n * sizeof *st->tokens);
-    if (!st->tokens) return NOMEM(e);
-    size_t i = 0;
+    if (!arr->child) return BAD(e, param, "Invalid '%s': the prompt token list is empty.", param);
+    size_t i = 0, cap = 0;
     const cJSON *t;
     cJSON_ArrayForEach(t, arr) {
         if (!is_integer_in(t, 0, (double)INT32_MAX)) { /* the element's name only for the error */
@@ -224,6 +223,12 @@ static kvb_status parse_token_ids(req_storage *st, const cJSON *arr, const char 
             snprintf(p, sizeof p, "%s[%zu]", param, i);
             kvb_status s = check_integer(t, p, 0, (double)INT32_MAX, e);
             if (s) return s;
+        }
+        if (i == cap) {
+            cap = cap ? 2 * cap : 4096;
+            int32_t *grown = realloc(st->tokens, cap * sizeof *st->tokens);
+            if (!grown) return NOMEM(e);
+            st->tokens = grown;
         }
         st->tokens[i++] = (int32_t)t->valuedouble;
     }
@@ -240,13 +245,12 @@ static kvb_status parse_prompt(req_storage *st, const cJSON *root, kvb_http_erro
     if (!cJSON_IsArray(p))
         return BAD(e, "prompt", "Invalid type for 'prompt': expected a string, an array of one string "
                    "or an array of token ids, but got %s instead.", json_type_name(p));
-    int n = cJSON_GetArraySize(p);
-    if (n == 0) return BAD(e, "prompt", "Invalid 'prompt': empty array.");
-    const cJSON *first = cJSON_GetArrayItem(p, 0);
+    const cJSON *first = p->child;
+    if (!first) return BAD(e, "prompt", "Invalid 'prompt': empty array.");
     if (cJSON_IsNumber(first)) return parse_token_ids(st, p, "prompt", e);
-    if (n != 1)
+    if (first->next)
         return BAD(e, "prompt", "Invalid 'prompt': %d prompts given; this server takes one prompt per "
-                   "request.", n);
+                   "request.", cJSON_GetArraySize(p));
     if (cJSON_IsString(first)) return get_string(first, "prompt[0]", true, &st->req.prompt, e);
     if (cJSON_IsArray(first)) return parse_token_ids(st, first, "prompt[0]", e);
     return BAD(e, "prompt[0]", "Invalid type for 'prompt[0]': expected a string or an array of token "
