@@ -29,6 +29,8 @@ int kvb_bench_link(int argc, char **argv);
 double kvb_bench_raw_loopback_gbs(uint64_t bytes, size_t piece, uint32_t streams);
 /* `kvbridge bench slab` (cmd_bench_slab.c). */
 int kvb_bench_slab(int argc, char **argv);
+/* `kvbridge bench tokenize` (cmd_bench_tokenize.c). */
+int kvb_bench_tokenize(int argc, char **argv);
 /* `kvbridge bench quality` (cmd_bench_quality.c). */
 int kvb_bench_quality(int argc, char **argv);
 

@@ -1,0 +1,131 @@
+/* cli/cmd_bench_tokenize.c — `kvbridge bench tokenize`: how long the tokenizer of a model takes to
+ * encode one long prompt, the work a decode node does for every chat request before anything else:
+ * the vocabulary's load time once, then R encodes of the same text (a file, or the readable
+ * English document of the quality benchmark at a size asked for), best and median, in MB/s and
+ * microseconds per token. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvb_cli.h"
+#include "kvb_gguf.h"
+#include "kvb_tokenizer.h"
+
+static void help(FILE *f) {
+    fprintf(f, "usage: kvbridge bench tokenize -m MODEL [--file TEXT | --tokens N] [--reps R]\n\n"
+               "Encodes one text R times (default 5) with MODEL's vocabulary (a GGUF file; a vocab-only\n"
+               "one is fine), as a decode node encodes a chat request's prompt, and prints the\n"
+               "vocabulary's load time, then the best and median encode time, MB/s and microseconds\n"
+               "per token.\n\n"
+               "  --file TEXT  the text, byte for byte (default: the quality benchmark's English document)\n"
+               "  --tokens N   the size of that document, in tokens, approximately (default 32768)\n"
+               "  --reps R     encodes to time (1..1000)\n");
+}
+
+static int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static char *read_file(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    for (size_t got; buf && (got = fread(buf + len, 1, cap - len, f)) > 0;) {
+        len += got;
+        if (len == cap) {
+            char *grown = realloc(buf, cap *= 2);
+            if (!grown) free(buf);
+            buf = grown;
+        }
+    }
+    const bool failed = ferror(f);
+    fclose(f);
+    if (failed) {
+        free(buf);
+        return NULL;
+    }
+    *n = len;
+    return buf;
+}
+
+int kvb_bench_tokenize(int argc, char **argv) {
+    const char *model = NULL, *file = NULL, *v;
+    long long tokens = 32768, reps = 5;
+    for (int i = 2; i < argc; i++) {
+        const char *a = argv[i];
+        if (kvb_arg_is_help(a)) {
+            help(stdout);
+            return 0;
+        } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
+            if (!(model = kvb_arg_value("bench", argc, argv, &i))) return 2;
+        } else if (!strcmp(a, "--file")) {
+            if (!(file = kvb_arg_value("bench", argc, argv, &i))) return 2;
+        } else if (!strcmp(a, "--tokens")) {
+            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 1 << 24, &tokens))
+                return 2;
+        } else if (!strcmp(a, "--reps")) {
+            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 1000, &reps)) return 2;
+        } else {
+            fprintf(stderr, "kvbridge bench tokenize: unknown option '%s' (see kvbridge bench tokenize --help)\n", a);
+            return 2;
+        }
+    }
+    if (!model) {
+        fprintf(stderr, "kvbridge bench tokenize: -m MODEL is required (see kvbridge bench tokenize --help)\n");
+        return 2;
+    }
+    size_t n = 0;
+    char *text = NULL, *question = NULL, *answer = NULL;
+    if (file) {
+        if (!(text = read_file(file, &n))) {
+            fprintf(stderr, "kvbridge bench tokenize: cannot read %s\n", file);
+            return 1;
+        }
+    } else {
+        if (kvb_quality_prompt(1, (uint32_t)tokens, &text, &question, &answer)) {
+            fprintf(stderr, "kvbridge bench tokenize: out of memory for a %lld-token document\n", tokens);
+            return 1;
+        }
+        n = strlen(text);
+    }
+    int rc = 1;
+    kvb_err err = {0};
+    kvb_gguf *g = NULL;
+    kvb_tokenizer *t = NULL;
+    double *times = calloc((size_t)reps, sizeof *times);
+    const double t0 = kvb_now_s();
+    if (!times || kvb_gguf_open(model, &g, &err) || kvb_tokenizer_load(g, &t, &err)) {
+        fprintf(stderr, "kvbridge bench tokenize: %s\n", times ? err.msg : "out of memory");
+        goto done;
+    }
+    const double load_s = kvb_now_s() - t0;
+    size_t n_ids = 0;
+    for (long long r = 0; r < reps; r++) {
+        int32_t *ids = NULL;
+        const double a = kvb_now_s();
+        if (kvb_tokenize(t, text, n, false, false, &ids, &n_ids, &err)) {
+            fprintf(stderr, "kvbridge bench tokenize: %s\n", err.msg);
+            goto done;
+        }
+        times[r] = kvb_now_s() - a;
+        free(ids);
+    }
+    qsort(times, (size_t)reps, sizeof *times, cmp_double);
+    const double best = times[0], med = times[reps / 2];
+    printf("tokenize: %s (%u tokens in the vocabulary, loaded in %.1f ms)\n", model, kvb_tokenizer_n_vocab(t),
+           load_s * 1e3);
+    printf("text      %s: %zu bytes -> %zu tokens\n", file ? file : "the quality benchmark's document", n, n_ids);
+    printf("encode    best %.2f ms, median %.2f ms of %lld: %.1f MB/s, %.3f us per token (median)\n", best * 1e3,
+           med * 1e3, reps, n / med / 1e6, n_ids ? med * 1e6 / (double)n_ids : 0.0);
+    rc = 0;
+done:
+    kvb_tokenizer_free(t);
+    kvb_gguf_close(g);
+    free(times);
+    free(text);
+    free(question);
+    free(answer);
+    return rc;
+}
