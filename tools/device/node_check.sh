@@ -16,6 +16,10 @@
 #   link    the raw loopback link and kvbridge's transport over it (bench link), then the slab path
 #           alone (bench ladder --slab-path-only: filler rows, no engine) at LADDER_LENGTHS, the
 #           same run: the figures the ladder's GB/s is judged against
+#   compare this build against an older one packed beside it as $D/kvbridge.prev, alternated in
+#           COMPARE_ROUNDS rounds (default 3; prev first): the slab path alone (4 lanes) at
+#           LADDER_LENGTHS, then the CUDA ladder (bridged legs and GPU alone) at COMPARE_LENGTHS
+#           (default 8192,32768) with --seeds 3; each run's table and slab-path lines are printed
 # Logs under $OUT (default /tmp/kvb-node-check); DEADLINE (seconds, default 570) bounds the whole.
 # Knobs: LADDER_LENGTHS, LADDER_SEEDS (prompts per length, default 1), ALONE_MAX, CACHE (f16),
 # COST_SIZES, VERIFY_PRESETS (default: tiny .. llama3.2-1b), MILLION_CACHE, LADDER_EXTRA (more
@@ -97,6 +101,28 @@ if want link; then
   f=$(gen llama3.2-1b q8_0)
   timeout "$(left)" $K bench ladder -m "$f" --lengths "$LADDER_LENGTHS" --seeds 2 --slab-path-only --cache-type "$CACHE" $LADDER_EXTRA \
     2>"$OUT/slabpath.err" | tee "$OUT/slabpath.txt"
+fi
+if want compare; then
+  say "== compare: $D/kvbridge.prev (prev) against $K (new), alternated"
+  P=$(dirname "$K")/kvbridge.prev
+  if [ ! -x "$P" ]; then
+    echo "compare: no $P (pack an older build's kvbridge there)"
+  else
+    f=$(gen llama3.2-1b q8_0)
+    for r in $(seq 1 "${COMPARE_ROUNDS:-3}"); do
+      for which in prev new; do
+        b=$K
+        [ $which = prev ] && b=$P
+        o=$OUT/compare_${which}_r$r
+        timeout "$(left)" "$b" bench ladder -m "$f" --lengths "$LADDER_LENGTHS" --seeds 2 --slab-path-only \
+          --cache-type "$CACHE" $LADDER_EXTRA >"$o.slab.txt" 2>&1
+        echo "-- round $r, $which: slab path alone"; grep -E "^ +[0-9]+ |slab path / raw|stages" "$o.slab.txt"
+        timeout "$(left)" "$b" bench ladder --device cuda -m "$f" --lengths "${COMPARE_LENGTHS:-8192,32768}" --seeds 3 \
+          --alone-max 0 --cache-type "$CACHE" $LADDER_EXTRA >"$o.ladder.txt" 2>&1
+        echo "-- round $r, $which: CUDA ladder"; grep -E "^ +[0-9]+ |bridged phases" "$o.ladder.txt"
+      done
+    done
+  fi
 fi
 if want million; then
   say "== one bridged 1M-token prompt, 1B shape"
