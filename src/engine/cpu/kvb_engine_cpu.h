@@ -143,6 +143,13 @@ void kvb_kv_produce(const kvb_kv_produce_args *a, const float *h, uint32_t n, vo
 
 /* ---- sampling ---------------------------------------------------------------------------- */
 
+/* Temperature sampling, exactly: p_i = expf((logit_i - max) / temperature) as floats, ranked by p
+ * descending then id ascending. top-k keeps the first k; top-p then keeps the shortest prefix whose
+ * mass, summed in double in rank order, reaches top_p times the kept mass (with top-k: the k's sum
+ * in rank order; without: the sum of every p_i in id order). One uniform draw r (24 bits) times the
+ * kept mass picks the first kept token whose running sum (rank order; id order when nothing is cut)
+ * exceeds it. Only the candidates that can be kept are ranked (a histogram of the p_i by power of
+ * two finds them), not the whole vocabulary: the result is the same as ranking all of them. */
 typedef struct {
     float temperature; /* <= 0: greedy (argmax, lowest id on ties) */
     int top_k;         /* <= 0: off */

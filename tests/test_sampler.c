@@ -1,0 +1,168 @@
+/* tests/test_sampler.c — kvb_sample against a plain reference written from its specification
+ * (kvb_engine_cpu.h): every probability computed, the whole vocabulary ranked by (p descending, id
+ * ascending), top-k, then top-p against the kept mass, one draw. The sampler ranks only the bins
+ * of probabilities that can be kept; it must pick the same token as the reference on every draw,
+ * over vocabularies of 1 to 128K entries, logits spread narrowly and widely, ties, masked (-inf)
+ * logits, and top-k/top-p settings from none to extreme. Also: greedy takes the lowest id among
+ * equal maxima, top-k 1 and a tiny top-p are greedy, and a small vocabulary's draw frequencies
+ * follow its probabilities. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvb_engine_cpu.h"
+
+static int by_p_then_id(const void *a, const void *b) {
+    const kvb_prob_id *x = a, *y = b;
+    if (x->p != y->p) return x->p > y->p ? -1 : 1;
+    return x->id - y->id;
+}
+
+/* The specification, done the slow way (rng: the same stream the sampler draws from). */
+static int32_t reference_sample(const kvb_sampler_opts *o, const float *logits, uint32_t n, kvb_rng *rng) {
+    int32_t best = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (logits[i] > logits[best]) best = (int32_t)i;
+    if (o->temperature <= 0) return best;
+    kvb_prob_id *c = malloc(n * sizeof *c);
+    double total = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        c[i].p = expf((logits[i] - logits[best]) / o->temperature);
+        c[i].id = (int32_t)i;
+        total += c[i].p;
+    }
+    const bool cut = (o->top_k > 0 && (uint32_t)o->top_k < n) || o->top_p < 1.0f;
+    uint32_t m = n;
+    double kept = total;
+    if (cut) {
+        qsort(c, n, sizeof *c, by_p_then_id);
+        if (o->top_k > 0 && (uint32_t)o->top_k < n) {
+            m = (uint32_t)o->top_k;
+            kept = 0;
+            for (uint32_t i = 0; i < m; i++) kept += c[i].p;
+        }
+        if (o->top_p < 1.0f) {
+            const double want = o->top_p * kept;
+            double acc = 0;
+            for (uint32_t i = 0; i < m; i++) {
+                acc += c[i].p;
+                if (acc >= want) {
+                    m = i + 1;
+                    break;
+                }
+            }
+            kept = acc;
+        }
+    }
+    const double r = (double)kvb_rng_uniform(rng) * kept;
+    double acc = 0;
+    int32_t id = c[m - 1].id;
+    for (uint32_t i = 0; i < m; i++) {
+        acc += c[i].p;
+        if (r < acc) {
+            id = c[i].id;
+            break;
+        }
+    }
+    free(c);
+    return id;
+}
+
+static void fill_logits(kvb_rng *r, float *l, uint32_t n, int shape) {
+    for (uint32_t i = 0; i < n; i++) {
+        switch (shape) {
+        case 0: l[i] = kvb_rng_normal(r); break;                              /* narrow: many kept */
+        case 1: l[i] = 8 * kvb_rng_normal(r); break;                          /* wide: few kept */
+        case 2: l[i] = (float)(kvb_rng_u64(r) % 4); break;                    /* ties everywhere */
+        case 3: l[i] = kvb_rng_u64(r) % 3 ? -INFINITY : kvb_rng_normal(r); break; /* masked */
+        default: l[i] = 0; break;                                             /* flat */
+        }
+    }
+    if (shape == 3) l[n / 2] = 1; /* one finite logit at least */
+}
+
+static void test_matches_the_full_ranking(void **state) {
+    (void)state;
+    static const uint32_t sizes[] = {1, 2, 7, 1000, 32000, 128256};
+    static const struct {
+        float t, p;
+        int k;
+    } opts[] = {{1, 1, 0}, {0.8f, 0.95f, 0}, {1, 1, 40}, {0.7f, 0.9f, 50}, {1.3f, 0.5f, 0}, {1, 0.999999f, 0},
+                {0.5f, 0.0f, 0}, {1, 1, 1}, {2, 0.99f, 5000}, {1, 0.3f, 3}, {0.01f, 0.9f, 0}};
+    kvb_rng gen;
+    kvb_rng_seed(&gen, 42);
+    int checked = 0;
+    for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++) {
+        const uint32_t n = sizes[si];
+        float *l = malloc(n * sizeof *l);
+        assert_non_null(l);
+        for (int shape = 0; shape < 5; shape++) {
+            fill_logits(&gen, l, n, shape);
+            for (size_t oi = 0; oi < sizeof opts / sizeof *opts; oi++) {
+                const kvb_sampler_opts o = {.temperature = opts[oi].t, .top_k = opts[oi].k, .top_p = opts[oi].p,
+                                            .seed = 1000 + oi};
+                kvb_sampler s;
+                kvb_err err = {0};
+                assert_int_equal(kvb_sampler_init(&s, &o, n, &err), KVB_OK);
+                kvb_rng ref;
+                kvb_rng_seed(&ref, o.seed);
+                const int draws = n > 32000 ? 3 : 20;
+                for (int d = 0; d < draws; d++) {
+                    const int32_t got = kvb_sample(&s, l), want = reference_sample(&o, l, n, &ref);
+                    if (got != want)
+                        fail_msg("n %u, shape %d, T %g top_p %g top_k %d, draw %d: sampled %d, reference %d", n, shape,
+                                 (double)o.temperature, (double)o.top_p, o.top_k, d, got, want);
+                    checked++;
+                }
+                kvb_sampler_free(&s);
+            }
+        }
+        free(l);
+    }
+    assert_true(checked > 1000);
+}
+
+static void test_greedy_and_degenerate_cuts(void **state) {
+    (void)state;
+    const float l[6] = {0.5f, 2, -1, 2, 1.9f, -INFINITY};
+    kvb_err err = {0};
+    const kvb_sampler_opts opts[] = {{.temperature = 0}, {.temperature = 1, .top_k = 1}, {.temperature = 1, .top_p = 1e-6f}};
+    for (size_t i = 0; i < 3; i++) {
+        kvb_sampler s;
+        assert_int_equal(kvb_sampler_init(&s, &opts[i], 6, &err), KVB_OK);
+        for (int d = 0; d < 50; d++) assert_int_equal(kvb_sample(&s, l), 1); /* lowest id of the two maxima */
+        kvb_sampler_free(&s);
+    }
+}
+
+static void test_frequencies_follow_probabilities(void **state) {
+    (void)state;
+    const float l[4] = {0, logf(2), logf(3), logf(4)}; /* p = 1:2:3:4 at temperature 1 */
+    kvb_sampler s;
+    kvb_err err = {0};
+    const kvb_sampler_opts o = {.temperature = 1, .top_p = 0.75f, .seed = 9}; /* keeps 4, 3, 2: 9/10 >= 0.75 */
+    assert_int_equal(kvb_sampler_init(&s, &o, 4, &err), KVB_OK);
+    int hits[4] = {0};
+    const int draws = 90000;
+    for (int d = 0; d < draws; d++) hits[kvb_sample(&s, l)]++;
+    kvb_sampler_free(&s);
+    assert_int_equal(hits[0], 0); /* cut by top-p */
+    for (int i = 1; i < 4; i++) { /* (i + 1) / 9 of the draws, within 5 standard deviations */
+        const double want = draws * (i + 1) / 9.0, sd = sqrt(want * (1 - (i + 1) / 9.0));
+        if (fabs(hits[i] - want) > 5 * sd) fail_msg("token %d: %d draws, expected %.0f", i, hits[i], want);
+    }
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_matches_the_full_ranking),
+        cmocka_unit_test(test_greedy_and_degenerate_cuts),
+        cmocka_unit_test(test_frequencies_follow_probabilities),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
