@@ -120,3 +120,29 @@ void kvb_gemma3_path(char *buf, size_t cap) {
     else if (dir && *dir) snprintf(buf, cap, "%s/gemma-3-270m-q4_k_m.gguf", dir);
     else snprintf(buf, cap, "%s/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf", home ? home : "");
 }
+
+char *kvb_cli_read_all(FILE *f, size_t *n) {
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    if (!buf) return NULL;
+    for (;;) {
+        if (len == cap) {
+            char *nb = cap < ((size_t)1 << 40) ? realloc(buf, cap * 2) : NULL;
+            if (!nb) {
+                free(buf);
+                return NULL;
+            }
+            buf = nb;
+            cap *= 2;
+        }
+        size_t r = fread(buf + len, 1, cap - len, f);
+        len += r;
+        if (r == 0) break;
+    }
+    if (ferror(f)) {
+        free(buf);
+        return NULL;
+    }
+    *n = len;
+    return buf;
+}

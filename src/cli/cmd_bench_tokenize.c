@@ -27,29 +27,6 @@ static int cmp_double(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-static char *read_file(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 1 << 16, len = 0;
-    char *buf = malloc(cap);
-    for (size_t got; buf && (got = fread(buf + len, 1, cap - len, f)) > 0;) {
-        len += got;
-        if (len == cap) {
-            char *grown = realloc(buf, cap *= 2);
-            if (!grown) free(buf);
-            buf = grown;
-        }
-    }
-    const bool failed = ferror(f);
-    fclose(f);
-    if (failed) {
-        free(buf);
-        return NULL;
-    }
-    *n = len;
-    return buf;
-}
-
 int kvb_bench_tokenize(int argc, char **argv) {
     const char *model = NULL, *file = NULL, *v;
     long long tokens = 32768, reps = 5;
@@ -79,7 +56,10 @@ int kvb_bench_tokenize(int argc, char **argv) {
     size_t n = 0;
     char *text = NULL, *question = NULL, *answer = NULL;
     if (file) {
-        if (!(text = read_file(file, &n))) {
+        FILE *f = fopen(file, "rb");
+        text = f ? kvb_cli_read_all(f, &n) : NULL;
+        if (f) fclose(f);
+        if (!text) {
             fprintf(stderr, "kvbridge bench tokenize: cannot read %s\n", file);
             return 1;
         }

@@ -31,35 +31,9 @@ static void usage(FILE *f) {
             "  echo '9707 1879' | kvbridge tokenize -m model.gguf --decode\n");
 }
 
-static char *read_all(FILE *f, size_t *n) {
-    size_t cap = 1 << 16, len = 0;
-    char *buf = malloc(cap);
-    if (!buf) return NULL;
-    for (;;) {
-        if (len == cap) {
-            char *nb = cap < ((size_t)1 << 40) ? realloc(buf, cap * 2) : NULL;
-            if (!nb) {
-                free(buf);
-                return NULL;
-            }
-            buf = nb;
-            cap *= 2;
-        }
-        size_t r = fread(buf + len, 1, cap - len, f);
-        len += r;
-        if (r == 0) break;
-    }
-    if (ferror(f)) {
-        free(buf);
-        return NULL;
-    }
-    *n = len;
-    return buf;
-}
-
 static int encode(const kvb_tokenizer *t, bool special) {
     size_t n = 0;
-    char *text = read_all(stdin, &n);
+    char *text = kvb_cli_read_all(stdin, &n);
     if (!text) {
         fprintf(stderr, "kvbridge tokenize: cannot read stdin\n");
         return 1;
@@ -81,7 +55,7 @@ static int encode(const kvb_tokenizer *t, bool special) {
 
 static int decode(const kvb_tokenizer *t, bool special) {
     size_t n = 0;
-    char *text = read_all(stdin, &n);
+    char *text = kvb_cli_read_all(stdin, &n);
     if (!text) {
         fprintf(stderr, "kvbridge tokenize: cannot read stdin\n");
         return 1;

@@ -7,6 +7,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 int kvb_cmd_gen_model(int argc, char **argv);
 int kvb_cmd_run(int argc, char **argv);
@@ -44,6 +45,10 @@ int kvb_bench_quality(int argc, char **argv);
  * target 0 or above 2^26, NULL outputs; out of memory) with the outputs NULL. Caller frees all three. */
 int kvb_quality_prompt(uint64_t seed, uint32_t target_tokens_approx, char **text, char **needle_question,
                        char **needle_answer);
+
+/* All of a stream (a file, stdin) into a buffer the caller frees; *n its length. NULL on a read
+ * error or when memory runs out (cli/args.c). */
+char *kvb_cli_read_all(FILE *f, size_t *n);
 
 /* Small shared helpers for option parsing (cli/args.c). */
 bool kvb_arg_is_help(const char *a);
