@@ -3,9 +3,10 @@
  * ascending), top-k, then top-p against the kept mass, one draw. The sampler ranks only the bins
  * of probabilities that can be kept; it must pick the same token as the reference on every draw,
  * over vocabularies of 1 to 128K entries, logits spread narrowly and widely, ties, masked (-inf)
- * logits, and top-k/top-p settings from none to extreme. Also: greedy takes the lowest id among
- * equal maxima, top-k 1 and a tiny top-p are greedy, and a small vocabulary's draw frequencies
- * follow its probabilities. */
+ * logits, and top-k/top-p settings from none to extreme, on one thread and on a pool of three.
+ * Also: greedy is the first maximum exactly as a plain scan finds it (NaNs, signed zeros, ties),
+ * top-k 1 and a tiny top-p are greedy, and a small vocabulary's draw frequencies follow its
+ * probabilities. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -97,21 +98,26 @@ static void test_matches_the_full_ranking(void **state) {
     kvb_rng gen;
     kvb_rng_seed(&gen, 42);
     int checked = 0;
+    kvb_pool *pool = NULL;
+    kvb_err perr = {0};
+    assert_int_equal(kvb_pool_create(3, &pool, &perr), KVB_OK);
     for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++) {
         const uint32_t n = sizes[si];
         float *l = malloc(n * sizeof *l);
         assert_non_null(l);
         for (int shape = 0; shape < 5; shape++) {
             fill_logits(&gen, l, n, shape);
-            for (size_t oi = 0; oi < sizeof opts / sizeof *opts; oi++) {
-                const kvb_sampler_opts o = {.temperature = opts[oi].t, .top_k = opts[oi].k, .top_p = opts[oi].p,
+            for (size_t oi = 0; oi < 2 * (sizeof opts / sizeof *opts); oi++) {
+                const size_t k = oi / 2; /* each setting on one thread, then on the pool's three */
+                const kvb_sampler_opts o = {.temperature = opts[k].t, .top_k = opts[k].k, .top_p = opts[k].p,
                                             .seed = 1000 + oi};
                 kvb_sampler s;
                 kvb_err err = {0};
                 assert_int_equal(kvb_sampler_init(&s, &o, n, &err), KVB_OK);
+                if (oi & 1) kvb_sampler_use_pool(&s, pool);
                 kvb_rng ref;
                 kvb_rng_seed(&ref, o.seed);
-                const int draws = n > 32000 ? 3 : 20;
+                const int draws = n > 32000 ? 1 : n > 1000 ? 5 : 20;
                 for (int d = 0; d < draws; d++) {
                     const int32_t got = kvb_sample(&s, l), want = reference_sample(&o, l, n, &ref);
                     if (got != want)
@@ -124,6 +130,7 @@ static void test_matches_the_full_ranking(void **state) {
         }
         free(l);
     }
+    kvb_pool_destroy(pool);
     assert_true(checked > 1000);
 }
 
@@ -138,6 +145,50 @@ static void test_greedy_and_degenerate_cuts(void **state) {
         for (int d = 0; d < 50; d++) assert_int_equal(kvb_sample(&s, l), 1); /* lowest id of the two maxima */
         kvb_sampler_free(&s);
     }
+}
+
+/* Greedy is the scan "keep i when logits[i] > the best so far": the first maximum, NaN never
+ * winning unless it comes first, +0 and -0 tying. */
+static int32_t scan_argmax(const float *l, uint32_t n) {
+    int32_t best = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (l[i] > l[best]) best = (int32_t)i;
+    return best;
+}
+
+static void test_greedy_is_the_first_maximum(void **state) {
+    (void)state;
+    static const struct {
+        float l[5];
+        uint32_t n;
+        int32_t want;
+    } cases[] = {{{NAN, 5, 6, 7, 8}, 5, 0}, {{-0.0f, 0.0f}, 2, 0}, {{-1, 0.0f, -0.0f}, 3, 1},
+                 {{1, NAN, 3, 3, NAN}, 5, 2}, {{-INFINITY, NAN, -INFINITY}, 3, 0}, {{2}, 1, 0}};
+    kvb_err err = {0};
+    const kvb_sampler_opts o = {.temperature = 0};
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        kvb_sampler s;
+        assert_int_equal(kvb_sampler_init(&s, &o, cases[c].n, &err), KVB_OK);
+        assert_int_equal(kvb_sample(&s, cases[c].l), cases[c].want);
+        assert_int_equal(scan_argmax(cases[c].l, cases[c].n), cases[c].want);
+        kvb_sampler_free(&s);
+    }
+    kvb_rng r; /* long vectors with many ties, signed zeros and NaNs, against the scan */
+    kvb_rng_seed(&r, 3);
+    float *l = malloc(5000 * sizeof *l);
+    assert_non_null(l);
+    for (int it = 0; it < 300; it++) {
+        const uint32_t n = 1 + (uint32_t)(kvb_rng_u64(&r) % 5000);
+        for (uint32_t i = 0; i < n; i++) {
+            const uint64_t u = kvb_rng_u64(&r) % 16;
+            l[i] = u == 0 ? NAN : u == 1 ? -0.0f : u == 2 ? 0.0f : (float)(kvb_rng_u64(&r) % 9) - 6;
+        }
+        kvb_sampler s;
+        assert_int_equal(kvb_sampler_init(&s, &o, n, &err), KVB_OK);
+        assert_int_equal(kvb_sample(&s, l), scan_argmax(l, n));
+        kvb_sampler_free(&s);
+    }
+    free(l);
 }
 
 static void test_frequencies_follow_probabilities(void **state) {
@@ -162,6 +213,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matches_the_full_ranking),
         cmocka_unit_test(test_greedy_and_degenerate_cuts),
+        cmocka_unit_test(test_greedy_is_the_first_maximum),
         cmocka_unit_test(test_frequencies_follow_probabilities),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -281,6 +281,7 @@ int kvb_cmd_run(int argc, char **argv) {
         if (kvb_seq_create(re.e, &re.s, &err) != KVB_OK) goto fail;
     }
     if (kvb_sampler_init(&smp, &so, m->d.n_vocab, &err) != KVB_OK) goto fail;
+    if (re.e) kvb_sampler_use_pool(&smp, kvb_engine_pool(re.e)); /* idle between the forwards */
     logits = malloc(sizeof(float) * m->d.n_vocab);
     out_ids = malloc(sizeof(int32_t) * (size_t)(n_gen + 1));
     if (!logits || !out_ids) {

@@ -594,6 +594,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     kvb_sampler_opts so = {.temperature = (float)req->temperature, .top_k = req->top_k, .top_p = (float)req->top_p,
                            .seed = req->has_seed ? (uint64_t)req->seed : (uint64_t)(kvb_now_s() * 1e6)};
     st = kvb_sampler_init(&smp, &so, n->m->d.n_vocab, &err);
+    kvb_sampler_use_pool(&smp, kvb_engine_pool(n->e)); /* ours until engine_release; idle between forwards */
     kvb_detok dt;
     kvb_detok_init(&dt, n->tok);
     char piece[1024];

@@ -95,6 +95,8 @@ void kvb_engine_free(kvb_engine *e) {
 const kvb_kvformat *kvb_engine_kvformat(const kvb_engine *e) { return &e->fmt; }
 int kvb_engine_threads(const kvb_engine *e) { return e->o.n_threads; }
 
+kvb_pool *kvb_engine_pool(kvb_engine *e) { return e->pool; }
+
 kvb_store *kvb_engine_store(const kvb_engine *e) { return e->store; }
 
 kvb_status kvb_seq_create(kvb_engine *e, kvb_seq **out, kvb_err *err) {

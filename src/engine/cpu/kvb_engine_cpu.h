@@ -47,6 +47,8 @@ kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *o, kvb_e
 void kvb_engine_free(kvb_engine *e);
 const kvb_kvformat *kvb_engine_kvformat(const kvb_engine *e);
 int kvb_engine_threads(const kvb_engine *e);
+/* The engine's thread pool, idle between forwards (a sampler may use it there). */
+kvb_pool *kvb_engine_pool(kvb_engine *e);
 
 kvb_store *kvb_engine_store(const kvb_engine *e);
 
@@ -149,7 +151,9 @@ void kvb_kv_produce(const kvb_kv_produce_args *a, const float *h, uint32_t n, vo
  * in rank order; without: the sum of every p_i in id order). One uniform draw r (24 bits) times the
  * kept mass picks the first kept token whose running sum (rank order; id order when nothing is cut)
  * exceeds it. Only the candidates that can be kept are ranked (a histogram of the p_i by power of
- * two finds them), not the whole vocabulary: the result is the same as ranking all of them. */
+ * two finds them), not the whole vocabulary: the result is the same as ranking all of them. The
+ * p_i may be computed on a pool's threads (kvb_sampler_use_pool): each p_i is the same expf, and
+ * every sum keeps its order, so the picks do not change. */
 typedef struct {
     float temperature; /* <= 0: greedy (argmax, lowest id on ties) */
     int top_k;         /* <= 0: off */
@@ -167,9 +171,15 @@ typedef struct {
     kvb_rng rng;
     uint32_t n_vocab;
     kvb_prob_id *cand; /* scratch (n_vocab) */
+    kvb_pool *pool;    /* NULL: one thread (kvb_sampler_use_pool) */
+    uint32_t *bin_count; /* (vocab chunk, bin): each chunk's histogram of its probabilities */
+    double *bin_mass;    /* (vocab chunk, bin) */
 } kvb_sampler;
 
 kvb_status kvb_sampler_init(kvb_sampler *s, const kvb_sampler_opts *o, uint32_t n_vocab, kvb_err *err);
+/* The probabilities are then computed by pool's threads (fixed chunks of the vocabulary; the same
+ * picks as with one thread). Use it only while nothing else runs on the pool (between forwards). */
+void kvb_sampler_use_pool(kvb_sampler *s, kvb_pool *pool);
 void kvb_sampler_free(kvb_sampler *s);
 int32_t kvb_sample(kvb_sampler *s, const float *logits);
 

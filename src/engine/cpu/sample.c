@@ -8,21 +8,35 @@
 
 #include "kvb_engine_cpu.h"
 
+#define P_BINS 64
+#define VOCAB_CHUNK 8192 /* the probabilities of one pool task; fixed, so no result depends on threads */
+
+static uint32_t n_chunks(uint32_t n) { return (n + VOCAB_CHUNK - 1) / VOCAB_CHUNK; }
+
 kvb_status kvb_sampler_init(kvb_sampler *s, const kvb_sampler_opts *o, uint32_t n_vocab, kvb_err *err) {
     s->o = *o;
     s->n_vocab = n_vocab;
+    s->pool = NULL;
     kvb_rng_seed(&s->rng, o->seed);
     s->cand = malloc(sizeof(kvb_prob_id) * n_vocab);
-    if (!s->cand) {
+    s->bin_count = malloc(sizeof *s->bin_count * P_BINS * n_chunks(n_vocab));
+    s->bin_mass = malloc(sizeof *s->bin_mass * P_BINS * n_chunks(n_vocab));
+    if (!s->cand || !s->bin_count || !s->bin_mass) {
         kvb_sampler_free(s);
         return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the sampler");
     }
     return KVB_OK;
 }
 
+void kvb_sampler_use_pool(kvb_sampler *s, kvb_pool *pool) { s->pool = pool; }
+
 void kvb_sampler_free(kvb_sampler *s) {
     free(s->cand);
+    free(s->bin_count);
+    free(s->bin_mass);
     s->cand = NULL;
+    s->bin_count = NULL;
+    s->bin_mass = NULL;
 }
 
 static int by_prob_desc(const void *a, const void *b) {
@@ -31,8 +45,6 @@ static int by_prob_desc(const void *a, const void *b) {
     if (x->p < y->p) return 1;
     return x->id - y->id;
 }
-
-#define P_BINS 64
 
 /* A probability's power-of-two bin: 0 holds 1.0, b holds [2^-b, 2^-(b-1)), the last everything
  * below 2^-62 (and 0). Every p in a bin is larger than every p in a later one. */
@@ -58,30 +70,76 @@ static uint32_t rank_prefix(kvb_prob_id *c, uint32_t n, uint32_t last) {
     return kept;
 }
 
-int32_t kvb_sample(kvb_sampler *s, const float *logits) {
-    const uint32_t n = s->n_vocab;
-    int32_t best = 0;
-    for (uint32_t i = 1; i < n; i++)
-        if (logits[i] > logits[best]) best = (int32_t)i;
-    if (s->o.temperature <= 0.0f) return best;
+/* The lowest index of the largest logit, as "keep i when logits[i] > the best so far" finds it
+ * (a NaN never wins; a NaN first logit wins everything), in two passes that do not wait on each
+ * step: the largest value over 8 independent lanes (a maximum is the same in any order), then the
+ * first index holding a value equal to it (+0 and -0 compare equal, as they tie in the scan). */
+static int32_t argmax_first(const float *l, uint32_t n) {
+    if (l[0] != l[0]) return 0;
+    float lane[8];
+    for (int j = 0; j < 8; j++) lane[j] = l[0];
+    uint32_t i = 1;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) lane[j] = l[i + j] > lane[j] ? l[i + j] : lane[j];
+    float mx = lane[0];
+    for (int j = 1; j < 8; j++) mx = lane[j] > mx ? lane[j] : mx;
+    for (; i < n; i++) mx = l[i] > mx ? l[i] : mx;
+    for (uint32_t k = 0; k < n; k++)
+        if (l[k] == mx) return (int32_t)k;
+    return 0; /* not reached: mx is one of the logits */
+}
 
-    /* softmax at temperature; with top-k/top-p, a histogram of the probabilities by power of two */
-    const float mx = logits[best];
-    kvb_prob_id *c = s->cand;
-    const bool top_k = s->o.top_k > 0 && (uint32_t)s->o.top_k < n, top_p = s->o.top_p < 1.0f;
-    uint32_t count[P_BINS] = {0};
-    double mass[P_BINS] = {0}, sum = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        const float p = expf((logits[i] - mx) / s->o.temperature);
-        c[i].p = p;
-        c[i].id = (int32_t)i;
-        sum += p;
-        if (top_k || top_p) {
+typedef struct {
+    kvb_sampler *s;
+    const float *logits;
+    float mx;
+    bool bins; /* with a cut: each chunk's histogram too */
+} softmax_job;
+
+/* Chunk t of the vocabulary: its probabilities into cand, and its histogram. */
+static void softmax_chunk(void *ctx, int t, int worker) {
+    (void)worker;
+    const softmax_job *j = ctx;
+    kvb_sampler *s = j->s;
+    const uint32_t i0 = (uint32_t)t * VOCAB_CHUNK, i1 = i0 + VOCAB_CHUNK < s->n_vocab ? i0 + VOCAB_CHUNK : s->n_vocab;
+    uint32_t *count = s->bin_count + (size_t)t * P_BINS;
+    double *mass = s->bin_mass + (size_t)t * P_BINS;
+    if (j->bins) {
+        memset(count, 0, P_BINS * sizeof *count);
+        memset(mass, 0, P_BINS * sizeof *mass);
+    }
+    for (uint32_t i = i0; i < i1; i++) {
+        const float p = expf((j->logits[i] - j->mx) / s->o.temperature);
+        s->cand[i].p = p;
+        s->cand[i].id = (int32_t)i;
+        if (j->bins) {
             const uint32_t b = prob_bin(p);
             count[b]++;
             mass[b] += p;
         }
     }
+}
+
+int32_t kvb_sample(kvb_sampler *s, const float *logits) {
+    const uint32_t n = s->n_vocab;
+    const int32_t best = argmax_first(logits, n);
+    if (s->o.temperature <= 0.0f) return best;
+
+    /* softmax at temperature, chunk by chunk (on the pool's threads when there is one); with
+     * top-k/top-p, each chunk's histogram of the probabilities by power of two */
+    kvb_prob_id *c = s->cand;
+    const bool top_k = s->o.top_k > 0 && (uint32_t)s->o.top_k < n, top_p = s->o.top_p < 1.0f;
+    softmax_job job = {.s = s, .logits = logits, .mx = logits[best], .bins = top_k || top_p};
+    kvb_pool_parallel_for(n > VOCAB_CHUNK ? s->pool : NULL, (int)n_chunks(n), softmax_chunk, &job);
+    double sum = 0; /* in id order, whatever computed the terms */
+    for (uint32_t i = 0; i < n; i++) sum += c[i].p;
+    uint32_t count[P_BINS] = {0};
+    double mass[P_BINS] = {0};
+    for (uint32_t t = 0; job.bins && t < n_chunks(n); t++)
+        for (uint32_t b = 0; b < P_BINS; b++) {
+            count[b] += s->bin_count[(size_t)t * P_BINS + b];
+            mass[b] += s->bin_mass[(size_t)t * P_BINS + b];
+        }
     uint32_t m = n;
     if (top_k || top_p) {
         /* rank only the bins that can hold a kept token: down to the k-th one, or to where the
