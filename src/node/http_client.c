@@ -1,6 +1,7 @@
 /* node/http_client.c — a minimal blocking HTTP/1.1 client for kvbridge's own tools (the demo,
- * the ladder benchmark, tests): one POST with Connection: close, whole reply read with a
- * deadline, status line, X-KVBridge header and body returned. Not a general-purpose client. */
+ * the ladder benchmark, tests): one POST with Connection: close, the reply read with a deadline
+ * until its Content-Length is in (as a keep-alive client has it; without one, until the server
+ * closes), status line, X-KVBridge header and body returned. Not a general-purpose client. */
 #include <errno.h>
 #include <netdb.h>
 #include <poll.h>
@@ -63,9 +64,9 @@ kvb_status kvb_http_post(const char *host, uint16_t port, const char *path, cons
             }
             off += (size_t)k;
         }
-    size_t cap = 1 << 16, len = 0;
+    size_t cap = 1 << 16, len = 0, want = SIZE_MAX; /* want: the whole reply's bytes, once known */
     char *buf = malloc(cap);
-    for (;;) {
+    while (len < want) {
         if (!buf) break;
         if (len + 1 >= cap) {
             char *nb = realloc(buf, cap *= 2);
@@ -80,6 +81,15 @@ kvb_status kvb_http_post(const char *host, uint16_t port, const char *path, cons
         if (k < 0) break;
         if (k == 0) break;
         len += (size_t)k;
+        buf[len] = 0;
+        const char *end = want == SIZE_MAX ? strstr(buf, "\r\n\r\n") : NULL;
+        if (end) { /* the head is in: a Content-Length says when the reply is complete */
+            unsigned long long body_len;
+            for (const char *line = strstr(buf, "\r\n"); line && line < end; line = strstr(line + 2, "\r\n"))
+                if (!strncasecmp(line + 2, "Content-Length:", 15) && sscanf(line + 17, "%llu", &body_len) == 1 &&
+                    body_len < ((size_t)1 << 40))
+                    want = (size_t)(end + 4 - buf) + (size_t)body_len;
+        }
     }
     close(fd);
     if (!buf) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
