@@ -51,7 +51,7 @@ def check_kvbridge(name, usage):
         return
     for k, v in KVB_EXPECT.items():
         check(f"{name}: usage.kvbridge.{k}", kb.get(k) == v, f"{kb.get(k)!r} != {v!r}")
-    for phase in ("lookup_s", "prefill_s", "transfer_s", "native_s", "decode_s"):
+    for phase in ("tokenize_s", "queue_s", "lookup_s", "prefill_s", "transfer_s", "native_s", "decode_s"):
         check(f"{name}: usage.kvbridge.{phase}", isinstance(kb.get(phase), (int, float)), repr(kb))
 
 

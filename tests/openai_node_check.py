@@ -46,5 +46,8 @@ check("finish", finish in ("length", "stop"), finish)
 kb = (usage.model_extra or {}).get("kvbridge") if usage else None
 check("usage", usage is not None and usage.completion_tokens >= 1, usage)
 check("kvbridge", kb is not None and kb["verdict"] == "complete" and kb["bridged_tokens"] > 0, kb)
+phases = ("tokenize_s", "queue_s", "lookup_s", "prefill_s", "transfer_s", "native_s", "decode_s")
+check("phases", kb is not None and all(isinstance(kb.get(p), (int, float)) and kb[p] >= 0 for p in phases), kb)
+check("tokenized", kb is not None and 0 < kb.get("tokenize_s", 0) < 10, kb)  # a real chat template and tokenizer ran
 print(f"openai node check: {passed} passed, {failed} failed")
 sys.exit(1 if failed else 0)

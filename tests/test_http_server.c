@@ -154,6 +154,8 @@ static void fake_completion(void *ctx, const kvb_completion_req *req, kvb_comple
         .cached_tokens = 5,
         .bridged_tokens = 12,
         .native_tokens = 7,
+        .tokenize_s = 0.003,
+        .queue_s = 0.002,
         .lookup_s = 0.001,
         .prefill_s = 0.25,
         .transfer_s = 0.125,
@@ -426,6 +428,8 @@ static void expect_kvbridge_usage(const cJSON *usage, const char *verdict_header
     assert_true(jnum(usage, "kvbridge.cached_tokens") == 5);
     assert_true(jnum(usage, "kvbridge.bridged_tokens") == 12);
     assert_true(jnum(usage, "kvbridge.native_tokens") == 7);
+    assert_true(jnum(usage, "kvbridge.tokenize_s") == 0.003);
+    assert_true(jnum(usage, "kvbridge.queue_s") == 0.002);
     assert_true(jnum(usage, "kvbridge.lookup_s") == 0.001);
     assert_true(jnum(usage, "kvbridge.prefill_s") == 0.25);
     assert_true(jnum(usage, "kvbridge.native_s") == 0.0625);

@@ -1,7 +1,8 @@
 /* format.c — OpenAI response bodies: chat.completion / text_completion objects, streaming
  * chunks (chat.completion.chunk / text_completion) as SSE lines, and the usage object with our
  * usage.kvbridge block: {"verdict", "cached_tokens", "bridged_tokens", "native_tokens",
- * "lookup_s", "prefill_s", "transfer_s", "native_s", "decode_s", "native_pipelined"}. The OpenAI-standard
+ * "tokenize_s", "queue_s", "lookup_s", "prefill_s", "transfer_s", "native_s", "decode_s",
+ * "native_pipelined"}. The OpenAI-standard
  * usage.prompt_tokens_details.cached_tokens carries the cached count too. */
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +29,8 @@ cJSON *http_usage_json(const kvb_usage *u, const char *verdict) {
         cJSON_AddNumberToObject(kb, "cached_tokens", (double)u->cached_tokens);
         cJSON_AddNumberToObject(kb, "bridged_tokens", (double)u->bridged_tokens);
         cJSON_AddNumberToObject(kb, "native_tokens", (double)u->native_tokens);
+        cJSON_AddNumberToObject(kb, "tokenize_s", u->tokenize_s);
+        cJSON_AddNumberToObject(kb, "queue_s", u->queue_s);
         cJSON_AddNumberToObject(kb, "lookup_s", u->lookup_s);
         cJSON_AddNumberToObject(kb, "prefill_s", u->prefill_s);
         cJSON_AddNumberToObject(kb, "transfer_s", u->transfer_s);

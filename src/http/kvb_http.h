@@ -136,11 +136,12 @@ typedef struct {
     int64_t cached_tokens; /* prompt tokens found in the prefix cache */
     int64_t bridged_tokens;/* prompt tokens whose cache the prefill node shipped */
     int64_t native_tokens; /* prompt tokens the decoder computed itself */
-    /* per-phase wall seconds: prefix lookup; the prefill node's prefill (its own clock, from its
-     * DONE); the bridge exchange on this node (request to DONE, overlapping that prefill); this
-     * node's own prompt computation (the tail after what arrived, or all of it when native);
-     * decoding */
-    double lookup_s, prefill_s, transfer_s, native_s, decode_s;
+    /* per-phase wall seconds: the prompt's tokens (chat template and tokenizer, or the ids taken
+     * as given); the wait for the engine behind other requests (they run one at a time); prefix
+     * lookup; the prefill node's prefill (its own clock, from its DONE); the bridge exchange on
+     * this node (request to DONE, overlapping that prefill); this node's own prompt computation
+     * (the tail after what arrived, or all of it when native); decoding */
+    double tokenize_s, queue_s, lookup_s, prefill_s, transfer_s, native_s, decode_s;
     bool native_pipelined; /* the last prompt token ran layer by layer while the bridged blocks
                               arrived (native_s is then only what it ran on after the transfer) */
 } kvb_usage;

@@ -475,7 +475,8 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     size_t n_tok = 0;
     const double t_req = kvb_now_s();
     int status = prompt_tokens(n, req, &toks, &n_tok, &err);
-    kvb_trace_span("decode.prompt_tokens", t_req, kvb_now_s(), n_tok);
+    const double t_tok = kvb_now_s();
+    kvb_trace_span("decode.prompt_tokens", t_req, t_tok, n_tok);
     if (status) {
         kvb_completion_fail(out, status, NULL, req->api == KVB_API_CHAT_COMPLETIONS ? "messages" : "prompt", "%s",
                             err.msg[0] ? err.msg : "out of memory");
@@ -504,7 +505,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     const double t_acq = kvb_now_s();
     engine_acquire(n);
     kvb_trace_span("decode.engine_acquire", t_acq, kvb_now_s(), 0);
-    kvb_usage u = {.prompt_tokens = (int64_t)n_tok};
+    kvb_usage u = {.prompt_tokens = (int64_t)n_tok, .tokenize_s = t_tok - t_req, .queue_s = kvb_now_s() - t_acq};
     kvb_seq *s = NULL;
     float *logits = malloc(sizeof(float) * n->m->d.n_vocab);
     kvb_sampler smp = {0};
