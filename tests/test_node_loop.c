@@ -112,6 +112,12 @@ static void multiturn_ships_only_increments(uint32_t lanes) {
         free(b.content);
         free(n.content);
     }
+    /* three bridged completions: each phase observed once per request, transfer and prefill too */
+    assert_true(kvbt_metric(kvb_decode_node_port(dn), "kvbridge_request_phase_seconds_count{phase=\"tokenize\"} ") == 3);
+    assert_true(kvbt_metric(kvb_decode_node_port(dn), "kvbridge_request_phase_seconds_count{phase=\"transfer\"} ") == 3);
+    assert_true(kvbt_metric(kvb_decode_node_port(dn), "kvbridge_request_phase_seconds_count{phase=\"decode\"} ") == 3);
+    assert_true(kvbt_metric(kvb_decode_node_port(dn), "kvbridge_request_phase_seconds_sum{phase=\"transfer\"} ") > 0);
+    assert_true(kvbt_metric(kvb_decode_node_port(nat), "kvbridge_request_phase_seconds_count{phase=\"transfer\"} ") == 0);
     /* capture memory on the prefill node is the ring, not the prompt */
     assert_true(kvb_prefill_node_peak_capture_bytes(pn) <= 16 * 2 * 32 * 2 * 4 * 2 * 64 * 2);
     kvb_decode_node_stop(nat);

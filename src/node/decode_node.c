@@ -46,6 +46,7 @@ struct kvb_decode_node {
     double peer_backoff_s;
     /* metrics */
     kvb_metric *m_requests, *m_tokens, *m_faults, *m_slab_bytes, *m_peer_up, *m_queue;
+    kvb_metric *m_phase; /* kvbridge_request_phase_seconds{phase} */
     double last_reader_wait_s, last_consumer_wait_s; /* the last bridge's receiving stages */
 };
 
@@ -468,6 +469,20 @@ static kvb_status emit_filtered(kvb_completion_out *out, stop_filter *f, const k
     return st;
 }
 
+/* A served completion's phases into kvbridge_request_phase_seconds: the bridge's only when it was
+ * asked for (a declined request has none to report). */
+static void observe_phases(kvb_decode_node *n, const kvb_usage *u) {
+    kvb_metric_observe(n->m_phase, KVB_LABELS("tokenize"), u->tokenize_s);
+    kvb_metric_observe(n->m_phase, KVB_LABELS("queue"), u->queue_s);
+    kvb_metric_observe(n->m_phase, KVB_LABELS("lookup"), u->lookup_s);
+    if (u->transfer_s > 0) {
+        kvb_metric_observe(n->m_phase, KVB_LABELS("prefill"), u->prefill_s);
+        kvb_metric_observe(n->m_phase, KVB_LABELS("transfer"), u->transfer_s);
+    }
+    kvb_metric_observe(n->m_phase, KVB_LABELS("native"), u->native_s);
+    kvb_metric_observe(n->m_phase, KVB_LABELS("decode"), u->decode_s);
+}
+
 static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_completion_out *out) {
     kvb_decode_node *n = ctx;
     kvb_err err = {0};
@@ -627,7 +642,10 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     kvb_trace_span("decode.sample_emit", t_decode, kvb_now_s(), u.completion_tokens);
     engine_release(n);
     if (st) kvb_completion_fail(out, 500, NULL, NULL, "%s", err.msg);
-    else kvb_completion_finish(out, reason, &u);
+    else {
+        kvb_completion_finish(out, reason, &u);
+        observe_phases(n, &u);
+    }
     kvb_trace_span("decode.request", t_req, kvb_now_s(), n_tok); /* to the reply's end */
 cleanup_unlocked:
     kvb_sampler_free(&smp);
@@ -730,7 +748,12 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
         (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_peer_up", "1 while the prefill node link is up",
                                    NULL, NULL, 0, &n->m_peer_up, err)) ||
         (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_queue_depth",
-                                   "Requests waiting for or holding the engine", NULL, NULL, 0, &n->m_queue, err)))
+                                   "Requests waiting for or holding the engine", NULL, NULL, 0, &n->m_queue, err)) ||
+        (st = kvb_metrics_register(mx, KVB_METRIC_HISTOGRAM, "kvbridge_request_phase_seconds",
+                                   "Where a served completion's time went, by phase (as in usage.kvbridge): tokenize, "
+                                   "queue (waiting for the engine), lookup, prefill (the prefill node's own clock) "
+                                   "and transfer (request to DONE) when bridged, native, decode",
+                                   "phase", NULL, 0, &n->m_phase, err)))
         goto fail;
     if (n->peer) { /* the lanes now, not on the first bridged request (connects and handshakes) */
         engine_acquire(n);
