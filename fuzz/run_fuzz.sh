@@ -43,3 +43,12 @@ mkdir -p "$work/wireseeds" "$work/wirecorpus"
 echo "fuzz_wire: running for $secs s (corpus $work/wirecorpus, seeds $work/wireseeds)"
 "$work/fuzz_wire" -max_total_time="$secs" -max_len=8192 -timeout=10 -rss_limit_mb=2048 \
   -artifact_prefix="$work/artifacts/" -print_final_stats=1 "$work/wirecorpus" "$work/wireseeds"
+
+# ---- the decode node's HTTP request parser: same time budget, its own corpus and seeds ----------
+cmake --build "$build" --target fuzz_http_request fuzz_http_seeds -j "$jobs"
+rm -rf "$work/httpseeds"
+mkdir -p "$work/httpseeds" "$work/httpcorpus"
+"$work/fuzz_http_seeds" "$work/httpseeds"
+echo "fuzz_http_request: running for $secs s (corpus $work/httpcorpus, seeds $work/httpseeds)"
+"$work/fuzz_http_request" -max_total_time="$secs" -max_len=8192 -timeout=10 -rss_limit_mb=2048 \
+  -artifact_prefix="$work/artifacts/" -print_final_stats=1 "$work/httpcorpus" "$work/httpseeds"
