@@ -1,9 +1,10 @@
 #!/bin/sh
 # fuzz/run_fuzz.sh BUILD_DIR SECONDS — configures BUILD_DIR with clang and -DKVB_FUZZ=ON, builds
-# the GGUF fuzzer and its seed generator, writes fresh seeds, and runs libFuzzer for SECONDS
-# (default 60). Exits non-zero if the build fails or the fuzzer finds a crash, leak, timeout or
-# sanitizer report (the reproducer is left in BUILD_DIR/fuzz/artifacts/). The corpus the run
-# grows is kept in BUILD_DIR/fuzz/corpus and reused by the next run.
+# the fuzzers (GGUF reader, tokenizer, wire protocol, HTTP request parser) and their seed
+# generators, writes fresh seeds, and runs each with libFuzzer for SECONDS (default 60). Exits
+# non-zero if a build fails or a fuzzer finds a crash, leak, timeout or sanitizer report (the
+# reproducer is left in BUILD_DIR/fuzz/artifacts/). The corpora the runs grow are kept under
+# BUILD_DIR/fuzz/ and reused by the next run.
 set -eu
 if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
   echo "usage: $0 BUILD_DIR [SECONDS]" >&2
