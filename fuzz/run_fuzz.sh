@@ -36,20 +36,16 @@ echo "fuzz_tokenize: running for $secs s"
 KVB_FUZZ_VOCAB_DIR="$src/../shared/vocab" "$work/fuzz_tokenize" -max_total_time="$secs" -max_len=8192 -timeout=10 \
   -rss_limit_mb=2048 -artifact_prefix="$work/artifacts/" -print_final_stats=1 "$work/tokcorpus"
 
-# ---- wire protocol fuzzer (transport): same time budget, its own corpus and seeds --------------
-cmake --build "$build" --target fuzz_wire fuzz_wire_seeds -j "$jobs"
-rm -rf "$work/wireseeds"
-mkdir -p "$work/wireseeds" "$work/wirecorpus"
-"$work/fuzz_wire_seeds" "$work/wireseeds"
-echo "fuzz_wire: running for $secs s (corpus $work/wirecorpus, seeds $work/wireseeds)"
-"$work/fuzz_wire" -max_total_time="$secs" -max_len=8192 -timeout=10 -rss_limit_mb=2048 \
-  -artifact_prefix="$work/artifacts/" -print_final_stats=1 "$work/wirecorpus" "$work/wireseeds"
+# A fuzzer with a seed writer: build both, write fresh seeds, run for the same time budget.
+run_seeded() { # run_seeded FUZZER SEEDS_PROGRAM NAME (corpus and seeds: $work/NAMEcorpus, $work/NAMEseeds)
+  cmake --build "$build" --target "$1" "$2" -j "$jobs"
+  rm -rf "$work/$3seeds"
+  mkdir -p "$work/$3seeds" "$work/$3corpus"
+  "$work/$2" "$work/$3seeds"
+  echo "$1: running for $secs s (corpus $work/$3corpus, seeds $work/$3seeds)"
+  "$work/$1" -max_total_time="$secs" -max_len=8192 -timeout=10 -rss_limit_mb=2048 \
+    -artifact_prefix="$work/artifacts/" -print_final_stats=1 "$work/$3corpus" "$work/$3seeds"
+}
 
-# ---- the decode node's HTTP request parser: same time budget, its own corpus and seeds ----------
-cmake --build "$build" --target fuzz_http_request fuzz_http_seeds -j "$jobs"
-rm -rf "$work/httpseeds"
-mkdir -p "$work/httpseeds" "$work/httpcorpus"
-"$work/fuzz_http_seeds" "$work/httpseeds"
-echo "fuzz_http_request: running for $secs s (corpus $work/httpcorpus, seeds $work/httpseeds)"
-"$work/fuzz_http_request" -max_total_time="$secs" -max_len=8192 -timeout=10 -rss_limit_mb=2048 \
-  -artifact_prefix="$work/artifacts/" -print_final_stats=1 "$work/httpcorpus" "$work/httpseeds"
+run_seeded fuzz_wire fuzz_wire_seeds wire                 # the wire protocol's receive side
+run_seeded fuzz_http_request fuzz_http_seeds http         # the decode node's HTTP request parser
