@@ -22,11 +22,6 @@ static void help(FILE *f) {
                "  --reps R     encodes to time (1..1000)\n");
 }
 
-static int cmp_double(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 int kvb_bench_tokenize(int argc, char **argv) {
     const char *model = NULL, *file = NULL, *v;
     long long tokens = 32768, reps = 5;
@@ -92,8 +87,7 @@ int kvb_bench_tokenize(int argc, char **argv) {
         times[r] = kvb_now_s() - a;
         free(ids);
     }
-    qsort(times, (size_t)reps, sizeof *times, cmp_double);
-    const double best = times[0], med = times[reps / 2];
+    const double med = kvb_median_sort(times, (int)reps), best = times[0]; /* sorted in place */
     printf("tokenize: %s (%u tokens in the vocabulary, loaded in %.1f ms)\n", model, kvb_tokenizer_n_vocab(t),
            load_s * 1e3);
     printf("text      %s: %zu bytes -> %zu tokens\n", file ? file : "the quality benchmark's document", n, n_ids);

@@ -26,6 +26,19 @@ static int wait_fd(int fd, short ev, double deadline) {
     return poll(&p, 1, ms);
 }
 
+/* The value (leading spaces skipped) of the header `name` (case-insensitive, without the colon) in
+ * a reply head whose lines end before `end`, or NULL. */
+static const char *header_value(const char *head, const char *end, const char *name) {
+    const size_t nl = strlen(name);
+    for (const char *line = strstr(head, "\r\n"); line && line < end; line = strstr(line + 2, "\r\n"))
+        if (!strncasecmp(line + 2, name, nl) && line[2 + nl] == ':') {
+            const char *v = line + 3 + nl;
+            while (*v == ' ') v++;
+            return v;
+        }
+    return NULL;
+}
+
 int kvb_tcp_dial(const char *host, const char *port) {
     struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *ai = NULL;
     if (getaddrinfo(host, port, &hints, &ai) != 0 || !ai) return -1;
@@ -83,13 +96,10 @@ kvb_status kvb_http_post(const char *host, uint16_t port, const char *path, cons
         len += (size_t)k;
         buf[len] = 0;
         const char *end = want == SIZE_MAX ? strstr(buf, "\r\n\r\n") : NULL;
-        if (end) { /* the head is in: a Content-Length says when the reply is complete */
-            unsigned long long body_len;
-            for (const char *line = strstr(buf, "\r\n"); line && line < end; line = strstr(line + 2, "\r\n"))
-                if (!strncasecmp(line + 2, "Content-Length:", 15) && sscanf(line + 17, "%llu", &body_len) == 1 &&
-                    body_len < ((size_t)1 << 40))
-                    want = (size_t)(end + 4 - buf) + (size_t)body_len;
-        }
+        const char *cl = end ? header_value(buf, end, "Content-Length") : NULL;
+        unsigned long long body_len; /* the head is in: a Content-Length says when the reply is complete */
+        if (cl && sscanf(cl, "%llu", &body_len) == 1 && body_len < ((size_t)1 << 40))
+            want = (size_t)(end + 4 - buf) + (size_t)body_len;
     }
     close(fd);
     if (!buf) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
@@ -100,13 +110,11 @@ kvb_status kvb_http_post(const char *host, uint16_t port, const char *path, cons
         return kvb_err_set(err, KVB_ERR_FORMAT, "malformed HTTP reply from %s:%u", host, port);
     }
     *body = 0;
-    for (char *line = strstr(buf, "\r\n"); line; line = strstr(line + 2, "\r\n"))
-        if (!strncasecmp(line + 2, "X-KVBridge:", 11)) {
-            const char *v = line + 13;
-            while (*v == ' ') v++;
-            size_t k = strcspn(v, "\r\n");
-            snprintf(out->verdict, sizeof out->verdict, "%.*s", (int)(k < sizeof out->verdict ? k : sizeof out->verdict - 1), v);
-        }
+    const char *v = header_value(buf, body, "X-KVBridge");
+    if (v) {
+        size_t k = strcspn(v, "\r\n");
+        snprintf(out->verdict, sizeof out->verdict, "%.*s", (int)(k < sizeof out->verdict ? k : sizeof out->verdict - 1), v);
+    }
     out->body_len = len - (size_t)(body + 4 - buf);
     out->body = malloc(out->body_len + 1);
     if (!out->body) {

@@ -82,7 +82,6 @@ struct kvb_prefill_node {
     bool crew_stop;
 };
 
-
 /* The CPU engine's rows live in buffers it reuses at once: copied into the ring. */
 static kvb_status sink_to_ring(void *ctx, const kvb_slab *s, kvb_err *err) {
     return kvb_ring_push(&((kvb_prefill_node *)ctx)->ring, s, err);

@@ -120,6 +120,19 @@ static void softmax_chunk(void *ctx, int t, int worker) {
     }
 }
 
+/* How many of the ranked c[0 .. m) it takes for their mass, summed in rank order, to reach want
+ * (all m when it is not reached); *acc gets that mass. */
+static uint32_t mass_prefix(const kvb_prob_id *c, uint32_t m, double want, double *acc) {
+    double sum = 0;
+    uint32_t i = 0;
+    while (i < m) {
+        sum += c[i++].p;
+        if (sum >= want) break;
+    }
+    *acc = sum;
+    return i;
+}
+
 int32_t kvb_sample(kvb_sampler *s, const float *logits) {
     const uint32_t n = s->n_vocab;
     const int32_t best = argmax_first(logits, n);
@@ -165,19 +178,11 @@ int32_t kvb_sample(kvb_sampler *s, const float *logits) {
         }
         if (top_p) {
             const double want = s->o.top_p * sum;
-            double acc = 0;
-            uint32_t i = 0;
-            for (bool reached = false; !reached;) {
-                while (i < m && !reached) {
-                    acc += c[i++].p;
-                    reached = acc >= want;
-                }
-                if (reached || top_k || ranked == n) break; /* (with top-k the k's own sum is reached) */
-                m = ranked = rank_prefix(c, n, P_BINS - 1); /* not reached in those bins: rank them all */
-                acc = 0;
-                i = 0;
-            }
-            m = i;
+            double acc;
+            uint32_t kept = mass_prefix(c, m, want, &acc);
+            /* not reached in those bins: rank them all (with top-k the k's own sum is always reached) */
+            if (acc < want && !top_k && ranked < n) kept = mass_prefix(c, rank_prefix(c, n, P_BINS - 1), want, &acc);
+            m = kept;
             sum = acc;
         }
     }
