@@ -49,5 +49,6 @@ check("kvbridge", kb is not None and kb["verdict"] == "complete" and kb["bridged
 phases = ("tokenize_s", "queue_s", "lookup_s", "prefill_s", "transfer_s", "native_s", "decode_s")
 check("phases", kb is not None and all(isinstance(kb.get(p), (int, float)) and kb[p] >= 0 for p in phases), kb)
 check("tokenized", kb is not None and 0 < kb.get("tokenize_s", 0) < 10, kb)  # a real chat template and tokenizer ran
+check("one attempt", kb is not None and kb.get("bridge_attempts") == 1 and kb.get("bridge_faults") == "", kb)
 print(f"openai node check: {passed} passed, {failed} failed")
 sys.exit(1 if failed else 0)

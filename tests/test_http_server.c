@@ -161,6 +161,8 @@ static void fake_completion(void *ctx, const kvb_completion_req *req, kvb_comple
         .transfer_s = 0.125,
         .native_s = 0.0625,
         .decode_s = 0.5,
+        .bridge_attempts = 2,
+        .bridge_faults = "peer lost: \x01 \xff\"x\"", /* quotes the peer: made printable ASCII */
     };
     kvb_completion_finish(out, st == KVB_ERR_RANGE ? KVB_FINISH_LENGTH : KVB_FINISH_STOP, &u);
     if (kvb_completion_finish(out, KVB_FINISH_STOP, &u) == KVB_ERR_INVALID)
@@ -435,6 +437,8 @@ static void expect_kvbridge_usage(const cJSON *usage, const char *verdict_header
     assert_true(jnum(usage, "kvbridge.native_s") == 0.0625);
     assert_true(jnum(usage, "kvbridge.transfer_s") == 0.125);
     assert_true(jnum(usage, "kvbridge.decode_s") == 0.5);
+    assert_true(jnum(usage, "kvbridge.bridge_attempts") == 2);
+    assert_string_equal(jstr(usage, "kvbridge.bridge_faults"), "peer lost: ? ?\"x\"");
 }
 
 /* ---- SSE ---------------------------------------------------------------------------------------- */

@@ -29,6 +29,7 @@
 #define PSK "test-key-0123456789abcdef"
 static char g_model[512], g_other[512], g_gemma[512];
 static uint32_t g_lanes; /* decode nodes' lanes (0: the default) */
+static int g_resumes;    /* decode nodes' bridge_resumes (0: the default, 2; -1: none) */
 
 static int setup(void **state) {
     (void)state;
@@ -68,7 +69,7 @@ static kvb_decode_node *start_decode_mode(uint16_t peer_port, const char *psk, i
     kvb_decode_config c = {.http_listen = "127.0.0.1:0", .peer = peer_port ? peer : NULL, .model_path = g_model,
                            .psk = psk, .n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32,
                            .max_ctx = 4096, .peer_timeout_ms = timeout_ms, .prefill_mode = prefill_mode,
-                           .lanes = g_lanes};
+                           .lanes = g_lanes, .bridge_resumes = g_resumes};
     kvb_decode_node *n = NULL;
     kvb_err err = {0};
     if (kvb_decode_node_start(&c, &n, &err)) fail_msg("decode node: %s", err.msg);
@@ -333,9 +334,11 @@ static void test_gemma3_window_multiturn(void **state) {
     kvb_model_free(m);
 }
 
-/* A fault during bridging: the answer equals the native one; the verdict is honest. */
+/* A fault during bridging: the answer equals the native one; the verdict is honest; a link fault
+ * is resumed (up to the decode node's budget, g_resumes) by asking only for the missing blocks,
+ * and `attempts` PREFILLs went out. */
 static void check_fault(const char *fault, const char *model, const char *psk_prefill, bool start_peer,
-                        int timeout_ms, const char *verdict_prefix, const char *fault_series) {
+                        int timeout_ms, const char *verdict_prefix, int attempts, const char *fault_series) {
     kvb_prefill_node *pn = start_peer ? start_prefill(model, psk_prefill, fault) : NULL;
     uint16_t port = pn ? kvb_prefill_node_port(pn) : 1; /* port 1: nothing listens */
     kvb_decode_node *dn = start_decode(port, PSK, timeout_ms);
@@ -352,9 +355,24 @@ static void check_fault(const char *fault, const char *model, const char *psk_pr
     if (strncmp(b.verdict, verdict_prefix, strlen(verdict_prefix)) != 0)
         fail_msg("fault %s: verdict '%s', expected '%s...'", fault ? fault : "-", b.verdict, verdict_prefix);
     assert_string_equal(b.content, n.content);
-    assert_true(b.bridged < 599); /* never reported as fully bridged */
-    assert_false(b.pipelined);    /* the pipelined tail's result is never used after a fault */
-    if (fault_series) assert_true(kvbt_metric(kvb_decode_node_port(dn), fault_series) >= 1);
+    if (b.attempts != attempts) fail_msg("fault %s: %d bridge attempts, expected %d", fault, b.attempts, attempts);
+    assert_true(kvbt_metric(kvb_decode_node_port(dn), "kvbridge_bridge_resumes_total ") ==
+                (attempts > 1 ? attempts - 1 : 0));
+    if (!strcmp(verdict_prefix, "complete")) { /* resumed: every block bridged in the end */
+        assert_int_equal(b.bridged, 599);
+        assert_int_equal(b.native, 1);
+        assert_true(b.faults[0] != '\0'); /* the fault it recovered from is reported */
+        /* the resumed attempt asked only for what was missing: a fault late in the prompt leaves
+         * far fewer slabs than the whole prompt's (tiny: 4 layers x (18 blocks + the tail) = 76) */
+        kvb_staging_stats last = {0};
+        kvb_prefill_node_last_staging(pn, &last);
+        if (last.slabs >= 76 / 2) fail_msg("fault %s: the resumed attempt sent %u slabs", fault, last.slabs);
+    } else {
+        assert_true(b.bridged < 599); /* never reported as fully bridged */
+        assert_false(b.pipelined);    /* the pipelined tail's result is never used after a fault */
+        if (attempts) assert_true(b.faults[0] != '\0');
+    }
+    if (fault_series) assert_true(kvbt_metric(kvb_decode_node_port(dn), fault_series) >= (attempts > 1 ? attempts - 1 : 1));
     free(b.content);
     free(n.content);
     kvb_decode_node_stop(nat);
@@ -362,30 +380,49 @@ static void check_fault(const char *fault, const char *model, const char *psk_pr
     kvb_prefill_node_stop(pn);
 }
 
-static void test_fault_corrupt_slab(void **state) {
+#define FAULT_CORRUPT "kvbridge_bridge_faults_total{kind=\"corrupt_slab\"} "
+#define FAULT_LOST "kvbridge_bridge_faults_total{kind=\"peer_lost\"} "
+
+static void test_fault_corrupt_slab(void **state) { /* resumes off: what arrived stays, the rest is native */
     (void)state;
-    check_fault("corrupt:30", g_model, PSK, true, 10000, "partial ", "kvbridge_bridge_faults_total{kind=\"corrupt_slab\"} ");
+    g_resumes = -1;
+    check_fault("corrupt:30", g_model, PSK, true, 10000, "partial ", 1, FAULT_CORRUPT);
+    g_resumes = 0;
+}
+static void test_fault_corrupt_slab_resumed(void **state) { /* once, late: the resumed attempt completes */
+    (void)state;
+    check_fault("corrupt:70x1", g_model, PSK, true, 10000, "complete", 2, FAULT_CORRUPT);
+}
+static void test_fault_corrupt_every_attempt(void **state) { /* block 0 never arrives: 1 + 2 resumes */
+    (void)state;
+    check_fault("corrupt:1", g_model, PSK, true, 10000, "partial 0/18", 3, FAULT_CORRUPT);
 }
 static void test_fault_peer_killed(void **state) {
     (void)state;
-    check_fault("die:40", g_model, PSK, true, 10000, "partial ", "kvbridge_bridge_faults_total{kind=\"peer_lost\"} ");
+    g_resumes = -1;
+    check_fault("die:40", g_model, PSK, true, 10000, "partial ", 1, FAULT_LOST);
+    g_resumes = 0;
 }
-static void test_fault_peer_stalls(void **state) {
+static void test_fault_peer_killed_resumed(void **state) { /* reconnects, asks for the rest */
     (void)state;
-    check_fault("stall:10", g_model, PSK, true, 400, "partial ", "kvbridge_bridge_faults_total{kind=\"timeout\"} ");
+    check_fault("die:70x1", g_model, PSK, true, 10000, "complete", 2, FAULT_LOST);
+}
+static void test_fault_peer_stalls(void **state) { /* a stall is not resumed: it would cost another timeout */
+    (void)state;
+    check_fault("stall:10", g_model, PSK, true, 400, "partial ", 1, "kvbridge_bridge_faults_total{kind=\"timeout\"} ");
 }
 static void test_fault_peer_down(void **state) {
     (void)state;
-    check_fault(NULL, g_model, PSK, false, 10000, "declined: prefill node unavailable",
+    check_fault(NULL, g_model, PSK, false, 10000, "declined: prefill node unavailable", 0,
                 "kvbridge_bridge_faults_total{kind=\"peer_down\"} ");
 }
 static void test_fault_wrong_key(void **state) {
     (void)state;
-    check_fault(NULL, g_model, "another-key-0123456789", true, 10000, "declined: prefill node unavailable", NULL);
+    check_fault(NULL, g_model, "another-key-0123456789", true, 10000, "declined: prefill node unavailable", 0, NULL);
 }
 static void test_fault_other_model(void **state) {
     (void)state;
-    check_fault(NULL, g_other, PSK, true, 10000, "declined: prefill node unavailable", NULL);
+    check_fault(NULL, g_other, PSK, true, 10000, "declined: prefill node unavailable", 0, NULL);
 }
 
 /* Bridge mode `prefill`: the prefill engine's own K/V re-encoded. In the decoder's own format it
@@ -510,7 +547,10 @@ int main(void) {
         cmocka_unit_test(test_pipelined_tail_edges),
         cmocka_unit_test(test_gemma3_window_multiturn),
         cmocka_unit_test(test_fault_corrupt_slab),
+        cmocka_unit_test(test_fault_corrupt_slab_resumed),
+        cmocka_unit_test(test_fault_corrupt_every_attempt),
         cmocka_unit_test(test_fault_peer_killed),
+        cmocka_unit_test(test_fault_peer_killed_resumed),
         cmocka_unit_test(test_fault_peer_stalls),
         cmocka_unit_test(test_fault_peer_down),
         cmocka_unit_test(test_fault_wrong_key),

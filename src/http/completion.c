@@ -102,7 +102,7 @@ static void start_stream_locked(kvb_completion_out *out) {
 kvb_status kvb_completion_set_verdict(kvb_completion_out *out, const char *verdict) {
     if (!out || !verdict) return KVB_ERR_INVALID;
     char clean[KVB_VERDICT_MAX];
-    http_verdict_clean(clean, verdict);
+    http_printable_copy(clean, sizeof clean, verdict);
     pthread_mutex_lock(&out->mu);
     kvb_status st = KVB_OK;
     if (out->ended || (out->emitted && strcmp(clean, out->verdict) != 0)) {
@@ -168,7 +168,7 @@ kvb_status kvb_completion_finish(kvb_completion_out *out, kvb_finish_reason reas
         pthread_mutex_unlock(&out->mu);
         return KVB_ERR_INVALID;
     }
-    http_verdict_clean(out->final_verdict, v);
+    http_printable_copy(out->final_verdict, sizeof out->final_verdict, v);
     if (!out->has_verdict) {
         memcpy(out->verdict, out->final_verdict, sizeof out->verdict);
         out->has_verdict = true;

@@ -37,6 +37,10 @@ cJSON *http_usage_json(const kvb_usage *u, const char *verdict) {
         cJSON_AddNumberToObject(kb, "native_s", u->native_s);
         cJSON_AddNumberToObject(kb, "decode_s", u->decode_s);
         cJSON_AddBoolToObject(kb, "native_pipelined", u->native_pipelined);
+        cJSON_AddNumberToObject(kb, "bridge_attempts", u->bridge_attempts);
+        char faults[3 * KVB_VERDICT_MAX];
+        http_printable_copy(faults, sizeof faults, u->bridge_faults);
+        cJSON_AddStringToObject(kb, "bridge_faults", faults);
     }
     if (!details || !kb) { cJSON_Delete(usage); return NULL; }
     return usage;

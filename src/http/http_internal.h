@@ -139,7 +139,8 @@ ssize_t http_completion_stream_read(void *cls, uint64_t pos, char *buf, size_t m
 void http_completion_abandon(kvb_completion_out *out);
 bool http_peer_closed(int fd);
 
-/* Verdict text made safe for a header: printable ASCII only, at most KVB_VERDICT_MAX-1 bytes. */
-void http_verdict_clean(char *dst, const char *src);
+/* Text made safe for a header (the verdict) or a reply (the bridge's faults, which quote the
+ * peer): printable ASCII only, each other byte '?', cut to cap-1 bytes (cap >= 1). */
+void http_printable_copy(char *dst, size_t cap, const char *src);
 
 #endif

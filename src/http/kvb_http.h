@@ -144,6 +144,9 @@ typedef struct {
     double tokenize_s, queue_s, lookup_s, prefill_s, transfer_s, native_s, decode_s;
     bool native_pipelined; /* the last prompt token ran layer by layer while the bridged blocks
                               arrived (native_s is then only what it ran on after the transfer) */
+    int32_t bridge_attempts;   /* PREFILLs sent for this request: 0 when not bridged, > 1 when an
+                                  attempt that stopped short was resumed */
+    const char *bridge_faults; /* the attempts' faults, "; "-separated (NULL or "": none) */
 } kvb_usage;
 
 /* The verdict ("complete", "partial 3/8", "declined: peer down"): required before the first

@@ -172,10 +172,10 @@ void http_sse_error(http_buf *b, const kvb_http_error *e) {
     cJSON_free(s);
 }
 
-void http_verdict_clean(char *dst, const char *src) {
+void http_printable_copy(char *dst, size_t cap, const char *src) {
     size_t n = 0;
     if (src) {
-        for (; src[n] && n < KVB_VERDICT_MAX - 1; n++) {
+        for (; src[n] && n < cap - 1; n++) {
             unsigned char c = (unsigned char)src[n];
             dst[n] = (c >= 0x20 && c < 0x7f) ? (char)c : '?';
         }

@@ -45,7 +45,7 @@ struct kvb_decode_node {
     double peer_retry_at; /* after a failed connect, no new attempt before this time (backoff) */
     double peer_backoff_s;
     /* metrics */
-    kvb_metric *m_requests, *m_tokens, *m_faults, *m_slab_bytes, *m_peer_up, *m_queue;
+    kvb_metric *m_requests, *m_tokens, *m_faults, *m_resumes, *m_slab_bytes, *m_peer_up, *m_queue;
     kvb_metric *m_phase; /* kvbridge_request_phase_seconds{phase} */
     double last_reader_wait_s, last_consumer_wait_s; /* the last bridge's receiving stages */
 };
@@ -375,6 +375,23 @@ done:
     kvb_metric_add(n->m_slab_bytes, NULL, (double)o->bytes);
 }
 
+/* Whether a bridge attempt that stopped short is worth resuming: the link failed (a corrupt slab,
+ * a dropped connection — not a stalled peer, which would only cost another timeout, nor a peer's
+ * own refusal or a DONE that disagrees), at least the bridge threshold of tokens is still
+ * missing, and the node's resume budget is not spent. The store keeps every block that arrived
+ * and verified, so a resumed attempt asks only for the rest. */
+static bool resume_worth_it(const kvb_decode_node *n, const bridge_outcome *o, uint32_t adopted, uint32_t ship,
+                            int32_t attempts) {
+    if (!o->fault_kind || (strcmp(o->fault_kind, "corrupt_slab") && strcmp(o->fault_kind, "peer_lost"))) return false;
+    return adopted < ship && ship - adopted >= n->cfg.bridge_min_tokens && attempts <= n->cfg.bridge_resumes;
+}
+
+/* Appends "; " (unless buf is empty), then label and text, to the faults list in buf (cut at cap). */
+static void faults_append(char *buf, size_t cap, const char *label, const char *text) {
+    const size_t len = strlen(buf);
+    snprintf(buf + len, cap - len, "%s%s%.140s", len ? "; " : "", label, text);
+}
+
 /* ---- the completion handler ------------------------------------------------------------------- */
 
 static void engine_acquire(kvb_decode_node *n) {
@@ -526,6 +543,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     kvb_sampler smp = {0};
     stop_filter sf = {0};
     char verdict[KVB_VERDICT_MAX];
+    char faults[3 * KVB_VERDICT_MAX] = ""; /* the bridge attempts' faults, "; "-separated */
     uint32_t cached = 0, adopted = 0; /* prompt tokens cached before; in the sequence before native */
     bool last_done = false;           /* the pipelined tail computed the last token (logits hold it) */
     double tail_wait_s = 0;
@@ -553,17 +571,33 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
         kvb_metric_add(n->m_faults, KVB_LABELS("peer_down"), 1);
         memset(&err, 0, sizeof err);
     } else {
-        bridge_outcome o = {0};
         kvb_seq_free(s); /* the cached prefix is re-adopted below, with what arrived */
         s = NULL;
-        const double t_br = kvb_now_s();
-        bridge_blocks(n, toks, (uint32_t)n_tok, cached, ship, tail, logits, &o);
-        kvb_trace_span("decode.bridge", t_br, kvb_now_s(), ship - cached);
-        u.transfer_s = o.transfer_s;
-        u.prefill_s = o.prefill_s;
-        tail_wait_s = o.tail_wait_s;
-        st = kvb_seq_create(n->e, &s, &err);
-        if (!st) st = kvb_seq_attach_cached(s, toks, (uint32_t)n_tok, &adopted, &err);
+        const uint32_t blocks_total = (ship - cached) / bt;
+        bridge_outcome o;
+        for (;;) { /* an attempt; a resumed one asks only for the blocks still missing */
+            memset(&o, 0, sizeof o);
+            const double t_br = kvb_now_s();
+            bridge_blocks(n, toks, (uint32_t)n_tok, adopted, ship, tail, logits, &o);
+            kvb_trace_span("decode.bridge", t_br, kvb_now_s(), ship - adopted);
+            u.bridge_attempts++;
+            u.transfer_s += o.transfer_s;
+            u.prefill_s += o.prefill_s;
+            tail_wait_s = o.tail_wait_s;
+            if (o.fault_kind) faults_append(faults, sizeof faults, "", o.fault); /* for usage.kvbridge */
+            st = kvb_seq_create(n->e, &s, &err);
+            if (!st) st = kvb_seq_attach_cached(s, toks, (uint32_t)n_tok, &adopted, &err);
+            if (st || !resume_worth_it(n, &o, adopted, ship, u.bridge_attempts)) break;
+            kvb_err perr = {0};
+            if (ensure_peer(n, &perr)) { /* the peer is gone: the verdict keeps the attempt's fault */
+                kvb_metric_add(n->m_faults, KVB_LABELS("peer_down"), 1);
+                faults_append(faults, sizeof faults, "not resumed: ", perr.msg);
+                break;
+            }
+            kvb_seq_free(s); /* adopted again after the next attempt */
+            s = NULL;
+            kvb_metric_add(n->m_resumes, NULL, 1);
+        }
         uint32_t got = adopted > cached ? (adopted - cached) / bt : 0;
         bool tail_ok = false; /* the tail continues the chain only when every block before it is there */
         /* with the pipelined tail's result, its page also holds the last token's row */
@@ -579,11 +613,12 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
             memset(&err, 0, sizeof err);
         }
         u.bridged_tokens = (int64_t)got * bt + (tail_ok ? tail : 0);
-        if (got == o.blocks_total && (tail == 0 || tail_ok) && !o.fault_kind) {
+        u.bridge_faults = faults;
+        if (got == blocks_total && (tail == 0 || tail_ok) && !o.fault_kind) {
             snprintf(verdict, sizeof verdict, "complete");
             kind = "complete";
         } else {
-            snprintf(verdict, sizeof verdict, "partial %u/%u: %.100s", got, o.blocks_total,
+            snprintf(verdict, sizeof verdict, "partial %u/%u: %.100s", got, blocks_total,
                      o.fault_kind ? o.fault : "blocks missing");
             kind = "partial";
         }
@@ -684,6 +719,8 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
     if (!c->bridge_min_tokens) c->bridge_min_tokens = 2 * c->block_tokens;
     if (!c->default_max_tokens) c->default_max_tokens = 256;
     if (!c->peer_timeout_ms) c->peer_timeout_ms = 10000;
+    if (!c->bridge_resumes) c->bridge_resumes = 2;
+    if (c->bridge_resumes < 0) c->bridge_resumes = 0;
     if (!c->lanes) c->lanes = KVB_DEFAULT_LANES;
     if (c->lanes > KVB_MAX_LANES) {
         st = kvb_err_set(err, KVB_ERR_INVALID, "--lanes %u: at most %d connections to the prefill node", c->lanes,
@@ -743,6 +780,10 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
         (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_bridge_faults_total",
                                    "Bridging stopped short or declined by a fault, by kind", "kind", NULL, 0,
                                    &n->m_faults, err)) ||
+        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_bridge_resumes_total",
+                                   "Bridge attempts resumed after a link fault, asking only for the blocks still "
+                                   "missing",
+                                   NULL, NULL, 0, &n->m_resumes, err)) ||
         (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_slab_bytes_total", "Cache bytes received as slabs",
                                    NULL, NULL, 0, &n->m_slab_bytes, err)) ||
         (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_peer_up", "1 while the prefill node link is up",

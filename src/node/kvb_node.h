@@ -42,9 +42,10 @@ typedef struct {
      * kernels, initialising the GPU libraries (~0.2 s on the H200) and cuDNN's plans for these
      * shapes; 0 = none */
     uint32_t warmup_tokens;
-    /* Test-only fault injection ("corrupt:N" flips a byte of the Nth slab after its checksum;
-     * "die:N" drops the connection before the Nth slab; "stall:N" stops sending before the Nth
-     * slab for 30 s). NULL in production. */
+    /* Test-only fault injection, at the Nth slab of every request ("corrupt:N" flips a byte of it
+     * after its checksum; "die:N" drops its connection before it; "stall:N" stops sending before
+     * it for 30 s), or only of the first K requests that reach it ("corrupt:NxK", ...). NULL in
+     * production. */
     const char *fault;
     /* Bench-only (`kvbridge bench ladder --slab-path-only`): ship rows without computing them —
      * every (chunk, layer) of the request gets deterministic filler rows in the decoder's dtype,
@@ -111,6 +112,9 @@ typedef struct {
                                   for its next frame, since it carries about one frame in `lanes` */
     uint32_t lanes;            /* connections to the peer a bridged request's slabs are striped over
                                   (1..KVB_MAX_LANES; 0 = KVB_DEFAULT_LANES) */
+    int bridge_resumes;        /* after a link fault (corrupt slab, dropped connection) with at least
+                                  bridge_min_tokens still missing, ask again for only the missing
+                                  blocks, at most this many times per request (default 2; negative: never) */
     bool prefill_mode;         /* ask for bridge mode `prefill` (the prefill node must run it too) */
     bool tail_after_transfer;  /* run the last prompt token after the transfer, not pipelined with
                                   it (also KVB_DECODE_PIPELINED_TAIL=0); bench ladder

@@ -76,6 +76,7 @@ struct kvb_prefill_node {
     kvb_staging_stats last_staging; /* the last request's */
     int fault_kind; /* 0 none, 1 corrupt, 2 die, 3 stall */
     uint32_t fault_at;
+    atomic_uint fault_left; /* requests it may still fire in (UINT32_MAX: every one) */
     sender_ctx senders[KVB_WIRE_MAX_LANES]; /* lane l's sender, started on first use */
     pthread_mutex_t crew_mu;
     pthread_cond_t crew_cv; /* a lane handed to a sender, a sender done with one, or crew_stop */
@@ -93,6 +94,14 @@ static kvb_status sink_view_to_ring(void *ctx, const kvb_slab *s, kvb_err *err) 
     return kvb_ring_push_view(&((kvb_prefill_node *)ctx)->ring, s, err);
 }
 
+/* Whether an injected fault fires now: one sender per request reaches its slab index. */
+static bool fault_fires(kvb_prefill_node *n) {
+    unsigned left = atomic_load(&n->fault_left);
+    while (left && !atomic_compare_exchange_weak(&n->fault_left, &left, left == UINT32_MAX ? left : left - 1)) {
+    }
+    return left != 0;
+}
+
 /* One request's slabs on this sender's lane, until the ring is closed and empty, or fails. */
 static void send_lane(sender_ctx *sc) {
     kvb_prefill_node *n = sc->n;
@@ -106,7 +115,7 @@ static void send_lane(sender_ctx *sc) {
         const uint32_t idx = atomic_fetch_add(&n->slab_seq, 1) + 1; /* over all lanes */
         if (!checksum_known) /* here, one thread per lane, unless the producer made it while it waited */
             s.checksum = kvb_slab_checksum(s.k, s.k_bytes, s.v, s.v_bytes);
-        if (n->fault_kind && idx == n->fault_at) {
+        if (n->fault_kind && idx == n->fault_at && fault_fires(n)) {
             if (n->fault_kind == 1) ((uint8_t *)s.k)[s.k_bytes / 2] ^= 0x40; /* after its checksum */
             if (n->fault_kind == 2) {
                 kvb_log(KVB_LOG_WARN, "prefill: fault injection: dropping the connection at slab %u", idx);
@@ -479,11 +488,18 @@ static kvb_status parse_fault(kvb_prefill_node *n, const char *f, kvb_err *err) 
     const char *kinds[] = {"corrupt:", "die:", "stall:"};
     for (int i = 0; i < 3; i++)
         if (!strncmp(f, kinds[i], strlen(kinds[i]))) {
+            char *end;
+            const unsigned long at = strtoul(f + strlen(kinds[i]), &end, 10);
+            unsigned long times = UINT32_MAX;
+            if (*end == 'x') times = strtoul(end + 1, &end, 10);
+            if (*end || at < 1 || at >= UINT32_MAX || times < 1 || times > UINT32_MAX) break;
             n->fault_kind = i + 1;
-            n->fault_at = (uint32_t)strtoul(f + strlen(kinds[i]), NULL, 10);
-            if (n->fault_at >= 1) return KVB_OK;
+            n->fault_at = (uint32_t)at;
+            atomic_store(&n->fault_left, (unsigned)times);
+            return KVB_OK;
         }
-    return kvb_err_set(err, KVB_ERR_INVALID, "fault '%s' is not corrupt:N, die:N or stall:N (N >= 1)", f);
+    return kvb_err_set(err, KVB_ERR_INVALID, "fault '%s' is not corrupt:N, die:N or stall:N (N >= 1), or one of them "
+                                             "with xK (the first K requests only)", f);
 }
 
 kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_node **out, kvb_err *err) {

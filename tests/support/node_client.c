@@ -37,6 +37,8 @@ void kvbt_complete_ids(uint16_t port, const int32_t *ids, int n, kvbt_reply *r) 
     r->bridged = (int)cJSON_GetObjectItem(kb, "bridged_tokens")->valuedouble;
     r->native = (int)cJSON_GetObjectItem(kb, "native_tokens")->valuedouble;
     r->pipelined = cJSON_IsTrue(cJSON_GetObjectItem(kb, "native_pipelined"));
+    r->attempts = (int)cJSON_GetObjectItem(kb, "bridge_attempts")->valuedouble;
+    snprintf(r->faults, sizeof r->faults, "%s", cJSON_GetStringValue(cJSON_GetObjectItem(kb, "bridge_faults")));
     cJSON *text = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0), "text");
     r->content = strdup(text->valuestring);
     cJSON_Delete(root);

@@ -12,6 +12,8 @@ typedef struct {
     char verdict[160];
     int prompt, cached, bridged, native;
     bool pipelined; /* usage.kvbridge.native_pipelined */
+    int attempts;   /* usage.kvbridge.bridge_attempts */
+    char faults[400]; /* usage.kvbridge.bridge_faults */
     char *content;  /* the completion's text (malloc'd: the caller frees it) */
 } kvbt_reply;
 
