@@ -155,6 +155,8 @@ kvb_status kvb_rope_tables_init(kvb_rope_tables *t, const kvb_model *m, uint32_t
 void kvb_rope_tables_free(kvb_rope_tables *t);
 /* Fills every kind's table for positions pos0 .. pos0 + n - 1 (n <= cap) with kvb_rope_table. */
 void kvb_rope_tables_fill(kvb_rope_tables *t, uint32_t pos0, uint32_t n);
+/* Fills row i of every kind's table for position pos[i], i < n (n <= cap): a batch of sequences. */
+void kvb_rope_tables_fill_at(kvb_rope_tables *t, const uint32_t *pos, uint32_t n);
 /* Which kind's table layer `layer` rotates with: 0 (global) or 1 (local); its inverse frequencies
  * are inv_freq + kind * half. The CUDA engine and the CUDA bridge key their tables by it. */
 uint32_t kvb_rope_tables_kind(const kvb_rope_tables *t, uint32_t layer);

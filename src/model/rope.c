@@ -95,6 +95,16 @@ void kvb_rope_tables_fill(kvb_rope_tables *t, uint32_t pos0, uint32_t n) {
     t->n = n;
 }
 
+void kvb_rope_tables_fill_at(kvb_rope_tables *t, const uint32_t *pos, uint32_t n) {
+    const size_t per_kind = (size_t)t->cap * t->half;
+    for (uint32_t k = 0; k < t->n_kinds; k++)
+        for (uint32_t i = 0; i < n; i++)
+            kvb_rope_table(t->inv_freq + (size_t)k * t->half, 2 * t->half, pos[i], 1,
+                           t->cos + k * per_kind + (size_t)i * t->half, t->sin + k * per_kind + (size_t)i * t->half);
+    t->pos0 = UINT32_MAX; /* not one span */
+    t->n = n;
+}
+
 uint32_t kvb_rope_tables_kind(const kvb_rope_tables *t, uint32_t layer) {
     return t->n_kinds == 2 && kvb_layer_is_local(&t->m->d, layer) ? 1 : 0;
 }

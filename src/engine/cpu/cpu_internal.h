@@ -26,6 +26,7 @@ struct kvb_engine {
     uint8_t *k_rows, *v_rows;   /* (B, n_head_kv, row_bytes) encoded cache rows of this chunk */
     void *kv_scratch;
     float *logit_h;             /* (n_embd) */
+    uint32_t *tok_pos;          /* (B) each token's position in its sequence */
     float **attn_scratch;       /* per worker */
 };
 

@@ -4,7 +4,10 @@
  * window on local layers) -> output projection (gemma3: post-attention norm) + residual ->
  * ffn-norm -> SwiGLU or (gemma3) GeGLU MLP (gemma3: post-MLP norm) + residual; then the final
  * norm and the output head. Long inputs are split into max_batch chunks; prefill and
- * token-by-token decode run the same arithmetic. */
+ * token-by-token decode run the same arithmetic. A batch (kvb_engine_forward_batch) runs one
+ * token of each of several sequences through the same layers: the weights are read once for all,
+ * and each token's arithmetic is what its own one-token forward does (every projection is a
+ * per-token column; attention, RoPE and the cache rows are per sequence). */
 #include <math.h>
 #include <string.h>
 
@@ -82,39 +85,56 @@ static void glu_task(void *ctx, int t, int worker) {
     }
 }
 
-/* Copies the chunk's encoded K/V rows into the sequence's cache blocks, a block at a time. */
-static void store_kv_rows(kvb_engine *e, kvb_seq *s, uint32_t layer, uint32_t pos0, uint32_t n) {
+/* Copies encoded K/V rows (the chunk's, from row t0 on) into the sequence's cache blocks at
+ * positions pos0 .. pos0+n-1, a block at a time. */
+static void store_kv_rows(kvb_engine *e, kvb_seq *s, uint32_t layer, uint32_t pos0, uint32_t n, uint32_t t0) {
     const uint32_t bt = e->o.block_tokens;
     const size_t tok_bytes = (size_t)e->m->d.n_head_kv * e->row_bytes;
     for (uint32_t t = 0; t < n;) {
         const uint32_t p = pos0 + t, cnt = KVB_MIN(n - t, bt - p % bt);
         kvb_kvformat_scatter_rows(&e->fmt, kvb_store_block_data(e->store, s->blocks[p / bt]), layer, p % bt, cnt,
-                                  e->k_rows + t * tok_bytes, e->v_rows + t * tok_bytes);
+                                  e->k_rows + (t0 + t) * tok_bytes, e->v_rows + (t0 + t) * tok_bytes);
         t += cnt;
     }
 }
 
-static kvb_status forward_chunk(kvb_engine *e, kvb_seq *s, const int32_t *tokens, uint32_t n, float *logits,
+/* Whose the chunk's tokens are: n tokens of one sequence s at s->len.. (each == NULL), or one
+ * token of each of n distinct sequences each[t], at each[t]->len. */
+typedef struct {
+    kvb_seq *s;
+    kvb_seq *const *each;
+} chunk_seqs;
+
+static kvb_seq *token_seq(chunk_seqs c, uint32_t t) { return c.each ? c.each[t] : c.s; }
+static uint32_t token_pos(chunk_seqs c, uint32_t t) { return c.each ? c.each[t]->len : c.s->len + t; }
+
+static kvb_status forward_chunk(kvb_engine *e, chunk_seqs cs, const int32_t *tokens, uint32_t n, float *logits,
                                 bool all_logits, kvb_err *err) {
     const kvb_model *m = e->m;
     const kvb_model_desc *d = &m->d;
-    const uint32_t pos0 = s->len, E = d->n_embd;
-    kvb_status st = kvb_cpu_seq_reserve(s, pos0 + n, err);
-    if (st) return st;
+    const uint32_t E = d->n_embd;
+    const size_t Q = (size_t)d->n_head * d->head_dim;
+    kvb_status st = KVB_OK;
+    for (uint32_t t = 0; t < (cs.each ? n : 1); t++)
+        if ((st = kvb_cpu_seq_reserve(token_seq(cs, t), token_pos(cs, t) + (cs.each ? 1 : n), err))) return st;
 
     for (uint32_t t = 0; t < n; t++) {
         if (tokens[t] < 0 || (uint32_t)tokens[t] >= d->n_vocab)
             return kvb_err_set(err, KVB_ERR_INVALID, "token id %d at position %u is outside the vocabulary (0..%u)",
-                               tokens[t], pos0 + t, d->n_vocab - 1);
+                               tokens[t], token_pos(cs, t), d->n_vocab - 1);
         float *xt = e->x + (size_t)t * E; /* (n_embd) */
         kvb_row_to_f32(m->tok_embd.type, (const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
                        xt, E);
         if (d->embd_scale > 0) /* gemma3: rows times sqrtf(n_embd), one f32 product each */
             for (uint32_t i = 0; i < E; i++) xt[i] = xt[i] * d->embd_scale;
+        token_seq(cs, t)->tokens[token_pos(cs, t)] = tokens[t];
+        e->tok_pos[t] = token_pos(cs, t);
     }
-    memcpy(s->tokens + pos0, tokens, n * sizeof(int32_t));
-    kvb_rope_tables_fill(&e->rope, pos0, n);
+    if (cs.each) kvb_rope_tables_fill_at(&e->rope, e->tok_pos, n);
+    else kvb_rope_tables_fill(&e->rope, cs.s->len, n);
     kvb_pool *tok_pool = n > 1 ? e->pool : NULL;
+    kvb_seq *s = cs.s; /* one sequence's chunk: its hooks, gate and attention */
+    const uint32_t pos0 = s ? s->len : 0;
 
     for (uint32_t l = 0; l < d->n_layer; l++) {
         const kvb_layer_weights *w = &m->layers[l];
@@ -128,15 +148,20 @@ static kvb_status forward_chunk(kvb_engine *e, kvb_seq *s, const int32_t *tokens
         if (e->o.rows_hook &&
             (st = e->o.rows_hook(e->o.rows_hook_ctx, l, pos0, n, e->k_rows, e->v_rows, e->fmt.dtype, err)))
             return st;
-        store_kv_rows(e, s, l, pos0, n);
+        if (s) store_kv_rows(e, s, l, pos0, n, 0);
+        else
+            for (uint32_t t = 0; t < n; t++) store_kv_rows(e, cs.each[t], l, e->tok_pos[t], 1, t);
         /* The last layer's attention and MLP feed only the logits: a chunk that computes none (a
          * prefill node's forward, every chunk but a prompt's last) needs of that layer its K and V */
         if (l + 1 == d->n_layer && !logits) break;
 
         kvb_cpu_matmul(e->pool, &w->wq, e->h, n, e->q, e->act);
         kvb_pool_parallel_for(tok_pool, (int)n, q_post_task, &tj);
-        if (s->gate && (st = s->gate(s->gate_ctx, l, err))) return st; /* earlier positions' layer l is there */
-        kvb_cpu_attention(e, s, l, pos0, n, e->q, e->att);
+        if (s && s->gate && (st = s->gate(s->gate_ctx, l, err))) return st; /* earlier positions' layer l is there */
+        if (s) kvb_cpu_attention(e, s, l, pos0, n, e->q, e->att);
+        else
+            for (uint32_t t = 0; t < n; t++)
+                kvb_cpu_attention(e, cs.each[t], l, e->tok_pos[t], 1, e->q + t * Q, e->att + t * Q);
         kvb_cpu_matmul(e->pool, &w->wo, e->att, n, e->h, e->act); /* h := attention output (n, E) */
         tj.src = e->h;
         tj.dst = e->x;
@@ -156,7 +181,9 @@ static kvb_status forward_chunk(kvb_engine *e, kvb_seq *s, const int32_t *tokens
         tj.norm_w = w->post_ffw_norm;
         kvb_pool_parallel_for(tok_pool, (int)n, w->post_ffw_norm ? norm_residual_task : residual_task, &tj);
     }
-    s->len = pos0 + n;
+    if (s) s->len = pos0 + n;
+    else
+        for (uint32_t t = 0; t < n; t++) cs.each[t]->len++;
 
     if (logits) {
         if (all_logits) {
@@ -185,10 +212,33 @@ kvb_status kvb_engine_forward(kvb_engine *e, kvb_seq *s, const int32_t *tokens, 
         float *lg = NULL;
         if (logits && all_logits) lg = logits + (size_t)done * V;
         else if (logits && last) lg = logits;
-        kvb_status st = forward_chunk(e, s, tokens + done, c, lg, all_logits, err);
+        kvb_status st = forward_chunk(e, (chunk_seqs){.s = s}, tokens + done, c, lg, all_logits, err);
         if (st == KVB_OK) st = kvb_cpu_seq_commit_full(s, err);
         if (st) return st;
         done += c;
     }
     return KVB_OK;
+}
+
+kvb_status kvb_engine_forward_batch(kvb_engine *e, kvb_seq *const *seqs, const int32_t *tokens, uint32_t n,
+                                    float *logits, kvb_err *err) {
+    if (n == 0) return kvb_err_set(err, KVB_ERR_INVALID, "batch forward called with no sequences");
+    if (n > e->o.max_batch)
+        return kvb_err_set(err, KVB_ERR_INVALID, "a batch of %u sequences exceeds the engine's max_batch of %u", n,
+                           e->o.max_batch);
+    if (e->o.layer_hook || e->o.rows_hook)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "a batch forward does not run the engine's layer or rows hooks");
+    for (uint32_t i = 0; i < n; i++) {
+        const kvb_seq *s = seqs[i];
+        if (s->e != e) return kvb_err_set(err, KVB_ERR_INVALID, "sequence %u belongs to another engine", i);
+        if (s->gate) return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "sequence %u has a layer gate (not batched)", i);
+        if ((uint64_t)s->len + 1 > e->o.max_ctx)
+            return kvb_err_set(err, KVB_ERR_RANGE, "sequence %u: %u + 1 tokens exceed the context limit of %u tokens",
+                               i, s->len, e->o.max_ctx);
+        for (uint32_t j = 0; j < i; j++)
+            if (seqs[j] == s) return kvb_err_set(err, KVB_ERR_INVALID, "sequence %u appears twice in the batch", i);
+    }
+    kvb_status st = forward_chunk(e, (chunk_seqs){.each = seqs}, tokens, n, logits, true, err);
+    for (uint32_t i = 0; !st && i < n; i++) st = kvb_cpu_seq_commit_full(seqs[i], err);
+    return st;
 }

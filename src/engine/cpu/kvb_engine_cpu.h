@@ -111,6 +111,13 @@ kvb_status kvb_seq_borrow_pages(kvb_seq *s, const kvb_block_id *pages, uint32_t 
  * (n, n_vocab) for every token. */
 kvb_status kvb_engine_forward(kvb_engine *e, kvb_seq *s, const int32_t *tokens, uint32_t n, float *logits,
                               bool all_logits, kvb_err *err);
+/* One decode step of n distinct sequences at once (n <= max_batch): seqs[i] takes tokens[i] at
+ * its next position; logits (n, n_vocab), row i for seqs[i]. The weights are read once for the
+ * batch; each row is bit for bit what kvb_engine_forward(e, seqs[i], &tokens[i], 1, row, false)
+ * gives. Not with the engine's layer/rows hooks or a sequence's layer gate. On an error some
+ * sequences may have advanced: free them. */
+kvb_status kvb_engine_forward_batch(kvb_engine *e, kvb_seq *const *seqs, const int32_t *tokens, uint32_t n,
+                                    float *logits, kvb_err *err);
 
 /* ---- the decoder's cache-producing arithmetic ----------------------------------------------
  * For one layer, attention inputs h (n, n_embd) (the attention-normed hidden states) at
