@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <cJSON.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +31,7 @@
 static char g_model[512], g_other[512], g_gemma[512];
 static uint32_t g_lanes; /* decode nodes' lanes (0: the default) */
 static int g_resumes;    /* decode nodes' bridge_resumes (0: the default, 2; -1: none) */
+static uint32_t g_parallel; /* decode nodes' parallel (0: the default, 4) */
 
 static int setup(void **state) {
     (void)state;
@@ -69,7 +71,7 @@ static kvb_decode_node *start_decode_mode(uint16_t peer_port, const char *psk, i
     kvb_decode_config c = {.http_listen = "127.0.0.1:0", .peer = peer_port ? peer : NULL, .model_path = g_model,
                            .psk = psk, .n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32,
                            .max_ctx = 4096, .peer_timeout_ms = timeout_ms, .prefill_mode = prefill_mode,
-                           .lanes = g_lanes, .bridge_resumes = g_resumes};
+                           .lanes = g_lanes, .bridge_resumes = g_resumes, .parallel = g_parallel};
     kvb_decode_node *n = NULL;
     kvb_err err = {0};
     if (kvb_decode_node_start(&c, &n, &err)) fail_msg("decode node: %s", err.msg);
@@ -425,6 +427,58 @@ static void test_fault_other_model(void **state) {
     check_fault(NULL, g_other, PSK, true, 10000, "declined: prefill node unavailable", 0, NULL);
 }
 
+/* Concurrent requests: served two at a time with their decode steps batched, five clients at
+ * once (so three wait their turn) get exactly the replies a one-at-a-time node gives, and the
+ * steps did run in batches of more than one. */
+typedef struct {
+    uint16_t port;
+    int32_t ids[300];
+    int n;
+    kvbt_reply r;
+} client_job;
+
+static void *client_main(void *arg) {
+    client_job *j = arg;
+    kvbt_complete_ids_n(j->port, j->ids, j->n, 32, &j->r);
+    return NULL;
+}
+
+static void test_concurrent_requests_batch_exactly(void **state) {
+    (void)state;
+    enum { CLIENTS = 5 };
+    g_parallel = 2;
+    kvb_decode_node *par = start_decode(0, PSK, 10000);
+    g_parallel = 1;
+    kvb_decode_node *one = start_decode(0, PSK, 10000);
+    g_parallel = 0;
+    client_job jobs[CLIENTS];
+    pthread_t th[CLIENTS];
+    for (int c = 0; c < CLIENTS; c++) {
+        jobs[c].port = kvb_decode_node_port(par);
+        jobs[c].n = 40 + 50 * c; /* different lengths: different positions in one batch */
+        kvbt_prompt_ids(jobs[c].ids, jobs[c].n, 300 + (uint64_t)c);
+        assert_int_equal(pthread_create(&th[c], NULL, client_main, &jobs[c]), 0);
+    }
+    for (int c = 0; c < CLIENTS; c++) pthread_join(th[c], NULL);
+    for (int c = 0; c < CLIENTS; c++) {
+        kvbt_reply seq;
+        kvbt_complete_ids_n(kvb_decode_node_port(one), jobs[c].ids, jobs[c].n, 32, &seq);
+        if (strcmp(seq.content, jobs[c].r.content))
+            fail_msg("client %d: batched '%s' != one at a time '%s'", c, jobs[c].r.content, seq.content);
+        free(seq.content);
+        free(jobs[c].r.content);
+    }
+    const uint16_t pp = kvb_decode_node_port(par), op = kvb_decode_node_port(one);
+    const double steps = kvbt_metric(pp, "kvbridge_decode_steps_total "),
+                 batches = kvbt_metric(pp, "kvbridge_decode_batches_total ");
+    printf("parallel 2: %.0f steps in %.0f batches\n", steps, batches);
+    assert_true(steps > batches && batches > 0); /* some steps ran together */
+    assert_true(kvbt_metric(op, "kvbridge_decode_steps_total ") == kvbt_metric(op, "kvbridge_decode_batches_total "));
+    assert_true(kvbt_metric(pp, "kvbridge_queue_depth ") == 0);
+    kvb_decode_node_stop(one);
+    kvb_decode_node_stop(par);
+}
+
 /* Bridge mode `prefill`: the prefill engine's own K/V re-encoded. In the decoder's own format it
  * is exact (same answer as native); from an f32 engine it still completes (not claimed exact);
  * nodes that disagree on the mode refuse each other at the handshake. */
@@ -555,6 +609,7 @@ int main(void) {
         cmocka_unit_test(test_fault_peer_down),
         cmocka_unit_test(test_fault_wrong_key),
         cmocka_unit_test(test_fault_other_model),
+        cmocka_unit_test(test_concurrent_requests_batch_exactly),
         cmocka_unit_test(test_prefill_mode),
         cmocka_unit_test(test_bridged_blocks_are_evictable),
         cmocka_unit_test(test_filler_rows_slab_path),

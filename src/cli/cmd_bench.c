@@ -30,6 +30,8 @@ static void help(FILE *f) {
             "  --tokens N           prefill tokens (default 512)\n"
             "  --gen N              decode steps (default 128)\n"
             "  --ctx N              prompt length before decode (default 16)\n"
+            "  --batch B            decode: also B sequences stepped together (kvb_engine_forward_batch), each\n"
+            "                       after its own --ctx prompt: their tokens/s beside one sequence's, same run\n"
             "  --reps R             repetitions; the median is reported (default 3)\n"
             "  --cache-type T       KV cache dtype (default f16)\n"
             "  --llama-bench PATH   also run llama.cpp's llama-bench on the same file and threads\n"
@@ -64,6 +66,43 @@ static void help(FILE *f) {
             KVB_CLI_GPU_WEIGHTS_HELP);
 }
 
+
+/* Decode throughput of `batch` sequences stepped together: each prefilled with its own n_ctx-token
+ * prompt (toks shifted by its index mod V, so no two share cache blocks), then n_gen batched steps;
+ * *tps = the median over reps of batch * n_gen / seconds. */
+static kvb_status bench_decode_batch(kvb_engine *e, uint32_t V, const int32_t *toks, uint32_t n_ctx, uint32_t n_gen,
+                                     uint32_t batch, int reps, double *tps, kvb_err *err) {
+    kvb_seq **seqs = calloc(batch, sizeof *seqs);
+    int32_t *own = malloc(sizeof(int32_t) * (n_ctx + n_gen) * batch), *step = malloc(sizeof(int32_t) * batch);
+    float *logits = malloc(sizeof(float) * V * batch);
+    double times[100];
+    kvb_status st = seqs && own && step && logits ? KVB_OK : kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    for (uint32_t b = 0; !st && b < batch; b++)
+        for (uint32_t i = 0; i < n_ctx + n_gen; i++) own[(size_t)b * (n_ctx + n_gen) + i] = (toks[i] + (int32_t)b) % (int32_t)V;
+    for (int r = 0; !st && r < reps; r++) {
+        for (uint32_t b = 0; !st && b < batch; b++) {
+            st = kvb_seq_create(e, &seqs[b], err);
+            if (!st) st = kvb_engine_forward(e, seqs[b], own + (size_t)b * (n_ctx + n_gen), n_ctx, logits, false, err);
+        }
+        const double t0 = kvb_now_s();
+        for (uint32_t g = 0; !st && g < n_gen; g++) {
+            for (uint32_t b = 0; b < batch; b++) step[b] = own[(size_t)b * (n_ctx + n_gen) + n_ctx + g];
+            st = kvb_engine_forward_batch(e, seqs, step, batch, logits, err);
+        }
+        times[r] = (double)batch * n_gen / (kvb_now_s() - t0);
+        for (uint32_t b = 0; b < batch; b++) {
+            kvb_seq_free(seqs[b]);
+            seqs[b] = NULL;
+        }
+        if (!st) fprintf(stderr, "bench decode: batch of %u, run %d/%d: %.2f tok/s\n", batch, r + 1, reps, times[r]);
+    }
+    if (!st) *tps = kvb_median_sort(times, reps);
+    free(seqs);
+    free(own);
+    free(step);
+    free(logits);
+    return st;
+}
 
 static uint64_t mat_bytes(const kvb_mat *w) { return (uint64_t)w->rows * w->row_bytes; }
 
@@ -458,7 +497,8 @@ int kvb_cmd_bench(int argc, char **argv) {
         fprintf(stderr, "kvbridge bench: unknown benchmark '%s' (prefill, decode, ladder, link, slab, tokenize or quality; see kvbridge bench --help)\n", what);
         return 2;
     }
-    long long threads = 0, n_tok = 512, n_gen = 128, n_ctx = 16, reps = 3, chunk = 0, ceiling_reps = 20, warmup = 2;
+    long long threads = 0, n_tok = 512, n_gen = 128, n_ctx = 16, reps = 3, chunk = 0, ceiling_reps = 20, warmup = 2,
+              batch = 1;
     const char *tokens_arg = NULL, *peer_json = NULL, *attn_arg = NULL;
     bool cuda = false, host_overhead = false, tp_one_device = false;
     long long gpus = 1;
@@ -493,6 +533,8 @@ int kvb_cmd_bench(int argc, char **argv) {
             if (!(peer_json = kvb_arg_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--gen")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 20, &n_gen)) return 2;
+        } else if (!strcmp(a, "--batch")) {
+            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 256, &batch)) return 2;
         } else if (!strcmp(a, "--ctx")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 20, &n_ctx)) return 2;
         } else if (!strcmp(a, "--reps")) {
@@ -552,7 +594,9 @@ int kvb_cmd_bench(int argc, char **argv) {
     double *times = NULL;
     if (kvb_model_load(model_path, &m, &err)) goto fail;
     uint32_t need = prefill ? (uint32_t)n_tok : (uint32_t)(n_ctx + n_gen);
-    kvb_engine_opts eo = {.n_threads = (int)threads, .cache_dtype = cache_type, .max_ctx = need + 1};
+    const uint32_t bt_default = 32; /* the engine's default block size */
+    kvb_engine_opts eo = {.n_threads = (int)threads, .cache_dtype = cache_type, .max_ctx = need + 1,
+                          .n_blocks = (uint32_t)(prefill ? 0 : (batch + 1) * ((need + 1) / bt_default + 2))};
     if (kvb_engine_create(m, &eo, &e, &err)) goto fail;
     int T = kvb_engine_threads(e);
     toks = malloc(sizeof(int32_t) * need);
@@ -604,6 +648,10 @@ int kvb_cmd_bench(int argc, char **argv) {
     double runs[100];
     memcpy(runs, times, sizeof(double) * (size_t)reps);
     double tps = kvb_median_sort(times, (int)reps);
+    double batch_tps = 0;
+    if (!prefill && batch > 1 && bench_decode_batch(e, m->d.n_vocab, toks, (uint32_t)n_ctx, (uint32_t)n_gen, (uint32_t)batch,
+                                                    (int)reps, &batch_tps, &err))
+        goto fail;
     kvb_pool *pool = NULL;
     if (kvb_pool_create(T, &pool, &err)) goto fail;
     double bw = kvb_measure_read_bw(pool, (size_t)1 << 30, 3);
@@ -633,6 +681,10 @@ int kvb_cmd_bench(int argc, char **argv) {
         printf("bytes/tok  %.1f MB (weights %.1f MB + KV %.2f MB)\n", bytes / 1e6, wbytes / 1e6, kv_avg / 1e6);
         printf("bandwidth  %.1f GB/s achieved = %.0f%% of %.1f GB/s measured read bandwidth (same run, %d threads)\n",
                achieved, 100.0 * achieved / bw, bw, T);
+        if (batch > 1)
+            printf("batch      %lld sequences stepped together: %.2f tok/s in all, %.2f per sequence = %.2fx one "
+                   "sequence's %.2f tok/s\n",
+                   batch, batch_tps, batch_tps / batch, batch_tps / tps, tps);
     }
     if (prefill) printf("bandwidth  %.1f GB/s measured read bandwidth (same run, %d threads)\n", bw, T);
     if (llama_bench) {

@@ -48,6 +48,9 @@ static void help(FILE *f) {
             "                       arrived, not layer by layer while it arrives (the default, same answer)\n"
             "  --lanes N            decode: connections to the prefill node that each bridged request's slabs\n"
             "                       are striped over, each with its own receiving thread (1..8, default 4)\n"
+            "  --parallel N         decode: requests served at once, their decode steps run as one batch (the\n"
+            "                       weights read once per step for all); later requests wait their turn in\n"
+            "                       order (default 4, at most as many full contexts as --cache-blocks holds)\n"
             "  --bridge-resumes N   decode: after a corrupt slab or a dropped connection, ask the prefill node\n"
             "                       again for only the blocks still missing, at most N times per request\n"
             "                       (default 2; 0 = compute what is missing natively at once)\n"
@@ -67,7 +70,7 @@ int kvb_cmd_serve(int argc, char **argv) {
                *psk = getenv("KVB_PSK"), *tmpl = NULL, *model_id = NULL, *fault = NULL, *mode = "decoder",
                *device = "cpu";
     long long threads = 0, bt = 32, ctx = 0, bridge_min = 0, max_tokens = 0, chunk = 0, cache_blocks = 0, lanes = 0,
-              warmup = -1, resumes = -1;
+              warmup = -1, resumes = -1, parallel = 0;
     long long gpus = 1;
     bool tail_after = false, tp_one_device = false;
     int gpu_weights = 0;
@@ -90,7 +93,8 @@ int kvb_cmd_serve(int argc, char **argv) {
         NUM("--warmup", warmup, 0, 1 << 24)
         NUM("--threads", threads, 1, 1024) NUM("--block-tokens", bt, 1, 4096) NUM("--ctx", ctx, 16, 1 << 24)
         NUM("--bridge-min", bridge_min, 1, 1 << 24) NUM("--max-tokens", max_tokens, 1, 1 << 24)
-        NUM("--lanes", lanes, 1, KVB_MAX_LANES) NUM("--bridge-resumes", resumes, 0, 100) NUM("--gpus", gpus, 1, KVB_CLI_MAX_GPUS)
+        NUM("--lanes", lanes, 1, KVB_MAX_LANES) NUM("--bridge-resumes", resumes, 0, 100)
+        NUM("--parallel", parallel, 1, KVB_DECODE_MAX_PARALLEL) NUM("--gpus", gpus, 1, KVB_CLI_MAX_GPUS)
         else if (!strcmp(a, "--cache-type")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &cache_type)) return 2;
         }
@@ -162,7 +166,8 @@ int kvb_cmd_serve(int argc, char **argv) {
                                .bridge_min_tokens = (uint32_t)bridge_min, .default_max_tokens = (uint32_t)max_tokens,
                                .prefill_mode = prefill_mode, .cache_blocks = (uint32_t)cache_blocks,
                                .tail_after_transfer = tail_after, .lanes = (uint32_t)lanes,
-                               .bridge_resumes = resumes < 0 ? 0 : resumes == 0 ? -1 : (int)resumes};
+                               .bridge_resumes = resumes < 0 ? 0 : resumes == 0 ? -1 : (int)resumes,
+                               .parallel = (uint32_t)parallel};
         if (kvb_decode_node_start(&c, &dn, &err)) goto fail;
         printf("kvbridge decode node: OpenAI API on port %u, prefill node %s\n", kvb_decode_node_port(dn),
                peer ? peer : "none (native only)");

@@ -4,6 +4,7 @@
 #ifndef KVB_CORE_H
 #define KVB_CORE_H
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -45,6 +46,12 @@ void kvb_log(kvb_log_level level, const char *fmt, ...) __attribute__((format(pr
 /* ---- time ------------------------------------------------------------------------------- */
 
 double kvb_now_s(void); /* monotonic seconds */
+/* A condition variable whose timed waits count on kvb_now_s's clock (CLOCK_MONOTONIC): 0 or an
+ * errno from pthread_cond_init. */
+int kvb_cond_init_monotonic(pthread_cond_t *cv);
+/* Waits on cv (initialised by kvb_cond_init_monotonic; mu held) until signalled or the time
+ * kvb_now_s() reaches deadline_s: 0, or ETIMEDOUT. */
+int kvb_cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, double deadline_s);
 
 /* ---- RNG: splitmix64-seeded xoshiro256**, deterministic on every platform --------------- */
 

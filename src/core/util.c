@@ -14,6 +14,23 @@ double kvb_now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+int kvb_cond_init_monotonic(pthread_cond_t *cv) {
+    pthread_condattr_t ca;
+    int rc = pthread_condattr_init(&ca);
+    if (rc) return rc;
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    rc = pthread_cond_init(cv, &ca);
+    pthread_condattr_destroy(&ca);
+    return rc;
+}
+
+int kvb_cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, double deadline_s) {
+    const double whole = floor(deadline_s);
+    struct timespec ts = {.tv_sec = (time_t)whole, .tv_nsec = (long)((deadline_s - whole) * 1e9)};
+    if (ts.tv_nsec >= 1000000000L) ts.tv_nsec = 999999999L;
+    return pthread_cond_timedwait(cv, mu, &ts);
+}
+
 uint64_t kvb_splitmix64(uint64_t x) {
     x += 0x9e3779b97f4a7c15ULL;
     x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;

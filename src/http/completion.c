@@ -27,15 +27,10 @@ bool http_peer_closed(int fd) {
 kvb_completion_out *http_completion_new(kvb_http_server *s, const kvb_completion_req *req, int fd) {
     kvb_completion_out *out = calloc(1, sizeof *out);
     if (!out) return NULL;
-    pthread_condattr_t ca;
-    if (pthread_condattr_init(&ca) != 0) { free(out); return NULL; }
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    if (pthread_cond_init(&out->cv, &ca) != 0) {
-        pthread_condattr_destroy(&ca);
+    if (kvb_cond_init_monotonic(&out->cv) != 0) {
         free(out);
         return NULL;
     }
-    pthread_condattr_destroy(&ca);
     if (pthread_mutex_init(&out->mu, NULL) != 0) {
         pthread_cond_destroy(&out->cv);
         free(out);
@@ -70,11 +65,7 @@ void http_completion_free(kvb_completion_out *out) {
 /* ---- helpers (mu held) ------------------------------------------------------------------------ */
 
 static void wait_slice(kvb_completion_out *out) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_nsec += (long)HTTP_WAIT_SLICE_MS * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) { ts.tv_sec += 1; ts.tv_nsec -= 1000000000L; }
-    pthread_cond_timedwait(&out->cv, &out->mu, &ts);
+    kvb_cond_wait_until(&out->cv, &out->mu, kvb_now_s() + HTTP_WAIT_SLICE_MS * 1e-3);
 }
 
 static bool check_cancel_locked(kvb_completion_out *out) {

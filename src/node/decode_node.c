@@ -5,8 +5,10 @@
  * with LANE frames), one receiving and one committing thread per lane — compute the rest
  * natively (always the last prompt token: while the blocks arrive, layer by layer, on the
  * pipelined tail's thread — tail_pipe.c; KVB_DECODE_PIPELINED_TAIL=0 runs it after the transfer
- * instead), decode and stream; the verdict says what actually happened. Requests run one at a
- * time on the engine in arrival order (a ticket queue). */
+ * instead), decode and stream; the verdict says what actually happened. Up to cfg.parallel
+ * requests are served at once, admitted in arrival order: a request's prompt has the engine to
+ * itself (a FIFO ticket), and the decode steps of all of them run as batches between prompts
+ * (decode_batch.c), the weights read once per step for every request. */
 #include <stdio.h>
 #include <sys/random.h>
 #include <stdlib.h>
@@ -31,10 +33,13 @@ struct kvb_decode_node {
     kvb_engine *e;
     kvb_store *store;
     kvb_http_server *http;
-    /* FIFO ticket queue on the engine */
+    /* FIFO ticket queue on the engine: a request's prompt, or one batch of decode steps */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     uint64_t next_ticket, serving;
+    /* FIFO admission: at most cfg.parallel requests are served at once (their decode steps batched) */
+    uint64_t slot_next, slot_done;
+    kvb_decode_batch *batch;
     /* the peer link (used only while holding the engine): lane 0 carries PREFILL and CANCEL */
     kvb_conn *lanes[KVB_MAX_LANES];
     uint32_t n_lanes;
@@ -47,6 +52,8 @@ struct kvb_decode_node {
     /* metrics */
     kvb_metric *m_requests, *m_tokens, *m_faults, *m_resumes, *m_slab_bytes, *m_peer_up, *m_queue;
     kvb_metric *m_phase; /* kvbridge_request_phase_seconds{phase} */
+    kvb_metric *m_batches, *m_steps;
+    kvb_metrics *metrics; /* the registry /metrics renders (the server's families too) */
     double last_reader_wait_s, last_consumer_wait_s; /* the last bridge's receiving stages */
 };
 
@@ -397,7 +404,6 @@ static void faults_append(char *buf, size_t cap, const char *label, const char *
 static void engine_acquire(kvb_decode_node *n) {
     pthread_mutex_lock(&n->mu);
     uint64_t t = n->next_ticket++;
-    kvb_metric_set(n->m_queue, NULL, (double)(n->next_ticket - n->serving));
     while (n->serving != t) pthread_cond_wait(&n->cv, &n->mu);
     pthread_mutex_unlock(&n->mu);
 }
@@ -405,7 +411,28 @@ static void engine_acquire(kvb_decode_node *n) {
 static void engine_release(kvb_decode_node *n) {
     pthread_mutex_lock(&n->mu);
     n->serving++;
-    kvb_metric_set(n->m_queue, NULL, (double)(n->next_ticket - n->serving));
+    pthread_cond_broadcast(&n->cv);
+    pthread_mutex_unlock(&n->mu);
+}
+
+/* the decode batch's leader takes the engine the same way */
+static void engine_acquire_cb(void *n) { engine_acquire(n); }
+static void engine_release_cb(void *n) { engine_release(n); }
+
+/* A request's turn to be served, in arrival order, while fewer than cfg.parallel are (each holds a
+ * sequence of up to max_ctx tokens: the cache is sized for them). */
+static void slot_acquire(kvb_decode_node *n) {
+    pthread_mutex_lock(&n->mu);
+    const uint64_t t = n->slot_next++;
+    kvb_metric_set(n->m_queue, NULL, (double)(n->slot_next - n->slot_done));
+    while (t >= n->slot_done + n->cfg.parallel) pthread_cond_wait(&n->cv, &n->mu);
+    pthread_mutex_unlock(&n->mu);
+}
+
+static void slot_release(kvb_decode_node *n) {
+    pthread_mutex_lock(&n->mu);
+    n->slot_done++;
+    kvb_metric_set(n->m_queue, NULL, (double)(n->slot_next - n->slot_done));
     pthread_cond_broadcast(&n->cv);
     pthread_mutex_unlock(&n->mu);
 }
@@ -535,6 +562,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     }
 
     const double t_acq = kvb_now_s();
+    slot_acquire(n);
     engine_acquire(n);
     kvb_trace_span("decode.engine_acquire", t_acq, kvb_now_s(), 0);
     kvb_usage u = {.prompt_tokens = (int64_t)n_tok, .tokenize_s = t_tok - t_req, .queue_s = kvb_now_s() - t_acq};
@@ -644,15 +672,20 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
 
     kvb_sampler_opts so = {.temperature = (float)req->temperature, .top_k = req->top_k, .top_p = (float)req->top_p,
                            .seed = req->has_seed ? (uint64_t)req->seed : (uint64_t)(kvb_now_s() * 1e6)};
+    double t_decode = kvb_now_s();
     st = kvb_sampler_init(&smp, &so, n->m->d.n_vocab, &err);
-    kvb_sampler_use_pool(&smp, kvb_engine_pool(n->e)); /* ours until engine_release; idle between forwards */
+    /* the engine's pool is the sampler's only while the engine is held: here, for the first token,
+     * then by the decode batch's leader, which samples each step's next token */
+    kvb_sampler_use_pool(&smp, kvb_engine_pool(n->e));
+    int32_t id = !st && max_new > 0 ? kvb_sample(&smp, logits) : 0;
+    engine_release(n);
     kvb_detok dt;
     kvb_detok_init(&dt, n->tok);
     char piece[1024];
     kvb_finish_reason reason = KVB_FINISH_LENGTH;
-    double t_decode = kvb_now_s();
+    kvb_decode_step step = {.s = s, .smp = &smp};
+    kvb_decode_batch_join(n->batch);
     for (int64_t i = 0; !st && i < max_new; i++) {
-        int32_t id = kvb_sample(&smp, logits);
         if (kvb_tokenizer_is_eog(n->tok, id)) {
             reason = KVB_FINISH_STOP;
             break;
@@ -664,18 +697,20 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
             reason = KVB_FINISH_STOP;
             break;
         }
-        if (i + 1 < max_new && kvb_seq_len(s) + 1 < ctx_max)
-            st = kvb_engine_forward(n->e, s, &id, 1, logits, false, &err);
-        else if (i + 1 < max_new)
+        if (i + 1 < max_new && kvb_seq_len(s) + 1 < ctx_max) { /* with the other requests' steps */
+            step.token = id;
+            if ((st = kvb_decode_batch_step(n->batch, &step))) err = step.err;
+            id = step.next;
+        } else if (i + 1 < max_new)
             break; /* context end */
     }
+    kvb_decode_batch_leave(n->batch);
     if (!sf.stopped) {
         kvb_detok_flush(&dt, piece, sizeof piece);
         emit_filtered(out, &sf, req, piece, true);
     }
     u.decode_s = kvb_now_s() - t_decode;
     kvb_trace_span("decode.sample_emit", t_decode, kvb_now_s(), u.completion_tokens);
-    engine_release(n);
     if (st) kvb_completion_fail(out, 500, NULL, NULL, "%s", err.msg);
     else {
         kvb_completion_finish(out, reason, &u);
@@ -687,6 +722,7 @@ cleanup_unlocked:
     free(sf.buf);
     if (s) kvb_seq_keep_window_at(s, (uint32_t)n_tok); /* a next turn may diverge where the reply began */
     kvb_seq_free(s); /* its blocks stay cached for the next turn */
+    slot_release(n);
     free(logits);
     free(toks);
 }
@@ -752,6 +788,18 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                           .max_ctx = c->max_ctx, .n_blocks = c->cache_blocks};
     if ((st = kvb_engine_create(n->m, &eo, &n->e, err))) goto fail;
     n->store = kvb_engine_store(n->e);
+    /* as many served at once as full contexts fit the cache (and the engine's batch) */
+    const uint32_t ctx_blocks = (c->max_ctx + c->block_tokens - 1) / c->block_tokens,
+                   fit = KVB_MAX(1, KVB_MIN(c->cache_blocks / ctx_blocks, KVB_DECODE_MAX_PARALLEL));
+    if (!c->parallel) c->parallel = KVB_MIN(4, fit);
+    if (c->parallel > fit) {
+        st = kvb_err_set(err, KVB_ERR_INVALID,
+                         "--parallel %u: the cache (%u blocks) holds %u full contexts of %u tokens; raise "
+                         "--cache-blocks or lower --ctx or --parallel",
+                         c->parallel, c->cache_blocks, fit, c->max_ctx);
+        goto fail;
+    }
+
     kvb_store_prefault(n->store); /* page faults at start, not while the first prompts arrive */
     if (n->peer) {
         if (!cfg->psk || strlen(cfg->psk) < KVB_WIRE_PSK_MIN) {
@@ -768,10 +816,9 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
             goto fail;
         snprintf(n->peer_state, sizeof n->peer_state, "not connected yet");
     }
-    kvb_http_config hc = {.listen = cfg->http_listen, .model_id = n->model_id, .accept_any_model = true};
-    kvb_http_handlers hh = {.ctx = n, .completion = handle_completion, .health = handle_health};
-    if ((st = kvb_http_server_start(&hc, &hh, &n->http, err))) goto fail;
-    kvb_metrics *mx = kvb_http_server_metrics(n->http);
+    /* the registry, its families and the decode batch before the server takes a request */
+    if ((st = kvb_metrics_create(&n->metrics, err))) goto fail;
+    kvb_metrics *mx = n->metrics;
     if ((st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_requests_total",
                                    "Completions served, by bridge verdict", "verdict", NULL, 0, &n->m_requests, err)) ||
         (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_prompt_tokens_total",
@@ -789,13 +836,27 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
         (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_peer_up", "1 while the prefill node link is up",
                                    NULL, NULL, 0, &n->m_peer_up, err)) ||
         (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_queue_depth",
-                                   "Requests waiting for or holding the engine", NULL, NULL, 0, &n->m_queue, err)) ||
+                                   "Completions waiting for their turn or being served (at most --parallel at once)", NULL, NULL,
+                                   0, &n->m_queue, err)) ||
         (st = kvb_metrics_register(mx, KVB_METRIC_HISTOGRAM, "kvbridge_request_phase_seconds",
                                    "Where a served completion's time went, by phase (as in usage.kvbridge): tokenize, "
                                    "queue (waiting for the engine), lookup, prefill (the prefill node's own clock) "
                                    "and transfer (request to DONE) when bridged, native, decode",
-                                   "phase", NULL, 0, &n->m_phase, err)))
+                                   "phase", NULL, 0, &n->m_phase, err)) ||
+        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_decode_batches_total",
+                                   "Batches of decode steps run (steps / batches: requests decoding together)", NULL,
+                                   NULL, 0, &n->m_batches, err)) ||
+        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_decode_steps_total",
+                                   "Decode steps run, one token of one request each, in batches", NULL, NULL, 0,
+                                   &n->m_steps, err)))
         goto fail;
+    if ((st = kvb_decode_batch_create(n->e, c->parallel, n->m->d.n_vocab, engine_acquire_cb, engine_release_cb, n,
+                                      n->m_batches, n->m_steps, &n->batch, err)))
+        goto fail;
+    kvb_http_config hc = {.listen = cfg->http_listen, .model_id = n->model_id, .accept_any_model = true,
+                          .metrics = n->metrics};
+    kvb_http_handlers hh = {.ctx = n, .completion = handle_completion, .health = handle_health};
+    if ((st = kvb_http_server_start(&hc, &hh, &n->http, err))) goto fail;
     if (n->peer) { /* the lanes now, not on the first bridged request (connects and handshakes) */
         engine_acquire(n);
         kvb_err pe = {0};
@@ -827,6 +888,8 @@ void kvb_decode_node_stop(kvb_decode_node *n) {
     if (!n) return;
     kvb_http_server_stop(n->http);
     for (uint32_t l = 0; l < KVB_MAX_LANES; l++) kvb_conn_close(n->lanes[l]);
+    kvb_decode_batch_free(n->batch);
+    kvb_metrics_free(n->metrics); /* after the server, whose families live in it */
     kvb_engine_free(n->e);
     kvb_tokenizer_free(n->tok);
     kvb_model_free(n->m);

@@ -112,6 +112,9 @@ typedef struct {
                                   for its next frame, since it carries about one frame in `lanes` */
     uint32_t lanes;            /* connections to the peer a bridged request's slabs are striped over
                                   (1..KVB_MAX_LANES; 0 = KVB_DEFAULT_LANES) */
+    uint32_t parallel;         /* requests served at once, their decode steps batched (default 4, at
+                                  most as many full contexts as the cache holds and
+                                  KVB_DECODE_MAX_PARALLEL); later ones wait their turn in order */
     int bridge_resumes;        /* after a link fault (corrupt slab, dropped connection) with at least
                                   bridge_min_tokens still missing, ask again for only the missing
                                   blocks, at most this many times per request (default 2; negative: never) */
@@ -121,6 +124,7 @@ typedef struct {
                                   --slab-path-only, so the link's ceiling is measured alone */
 } kvb_decode_config;
 
+#define KVB_DECODE_MAX_PARALLEL 64
 typedef struct kvb_decode_node kvb_decode_node;
 kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node **out, kvb_err *err);
 uint16_t kvb_decode_node_port(const kvb_decode_node *n);

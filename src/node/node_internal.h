@@ -1,5 +1,5 @@
-/* node/node_internal.h — private to the node module: the staging ring (prefill side) and the
- * receiving thread (decode side). */
+/* node/node_internal.h — private to the node module: the staging ring (prefill side), the
+ * receiving thread, the pipelined tail and the batched decode steps (decode side). */
 #ifndef KVB_NODE_INTERNAL_H
 #define KVB_NODE_INTERNAL_H
 
@@ -8,6 +8,7 @@
 
 #include "kvb_bridge.h"
 #include "kvb_engine_cpu.h"
+#include "kvb_http.h"
 #include "kvb_node.h"
 #include "kvb_store.h"
 #include "kvb_transport.h"
@@ -67,6 +68,35 @@ bool kvb_ring_take(kvb_ring *r, uint32_t *slot, kvb_slab *out, bool *checksum_kn
 void kvb_ring_done(kvb_ring *r, uint32_t slot);
 void kvb_ring_close(kvb_ring *r); /* producer done */
 void kvb_ring_fail(kvb_ring *r);  /* consumer gave up: producer's pushes fail */
+
+/* The decode node's decode steps, batched across requests (decode_batch.c). A step: append
+ * `token` to the request's sequence `s`, then sample the next token from its logits with `smp`
+ * (the request's own sampler). kvb_decode_batch_step returns when the step ran, in a batch with
+ * whatever other requests handed in meanwhile (up to cap), with the engine taken through
+ * acquire/release (the node's FIFO ticket) only while the batch runs. */
+typedef struct kvb_decode_step {
+    kvb_seq *s;
+    int32_t token;
+    kvb_sampler *smp;
+    int32_t next; /* out: the sampled token, when st is KVB_OK */
+    kvb_status st;
+    kvb_err err;
+    bool done;                    /* the batcher's */
+    struct kvb_decode_step *link; /* the batcher's */
+} kvb_decode_step;
+typedef struct kvb_decode_batch kvb_decode_batch;
+/* m_batches, m_steps: counters of batches run and steps in them, or NULL. */
+kvb_status kvb_decode_batch_create(kvb_engine *e, uint32_t cap, uint32_t n_vocab, void (*acquire)(void *),
+                                   void (*release)(void *), void *ctx, kvb_metric *m_batches,
+                                   kvb_metric *m_steps, kvb_decode_batch **out, kvb_err *err);
+/* A request starts / ends decoding: between the two it hands in a step whenever it has emitted
+ * its last token, and a batch's leader waits (briefly) for the steps of all of them. */
+void kvb_decode_batch_join(kvb_decode_batch *b);
+void kvb_decode_batch_leave(kvb_decode_batch *b);
+/* Runs one step (see above); returns step->st (step->err says why). */
+kvb_status kvb_decode_batch_step(kvb_decode_batch *b, kvb_decode_step *step);
+/* After every step has returned. NULL is a no-op. */
+void kvb_decode_batch_free(kvb_decode_batch *b);
 
 /* The decode side's receiving thread for one request (recv_pipe.c). */
 typedef struct kvb_recv_pipe kvb_recv_pipe;

@@ -15,10 +15,14 @@
 #include "kvbt.h"
 
 void kvbt_complete_ids(uint16_t port, const int32_t *ids, int n, kvbt_reply *r) {
+    kvbt_complete_ids_n(port, ids, n, 8, r);
+}
+
+void kvbt_complete_ids_n(uint16_t port, const int32_t *ids, int n, int max_tokens, kvbt_reply *r) {
     cJSON *req = cJSON_CreateObject();
     cJSON_AddStringToObject(req, "model", "m");
     cJSON_AddItemToObject(req, "prompt", cJSON_CreateIntArray(ids, n));
-    cJSON_AddNumberToObject(req, "max_tokens", 8);
+    cJSON_AddNumberToObject(req, "max_tokens", max_tokens);
     cJSON_AddNumberToObject(req, "temperature", 0);
     char *body = cJSON_PrintUnformatted(req);
     cJSON_Delete(req);

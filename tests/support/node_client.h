@@ -21,6 +21,8 @@ typedef struct {
  * the test unless the reply is HTTP 200 with X-KVBridge equal to usage.kvbridge.verdict and
  * cached + bridged + native == prompt tokens. */
 void kvbt_complete_ids(uint16_t port, const int32_t *ids, int n, kvbt_reply *r);
+/* The same with max_tokens tokens at most. */
+void kvbt_complete_ids_n(uint16_t port, const int32_t *ids, int n, int max_tokens, kvbt_reply *r);
 /* ids[0 .. n) = token ids 3 .. 252 from seed. */
 void kvbt_prompt_ids(int32_t *ids, int n, uint64_t seed);
 /* The value of the sample line of /metrics that starts with series ("name{labels} "), 0 when

@@ -1,0 +1,175 @@
+/* node/decode_batch.c — the decode node's decode steps, batched across requests. Each request
+ * that is decoding hands in its next token (kvb_decode_batch_step) and sleeps; the first of them
+ * that finds no batch running becomes its leader: it waits (at most GATHER_WAIT_S) until every
+ * request that is decoding has handed in its step — the others are only emitting the last
+ * token, and a batch that left them out would run them next alone — takes the engine (the
+ * node's FIFO ticket, so a new request's prompt gets its turn between steps), gathers every step
+ * handed in by then (up to the batch's capacity), runs them as one kvb_engine_forward_batch, samples each request's next
+ * token with that request's own sampler, gives the engine back and wakes the batch. The others'
+ * steps ride along, and the weights are read once per step for all of them. A batch that fails
+ * before any sequence advanced (a full store, say) is run again one sequence at a time, so only
+ * the request at fault gets the error. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "node_internal.h"
+
+/* A slow emitter (a streaming client more than the server's buffer behind) holds back a batch
+ * by at most this: the steps handed in by then go on without it. */
+#define GATHER_WAIT_S 0.002
+
+struct kvb_decode_batch {
+    kvb_engine *e;
+    uint32_t cap, n_vocab;
+    void (*acquire)(void *ctx), (*release)(void *ctx); /* the engine's FIFO ticket */
+    void *ctx;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;            /* a batch finished */
+    kvb_decode_step *head, *tail; /* handed in, not yet taken: FIFO through ->link */
+    uint32_t n_pending;           /* of them */
+    uint32_t n_active;            /* requests decoding (kvb_decode_batch_join .. _leave) */
+    bool leading;                 /* a leader is running a batch */
+    /* the leader's, (cap) each */
+    kvb_decode_step **taken;
+    kvb_seq **seqs;
+    int32_t *tokens;
+    uint32_t *len_before;
+    float *logits; /* (cap, n_vocab) */
+    kvb_metric *m_batches, *m_steps; /* counters, or NULL */
+};
+
+kvb_status kvb_decode_batch_create(kvb_engine *e, uint32_t cap, uint32_t n_vocab, void (*acquire)(void *),
+                                   void (*release)(void *), void *ctx, kvb_metric *m_batches, kvb_metric *m_steps,
+                                   kvb_decode_batch **out, kvb_err *err) {
+    *out = NULL;
+    kvb_decode_batch *b = calloc(1, sizeof *b);
+    if (b) {
+        b->taken = calloc(cap, sizeof *b->taken);
+        b->seqs = calloc(cap, sizeof *b->seqs);
+        b->tokens = calloc(cap, sizeof *b->tokens);
+        b->len_before = calloc(cap, sizeof *b->len_before);
+        b->logits = malloc(sizeof(float) * n_vocab * cap);
+    }
+    if (!b || !b->taken || !b->seqs || !b->tokens || !b->len_before || !b->logits) {
+        kvb_decode_batch_free(b);
+        return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for a decode batch of %u", cap);
+    }
+    b->e = e;
+    b->cap = cap;
+    b->n_vocab = n_vocab;
+    b->acquire = acquire;
+    b->release = release;
+    b->ctx = ctx;
+    b->m_batches = m_batches;
+    b->m_steps = m_steps;
+    pthread_mutex_init(&b->mu, NULL);
+    if (kvb_cond_init_monotonic(&b->cv)) {
+        pthread_mutex_destroy(&b->mu);
+        b->e = NULL; /* not initialised: free only the memory */
+        kvb_decode_batch_free(b);
+        return kvb_err_set(err, KVB_ERR_INTERNAL, "could not create the decode batch's condition variable");
+    }
+    *out = b;
+    return KVB_OK;
+}
+
+void kvb_decode_batch_free(kvb_decode_batch *b) {
+    if (!b) return;
+    if (b->e) { /* initialised */
+        pthread_mutex_destroy(&b->mu);
+        pthread_cond_destroy(&b->cv);
+    }
+    free(b->taken);
+    free(b->seqs);
+    free(b->tokens);
+    free(b->len_before);
+    free(b->logits);
+    free(b);
+}
+
+/* The leader's work, holding the engine: the forward, then each step's sample. */
+static void run_batch(kvb_decode_batch *b, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) {
+        b->seqs[i] = b->taken[i]->s;
+        b->tokens[i] = b->taken[i]->token;
+        b->len_before[i] = kvb_seq_len(b->seqs[i]);
+    }
+    kvb_err err = {0};
+    if (kvb_engine_forward_batch(b->e, b->seqs, b->tokens, n, b->logits, &err)) {
+        for (uint32_t i = 0; i < n; i++) { /* one at a time: only the step at fault fails */
+            kvb_decode_step *s = b->taken[i];
+            if (kvb_seq_len(s->s) != b->len_before[i]) /* it advanced, then the batch failed */
+                s->st = kvb_err_set(&s->err, err.code ? err.code : KVB_ERR_INTERNAL, "%s", err.msg);
+            else
+                s->st = kvb_engine_forward(b->e, s->s, &s->token, 1, b->logits + (size_t)i * b->n_vocab, false,
+                                           &s->err);
+        }
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        kvb_decode_step *s = b->taken[i];
+        if (!s->st) s->next = kvb_sample(s->smp, b->logits + (size_t)i * b->n_vocab);
+    }
+}
+
+void kvb_decode_batch_join(kvb_decode_batch *b) {
+    pthread_mutex_lock(&b->mu);
+    b->n_active++;
+    pthread_mutex_unlock(&b->mu);
+}
+
+void kvb_decode_batch_leave(kvb_decode_batch *b) {
+    pthread_mutex_lock(&b->mu);
+    b->n_active--;
+    pthread_cond_broadcast(&b->cv); /* a leader may be waiting for its step */
+    pthread_mutex_unlock(&b->mu);
+}
+
+/* The leader, holding mu: until every decoding request has handed in a step (or the batch is
+ * full), for at most GATHER_WAIT_S. */
+static void gather(kvb_decode_batch *b) {
+    const double until = kvb_now_s() + GATHER_WAIT_S;
+    while (b->n_pending < b->n_active && b->n_pending < b->cap)
+        if (kvb_cond_wait_until(&b->cv, &b->mu, until) == ETIMEDOUT) break;
+}
+
+kvb_status kvb_decode_batch_step(kvb_decode_batch *b, kvb_decode_step *step) {
+    step->st = KVB_OK;
+    step->done = false;
+    step->link = NULL;
+    pthread_mutex_lock(&b->mu);
+    if (b->tail) b->tail->link = step;
+    else b->head = step;
+    b->tail = step;
+    b->n_pending++;
+    pthread_cond_broadcast(&b->cv); /* a leader may be gathering */
+    while (!step->done) {
+        if (b->leading) {
+            pthread_cond_wait(&b->cv, &b->mu);
+            continue;
+        }
+        b->leading = true;
+        gather(b);
+        pthread_mutex_unlock(&b->mu);
+        b->acquire(b->ctx); /* steps handed in while it waits for the engine join this batch */
+        pthread_mutex_lock(&b->mu);
+        uint32_t n = 0;
+        while (b->head && n < b->cap) {
+            b->taken[n++] = b->head;
+            b->head = b->head->link;
+        }
+        if (!b->head) b->tail = NULL;
+        b->n_pending -= n;
+        pthread_mutex_unlock(&b->mu);
+        run_batch(b, n);
+        b->release(b->ctx);
+        kvb_metric_add(b->m_batches, NULL, 1);
+        kvb_metric_add(b->m_steps, NULL, n);
+        pthread_mutex_lock(&b->mu);
+        for (uint32_t i = 0; i < n; i++) b->taken[i]->done = true;
+        b->leading = false;
+        pthread_cond_broadcast(&b->cv);
+    }
+    pthread_mutex_unlock(&b->mu);
+    return step->st;
+}
