@@ -427,12 +427,13 @@ static void test_fault_other_model(void **state) {
     check_fault(NULL, g_other, PSK, true, 10000, "declined: prefill node unavailable", 0, NULL);
 }
 
-/* Concurrent requests: served two at a time with their decode steps batched, five clients at
- * once (so three wait their turn) get exactly the replies a one-at-a-time node gives, and the
- * steps did run in batches of more than one. */
+/* Concurrent requests: served two at a time with their decode steps batched (and prompts over
+ * 256 tokens computed in slices between batches), five clients at once (so three wait their turn)
+ * get exactly the replies a one-at-a-time node gives, and the steps did run in batches of more
+ * than one. */
 typedef struct {
     uint16_t port;
-    int32_t ids[300];
+    int32_t ids[600];
     int n;
     kvbt_reply r;
 } client_job;
@@ -455,7 +456,8 @@ static void test_concurrent_requests_batch_exactly(void **state) {
     pthread_t th[CLIENTS];
     for (int c = 0; c < CLIENTS; c++) {
         jobs[c].port = kvb_decode_node_port(par);
-        jobs[c].n = 40 + 50 * c; /* different lengths: different positions in one batch */
+        jobs[c].n = 100 + 120 * c; /* different positions in one batch; the longer prompts yield the
+                                      engine to the others' steps between slices */
         kvbt_prompt_ids(jobs[c].ids, jobs[c].n, 300 + (uint64_t)c);
         assert_int_equal(pthread_create(&th[c], NULL, client_main, &jobs[c]), 0);
     }

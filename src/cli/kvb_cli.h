@@ -32,6 +32,8 @@ double kvb_bench_raw_loopback_gbs(uint64_t bytes, size_t piece, uint32_t streams
 int kvb_bench_slab(int argc, char **argv);
 /* `kvbridge bench tokenize` (cmd_bench_tokenize.c). */
 int kvb_bench_tokenize(int argc, char **argv);
+/* `kvbridge bench parallel` (cmd_bench_parallel.c). */
+int kvb_bench_parallel(int argc, char **argv);
 /* `kvbridge bench quality` (cmd_bench_quality.c). */
 int kvb_bench_quality(int argc, char **argv);
 

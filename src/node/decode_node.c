@@ -437,6 +437,27 @@ static void slot_release(kvb_decode_node *n) {
     pthread_mutex_unlock(&n->mu);
 }
 
+/* The prompt tokens this node computes itself, PROMPT_SLICE at a time; between slices the engine
+ * goes back to the FIFO, so the requests that are decoding get a batch of steps in, rather than
+ * stalling until the whole prompt is in (the same bits: chunked == one shot). Logits (n_vocab) of
+ * the last token. Holding the engine, and holding it again on return. */
+#define PROMPT_SLICE 256
+static kvb_status forward_prompt_yielding(kvb_decode_node *n, kvb_seq *s, const int32_t *toks, uint32_t n_toks,
+                                          float *logits, kvb_err *err) {
+    for (uint32_t done = 0; done < n_toks;) {
+        const uint32_t c = KVB_MIN(PROMPT_SLICE, n_toks - done);
+        const bool last = done + c == n_toks;
+        kvb_status st = kvb_engine_forward(n->e, s, toks + done, c, last ? logits : NULL, false, err);
+        if (st) return st;
+        done += c;
+        if (!last) {
+            engine_release(n);
+            engine_acquire(n);
+        }
+    }
+    return KVB_OK;
+}
+
 /* Builds the prompt's token ids. Returns an HTTP status (0 = ok) with a message in err. */
 static int prompt_tokens(kvb_decode_node *n, const kvb_completion_req *req, int32_t **ids, size_t *n_ids, kvb_err *err) {
     char *text = NULL;
@@ -654,8 +675,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     u.cached_tokens = cached;
     u.native_tokens = (int64_t)n_tok - (int64_t)adopted + (last_done ? 1 : 0); /* the decoder's own tokens */
     double t_native = kvb_now_s();
-    if (!st && !last_done)
-        st = kvb_engine_forward(n->e, s, toks + adopted, (uint32_t)n_tok - adopted, logits, false, &err);
+    if (!st && !last_done) st = forward_prompt_yielding(n, s, toks + adopted, (uint32_t)n_tok - adopted, logits, &err);
     u.native_s = last_done ? tail_wait_s : kvb_now_s() - t_native; /* pipelined: what ran on after DONE */
     kvb_trace_span("decode.native", t_native, kvb_now_s(), u.native_tokens);
     u.native_pipelined = last_done;
