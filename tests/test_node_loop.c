@@ -427,6 +427,30 @@ static void test_fault_other_model(void **state) {
     check_fault(NULL, g_other, PSK, true, 10000, "declined: prefill node unavailable", 0, NULL);
 }
 
+/* Ingest without decoding: a completion with max_tokens 0 warms the decoder's cache with a
+ * document (bridged, nothing generated); the next request that starts with it ships only the
+ * rest. */
+static void test_ingest_without_decoding(void **state) {
+    (void)state;
+    kvb_prefill_node *pn = start_prefill(g_model, PSK, NULL);
+    kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
+    int32_t ids[900];
+    kvbt_prompt_ids(ids, 900, 77);
+    kvbt_reply a, b;
+    kvbt_complete_ids_n(kvb_decode_node_port(dn), ids, 700, 0, &a);
+    assert_string_equal(a.verdict, "complete");
+    assert_int_equal(a.bridged, 699);
+    assert_string_equal(a.content, "");
+    kvbt_complete_ids_n(kvb_decode_node_port(dn), ids, 900, 4, &b);
+    assert_string_equal(b.verdict, "complete");
+    assert_int_equal(b.cached, 699 / 32 * 32); /* the document's whole blocks */
+    assert_int_equal(b.bridged, 899 - 699 / 32 * 32);
+    free(a.content);
+    free(b.content);
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+}
+
 /* Concurrent requests: served two at a time with their decode steps batched (and prompts over
  * 256 tokens computed in slices between batches), five clients at once (so three wait their turn)
  * get exactly the replies a one-at-a-time node gives, and the steps did run in batches of more
@@ -611,6 +635,7 @@ int main(void) {
         cmocka_unit_test(test_fault_peer_down),
         cmocka_unit_test(test_fault_wrong_key),
         cmocka_unit_test(test_fault_other_model),
+        cmocka_unit_test(test_ingest_without_decoding),
         cmocka_unit_test(test_concurrent_requests_batch_exactly),
         cmocka_unit_test(test_prefill_mode),
         cmocka_unit_test(test_bridged_blocks_are_evictable),
