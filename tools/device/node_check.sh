@@ -20,6 +20,9 @@
 #           COMPARE_ROUNDS rounds (default 3; prev first): the slab path alone (4 lanes) at
 #           LADDER_LENGTHS, then the CUDA ladder (bridged legs and GPU alone) at COMPARE_LENGTHS
 #           (default 8192,32768) with --seeds 3; each run's table and slab-path lines are printed
+#   parallel the decode node on the host's CPUs, 1B shape: bench decode --batch 8 (one sequence vs 8
+#           stepped together, same run) and bench parallel with 4 and 8 clients (a node serving
+#           them at once vs one at a time, every reply checked equal)
 # Logs under $OUT (default /tmp/kvb-node-check); DEADLINE (seconds, default 570) bounds the whole.
 # Knobs: LADDER_LENGTHS, LADDER_SEEDS (prompts per length, default 1), ALONE_MAX, CACHE (f16),
 # COST_SIZES, VERIFY_PRESETS (default: tiny .. llama3.2-1b), MILLION_CACHE, LADDER_EXTRA (more
@@ -101,6 +104,15 @@ if want link; then
   f=$(gen llama3.2-1b q8_0)
   timeout "$(left)" $K bench ladder -m "$f" --lengths "$LADDER_LENGTHS" --seeds 2 --slab-path-only --cache-type "$CACHE" $LADDER_EXTRA \
     2>"$OUT/slabpath.err" | tee "$OUT/slabpath.txt"
+fi
+if want parallel; then
+  say "== the decode node's batched decode, 1B shape, $(nproc) threads"
+  f=$(gen llama3.2-1b q8_0)
+  timeout "$(left)" $K bench decode -m "$f" --ctx 512 --gen 32 --reps 3 --batch 8 2>/dev/null | tee "$OUT/batch.txt"
+  for c in 4 8; do
+    timeout "$(left)" $K bench parallel -m "$f" --clients $c --tokens 64 --rounds 3 2>"$OUT/parallel$c.err" |
+      tee "$OUT/parallel$c.txt"
+  done
 fi
 if want compare; then
   say "== compare: $D/kvbridge.prev (prev) against $K (new), alternated"
