@@ -1,14 +1,23 @@
-/* node/decode_batch.c — the decode node's decode steps, batched across requests. Each request
- * that is decoding hands in its next token (kvb_decode_batch_step) and sleeps; the first of them
- * that finds no batch running becomes its leader: it waits (at most GATHER_WAIT_S) until every
- * request that is decoding has handed in its step — the others are only emitting the last
- * token, and a batch that left them out would run them next alone — takes the engine (the
- * node's FIFO ticket, so a new request's prompt gets its turn between steps), gathers every step
- * handed in by then (up to the batch's capacity), runs them as one kvb_engine_forward_batch, samples each request's next
- * token with that request's own sampler, gives the engine back and wakes the batch. The others'
- * steps ride along, and the weights are read once per step for all of them. A batch that fails
- * before any sequence advanced (a full store, say) is run again one sequence at a time, so only
- * the request at fault gets the error. */
+/* node/decode_batch.c — the decode node's decode steps, batched across requests, and who computes
+ * on the engine when. Computing on the engine (its scratch and its thread pool) is one holder at a
+ * time: a request's prompt phase (kvb_decode_batch_exec_begin .. _end, inside the node's FIFO of
+ * prompts) or one batch of decode steps.
+ *
+ * Each request that is decoding hands in its next token (kvb_decode_batch_step) and sleeps. The
+ * first of them that finds no batch being led leads one: it waits (at most GATHER_WAIT_S) until
+ * every decoding request has handed in its step (the others are only emitting their last token,
+ * and a batch that left them out would run them next alone), waits for the engine to be free,
+ * takes every step handed in by then (up to the batch's capacity), runs them as one
+ * kvb_engine_forward_batch, samples each request's next token with that request's own sampler,
+ * and wakes them. The weights are read once per step for all of them.
+ *
+ * A prompt phase runs the steps handed in so far when it begins, and between two slices of the
+ * prompt it computes itself (kvb_decode_batch_run_pending), so the others' streams go on while a
+ * long prompt is computed, and the prompt keeps its place: a request queued behind it still finds
+ * its blocks committed. A leader whose step such a phase ran returns without the engine.
+ *
+ * A batch that fails before any sequence advanced (a full store, say) is run again one sequence
+ * at a time, so only the request at fault gets the error. */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,15 +31,14 @@
 struct kvb_decode_batch {
     kvb_engine *e;
     uint32_t cap, n_vocab;
-    void (*acquire)(void *ctx), (*release)(void *ctx); /* the engine's FIFO ticket */
-    void *ctx;
     pthread_mutex_t mu;
-    pthread_cond_t cv;            /* a batch finished */
+    pthread_cond_t cv;            /* a step handed in or done, a request left, the engine freed */
+    bool busy;                    /* someone computes on the engine (a prompt phase or a batch) */
     kvb_decode_step *head, *tail; /* handed in, not yet taken: FIFO through ->link */
     uint32_t n_pending;           /* of them */
     uint32_t n_active;            /* requests decoding (kvb_decode_batch_join .. _leave) */
-    bool leading;                 /* a leader is running a batch */
-    /* the leader's, (cap) each */
+    bool leading;                 /* a request leads the next batch */
+    /* the engine holder's, (cap) each */
     kvb_decode_step **taken;
     kvb_seq **seqs;
     int32_t *tokens;
@@ -39,9 +47,8 @@ struct kvb_decode_batch {
     kvb_metric *m_batches, *m_steps; /* counters, or NULL */
 };
 
-kvb_status kvb_decode_batch_create(kvb_engine *e, uint32_t cap, uint32_t n_vocab, void (*acquire)(void *),
-                                   void (*release)(void *), void *ctx, kvb_metric *m_batches, kvb_metric *m_steps,
-                                   kvb_decode_batch **out, kvb_err *err) {
+kvb_status kvb_decode_batch_create(kvb_engine *e, uint32_t cap, uint32_t n_vocab, kvb_metric *m_batches,
+                                   kvb_metric *m_steps, kvb_decode_batch **out, kvb_err *err) {
     *out = NULL;
     kvb_decode_batch *b = calloc(1, sizeof *b);
     if (b) {
@@ -58,9 +65,6 @@ kvb_status kvb_decode_batch_create(kvb_engine *e, uint32_t cap, uint32_t n_vocab
     b->e = e;
     b->cap = cap;
     b->n_vocab = n_vocab;
-    b->acquire = acquire;
-    b->release = release;
-    b->ctx = ctx;
     b->m_batches = m_batches;
     b->m_steps = m_steps;
     pthread_mutex_init(&b->mu, NULL);
@@ -133,6 +137,28 @@ static void gather(kvb_decode_batch *b) {
         if (kvb_cond_wait_until(&b->cv, &b->mu, until) == ETIMEDOUT) break;
 }
 
+/* Computing on the engine (busy, by the caller; not holding mu): takes the steps handed in so far
+ * (up to cap), runs them and wakes their requests. */
+static void take_and_run(kvb_decode_batch *b) {
+    pthread_mutex_lock(&b->mu);
+    uint32_t n = 0;
+    while (b->head && n < b->cap) {
+        b->taken[n++] = b->head;
+        b->head = b->head->link;
+    }
+    if (!b->head) b->tail = NULL;
+    b->n_pending -= n;
+    pthread_mutex_unlock(&b->mu);
+    if (!n) return;
+    run_batch(b, n);
+    kvb_metric_add(b->m_batches, NULL, 1);
+    kvb_metric_add(b->m_steps, NULL, n);
+    pthread_mutex_lock(&b->mu);
+    for (uint32_t i = 0; i < n; i++) b->taken[i]->done = true;
+    pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+}
+
 kvb_status kvb_decode_batch_step(kvb_decode_batch *b, kvb_decode_step *step) {
     step->st = KVB_OK;
     step->done = false;
@@ -150,26 +176,36 @@ kvb_status kvb_decode_batch_step(kvb_decode_batch *b, kvb_decode_step *step) {
         }
         b->leading = true;
         gather(b);
-        pthread_mutex_unlock(&b->mu);
-        b->acquire(b->ctx); /* steps handed in while it waits for the engine join this batch */
-        pthread_mutex_lock(&b->mu);
-        uint32_t n = 0;
-        while (b->head && n < b->cap) {
-            b->taken[n++] = b->head;
-            b->head = b->head->link;
+        while (b->busy && !step->done) pthread_cond_wait(&b->cv, &b->mu); /* a prompt phase may run it */
+        if (!step->done) {
+            b->busy = true; /* steps handed in while it waited join this batch */
+            pthread_mutex_unlock(&b->mu);
+            take_and_run(b);
+            pthread_mutex_lock(&b->mu);
+            b->busy = false;
         }
-        if (!b->head) b->tail = NULL;
-        b->n_pending -= n;
-        pthread_mutex_unlock(&b->mu);
-        run_batch(b, n);
-        b->release(b->ctx);
-        kvb_metric_add(b->m_batches, NULL, 1);
-        kvb_metric_add(b->m_steps, NULL, n);
-        pthread_mutex_lock(&b->mu);
-        for (uint32_t i = 0; i < n; i++) b->taken[i]->done = true;
         b->leading = false;
         pthread_cond_broadcast(&b->cv);
     }
     pthread_mutex_unlock(&b->mu);
     return step->st;
+}
+
+void kvb_decode_batch_exec_begin(kvb_decode_batch *b) {
+    pthread_mutex_lock(&b->mu);
+    while (b->busy) pthread_cond_wait(&b->cv, &b->mu);
+    b->busy = true;
+    pthread_mutex_unlock(&b->mu);
+    take_and_run(b); /* the steps waiting now go first: a stream of prompts never starves them */
+}
+
+void kvb_decode_batch_exec_end(kvb_decode_batch *b) {
+    pthread_mutex_lock(&b->mu);
+    b->busy = false;
+    pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+}
+
+void kvb_decode_batch_run_pending(kvb_decode_batch *b) {
+    take_and_run(b);
 }

@@ -6,9 +6,10 @@
  * natively (always the last prompt token: while the blocks arrive, layer by layer, on the
  * pipelined tail's thread — tail_pipe.c; KVB_DECODE_PIPELINED_TAIL=0 runs it after the transfer
  * instead), decode and stream; the verdict says what actually happened. Up to cfg.parallel
- * requests are served at once, admitted in arrival order: a request's prompt has the engine to
- * itself (a FIFO ticket), and the decode steps of all of them run as batches between prompts
- * (decode_batch.c), the weights read once per step for every request. */
+ * requests are served at once, admitted in arrival order: prompts take their turn in a FIFO
+ * (which also owns the peer link), and the decode steps of all of them run as batches whenever
+ * no prompt computes, before each prompt and between its slices (decode_batch.c), the weights
+ * read once per step for every request. */
 #include <stdio.h>
 #include <sys/random.h>
 #include <stdlib.h>
@@ -33,7 +34,7 @@ struct kvb_decode_node {
     kvb_engine *e;
     kvb_store *store;
     kvb_http_server *http;
-    /* FIFO ticket queue on the engine: a request's prompt, or one batch of decode steps */
+    /* FIFO ticket queue of prompt phases (the engine's compute is the decode batch's to share) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     uint64_t next_ticket, serving;
@@ -401,23 +402,23 @@ static void faults_append(char *buf, size_t cap, const char *label, const char *
 
 /* ---- the completion handler ------------------------------------------------------------------- */
 
+/* A prompt phase: the FIFO of prompts (and of the peer link), then the engine to compute on (the
+ * decode batches' steps waiting now run first, and between the prompt's slices). */
 static void engine_acquire(kvb_decode_node *n) {
     pthread_mutex_lock(&n->mu);
     uint64_t t = n->next_ticket++;
     while (n->serving != t) pthread_cond_wait(&n->cv, &n->mu);
     pthread_mutex_unlock(&n->mu);
+    kvb_decode_batch_exec_begin(n->batch);
 }
 
 static void engine_release(kvb_decode_node *n) {
+    kvb_decode_batch_exec_end(n->batch);
     pthread_mutex_lock(&n->mu);
     n->serving++;
     pthread_cond_broadcast(&n->cv);
     pthread_mutex_unlock(&n->mu);
 }
-
-/* the decode batch's leader takes the engine the same way */
-static void engine_acquire_cb(void *n) { engine_acquire(n); }
-static void engine_release_cb(void *n) { engine_release(n); }
 
 /* A request's turn to be served, in arrival order, while fewer than cfg.parallel are (each holds a
  * sequence of up to max_ctx tokens: the cache is sized for them). */
@@ -437,10 +438,11 @@ static void slot_release(kvb_decode_node *n) {
     pthread_mutex_unlock(&n->mu);
 }
 
-/* The prompt tokens this node computes itself, PROMPT_SLICE at a time; between slices the engine
- * goes back to the FIFO, so the requests that are decoding get a batch of steps in, rather than
- * stalling until the whole prompt is in (the same bits: chunked == one shot). Logits (n_vocab) of
- * the last token. Holding the engine, and holding it again on return. */
+/* The prompt tokens this node computes itself, PROMPT_SLICE at a time; between slices the steps
+ * the decoding requests handed in meanwhile run as a batch, so their streams do not stall until
+ * the whole prompt is in (the same bits: chunked == one shot). The prompt keeps the engine: a
+ * request queued behind it still finds its blocks committed. Logits (n_vocab) of the last token.
+ * Holding the engine. */
 #define PROMPT_SLICE 256
 static kvb_status forward_prompt_yielding(kvb_decode_node *n, kvb_seq *s, const int32_t *toks, uint32_t n_toks,
                                           float *logits, kvb_err *err) {
@@ -450,10 +452,7 @@ static kvb_status forward_prompt_yielding(kvb_decode_node *n, kvb_seq *s, const 
         kvb_status st = kvb_engine_forward(n->e, s, toks + done, c, last ? logits : NULL, false, err);
         if (st) return st;
         done += c;
-        if (!last) {
-            engine_release(n);
-            engine_acquire(n);
-        }
+        if (!last) kvb_decode_batch_run_pending(n->batch);
     }
     return KVB_OK;
 }
@@ -870,8 +869,8 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                                    "Decode steps run, one token of one request each, in batches", NULL, NULL, 0,
                                    &n->m_steps, err)))
         goto fail;
-    if ((st = kvb_decode_batch_create(n->e, c->parallel, n->m->d.n_vocab, engine_acquire_cb, engine_release_cb, n,
-                                      n->m_batches, n->m_steps, &n->batch, err)))
+    if ((st = kvb_decode_batch_create(n->e, c->parallel, n->m->d.n_vocab, n->m_batches, n->m_steps, &n->batch,
+                                      err)))
         goto fail;
     kvb_http_config hc = {.listen = cfg->http_listen, .model_id = n->model_id, .accept_any_model = true,
                           .metrics = n->metrics};

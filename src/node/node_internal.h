@@ -69,11 +69,9 @@ void kvb_ring_done(kvb_ring *r, uint32_t slot);
 void kvb_ring_close(kvb_ring *r); /* producer done */
 void kvb_ring_fail(kvb_ring *r);  /* consumer gave up: producer's pushes fail */
 
-/* The decode node's decode steps, batched across requests (decode_batch.c). A step: append
- * `token` to the request's sequence `s`, then sample the next token from its logits with `smp`
- * (the request's own sampler). kvb_decode_batch_step returns when the step ran, in a batch with
- * whatever other requests handed in meanwhile (up to cap), with the engine taken through
- * acquire/release (the node's FIFO ticket) only while the batch runs. */
+/* The decode node's decode steps, batched across requests, and who computes on its engine
+ * (decode_batch.c). A step: append `token` to the request's sequence `s`, then sample the next
+ * token from its logits with `smp` (the request's own sampler). */
 typedef struct kvb_decode_step {
     kvb_seq *s;
     int32_t token;
@@ -85,16 +83,24 @@ typedef struct kvb_decode_step {
     struct kvb_decode_step *link; /* the batcher's */
 } kvb_decode_step;
 typedef struct kvb_decode_batch kvb_decode_batch;
-/* m_batches, m_steps: counters of batches run and steps in them, or NULL. */
-kvb_status kvb_decode_batch_create(kvb_engine *e, uint32_t cap, uint32_t n_vocab, void (*acquire)(void *),
-                                   void (*release)(void *), void *ctx, kvb_metric *m_batches,
+/* At most cap steps per batch. m_batches, m_steps: counters of batches run and steps in them, or
+ * NULL. */
+kvb_status kvb_decode_batch_create(kvb_engine *e, uint32_t cap, uint32_t n_vocab, kvb_metric *m_batches,
                                    kvb_metric *m_steps, kvb_decode_batch **out, kvb_err *err);
 /* A request starts / ends decoding: between the two it hands in a step whenever it has emitted
  * its last token, and a batch's leader waits (briefly) for the steps of all of them. */
 void kvb_decode_batch_join(kvb_decode_batch *b);
 void kvb_decode_batch_leave(kvb_decode_batch *b);
-/* Runs one step (see above); returns step->st (step->err says why). */
+/* Runs one step in a batch with whatever other requests handed in meanwhile (up to cap), once the
+ * engine is free, or within a prompt phase; returns step->st (step->err says why). */
 kvb_status kvb_decode_batch_step(kvb_decode_batch *b, kvb_decode_step *step);
+/* A prompt phase computes on the engine between these two (nobody else does meanwhile); begin
+ * first runs the steps handed in so far. */
+void kvb_decode_batch_exec_begin(kvb_decode_batch *b);
+void kvb_decode_batch_exec_end(kvb_decode_batch *b);
+/* Within a prompt phase (between two slices of the prompt): runs the steps handed in so far as
+ * one batch, if any, and wakes their requests. */
+void kvb_decode_batch_run_pending(kvb_decode_batch *b);
 /* After every step has returned. NULL is a no-op. */
 void kvb_decode_batch_free(kvb_decode_batch *b);
 
