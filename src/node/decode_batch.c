@@ -34,6 +34,7 @@ struct kvb_decode_batch {
     pthread_mutex_t mu;
     pthread_cond_t cv;            /* a step handed in or done, a request left, the engine freed */
     bool busy;                    /* someone computes on the engine (a prompt phase or a batch) */
+    uint32_t prompts_waiting;     /* prompt phases waiting for the engine: they go before a batch */
     kvb_decode_step *head, *tail; /* handed in, not yet taken: FIFO through ->link */
     uint32_t n_pending;           /* of them */
     uint32_t n_active;            /* requests decoding (kvb_decode_batch_join .. _leave) */
@@ -176,7 +177,9 @@ kvb_status kvb_decode_batch_step(kvb_decode_batch *b, kvb_decode_step *step) {
         }
         b->leading = true;
         gather(b);
-        while (b->busy && !step->done) pthread_cond_wait(&b->cv, &b->mu); /* a prompt phase may run it */
+        /* a waiting prompt goes first (and runs this step as it begins): the leader, already
+         * awake, would otherwise win the engine every time */
+        while ((b->busy || b->prompts_waiting) && !step->done) pthread_cond_wait(&b->cv, &b->mu);
         if (!step->done) {
             b->busy = true; /* steps handed in while it waited join this batch */
             pthread_mutex_unlock(&b->mu);
@@ -193,7 +196,9 @@ kvb_status kvb_decode_batch_step(kvb_decode_batch *b, kvb_decode_step *step) {
 
 void kvb_decode_batch_exec_begin(kvb_decode_batch *b) {
     pthread_mutex_lock(&b->mu);
+    b->prompts_waiting++;
     while (b->busy) pthread_cond_wait(&b->cv, &b->mu);
+    b->prompts_waiting--;
     b->busy = true;
     pthread_mutex_unlock(&b->mu);
     take_and_run(b); /* the steps waiting now go first: a stream of prompts never starves them */
