@@ -1,6 +1,7 @@
 /* tests/test_cli_run.c — the foundation's command-line acceptance: gen-model writes the same
  * file for any thread count; `run --output ids` prints N ids, identical on every run and every
- * thread count; bad options fail with exit 2 and a message that says what to do. */
+ * thread count; bad options fail with exit 2 and a message that says what to do; the batched
+ * decode benchmarks run and pass their own checks. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -106,12 +107,30 @@ static void test_run_text_prompt(void **state) {
     assert_true(strlen(out) > 0);
 }
 
+/* The batched-decode benchmarks run and keep their own checks (not timed: the figures are theirs). */
+static void test_bench_batched_decode_runs(void **state) {
+    (void)state;
+    char cmd[2048], out[8192];
+    snprintf(cmd, sizeof cmd, "'%s' bench parallel -m '%s' --clients 3 --tokens 6 --prompt-tokens 40 --rounds 1 --threads 2",
+             kvbt_bin(), g_model);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 0), 0);
+    assert_non_null(strstr(out, "the same text from both nodes"));
+    snprintf(cmd, sizeof cmd, "'%s' bench decode -m '%s' --ctx 8 --gen 4 --reps 1 --batch 3 --threads 2", kvbt_bin(),
+             g_model);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 0), 0);
+    assert_non_null(strstr(out, "3 sequences stepped together"));
+    snprintf(cmd, sizeof cmd, "'%s' bench parallel --help", kvbt_bin());
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 0), 0);
+    assert_non_null(strstr(out, "usage: kvbridge bench parallel"));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_gen_model_thread_invariant),
         cmocka_unit_test(test_run_ids_deterministic),
         cmocka_unit_test(test_run_bad_options),
         cmocka_unit_test(test_run_text_prompt),
+        cmocka_unit_test(test_bench_batched_decode_runs),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }
