@@ -501,6 +501,12 @@ static void test_concurrent_requests_batch_exactly(void **state) {
     assert_true(steps > batches && batches > 0); /* some steps ran together */
     assert_true(kvbt_metric(op, "kvbridge_decode_steps_total ") == kvbt_metric(op, "kvbridge_decode_batches_total "));
     assert_true(kvbt_metric(pp, "kvbridge_queue_depth ") == 0);
+    char cmd[128], health[1024];
+    snprintf(cmd, sizeof cmd, "curl -s http://127.0.0.1:%u/health", pp);
+    assert_int_equal(kvbt_sh(cmd, health, sizeof health, 0), 0);
+    if (!strstr(health, "\"parallel\":2") || !strstr(health, "\"requests_served\":0") ||
+        !strstr(health, "\"requests_waiting\":0"))
+        fail_msg("/health: %s", health);
     kvb_decode_node_stop(one);
     kvb_decode_node_stop(par);
 }
@@ -642,5 +648,6 @@ int main(void) {
         cmocka_unit_test(test_filler_rows_slab_path),
         cmocka_unit_test(test_openai_client_streams),
     };
+    if (getenv("KVB_TEST_FILTER")) cmocka_set_test_filter(getenv("KVB_TEST_FILTER")); /* e.g. CI's TSan pass */
     return cmocka_run_group_tests(tests, setup, NULL);
 }

@@ -753,6 +753,12 @@ static void handle_health(void *ctx, cJSON *body) {
     kvb_store_get_stats(n->store, &st);
     cJSON_AddNumberToObject(body, "cache_blocks_committed", st.committed);
     cJSON_AddNumberToObject(body, "cache_blocks_free", st.free);
+    pthread_mutex_lock(&n->mu);
+    const uint64_t in = n->slot_next - n->slot_done, par = n->cfg.parallel; /* admitted or waiting */
+    pthread_mutex_unlock(&n->mu);
+    cJSON_AddNumberToObject(body, "parallel", (double)par);
+    cJSON_AddNumberToObject(body, "requests_served", (double)KVB_MIN(in, par));
+    cJSON_AddNumberToObject(body, "requests_waiting", (double)(in > par ? in - par : 0));
 }
 
 kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node **out, kvb_err *err) {
