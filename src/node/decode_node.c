@@ -444,7 +444,7 @@ static void slot_release(kvb_decode_node *n) {
  * request queued behind it still finds its blocks committed. Logits (n_vocab) of the last token.
  * Holding the engine. */
 #define PROMPT_SLICE 256
-static kvb_status forward_prompt_yielding(kvb_decode_node *n, kvb_seq *s, const int32_t *toks, uint32_t n_toks,
+static kvb_status forward_prompt_sliced(kvb_decode_node *n, kvb_seq *s, const int32_t *toks, uint32_t n_toks,
                                           float *logits, kvb_err *err) {
     for (uint32_t done = 0; done < n_toks;) {
         const uint32_t c = KVB_MIN(PROMPT_SLICE, n_toks - done);
@@ -674,7 +674,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     u.cached_tokens = cached;
     u.native_tokens = (int64_t)n_tok - (int64_t)adopted + (last_done ? 1 : 0); /* the decoder's own tokens */
     double t_native = kvb_now_s();
-    if (!st && !last_done) st = forward_prompt_yielding(n, s, toks + adopted, (uint32_t)n_tok - adopted, logits, &err);
+    if (!st && !last_done) st = forward_prompt_sliced(n, s, toks + adopted, (uint32_t)n_tok - adopted, logits, &err);
     u.native_s = last_done ? tail_wait_s : kvb_now_s() - t_native; /* pipelined: what ran on after DONE */
     kvb_trace_span("decode.native", t_native, kvb_now_s(), u.native_tokens);
     u.native_pipelined = last_done;
