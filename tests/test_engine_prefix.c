@@ -244,6 +244,30 @@ static kvb_status count_gate(void *ctx, uint32_t layer, kvb_err *err) {
     return layer == g->abort_at ? kvb_err_set(err, KVB_ERR_INTERNAL, "gate closed at layer %u", layer) : KVB_OK;
 }
 
+/* A gate that computes while it waits, as the decode node's does: one decode step of two other
+ * sequences as a batch and a 20-token chunk of a third, on the gate's own thread. */
+typedef struct {
+    kvb_engine *e;
+    kvb_seq *ab[2], *c;
+    int32_t ab_toks[2][64]; /* each sequence's tokens so far */
+    uint32_t calls;
+    float *logits; /* (2, n_vocab): the last batch's */
+} busy_gate;
+
+static kvb_status compute_in_gate(void *ctx, uint32_t layer, kvb_err *err) {
+    busy_gate *g = ctx;
+    assert_int_equal(layer, g->calls);
+    g->calls++;
+    int32_t step[2], chunk[20];
+    for (int i = 0; i < 2; i++) {
+        const uint32_t len = kvb_seq_len(g->ab[i]);
+        step[i] = g->ab_toks[i][len] = (int32_t)((layer * 7 + (uint32_t)i * 13 + len) % g_model->d.n_vocab);
+    }
+    kvb_status st = kvb_engine_forward_batch(g->e, g->ab, step, 2, g->logits, err);
+    random_tokens(chunk, 20, layer + 99);
+    return st ? st : kvb_engine_forward(g->e, g->c, chunk, 20, NULL, false, err);
+}
+
 /* The last token's forward over borrowed pages (filled by another engine's rows, as a bridge would)
  * gives logits bit-identical to one forward over the whole prompt; the gate runs once per layer;
  * a gate that fails aborts the forward, and freeing the sequence leaves the borrowed pages (still
@@ -301,6 +325,35 @@ static void test_borrowed_pages_and_gate(void **state) {
         assert_true(stats.writing >= n_pages); /* the borrowed pages are still the test's */
         assert_int_equal(kvb_store_check(store, &err), KVB_OK);
     }
+    /* the gate computing on the engine meanwhile: the same logits, and the batch it ran gives each
+     * sequence what a forward of that sequence alone gives */
+    busy_gate bg = {.e = e, .logits = malloc(sizeof(float) * 2 * V)};
+    assert_non_null(bg.logits);
+    for (int i = 0; i < 2; i++) {
+        random_tokens(bg.ab_toks[i], 5, 40 + (uint64_t)i);
+        assert_int_equal(kvb_seq_create(e, &bg.ab[i], &err), KVB_OK);
+        assert_int_equal(kvb_engine_forward(e, bg.ab[i], bg.ab_toks[i], 5, NULL, false, &err), KVB_OK);
+    }
+    assert_int_equal(kvb_seq_create(e, &bg.c, &err), KVB_OK);
+    assert_int_equal(kvb_seq_create(e, &s, &err), KVB_OK);
+    assert_int_equal(kvb_seq_borrow_pages(s, pages, n_pages, toks, n - 1, &err), KVB_OK);
+    kvb_seq_set_layer_gate(s, compute_in_gate, &bg);
+    memset(got, 0, sizeof(float) * V);
+    assert_int_equal(kvb_engine_forward(e, s, toks + n - 1, 1, got, false, &err), KVB_OK);
+    assert_int_equal(bg.calls, g_model->d.n_layer);
+    assert_memory_equal(got, ref, sizeof(float) * V);
+    kvb_seq_free(s);
+    for (int i = 0; i < 2; i++) {
+        kvb_seq *alone;
+        const uint32_t len = kvb_seq_len(bg.ab[i]);
+        assert_int_equal(kvb_seq_create(e, &alone, &err), KVB_OK);
+        assert_int_equal(kvb_engine_forward(e, alone, bg.ab_toks[i], len, got, false, &err), KVB_OK);
+        assert_memory_equal(got, bg.logits + (size_t)i * V, sizeof(float) * V);
+        kvb_seq_free(alone);
+        kvb_seq_free(bg.ab[i]);
+    }
+    kvb_seq_free(bg.c);
+    free(bg.logits);
     assert_int_equal(kvb_store_release(store, pages, n_pages, &err), KVB_OK);
     assert_int_equal(kvb_store_check(store, &err), KVB_OK);
     kvb_engine_free(fill);

@@ -43,6 +43,8 @@ struct kvb_seq {
     uint32_t borrowed_from, borrowed_to; /* blocks [from, to) are borrowed; to == 0: none */
     kvb_layer_gate gate;     /* or NULL */
     void *gate_ctx;
+    float *gate_saved;       /* (n, n_embd + n_head * head_dim): a gated chunk's x and q across its gate */
+    size_t gate_saved_floats;
 };
 
 /* y (n_tok, W->rows) = W x for x (n_tok, W->cols) f32; act: scratch for quantised x. */

@@ -138,6 +138,7 @@ void kvb_seq_free(kvb_seq *s) {
     }
     free(s->blocks);
     free(s->tokens);
+    free(s->gate_saved);
     free(s);
 }
 

@@ -9,6 +9,7 @@
  * and each token's arithmetic is what its own one-token forward does (every projection is a
  * per-token column; attention, RoPE and the cache rows are per sequence). */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_internal.h"
@@ -108,6 +109,30 @@ typedef struct {
 static kvb_seq *token_seq(chunk_seqs c, uint32_t t) { return c.each ? c.each[t] : c.s; }
 static uint32_t token_pos(chunk_seqs c, uint32_t t) { return c.each ? c.each[t]->len : c.s->len + t; }
 
+/* Calls s's gate before layer l's attention (it returns once earlier positions' layer l is
+ * there). The gate may run other forwards on this engine meanwhile, so what the chunk still needs
+ * of the engine's scratch is kept across it: the residual stream x and the queries q of its n
+ * tokens, and the RoPE rows of its positions (filled again). The rest is written again before it
+ * is read (h, att, g, u by the projections; the K/V rows went into the cache before the gate). */
+static kvb_status gate_keeping_state(kvb_engine *e, kvb_seq *s, uint32_t l, uint32_t pos0, uint32_t n,
+                                     kvb_err *err) {
+    const kvb_model_desc *d = &e->m->d;
+    const size_t xf = (size_t)n * d->n_embd, qf = (size_t)n * d->n_head * d->head_dim;
+    if (s->gate_saved_floats < xf + qf) {
+        float *p = realloc(s->gate_saved, sizeof(float) * (xf + qf));
+        if (!p) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for a gated chunk of %u tokens", n);
+        s->gate_saved = p;
+        s->gate_saved_floats = xf + qf;
+    }
+    memcpy(s->gate_saved, e->x, sizeof(float) * xf);
+    memcpy(s->gate_saved + xf, e->q, sizeof(float) * qf);
+    kvb_status st = s->gate(s->gate_ctx, l, err);
+    memcpy(e->x, s->gate_saved, sizeof(float) * xf);
+    memcpy(e->q, s->gate_saved + xf, sizeof(float) * qf);
+    kvb_rope_tables_fill(&e->rope, pos0, n);
+    return st;
+}
+
 static kvb_status forward_chunk(kvb_engine *e, chunk_seqs cs, const int32_t *tokens, uint32_t n, float *logits,
                                 bool all_logits, kvb_err *err) {
     const kvb_model *m = e->m;
@@ -157,7 +182,7 @@ static kvb_status forward_chunk(kvb_engine *e, chunk_seqs cs, const int32_t *tok
 
         kvb_cpu_matmul(e->pool, &w->wq, e->h, n, e->q, e->act);
         kvb_pool_parallel_for(tok_pool, (int)n, q_post_task, &tj);
-        if (s && s->gate && (st = s->gate(s->gate_ctx, l, err))) return st; /* earlier positions' layer l is there */
+        if (s && s->gate && (st = gate_keeping_state(e, s, l, pos0, n, err))) return st;
         if (s) kvb_cpu_attention(e, s, l, pos0, n, e->q, e->att);
         else
             for (uint32_t t = 0; t < n; t++)

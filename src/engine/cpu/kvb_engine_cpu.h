@@ -88,7 +88,10 @@ kvb_status kvb_seq_adopt_tail(kvb_seq *s, kvb_block_id page, const int32_t *toke
  * same arithmetic on the same bytes as running that token after the transfer. */
 
 /* Called by the forward before layer `layer`'s attention; a non-OK return aborts the forward.
- * A gate that will block parks the engine's threads first (kvb_engine_park_threads). */
+ * A gate that will block parks the engine's threads first (kvb_engine_park_threads). While it
+ * waits, the gate may run other forwards on this engine, on its own thread (kvb_engine_forward of
+ * another sequence, kvb_engine_forward_batch): the gated chunk's state is kept across the call,
+ * so its result is the same bit for bit. */
 typedef kvb_status (*kvb_layer_gate)(void *ctx, uint32_t layer, kvb_err *err);
 void kvb_seq_set_layer_gate(kvb_seq *s, kvb_layer_gate gate, void *ctx);
 /* The engine's worker threads stop spinning for work and sleep until its next parallel step, so
