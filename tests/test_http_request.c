@@ -43,6 +43,7 @@ static void test_chat_minimal(void **state) {
     assert_int_equal(r->n_stop, 0);
     assert_false(r->stream);
     assert_false(r->include_usage);
+    assert_false(r->ignore_eos);
     assert_int_equal(r->bridge, KVB_BRIDGE_AUTO);
     kvb_completion_req_free(r);
 }
@@ -57,7 +58,7 @@ static void test_chat_full(void **state) {
         "{\"role\":\"user\",\"content\":\"caf\xc3\xa9 \xe2\x82\xac\"}],"
         "\"max_tokens\":10,\"max_completion_tokens\":12,\"temperature\":0.5,\"top_p\":0.9,\"top_k\":40,"
         "\"seed\":-7,\"stop\":[\"\\n\\n\",\"END\"],\"stream\":true,\"stream_options\":{\"include_usage\":true},"
-        "\"n\":1,\"user\":\"u1\",\"frequency_penalty\":0.5,\"presence_penalty\":-1,"
+        "\"ignore_eos\":true,\"n\":1,\"user\":\"u1\",\"frequency_penalty\":0.5,\"presence_penalty\":-1,"
         "\"logprobs\":false,\"tools\":[],\"response_format\":{\"type\":\"text\"},"
         "\"some_future_field\":{\"ignored\":[1,2,3]},\"kvbridge\":{\"bridge\":\"force\"}}";
     kvb_completion_req *r = parse_ok(KVB_API_CHAT_COMPLETIONS, body);
@@ -80,6 +81,7 @@ static void test_chat_full(void **state) {
     assert_string_equal(r->stop[1], "END");
     assert_true(r->stream);
     assert_true(r->include_usage);
+    assert_true(r->ignore_eos);
     assert_true(r->frequency_penalty == 0.5);
     assert_true(r->presence_penalty == -1);
     assert_int_equal(r->bridge, KVB_BRIDGE_FORCE);
@@ -212,6 +214,7 @@ static const bad_case bad_cases[] = {
     {CHAT, CHATB(",\"stop\":[\"a\",\"b\",\"c\",\"d\",\"e\"]"), "stop", "maximum length 4"},
     {CHAT, CHATB(",\"stream\":\"true\""), "stream", "expected a boolean"},
     {CHAT, CHATB(",\"stream\":1"), "stream", "expected a boolean"},
+    {CHAT, CHATB(",\"ignore_eos\":\"yes\""), "ignore_eos", "expected a boolean"},
     {CHAT, CHATB(",\"stream\":true,\"stream_options\":true"), "stream_options", "expected an object"},
     {CHAT, CHATB(",\"stream_options\":{\"include_usage\":true}"), "stream_options", "only allowed when"},
     {CHAT, CHATB(",\"stream\":true,\"stream_options\":{\"include_usage\":\"yes\"}"), "stream_options.include_usage", "expected a boolean"},

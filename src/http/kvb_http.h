@@ -99,6 +99,8 @@ typedef struct {
     double temperature;              /* [0, 2], default 1 */
     double top_p;                    /* [0, 1], default 1 */
     int32_t top_k;                   /* extension; >= 0, 0 (or -1 sent) = off; default 0 */
+    bool ignore_eos;                 /* extension (vLLM's): an end-of-generation token does not end the
+                                        reply, which runs to max_tokens or the context end (benchmarks) */
     double frequency_penalty;        /* [-2, 2], default 0 */
     double presence_penalty;         /* [-2, 2], default 0 */
     bool has_seed;

@@ -395,6 +395,7 @@ static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_api api, kv
     if ((v = field(root, "user")) && (s = get_string(v, "user", true, &user_ignored, e))) return s;
     if ((s = parse_stop(st, root, e))) return s;
     if ((s = get_bool(root, "stream", "stream", &r->stream, e))) return s;
+    if ((s = get_bool(root, "ignore_eos", "ignore_eos", &r->ignore_eos, e))) return s;
     if ((v = field(root, "stream_options"))) {
         if (!cJSON_IsObject(v))
             return BAD(e, "stream_options", "Invalid type for 'stream_options': expected an object, but "

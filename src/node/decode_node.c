@@ -705,7 +705,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     kvb_decode_step step = {.s = s, .smp = &smp};
     kvb_decode_batch_join(n->batch);
     for (int64_t i = 0; !st && i < max_new; i++) {
-        if (kvb_tokenizer_is_eog(n->tok, id)) {
+        if (!req->ignore_eos && kvb_tokenizer_is_eog(n->tok, id)) {
             reason = KVB_FINISH_STOP;
             break;
         }
