@@ -96,7 +96,7 @@ static void test_prompt_phase_goes_first_and_alone(void **state) {
     kvb_engine *e = make_engine();
     kvb_decode_batch *b = NULL;
     kvb_err err = {0};
-    assert_int_equal(kvb_decode_batch_create(e, 4, g_model->d.n_vocab, NULL, NULL, &b, &err), KVB_OK);
+    assert_int_equal(kvb_decode_batch_create(e, 4, g_model->d.n_vocab, NULL, NULL, NULL, &b, &err), KVB_OK);
     decoder d = {.b = b, .n_steps = STEPS};
     prefill(e, &d.s, 1, &d.first);
     pthread_t th;
@@ -130,7 +130,7 @@ static void test_two_requests_batched_get_their_own_tokens(void **state) {
         kvb_engine *e = make_engine();
         kvb_decode_batch *b = NULL;
         kvb_err err = {0};
-        assert_int_equal(kvb_decode_batch_create(e, 4, g_model->d.n_vocab, NULL, NULL, &b, &err), KVB_OK);
+        assert_int_equal(kvb_decode_batch_create(e, 4, g_model->d.n_vocab, NULL, NULL, NULL, &b, &err), KVB_OK);
         decoder d[2] = {{.b = b, .n_steps = 40}, {.b = b, .n_steps = 40}};
         pthread_t th[2];
         for (int i = 0; i < 2; i++) prefill(e, &d[i].s, 5 + (uint64_t)i, &d[i].first);

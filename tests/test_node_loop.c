@@ -32,6 +32,7 @@ static char g_model[512], g_other[512], g_gemma[512];
 static uint32_t g_lanes; /* decode nodes' lanes (0: the default) */
 static int g_resumes;    /* decode nodes' bridge_resumes (0: the default, 2; -1: none) */
 static uint32_t g_parallel; /* decode nodes' parallel (0: the default, 4) */
+static bool g_tail_after;   /* decode nodes' tail_after_transfer */
 
 static int setup(void **state) {
     (void)state;
@@ -71,7 +72,8 @@ static kvb_decode_node *start_decode_mode(uint16_t peer_port, const char *psk, i
     kvb_decode_config c = {.http_listen = "127.0.0.1:0", .peer = peer_port ? peer : NULL, .model_path = g_model,
                            .psk = psk, .n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32,
                            .max_ctx = 4096, .peer_timeout_ms = timeout_ms, .prefill_mode = prefill_mode,
-                           .lanes = g_lanes, .bridge_resumes = g_resumes, .parallel = g_parallel};
+                           .lanes = g_lanes, .bridge_resumes = g_resumes, .parallel = g_parallel,
+                           .tail_after_transfer = g_tail_after};
     kvb_decode_node *n = NULL;
     kvb_err err = {0};
     if (kvb_decode_node_start(&c, &n, &err)) fail_msg("decode node: %s", err.msg);
@@ -458,13 +460,19 @@ static void test_ingest_without_decoding(void **state) {
 typedef struct {
     uint16_t port;
     int32_t ids[600];
-    int n;
+    int n, max_tokens; /* 0: 32 */
+    bool ignore_eos;
     kvbt_reply r;
 } client_job;
 
+static void complete_job(uint16_t port, client_job *j, kvbt_reply *r) {
+    if (j->ignore_eos) kvbt_complete_ids_all(port, j->ids, j->n, j->max_tokens, r);
+    else kvbt_complete_ids_n(port, j->ids, j->n, j->max_tokens ? j->max_tokens : 32, r);
+}
+
 static void *client_main(void *arg) {
     client_job *j = arg;
-    kvbt_complete_ids_n(j->port, j->ids, j->n, 32, &j->r);
+    complete_job(j->port, j, &j->r);
     return NULL;
 }
 
@@ -477,6 +485,7 @@ static void test_concurrent_requests_batch_exactly(void **state) {
     kvb_decode_node *one = start_decode(0, PSK, 10000);
     g_parallel = 0;
     client_job jobs[CLIENTS];
+    memset(jobs, 0, sizeof jobs);
     pthread_t th[CLIENTS];
     for (int c = 0; c < CLIENTS; c++) {
         jobs[c].port = kvb_decode_node_port(par);
@@ -509,6 +518,63 @@ static void test_concurrent_requests_batch_exactly(void **state) {
         fail_msg("/health: %s", health);
     kvb_decode_node_stop(one);
     kvb_decode_node_stop(par);
+}
+
+/* A bridged prompt's transfer does not stop the others' streams: while its layers arrive (the
+ * prefill node pauses 2 s before the first slab), the request already decoding goes on, its steps
+ * run at the pipelined tail's gate (or, with the tail after the transfer, as batches on the engine
+ * the prompt lent them). Both replies equal a one-at-a-time node's, and the bridged one is still
+ * complete. */
+static void decode_during_bridge(bool tail_after) {
+    kvb_prefill_node *pn = start_prefill(g_model, PSK, "pause:1x1");
+    g_parallel = 2;
+    g_tail_after = tail_after;
+    kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
+    g_tail_after = false;
+    g_parallel = 1;
+    kvb_decode_node *one = start_decode(0, PSK, 10000);
+    g_parallel = 0;
+    const uint16_t dp = kvb_decode_node_port(dn);
+    client_job a = {.port = dp, .n = 40, .max_tokens = 300, .ignore_eos = true},
+               b = {.port = dp, .n = 600, .max_tokens = 8};
+    kvbt_prompt_ids(a.ids, a.n, 901); /* under the bridge threshold: native, then a long reply */
+    kvbt_prompt_ids(b.ids, b.n, 902);
+    pthread_t ta, tb;
+    assert_int_equal(pthread_create(&ta, NULL, client_main, &a), 0);
+    while (kvbt_metric(dp, "kvbridge_decode_steps_total ") < 1) usleep(1000); /* a is decoding */
+    const double t0 = kvb_now_s();
+    assert_int_equal(pthread_create(&tb, NULL, client_main, &b), 0);
+    pthread_join(tb, NULL);
+    const double in_transfer = kvbt_metric(dp, "kvbridge_decode_steps_in_prompts_total ");
+    pthread_join(ta, NULL);
+    printf("bridged prompt took %.2f s; the other request ran %.0f decode steps meanwhile (%.0f in all)\n",
+           kvb_now_s() - t0, in_transfer, kvbt_metric(dp, "kvbridge_decode_steps_total "));
+    assert_string_equal(b.r.verdict, "complete");
+    assert_true(b.r.pipelined == !tail_after);
+    assert_true(in_transfer > 0);
+    assert_int_equal(a.r.completion, a.max_tokens);
+    client_job *jobs[] = {&a, &b};
+    for (int c = 0; c < 2; c++) {
+        kvbt_reply alone;
+        complete_job(kvb_decode_node_port(one), jobs[c], &alone);
+        if (strcmp(alone.content, jobs[c]->r.content))
+            fail_msg("client %d: '%.80s' != one at a time '%.80s'", c, jobs[c]->r.content, alone.content);
+        free(alone.content);
+        free(jobs[c]->r.content);
+    }
+    kvb_decode_node_stop(one);
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+}
+
+static void test_concurrent_decode_during_bridge(void **state) {
+    (void)state;
+    decode_during_bridge(false);
+}
+
+static void test_concurrent_decode_during_bridge_tail_after(void **state) {
+    (void)state;
+    decode_during_bridge(true);
 }
 
 /* Bridge mode `prefill`: the prefill engine's own K/V re-encoded. In the decoder's own format it
@@ -643,6 +709,8 @@ int main(void) {
         cmocka_unit_test(test_fault_other_model),
         cmocka_unit_test(test_ingest_without_decoding),
         cmocka_unit_test(test_concurrent_requests_batch_exactly),
+        cmocka_unit_test(test_concurrent_decode_during_bridge),
+        cmocka_unit_test(test_concurrent_decode_during_bridge_tail_after),
         cmocka_unit_test(test_prefill_mode),
         cmocka_unit_test(test_bridged_blocks_are_evictable),
         cmocka_unit_test(test_filler_rows_slab_path),

@@ -3,8 +3,10 @@
 
 One client streams a reply (SSE, /v1/completions); a second later another client sends a long
 prompt of token ids. Prints the streaming client's longest gap between two chunks beside the long
-prompt's own native compute time (usage.kvbridge.native_s): with the prompt computed in one piece
-the stream pauses for all of it; computed in slices between decode batches, for about one slice.
+prompt's verdict, time to its reply, native compute time and transfer time (usage.kvbridge): with
+the prompt computed in one piece the stream pauses for all of it; computed in slices between decode
+batches, for about one slice. Against a decode node with a peer the long prompt is bridged: its
+transfer holds the engine, and the stream goes on only if decode steps run during it.
 Standard library only. Usage: stream_pause.py PORT [--prompt-tokens N] [--stream-tokens N]
 """
 import argparse
@@ -42,8 +44,10 @@ def stream():
 def long_prompt():
     time.sleep(args.delay)
     ids = [(i * 7919) % 30000 + 5 for i in range(args.prompt_tokens)]
+    t0 = time.time()
     d = json.loads(post({"model": "m", "prompt": ids, "max_tokens": 1, "temperature": 0}).read())
-    res["native_s"] = d["usage"]["kvbridge"]["native_s"]
+    res["wall_s"] = time.time() - t0
+    res["kb"] = d["usage"]["kvbridge"]
 
 
 threads = [threading.Thread(target=stream), threading.Thread(target=long_prompt)]
@@ -51,5 +55,7 @@ for t in threads:
     t.start()
 for t in threads:
     t.join()
+kb = res["kb"]
 print(f"longest pause of the stream {res['gap']:.2f} s over {res['chunks']} chunks; "
-      f"the {args.prompt_tokens}-token prompt's native compute {res['native_s']:.2f} s")
+      f"the {args.prompt_tokens}-token prompt: {kb['verdict']}, {res['wall_s']:.2f} s to its reply, "
+      f"native compute {kb['native_s']:.2f} s, transfer {kb['transfer_s']:.2f} s")

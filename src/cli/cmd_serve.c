@@ -54,8 +54,8 @@ static void help(FILE *f) {
             "  --bridge-resumes N   decode: after a corrupt slab or a dropped connection, ask the prefill node\n"
             "                       again for only the blocks still missing, at most N times per request\n"
             "                       (default 2; 0 = compute what is missing natively at once)\n"
-            "  --fault SPEC         prefill, test-only: corrupt:N, die:N or stall:N at the Nth slab of every\n"
-            "                       request, or of the first K requests with corrupt:NxK (and so on)\n"
+            "  --fault SPEC         prefill, test-only: corrupt:N, die:N, stall:N (30 s) or pause:N (2 s) at\n"
+            "                       the Nth slab of every request, or of the first K with corrupt:NxK (...)\n"
             "  --verbose            log connections and faults\n");
 }
 

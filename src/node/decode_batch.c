@@ -11,10 +11,14 @@
  * kvb_engine_forward_batch, samples each request's next token with that request's own sampler,
  * and wakes them. The weights are read once per step for all of them.
  *
- * A prompt phase runs the steps handed in so far when it begins, and between two slices of the
- * prompt it computes itself (kvb_decode_batch_run_pending), so the others' streams go on while a
- * long prompt is computed, and the prompt keeps its place: a request queued behind it still finds
- * its blocks committed. A leader whose step such a phase ran returns without the engine.
+ * A prompt phase runs the steps handed in so far when it begins, between two slices of the prompt
+ * it computes itself, and while its pipelined tail waits for a bridged prompt's layers
+ * (kvb_decode_batch_run_pending; the tail learns of a step through kvb_decode_batch_on_step), so
+ * the others' streams go on while a long prompt is computed or arrives, and the prompt keeps its
+ * place: a request queued behind it still finds its blocks committed. A leader whose step such a
+ * phase ran returns without the engine. A bridged prompt without a pipelined tail computes nothing
+ * during its transfer: it lends the engine to the batches meanwhile (kvb_decode_batch_exec_lend
+ * .. _reclaim).
  *
  * A batch that fails before any sequence advanced (a full store, say) is run again one sequence
  * at a time, so only the request at fault gets the error. */
@@ -34,22 +38,26 @@ struct kvb_decode_batch {
     pthread_mutex_t mu;
     pthread_cond_t cv;            /* a step handed in or done, a request left, the engine freed */
     bool busy;                    /* someone computes on the engine (a prompt phase or a batch) */
+    bool lent;                    /* a prompt phase lent it to the batches (kvb_decode_batch_exec_lend) */
     uint32_t prompts_waiting;     /* prompt phases waiting for the engine: they go before a batch */
     kvb_decode_step *head, *tail; /* handed in, not yet taken: FIFO through ->link */
     uint32_t n_pending;           /* of them */
     uint32_t n_active;            /* requests decoding (kvb_decode_batch_join .. _leave) */
     bool leading;                 /* a request leads the next batch */
+    void (*on_step)(void *);      /* called as a step is handed in, or NULL (kvb_decode_batch_on_step) */
+    void *on_step_ctx;
     /* the engine holder's, (cap) each */
     kvb_decode_step **taken;
     kvb_seq **seqs;
     int32_t *tokens;
     uint32_t *len_before;
     float *logits; /* (cap, n_vocab) */
-    kvb_metric *m_batches, *m_steps; /* counters, or NULL */
+    kvb_metric *m_batches, *m_steps, *m_in_prompts; /* counters, or NULL */
 };
 
 kvb_status kvb_decode_batch_create(kvb_engine *e, uint32_t cap, uint32_t n_vocab, kvb_metric *m_batches,
-                                   kvb_metric *m_steps, kvb_decode_batch **out, kvb_err *err) {
+                                   kvb_metric *m_steps, kvb_metric *m_in_prompts, kvb_decode_batch **out,
+                                   kvb_err *err) {
     *out = NULL;
     kvb_decode_batch *b = calloc(1, sizeof *b);
     if (b) {
@@ -68,6 +76,7 @@ kvb_status kvb_decode_batch_create(kvb_engine *e, uint32_t cap, uint32_t n_vocab
     b->n_vocab = n_vocab;
     b->m_batches = m_batches;
     b->m_steps = m_steps;
+    b->m_in_prompts = m_in_prompts;
     pthread_mutex_init(&b->mu, NULL);
     if (kvb_cond_init_monotonic(&b->cv)) {
         pthread_mutex_destroy(&b->mu);
@@ -139,9 +148,10 @@ static void gather(kvb_decode_batch *b) {
 }
 
 /* Computing on the engine (busy, by the caller; not holding mu): takes the steps handed in so far
- * (up to cap), runs them and wakes their requests. */
-static void take_and_run(kvb_decode_batch *b) {
+ * (up to cap), runs them and wakes their requests; returns how many. */
+static uint32_t take_and_run(kvb_decode_batch *b) {
     pthread_mutex_lock(&b->mu);
+    const bool lent = b->lent;
     uint32_t n = 0;
     while (b->head && n < b->cap) {
         b->taken[n++] = b->head;
@@ -150,14 +160,16 @@ static void take_and_run(kvb_decode_batch *b) {
     if (!b->head) b->tail = NULL;
     b->n_pending -= n;
     pthread_mutex_unlock(&b->mu);
-    if (!n) return;
+    if (!n) return 0;
     run_batch(b, n);
     kvb_metric_add(b->m_batches, NULL, 1);
     kvb_metric_add(b->m_steps, NULL, n);
+    if (lent) kvb_metric_add(b->m_in_prompts, NULL, n);
     pthread_mutex_lock(&b->mu);
     for (uint32_t i = 0; i < n; i++) b->taken[i]->done = true;
     pthread_cond_broadcast(&b->cv);
     pthread_mutex_unlock(&b->mu);
+    return n;
 }
 
 kvb_status kvb_decode_batch_step(kvb_decode_batch *b, kvb_decode_step *step) {
@@ -170,6 +182,7 @@ kvb_status kvb_decode_batch_step(kvb_decode_batch *b, kvb_decode_step *step) {
     b->tail = step;
     b->n_pending++;
     pthread_cond_broadcast(&b->cv); /* a leader may be gathering */
+    if (b->on_step) b->on_step(b->on_step_ctx); /* a prompt phase computing meanwhile may run it */
     while (!step->done) {
         if (b->leading) {
             pthread_cond_wait(&b->cv, &b->mu);
@@ -211,6 +224,32 @@ void kvb_decode_batch_exec_end(kvb_decode_batch *b) {
     pthread_mutex_unlock(&b->mu);
 }
 
-void kvb_decode_batch_run_pending(kvb_decode_batch *b) {
-    take_and_run(b);
+void kvb_decode_batch_exec_lend(kvb_decode_batch *b) {
+    pthread_mutex_lock(&b->mu);
+    b->lent = true;
+    pthread_mutex_unlock(&b->mu);
+    kvb_decode_batch_exec_end(b);
+}
+
+void kvb_decode_batch_exec_reclaim(kvb_decode_batch *b) {
+    pthread_mutex_lock(&b->mu);
+    b->lent = false;
+    pthread_mutex_unlock(&b->mu);
+    kvb_decode_batch_exec_begin(b);
+}
+
+uint32_t kvb_decode_batch_run_pending(kvb_decode_batch *b) {
+    pthread_mutex_lock(&b->mu);
+    if (b->n_pending) gather(b); /* the others' steps are moments away: one batch, not several */
+    pthread_mutex_unlock(&b->mu);
+    const uint32_t n = take_and_run(b);
+    kvb_metric_add(b->m_in_prompts, NULL, n);
+    return n;
+}
+
+void kvb_decode_batch_on_step(kvb_decode_batch *b, void (*fn)(void *ctx), void *ctx) {
+    pthread_mutex_lock(&b->mu);
+    b->on_step = fn;
+    b->on_step_ctx = ctx;
+    pthread_mutex_unlock(&b->mu);
 }

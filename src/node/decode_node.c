@@ -53,7 +53,7 @@ struct kvb_decode_node {
     /* metrics */
     kvb_metric *m_requests, *m_tokens, *m_faults, *m_resumes, *m_slab_bytes, *m_peer_up, *m_queue;
     kvb_metric *m_phase; /* kvbridge_request_phase_seconds{phase} */
-    kvb_metric *m_batches, *m_steps;
+    kvb_metric *m_batches, *m_steps, *m_in_prompts;
     kvb_metrics *metrics; /* the registry /metrics renders (the server's families too) */
     double last_reader_wait_s, last_consumer_wait_s; /* the last bridge's receiving stages */
 };
@@ -314,7 +314,7 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
         /* while slabs arrive, one CPU per receiving and per committing thread is theirs */
         const int in_transfer = kvb_engine_threads(n->e) - 2 * (int)n->n_lanes;
         if (kvb_tail_pipe_start(n->e, toks, n_tok, cached, pend, nb + (tail ? 1 : 0), tail != 0, logits,
-                                in_transfer > 1 ? in_transfer : 1, &tp, &terr))
+                                in_transfer > 1 ? in_transfer : 1, n->batch, &tp, &terr))
             kvb_log(KVB_LOG_WARN, "decode node: no pipelined tail for this request: %s", terr.msg);
     }
     rx.tp = tp;
@@ -326,9 +326,12 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
             starting = false;
         }
     }
+    /* without the pipelined tail nothing computes for this prompt until DONE: the batches may */
+    if (!tp) kvb_decode_batch_exec_lend(n->batch);
     for (uint32_t l = 0; l < n->n_lanes; l++)
         if (lanes[l].started) pthread_join(lanes[l].thread, NULL);
     t_end = kvb_now_s();
+    if (!tp) kvb_decode_batch_exec_reclaim(n->batch);
     kvb_trace_span("decode.exchange", t_lanes, t_end, nb); /* lanes started until every DONE */
     uint32_t slabs = 0;
     for (uint32_t l = 0; l < n->n_lanes; l++) {
@@ -873,10 +876,14 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                                    NULL, 0, &n->m_batches, err)) ||
         (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_decode_steps_total",
                                    "Decode steps run, one token of one request each, in batches", NULL, NULL, 0,
-                                   &n->m_steps, err)))
+                                   &n->m_steps, err)) ||
+        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_decode_steps_in_prompts_total",
+                                   "Of the decode steps, those run while another request's prompt held the engine: "
+                                   "between slices of its native prefill and while its bridged layers arrived",
+                                   NULL, NULL, 0, &n->m_in_prompts, err)))
         goto fail;
-    if ((st = kvb_decode_batch_create(n->e, c->parallel, n->m->d.n_vocab, n->m_batches, n->m_steps, &n->batch,
-                                      err)))
+    if ((st = kvb_decode_batch_create(n->e, c->parallel, n->m->d.n_vocab, n->m_batches, n->m_steps, n->m_in_prompts,
+                                      &n->batch, err)))
         goto fail;
     kvb_http_config hc = {.listen = cfg->http_listen, .model_id = n->model_id, .accept_any_model = true,
                           .metrics = n->metrics};

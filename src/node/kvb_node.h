@@ -44,8 +44,8 @@ typedef struct {
     uint32_t warmup_tokens;
     /* Test-only fault injection, at the Nth slab of every request ("corrupt:N" flips a byte of it
      * after its checksum; "die:N" drops its connection before it; "stall:N" stops sending before
-     * it for 30 s), or only of the first K requests that reach it ("corrupt:NxK", ...). NULL in
-     * production. */
+     * it for 30 s; "pause:N" waits 2 s before it, a slow link but no fault), or only of the first K
+     * requests that reach it ("corrupt:NxK", ...). NULL in production. */
     const char *fault;
     /* Bench-only (`kvbridge bench ladder --slab-path-only`): ship rows without computing them —
      * every (chunk, layer) of the request gets deterministic filler rows in the decoder's dtype,

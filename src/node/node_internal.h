@@ -83,10 +83,12 @@ typedef struct kvb_decode_step {
     struct kvb_decode_step *link; /* the batcher's */
 } kvb_decode_step;
 typedef struct kvb_decode_batch kvb_decode_batch;
-/* At most cap steps per batch. m_batches, m_steps: counters of batches run and steps in them, or
- * NULL. */
+/* At most cap steps per batch. m_batches, m_steps: counters of batches run and steps in them;
+ * m_in_prompts: of steps run within a prompt phase (kvb_decode_batch_run_pending, or while it lent
+ * the engine); each may be NULL. */
 kvb_status kvb_decode_batch_create(kvb_engine *e, uint32_t cap, uint32_t n_vocab, kvb_metric *m_batches,
-                                   kvb_metric *m_steps, kvb_decode_batch **out, kvb_err *err);
+                                   kvb_metric *m_steps, kvb_metric *m_in_prompts, kvb_decode_batch **out,
+                                   kvb_err *err);
 /* A request starts / ends decoding: between the two it hands in a step whenever it has emitted
  * its last token, and a batch's leader waits (briefly) for the steps of all of them. */
 void kvb_decode_batch_join(kvb_decode_batch *b);
@@ -98,9 +100,20 @@ kvb_status kvb_decode_batch_step(kvb_decode_batch *b, kvb_decode_step *step);
  * first runs the steps handed in so far. */
 void kvb_decode_batch_exec_begin(kvb_decode_batch *b);
 void kvb_decode_batch_exec_end(kvb_decode_batch *b);
-/* Within a prompt phase (between two slices of the prompt): runs the steps handed in so far as
- * one batch, if any, and wakes their requests. */
-void kvb_decode_batch_run_pending(kvb_decode_batch *b);
+/* Within a prompt phase that computes nothing for a while (a bridged transfer without the
+ * pipelined tail): the batches run on the engine meanwhile, their steps counted as run within a
+ * prompt phase; reclaim waits for the batch in flight and runs the steps waiting then. */
+void kvb_decode_batch_exec_lend(kvb_decode_batch *b);
+void kvb_decode_batch_exec_reclaim(kvb_decode_batch *b);
+/* Within a prompt phase (between two slices of the prompt, or at the pipelined tail's gates while
+ * a bridged prompt's layers arrive), on the thread computing for it: runs the steps handed in so
+ * far as one batch, if any, after waiting (briefly, as a batch's leader does) for every decoding
+ * request's step, and wakes their requests. Returns how many steps ran. */
+uint32_t kvb_decode_batch_run_pending(kvb_decode_batch *b);
+/* fn(ctx) is called each time a step is handed in, under the batcher's lock (it may only signal:
+ * take no lock that is held while calling into the batcher); NULL clears it, and once this returns
+ * fn is not running. One at a time: the prompt phase's pipelined tail sets it while it waits. */
+void kvb_decode_batch_on_step(kvb_decode_batch *b, void (*fn)(void *ctx), void *ctx);
 /* After every step has returned. NULL is a no-op. */
 void kvb_decode_batch_free(kvb_decode_batch *b);
 
@@ -130,11 +143,13 @@ void kvb_recv_pipe_waits(kvb_recv_pipe *p, double *reader_s, double *consumer_s)
  * `cached` must be what kvb_seq_attach_cached finds for toks now. The engine is the thread's until
  * finish; logits (n_vocab) is written by it. While later layers are still arriving the forward
  * runs on `threads_in_transfer` of the engine's threads (the rest of the CPUs receive and commit
- * the slabs), then on all of them. */
+ * the slabs), then on all of them. With `batch` (or NULL), the other requests' decode steps handed
+ * in while the forward waits for a layer run at its gate, as batches on the same width. */
 typedef struct kvb_tail_pipe kvb_tail_pipe;
 kvb_status kvb_tail_pipe_start(kvb_engine *e, const int32_t *toks, uint32_t n_tok, uint32_t cached,
                                kvb_slab_pending *const *pend, uint32_t n_pend, bool has_tail, float *logits,
-                               int threads_in_transfer, kvb_tail_pipe **out, kvb_err *err);
+                               int threads_in_transfer, kvb_decode_batch *batch, kvb_tail_pipe **out,
+                               kvb_err *err);
 /* After an accepted slab of pend[i], layer `layer`, on any thread that puts slabs. NULL: no-op. */
 void kvb_tail_pipe_slab(kvb_tail_pipe *t, uint32_t i, uint32_t layer);
 /* Ends it (abort: the bridge stopped short; a waiting forward gives up, as it does when any layer

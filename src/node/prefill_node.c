@@ -74,7 +74,7 @@ struct kvb_prefill_node {
     uint32_t warmup_tokens; /* the start's warm-up prefill, and its seconds */
     double warmup_s;
     kvb_staging_stats last_staging; /* the last request's */
-    int fault_kind; /* 0 none, 1 corrupt, 2 die, 3 stall */
+    int fault_kind; /* 0 none, 1 corrupt, 2 die, 3 stall, 4 pause */
     uint32_t fault_at;
     atomic_uint fault_left; /* requests it may still fire in (UINT32_MAX: every one) */
     sender_ctx senders[KVB_WIRE_MAX_LANES]; /* lane l's sender, started on first use */
@@ -124,6 +124,10 @@ static void send_lane(sender_ctx *sc) {
             if (n->fault_kind == 3) {
                 kvb_log(KVB_LOG_WARN, "prefill: fault injection: stalling at slab %u", idx);
                 for (int i = 0; i < 300 && !n->stop; i++) usleep(100000);
+            }
+            if (n->fault_kind == 4) {
+                kvb_log(KVB_LOG_INFO, "prefill: fault injection: pausing 2 s at slab %u", idx);
+                for (int i = 0; i < 20 && !n->stop; i++) usleep(100000);
             }
         }
         kvb_msg_slab m = {.layer = s.layer, .pos0 = s.pos0, .n = s.n, .k = s.k, .v = s.v,
@@ -485,8 +489,8 @@ static void *accept_main(void *arg) {
 
 static kvb_status parse_fault(kvb_prefill_node *n, const char *f, kvb_err *err) {
     if (!f || !*f) return KVB_OK;
-    const char *kinds[] = {"corrupt:", "die:", "stall:"};
-    for (int i = 0; i < 3; i++)
+    const char *kinds[] = {"corrupt:", "die:", "stall:", "pause:"};
+    for (int i = 0; i < 4; i++)
         if (!strncmp(f, kinds[i], strlen(kinds[i]))) {
             char *end;
             const unsigned long at = strtoul(f + strlen(kinds[i]), &end, 10);
@@ -498,7 +502,7 @@ static kvb_status parse_fault(kvb_prefill_node *n, const char *f, kvb_err *err) 
             atomic_store(&n->fault_left, (unsigned)times);
             return KVB_OK;
         }
-    return kvb_err_set(err, KVB_ERR_INVALID, "fault '%s' is not corrupt:N, die:N or stall:N (N >= 1), or one of them "
+    return kvb_err_set(err, KVB_ERR_INVALID, "fault '%s' is not corrupt:N, die:N, stall:N or pause:N (N >= 1), or one of them "
                                              "with xK (the first K requests only)", f);
 }
 

@@ -10,7 +10,13 @@
  * layers behind an 8K prompt's transfer, one layer taking 7.7 ms). The result is used only when
  * the bridge was complete and every block was committed on the very page the forward read (a
  * dedup moves a block to another page: then the logits are dropped and the decoder runs the token
- * after the transfer, as without the pipe). */
+ * after the transfer, as without the pipe).
+ *
+ * The prompt phase holds the engine for the whole transfer, so the other requests' decode steps
+ * would wait for all of it (seconds at 128K tokens, more CPU to CPU). Instead the gate runs them
+ * while it waits: the batcher tells it when a step is handed in, it runs the steps as a batch on
+ * its own thread (the engine keeps the tail's state across that), at the transfer's pool width,
+ * and goes back to waiting. The tail may fall behind by a batch; the streams do not stop. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,11 +36,15 @@ struct kvb_tail_pipe {
     int32_t last_token;
     float *logits;                 /* (n_vocab) the caller's */
     int threads_in_transfer;       /* the engine's pool width while later layers are arriving */
+    kvb_decode_batch *batch;       /* the other requests' decode steps, run while waiting; or NULL */
+    uint32_t steps_run;            /* by the gates, in batches_run batches (the tail thread's) */
+    uint32_t batches_run;
     /* guarded by mu */
     uint8_t *counted;              /* (n_pend, n_layer) 1 once counted in ready */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     uint32_t *ready;               /* (n_layer) pending blocks holding that layer */
+    bool steps_waiting;            /* a decode step was handed in since the gate last ran them */
     bool abort, finished;
     kvb_status st;
     kvb_err err;
@@ -42,12 +52,38 @@ struct kvb_tail_pipe {
     pthread_t thread;
 };
 
+/* The batcher's on_step hook (under its lock): a step was handed in. */
+static void step_handed_in(void *ctx) {
+    kvb_tail_pipe *t = ctx;
+    pthread_mutex_lock(&t->mu);
+    t->steps_waiting = true;
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+}
+
 static kvb_status gate(void *ctx, uint32_t layer, kvb_err *err) {
     kvb_tail_pipe *t = ctx;
     const double t0 = kvb_now_s();
     pthread_mutex_lock(&t->mu);
-    if (!t->abort && t->ready[layer] < t->n_pend) kvb_engine_park_threads(t->e); /* the receiver needs the CPUs */
-    while (!t->abort && t->ready[layer] < t->n_pend) pthread_cond_wait(&t->cv, &t->mu);
+    bool parked = false;
+    while (!t->abort && t->ready[layer] < t->n_pend) {
+        if (t->steps_waiting && t->batch) { /* the others' decode steps, while this layer is on its way */
+            t->steps_waiting = false;
+            pthread_mutex_unlock(&t->mu); /* the batcher calls step_handed_in under its lock */
+            const double tb = kvb_now_s();
+            kvb_engine_set_threads(t->e, t->threads_in_transfer);
+            const uint32_t ran = kvb_decode_batch_run_pending(t->batch);
+            if (ran) kvb_trace_span("decode.tail_gate_batch", tb, kvb_now_s(), ran);
+            pthread_mutex_lock(&t->mu);
+            t->steps_run += ran;
+            t->batches_run += ran != 0;
+            parked = false;
+            continue;
+        }
+        if (!parked) kvb_engine_park_threads(t->e); /* the receiver needs the CPUs */
+        parked = true;
+        pthread_cond_wait(&t->cv, &t->mu);
+    }
     const bool abort = t->abort;
     bool arriving = false; /* a later layer still has rows on the way */
     for (uint32_t l = layer + 1; l < t->n_layer && !arriving; l++) arriving = t->ready[l] < t->n_pend;
@@ -63,6 +99,7 @@ static void *tail_main(void *arg) {
     kvb_err err = {0};
     const double t0 = kvb_now_s();
     kvb_status st = kvb_engine_forward(t->e, t->ps, &t->last_token, 1, t->logits, false, &err);
+    if (t->batch) kvb_decode_batch_on_step(t->batch, NULL, NULL); /* past its last gate */
     kvb_engine_set_threads(t->e, 0); /* all of them again, for the decode steps */
     kvb_trace_span("decode.tail_forward", t0, kvb_now_s(), 0);
     pthread_mutex_lock(&t->mu);
@@ -88,6 +125,7 @@ static void count_layer(kvb_tail_pipe *t, uint32_t i, uint32_t layer) {
 
 static void tail_pipe_free(kvb_tail_pipe *t) {
     if (!t) return;
+    if (t->batch) kvb_decode_batch_on_step(t->batch, NULL, NULL);
     kvb_seq_free(t->ps); /* borrowed pages stay with their pendings */
     if (t->own_page != KVB_BLOCK_NONE) kvb_store_release(t->store, &t->own_page, 1, NULL);
     pthread_mutex_destroy(&t->mu);
@@ -100,7 +138,8 @@ static void tail_pipe_free(kvb_tail_pipe *t) {
 
 kvb_status kvb_tail_pipe_start(kvb_engine *e, const int32_t *toks, uint32_t n_tok, uint32_t cached,
                                kvb_slab_pending *const *pend, uint32_t n_pend, bool has_tail, float *logits,
-                               int threads_in_transfer, kvb_tail_pipe **out, kvb_err *err) {
+                               int threads_in_transfer, kvb_decode_batch *batch, kvb_tail_pipe **out,
+                               kvb_err *err) {
     *out = NULL;
     kvb_store *store = kvb_engine_store(e);
     const kvb_kvformat *f = kvb_store_kvformat(store);
@@ -119,6 +158,8 @@ kvb_status kvb_tail_pipe_start(kvb_engine *e, const int32_t *toks, uint32_t n_to
     t->last_token = toks[n_tok - 1];
     t->logits = logits;
     t->threads_in_transfer = threads_in_transfer;
+    t->batch = batch;
+    t->steps_waiting = true; /* steps handed in before the hook was set: the first gate looks */
     t->pages = malloc(sizeof(kvb_block_id) * (n_pages ? n_pages : 1));
     t->counted = calloc((size_t)n_pend * t->n_layer + 1, 1);
     t->ready = calloc(t->n_layer, sizeof(uint32_t));
@@ -140,6 +181,7 @@ kvb_status kvb_tail_pipe_start(kvb_engine *e, const int32_t *toks, uint32_t n_to
         return st;
     }
     kvb_seq_set_layer_gate(t->ps, gate, t);
+    if (batch) kvb_decode_batch_on_step(batch, step_handed_in, t);
     for (uint32_t i = 0; i < n_pend; i++) /* layers that are there already: none expected (local rows cut) */
         for (uint32_t l = 0; l < t->n_layer; l++) count_layer(t, i, l);
     if (pthread_create(&t->thread, NULL, tail_main, t) != 0) {

@@ -18,11 +18,12 @@ void kvbt_complete_ids(uint16_t port, const int32_t *ids, int n, kvbt_reply *r) 
     kvbt_complete_ids_n(port, ids, n, 8, r);
 }
 
-void kvbt_complete_ids_n(uint16_t port, const int32_t *ids, int n, int max_tokens, kvbt_reply *r) {
+static void complete_ids(uint16_t port, const int32_t *ids, int n, int max_tokens, bool ignore_eos, kvbt_reply *r) {
     cJSON *req = cJSON_CreateObject();
     cJSON_AddStringToObject(req, "model", "m");
     cJSON_AddItemToObject(req, "prompt", cJSON_CreateIntArray(ids, n));
     cJSON_AddNumberToObject(req, "max_tokens", max_tokens);
+    if (ignore_eos) cJSON_AddBoolToObject(req, "ignore_eos", true);
     cJSON_AddNumberToObject(req, "temperature", 0);
     char *body = cJSON_PrintUnformatted(req);
     cJSON_Delete(req);
@@ -44,10 +45,19 @@ void kvbt_complete_ids_n(uint16_t port, const int32_t *ids, int n, int max_token
     r->attempts = (int)cJSON_GetObjectItem(kb, "bridge_attempts")->valuedouble;
     snprintf(r->faults, sizeof r->faults, "%s", cJSON_GetStringValue(cJSON_GetObjectItem(kb, "bridge_faults")));
     cJSON *text = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0), "text");
+    r->completion = (int)cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "completion_tokens")->valuedouble;
     r->content = strdup(text->valuestring);
     cJSON_Delete(root);
     kvb_http_reply_free(&h);
     assert_int_equal(r->cached + r->bridged + r->native, r->prompt);
+}
+
+void kvbt_complete_ids_n(uint16_t port, const int32_t *ids, int n, int max_tokens, kvbt_reply *r) {
+    complete_ids(port, ids, n, max_tokens, false, r);
+}
+
+void kvbt_complete_ids_all(uint16_t port, const int32_t *ids, int n, int tokens, kvbt_reply *r) {
+    complete_ids(port, ids, n, tokens, true, r);
 }
 
 void kvbt_prompt_ids(int32_t *ids, int n, uint64_t seed) {

@@ -11,6 +11,7 @@
 typedef struct {
     char verdict[160];
     int prompt, cached, bridged, native;
+    int completion; /* usage.completion_tokens */
     bool pipelined; /* usage.kvbridge.native_pipelined */
     int attempts;   /* usage.kvbridge.bridge_attempts */
     char faults[400]; /* usage.kvbridge.bridge_faults */
@@ -23,6 +24,8 @@ typedef struct {
 void kvbt_complete_ids(uint16_t port, const int32_t *ids, int n, kvbt_reply *r);
 /* The same with max_tokens tokens at most. */
 void kvbt_complete_ids_n(uint16_t port, const int32_t *ids, int n, int max_tokens, kvbt_reply *r);
+/* The same with exactly `tokens` tokens (ignore_eos), unless the context ends first. */
+void kvbt_complete_ids_all(uint16_t port, const int32_t *ids, int n, int tokens, kvbt_reply *r);
 /* ids[0 .. n) = token ids 3 .. 252 from seed. */
 void kvbt_prompt_ids(int32_t *ids, int n, uint64_t seed);
 /* The value of the sample line of /metrics that starts with series ("name{labels} "), 0 when
