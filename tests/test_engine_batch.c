@@ -1,5 +1,7 @@
 /* tests/test_engine_batch.c — kvb_engine_forward_batch: one decode step of several sequences at
- * once gives, for each, the bits of its own one-token forward. Sequences of different lengths
+ * once gives, for each, the bits of its own one-token forward; kvb_engine_forward_segments (a few
+ * tokens of some sequences beside one of others, as a prompt slice beside decode steps) gives each
+ * the bits of its own forward of those tokens. Sequences of different lengths
  * (one token, block boundaries, past gemma3's sliding window) join and leave the batch from step
  * to step, in shuffled order, on llama, qwen3 (q/k norms) and gemma3 (two RoPE kinds, local
  * layers) shapes, with f16 and q8_0 caches and 1 or 2 threads; a reference engine runs the same
@@ -46,7 +48,9 @@ static int teardown(void **state) {
     return 0;
 }
 
-static void batch_matches_one_by_one(const kvb_model *m, uint32_t cache_dtype, int threads, uint64_t seed) {
+/* segments: each step gives some sequences 2..6 tokens at once (kvb_engine_forward_segments) */
+static void batch_matches_one_by_one(const kvb_model *m, uint32_t cache_dtype, int threads, uint64_t seed,
+                                     bool segments) {
     kvb_err err = {0};
     const uint32_t V = m->d.n_vocab;
     /* 1 token; just past a block; a block boundary after the steps; past the window (16) */
@@ -79,19 +83,26 @@ static void batch_matches_one_by_one(const kvb_model *m, uint32_t cache_dtype, i
             order[j] = t;
         }
         kvb_seq *batch[N_SEQ];
-        int32_t step_toks[N_SEQ];
+        int32_t step_toks[N_SEQ * 6];
+        uint32_t seg_n[N_SEQ], used = 0;
         for (int k = 0; k < n; k++) {
-            step_toks[k] = (int32_t)(kvb_rng_u64(&r) % V);
+            seg_n[k] = segments && kvb_rng_u64(&r) % 2 ? 2 + (uint32_t)(kvb_rng_u64(&r) % 5) : 1;
+            for (uint32_t t = 0; t < seg_n[k]; t++) step_toks[used + t] = (int32_t)(kvb_rng_u64(&r) % V);
             batch[k] = sb[order[k]];
-            assert_int_equal(kvb_engine_forward(ref, sr[order[k]], &step_toks[k], 1, want + (size_t)k * V, false, &err),
+            assert_int_equal(kvb_engine_forward(ref, sr[order[k]], step_toks + used, seg_n[k], want + (size_t)k * V,
+                                                false, &err),
                              KVB_OK);
+            used += seg_n[k];
         }
-        if (kvb_engine_forward_batch(bat, batch, step_toks, (uint32_t)n, got, &err)) fail_msg("batch: %s", err.msg);
+        kvb_status st = segments ? kvb_engine_forward_segments(bat, batch, seg_n, (uint32_t)n, step_toks, got, &err)
+                                 : kvb_engine_forward_batch(bat, batch, step_toks, (uint32_t)n, got, &err);
+        if (st) fail_msg("batch: %s", err.msg);
         for (int k = 0; k < n; k++) {
             assert_int_equal(kvb_seq_len(sb[order[k]]), kvb_seq_len(sr[order[k]]));
             if (memcmp(want + (size_t)k * V, got + (size_t)k * V, sizeof(float) * V))
-                fail_msg("%s, cache %u, %d threads: step %d, sequence %d (length %u) differs from its own forward",
-                         m->d.arch_name, cache_dtype, threads, step, order[k], kvb_seq_len(sr[order[k]]));
+                fail_msg("%s, cache %u, %d threads: step %d, sequence %d (length %u, %u tokens) differs from its own "
+                         "forward", m->d.arch_name, cache_dtype, threads, step, order[k], kvb_seq_len(sr[order[k]]),
+                         seg_n[k]);
         }
     }
     /* the blocks the batch filled were committed like the one-by-one ones */
@@ -114,8 +125,18 @@ static void test_batch_is_each_sequences_own_forward(void **state) {
     const uint64_t seed = (uint64_t)time(NULL);
     printf("seed %llu\n", (unsigned long long)seed);
     for (int mi = 0; mi < 3; mi++) {
-        batch_matches_one_by_one(g_models[mi], KVB_TYPE_F16, 2, seed + (uint64_t)mi);
-        batch_matches_one_by_one(g_models[mi], KVB_TYPE_Q8_0, 1, seed + 10 + (uint64_t)mi);
+        batch_matches_one_by_one(g_models[mi], KVB_TYPE_F16, 2, seed + (uint64_t)mi, false);
+        batch_matches_one_by_one(g_models[mi], KVB_TYPE_Q8_0, 1, seed + 10 + (uint64_t)mi, false);
+    }
+}
+
+static void test_segments_are_each_sequences_own_forward(void **state) {
+    (void)state;
+    const uint64_t seed = (uint64_t)time(NULL) ^ 0x5e9;
+    printf("seed %llu\n", (unsigned long long)seed);
+    for (int mi = 0; mi < 3; mi++) {
+        batch_matches_one_by_one(g_models[mi], KVB_TYPE_F16, 2, seed + (uint64_t)mi, true);
+        batch_matches_one_by_one(g_models[mi], KVB_TYPE_Q8_0, 1, seed + 10 + (uint64_t)mi, true);
     }
 }
 
@@ -145,6 +166,13 @@ static void test_batch_refusals(void **state) {
     assert_int_equal(kvb_engine_forward_batch(e, full, toks, 2, lg, &err), KVB_ERR_RANGE);
     assert_int_equal(kvb_engine_forward_batch(e, s, toks, 2, lg, &err), KVB_OK);
     assert_int_equal(kvb_seq_len(s[0]), 1);
+    /* segments: none empty, at most max_batch tokens in all */
+    const uint32_t zero[2] = {1, 0}, three[2] = {2, 1};
+    assert_int_equal(kvb_engine_forward_segments(e, s, zero, 2, toks, lg, &err), KVB_ERR_INVALID);
+    assert_int_equal(kvb_engine_forward_segments(e, s, three, 2, toks, lg, &err), KVB_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "max_batch"));
+    assert_int_equal(kvb_engine_forward_segments(e, s, three, 1, toks, lg, &err), KVB_OK);
+    assert_int_equal(kvb_seq_len(s[0]), 3);
     for (int i = 0; i < 3; i++) kvb_seq_free(s[i]);
     free(lg);
     kvb_engine_free(e);
@@ -153,6 +181,7 @@ static void test_batch_refusals(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_batch_is_each_sequences_own_forward),
+        cmocka_unit_test(test_segments_are_each_sequences_own_forward),
         cmocka_unit_test(test_batch_refusals),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

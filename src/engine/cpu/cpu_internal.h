@@ -27,6 +27,7 @@ struct kvb_engine {
     void *kv_scratch;
     float *logit_h;             /* (n_embd) */
     uint32_t *tok_pos;          /* (B) each token's position in its sequence */
+    uint32_t *seg_ones;         /* (B) a decode batch's segment lengths, all 1 */
     float **attn_scratch;       /* per worker */
 };
 

@@ -63,7 +63,8 @@ kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *opts, kv
     if ((st = kvb_rope_tables_init(&e->rope, m, (uint32_t)B, err))) goto fail;
     e->attn_scratch = calloc((size_t)o->n_threads, sizeof(float *));
     e->tok_pos = calloc(B, sizeof(uint32_t));
-    if (!e->attn_scratch || !e->tok_pos) {
+    e->seg_ones = calloc(B, sizeof(uint32_t));
+    if (!e->attn_scratch || !e->tok_pos || !e->seg_ones) {
         st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
         goto fail;
     }
@@ -82,6 +83,7 @@ void kvb_engine_free(kvb_engine *e) {
         for (int i = 0; i < e->o.n_threads; i++) kvb_aligned_free(e->attn_scratch[i]);
     free(e->attn_scratch);
     free(e->tok_pos);
+    free(e->seg_ones);
     kvb_pool_destroy(e->pool);
     if (e->own_store) kvb_store_free(e->store);
     float *fs[] = {e->x, e->h, e->q, e->att, e->g, e->u, e->logit_h};

@@ -4,10 +4,11 @@
  * window on local layers) -> output projection (gemma3: post-attention norm) + residual ->
  * ffn-norm -> SwiGLU or (gemma3) GeGLU MLP (gemma3: post-MLP norm) + residual; then the final
  * norm and the output head. Long inputs are split into max_batch chunks; prefill and
- * token-by-token decode run the same arithmetic. A batch (kvb_engine_forward_batch) runs one
- * token of each of several sequences through the same layers: the weights are read once for all,
- * and each token's arithmetic is what its own one-token forward does (every projection is a
- * per-token column; attention, RoPE and the cache rows are per sequence). */
+ * token-by-token decode run the same arithmetic. A chunk may hold segments of several sequences
+ * (kvb_engine_forward_segments; a decode batch, kvb_engine_forward_batch, is one token of each):
+ * the weights are read once for all, and each token's arithmetic is what its own sequence's
+ * forward does (every projection is a per-token column; attention, RoPE and the cache rows are
+ * per sequence). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,15 +100,14 @@ static void store_kv_rows(kvb_engine *e, kvb_seq *s, uint32_t layer, uint32_t po
     }
 }
 
-/* Whose the chunk's tokens are: n tokens of one sequence s at s->len.. (each == NULL), or one
- * token of each of n distinct sequences each[t], at each[t]->len. */
+/* Whose the chunk's tokens are: n_seg segments of distinct sequences, segment i being seg_n[i]
+ * tokens of seqs[i] at seqs[i]->len.., back to back in the chunk (one sequence's chunk: n_seg 1;
+ * a decode batch: every seg_n 1). */
 typedef struct {
-    kvb_seq *s;
-    kvb_seq *const *each;
+    kvb_seq *const *seqs;
+    const uint32_t *seg_n;
+    uint32_t n_seg;
 } chunk_seqs;
-
-static kvb_seq *token_seq(chunk_seqs c, uint32_t t) { return c.each ? c.each[t] : c.s; }
-static uint32_t token_pos(chunk_seqs c, uint32_t t) { return c.each ? c.each[t]->len : c.s->len + t; }
 
 /* Calls s's gate before layer l's attention (it returns once earlier positions' layer l is
  * there). The gate may run other forwards on this engine meanwhile, so what the chunk still needs
@@ -133,6 +133,8 @@ static kvb_status gate_keeping_state(kvb_engine *e, kvb_seq *s, uint32_t l, uint
     return st;
 }
 
+/* logits: NULL, or with all_logits (n, n_vocab) for every token (one segment only), else
+ * (n_seg, n_vocab): row i for segment i's last token. */
 static kvb_status forward_chunk(kvb_engine *e, chunk_seqs cs, const int32_t *tokens, uint32_t n, float *logits,
                                 bool all_logits, kvb_err *err) {
     const kvb_model *m = e->m;
@@ -140,25 +142,28 @@ static kvb_status forward_chunk(kvb_engine *e, chunk_seqs cs, const int32_t *tok
     const uint32_t E = d->n_embd;
     const size_t Q = (size_t)d->n_head * d->head_dim;
     kvb_status st = KVB_OK;
-    for (uint32_t t = 0; t < (cs.each ? n : 1); t++)
-        if ((st = kvb_cpu_seq_reserve(token_seq(cs, t), token_pos(cs, t) + (cs.each ? 1 : n), err))) return st;
+    for (uint32_t i = 0; i < cs.n_seg; i++)
+        if ((st = kvb_cpu_seq_reserve(cs.seqs[i], cs.seqs[i]->len + cs.seg_n[i], err))) return st;
 
-    for (uint32_t t = 0; t < n; t++) {
-        if (tokens[t] < 0 || (uint32_t)tokens[t] >= d->n_vocab)
-            return kvb_err_set(err, KVB_ERR_INVALID, "token id %d at position %u is outside the vocabulary (0..%u)",
-                               tokens[t], token_pos(cs, t), d->n_vocab - 1);
-        float *xt = e->x + (size_t)t * E; /* (n_embd) */
-        kvb_row_to_f32(m->tok_embd.type, (const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes,
-                       xt, E);
-        if (d->embd_scale > 0) /* gemma3: rows times sqrtf(n_embd), one f32 product each */
-            for (uint32_t i = 0; i < E; i++) xt[i] = xt[i] * d->embd_scale;
-        token_seq(cs, t)->tokens[token_pos(cs, t)] = tokens[t];
-        e->tok_pos[t] = token_pos(cs, t);
-    }
-    if (cs.each) kvb_rope_tables_fill_at(&e->rope, e->tok_pos, n);
-    else kvb_rope_tables_fill(&e->rope, cs.s->len, n);
+    for (uint32_t i = 0, t = 0; i < cs.n_seg; i++)
+        for (uint32_t k = 0; k < cs.seg_n[i]; k++, t++) {
+            kvb_seq *ts = cs.seqs[i];
+            const uint32_t pos = ts->len + k;
+            if (tokens[t] < 0 || (uint32_t)tokens[t] >= d->n_vocab)
+                return kvb_err_set(err, KVB_ERR_INVALID, "token id %d at position %u is outside the vocabulary (0..%u)",
+                                   tokens[t], pos, d->n_vocab - 1);
+            float *xt = e->x + (size_t)t * E; /* (n_embd) */
+            kvb_row_to_f32(m->tok_embd.type,
+                           (const uint8_t *)m->tok_embd.data + (size_t)tokens[t] * m->tok_embd.row_bytes, xt, E);
+            if (d->embd_scale > 0) /* gemma3: rows times sqrtf(n_embd), one f32 product each */
+                for (uint32_t j = 0; j < E; j++) xt[j] = xt[j] * d->embd_scale;
+            ts->tokens[pos] = tokens[t];
+            e->tok_pos[t] = pos;
+        }
+    kvb_seq *s = cs.n_seg == 1 ? cs.seqs[0] : NULL; /* one sequence's chunk: its hooks and gate */
+    if (s) kvb_rope_tables_fill(&e->rope, s->len, n);
+    else kvb_rope_tables_fill_at(&e->rope, e->tok_pos, n);
     kvb_pool *tok_pool = n > 1 ? e->pool : NULL;
-    kvb_seq *s = cs.s; /* one sequence's chunk: its hooks, gate and attention */
     const uint32_t pos0 = s ? s->len : 0;
 
     for (uint32_t l = 0; l < d->n_layer; l++) {
@@ -173,9 +178,8 @@ static kvb_status forward_chunk(kvb_engine *e, chunk_seqs cs, const int32_t *tok
         if (e->o.rows_hook &&
             (st = e->o.rows_hook(e->o.rows_hook_ctx, l, pos0, n, e->k_rows, e->v_rows, e->fmt.dtype, err)))
             return st;
-        if (s) store_kv_rows(e, s, l, pos0, n, 0);
-        else
-            for (uint32_t t = 0; t < n; t++) store_kv_rows(e, cs.each[t], l, e->tok_pos[t], 1, t);
+        for (uint32_t i = 0, t0 = 0; i < cs.n_seg; t0 += cs.seg_n[i++])
+            store_kv_rows(e, cs.seqs[i], l, cs.seqs[i]->len, cs.seg_n[i], t0);
         /* The last layer's attention and MLP feed only the logits: a chunk that computes none (a
          * prefill node's forward, every chunk but a prompt's last) needs of that layer its K and V */
         if (l + 1 == d->n_layer && !logits) break;
@@ -183,10 +187,8 @@ static kvb_status forward_chunk(kvb_engine *e, chunk_seqs cs, const int32_t *tok
         kvb_cpu_matmul(e->pool, &w->wq, e->h, n, e->q, e->act);
         kvb_pool_parallel_for(tok_pool, (int)n, q_post_task, &tj);
         if (s && s->gate && (st = gate_keeping_state(e, s, l, pos0, n, err))) return st;
-        if (s) kvb_cpu_attention(e, s, l, pos0, n, e->q, e->att);
-        else
-            for (uint32_t t = 0; t < n; t++)
-                kvb_cpu_attention(e, cs.each[t], l, e->tok_pos[t], 1, e->q + t * Q, e->att + t * Q);
+        for (uint32_t i = 0, t0 = 0; i < cs.n_seg; t0 += cs.seg_n[i++])
+            kvb_cpu_attention(e, cs.seqs[i], l, cs.seqs[i]->len, cs.seg_n[i], e->q + t0 * Q, e->att + t0 * Q);
         kvb_cpu_matmul(e->pool, &w->wo, e->att, n, e->h, e->act); /* h := attention output (n, E) */
         tj.src = e->h;
         tj.dst = e->x;
@@ -206,18 +208,19 @@ static kvb_status forward_chunk(kvb_engine *e, chunk_seqs cs, const int32_t *tok
         tj.norm_w = w->post_ffw_norm;
         kvb_pool_parallel_for(tok_pool, (int)n, w->post_ffw_norm ? norm_residual_task : residual_task, &tj);
     }
-    if (s) s->len = pos0 + n;
-    else
-        for (uint32_t t = 0; t < n; t++) cs.each[t]->len++;
+    for (uint32_t i = 0; i < cs.n_seg; i++) cs.seqs[i]->len += cs.seg_n[i];
 
     if (logits) {
         if (all_logits) {
             tok_job tj = {.e = e, .n = n, .norm_w = m->output_norm, .src = e->x, .dst = e->h};
             kvb_pool_parallel_for(tok_pool, (int)n, norm_task, &tj);
             kvb_cpu_matmul(e->pool, &m->output, e->h, n, logits, e->act);
-        } else {
-            kvb_cpu_rmsnorm(e->x + (size_t)(n - 1) * E, m->output_norm, E, d->norm_eps, e->logit_h);
-            kvb_cpu_matmul(e->pool, &m->output, e->logit_h, 1, logits, e->act);
+        } else { /* each segment's last token: its normed row i of h, then the head over n_seg rows */
+            for (uint32_t i = 0, t = 0; i < cs.n_seg; i++) {
+                t += cs.seg_n[i];
+                kvb_cpu_rmsnorm(e->x + (size_t)(t - 1) * E, m->output_norm, E, d->norm_eps, e->h + (size_t)i * E);
+            }
+            kvb_cpu_matmul(e->pool, &m->output, e->h, cs.n_seg, logits, e->act);
         }
     }
     return KVB_OK;
@@ -237,12 +240,39 @@ kvb_status kvb_engine_forward(kvb_engine *e, kvb_seq *s, const int32_t *tokens, 
         float *lg = NULL;
         if (logits && all_logits) lg = logits + (size_t)done * V;
         else if (logits && last) lg = logits;
-        kvb_status st = forward_chunk(e, (chunk_seqs){.s = s}, tokens + done, c, lg, all_logits, err);
+        kvb_status st = forward_chunk(e, (chunk_seqs){&s, &c, 1}, tokens + done, c, lg, all_logits, err);
         if (st == KVB_OK) st = kvb_cpu_seq_commit_full(s, err);
         if (st) return st;
         done += c;
     }
     return KVB_OK;
+}
+
+kvb_status kvb_engine_forward_segments(kvb_engine *e, kvb_seq *const *seqs, const uint32_t *seg_n, uint32_t n_seg,
+                                       const int32_t *tokens, float *logits, kvb_err *err) {
+    if (n_seg == 0) return kvb_err_set(err, KVB_ERR_INVALID, "a forward of no segments");
+    if (e->o.layer_hook || e->o.rows_hook)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "a forward of several sequences does not run the engine's "
+                                                     "layer or rows hooks");
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < n_seg; i++) {
+        const kvb_seq *s = seqs[i];
+        if (s->e != e) return kvb_err_set(err, KVB_ERR_INVALID, "sequence %u belongs to another engine", i);
+        if (s->gate) return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "sequence %u has a layer gate (not batched)", i);
+        if (seg_n[i] == 0) return kvb_err_set(err, KVB_ERR_INVALID, "segment %u has no tokens", i);
+        if ((uint64_t)s->len + seg_n[i] > e->o.max_ctx)
+            return kvb_err_set(err, KVB_ERR_RANGE, "sequence %u: %u + %u tokens exceed the context limit of %u tokens",
+                               i, s->len, seg_n[i], e->o.max_ctx);
+        for (uint32_t j = 0; j < i; j++)
+            if (seqs[j] == s) return kvb_err_set(err, KVB_ERR_INVALID, "sequence %u appears twice in the batch", i);
+        n += seg_n[i];
+    }
+    if (n > e->o.max_batch)
+        return kvb_err_set(err, KVB_ERR_INVALID, "a forward of %llu tokens exceeds the engine's max_batch of %u",
+                           (unsigned long long)n, e->o.max_batch);
+    kvb_status st = forward_chunk(e, (chunk_seqs){seqs, seg_n, n_seg}, tokens, (uint32_t)n, logits, false, err);
+    for (uint32_t i = 0; !st && i < n_seg; i++) st = kvb_cpu_seq_commit_full(seqs[i], err);
+    return st;
 }
 
 kvb_status kvb_engine_forward_batch(kvb_engine *e, kvb_seq *const *seqs, const int32_t *tokens, uint32_t n,
@@ -251,19 +281,6 @@ kvb_status kvb_engine_forward_batch(kvb_engine *e, kvb_seq *const *seqs, const i
     if (n > e->o.max_batch)
         return kvb_err_set(err, KVB_ERR_INVALID, "a batch of %u sequences exceeds the engine's max_batch of %u", n,
                            e->o.max_batch);
-    if (e->o.layer_hook || e->o.rows_hook)
-        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "a batch forward does not run the engine's layer or rows hooks");
-    for (uint32_t i = 0; i < n; i++) {
-        const kvb_seq *s = seqs[i];
-        if (s->e != e) return kvb_err_set(err, KVB_ERR_INVALID, "sequence %u belongs to another engine", i);
-        if (s->gate) return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "sequence %u has a layer gate (not batched)", i);
-        if ((uint64_t)s->len + 1 > e->o.max_ctx)
-            return kvb_err_set(err, KVB_ERR_RANGE, "sequence %u: %u + 1 tokens exceed the context limit of %u tokens",
-                               i, s->len, e->o.max_ctx);
-        for (uint32_t j = 0; j < i; j++)
-            if (seqs[j] == s) return kvb_err_set(err, KVB_ERR_INVALID, "sequence %u appears twice in the batch", i);
-    }
-    kvb_status st = forward_chunk(e, (chunk_seqs){.each = seqs}, tokens, n, logits, true, err);
-    for (uint32_t i = 0; !st && i < n; i++) st = kvb_cpu_seq_commit_full(seqs[i], err);
-    return st;
+    for (uint32_t i = 0; i < n; i++) e->seg_ones[i] = 1;
+    return kvb_engine_forward_segments(e, seqs, e->seg_ones, n, tokens, logits, err);
 }

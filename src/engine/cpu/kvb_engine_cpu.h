@@ -121,6 +121,13 @@ kvb_status kvb_engine_forward(kvb_engine *e, kvb_seq *s, const int32_t *tokens, 
  * sequences may have advanced: free them. */
 kvb_status kvb_engine_forward_batch(kvb_engine *e, kvb_seq *const *seqs, const int32_t *tokens, uint32_t n,
                                     float *logits, kvb_err *err);
+/* The general form: seg_n[i] >= 1 tokens appended to each of n_seg distinct sequences seqs[i] in one
+ * forward (a slice of one request's prompt beside other requests' decode steps); tokens: the
+ * segments' tokens back to back, at most max_batch in all. logits (n_seg, n_vocab): row i for
+ * segment i's last token, bit for bit what kvb_engine_forward(e, seqs[i], its tokens, seg_n[i],
+ * row, false) gives; blocks fill and commit as they do there. Same limits as the batch. */
+kvb_status kvb_engine_forward_segments(kvb_engine *e, kvb_seq *const *seqs, const uint32_t *seg_n, uint32_t n_seg,
+                                       const int32_t *tokens, float *logits, kvb_err *err);
 
 /* ---- the decoder's cache-producing arithmetic ----------------------------------------------
  * For one layer, attention inputs h (n, n_embd) (the attention-normed hidden states) at
