@@ -133,6 +133,24 @@ static kvb_status gate_keeping_state(kvb_engine *e, kvb_seq *s, uint32_t l, uint
     return st;
 }
 
+/* The last layer, when only each segment's last token needs logits: row i of x and of h (its
+ * attention-normed input) becomes segment i's last row, and the RoPE rows their positions. The
+ * rows dropped had their K/V stored already; each row's arithmetic is its own, so what is kept
+ * is the same bits. */
+static void keep_last_rows(kvb_engine *e, chunk_seqs cs) {
+    const size_t E = e->m->d.n_embd;
+    for (uint32_t i = 0, t = 0; i < cs.n_seg; i++) {
+        t += cs.seg_n[i];
+        if (t - 1 != i) {
+            memcpy(e->x + i * E, e->x + (size_t)(t - 1) * E, sizeof(float) * E);
+            memcpy(e->h + i * E, e->h + (size_t)(t - 1) * E, sizeof(float) * E);
+        }
+        e->tok_pos[i] = cs.seqs[i]->len + cs.seg_n[i] - 1;
+    }
+    if (cs.n_seg == 1) kvb_rope_tables_fill(&e->rope, e->tok_pos[0], 1);
+    else kvb_rope_tables_fill_at(&e->rope, e->tok_pos, cs.n_seg);
+}
+
 /* logits: NULL, or with all_logits (n, n_vocab) for every token (one segment only), else
  * (n_seg, n_vocab): row i for segment i's last token. */
 static kvb_status forward_chunk(kvb_engine *e, chunk_seqs cs, const int32_t *tokens, uint32_t n, float *logits,
@@ -165,6 +183,7 @@ static kvb_status forward_chunk(kvb_engine *e, chunk_seqs cs, const int32_t *tok
     else kvb_rope_tables_fill_at(&e->rope, e->tok_pos, n);
     kvb_pool *tok_pool = n > 1 ? e->pool : NULL;
     const uint32_t pos0 = s ? s->len : 0;
+    uint32_t nr = n; /* rows going on: n, or in the last layer with logits only, one per segment */
 
     for (uint32_t l = 0; l < d->n_layer; l++) {
         const kvb_layer_weights *w = &m->layers[l];
@@ -183,45 +202,49 @@ static kvb_status forward_chunk(kvb_engine *e, chunk_seqs cs, const int32_t *tok
         /* The last layer's attention and MLP feed only the logits: a chunk that computes none (a
          * prefill node's forward, every chunk but a prompt's last) needs of that layer its K and V */
         if (l + 1 == d->n_layer && !logits) break;
+        /* ... and with logits for each segment's last token only, of that layer just those rows */
+        const bool last_rows = l + 1 == d->n_layer && !all_logits && n > cs.n_seg;
+        if (last_rows) {
+            keep_last_rows(e, cs);
+            nr = cs.n_seg;
+            tok_pool = nr > 1 ? e->pool : NULL;
+            tj.n = nr;
+            kvb_rope_tables_layer(&e->rope, l, &tj.rope_cos, &tj.rope_sin);
+        }
 
-        kvb_cpu_matmul(e->pool, &w->wq, e->h, n, e->q, e->act);
-        kvb_pool_parallel_for(tok_pool, (int)n, q_post_task, &tj);
-        if (s && s->gate && (st = gate_keeping_state(e, s, l, pos0, n, err))) return st;
-        for (uint32_t i = 0, t0 = 0; i < cs.n_seg; t0 += cs.seg_n[i++])
-            kvb_cpu_attention(e, cs.seqs[i], l, cs.seqs[i]->len, cs.seg_n[i], e->q + t0 * Q, e->att + t0 * Q);
-        kvb_cpu_matmul(e->pool, &w->wo, e->att, n, e->h, e->act); /* h := attention output (n, E) */
+        kvb_cpu_matmul(e->pool, &w->wq, e->h, nr, e->q, e->act);
+        kvb_pool_parallel_for(tok_pool, (int)nr, q_post_task, &tj);
+        if (s && s->gate && (st = gate_keeping_state(e, s, l, last_rows ? pos0 + n - 1 : pos0, nr, err))) return st;
+        for (uint32_t i = 0, t0 = 0; i < cs.n_seg; i++) { /* each segment's query rows */
+            const uint32_t rows = last_rows ? 1 : cs.seg_n[i], qpos = cs.seqs[i]->len + cs.seg_n[i] - rows;
+            kvb_cpu_attention(e, cs.seqs[i], l, qpos, rows, e->q + t0 * Q, e->att + t0 * Q);
+            t0 += rows;
+        }
+        kvb_cpu_matmul(e->pool, &w->wo, e->att, nr, e->h, e->act); /* h := attention output (nr, E) */
         tj.src = e->h;
         tj.dst = e->x;
         tj.norm_w = w->post_attn_norm;
-        kvb_pool_parallel_for(tok_pool, (int)n, w->post_attn_norm ? norm_residual_task : residual_task, &tj);
+        kvb_pool_parallel_for(tok_pool, (int)nr, w->post_attn_norm ? norm_residual_task : residual_task, &tj);
 
         tj.norm_w = w->ffn_norm;
         tj.src = e->x;
         tj.dst = e->h;
-        kvb_pool_parallel_for(tok_pool, (int)n, norm_task, &tj);
-        kvb_cpu_matmul(e->pool, &w->w_gate, e->h, n, e->g, e->act);
-        kvb_cpu_matmul(e->pool, &w->w_up, e->h, n, e->u, e->act);
-        kvb_pool_parallel_for(tok_pool, (int)n, glu_task, &tj);
-        kvb_cpu_matmul(e->pool, &w->w_down, e->g, n, e->h, e->act); /* h := MLP output (n, E) */
+        kvb_pool_parallel_for(tok_pool, (int)nr, norm_task, &tj);
+        kvb_cpu_matmul(e->pool, &w->w_gate, e->h, nr, e->g, e->act);
+        kvb_cpu_matmul(e->pool, &w->w_up, e->h, nr, e->u, e->act);
+        kvb_pool_parallel_for(tok_pool, (int)nr, glu_task, &tj);
+        kvb_cpu_matmul(e->pool, &w->w_down, e->g, nr, e->h, e->act); /* h := MLP output (nr, E) */
         tj.src = e->h;
         tj.dst = e->x;
         tj.norm_w = w->post_ffw_norm;
-        kvb_pool_parallel_for(tok_pool, (int)n, w->post_ffw_norm ? norm_residual_task : residual_task, &tj);
+        kvb_pool_parallel_for(tok_pool, (int)nr, w->post_ffw_norm ? norm_residual_task : residual_task, &tj);
     }
     for (uint32_t i = 0; i < cs.n_seg; i++) cs.seqs[i]->len += cs.seg_n[i];
 
-    if (logits) {
-        if (all_logits) {
-            tok_job tj = {.e = e, .n = n, .norm_w = m->output_norm, .src = e->x, .dst = e->h};
-            kvb_pool_parallel_for(tok_pool, (int)n, norm_task, &tj);
-            kvb_cpu_matmul(e->pool, &m->output, e->h, n, logits, e->act);
-        } else { /* each segment's last token: its normed row i of h, then the head over n_seg rows */
-            for (uint32_t i = 0, t = 0; i < cs.n_seg; i++) {
-                t += cs.seg_n[i];
-                kvb_cpu_rmsnorm(e->x + (size_t)(t - 1) * E, m->output_norm, E, d->norm_eps, e->h + (size_t)i * E);
-            }
-            kvb_cpu_matmul(e->pool, &m->output, e->h, cs.n_seg, logits, e->act);
-        }
+    if (logits) { /* all_logits: every row; else row i is segment i's last token (nr == n_seg) */
+        tok_job tj = {.e = e, .n = nr, .norm_w = m->output_norm, .src = e->x, .dst = e->h};
+        kvb_pool_parallel_for(tok_pool, (int)nr, norm_task, &tj);
+        kvb_cpu_matmul(e->pool, &m->output, e->h, nr, logits, e->act);
     }
     return KVB_OK;
 }
