@@ -2,7 +2,7 @@
 """The official `openai` Python client against a kvbridge HTTP server (issue 6 acceptance: "the
 official openai Python client streams a chat completion").
 
-Usage: openai_client_check.py PORT [MODEL]
+Usage: openai_client_check.py PORT [MODEL [API_KEY]]
 
 The server under test (tests/test_http_server.c) runs a fake handler that echoes the last user
 message (or the prompt) word by word with the verdict "partial 3/8" and fixed kvbridge counts.
@@ -11,6 +11,9 @@ usage.kvbridge, the X-KVBridge header); a STREAMING chat completion with include
 chunk, deltas joined == the message, finish_reason, final usage chunk with usage.kvbridge, the
 header on the stream); a legacy completion (non-streaming and streaming); max_tokens -> "length";
 a 400 from a bad parameter and a 404 from another model surface as the client's exception types.
+With API_KEY (a server started with that key): every check above runs with it as the client's
+api_key, and a client with a wrong key gets openai.AuthenticationError (401, code invalid_api_key)
+on models.list, a chat completion and a streaming one.
 Exit 0 and "openai client check: N passed, 0 failed" when all pass; exit 1 otherwise; exit 77 when
 the openai package is missing (the C test skips then).
 """
@@ -58,7 +61,31 @@ def check_kvbridge(name, usage):
 def main():
     port = int(sys.argv[1])
     model = sys.argv[2] if len(sys.argv) > 2 else "kvb-test"
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
+    api_key = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] else None
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key or "x", max_retries=0, timeout=30)
+
+    if api_key:  # a wrong key is refused before anything runs
+        wrong = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key + "-wrong", max_retries=0,
+                       timeout=30)
+        calls = {
+            "models.list": lambda: wrong.models.list(),
+            "chat": lambda: wrong.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}]),
+            "chat stream": lambda: list(wrong.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], stream=True)),
+        }
+        for name, call in calls.items():
+            try:
+                call()
+                check(f"wrong key, {name}: raised", False, "no exception")
+            except openai.AuthenticationError as e:
+                body = e.body if isinstance(e.body, dict) else {}
+                check(f"wrong key, {name}: 401", e.status_code == 401, str(e.status_code))
+                check(f"wrong key, {name}: code", body.get("code") == "invalid_api_key", repr(e.body))
+                check(f"wrong key, {name}: message", body.get("message") == "Incorrect API key provided.",
+                      repr(e.body))
+                check(f"wrong key, {name}: WWW-Authenticate",
+                      e.response.headers.get("www-authenticate") == "Bearer",
+                      repr(e.response.headers.get("www-authenticate")))
 
     # models
     models = client.models.list()
@@ -169,7 +196,7 @@ def main():
     except openai.APIError as e:
         check("mid-stream error: message", "decoder failed" in str(e), str(e))
 
-    print(f"openai client {openai.__version__}")
+    print(f"openai client {openai.__version__}" + (" (with an API key)" if api_key else ""))
     print(f"openai client check: {passed} passed, {failed} failed")
     return 0 if failed == 0 else 1
 

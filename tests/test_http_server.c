@@ -9,8 +9,10 @@
  * /health with the handler's fields, /v1/models, /metrics as valid Prometheus text (a small parser
  * below), client disconnects seen by the handler (streaming and not) and counted, concurrent
  * clients, stopping the server mid-stream, and the metrics registry on its own (values, escaping,
- * histograms, name checks, threads). Last, tests/openai_client_check.py runs the official openai
- * client against the server (skips with a message when .venv/bin/python or openai is missing). */
+ * histograms, name checks, threads), and the API key (401 invalid_api_key + WWW-Authenticate on the
+ * /v1/ routes without the right "Authorization: Bearer KEY", /health and /metrics open, short keys
+ * refused). Last, tests/openai_client_check.py runs the official openai client against the server,
+ * without a key and with one (skips with a message when .venv/bin/python or openai is missing). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -175,12 +177,15 @@ static void fake_health(void *ctx, cJSON *body) {
     cJSON_AddNumberToObject(body, "queue_depth", 0);
 }
 
-static kvb_http_server *start_server(kvb_metrics *metrics) {
+#define API_KEY "sk-kvb-test-0123456789abcdef"
+
+static kvb_http_server *start_server_key(kvb_metrics *metrics, const char *api_key) {
     kvb_http_config cfg = {
         .listen = "127.0.0.1:0",
         .model_id = MODEL,
         .max_body_bytes = SMALL_BODY_LIMIT,
         .metrics = metrics,
+        .api_key = api_key,
     };
     kvb_http_handlers h = {.ctx = &g_fake, .completion = fake_completion, .health = fake_health};
     kvb_http_server *s = NULL;
@@ -189,6 +194,8 @@ static kvb_http_server *start_server(kvb_metrics *metrics) {
     assert_true(kvb_http_server_port(s) != 0);
     return s;
 }
+
+static kvb_http_server *start_server(kvb_metrics *metrics) { return start_server_key(metrics, NULL); }
 
 /* ---- a raw HTTP/1.1 client ---------------------------------------------------------------------- */
 
@@ -352,6 +359,20 @@ static void http_call(uint16_t port, const char *method, const char *path, const
     char *req = malloc(1024 + (body ? strlen(body) : 0));
     assert_non_null(req);
     int n = sprintf(req, "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n", method, path);
+    if (content_type) n += sprintf(req + n, "Content-Type: %s\r\n", content_type);
+    if (body) n += sprintf(req + n, "Content-Length: %zu\r\n\r\n%s", strlen(body), body);
+    else n += sprintf(req + n, "\r\n");
+    http_raw(port, req, (size_t)n, resp);
+    free(req);
+}
+
+/* Like http_call with an Authorization header (its whole value, e.g. "Bearer KEY"; NULL: none). */
+static void http_call_auth(uint16_t port, const char *method, const char *path, const char *authorization,
+                           const char *content_type, const char *body, http_resp *resp) {
+    char *req = malloc(1024 + (authorization ? strlen(authorization) : 0) + (body ? strlen(body) : 0));
+    assert_non_null(req);
+    int n = sprintf(req, "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n", method, path);
+    if (authorization) n += sprintf(req + n, "Authorization: %s\r\n", authorization);
     if (content_type) n += sprintf(req + n, "Content-Type: %s\r\n", content_type);
     if (body) n += sprintf(req + n, "Content-Length: %zu\r\n\r\n%s", strlen(body), body);
     else n += sprintf(req + n, "\r\n");
@@ -706,6 +727,16 @@ static int setup(void **state) {
     kvb_err err = {0};
     if (kvb_metrics_create(&f->metrics, &err) != KVB_OK) return -1;
     f->server = start_server(f->metrics);
+    f->port = kvb_http_server_port(f->server);
+    *state = f;
+    return 0;
+}
+
+static int setup_key(void **state) {
+    fixture *f = calloc(1, sizeof *f);
+    kvb_err err = {0};
+    if (kvb_metrics_create(&f->metrics, &err) != KVB_OK) return -1;
+    f->server = start_server_key(f->metrics, API_KEY);
     f->port = kvb_http_server_port(f->server);
     *state = f;
     return 0;
@@ -1471,10 +1502,186 @@ static void test_metrics_threads_and_cap(void **state) {
     kvb_metrics_free(m);
 }
 
+/* ---- the API key --------------------------------------------------------------------------------- */
+
+/* A 401 invalid_api_key with WWW-Authenticate: Bearer and exactly this message. */
+static void expect_401(http_resp *r, const char *message) {
+    expect_error(r, 401, NULL, "invalid_api_key", message);
+    cJSON *j = parse_body(r);
+    assert_string_equal(jstr(j, "error.message"), message);
+    cJSON_Delete(j);
+    char www[64];
+    if (!header_value(r, "WWW-Authenticate", www, sizeof www)) fail_msg("401 without WWW-Authenticate:\n%s", r->head);
+    assert_string_equal(www, "Bearer");
+    resp_free(r);
+}
+
+static void test_api_key(void **state) {
+    fixture *f = *state;
+    static const char missing[] = "Missing API key: send the header 'Authorization: Bearer KEY' (this server was "
+                                  "started with --api-key).";
+    static const char wrong[] = "Incorrect API key provided.";
+    const char *chat = "{\"model\":\"" MODEL "\",\"messages\":[{\"role\":\"user\",\"content\":\"secret words\"}]}";
+    http_resp r;
+    int n401_models = 0, n401_chat = 0, n401_one = 0, n401_cmpl = 0;
+    const int calls_before = atomic_load(&g_fake.calls);
+
+    /* no header, on every /v1/ route and method */
+    http_call(f->port, "GET", "/v1/models", NULL, NULL, &r);
+    expect_401(&r, missing);
+    n401_models++;
+    http_call(f->port, "HEAD", "/v1/models", NULL, NULL, &r);
+    assert_int_equal(r.status, 401);
+    resp_free(&r);
+    n401_models++;
+    http_call(f->port, "GET", "/v1/models/" MODEL, NULL, NULL, &r);
+    expect_401(&r, missing);
+    n401_one++;
+    post_json(f->port, "/v1/chat/completions", chat, &r);
+    expect_401(&r, missing);
+    n401_chat++;
+    post_json(f->port, "/v1/completions", "{\"model\":\"" MODEL "\",\"prompt\":\"x\"}", &r);
+    expect_401(&r, missing);
+    n401_cmpl++;
+    /* the order: route (404) and method (405) first, then the key, then content type and length */
+    http_call(f->port, "GET", "/v1/nope", NULL, NULL, &r);
+    expect_error(&r, 404, NULL, NULL, "Invalid URL");
+    resp_free(&r);
+    http_call(f->port, "GET", "/v1/chat/completions", NULL, NULL, &r);
+    expect_error(&r, 405, NULL, NULL, "use POST");
+    char allow[64];
+    assert_non_null(header_value(&r, "Allow", allow, sizeof allow));
+    assert_string_equal(allow, "POST");
+    resp_free(&r);
+    http_call(f->port, "POST", "/v1/chat/completions", "text/plain", chat, &r);
+    expect_401(&r, missing);
+    n401_chat++;
+    http_call_auth(f->port, "POST", "/v1/chat/completions", "Bearer " API_KEY, "text/plain", chat, &r);
+    expect_error(&r, 415, NULL, NULL, "text/plain");
+    resp_free(&r);
+    /* a body over the limit is never read without the key: 401 by the headers alone */
+    char big_head[256];
+    int bn = snprintf(big_head, sizeof big_head, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      "application/json\r\nContent-Length: %d\r\n\r\n{", SMALL_BODY_LIMIT * 4);
+    http_raw(f->port, big_head, (size_t)bn, &r);
+    expect_401(&r, missing);
+    n401_chat++;
+
+    /* not the Bearer scheme, or no token */
+    const char *not_bearer[] = {"Basic c2stdGVzdDpzZWNyZXQ=", "Bearer", "Bearer   ", "Bearer:" API_KEY,
+                                "Bearer" API_KEY, "Token " API_KEY, API_KEY};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(not_bearer); i++) {
+        http_call_auth(f->port, "GET", "/v1/models", not_bearer[i], NULL, NULL, &r);
+        if (r.status != 401) fail_msg("'Authorization: %s' got %d", not_bearer[i], r.status);
+        expect_401(&r, missing);
+        n401_models++;
+    }
+    /* the wrong key: another one, a prefix, the key plus a byte, another case */
+    const char *wrong_keys[] = {"Bearer sk-wrong-key-000", "Bearer " API_KEY "x",
+                                "Bearer sk-kvb-test-0123456789abcde", "Bearer SK-KVB-TEST-0123456789ABCDEF",
+                                "Bearer " API_KEY " " API_KEY};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(wrong_keys); i++) {
+        http_call_auth(f->port, "GET", "/v1/models", wrong_keys[i], NULL, NULL, &r);
+        if (r.status != 401) fail_msg("'Authorization: %s' got %d", wrong_keys[i], r.status);
+        expect_401(&r, wrong);
+        n401_models++;
+    }
+    http_call_auth(f->port, "POST", "/v1/chat/completions", "Bearer nope-nope-nope", "application/json", chat, &r);
+    expect_401(&r, wrong);
+    n401_chat++;
+    assert_int_equal(atomic_load(&g_fake.calls) - calls_before, 0); /* no handler ran for any of them */
+
+    /* the right key: any case of the scheme, one or more spaces */
+    const char *right[] = {"Bearer " API_KEY, "bearer " API_KEY, "BEARER   " API_KEY};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(right); i++) {
+        http_call_auth(f->port, "GET", "/v1/models", right[i], NULL, NULL, &r);
+        if (r.status != 200) fail_msg("'Authorization: %s' got %d: %s", right[i], r.status, r.body);
+        cJSON *j = parse_body(&r);
+        assert_string_equal(jstr(j, "data.0.id"), MODEL);
+        cJSON_Delete(j);
+        resp_free(&r);
+    }
+    http_call_auth(f->port, "GET", "/v1/models/" MODEL, "Bearer " API_KEY, NULL, NULL, &r);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    http_call_auth(f->port, "POST", "/v1/chat/completions", "bearer " API_KEY, "application/json", chat, &r);
+    if (r.status != 200) fail_msg("chat with the key: %d %s", r.status, r.body);
+    cJSON *j = parse_body(&r);
+    assert_string_equal(jstr(j, "choices.0.message.content"), "secret words");
+    cJSON_Delete(j);
+    resp_free(&r);
+    http_call_auth(f->port, "POST", "/v1/chat/completions", "Bearer " API_KEY, "application/json",
+                   "{\"model\":\"" MODEL "\",\"messages\":[{\"role\":\"user\",\"content\":\"a b c\"}],"
+                   "\"stream\":true}", &r);
+    check_stream(&r, true, "a b c", "stop", false, 3);
+    resp_free(&r);
+    http_call_auth(f->port, "POST", "/v1/completions", "Bearer " API_KEY, "application/json",
+                   "{\"model\":\"" MODEL "\",\"prompt\":\"once more\"}", &r);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+
+    /* /health and /metrics stay open; the 401s are counted by route and code */
+    http_call(f->port, "GET", "/health", NULL, NULL, &r);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    for (int attempt = 0;; attempt++) {
+        http_call(f->port, "GET", "/metrics", NULL, NULL, &r);
+        assert_int_equal(r.status, 200);
+        if (prom_value(r.body, "kvb_http_requests_in_flight") == 1 &&
+            prom_value(r.body, "kvb_http_requests_total{route=\"/v1/completions\",code=\"200\"}") == 1)
+            break;
+        if (attempt == 200) fail_msg("metrics never settled:\n%s", r.body);
+        resp_free(&r);
+        sleep_ms(10);
+    }
+    assert_true(prom_check(r.body) > 0);
+    assert_true(prom_value(r.body, "kvb_http_requests_total{route=\"/v1/models\",code=\"401\"}") == n401_models);
+    assert_true(prom_value(r.body, "kvb_http_requests_total{route=\"/v1/models/{id}\",code=\"401\"}") == n401_one);
+    assert_true(prom_value(r.body, "kvb_http_requests_total{route=\"/v1/chat/completions\",code=\"401\"}") ==
+                n401_chat);
+    assert_true(prom_value(r.body, "kvb_http_requests_total{route=\"/v1/completions\",code=\"401\"}") == n401_cmpl);
+    assert_true(prom_value(r.body, "kvb_http_requests_total{route=\"/v1/models\",code=\"200\"}") == 3);
+    assert_true(prom_value(r.body, "kvb_http_requests_total{route=\"/v1/chat/completions\",code=\"200\"}") == 2);
+    assert_true(prom_value(r.body, "kvb_http_requests_total{route=\"/health\",code=\"200\"}") == 1);
+    resp_free(&r);
+}
+
+static void test_api_key_start(void **state) {
+    (void)state;
+    kvb_http_handlers h = {.ctx = &g_fake, .completion = fake_completion};
+    kvb_http_server *s = NULL;
+    kvb_err err = {0};
+    /* too short (3 and 7 bytes), and bytes a bearer token cannot carry */
+    const char *bad[] = {"abc", "1234567", "has space in it", "tab\there-x", "newline\nkey", "caf\xc3\xa9-key-1"};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(bad); i++) {
+        kvb_http_config cfg = {.listen = "127.0.0.1:0", .model_id = MODEL, .api_key = bad[i]};
+        assert_int_equal(kvb_http_server_start(&cfg, &h, &s, &err), KVB_ERR_INVALID);
+        assert_null(s);
+        if (i < 2 && !strstr(err.msg, "at least 8")) fail_msg("short key: '%s'", err.msg);
+        if (strstr(err.msg, bad[i])) fail_msg("the message quotes the key: '%s'", err.msg);
+    }
+    /* 8 bytes is enough; "" means no key */
+    kvb_http_config cfg = {.listen = "127.0.0.1:0", .model_id = MODEL, .api_key = "12345678"};
+    assert_int_equal(kvb_http_server_start(&cfg, &h, &s, &err), KVB_OK);
+    http_resp r;
+    http_call_auth(kvb_http_server_port(s), "GET", "/v1/models", "Bearer 12345678", NULL, NULL, &r);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    http_call_auth(kvb_http_server_port(s), "GET", "/v1/models", "Bearer 1234567", NULL, NULL, &r);
+    expect_401(&r, "Incorrect API key provided.");
+    kvb_http_server_stop(s);
+    cfg.api_key = "";
+    assert_int_equal(kvb_http_server_start(&cfg, &h, &s, &err), KVB_OK);
+    http_call(kvb_http_server_port(s), "GET", "/v1/models", NULL, NULL, &r);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    kvb_http_server_stop(s);
+}
+
 /* ---- the official openai client ------------------------------------------------------------------ */
 
-static void test_openai_client(void **state) {
-    fixture *f = *state;
+/* Runs tests/openai_client_check.py PORT MODEL [API_KEY]. */
+static void run_openai_check(uint16_t port, const char *api_key) {
     const char *src = getenv("KVB_SOURCE_DIR");
     char py[1024], script[1024];
     snprintf(py, sizeof py, "%s/.venv/bin/python", src ? src : ".");
@@ -1484,7 +1691,7 @@ static void test_openai_client(void **state) {
         skip();
     }
     char cmd[3072], out[16384];
-    snprintf(cmd, sizeof cmd, "'%s' '%s' %u " MODEL " 2>&1", py, script, f->port);
+    snprintf(cmd, sizeof cmd, "'%s' '%s' %u " MODEL " %s 2>&1", py, script, port, api_key ? api_key : "");
     FILE *p = popen(cmd, "r");
     assert_non_null(p);
     size_t n = fread(out, 1, sizeof out - 1, p);
@@ -1498,6 +1705,17 @@ static void test_openai_client(void **state) {
     print_message("%s", out);
     if (code != 0) fail_msg("openai_client_check.py failed (exit %d)", code);
     assert_non_null(strstr(out, " 0 failed"));
+}
+
+static void test_openai_client(void **state) {
+    fixture *f = *state;
+    run_openai_check(f->port, NULL);
+}
+
+/* The same checks with the client's api_key, and AuthenticationError with a wrong one. */
+static void test_openai_client_api_key(void **state) {
+    fixture *f = *state;
+    run_openai_check(f->port, API_KEY);
 }
 
 int main(void) {
@@ -1522,7 +1740,10 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_concurrent_clients, setup, teardown),
         cmocka_unit_test(test_stop_mid_stream),
         cmocka_unit_test(test_idle_timeout),
+        cmocka_unit_test(test_api_key_start),
+        cmocka_unit_test_setup_teardown(test_api_key, setup_key, teardown),
         cmocka_unit_test_setup_teardown(test_openai_client, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_openai_client_api_key, setup_key, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -71,6 +71,9 @@ void http_sse_error(http_buf *b, const kvb_http_error *e);
 
 struct MHD_Connection;
 
+#define HTTP_API_KEY_DIGEST_LEN 32 /* SHA-256 */
+#define HTTP_API_KEY_MIN 8
+
 struct kvb_http_server {
     struct MHD_Daemon *daemon;
     kvb_http_handlers handlers;
@@ -85,6 +88,8 @@ struct kvb_http_server {
     uint64_t id_salt;
     kvb_metrics *metrics;
     bool owns_metrics;
+    bool has_api_key;                                   /* /v1/ routes need the bearer token */
+    unsigned char api_key_digest[HTTP_API_KEY_DIGEST_LEN]; /* SHA-256 of the key, never the key */
     kvb_metric *m_requests, *m_duration, *m_in_flight, *m_ttft, *m_prompt_tokens,
         *m_generated_tokens, *m_disconnects, *m_verdicts;
 };

@@ -191,6 +191,10 @@ typedef struct {
     unsigned max_connections;  /* 0 = 256 (each holds a thread) */
     unsigned idle_timeout_s;   /* keep-alive idle limit; 0 = 120 (never cuts a slow handler) */
     kvb_metrics *metrics;      /* NULL: the server creates (and frees) its own */
+    const char *api_key;       /* NULL or "": none; else every /v1/ route requires "Authorization:
+                                  Bearer KEY" (else 401 invalid_api_key); /health and /metrics stay
+                                  open. >= 8 bytes of printable ASCII without spaces; the server
+                                  keeps only its SHA-256 and compares in constant time */
 } kvb_http_config;
 
 typedef struct kvb_http_server kvb_http_server;

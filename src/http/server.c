@@ -4,11 +4,16 @@
  * thread and answer once it returns; streaming ones run it on a worker thread and answer (200,
  * text/event-stream, X-KVBridge) once the first delta or the finish is there. Early refusals (404,
  * 405, 413 by Content-Length, 415) are queued before the body is read, which makes MHD close the
- * connection after the answer; everything else keeps the connection alive. */
+ * connection after the answer; everything else keeps the connection alive. With an API key
+ * configured, the /v1/ routes answer 401 (WWW-Authenticate: Bearer) before the body is read
+ * unless "Authorization: Bearer KEY" matches: the server keeps the key's SHA-256 only and compares
+ * the presented token's digest in constant time. /health and /metrics stay open. */
 #include <arpa/inet.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,15 +53,16 @@ typedef struct {
 
 /* ---- responses ---------------------------------------------------------------------------------- */
 
+/* hdr_name/hdr_value: one more response header (Allow on a 405, WWW-Authenticate on a 401), or NULL. */
 static enum MHD_Result queue_body(request_ctx *ctx, struct MHD_Connection *conn, unsigned status,
                                   const char *content_type, const char *body, size_t len,
-                                  const char *verdict, const char *allow) {
+                                  const char *verdict, const char *hdr_name, const char *hdr_value) {
     struct MHD_Response *resp =
         MHD_create_response_from_buffer(len, (void *)body, MHD_RESPMEM_MUST_COPY);
     if (!resp) return MHD_NO;
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
     if (verdict && verdict[0]) MHD_add_response_header(resp, "X-KVBridge", verdict);
-    if (allow) MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
+    if (hdr_name && hdr_value) MHD_add_response_header(resp, hdr_name, hdr_value);
     enum MHD_Result r = MHD_queue_response(conn, status, resp);
     MHD_destroy_response(resp);
     if (r == MHD_YES) {
@@ -71,17 +77,18 @@ static enum MHD_Result queue_json(request_ctx *ctx, struct MHD_Connection *conn,
     char *s = root ? cJSON_PrintUnformatted(root) : NULL;
     cJSON_Delete(root);
     if (!s) return MHD_NO;
-    enum MHD_Result r = queue_body(ctx, conn, status, "application/json", s, strlen(s), verdict, NULL);
+    enum MHD_Result r = queue_body(ctx, conn, status, "application/json", s, strlen(s), verdict, NULL, NULL);
     cJSON_free(s);
     return r;
 }
 
-static enum MHD_Result queue_error(request_ctx *ctx, struct MHD_Connection *conn,
-                                   const kvb_http_error *e, const char *verdict, const char *allow) {
+static enum MHD_Result queue_error(request_ctx *ctx, struct MHD_Connection *conn, const kvb_http_error *e,
+                                   const char *verdict, const char *hdr_name, const char *hdr_value) {
     char *s = http_error_json(e);
     if (!s) return MHD_NO;
     unsigned status = (e->status >= 400 && e->status <= 599) ? (unsigned)e->status : 500;
-    enum MHD_Result r = queue_body(ctx, conn, status, "application/json", s, strlen(s), verdict, allow);
+    enum MHD_Result r =
+        queue_body(ctx, conn, status, "application/json", s, strlen(s), verdict, hdr_name, hdr_value);
     cJSON_free(s);
     kvb_log(KVB_LOG_DEBUG, "http: %u %s", status, e->message);
     return r;
@@ -96,7 +103,7 @@ static enum MHD_Result refuse(request_ctx *ctx, struct MHD_Connection *conn, int
     va_start(ap, fmt);
     http_error_vset(&e, status, NULL, NULL, fmt, ap);
     va_end(ap);
-    return queue_error(ctx, conn, &e, NULL, allow);
+    return queue_error(ctx, conn, &e, NULL, allow ? MHD_HTTP_HEADER_ALLOW : NULL, allow);
 }
 
 /* ---- simple routes ------------------------------------------------------------------------------ */
@@ -124,7 +131,7 @@ static enum MHD_Result serve_model_one(request_ctx *ctx, struct MHD_Connection *
     if (strcmp(id, ctx->server->model_id) != 0) {
         kvb_http_error e;
         http_error_set(&e, 404, "model_not_found", "model", "The model '%.200s' does not exist.", id);
-        return queue_error(ctx, conn, &e, NULL, NULL);
+        return queue_error(ctx, conn, &e, NULL, NULL, NULL);
     }
     return queue_json(ctx, conn, 200, model_object(ctx->server), NULL);
 }
@@ -144,7 +151,7 @@ static enum MHD_Result serve_metrics(request_ctx *ctx, struct MHD_Connection *co
     kvb_err err = {0};
     if (kvb_metrics_render(ctx->server->metrics, &text, &len, &err) != KVB_OK)
         return refuse(ctx, conn, 500, NULL, "%s", err.msg);
-    enum MHD_Result r = queue_body(ctx, conn, 200, KVB_METRICS_CONTENT_TYPE, text, len, NULL, NULL);
+    enum MHD_Result r = queue_body(ctx, conn, 200, KVB_METRICS_CONTENT_TYPE, text, len, NULL, NULL, NULL);
     free(text);
     return r;
 }
@@ -163,7 +170,7 @@ static enum MHD_Result queue_completion_error(request_ctx *ctx, struct MHD_Conne
     char verdict[KVB_VERDICT_MAX] = "";
     if (out->has_verdict) memcpy(verdict, out->verdict, sizeof verdict);
     pthread_mutex_unlock(&out->mu);
-    return queue_error(ctx, conn, &e, verdict, NULL);
+    return queue_error(ctx, conn, &e, verdict, NULL, NULL);
 }
 
 static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection *conn) {
@@ -174,13 +181,13 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
     kvb_trace_span("http.receive", ctx->t_start, t_parse, ctx->body.len); /* headers to the body's last byte */
     const kvb_status parsed = kvb_completion_req_parse(api, ctx->body.data, ctx->body.len, &ctx->req, &e);
     kvb_trace_span("http.parse", t_parse, kvb_now_s(), ctx->body.len);
-    if (parsed != KVB_OK) return queue_error(ctx, conn, &e, NULL, NULL);
+    if (parsed != KVB_OK) return queue_error(ctx, conn, &e, NULL, NULL, NULL);
     http_buf_free(&ctx->body);
     if (!s->accept_any_model && strcmp(ctx->req->model, s->model_id) != 0) {
         http_error_set(&e, 404, "model_not_found", "model",
                        "The model '%.200s' does not exist; this server serves '%.200s'.", ctx->req->model,
                        s->model_id);
-        return queue_error(ctx, conn, &e, NULL, NULL);
+        return queue_error(ctx, conn, &e, NULL, NULL, NULL);
     }
     ctx->out = http_completion_new(s, ctx->req, connection_fd(conn));
     if (!ctx->out) return refuse(ctx, conn, 503, NULL, "Out of memory starting the completion.");
@@ -196,7 +203,7 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
                                           out->finish_reason, &out->usage, out->final_verdict);
         if (!body) return refuse(ctx, conn, 500, NULL, "Out of memory formatting the response.");
         enum MHD_Result r = queue_body(ctx, conn, 200, "application/json", body, strlen(body),
-                                       out->final_verdict, NULL);
+                                       out->final_verdict, NULL, NULL);
         cJSON_free(body);
         return r;
     }
@@ -245,6 +252,39 @@ static route_id route_of(const char *url) {
 
 static bool is_post_route(route_id r) { return r == ROUTE_CHAT || r == ROUTE_COMPLETIONS; }
 
+/* ---- the API key -------------------------------------------------------------------------------- */
+
+static bool sha256(const void *bytes, size_t n, unsigned char out[HTTP_API_KEY_DIGEST_LEN]) {
+    unsigned int len = 0;
+    return EVP_Digest(bytes, n, out, &len, EVP_sha256(), NULL) == 1 && len == HTTP_API_KEY_DIGEST_LEN;
+}
+
+/* The /v1/ routes; /health and /metrics stay open (probes and scrapers carry no key). */
+static bool route_needs_key(route_id r) {
+    return r == ROUTE_CHAT || r == ROUTE_COMPLETIONS || r == ROUTE_MODELS || r == ROUTE_MODEL_ONE;
+}
+
+/* NULL when the request carries the key; else the 401's message. The token's digest is compared
+ * with the key's in constant time, whatever the token's length. */
+static const char *api_key_refusal(const kvb_http_server *s, struct MHD_Connection *conn) {
+    static const char missing[] = "Missing API key: send the header 'Authorization: Bearer KEY' (this server "
+                                  "was started with --api-key).";
+    const char *v = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!v) return missing;
+    while (*v == ' ' || *v == '\t') v++;
+    if (strncasecmp(v, "Bearer", 6) != 0 || v[6] != ' ') return missing; /* another scheme, or no token */
+    const char *token = v + 6;
+    while (*token == ' ') token++;
+    size_t n = strlen(token);
+    while (n && (token[n - 1] == ' ' || token[n - 1] == '\t')) n--;
+    if (!n) return missing;
+    unsigned char digest[HTTP_API_KEY_DIGEST_LEN];
+    if (!sha256(token, n, digest) ||
+        CRYPTO_memcmp(digest, s->api_key_digest, HTTP_API_KEY_DIGEST_LEN) != 0)
+        return "Incorrect API key provided.";
+    return NULL;
+}
+
 /* "application/json" with optional parameters (charset) and any case. */
 static bool is_json_media_type(const char *ct) {
     while (*ct == ' ' || *ct == '\t') ct++;
@@ -271,6 +311,14 @@ static enum MHD_Result on_headers(request_ctx *ctx, struct MHD_Connection *conn,
     if (!is_post_route(ctx->route) && !get)
         return refuse(ctx, conn, 405, "GET, HEAD", "Method %.16s is not allowed on %s; use GET.", method,
                       route_labels[ctx->route]);
+    if (s->has_api_key && route_needs_key(ctx->route)) {
+        const char *why = api_key_refusal(s, conn);
+        if (why) {
+            kvb_http_error e;
+            http_error_set(&e, 401, "invalid_api_key", NULL, "%s", why);
+            return queue_error(ctx, conn, &e, NULL, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+        }
+    }
     if (!post) return MHD_YES;
     const char *ct = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE);
     if (ct && !is_json_media_type(ct))
@@ -476,6 +524,15 @@ kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_hand
         return kvb_err_set(err, KVB_ERR_INVALID, "http: a config and a completion handler are required");
     if (!cfg->model_id || !cfg->model_id[0])
         return kvb_err_set(err, KVB_ERR_INVALID, "http: model_id is required");
+    const size_t key_len = cfg->api_key ? strlen(cfg->api_key) : 0;
+    if (key_len && key_len < HTTP_API_KEY_MIN)
+        return kvb_err_set(err, KVB_ERR_INVALID, "http: the API key (--api-key / KVB_API_KEY) is %zu bytes; use at "
+                           "least %d", key_len, HTTP_API_KEY_MIN);
+    for (size_t i = 0; i < key_len; i++)
+        if ((unsigned char)cfg->api_key[i] <= ' ' || (unsigned char)cfg->api_key[i] >= 0x7f)
+            return kvb_err_set(err, KVB_ERR_INVALID, "http: the API key (--api-key / KVB_API_KEY) has a space, "
+                               "a control or a non-ASCII byte at offset %zu; a bearer token is printable ASCII",
+                               i);
     struct sockaddr_storage addr;
     kvb_status st = resolve_listen(cfg->listen, &addr, err);
     if (st) return st;
@@ -503,6 +560,13 @@ kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_hand
         s->owns_metrics = true;
     }
     if ((st = register_metrics(s, err))) goto fail;
+    if (key_len) {
+        if (!sha256(cfg->api_key, key_len, s->api_key_digest)) {
+            st = kvb_err_set(err, KVB_ERR_INTERNAL, "http: SHA-256 of the API key failed (OpenSSL)");
+            goto fail;
+        }
+        s->has_api_key = true;
+    }
 
     unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
                      MHD_USE_ERROR_LOG;
@@ -522,10 +586,12 @@ kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_hand
     }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->daemon, MHD_DAEMON_INFO_BIND_PORT);
     s->port = di ? di->port : 0;
-    kvb_log(KVB_LOG_INFO, "http: serving model '%s' on %s (port %u)", s->model_id, cfg->listen, s->port);
+    kvb_log(KVB_LOG_INFO, "http: serving model '%s' on %s (port %u%s)", s->model_id, cfg->listen, s->port,
+            s->has_api_key ? ", API key required on /v1/" : "");
     *out = s;
     return KVB_OK;
 fail:
+    OPENSSL_cleanse(s->api_key_digest, sizeof s->api_key_digest);
     if (s->owns_metrics) kvb_metrics_free(s->metrics);
     free(s->model_id);
     free(s);
@@ -540,6 +606,7 @@ void kvb_http_server_stop(kvb_http_server *s) {
     if (!s) return;
     atomic_store(&s->stopping, true); /* every wait and emit sees it within a slice */
     MHD_stop_daemon(s->daemon);       /* joins the connection threads (they join the workers) */
+    OPENSSL_cleanse(s->api_key_digest, sizeof s->api_key_digest);
     if (s->owns_metrics) kvb_metrics_free(s->metrics);
     free(s->model_id);
     free(s);

@@ -886,7 +886,7 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                                       &n->batch, err)))
         goto fail;
     kvb_http_config hc = {.listen = cfg->http_listen, .model_id = n->model_id, .accept_any_model = true,
-                          .metrics = n->metrics};
+                          .metrics = n->metrics, .api_key = cfg->api_key};
     kvb_http_handlers hh = {.ctx = n, .completion = handle_completion, .health = handle_health};
     if ((st = kvb_http_server_start(&hc, &hh, &n->http, err))) goto fail;
     if (n->peer) { /* the lanes now, not on the first bridged request (connects and handshakes) */
