@@ -2,8 +2,9 @@
  * tiny model's engine: a prompt phase has the engine to itself (no step runs between
  * exec_begin and exec_end), runs the steps waiting when it begins, and a prompt waiting to begin
  * goes before the next batch of a request that decodes without a pause (before that rule, an
- * awake leader won the engine every time); and two requests stepping together get the tokens
- * they get alone. */
+ * awake leader won the engine every time); two requests stepping together get the tokens they
+ * get alone; and a prompt computed in slices beside a decoding request's steps (one forward for
+ * both) gets the logits of computing it in one piece, while the request gets its own tokens. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -154,10 +155,63 @@ static void test_two_requests_batched_get_their_own_tokens(void **state) {
     }
 }
 
+static void test_prompt_slices_carry_the_steps(void **state) {
+    (void)state;
+    enum { PROMPT = 200, SLICE = 8, STEPS_HERE = 120 };
+    const uint32_t V = g_model->d.n_vocab;
+    int32_t prompt[PROMPT], alone[STEPS_HERE];
+    for (int i = 0; i < PROMPT; i++) prompt[i] = (int32_t)((uint64_t)i * 2654435761u % V);
+    float *want = malloc(sizeof(float) * V), *got = malloc(sizeof(float) * V);
+    assert_true(want && got);
+    kvb_err err = {0};
+    for (int pass = 0; pass < 2; pass++) {
+        kvb_engine *e = make_engine();
+        kvb_decode_batch *b = NULL;
+        assert_int_equal(kvb_decode_batch_create(e, 4, V, NULL, NULL, NULL, &b, &err), KVB_OK);
+        decoder d = {.b = b, .n_steps = STEPS_HERE};
+        prefill(e, &d.s, 9, &d.first);
+        kvb_seq *ps;
+        assert_int_equal(kvb_seq_create(e, &ps, &err), KVB_OK);
+        if (pass == 0) { /* the request alone, then the prompt in one piece */
+            decode_main(&d);
+            memcpy(alone, d.out, sizeof alone);
+            assert_int_equal(kvb_engine_forward(e, ps, prompt, PROMPT, want, false, &err), KVB_OK);
+        } else { /* the prompt in slices while the request decodes flat out */
+            pthread_t th;
+            assert_int_equal(pthread_create(&th, NULL, decode_main, &d), 0);
+            while (atomic_load(&d.done) < 5) usleep(100);
+            kvb_decode_batch_exec_begin(b);
+            const int before = atomic_load(&d.done);
+            for (int done = 0; done < PROMPT; done += SLICE)
+                if (kvb_decode_batch_forward_slice(b, ps, prompt + done, SLICE, done + SLICE == PROMPT ? got : NULL,
+                                                   &err))
+                    fail_msg("slice at %d: %s", done, err.msg);
+            const int during = atomic_load(&d.done) - before;
+            kvb_decode_batch_exec_end(b);
+            pthread_join(th, NULL);
+            printf("%d of the request's steps ran in the prompt's %d slices\n", during, PROMPT / SLICE);
+            /* within the prompt phase, so in its slices' forwards: more than the one step that
+             * exec_begin ran and whose count can land late */
+            assert_true(during > 1);
+            assert_memory_equal(want, got, sizeof(float) * V);
+            assert_memory_equal(alone, d.out, sizeof alone);
+        }
+        assert_int_equal(d.st, KVB_OK);
+        assert_int_equal(kvb_seq_len(ps), PROMPT);
+        kvb_seq_free(ps);
+        kvb_seq_free(d.s);
+        kvb_decode_batch_free(b);
+        kvb_engine_free(e);
+    }
+    free(want);
+    free(got);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_prompt_phase_goes_first_and_alone),
         cmocka_unit_test(test_two_requests_batched_get_their_own_tokens),
+        cmocka_unit_test(test_prompt_slices_carry_the_steps),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

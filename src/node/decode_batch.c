@@ -46,12 +46,15 @@ struct kvb_decode_batch {
     bool leading;                 /* a request leads the next batch */
     void (*on_step)(void *);      /* called as a step is handed in, or NULL (kvb_decode_batch_on_step) */
     void *on_step_ctx;
-    /* the engine holder's, (cap) each */
+    /* the engine holder's: (cap) each, seqs and seg_n (cap + 1): a prompt slice first */
     kvb_decode_step **taken;
     kvb_seq **seqs;
+    uint32_t *seg_n;
     int32_t *tokens;
     uint32_t *len_before;
-    float *logits; /* (cap, n_vocab) */
+    float *logits;       /* (cap + 1, n_vocab) */
+    int32_t *mix_tokens; /* (mix_cap) a prompt slice's tokens, then the steps' */
+    uint32_t mix_cap;
     kvb_metric *m_batches, *m_steps, *m_in_prompts; /* counters, or NULL */
 };
 
@@ -62,12 +65,13 @@ kvb_status kvb_decode_batch_create(kvb_engine *e, uint32_t cap, uint32_t n_vocab
     kvb_decode_batch *b = calloc(1, sizeof *b);
     if (b) {
         b->taken = calloc(cap, sizeof *b->taken);
-        b->seqs = calloc(cap, sizeof *b->seqs);
+        b->seqs = calloc(cap + 1, sizeof *b->seqs);
+        b->seg_n = calloc(cap + 1, sizeof *b->seg_n);
         b->tokens = calloc(cap, sizeof *b->tokens);
         b->len_before = calloc(cap, sizeof *b->len_before);
-        b->logits = malloc(sizeof(float) * n_vocab * cap);
+        b->logits = malloc(sizeof(float) * n_vocab * (cap + 1));
     }
-    if (!b || !b->taken || !b->seqs || !b->tokens || !b->len_before || !b->logits) {
+    if (!b || !b->taken || !b->seqs || !b->seg_n || !b->tokens || !b->len_before || !b->logits) {
         kvb_decode_batch_free(b);
         return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for a decode batch of %u", cap);
     }
@@ -96,6 +100,8 @@ void kvb_decode_batch_free(kvb_decode_batch *b) {
     }
     free(b->taken);
     free(b->seqs);
+    free(b->seg_n);
+    free(b->mix_tokens);
     free(b->tokens);
     free(b->len_before);
     free(b->logits);
@@ -132,6 +138,13 @@ void kvb_decode_batch_join(kvb_decode_batch *b) {
     pthread_mutex_unlock(&b->mu);
 }
 
+bool kvb_decode_batch_decoding(kvb_decode_batch *b) {
+    pthread_mutex_lock(&b->mu);
+    const bool any = b->n_active > 0;
+    pthread_mutex_unlock(&b->mu);
+    return any;
+}
+
 void kvb_decode_batch_leave(kvb_decode_batch *b) {
     pthread_mutex_lock(&b->mu);
     b->n_active--;
@@ -139,11 +152,11 @@ void kvb_decode_batch_leave(kvb_decode_batch *b) {
     pthread_mutex_unlock(&b->mu);
 }
 
-/* The leader, holding mu: until every decoding request has handed in a step (or the batch is
- * full), for at most GATHER_WAIT_S. */
-static void gather(kvb_decode_batch *b) {
+/* Holding mu: until every decoding request has handed in a step (or `want` have), for at most
+ * GATHER_WAIT_S. */
+static void gather(kvb_decode_batch *b, uint32_t want) {
     const double until = kvb_now_s() + GATHER_WAIT_S;
-    while (b->n_pending < b->n_active && b->n_pending < b->cap)
+    while (b->n_pending < b->n_active && b->n_pending < want)
         if (kvb_cond_wait_until(&b->cv, &b->mu, until) == ETIMEDOUT) break;
 }
 
@@ -189,7 +202,7 @@ kvb_status kvb_decode_batch_step(kvb_decode_batch *b, kvb_decode_step *step) {
             continue;
         }
         b->leading = true;
-        gather(b);
+        gather(b, b->cap);
         /* a waiting prompt goes first (and runs this step as it begins): the leader, already
          * awake, would otherwise win the engine every time */
         while ((b->busy || b->prompts_waiting) && !step->done) pthread_cond_wait(&b->cv, &b->mu);
@@ -238,9 +251,82 @@ void kvb_decode_batch_exec_reclaim(kvb_decode_batch *b) {
     kvb_decode_batch_exec_begin(b);
 }
 
+/* Takes the steps handed in so far, up to max (not holding mu); returns how many. */
+static uint32_t take_steps(kvb_decode_batch *b, uint32_t max) {
+    pthread_mutex_lock(&b->mu);
+    /* the requests this phase's last slice woke are handing in their next steps right now: a
+     * slice that went without them would leave them for the one after */
+    gather(b, max);
+    uint32_t n = 0;
+    while (b->head && n < max) {
+        b->taken[n++] = b->head;
+        b->head = b->head->link;
+    }
+    if (!b->head) b->tail = NULL;
+    b->n_pending -= n;
+    pthread_mutex_unlock(&b->mu);
+    return n;
+}
+
+/* The steps taken are done: counted, and their requests woken. */
+static void steps_done(kvb_decode_batch *b, uint32_t n) {
+    kvb_metric_add(b->m_batches, NULL, 1);
+    kvb_metric_add(b->m_steps, NULL, n);
+    kvb_metric_add(b->m_in_prompts, NULL, n);
+    pthread_mutex_lock(&b->mu);
+    for (uint32_t i = 0; i < n; i++) b->taken[i]->done = true;
+    pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+}
+
+kvb_status kvb_decode_batch_forward_slice(kvb_decode_batch *b, kvb_seq *s, const int32_t *toks, uint32_t n,
+                                          float *logits, kvb_err *err) {
+    const uint32_t max_batch = kvb_engine_max_batch(b->e);
+    const uint32_t room = n < max_batch ? KVB_MIN(b->cap, max_batch - n) : 0;
+    if (room && n + room > b->mix_cap) {
+        int32_t *p = realloc(b->mix_tokens, sizeof(int32_t) * (n + room));
+        if (p) {
+            b->mix_tokens = p;
+            b->mix_cap = n + room;
+        }
+    }
+    const uint32_t k = room && n + room <= b->mix_cap ? take_steps(b, room) : 0;
+    if (!k) return kvb_engine_forward(b->e, s, toks, n, logits, false, err);
+    const uint32_t len0 = kvb_seq_len(s);
+    b->seqs[0] = s;
+    b->seg_n[0] = n;
+    memcpy(b->mix_tokens, toks, sizeof(int32_t) * n);
+    for (uint32_t i = 0; i < k; i++) {
+        b->seqs[1 + i] = b->taken[i]->s;
+        b->seg_n[1 + i] = 1;
+        b->mix_tokens[n + i] = b->taken[i]->token;
+        b->len_before[i] = kvb_seq_len(b->taken[i]->s);
+        b->taken[i]->st = KVB_OK;
+    }
+    kvb_status st = kvb_engine_forward_segments(b->e, b->seqs, b->seg_n, 1 + k, b->mix_tokens, b->logits, err);
+    if (!st) {
+        if (logits) memcpy(logits, b->logits, sizeof(float) * b->n_vocab);
+        for (uint32_t i = 0; i < k; i++)
+            b->taken[i]->next = kvb_sample(b->taken[i]->smp, b->logits + (size_t)(1 + i) * b->n_vocab);
+    } else {
+        bool advanced = kvb_seq_len(s) != len0;
+        for (uint32_t i = 0; i < k; i++) advanced |= kvb_seq_len(b->taken[i]->s) != b->len_before[i];
+        if (!advanced) { /* apart, so that only the one at fault fails */
+            memset(err, 0, sizeof *err);
+            st = kvb_engine_forward(b->e, s, toks, n, logits, false, err);
+            run_batch(b, k);
+        } else {
+            for (uint32_t i = 0; i < k; i++)
+                b->taken[i]->st = kvb_err_set(&b->taken[i]->err, err->code ? err->code : KVB_ERR_INTERNAL, "%s", err->msg);
+        }
+    }
+    steps_done(b, k);
+    return st;
+}
+
 uint32_t kvb_decode_batch_run_pending(kvb_decode_batch *b) {
     pthread_mutex_lock(&b->mu);
-    if (b->n_pending) gather(b); /* the others' steps are moments away: one batch, not several */
+    if (b->n_pending) gather(b, b->cap); /* the others' steps are moments away: one batch, not several */
     pthread_mutex_unlock(&b->mu);
     const uint32_t n = take_and_run(b);
     kvb_metric_add(b->m_in_prompts, NULL, n);

@@ -441,21 +441,24 @@ static void slot_release(kvb_decode_node *n) {
     pthread_mutex_unlock(&n->mu);
 }
 
-/* The prompt tokens this node computes itself, PROMPT_SLICE at a time; between slices the steps
- * the decoding requests handed in meanwhile run as a batch, so their streams do not stall until
- * the whole prompt is in (the same bits: chunked == one shot). The prompt keeps the engine: a
- * request queued behind it still finds its blocks committed. Logits (n_vocab) of the last token.
- * Holding the engine. */
-#define PROMPT_SLICE 256
+/* The prompt tokens this node computes itself: while other requests are decoding, PROMPT_SLICE at
+ * a time, each slice in one forward with the steps they handed in meanwhile, so their streams do
+ * not stall until the whole prompt is in, and the weights are read once for both (the same bits:
+ * chunked == one shot, segments == apart); with nobody decoding, in the engine's full chunks. A
+ * request decoding joins before its prompt phase ends, so none starts mid-prompt unseen. The
+ * prompt keeps the engine: a request queued behind it still finds its blocks committed. Logits
+ * (n_vocab) of the last token. Holding the engine. On the 1B shape (2 cores) a slice of 128
+ * halved a stream's longest pause against 256 (1.9 -> 1.0 s) at about the same prompt time; 64
+ * cost the prompt ~8 % (bench/RESULTS.md, session 17). */
+#define PROMPT_SLICE 128
 static kvb_status forward_prompt_sliced(kvb_decode_node *n, kvb_seq *s, const int32_t *toks, uint32_t n_toks,
                                           float *logits, kvb_err *err) {
     for (uint32_t done = 0; done < n_toks;) {
-        const uint32_t c = KVB_MIN(PROMPT_SLICE, n_toks - done);
+        const uint32_t c = kvb_decode_batch_decoding(n->batch) ? KVB_MIN(PROMPT_SLICE, n_toks - done) : n_toks - done;
         const bool last = done + c == n_toks;
-        kvb_status st = kvb_engine_forward(n->e, s, toks + done, c, last ? logits : NULL, false, err);
+        kvb_status st = kvb_decode_batch_forward_slice(n->batch, s, toks + done, c, last ? logits : NULL, err);
         if (st) return st;
         done += c;
-        if (!last) kvb_decode_batch_run_pending(n->batch);
     }
     return KVB_OK;
 }
@@ -700,13 +703,13 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
      * then by the decode batch's leader, which samples each step's next token */
     kvb_sampler_use_pool(&smp, kvb_engine_pool(n->e));
     int32_t id = !st && max_new > 0 ? kvb_sample(&smp, logits) : 0;
+    kvb_decode_batch_join(n->batch); /* before the next prompt phase can begin: it slices for us */
     engine_release(n);
     kvb_detok dt;
     kvb_detok_init(&dt, n->tok);
     char piece[1024];
     kvb_finish_reason reason = KVB_FINISH_LENGTH;
     kvb_decode_step step = {.s = s, .smp = &smp};
-    kvb_decode_batch_join(n->batch);
     for (int64_t i = 0; !st && i < max_new; i++) {
         if (!req->ignore_eos && kvb_tokenizer_is_eog(n->tok, id)) {
             reason = KVB_FINISH_STOP;

@@ -93,6 +93,8 @@ kvb_status kvb_decode_batch_create(kvb_engine *e, uint32_t cap, uint32_t n_vocab
  * its last token, and a batch's leader waits (briefly) for the steps of all of them. */
 void kvb_decode_batch_join(kvb_decode_batch *b);
 void kvb_decode_batch_leave(kvb_decode_batch *b);
+/* Whether any request is decoding (between join and leave). */
+bool kvb_decode_batch_decoding(kvb_decode_batch *b);
 /* Runs one step in a batch with whatever other requests handed in meanwhile (up to cap), once the
  * engine is free, or within a prompt phase; returns step->st (step->err says why). */
 kvb_status kvb_decode_batch_step(kvb_decode_batch *b, kvb_decode_step *step);
@@ -110,6 +112,13 @@ void kvb_decode_batch_exec_reclaim(kvb_decode_batch *b);
  * far as one batch, if any, after waiting (briefly, as a batch's leader does) for every decoding
  * request's step, and wakes their requests. Returns how many steps ran. */
 uint32_t kvb_decode_batch_run_pending(kvb_decode_batch *b);
+/* Within a prompt phase: n tokens of the prompt's sequence s (logits: NULL, or (n_vocab) for the
+ * last one) computed in one forward with the steps handed in so far (as many as fit the engine's
+ * chunk beside them; after waiting briefly for every decoding request's, as run_pending does),
+ * the weights read once for both; the steps' requests are woken. Each is the same bits as apart.
+ * Returns the prompt's status; a step's own error goes to that step. */
+kvb_status kvb_decode_batch_forward_slice(kvb_decode_batch *b, kvb_seq *s, const int32_t *toks, uint32_t n,
+                                          float *logits, kvb_err *err);
 /* fn(ctx) is called each time a step is handed in, under the batcher's lock (it may only signal:
  * take no lock that is held while calling into the batcher); NULL clears it, and once this returns
  * fn is not running. One at a time: the prompt phase's pipelined tail sets it while it waits. */

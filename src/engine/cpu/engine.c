@@ -97,6 +97,8 @@ void kvb_engine_free(kvb_engine *e) {
 }
 
 const kvb_kvformat *kvb_engine_kvformat(const kvb_engine *e) { return &e->fmt; }
+uint32_t kvb_engine_max_batch(const kvb_engine *e) { return e->o.max_batch; }
+
 int kvb_engine_threads(const kvb_engine *e) { return e->o.n_threads; }
 
 kvb_pool *kvb_engine_pool(kvb_engine *e) { return e->pool; }

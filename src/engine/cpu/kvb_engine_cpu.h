@@ -47,6 +47,7 @@ kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *o, kvb_e
 void kvb_engine_free(kvb_engine *e);
 const kvb_kvformat *kvb_engine_kvformat(const kvb_engine *e);
 int kvb_engine_threads(const kvb_engine *e);
+uint32_t kvb_engine_max_batch(const kvb_engine *e); /* tokens per forward chunk */
 /* The engine's thread pool, idle between forwards (a sampler may use it there). */
 kvb_pool *kvb_engine_pool(kvb_engine *e);
 
