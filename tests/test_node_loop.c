@@ -33,6 +33,7 @@ static uint32_t g_lanes; /* decode nodes' lanes (0: the default) */
 static int g_resumes;    /* decode nodes' bridge_resumes (0: the default, 2; -1: none) */
 static uint32_t g_parallel; /* decode nodes' parallel (0: the default, 4) */
 static bool g_tail_after;   /* decode nodes' tail_after_transfer */
+static uint32_t g_cache_blocks; /* decode nodes' cache_blocks (0: the default) */
 
 static int setup(void **state) {
     (void)state;
@@ -73,7 +74,7 @@ static kvb_decode_node *start_decode_mode(uint16_t peer_port, const char *psk, i
                            .psk = psk, .n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32,
                            .max_ctx = 4096, .peer_timeout_ms = timeout_ms, .prefill_mode = prefill_mode,
                            .lanes = g_lanes, .bridge_resumes = g_resumes, .parallel = g_parallel,
-                           .tail_after_transfer = g_tail_after};
+                           .tail_after_transfer = g_tail_after, .cache_blocks = g_cache_blocks};
     kvb_decode_node *n = NULL;
     kvb_err err = {0};
     if (kvb_decode_node_start(&c, &n, &err)) fail_msg("decode node: %s", err.msg);
@@ -577,6 +578,81 @@ static void test_concurrent_decode_during_bridge_tail_after(void **state) {
     decode_during_bridge(true);
 }
 
+/* Admission by cache blocks: a node whose cache (100 blocks of 32 tokens) holds less than one full
+ * context (128 blocks) serves four short requests at once (each reserves what its prompt and
+ * max_tokens can fill), makes the second of two long ones wait until the first is done (cache_waits
+ * 1), refuses one that could never fit with a 400 that names --cache-blocks, and every reply is the
+ * one a one-at-a-time node gives. */
+static void run_clients(client_job *jobs, int n) {
+    pthread_t th[8];
+    for (int c = 0; c < n; c++) assert_int_equal(pthread_create(&th[c], NULL, client_main, &jobs[c]), 0);
+    for (int c = 0; c < n; c++) pthread_join(th[c], NULL);
+}
+
+static void check_against(uint16_t port, client_job *jobs, int n) {
+    for (int c = 0; c < n; c++) {
+        kvbt_reply seq;
+        complete_job(port, &jobs[c], &seq);
+        if (strcmp(seq.content, jobs[c].r.content))
+            fail_msg("client %d: '%.60s' != one at a time '%.60s'", c, jobs[c].r.content, seq.content);
+        free(seq.content);
+        free(jobs[c].r.content);
+    }
+}
+
+static void test_cache_budget_admission(void **state) {
+    (void)state;
+    g_cache_blocks = 100;
+    kvb_decode_node *par = start_decode(0, PSK, 10000); /* parallel 4 (the default) */
+    g_parallel = 1;
+    kvb_decode_node *one = start_decode(0, PSK, 10000);
+    g_parallel = 0;
+    g_cache_blocks = 0;
+    const uint16_t pp = kvb_decode_node_port(par);
+    client_job small[4], big[2];
+    memset(small, 0, sizeof small);
+    memset(big, 0, sizeof big);
+    for (int c = 0; c < 4; c++) { /* 200 + 32 tokens: 10 blocks each */
+        small[c] = (client_job){.port = pp, .n = 200, .max_tokens = 32, .ignore_eos = true};
+        kvbt_prompt_ids(small[c].ids, small[c].n, 500 + (uint64_t)c);
+    }
+    run_clients(small, 4);
+    const double steps = kvbt_metric(pp, "kvbridge_decode_steps_total "),
+                 batches = kvbt_metric(pp, "kvbridge_decode_batches_total ");
+    printf("four short requests: %.0f steps in %.0f batches\n", steps, batches);
+    assert_true(steps > batches);                                          /* served together */
+    assert_true(kvbt_metric(pp, "kvbridge_cache_waits_total ") == 0);
+    for (int c = 0; c < 2; c++) { /* 400 + 1200 tokens: 52 blocks each, 104 together */
+        big[c] = (client_job){.port = pp, .n = 400, .max_tokens = 1200, .ignore_eos = true};
+        for (int i = 0; i < 400; i++) big[c].ids[i] = 3 + (int32_t)((i * 7 + c * 13) % 250);
+    }
+    run_clients(big, 2);
+    assert_true(kvbt_metric(pp, "kvbridge_cache_waits_total ") == 1);
+    assert_true(kvbt_metric(pp, "kvbridge_cache_blocks_reserved ") == 0);
+    /* 400 + 3300 tokens: 118 blocks, more than the cache holds */
+    cJSON *req = cJSON_CreateObject();
+    cJSON_AddStringToObject(req, "model", "m");
+    cJSON_AddItemToObject(req, "prompt", cJSON_CreateIntArray(big[0].ids, 400));
+    cJSON_AddNumberToObject(req, "max_tokens", 3300);
+    char *body = cJSON_PrintUnformatted(req);
+    cJSON_Delete(req);
+    kvb_http_reply h;
+    kvb_err err = {0};
+    assert_int_equal(kvb_http_post("127.0.0.1", pp, "/v1/completions", body, 60000, &h, &err), KVB_OK);
+    free(body);
+    assert_int_equal(h.status, 400);
+    if (!strstr(h.body, "--cache-blocks") || !strstr(h.body, "context_length_exceeded")) fail_msg("%s", h.body);
+    kvb_http_reply_free(&h);
+    char cmd[128], health[1024];
+    snprintf(cmd, sizeof cmd, "curl -s http://127.0.0.1:%u/health", pp);
+    assert_int_equal(kvbt_sh(cmd, health, sizeof health, 0), 0);
+    if (!strstr(health, "\"cache_blocks_reserved\":0") || !strstr(health, "\"parallel\":4")) fail_msg("/health: %s", health);
+    check_against(kvb_decode_node_port(one), small, 4);
+    check_against(kvb_decode_node_port(one), big, 2);
+    kvb_decode_node_stop(one);
+    kvb_decode_node_stop(par);
+}
+
 /* Bridge mode `prefill`: the prefill engine's own K/V re-encoded. In the decoder's own format it
  * is exact (same answer as native); from an f32 engine it still completes (not claimed exact);
  * nodes that disagree on the mode refuse each other at the handshake. */
@@ -711,6 +787,7 @@ int main(void) {
         cmocka_unit_test(test_concurrent_requests_batch_exactly),
         cmocka_unit_test(test_concurrent_decode_during_bridge),
         cmocka_unit_test(test_concurrent_decode_during_bridge_tail_after),
+        cmocka_unit_test(test_cache_budget_admission),
         cmocka_unit_test(test_prefill_mode),
         cmocka_unit_test(test_bridged_blocks_are_evictable),
         cmocka_unit_test(test_filler_rows_slab_path),

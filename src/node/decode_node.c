@@ -38,8 +38,11 @@ struct kvb_decode_node {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     uint64_t next_ticket, serving;
-    /* FIFO admission: at most cfg.parallel requests are served at once (their decode steps batched) */
-    uint64_t slot_next, slot_done;
+    /* FIFO admission: at most cfg.parallel requests are served at once (their decode steps batched),
+     * each with the cache blocks it can need reserved, within cfg.cache_blocks */
+    uint64_t slot_next, slot_admit; /* tickets handed out; the next ticket to admit */
+    uint32_t n_served;              /* admitted, not yet done */
+    uint64_t blocks_reserved;       /* by them */
     kvb_decode_batch *batch;
     /* the peer link (used only while holding the engine): lane 0 carries PREFILL and CANCEL */
     kvb_conn *lanes[KVB_MAX_LANES];
@@ -54,6 +57,7 @@ struct kvb_decode_node {
     kvb_metric *m_requests, *m_tokens, *m_faults, *m_resumes, *m_slab_bytes, *m_peer_up, *m_queue;
     kvb_metric *m_phase; /* kvbridge_request_phase_seconds{phase} */
     kvb_metric *m_batches, *m_steps, *m_in_prompts;
+    kvb_metric *m_reserved, *m_cache_waits; /* admission by cache blocks */
     kvb_metrics *metrics; /* the registry /metrics renders (the server's families too) */
     double last_reader_wait_s, last_consumer_wait_s; /* the last bridge's receiving stages */
 };
@@ -423,20 +427,44 @@ static void engine_release(kvb_decode_node *n) {
     pthread_mutex_unlock(&n->mu);
 }
 
-/* A request's turn to be served, in arrival order, while fewer than cfg.parallel are (each holds a
- * sequence of up to max_ctx tokens: the cache is sized for them). */
-static void slot_acquire(kvb_decode_node *n) {
-    pthread_mutex_lock(&n->mu);
-    const uint64_t t = n->slot_next++;
-    kvb_metric_set(n->m_queue, NULL, (double)(n->slot_next - n->slot_done));
-    while (t >= n->slot_done + n->cfg.parallel) pthread_cond_wait(&n->cv, &n->mu);
-    pthread_mutex_unlock(&n->mu);
+/* The cache blocks a request of n_tok prompt tokens and up to max_new more can hold at once: its
+ * sequence's, plus a page for the pipelined tail's last row and one for a bridge's partial block
+ * (pages a failed attempt held go back before the next). Blocks it shares with others (a cached
+ * prefix) are counted by each: the budget errs on the safe side. */
+static uint64_t blocks_needed(const kvb_decode_node *n, uint64_t n_tok, uint64_t max_new) {
+    return (n_tok + max_new + n->cfg.block_tokens - 1) / n->cfg.block_tokens + 2;
 }
 
-static void slot_release(kvb_decode_node *n) {
+/* A request's turn to be served, in arrival order, once fewer than cfg.parallel are and its blocks
+ * fit beside theirs in the cache: whatever the others hold, its own allocations then succeed (the
+ * store evicts unreferenced cached blocks for them). */
+static void slot_acquire(kvb_decode_node *n, uint64_t need) {
     pthread_mutex_lock(&n->mu);
-    n->slot_done++;
-    kvb_metric_set(n->m_queue, NULL, (double)(n->slot_next - n->slot_done));
+    const uint64_t t = n->slot_next++;
+    kvb_metric_set(n->m_queue, NULL, (double)(n->slot_next - n->slot_admit + n->n_served));
+    bool waited_for_cache = false;
+    for (;;) {
+        if (t == n->slot_admit && n->n_served < n->cfg.parallel) {
+            if (n->blocks_reserved + need <= n->cfg.cache_blocks) break;
+            waited_for_cache = true;
+        }
+        pthread_cond_wait(&n->cv, &n->mu);
+    }
+    n->slot_admit++;
+    n->n_served++;
+    n->blocks_reserved += need;
+    kvb_metric_set(n->m_reserved, NULL, (double)n->blocks_reserved);
+    pthread_cond_broadcast(&n->cv); /* the next ticket may fit too */
+    pthread_mutex_unlock(&n->mu);
+    if (waited_for_cache) kvb_metric_add(n->m_cache_waits, NULL, 1);
+}
+
+static void slot_release(kvb_decode_node *n, uint64_t need) {
+    pthread_mutex_lock(&n->mu);
+    n->n_served--;
+    n->blocks_reserved -= need;
+    kvb_metric_set(n->m_reserved, NULL, (double)n->blocks_reserved);
+    kvb_metric_set(n->m_queue, NULL, (double)(n->slot_next - n->slot_admit + n->n_served));
     pthread_cond_broadcast(&n->cv);
     pthread_mutex_unlock(&n->mu);
 }
@@ -586,9 +614,18 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
         }
         max_new = ctx_max - (int64_t)n_tok;
     }
+    const uint64_t need = blocks_needed(n, n_tok, (uint64_t)max_new);
+    if (need > n->cfg.cache_blocks) {
+        kvb_completion_fail(out, 400, "context_length_exceeded", "max_tokens",
+                            "the prompt (%zu tokens) and max_tokens (%lld) need %llu blocks of this node's cache, "
+                            "which holds %u; lower max_tokens, or start the node with a larger --cache-blocks",
+                            n_tok, (long long)max_new, (unsigned long long)need, n->cfg.cache_blocks);
+        free(toks);
+        return;
+    }
 
     const double t_acq = kvb_now_s();
-    slot_acquire(n);
+    slot_acquire(n, need);
     engine_acquire(n);
     kvb_trace_span("decode.engine_acquire", t_acq, kvb_now_s(), 0);
     kvb_usage u = {.prompt_tokens = (int64_t)n_tok, .tokenize_s = t_tok - t_req, .queue_s = kvb_now_s() - t_acq};
@@ -747,7 +784,7 @@ cleanup_unlocked:
     free(sf.buf);
     if (s) kvb_seq_keep_window_at(s, (uint32_t)n_tok); /* a next turn may diverge where the reply began */
     kvb_seq_free(s); /* its blocks stay cached for the next turn */
-    slot_release(n);
+    slot_release(n, need);
     free(logits);
     free(toks);
 }
@@ -760,11 +797,12 @@ static void handle_health(void *ctx, cJSON *body) {
     cJSON_AddNumberToObject(body, "cache_blocks_committed", st.committed);
     cJSON_AddNumberToObject(body, "cache_blocks_free", st.free);
     pthread_mutex_lock(&n->mu);
-    const uint64_t in = n->slot_next - n->slot_done, par = n->cfg.parallel; /* admitted or waiting */
+    const uint64_t served = n->n_served, waiting = n->slot_next - n->slot_admit, reserved = n->blocks_reserved;
     pthread_mutex_unlock(&n->mu);
-    cJSON_AddNumberToObject(body, "parallel", (double)par);
-    cJSON_AddNumberToObject(body, "requests_served", (double)KVB_MIN(in, par));
-    cJSON_AddNumberToObject(body, "requests_waiting", (double)(in > par ? in - par : 0));
+    cJSON_AddNumberToObject(body, "cache_blocks_reserved", (double)reserved);
+    cJSON_AddNumberToObject(body, "parallel", (double)n->cfg.parallel);
+    cJSON_AddNumberToObject(body, "requests_served", (double)served);
+    cJSON_AddNumberToObject(body, "requests_waiting", (double)waiting);
 }
 
 kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node **out, kvb_err *err) {
@@ -819,15 +857,11 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                           .max_ctx = c->max_ctx, .n_blocks = c->cache_blocks};
     if ((st = kvb_engine_create(n->m, &eo, &n->e, err))) goto fail;
     n->store = kvb_engine_store(n->e);
-    /* as many served at once as full contexts fit the cache (and the engine's batch) */
-    const uint32_t ctx_blocks = (c->max_ctx + c->block_tokens - 1) / c->block_tokens,
-                   fit = KVB_MAX(1, KVB_MIN(c->cache_blocks / ctx_blocks, KVB_DECODE_MAX_PARALLEL));
-    if (!c->parallel) c->parallel = KVB_MIN(4, fit);
-    if (c->parallel > fit) {
-        st = kvb_err_set(err, KVB_ERR_INVALID,
-                         "--parallel %u: the cache (%u blocks) holds %u full contexts of %u tokens; raise "
-                         "--cache-blocks or lower --ctx or --parallel",
-                         c->parallel, c->cache_blocks, fit, c->max_ctx);
+    /* up to `parallel` served at once, each admitted when the blocks it can need fit the cache */
+    if (!c->parallel) c->parallel = 4;
+    if (c->parallel > KVB_DECODE_MAX_PARALLEL) {
+        st = kvb_err_set(err, KVB_ERR_INVALID, "--parallel %u: at most %d requests are served at once", c->parallel,
+                         KVB_DECODE_MAX_PARALLEL);
         goto fail;
     }
 
@@ -880,6 +914,14 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
         (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_decode_steps_total",
                                    "Decode steps run, one token of one request each, in batches", NULL, NULL, 0,
                                    &n->m_steps, err)) ||
+        (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_cache_blocks_reserved",
+                                   "Cache blocks reserved by the requests being served (each reserves what its "
+                                   "prompt and max_tokens can fill; at most --cache-blocks)",
+                                   NULL, NULL, 0, &n->m_reserved, err)) ||
+        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_cache_waits_total",
+                                   "Requests that waited for cache blocks to be released before being served "
+                                   "(often: a larger --cache-blocks would serve them at once)",
+                                   NULL, NULL, 0, &n->m_cache_waits, err)) ||
         (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_decode_steps_in_prompts_total",
                                    "Of the decode steps, those run while another request's prompt held the engine: "
                                    "between slices of its native prefill and while its bridged layers arrived",

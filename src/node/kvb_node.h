@@ -114,8 +114,10 @@ typedef struct {
     uint32_t lanes;            /* connections to the peer a bridged request's slabs are striped over
                                   (1..KVB_MAX_LANES; 0 = KVB_DEFAULT_LANES) */
     uint32_t parallel;         /* requests served at once, their decode steps batched (default 4, at
-                                  most as many full contexts as the cache holds and
-                                  KVB_DECODE_MAX_PARALLEL); later ones wait their turn in order */
+                                  most KVB_DECODE_MAX_PARALLEL); each is admitted in arrival order
+                                  once the cache blocks its prompt and max_tokens can fill fit
+                                  beside the others' reservations in cache_blocks; a request that
+                                  could never fit is refused (400) */
     int bridge_resumes;        /* after a link fault (corrupt slab, dropped connection) with at least
                                   bridge_min_tokens still missing, ask again for only the missing
                                   blocks, at most this many times per request (default 2; negative: never) */
