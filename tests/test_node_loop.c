@@ -630,16 +630,8 @@ static void test_cache_budget_admission(void **state) {
     assert_true(kvbt_metric(pp, "kvbridge_cache_waits_total ") == 1);
     assert_true(kvbt_metric(pp, "kvbridge_cache_blocks_reserved ") == 0);
     /* 400 + 3300 tokens: 118 blocks, more than the cache holds */
-    cJSON *req = cJSON_CreateObject();
-    cJSON_AddStringToObject(req, "model", "m");
-    cJSON_AddItemToObject(req, "prompt", cJSON_CreateIntArray(big[0].ids, 400));
-    cJSON_AddNumberToObject(req, "max_tokens", 3300);
-    char *body = cJSON_PrintUnformatted(req);
-    cJSON_Delete(req);
     kvb_http_reply h;
-    kvb_err err = {0};
-    assert_int_equal(kvb_http_post("127.0.0.1", pp, "/v1/completions", body, 60000, &h, &err), KVB_OK);
-    free(body);
+    kvbt_post_ids(pp, big[0].ids, 400, 3300, false, &h);
     assert_int_equal(h.status, 400);
     if (!strstr(h.body, "--cache-blocks") || !strstr(h.body, "context_length_exceeded")) fail_msg("%s", h.body);
     kvb_http_reply_free(&h);

@@ -18,7 +18,7 @@ void kvbt_complete_ids(uint16_t port, const int32_t *ids, int n, kvbt_reply *r) 
     kvbt_complete_ids_n(port, ids, n, 8, r);
 }
 
-static void complete_ids(uint16_t port, const int32_t *ids, int n, int max_tokens, bool ignore_eos, kvbt_reply *r) {
+void kvbt_post_ids(uint16_t port, const int32_t *ids, int n, int max_tokens, bool ignore_eos, kvb_http_reply *h) {
     cJSON *req = cJSON_CreateObject();
     cJSON_AddStringToObject(req, "model", "m");
     cJSON_AddItemToObject(req, "prompt", cJSON_CreateIntArray(ids, n));
@@ -27,10 +27,14 @@ static void complete_ids(uint16_t port, const int32_t *ids, int n, int max_token
     cJSON_AddNumberToObject(req, "temperature", 0);
     char *body = cJSON_PrintUnformatted(req);
     cJSON_Delete(req);
-    kvb_http_reply h;
     kvb_err err = {0};
-    assert_int_equal(kvb_http_post("127.0.0.1", port, "/v1/completions", body, 120000, &h, &err), KVB_OK);
+    assert_int_equal(kvb_http_post("127.0.0.1", port, "/v1/completions", body, 120000, h, &err), KVB_OK);
     free(body);
+}
+
+static void complete_ids(uint16_t port, const int32_t *ids, int n, int max_tokens, bool ignore_eos, kvbt_reply *r) {
+    kvb_http_reply h;
+    kvbt_post_ids(port, ids, n, max_tokens, ignore_eos, &h);
     if (h.status != 200) fail_msg("HTTP %d: %s", h.status, h.body);
     cJSON *root = cJSON_Parse(h.body);
     cJSON *kb = cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "kvbridge");
