@@ -160,28 +160,46 @@ static void gather(kvb_decode_batch *b, uint32_t want) {
         if (kvb_cond_wait_until(&b->cv, &b->mu, until) == ETIMEDOUT) break;
 }
 
-/* Computing on the engine (busy, by the caller; not holding mu): takes the steps handed in so far
- * (up to cap), runs them and wakes their requests; returns how many. */
-static uint32_t take_and_run(kvb_decode_batch *b) {
+/* How take_steps waits for the decoding requests' steps before taking (gather). */
+typedef enum { GATHER_NEVER, GATHER_IF_ANY, GATHER_ALWAYS } gather_mode;
+
+/* Computing on the engine (busy, by the caller; not holding mu): takes the steps handed in so far,
+ * up to max; returns how many, in taken[0 ..). *lent: whether a prompt phase had lent the engine. */
+static uint32_t take_steps(kvb_decode_batch *b, uint32_t max, gather_mode g, bool *lent) {
     pthread_mutex_lock(&b->mu);
-    const bool lent = b->lent;
+    if (g == GATHER_ALWAYS || (g == GATHER_IF_ANY && b->n_pending)) gather(b, max);
+    if (lent) *lent = b->lent;
     uint32_t n = 0;
-    while (b->head && n < b->cap) {
+    while (b->head && n < max) {
         b->taken[n++] = b->head;
         b->head = b->head->link;
     }
     if (!b->head) b->tail = NULL;
     b->n_pending -= n;
     pthread_mutex_unlock(&b->mu);
-    if (!n) return 0;
-    run_batch(b, n);
+    return n;
+}
+
+/* The n steps taken are done: counted (in_prompt: as run within a prompt phase), their requests
+ * woken. */
+static void steps_done(kvb_decode_batch *b, uint32_t n, bool in_prompt) {
     kvb_metric_add(b->m_batches, NULL, 1);
     kvb_metric_add(b->m_steps, NULL, n);
-    if (lent) kvb_metric_add(b->m_in_prompts, NULL, n);
+    if (in_prompt) kvb_metric_add(b->m_in_prompts, NULL, n);
     pthread_mutex_lock(&b->mu);
     for (uint32_t i = 0; i < n; i++) b->taken[i]->done = true;
     pthread_cond_broadcast(&b->cv);
     pthread_mutex_unlock(&b->mu);
+}
+
+/* Takes the steps handed in so far (see take_steps), runs them as one batch and wakes their
+ * requests; returns how many. */
+static uint32_t take_and_run(kvb_decode_batch *b, gather_mode g, bool in_prompt) {
+    bool lent = false;
+    const uint32_t n = take_steps(b, b->cap, g, &lent);
+    if (!n) return 0;
+    run_batch(b, n);
+    steps_done(b, n, in_prompt || lent);
     return n;
 }
 
@@ -209,7 +227,7 @@ kvb_status kvb_decode_batch_step(kvb_decode_batch *b, kvb_decode_step *step) {
         if (!step->done) {
             b->busy = true; /* steps handed in while it waited join this batch */
             pthread_mutex_unlock(&b->mu);
-            take_and_run(b);
+            take_and_run(b, GATHER_NEVER, false); /* gathered above */
             pthread_mutex_lock(&b->mu);
             b->busy = false;
         }
@@ -227,7 +245,7 @@ void kvb_decode_batch_exec_begin(kvb_decode_batch *b) {
     b->prompts_waiting--;
     b->busy = true;
     pthread_mutex_unlock(&b->mu);
-    take_and_run(b); /* the steps waiting now go first: a stream of prompts never starves them */
+    take_and_run(b, GATHER_NEVER, false); /* the steps waiting now go first: prompts never starve them */
 }
 
 void kvb_decode_batch_exec_end(kvb_decode_batch *b) {
@@ -251,34 +269,6 @@ void kvb_decode_batch_exec_reclaim(kvb_decode_batch *b) {
     kvb_decode_batch_exec_begin(b);
 }
 
-/* Takes the steps handed in so far, up to max (not holding mu); returns how many. */
-static uint32_t take_steps(kvb_decode_batch *b, uint32_t max) {
-    pthread_mutex_lock(&b->mu);
-    /* the requests this phase's last slice woke are handing in their next steps right now: a
-     * slice that went without them would leave them for the one after */
-    gather(b, max);
-    uint32_t n = 0;
-    while (b->head && n < max) {
-        b->taken[n++] = b->head;
-        b->head = b->head->link;
-    }
-    if (!b->head) b->tail = NULL;
-    b->n_pending -= n;
-    pthread_mutex_unlock(&b->mu);
-    return n;
-}
-
-/* The steps taken are done: counted, and their requests woken. */
-static void steps_done(kvb_decode_batch *b, uint32_t n) {
-    kvb_metric_add(b->m_batches, NULL, 1);
-    kvb_metric_add(b->m_steps, NULL, n);
-    kvb_metric_add(b->m_in_prompts, NULL, n);
-    pthread_mutex_lock(&b->mu);
-    for (uint32_t i = 0; i < n; i++) b->taken[i]->done = true;
-    pthread_cond_broadcast(&b->cv);
-    pthread_mutex_unlock(&b->mu);
-}
-
 kvb_status kvb_decode_batch_forward_slice(kvb_decode_batch *b, kvb_seq *s, const int32_t *toks, uint32_t n,
                                           float *logits, kvb_err *err) {
     const uint32_t max_batch = kvb_engine_max_batch(b->e);
@@ -290,7 +280,9 @@ kvb_status kvb_decode_batch_forward_slice(kvb_decode_batch *b, kvb_seq *s, const
             b->mix_cap = n + room;
         }
     }
-    const uint32_t k = room && n + room <= b->mix_cap ? take_steps(b, room) : 0;
+    /* the requests this phase's last slice woke are handing in their next steps right now: a slice
+     * that went without them would leave them for the one after */
+    const uint32_t k = room && n + room <= b->mix_cap ? take_steps(b, room, GATHER_ALWAYS, NULL) : 0;
     if (!k) return kvb_engine_forward(b->e, s, toks, n, logits, false, err);
     const uint32_t len0 = kvb_seq_len(s);
     b->seqs[0] = s;
@@ -317,20 +309,16 @@ kvb_status kvb_decode_batch_forward_slice(kvb_decode_batch *b, kvb_seq *s, const
             run_batch(b, k);
         } else {
             for (uint32_t i = 0; i < k; i++)
-                b->taken[i]->st = kvb_err_set(&b->taken[i]->err, err->code ? err->code : KVB_ERR_INTERNAL, "%s", err->msg);
+                b->taken[i]->st =
+                    kvb_err_set(&b->taken[i]->err, err->code ? err->code : KVB_ERR_INTERNAL, "%s", err->msg);
         }
     }
-    steps_done(b, k);
+    steps_done(b, k, true);
     return st;
 }
 
 uint32_t kvb_decode_batch_run_pending(kvb_decode_batch *b) {
-    pthread_mutex_lock(&b->mu);
-    if (b->n_pending) gather(b, b->cap); /* the others' steps are moments away: one batch, not several */
-    pthread_mutex_unlock(&b->mu);
-    const uint32_t n = take_and_run(b);
-    kvb_metric_add(b->m_in_prompts, NULL, n);
-    return n;
+    return take_and_run(b, GATHER_IF_ANY, true); /* the others' steps are moments away: one batch */
 }
 
 void kvb_decode_batch_on_step(kvb_decode_batch *b, void (*fn)(void *ctx), void *ctx) {
