@@ -645,6 +645,51 @@ static void test_cache_budget_admission(void **state) {
     kvb_decode_node_stop(par);
 }
 
+/* A client that goes away while its request waits its turn costs nothing: a bridged prompt holds
+ * the FIFO for 2 s (the prefill node pauses), a second client sends its prompt and hangs up after
+ * 0.5 s; when its turn comes the node counts it abandoned and computes none of it (the same prompt
+ * later finds nothing cached). */
+static void test_abandoned_request_is_not_computed(void **state) {
+    (void)state;
+    kvb_prefill_node *pn = start_prefill(g_model, PSK, "pause:1x1");
+    kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
+    const uint16_t dp = kvb_decode_node_port(dn);
+    client_job c = {.port = dp, .n = 600, .max_tokens = 4};
+    kvbt_prompt_ids(c.ids, c.n, 920);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, client_main, &c), 0);
+    usleep(300000); /* its prompt phase is waiting for the paused slabs */
+    int32_t ids[300];
+    kvbt_prompt_ids(ids, 300, 921);
+    cJSON *req = cJSON_CreateObject();
+    cJSON_AddStringToObject(req, "model", "m");
+    cJSON_AddItemToObject(req, "prompt", cJSON_CreateIntArray(ids, 300));
+    cJSON_AddNumberToObject(req, "max_tokens", 4);
+    char *body = cJSON_PrintUnformatted(req), path[512], cmd[1024], out[256];
+    cJSON_Delete(req);
+    kvbt_tmp_path(path, sizeof path, "abandoned.json");
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(body, f);
+    fclose(f);
+    free(body);
+    snprintf(cmd, sizeof cmd, "curl -s -m 0.5 -H 'Content-Type: application/json' -d @'%s' "
+             "http://127.0.0.1:%u/v1/completions; echo rc=$?", path, dp);
+    kvbt_sh(cmd, out, sizeof out, 1);
+    assert_non_null(strstr(out, "rc=28")); /* curl's timeout: it hung up */
+    pthread_join(th, NULL);
+    assert_string_equal(c.r.verdict, "complete");
+    free(c.r.content);
+    for (int i = 0; i < 100 && kvbt_metric(dp, "kvbridge_prompts_abandoned_total ") < 1; i++) usleep(20000);
+    assert_true(kvbt_metric(dp, "kvbridge_prompts_abandoned_total ") == 1);
+    kvbt_reply again;
+    kvbt_complete_ids_n(dp, ids, 300, 4, &again);
+    assert_int_equal(again.cached, 0); /* none of it was computed */
+    free(again.content);
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+}
+
 /* Bridge mode `prefill`: the prefill engine's own K/V re-encoded. In the decoder's own format it
  * is exact (same answer as native); from an f32 engine it still completes (not claimed exact);
  * nodes that disagree on the mode refuse each other at the handshake. */
@@ -780,6 +825,7 @@ int main(void) {
         cmocka_unit_test(test_concurrent_decode_during_bridge),
         cmocka_unit_test(test_concurrent_decode_during_bridge_tail_after),
         cmocka_unit_test(test_cache_budget_admission),
+        cmocka_unit_test(test_abandoned_request_is_not_computed),
         cmocka_unit_test(test_prefill_mode),
         cmocka_unit_test(test_bridged_blocks_are_evictable),
         cmocka_unit_test(test_filler_rows_slab_path),
