@@ -645,13 +645,34 @@ static void test_cache_budget_admission(void **state) {
     kvb_decode_node_stop(par);
 }
 
-/* A client that goes away while its request waits its turn costs nothing: a bridged prompt holds
- * the FIFO for 2 s (the prefill node pauses), a second client sends its prompt and hangs up after
- * 0.5 s; when its turn comes the node counts it abandoned and computes none of it (the same prompt
- * later finds nothing cached). */
+/* Sends ids as a completion with curl, which hangs up after 0.5 s. */
+static void post_and_hang_up(uint16_t port, const int32_t *ids, int n, const char *name) {
+    cJSON *req = cJSON_CreateObject();
+    cJSON_AddStringToObject(req, "model", "m");
+    cJSON_AddItemToObject(req, "prompt", cJSON_CreateIntArray(ids, n));
+    cJSON_AddNumberToObject(req, "max_tokens", 4);
+    char *body = cJSON_PrintUnformatted(req), path[512], cmd[1024], out[256];
+    cJSON_Delete(req);
+    kvbt_tmp_path(path, sizeof path, name);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(body, f);
+    fclose(f);
+    free(body);
+    snprintf(cmd, sizeof cmd, "curl -s -m 0.5 -H 'Content-Type: application/json' -d @'%s' "
+             "http://127.0.0.1:%u/v1/completions; echo rc=$?", path, port);
+    kvbt_sh(cmd, out, sizeof out, 1);
+    assert_non_null(strstr(out, "rc=28")); /* curl's timeout: it hung up */
+}
+
+/* A client that goes away costs little: a bridged prompt holds the FIFO for 2 s (the prefill node
+ * pauses), a second client sends its prompt and hangs up after 0.5 s; when its turn comes the node
+ * counts it abandoned and computes none of it. A third client's own bridged prompt is paused the
+ * same way and it hangs up mid-transfer: the node stops the bridge then. Neither prompt is found
+ * cached later. */
 static void test_abandoned_request_is_not_computed(void **state) {
     (void)state;
-    kvb_prefill_node *pn = start_prefill(g_model, PSK, "pause:1x1");
+    kvb_prefill_node *pn = start_prefill(g_model, PSK, "pause:1x2");
     kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
     const uint16_t dp = kvb_decode_node_port(dn);
     client_job c = {.port = dp, .n = 600, .max_tokens = 4};
@@ -659,32 +680,27 @@ static void test_abandoned_request_is_not_computed(void **state) {
     pthread_t th;
     assert_int_equal(pthread_create(&th, NULL, client_main, &c), 0);
     usleep(300000); /* its prompt phase is waiting for the paused slabs */
-    int32_t ids[300];
+    int32_t ids[300], mid[700];
     kvbt_prompt_ids(ids, 300, 921);
-    cJSON *req = cJSON_CreateObject();
-    cJSON_AddStringToObject(req, "model", "m");
-    cJSON_AddItemToObject(req, "prompt", cJSON_CreateIntArray(ids, 300));
-    cJSON_AddNumberToObject(req, "max_tokens", 4);
-    char *body = cJSON_PrintUnformatted(req), path[512], cmd[1024], out[256];
-    cJSON_Delete(req);
-    kvbt_tmp_path(path, sizeof path, "abandoned.json");
-    FILE *f = fopen(path, "w");
-    assert_non_null(f);
-    fputs(body, f);
-    fclose(f);
-    free(body);
-    snprintf(cmd, sizeof cmd, "curl -s -m 0.5 -H 'Content-Type: application/json' -d @'%s' "
-             "http://127.0.0.1:%u/v1/completions; echo rc=$?", path, dp);
-    kvbt_sh(cmd, out, sizeof out, 1);
-    assert_non_null(strstr(out, "rc=28")); /* curl's timeout: it hung up */
+    post_and_hang_up(dp, ids, 300, "abandoned.json");
     pthread_join(th, NULL);
     assert_string_equal(c.r.verdict, "complete");
     free(c.r.content);
     for (int i = 0; i < 100 && kvbt_metric(dp, "kvbridge_prompts_abandoned_total ") < 1; i++) usleep(20000);
     assert_true(kvbt_metric(dp, "kvbridge_prompts_abandoned_total ") == 1);
+    kvbt_prompt_ids(mid, 700, 922); /* its own bridge pauses 2 s; it hangs up at 0.5 s */
+    const double t0 = kvb_now_s();
+    post_and_hang_up(dp, mid, 700, "abandoned-mid.json");
+    for (int i = 0; i < 100 && kvbt_metric(dp, "kvbridge_prompts_abandoned_total ") < 2; i++) usleep(20000);
+    assert_true(kvbt_metric(dp, "kvbridge_prompts_abandoned_total ") == 2);
+    assert_true(kvbt_metric(dp, "kvbridge_bridge_faults_total{kind=\"client_gone\"} ") == 1);
+    printf("the mid-transfer hang-up was noticed %.2f s after the request\n", kvb_now_s() - t0);
     kvbt_reply again;
     kvbt_complete_ids_n(dp, ids, 300, 4, &again);
     assert_int_equal(again.cached, 0); /* none of it was computed */
+    free(again.content);
+    kvbt_complete_ids_n(dp, mid, 700, 4, &again);
+    assert_int_equal(again.cached, 0); /* the transfer stopped before any block arrived */
     free(again.content);
     kvb_decode_node_stop(dn);
     kvb_prefill_node_stop(pn);

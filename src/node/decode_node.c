@@ -156,6 +156,8 @@ typedef struct {
     const char *fault_kind;
     bool drop;          /* the lanes can no longer be trusted */
     bool stopping;      /* a lane faulted: the others stop */
+    uint32_t running;   /* lane threads not yet ended */
+    pthread_cond_t ended; /* (monotonic) a lane thread ended */
 } bridge_rx;
 
 struct lane_rx {
@@ -236,7 +238,26 @@ static void *lane_main(void *arg) {
             break;
         }
     }
+    pthread_mutex_lock(&rx->mu);
+    rx->running--;
+    pthread_cond_broadcast(&rx->ended);
+    pthread_mutex_unlock(&rx->mu);
     return NULL;
+}
+
+/* Until every started lane thread has ended. A client that goes away meanwhile (looked at every
+ * 100 ms) stops the bridge as a fault of kind client_gone: the lanes are shut, the peer is told
+ * to cancel, and what arrived stays cached. */
+static void wait_lanes(bridge_rx *rx, kvb_completion_out *out) {
+    pthread_mutex_lock(&rx->mu);
+    while (rx->running) {
+        kvb_cond_wait_until(&rx->ended, &rx->mu, kvb_now_s() + 0.1);
+        if (!rx->running || rx->stopping) continue;
+        pthread_mutex_unlock(&rx->mu);
+        if (kvb_completion_cancelled(out)) rx_fault(rx, "client_gone", true, "%s", "the client went away");
+        pthread_mutex_lock(&rx->mu);
+    }
+    pthread_mutex_unlock(&rx->mu);
 }
 
 /* Asks the peer for blocks [cached, ship) and the tail [ship, ship + tail) (the partial block
@@ -245,7 +266,7 @@ static void *lane_main(void *arg) {
  * back as o->tail_page for the sequence to adopt. Meanwhile the pipelined tail may compute the
  * last token into logits (n_vocab): o->last_ready says whether it did. */
 static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_tok, uint32_t cached, uint32_t ship,
-                          uint32_t tail, float *logits, bridge_outcome *o) {
+                          uint32_t tail, float *logits, kvb_completion_out *out, bridge_outcome *o) {
     const uint32_t bt = n->cfg.block_tokens, b0 = cached / bt, nb = (ship - cached) / bt;
     o->blocks_total = nb;
     o->tail_page = o->last_page = KVB_BLOCK_NONE;
@@ -301,6 +322,7 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
     bridge_rx rx = {.pend = pend, .bt = bt, .b0 = b0, .nb = nb, .tail = tail, .rid = rid,
                     .lanes = lanes, .n_lanes = n->n_lanes};
     pthread_mutex_init(&rx.mu, NULL);
+    const bool watch = kvb_cond_init_monotonic(&rx.ended) == 0; /* else: joined without watching the client */
     /* per lane, a receiving thread reads ahead while a committing thread verifies and commits. A
      * lane carries about one frame in n_lanes, so its wait for the next one may be n_lanes times
      * the per-frame timeout before the peer counts as stalled (the last frames of a request, DONE
@@ -325,14 +347,21 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
     rx.tp = tp;
     bool starting = rx.fault_kind == NULL; /* read before any lane thread runs; after, under rx.mu */
     for (uint32_t l = 0; starting && l < n->n_lanes; l++) {
+        pthread_mutex_lock(&rx.mu);
+        rx.running++;
+        pthread_mutex_unlock(&rx.mu);
         lanes[l].started = pthread_create(&lanes[l].thread, NULL, lane_main, &lanes[l]) == 0;
         if (!lanes[l].started) {
+            pthread_mutex_lock(&rx.mu);
+            rx.running--;
+            pthread_mutex_unlock(&rx.mu);
             rx_fault(&rx, "internal", true, "%s", "could not start a receiving thread");
             starting = false;
         }
     }
     /* without the pipelined tail nothing computes for this prompt until DONE: the batches may */
     if (!tp) kvb_decode_batch_exec_lend(n->batch);
+    if (watch) wait_lanes(&rx, out);
     for (uint32_t l = 0; l < n->n_lanes; l++)
         if (lanes[l].started) pthread_join(lanes[l].thread, NULL);
     t_end = kvb_now_s();
@@ -376,8 +405,10 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
         n->last_reader_wait_s += r / n->n_lanes; /* per lane, on average */
         n->last_consumer_wait_s += c / n->n_lanes;
     }
-    if (rx.fault_kind && !strcmp(rx.fault_kind, "corrupt_slab")) kvb_conn_send_cancel(n->lanes[0], rid, 1000, NULL);
+    if (rx.fault_kind && (!strcmp(rx.fault_kind, "corrupt_slab") || !strcmp(rx.fault_kind, "client_gone")))
+        kvb_conn_send_cancel(n->lanes[0], rid, 1000, NULL);
     for (uint32_t l = 0; l < n->n_lanes; l++) kvb_recv_pipe_stop(lanes[l].pipe);
+    if (watch) pthread_cond_destroy(&rx.ended);
     pthread_mutex_destroy(&rx.mu);
     if (rx.drop) drop_peer(n);
     kvb_trace_span("decode.lanes_stop", t_fin, kvb_now_s(), 0);
@@ -679,7 +710,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
         for (;;) { /* an attempt; a resumed one asks only for the blocks still missing */
             memset(&o, 0, sizeof o);
             const double t_br = kvb_now_s();
-            bridge_blocks(n, toks, (uint32_t)n_tok, adopted, ship, tail, logits, &o);
+            bridge_blocks(n, toks, (uint32_t)n_tok, adopted, ship, tail, logits, out, &o);
             kvb_trace_span("decode.bridge", t_br, kvb_now_s(), ship - adopted);
             u.bridge_attempts++;
             u.transfer_s += o.transfer_s;
