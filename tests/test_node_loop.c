@@ -706,6 +706,40 @@ static void test_abandoned_request_is_not_computed(void **state) {
     kvb_prefill_node_stop(pn);
 }
 
+/* The request's repetition penalties reach the sampler: greedy, the same prompt gives another reply
+ * with presence_penalty 2 (the generated model repeats itself), and the same one with 0. */
+static char *penalized_reply(uint16_t port, const char *penalty) {
+    char cmd[512], out[4096];
+    snprintf(cmd, sizeof cmd, "curl -s -H 'Content-Type: application/json' -d '{\"model\":\"m\",\"prompt\":[5,9,"
+             "13,200,31,7,77,12],\"max_tokens\":24,\"temperature\":0,\"ignore_eos\":true%s}' "
+             "http://127.0.0.1:%u/v1/completions", penalty, port);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 0), 0);
+    cJSON *root = cJSON_Parse(out);
+    cJSON *text = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0), "text");
+    if (!cJSON_IsString(text)) fail_msg("%s", out);
+    char *r = strdup(text->valuestring);
+    cJSON_Delete(root);
+    return r;
+}
+
+static void test_penalties_reach_the_sampler(void **state) {
+    (void)state;
+    kvb_decode_node *dn = start_decode(0, PSK, 10000);
+    const uint16_t dp = kvb_decode_node_port(dn);
+    char *plain = penalized_reply(dp, ""), *zero = penalized_reply(dp, ",\"presence_penalty\":0"),
+         *pres = penalized_reply(dp, ",\"presence_penalty\":2"),
+         *freq = penalized_reply(dp, ",\"frequency_penalty\":2");
+    printf("greedy: '%.60s'\npresence 2: '%.60s'\nfrequency 2: '%.60s'\n", plain, pres, freq);
+    assert_string_equal(plain, zero);
+    assert_string_not_equal(plain, pres);
+    assert_string_not_equal(plain, freq);
+    free(plain);
+    free(zero);
+    free(pres);
+    free(freq);
+    kvb_decode_node_stop(dn);
+}
+
 /* Bridge mode `prefill`: the prefill engine's own K/V re-encoded. In the decoder's own format it
  * is exact (same answer as native); from an f32 engine it still completes (not claimed exact);
  * nodes that disagree on the mode refuse each other at the handshake. */
@@ -842,6 +876,7 @@ int main(void) {
         cmocka_unit_test(test_concurrent_decode_during_bridge_tail_after),
         cmocka_unit_test(test_cache_budget_admission),
         cmocka_unit_test(test_abandoned_request_is_not_computed),
+        cmocka_unit_test(test_penalties_reach_the_sampler),
         cmocka_unit_test(test_prefill_mode),
         cmocka_unit_test(test_bridged_blocks_are_evictable),
         cmocka_unit_test(test_filler_rows_slab_path),

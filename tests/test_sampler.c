@@ -209,12 +209,57 @@ static void test_frequencies_follow_probabilities(void **state) {
     }
 }
 
+/* Repetition penalties (OpenAI's frequency_penalty, presence_penalty) over the sampler's own
+ * picks: greedy on fixed logits, each pick lowers that token's logit by count * frequency +
+ * presence, in place, and only the picked tokens' entries change; off, the logits are untouched. */
+static void test_repetition_penalties(void **state) {
+    (void)state;
+    enum { N = 8 };
+    const float base[N] = {0.0f, 5.0f, 4.5f, 4.25f, 1.0f, 0.5f, 3.9f, 0.0f};
+    float l[N];
+    kvb_err err = {0};
+    kvb_sampler s;
+    /* presence only (once, whatever the count): 1; 2 (1 is at 4 < 4.5); 3 (4.25); then 1 for good
+     * (4 beats 2 at 3.5, 3 at 3.25 and 6 at 3.9) */
+    kvb_sampler_opts o = {.temperature = 0, .presence_penalty = 1.0f};
+    assert_int_equal(kvb_sampler_init(&s, &o, N, &err), KVB_OK);
+    const int32_t want_presence[5] = {1, 2, 3, 1, 1};
+    for (int i = 0; i < 5; i++) {
+        memcpy(l, base, sizeof l);
+        assert_int_equal(kvb_sample_penalized(&s, l), want_presence[i]);
+        for (int j = 0; j < N; j++) /* only the tokens picked before were lowered */
+            if (j != 1 && j != 2 && j != 3) assert_true(l[j] == base[j]);
+    }
+    assert_true(l[1] == 4.0f && l[2] == 3.5f && l[3] == 3.25f);
+    kvb_sampler_free(&s);
+    /* frequency (per pick): 1 (5); 1 (4.6 > 4.5); 2 (1 at 4.2); 3 (4.25 beats 1 at 4.2, 2 at 4.1) */
+    o = (kvb_sampler_opts){.temperature = 0, .frequency_penalty = 0.4f};
+    assert_int_equal(kvb_sampler_init(&s, &o, N, &err), KVB_OK);
+    const int32_t want_frequency[4] = {1, 1, 2, 3};
+    for (int i = 0; i < 4; i++) {
+        memcpy(l, base, sizeof l);
+        assert_int_equal(kvb_sample_penalized(&s, l), want_frequency[i]);
+    }
+    assert_true(l[1] == 5.0f - 0.4f * 2.0f); /* the last draw saw two picks of 1 */
+    kvb_sampler_free(&s);
+    /* off: the same pick every time, the logits untouched */
+    o = (kvb_sampler_opts){.temperature = 0};
+    assert_int_equal(kvb_sampler_init(&s, &o, N, &err), KVB_OK);
+    for (int i = 0; i < 3; i++) {
+        memcpy(l, base, sizeof l);
+        assert_int_equal(kvb_sample_penalized(&s, l), 1);
+        assert_memory_equal(l, base, sizeof l);
+    }
+    kvb_sampler_free(&s);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matches_the_full_ranking),
         cmocka_unit_test(test_greedy_and_degenerate_cuts),
         cmocka_unit_test(test_greedy_is_the_first_maximum),
         cmocka_unit_test(test_frequencies_follow_probabilities),
+        cmocka_unit_test(test_repetition_penalties),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

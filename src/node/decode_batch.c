@@ -128,7 +128,7 @@ static void run_batch(kvb_decode_batch *b, uint32_t n) {
     }
     for (uint32_t i = 0; i < n; i++) {
         kvb_decode_step *s = b->taken[i];
-        if (!s->st) s->next = kvb_sample(s->smp, b->logits + (size_t)i * b->n_vocab);
+        if (!s->st) s->next = kvb_sample_penalized(s->smp, b->logits + (size_t)i * b->n_vocab);
     }
 }
 
@@ -299,7 +299,8 @@ kvb_status kvb_decode_batch_forward_slice(kvb_decode_batch *b, kvb_seq *s, const
     if (!st) {
         if (logits) memcpy(logits, b->logits, sizeof(float) * b->n_vocab);
         for (uint32_t i = 0; i < k; i++)
-            b->taken[i]->next = kvb_sample(b->taken[i]->smp, b->logits + (size_t)(1 + i) * b->n_vocab);
+            b->taken[i]->next =
+                kvb_sample_penalized(b->taken[i]->smp, b->logits + (size_t)(1 + i) * b->n_vocab);
     } else {
         bool advanced = kvb_seq_len(s) != len0;
         for (uint32_t i = 0; i < k; i++) advanced |= kvb_seq_len(b->taken[i]->s) != b->len_before[i];

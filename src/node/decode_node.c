@@ -776,13 +776,15 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     kvb_metric_add(n->m_tokens, KVB_LABELS("native"), (double)u.native_tokens);
 
     kvb_sampler_opts so = {.temperature = (float)req->temperature, .top_k = req->top_k, .top_p = (float)req->top_p,
-                           .seed = req->has_seed ? (uint64_t)req->seed : (uint64_t)(kvb_now_s() * 1e6)};
+                           .seed = req->has_seed ? (uint64_t)req->seed : (uint64_t)(kvb_now_s() * 1e6),
+                           .frequency_penalty = (float)req->frequency_penalty,
+                           .presence_penalty = (float)req->presence_penalty};
     double t_decode = kvb_now_s();
     st = kvb_sampler_init(&smp, &so, n->m->d.n_vocab, &err);
     /* the engine's pool is the sampler's only while the engine is held: here, for the first token,
      * then by the decode batch's leader, which samples each step's next token */
     kvb_sampler_use_pool(&smp, kvb_engine_pool(n->e));
-    int32_t id = !st && max_new > 0 ? kvb_sample(&smp, logits) : 0;
+    int32_t id = !st && max_new > 0 ? kvb_sample_penalized(&smp, logits) : 0;
     kvb_decode_batch_join(n->batch); /* before the next prompt phase can begin: it slices for us */
     engine_release(n);
     kvb_detok dt;

@@ -177,6 +177,10 @@ typedef struct {
     int top_k;         /* <= 0: off */
     float top_p;       /* >= 1: off */
     uint64_t seed;
+    /* OpenAI's repetition penalties, over the tokens this sampler has picked so far (vLLM's reading:
+     * the reply's tokens, not the prompt's): kvb_sample_penalized subtracts count * frequency, then
+     * presence once the count is >= 1, from each such token's logit. 0, 0: off. */
+    float frequency_penalty, presence_penalty;
 } kvb_sampler_opts;
 
 typedef struct {
@@ -192,6 +196,9 @@ typedef struct {
     kvb_pool *pool;    /* NULL: one thread (kvb_sampler_use_pool) */
     uint32_t *bin_count; /* (vocab chunk, bin): each chunk's histogram of its probabilities */
     double *bin_mass;    /* (vocab chunk, bin) */
+    uint32_t *picked;    /* (n_vocab) times each token was picked, with penalties on; else NULL */
+    int32_t *picked_ids; /* (n_picked) the distinct tokens picked, in first-pick order */
+    uint32_t n_picked;
 } kvb_sampler;
 
 kvb_status kvb_sampler_init(kvb_sampler *s, const kvb_sampler_opts *o, uint32_t n_vocab, kvb_err *err);
@@ -200,5 +207,8 @@ kvb_status kvb_sampler_init(kvb_sampler *s, const kvb_sampler_opts *o, uint32_t 
 void kvb_sampler_use_pool(kvb_sampler *s, kvb_pool *pool);
 void kvb_sampler_free(kvb_sampler *s);
 int32_t kvb_sample(kvb_sampler *s, const float *logits);
+/* With the repetition penalties applied to logits first (in place: only the picked tokens'
+ * entries change), then kvb_sample; the pick is counted. Without penalties, kvb_sample. */
+int32_t kvb_sample_penalized(kvb_sampler *s, float *logits);
 
 #endif

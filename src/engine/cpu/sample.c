@@ -1,7 +1,8 @@
 /* engine/cpu/sample.c — sampling: greedy (argmax, lowest id on ties), or temperature with
  * optional top-k and top-p (nucleus), drawing from the seeded RNG so runs repeat exactly. With a
  * cut, only the probabilities that can be kept are ranked (kvb_engine_cpu.h says how): ranking a
- * 128K vocabulary took ~19 ms per token. */
+ * 128K vocabulary took ~19 ms per token. OpenAI's frequency/presence penalties over the tokens
+ * picked so far (kvb_sample_penalized) touch only those tokens' logits. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,7 +22,15 @@ kvb_status kvb_sampler_init(kvb_sampler *s, const kvb_sampler_opts *o, uint32_t 
     s->cand = malloc(sizeof(kvb_prob_id) * n_vocab);
     s->bin_count = malloc(sizeof *s->bin_count * P_BINS * n_chunks(n_vocab));
     s->bin_mass = malloc(sizeof *s->bin_mass * P_BINS * n_chunks(n_vocab));
-    if (!s->cand || !s->bin_count || !s->bin_mass) {
+    s->picked = NULL;
+    s->picked_ids = NULL;
+    s->n_picked = 0;
+    const bool penalties = o->frequency_penalty != 0.0f || o->presence_penalty != 0.0f;
+    if (penalties) {
+        s->picked = calloc(n_vocab, sizeof *s->picked);
+        s->picked_ids = malloc(sizeof *s->picked_ids * n_vocab);
+    }
+    if (!s->cand || !s->bin_count || !s->bin_mass || (penalties && (!s->picked || !s->picked_ids))) {
         kvb_sampler_free(s);
         return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the sampler");
     }
@@ -34,9 +43,25 @@ void kvb_sampler_free(kvb_sampler *s) {
     free(s->cand);
     free(s->bin_count);
     free(s->bin_mass);
+    free(s->picked);
+    free(s->picked_ids);
     s->cand = NULL;
     s->bin_count = NULL;
     s->bin_mass = NULL;
+    s->picked = NULL;
+    s->picked_ids = NULL;
+}
+
+int32_t kvb_sample_penalized(kvb_sampler *s, float *logits) {
+    if (!s->picked) return kvb_sample(s, logits);
+    for (uint32_t i = 0; i < s->n_picked; i++) { /* vLLM's order: frequency, then presence */
+        const int32_t id = s->picked_ids[i];
+        logits[id] = logits[id] - (float)s->picked[id] * s->o.frequency_penalty;
+        logits[id] = logits[id] - s->o.presence_penalty;
+    }
+    const int32_t id = kvb_sample(s, logits);
+    if (id >= 0 && (uint32_t)id < s->n_vocab && s->picked[id]++ == 0) s->picked_ids[s->n_picked++] = id;
+    return id;
 }
 
 static int by_prob_desc(const void *a, const void *b) {
