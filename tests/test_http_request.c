@@ -44,6 +44,7 @@ static void test_chat_minimal(void **state) {
     assert_false(r->stream);
     assert_false(r->include_usage);
     assert_false(r->ignore_eos);
+    assert_int_equal(r->n_logit_bias, 0);
     assert_int_equal(r->bridge, KVB_BRIDGE_AUTO);
     kvb_completion_req_free(r);
 }
@@ -58,7 +59,7 @@ static void test_chat_full(void **state) {
         "{\"role\":\"user\",\"content\":\"caf\xc3\xa9 \xe2\x82\xac\"}],"
         "\"max_tokens\":10,\"max_completion_tokens\":12,\"temperature\":0.5,\"top_p\":0.9,\"top_k\":40,"
         "\"seed\":-7,\"stop\":[\"\\n\\n\",\"END\"],\"stream\":true,\"stream_options\":{\"include_usage\":true},"
-        "\"ignore_eos\":true,\"n\":1,\"user\":\"u1\",\"frequency_penalty\":0.5,\"presence_penalty\":-1,"
+        "\"ignore_eos\":true,\"logit_bias\":{\"5\":10,\"70000\":-100.0,\"0\":0.25},\"n\":1,\"user\":\"u1\",\"frequency_penalty\":0.5,\"presence_penalty\":-1,"
         "\"logprobs\":false,\"tools\":[],\"response_format\":{\"type\":\"text\"},"
         "\"some_future_field\":{\"ignored\":[1,2,3]},\"kvbridge\":{\"bridge\":\"force\"}}";
     kvb_completion_req *r = parse_ok(KVB_API_CHAT_COMPLETIONS, body);
@@ -82,6 +83,13 @@ static void test_chat_full(void **state) {
     assert_true(r->stream);
     assert_true(r->include_usage);
     assert_true(r->ignore_eos);
+    assert_int_equal(r->n_logit_bias, 3);
+    assert_int_equal(r->logit_bias_ids[0], 5);
+    assert_true(r->logit_bias_values[0] == 10.0f);
+    assert_int_equal(r->logit_bias_ids[1], 70000);
+    assert_true(r->logit_bias_values[1] == -100.0f);
+    assert_int_equal(r->logit_bias_ids[2], 0);
+    assert_true(r->logit_bias_values[2] == 0.25f);
     assert_true(r->frequency_penalty == 0.5);
     assert_true(r->presence_penalty == -1);
     assert_int_equal(r->bridge, KVB_BRIDGE_FORCE);
@@ -215,6 +223,13 @@ static const bad_case bad_cases[] = {
     {CHAT, CHATB(",\"stream\":\"true\""), "stream", "expected a boolean"},
     {CHAT, CHATB(",\"stream\":1"), "stream", "expected a boolean"},
     {CHAT, CHATB(",\"ignore_eos\":\"yes\""), "ignore_eos", "expected a boolean"},
+    {CHAT, CHATB(",\"logit_bias\":[1,2]"), "logit_bias", "expected an object"},
+    {CHAT, CHATB(",\"logit_bias\":{\"abc\":1}"), "logit_bias", "expected a token id"},
+    {CHAT, CHATB(",\"logit_bias\":{\"-1\":1}"), "logit_bias", "expected a token id"},
+    {CHAT, CHATB(",\"logit_bias\":{\"\":1}"), "logit_bias", "expected a token id"},
+    {CHAT, CHATB(",\"logit_bias\":{\"99999999999\":1}"), "logit_bias", "expected a token id"},
+    {CHAT, CHATB(",\"logit_bias\":{\"7\":100.5}"), "logit_bias", "[-100, 100]"},
+    {CHAT, CHATB(",\"logit_bias\":{\"7\":\"high\"}"), "logit_bias", "[-100, 100]"},
     {CHAT, CHATB(",\"stream\":true,\"stream_options\":true"), "stream_options", "expected an object"},
     {CHAT, CHATB(",\"stream_options\":{\"include_usage\":true}"), "stream_options", "only allowed when"},
     {CHAT, CHATB(",\"stream\":true,\"stream_options\":{\"include_usage\":\"yes\"}"), "stream_options.include_usage", "expected a boolean"},

@@ -730,9 +730,17 @@ static void test_penalties_reach_the_sampler(void **state) {
          *pres = penalized_reply(dp, ",\"presence_penalty\":2"),
          *freq = penalized_reply(dp, ",\"frequency_penalty\":2");
     printf("greedy: '%.60s'\npresence 2: '%.60s'\nfrequency 2: '%.60s'\n", plain, pres, freq);
+    char *biased = penalized_reply(dp, ",\"logit_bias\":{\"70\":100}");
     assert_string_equal(plain, zero);
     assert_string_not_equal(plain, pres);
     assert_string_not_equal(plain, freq);
+    assert_string_not_equal(plain, biased);
+    free(biased);
+    char cmd[512], out[2048]; /* a token id outside the vocabulary: 400, naming logit_bias */
+    snprintf(cmd, sizeof cmd, "curl -s -w ' %%{http_code}' -H 'Content-Type: application/json' -d '{\"model\":\"m\","
+             "\"prompt\":[5,9],\"max_tokens\":2,\"logit_bias\":{\"999999\":5}}' http://127.0.0.1:%u/v1/completions", dp);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 0), 0);
+    if (!strstr(out, " 400") || !strstr(out, "logit_bias")) fail_msg("%s", out);
     free(plain);
     free(zero);
     free(pres);

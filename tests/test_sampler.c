@@ -242,6 +242,23 @@ static void test_repetition_penalties(void **state) {
     }
     assert_true(l[1] == 5.0f - 0.4f * 2.0f); /* the last draw saw two picks of 1 */
     kvb_sampler_free(&s);
+    /* a logit bias moves the pick, before the penalties: 2 at 4.5 + 1 beats 1 at 5; then 1 banned */
+    const int32_t bias_ids[2] = {2, 1};
+    const float bias_up[2] = {1.0f, 0.0f}, bias_ban[2] = {0.0f, -100.0f};
+    o = (kvb_sampler_opts){.temperature = 0, .bias_ids = bias_ids, .bias_values = bias_up, .n_bias = 2};
+    assert_int_equal(kvb_sampler_init(&s, &o, N, &err), KVB_OK);
+    memcpy(l, base, sizeof l);
+    assert_int_equal(kvb_sample_penalized(&s, l), 2);
+    assert_true(l[2] == 5.5f && l[1] == 5.0f && l[3] == base[3]);
+    kvb_sampler_free(&s);
+    o.bias_values = bias_ban;
+    assert_int_equal(kvb_sampler_init(&s, &o, N, &err), KVB_OK);
+    memcpy(l, base, sizeof l);
+    assert_int_equal(kvb_sample_penalized(&s, l), 2);
+    kvb_sampler_free(&s);
+    const int32_t outside[1] = {N};
+    o = (kvb_sampler_opts){.temperature = 0, .bias_ids = outside, .bias_values = bias_up, .n_bias = 1};
+    assert_int_equal(kvb_sampler_init(&s, &o, N, &err), KVB_ERR_INVALID);
     /* off: the same pick every time, the logits untouched */
     o = (kvb_sampler_opts){.temperature = 0};
     assert_int_equal(kvb_sampler_init(&s, &o, N, &err), KVB_OK);

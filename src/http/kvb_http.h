@@ -78,6 +78,7 @@ typedef struct {
 typedef enum { KVB_API_CHAT_COMPLETIONS = 0, KVB_API_COMPLETIONS } kvb_api;
 typedef enum { KVB_BRIDGE_AUTO = 0, KVB_BRIDGE_FORCE, KVB_BRIDGE_OFF } kvb_bridge_policy;
 #define KVB_HTTP_MAX_STOP 4
+#define KVB_HTTP_MAX_LOGIT_BIAS 1024
 
 /* A validated request. Strings are NUL-terminated valid UTF-8 without NUL bytes and live as
  * long as the request. Fields the client left out (or sent as null) have the defaults noted. */
@@ -99,6 +100,9 @@ typedef struct {
     double temperature;              /* [0, 2], default 1 */
     double top_p;                    /* [0, 1], default 1 */
     int32_t top_k;                   /* extension; >= 0, 0 (or -1 sent) = off; default 0 */
+    const int32_t *logit_bias_ids;   /* logit_bias: (n_logit_bias) token ids (>= 0; the handler checks */
+    const float *logit_bias_values;  /*   them against the vocabulary), each's bias in [-100, 100] */
+    size_t n_logit_bias;
     bool ignore_eos;                 /* extension (vLLM's): an end-of-generation token does not end the
                                         reply, which runs to max_tokens or the context end (benchmarks) */
     double frequency_penalty;        /* [-2, 2], default 0 */

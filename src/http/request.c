@@ -15,6 +15,8 @@ typedef struct {
     char **owned; /* joined content strings */
     size_t n_owned;
     int32_t *tokens;
+    int32_t *bias_ids; /* (n_logit_bias) */
+    float *bias_values;
 } req_storage;
 
 #define BAD(e, param, ...) (http_error_set((e), 400, NULL, (param), __VA_ARGS__), KVB_ERR_INVALID)
@@ -284,6 +286,42 @@ static kvb_status parse_stop(req_storage *st, const cJSON *root, kvb_http_error 
     return KVB_OK;
 }
 
+/* logit_bias: {"token id": bias in [-100, 100], ...}, at most KVB_HTTP_MAX_LOGIT_BIAS entries; the
+ * ids are checked against the vocabulary by the handler. */
+static kvb_status parse_logit_bias(req_storage *st, const cJSON *root, kvb_http_error *e) {
+    const cJSON *b = field(root, "logit_bias");
+    if (!b) return KVB_OK;
+    if (!cJSON_IsObject(b))
+        return BAD(e, "logit_bias", "Invalid type for 'logit_bias': expected an object mapping token ids to "
+                   "biases, but got %s instead.", json_type_name(b));
+    const int n = cJSON_GetArraySize(b);
+    if (n > KVB_HTTP_MAX_LOGIT_BIAS)
+        return BAD(e, "logit_bias", "Invalid 'logit_bias': %d entries; at most %d.", n, KVB_HTTP_MAX_LOGIT_BIAS);
+    if (n == 0) return KVB_OK;
+    st->bias_ids = malloc(sizeof *st->bias_ids * (size_t)n);
+    st->bias_values = malloc(sizeof *st->bias_values * (size_t)n);
+    if (!st->bias_ids || !st->bias_values) return NOMEM(e);
+    size_t i = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, b) {
+        const char *key = it->string ? it->string : "";
+        char *end = NULL;
+        const unsigned long long id = strtoull(key, &end, 10);
+        if (!*key || *end || key[0] < '0' || key[0] > '9' || id > (unsigned long long)INT32_MAX)
+            return BAD(e, "logit_bias", "Invalid key '%.40s' in 'logit_bias': expected a token id.", key);
+        if (!cJSON_IsNumber(it) || !(it->valuedouble >= -100.0 && it->valuedouble <= 100.0))
+            return BAD(e, "logit_bias", "Invalid bias for token %llu in 'logit_bias': expected a number in "
+                       "[-100, 100].", id);
+        st->bias_ids[i] = (int32_t)id;
+        st->bias_values[i] = (float)it->valuedouble;
+        i++;
+    }
+    st->req.logit_bias_ids = st->bias_ids;
+    st->req.logit_bias_values = st->bias_values;
+    st->req.n_logit_bias = i;
+    return KVB_OK;
+}
+
 static kvb_status parse_kvbridge(req_storage *st, const cJSON *root, kvb_http_error *e) {
     const cJSON *k = field(root, "kvbridge");
     if (!k) return KVB_OK;
@@ -394,6 +432,7 @@ static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_api api, kv
     const char *user_ignored = NULL;
     if ((v = field(root, "user")) && (s = get_string(v, "user", true, &user_ignored, e))) return s;
     if ((s = parse_stop(st, root, e))) return s;
+    if ((s = parse_logit_bias(st, root, e))) return s;
     if ((s = get_bool(root, "stream", "stream", &r->stream, e))) return s;
     if ((s = get_bool(root, "ignore_eos", "ignore_eos", &r->ignore_eos, e))) return s;
     if ((v = field(root, "stream_options"))) {
@@ -470,6 +509,8 @@ void kvb_completion_req_free(kvb_completion_req *req) {
     free(st->owned);
     free(st->msgs);
     free(st->tokens);
+    free(st->bias_ids);
+    free(st->bias_values);
     cJSON_Delete(st->root);
     free(st);
 }

@@ -649,6 +649,14 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
         }
         max_new = ctx_max - (int64_t)n_tok;
     }
+    for (size_t i = 0; i < req->n_logit_bias; i++)
+        if ((uint32_t)req->logit_bias_ids[i] >= n->m->d.n_vocab) {
+            kvb_completion_fail(out, 400, NULL, "logit_bias",
+                                "Invalid key %d in 'logit_bias': this model's vocabulary has %u tokens (0..%u).",
+                                req->logit_bias_ids[i], n->m->d.n_vocab, n->m->d.n_vocab - 1);
+            free(toks);
+            return;
+        }
     const uint64_t need = blocks_needed(n, n_tok, (uint64_t)max_new);
     if (need > n->cfg.cache_blocks) {
         kvb_completion_fail(out, 400, "context_length_exceeded", "max_tokens",
@@ -778,7 +786,9 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     kvb_sampler_opts so = {.temperature = (float)req->temperature, .top_k = req->top_k, .top_p = (float)req->top_p,
                            .seed = req->has_seed ? (uint64_t)req->seed : (uint64_t)(kvb_now_s() * 1e6),
                            .frequency_penalty = (float)req->frequency_penalty,
-                           .presence_penalty = (float)req->presence_penalty};
+                           .presence_penalty = (float)req->presence_penalty,
+                           .bias_ids = req->logit_bias_ids, .bias_values = req->logit_bias_values,
+                           .n_bias = (uint32_t)req->n_logit_bias};
     double t_decode = kvb_now_s();
     st = kvb_sampler_init(&smp, &so, n->m->d.n_vocab, &err);
     /* the engine's pool is the sampler's only while the engine is held: here, for the first token,

@@ -181,6 +181,11 @@ typedef struct {
      * the reply's tokens, not the prompt's): kvb_sample_penalized subtracts count * frequency, then
      * presence once the count is >= 1, from each such token's logit. 0, 0: off. */
     float frequency_penalty, presence_penalty;
+    /* OpenAI's logit_bias: bias_values[i] added to token bias_ids[i]'s logit (ids < n_vocab) before
+     * the penalties, by kvb_sample_penalized; copied at init. n_bias 0: none. */
+    const int32_t *bias_ids;
+    const float *bias_values;
+    uint32_t n_bias;
 } kvb_sampler_opts;
 
 typedef struct {
@@ -196,6 +201,9 @@ typedef struct {
     kvb_pool *pool;    /* NULL: one thread (kvb_sampler_use_pool) */
     uint32_t *bin_count; /* (vocab chunk, bin): each chunk's histogram of its probabilities */
     double *bin_mass;    /* (vocab chunk, bin) */
+    int32_t *bias_ids;   /* (n_bias) a copy of the options' */
+    float *bias_values;
+    uint32_t n_bias;
     uint32_t *picked;    /* (n_vocab) times each token was picked, with penalties on; else NULL */
     int32_t *picked_ids; /* (n_picked) the distinct tokens picked, in first-pick order */
     uint32_t n_picked;
@@ -207,8 +215,9 @@ kvb_status kvb_sampler_init(kvb_sampler *s, const kvb_sampler_opts *o, uint32_t 
 void kvb_sampler_use_pool(kvb_sampler *s, kvb_pool *pool);
 void kvb_sampler_free(kvb_sampler *s);
 int32_t kvb_sample(kvb_sampler *s, const float *logits);
-/* With the repetition penalties applied to logits first (in place: only the picked tokens'
- * entries change), then kvb_sample; the pick is counted. Without penalties, kvb_sample. */
+/* With the logit bias and then the repetition penalties applied to logits first (in place: only the
+ * biased and the picked tokens' entries change), then kvb_sample; the pick is counted. Without
+ * either, kvb_sample. */
 int32_t kvb_sample_penalized(kvb_sampler *s, float *logits);
 
 #endif

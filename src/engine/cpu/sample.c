@@ -25,12 +25,33 @@ kvb_status kvb_sampler_init(kvb_sampler *s, const kvb_sampler_opts *o, uint32_t 
     s->picked = NULL;
     s->picked_ids = NULL;
     s->n_picked = 0;
+    s->n_bias = 0;
+    s->bias_ids = NULL;
+    s->bias_values = NULL;
+    for (uint32_t i = 0; i < o->n_bias; i++)
+        if (o->bias_ids[i] < 0 || (uint32_t)o->bias_ids[i] >= n_vocab) {
+            kvb_sampler_free(s);
+            return kvb_err_set(err, KVB_ERR_INVALID, "logit bias for token %d: the vocabulary has %u tokens",
+                               o->bias_ids[i], n_vocab);
+        }
+    if (o->n_bias) {
+        s->bias_ids = malloc(sizeof *s->bias_ids * o->n_bias);
+        s->bias_values = malloc(sizeof *s->bias_values * o->n_bias);
+        if (s->bias_ids && s->bias_values) {
+            memcpy(s->bias_ids, o->bias_ids, sizeof *s->bias_ids * o->n_bias);
+            memcpy(s->bias_values, o->bias_values, sizeof *s->bias_values * o->n_bias);
+            s->n_bias = o->n_bias;
+        }
+    }
+    s->o.bias_ids = NULL; /* the copies above are the sampler's: the caller's arrays need not outlive it */
+    s->o.bias_values = NULL;
     const bool penalties = o->frequency_penalty != 0.0f || o->presence_penalty != 0.0f;
     if (penalties) {
         s->picked = calloc(n_vocab, sizeof *s->picked);
         s->picked_ids = malloc(sizeof *s->picked_ids * n_vocab);
     }
-    if (!s->cand || !s->bin_count || !s->bin_mass || (penalties && (!s->picked || !s->picked_ids))) {
+    if (!s->cand || !s->bin_count || !s->bin_mass || (penalties && (!s->picked || !s->picked_ids)) ||
+        s->n_bias != o->n_bias) {
         kvb_sampler_free(s);
         return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the sampler");
     }
@@ -45,6 +66,11 @@ void kvb_sampler_free(kvb_sampler *s) {
     free(s->bin_mass);
     free(s->picked);
     free(s->picked_ids);
+    free(s->bias_ids);
+    free(s->bias_values);
+    s->bias_ids = NULL;
+    s->bias_values = NULL;
+    s->n_bias = 0;
     s->cand = NULL;
     s->bin_count = NULL;
     s->bin_mass = NULL;
@@ -53,14 +79,15 @@ void kvb_sampler_free(kvb_sampler *s) {
 }
 
 int32_t kvb_sample_penalized(kvb_sampler *s, float *logits) {
-    if (!s->picked) return kvb_sample(s, logits);
-    for (uint32_t i = 0; i < s->n_picked; i++) { /* vLLM's order: frequency, then presence */
+    if (!s->picked && !s->n_bias) return kvb_sample(s, logits);
+    for (uint32_t i = 0; i < s->n_bias; i++) logits[s->bias_ids[i]] = logits[s->bias_ids[i]] + s->bias_values[i];
+    for (uint32_t i = 0; s->picked && i < s->n_picked; i++) { /* vLLM's order: frequency, then presence */
         const int32_t id = s->picked_ids[i];
         logits[id] = logits[id] - (float)s->picked[id] * s->o.frequency_penalty;
         logits[id] = logits[id] - s->o.presence_penalty;
     }
     const int32_t id = kvb_sample(s, logits);
-    if (id >= 0 && (uint32_t)id < s->n_vocab && s->picked[id]++ == 0) s->picked_ids[s->n_picked++] = id;
+    if (s->picked && id >= 0 && (uint32_t)id < s->n_vocab && s->picked[id]++ == 0) s->picked_ids[s->n_picked++] = id;
     return id;
 }
 
