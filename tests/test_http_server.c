@@ -1139,6 +1139,9 @@ static void test_metrics_endpoint(void **state) {
     assert_true(samples > 20);
     assert_true(prom_value(r.body, "kvb_http_requests_total{route=\"/v1/chat/completions\",code=\"200\"}") >= 1);
     assert_true(prom_value(r.body, "kvb_completion_generated_tokens_total{api=\"chat\"}") >= 2);
+    /* "count me" came as two deltas: one gap between them, at least */
+    assert_true(prom_value(r.body, "kvb_completion_stream_gap_seconds_count{api=\"chat\"}") >= 1);
+    assert_true(prom_value(r.body, "kvb_completion_stream_gap_seconds_bucket{api=\"chat\",le=\"+Inf\"}") >= 1);
     assert_true(prom_value(r.body, "kvb_test_faults_total{kind=\"peer \\\"down\\\"\\\\now\\nnext\"}") == 2);
     assert_non_null(strstr(r.body, "# HELP kvb_test_faults_total Faults by kind.\\nSecond line with a \\\\ backslash.\n"));
     assert_non_null(strstr(r.body, "# TYPE kvb_http_request_duration_seconds histogram\n"));

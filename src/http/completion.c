@@ -123,7 +123,13 @@ kvb_status kvb_completion_emit(kvb_completion_out *out, const char *delta) {
     } else if (check_cancel_locked(out)) {
         st = KVB_ERR_IO;
     } else if (clean.len > 0) {
-        if (!out->emitted) out->t_first_token = kvb_now_s();
+        const double now = kvb_now_s();
+        if (!out->emitted) out->t_first_token = now;
+        else {
+            const char *api = out->meta.api == KVB_API_CHAT_COMPLETIONS ? "chat" : "completions";
+            kvb_metric_observe(out->server->m_gap, KVB_LABELS(api), now - out->t_last_emit);
+        }
+        out->t_last_emit = now;
         out->emitted = true;
         if (!out->streaming) {
             http_buf_append(&out->text, clean.data, clean.len);

@@ -90,7 +90,7 @@ struct kvb_http_server {
     bool owns_metrics;
     bool has_api_key;                                   /* /v1/ routes need the bearer token */
     unsigned char api_key_digest[HTTP_API_KEY_DIGEST_LEN]; /* SHA-256 of the key, never the key */
-    kvb_metric *m_requests, *m_duration, *m_in_flight, *m_ttft, *m_prompt_tokens,
+    kvb_metric *m_requests, *m_duration, *m_in_flight, *m_ttft, *m_gap, *m_prompt_tokens,
         *m_generated_tokens, *m_disconnects, *m_verdicts;
 };
 
@@ -123,6 +123,7 @@ struct kvb_completion_out {
     size_t pending_off;
     bool emitted;                       /* a non-empty delta went out */
     double t_start, t_first_token;
+    double t_last_emit; /* the last non-empty delta's time (the stream's gaps) */
     /* worker thread (streaming) */
     bool thread_started;
     pthread_t thread;

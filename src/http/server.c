@@ -481,6 +481,7 @@ static kvb_status resolve_listen(const char *listen, struct sockaddr_storage *ss
 
 static kvb_status register_metrics(kvb_http_server *s, kvb_err *err) {
     static const double token_latency[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
+    static const double stream_gap[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};
     struct {
         kvb_metric **slot;
         kvb_metric_type type;
@@ -498,6 +499,10 @@ static kvb_status register_metrics(kvb_http_server *s, kvb_err *err) {
         {&s->m_ttft, KVB_METRIC_HISTOGRAM, "kvb_completion_time_to_first_token_seconds",
          "Time from the request's headers to the first emitted text.", "api", token_latency,
          KVB_ARRAY_LEN(token_latency)},
+        {&s->m_gap, KVB_METRIC_HISTOGRAM, "kvb_completion_stream_gap_seconds",
+         "Time between two emitted text deltas of a completion: what a streaming client waits between "
+         "chunks (a long prompt or transfer of another request shows here).", "api", stream_gap,
+         KVB_ARRAY_LEN(stream_gap)},
         {&s->m_prompt_tokens, KVB_METRIC_COUNTER, "kvb_completion_prompt_tokens_total",
          "Prompt tokens of finished completions.", "api", NULL, 0},
         {&s->m_generated_tokens, KVB_METRIC_COUNTER, "kvb_completion_generated_tokens_total",
