@@ -647,12 +647,7 @@ static void test_cache_budget_admission(void **state) {
 
 /* Sends ids as a completion with curl, which hangs up after 0.5 s. */
 static void post_and_hang_up(uint16_t port, const int32_t *ids, int n, const char *name) {
-    cJSON *req = cJSON_CreateObject();
-    cJSON_AddStringToObject(req, "model", "m");
-    cJSON_AddItemToObject(req, "prompt", cJSON_CreateIntArray(ids, n));
-    cJSON_AddNumberToObject(req, "max_tokens", 4);
-    char *body = cJSON_PrintUnformatted(req), path[512], cmd[1024], out[256];
-    cJSON_Delete(req);
+    char *body = kvbt_completion_json(ids, n, 4, false), path[512], cmd[1024], out[256];
     kvbt_tmp_path(path, sizeof path, name);
     FILE *f = fopen(path, "w");
     assert_non_null(f);

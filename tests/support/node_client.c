@@ -18,7 +18,7 @@ void kvbt_complete_ids(uint16_t port, const int32_t *ids, int n, kvbt_reply *r) 
     kvbt_complete_ids_n(port, ids, n, 8, r);
 }
 
-void kvbt_post_ids(uint16_t port, const int32_t *ids, int n, int max_tokens, bool ignore_eos, kvb_http_reply *h) {
+char *kvbt_completion_json(const int32_t *ids, int n, int max_tokens, bool ignore_eos) {
     cJSON *req = cJSON_CreateObject();
     cJSON_AddStringToObject(req, "model", "m");
     cJSON_AddItemToObject(req, "prompt", cJSON_CreateIntArray(ids, n));
@@ -27,6 +27,12 @@ void kvbt_post_ids(uint16_t port, const int32_t *ids, int n, int max_tokens, boo
     cJSON_AddNumberToObject(req, "temperature", 0);
     char *body = cJSON_PrintUnformatted(req);
     cJSON_Delete(req);
+    assert_non_null(body);
+    return body;
+}
+
+void kvbt_post_ids(uint16_t port, const int32_t *ids, int n, int max_tokens, bool ignore_eos, kvb_http_reply *h) {
+    char *body = kvbt_completion_json(ids, n, max_tokens, ignore_eos);
     kvb_err err = {0};
     assert_int_equal(kvb_http_post("127.0.0.1", port, "/v1/completions", body, 120000, h, &err), KVB_OK);
     free(body);

@@ -28,6 +28,8 @@ void kvbt_complete_ids(uint16_t port, const int32_t *ids, int n, kvbt_reply *r);
 void kvbt_complete_ids_n(uint16_t port, const int32_t *ids, int n, int max_tokens, kvbt_reply *r);
 /* The same with exactly `tokens` tokens (ignore_eos), unless the context ends first. */
 void kvbt_complete_ids_all(uint16_t port, const int32_t *ids, int n, int tokens, kvbt_reply *r);
+/* The body of such a request (greedy), malloc'd: the caller frees it. */
+char *kvbt_completion_json(const int32_t *ids, int n, int max_tokens, bool ignore_eos);
 /* The same request (greedy), any answer: the reply as it came (free it with kvb_http_reply_free). */
 void kvbt_post_ids(uint16_t port, const int32_t *ids, int n, int max_tokens, bool ignore_eos, kvb_http_reply *h);
 /* ids[0 .. n) = token ids 3 .. 252 from seed. */

@@ -81,7 +81,7 @@ void kvb_sampler_free(kvb_sampler *s) {
 int32_t kvb_sample_penalized(kvb_sampler *s, float *logits) {
     if (!s->picked && !s->n_bias) return kvb_sample(s, logits);
     for (uint32_t i = 0; i < s->n_bias; i++) logits[s->bias_ids[i]] = logits[s->bias_ids[i]] + s->bias_values[i];
-    for (uint32_t i = 0; s->picked && i < s->n_picked; i++) { /* vLLM's order: frequency, then presence */
+    for (uint32_t i = 0; i < s->n_picked; i++) { /* vLLM's order: frequency, then presence */
         const int32_t id = s->picked_ids[i];
         logits[id] = logits[id] - (float)s->picked[id] * s->o.frequency_penalty;
         logits[id] = logits[id] - s->o.presence_penalty;
