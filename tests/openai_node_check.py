@@ -3,7 +3,7 @@
 
 Usage: openai_node_check.py PORT
 Streams a chat completion (include_usage) whose prompt is long enough to bridge, and checks the
-X-KVBridge header, the deltas, finish_reason and usage.kvbridge. Exit 0 with
+X-KVBridge header, the deltas, finish_reason and usage.kvbridge; then logprobs, in a body and a stream. Exit 0 with
 "openai node check: N passed, 0 failed"; 1 on a failure; 77 when the openai package is absent.
 """
 import sys
@@ -50,5 +50,24 @@ phases = ("tokenize_s", "queue_s", "lookup_s", "prefill_s", "transfer_s", "nativ
 check("phases", kb is not None and all(isinstance(kb.get(p), (int, float)) and kb[p] >= 0 for p in phases), kb)
 check("tokenized", kb is not None and 0 < kb.get("tokenize_s", 0) < 10, kb)  # a real chat template and tokenizer ran
 check("one attempt", kb is not None and kb.get("bridge_attempts") == 1 and kb.get("bridge_faults") == "", kb)
+
+# logprobs through the client's own types: one entry per reply token, each the most likely (greedy)
+# of its top 3, in descending order, the stream's entries the same as the body's
+lp_args = dict(model="any", messages=[{"role": "user", "content": doc + "Once more?"}], max_tokens=8,
+               temperature=0, logprobs=True, top_logprobs=3)
+body = client.chat.completions.create(**lp_args)
+entries = body.choices[0].logprobs.content if body.choices[0].logprobs else None
+check("logprobs body", entries is not None and len(entries) == body.usage.completion_tokens, body.choices[0])
+for e in entries or []:
+    tops = [t.logprob for t in e.top_logprobs]
+    check("logprobs top", len(tops) == 3 and tops == sorted(tops, reverse=True) and e.logprob == tops[0]
+          and e.token == e.top_logprobs[0].token and bytes(e.bytes).decode("utf-8", "replace") == e.token
+          and e.logprob <= 0, e)
+streamed = []
+for chunk in client.chat.completions.create(**lp_args, stream=True):
+    if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+        streamed += chunk.choices[0].logprobs.content
+check("logprobs stream", [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries or []],
+      (streamed, entries))
 print(f"openai node check: {passed} passed, {failed} failed")
 sys.exit(1 if failed else 0)

@@ -45,6 +45,7 @@ static void test_chat_minimal(void **state) {
     assert_false(r->include_usage);
     assert_false(r->ignore_eos);
     assert_int_equal(r->n_logit_bias, 0);
+    assert_false(r->logprobs);
     assert_int_equal(r->bridge, KVB_BRIDGE_AUTO);
     kvb_completion_req_free(r);
 }
@@ -105,6 +106,35 @@ static void test_chat_full(void **state) {
     assert_false(r->has_seed);
     assert_true(r->temperature == 1.0);
     kvb_completion_req_free(r);
+}
+
+static void test_logprobs_fields(void **state) {
+    (void)state;
+    kvb_completion_req *r = parse_ok(KVB_API_CHAT_COMPLETIONS,
+                                     "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+                                     "\"logprobs\":true,\"top_logprobs\":20}");
+    assert_true(r->logprobs);
+    assert_int_equal(r->top_logprobs, 20);
+    kvb_completion_req_free(r);
+    r = parse_ok(KVB_API_CHAT_COMPLETIONS, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+                                           "\"logprobs\":true}");
+    assert_true(r->logprobs);
+    assert_int_equal(r->top_logprobs, 0);
+    kvb_completion_req_free(r);
+    r = parse_ok(KVB_API_CHAT_COMPLETIONS, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+                                           "\"logprobs\":false,\"top_logprobs\":0}");
+    assert_false(r->logprobs);
+    kvb_completion_req_free(r);
+    /* completions: the legacy integer; 0 is the picked token's alone, null and false are off */
+    const char *cmpl[4] = {"0", "5", "null", "false"};
+    for (int i = 0; i < 4; i++) {
+        char body[128];
+        snprintf(body, sizeof body, "{\"model\":\"m\",\"prompt\":\"x\",\"logprobs\":%s}", cmpl[i]);
+        r = parse_ok(KVB_API_COMPLETIONS, body);
+        assert_int_equal(r->logprobs, i < 2);
+        assert_int_equal(r->top_logprobs, i == 1 ? 5 : 0);
+        kvb_completion_req_free(r);
+    }
 }
 
 static void test_completion_prompts(void **state) {
@@ -238,8 +268,12 @@ static const bad_case bad_cases[] = {
     {CHAT, CHATB(",\"kvbridge\":{\"bridge\":1}"), "kvbridge.bridge", "expected a string"},
     {CHAT, CHATB(",\"kvbridge\":{\"brigde\":\"off\"}"), "kvbridge", "Unknown kvbridge option"},
     /* known features we cannot honour */
-    {CHAT, CHATB(",\"logprobs\":true"), "logprobs", "not supported"},
-    {CHAT, CHATB(",\"top_logprobs\":3"), "top_logprobs", "not supported"},
+    {CHAT, CHATB(",\"logprobs\":1"), "logprobs", "expected a boolean"},
+    {CHAT, CHATB(",\"top_logprobs\":3"), "top_logprobs", "requires 'logprobs' to be true"},
+    {CHAT, CHATB(",\"logprobs\":false,\"top_logprobs\":3"), "top_logprobs", "requires 'logprobs' to be true"},
+    {CHAT, CHATB(",\"logprobs\":true,\"top_logprobs\":21"), "top_logprobs", "out of range"},
+    {CHAT, CHATB(",\"logprobs\":true,\"top_logprobs\":-1"), "top_logprobs", "out of range"},
+    {CHAT, CHATB(",\"logprobs\":true,\"top_logprobs\":2.5"), "top_logprobs", "decimal"},
     {CHAT, CHATB(",\"tools\":[{\"type\":\"function\"}]"), "tools", "not supported"},
     {CHAT, CHATB(",\"response_format\":{\"type\":\"json_object\"}"), "response_format", "not supported"},
     /* completions */
@@ -261,7 +295,9 @@ static const bad_case bad_cases[] = {
     {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"echo\":true}", "echo", "not supported"},
     {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"suffix\":\"y\"}", "suffix", "not supported"},
     {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"best_of\":3}", "best_of", "best_of=1"},
-    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"logprobs\":2}", "logprobs", "not supported"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"logprobs\":21}", "logprobs", "out of range"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"logprobs\":true}", "logprobs", "expected an integer"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"top_logprobs\":2}", "top_logprobs", "takes the number of top tokens as 'logprobs'"},
 };
 
 static void test_bad_requests_table(void **state) {
@@ -370,6 +406,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chat_minimal),
         cmocka_unit_test(test_chat_full),
+        cmocka_unit_test(test_logprobs_fields),
         cmocka_unit_test(test_completion_prompts),
         cmocka_unit_test(test_bad_requests_table),
         cmocka_unit_test(test_hostile_bytes),

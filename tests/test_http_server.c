@@ -68,9 +68,25 @@ static size_t count_words(const char *s) {
     return n;
 }
 
+/* With logprobs asked for, the word's entry: its bytes at -0.5 per word so far, and the asked
+ * number of alternatives "alt0", "alt1", ... each 1 lower. The word "RAW" stands for a token
+ * holding part of a character (bytes E2 82, logprob -inf) whose text is not emitted yet. */
+static kvb_status add_word_logprobs(kvb_completion_out *out, const kvb_completion_req *req, const char *word,
+                                    int64_t index) {
+    if (!req->logprobs) return KVB_OK;
+    const bool raw = strcmp(word, "RAW") == 0 || strcmp(word, " RAW") == 0;
+    kvb_token_logprob tok = {.bytes = raw ? "\xe2\x82" : word, .n_bytes = raw ? 2 : strlen(word),
+                             .logprob = raw ? -INFINITY : -0.5f * (float)(index + 1)};
+    kvb_token_logprob top[KVB_HTTP_MAX_TOP_LOGPROBS];
+    static const char *const alts[4] = {"alt0", "alt1", "alt2", "alt3"};
+    for (uint32_t j = 0; j < req->top_logprobs && j < 4; j++)
+        top[j] = (kvb_token_logprob){.bytes = alts[j], .n_bytes = 4, .logprob = tok.logprob - 1.0f - (float)j};
+    return kvb_completion_add_logprobs(out, &tok, top, req->top_logprobs < 4 ? req->top_logprobs : 4);
+}
+
 /* Emits `text` word by word: "a", " b", " c" (so the deltas join to the text). */
-static kvb_status emit_words(kvb_completion_out *out, const char *text, int64_t max_words,
-                             int64_t *emitted, int delay_ms) {
+static kvb_status emit_words(kvb_completion_out *out, const kvb_completion_req *req, const char *text,
+                             int64_t max_words, int64_t *emitted, int delay_ms) {
     const char *p = text;
     *emitted = 0;
     while (*p) {
@@ -83,7 +99,8 @@ static kvb_status emit_words(kvb_completion_out *out, const char *text, int64_t 
         size_t n = (size_t)(p - start) < sizeof word - 1 ? (size_t)(p - start) : sizeof word - 1;
         memcpy(word, start, n);
         word[n] = '\0';
-        kvb_status st = kvb_completion_emit(out, word);
+        kvb_status st = add_word_logprobs(out, req, word, *emitted);
+        if (!st) st = kvb_completion_emit(out, strstr(word, "RAW") ? "" : word);
         if (st) return st;
         (*emitted)++;
         if (delay_ms) sleep_ms(delay_ms);
@@ -147,7 +164,7 @@ static void fake_completion(void *ctx, const kvb_completion_req *req, kvb_comple
         if (st == KVB_ERR_IO && kvb_completion_cancelled(out)) atomic_fetch_add(&fs->saw_cancel, 1);
         atomic_fetch_sub(&fs->slow_running, 1);
     } else {
-        st = emit_words(out, text, req->max_tokens, &emitted, 0);
+        st = emit_words(out, req, text, req->max_tokens, &emitted, 0);
     }
     if (st == KVB_ERR_IO) return; /* client gone: nothing to finish (the server answers for us) */
     kvb_usage u = {
@@ -390,8 +407,8 @@ static cJSON *parse_body(const http_resp *r) {
     return j;
 }
 
-static const char *jstr(const cJSON *obj, const char *path) {
-    /* "a.b.0.c": object keys and array indexes */
+/* The item at "a.b.0.c" (object keys and array indexes), or NULL. */
+static const cJSON *jitem(const cJSON *obj, const char *path) {
     char buf[256];
     snprintf(buf, sizeof buf, "%s", path);
     const cJSON *cur = obj;
@@ -400,18 +417,16 @@ static const char *jstr(const cJSON *obj, const char *path) {
         if (tok[0] >= '0' && tok[0] <= '9') cur = cJSON_GetArrayItem(cur, atoi(tok));
         else cur = cJSON_GetObjectItemCaseSensitive(cur, tok);
     }
+    return cur;
+}
+
+static const char *jstr(const cJSON *obj, const char *path) {
+    const cJSON *cur = jitem(obj, path);
     return cJSON_IsString(cur) ? cur->valuestring : NULL;
 }
 
 static double jnum(const cJSON *obj, const char *path) {
-    char buf[256];
-    snprintf(buf, sizeof buf, "%s", path);
-    const cJSON *cur = obj;
-    char *save = NULL;
-    for (char *tok = strtok_r(buf, ".", &save); tok && cur; tok = strtok_r(NULL, ".", &save)) {
-        if (tok[0] >= '0' && tok[0] <= '9') cur = cJSON_GetArrayItem(cur, atoi(tok));
-        else cur = cJSON_GetObjectItemCaseSensitive(cur, tok);
-    }
+    const cJSON *cur = jitem(obj, path);
     if (!cJSON_IsNumber(cur)) fail_msg("%s is not a number", path);
     return cur->valuedouble;
 }
@@ -854,6 +869,92 @@ static void test_completion_streaming(void **state) {
               "\"stream_options\":{\"include_usage\":true}}", &r);
     check_stream(&r, false, "the end is near", "stop", true, 4);
     resp_free(&r);
+}
+
+/* logprobs in both APIs' shapes, in a body and a stream; "RAW" is a token whose bytes are part of
+ * a character and whose text the handler holds back (its entry waits for the finish chunk). */
+static void test_logprobs(void **state) {
+    fixture *f = *state;
+    http_resp r;
+    post_json(f->port, "/v1/chat/completions",
+              "{\"model\":\"" MODEL "\",\"messages\":[{\"role\":\"user\",\"content\":\"alpha beta RAW\"}],"
+              "\"logprobs\":true,\"top_logprobs\":2}", &r);
+    assert_int_equal(r.status, 200);
+    cJSON *j = parse_body(&r);
+    assert_string_equal(jstr(j, "choices.0.message.content"), "alpha beta");
+    const cJSON *content = jitem(j, "choices.0.logprobs.content");
+    assert_int_equal(cJSON_GetArraySize(content), 3); /* one per reply token */
+    assert_true(cJSON_IsNull(jitem(j, "choices.0.logprobs.refusal")));
+    assert_string_equal(jstr(content, "0.token"), "alpha");
+    assert_true(jnum(content, "0.logprob") == -0.5);
+    assert_int_equal(cJSON_GetArraySize(jitem(content, "0.bytes")), 5);
+    assert_true(jnum(content, "0.bytes.0") == 'a');
+    assert_string_equal(jstr(content, "1.token"), " beta");
+    assert_true(jnum(content, "1.logprob") == -1.0);
+    assert_int_equal(cJSON_GetArraySize(jitem(content, "1.top_logprobs")), 2);
+    assert_string_equal(jstr(content, "1.top_logprobs.1.token"), "alt1");
+    assert_true(jnum(content, "1.top_logprobs.1.logprob") == -3.0);
+    assert_true(jnum(content, "1.top_logprobs.1.bytes.3") == '1');
+    assert_string_equal(jstr(content, "2.token"), "\xef\xbf\xbd\xef\xbf\xbd"); /* U+FFFD per byte of the partial character */
+    assert_true(jnum(content, "2.logprob") == -9999.0);             /* -inf: OpenAI's floor */
+    assert_true(jnum(content, "2.bytes.0") == 0xe2 && jnum(content, "2.bytes.1") == 0x82);
+    cJSON_Delete(j);
+    resp_free(&r);
+
+    post_json(f->port, "/v1/completions", "{\"model\":\"" MODEL "\",\"prompt\":\"alpha b\xc3\xa9ta gamma\",\"logprobs\":1}", &r);
+    assert_int_equal(r.status, 200);
+    j = parse_body(&r);
+    const cJSON *lp = jitem(j, "choices.0.logprobs");
+    assert_string_equal(jstr(lp, "tokens.1"), " b\xc3\xa9ta");
+    assert_true(jnum(lp, "token_logprobs.2") == -1.5);
+    assert_true(jnum(lp, "text_offset.0") == 0 && jnum(lp, "text_offset.1") == 5 && jnum(lp, "text_offset.2") == 10);
+    assert_int_equal(cJSON_GetArraySize(jitem(lp, "top_logprobs.0")), 2); /* the top one and the picked one */
+    assert_true(jnum(lp, "top_logprobs.0.alt0") == -1.5 && jnum(lp, "top_logprobs.0.alpha") == -0.5);
+    cJSON_Delete(j);
+    resp_free(&r);
+
+    /* not asked: null */
+    post_json(f->port, "/v1/completions", "{\"model\":\"" MODEL "\",\"prompt\":\"alpha\"}", &r);
+    j = parse_body(&r);
+    assert_true(cJSON_IsNull(jitem(j, "choices.0.logprobs")));
+    cJSON_Delete(j);
+    resp_free(&r);
+
+    /* a stream: each word's chunk carries its entry; the held-back token's goes with the finish */
+    for (int chat = 0; chat < 2; chat++) {
+        post_json(f->port, chat ? "/v1/chat/completions" : "/v1/completions",
+                  chat ? "{\"model\":\"" MODEL "\",\"messages\":[{\"role\":\"user\",\"content\":\"one two RAW\"}],"
+                         "\"logprobs\":true,\"stream\":true}"
+                       : "{\"model\":\"" MODEL "\",\"prompt\":\"one two RAW\",\"logprobs\":0,\"stream\":true}", &r);
+        sse_stream s;
+        sse_parse(r.body, &s);
+        size_t entries = 0, text_chunks = 0;
+        for (size_t i = 0; i < s.n_events; i++) {
+            const cJSON *e = s.events[i];
+            const char *piece = chat ? jstr(e, "choices.0.delta.content") : jstr(e, "choices.0.text");
+            const cJSON *l = jitem(e, chat ? "choices.0.logprobs.content" : "choices.0.logprobs.tokens");
+            const bool finish = jstr(e, "choices.0.finish_reason") != NULL;
+            if (piece && *piece) {
+                text_chunks++;
+                assert_int_equal(cJSON_GetArraySize(l), 1);
+                assert_string_equal(jstr(l, chat ? "0.token" : "0"), piece);
+            } else if (finish) {
+                assert_int_equal(cJSON_GetArraySize(l), 1);
+                assert_string_equal(jstr(l, chat ? "0.token" : "0"), "\xef\xbf\xbd\xef\xbf\xbd");
+                if (!chat) assert_true(jnum(e, "choices.0.logprobs.text_offset.0") == 7);
+            } else {
+                assert_true(cJSON_IsNull(jitem(e, "choices.0.logprobs"))); /* the role chunk */
+            }
+            if (l) {
+                entries += (size_t)cJSON_GetArraySize(l);
+                if (chat) assert_int_equal(cJSON_GetArraySize(jitem(l, "0.top_logprobs")), 0);
+            }
+        }
+        assert_int_equal(text_chunks, 2);
+        assert_int_equal(entries, 3);
+        sse_free(&s);
+        resp_free(&r);
+    }
 }
 
 static void test_handler_errors(void **state) {
@@ -1732,6 +1833,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_max_tokens_length, setup, teardown),
         cmocka_unit_test_setup_teardown(test_chat_streaming, setup, teardown),
         cmocka_unit_test_setup_teardown(test_completion_streaming, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_logprobs, setup, teardown),
         cmocka_unit_test_setup_teardown(test_handler_errors, setup, teardown),
         cmocka_unit_test_setup_teardown(test_http_refusals, setup, teardown),
         cmocka_unit_test_setup_teardown(test_body_limits, setup, teardown),

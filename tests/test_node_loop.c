@@ -13,12 +13,14 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <cJSON.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "kvb_engine_cpu.h"
 #include "kvb_model.h"
 #include "kvb_node.h"
 #include "kvb_store.h"
@@ -743,6 +745,105 @@ static void test_penalties_reach_the_sampler(void **state) {
     kvb_decode_node_stop(dn);
 }
 
+/* The completion's "logprobs" object of a greedy request for ids with logprobs N (malloc'd JSON). */
+static char *logprobs_reply(uint16_t port, const int32_t *ids, int n, int max_tokens, int top) {
+    char *body = kvbt_completion_json(ids, n, max_tokens, true);
+    char *req = malloc(strlen(body) + 80);
+    snprintf(req, strlen(body) + 80, "%.*s,\"logprobs\":%d,\"kvbridge\":{\"bridge\":\"force\"}}", (int)strlen(body) - 1,
+             body, top);
+    kvb_http_reply h;
+    kvb_err err = {0};
+    assert_int_equal(kvb_http_post("127.0.0.1", port, "/v1/completions", req, 120000, &h, &err), KVB_OK);
+    if (h.status != 200) fail_msg("HTTP %d: %s", h.status, h.body);
+    cJSON *root = cJSON_Parse(h.body);
+    const cJSON *lp = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0), "logprobs");
+    assert_true(cJSON_IsObject(lp));
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(lp, "tokens")),
+                     (int)cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "completion_tokens")->valuedouble);
+    char *out = cJSON_PrintUnformatted(lp);
+    cJSON_Delete(root);
+    kvb_http_reply_free(&h);
+    free(req);
+    free(body);
+    return out;
+}
+
+/* log_softmax of logits (n) at i, the slow way: long double. */
+static long double ref_logprob(const float *l, uint32_t n, uint32_t i) {
+    long double mx = l[0], sum = 0;
+    for (uint32_t j = 1; j < n; j++) mx = l[j] > mx ? l[j] : mx;
+    for (uint32_t j = 0; j < n; j++) sum += expl((long double)l[j] - mx);
+    return (long double)l[i] - mx - logl(sum);
+}
+
+static int by_value_desc(const void *a, const void *b) {
+    const long double x = *(const long double *)a, y = *(const long double *)b;
+    return x > y ? -1 : x < y;
+}
+
+/* logprobs from a real node are the model's: at each reply position the reply token's logprob and
+ * the top 5 equal a log_softmax of this test's own greedy run of the engine (long double; the
+ * float result is within 1e-5 of it: values of magnitude < 32 rounded once to 24 bits), and a
+ * bridged reply's logprobs are a native one's, bit for bit. */
+static void test_logprobs_are_the_models(void **state) {
+    (void)state;
+    enum { N = 400, GEN = 6, TOP = 5 };
+    int32_t ids[N];
+    kvbt_prompt_ids(ids, N, 31);
+    kvb_prefill_node *pn = start_prefill(g_model, PSK, NULL);
+    kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
+    kvb_decode_node *nat = start_decode(0, PSK, 10000);
+    char *bridged = logprobs_reply(kvb_decode_node_port(dn), ids, N, GEN, TOP);
+    char *native = logprobs_reply(kvb_decode_node_port(nat), ids, N, GEN, TOP);
+    assert_string_equal(bridged, native);
+    assert_true(kvbt_metric(kvb_decode_node_port(dn), "kvbridge_requests_total{verdict=\"complete\"} ") == 1);
+    kvb_decode_node_stop(nat);
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+
+    kvb_model *m = NULL;
+    kvb_err err = {0};
+    assert_int_equal(kvb_model_load(g_model, &m, &err), KVB_OK);
+    kvb_engine_opts eo = {.n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 1024, .n_blocks = 64};
+    kvb_engine *e = NULL;
+    kvb_seq *s = NULL;
+    assert_int_equal(kvb_engine_create(m, &eo, &e, &err), KVB_OK);
+    assert_int_equal(kvb_seq_create(e, &s, &err), KVB_OK);
+    const uint32_t nv = m->d.n_vocab;
+    float *logits = malloc(sizeof(float) * nv);
+    long double *sorted = malloc(sizeof(long double) * nv);
+    cJSON *lp = cJSON_Parse(native);
+    assert_int_equal(kvb_engine_forward(e, s, ids, N, logits, false, &err), KVB_OK);
+    for (int t = 0; t < GEN; t++) {
+        uint32_t best = 0;
+        for (uint32_t j = 1; j < nv; j++) best = logits[j] > logits[best] ? j : best;
+        for (uint32_t j = 0; j < nv; j++) sorted[j] = ref_logprob(logits, nv, j);
+        const long double want = sorted[best];
+        qsort(sorted, nv, sizeof *sorted, by_value_desc);
+        const double got = cJSON_GetArrayItem(cJSON_GetObjectItem(lp, "token_logprobs"), t)->valuedouble;
+        if (fabsl((long double)got - want) > 1e-5L) fail_msg("token %d: logprob %.9g, the model's %.9Lg", t, got, want);
+        /* the top dict: the 5 most likely values (texts may repeat, so compare the values it holds) */
+        const cJSON *top = cJSON_GetArrayItem(cJSON_GetObjectItem(lp, "top_logprobs"), t), *it;
+        int k = 0;
+        cJSON_ArrayForEach(it, top) {
+            bool found = false;
+            for (int j = 0; j < TOP && !found; j++) found = fabsl((long double)it->valuedouble - sorted[j]) <= 1e-5L;
+            if (!found) fail_msg("token %d: top logprob %.9g is not among the model's top %d", t, it->valuedouble, TOP);
+            k++;
+        }
+        assert_true(k >= 1 && k <= TOP + 1);
+        assert_int_equal(kvb_engine_forward(e, s, (int32_t *)&best, 1, logits, false, &err), KVB_OK);
+    }
+    cJSON_Delete(lp);
+    free(sorted);
+    free(logits);
+    free(bridged);
+    free(native);
+    kvb_seq_free(s);
+    kvb_engine_free(e);
+    kvb_model_free(m);
+}
+
 /* Bridge mode `prefill`: the prefill engine's own K/V re-encoded. In the decoder's own format it
  * is exact (same answer as native); from an f32 engine it still completes (not claimed exact);
  * nodes that disagree on the mode refuse each other at the handshake. */
@@ -880,6 +981,7 @@ int main(void) {
         cmocka_unit_test(test_cache_budget_admission),
         cmocka_unit_test(test_abandoned_request_is_not_computed),
         cmocka_unit_test(test_penalties_reach_the_sampler),
+        cmocka_unit_test(test_logprobs_are_the_models),
         cmocka_unit_test(test_prefill_mode),
         cmocka_unit_test(test_bridged_blocks_are_evictable),
         cmocka_unit_test(test_filler_rows_slab_path),

@@ -6,7 +6,9 @@
  * logits, and top-k/top-p settings from none to extreme, on one thread and on a pool of three.
  * Also: greedy is the first maximum exactly as a plain scan finds it (NaNs, signed zeros, ties),
  * top-k 1 and a tiny top-p are greedy, and a small vocabulary's draw frequencies follow its
- * probabilities. */
+ * probabilities. Logprobs: log_softmax against long double on random logits of 1 to 128K entries,
+ * the top ones ranked (ties by id, NaN skipped, -inf last), and taken from the logits before any
+ * bias or penalty changed them. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -270,6 +272,101 @@ static void test_repetition_penalties(void **state) {
     kvb_sampler_free(&s);
 }
 
+/* log p_i the slow way: long double, max first. */
+static long double reference_logprob(const float *l, uint32_t n, uint32_t i) {
+    long double mx = -INFINITY, sum = 0;
+    for (uint32_t j = 0; j < n; j++)
+        if (l[j] == l[j] && l[j] > mx) mx = l[j];
+    for (uint32_t j = 0; j < n; j++)
+        if (l[j] == l[j]) sum += expl((long double)l[j] - mx);
+    return (long double)l[i] - mx - logl(sum);
+}
+
+static void test_logprobs(void **state) {
+    (void)state;
+    kvb_rng rng;
+    kvb_rng_seed(&rng, 77);
+    const uint32_t sizes[4] = {1, 7, 1000, 128256};
+    for (int k = 0; k < 4; k++) {
+        const uint32_t n = sizes[k];
+        float *l = malloc(n * sizeof *l);
+        for (uint32_t i = 0; i < n; i++) l[i] = (kvb_rng_uniform(&rng) - 0.5f) * (k == 3 ? 30.0f : 8.0f);
+        if (n > 5) {
+            l[3] = l[5]; /* a tie: 3 ranks before 5 */
+            l[4] = -INFINITY;
+        }
+        kvb_pick_logprobs lp;
+        const int32_t pick = (int32_t)(n - 1);
+        kvb_logprobs_of(l, n, pick, KVB_MAX_TOP_LOGPROBS, &lp);
+        assert_int_equal(lp.n_top, n < KVB_MAX_TOP_LOGPROBS ? n : KVB_MAX_TOP_LOGPROBS);
+        assert_int_equal(lp.picked.id, pick);
+        /* float rounding of a value of magnitude < 64 (|l - max| < 30, log(n) < 12): 2^-18 */
+        assert_true(fabsl(lp.picked.logprob - reference_logprob(l, n, (uint32_t)pick)) < 1e-5L);
+        for (uint32_t j = 0; j < lp.n_top; j++) {
+            const kvb_id_logprob *t = &lp.top[j];
+            const long double ref = reference_logprob(l, n, (uint32_t)t->id);
+            if (isinf(ref)) assert_true(t->logprob == -INFINITY);
+            else assert_true(fabsl(t->logprob - ref) < 1e-5L);
+            if (j) { /* logit descending, id ascending on ties */
+                const kvb_id_logprob *p = &lp.top[j - 1];
+                assert_true(l[p->id] > l[t->id] || (l[p->id] == l[t->id] && p->id < t->id));
+            }
+        }
+        uint32_t better = 0; /* nobody outside the top beats the last kept */
+        const kvb_id_logprob *last = &lp.top[lp.n_top - 1];
+        for (uint32_t i = 0; i < n; i++) better += l[i] > l[last->id] || (l[i] == l[last->id] && (int32_t)i <= last->id);
+        assert_int_equal(better, lp.n_top);
+        if (n == 7) { /* every token kept: -inf last, at -inf; a tie in id order */
+            assert_int_equal(lp.top[6].id, 4);
+            assert_true(isinf(lp.top[6].logprob) && lp.top[6].logprob < 0);
+            uint32_t at3 = 0, at5 = 0;
+            for (uint32_t j = 0; j < 7; j++) {
+                if (lp.top[j].id == 3) at3 = j;
+                if (lp.top[j].id == 5) at5 = j;
+            }
+            assert_int_equal(at5, at3 + 1);
+        }
+        free(l);
+    }
+    /* NaN is never a candidate; no top asked: only the pick */
+    const float nan_l[4] = {NAN, 1.0f, 2.0f, NAN};
+    kvb_pick_logprobs lp;
+    kvb_logprobs_of(nan_l, 4, 1, 3, &lp);
+    assert_int_equal(lp.n_top, 2);
+    assert_int_equal(lp.top[0].id, 2);
+    assert_int_equal(lp.top[1].id, 1);
+    assert_true(fabsf(lp.picked.logprob - (float)(-log1p(exp(1.0)))) < 1e-6f);
+    kvb_logprobs_of(nan_l, 4, 2, 0, &lp);
+    assert_int_equal(lp.n_top, 0);
+    assert_int_equal(lp.picked.id, 2);
+
+    /* through the sampler: the logits as given, though a bias and a penalty changed the pick */
+    enum { N = 8 };
+    const float base[N] = {0.0f, 5.0f, 4.5f, 4.25f, 1.0f, 0.5f, 3.9f, 0.0f};
+    const int32_t bias_ids[1] = {2};
+    const float bias_up[1] = {1.0f};
+    kvb_sampler_opts o = {.temperature = 0, .bias_ids = bias_ids, .bias_values = bias_up, .n_bias = 1,
+                          .presence_penalty = 2.0f, .logprobs = true, .top_logprobs = 3};
+    kvb_sampler s;
+    kvb_err err = {0};
+    assert_int_equal(kvb_sampler_init(&s, &o, N, &err), KVB_OK);
+    const int32_t want[2] = {2, 1}; /* 5.5 beats 5; then 2 at 3.5 loses to 1 */
+    for (int i = 0; i < 2; i++) {
+        float l[N];
+        memcpy(l, base, sizeof l);
+        assert_int_equal(kvb_sample_penalized(&s, l), want[i]);
+        assert_int_equal(s.last.picked.id, want[i]);
+        assert_true(fabsl(s.last.picked.logprob - reference_logprob(base, N, (uint32_t)want[i])) < 1e-6L);
+        assert_int_equal(s.last.n_top, 3);
+        assert_int_equal(s.last.top[0].id, 1); /* the model's ranking, not the biased one */
+        assert_int_equal(s.last.top[1].id, 2);
+        assert_int_equal(s.last.top[2].id, 3);
+    }
+    kvb_sampler_free(&s);
+    o = (kvb_sampler_opts){.temperature = 0.7f, .seed = 3, .logprobs = true, .top_logprobs = 21};
+    assert_int_equal(kvb_sampler_init(&s, &o, N, &err), KVB_ERR_INVALID);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matches_the_full_ranking),
@@ -277,6 +374,7 @@ int main(void) {
         cmocka_unit_test(test_greedy_is_the_first_maximum),
         cmocka_unit_test(test_frequencies_follow_probabilities),
         cmocka_unit_test(test_repetition_penalties),
+        cmocka_unit_test(test_logprobs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

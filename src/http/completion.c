@@ -44,6 +44,7 @@ kvb_completion_out *http_completion_new(kvb_http_server *s, const kvb_completion
     out->meta.created = (int64_t)time(NULL);
     out->meta.model = s->model_id;
     out->meta.include_usage = req->stream && req->include_usage;
+    out->logprobs.api = req->api;
     uint64_t n = atomic_fetch_add(&s->next_id, 1);
     uint64_t a = kvb_splitmix64(s->id_salt ^ n), b = kvb_splitmix64(a + n);
     snprintf(out->meta.id, sizeof out->meta.id, "%s-%016llx%08llx",
@@ -57,6 +58,7 @@ void http_completion_free(kvb_completion_out *out) {
     if (!out) return;
     http_buf_free(&out->text);
     http_buf_free(&out->pending);
+    http_logprobs_free(&out->logprobs);
     pthread_mutex_destroy(&out->mu);
     pthread_cond_destroy(&out->cv);
     free(out);
@@ -85,7 +87,7 @@ static void start_stream_locked(kvb_completion_out *out) {
     if (out->stream_started) return;
     out->stream_started = true;
     if (out->meta.api == KVB_API_CHAT_COMPLETIONS)
-        http_sse_chunk(&out->pending, &out->meta, NULL, true, NULL, NULL, NULL); /* role chunk */
+        http_sse_chunk(&out->pending, &out->meta, NULL, NULL, true, NULL, NULL, NULL); /* role chunk */
 }
 
 /* ---- handler API ------------------------------------------------------------------------------ */
@@ -144,14 +146,30 @@ kvb_status kvb_completion_emit(kvb_completion_out *out, const char *delta) {
                 st = KVB_ERR_IO;
             } else {
                 start_stream_locked(out);
-                http_sse_chunk(&out->pending, &out->meta, clean.data, false, NULL, NULL, NULL);
-                if (out->pending.oom) st = KVB_ERR_NOMEM;
+                http_sse_chunk(&out->pending, &out->meta, clean.data, http_logprobs_take(&out->logprobs, false),
+                               false, NULL, NULL, NULL);
+                if (out->pending.oom || out->logprobs.oom) st = KVB_ERR_NOMEM;
                 pthread_cond_broadcast(&out->cv);
             }
         }
     }
     pthread_mutex_unlock(&out->mu);
     http_buf_free(&clean);
+    return st;
+}
+
+kvb_status kvb_completion_add_logprobs(kvb_completion_out *out, const kvb_token_logprob *token,
+                                       const kvb_token_logprob *top, size_t n_top) {
+    if (!out || !token || (n_top && !top) || !out->req->logprobs || n_top > out->req->top_logprobs)
+        return KVB_ERR_INVALID;
+    pthread_mutex_lock(&out->mu);
+    kvb_status st = KVB_OK;
+    if (out->ended) st = KVB_ERR_INVALID;
+    else {
+        http_logprobs_add(&out->logprobs, token, top, n_top);
+        if (out->logprobs.oom) st = KVB_ERR_NOMEM;
+    }
+    pthread_mutex_unlock(&out->mu);
     return st;
 }
 
@@ -176,9 +194,10 @@ kvb_status kvb_completion_finish(kvb_completion_out *out, kvb_finish_reason reas
     out->ended = true;
     if (out->streaming && !out->cancelled) {
         start_stream_locked(out);
-        http_sse_chunk(&out->pending, &out->meta, NULL, false, http_finish_reason_name(reason), NULL, NULL);
+        http_sse_chunk(&out->pending, &out->meta, NULL, http_logprobs_take(&out->logprobs, false), false,
+                       http_finish_reason_name(reason), NULL, NULL);
         if (out->meta.include_usage)
-            http_sse_chunk(&out->pending, &out->meta, NULL, false, NULL, &out->usage, out->final_verdict);
+            http_sse_chunk(&out->pending, &out->meta, NULL, NULL, false, NULL, &out->usage, out->final_verdict);
         http_buf_append_str(&out->pending, HTTP_SSE_DONE);
     }
     pthread_cond_broadcast(&out->cv);

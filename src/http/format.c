@@ -65,28 +65,31 @@ static char *print_and_delete(cJSON *root) {
     return s;
 }
 
-char *http_completion_json(const http_completion_meta *m, const char *text,
+/* The choice's "logprobs": the object given, or null. */
+static void add_logprobs(cJSON *choice, cJSON *logprobs) {
+    if (logprobs) cJSON_AddItemToObject(choice, "logprobs", logprobs);
+    else cJSON_AddNullToObject(choice, "logprobs");
+}
+
+char *http_completion_json(const http_completion_meta *m, const char *text, cJSON *logprobs,
                            kvb_finish_reason reason, const kvb_usage *u, const char *verdict) {
     cJSON *root = meta_object(m, false);
-    if (!root) return NULL;
+    if (!root) { cJSON_Delete(logprobs); return NULL; }
     cJSON *choices = cJSON_AddArrayToObject(root, "choices");
     cJSON *choice = cJSON_CreateObject();
-    if (!choices || !choice) { cJSON_Delete(choice); cJSON_Delete(root); return NULL; }
+    if (!choices || !choice) { cJSON_Delete(choice); cJSON_Delete(root); cJSON_Delete(logprobs); return NULL; }
     cJSON_AddItemToArray(choices, choice);
     cJSON_AddNumberToObject(choice, "index", 0);
+    bool ok;
     if (m->api == KVB_API_CHAT_COMPLETIONS) {
         cJSON *msg = cJSON_AddObjectToObject(choice, "message");
-        if (!msg) { cJSON_Delete(root); return NULL; }
-        cJSON_AddStringToObject(msg, "role", "assistant");
-        if (!cJSON_AddStringToObject(msg, "content", text ? text : "")) {
-            cJSON_Delete(root);
-            return NULL;
-        }
-    } else if (!cJSON_AddStringToObject(choice, "text", text ? text : "")) {
-        cJSON_Delete(root);
-        return NULL;
+        ok = msg && cJSON_AddStringToObject(msg, "role", "assistant") &&
+             cJSON_AddStringToObject(msg, "content", text ? text : "");
+    } else {
+        ok = cJSON_AddStringToObject(choice, "text", text ? text : "") != NULL;
     }
-    cJSON_AddNullToObject(choice, "logprobs");
+    if (!ok) { cJSON_Delete(root); cJSON_Delete(logprobs); return NULL; }
+    add_logprobs(choice, logprobs);
     cJSON_AddStringToObject(choice, "finish_reason", http_finish_reason_name(reason));
     cJSON *usage = http_usage_json(u, verdict);
     if (!usage) { cJSON_Delete(root); return NULL; }
@@ -94,11 +97,11 @@ char *http_completion_json(const http_completion_meta *m, const char *text,
     return print_and_delete(root);
 }
 
-void http_sse_chunk(http_buf *b, const http_completion_meta *m, const char *delta, bool first_chunk,
-                    const char *finish, const kvb_usage *usage_chunk, const char *verdict) {
+void http_sse_chunk(http_buf *b, const http_completion_meta *m, const char *delta, cJSON *logprobs,
+                    bool first_chunk, const char *finish, const kvb_usage *usage_chunk, const char *verdict) {
     cJSON *root = meta_object(m, true);
-    if (!root) { b->oom = true; return; }
-    cJSON *choices = cJSON_AddArrayToObject(root, "choices");
+    cJSON *choices = root ? cJSON_AddArrayToObject(root, "choices") : NULL;
+    if (!choices || usage_chunk) cJSON_Delete(logprobs); /* a usage chunk has no choice to hold them */
     if (!choices) { cJSON_Delete(root); b->oom = true; return; }
     if (usage_chunk) {
         cJSON *usage = http_usage_json(usage_chunk, verdict);
@@ -106,7 +109,7 @@ void http_sse_chunk(http_buf *b, const http_completion_meta *m, const char *delt
         cJSON_AddItemToObject(root, "usage", usage);
     } else {
         cJSON *choice = cJSON_CreateObject();
-        if (!choice) { cJSON_Delete(root); b->oom = true; return; }
+        if (!choice) { cJSON_Delete(root); cJSON_Delete(logprobs); b->oom = true; return; }
         cJSON_AddItemToArray(choices, choice);
         cJSON_AddNumberToObject(choice, "index", 0);
         if (m->api == KVB_API_CHAT_COMPLETIONS) {
@@ -116,7 +119,7 @@ void http_sse_chunk(http_buf *b, const http_completion_meta *m, const char *delt
         } else {
             cJSON_AddStringToObject(choice, "text", delta ? delta : "");
         }
-        cJSON_AddNullToObject(choice, "logprobs");
+        add_logprobs(choice, logprobs);
         if (finish) cJSON_AddStringToObject(choice, "finish_reason", finish);
         else cJSON_AddNullToObject(choice, "finish_reason");
         if (m->include_usage) cJSON_AddNullToObject(root, "usage");

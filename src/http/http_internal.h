@@ -49,17 +49,39 @@ typedef struct {
     bool include_usage;   /* streaming: "usage": null in each chunk, a usage chunk at the end */
 } http_completion_meta;
 
+/* A reply's logprobs, recorded token by token and taken as a choice's "logprobs" object: chat
+ * {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
+ * "refusal": null}; completions {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}]
+ * (the top ones and the picked one: up to N+1), "text_offset" (characters before each token)}. */
+typedef struct {
+    kvb_api api;
+    cJSON *content;                                            /* chat */
+    cJSON *tokens, *token_logprobs, *top_logprobs, *text_offset; /* completions */
+    size_t n;                                                  /* tokens recorded since the last take */
+    int64_t chars;                                             /* completions: characters so far */
+    bool oom;
+} http_logprobs;
+
+void http_logprobs_add(http_logprobs *lp, const kvb_token_logprob *token, const kvb_token_logprob *top,
+                       size_t n_top);
+/* The recorded tokens as a choice's "logprobs" object, emptying the record (a stream's next chunk
+ * starts afresh; completions' text_offset continues). NULL when nothing was recorded and !even_empty,
+ * or on allocation failure (lp->oom). */
+cJSON *http_logprobs_take(http_logprobs *lp, bool even_empty);
+void http_logprobs_free(http_logprobs *lp);
+
 const char *http_finish_reason_name(kvb_finish_reason r);
 /* Builds the usage object (with usage.kvbridge). */
 cJSON *http_usage_json(const kvb_usage *u, const char *verdict);
-/* Non-streaming body: chat.completion / text_completion. malloc'd; NULL on allocation failure. */
-char *http_completion_json(const http_completion_meta *m, const char *text,
+/* Non-streaming body: chat.completion / text_completion. logprobs (taken over; NULL: null) is the
+ * choice's. malloc'd; NULL on allocation failure. */
+char *http_completion_json(const http_completion_meta *m, const char *text, cJSON *logprobs,
                            kvb_finish_reason reason, const kvb_usage *u, const char *verdict);
 /* One streaming chunk as "data: {...}\n\n" appended to b. chat: first_chunk adds the assistant
- * role; finish (non-NULL) closes the choice. usage_chunk != NULL writes the final usage-only
- * chunk (choices []) instead. */
-void http_sse_chunk(http_buf *b, const http_completion_meta *m, const char *delta, bool first_chunk,
-                    const char *finish, const kvb_usage *usage_chunk, const char *verdict);
+ * role; logprobs (taken over; NULL: null) are the chunk's tokens'; finish (non-NULL) closes the
+ * choice. usage_chunk != NULL writes the final usage-only chunk (choices []) instead. */
+void http_sse_chunk(http_buf *b, const http_completion_meta *m, const char *delta, cJSON *logprobs,
+                    bool first_chunk, const char *finish, const kvb_usage *usage_chunk, const char *verdict);
 void http_sse_error(http_buf *b, const kvb_http_error *e);
 #define HTTP_SSE_DONE "data: [DONE]\n\n"
 
@@ -119,6 +141,7 @@ struct kvb_completion_out {
     bool cancelled;                     /* client gone or server stopping */
     bool client_gone;
     http_buf text;                      /* non-streaming: accumulated text */
+    http_logprobs logprobs;             /* with req->logprobs: recorded, not yet sent */
     http_buf pending;                   /* streaming: SSE bytes; [pending_off, len) not yet sent */
     size_t pending_off;
     bool emitted;                       /* a non-empty delta went out */

@@ -79,6 +79,7 @@ typedef enum { KVB_API_CHAT_COMPLETIONS = 0, KVB_API_COMPLETIONS } kvb_api;
 typedef enum { KVB_BRIDGE_AUTO = 0, KVB_BRIDGE_FORCE, KVB_BRIDGE_OFF } kvb_bridge_policy;
 #define KVB_HTTP_MAX_STOP 4
 #define KVB_HTTP_MAX_LOGIT_BIAS 1024
+#define KVB_HTTP_MAX_TOP_LOGPROBS 20 /* vLLM's default max_logprobs; OpenAI's chat limit */
 
 /* A validated request. Strings are NUL-terminated valid UTF-8 without NUL bytes and live as
  * long as the request. Fields the client left out (or sent as null) have the defaults noted. */
@@ -105,6 +106,8 @@ typedef struct {
     size_t n_logit_bias;
     bool ignore_eos;                 /* extension (vLLM's): an end-of-generation token does not end the
                                         reply, which runs to max_tokens or the context end (benchmarks) */
+    bool logprobs;                   /* chat: "logprobs": true; completions: "logprobs": N (0..20) */
+    uint32_t top_logprobs;           /* chat: "top_logprobs" (0..20, > 0 only with logprobs); completions: N */
     double frequency_penalty;        /* [-2, 2], default 0 */
     double presence_penalty;         /* [-2, 2], default 0 */
     bool has_seed;
@@ -163,6 +166,19 @@ kvb_status kvb_completion_set_verdict(kvb_completion_out *out, const char *verdi
  * is gone or the server is stopping (stop decoding), KVB_ERR_INVALID after finish/fail or without
  * a verdict. */
 kvb_status kvb_completion_emit(kvb_completion_out *out, const char *delta);
+/* One token's log probability, for a request with logprobs. */
+typedef struct {
+    const char *bytes; /* the token's raw bytes; need not be valid UTF-8 (a token may hold part of a
+                          character: "token" then shows U+FFFD, "bytes" the real ones) */
+    size_t n_bytes;
+    float logprob;     /* natural log; below -9999 (also -inf and NaN) is sent as -9999.0, OpenAI's floor */
+} kvb_token_logprob;
+/* Records the next reply token's logprob and its n_top (<= the request's top_logprobs) most likely
+ * alternatives, for a request with logprobs (KVB_ERR_INVALID otherwise, and after finish/fail).
+ * Once per reply token, in order, before or after the emit that carries its text: a stream sends
+ * what was recorded with its next chunk (at the latest with finish's), a body holds them all. */
+kvb_status kvb_completion_add_logprobs(kvb_completion_out *out, const kvb_token_logprob *token,
+                                       const kvb_token_logprob *top, size_t n_top);
 /* Ends the completion. usage may be NULL (all zero) only if set_verdict was called. */
 kvb_status kvb_completion_finish(kvb_completion_out *out, kvb_finish_reason reason,
                                  const kvb_usage *usage);

@@ -350,11 +350,6 @@ static kvb_status parse_kvbridge(req_storage *st, const cJSON *root, kvb_http_er
 /* Known OpenAI fields whose meaning this server cannot honour: refuse rather than ignore. */
 static kvb_status refuse_unsupported(const cJSON *root, kvb_api api, kvb_http_error *e) {
     const cJSON *v;
-    if ((v = field(root, "logprobs")) && !cJSON_IsFalse(v) &&
-        !(cJSON_IsNumber(v) && v->valuedouble == 0))
-        return BAD(e, "logprobs", "'logprobs' is not supported by this server.");
-    if ((v = field(root, "top_logprobs")) && !(cJSON_IsNumber(v) && v->valuedouble == 0))
-        return BAD(e, "top_logprobs", "'top_logprobs' is not supported by this server.");
     if ((v = field(root, "tools")) && !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0))
         return BAD(e, "tools", "'tools' is not supported by this server (no tool calling).");
     if ((v = field(root, "functions")) && !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0))
@@ -386,6 +381,31 @@ static bool has_nul_escape(const char *body, size_t len) {
         if (run % 2 == 1) return true;
     }
     return false;
+}
+
+/* chat: "logprobs": bool, "top_logprobs": 0..20 (> 0 only with logprobs true); completions (the
+ * legacy form): "logprobs": 0..20 top tokens (false: off), and no top_logprobs. */
+static kvb_status parse_logprobs(kvb_completion_req *r, const cJSON *root, kvb_api api, kvb_http_error *e) {
+    const cJSON *v = field(root, "logprobs"), *t = field(root, "top_logprobs");
+    kvb_status s;
+    if (api == KVB_API_CHAT_COMPLETIONS) {
+        if ((s = get_bool(root, "logprobs", "logprobs", &r->logprobs, e))) return s;
+        if (t) {
+            if ((s = check_integer(t, "top_logprobs", 0, KVB_HTTP_MAX_TOP_LOGPROBS, e))) return s;
+            if (t->valuedouble > 0 && !r->logprobs)
+                return BAD(e, "top_logprobs", "'top_logprobs' requires 'logprobs' to be true.");
+            r->top_logprobs = (uint32_t)t->valuedouble;
+        }
+        return KVB_OK;
+    }
+    if (t && !(cJSON_IsNumber(t) && t->valuedouble == 0))
+        return BAD(e, "top_logprobs", "'top_logprobs' is a chat completions parameter; /v1/completions takes "
+                   "the number of top tokens as 'logprobs'.");
+    if (!v || cJSON_IsFalse(v)) return KVB_OK;
+    if ((s = check_integer(v, "logprobs", 0, KVB_HTTP_MAX_TOP_LOGPROBS, e))) return s;
+    r->logprobs = true;
+    r->top_logprobs = (uint32_t)v->valuedouble;
+    return KVB_OK;
 }
 
 static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_api api, kvb_http_error *e) {
@@ -433,6 +453,7 @@ static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_api api, kv
     if ((v = field(root, "user")) && (s = get_string(v, "user", true, &user_ignored, e))) return s;
     if ((s = parse_stop(st, root, e))) return s;
     if ((s = parse_logit_bias(st, root, e))) return s;
+    if ((s = parse_logprobs(r, root, api, e))) return s;
     if ((s = get_bool(root, "stream", "stream", &r->stream, e))) return s;
     if ((s = get_bool(root, "ignore_eos", "ignore_eos", &r->ignore_eos, e))) return s;
     if ((v = field(root, "stream_options"))) {

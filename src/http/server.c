@@ -199,7 +199,9 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
         kvb_trace_span("http.completion", t_run, kvb_now_s(), 0);
         if (out->client_gone) return MHD_NO; /* nobody to answer */
         if (out->failed) return queue_completion_error(ctx, conn);
-        char *body = http_completion_json(&out->meta, out->text.data ? out->text.data : "",
+        cJSON *logprobs = out->req->logprobs ? http_logprobs_take(&out->logprobs, true) : NULL;
+        if (out->logprobs.oom) return refuse(ctx, conn, 500, NULL, "Out of memory formatting the logprobs.");
+        char *body = http_completion_json(&out->meta, out->text.data ? out->text.data : "", logprobs,
                                           out->finish_reason, &out->usage, out->final_verdict);
         if (!body) return refuse(ctx, conn, 500, NULL, "Out of memory formatting the response.");
         enum MHD_Result r = queue_body(ctx, conn, 200, "application/json", body, strlen(body),

@@ -602,6 +602,29 @@ static kvb_status emit_filtered(kvb_completion_out *out, stop_filter *f, const k
     return st;
 }
 
+_Static_assert(KVB_HTTP_MAX_TOP_LOGPROBS <= KVB_MAX_TOP_LOGPROBS, "the sampler keeps every top logprob asked for");
+
+/* The sampler's last pick's logprobs (the reply token's) to the client, token bytes from the
+ * vocabulary; scratch holds (1 + KVB_MAX_TOP_LOGPROBS) tokens of kvb_tokenizer_max_token_len. */
+static kvb_status send_logprobs(kvb_decode_node *n, kvb_completion_out *out, const kvb_pick_logprobs *lp, char *scratch) {
+    const size_t cap = kvb_tokenizer_max_token_len(n->tok);
+    kvb_token_logprob tok, top[KVB_MAX_TOP_LOGPROBS];
+    const kvb_id_logprob *src[1 + KVB_MAX_TOP_LOGPROBS];
+    kvb_token_logprob *dst[1 + KVB_MAX_TOP_LOGPROBS];
+    src[0] = &lp->picked;
+    dst[0] = &tok;
+    for (uint32_t i = 0; i < lp->n_top; i++) {
+        src[1 + i] = &lp->top[i];
+        dst[1 + i] = &top[i];
+    }
+    for (uint32_t i = 0; i <= lp->n_top; i++) {
+        char *b = scratch + (size_t)i * cap;
+        const int len = kvb_token_to_bytes(n->tok, src[i]->id, b, cap);
+        *dst[i] = (kvb_token_logprob){.bytes = b, .n_bytes = len > 0 ? (size_t)len : 0, .logprob = src[i]->logprob};
+    }
+    return kvb_completion_add_logprobs(out, &tok, top, lp->n_top);
+}
+
 /* A served completion's phases into kvbridge_request_phase_seconds: the bridge's only when it was
  * asked for (a declined request has none to report). */
 static void observe_phases(kvb_decode_node *n, const kvb_usage *u) {
@@ -676,6 +699,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     float *logits = NULL;
     kvb_sampler smp = {0};
     stop_filter sf = {0};
+    char *lp_scratch = NULL; /* with logprobs: the tokens' bytes (send_logprobs) */
     if (kvb_completion_cancelled(out)) { /* gone while it waited its turn: nothing to compute for */
         engine_release(n);
         kvb_metric_add(n->m_abandoned, NULL, 1);
@@ -788,9 +812,14 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
                            .frequency_penalty = (float)req->frequency_penalty,
                            .presence_penalty = (float)req->presence_penalty,
                            .bias_ids = req->logit_bias_ids, .bias_values = req->logit_bias_values,
-                           .n_bias = (uint32_t)req->n_logit_bias};
+                           .n_bias = (uint32_t)req->n_logit_bias,
+                           .logprobs = req->logprobs, .top_logprobs = req->top_logprobs};
+    if (req->logprobs) {
+        lp_scratch = malloc((size_t)(1 + KVB_MAX_TOP_LOGPROBS) * kvb_tokenizer_max_token_len(n->tok));
+        if (!lp_scratch) st = kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory for the logprobs");
+    }
     double t_decode = kvb_now_s();
-    st = kvb_sampler_init(&smp, &so, n->m->d.n_vocab, &err);
+    if (!st) st = kvb_sampler_init(&smp, &so, n->m->d.n_vocab, &err);
     /* the engine's pool is the sampler's only while the engine is held: here, for the first token,
      * then by the decode batch's leader, which samples each step's next token */
     kvb_sampler_use_pool(&smp, kvb_engine_pool(n->e));
@@ -808,6 +837,10 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
             break;
         }
         u.completion_tokens++;
+        if (req->logprobs && send_logprobs(n, out, &smp.last, lp_scratch)) {
+            st = kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory recording the logprobs");
+            break;
+        }
         kvb_detok_push(&dt, id, piece, sizeof piece);
         if (emit_filtered(out, &sf, req, piece, false)) break; /* client gone */
         if (sf.stopped) {
@@ -837,6 +870,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
 cleanup_unlocked:
     kvb_sampler_free(&smp);
     free(sf.buf);
+    free(lp_scratch);
     if (s) kvb_seq_keep_window_at(s, (uint32_t)n_tok); /* a next turn may diverge where the reply began */
     kvb_seq_free(s); /* its blocks stay cached for the next turn */
     slot_release(n, need);

@@ -186,7 +186,27 @@ typedef struct {
     const int32_t *bias_ids;
     const float *bias_values;
     uint32_t n_bias;
+    /* OpenAI's logprobs: when on, every pick of kvb_sample_penalized records its own log
+     * probability and the top_logprobs (<= KVB_MAX_TOP_LOGPROBS) most likely tokens' in `last`. They
+     * are the model's: log_softmax of the logits as given, before the bias, the penalties and the
+     * temperature (vLLM's default "raw" logprobs), so they do not depend on how the pick was made. */
+    bool logprobs;
+    uint32_t top_logprobs;
 } kvb_sampler_opts;
+
+#define KVB_MAX_TOP_LOGPROBS 20
+typedef struct {
+    int32_t id;
+    float logprob; /* natural log; -inf for a token whose probability underflows */
+} kvb_id_logprob;
+
+/* One pick's logprobs: the picked token's, and the n_top most likely tokens' (logprob descending,
+ * id ascending on ties). */
+typedef struct {
+    kvb_id_logprob picked;
+    kvb_id_logprob top[KVB_MAX_TOP_LOGPROBS];
+    uint32_t n_top;
+} kvb_pick_logprobs;
 
 typedef struct {
     float p;
@@ -207,6 +227,8 @@ typedef struct {
     uint32_t *picked;    /* (n_vocab) times each token was picked, with penalties on; else NULL */
     int32_t *picked_ids; /* (n_picked) the distinct tokens picked, in first-pick order */
     uint32_t n_picked;
+    float *raw;          /* (n_vocab) the logits as given, with logprobs and a bias or penalties on */
+    kvb_pick_logprobs last; /* the last pick of kvb_sample_penalized's, with logprobs on */
 } kvb_sampler;
 
 kvb_status kvb_sampler_init(kvb_sampler *s, const kvb_sampler_opts *o, uint32_t n_vocab, kvb_err *err);
@@ -217,7 +239,11 @@ void kvb_sampler_free(kvb_sampler *s);
 int32_t kvb_sample(kvb_sampler *s, const float *logits);
 /* With the logit bias and then the repetition penalties applied to logits first (in place: only the
  * biased and the picked tokens' entries change), then kvb_sample; the pick is counted. Without
- * either, kvb_sample. */
+ * either, kvb_sample. With logprobs on, s->last then holds this pick's (from the logits as given). */
 int32_t kvb_sample_penalized(kvb_sampler *s, float *logits);
+/* log_softmax of logits (n) at the n_top (<= KVB_MAX_TOP_LOGPROBS) most likely tokens into top
+ * (logprob descending, id ascending on ties) and at token `id` into *picked (when id >= 0): the max,
+ * then sum(expf(l - max)) in id order in double, then l - max - log(sum) in double, as float. */
+void kvb_logprobs_of(const float *logits, uint32_t n, int32_t id, uint32_t n_top, kvb_pick_logprobs *out);
 
 #endif

@@ -25,6 +25,8 @@ kvb_status kvb_sampler_init(kvb_sampler *s, const kvb_sampler_opts *o, uint32_t 
     s->picked = NULL;
     s->picked_ids = NULL;
     s->n_picked = 0;
+    s->raw = NULL;
+    memset(&s->last, 0, sizeof s->last);
     s->n_bias = 0;
     s->bias_ids = NULL;
     s->bias_values = NULL;
@@ -34,6 +36,11 @@ kvb_status kvb_sampler_init(kvb_sampler *s, const kvb_sampler_opts *o, uint32_t 
             return kvb_err_set(err, KVB_ERR_INVALID, "logit bias for token %d: the vocabulary has %u tokens",
                                o->bias_ids[i], n_vocab);
         }
+    if (o->top_logprobs > KVB_MAX_TOP_LOGPROBS) {
+        kvb_sampler_free(s);
+        return kvb_err_set(err, KVB_ERR_INVALID, "%u top logprobs asked for; at most %d", o->top_logprobs,
+                           KVB_MAX_TOP_LOGPROBS);
+    }
     if (o->n_bias) {
         s->bias_ids = malloc(sizeof *s->bias_ids * o->n_bias);
         s->bias_values = malloc(sizeof *s->bias_values * o->n_bias);
@@ -50,8 +57,10 @@ kvb_status kvb_sampler_init(kvb_sampler *s, const kvb_sampler_opts *o, uint32_t 
         s->picked = calloc(n_vocab, sizeof *s->picked);
         s->picked_ids = malloc(sizeof *s->picked_ids * n_vocab);
     }
+    const bool keep_raw = o->logprobs && (penalties || o->n_bias);
+    if (keep_raw) s->raw = malloc(sizeof *s->raw * n_vocab);
     if (!s->cand || !s->bin_count || !s->bin_mass || (penalties && (!s->picked || !s->picked_ids)) ||
-        s->n_bias != o->n_bias) {
+        s->n_bias != o->n_bias || (keep_raw && !s->raw)) {
         kvb_sampler_free(s);
         return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the sampler");
     }
@@ -68,6 +77,8 @@ void kvb_sampler_free(kvb_sampler *s) {
     free(s->picked_ids);
     free(s->bias_ids);
     free(s->bias_values);
+    free(s->raw);
+    s->raw = NULL;
     s->bias_ids = NULL;
     s->bias_values = NULL;
     s->n_bias = 0;
@@ -78,8 +89,44 @@ void kvb_sampler_free(kvb_sampler *s) {
     s->picked_ids = NULL;
 }
 
+void kvb_logprobs_of(const float *logits, uint32_t n, int32_t id, uint32_t n_top, kvb_pick_logprobs *out) {
+    if (n_top > KVB_MAX_TOP_LOGPROBS) n_top = KVB_MAX_TOP_LOGPROBS;
+    float mx = -INFINITY;
+    uint32_t k = 0; /* top[0 .. k): the best so far, logit descending; a later id wins only when larger */
+    float top_l[KVB_MAX_TOP_LOGPROBS];
+    for (uint32_t i = 0; i < n; i++) {
+        const float l = logits[i];
+        if (l != l) continue; /* NaN: never a candidate */
+        mx = l > mx ? l : mx;
+        if (n_top == 0 || (k == n_top && !(l > top_l[k - 1]))) continue;
+        uint32_t j = k < n_top ? k++ : k - 1;
+        for (; j > 0 && l > top_l[j - 1]; j--) {
+            top_l[j] = top_l[j - 1];
+            out->top[j].id = out->top[j - 1].id;
+        }
+        top_l[j] = l;
+        out->top[j].id = (int32_t)i;
+    }
+    double sum = 0;
+    if (mx > -INFINITY)
+        for (uint32_t i = 0; i < n; i++)
+            if (logits[i] == logits[i]) sum += expf(logits[i] - mx);
+    const double lse = (double)mx + log(sum); /* -inf - log(0) never: mx finite when sum > 0 */
+    for (uint32_t j = 0; j < k; j++) out->top[j].logprob = sum > 0 ? (float)((double)top_l[j] - lse) : NAN;
+    out->n_top = k;
+    if (id >= 0 && (uint32_t)id < n) {
+        out->picked.id = id;
+        out->picked.logprob = sum > 0 ? (float)((double)logits[id] - lse) : NAN;
+    }
+}
+
 int32_t kvb_sample_penalized(kvb_sampler *s, float *logits) {
-    if (!s->picked && !s->n_bias) return kvb_sample(s, logits);
+    if (!s->picked && !s->n_bias) {
+        const int32_t id = kvb_sample(s, logits);
+        if (s->o.logprobs) kvb_logprobs_of(logits, s->n_vocab, id, s->o.top_logprobs, &s->last);
+        return id;
+    }
+    if (s->raw) memcpy(s->raw, logits, sizeof *s->raw * s->n_vocab);
     for (uint32_t i = 0; i < s->n_bias; i++) logits[s->bias_ids[i]] = logits[s->bias_ids[i]] + s->bias_values[i];
     for (uint32_t i = 0; i < s->n_picked; i++) { /* vLLM's order: frequency, then presence */
         const int32_t id = s->picked_ids[i];
@@ -88,6 +135,7 @@ int32_t kvb_sample_penalized(kvb_sampler *s, float *logits) {
     }
     const int32_t id = kvb_sample(s, logits);
     if (s->picked && id >= 0 && (uint32_t)id < s->n_vocab && s->picked[id]++ == 0) s->picked_ids[s->n_picked++] = id;
+    if (s->raw) kvb_logprobs_of(s->raw, s->n_vocab, id, s->o.top_logprobs, &s->last);
     return id;
 }
 
