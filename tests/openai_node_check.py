@@ -3,7 +3,8 @@
 
 Usage: openai_node_check.py PORT
 Streams a chat completion (include_usage) whose prompt is long enough to bridge, and checks the
-X-KVBridge header, the deltas, finish_reason and usage.kvbridge; then logprobs, in a body and a stream. Exit 0 with
+X-KVBridge header, the deltas, finish_reason and usage.kvbridge; then logprobs, in a body and a stream, and an echoed prompt's
+(a loglikelihood as lm-eval-harness asks for it). Exit 0 with
 "openai node check: N passed, 0 failed"; 1 on a failure; 77 when the openai package is absent.
 """
 import sys
@@ -69,5 +70,20 @@ for chunk in client.chat.completions.create(**lp_args, stream=True):
         streamed += chunk.choices[0].logprobs.content
 check("logprobs stream", [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries or []],
       (streamed, entries))
+
+# a loglikelihood as lm-eval-harness asks for one: echo, logprobs 1, one token; every prompt token
+# has its logprob (the first none), each top dict holds the token's own
+ctx = doc + "It shipped granite"
+ll = client.completions.create(model="any", prompt=ctx, echo=True, logprobs=1, max_tokens=1, temperature=0)
+lp = ll.choices[0].logprobs
+n_all = ll.usage.prompt_tokens + ll.usage.completion_tokens
+check("echo text", ll.choices[0].text.startswith(ctx), ll.choices[0].text[-40:])
+check("echo logprobs", lp is not None and len(lp.token_logprobs) == n_all and len(lp.tokens) == n_all
+      and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+      and all(v is not None and v <= 0 for v in lp.token_logprobs[1:]), lp and lp.token_logprobs[:3])
+check("echo tops", lp is not None and all(max(t.values()) >= v for t, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:])),
+      lp and lp.top_logprobs[:3])
+check("echo verdict", (ll.usage.model_extra or {}).get("kvbridge", {}).get("verdict", "").startswith("declined: prompt logprobs"),
+      ll.usage)
 print(f"openai node check: {passed} passed, {failed} failed")
 sys.exit(1 if failed else 0)

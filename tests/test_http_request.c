@@ -135,6 +135,14 @@ static void test_logprobs_fields(void **state) {
         assert_int_equal(r->top_logprobs, i == 1 ? 5 : 0);
         kvb_completion_req_free(r);
     }
+    r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":[1,2],\"echo\":true,\"logprobs\":1}");
+    assert_true(r->echo && r->logprobs);
+    kvb_completion_req_free(r);
+    /* chat has no echo in OpenAI's API: an unknown field, ignored */
+    r = parse_ok(KVB_API_CHAT_COMPLETIONS, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+                                           "\"echo\":true}");
+    assert_false(r->echo);
+    kvb_completion_req_free(r);
 }
 
 static void test_completion_prompts(void **state) {
@@ -292,7 +300,7 @@ static const bad_case bad_cases[] = {
     {CMPL, "{\"model\":\"m\",\"prompt\":[[1,\"x\"]]}", "prompt[0][1]", "expected an integer"},
     {CMPL, "{\"model\":\"m\",\"prompt\":[true]}", "prompt[0]", "expected a string or an array"},
     {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"max_tokens\":-1}", "max_tokens", "out of range"},
-    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"echo\":true}", "echo", "not supported"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"echo\":1}", "echo", "expected a boolean"},
     {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"suffix\":\"y\"}", "suffix", "not supported"},
     {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"best_of\":3}", "best_of", "best_of=1"},
     {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"logprobs\":21}", "logprobs", "out of range"},

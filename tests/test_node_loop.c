@@ -745,26 +745,42 @@ static void test_penalties_reach_the_sampler(void **state) {
     kvb_decode_node_stop(dn);
 }
 
-/* The completion's "logprobs" object of a greedy request for ids with logprobs N (malloc'd JSON). */
-static char *logprobs_reply(uint16_t port, const int32_t *ids, int n, int max_tokens, int top) {
+/* A greedy completion of ids with `extra` fields ("\"logprobs\":5", ...), bridging forced: the
+ * parsed reply (cJSON_Delete it); *verdict (may be NULL) gets the X-KVBridge header. */
+static cJSON *completion_with(uint16_t port, const int32_t *ids, int n, int max_tokens, const char *extra,
+                              char *verdict, size_t verdict_cap) {
     char *body = kvbt_completion_json(ids, n, max_tokens, true);
-    char *req = malloc(strlen(body) + 80);
-    snprintf(req, strlen(body) + 80, "%.*s,\"logprobs\":%d,\"kvbridge\":{\"bridge\":\"force\"}}", (int)strlen(body) - 1,
-             body, top);
+    const size_t cap = strlen(body) + strlen(extra) + 64;
+    char *req = malloc(cap);
+    snprintf(req, cap, "%.*s,%s,\"kvbridge\":{\"bridge\":\"force\"}}", (int)strlen(body) - 1, body, extra);
     kvb_http_reply h;
     kvb_err err = {0};
     assert_int_equal(kvb_http_post("127.0.0.1", port, "/v1/completions", req, 120000, &h, &err), KVB_OK);
     if (h.status != 200) fail_msg("HTTP %d: %s", h.status, h.body);
+    if (verdict) snprintf(verdict, verdict_cap, "%s", h.verdict);
     cJSON *root = cJSON_Parse(h.body);
-    const cJSON *lp = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0), "logprobs");
+    assert_non_null(root);
+    kvb_http_reply_free(&h);
+    free(req);
+    free(body);
+    return root;
+}
+
+static const cJSON *choice_field(const cJSON *root, const char *name) {
+    return cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0), name);
+}
+
+/* The completion's "logprobs" object of a greedy request for ids with logprobs N (malloc'd JSON). */
+static char *logprobs_reply(uint16_t port, const int32_t *ids, int n, int max_tokens, int top) {
+    char extra[32];
+    snprintf(extra, sizeof extra, "\"logprobs\":%d", top);
+    cJSON *root = completion_with(port, ids, n, max_tokens, extra, NULL, 0);
+    const cJSON *lp = choice_field(root, "logprobs");
     assert_true(cJSON_IsObject(lp));
     assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(lp, "tokens")),
                      (int)cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "completion_tokens")->valuedouble);
     char *out = cJSON_PrintUnformatted(lp);
     cJSON_Delete(root);
-    kvb_http_reply_free(&h);
-    free(req);
-    free(body);
     return out;
 }
 
@@ -774,6 +790,21 @@ static long double ref_logprob(const float *l, uint32_t n, uint32_t i) {
     for (uint32_t j = 1; j < n; j++) mx = l[j] > mx ? l[j] : mx;
     for (uint32_t j = 0; j < n; j++) sum += expl((long double)l[j] - mx);
     return (long double)l[i] - mx - logl(sum);
+}
+
+/* The decode nodes' model, engine settings and a fresh sequence, to compute what a node should. */
+static void reference_engine(kvb_model **m, kvb_engine **e, kvb_seq **s) {
+    kvb_err err = {0};
+    assert_int_equal(kvb_model_load(g_model, m, &err), KVB_OK);
+    kvb_engine_opts eo = {.n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 1024, .n_blocks = 64};
+    assert_int_equal(kvb_engine_create(*m, &eo, e, &err), KVB_OK);
+    assert_int_equal(kvb_seq_create(*e, s, &err), KVB_OK);
+}
+
+static void reference_engine_free(kvb_model *m, kvb_engine *e, kvb_seq *s) {
+    kvb_seq_free(s);
+    kvb_engine_free(e);
+    kvb_model_free(m);
 }
 
 static int by_value_desc(const void *a, const void *b) {
@@ -802,13 +833,10 @@ static void test_logprobs_are_the_models(void **state) {
     kvb_prefill_node_stop(pn);
 
     kvb_model *m = NULL;
-    kvb_err err = {0};
-    assert_int_equal(kvb_model_load(g_model, &m, &err), KVB_OK);
-    kvb_engine_opts eo = {.n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 1024, .n_blocks = 64};
     kvb_engine *e = NULL;
     kvb_seq *s = NULL;
-    assert_int_equal(kvb_engine_create(m, &eo, &e, &err), KVB_OK);
-    assert_int_equal(kvb_seq_create(e, &s, &err), KVB_OK);
+    kvb_err err = {0};
+    reference_engine(&m, &e, &s);
     const uint32_t nv = m->d.n_vocab;
     float *logits = malloc(sizeof(float) * nv);
     long double *sorted = malloc(sizeof(long double) * nv);
@@ -839,9 +867,81 @@ static void test_logprobs_are_the_models(void **state) {
     free(logits);
     free(bridged);
     free(native);
-    kvb_seq_free(s);
-    kvb_engine_free(e);
-    kvb_model_free(m);
+    reference_engine_free(m, e, s);
+}
+
+/* echo with logprobs, as lm-eval-harness asks for a loglikelihood: every prompt token's logprob
+ * (the first null) then the reply's, the prompt's computed here though its blocks are cached and a
+ * prefill node is there (declined, with the reason), each within 1e-5 of a long-double
+ * log_softmax of the engine's own rows; the reply part equal to a plain request's; the text the
+ * echoed prompt's followed by the plain reply's. */
+static void test_echo_prompt_logprobs(void **state) {
+    (void)state;
+    enum { N = 90, GEN = 4 };
+    int32_t ids[N];
+    kvbt_prompt_ids(ids, N, 41);
+    kvb_prefill_node *pn = start_prefill(g_model, PSK, NULL);
+    kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
+    const uint16_t dp = kvb_decode_node_port(dn);
+    char verdict[160];
+    cJSON *plain = completion_with(dp, ids, N, GEN, "\"logprobs\":2", verdict, sizeof verdict);
+    assert_string_equal(verdict, "complete"); /* the prompt's blocks are cached now */
+    cJSON *echo = completion_with(dp, ids, N, GEN, "\"logprobs\":2,\"echo\":true", verdict, sizeof verdict);
+    assert_true(strncmp(verdict, "declined: prompt logprobs (echo)", 32) == 0);
+    const cJSON *usage = cJSON_GetObjectItem(echo, "usage"), *kb = cJSON_GetObjectItem(usage, "kvbridge");
+    assert_true(cJSON_GetObjectItem(kb, "cached_tokens")->valuedouble == 0);
+    assert_true(cJSON_GetObjectItem(kb, "native_tokens")->valuedouble == N);
+    cJSON *text_only = completion_with(dp, ids, N, 0, "\"echo\":true", NULL, 0);
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+
+    /* the text: the prompt's, then the reply's */
+    const char *t_echo = choice_field(echo, "text")->valuestring, *t_plain = choice_field(plain, "text")->valuestring,
+               *t_prompt = choice_field(text_only, "text")->valuestring;
+    assert_true(strlen(t_prompt) > 0);
+    assert_int_equal(strlen(t_echo), strlen(t_prompt) + strlen(t_plain));
+    assert_memory_equal(t_echo, t_prompt, strlen(t_prompt));
+    assert_string_equal(t_echo + strlen(t_prompt), t_plain);
+    assert_true(cJSON_IsNull(choice_field(text_only, "logprobs")));
+
+    /* the entries: N prompt tokens, then the reply's, equal to the plain request's */
+    const cJSON *lp = choice_field(echo, "logprobs"), *plp = choice_field(plain, "logprobs");
+    const cJSON *vals = cJSON_GetObjectItem(lp, "token_logprobs"), *tops = cJSON_GetObjectItem(lp, "top_logprobs");
+    const int n_gen = (int)cJSON_GetObjectItem(usage, "completion_tokens")->valuedouble;
+    assert_int_equal(cJSON_GetArraySize(vals), N + n_gen);
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(lp, "tokens")), N + n_gen);
+    assert_true(cJSON_IsNull(cJSON_GetArrayItem(vals, 0)) && cJSON_IsNull(cJSON_GetArrayItem(tops, 0)));
+    const char *arrays[3] = {"tokens", "token_logprobs", "top_logprobs"};
+    for (int a = 0; a < 3; a++)
+        for (int i = 0; i < n_gen; i++) {
+            char *x = cJSON_PrintUnformatted(cJSON_GetArrayItem(cJSON_GetObjectItem(lp, arrays[a]), N + i));
+            char *y = cJSON_PrintUnformatted(cJSON_GetArrayItem(cJSON_GetObjectItem(plp, arrays[a]), i));
+            assert_string_equal(x, y);
+            free(x);
+            free(y);
+        }
+
+    /* the prompt's values against the engine's rows */
+    kvb_model *m = NULL;
+    kvb_engine *e = NULL;
+    kvb_seq *s = NULL;
+    kvb_err err = {0};
+    reference_engine(&m, &e, &s);
+    const uint32_t nv = m->d.n_vocab;
+    float *rows = malloc(sizeof(float) * nv * N); // (token, n_vocab)
+    assert_int_equal(kvb_engine_forward(e, s, ids, N, rows, true, &err), KVB_OK);
+    for (int i = 1; i < N; i++) {
+        const long double want = ref_logprob(rows + (size_t)(i - 1) * nv, nv, (uint32_t)ids[i]);
+        const double got = cJSON_GetArrayItem(vals, i)->valuedouble;
+        if (fabsl((long double)got - want) > 1e-5L) fail_msg("prompt token %d: logprob %.9g, the model's %.9Lg", i, got, want);
+        const cJSON *top = cJSON_GetArrayItem(tops, i);
+        assert_true(cJSON_GetArraySize(top) >= 1 && cJSON_GetArraySize(top) <= 3); /* 2 and the token's own */
+    }
+    free(rows);
+    reference_engine_free(m, e, s);
+    cJSON_Delete(plain);
+    cJSON_Delete(echo);
+    cJSON_Delete(text_only);
 }
 
 /* Bridge mode `prefill`: the prefill engine's own K/V re-encoded. In the decoder's own format it
@@ -982,6 +1082,7 @@ int main(void) {
         cmocka_unit_test(test_abandoned_request_is_not_computed),
         cmocka_unit_test(test_penalties_reach_the_sampler),
         cmocka_unit_test(test_logprobs_are_the_models),
+        cmocka_unit_test(test_echo_prompt_logprobs),
         cmocka_unit_test(test_prefill_mode),
         cmocka_unit_test(test_bridged_blocks_are_evictable),
         cmocka_unit_test(test_filler_rows_slab_path),

@@ -107,6 +107,9 @@ typedef struct {
     bool ignore_eos;                 /* extension (vLLM's): an end-of-generation token does not end the
                                         reply, which runs to max_tokens or the context end (benchmarks) */
     bool logprobs;                   /* chat: "logprobs": true; completions: "logprobs": N (0..20) */
+    bool echo;                       /* completions: the reply's text starts with the prompt's; with
+                                        logprobs, the prompt's tokens come first (the first one's
+                                        logprob and top_logprobs null: nothing conditions it) */
     uint32_t top_logprobs;           /* chat: "top_logprobs" (0..20, > 0 only with logprobs); completions: N */
     double frequency_penalty;        /* [-2, 2], default 0 */
     double presence_penalty;         /* [-2, 2], default 0 */
@@ -123,7 +126,7 @@ typedef struct {
 /* Parses and validates a request body (`len` bytes, need not be NUL-terminated). Unknown fields
  * are ignored like OpenAI does, except inside the "kvbridge" object (ours: an unknown key is a
  * 400). Known fields this server cannot honour are 400s rather than silently ignored: n != 1,
- * logprobs, echo, suffix, best_of > 1, tools/functions, response_format other than "text",
+ * suffix, best_of > 1, tools/functions, response_format other than "text",
  * "tool"/"function" roles, non-text content parts. On failure: KVB_ERR_INVALID (err->status 400)
  * or KVB_ERR_NOMEM (500), *out NULL. */
 kvb_status kvb_completion_req_parse(kvb_api api, const char *body, size_t len,
@@ -172,6 +175,7 @@ typedef struct {
                           character: "token" then shows U+FFFD, "bytes" the real ones) */
     size_t n_bytes;
     float logprob;     /* natural log; below -9999 (also -inf and NaN) is sent as -9999.0, OpenAI's floor */
+    bool unconditioned; /* the prompt's first token, echoed: logprob and top_logprobs are null */
 } kvb_token_logprob;
 /* Records the next reply token's logprob and its n_top (<= the request's top_logprobs) most likely
  * alternatives, for a request with logprobs (KVB_ERR_INVALID otherwise, and after finish/fail).

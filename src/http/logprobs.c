@@ -1,7 +1,8 @@
 /* logprobs.c — a reply's logprobs in OpenAI's two shapes (http_internal.h says which fields):
  * tokens recorded one by one as the handler samples them, taken as a choice's "logprobs" object
  * for a stream's chunk or the whole body. Token text is the token's bytes with invalid UTF-8 as
- * U+FFFD; chat adds the real bytes. A logprob below -9999 (or not a number) is sent as -9999.0. */
+ * U+FFFD; chat adds the real bytes. A logprob below -9999 (or not a number) is sent as -9999.0;
+ * an echoed prompt's first token has none (null), as OpenAI sends it. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -22,7 +23,7 @@ static bool token_text(http_buf *b, const kvb_token_logprob *t) {
 static cJSON *chat_entry(http_buf *text, const kvb_token_logprob *t) {
     cJSON *o = cJSON_CreateObject(), *bytes = cJSON_CreateArray();
     if (!o || !bytes || !token_text(text, t) || !cJSON_AddStringToObject(o, "token", text->data) ||
-        !cJSON_AddNumberToObject(o, "logprob", sendable(t->logprob))) {
+        !(t->unconditioned ? cJSON_AddNullToObject(o, "logprob") : cJSON_AddNumberToObject(o, "logprob", sendable(t->logprob)))) {
         cJSON_Delete(o);
         cJSON_Delete(bytes);
         return NULL;
@@ -77,13 +78,15 @@ static bool add_top_key(cJSON *dict, http_buf *text, const kvb_token_logprob *t)
 
 static bool add_completions(http_logprobs *lp, http_buf *text, const kvb_token_logprob *token,
                             const kvb_token_logprob *top, size_t n_top) {
-    cJSON *dict = cJSON_CreateObject();
+    const bool none = token->unconditioned;
+    cJSON *dict = none ? cJSON_CreateNull() : cJSON_CreateObject();
     if (!dict) return false;
     bool ok = true;
-    for (size_t i = 0; ok && i < n_top; i++) ok = add_top_key(dict, text, &top[i]);
-    ok = ok && add_top_key(dict, text, token); /* the picked token is always there: up to N+1 */
+    for (size_t i = 0; ok && !none && i < n_top; i++) ok = add_top_key(dict, text, &top[i]);
+    ok = ok && (none || add_top_key(dict, text, token)); /* the picked token is always there: up to N+1 */
     cJSON *tok = ok && token_text(text, token) ? cJSON_CreateString(text->data) : NULL;
-    cJSON *val = cJSON_CreateNumber(sendable(token->logprob)), *off = cJSON_CreateNumber((double)lp->chars);
+    cJSON *val = none ? cJSON_CreateNull() : cJSON_CreateNumber(sendable(token->logprob));
+    cJSON *off = cJSON_CreateNumber((double)lp->chars);
     if (!tok || !val || !off) {
         cJSON_Delete(dict);
         cJSON_Delete(tok);

@@ -361,8 +361,6 @@ static kvb_status refuse_unsupported(const cJSON *root, kvb_api api, kvb_http_er
                        "supported by this server.");
     }
     if (api == KVB_API_COMPLETIONS) {
-        if ((v = field(root, "echo")) && !cJSON_IsFalse(v))
-            return BAD(e, "echo", "'echo' is not supported by this server.");
         if ((v = field(root, "suffix")))
             return BAD(e, "suffix", "'suffix' is not supported by this server.");
         if ((v = field(root, "best_of")) && !(cJSON_IsNumber(v) && v->valuedouble == 1))
@@ -454,6 +452,7 @@ static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_api api, kv
     if ((s = parse_stop(st, root, e))) return s;
     if ((s = parse_logit_bias(st, root, e))) return s;
     if ((s = parse_logprobs(r, root, api, e))) return s;
+    if (api == KVB_API_COMPLETIONS && (s = get_bool(root, "echo", "echo", &r->echo, e))) return s;
     if ((s = get_bool(root, "stream", "stream", &r->stream, e))) return s;
     if ((s = get_bool(root, "ignore_eos", "ignore_eos", &r->ignore_eos, e))) return s;
     if ((v = field(root, "stream_options"))) {

@@ -606,7 +606,8 @@ _Static_assert(KVB_HTTP_MAX_TOP_LOGPROBS <= KVB_MAX_TOP_LOGPROBS, "the sampler k
 
 /* The sampler's last pick's logprobs (the reply token's) to the client, token bytes from the
  * vocabulary; scratch holds (1 + KVB_MAX_TOP_LOGPROBS) tokens of kvb_tokenizer_max_token_len. */
-static kvb_status send_logprobs(kvb_decode_node *n, kvb_completion_out *out, const kvb_pick_logprobs *lp, char *scratch) {
+static kvb_status send_logprobs(kvb_decode_node *n, kvb_completion_out *out, const kvb_pick_logprobs *lp,
+                                 bool unconditioned, char *scratch) {
     const size_t cap = kvb_tokenizer_max_token_len(n->tok);
     kvb_token_logprob tok, top[KVB_MAX_TOP_LOGPROBS];
     const kvb_id_logprob *src[1 + KVB_MAX_TOP_LOGPROBS];
@@ -622,7 +623,62 @@ static kvb_status send_logprobs(kvb_decode_node *n, kvb_completion_out *out, con
         const int len = kvb_token_to_bytes(n->tok, src[i]->id, b, cap);
         *dst[i] = (kvb_token_logprob){.bytes = b, .n_bytes = len > 0 ? (size_t)len : 0, .logprob = src[i]->logprob};
     }
+    tok.unconditioned = unconditioned;
     return kvb_completion_add_logprobs(out, &tok, top, lp->n_top);
+}
+
+#define PROMPT_LOGPROB_ROWS 16 /* prompt rows whose logits are held at once: (16, n_vocab) floats */
+
+/* The whole prompt through this node's own forward with every row's logits (echo with logprobs):
+ * each prompt token's logprob under the rows before it goes to the client (the first token's is
+ * null), the last row's logits to `logits`. Slices of PROMPT_LOGPROB_ROWS; the waiting decode
+ * steps run between them. */
+static kvb_status forward_prompt_logprobs(kvb_decode_node *n, kvb_seq *s, const int32_t *toks, uint32_t n_toks,
+                                          float *logits, const kvb_completion_req *req, kvb_completion_out *out,
+                                          char *scratch, kvb_err *err) {
+    const uint32_t nv = n->m->d.n_vocab;
+    float *rows = malloc(sizeof(float) * PROMPT_LOGPROB_ROWS * nv); // (row, n_vocab)
+    if (!rows) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the prompt's logits");
+    kvb_pick_logprobs lp = {.picked = {.id = toks[0]}};
+    kvb_status st = send_logprobs(n, out, &lp, true, scratch);
+    for (uint32_t done = 0; !st && done < n_toks;) {
+        if (kvb_completion_cancelled(out)) {
+            st = kvb_err_set(err, KVB_ERR_IO, "the client went away");
+            break;
+        }
+        const uint32_t c = KVB_MIN(PROMPT_LOGPROB_ROWS, n_toks - done);
+        if ((st = kvb_engine_forward(n->e, s, toks + done, c, rows, true, err))) break;
+        for (uint32_t r = 0; !st && r < c; r++) {
+            const float *row = rows + (size_t)r * nv;
+            if (done + r + 1 == n_toks) {
+                memcpy(logits, row, sizeof(float) * nv);
+            } else {
+                kvb_logprobs_of(row, nv, toks[done + r + 1], req->top_logprobs, &lp);
+                if (send_logprobs(n, out, &lp, false, scratch))
+                    st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory recording the prompt's logprobs");
+            }
+        }
+        done += c;
+        kvb_decode_batch_run_pending(n->batch);
+    }
+    free(rows);
+    return st;
+}
+
+/* The prompt's text at the head of an echo reply: as given, or the token ids decoded. */
+static kvb_status emit_echo(kvb_decode_node *n, const kvb_completion_req *req, const int32_t *toks, size_t n_tok,
+                            kvb_completion_out *out) {
+    if (req->prompt) return kvb_completion_emit(out, req->prompt);
+    kvb_detok dt;
+    kvb_detok_init(&dt, n->tok);
+    char piece[1024];
+    kvb_status st = KVB_OK;
+    for (size_t i = 0; !st && i <= n_tok; i++) {
+        if (i < n_tok) kvb_detok_push(&dt, toks[i], piece, sizeof piece);
+        else kvb_detok_flush(&dt, piece, sizeof piece);
+        st = kvb_completion_emit(out, piece);
+    }
+    return st;
 }
 
 /* A served completion's phases into kvbridge_request_phase_seconds: the bridge's only when it was
@@ -713,7 +769,14 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     double tail_wait_s = 0;
     double t_lookup = kvb_now_s();
     kvb_status st = logits ? kvb_seq_create(n->e, &s, &err) : kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
-    if (!st) st = kvb_seq_attach_cached(s, toks, (uint32_t)n_tok, &cached, &err);
+    /* echo with logprobs: every prompt token's logprob needs the row before it, which only this
+     * node's own forward has (neither a cached nor a bridged prefix keeps logits) */
+    const bool prompt_lp = req->echo && req->logprobs;
+    if (!st && req->logprobs) {
+        lp_scratch = malloc((size_t)(1 + KVB_MAX_TOP_LOGPROBS) * kvb_tokenizer_max_token_len(n->tok));
+        if (!lp_scratch) st = kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory for the logprobs");
+    }
+    if (!st && !prompt_lp) st = kvb_seq_attach_cached(s, toks, (uint32_t)n_tok, &cached, &err);
     adopted = cached;
     u.lookup_s = kvb_now_s() - t_lookup;
     /* ship: whole blocks before the last prompt token; tail: the partial block after them, also
@@ -721,6 +784,8 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     const uint32_t ship = (uint32_t)((n_tok - 1) / bt * bt), tail = (uint32_t)(n_tok - 1) - ship;
     const char *kind = "declined";
     if (st) {
+    } else if (prompt_lp) {
+        snprintf(verdict, sizeof verdict, "declined: prompt logprobs (echo) need this node's own logits for every prompt token");
     } else if (req->bridge == KVB_BRIDGE_OFF) {
         snprintf(verdict, sizeof verdict, "declined: bridging turned off for this request");
     } else if (!n->peer) {
@@ -791,7 +856,8 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     u.native_tokens = (int64_t)n_tok - (int64_t)adopted + (last_done ? 1 : 0); /* the decoder's own tokens */
     double t_native = kvb_now_s();
     if (!st && !last_done)
-        st = forward_prompt_sliced(n, s, toks + adopted, (uint32_t)n_tok - adopted, logits, out, &err);
+        st = prompt_lp ? forward_prompt_logprobs(n, s, toks, (uint32_t)n_tok, logits, req, out, lp_scratch, &err)
+                       : forward_prompt_sliced(n, s, toks + adopted, (uint32_t)n_tok - adopted, logits, out, &err);
     u.native_s = last_done ? tail_wait_s : kvb_now_s() - t_native; /* pipelined: what ran on after DONE */
     kvb_trace_span("decode.native", t_native, kvb_now_s(), u.native_tokens);
     u.native_pipelined = last_done;
@@ -814,10 +880,6 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
                            .bias_ids = req->logit_bias_ids, .bias_values = req->logit_bias_values,
                            .n_bias = (uint32_t)req->n_logit_bias,
                            .logprobs = req->logprobs, .top_logprobs = req->top_logprobs};
-    if (req->logprobs) {
-        lp_scratch = malloc((size_t)(1 + KVB_MAX_TOP_LOGPROBS) * kvb_tokenizer_max_token_len(n->tok));
-        if (!lp_scratch) st = kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory for the logprobs");
-    }
     double t_decode = kvb_now_s();
     if (!st) st = kvb_sampler_init(&smp, &so, n->m->d.n_vocab, &err);
     /* the engine's pool is the sampler's only while the engine is held: here, for the first token,
@@ -826,6 +888,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     int32_t id = !st && max_new > 0 ? kvb_sample_penalized(&smp, logits) : 0;
     kvb_decode_batch_join(n->batch); /* before the next prompt phase can begin: it slices for us */
     engine_release(n);
+    if (!st && req->echo && emit_echo(n, req, toks, n_tok, out)) max_new = 0; /* client gone */
     kvb_detok dt;
     kvb_detok_init(&dt, n->tok);
     char piece[1024];
@@ -837,7 +900,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
             break;
         }
         u.completion_tokens++;
-        if (req->logprobs && send_logprobs(n, out, &smp.last, lp_scratch)) {
+        if (req->logprobs && send_logprobs(n, out, &smp.last, false, lp_scratch)) {
             st = kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory recording the logprobs");
             break;
         }
