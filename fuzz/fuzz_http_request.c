@@ -1,7 +1,7 @@
-/* fuzz/fuzz_http_request.c — libFuzzer target for the decode node's request parser
- * (kvb_completion_req_parse, src/http/request.c): a request body is a client's bytes. The first
- * input byte picks the API (even: /v1/chat/completions, odd: /v1/completions); the rest is the
- * body. A refused body must come back as a 4xx/5xx with a message and no request; an accepted one
+/* fuzz/fuzz_http_request.c — libFuzzer target for the decode node's request parsers
+ * (kvb_completion_req_parse, kvb_tokenize_req_parse, kvb_detokenize_req_parse in
+ * src/http/request.c): a request body is a client's bytes. The first input byte picks the route
+ * (mod 4: /v1/chat/completions, /v1/completions, /tokenize, /detokenize); the rest is the body. A refused body must come back as a 4xx/5xx with a message and no request; an accepted one
  * must keep the contract in kvb_http.h: strings NUL-terminated, valid UTF-8 and NUL-free, at least
  * one message for chat, exactly one of prompt and prompt_tokens for completions, ids in
  * [0, INT32_MAX], numbers in their ranges, non-empty stop strings.
@@ -40,24 +40,51 @@ static const char *const seeds[] = {
     "\x01{\"model\":\"m\",\"prompt\":\"Once upon a time\",\"max_tokens\":8,\"top_k\":40,\"stop\":\"x\"}",
     "\x01{\"model\":\"m\",\"prompt\":[1,2,3,2147483647],\"max_tokens\":0,\"n\":1,\"echo\":false}",
     "\x01{\"model\":\"m\",\"prompt\":[[5,6]],\"stream\":false,\"frequency_penalty\":-2,\"presence_penalty\":2}",
+    "\x00{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true,\"top_logprobs\":3}",
+    "\x01{\"model\":\"m\",\"prompt\":\"ab\",\"logprobs\":1,\"echo\":true,\"max_tokens\":1}",
+    "\x02{\"prompt\":\"Hello\",\"add_special_tokens\":false}",
+    "\x02{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"add_generation_prompt\":true}",
+    "\x03{\"tokens\":[1,2,3]}",
 };
 #endif
 
+/* Route 0..3 (chat, completions, tokenize, detokenize): the body through its parser. */
+static kvb_status parse_route(unsigned route, const char *body, size_t len, kvb_completion_req **r, kvb_http_error *e) {
+    switch (route & 3) {
+    case 0: return kvb_completion_req_parse(KVB_API_CHAT_COMPLETIONS, body, len, r, e);
+    case 1: return kvb_completion_req_parse(KVB_API_COMPLETIONS, body, len, r, e);
+    case 2: return kvb_tokenize_req_parse(body, len, r, e);
+    default: return kvb_detokenize_req_parse(body, len, r, e);
+    }
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 1) return 0;
-    const kvb_api api = data[0] & 1 ? KVB_API_COMPLETIONS : KVB_API_CHAT_COMPLETIONS;
+    const unsigned route = data[0] & 3;
     kvb_completion_req *r = NULL;
     kvb_http_error e;
     memset(&e, 0, sizeof e);
-    const kvb_status st = kvb_completion_req_parse(api, (const char *)data + 1, size - 1, &r, &e);
+    const kvb_status st = parse_route(route, (const char *)data + 1, size - 1, &r, &e);
     if (st) {
         check(r == NULL, "a refused body returns no request");
         check(e.status >= 400 && e.status <= 599, "a refused body has an error status");
         check(memchr(e.message, 0, sizeof e.message) != NULL && e.message[0], "a refused body has a message");
         return 0;
     }
-    check(r != NULL && r->api == api, "an accepted body returns its request");
-    check_string(r->model, "model");
+    check(r != NULL, "an accepted body returns its request");
+    if (route == 3) { /* detokenize: ids only */
+        check(r->model == NULL || http_utf8_valid(r->model, strlen(r->model)), "model");
+        check(r->n_prompt_tokens == 0 || r->prompt_tokens != NULL, "token ids");
+        for (size_t i = 0; i < r->n_prompt_tokens; i++) check(r->prompt_tokens[i] >= 0, "token id range");
+        kvb_completion_req_free(r);
+        return 0;
+    }
+    const kvb_api api = route == 0 || (route == 2 && r->n_messages) ? KVB_API_CHAT_COMPLETIONS : KVB_API_COMPLETIONS;
+    check(r->api == api, "an accepted body has its API");
+    if (route == 2) check(r->model == NULL || http_utf8_valid(r->model, strlen(r->model)), "model");
+    else check_string(r->model, "model");
+    check(r->top_logprobs <= KVB_HTTP_MAX_TOP_LOGPROBS && (r->logprobs || r->top_logprobs == 0), "logprobs");
+    check(!r->echo || api == KVB_API_COMPLETIONS, "echo only in completions");
     if (api == KVB_API_CHAT_COMPLETIONS) {
         check(r->n_messages >= 1 && r->messages != NULL, "chat has messages");
         for (size_t i = 0; i < r->n_messages; i++) check_string(r->messages[i].content, "message content");
@@ -104,8 +131,7 @@ int main(int argc, char **argv) {
         fclose(f);
         kvb_completion_req *r = NULL; /* a seed is a body the parser accepts */
         kvb_http_error e;
-        if (kvb_completion_req_parse(seeds[i][0] & 1 ? KVB_API_COMPLETIONS : KVB_API_CHAT_COMPLETIONS, seeds[i] + 1,
-                                     n - 1, &r, &e)) {
+        if (parse_route((unsigned char)seeds[i][0], seeds[i] + 1, n - 1, &r, &e)) {
             fprintf(stderr, "seed %zu refused: %s\n", i, e.message);
             return 1;
         }

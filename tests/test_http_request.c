@@ -145,6 +145,42 @@ static void test_logprobs_fields(void **state) {
     kvb_completion_req_free(r);
 }
 
+static void test_tokenize_bodies(void **state) {
+    (void)state;
+    kvb_completion_req *r = NULL;
+    kvb_http_error e = {0};
+    const char *b1 = "{\"prompt\":\"hi there\"}";
+    assert_int_equal(kvb_tokenize_req_parse(b1, strlen(b1), &r, &e), KVB_OK);
+    assert_int_equal(r->api, KVB_API_COMPLETIONS);
+    assert_string_equal(r->prompt, "hi there");
+    assert_null(r->model);
+    assert_true(r->add_special_tokens);
+    kvb_completion_req_free(r);
+    const char *b2 = "{\"model\":\"m\",\"prompt\":\"hi\",\"add_special_tokens\":false,\"add_generation_prompt\":true}";
+    assert_int_equal(kvb_tokenize_req_parse(b2, strlen(b2), &r, &e), KVB_OK);
+    assert_string_equal(r->model, "m");
+    assert_false(r->add_special_tokens);
+    kvb_completion_req_free(r);
+    const char *b3 = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}";
+    assert_int_equal(kvb_tokenize_req_parse(b3, strlen(b3), &r, &e), KVB_OK);
+    assert_int_equal(r->api, KVB_API_CHAT_COMPLETIONS);
+    assert_int_equal(r->n_messages, 1);
+    assert_string_equal(r->messages[0].content, "hi");
+    kvb_completion_req_free(r);
+    const char *b4 = "{\"tokens\":[0,7,2147483647]}", *b5 = "{\"tokens\":[],\"model\":\"m\"}";
+    assert_int_equal(kvb_detokenize_req_parse(b4, strlen(b4), &r, &e), KVB_OK);
+    assert_int_equal(r->n_prompt_tokens, 3);
+    assert_int_equal(r->prompt_tokens[2], INT32_MAX);
+    kvb_completion_req_free(r);
+    assert_int_equal(kvb_detokenize_req_parse(b5, strlen(b5), &r, &e), KVB_OK);
+    assert_int_equal(r->n_prompt_tokens, 0);
+    kvb_completion_req_free(r);
+    /* completions never turn the special tokens off */
+    r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":\"x\",\"add_special_tokens\":false}");
+    assert_true(r->add_special_tokens);
+    kvb_completion_req_free(r);
+}
+
 static void test_completion_prompts(void **state) {
     (void)state;
     kvb_completion_req *r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":\"Once upon\"}");
@@ -184,6 +220,15 @@ typedef struct {
 
 #define CHAT KVB_API_CHAT_COMPLETIONS
 #define CMPL KVB_API_COMPLETIONS
+#define TOKZ ((kvb_api)100) /* the table's own tags for /tokenize and /detokenize bodies */
+#define DETOK ((kvb_api)101)
+
+/* The parser of the route a bad case is for. */
+static kvb_status parse_for(kvb_api api, const char *body, kvb_completion_req **r, kvb_http_error *e) {
+    if (api == TOKZ) return kvb_tokenize_req_parse(body, strlen(body), r, e);
+    if (api == DETOK) return kvb_detokenize_req_parse(body, strlen(body), r, e);
+    return kvb_completion_req_parse(api, body, strlen(body), r, e);
+}
 #define MSGS "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]"
 #define CHATB(extra) "{\"model\":\"m\"," MSGS extra "}"
 
@@ -306,6 +351,20 @@ static const bad_case bad_cases[] = {
     {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"logprobs\":21}", "logprobs", "out of range"},
     {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"logprobs\":true}", "logprobs", "expected an integer"},
     {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"top_logprobs\":2}", "top_logprobs", "takes the number of top tokens as 'logprobs'"},
+    /* /tokenize and /detokenize */
+    {TOKZ, "[]", NULL, "must be a JSON object"},
+    {TOKZ, "{}", "prompt", "Missing required parameter"},
+    {TOKZ, "{\"prompt\":\"x\"," MSGS "}", "prompt", "not both"},
+    {TOKZ, "{" MSGS ",\"add_special_tokens\":true}", "add_special_tokens", "applies to 'prompt' only"},
+    {TOKZ, "{\"prompt\":\"x\",\"add_special_tokens\":1}", "add_special_tokens", "expected a boolean"},
+    {TOKZ, "{\"prompt\":\"x\",\"add_generation_prompt\":false}", "add_generation_prompt", "Only add_generation_prompt=true"},
+    {TOKZ, "{\"prompt\":\"x\",\"model\":5}", "model", "expected a string"},
+    {TOKZ, "{\"prompt\":[1,-2]}", "prompt[1]", "out of range"},
+    {DETOK, "{}", "tokens", "Missing required parameter"},
+    {DETOK, "{\"tokens\":\"1 2\"}", "tokens", "expected an array"},
+    {DETOK, "{\"tokens\":[1,-1]}", "tokens[1]", "out of range"},
+    {DETOK, "{\"tokens\":[1.5]}", "tokens[0]", "decimal"},
+    {DETOK, "{\"tokens\":[2147483648]}", "tokens[0]", "out of range"},
 };
 
 static void test_bad_requests_table(void **state) {
@@ -316,7 +375,7 @@ static void test_bad_requests_table(void **state) {
         kvb_completion_req *r = NULL;
         kvb_http_error e;
         memset(&e, 0x5a, sizeof e); /* the parser must fill every field it reports */
-        kvb_status st = kvb_completion_req_parse(c->api, c->body, strlen(c->body), &r, &e);
+        kvb_status st = parse_for(c->api, c->body, &r, &e);
         const char *why = NULL;
         if (st != KVB_ERR_INVALID) why = "status is not KVB_ERR_INVALID";
         else if (r) why = "*out is not NULL";
@@ -415,6 +474,7 @@ int main(void) {
         cmocka_unit_test(test_chat_minimal),
         cmocka_unit_test(test_chat_full),
         cmocka_unit_test(test_logprobs_fields),
+        cmocka_unit_test(test_tokenize_bodies),
         cmocka_unit_test(test_completion_prompts),
         cmocka_unit_test(test_bad_requests_table),
         cmocka_unit_test(test_hostile_bytes),

@@ -194,6 +194,46 @@ static void fake_health(void *ctx, cJSON *body) {
     cJSON_AddNumberToObject(body, "queue_depth", 0);
 }
 
+/* /tokenize: one id per word, its length; "TOOLONG" is a 400 naming the prompt. /detokenize:
+ * "<id>" per token, space-separated; id 666 is a 400 naming it. */
+static int fake_tokenize(void *ctx, const kvb_completion_req *req, int32_t **ids, size_t *n_ids,
+                         uint32_t *max_model_len, kvb_http_error *err) {
+    (void)ctx;
+    const char *text = req->api == KVB_API_CHAT_COMPLETIONS ? req->messages[req->n_messages - 1].content : req->prompt;
+    if (!text) text = "";
+    if (strcmp(text, "TOOLONG") == 0) {
+        kvb_http_error_set(err, 400, NULL, "prompt", "the prompt is too long");
+        return 400;
+    }
+    *ids = malloc(sizeof(int32_t) * (strlen(text) + 1));
+    *n_ids = 0;
+    for (const char *p = text; *p;) {
+        while (*p == ' ') p++;
+        const char *w = p;
+        while (*p && *p != ' ') p++;
+        if (p > w) (*ids)[(*n_ids)++] = (int32_t)(p - w);
+    }
+    *max_model_len = 4096;
+    return 0;
+}
+
+static int fake_detokenize(void *ctx, const kvb_completion_req *req, char **text, kvb_http_error *err) {
+    (void)ctx;
+    char *out = malloc(16 * req->n_prompt_tokens + 1);
+    size_t len = 0;
+    out[0] = 0;
+    for (size_t i = 0; i < req->n_prompt_tokens; i++) {
+        if (req->prompt_tokens[i] == 666) {
+            free(out);
+            kvb_http_error_set(err, 400, NULL, "tokens[0]", "no such token");
+            return 400;
+        }
+        len += (size_t)sprintf(out + len, "%s<%d>", i ? " " : "", req->prompt_tokens[i]);
+    }
+    *text = out;
+    return 0;
+}
+
 #define API_KEY "sk-kvb-test-0123456789abcdef"
 
 static kvb_http_server *start_server_key(kvb_metrics *metrics, const char *api_key) {
@@ -204,7 +244,8 @@ static kvb_http_server *start_server_key(kvb_metrics *metrics, const char *api_k
         .metrics = metrics,
         .api_key = api_key,
     };
-    kvb_http_handlers h = {.ctx = &g_fake, .completion = fake_completion, .health = fake_health};
+    kvb_http_handlers h = {.ctx = &g_fake, .completion = fake_completion, .health = fake_health,
+                           .tokenize = fake_tokenize, .detokenize = fake_detokenize};
     kvb_http_server *s = NULL;
     kvb_err err = {0};
     if (kvb_http_server_start(&cfg, &h, &s, &err) != KVB_OK) fail_msg("server start: %s", err.msg);
@@ -957,6 +998,56 @@ static void test_logprobs(void **state) {
     }
 }
 
+/* POST /tokenize and /detokenize in vLLM's shapes; their refusals; 404 without handlers. */
+static void test_tokenize_routes(void **state) {
+    fixture *f = *state;
+    http_resp r;
+    post_json(f->port, "/tokenize", "{\"prompt\":\"one three fifteen\"}", &r);
+    assert_int_equal(r.status, 200);
+    cJSON *j = parse_body(&r);
+    assert_true(jnum(j, "count") == 3 && jnum(j, "max_model_len") == 4096);
+    assert_true(jnum(j, "tokens.0") == 3 && jnum(j, "tokens.1") == 5 && jnum(j, "tokens.2") == 7);
+    assert_true(cJSON_IsNull(jitem(j, "token_strs")));
+    cJSON_Delete(j);
+    resp_free(&r);
+    post_json(f->port, "/tokenize", "{\"model\":\"" MODEL "\",\"messages\":[{\"role\":\"user\",\"content\":\"ab\"}]}", &r);
+    j = parse_body(&r);
+    assert_true(jnum(j, "count") == 1 && jnum(j, "tokens.0") == 2);
+    cJSON_Delete(j);
+    resp_free(&r);
+    post_json(f->port, "/detokenize", "{\"tokens\":[7,8]}", &r);
+    j = parse_body(&r);
+    assert_string_equal(jstr(j, "prompt"), "<7> <8>");
+    cJSON_Delete(j);
+    resp_free(&r);
+    /* refusals: the parser's, the handler's, another model, the method */
+    post_json(f->port, "/tokenize", "{\"prompt\":5}", &r);
+    expect_error(&r, 400, "prompt", NULL, "expected a string");
+    resp_free(&r);
+    post_json(f->port, "/tokenize", "{\"prompt\":\"TOOLONG\"}", &r);
+    expect_error(&r, 400, "prompt", NULL, "too long");
+    resp_free(&r);
+    post_json(f->port, "/detokenize", "{\"tokens\":[666]}", &r);
+    expect_error(&r, 400, "tokens[0]", NULL, "no such token");
+    resp_free(&r);
+    post_json(f->port, "/detokenize", "{\"model\":\"other\",\"tokens\":[1]}", &r);
+    expect_error(&r, 404, "model", "model_not_found", "does not exist");
+    resp_free(&r);
+    http_call(f->port, "GET", "/tokenize", NULL, NULL, &r);
+    expect_error(&r, 405, NULL, NULL, "use POST");
+    resp_free(&r);
+    /* a server whose handler does not tokenize has no such routes */
+    kvb_http_config cfg = {.listen = "127.0.0.1:0", .model_id = MODEL};
+    kvb_http_handlers h = {.ctx = &g_fake, .completion = fake_completion};
+    kvb_http_server *bare = NULL;
+    kvb_err err = {0};
+    assert_int_equal(kvb_http_server_start(&cfg, &h, &bare, &err), KVB_OK);
+    post_json(kvb_http_server_port(bare), "/tokenize", "{\"prompt\":\"x\"}", &r);
+    expect_error(&r, 404, NULL, NULL, "Invalid URL");
+    resp_free(&r);
+    kvb_http_server_stop(bare);
+}
+
 static void test_handler_errors(void **state) {
     fixture *f = *state;
     http_resp r;
@@ -1647,6 +1738,10 @@ static void test_api_key(void **state) {
     post_json(f->port, "/v1/completions", "{\"model\":\"" MODEL "\",\"prompt\":\"x\"}", &r);
     expect_401(&r, missing);
     n401_cmpl++;
+    post_json(f->port, "/tokenize", "{\"prompt\":\"x\"}", &r);
+    expect_401(&r, missing);
+    post_json(f->port, "/detokenize", "{\"tokens\":[1]}", &r);
+    expect_401(&r, missing);
     /* the order: route (404) and method (405) first, then the key, then content type and length */
     http_call(f->port, "GET", "/v1/nope", NULL, NULL, &r);
     expect_error(&r, 404, NULL, NULL, "Invalid URL");
@@ -1834,6 +1929,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_chat_streaming, setup, teardown),
         cmocka_unit_test_setup_teardown(test_completion_streaming, setup, teardown),
         cmocka_unit_test_setup_teardown(test_logprobs, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_tokenize_routes, setup, teardown),
         cmocka_unit_test_setup_teardown(test_handler_errors, setup, teardown),
         cmocka_unit_test_setup_teardown(test_http_refusals, setup, teardown),
         cmocka_unit_test_setup_teardown(test_body_limits, setup, teardown),

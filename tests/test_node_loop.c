@@ -944,6 +944,71 @@ static void test_echo_prompt_logprobs(void **state) {
     cJSON_Delete(text_only);
 }
 
+/* POST to the decode node: the parsed reply (cJSON_Delete it); fails unless the status is `want`. */
+static cJSON *post_node(uint16_t port, const char *path, const char *body, int want) {
+    kvb_http_reply h;
+    kvb_err err = {0};
+    assert_int_equal(kvb_http_post("127.0.0.1", port, path, body, 60000, &h, &err), KVB_OK);
+    if (h.status != want) fail_msg("%s: HTTP %d, not %d: %s", path, h.status, want, h.body);
+    cJSON *root = cJSON_Parse(h.body);
+    assert_non_null(root);
+    kvb_http_reply_free(&h);
+    return root;
+}
+
+/* /tokenize counts what a completion's usage.prompt_tokens counts, for a text prompt and for chat
+ * messages; /detokenize inverts it (without the BOS it adds, and with it shown). */
+static void test_tokenize_matches_completions(void **state) {
+    (void)state;
+    kvb_decode_node *dn = start_decode(0, PSK, 10000);
+    const uint16_t dp = kvb_decode_node_port(dn);
+    static const char text[] = "Tokens, counted the same way: caf\xc3\xa9 \xe2\x82\xac 42.";
+    char body[512];
+    snprintf(body, sizeof body, "{\"prompt\":\"%s\"}", text);
+    cJSON *tk = post_node(dp, "/tokenize", body, 200);
+    snprintf(body, sizeof body, "{\"model\":\"m\",\"prompt\":\"%s\",\"max_tokens\":1}", text);
+    cJSON *cm = post_node(dp, "/v1/completions", body, 200);
+    const double count = cJSON_GetObjectItem(tk, "count")->valuedouble;
+    assert_true(count == cJSON_GetObjectItem(cJSON_GetObjectItem(cm, "usage"), "prompt_tokens")->valuedouble);
+    assert_true(count == cJSON_GetArraySize(cJSON_GetObjectItem(tk, "tokens")));
+    assert_true(cJSON_GetObjectItem(tk, "max_model_len")->valuedouble == 4096);
+    cJSON_Delete(cm);
+    /* the same text without the BOS: one fewer, and it decodes back to the text */
+    snprintf(body, sizeof body, "{\"prompt\":\"%s\",\"add_special_tokens\":false}", text);
+    cJSON *plain = post_node(dp, "/tokenize", body, 200);
+    assert_true(cJSON_GetObjectItem(plain, "count")->valuedouble == count - 1);
+    char *ids = cJSON_PrintUnformatted(cJSON_GetObjectItem(plain, "tokens"));
+    snprintf(body, sizeof body, "{\"tokens\":%s}", ids);
+    cJSON *back = post_node(dp, "/detokenize", body, 200);
+    assert_string_equal(cJSON_GetObjectItem(back, "prompt")->valuestring, text);
+    cJSON_Delete(back);
+    free(ids);
+    ids = cJSON_PrintUnformatted(cJSON_GetObjectItem(tk, "tokens")); /* with the BOS: shown before the text */
+    snprintf(body, sizeof body, "{\"tokens\":%s}", ids);
+    back = post_node(dp, "/detokenize", body, 200);
+    const char *with_bos = cJSON_GetObjectItem(back, "prompt")->valuestring;
+    assert_true(strlen(with_bos) > strlen(text) && strcmp(with_bos + strlen(with_bos) - strlen(text), text) == 0);
+    cJSON_Delete(back);
+    free(ids);
+    cJSON_Delete(plain);
+    cJSON_Delete(tk);
+    /* chat messages: the chat completion's prompt tokens */
+    const char *msgs = "\"messages\":[{\"role\":\"system\",\"content\":\"be brief\"},{\"role\":\"user\",\"content\":\"hello\"}]";
+    snprintf(body, sizeof body, "{%s}", msgs);
+    tk = post_node(dp, "/tokenize", body, 200);
+    snprintf(body, sizeof body, "{\"model\":\"m\",%s,\"max_tokens\":1}", msgs);
+    cm = post_node(dp, "/v1/chat/completions", body, 200);
+    assert_true(cJSON_GetObjectItem(tk, "count")->valuedouble ==
+                cJSON_GetObjectItem(cJSON_GetObjectItem(cm, "usage"), "prompt_tokens")->valuedouble);
+    cJSON_Delete(cm);
+    cJSON_Delete(tk);
+    /* a token outside the vocabulary */
+    cJSON *bad = post_node(dp, "/detokenize", "{\"tokens\":[1,99999999]}", 400);
+    assert_string_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(bad, "error"), "param")->valuestring, "tokens[1]");
+    cJSON_Delete(bad);
+    kvb_decode_node_stop(dn);
+}
+
 /* Bridge mode `prefill`: the prefill engine's own K/V re-encoded. In the decoder's own format it
  * is exact (same answer as native); from an f32 engine it still completes (not claimed exact);
  * nodes that disagree on the mode refuse each other at the handshake. */
@@ -1083,6 +1148,7 @@ int main(void) {
         cmocka_unit_test(test_penalties_reach_the_sampler),
         cmocka_unit_test(test_logprobs_are_the_models),
         cmocka_unit_test(test_echo_prompt_logprobs),
+        cmocka_unit_test(test_tokenize_matches_completions),
         cmocka_unit_test(test_prefill_mode),
         cmocka_unit_test(test_bridged_blocks_are_evictable),
         cmocka_unit_test(test_filler_rows_slab_path),

@@ -32,8 +32,7 @@ void http_utf8_sanitize_append(http_buf *b, const char *s, size_t n);
 
 /* ---- errors ------------------------------------------------------------------------------ */
 
-void http_error_set(kvb_http_error *e, int status, const char *code, const char *param,
-                    const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+#define http_error_set kvb_http_error_set /* the module's own name for the public one */
 void http_error_vset(kvb_http_error *e, int status, const char *code, const char *param,
                      const char *fmt, va_list ap) __attribute__((format(printf, 5, 0)));
 /* {"error": {...}} as malloc'd JSON text; NULL on allocation failure. */

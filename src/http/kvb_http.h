@@ -73,6 +73,11 @@ typedef struct {
     char message[512];
 } kvb_http_error;
 
+/* Fills e (type from the status: invalid_request_error below 500, server_error from 500; code and
+ * param NULL for null). For handlers that answer with an error. */
+void kvb_http_error_set(kvb_http_error *e, int status, const char *code, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+
 /* ---- requests ---------------------------------------------------------------------------- */
 
 typedef enum { KVB_API_CHAT_COMPLETIONS = 0, KVB_API_COMPLETIONS } kvb_api;
@@ -85,7 +90,7 @@ typedef enum { KVB_BRIDGE_AUTO = 0, KVB_BRIDGE_FORCE, KVB_BRIDGE_OFF } kvb_bridg
  * long as the request. Fields the client left out (or sent as null) have the defaults noted. */
 typedef struct {
     kvb_api api;
-    const char *model;               /* required */
+    const char *model;               /* required (optional, NULL when absent, for /tokenize and /detokenize) */
     /* chat: roles are "system" (also for "developer"), "user", "assistant"; text parts of the
      * array-of-parts form are joined with "\n"; an assistant message with null content is "". */
     const kvb_chat_msg *messages;
@@ -120,6 +125,8 @@ typedef struct {
     bool stream;
     bool include_usage;              /* stream_options.include_usage (only with stream) */
     kvb_bridge_policy bridge;          /* extension: {"kvbridge": {"bridge": "auto"|"force"|"off"}} */
+    bool add_special_tokens;         /* a text prompt's BOS etc. as the tokenizer adds them: always
+                                        true, except from /tokenize ("add_special_tokens": false) */
     void *internal_;                 /* owned storage; kvb_completion_req_free releases it */
 } kvb_completion_req;
 
@@ -132,6 +139,14 @@ typedef struct {
 kvb_status kvb_completion_req_parse(kvb_api api, const char *body, size_t len,
                                     kvb_completion_req **out, kvb_http_error *err);
 void kvb_completion_req_free(kvb_completion_req *req);
+/* POST /tokenize (vLLM's): {"prompt": text | token ids} or {"messages": [...]} (as a completion
+ * request takes them; "model" optional; "add_special_tokens" for a prompt only, default true;
+ * "add_generation_prompt" true only) as a request whose prompt or messages are set (api CHAT for
+ * messages). Free with kvb_completion_req_free. */
+kvb_status kvb_tokenize_req_parse(const char *body, size_t len, kvb_completion_req **out, kvb_http_error *err);
+/* POST /detokenize (vLLM's): {"tokens": [ids >= 0]} ("model" optional; [] allowed) as a request
+ * whose prompt_tokens hold them (n_prompt_tokens may be 0). */
+kvb_status kvb_detokenize_req_parse(const char *body, size_t len, kvb_completion_req **out, kvb_http_error *err);
 
 /* ---- handler side of one completion ------------------------------------------------------ */
 
@@ -204,6 +219,14 @@ typedef struct {
     void (*completion)(void *ctx, const kvb_completion_req *req, kvb_completion_out *out);
     /* Optional: adds fields (peer state, queue depth, ...) to /health's {"status": "ok"}. */
     void (*health)(void *ctx, cJSON *body);
+    /* Optional (without them the routes are 404s): POST /tokenize, the ids (*ids malloc'd, may
+     * be NULL when *n_ids is 0) exactly as a completion request with this prompt or these
+     * messages computes them, and the model's context in *max_model_len; POST /detokenize, the
+     * text of prompt_tokens (*text malloc'd, special tokens shown). Each returns 0, or an HTTP
+     * status with err filled. Any thread, concurrently. */
+    int (*tokenize)(void *ctx, const kvb_completion_req *req, int32_t **ids, size_t *n_ids, uint32_t *max_model_len,
+                    kvb_http_error *err);
+    int (*detokenize)(void *ctx, const kvb_completion_req *req, char **text, kvb_http_error *err);
 } kvb_http_handlers;
 
 typedef struct {

@@ -406,8 +406,9 @@ static kvb_status parse_logprobs(kvb_completion_req *r, const cJSON *root, kvb_a
     return KVB_OK;
 }
 
-static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_api api, kvb_http_error *e) {
+static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_http_error *e) {
     kvb_completion_req *r = &st->req;
+    const kvb_api api = r->api;
     kvb_status s;
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
     if (!model || cJSON_IsNull(model))
@@ -469,13 +470,9 @@ static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_api api, kv
     return refuse_unsupported(root, api, e);
 }
 
-kvb_status kvb_completion_req_parse(kvb_api api, const char *body, size_t len,
-                                    kvb_completion_req **out, kvb_http_error *err) {
-    kvb_http_error scratch;
-    kvb_http_error *e = err ? err : &scratch;
-    *out = NULL;
-    if (api != KVB_API_CHAT_COMPLETIONS && api != KVB_API_COMPLETIONS)
-        return http_error_set(e, 500, NULL, NULL, "unknown API kind %d", (int)api), KVB_ERR_INVALID;
+/* A hostile body into a JSON object (*root; cJSON_Delete it), or a 400 saying what is wrong. */
+static kvb_status parse_body_object(const char *body, size_t len, cJSON **root, kvb_http_error *e) {
+    *root = NULL;
     if (!body) len = 0;
     size_t ws = 0;
     while (ws < len && (body[ws] == ' ' || body[ws] == '\t' || body[ws] == '\r' || body[ws] == '\n')) ws++;
@@ -487,8 +484,8 @@ kvb_status kvb_completion_req_parse(kvb_api api, const char *body, size_t len,
         return BAD(e, NULL, "Strings containing NUL (\\u0000) are not accepted.");
 
     const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, false);
-    if (!root) {
+    cJSON *r = cJSON_ParseWithLengthOpts(body, len, &end, false);
+    if (!r) {
         size_t at = (end && end >= body && end <= body + len) ? (size_t)(end - body) : 0;
         return BAD(e, NULL, "We could not parse the JSON body of your request: malformed JSON near "
                    "byte %zu.", at);
@@ -497,28 +494,117 @@ kvb_status kvb_completion_req_parse(kvb_api api, const char *body, size_t len,
     while (pos < len && (body[pos] == ' ' || body[pos] == '\t' || body[pos] == '\r' || body[pos] == '\n'))
         pos++;
     if (pos != len) {
-        cJSON_Delete(root);
+        cJSON_Delete(r);
         return BAD(e, NULL, "We could not parse the JSON body of your request: unexpected bytes after "
                    "the JSON value at byte %zu.", pos);
     }
-    if (!cJSON_IsObject(root)) {
-        kvb_status s = BAD(e, NULL, "The request body must be a JSON object, but it is %s.",
-                           json_type_name(root));
-        cJSON_Delete(root);
+    if (!cJSON_IsObject(r)) {
+        kvb_status s = BAD(e, NULL, "The request body must be a JSON object, but it is %s.", json_type_name(r));
+        cJSON_Delete(r);
         return s;
     }
+    *root = r;
+    return KVB_OK;
+}
+
+/* A request's storage around a parsed body, with OpenAI's defaults. */
+static req_storage *new_storage(cJSON *root, kvb_api api) {
     req_storage *st = calloc(1, sizeof *st);
-    if (!st) { cJSON_Delete(root); return NOMEM(e); }
+    if (!st) return NULL;
     st->root = root;
     st->req.internal_ = st;
     st->req.api = api;
     st->req.max_tokens = -1;
     st->req.temperature = 1.0;
     st->req.top_p = 1.0;
-    kvb_status s = parse_root(st, root, api, e);
+    st->req.add_special_tokens = true;
+    return st;
+}
+
+typedef kvb_status (*fill_fn)(req_storage *st, const cJSON *root, kvb_http_error *e);
+#define API_BY_BODY ((kvb_api)-1) /* chat when the body has "messages" (/tokenize) */
+
+/* The body as a JSON object, a request's storage around it, then fill's fields. */
+static kvb_status parse_request(const char *body, size_t len, kvb_api api, fill_fn fill, kvb_completion_req **out,
+                                kvb_http_error *err) {
+    kvb_http_error scratch;
+    kvb_http_error *e = err ? err : &scratch;
+    *out = NULL;
+    cJSON *root = NULL;
+    kvb_status s = parse_body_object(body, len, &root, e);
+    if (s) return s;
+    if (api == API_BY_BODY) api = field(root, "messages") ? KVB_API_CHAT_COMPLETIONS : KVB_API_COMPLETIONS;
+    req_storage *st = new_storage(root, api);
+    if (!st) { cJSON_Delete(root); return NOMEM(e); }
+    s = fill(st, root, e);
     if (s) { kvb_completion_req_free(&st->req); return s; }
     *out = &st->req;
     return KVB_OK;
+}
+
+kvb_status kvb_completion_req_parse(kvb_api api, const char *body, size_t len,
+                                    kvb_completion_req **out, kvb_http_error *err) {
+    if (api != KVB_API_CHAT_COMPLETIONS && api != KVB_API_COMPLETIONS) {
+        *out = NULL;
+        if (err) http_error_set(err, 500, NULL, NULL, "unknown API kind %d", (int)api);
+        return KVB_ERR_INVALID;
+    }
+    return parse_request(body, len, api, parse_root, out, err);
+}
+
+/* "model", when given, names a model (the server checks which). */
+static kvb_status parse_optional_model(req_storage *st, const cJSON *root, kvb_http_error *e) {
+    const cJSON *m = field(root, "model");
+    return m ? get_string(m, "model", false, &st->req.model, e) : KVB_OK;
+}
+
+static kvb_status fill_tokenize(req_storage *st, const cJSON *root, kvb_http_error *e) {
+    const bool chat = st->req.api == KVB_API_CHAT_COMPLETIONS;
+    kvb_status s = KVB_OK;
+    if (chat && field(root, "prompt")) s = BAD(e, "prompt", "Send either 'prompt' or 'messages', not both.");
+    if (!s) s = parse_optional_model(st, root, e);
+    if (!s) s = chat ? parse_messages(st, root, e) : parse_prompt(st, root, e);
+    if (!s && chat && field(root, "add_special_tokens"))
+        s = BAD(e, "add_special_tokens", "'add_special_tokens' applies to 'prompt' only: the tokens of 'messages' "
+                "are those a chat completion computes from them.");
+    if (!s) s = get_bool(root, "add_special_tokens", "add_special_tokens", &st->req.add_special_tokens, e);
+    bool gen_prompt = true;
+    if (!s) s = get_bool(root, "add_generation_prompt", "add_generation_prompt", &gen_prompt, e);
+    if (!s && !gen_prompt)
+        s = BAD(e, "add_generation_prompt", "Only add_generation_prompt=true is supported by this server (the "
+                "tokens a chat completion computes).");
+    return s;
+}
+
+kvb_status kvb_tokenize_req_parse(const char *body, size_t len, kvb_completion_req **out, kvb_http_error *err) {
+    return parse_request(body, len, API_BY_BODY, fill_tokenize, out, err);
+}
+
+static kvb_status fill_detokenize(req_storage *st, const cJSON *root, kvb_http_error *e) {
+    kvb_status s = parse_optional_model(st, root, e);
+    const cJSON *toks = field(root, "tokens");
+    if (!s && !toks) s = BAD(e, "tokens", "Missing required parameter: 'tokens'.");
+    if (!s && !cJSON_IsArray(toks))
+        s = BAD(e, "tokens", "Invalid type for 'tokens': expected an array of token ids, but got %s instead.",
+                json_type_name(toks));
+    const size_t n = s ? 0 : (size_t)cJSON_GetArraySize(toks);
+    if (!s && n && !(st->tokens = malloc(sizeof(int32_t) * n))) s = NOMEM(e);
+    size_t i = 0;
+    const cJSON *it;
+    if (!s)
+        cJSON_ArrayForEach(it, toks) {
+            char param[32];
+            snprintf(param, sizeof param, "tokens[%zu]", i);
+            if ((s = check_integer(it, param, 0, (double)INT32_MAX, e))) return s;
+            st->tokens[i++] = (int32_t)it->valuedouble;
+        }
+    st->req.prompt_tokens = st->tokens;
+    st->req.n_prompt_tokens = s ? 0 : n;
+    return s;
+}
+
+kvb_status kvb_detokenize_req_parse(const char *body, size_t len, kvb_completion_req **out, kvb_http_error *err) {
+    return parse_request(body, len, KVB_API_COMPLETIONS, fill_detokenize, out, err);
 }
 
 void kvb_completion_req_free(kvb_completion_req *req) {

@@ -32,10 +32,13 @@ typedef enum {
     ROUTE_MODEL_ONE,
     ROUTE_HEALTH,
     ROUTE_METRICS,
+    ROUTE_TOKENIZE,
+    ROUTE_DETOKENIZE,
 } route_id;
 
 static const char *const route_labels[] = {"other", "/v1/chat/completions", "/v1/completions",
-                                           "/v1/models", "/v1/models/{id}", "/health", "/metrics"};
+                                           "/v1/models", "/v1/models/{id}", "/health", "/metrics",
+                                           "/tokenize", "/detokenize"};
 
 typedef struct {
     kvb_http_server *server;
@@ -156,6 +159,69 @@ static enum MHD_Result serve_metrics(request_ctx *ctx, struct MHD_Connection *co
     return r;
 }
 
+/* ---- tokenizing ---------------------------------------------------------------------------------- */
+
+/* A request naming a model must name this one (404 model_not_found), as completions must. */
+static bool model_mismatch(const kvb_http_server *s, const char *model, kvb_http_error *e) {
+    if (!model || s->accept_any_model || strcmp(model, s->model_id) == 0) return false;
+    http_error_set(e, 404, "model_not_found", "model", "The model '%.200s' does not exist; this server serves '%.200s'.",
+                   model, s->model_id);
+    return true;
+}
+
+/* POST /tokenize -> {"count", "max_model_len", "tokens", "token_strs": null}; POST /detokenize ->
+ * {"prompt"} (vLLM's shapes). */
+static enum MHD_Result serve_tokenizer(request_ctx *ctx, struct MHD_Connection *conn) {
+    kvb_http_server *s = ctx->server;
+    kvb_http_error e;
+    const bool tok = ctx->route == ROUTE_TOKENIZE;
+    kvb_status parsed = tok ? kvb_tokenize_req_parse(ctx->body.data, ctx->body.len, &ctx->req, &e)
+                            : kvb_detokenize_req_parse(ctx->body.data, ctx->body.len, &ctx->req, &e);
+    if (parsed != KVB_OK || model_mismatch(s, ctx->req->model, &e)) return queue_error(ctx, conn, &e, NULL, NULL, NULL);
+    cJSON *root = cJSON_CreateObject();
+    if (!root) return refuse(ctx, conn, 500, NULL, "Out of memory answering.");
+    int status;
+    http_error_set(&e, 500, NULL, NULL, "The tokenizer failed."); /* unless the handler says more */
+    if (tok) {
+        int32_t *ids = NULL;
+        size_t n = 0;
+        uint32_t ctx_len = 0;
+        status = s->handlers.tokenize(s->handlers.ctx, ctx->req, &ids, &n, &ctx_len, &e);
+        cJSON *arr = status ? NULL : cJSON_CreateArray();
+        for (size_t i = 0; arr && i < n; i++) {
+            cJSON *v = cJSON_CreateNumber(ids[i]);
+            if (!v) { cJSON_Delete(arr); arr = NULL; break; }
+            cJSON_AddItemToArray(arr, v);
+        }
+        free(ids);
+        if (!status && !arr) status = 500, http_error_set(&e, 500, NULL, NULL, "Out of memory answering.");
+        if (!status) {
+            cJSON_AddNumberToObject(root, "count", (double)n);
+            cJSON_AddNumberToObject(root, "max_model_len", ctx_len);
+            cJSON_AddItemToObject(root, "tokens", arr);
+            cJSON_AddNullToObject(root, "token_strs");
+        }
+    } else {
+        char *text = NULL;
+        status = s->handlers.detokenize(s->handlers.ctx, ctx->req, &text, &e);
+        if (!status) {
+            http_buf clean = {0}; /* a token may hold part of a character */
+            http_utf8_sanitize_append(&clean, text ? text : "", text ? strlen(text) : 0);
+            if (clean.oom || !cJSON_AddStringToObject(root, "prompt", clean.data))
+                status = 500, http_error_set(&e, 500, NULL, NULL, "Out of memory answering.");
+            http_buf_free(&clean);
+        }
+        free(text);
+    }
+    if (status) {
+        cJSON_Delete(root);
+        if (status < 400 || status > 599) status = 500;
+        e.status = status;
+        return queue_error(ctx, conn, &e, NULL, NULL, NULL);
+    }
+    return queue_json(ctx, conn, 200, root, NULL);
+}
+
 /* ---- completions -------------------------------------------------------------------------------- */
 
 static int connection_fd(struct MHD_Connection *conn) {
@@ -183,12 +249,7 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
     kvb_trace_span("http.parse", t_parse, kvb_now_s(), ctx->body.len);
     if (parsed != KVB_OK) return queue_error(ctx, conn, &e, NULL, NULL, NULL);
     http_buf_free(&ctx->body);
-    if (!s->accept_any_model && strcmp(ctx->req->model, s->model_id) != 0) {
-        http_error_set(&e, 404, "model_not_found", "model",
-                       "The model '%.200s' does not exist; this server serves '%.200s'.", ctx->req->model,
-                       s->model_id);
-        return queue_error(ctx, conn, &e, NULL, NULL, NULL);
-    }
+    if (model_mismatch(s, ctx->req->model, &e)) return queue_error(ctx, conn, &e, NULL, NULL, NULL);
     ctx->out = http_completion_new(s, ctx->req, connection_fd(conn));
     if (!ctx->out) return refuse(ctx, conn, 503, NULL, "Out of memory starting the completion.");
     kvb_completion_out *out = ctx->out;
@@ -242,17 +303,21 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
 
 /* ---- routing ------------------------------------------------------------------------------------ */
 
-static route_id route_of(const char *url) {
+static route_id route_of(const kvb_http_server *s, const char *url) {
     if (strcmp(url, "/v1/chat/completions") == 0) return ROUTE_CHAT;
     if (strcmp(url, "/v1/completions") == 0) return ROUTE_COMPLETIONS;
     if (strcmp(url, "/v1/models") == 0) return ROUTE_MODELS;
     if (strncmp(url, "/v1/models/", 11) == 0 && url[11]) return ROUTE_MODEL_ONE;
     if (strcmp(url, "/health") == 0) return ROUTE_HEALTH;
     if (strcmp(url, "/metrics") == 0) return ROUTE_METRICS;
+    if (strcmp(url, "/tokenize") == 0 && s->handlers.tokenize) return ROUTE_TOKENIZE;
+    if (strcmp(url, "/detokenize") == 0 && s->handlers.detokenize) return ROUTE_DETOKENIZE;
     return ROUTE_UNKNOWN;
 }
 
-static bool is_post_route(route_id r) { return r == ROUTE_CHAT || r == ROUTE_COMPLETIONS; }
+static bool is_post_route(route_id r) {
+    return r == ROUTE_CHAT || r == ROUTE_COMPLETIONS || r == ROUTE_TOKENIZE || r == ROUTE_DETOKENIZE;
+}
 
 /* ---- the API key -------------------------------------------------------------------------------- */
 
@@ -261,10 +326,8 @@ static bool sha256(const void *bytes, size_t n, unsigned char out[HTTP_API_KEY_D
     return EVP_Digest(bytes, n, out, &len, EVP_sha256(), NULL) == 1 && len == HTTP_API_KEY_DIGEST_LEN;
 }
 
-/* The /v1/ routes; /health and /metrics stay open (probes and scrapers carry no key). */
-static bool route_needs_key(route_id r) {
-    return r == ROUTE_CHAT || r == ROUTE_COMPLETIONS || r == ROUTE_MODELS || r == ROUTE_MODEL_ONE;
-}
+/* The /v1/ routes and (de)tokenizing; /health and /metrics stay open (probes and scrapers carry no key). */
+static bool route_needs_key(route_id r) { return r != ROUTE_HEALTH && r != ROUTE_METRICS && r != ROUTE_UNKNOWN; }
 
 /* NULL when the request carries the key; else the 401's message. The token's digest is compared
  * with the key's in constant time, whatever the token's length. */
@@ -302,7 +365,7 @@ static bool is_json_media_type(const char *ct) {
 static enum MHD_Result on_headers(request_ctx *ctx, struct MHD_Connection *conn, const char *url,
                                   const char *method) {
     kvb_http_server *s = ctx->server;
-    ctx->route = route_of(url);
+    ctx->route = route_of(s, url);
     bool get = strcmp(method, MHD_HTTP_METHOD_GET) == 0 || strcmp(method, MHD_HTTP_METHOD_HEAD) == 0;
     bool post = strcmp(method, MHD_HTTP_METHOD_POST) == 0;
     if (ctx->route == ROUTE_UNKNOWN)
@@ -380,6 +443,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     case ROUTE_MODEL_ONE: return serve_model_one(ctx, conn, url + 11);
     case ROUTE_HEALTH: return serve_health(ctx, conn);
     case ROUTE_METRICS: return serve_metrics(ctx, conn);
+    case ROUTE_TOKENIZE:
+    case ROUTE_DETOKENIZE: return serve_tokenizer(ctx, conn);
     default: return MHD_NO;
     }
 }

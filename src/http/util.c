@@ -120,6 +120,13 @@ static void copy_trunc(char *dst, size_t cap, const char *src) {
     dst[n] = '\0';
 }
 
+void kvb_http_error_set(kvb_http_error *e, int status, const char *code, const char *param, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    http_error_vset(e, status, code, param, fmt, ap);
+    va_end(ap);
+}
+
 void http_error_vset(kvb_http_error *e, int status, const char *code, const char *param,
                      const char *fmt, va_list ap) {
     if (!e) return;
@@ -128,14 +135,6 @@ void http_error_vset(kvb_http_error *e, int status, const char *code, const char
     copy_trunc(e->code, sizeof e->code, code);
     copy_trunc(e->param, sizeof e->param, param);
     vsnprintf(e->message, sizeof e->message, fmt, ap);
-}
-
-void http_error_set(kvb_http_error *e, int status, const char *code, const char *param,
-                    const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    http_error_vset(e, status, code, param, fmt, ap);
-    va_end(ap);
 }
 
 static cJSON *string_or_null(const char *s) {

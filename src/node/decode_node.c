@@ -552,7 +552,8 @@ static int prompt_tokens(kvb_decode_node *n, const kvb_completion_req *req, int3
         return 0;
     }
     const char *t = text ? text : req->prompt;
-    kvb_status st = kvb_tokenize(n->tok, t, strlen(t), true, req->api == KVB_API_CHAT_COMPLETIONS, ids, n_ids, err);
+    const bool chat = req->api == KVB_API_CHAT_COMPLETIONS;
+    kvb_status st = kvb_tokenize(n->tok, t, strlen(t), chat || req->add_special_tokens, chat, ids, n_ids, err);
     free(text);
     return st ? 400 : 0;
 }
@@ -941,6 +942,49 @@ cleanup_unlocked:
     free(toks);
 }
 
+/* POST /tokenize: the ids a completion with this prompt or these messages computes. */
+static int handle_tokenize(void *ctx, const kvb_completion_req *req, int32_t **ids, size_t *n_ids, uint32_t *max_model_len,
+                           kvb_http_error *e) {
+    kvb_decode_node *n = ctx;
+    kvb_err err = {0};
+    const int status = prompt_tokens(n, req, ids, n_ids, &err);
+    if (status) {
+        kvb_http_error_set(e, status, NULL, req->api == KVB_API_CHAT_COMPLETIONS ? "messages" : "prompt", "%s",
+                           err.msg[0] ? err.msg : "out of memory");
+        return status;
+    }
+    *max_model_len = n->cfg.max_ctx;
+    return 0;
+}
+
+/* POST /detokenize: the text of the ids, special tokens shown (the inverse of /tokenize). */
+static int handle_detokenize(void *ctx, const kvb_completion_req *req, char **text, kvb_http_error *e) {
+    kvb_decode_node *n = ctx;
+    for (size_t i = 0; i < req->n_prompt_tokens; i++)
+        if ((uint32_t)req->prompt_tokens[i] >= n->m->d.n_vocab) {
+            char param[32];
+            snprintf(param, sizeof param, "tokens[%zu]", i);
+            kvb_http_error_set(e, 400, NULL, param, "Token %d is outside the vocabulary (0..%u).", req->prompt_tokens[i],
+                               n->m->d.n_vocab - 1);
+            return 400;
+        }
+    const size_t piece_cap = kvb_tokenizer_max_token_len(n->tok) + 8;
+    char *out = malloc((req->n_prompt_tokens + 1) * piece_cap + 1); /* every piece fits its slot */
+    if (!out) {
+        kvb_http_error_set(e, 500, NULL, NULL, "out of memory");
+        return 500;
+    }
+    kvb_detok dt;
+    kvb_detok_init(&dt, n->tok);
+    dt.show_special = true;
+    size_t len = 0;
+    for (size_t i = 0; i < req->n_prompt_tokens; i++) len += kvb_detok_push(&dt, req->prompt_tokens[i], out + len, piece_cap);
+    len += kvb_detok_flush(&dt, out + len, piece_cap);
+    out[len] = 0;
+    *text = out;
+    return 0;
+}
+
 static void handle_health(void *ctx, cJSON *body) {
     kvb_decode_node *n = ctx;
     cJSON_AddStringToObject(body, "peer", n->peer ? n->peer_state : "none");
@@ -1088,7 +1132,8 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
         goto fail;
     kvb_http_config hc = {.listen = cfg->http_listen, .model_id = n->model_id, .accept_any_model = true,
                           .metrics = n->metrics, .api_key = cfg->api_key};
-    kvb_http_handlers hh = {.ctx = n, .completion = handle_completion, .health = handle_health};
+    kvb_http_handlers hh = {.ctx = n, .completion = handle_completion, .health = handle_health,
+                            .tokenize = handle_tokenize, .detokenize = handle_detokenize};
     if ((st = kvb_http_server_start(&hc, &hh, &n->http, err))) goto fail;
     if (n->peer) { /* the lanes now, not on the first bridged request (connects and handshakes) */
         engine_acquire(n);
