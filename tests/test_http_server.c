@@ -998,6 +998,79 @@ static void test_logprobs(void **state) {
     }
 }
 
+/* ---- the access log ---------------------------------------------------------------------------- */
+
+static pthread_mutex_t g_log_mu = PTHREAD_MUTEX_INITIALIZER;
+static char g_log[16384];
+
+static void capture_log(kvb_log_level level, const char *line, void *ctx) {
+    (void)ctx;
+    pthread_mutex_lock(&g_log_mu);
+    size_t n = strlen(g_log);
+    snprintf(g_log + n, sizeof g_log - n, "%d %s\n", (int)level, line);
+    pthread_mutex_unlock(&g_log_mu);
+}
+
+/* The captured line that holds every one of parts (NULL-terminated), waited for up to 2 s (the
+ * line is written once the response went out); fails the test when none comes. */
+static void expect_log_line(const char *const *parts) {
+    for (int tries = 0; tries < 200; tries++) {
+        pthread_mutex_lock(&g_log_mu);
+        bool found = false;
+        for (const char *line = g_log; *line && !found;) {
+            const char *eol = strchr(line, '\n');
+            found = true;
+            for (const char *const *p = parts; *p && found; p++) {
+                const char *hit = strstr(line, *p);
+                found = hit && hit < eol;
+            }
+            line = eol + 1;
+        }
+        pthread_mutex_unlock(&g_log_mu);
+        if (found) return;
+        sleep_ms(10);
+    }
+    fail_msg("no log line holds '%s' ... in:\n%s", parts[0], g_log);
+}
+
+/* One INFO line per API request: the completion's id, tokens, time to first token, verdict and
+ * end; refusals by status; probes only at DEBUG. */
+static void test_access_log(void **state) {
+    fixture *f = *state;
+    g_log[0] = 0;
+    kvb_log_set_sink(capture_log, NULL);
+    kvb_log_set_level(KVB_LOG_INFO);
+    http_resp r;
+    post_json(f->port, "/v1/chat/completions",
+              "{\"model\":\"" MODEL "\",\"messages\":[{\"role\":\"user\",\"content\":\"logged words\"}]}", &r);
+    cJSON *j = parse_body(&r);
+    char id[64];
+    snprintf(id, sizeof id, "%s", jstr(j, "id"));
+    cJSON_Delete(j);
+    resp_free(&r);
+    expect_log_line((const char *const[]){"2 http: POST /v1/chat/completions 200 ", id, " prompt=2 (cached 5, bridged 12, native 7) completion=2 ttft=",
+                                          "verdict=\"" VERDICT "\" end=\"stop\"", NULL});
+    post_json(f->port, "/v1/completions", "{\"model\":\"" MODEL "\",\"prompt\":\"a b c\",\"max_tokens\":2,\"stream\":true}", &r);
+    resp_free(&r);
+    expect_log_line((const char *const[]){"POST /v1/completions 200 cmpl-", " stream prompt=3 ", "completion=2 ", "end=\"length\"", NULL});
+    post_json(f->port, "/v1/completions", "{\"model\":\"" MODEL "\",\"prompt\":\"FAIL_CONTEXT\"}", &r);
+    resp_free(&r);
+    expect_log_line((const char *const[]){"POST /v1/completions 400 cmpl-", "ttft=- ", "end=\"This model's maximum context", NULL});
+    post_json(f->port, "/v1/completions", "{\"model\":\"" MODEL "\",\"prompt\":\"x\",\"max_tokens\":\"\\n\"}", &r);
+    resp_free(&r);
+    expect_log_line((const char *const[]){"2 http: POST /v1/completions 400 ", NULL});
+    http_call(f->port, "GET", "/health", NULL, NULL, &r);
+    resp_free(&r);
+    post_json(f->port, "/tokenize", "{\"prompt\":\"x y\"}", &r); /* once its line is in, a probe's would be */
+    resp_free(&r);
+    expect_log_line((const char *const[]){"POST /tokenize 200 ", NULL});
+    pthread_mutex_lock(&g_log_mu);
+    assert_null(strstr(g_log, "/health"));
+    pthread_mutex_unlock(&g_log_mu);
+    kvb_log_set_level(KVB_LOG_WARN);
+    kvb_log_set_sink(NULL, NULL);
+}
+
 /* POST /tokenize and /detokenize in vLLM's shapes; their refusals; 404 without handlers. */
 static void test_tokenize_routes(void **state) {
     fixture *f = *state;
@@ -1930,6 +2003,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_completion_streaming, setup, teardown),
         cmocka_unit_test_setup_teardown(test_logprobs, setup, teardown),
         cmocka_unit_test_setup_teardown(test_tokenize_routes, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_access_log, setup, teardown),
         cmocka_unit_test_setup_teardown(test_handler_errors, setup, teardown),
         cmocka_unit_test_setup_teardown(test_http_refusals, setup, teardown),
         cmocka_unit_test_setup_teardown(test_body_limits, setup, teardown),

@@ -59,7 +59,9 @@ static void help(FILE *f) {
             "                       (default 2; 0 = compute what is missing natively at once)\n"
             "  --fault SPEC         prefill, test-only: corrupt:N, die:N, stall:N (30 s) or pause:N (2 s) at\n"
             "                       the Nth slab of every request, or of the first K with corrupt:NxK (...)\n"
-            "  --verbose            log connections and faults\n");
+            "  --quiet              log warnings and errors only (by default also one line per completion,\n"
+            "                       connections and faults)\n"
+            "  --verbose            also log every other request (probes, scrapes) and the HTTP library's notes\n");
 }
 
 static volatile sig_atomic_t g_stop;
@@ -76,6 +78,7 @@ int kvb_cmd_serve(int argc, char **argv) {
               warmup = -1, resumes = -1, parallel = 0;
     long long gpus = 1;
     bool tail_after = false, tp_one_device = false;
+    kvb_log_level log_level = KVB_LOG_INFO; /* a server's access log is on unless asked off */
     int gpu_weights = 0;
     uint32_t cache_type = KVB_TYPE_F16, engine_type = 0;
     for (int i = 1; i < argc; i++) {
@@ -104,7 +107,8 @@ int kvb_cmd_serve(int argc, char **argv) {
         else if (!strcmp(a, "--engine-cache-type")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &engine_type)) return 2;
         }
-        else if (!strcmp(a, "--verbose") || !strcmp(a, "-v")) kvb_log_set_level(KVB_LOG_INFO);
+        else if (!strcmp(a, "--verbose") || !strcmp(a, "-v")) log_level = KVB_LOG_DEBUG;
+        else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) log_level = KVB_LOG_WARN;
         else if (!strcmp(a, "--tail-after-transfer")) tail_after = true;
         else if (!strcmp(a, "--tp-one-device")) tp_one_device = true;
         else if (!strcmp(a, "--gpu-weights")) {
@@ -149,6 +153,7 @@ int kvb_cmd_serve(int argc, char **argv) {
         fprintf(stderr, "kvbridge serve: --role %s needs %s HOST:PORT\n", role, prefill ? "--listen" : "--http");
         return 2;
     }
+    kvb_log_set_level(log_level);
     signal(SIGINT, on_signal);
     signal(SIGTERM, on_signal);
     signal(SIGPIPE, SIG_IGN);

@@ -42,6 +42,11 @@ typedef enum { KVB_LOG_ERROR = 0, KVB_LOG_WARN, KVB_LOG_INFO, KVB_LOG_DEBUG } kv
 void kvb_log_set_level(kvb_log_level level);
 kvb_log_level kvb_log_get_level(void);
 void kvb_log(kvb_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Where log lines go instead of stderr (NULL: stderr again): called for each line at or below the
+ * level, from the logging thread, with the message (no level prefix, no newline, at most 2047
+ * bytes). Set it before starting anything that logs. */
+typedef void (*kvb_log_sink)(kvb_log_level level, const char *line, void *ctx);
+void kvb_log_set_sink(kvb_log_sink sink, void *ctx);
 
 /* ---- time ------------------------------------------------------------------------------- */
 

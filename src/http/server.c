@@ -50,6 +50,7 @@ typedef struct {
     bool responded;        /* a response is queued */
     unsigned status;       /* its status */
     bool timeout_lifted;   /* streaming: connection timeout off while the stream runs */
+    char method[8];        /* for the log line: "POST", "GET", "HEAD" (others cut) */
     kvb_completion_req *req;
     kvb_completion_out *out;
 } request_ctx;
@@ -410,6 +411,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         if (!ctx) return MHD_NO;
         ctx->server = s;
         ctx->t_start = kvb_now_s();
+        snprintf(ctx->method, sizeof ctx->method, "%s", method);
         *con_cls = ctx;
         kvb_metric_add(s->m_in_flight, NULL, 1);
         return on_headers(ctx, conn, url, method);
@@ -456,6 +458,36 @@ static const char *verdict_class(const char *v) {
     return "other";
 }
 
+/* One line per request, as an operator reads a server's access log: at INFO, completions (the id
+ * the client got, tokens by where they came from, time to the first token, the verdict, how it
+ * ended) and the other API calls and refusals; at DEBUG, probes and scrapes (every few seconds). */
+static void log_request(const request_ctx *ctx, const char *method, double seconds) {
+    const kvb_completion_out *out = ctx->out;
+    const char *route = route_labels[ctx->route];
+    const unsigned status = ctx->responded ? ctx->status : 0u;
+    if (!out) { /* refused before a completion began, or another route */
+        const bool probe = ctx->route == ROUTE_HEALTH || ctx->route == ROUTE_METRICS || ctx->route == ROUTE_MODELS ||
+                           ctx->route == ROUTE_MODEL_ONE;
+        kvb_log(probe ? KVB_LOG_DEBUG : KVB_LOG_INFO, "http: %s %s %u %.3fs", method, route, status, seconds);
+        return;
+    }
+    if (kvb_log_get_level() < KVB_LOG_INFO) return;
+    const kvb_usage *u = &out->usage;
+    char ttft[32] = "-";
+    if (out->emitted) snprintf(ttft, sizeof ttft, "%.3fs", out->t_first_token - out->t_start);
+    char end[161]; /* an error's message may quote the client's bytes: printable ASCII only */
+    http_printable_copy(end, sizeof end, out->client_gone ? "client gone"
+                                         : out->failed    ? out->error.message
+                                         : out->ended     ? http_finish_reason_name(out->finish_reason)
+                                                          : "unfinished");
+    kvb_log(KVB_LOG_INFO,
+            "http: %s %s %u %s %.3fs%s prompt=%lld (cached %lld, bridged %lld, native %lld) completion=%lld "
+            "ttft=%s verdict=\"%s\" end=\"%s\"",
+            method, route, status, out->meta.id, seconds, out->streaming ? " stream" : "", (long long)u->prompt_tokens,
+            (long long)u->cached_tokens, (long long)u->bridged_tokens, (long long)u->native_tokens,
+            (long long)u->completion_tokens, ttft, out->ended && !out->failed ? out->final_verdict : out->verdict, end);
+}
+
 static void request_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
                               enum MHD_RequestTerminationCode toe) {
     kvb_http_server *s = cls;
@@ -463,8 +495,10 @@ static void request_completed(void *cls, struct MHD_Connection *conn, void **con
     if (!ctx) return;
     *con_cls = NULL;
     kvb_completion_out *out = ctx->out;
+    const double seconds = kvb_now_s() - ctx->t_start;
+    if (out) http_completion_abandon(out); /* joins a streaming worker: its fields are final */
+    log_request(ctx, ctx->method, seconds);
     if (out) {
-        http_completion_abandon(out); /* joins a streaming worker */
         const char *api = out->meta.api == KVB_API_CHAT_COMPLETIONS ? "chat" : "completions";
         bool delivered = toe == MHD_REQUEST_TERMINATED_COMPLETED_OK;
         if (out->client_gone || (!delivered && toe != MHD_REQUEST_TERMINATED_DAEMON_SHUTDOWN))
@@ -483,7 +517,7 @@ static void request_completed(void *cls, struct MHD_Connection *conn, void **con
     snprintf(code, sizeof code, "%u", ctx->responded ? ctx->status : 0u);
     const char *route = route_labels[ctx->route];
     kvb_metric_add(s->m_requests, KVB_LABELS(route, code), 1);
-    kvb_metric_observe(s->m_duration, KVB_LABELS(route), kvb_now_s() - ctx->t_start);
+    kvb_metric_observe(s->m_duration, KVB_LABELS(route), seconds);
     kvb_metric_add(s->m_in_flight, NULL, -1);
     kvb_completion_req_free(ctx->req);
     http_buf_free(&ctx->body);
