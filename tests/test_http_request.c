@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "http_internal.h" /* the UTF-8 repair */
 #include "kvb_http.h"
 
 static kvb_completion_req *parse_ok(kvb_api api, const char *body) {
@@ -394,6 +395,27 @@ static void test_bad_requests_table(void **state) {
     assert_int_equal(failures, 0);
 }
 
+/* Invalid UTF-8 becomes one U+FFFD per maximal subpart, as Python's decode(errors='replace')
+ * gives it (the expected strings are Python's). */
+static void test_utf8_replacement(void **state) {
+    (void)state;
+#define R "\xef\xbf\xbd"
+    static const char *const cases[][2] = {
+        {"\xe2\x82", R},          {"\xe2\x82" "A", R "A"},   {"\xff\xfe", R R},
+        {"\xed\xa0\x80", R R R},   {"\xf0\x9f\x98", R},     {"\xf0\x80\x80\x80", R R R R},
+        {"\xc0\xaf", R R},        {"a\xe0\xa0", "a" R},     {"\xf4\x90\x80\x80", R R R R},
+        {"\xe0\x80\xaf", R R R},   {"ok \xc3\xa9 \xe2\x82\xac", "ok \xc3\xa9 \xe2\x82\xac"},
+    };
+#undef R
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
+        http_buf b = {0};
+        http_utf8_sanitize_append(&b, cases[i][0], strlen(cases[i][0]));
+        if (strcmp(b.data, cases[i][1]) != 0) fail_msg("case %zu: got '%s'", i, b.data);
+        assert_true(http_utf8_valid(b.data, b.len));
+        http_buf_free(&b);
+    }
+}
+
 static void test_hostile_bytes(void **state) {
     (void)state;
     kvb_completion_req *r = NULL;
@@ -475,6 +497,7 @@ int main(void) {
         cmocka_unit_test(test_chat_full),
         cmocka_unit_test(test_logprobs_fields),
         cmocka_unit_test(test_tokenize_bodies),
+        cmocka_unit_test(test_utf8_replacement),
         cmocka_unit_test(test_completion_prompts),
         cmocka_unit_test(test_bad_requests_table),
         cmocka_unit_test(test_hostile_bytes),

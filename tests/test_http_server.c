@@ -936,7 +936,7 @@ static void test_logprobs(void **state) {
     assert_string_equal(jstr(content, "1.top_logprobs.1.token"), "alt1");
     assert_true(jnum(content, "1.top_logprobs.1.logprob") == -3.0);
     assert_true(jnum(content, "1.top_logprobs.1.bytes.3") == '1');
-    assert_string_equal(jstr(content, "2.token"), "\xef\xbf\xbd\xef\xbf\xbd"); /* U+FFFD per byte of the partial character */
+    assert_string_equal(jstr(content, "2.token"), "\xef\xbf\xbd"); /* one U+FFFD for the partial character, as Python shows it */
     assert_true(jnum(content, "2.logprob") == -9999.0);             /* -inf: OpenAI's floor */
     assert_true(jnum(content, "2.bytes.0") == 0xe2 && jnum(content, "2.bytes.1") == 0x82);
     cJSON_Delete(j);
@@ -981,7 +981,7 @@ static void test_logprobs(void **state) {
                 assert_string_equal(jstr(l, chat ? "0.token" : "0"), piece);
             } else if (finish) {
                 assert_int_equal(cJSON_GetArraySize(l), 1);
-                assert_string_equal(jstr(l, chat ? "0.token" : "0"), "\xef\xbf\xbd\xef\xbf\xbd");
+                assert_string_equal(jstr(l, chat ? "0.token" : "0"), "\xef\xbf\xbd");
                 if (!chat) assert_true(jnum(e, "choices.0.logprobs.text_offset.0") == 7);
             } else {
                 assert_true(cJSON_IsNull(jitem(e, "choices.0.logprobs"))); /* the role chunk */

@@ -27,7 +27,8 @@ void http_buf_free(http_buf *b);
 /* ---- UTF-8 ----------------------------------------------------------------------------- */
 
 bool http_utf8_valid(const char *s, size_t n);
-/* Appends s with every invalid sequence replaced by U+FFFD. */
+/* Appends s with each invalid sequence's maximal subpart replaced by one U+FFFD (as Python's
+ * decode(errors='replace') does). */
 void http_utf8_sanitize_append(http_buf *b, const char *s, size_t n);
 
 /* ---- errors ------------------------------------------------------------------------------ */

@@ -85,6 +85,32 @@ static size_t utf8_seq_len(const unsigned char *s, size_t n) {
     return len;
 }
 
+/* At an invalid sequence: how many bytes one U+FFFD stands for, Unicode's "maximal subpart" (the
+ * longest prefix that could still begin a valid sequence, at least 1), as Python's
+ * decode(errors='replace') and WHATWG's decoder count them. */
+static size_t utf8_maximal_subpart(const unsigned char *s, size_t n) {
+    const unsigned char c = s[0];
+    size_t len;
+    unsigned char lo = 0x80, hi = 0xBF; /* the second byte's range, which the lead narrows */
+    if (c >= 0xC2 && c <= 0xDF) len = 2;
+    else if (c >= 0xE0 && c <= 0xEF) {
+        len = 3;
+        if (c == 0xE0) lo = 0xA0;
+        if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+        len = 4;
+        if (c == 0xF0) lo = 0x90;
+        if (c == 0xF4) hi = 0x8F;
+    } else
+        return 1;
+    size_t i = 1;
+    for (; i < len && i < n; i++) {
+        const unsigned char b = s[i];
+        if (i == 1 ? (b < lo || b > hi) : (b & 0xC0) != 0x80) break;
+    }
+    return i;
+}
+
 bool http_utf8_valid(const char *s, size_t n) {
     const unsigned char *p = (const unsigned char *)s;
     size_t i = 0;
@@ -104,7 +130,7 @@ void http_utf8_sanitize_append(http_buf *b, const char *s, size_t n) {
         if (l) { i += l; continue; }
         http_buf_append(b, s + run, i - run);
         http_buf_append(b, "\xEF\xBF\xBD", 3);
-        i += 1;
+        i += utf8_maximal_subpart(p + i, n - i);
         run = i;
     }
     http_buf_append(b, s + run, n - run);
