@@ -628,20 +628,38 @@ static kvb_status send_logprobs(kvb_decode_node *n, kvb_completion_out *out, con
     return kvb_completion_add_logprobs(out, &tok, top, lp->n_top);
 }
 
-#define PROMPT_LOGPROB_ROWS 16 /* prompt rows whose logits are held at once: (16, n_vocab) floats */
+#define PROMPT_LOGPROB_ROWS 64 /* prompt rows whose logits are held at once: (64, n_vocab) floats */
+
+typedef struct {
+    const float *rows;       // (row, n_vocab)
+    const int32_t *next;     // (row) the token each row predicts
+    uint32_t n_vocab, top;
+    kvb_pick_logprobs *out;  // (row)
+} row_logprobs_job;
+
+static void row_logprobs(void *ctx, int t, int worker) {
+    (void)worker;
+    const row_logprobs_job *j = ctx;
+    kvb_logprobs_of(j->rows + (size_t)t * j->n_vocab, j->n_vocab, j->next[t], j->top, &j->out[t]);
+}
 
 /* The whole prompt through this node's own forward with every row's logits (echo with logprobs):
  * each prompt token's logprob under the rows before it goes to the client (the first token's is
- * null), the last row's logits to `logits`. Slices of PROMPT_LOGPROB_ROWS; the waiting decode
- * steps run between them. */
+ * null), the last row's logits to `logits`. Slices of PROMPT_LOGPROB_ROWS, their rows' log_softmax
+ * on the engine's pool (idle between forwards); the waiting decode steps run between slices. */
 static kvb_status forward_prompt_logprobs(kvb_decode_node *n, kvb_seq *s, const int32_t *toks, uint32_t n_toks,
                                           float *logits, const kvb_completion_req *req, kvb_completion_out *out,
                                           char *scratch, kvb_err *err) {
     const uint32_t nv = n->m->d.n_vocab;
     float *rows = malloc(sizeof(float) * PROMPT_LOGPROB_ROWS * nv); // (row, n_vocab)
-    if (!rows) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the prompt's logits");
-    kvb_pick_logprobs lp = {.picked = {.id = toks[0]}};
-    kvb_status st = send_logprobs(n, out, &lp, true, scratch);
+    kvb_pick_logprobs *lps = malloc(sizeof *lps * PROMPT_LOGPROB_ROWS); // (row)
+    if (!rows || !lps) {
+        free(rows);
+        free(lps);
+        return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the prompt's logits");
+    }
+    kvb_pick_logprobs first = {.picked = {.id = toks[0]}};
+    kvb_status st = send_logprobs(n, out, &first, true, scratch);
     for (uint32_t done = 0; !st && done < n_toks;) {
         if (kvb_completion_cancelled(out)) {
             st = kvb_err_set(err, KVB_ERR_IO, "the client went away");
@@ -649,20 +667,19 @@ static kvb_status forward_prompt_logprobs(kvb_decode_node *n, kvb_seq *s, const 
         }
         const uint32_t c = KVB_MIN(PROMPT_LOGPROB_ROWS, n_toks - done);
         if ((st = kvb_engine_forward(n->e, s, toks + done, c, rows, true, err))) break;
-        for (uint32_t r = 0; !st && r < c; r++) {
-            const float *row = rows + (size_t)r * nv;
-            if (done + r + 1 == n_toks) {
-                memcpy(logits, row, sizeof(float) * nv);
-            } else {
-                kvb_logprobs_of(row, nv, toks[done + r + 1], req->top_logprobs, &lp);
-                if (send_logprobs(n, out, &lp, false, scratch))
-                    st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory recording the prompt's logprobs");
-            }
-        }
+        const bool last = done + c == n_toks; /* the last row predicts the reply, not a prompt token */
+        const uint32_t scored = last ? c - 1 : c;
+        row_logprobs_job job = {.rows = rows, .next = toks + done + 1, .n_vocab = nv, .top = req->top_logprobs, .out = lps};
+        kvb_pool_parallel_for(kvb_engine_pool(n->e), (int)scored, row_logprobs, &job);
+        for (uint32_t r = 0; !st && r < scored; r++)
+            if (send_logprobs(n, out, &lps[r], false, scratch))
+                st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory recording the prompt's logprobs");
+        if (last) memcpy(logits, rows + (size_t)(c - 1) * nv, sizeof(float) * nv);
         done += c;
         kvb_decode_batch_run_pending(n->batch);
     }
     free(rows);
+    free(lps);
     return st;
 }
 
