@@ -85,5 +85,19 @@ check("echo tops", lp is not None and all(max(t.values()) >= v for t, v in zip(l
       lp and lp.top_logprobs[:3])
 check("echo verdict", (ll.usage.model_extra or {}).get("kvbridge", {}).get("verdict", "").startswith("declined: prompt logprobs"),
       ll.usage)
+
+# JSON mode through the client's own parameter: the reply starts an object, and one that ended
+# by itself parses as one
+import json
+jm = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Answer in JSON."}],
+                                    max_tokens=24, temperature=0, response_format={"type": "json_object"})
+jtext, jfinish = jm.choices[0].message.content, jm.choices[0].finish_reason
+ok = jtext.startswith("{")
+if jfinish == "stop":
+    try:
+        ok = ok and isinstance(json.loads(jtext), dict)
+    except ValueError:
+        ok = False
+check("json mode", ok, (jfinish, jtext))
 print(f"openai node check: {passed} passed, {failed} failed")
 sys.exit(1 if failed else 0)

@@ -139,6 +139,13 @@ static void test_logprobs_fields(void **state) {
     r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":[1,2],\"echo\":true,\"logprobs\":1}");
     assert_true(r->echo && r->logprobs);
     kvb_completion_req_free(r);
+    r = parse_ok(KVB_API_CHAT_COMPLETIONS, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+                                           "\"response_format\":{\"type\":\"json_object\"}}");
+    assert_true(r->json_object);
+    kvb_completion_req_free(r);
+    r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":\"x\",\"response_format\":{\"type\":\"text\"}}");
+    assert_false(r->json_object);
+    kvb_completion_req_free(r);
     /* chat has no echo in OpenAI's API: an unknown field, ignored */
     r = parse_ok(KVB_API_CHAT_COMPLETIONS, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
                                            "\"echo\":true}");
@@ -329,7 +336,9 @@ static const bad_case bad_cases[] = {
     {CHAT, CHATB(",\"logprobs\":true,\"top_logprobs\":-1"), "top_logprobs", "out of range"},
     {CHAT, CHATB(",\"logprobs\":true,\"top_logprobs\":2.5"), "top_logprobs", "decimal"},
     {CHAT, CHATB(",\"tools\":[{\"type\":\"function\"}]"), "tools", "not supported"},
-    {CHAT, CHATB(",\"response_format\":{\"type\":\"json_object\"}"), "response_format", "not supported"},
+    {CHAT, CHATB(",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{}}"), "response_format", "no JSON schemas"},
+    {CHAT, CHATB(",\"response_format\":\"json_object\""), "response_format", "not supported"},
+    {CHAT, CHATB(",\"response_format\":{\"type\":5}"), "response_format", "not supported"},
     /* completions */
     {CMPL, "{\"model\":\"m\"}", "prompt", "Missing"},
     {CMPL, "{\"model\":\"m\",\"prompt\":null}", "prompt", "Missing"},

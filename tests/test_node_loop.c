@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "kvb_engine_cpu.h"
+#include "kvb_grammar.h"
 #include "kvb_model.h"
 #include "kvb_node.h"
 #include "kvb_store.h"
@@ -1009,6 +1010,58 @@ static void test_tokenize_matches_completions(void **state) {
     kvb_decode_node_stop(dn);
 }
 
+/* response_format json_object on a real node: every reply is a JSON prefix that starts at '{', and
+ * one that ends by itself (finish_reason stop) is an object cJSON parses; without the field the
+ * same request does not answer in JSON. '}' gets a small bias so that random weights close
+ * objects within max_tokens. */
+static void test_json_mode(void **state) {
+    (void)state;
+    kvb_decode_node *dn = start_decode(0, PSK, 10000);
+    const uint16_t dp = kvb_decode_node_port(dn);
+    cJSON *tk = post_node(dp, "/tokenize", "{\"prompt\":\"}\",\"add_special_tokens\":false}", 200);
+    assert_true(cJSON_GetObjectItem(tk, "count")->valuedouble == 1);
+    const int close_id = (int)cJSON_GetArrayItem(cJSON_GetObjectItem(tk, "tokens"), 0)->valuedouble;
+    cJSON_Delete(tk);
+    int stopped = 0;
+    for (int seed = 1; seed <= 8; seed++) {
+        char body[512];
+        snprintf(body, sizeof body, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"a JSON object, "
+                 "please\"}],\"max_tokens\":40,\"temperature\":1,\"seed\":%d,\"logit_bias\":{\"%d\":3},"
+                 "\"response_format\":{\"type\":\"json_object\"}%s}", seed, close_id, seed == 1 ? ",\"logprobs\":true" : "");
+        cJSON *r = post_node(dp, "/v1/chat/completions", body, 200);
+        const cJSON *choice = cJSON_GetArrayItem(cJSON_GetObjectItem(r, "choices"), 0);
+        const char *text = cJSON_GetObjectItem(cJSON_GetObjectItem(choice, "message"), "content")->valuestring;
+        const char *finish = cJSON_GetObjectItem(choice, "finish_reason")->valuestring;
+        kvb_json_state js;
+        kvb_json_init(&js);
+        if (!kvb_json_feed(&js, text, strlen(text))) fail_msg("seed %d: not a JSON prefix: '%s'", seed, text);
+        assert_int_equal(kvb_json_complete(&js), strcmp(finish, "stop") == 0);
+        if (kvb_json_complete(&js)) {
+            cJSON *obj = cJSON_Parse(text);
+            if (!cJSON_IsObject(obj)) fail_msg("seed %d: '%s' is not an object", seed, text);
+            cJSON_Delete(obj);
+            stopped++;
+        }
+        if (seed == 1) /* one logprobs entry per token, JSON mode or not */
+            assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(cJSON_GetObjectItem(choice, "logprobs"), "content")),
+                             (int)cJSON_GetObjectItem(cJSON_GetObjectItem(r, "usage"), "completion_tokens")->valuedouble);
+        printf("json mode, seed %d (%s): %s\n", seed, finish, text);
+        if (seed == 2) { /* the same request without the field */
+            char plain[512];
+            snprintf(plain, sizeof plain, "%.*s}", (int)(strstr(body, ",\"response_format\"") - body), body);
+            cJSON *p = post_node(dp, "/v1/chat/completions", plain, 200);
+            const char *ptext = cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(p, "choices"), 0),
+                                                                        "message"), "content")->valuestring;
+            kvb_json_init(&js);
+            assert_false(kvb_json_feed(&js, ptext, strlen(ptext)));
+            cJSON_Delete(p);
+        }
+        cJSON_Delete(r);
+    }
+    assert_true(stopped >= 1);
+    kvb_decode_node_stop(dn);
+}
+
 /* Bridge mode `prefill`: the prefill engine's own K/V re-encoded. In the decoder's own format it
  * is exact (same answer as native); from an f32 engine it still completes (not claimed exact);
  * nodes that disagree on the mode refuse each other at the handshake. */
@@ -1149,6 +1202,7 @@ int main(void) {
         cmocka_unit_test(test_logprobs_are_the_models),
         cmocka_unit_test(test_echo_prompt_logprobs),
         cmocka_unit_test(test_tokenize_matches_completions),
+        cmocka_unit_test(test_json_mode),
         cmocka_unit_test(test_prefill_mode),
         cmocka_unit_test(test_bridged_blocks_are_evictable),
         cmocka_unit_test(test_filler_rows_slab_path),

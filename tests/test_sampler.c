@@ -272,6 +272,9 @@ static void test_repetition_penalties(void **state) {
     kvb_sampler_free(&s);
 }
 
+/* A constraint that bars one token (ctx: its id). */
+static void bar_token(void *ctx, float *logits) { logits[*(const int32_t *)ctx] = -INFINITY; }
+
 /* log p_i the slow way: long double, max first. */
 static long double reference_logprob(const float *l, uint32_t n, uint32_t i) {
     long double mx = -INFINITY, sum = 0;
@@ -361,6 +364,20 @@ static void test_logprobs(void **state) {
         assert_int_equal(s.last.top[0].id, 1); /* the model's ranking, not the biased one */
         assert_int_equal(s.last.top[1].id, 2);
         assert_int_equal(s.last.top[2].id, 3);
+    }
+    kvb_sampler_free(&s);
+    /* a constraint (JSON mode's hook) runs after the bias and penalties: it bars the best, the pick
+     * moves on; the logprobs stay the model's */
+    o = (kvb_sampler_opts){.temperature = 0, .logprobs = true, .top_logprobs = 1, .constrain = bar_token,
+                           .constrain_ctx = &(int32_t){1}};
+    assert_int_equal(kvb_sampler_init(&s, &o, N, &err), KVB_OK);
+    for (int i = 0; i < 2; i++) {
+        float l[N];
+        memcpy(l, base, sizeof l);
+        assert_int_equal(kvb_sample_penalized(&s, l), 2);
+        assert_true(isinf(l[1]) && l[2] == base[2]);
+        assert_int_equal(s.last.top[0].id, 1);
+        assert_true(fabsl(s.last.picked.logprob - reference_logprob(base, N, 2)) < 1e-6L);
     }
     kvb_sampler_free(&s);
     o = (kvb_sampler_opts){.temperature = 0.7f, .seed = 3, .logprobs = true, .top_logprobs = 21};

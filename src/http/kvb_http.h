@@ -112,6 +112,8 @@ typedef struct {
     bool ignore_eos;                 /* extension (vLLM's): an end-of-generation token does not end the
                                         reply, which runs to max_tokens or the context end (benchmarks) */
     bool logprobs;                   /* chat: "logprobs": true; completions: "logprobs": N (0..20) */
+    bool json_object;                /* response_format {"type": "json_object"}: the reply is a JSON
+                                        object (constrained decoding); {"type": "text"}: false */
     bool echo;                       /* completions: the reply's text starts with the prompt's; with
                                         logprobs, the prompt's tokens come first (the first one's
                                         logprob and top_logprobs null: nothing conditions it) */
@@ -133,7 +135,7 @@ typedef struct {
 /* Parses and validates a request body (`len` bytes, need not be NUL-terminated). Unknown fields
  * are ignored like OpenAI does, except inside the "kvbridge" object (ours: an unknown key is a
  * 400). Known fields this server cannot honour are 400s rather than silently ignored: n != 1,
- * suffix, best_of > 1, tools/functions, response_format other than "text",
+ * suffix, best_of > 1, tools/functions, response_format other than "text" and "json_object",
  * "tool"/"function" roles, non-text content parts. On failure: KVB_ERR_INVALID (err->status 400)
  * or KVB_ERR_NOMEM (500), *out NULL. */
 kvb_status kvb_completion_req_parse(kvb_api api, const char *body, size_t len,

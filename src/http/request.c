@@ -356,9 +356,9 @@ static kvb_status refuse_unsupported(const cJSON *root, kvb_api api, kvb_http_er
         return BAD(e, "functions", "'functions' is not supported by this server (no tool calling).");
     if ((v = field(root, "response_format"))) {
         const cJSON *t = cJSON_IsObject(v) ? cJSON_GetObjectItemCaseSensitive(v, "type") : NULL;
-        if (!cJSON_IsString(t) || strcmp(t->valuestring, "text") != 0)
-            return BAD(e, "response_format", "'response_format' other than {\"type\": \"text\"} is not "
-                       "supported by this server.");
+        if (!cJSON_IsString(t) || (strcmp(t->valuestring, "text") != 0 && strcmp(t->valuestring, "json_object") != 0))
+            return BAD(e, "response_format", "'response_format' other than {\"type\": \"text\"} or "
+                       "{\"type\": \"json_object\"} is not supported by this server (no JSON schemas).");
     }
     if (api == KVB_API_COMPLETIONS) {
         if ((v = field(root, "suffix")))
@@ -467,7 +467,10 @@ static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_http_error 
             return s;
     }
     if ((s = parse_kvbridge(st, root, e))) return s;
-    return refuse_unsupported(root, api, e);
+    if ((s = refuse_unsupported(root, api, e))) return s;
+    const cJSON *rf = field(root, "response_format"); /* refuse_unsupported let only text and json_object by */
+    r->json_object = rf && strcmp(cJSON_GetObjectItemCaseSensitive(rf, "type")->valuestring, "json_object") == 0;
+    return KVB_OK;
 }
 
 /* A hostile body into a JSON object (*root; cJSON_Delete it), or a 400 saying what is wrong. */

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "kvb_engine_cpu.h"
+#include "kvb_grammar.h"
 #include "kvb_http.h"
 #include "kvb_quant.h"
 #include "kvb_store.h"
@@ -28,6 +29,7 @@ struct kvb_decode_node {
     char *psk, *peer, *model_id;
     kvb_model *m;
     kvb_tokenizer *tok;
+    kvb_vocab_bytes *vocab_bytes; /* every token's bytes, for response_format's JSON mode */
     kvb_chat_family fam;
     kvb_status fam_status;
     char fam_error[sizeof(((kvb_err *)0)->msg)];
@@ -699,6 +701,18 @@ static kvb_status emit_echo(kvb_decode_node *n, const kvb_completion_req *req, c
     return st;
 }
 
+/* response_format's JSON mode: the reply so far as a JSON prefix, and the vocabulary to mask. */
+typedef struct {
+    kvb_json_state s;
+    const kvb_vocab_bytes *v;
+    kvb_pool *pool; /* the engine's: idle whenever a sampler runs (it is the sampler's too) */
+} json_mode;
+
+static void json_constrain(void *ctx, float *logits) {
+    const json_mode *j = ctx;
+    kvb_json_mask_logits(&j->s, j->v, logits, j->pool);
+}
+
 /* A served completion's phases into kvbridge_request_phase_seconds: the bridge's only when it was
  * asked for (a declined request has none to report). */
 static void observe_phases(kvb_decode_node *n, const kvb_usage *u) {
@@ -774,6 +788,8 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     kvb_sampler smp = {0};
     stop_filter sf = {0};
     char *lp_scratch = NULL; /* with logprobs: the tokens' bytes (send_logprobs) */
+    json_mode jm;            /* with response_format json_object: read by the sampler's constraint */
+    char *tok_buf = NULL;    /* with json_object: one token's bytes */
     if (kvb_completion_cancelled(out)) { /* gone while it waited its turn: nothing to compute for */
         engine_release(n);
         kvb_metric_add(n->m_abandoned, NULL, 1);
@@ -897,7 +913,13 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
                            .presence_penalty = (float)req->presence_penalty,
                            .bias_ids = req->logit_bias_ids, .bias_values = req->logit_bias_values,
                            .n_bias = (uint32_t)req->n_logit_bias,
-                           .logprobs = req->logprobs, .top_logprobs = req->top_logprobs};
+                           .logprobs = req->logprobs, .top_logprobs = req->top_logprobs,
+                           .constrain = req->json_object ? json_constrain : NULL, .constrain_ctx = &jm};
+    kvb_json_init(&jm.s);
+    jm.v = n->vocab_bytes;
+    jm.pool = kvb_engine_pool(n->e);
+    if (req->json_object && !st && !(tok_buf = malloc(kvb_tokenizer_max_token_len(n->tok) + 8)))
+        st = kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory for the JSON mode");
     double t_decode = kvb_now_s();
     if (!st) st = kvb_sampler_init(&smp, &so, n->m->d.n_vocab, &err);
     /* the engine's pool is the sampler's only while the engine is held: here, for the first token,
@@ -918,13 +940,20 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
             break;
         }
         u.completion_tokens++;
+        if (req->json_object) { /* the mask let only tokens through that keep the reply a JSON prefix */
+            const int len = kvb_token_to_bytes(n->tok, id, tok_buf, kvb_tokenizer_max_token_len(n->tok) + 8);
+            if (len < 0 || !kvb_json_feed(&jm.s, tok_buf, (size_t)len)) {
+                st = kvb_err_set(&err, KVB_ERR_INVALID, "JSON mode: token %d does not continue the JSON reply", id);
+                break;
+            }
+        }
         if (req->logprobs && send_logprobs(n, out, &smp.last, false, lp_scratch)) {
             st = kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory recording the logprobs");
             break;
         }
         kvb_detok_push(&dt, id, piece, sizeof piece);
         if (emit_filtered(out, &sf, req, piece, false)) break; /* client gone */
-        if (sf.stopped) {
+        if (sf.stopped || (req->json_object && kvb_json_complete(&jm.s))) { /* a stop string, or the object closed */
             reason = KVB_FINISH_STOP;
             break;
         }
@@ -952,6 +981,7 @@ cleanup_unlocked:
     kvb_sampler_free(&smp);
     free(sf.buf);
     free(lp_scratch);
+    free(tok_buf);
     if (s) kvb_seq_keep_window_at(s, (uint32_t)n_tok); /* a next turn may diverge where the reply began */
     kvb_seq_free(s); /* its blocks stay cached for the next turn */
     slot_release(n, need);
@@ -1030,6 +1060,7 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
     /* the engine reads the weights in place: every page now, not on the first request */
     if (!st) st = kvb_gguf_prefault(n->m->gguf, err);
     if (!st) st = kvb_tokenizer_load(n->m->gguf, &n->tok, err);
+    if (!st) st = kvb_vocab_bytes_create(n->tok, &n->vocab_bytes, err);
     if (st) goto fail;
     if (!c->block_tokens) c->block_tokens = 32;
     if (!c->max_ctx) c->max_ctx = n->m->d.n_ctx_train < 32768 ? n->m->d.n_ctx_train : 32768;
@@ -1187,6 +1218,7 @@ void kvb_decode_node_stop(kvb_decode_node *n) {
     kvb_metrics_free(n->metrics); /* after the server, whose families live in it */
     kvb_engine_free(n->e);
     kvb_tokenizer_free(n->tok);
+    kvb_vocab_bytes_free(n->vocab_bytes);
     kvb_model_free(n->m);
     pthread_mutex_destroy(&n->mu);
     pthread_cond_destroy(&n->cv);

@@ -24,6 +24,9 @@ int32_t kvb_tokenizer_bos(const kvb_tokenizer *t);   /* -1 if none */
 int32_t kvb_tokenizer_eos(const kvb_tokenizer *t);   /* -1 if none */
 bool kvb_tokenizer_add_bos(const kvb_tokenizer *t);  /* tokenizer.ggml.add_bos_token (or model default) */
 bool kvb_tokenizer_is_eog(const kvb_tokenizer *t, int32_t id); /* end of generation (eos, eot, im_end...) */
+/* Whether the token stands for text (normal, byte and user-defined tokens), rather than a
+ * control, unknown or unused one. */
+bool kvb_tokenizer_is_text(const kvb_tokenizer *t, int32_t id);
 /* Longest token in bytes (a buffer of this size + 4 always holds one detokenized piece). */
 uint32_t kvb_tokenizer_max_token_len(const kvb_tokenizer *t);
 /* The pre-tokenizer in use ("qwen2", "llama-bpe", ...; "spm" for SentencePiece vocabularies). */

@@ -550,6 +550,11 @@ bool kvb_tokenizer_is_eog(const kvb_tokenizer *t, int32_t id) {
         if (t->eog[i] == id) return true;
     return false;
 }
+bool kvb_tokenizer_is_text(const kvb_tokenizer *t, int32_t id) {
+    if (id < 0 || (uint32_t)id >= t->n_vocab) return false;
+    const uint8_t k = t->type[id];
+    return k == KVB_TT_NORMAL || k == KVB_TT_BYTE || k == KVB_TT_USER_DEFINED || k == KVB_TT_UNDEFINED;
+}
 uint32_t kvb_tokenizer_max_token_len(const kvb_tokenizer *t) { return t->max_token_len; }
 const char *kvb_tokenizer_pre_name(const kvb_tokenizer *t) { return t->pre_name; }
 bool kvb_tokenizer_is_spm(const kvb_tokenizer *t) { return t->model == KVB_TOKM_SPM; }

@@ -192,6 +192,11 @@ typedef struct {
      * temperature (vLLM's default "raw" logprobs), so they do not depend on how the pick was made. */
     bool logprobs;
     uint32_t top_logprobs;
+    /* A constraint (response_format's JSON mode): kvb_sample_penalized calls it on the logits after
+     * the bias and the penalties, before the pick; it sets the tokens that may not come to -inf
+     * and must leave at least one finite. NULL: none. */
+    void (*constrain)(void *ctx, float *logits);
+    void *constrain_ctx;
 } kvb_sampler_opts;
 
 #define KVB_MAX_TOP_LOGPROBS 20
@@ -237,9 +242,9 @@ kvb_status kvb_sampler_init(kvb_sampler *s, const kvb_sampler_opts *o, uint32_t 
 void kvb_sampler_use_pool(kvb_sampler *s, kvb_pool *pool);
 void kvb_sampler_free(kvb_sampler *s);
 int32_t kvb_sample(kvb_sampler *s, const float *logits);
-/* With the logit bias and then the repetition penalties applied to logits first (in place: only the
- * biased and the picked tokens' entries change), then kvb_sample; the pick is counted. Without
- * either, kvb_sample. With logprobs on, s->last then holds this pick's (from the logits as given). */
+/* With the logit bias, then the repetition penalties, then the constraint applied to logits first
+ * (in place: only the biased, the picked and the constrained tokens' entries change), then
+ * kvb_sample; the pick is counted. Without any of them, kvb_sample. With logprobs on, s->last then holds this pick's (from the logits as given). */
 int32_t kvb_sample_penalized(kvb_sampler *s, float *logits);
 /* log_softmax of logits (n) at the n_top (<= KVB_MAX_TOP_LOGPROBS) most likely tokens into top
  * (logprob descending, id ascending on ties) and at token `id` into *picked (when id >= 0): the max,

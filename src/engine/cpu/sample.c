@@ -57,7 +57,7 @@ kvb_status kvb_sampler_init(kvb_sampler *s, const kvb_sampler_opts *o, uint32_t 
         s->picked = calloc(n_vocab, sizeof *s->picked);
         s->picked_ids = malloc(sizeof *s->picked_ids * n_vocab);
     }
-    const bool keep_raw = o->logprobs && (penalties || o->n_bias);
+    const bool keep_raw = o->logprobs && (penalties || o->n_bias || o->constrain);
     if (keep_raw) s->raw = malloc(sizeof *s->raw * n_vocab);
     if (!s->cand || !s->bin_count || !s->bin_mass || (penalties && (!s->picked || !s->picked_ids)) ||
         s->n_bias != o->n_bias || (keep_raw && !s->raw)) {
@@ -121,7 +121,7 @@ void kvb_logprobs_of(const float *logits, uint32_t n, int32_t id, uint32_t n_top
 }
 
 int32_t kvb_sample_penalized(kvb_sampler *s, float *logits) {
-    if (!s->picked && !s->n_bias) {
+    if (!s->picked && !s->n_bias && !s->o.constrain) {
         const int32_t id = kvb_sample(s, logits);
         if (s->o.logprobs) kvb_logprobs_of(logits, s->n_vocab, id, s->o.top_logprobs, &s->last);
         return id;
@@ -133,6 +133,7 @@ int32_t kvb_sample_penalized(kvb_sampler *s, float *logits) {
         logits[id] = logits[id] - (float)s->picked[id] * s->o.frequency_penalty;
         logits[id] = logits[id] - s->o.presence_penalty;
     }
+    if (s->o.constrain) s->o.constrain(s->o.constrain_ctx, logits);
     const int32_t id = kvb_sample(s, logits);
     if (s->picked && id >= 0 && (uint32_t)id < s->n_vocab && s->picked[id]++ == 0) s->picked_ids[s->n_picked++] = id;
     if (s->raw) kvb_logprobs_of(s->raw, s->n_vocab, id, s->o.top_logprobs, &s->last);

@@ -1,0 +1,131 @@
+/* grammar/vocab_mask.c — the vocabulary's bytes in one blob (token i: blob[off[i] .. off[i+1]))
+ * and the mask a JSON prefix state implies: each text token's bytes fed to a copy of the state. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvb_grammar.h"
+
+struct kvb_vocab_bytes {
+    uint32_t n;
+    char *blob;
+    uint32_t *off;  // (n + 1)
+    uint8_t *kind;  // (n) kvb_vocab_kind
+};
+
+void kvb_vocab_bytes_free(kvb_vocab_bytes *v) {
+    if (!v) return;
+    free(v->blob);
+    free(v->off);
+    free(v->kind);
+    free(v);
+}
+
+uint32_t kvb_vocab_bytes_n(const kvb_vocab_bytes *v) { return v->n; }
+
+static kvb_vocab_bytes *vocab_alloc(uint32_t n, size_t blob_bytes) {
+    kvb_vocab_bytes *v = calloc(1, sizeof *v);
+    if (!v) return NULL;
+    v->n = n;
+    v->blob = malloc(blob_bytes ? blob_bytes : 1);
+    v->off = malloc(sizeof *v->off * ((size_t)n + 1));
+    v->kind = malloc((size_t)n ? n : 1);
+    if (!v->blob || !v->off || !v->kind) {
+        kvb_vocab_bytes_free(v);
+        return NULL;
+    }
+    return v;
+}
+
+kvb_status kvb_vocab_bytes_from_lists(const char *const *bytes, const uint32_t *lens, const uint8_t *kinds,
+                                      uint32_t n, kvb_vocab_bytes **out, kvb_err *err) {
+    size_t total = 0;
+    for (uint32_t i = 0; i < n; i++) total += lens[i];
+    if (total > UINT32_MAX) return kvb_err_set(err, KVB_ERR_RANGE, "vocabulary of %zu bytes is too large", total);
+    kvb_vocab_bytes *v = vocab_alloc(n, total);
+    if (!v) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the vocabulary's bytes");
+    uint32_t at = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        v->off[i] = at;
+        if (lens[i]) memcpy(v->blob + at, bytes[i], lens[i]);
+        at += lens[i];
+        v->kind[i] = kinds[i] <= KVB_VOCAB_OTHER ? kinds[i] : KVB_VOCAB_OTHER;
+    }
+    v->off[n] = at;
+    *out = v;
+    return KVB_OK;
+}
+
+kvb_status kvb_vocab_bytes_create(const kvb_tokenizer *t, kvb_vocab_bytes **out, kvb_err *err) {
+    const uint32_t n = kvb_tokenizer_n_vocab(t), cap = kvb_tokenizer_max_token_len(t) + 8;
+    char *one = malloc(cap);
+    size_t total = 0;
+    for (uint32_t i = 0; one && i < n; i++) {
+        const int len = kvb_token_to_bytes(t, (int32_t)i, one, cap);
+        if (kvb_tokenizer_is_text(t, (int32_t)i) && len > 0) total += (size_t)len;
+    }
+    kvb_vocab_bytes *v = one && total <= UINT32_MAX ? vocab_alloc(n, total) : NULL;
+    if (!v) {
+        free(one);
+        return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the vocabulary's bytes");
+    }
+    uint32_t at = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        v->off[i] = at;
+        const bool text = kvb_tokenizer_is_text(t, (int32_t)i);
+        v->kind[i] = text ? KVB_VOCAB_TEXT : kvb_tokenizer_is_eog(t, (int32_t)i) ? KVB_VOCAB_EOG : KVB_VOCAB_OTHER;
+        const int len = text ? kvb_token_to_bytes(t, (int32_t)i, v->blob + at, cap) : 0;
+        at += len > 0 ? (uint32_t)len : 0;
+    }
+    v->off[n] = at;
+    free(one);
+    *out = v;
+    return KVB_OK;
+}
+
+#define MASK_CHUNK 16384 /* tokens per pool task, at least */
+#define MASK_MAX_CHUNKS 64
+
+typedef struct {
+    const kvb_json_state *s;
+    const kvb_vocab_bytes *v;
+    float *logits;
+    bool complete;
+    uint32_t chunk;                    /* tokens per task */
+    uint32_t allowed[MASK_MAX_CHUNKS]; /* per task */
+} mask_job;
+
+/* Task t: tokens [t * chunk, (t + 1) * chunk), each masked or counted. */
+static void mask_chunk(void *ctx, int t, int worker) {
+    (void)worker;
+    mask_job *j = ctx;
+    const kvb_vocab_bytes *v = j->v;
+    const uint32_t i0 = (uint32_t)t * j->chunk, i1 = v->n - i0 > j->chunk ? i0 + j->chunk : v->n;
+    uint32_t allowed = 0;
+    for (uint32_t i = i0; i < i1; i++) {
+        bool ok;
+        if (v->kind[i] == KVB_VOCAB_TEXT) {
+            kvb_json_state st = *j->s;
+            const uint32_t len = v->off[i + 1] - v->off[i];
+            ok = len > 0 && kvb_json_feed(&st, v->blob + v->off[i], len);
+        } else {
+            ok = v->kind[i] == KVB_VOCAB_EOG && j->complete;
+        }
+        if (ok) allowed++;
+        else if (v->kind[i] != KVB_VOCAB_EOG) j->logits[i] = -INFINITY;
+    }
+    j->allowed[t] = allowed;
+}
+
+uint32_t kvb_json_mask_logits(const kvb_json_state *s, const kvb_vocab_bytes *v, float *logits, kvb_pool *pool) {
+    mask_job j = {.s = s, .v = v, .logits = logits, .complete = kvb_json_complete(s), .chunk = MASK_CHUNK};
+    if (v->n > (uint64_t)MASK_CHUNK * MASK_MAX_CHUNKS) j.chunk = (v->n + MASK_MAX_CHUNKS - 1) / MASK_MAX_CHUNKS;
+    const uint32_t n_tasks = v->n ? (v->n + j.chunk - 1) / j.chunk : 0;
+    kvb_pool_parallel_for(n_tasks > 1 ? pool : NULL, (int)n_tasks, mask_chunk, &j);
+    uint32_t allowed = 0;
+    for (uint32_t t = 0; t < n_tasks; t++) allowed += j.allowed[t];
+    if (allowed == 0) return 0; /* nothing may come: the end-of-generation tokens stay as they were */
+    for (uint32_t i = 0; i < v->n; i++)
+        if (v->kind[i] == KVB_VOCAB_EOG && !j.complete) logits[i] = -INFINITY;
+    return allowed;
+}
