@@ -7,7 +7,7 @@ prompt's verdict, time to its reply, native compute time and transfer time (usag
 the prompt computed in one piece the stream pauses for all of it; computed in slices between decode
 batches, for about one slice. Against a decode node with a peer the long prompt is bridged: its
 transfer holds the engine, and the stream goes on only if decode steps run during it.
-Standard library only. Usage: stream_pause.py PORT [--prompt-tokens N] [--stream-tokens N]
+Standard library only. Usage: stream_pause.py PORT [--prompt-tokens N] [--stream-tokens N] [--seed S]
 """
 import argparse
 import http.client
@@ -20,6 +20,7 @@ ap.add_argument("port", type=int)
 ap.add_argument("--prompt-tokens", type=int, default=1024, help="the long prompt (default 1024)")
 ap.add_argument("--stream-tokens", type=int, default=60, help="the streamed reply (default 60)")
 ap.add_argument("--delay", type=float, default=1.0, help="seconds before the long prompt is sent")
+ap.add_argument("--seed", type=int, default=0, help="which long prompt (runs with other seeds share no prefix)")
 args = ap.parse_args()
 res = {}
 
@@ -43,7 +44,7 @@ def stream():
 
 def long_prompt():
     time.sleep(args.delay)
-    ids = [(i * 7919) % 30000 + 5 for i in range(args.prompt_tokens)]
+    ids = [((i + args.seed * 1000003) * 7919) % 30000 + 5 for i in range(args.prompt_tokens)]
     t0 = time.time()
     d = json.loads(post({"model": "m", "prompt": ids, "max_tokens": 1, "temperature": 0}).read())
     res["wall_s"] = time.time() - t0
