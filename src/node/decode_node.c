@@ -16,7 +16,6 @@
 #include <string.h>
 
 #include "kvb_engine_cpu.h"
-#include "kvb_grammar.h"
 #include "kvb_http.h"
 #include "kvb_quant.h"
 #include "kvb_store.h"
@@ -605,114 +604,6 @@ static kvb_status emit_filtered(kvb_completion_out *out, stop_filter *f, const k
     return st;
 }
 
-_Static_assert(KVB_HTTP_MAX_TOP_LOGPROBS <= KVB_MAX_TOP_LOGPROBS, "the sampler keeps every top logprob asked for");
-
-/* The sampler's last pick's logprobs (the reply token's) to the client, token bytes from the
- * vocabulary; scratch holds (1 + KVB_MAX_TOP_LOGPROBS) tokens of kvb_tokenizer_max_token_len. */
-static kvb_status send_logprobs(kvb_decode_node *n, kvb_completion_out *out, const kvb_pick_logprobs *lp,
-                                 bool unconditioned, char *scratch) {
-    const size_t cap = kvb_tokenizer_max_token_len(n->tok);
-    kvb_token_logprob tok, top[KVB_MAX_TOP_LOGPROBS];
-    const kvb_id_logprob *src[1 + KVB_MAX_TOP_LOGPROBS];
-    kvb_token_logprob *dst[1 + KVB_MAX_TOP_LOGPROBS];
-    src[0] = &lp->picked;
-    dst[0] = &tok;
-    for (uint32_t i = 0; i < lp->n_top; i++) {
-        src[1 + i] = &lp->top[i];
-        dst[1 + i] = &top[i];
-    }
-    for (uint32_t i = 0; i <= lp->n_top; i++) {
-        char *b = scratch + (size_t)i * cap;
-        const int len = kvb_token_to_bytes(n->tok, src[i]->id, b, cap);
-        *dst[i] = (kvb_token_logprob){.bytes = b, .n_bytes = len > 0 ? (size_t)len : 0, .logprob = src[i]->logprob};
-    }
-    tok.unconditioned = unconditioned;
-    return kvb_completion_add_logprobs(out, &tok, top, lp->n_top);
-}
-
-#define PROMPT_LOGPROB_ROWS 64 /* prompt rows whose logits are held at once: (64, n_vocab) floats */
-
-typedef struct {
-    const float *rows;       // (row, n_vocab)
-    const int32_t *next;     // (row) the token each row predicts
-    uint32_t n_vocab, top;
-    kvb_pick_logprobs *out;  // (row)
-} row_logprobs_job;
-
-static void row_logprobs(void *ctx, int t, int worker) {
-    (void)worker;
-    const row_logprobs_job *j = ctx;
-    kvb_logprobs_of(j->rows + (size_t)t * j->n_vocab, j->n_vocab, j->next[t], j->top, &j->out[t]);
-}
-
-/* The whole prompt through this node's own forward with every row's logits (echo with logprobs):
- * each prompt token's logprob under the rows before it goes to the client (the first token's is
- * null), the last row's logits to `logits`. Slices of PROMPT_LOGPROB_ROWS, their rows' log_softmax
- * on the engine's pool (idle between forwards); the waiting decode steps run between slices. */
-static kvb_status forward_prompt_logprobs(kvb_decode_node *n, kvb_seq *s, const int32_t *toks, uint32_t n_toks,
-                                          float *logits, const kvb_completion_req *req, kvb_completion_out *out,
-                                          char *scratch, kvb_err *err) {
-    const uint32_t nv = n->m->d.n_vocab;
-    float *rows = malloc(sizeof(float) * PROMPT_LOGPROB_ROWS * nv); // (row, n_vocab)
-    kvb_pick_logprobs *lps = malloc(sizeof *lps * PROMPT_LOGPROB_ROWS); // (row)
-    if (!rows || !lps) {
-        free(rows);
-        free(lps);
-        return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the prompt's logits");
-    }
-    kvb_pick_logprobs first = {.picked = {.id = toks[0]}};
-    kvb_status st = send_logprobs(n, out, &first, true, scratch);
-    for (uint32_t done = 0; !st && done < n_toks;) {
-        if (kvb_completion_cancelled(out)) {
-            st = kvb_err_set(err, KVB_ERR_IO, "the client went away");
-            break;
-        }
-        const uint32_t c = KVB_MIN(PROMPT_LOGPROB_ROWS, n_toks - done);
-        if ((st = kvb_engine_forward(n->e, s, toks + done, c, rows, true, err))) break;
-        const bool last = done + c == n_toks; /* the last row predicts the reply, not a prompt token */
-        const uint32_t scored = last ? c - 1 : c;
-        row_logprobs_job job = {.rows = rows, .next = toks + done + 1, .n_vocab = nv, .top = req->top_logprobs, .out = lps};
-        kvb_pool_parallel_for(kvb_engine_pool(n->e), (int)scored, row_logprobs, &job);
-        for (uint32_t r = 0; !st && r < scored; r++)
-            if (send_logprobs(n, out, &lps[r], false, scratch))
-                st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory recording the prompt's logprobs");
-        if (last) memcpy(logits, rows + (size_t)(c - 1) * nv, sizeof(float) * nv);
-        done += c;
-        kvb_decode_batch_run_pending(n->batch);
-    }
-    free(rows);
-    free(lps);
-    return st;
-}
-
-/* The prompt's text at the head of an echo reply: as given, or the token ids decoded. */
-static kvb_status emit_echo(kvb_decode_node *n, const kvb_completion_req *req, const int32_t *toks, size_t n_tok,
-                            kvb_completion_out *out) {
-    if (req->prompt) return kvb_completion_emit(out, req->prompt);
-    kvb_detok dt;
-    kvb_detok_init(&dt, n->tok);
-    char piece[1024];
-    kvb_status st = KVB_OK;
-    for (size_t i = 0; !st && i <= n_tok; i++) {
-        if (i < n_tok) kvb_detok_push(&dt, toks[i], piece, sizeof piece);
-        else kvb_detok_flush(&dt, piece, sizeof piece);
-        st = kvb_completion_emit(out, piece);
-    }
-    return st;
-}
-
-/* response_format's JSON mode: the reply so far as a JSON prefix, and the vocabulary to mask. */
-typedef struct {
-    kvb_json_state s;
-    const kvb_vocab_bytes *v;
-    kvb_pool *pool; /* the engine's: idle whenever a sampler runs (it is the sampler's too) */
-} json_mode;
-
-static void json_constrain(void *ctx, float *logits) {
-    const json_mode *j = ctx;
-    kvb_json_mask_logits(&j->s, j->v, logits, j->pool);
-}
-
 /* A served completion's phases into kvbridge_request_phase_seconds: the bridge's only when it was
  * asked for (a declined request has none to report). */
 static void observe_phases(kvb_decode_node *n, const kvb_usage *u) {
@@ -787,8 +678,8 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     float *logits = NULL;
     kvb_sampler smp = {0};
     stop_filter sf = {0};
-    char *lp_scratch = NULL; /* with logprobs: the tokens' bytes (send_logprobs) */
-    json_mode jm;            /* with response_format json_object: read by the sampler's constraint */
+    char *lp_scratch = NULL; /* with logprobs: the tokens' bytes (kvb_reply_send_logprobs) */
+    kvb_json_mode jm;        /* with response_format json_object: read by the sampler's constraint */
     char *tok_buf = NULL;    /* with json_object: one token's bytes */
     if (kvb_completion_cancelled(out)) { /* gone while it waited its turn: nothing to compute for */
         engine_release(n);
@@ -890,7 +781,8 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     u.native_tokens = (int64_t)n_tok - (int64_t)adopted + (last_done ? 1 : 0); /* the decoder's own tokens */
     double t_native = kvb_now_s();
     if (!st && !last_done)
-        st = prompt_lp ? forward_prompt_logprobs(n, s, toks, (uint32_t)n_tok, logits, req, out, lp_scratch, &err)
+        st = prompt_lp ? kvb_reply_prompt_logprobs(n->e, n->batch, n->tok, n->m->d.n_vocab, s, toks, (uint32_t)n_tok, req->top_logprobs,
+                                                   logits, out, lp_scratch, &err)
                        : forward_prompt_sliced(n, s, toks + adopted, (uint32_t)n_tok - adopted, logits, out, &err);
     u.native_s = last_done ? tail_wait_s : kvb_now_s() - t_native; /* pipelined: what ran on after DONE */
     kvb_trace_span("decode.native", t_native, kvb_now_s(), u.native_tokens);
@@ -914,7 +806,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
                            .bias_ids = req->logit_bias_ids, .bias_values = req->logit_bias_values,
                            .n_bias = (uint32_t)req->n_logit_bias,
                            .logprobs = req->logprobs, .top_logprobs = req->top_logprobs,
-                           .constrain = req->json_object ? json_constrain : NULL, .constrain_ctx = &jm};
+                           .constrain = req->json_object ? kvb_json_mode_constrain : NULL, .constrain_ctx = &jm};
     kvb_json_init(&jm.s);
     jm.v = n->vocab_bytes;
     jm.pool = kvb_engine_pool(n->e);
@@ -928,7 +820,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     int32_t id = !st && max_new > 0 ? kvb_sample_penalized(&smp, logits) : 0;
     kvb_decode_batch_join(n->batch); /* before the next prompt phase can begin: it slices for us */
     engine_release(n);
-    if (!st && req->echo && emit_echo(n, req, toks, n_tok, out)) max_new = 0; /* client gone */
+    if (!st && req->echo && kvb_reply_emit_echo(n->tok, req, toks, n_tok, out)) max_new = 0; /* client gone */
     kvb_detok dt;
     kvb_detok_init(&dt, n->tok);
     char piece[1024];
@@ -947,7 +839,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
                 break;
             }
         }
-        if (req->logprobs && send_logprobs(n, out, &smp.last, false, lp_scratch)) {
+        if (req->logprobs && kvb_reply_send_logprobs(n->tok, out, &smp.last, false, lp_scratch)) {
             st = kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory recording the logprobs");
             break;
         }

@@ -1,5 +1,6 @@
 /* node/node_internal.h — private to the node module: the staging ring (prefill side), the
- * receiving thread, the pipelined tail and the batched decode steps (decode side). */
+ * receiving thread, the pipelined tail, the batched decode steps and a reply's optional parts
+ * (decode side). */
 #ifndef KVB_NODE_INTERNAL_H
 #define KVB_NODE_INTERNAL_H
 
@@ -8,6 +9,7 @@
 
 #include "kvb_bridge.h"
 #include "kvb_engine_cpu.h"
+#include "kvb_grammar.h"
 #include "kvb_http.h"
 #include "kvb_node.h"
 #include "kvb_store.h"
@@ -170,5 +172,34 @@ void kvb_tail_pipe_slab(kvb_tail_pipe *t, uint32_t i, uint32_t layer);
  * caller's, WRITING). *wait_s: how long finish waited for the forward. NULL: false. */
 bool kvb_tail_pipe_finish(kvb_tail_pipe *t, bool abort, kvb_block_id tail_page, kvb_block_id *last_page,
                           double *wait_s);
+
+/* ---- a reply's optional parts (reply_fields.c) ------------------------------------------------- */
+
+/* A reply token's logprobs (the sampler's `last`) to the client, the tokens' bytes from the
+ * vocabulary; unconditioned: an echoed prompt's first token (null logprob). scratch holds
+ * (1 + KVB_MAX_TOP_LOGPROBS) tokens of kvb_tokenizer_max_token_len bytes. */
+kvb_status kvb_reply_send_logprobs(const kvb_tokenizer *tok, kvb_completion_out *out, const kvb_pick_logprobs *lp,
+                                   bool unconditioned, char *scratch);
+/* echo with logprobs: the whole prompt toks[0 .. n_toks) through the engine (a prompt phase holds
+ * it) with every row's logits; each prompt token's logprob and top `top` under the rows before it
+ * to the client (the first one's null), the last row's logits (n_vocab) into `logits`. 64 rows at
+ * a time, their log_softmax on the engine's pool; the batch's waiting steps run between slices.
+ * KVB_ERR_IO when the client went away. */
+kvb_status kvb_reply_prompt_logprobs(kvb_engine *e, kvb_decode_batch *batch, const kvb_tokenizer *tok, uint32_t n_vocab,
+                                     kvb_seq *s, const int32_t *toks, uint32_t n_toks, uint32_t top, float *logits,
+                                     kvb_completion_out *out, char *scratch, kvb_err *err);
+/* The prompt's text at the head of an echo reply: as given, or its ids decoded. */
+kvb_status kvb_reply_emit_echo(const kvb_tokenizer *tok, const kvb_completion_req *req, const int32_t *toks, size_t n_tok,
+                               kvb_completion_out *out);
+
+/* response_format's JSON mode: the reply so far as a JSON prefix, the vocabulary to mask, and the
+ * engine's pool (idle whenever a sampler runs: it is the sampler's too). kvb_json_mode_constrain
+ * is the sampler's constraint (ctx: a kvb_json_mode). */
+typedef struct {
+    kvb_json_state s;
+    const kvb_vocab_bytes *v;
+    kvb_pool *pool;
+} kvb_json_mode;
+void kvb_json_mode_constrain(void *ctx, float *logits);
 
 #endif
