@@ -234,7 +234,10 @@ static void test_mask(void **state) {
         kvb_json_init(&s);
         assert_true(kvb_json_feed(&s, cases[c].prefix, strlen(cases[c].prefix)));
         for (int i = 0; i < N; i++) l[i] = (float)i;
-        const uint32_t allowed = kvb_json_mask_logits(&s, v, l, NULL);
+        kvb_json_masker *m = NULL;
+        assert_int_equal(kvb_json_masker_create(v, NULL, &m, &err), KVB_OK);
+        const uint32_t allowed = kvb_json_masker_apply(m, &s, l);
+        kvb_json_masker_free(m);
         uint32_t want = 0;
         for (int i = 0; i < N; i++) {
             const bool ok = cases[c].allowed[i] == '1';
@@ -247,8 +250,9 @@ static void test_mask(void **state) {
     kvb_vocab_bytes_free(v);
 }
 
-/* A 50,000-token vocabulary of random JSON-ish pieces: the mask on a pool of three threads is the
- * mask on one, after each of a few hundred reply prefixes. */
+/* A 50,000-token vocabulary of random JSON-ish pieces: the mask of a masker on a pool of three
+ * threads that remembers masks across the run is, after each of 400 reply prefixes (four of each
+ * object, so states repeat), the mask of a fresh one on one thread. */
 static void test_mask_on_a_pool(void **state) {
     (void)state;
     enum { N = 50000 };
@@ -268,19 +272,28 @@ static void test_mask_on_a_pool(void **state) {
     assert_int_equal(kvb_vocab_bytes_from_lists((const char *const *)bytes, lens, kinds, N, &v, &err), KVB_OK);
     assert_int_equal(kvb_pool_create(3, &pool, &err), KVB_OK);
     float *a = malloc(sizeof *a * N), *b = malloc(sizeof *b * N);
+    kvb_json_masker *kept = NULL; /* on the pool, remembering masks across the whole run */
+    assert_int_equal(kvb_json_masker_create(v, pool, &kept, &err), KVB_OK);
     char doc[1 << 12];
-    for (int t = 0; t < 300; t++) {
-        size_t n = 0;
-        gen_object(doc, &n, 0);
+    size_t n = 0;
+    for (int t = 0; t < 400; t++) {
+        if (t % 4 == 0) { /* four prefixes of each object: states repeat, the masks are remembered */
+            n = 0;
+            gen_object(doc, &n, 0);
+        }
         const size_t cut = rnd((uint32_t)n + 1); /* a prefix, complete when cut == n */
         kvb_json_state s;
         kvb_json_init(&s);
         assert_true(kvb_json_feed(&s, doc, cut));
         for (int i = 0; i < N; i++) a[i] = b[i] = (float)(i % 17);
-        const uint32_t one = kvb_json_mask_logits(&s, v, a, NULL), three = kvb_json_mask_logits(&s, v, b, pool);
+        kvb_json_masker *fresh = NULL; /* one thread, nothing remembered */
+        assert_int_equal(kvb_json_masker_create(v, NULL, &fresh, &err), KVB_OK);
+        const uint32_t one = kvb_json_masker_apply(fresh, &s, a), three = kvb_json_masker_apply(kept, &s, b);
+        kvb_json_masker_free(fresh);
         assert_int_equal(one, three);
         assert_memory_equal(a, b, sizeof *a * N);
     }
+    kvb_json_masker_free(kept);
     free(a);
     free(b);
     kvb_pool_destroy(pool);

@@ -49,11 +49,19 @@ kvb_status kvb_vocab_bytes_from_lists(const char *const *bytes, const uint32_t *
 void kvb_vocab_bytes_free(kvb_vocab_bytes *v);
 uint32_t kvb_vocab_bytes_n(const kvb_vocab_bytes *v);
 
-/* logits (n_vocab of v): every token that may not follow s set to -inf; returns how many may.
- * A text token of no bytes never may (it would not move the reply on). When none may, the
+/* The mask a state implies, applied to a reply's logits. One per reply (not thread-safe); v and
+ * pool must outlive it. Masks are remembered for the last KVB_JSON_MASK_CACHE states: a reply
+ * inside a string, or between the members of one object, meets one state step after step, and a
+ * state seen before costs one pass over the logits instead of the vocabulary's bytes. */
+#define KVB_JSON_MASK_CACHE 8
+typedef struct kvb_json_masker kvb_json_masker;
+kvb_status kvb_json_masker_create(const kvb_vocab_bytes *v, kvb_pool *pool, kvb_json_masker **out, kvb_err *err);
+void kvb_json_masker_free(kvb_json_masker *m);
+/* logits (n_vocab of v): every token that may not follow s set to -inf; returns how many may. A
+ * text token of no bytes never may (it would not move the reply on). When none may, the
  * end-of-generation tokens are left as they were (the reply ends there, honestly unfinished).
- * pool: split over its threads in fixed chunks of the vocabulary (NULL: this thread); the same
- * result either way. */
-uint32_t kvb_json_mask_logits(const kvb_json_state *s, const kvb_vocab_bytes *v, float *logits, kvb_pool *pool);
+ * The tokens are tried in fixed chunks of the vocabulary on the pool's threads (NULL: this
+ * thread): the same result either way, and the same whether the mask was remembered or not. */
+uint32_t kvb_json_masker_apply(kvb_json_masker *m, const kvb_json_state *s, float *logits);
 
 #endif

@@ -1,5 +1,6 @@
 /* grammar/vocab_mask.c — the vocabulary's bytes in one blob (token i: blob[off[i] .. off[i+1]))
- * and the mask a JSON prefix state implies: each text token's bytes fed to a copy of the state. */
+ * and the mask a JSON prefix state implies: each text token's bytes fed to a copy of the state, in
+ * chunks on a pool, into a bitmap that is remembered for the state and applied to the logits. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,19 +84,19 @@ kvb_status kvb_vocab_bytes_create(const kvb_tokenizer *t, kvb_vocab_bytes **out,
     return KVB_OK;
 }
 
-#define MASK_CHUNK 16384 /* tokens per pool task, at least */
+#define MASK_CHUNK 16384 /* tokens per pool task, at least (a multiple of 64: tasks write whole words) */
 #define MASK_MAX_CHUNKS 64
 
 typedef struct {
     const kvb_json_state *s;
     const kvb_vocab_bytes *v;
-    float *logits;
+    uint64_t *bits;                    /* (ceil(n / 64)) bit i: token i may come */
     bool complete;
     uint32_t chunk;                    /* tokens per task */
     uint32_t allowed[MASK_MAX_CHUNKS]; /* per task */
 } mask_job;
 
-/* Task t: tokens [t * chunk, (t + 1) * chunk), each masked or counted. */
+/* Task t: tokens [t * chunk, (t + 1) * chunk), each one's bit. */
 static void mask_chunk(void *ctx, int t, int worker) {
     (void)worker;
     mask_job *j = ctx;
@@ -111,21 +112,82 @@ static void mask_chunk(void *ctx, int t, int worker) {
         } else {
             ok = v->kind[i] == KVB_VOCAB_EOG && j->complete;
         }
-        if (ok) allowed++;
-        else if (v->kind[i] != KVB_VOCAB_EOG) j->logits[i] = -INFINITY;
+        if (ok) j->bits[i / 64] |= (uint64_t)1 << (i % 64);
+        else j->bits[i / 64] &= ~((uint64_t)1 << (i % 64));
+        allowed += ok;
     }
     j->allowed[t] = allowed;
 }
 
-uint32_t kvb_json_mask_logits(const kvb_json_state *s, const kvb_vocab_bytes *v, float *logits, kvb_pool *pool) {
-    mask_job j = {.s = s, .v = v, .logits = logits, .complete = kvb_json_complete(s), .chunk = MASK_CHUNK};
-    if (v->n > (uint64_t)MASK_CHUNK * MASK_MAX_CHUNKS) j.chunk = (v->n + MASK_MAX_CHUNKS - 1) / MASK_MAX_CHUNKS;
+/* The tokens that may follow s as bits (ceil(n / 64) words); returns how many. */
+static uint32_t mask_bits(const kvb_json_state *s, const kvb_vocab_bytes *v, uint64_t *bits, kvb_pool *pool) {
+    mask_job j = {.s = s, .v = v, .bits = bits, .complete = kvb_json_complete(s), .chunk = MASK_CHUNK};
+    if (v->n > (uint64_t)MASK_CHUNK * MASK_MAX_CHUNKS)
+        j.chunk = ((v->n + MASK_MAX_CHUNKS - 1) / MASK_MAX_CHUNKS + 63) / 64 * 64;
     const uint32_t n_tasks = v->n ? (v->n + j.chunk - 1) / j.chunk : 0;
     kvb_pool_parallel_for(n_tasks > 1 ? pool : NULL, (int)n_tasks, mask_chunk, &j);
     uint32_t allowed = 0;
     for (uint32_t t = 0; t < n_tasks; t++) allowed += j.allowed[t];
-    if (allowed == 0) return 0; /* nothing may come: the end-of-generation tokens stay as they were */
-    for (uint32_t i = 0; i < v->n; i++)
-        if (v->kind[i] == KVB_VOCAB_EOG && !j.complete) logits[i] = -INFINITY;
     return allowed;
+}
+
+/* -inf for every token whose bit is clear; when none may come, the end-of-generation tokens stay. */
+static void apply_bits(const kvb_vocab_bytes *v, const uint64_t *bits, uint32_t allowed, float *logits) {
+    for (uint32_t i = 0; i < v->n; i++)
+        if (!((bits[i / 64] >> (i % 64)) & 1) && (allowed || v->kind[i] != KVB_VOCAB_EOG)) logits[i] = -INFINITY;
+}
+
+/* ---- the masker: masks remembered by state ------------------------------------------------ */
+
+struct kvb_json_masker {
+    const kvb_vocab_bytes *v;
+    kvb_pool *pool;
+    uint64_t clock;
+    struct {
+        kvb_json_state s;
+        uint64_t used;   /* clock at the last use; 0: empty */
+        uint32_t allowed;
+        uint64_t *bits;  /* (ceil(n / 64)) */
+    } slot[KVB_JSON_MASK_CACHE];
+};
+
+kvb_status kvb_json_masker_create(const kvb_vocab_bytes *v, kvb_pool *pool, kvb_json_masker **out, kvb_err *err) {
+    kvb_json_masker *m = calloc(1, sizeof *m);
+    bool ok = m != NULL;
+    for (int k = 0; ok && k < KVB_JSON_MASK_CACHE; k++) ok = (m->slot[k].bits = malloc(sizeof(uint64_t) * ((size_t)v->n / 64 + 1)));
+    if (!ok) {
+        kvb_json_masker_free(m);
+        return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the JSON mode's masks");
+    }
+    m->v = v;
+    m->pool = pool;
+    *out = m;
+    return KVB_OK;
+}
+
+void kvb_json_masker_free(kvb_json_masker *m) {
+    if (!m) return;
+    for (int k = 0; k < KVB_JSON_MASK_CACHE; k++) free(m->slot[k].bits);
+    free(m);
+}
+
+static bool same_state(const kvb_json_state *a, const kvb_json_state *b) {
+    return a->stack == b->stack && a->depth == b->depth && a->state == b->state && a->aux == b->aux &&
+           a->ws_run == b->ws_run;
+}
+
+uint32_t kvb_json_masker_apply(kvb_json_masker *m, const kvb_json_state *s, float *logits) {
+    int hit = -1, victim = 0;
+    for (int k = 0; k < KVB_JSON_MASK_CACHE; k++) {
+        if (m->slot[k].used && same_state(&m->slot[k].s, s)) hit = k;
+        if (m->slot[k].used < m->slot[victim].used) victim = k;
+    }
+    if (hit < 0) {
+        hit = victim;
+        m->slot[hit].s = *s;
+        m->slot[hit].allowed = mask_bits(s, m->v, m->slot[hit].bits, m->pool);
+    }
+    m->slot[hit].used = ++m->clock;
+    apply_bits(m->v, m->slot[hit].bits, m->slot[hit].allowed, logits);
+    return m->slot[hit].allowed;
 }

@@ -679,7 +679,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     kvb_sampler smp = {0};
     stop_filter sf = {0};
     char *lp_scratch = NULL; /* with logprobs: the tokens' bytes (kvb_reply_send_logprobs) */
-    kvb_json_mode jm;        /* with response_format json_object: read by the sampler's constraint */
+    kvb_json_mode jm = {0};  /* with response_format json_object: read by the sampler's constraint */
     char *tok_buf = NULL;    /* with json_object: one token's bytes */
     if (kvb_completion_cancelled(out)) { /* gone while it waited its turn: nothing to compute for */
         engine_release(n);
@@ -808,10 +808,9 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
                            .logprobs = req->logprobs, .top_logprobs = req->top_logprobs,
                            .constrain = req->json_object ? kvb_json_mode_constrain : NULL, .constrain_ctx = &jm};
     kvb_json_init(&jm.s);
-    jm.v = n->vocab_bytes;
-    jm.pool = kvb_engine_pool(n->e);
     if (req->json_object && !st && !(tok_buf = malloc(kvb_tokenizer_max_token_len(n->tok) + 8)))
         st = kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory for the JSON mode");
+    if (req->json_object && !st) st = kvb_json_masker_create(n->vocab_bytes, kvb_engine_pool(n->e), &jm.masker, &err);
     double t_decode = kvb_now_s();
     if (!st) st = kvb_sampler_init(&smp, &so, n->m->d.n_vocab, &err);
     /* the engine's pool is the sampler's only while the engine is held: here, for the first token,
@@ -874,6 +873,7 @@ cleanup_unlocked:
     free(sf.buf);
     free(lp_scratch);
     free(tok_buf);
+    kvb_json_masker_free(jm.masker);
     if (s) kvb_seq_keep_window_at(s, (uint32_t)n_tok); /* a next turn may diverge where the reply began */
     kvb_seq_free(s); /* its blocks stay cached for the next turn */
     slot_release(n, need);

@@ -192,13 +192,12 @@ kvb_status kvb_reply_prompt_logprobs(kvb_engine *e, kvb_decode_batch *batch, con
 kvb_status kvb_reply_emit_echo(const kvb_tokenizer *tok, const kvb_completion_req *req, const int32_t *toks, size_t n_tok,
                                kvb_completion_out *out);
 
-/* response_format's JSON mode: the reply so far as a JSON prefix, the vocabulary to mask, and the
- * engine's pool (idle whenever a sampler runs: it is the sampler's too). kvb_json_mode_constrain
- * is the sampler's constraint (ctx: a kvb_json_mode). */
+/* response_format's JSON mode: the reply so far as a JSON prefix, and its masker (over the node's
+ * vocabulary bytes, on the engine's pool: idle whenever a sampler runs, it is the sampler's too).
+ * kvb_json_mode_constrain is the sampler's constraint (ctx: a kvb_json_mode). */
 typedef struct {
     kvb_json_state s;
-    const kvb_vocab_bytes *v;
-    kvb_pool *pool;
+    kvb_json_masker *masker;
 } kvb_json_mode;
 void kvb_json_mode_constrain(void *ctx, float *logits);
 

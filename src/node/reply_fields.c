@@ -96,6 +96,6 @@ kvb_status kvb_reply_emit_echo(const kvb_tokenizer *tok, const kvb_completion_re
 }
 
 void kvb_json_mode_constrain(void *ctx, float *logits) {
-    const kvb_json_mode *j = ctx;
-    kvb_json_mask_logits(&j->s, j->v, logits, j->pool);
+    kvb_json_mode *j = ctx;
+    kvb_json_masker_apply(j->masker, &j->s, logits);
 }
