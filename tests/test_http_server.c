@@ -1625,6 +1625,108 @@ static void test_start_errors(void **state) {
     kvb_http_server_stop(NULL);
 }
 
+/* ---- CORS ----------------------------------------------------------------------------------------- */
+
+/* A request with an Origin header (and, when auth is non-NULL, an Authorization one). */
+static void call_from(uint16_t port, const char *method, const char *path, const char *origin, const char *auth,
+                      const char *body, http_resp *r) {
+    char req[2048];
+    int n = snprintf(req, sizeof req, "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nOrigin: %s\r\n", method,
+                     path, origin);
+    if (auth) n += snprintf(req + n, sizeof req - (size_t)n, "Authorization: %s\r\n", auth);
+    if (!strcmp(method, "OPTIONS"))
+        n += snprintf(req + n, sizeof req - (size_t)n, "Access-Control-Request-Method: POST\r\n"
+                      "Access-Control-Request-Headers: authorization, content-type\r\n");
+    if (body) n += snprintf(req + n, sizeof req - (size_t)n, "Content-Type: application/json\r\nContent-Length: %zu\r\n\r\n%s",
+                            strlen(body), body);
+    else n += snprintf(req + n, sizeof req - (size_t)n, "\r\n");
+    http_raw(port, req, (size_t)n, r);
+}
+
+/* The response's Access-Control-Allow-Origin, or "" when it has none. */
+static const char *acao(const http_resp *r, char *buf, size_t cap) {
+    return header_value(r, "Access-Control-Allow-Origin", buf, cap) ? buf : "";
+}
+
+static void test_cors(void **state) {
+    (void)state;
+    const char *chat = "{\"model\":\"" MODEL "\",\"messages\":[{\"role\":\"user\",\"content\":\"cross origin\"}]}";
+    kvb_http_handlers h = {.ctx = &g_fake, .completion = fake_completion};
+    kvb_http_config cfg = {.listen = "127.0.0.1:0", .model_id = MODEL, .api_key = API_KEY,
+                           .allow_origins = "https://ui.example,http://localhost:3000"};
+    kvb_http_server *s = NULL;
+    kvb_err err = {0};
+    assert_int_equal(kvb_http_server_start(&cfg, &h, &s, &err), KVB_OK);
+    const uint16_t port = kvb_http_server_port(s);
+    http_resp r;
+    char v[256];
+    /* a preflight: 204 with what may be sent, before any key is asked for */
+    call_from(port, "OPTIONS", "/v1/chat/completions", "https://ui.example", NULL, NULL, &r);
+    assert_int_equal(r.status, 204);
+    assert_string_equal(acao(&r, v, sizeof v), "https://ui.example");
+    assert_non_null(header_value(&r, "Access-Control-Allow-Headers", v, sizeof v));
+    assert_non_null(strstr(v, "Authorization"));
+    assert_non_null(header_value(&r, "Access-Control-Allow-Methods", v, sizeof v));
+    assert_non_null(strstr(v, "POST"));
+    resp_free(&r);
+    /* the call itself, JSON and a stream: the origin named, the verdict header readable */
+    call_from(port, "POST", "/v1/chat/completions", "http://localhost:3000", "Bearer " API_KEY, chat, &r);
+    assert_int_equal(r.status, 200);
+    assert_string_equal(acao(&r, v, sizeof v), "http://localhost:3000");
+    assert_non_null(header_value(&r, "Vary", v, sizeof v));
+    assert_string_equal(v, "Origin");
+    assert_non_null(header_value(&r, "Access-Control-Expose-Headers", v, sizeof v));
+    assert_string_equal(v, "X-KVBridge");
+    resp_free(&r);
+    call_from(port, "POST", "/v1/completions", "https://ui.example", "Bearer " API_KEY,
+              "{\"model\":\"" MODEL "\",\"prompt\":\"a b\",\"stream\":true}", &r);
+    assert_true(r.chunked);
+    assert_string_equal(acao(&r, v, sizeof v), "https://ui.example");
+    resp_free(&r);
+    /* a refusal is readable by the page too */
+    call_from(port, "POST", "/v1/chat/completions", "https://ui.example", NULL, chat, &r);
+    assert_int_equal(r.status, 401);
+    assert_string_equal(acao(&r, v, sizeof v), "https://ui.example");
+    resp_free(&r);
+    /* another origin: nothing that lets a browser read the answer */
+    call_from(port, "OPTIONS", "/v1/chat/completions", "https://evil.example", NULL, NULL, &r);
+    assert_int_equal(r.status, 204);
+    assert_string_equal(acao(&r, v, sizeof v), "");
+    assert_null(header_value(&r, "Access-Control-Allow-Headers", v, sizeof v));
+    resp_free(&r);
+    call_from(port, "GET", "/v1/models", "https://ui.example.evil", "Bearer " API_KEY, NULL, &r);
+    assert_int_equal(r.status, 200);
+    assert_string_equal(acao(&r, v, sizeof v), "");
+    resp_free(&r);
+    kvb_http_server_stop(s);
+
+    /* any origin */
+    cfg = (kvb_http_config){.listen = "127.0.0.1:0", .model_id = MODEL, .allow_origins = "*"};
+    assert_int_equal(kvb_http_server_start(&cfg, &h, &s, &err), KVB_OK);
+    call_from(kvb_http_server_port(s), "GET", "/v1/models", "https://anyone.example", NULL, NULL, &r);
+    assert_string_equal(acao(&r, v, sizeof v), "*");
+    assert_null(header_value(&r, "Vary", v, sizeof v));
+    resp_free(&r);
+    kvb_http_server_stop(s);
+
+    /* off (the default): no CORS headers, and OPTIONS is a method this API does not take */
+    cfg = (kvb_http_config){.listen = "127.0.0.1:0", .model_id = MODEL};
+    assert_int_equal(kvb_http_server_start(&cfg, &h, &s, &err), KVB_OK);
+    call_from(kvb_http_server_port(s), "OPTIONS", "/v1/chat/completions", "https://ui.example", NULL, NULL, &r);
+    assert_int_equal(r.status, 405);
+    assert_string_equal(acao(&r, v, sizeof v), "");
+    resp_free(&r);
+    call_from(kvb_http_server_port(s), "GET", "/v1/models", "https://ui.example", NULL, NULL, &r);
+    assert_string_equal(acao(&r, v, sizeof v), "");
+    resp_free(&r);
+    kvb_http_server_stop(s);
+
+    /* a list with a space is refused at start */
+    cfg = (kvb_http_config){.listen = "127.0.0.1:0", .model_id = MODEL, .allow_origins = "https://a.example, https://b.example"};
+    assert_int_equal(kvb_http_server_start(&cfg, &h, &s, &err), KVB_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "comma-separated"));
+}
+
 /* ---- the metrics registry on its own ------------------------------------------------------------- */
 
 static char *render(kvb_metrics *m) {
@@ -1996,6 +2098,7 @@ int main(void) {
         cmocka_unit_test(test_metrics_registry),
         cmocka_unit_test(test_metrics_threads_and_cap),
         cmocka_unit_test(test_start_errors),
+        cmocka_unit_test(test_cors),
         cmocka_unit_test_setup_teardown(test_chat_non_streaming, setup, teardown),
         cmocka_unit_test_setup_teardown(test_completion_non_streaming, setup, teardown),
         cmocka_unit_test_setup_teardown(test_max_tokens_length, setup, teardown),

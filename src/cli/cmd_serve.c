@@ -23,6 +23,8 @@ static void help(FILE *f) {
             "  --psk KEY            pre-shared key, >= 16 bytes (or env KVB_PSK); both nodes need the same\n"
             "  --api-key KEY        decode: /v1/* require 'Authorization: Bearer KEY' (clients: their OpenAI\n"
             "                       api_key), >= 8 bytes (or env KVB_API_KEY); /health and /metrics stay open\n"
+            "  --allow-origin LIST  decode: browser pages from these origins may call the API (CORS):\n"
+            "                       https://ui.example[,https://other.example], or * for any\n"
             "  --cache-type T       the decoder's cache dtype: f16 (default), f32, bf16, q8_0\n"
             "  --block-tokens N     tokens per cache block (default 32)\n"
             "  --ctx N              context limit in tokens\n"
@@ -73,7 +75,7 @@ static void on_signal(int sig) {
 int kvb_cmd_serve(int argc, char **argv) {
     const char *cmd = "serve", *role = NULL, *model = NULL, *listen = NULL, *http = NULL, *peer = NULL,
                *psk = getenv("KVB_PSK"), *tmpl = NULL, *model_id = NULL, *fault = NULL, *mode = "decoder",
-               *device = "cpu", *api_key = NULL;
+               *device = "cpu", *api_key = NULL, *allow_origin = NULL;
     long long threads = 0, bt = 32, ctx = 0, bridge_min = 0, max_tokens = 0, chunk = 0, cache_blocks = 0, lanes = 0,
               warmup = -1, resumes = -1, parallel = 0;
     long long gpus = 1;
@@ -95,6 +97,7 @@ int kvb_cmd_serve(int argc, char **argv) {
         STR("--role", role) STR("-m", model) STR("--model", model) STR("--listen", listen) STR("--http", http)
         STR("--peer", peer) STR("--psk", psk) STR("--chat-template", tmpl) STR("--model-id", model_id)
         STR("--fault", fault) STR("--bridge-mode", mode) STR("--device", device) STR("--api-key", api_key)
+        STR("--allow-origin", allow_origin)
         NUM("--chunk", chunk, 16, 1 << 20) NUM("--cache-blocks", cache_blocks, 16, 1LL << 31)
         NUM("--warmup", warmup, 0, 1 << 24)
         NUM("--threads", threads, 1, 1024) NUM("--block-tokens", bt, 1, 4096) NUM("--ctx", ctx, 16, 1 << 24)
@@ -140,6 +143,10 @@ int kvb_cmd_serve(int argc, char **argv) {
                         "cuda); a decode node decodes on its CPU\n");
         return 2;
     }
+    if (prefill && allow_origin) {
+        fprintf(stderr, "kvbridge serve: --allow-origin is for --role decode (the HTTP API)\n");
+        return 2;
+    }
     if (prefill && api_key) {
         fprintf(stderr, "kvbridge serve: --api-key is for --role decode (it guards the HTTP API); the prefill node's "
                         "link is authenticated by --psk\n");
@@ -181,7 +188,8 @@ int kvb_cmd_serve(int argc, char **argv) {
                                .prefill_mode = prefill_mode, .cache_blocks = (uint32_t)cache_blocks,
                                .tail_after_transfer = tail_after, .lanes = (uint32_t)lanes,
                                .bridge_resumes = resumes < 0 ? 0 : resumes == 0 ? -1 : (int)resumes,
-                               .parallel = (uint32_t)parallel, .api_key = api_key};
+                               .parallel = (uint32_t)parallel, .api_key = api_key,
+                               .allow_origins = allow_origin};
         if (kvb_decode_node_start(&c, &dn, &err)) goto fail;
         printf("kvbridge decode node: OpenAI API on port %u, prefill node %s\n", kvb_decode_node_port(dn),
                peer ? peer : "none (native only)");

@@ -110,6 +110,7 @@ struct kvb_http_server {
     uint64_t id_salt;
     kvb_metrics *metrics;
     bool owns_metrics;
+    char *allow_origins;                                /* NULL: no CORS; else "a,b,c" or "*" */
     bool has_api_key;                                   /* /v1/ routes need the bearer token */
     unsigned char api_key_digest[HTTP_API_KEY_DIGEST_LEN]; /* SHA-256 of the key, never the key */
     kvb_metric *m_requests, *m_duration, *m_in_flight, *m_ttft, *m_gap, *m_prompt_tokens,

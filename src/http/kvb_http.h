@@ -244,6 +244,10 @@ typedef struct {
                                   Bearer KEY" (else 401 invalid_api_key); /health and /metrics stay
                                   open. >= 8 bytes of printable ASCII without spaces; the server
                                   keeps only its SHA-256 and compares in constant time */
+    const char *allow_origins; /* NULL or "": no CORS; else the browser origins ("https://ui.example",
+                                  comma-separated, or "*" for any) whose pages may call the API:
+                                  their requests' responses carry Access-Control-Allow-Origin (and
+                                  expose X-KVBridge), and OPTIONS preflights get a 204 */
 } kvb_http_config;
 
 typedef struct kvb_http_server kvb_http_server;

@@ -7,7 +7,9 @@
  * connection after the answer; everything else keeps the connection alive. With an API key
  * configured, the /v1/ routes answer 401 (WWW-Authenticate: Bearer) before the body is read
  * unless "Authorization: Bearer KEY" matches: the server keeps the key's SHA-256 only and compares
- * the presented token's digest in constant time. /health and /metrics stay open. */
+ * the presented token's digest in constant time. /health and /metrics stay open. With allowed
+ * origins (CORS), a response to a request from one of them names it in Access-Control-Allow-Origin,
+ * and an OPTIONS preflight gets a 204 before any key is asked for (browsers send none there). */
 #include <arpa/inet.h>
 #include <microhttpd.h>
 #include <netdb.h>
@@ -53,9 +55,19 @@ typedef struct {
     char method[8];        /* for the log line: "POST", "GET", "HEAD" (others cut) */
     kvb_completion_req *req;
     kvb_completion_out *out;
+    char origin[256];      /* the request's Origin when it is an allowed one (CORS), else "" */
 } request_ctx;
 
 /* ---- responses ---------------------------------------------------------------------------------- */
+
+/* CORS: an allowed origin's request is answered with its origin named ("*" when any may call). */
+static void add_cors_headers(const request_ctx *ctx, struct MHD_Response *resp) {
+    if (!ctx->origin[0]) return;
+    const bool any = strcmp(ctx->server->allow_origins, "*") == 0;
+    MHD_add_response_header(resp, "Access-Control-Allow-Origin", any ? "*" : ctx->origin);
+    if (!any) MHD_add_response_header(resp, "Vary", "Origin");
+    MHD_add_response_header(resp, "Access-Control-Expose-Headers", "X-KVBridge");
+}
 
 /* hdr_name/hdr_value: one more response header (Allow on a 405, WWW-Authenticate on a 401), or NULL. */
 static enum MHD_Result queue_body(request_ctx *ctx, struct MHD_Connection *conn, unsigned status,
@@ -67,6 +79,7 @@ static enum MHD_Result queue_body(request_ctx *ctx, struct MHD_Connection *conn,
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
     if (verdict && verdict[0]) MHD_add_response_header(resp, "X-KVBridge", verdict);
     if (hdr_name && hdr_value) MHD_add_response_header(resp, hdr_name, hdr_value);
+    add_cors_headers(ctx, resp);
     enum MHD_Result r = MHD_queue_response(conn, status, resp);
     MHD_destroy_response(resp);
     if (r == MHD_YES) {
@@ -289,6 +302,7 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
     MHD_add_response_header(resp, "X-Accel-Buffering", "no");
     MHD_add_response_header(resp, "X-KVBridge", verdict);
+    add_cors_headers(ctx, resp);
     /* MHD would cut a stream whose gaps between deltas exceed the idle timeout: lift it for this
      * response (request_completed puts it back). */
     MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
@@ -361,6 +375,39 @@ static bool is_json_media_type(const char *ct) {
     return *rest == '\0' || *rest == ';';
 }
 
+/* Whether origin is one of the allowed ones (exact match in the comma-separated list, or "*"). */
+static bool origin_allowed(const char *allowed, const char *origin) {
+    if (!allowed || !origin || !origin[0]) return false;
+    if (strcmp(allowed, "*") == 0) return true;
+    const size_t n = strlen(origin);
+    for (const char *p = allowed; *p;) {
+        const char *end = strchr(p, ',');
+        const size_t len = end ? (size_t)(end - p) : strlen(p);
+        if (len == n && memcmp(p, origin, n) == 0) return true;
+        p += len + (end ? 1 : 0);
+    }
+    return false;
+}
+
+/* A CORS preflight (OPTIONS on a known route, CORS on): 204 with what the browser may send. */
+static enum MHD_Result queue_preflight(request_ctx *ctx, struct MHD_Connection *conn) {
+    struct MHD_Response *resp = MHD_create_response_from_buffer(0, (void *)"", MHD_RESPMEM_PERSISTENT);
+    if (!resp) return MHD_NO;
+    add_cors_headers(ctx, resp);
+    if (ctx->origin[0]) {
+        MHD_add_response_header(resp, "Access-Control-Allow-Methods", "GET, HEAD, POST, OPTIONS");
+        MHD_add_response_header(resp, "Access-Control-Allow-Headers", "Authorization, Content-Type");
+        MHD_add_response_header(resp, "Access-Control-Max-Age", "600");
+    }
+    enum MHD_Result r = MHD_queue_response(conn, 204, resp);
+    MHD_destroy_response(resp);
+    if (r == MHD_YES) {
+        ctx->responded = true;
+        ctx->status = 204;
+    }
+    return r;
+}
+
 /* First call for a request: headers are in. Returns MHD_YES to go on reading, or a queued
  * early refusal. */
 static enum MHD_Result on_headers(request_ctx *ctx, struct MHD_Connection *conn, const char *url,
@@ -369,8 +416,12 @@ static enum MHD_Result on_headers(request_ctx *ctx, struct MHD_Connection *conn,
     ctx->route = route_of(s, url);
     bool get = strcmp(method, MHD_HTTP_METHOD_GET) == 0 || strcmp(method, MHD_HTTP_METHOD_HEAD) == 0;
     bool post = strcmp(method, MHD_HTTP_METHOD_POST) == 0;
+    const char *origin = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Origin");
+    if (s->allow_origins && origin_allowed(s->allow_origins, origin) && strlen(origin) < sizeof ctx->origin)
+        memcpy(ctx->origin, origin, strlen(origin) + 1);
     if (ctx->route == ROUTE_UNKNOWN)
         return refuse(ctx, conn, 404, NULL, "Invalid URL (%.16s %.200s)", method, url);
+    if (s->allow_origins && strcmp(method, MHD_HTTP_METHOD_OPTIONS) == 0) return queue_preflight(ctx, conn);
     if (is_post_route(ctx->route) && !post)
         return refuse(ctx, conn, 405, "POST", "Method %.16s is not allowed on %s; use POST.", method,
                       route_labels[ctx->route]);
@@ -639,6 +690,10 @@ kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_hand
             return kvb_err_set(err, KVB_ERR_INVALID, "http: the API key (--api-key / KVB_API_KEY) has a space, "
                                "a control or a non-ASCII byte at offset %zu; a bearer token is printable ASCII",
                                i);
+    for (const char *p = cfg->allow_origins; p && *p; p++)
+        if ((unsigned char)*p <= ' ' || (unsigned char)*p >= 0x7f)
+            return kvb_err_set(err, KVB_ERR_INVALID, "http: the allowed origins ('%s') must be origins like "
+                               "https://ui.example, comma-separated without spaces, or *", cfg->allow_origins);
     struct sockaddr_storage addr;
     kvb_status st = resolve_listen(cfg->listen, &addr, err);
     if (st) return st;
@@ -655,10 +710,16 @@ kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_hand
     atomic_init(&s->next_id, 1);
     s->id_salt = kvb_splitmix64((uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)s ^
                                 (uint64_t)(kvb_now_s() * 1e9));
-    if (!s->model_id) { free(s); return kvb_err_set(err, KVB_ERR_NOMEM, "http: out of memory"); }
+    s->allow_origins = cfg->allow_origins && cfg->allow_origins[0] ? strdup(cfg->allow_origins) : NULL;
+    if (!s->model_id || (cfg->allow_origins && cfg->allow_origins[0] && !s->allow_origins)) {
+        free(s->model_id);
+        free(s);
+        return kvb_err_set(err, KVB_ERR_NOMEM, "http: out of memory");
+    }
     if (cfg->metrics) {
         s->metrics = cfg->metrics;
     } else if ((st = kvb_metrics_create(&s->metrics, err))) {
+        free(s->allow_origins);
         free(s->model_id);
         free(s);
         return st;
@@ -692,13 +753,15 @@ kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_hand
     }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->daemon, MHD_DAEMON_INFO_BIND_PORT);
     s->port = di ? di->port : 0;
-    kvb_log(KVB_LOG_INFO, "http: serving model '%s' on %s (port %u%s)", s->model_id, cfg->listen, s->port,
-            s->has_api_key ? ", API key required on /v1/" : "");
+    kvb_log(KVB_LOG_INFO, "http: serving model '%s' on %s (port %u%s%s%s)", s->model_id, cfg->listen, s->port,
+            s->has_api_key ? ", API key required on /v1/" : "", s->allow_origins ? ", CORS for " : "",
+            s->allow_origins ? s->allow_origins : "");
     *out = s;
     return KVB_OK;
 fail:
     OPENSSL_cleanse(s->api_key_digest, sizeof s->api_key_digest);
     if (s->owns_metrics) kvb_metrics_free(s->metrics);
+    free(s->allow_origins);
     free(s->model_id);
     free(s);
     return st;
@@ -714,6 +777,7 @@ void kvb_http_server_stop(kvb_http_server *s) {
     MHD_stop_daemon(s->daemon);       /* joins the connection threads (they join the workers) */
     OPENSSL_cleanse(s->api_key_digest, sizeof s->api_key_digest);
     if (s->owns_metrics) kvb_metrics_free(s->metrics);
+    free(s->allow_origins);
     free(s->model_id);
     free(s);
 }

@@ -101,6 +101,8 @@ typedef struct {
     const char *model_id;      /* name in the API (default: the file's base name) */
     const char *psk;
     const char *api_key;       /* NULL or "": an open API; else /v1/ needs "Authorization: Bearer KEY" */
+    const char *allow_origins; /* NULL or "": no CORS; else browser origins allowed to call the API
+                                  (comma-separated, or "*"): kvb_http_config.allow_origins */
     const char *chat_template; /* family override, NULL = from the model */
     int n_threads;
     uint32_t cache_dtype;      /* this node's cache format (default f16) */
