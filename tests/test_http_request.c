@@ -146,6 +146,12 @@ static void test_logprobs_fields(void **state) {
     r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":\"x\",\"response_format\":{\"type\":\"text\"}}");
     assert_false(r->json_object);
     kvb_completion_req_free(r);
+    r = parse_ok(KVB_API_CHAT_COMPLETIONS, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"n\":16}");
+    assert_int_equal(r->n, 16);
+    kvb_completion_req_free(r);
+    r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":\"x\"}");
+    assert_int_equal(r->n, 1);
+    kvb_completion_req_free(r);
     /* chat has no echo in OpenAI's API: an unknown field, ignored */
     r = parse_ok(KVB_API_CHAT_COMPLETIONS, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
                                            "\"echo\":true}");
@@ -301,7 +307,8 @@ static const bad_case bad_cases[] = {
     {CHAT, CHATB(",\"seed\":\"42\""), "seed", "expected an integer"},
     {CHAT, CHATB(",\"seed\":0.5"), "seed", "decimal"},
     {CHAT, CHATB(",\"seed\":1e19"), "seed", "out of range"},
-    {CHAT, CHATB(",\"n\":2"), "n", "only n=1"},
+    {CHAT, CHATB(",\"n\":17"), "n", "out of range"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"n\":2,\"echo\":true}", "echo", "n=1 only"},
     {CHAT, CHATB(",\"n\":0"), "n", "out of range"},
     {CHAT, CHATB(",\"n\":\"1\""), "n", "expected an integer"},
     /* strings, bools, objects */

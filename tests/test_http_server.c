@@ -47,6 +47,7 @@ typedef struct {
     atomic_int calls;
     atomic_int saw_cancel;      /* emit returned KVB_ERR_IO or cancelled() became true */
     atomic_int slow_running;    /* a SLOW request is inside the handler */
+    atomic_int choice_overruns; /* next_choice past n was refused */
     atomic_int contract_errors; /* emit/finish answered KVB_ERR_INVALID where the test expects it */
 } fake_state;
 
@@ -163,8 +164,21 @@ static void fake_completion(void *ctx, const kvb_completion_req *req, kvb_comple
         }
         if (st == KVB_ERR_IO && kvb_completion_cancelled(out)) atomic_fetch_add(&fs->saw_cancel, 1);
         atomic_fetch_sub(&fs->slow_running, 1);
-    } else {
-        st = emit_words(out, req, text, req->max_tokens, &emitted, 0);
+    } else { /* n choices: "#c " then the words, for c > 0 after the previous choice ended */
+        st = KVB_OK;
+        for (uint32_t c = 0; c < req->n; c++) {
+            if (c && (st = kvb_completion_next_choice(out, st == KVB_ERR_RANGE ? KVB_FINISH_LENGTH : KVB_FINISH_STOP)))
+                break;
+            char tag[16];
+            snprintf(tag, sizeof tag, "#%u ", c);
+            if (req->n > 1 && (st = kvb_completion_emit(out, tag))) break;
+            int64_t words = 0;
+            st = emit_words(out, req, text, req->max_tokens, &words, 0);
+            emitted += words;
+            if (st != KVB_OK && st != KVB_ERR_RANGE) break;
+        }
+        if (req->n > 1 && kvb_completion_next_choice(out, KVB_FINISH_STOP) == KVB_ERR_INVALID)
+            atomic_fetch_add(&fs->choice_overruns, 1); /* no choice past n */
     }
     if (st == KVB_ERR_IO) return; /* client gone: nothing to finish (the server answers for us) */
     kvb_usage u = {
@@ -1071,6 +1085,71 @@ static void test_access_log(void **state) {
     kvb_log_set_sink(NULL, NULL);
 }
 
+/* n > 1: every choice with its index, text, logprobs and finish reason, in a body and a stream
+ * (one role chunk per chat choice, each choice's chunks together, one usage at the end); a handler
+ * cannot begin a choice past n. */
+static void test_choices(void **state) {
+    fixture *f = *state;
+    const int overruns = atomic_load(&g_fake.choice_overruns);
+    http_resp r;
+    post_json(f->port, "/v1/chat/completions",
+              "{\"model\":\"" MODEL "\",\"messages\":[{\"role\":\"user\",\"content\":\"x y\"}],\"n\":3,\"logprobs\":true}", &r);
+    assert_int_equal(r.status, 200);
+    cJSON *j = parse_body(&r);
+    assert_int_equal(cJSON_GetArraySize(jitem(j, "choices")), 3);
+    for (int c = 0; c < 3; c++) {
+        char path[64], want[16];
+        snprintf(want, sizeof want, "#%d x y", c);
+        snprintf(path, sizeof path, "choices.%d.message.content", c);
+        assert_string_equal(jstr(j, path), want);
+        snprintf(path, sizeof path, "choices.%d.index", c);
+        assert_true(jnum(j, path) == c);
+        snprintf(path, sizeof path, "choices.%d.finish_reason", c);
+        assert_string_equal(jstr(j, path), "stop");
+        snprintf(path, sizeof path, "choices.%d.logprobs.content", c);
+        assert_int_equal(cJSON_GetArraySize(jitem(j, path)), 2); /* its own words' entries */
+    }
+    assert_true(jnum(j, "usage.completion_tokens") == 6);
+    cJSON_Delete(j);
+    resp_free(&r);
+    /* completions, max_tokens reached in each */
+    post_json(f->port, "/v1/completions", "{\"model\":\"" MODEL "\",\"prompt\":\"a b c\",\"n\":2,\"max_tokens\":1}", &r);
+    j = parse_body(&r);
+    assert_string_equal(jstr(j, "choices.0.text"), "#0 a");
+    assert_string_equal(jstr(j, "choices.1.text"), "#1 a");
+    assert_string_equal(jstr(j, "choices.0.finish_reason"), "length");
+    assert_string_equal(jstr(j, "choices.1.finish_reason"), "length");
+    cJSON_Delete(j);
+    resp_free(&r);
+    /* a stream */
+    post_json(f->port, "/v1/chat/completions",
+              "{\"model\":\"" MODEL "\",\"messages\":[{\"role\":\"user\",\"content\":\"p q\"}],\"n\":2,\"stream\":true,"
+              "\"stream_options\":{\"include_usage\":true}}", &r);
+    sse_stream ss;
+    sse_parse(r.body, &ss);
+    assert_true(ss.done);
+    char text[2][64] = {"", ""};
+    int roles[2] = {0, 0}, finishes[2] = {0, 0}, last_index = 0;
+    for (size_t i = 0; i + 1 < ss.n_events; i++) {
+        const cJSON *e = ss.events[i];
+        const int c = (int)jnum(e, "choices.0.index");
+        assert_true(c == 0 || c == 1);
+        assert_true(c >= last_index); /* choice 0's chunks, then choice 1's */
+        last_index = c;
+        if (jstr(e, "choices.0.delta.role")) roles[c]++;
+        const char *piece = jstr(e, "choices.0.delta.content");
+        if (piece) strncat(text[c], piece, sizeof text[c] - strlen(text[c]) - 1);
+        if (jstr(e, "choices.0.finish_reason")) finishes[c]++;
+    }
+    assert_string_equal(text[0], "#0 p q");
+    assert_string_equal(text[1], "#1 p q");
+    assert_true(roles[0] == 1 && roles[1] == 1 && finishes[0] == 1 && finishes[1] == 1);
+    assert_true(jnum(ss.events[ss.n_events - 1], "usage.completion_tokens") == 4);
+    sse_free(&ss);
+    resp_free(&r);
+    assert_int_equal(atomic_load(&g_fake.choice_overruns), overruns + 3);
+}
+
 /* POST /tokenize and /detokenize in vLLM's shapes; their refusals; 404 without handlers. */
 static void test_tokenize_routes(void **state) {
     fixture *f = *state;
@@ -1222,8 +1301,8 @@ static void test_http_refusals(void **state) {
               "{\"model\":\"" MODEL "\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"stream\":\"yes\"}", &r);
     expect_error(&r, 400, "stream", NULL, "expected a boolean");
     resp_free(&r);
-    post_json(f->port, "/v1/completions", "{\"model\":\"" MODEL "\",\"prompt\":\"x\",\"n\":3}", &r);
-    expect_error(&r, 400, "n", NULL, "only n=1");
+    post_json(f->port, "/v1/completions", "{\"model\":\"" MODEL "\",\"prompt\":\"x\",\"n\":30}", &r);
+    expect_error(&r, 400, "n", NULL, "out of range");
     resp_free(&r);
     post_json(f->port, "/v1/chat/completions",
               "{\"model\":\"gpt-9\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", &r);
@@ -2106,6 +2185,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_completion_streaming, setup, teardown),
         cmocka_unit_test_setup_teardown(test_logprobs, setup, teardown),
         cmocka_unit_test_setup_teardown(test_tokenize_routes, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_choices, setup, teardown),
         cmocka_unit_test_setup_teardown(test_access_log, setup, teardown),
         cmocka_unit_test_setup_teardown(test_handler_errors, setup, teardown),
         cmocka_unit_test_setup_teardown(test_http_refusals, setup, teardown),

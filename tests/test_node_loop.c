@@ -1062,6 +1062,70 @@ static void test_json_mode(void **state) {
     kvb_decode_node_stop(dn);
 }
 
+/* A completion body for ids: temperature t, seed, n choices, max_tokens (ignore_eos), bridging forced. */
+static char *sampled_body(const int32_t *ids, int n_ids, double t, int seed, int n, int max_tokens) {
+    cJSON *req = cJSON_CreateObject();
+    cJSON_AddStringToObject(req, "model", "m");
+    cJSON_AddItemToObject(req, "prompt", cJSON_CreateIntArray(ids, n_ids));
+    cJSON_AddNumberToObject(req, "max_tokens", max_tokens);
+    cJSON_AddBoolToObject(req, "ignore_eos", true);
+    cJSON_AddNumberToObject(req, "temperature", t);
+    cJSON_AddNumberToObject(req, "seed", seed);
+    cJSON_AddNumberToObject(req, "n", n);
+    cJSON_AddItemToObject(cJSON_AddObjectToObject(req, "kvbridge"), "bridge", cJSON_CreateString("force"));
+    char *body = cJSON_PrintUnformatted(req);
+    cJSON_Delete(req);
+    return body;
+}
+
+/* n > 1 on a real node: choice i is what a request of its own with seed + i gives (the prompt
+ * bridged once, the later choices from the cache), and at temperature 0 every choice is the
+ * greedy reply. */
+static void test_choices_are_single_requests(void **state) {
+    (void)state;
+    enum { N = 300, GEN = 8 };
+    int32_t ids[N];
+    kvbt_prompt_ids(ids, N, 53);
+    kvb_prefill_node *pn = start_prefill(g_model, PSK, NULL);
+    kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
+    const uint16_t dp = kvb_decode_node_port(dn);
+    char *body = sampled_body(ids, N, 1.0, 7, 3, GEN);
+    kvb_http_reply h;
+    kvb_err err = {0};
+    assert_int_equal(kvb_http_post("127.0.0.1", dp, "/v1/completions", body, 60000, &h, &err), KVB_OK);
+    assert_int_equal(h.status, 200);
+    assert_string_equal(h.verdict, "complete");
+    cJSON *many = cJSON_Parse(h.body);
+    kvb_http_reply_free(&h);
+    free(body);
+    const cJSON *choices = cJSON_GetObjectItem(many, "choices");
+    assert_int_equal(cJSON_GetArraySize(choices), 3);
+    assert_true(cJSON_GetObjectItem(cJSON_GetObjectItem(many, "usage"), "completion_tokens")->valuedouble == 3 * GEN);
+    int distinct = 0;
+    for (int c = 0; c < 3; c++) {
+        body = sampled_body(ids, N, 1.0, 7 + c, 1, GEN);
+        cJSON *one = post_node(dp, "/v1/completions", body, 200);
+        free(body);
+        const char *want = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(one, "choices"), 0), "text")->valuestring;
+        const char *got = cJSON_GetObjectItem(cJSON_GetArrayItem(choices, c), "text")->valuestring;
+        assert_string_equal(got, want);
+        assert_true(cJSON_GetObjectItem(cJSON_GetArrayItem(choices, c), "index")->valuedouble == c);
+        if (c) distinct += strcmp(got, cJSON_GetObjectItem(cJSON_GetArrayItem(choices, 0), "text")->valuestring) != 0;
+        cJSON_Delete(one);
+    }
+    assert_true(distinct >= 1); /* sampled: the choices are not all one text */
+    cJSON_Delete(many);
+    body = sampled_body(ids, N, 0.0, 1, 2, GEN);
+    cJSON *greedy = post_node(dp, "/v1/completions", body, 200);
+    free(body);
+    const cJSON *g = cJSON_GetObjectItem(greedy, "choices");
+    assert_string_equal(cJSON_GetObjectItem(cJSON_GetArrayItem(g, 0), "text")->valuestring,
+                        cJSON_GetObjectItem(cJSON_GetArrayItem(g, 1), "text")->valuestring);
+    cJSON_Delete(greedy);
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+}
+
 /* Bridge mode `prefill`: the prefill engine's own K/V re-encoded. In the decoder's own format it
  * is exact (same answer as native); from an f32 engine it still completes (not claimed exact);
  * nodes that disagree on the mode refuse each other at the handshake. */
@@ -1203,6 +1267,7 @@ int main(void) {
         cmocka_unit_test(test_echo_prompt_logprobs),
         cmocka_unit_test(test_tokenize_matches_completions),
         cmocka_unit_test(test_json_mode),
+        cmocka_unit_test(test_choices_are_single_requests),
         cmocka_unit_test(test_prefill_mode),
         cmocka_unit_test(test_bridged_blocks_are_evictable),
         cmocka_unit_test(test_filler_rows_slab_path),

@@ -57,6 +57,7 @@ kvb_completion_out *http_completion_new(kvb_http_server *s, const kvb_completion
 void http_completion_free(kvb_completion_out *out) {
     if (!out) return;
     http_buf_free(&out->text);
+    cJSON_Delete(out->done_choices);
     http_buf_free(&out->pending);
     http_logprobs_free(&out->logprobs);
     pthread_mutex_destroy(&out->mu);
@@ -168,6 +169,45 @@ kvb_status kvb_completion_add_logprobs(kvb_completion_out *out, const kvb_token_
     else {
         http_logprobs_add(&out->logprobs, token, top, n_top);
         if (out->logprobs.oom) st = KVB_ERR_NOMEM;
+    }
+    pthread_mutex_unlock(&out->mu);
+    return st;
+}
+
+kvb_status kvb_completion_next_choice(kvb_completion_out *out, kvb_finish_reason reason) {
+    if (!out || (reason != KVB_FINISH_STOP && reason != KVB_FINISH_LENGTH)) return KVB_ERR_INVALID;
+    pthread_mutex_lock(&out->mu);
+    kvb_status st = KVB_OK;
+    if (out->ended || out->meta.index + 1 >= out->req->n) {
+        st = KVB_ERR_INVALID;
+    } else if (!out->has_verdict) {
+        kvb_log(KVB_LOG_WARN, "http: next_choice before kvb_completion_set_verdict");
+        st = KVB_ERR_INVALID;
+    } else if (check_cancel_locked(out)) {
+        st = KVB_ERR_IO;
+    } else if (out->streaming) {
+        start_stream_locked(out);
+        http_sse_chunk(&out->pending, &out->meta, NULL, http_logprobs_take(&out->logprobs, false), false,
+                       http_finish_reason_name(reason), NULL, NULL);
+        out->meta.index++;
+        if (out->meta.api == KVB_API_CHAT_COMPLETIONS) /* the next choice's role chunk */
+            http_sse_chunk(&out->pending, &out->meta, NULL, NULL, true, NULL, NULL, NULL);
+        if (out->pending.oom || out->logprobs.oom) st = KVB_ERR_NOMEM;
+        pthread_cond_broadcast(&out->cv);
+    } else {
+        if (!out->done_choices) out->done_choices = cJSON_CreateArray();
+        cJSON *lp = out->req->logprobs ? http_logprobs_take(&out->logprobs, true) : NULL;
+        cJSON *c = out->done_choices && !out->logprobs.oom
+                       ? http_choice_json(out->meta.api, out->meta.index, out->text.data ? out->text.data : "", lp, reason)
+                       : NULL;
+        if (!c) {
+            st = KVB_ERR_NOMEM;
+        } else {
+            cJSON_AddItemToArray(out->done_choices, c);
+            out->text.len = 0;
+            if (out->text.data) out->text.data[0] = 0;
+            out->meta.index++;
+        }
     }
     pthread_mutex_unlock(&out->mu);
     return st;

@@ -71,28 +71,30 @@ static void add_logprobs(cJSON *choice, cJSON *logprobs) {
     else cJSON_AddNullToObject(choice, "logprobs");
 }
 
-char *http_completion_json(const http_completion_meta *m, const char *text, cJSON *logprobs,
-                           kvb_finish_reason reason, const kvb_usage *u, const char *verdict) {
-    cJSON *root = meta_object(m, false);
-    if (!root) { cJSON_Delete(logprobs); return NULL; }
-    cJSON *choices = cJSON_AddArrayToObject(root, "choices");
+cJSON *http_choice_json(kvb_api api, uint32_t index, const char *text, cJSON *logprobs, kvb_finish_reason reason) {
     cJSON *choice = cJSON_CreateObject();
-    if (!choices || !choice) { cJSON_Delete(choice); cJSON_Delete(root); cJSON_Delete(logprobs); return NULL; }
-    cJSON_AddItemToArray(choices, choice);
-    cJSON_AddNumberToObject(choice, "index", 0);
-    bool ok;
-    if (m->api == KVB_API_CHAT_COMPLETIONS) {
+    bool ok = choice && cJSON_AddNumberToObject(choice, "index", index);
+    if (ok && api == KVB_API_CHAT_COMPLETIONS) {
         cJSON *msg = cJSON_AddObjectToObject(choice, "message");
         ok = msg && cJSON_AddStringToObject(msg, "role", "assistant") &&
              cJSON_AddStringToObject(msg, "content", text ? text : "");
-    } else {
+    } else if (ok) {
         ok = cJSON_AddStringToObject(choice, "text", text ? text : "") != NULL;
     }
-    if (!ok) { cJSON_Delete(root); cJSON_Delete(logprobs); return NULL; }
+    if (!ok) { cJSON_Delete(choice); cJSON_Delete(logprobs); return NULL; }
     add_logprobs(choice, logprobs);
-    cJSON_AddStringToObject(choice, "finish_reason", http_finish_reason_name(reason));
-    cJSON *usage = http_usage_json(u, verdict);
-    if (!usage) { cJSON_Delete(root); return NULL; }
+    if (!cJSON_AddStringToObject(choice, "finish_reason", http_finish_reason_name(reason))) {
+        cJSON_Delete(choice);
+        return NULL;
+    }
+    return choice;
+}
+
+char *http_completion_json(const http_completion_meta *m, cJSON *choices, const kvb_usage *u, const char *verdict) {
+    cJSON *root = meta_object(m, false);
+    cJSON *usage = root ? http_usage_json(u, verdict) : NULL;
+    if (!usage) { cJSON_Delete(root); cJSON_Delete(choices); return NULL; }
+    cJSON_AddItemToObject(root, "choices", choices);
     cJSON_AddItemToObject(root, "usage", usage);
     return print_and_delete(root);
 }
@@ -111,7 +113,7 @@ void http_sse_chunk(http_buf *b, const http_completion_meta *m, const char *delt
         cJSON *choice = cJSON_CreateObject();
         if (!choice) { cJSON_Delete(root); cJSON_Delete(logprobs); b->oom = true; return; }
         cJSON_AddItemToArray(choices, choice);
-        cJSON_AddNumberToObject(choice, "index", 0);
+        cJSON_AddNumberToObject(choice, "index", m->index);
         if (m->api == KVB_API_CHAT_COMPLETIONS) {
             cJSON *d = cJSON_AddObjectToObject(choice, "delta");
             if (d && first_chunk) cJSON_AddStringToObject(d, "role", "assistant");

@@ -47,6 +47,7 @@ typedef struct {
     int64_t created;      /* unix seconds */
     const char *model;    /* the served model id */
     bool include_usage;   /* streaming: "usage": null in each chunk, a usage chunk at the end */
+    uint32_t index;       /* the choice being written (n > 1: one after another) */
 } http_completion_meta;
 
 /* A reply's logprobs, recorded token by token and taken as a choice's "logprobs" object: chat
@@ -73,10 +74,12 @@ void http_logprobs_free(http_logprobs *lp);
 const char *http_finish_reason_name(kvb_finish_reason r);
 /* Builds the usage object (with usage.kvbridge). */
 cJSON *http_usage_json(const kvb_usage *u, const char *verdict);
-/* Non-streaming body: chat.completion / text_completion. logprobs (taken over; NULL: null) is the
- * choice's. malloc'd; NULL on allocation failure. */
-char *http_completion_json(const http_completion_meta *m, const char *text, cJSON *logprobs,
-                           kvb_finish_reason reason, const kvb_usage *u, const char *verdict);
+/* One choice of a non-streaming body: {"index", "message" | "text", "logprobs" (taken over; NULL:
+ * null), "finish_reason"}. NULL on allocation failure. */
+cJSON *http_choice_json(kvb_api api, uint32_t index, const char *text, cJSON *logprobs, kvb_finish_reason reason);
+/* Non-streaming body: chat.completion / text_completion with these choices (taken over) and the
+ * usage. malloc'd; NULL on allocation failure. */
+char *http_completion_json(const http_completion_meta *m, cJSON *choices, const kvb_usage *u, const char *verdict);
 /* One streaming chunk as "data: {...}\n\n" appended to b. chat: first_chunk adds the assistant
  * role; logprobs (taken over; NULL: null) are the chunk's tokens'; finish (non-NULL) closes the
  * choice. usage_chunk != NULL writes the final usage-only chunk (choices []) instead. */
@@ -141,7 +144,8 @@ struct kvb_completion_out {
     bool handler_returned;
     bool cancelled;                     /* client gone or server stopping */
     bool client_gone;
-    http_buf text;                      /* non-streaming: accumulated text */
+    http_buf text;                      /* non-streaming: the current choice's text */
+    cJSON *done_choices;                /* non-streaming: the choices before the current one (n > 1) */
     http_logprobs logprobs;             /* with req->logprobs: recorded, not yet sent */
     http_buf pending;                   /* streaming: SSE bytes; [pending_off, len) not yet sent */
     size_t pending_off;

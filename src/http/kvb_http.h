@@ -85,6 +85,7 @@ typedef enum { KVB_BRIDGE_AUTO = 0, KVB_BRIDGE_FORCE, KVB_BRIDGE_OFF } kvb_bridg
 #define KVB_HTTP_MAX_STOP 4
 #define KVB_HTTP_MAX_LOGIT_BIAS 1024
 #define KVB_HTTP_MAX_TOP_LOGPROBS 20 /* vLLM's default max_logprobs; OpenAI's chat limit */
+#define KVB_HTTP_MAX_N 16
 
 /* A validated request. Strings are NUL-terminated valid UTF-8 without NUL bytes and live as
  * long as the request. Fields the client left out (or sent as null) have the defaults noted. */
@@ -100,6 +101,8 @@ typedef struct {
     const char *prompt;
     const int32_t *prompt_tokens;
     size_t n_prompt_tokens;
+    uint32_t n;                      /* choices, 1..KVB_HTTP_MAX_N (default 1); each samples the same
+                                        prompt on its own (seed + index when a seed is given) */
     int64_t max_tokens;              /* -1: not given (OpenAI's legacy /v1/completions default is
                                         16; chat runs to the context end). max_completion_tokens
                                         wins over max_tokens. chat >= 1, completions >= 0 */
@@ -134,8 +137,8 @@ typedef struct {
 
 /* Parses and validates a request body (`len` bytes, need not be NUL-terminated). Unknown fields
  * are ignored like OpenAI does, except inside the "kvbridge" object (ours: an unknown key is a
- * 400). Known fields this server cannot honour are 400s rather than silently ignored: n != 1,
- * suffix, best_of > 1, tools/functions, response_format other than "text" and "json_object",
+ * 400). Known fields this server cannot honour are 400s rather than silently ignored: n > 16,
+ * echo with n > 1, suffix, best_of > 1, tools/functions, response_format other than "text" and "json_object",
  * "tool"/"function" roles, non-text content parts. On failure: KVB_ERR_INVALID (err->status 400)
  * or KVB_ERR_NOMEM (500), *out NULL. */
 kvb_status kvb_completion_req_parse(kvb_api api, const char *body, size_t len,
@@ -200,6 +203,11 @@ typedef struct {
  * what was recorded with its next chunk (at the latest with finish's), a body holds them all. */
 kvb_status kvb_completion_add_logprobs(kvb_completion_out *out, const kvb_token_logprob *token,
                                        const kvb_token_logprob *top, size_t n_top);
+/* n > 1: ends the current choice with reason and begins the next (its text, logprobs and finish
+ * reason are its own; a stream sends the next choice's chunks with its index). KVB_ERR_INVALID
+ * past the request's n or after finish/fail, KVB_ERR_IO when the client is gone. The last choice
+ * ends with kvb_completion_finish. */
+kvb_status kvb_completion_next_choice(kvb_completion_out *out, kvb_finish_reason reason);
 /* Ends the completion. usage may be NULL (all zero) only if set_verdict was called. */
 kvb_status kvb_completion_finish(kvb_completion_out *out, kvb_finish_reason reason,
                                  const kvb_usage *usage);

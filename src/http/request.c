@@ -444,9 +444,8 @@ static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_http_error 
         r->seed = (int64_t)v->valuedouble;
     }
     if ((v = field(root, "n"))) {
-        if ((s = check_integer(v, "n", 1, 128, e))) return s;
-        if (v->valuedouble != 1)
-            return BAD(e, "n", "Invalid 'n': %.0f; this server supports only n=1.", v->valuedouble);
+        if ((s = check_integer(v, "n", 1, KVB_HTTP_MAX_N, e))) return s;
+        r->n = (uint32_t)v->valuedouble;
     }
     const char *user_ignored = NULL;
     if ((v = field(root, "user")) && (s = get_string(v, "user", true, &user_ignored, e))) return s;
@@ -454,6 +453,7 @@ static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_http_error 
     if ((s = parse_logit_bias(st, root, e))) return s;
     if ((s = parse_logprobs(r, root, api, e))) return s;
     if (api == KVB_API_COMPLETIONS && (s = get_bool(root, "echo", "echo", &r->echo, e))) return s;
+    if (r->echo && r->n > 1) return BAD(e, "echo", "'echo' is supported with n=1 only.");
     if ((s = get_bool(root, "stream", "stream", &r->stream, e))) return s;
     if ((s = get_bool(root, "ignore_eos", "ignore_eos", &r->ignore_eos, e))) return s;
     if ((v = field(root, "stream_options"))) {
@@ -521,6 +521,7 @@ static req_storage *new_storage(cJSON *root, kvb_api api) {
     st->req.temperature = 1.0;
     st->req.top_p = 1.0;
     st->req.add_special_tokens = true;
+    st->req.n = 1;
     return st;
 }
 

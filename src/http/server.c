@@ -276,8 +276,14 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
         if (out->failed) return queue_completion_error(ctx, conn);
         cJSON *logprobs = out->req->logprobs ? http_logprobs_take(&out->logprobs, true) : NULL;
         if (out->logprobs.oom) return refuse(ctx, conn, 500, NULL, "Out of memory formatting the logprobs.");
-        char *body = http_completion_json(&out->meta, out->text.data ? out->text.data : "", logprobs,
-                                          out->finish_reason, &out->usage, out->final_verdict);
+        cJSON *choices = out->done_choices ? out->done_choices : cJSON_CreateArray();
+        out->done_choices = NULL; /* the body takes them */
+        cJSON *last = choices ? http_choice_json(out->meta.api, out->meta.index, out->text.data ? out->text.data : "",
+                                                 logprobs, out->finish_reason)
+                              : (cJSON_Delete(logprobs), NULL);
+        if (!last) cJSON_Delete(choices);
+        else cJSON_AddItemToArray(choices, last);
+        char *body = last ? http_completion_json(&out->meta, choices, &out->usage, out->final_verdict) : NULL;
         if (!body) return refuse(ctx, conn, 500, NULL, "Out of memory formatting the response.");
         enum MHD_Result r = queue_body(ctx, conn, 200, "application/json", body, strlen(body),
                                        out->final_verdict, NULL, NULL);

@@ -618,6 +618,92 @@ static void observe_phases(kvb_decode_node *n, const kvb_usage *u) {
     kvb_metric_observe(n->m_phase, KVB_LABELS("decode"), u->decode_s);
 }
 
+/* One choice of a reply, from the prompt's logits (n_vocab) in sequence s: with the engine held
+ * (a prompt phase), its first token sampled; then the engine released and the rest decoded in the
+ * batch with the other requests' steps, sampled (seed + c), checked against the JSON mode, stop
+ * strings and max_new, and emitted with its logprobs; choice 0 echoes the prompt first when asked.
+ * *reason: how it ended; *gone: the client went away; u->completion_tokens grows. */
+static kvb_status decode_choice(kvb_decode_node *n, const kvb_completion_req *req, kvb_completion_out *out, kvb_seq *s,
+                                float *logits, int64_t max_new, uint32_t c, const int32_t *toks, size_t n_tok,
+                                char *lp_scratch, kvb_usage *u, kvb_finish_reason *reason, bool *gone, kvb_err *err) {
+    kvb_sampler smp = {0};
+    stop_filter sf = {0};
+    kvb_json_mode jm = {0}; /* with response_format json_object: read by the sampler's constraint */
+    char *tok_buf = NULL;   /* with json_object: one token's bytes */
+    kvb_status st = KVB_OK;
+    kvb_sampler_opts so = {.temperature = (float)req->temperature, .top_k = req->top_k, .top_p = (float)req->top_p,
+                           .seed = (req->has_seed ? (uint64_t)req->seed : (uint64_t)(kvb_now_s() * 1e6)) + c,
+                           .frequency_penalty = (float)req->frequency_penalty,
+                           .presence_penalty = (float)req->presence_penalty,
+                           .bias_ids = req->logit_bias_ids, .bias_values = req->logit_bias_values,
+                           .n_bias = (uint32_t)req->n_logit_bias,
+                           .logprobs = req->logprobs, .top_logprobs = req->top_logprobs,
+                           .constrain = req->json_object ? kvb_json_mode_constrain : NULL, .constrain_ctx = &jm};
+    kvb_json_init(&jm.s);
+    if (req->json_object && !(tok_buf = malloc(kvb_tokenizer_max_token_len(n->tok) + 8)))
+        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the JSON mode");
+    if (req->json_object && !st) st = kvb_json_masker_create(n->vocab_bytes, kvb_engine_pool(n->e), &jm.masker, err);
+    if (!st) st = kvb_sampler_init(&smp, &so, n->m->d.n_vocab, err);
+    /* the engine's pool is the sampler's only while the engine is held: here, for the first token,
+     * then by the decode batch's leader, which samples each step's next token */
+    kvb_sampler_use_pool(&smp, kvb_engine_pool(n->e));
+    int32_t id = !st && max_new > 0 ? kvb_sample_penalized(&smp, logits) : 0;
+    kvb_decode_batch_join(n->batch); /* before the next prompt phase can begin: it slices for us */
+    engine_release(n);
+    if (!st && c == 0 && req->echo && kvb_reply_emit_echo(n->tok, req, toks, n_tok, out)) {
+        max_new = 0;
+        *gone = true;
+    }
+    kvb_detok dt;
+    kvb_detok_init(&dt, n->tok);
+    char piece[1024];
+    *reason = KVB_FINISH_LENGTH;
+    kvb_decode_step step = {.s = s, .smp = &smp};
+    for (int64_t i = 0; !st && i < max_new; i++) {
+        if (!req->ignore_eos && kvb_tokenizer_is_eog(n->tok, id)) {
+            *reason = KVB_FINISH_STOP;
+            break;
+        }
+        u->completion_tokens++;
+        if (req->json_object) { /* the mask let only tokens through that keep the reply a JSON prefix */
+            const int len = kvb_token_to_bytes(n->tok, id, tok_buf, kvb_tokenizer_max_token_len(n->tok) + 8);
+            if (len < 0 || !kvb_json_feed(&jm.s, tok_buf, (size_t)len)) {
+                st = kvb_err_set(err, KVB_ERR_INVALID, "JSON mode: token %d does not continue the JSON reply", id);
+                break;
+            }
+        }
+        if (req->logprobs && kvb_reply_send_logprobs(n->tok, out, &smp.last, false, lp_scratch)) {
+            st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory recording the logprobs");
+            break;
+        }
+        kvb_detok_push(&dt, id, piece, sizeof piece);
+        if (emit_filtered(out, &sf, req, piece, false)) { /* client gone */
+            *gone = true;
+            break;
+        }
+        if (sf.stopped || (req->json_object && kvb_json_complete(&jm.s))) { /* a stop string, or the object closed */
+            *reason = KVB_FINISH_STOP;
+            break;
+        }
+        if (i + 1 < max_new && kvb_seq_len(s) + 1 < n->cfg.max_ctx) { /* with the other requests' steps */
+            step.token = id;
+            if ((st = kvb_decode_batch_step(n->batch, &step))) *err = step.err;
+            id = step.next;
+        } else if (i + 1 < max_new)
+            break; /* context end */
+    }
+    kvb_decode_batch_leave(n->batch);
+    if (!sf.stopped && !*gone) {
+        kvb_detok_flush(&dt, piece, sizeof piece);
+        emit_filtered(out, &sf, req, piece, true);
+    }
+    kvb_sampler_free(&smp);
+    free(sf.buf);
+    free(tok_buf);
+    kvb_json_masker_free(jm.masker);
+    return st;
+}
+
 static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_completion_out *out) {
     kvb_decode_node *n = ctx;
     kvb_err err = {0};
@@ -676,11 +762,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     kvb_usage u = {.prompt_tokens = (int64_t)n_tok, .tokenize_s = t_tok - t_req, .queue_s = kvb_now_s() - t_acq};
     kvb_seq *s = NULL;
     float *logits = NULL;
-    kvb_sampler smp = {0};
-    stop_filter sf = {0};
     char *lp_scratch = NULL; /* with logprobs: the tokens' bytes (kvb_reply_send_logprobs) */
-    kvb_json_mode jm = {0};  /* with response_format json_object: read by the sampler's constraint */
-    char *tok_buf = NULL;    /* with json_object: one token's bytes */
     if (kvb_completion_cancelled(out)) { /* gone while it waited its turn: nothing to compute for */
         engine_release(n);
         kvb_metric_add(n->m_abandoned, NULL, 1);
@@ -799,81 +881,37 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     kvb_metric_add(n->m_tokens, KVB_LABELS("bridged"), (double)u.bridged_tokens);
     kvb_metric_add(n->m_tokens, KVB_LABELS("native"), (double)u.native_tokens);
 
-    kvb_sampler_opts so = {.temperature = (float)req->temperature, .top_k = req->top_k, .top_p = (float)req->top_p,
-                           .seed = req->has_seed ? (uint64_t)req->seed : (uint64_t)(kvb_now_s() * 1e6),
-                           .frequency_penalty = (float)req->frequency_penalty,
-                           .presence_penalty = (float)req->presence_penalty,
-                           .bias_ids = req->logit_bias_ids, .bias_values = req->logit_bias_values,
-                           .n_bias = (uint32_t)req->n_logit_bias,
-                           .logprobs = req->logprobs, .top_logprobs = req->top_logprobs,
-                           .constrain = req->json_object ? kvb_json_mode_constrain : NULL, .constrain_ctx = &jm};
-    kvb_json_init(&jm.s);
-    if (req->json_object && !st && !(tok_buf = malloc(kvb_tokenizer_max_token_len(n->tok) + 8)))
-        st = kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory for the JSON mode");
-    if (req->json_object && !st) st = kvb_json_masker_create(n->vocab_bytes, kvb_engine_pool(n->e), &jm.masker, &err);
     double t_decode = kvb_now_s();
-    if (!st) st = kvb_sampler_init(&smp, &so, n->m->d.n_vocab, &err);
-    /* the engine's pool is the sampler's only while the engine is held: here, for the first token,
-     * then by the decode batch's leader, which samples each step's next token */
-    kvb_sampler_use_pool(&smp, kvb_engine_pool(n->e));
-    int32_t id = !st && max_new > 0 ? kvb_sample_penalized(&smp, logits) : 0;
-    kvb_decode_batch_join(n->batch); /* before the next prompt phase can begin: it slices for us */
-    engine_release(n);
-    if (!st && req->echo && kvb_reply_emit_echo(n->tok, req, toks, n_tok, out)) max_new = 0; /* client gone */
-    kvb_detok dt;
-    kvb_detok_init(&dt, n->tok);
-    char piece[1024];
     kvb_finish_reason reason = KVB_FINISH_LENGTH;
-    kvb_decode_step step = {.s = s, .smp = &smp};
-    for (int64_t i = 0; !st && i < max_new; i++) {
-        if (!req->ignore_eos && kvb_tokenizer_is_eog(n->tok, id)) {
-            reason = KVB_FINISH_STOP;
+    for (uint32_t c = 0;; c++) { /* the choices, one after another (n > 1) */
+        bool gone = false;
+        st = decode_choice(n, req, out, s, logits, max_new, c, toks, n_tok, lp_scratch, &u, &reason, &gone, &err);
+        if (st || gone || c + 1 >= req->n) break;
+        if ((st = kvb_completion_next_choice(out, reason))) break;
+        /* the next choice's sequence: the prompt's blocks from the cache, its tail computed again */
+        kvb_seq_keep_window_at(s, (uint32_t)n_tok);
+        kvb_seq_free(s);
+        s = NULL;
+        engine_acquire(n);
+        uint32_t again = 0;
+        st = kvb_seq_create(n->e, &s, &err);
+        if (!st) st = kvb_seq_attach_cached(s, toks, (uint32_t)n_tok, &again, &err);
+        if (!st) st = forward_prompt_sliced(n, s, toks + again, (uint32_t)n_tok - again, logits, out, &err);
+        if (st) {
+            engine_release(n);
             break;
         }
-        u.completion_tokens++;
-        if (req->json_object) { /* the mask let only tokens through that keep the reply a JSON prefix */
-            const int len = kvb_token_to_bytes(n->tok, id, tok_buf, kvb_tokenizer_max_token_len(n->tok) + 8);
-            if (len < 0 || !kvb_json_feed(&jm.s, tok_buf, (size_t)len)) {
-                st = kvb_err_set(&err, KVB_ERR_INVALID, "JSON mode: token %d does not continue the JSON reply", id);
-                break;
-            }
-        }
-        if (req->logprobs && kvb_reply_send_logprobs(n->tok, out, &smp.last, false, lp_scratch)) {
-            st = kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory recording the logprobs");
-            break;
-        }
-        kvb_detok_push(&dt, id, piece, sizeof piece);
-        if (emit_filtered(out, &sf, req, piece, false)) break; /* client gone */
-        if (sf.stopped || (req->json_object && kvb_json_complete(&jm.s))) { /* a stop string, or the object closed */
-            reason = KVB_FINISH_STOP;
-            break;
-        }
-        if (i + 1 < max_new && kvb_seq_len(s) + 1 < ctx_max) { /* with the other requests' steps */
-            step.token = id;
-            if ((st = kvb_decode_batch_step(n->batch, &step))) err = step.err;
-            id = step.next;
-        } else if (i + 1 < max_new)
-            break; /* context end */
-    }
-    kvb_decode_batch_leave(n->batch);
-    if (!sf.stopped) {
-        kvb_detok_flush(&dt, piece, sizeof piece);
-        emit_filtered(out, &sf, req, piece, true);
     }
     u.decode_s = kvb_now_s() - t_decode;
     kvb_trace_span("decode.sample_emit", t_decode, kvb_now_s(), u.completion_tokens);
-    if (st) kvb_completion_fail(out, 500, NULL, NULL, "%s", err.msg);
-    else {
+    if (st && st != KVB_ERR_IO) kvb_completion_fail(out, 500, NULL, NULL, "%s", err.msg);
+    else { /* (a client gone: the finish goes nowhere) */
         kvb_completion_finish(out, reason, &u);
         observe_phases(n, &u);
     }
     kvb_trace_span("decode.request", t_req, kvb_now_s(), n_tok); /* to the reply's end */
 cleanup_unlocked:
-    kvb_sampler_free(&smp);
-    free(sf.buf);
     free(lp_scratch);
-    free(tok_buf);
-    kvb_json_masker_free(jm.masker);
     if (s) kvb_seq_keep_window_at(s, (uint32_t)n_tok); /* a next turn may diverge where the reply began */
     kvb_seq_free(s); /* its blocks stay cached for the next turn */
     slot_release(n, need);
