@@ -257,6 +257,7 @@ static kvb_http_server *start_server_key(kvb_metrics *metrics, const char *api_k
         .max_body_bytes = SMALL_BODY_LIMIT,
         .metrics = metrics,
         .api_key = api_key,
+        .max_model_len = 4096,
     };
     kvb_http_handlers h = {.ctx = &g_fake, .completion = fake_completion, .health = fake_health,
                            .tokenize = fake_tokenize, .detokenize = fake_detokenize};
@@ -1073,6 +1074,17 @@ static void test_access_log(void **state) {
     post_json(f->port, "/v1/completions", "{\"model\":\"" MODEL "\",\"prompt\":\"x\",\"max_tokens\":\"\\n\"}", &r);
     resp_free(&r);
     expect_log_line((const char *const[]){"2 http: POST /v1/completions 400 ", NULL});
+    /* the client's request id: back on the response, and in the line */
+    static const char with_id[] = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                                  "X-Request-Id: trace-42.a\r\nContent-Type: application/json\r\nContent-Length: 33\r\n\r\n"
+                                  "{\"model\":\"" MODEL "\",\"prompt\":\"q\"}";
+    _Static_assert(sizeof "{\"model\":\"" MODEL "\",\"prompt\":\"q\"}" - 1 == 33, "the body's length");
+    http_raw(f->port, with_id, sizeof with_id - 1, &r);
+    char rid[64];
+    assert_non_null(header_value(&r, "X-Request-Id", rid, sizeof rid));
+    assert_string_equal(rid, "trace-42.a");
+    resp_free(&r);
+    expect_log_line((const char *const[]){"POST /v1/completions 200 cmpl-", " req=trace-42.a ", NULL});
     http_call(f->port, "GET", "/health", NULL, NULL, &r);
     resp_free(&r);
     post_json(f->port, "/tokenize", "{\"prompt\":\"x y\"}", &r); /* once its line is in, a probe's would be */
@@ -1407,6 +1419,7 @@ static void test_health_and_models(void **state) {
     assert_string_equal(jstr(j, "data.0.id"), MODEL);
     assert_string_equal(jstr(j, "data.0.object"), "model");
     assert_string_equal(jstr(j, "data.0.owned_by"), "kvbridge");
+    assert_true(jnum(j, "data.0.max_model_len") == 4096);
     cJSON_Delete(j);
     resp_free(&r);
     http_call(f->port, "GET", "/v1/models/" MODEL, NULL, NULL, &r);

@@ -1003,6 +1003,13 @@ static void test_tokenize_matches_completions(void **state) {
                 cJSON_GetObjectItem(cJSON_GetObjectItem(cm, "usage"), "prompt_tokens")->valuedouble);
     cJSON_Delete(cm);
     cJSON_Delete(tk);
+    /* /v1/models names the same context */
+    char cmd[256], models[2048];
+    snprintf(cmd, sizeof cmd, "curl -s http://127.0.0.1:%u/v1/models", dp);
+    assert_int_equal(kvbt_sh(cmd, models, sizeof models, 0), 0);
+    cJSON *ml = cJSON_Parse(models);
+    assert_true(cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(ml, "data"), 0), "max_model_len")->valuedouble == 4096);
+    cJSON_Delete(ml);
     /* a token outside the vocabulary */
     cJSON *bad = post_node(dp, "/detokenize", "{\"tokens\":[1,99999999]}", 400);
     assert_string_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(bad, "error"), "param")->valuestring, "tokens[1]");

@@ -103,6 +103,7 @@ struct kvb_http_server {
     struct MHD_Daemon *daemon;
     kvb_http_handlers handlers;
     char *model_id;
+    uint32_t max_model_len; /* 0: not reported */
     bool accept_any_model;
     size_t max_body_bytes;
     unsigned idle_timeout_s;

@@ -243,6 +243,7 @@ typedef struct {
     const char *listen;        /* "HOST:PORT" or "[IPv6]:PORT"; HOST may be a name; port 0 =
                                   ephemeral (see kvb_http_server_port) */
     const char *model_id;      /* the served model: /v1/models, "model" in responses */
+    uint32_t max_model_len;    /* its context in tokens, in /v1/models (vLLM's field); 0: left out */
     bool accept_any_model;     /* false: a request naming another model is 404 model_not_found */
     size_t max_body_bytes;     /* 0 = 32 MiB; larger bodies are 413 */
     unsigned max_connections;  /* 0 = 256 (each holds a thread) */

@@ -7,7 +7,8 @@
  * connection after the answer; everything else keeps the connection alive. With an API key
  * configured, the /v1/ routes answer 401 (WWW-Authenticate: Bearer) before the body is read
  * unless "Authorization: Bearer KEY" matches: the server keeps the key's SHA-256 only and compares
- * the presented token's digest in constant time. /health and /metrics stay open. With allowed
+ * the presented token's digest in constant time. /health and /metrics stay open. A client's
+ * X-Request-Id comes back on the response and goes into the access log. With allowed
  * origins (CORS), a response to a request from one of them names it in Access-Control-Allow-Origin,
  * and an OPTIONS preflight gets a 204 before any key is asked for (browsers send none there). */
 #include <arpa/inet.h>
@@ -56,12 +57,15 @@ typedef struct {
     kvb_completion_req *req;
     kvb_completion_out *out;
     char origin[256];      /* the request's Origin when it is an allowed one (CORS), else "" */
+    char request_id[129];  /* the client's X-Request-Id (printable ASCII, <= 128 bytes), else "" */
 } request_ctx;
 
 /* ---- responses ---------------------------------------------------------------------------------- */
 
-/* CORS: an allowed origin's request is answered with its origin named ("*" when any may call). */
-static void add_cors_headers(const request_ctx *ctx, struct MHD_Response *resp) {
+/* Headers every response of the request carries: the client's X-Request-Id back, and for an
+ * allowed origin's request (CORS) that origin named ("*" when any may call). */
+static void add_request_headers(const request_ctx *ctx, struct MHD_Response *resp) {
+    if (ctx->request_id[0]) MHD_add_response_header(resp, "X-Request-Id", ctx->request_id);
     if (!ctx->origin[0]) return;
     const bool any = strcmp(ctx->server->allow_origins, "*") == 0;
     MHD_add_response_header(resp, "Access-Control-Allow-Origin", any ? "*" : ctx->origin);
@@ -79,7 +83,7 @@ static enum MHD_Result queue_body(request_ctx *ctx, struct MHD_Connection *conn,
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
     if (verdict && verdict[0]) MHD_add_response_header(resp, "X-KVBridge", verdict);
     if (hdr_name && hdr_value) MHD_add_response_header(resp, hdr_name, hdr_value);
-    add_cors_headers(ctx, resp);
+    add_request_headers(ctx, resp);
     enum MHD_Result r = MHD_queue_response(conn, status, resp);
     MHD_destroy_response(resp);
     if (r == MHD_YES) {
@@ -132,6 +136,7 @@ static cJSON *model_object(const kvb_http_server *s) {
     cJSON_AddStringToObject(m, "object", "model");
     cJSON_AddNumberToObject(m, "created", (double)s->started_unix);
     cJSON_AddStringToObject(m, "owned_by", "kvbridge");
+    if (s->max_model_len) cJSON_AddNumberToObject(m, "max_model_len", s->max_model_len);
     return m;
 }
 
@@ -308,7 +313,7 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
     MHD_add_response_header(resp, "X-Accel-Buffering", "no");
     MHD_add_response_header(resp, "X-KVBridge", verdict);
-    add_cors_headers(ctx, resp);
+    add_request_headers(ctx, resp);
     /* MHD would cut a stream whose gaps between deltas exceed the idle timeout: lift it for this
      * response (request_completed puts it back). */
     MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
@@ -399,7 +404,7 @@ static bool origin_allowed(const char *allowed, const char *origin) {
 static enum MHD_Result queue_preflight(request_ctx *ctx, struct MHD_Connection *conn) {
     struct MHD_Response *resp = MHD_create_response_from_buffer(0, (void *)"", MHD_RESPMEM_PERSISTENT);
     if (!resp) return MHD_NO;
-    add_cors_headers(ctx, resp);
+    add_request_headers(ctx, resp);
     if (ctx->origin[0]) {
         MHD_add_response_header(resp, "Access-Control-Allow-Methods", "GET, HEAD, POST, OPTIONS");
         MHD_add_response_header(resp, "Access-Control-Allow-Headers", "Authorization, Content-Type");
@@ -422,6 +427,12 @@ static enum MHD_Result on_headers(request_ctx *ctx, struct MHD_Connection *conn,
     ctx->route = route_of(s, url);
     bool get = strcmp(method, MHD_HTTP_METHOD_GET) == 0 || strcmp(method, MHD_HTTP_METHOD_HEAD) == 0;
     bool post = strcmp(method, MHD_HTTP_METHOD_POST) == 0;
+    const char *rid = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "X-Request-Id");
+    if (rid && strlen(rid) < sizeof ctx->request_id) {
+        bool printable = true;
+        for (const char *p = rid; *p && printable; p++) printable = (unsigned char)*p > ' ' && (unsigned char)*p < 0x7f;
+        if (printable) memcpy(ctx->request_id, rid, strlen(rid) + 1);
+    }
     const char *origin = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Origin");
     if (s->allow_origins && origin_allowed(s->allow_origins, origin) && strlen(origin) < sizeof ctx->origin)
         memcpy(ctx->origin, origin, strlen(origin) + 1);
@@ -525,7 +536,8 @@ static void log_request(const request_ctx *ctx, const char *method, double secon
     if (!out) { /* refused before a completion began, or another route */
         const bool probe = ctx->route == ROUTE_HEALTH || ctx->route == ROUTE_METRICS || ctx->route == ROUTE_MODELS ||
                            ctx->route == ROUTE_MODEL_ONE;
-        kvb_log(probe ? KVB_LOG_DEBUG : KVB_LOG_INFO, "http: %s %s %u %.3fs", method, route, status, seconds);
+        kvb_log(probe ? KVB_LOG_DEBUG : KVB_LOG_INFO, "http: %s %s %u %.3fs%s%s", method, route, status, seconds,
+                ctx->request_id[0] ? " req=" : "", ctx->request_id);
         return;
     }
     if (kvb_log_get_level() < KVB_LOG_INFO) return;
@@ -538,9 +550,10 @@ static void log_request(const request_ctx *ctx, const char *method, double secon
                                          : out->ended     ? http_finish_reason_name(out->finish_reason)
                                                           : "unfinished");
     kvb_log(KVB_LOG_INFO,
-            "http: %s %s %u %s %.3fs%s prompt=%lld (cached %lld, bridged %lld, native %lld) completion=%lld "
+            "http: %s %s %u %s%s%s %.3fs%s prompt=%lld (cached %lld, bridged %lld, native %lld) completion=%lld "
             "ttft=%s verdict=\"%s\" end=\"%s\"",
-            method, route, status, out->meta.id, seconds, out->streaming ? " stream" : "", (long long)u->prompt_tokens,
+            method, route, status, out->meta.id, ctx->request_id[0] ? " req=" : "", ctx->request_id, seconds,
+            out->streaming ? " stream" : "", (long long)u->prompt_tokens,
             (long long)u->cached_tokens, (long long)u->bridged_tokens, (long long)u->native_tokens,
             (long long)u->completion_tokens, ttft, out->ended && !out->failed ? out->final_verdict : out->verdict, end);
 }
@@ -709,6 +722,7 @@ kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_hand
     s->handlers = *h;
     s->model_id = strdup(cfg->model_id);
     s->accept_any_model = cfg->accept_any_model;
+    s->max_model_len = cfg->max_model_len;
     s->max_body_bytes = cfg->max_body_bytes ? cfg->max_body_bytes : (size_t)32 << 20;
     s->idle_timeout_s = cfg->idle_timeout_s ? cfg->idle_timeout_s : 120;
     s->started_unix = (int64_t)time(NULL);

@@ -1109,7 +1109,7 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                                       &n->batch, err)))
         goto fail;
     kvb_http_config hc = {.listen = cfg->http_listen, .model_id = n->model_id, .accept_any_model = true,
-                          .metrics = n->metrics, .api_key = cfg->api_key,
+                          .metrics = n->metrics, .api_key = cfg->api_key, .max_model_len = c->max_ctx,
                           .allow_origins = cfg->allow_origins};
     kvb_http_handlers hh = {.ctx = n, .completion = handle_completion, .health = handle_health,
                             .tokenize = handle_tokenize, .detokenize = handle_detokenize};
