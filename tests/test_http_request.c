@@ -151,6 +151,13 @@ static void test_logprobs_fields(void **state) {
     kvb_completion_req_free(r);
     r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":\"x\"}");
     assert_int_equal(r->n, 1);
+    assert_true(r->min_tokens == 0 && r->n_stop_token_ids == 0);
+    kvb_completion_req_free(r);
+    r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":\"x\",\"max_tokens\":9,\"min_tokens\":9,"
+                                      "\"stop_token_ids\":[2,128009]}");
+    assert_true(r->min_tokens == 9);
+    assert_int_equal(r->n_stop_token_ids, 2);
+    assert_int_equal(r->stop_token_ids[1], 128009);
     kvb_completion_req_free(r);
     /* chat has no echo in OpenAI's API: an unknown field, ignored */
     r = parse_ok(KVB_API_CHAT_COMPLETIONS, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
@@ -309,6 +316,11 @@ static const bad_case bad_cases[] = {
     {CHAT, CHATB(",\"seed\":1e19"), "seed", "out of range"},
     {CHAT, CHATB(",\"n\":17"), "n", "out of range"},
     {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"n\":2,\"echo\":true}", "echo", "n=1 only"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"max_tokens\":4,\"min_tokens\":5}", "min_tokens", "more than max_tokens"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"min_tokens\":-1}", "min_tokens", "out of range"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"stop_token_ids\":7}", "stop_token_ids", "expected an array"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"stop_token_ids\":[1,-2]}", "stop_token_ids[1]", "out of range"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"stop_token_ids\":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}", "stop_token_ids", "at most 16"},
     {CHAT, CHATB(",\"n\":0"), "n", "out of range"},
     {CHAT, CHATB(",\"n\":\"1\""), "n", "expected an integer"},
     /* strings, bools, objects */

@@ -25,6 +25,7 @@
 #include "kvb_model.h"
 #include "kvb_node.h"
 #include "kvb_store.h"
+#include "kvb_tokenizer.h"
 #include "kvb_transport.h"
 #include "kvb_quant.h"
 #include "kvbt.h"
@@ -1133,6 +1134,67 @@ static void test_choices_are_single_requests(void **state) {
     kvb_prefill_node_stop(pn);
 }
 
+/* The completion of ids (greedy) with extra fields: its text's length in tokens and finish reason. */
+static void complete_with(uint16_t port, const int32_t *ids, int n, const char *extra, int *tokens, char *finish,
+                          size_t cap) {
+    char *body = kvbt_completion_json(ids, n, 12, false);
+    const size_t len = strlen(body) + strlen(extra) + 8;
+    char *req = malloc(len);
+    snprintf(req, len, "%.*s,%s}", (int)strlen(body) - 1, body, extra);
+    cJSON *r = post_node(port, "/v1/completions", req, 200);
+    *tokens = (int)cJSON_GetObjectItem(cJSON_GetObjectItem(r, "usage"), "completion_tokens")->valuedouble;
+    snprintf(finish, cap, "%s", cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(r, "choices"), 0),
+                                                    "finish_reason")->valuestring);
+    cJSON_Delete(r);
+    free(req);
+    free(body);
+}
+
+/* vLLM's min_tokens and stop_token_ids: a reply the bias ends at once (its end-of-generation token,
+ * or a stop token id) runs min_tokens tokens first when asked; an id outside the vocabulary is a
+ * 400. */
+static void test_min_tokens_and_stop_ids(void **state) {
+    (void)state;
+    kvb_model *m = NULL;
+    kvb_tokenizer *tok = NULL;
+    kvb_err err = {0};
+    assert_int_equal(kvb_model_load(g_model, &m, &err), KVB_OK);
+    assert_int_equal(kvb_tokenizer_load(m->gguf, &tok, &err), KVB_OK);
+    const int eos = kvb_tokenizer_eos(tok);
+    assert_true(eos >= 0 && kvb_tokenizer_is_eog(tok, eos));
+    kvb_tokenizer_free(tok);
+    kvb_model_free(m);
+    kvb_decode_node *dn = start_decode(0, PSK, 10000);
+    const uint16_t dp = kvb_decode_node_port(dn);
+    int32_t ids[40];
+    kvbt_prompt_ids(ids, 40, 61);
+    char extra[160], finish[16];
+    int got;
+    snprintf(extra, sizeof extra, "\"logit_bias\":{\"%d\":100}", eos);
+    complete_with(dp, ids, 40, extra, &got, finish, sizeof finish);
+    assert_int_equal(got, 0); /* the end at once */
+    assert_string_equal(finish, "stop");
+    snprintf(extra, sizeof extra, "\"logit_bias\":{\"%d\":100},\"min_tokens\":5", eos);
+    complete_with(dp, ids, 40, extra, &got, finish, sizeof finish);
+    assert_int_equal(got, 5); /* barred for five tokens, then the end */
+    assert_string_equal(finish, "stop");
+    /* a stop token id: token 70 favoured ends the reply at once, or after min_tokens */
+    complete_with(dp, ids, 40, "\"logit_bias\":{\"70\":100},\"stop_token_ids\":[70]", &got, finish, sizeof finish);
+    assert_int_equal(got, 0);
+    assert_string_equal(finish, "stop");
+    complete_with(dp, ids, 40, "\"logit_bias\":{\"70\":100},\"stop_token_ids\":[9,70],\"min_tokens\":3,\"ignore_eos\":true",
+                  &got, finish, sizeof finish);
+    assert_int_equal(got, 3); /* ignore_eos does not keep a stop token id from stopping */
+    assert_string_equal(finish, "stop");
+    complete_with(dp, ids, 40, "\"logit_bias\":{\"70\":100}", &got, finish, sizeof finish);
+    assert_int_equal(got, 12); /* without the stop id: to max_tokens */
+    assert_string_equal(finish, "length");
+    cJSON *bad = post_node(dp, "/v1/completions", "{\"model\":\"m\",\"prompt\":[5,6],\"stop_token_ids\":[99999999]}", 400);
+    assert_string_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(bad, "error"), "param")->valuestring, "stop_token_ids");
+    cJSON_Delete(bad);
+    kvb_decode_node_stop(dn);
+}
+
 /* Bridge mode `prefill`: the prefill engine's own K/V re-encoded. In the decoder's own format it
  * is exact (same answer as native); from an f32 engine it still completes (not claimed exact);
  * nodes that disagree on the mode refuse each other at the handshake. */
@@ -1275,6 +1337,7 @@ int main(void) {
         cmocka_unit_test(test_tokenize_matches_completions),
         cmocka_unit_test(test_json_mode),
         cmocka_unit_test(test_choices_are_single_requests),
+        cmocka_unit_test(test_min_tokens_and_stop_ids),
         cmocka_unit_test(test_prefill_mode),
         cmocka_unit_test(test_bridged_blocks_are_evictable),
         cmocka_unit_test(test_filler_rows_slab_path),

@@ -86,6 +86,7 @@ typedef enum { KVB_BRIDGE_AUTO = 0, KVB_BRIDGE_FORCE, KVB_BRIDGE_OFF } kvb_bridg
 #define KVB_HTTP_MAX_LOGIT_BIAS 1024
 #define KVB_HTTP_MAX_TOP_LOGPROBS 20 /* vLLM's default max_logprobs; OpenAI's chat limit */
 #define KVB_HTTP_MAX_N 16
+#define KVB_HTTP_MAX_STOP_IDS 16
 
 /* A validated request. Strings are NUL-terminated valid UTF-8 without NUL bytes and live as
  * long as the request. Fields the client left out (or sent as null) have the defaults noted. */
@@ -127,6 +128,12 @@ typedef struct {
     int64_t seed;
     const char *stop[KVB_HTTP_MAX_STOP]; /* non-empty strings */
     size_t n_stop;
+    int32_t stop_token_ids[KVB_HTTP_MAX_STOP_IDS]; /* extension (vLLM's): sampling one ends the reply, like
+                                                     an end-of-generation token (ids >= 0; the handler
+                                                     checks them against the vocabulary) */
+    size_t n_stop_token_ids;
+    int64_t min_tokens;              /* extension (vLLM's): no end-of-generation or stop token id before
+                                        this many reply tokens; 0 (default) .. max_tokens */
     bool stream;
     bool include_usage;              /* stream_options.include_usage (only with stream) */
     kvb_bridge_policy bridge;          /* extension: {"kvbridge": {"bridge": "auto"|"force"|"off"}} */

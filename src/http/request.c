@@ -286,6 +286,30 @@ static kvb_status parse_stop(req_storage *st, const cJSON *root, kvb_http_error 
     return KVB_OK;
 }
 
+/* stop_token_ids (vLLM's): at most KVB_HTTP_MAX_STOP_IDS token ids (the handler checks them against
+ * the vocabulary). */
+static kvb_status parse_stop_token_ids(req_storage *st, const cJSON *root, kvb_http_error *e) {
+    const cJSON *a = field(root, "stop_token_ids");
+    if (!a) return KVB_OK;
+    if (!cJSON_IsArray(a))
+        return BAD(e, "stop_token_ids", "Invalid type for 'stop_token_ids': expected an array of token ids, but got "
+                   "%s instead.", json_type_name(a));
+    const int n = cJSON_GetArraySize(a);
+    if (n > KVB_HTTP_MAX_STOP_IDS)
+        return BAD(e, "stop_token_ids", "Invalid 'stop_token_ids': %d ids; at most %d.", n, KVB_HTTP_MAX_STOP_IDS);
+    size_t i = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, a) {
+        char p[40];
+        snprintf(p, sizeof p, "stop_token_ids[%zu]", i);
+        kvb_status r = check_integer(it, p, 0, (double)INT32_MAX, e);
+        if (r) return r;
+        st->req.stop_token_ids[i++] = (int32_t)it->valuedouble;
+    }
+    st->req.n_stop_token_ids = i;
+    return KVB_OK;
+}
+
 /* logit_bias: {"token id": bias in [-100, 100], ...}, at most KVB_HTTP_MAX_LOGIT_BIAS entries; the
  * ids are checked against the vocabulary by the handler. */
 static kvb_status parse_logit_bias(req_storage *st, const cJSON *root, kvb_http_error *e) {
@@ -450,6 +474,14 @@ static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_http_error 
     const char *user_ignored = NULL;
     if ((v = field(root, "user")) && (s = get_string(v, "user", true, &user_ignored, e))) return s;
     if ((s = parse_stop(st, root, e))) return s;
+    if ((s = parse_stop_token_ids(st, root, e))) return s;
+    if ((v = field(root, "min_tokens"))) {
+        if ((s = check_integer(v, "min_tokens", 0, int32_max, e))) return s;
+        r->min_tokens = (int64_t)v->valuedouble;
+        if (r->max_tokens >= 0 && r->min_tokens > r->max_tokens)
+            return BAD(e, "min_tokens", "Invalid 'min_tokens': %lld is more than max_tokens (%lld).",
+                       (long long)r->min_tokens, (long long)r->max_tokens);
+    }
     if ((s = parse_logit_bias(st, root, e))) return s;
     if ((s = parse_logprobs(r, root, api, e))) return s;
     if (api == KVB_API_COMPLETIONS && (s = get_bool(root, "echo", "echo", &r->echo, e))) return s;

@@ -29,6 +29,8 @@ struct kvb_decode_node {
     kvb_model *m;
     kvb_tokenizer *tok;
     kvb_vocab_bytes *vocab_bytes; /* every token's bytes, for response_format's JSON mode */
+    int32_t *eog_ids;             /* (n_eog) the vocabulary's end-of-generation tokens (min_tokens bars them) */
+    size_t n_eog;
     kvb_chat_family fam;
     kvb_status fam_status;
     char fam_error[sizeof(((kvb_err *)0)->msg)];
@@ -618,6 +620,12 @@ static void observe_phases(kvb_decode_node *n, const kvb_usage *u) {
     kvb_metric_observe(n->m_phase, KVB_LABELS("decode"), u->decode_s);
 }
 
+static bool is_stop_id(const kvb_completion_req *req, int32_t id) {
+    for (size_t i = 0; i < req->n_stop_token_ids; i++)
+        if (req->stop_token_ids[i] == id) return true;
+    return false;
+}
+
 /* One choice of a reply, from the prompt's logits (n_vocab) in sequence s: with the engine held
  * (a prompt phase), its first token sampled; then the engine released and the rest decoded in the
  * batch with the other requests' steps, sampled (seed + c), checked against the JSON mode, stop
@@ -628,7 +636,8 @@ static kvb_status decode_choice(kvb_decode_node *n, const kvb_completion_req *re
                                 char *lp_scratch, kvb_usage *u, kvb_finish_reason *reason, bool *gone, kvb_err *err) {
     kvb_sampler smp = {0};
     stop_filter sf = {0};
-    kvb_json_mode jm = {0}; /* with response_format json_object: read by the sampler's constraint */
+    kvb_reply_rules jm = {.min_tokens = req->min_tokens, .eog_ids = n->eog_ids, .n_eog = n->n_eog,
+                          .stop_ids = req->stop_token_ids, .n_stop = req->n_stop_token_ids}; /* the sampler's constraint */
     char *tok_buf = NULL;   /* with json_object: one token's bytes */
     kvb_status st = KVB_OK;
     kvb_sampler_opts so = {.temperature = (float)req->temperature, .top_k = req->top_k, .top_p = (float)req->top_p,
@@ -638,7 +647,8 @@ static kvb_status decode_choice(kvb_decode_node *n, const kvb_completion_req *re
                            .bias_ids = req->logit_bias_ids, .bias_values = req->logit_bias_values,
                            .n_bias = (uint32_t)req->n_logit_bias,
                            .logprobs = req->logprobs, .top_logprobs = req->top_logprobs,
-                           .constrain = req->json_object ? kvb_json_mode_constrain : NULL, .constrain_ctx = &jm};
+                           .constrain = req->json_object || req->min_tokens ? kvb_reply_constrain : NULL,
+                           .constrain_ctx = &jm};
     kvb_json_init(&jm.s);
     if (req->json_object && !(tok_buf = malloc(kvb_tokenizer_max_token_len(n->tok) + 8)))
         st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the JSON mode");
@@ -660,7 +670,7 @@ static kvb_status decode_choice(kvb_decode_node *n, const kvb_completion_req *re
     *reason = KVB_FINISH_LENGTH;
     kvb_decode_step step = {.s = s, .smp = &smp};
     for (int64_t i = 0; !st && i < max_new; i++) {
-        if (!req->ignore_eos && kvb_tokenizer_is_eog(n->tok, id)) {
+        if ((!req->ignore_eos && kvb_tokenizer_is_eog(n->tok, id)) || is_stop_id(req, id)) {
             *reason = KVB_FINISH_STOP;
             break;
         }
@@ -686,6 +696,7 @@ static kvb_status decode_choice(kvb_decode_node *n, const kvb_completion_req *re
             break;
         }
         if (i + 1 < max_new && kvb_seq_len(s) + 1 < n->cfg.max_ctx) { /* with the other requests' steps */
+            jm.generated = i + 1;
             step.token = id;
             if ((st = kvb_decode_batch_step(n->batch, &step))) *err = step.err;
             id = step.next;
@@ -737,6 +748,14 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
         }
         max_new = ctx_max - (int64_t)n_tok;
     }
+    for (size_t i = 0; i < req->n_stop_token_ids; i++)
+        if ((uint32_t)req->stop_token_ids[i] >= n->m->d.n_vocab) {
+            kvb_completion_fail(out, 400, NULL, "stop_token_ids",
+                                "Invalid token %d in 'stop_token_ids': this model's vocabulary has %u tokens.",
+                                req->stop_token_ids[i], n->m->d.n_vocab);
+            free(toks);
+            return;
+        }
     for (size_t i = 0; i < req->n_logit_bias; i++)
         if ((uint32_t)req->logit_bias_ids[i] >= n->m->d.n_vocab) {
             kvb_completion_fail(out, 400, NULL, "logit_bias",
@@ -978,6 +997,19 @@ static void handle_health(void *ctx, cJSON *body) {
     cJSON_AddNumberToObject(body, "requests_waiting", (double)waiting);
 }
 
+/* The vocabulary's end-of-generation tokens, once (min_tokens bars them at every step). */
+static kvb_status collect_eog(kvb_decode_node *n, kvb_err *err) {
+    const uint32_t nv = kvb_tokenizer_n_vocab(n->tok);
+    for (uint32_t i = 0; i < nv; i++) n->n_eog += kvb_tokenizer_is_eog(n->tok, (int32_t)i);
+    n->eog_ids = malloc(sizeof *n->eog_ids * (n->n_eog + 1));
+    if (!n->eog_ids) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    size_t k = 0;
+    for (uint32_t i = 0; i < nv && k < n->n_eog; i++)
+        if (kvb_tokenizer_is_eog(n->tok, (int32_t)i) && i < n->m->d.n_vocab) n->eog_ids[k++] = (int32_t)i;
+    n->n_eog = k;
+    return KVB_OK;
+}
+
 kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node **out, kvb_err *err) {
     *out = NULL;
     kvb_decode_node *n = calloc(1, sizeof *n);
@@ -991,6 +1023,7 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
     if (!st) st = kvb_gguf_prefault(n->m->gguf, err);
     if (!st) st = kvb_tokenizer_load(n->m->gguf, &n->tok, err);
     if (!st) st = kvb_vocab_bytes_create(n->tok, &n->vocab_bytes, err);
+    if (!st) st = collect_eog(n, err);
     if (st) goto fail;
     if (!c->block_tokens) c->block_tokens = 32;
     if (!c->max_ctx) c->max_ctx = n->m->d.n_ctx_train < 32768 ? n->m->d.n_ctx_train : 32768;
@@ -1150,6 +1183,7 @@ void kvb_decode_node_stop(kvb_decode_node *n) {
     kvb_engine_free(n->e);
     kvb_tokenizer_free(n->tok);
     kvb_vocab_bytes_free(n->vocab_bytes);
+    free(n->eog_ids);
     kvb_model_free(n->m);
     pthread_mutex_destroy(&n->mu);
     pthread_cond_destroy(&n->cv);

@@ -192,13 +192,21 @@ kvb_status kvb_reply_prompt_logprobs(kvb_engine *e, kvb_decode_batch *batch, con
 kvb_status kvb_reply_emit_echo(const kvb_tokenizer *tok, const kvb_completion_req *req, const int32_t *toks, size_t n_tok,
                                kvb_completion_out *out);
 
-/* response_format's JSON mode: the reply so far as a JSON prefix, and its masker (over the node's
- * vocabulary bytes, on the engine's pool: idle whenever a sampler runs, it is the sampler's too).
- * kvb_json_mode_constrain is the sampler's constraint (ctx: a kvb_json_mode). */
+/* The rules a reply's tokens are drawn under, as the sampler's constraint (kvb_reply_constrain,
+ * ctx: a kvb_reply_rules): before min_tokens reply tokens, no end-of-generation token and no stop
+ * token id (vLLM's min_tokens); with response_format's JSON mode, only tokens that keep the reply
+ * a JSON prefix (its masker over the node's vocabulary bytes, on the engine's pool: idle whenever a
+ * sampler runs, it is the sampler's too). `generated` is the reply's tokens so far, set by the
+ * request's thread before each step. */
 typedef struct {
     kvb_json_state s;
-    kvb_json_masker *masker;
-} kvb_json_mode;
-void kvb_json_mode_constrain(void *ctx, float *logits);
+    kvb_json_masker *masker;    /* NULL: no JSON mode */
+    int64_t min_tokens, generated;
+    const int32_t *eog_ids;     /* (n_eog) the vocabulary's end-of-generation tokens */
+    size_t n_eog;
+    const int32_t *stop_ids;    /* (n_stop) the request's stop token ids */
+    size_t n_stop;
+} kvb_reply_rules;
+void kvb_reply_constrain(void *ctx, float *logits);
 
 #endif

@@ -1,7 +1,8 @@
 /* node/reply_fields.c — the optional parts of a decode node's reply: each token's logprobs (its
  * bytes from the vocabulary beside the sampler's numbers), an echoed prompt with every prompt
- * token's logprob (the whole prompt through the engine with all its rows' logits), and the JSON
- * mode's constraint on the sampler. */
+ * token's logprob (the whole prompt through the engine with all its rows' logits), and the rules
+ * the sampler draws under (min_tokens, the JSON mode). */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -95,7 +96,11 @@ kvb_status kvb_reply_emit_echo(const kvb_tokenizer *tok, const kvb_completion_re
     return st;
 }
 
-void kvb_json_mode_constrain(void *ctx, float *logits) {
-    kvb_json_mode *j = ctx;
-    kvb_json_masker_apply(j->masker, &j->s, logits);
+void kvb_reply_constrain(void *ctx, float *logits) {
+    kvb_reply_rules *r = ctx;
+    if (r->generated < r->min_tokens) {
+        for (size_t i = 0; i < r->n_eog; i++) logits[r->eog_ids[i]] = -INFINITY;
+        for (size_t i = 0; i < r->n_stop; i++) logits[r->stop_ids[i]] = -INFINITY;
+    }
+    if (r->masker) kvb_json_masker_apply(r->masker, &r->s, logits);
 }
