@@ -1819,6 +1819,71 @@ static void test_cors(void **state) {
     assert_non_null(strstr(err.msg, "comma-separated"));
 }
 
+/* ---- a graceful stop ------------------------------------------------------------------------------- */
+
+typedef struct {
+    uint16_t port;
+    http_resp r;
+} slow_call;
+
+static void *post_pause(void *arg) { /* a completion that takes 3 s ("PAUSE") */
+    slow_call *c = arg;
+    post_json(c->port, "/v1/completions", "{\"model\":\"" MODEL "\",\"prompt\":\"PAUSE\"}", &c->r);
+    return NULL;
+}
+
+/* Quiesced: the completion in flight finishes whole; a new API request, on a new connection or
+ * an open keep-alive one, is a 503 that closes it; /health says draining with a 503. */
+static void test_drain(void **state) {
+    fixture *f = *state;
+    int fd = connect_to(f->port); /* open before the drain, used after it */
+    reader *rd = calloc(1, sizeof *rd);
+    rd->fd = fd;
+    static const char health[] = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+    send_all(fd, health, sizeof health - 1);
+    http_resp r;
+    assert_true(read_response(rd, &r, false));
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    slow_call call = {.port = f->port};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, post_pause, &call), 0);
+    for (int i = 0; i < 200 && kvb_http_server_in_flight(f->server) == 0; i++) sleep_ms(10);
+    assert_int_equal(kvb_http_server_in_flight(f->server), 1);
+    kvb_http_server_quiesce(f->server);
+    kvb_http_server_quiesce(f->server); /* idempotent */
+    post_json(f->port, "/v1/chat/completions",
+              "{\"model\":\"" MODEL "\",\"messages\":[{\"role\":\"user\",\"content\":\"late\"}]}", &r);
+    expect_error(&r, 503, NULL, "server_shutting_down", "shutting down");
+    char conn_hdr[32];
+    assert_non_null(header_value(&r, "Connection", conn_hdr, sizeof conn_hdr));
+    resp_free(&r);
+    /* the open connection: probes answer draining, API requests are refused */
+    send_all(fd, health, sizeof health - 1);
+    assert_true(read_response(rd, &r, false));
+    assert_int_equal(r.status, 503);
+    cJSON *j = parse_body(&r);
+    assert_string_equal(jstr(j, "status"), "draining");
+    cJSON_Delete(j);
+    resp_free(&r);
+    static const char api[] = "GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n";
+    send_all(fd, api, sizeof api - 1);
+    assert_true(read_response(rd, &r, false));
+    expect_error(&r, 503, NULL, "server_shutting_down", "shutting down");
+    resp_free(&r);
+    free(rd);
+    close(fd);
+    /* the one in flight ends whole */
+    pthread_join(t, NULL);
+    assert_int_equal(call.r.status, 200);
+    j = parse_body(&call.r);
+    assert_string_equal(jstr(j, "choices.0.text"), "a b");
+    cJSON_Delete(j);
+    resp_free(&call.r);
+    for (int i = 0; i < 200 && kvb_http_server_in_flight(f->server) > 0; i++) sleep_ms(10);
+    assert_int_equal(kvb_http_server_in_flight(f->server), 0);
+}
+
 /* ---- the metrics registry on its own ------------------------------------------------------------- */
 
 static char *render(kvb_metrics *m) {
@@ -2200,6 +2265,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_tokenize_routes, setup, teardown),
         cmocka_unit_test_setup_teardown(test_choices, setup, teardown),
         cmocka_unit_test_setup_teardown(test_access_log, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_drain, setup, teardown),
         cmocka_unit_test_setup_teardown(test_handler_errors, setup, teardown),
         cmocka_unit_test_setup_teardown(test_http_refusals, setup, teardown),
         cmocka_unit_test_setup_teardown(test_body_limits, setup, teardown),

@@ -61,15 +61,17 @@ static void help(FILE *f) {
             "                       (default 2; 0 = compute what is missing natively at once)\n"
             "  --fault SPEC         prefill, test-only: corrupt:N, die:N, stall:N (30 s) or pause:N (2 s) at\n"
             "                       the Nth slab of every request, or of the first K with corrupt:NxK (...)\n"
+            "  --drain-seconds N    decode: on SIGINT/SIGTERM answer new requests 503 and let those in flight\n"
+            "                       finish for up to N s (default 30; 0: stop at once); a second signal stops\n"
             "  --quiet              log warnings and errors only (by default also one line per completion,\n"
             "                       connections and faults)\n"
             "  --verbose            also log every other request (probes, scrapes) and the HTTP library's notes\n");
 }
 
-static volatile sig_atomic_t g_stop;
+static volatile sig_atomic_t g_stop; /* signals received: the first drains, the second stops */
 static void on_signal(int sig) {
     (void)sig;
-    g_stop = 1;
+    g_stop = g_stop + 1;
 }
 
 int kvb_cmd_serve(int argc, char **argv) {
@@ -77,7 +79,7 @@ int kvb_cmd_serve(int argc, char **argv) {
                *psk = getenv("KVB_PSK"), *tmpl = NULL, *model_id = NULL, *fault = NULL, *mode = "decoder",
                *device = "cpu", *api_key = NULL, *allow_origin = NULL;
     long long threads = 0, bt = 32, ctx = 0, bridge_min = 0, max_tokens = 0, chunk = 0, cache_blocks = 0, lanes = 0,
-              warmup = -1, resumes = -1, parallel = 0;
+              warmup = -1, resumes = -1, parallel = 0, drain_s = 30;
     long long gpus = 1;
     bool tail_after = false, tp_one_device = false;
     kvb_log_level log_level = KVB_LOG_INFO; /* a server's access log is on unless asked off */
@@ -104,6 +106,7 @@ int kvb_cmd_serve(int argc, char **argv) {
         NUM("--bridge-min", bridge_min, 1, 1 << 24) NUM("--max-tokens", max_tokens, 1, 1 << 24)
         NUM("--lanes", lanes, 1, KVB_MAX_LANES) NUM("--bridge-resumes", resumes, 0, 100)
         NUM("--parallel", parallel, 1, KVB_DECODE_MAX_PARALLEL) NUM("--gpus", gpus, 1, KVB_CLI_MAX_GPUS)
+        NUM("--drain-seconds", drain_s, 0, 86400)
         else if (!strcmp(a, "--cache-type")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &cache_type)) return 2;
         }
@@ -196,6 +199,15 @@ int kvb_cmd_serve(int argc, char **argv) {
     }
     fflush(stdout);
     while (!g_stop) usleep(100000);
+    if (dn && drain_s > 0 && g_stop == 1) { /* a graceful stop: the replies in flight finish */
+        kvb_decode_node_quiesce(dn);
+        const double t0 = kvb_now_s();
+        kvb_log(KVB_LOG_WARN, "serve: draining %u request(s), up to %lld s (signal again to stop at once)",
+                kvb_decode_node_in_flight(dn), drain_s);
+        while (g_stop == 1 && kvb_decode_node_in_flight(dn) > 0 && kvb_now_s() - t0 < (double)drain_s) usleep(50000);
+        if (kvb_decode_node_in_flight(dn))
+            kvb_log(KVB_LOG_WARN, "serve: stopping with %u request(s) unfinished", kvb_decode_node_in_flight(dn));
+    }
     kvb_prefill_node_stop(pn);
     kvb_decode_node_stop(dn);
     return 0;

@@ -110,6 +110,8 @@ struct kvb_http_server {
     uint16_t port;
     int64_t started_unix;
     atomic_bool stopping;
+    atomic_bool draining;               /* kvb_http_server_quiesce: new API requests get 503 */
+    atomic_uint completions_in_flight;  /* completions begun and not yet answered */
     atomic_uint_fast64_t next_id;
     uint64_t id_salt;
     kvb_metrics *metrics;

@@ -272,6 +272,13 @@ kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_hand
                                  kvb_http_server **out, kvb_err *err);
 uint16_t kvb_http_server_port(const kvb_http_server *s); /* the bound port */
 kvb_metrics *kvb_http_server_metrics(kvb_http_server *s);
+/* Begins a graceful stop: every new API request is a 503 (server_shutting_down, Connection:
+ * close); /health answers 503 {"status": "draining"}, so a balancer stops sending; the
+ * completions in flight go on. Then wait for kvb_http_server_in_flight to reach 0 (or give up)
+ * and stop. Idempotent. */
+void kvb_http_server_quiesce(kvb_http_server *s);
+/* Completions begun and not yet answered. */
+unsigned kvb_http_server_in_flight(kvb_http_server *s);
 /* Stops accepting, cancels every in-flight completion (emit fails), waits for the connection
  * threads and the handlers to return, frees. NULL is a no-op. */
 void kvb_http_server_stop(kvb_http_server *s);

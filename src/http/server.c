@@ -8,7 +8,10 @@
  * configured, the /v1/ routes answer 401 (WWW-Authenticate: Bearer) before the body is read
  * unless "Authorization: Bearer KEY" matches: the server keeps the key's SHA-256 only and compares
  * the presented token's digest in constant time. /health and /metrics stay open. A client's
- * X-Request-Id comes back on the response and goes into the access log. With allowed
+ * X-Request-Id comes back on the response and goes into the access log. Draining (quiesce), it
+ * answers every new API request 503 (Connection: close) and /health 503 {"status": "draining"},
+ * and lets the completions in flight finish. (It keeps accepting connections: MHD_quiesce_daemon
+ * under thread-per-connection cut responses in flight now and then.) With allowed
  * origins (CORS), a response to a request from one of them names it in Access-Control-Allow-Origin,
  * and an OPTIONS preflight gets a 204 before any key is asked for (browsers send none there). */
 #include <arpa/inet.h>
@@ -161,10 +164,11 @@ static enum MHD_Result serve_model_one(request_ctx *ctx, struct MHD_Connection *
 static enum MHD_Result serve_health(request_ctx *ctx, struct MHD_Connection *conn) {
     cJSON *root = cJSON_CreateObject();
     if (!root) return MHD_NO;
-    cJSON_AddStringToObject(root, "status", "ok");
+    const bool draining = atomic_load(&ctx->server->draining);
+    cJSON_AddStringToObject(root, "status", draining ? "draining" : "ok"); /* a balancer stops sending */
     cJSON_AddStringToObject(root, "model", ctx->server->model_id);
     if (ctx->server->handlers.health) ctx->server->handlers.health(ctx->server->handlers.ctx, root);
-    return queue_json(ctx, conn, 200, root, NULL);
+    return queue_json(ctx, conn, draining ? 503 : 200, root, NULL);
 }
 
 static enum MHD_Result serve_metrics(request_ctx *ctx, struct MHD_Connection *conn) {
@@ -270,6 +274,7 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
     http_buf_free(&ctx->body);
     if (model_mismatch(s, ctx->req->model, &e)) return queue_error(ctx, conn, &e, NULL, NULL, NULL);
     ctx->out = http_completion_new(s, ctx->req, connection_fd(conn));
+    if (ctx->out) atomic_fetch_add(&s->completions_in_flight, 1);
     if (!ctx->out) return refuse(ctx, conn, 503, NULL, "Out of memory starting the completion.");
     kvb_completion_out *out = ctx->out;
 
@@ -445,6 +450,12 @@ static enum MHD_Result on_headers(request_ctx *ctx, struct MHD_Connection *conn,
     if (!is_post_route(ctx->route) && !get)
         return refuse(ctx, conn, 405, "GET, HEAD", "Method %.16s is not allowed on %s; use GET.", method,
                       route_labels[ctx->route]);
+    if (atomic_load(&s->draining) && route_needs_key(ctx->route)) { /* the API routes; probes stay */
+        kvb_http_error e;
+        http_error_set(&e, 503, "server_shutting_down", NULL, "This server is shutting down and takes no new "
+                       "requests; send it to another one.");
+        return queue_error(ctx, conn, &e, NULL, MHD_HTTP_HEADER_CONNECTION, "close");
+    }
     if (s->has_api_key && route_needs_key(ctx->route)) {
         const char *why = api_key_refusal(s, conn);
         if (why) {
@@ -580,6 +591,7 @@ static void request_completed(void *cls, struct MHD_Connection *conn, void **con
             kvb_metric_add(s->m_verdicts, KVB_LABELS(verdict_class(out->final_verdict)), 1);
         }
         http_completion_free(out);
+        atomic_fetch_sub(&s->completions_in_flight, 1);
     }
     if (ctx->timeout_lifted)
         MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, s->idle_timeout_s);
@@ -727,6 +739,8 @@ kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_hand
     s->idle_timeout_s = cfg->idle_timeout_s ? cfg->idle_timeout_s : 120;
     s->started_unix = (int64_t)time(NULL);
     atomic_init(&s->stopping, false);
+    atomic_init(&s->draining, false);
+    atomic_init(&s->completions_in_flight, 0);
     atomic_init(&s->next_id, 1);
     s->id_salt = kvb_splitmix64((uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)s ^
                                 (uint64_t)(kvb_now_s() * 1e9));
@@ -788,6 +802,14 @@ fail:
 }
 
 uint16_t kvb_http_server_port(const kvb_http_server *s) { return s ? s->port : 0; }
+
+void kvb_http_server_quiesce(kvb_http_server *s) {
+    if (!s || atomic_exchange(&s->draining, true)) return;
+    kvb_log(KVB_LOG_INFO, "http: draining: new requests get 503; %u completion(s) in flight",
+            atomic_load(&s->completions_in_flight));
+}
+
+unsigned kvb_http_server_in_flight(kvb_http_server *s) { return s ? atomic_load(&s->completions_in_flight) : 0; }
 
 kvb_metrics *kvb_http_server_metrics(kvb_http_server *s) { return s ? s->metrics : NULL; }
 

@@ -1166,6 +1166,8 @@ fail:
 }
 
 uint16_t kvb_decode_node_port(const kvb_decode_node *n) { return kvb_http_server_port(n->http); }
+void kvb_decode_node_quiesce(kvb_decode_node *n) { kvb_http_server_quiesce(n->http); }
+unsigned kvb_decode_node_in_flight(kvb_decode_node *n) { return kvb_http_server_in_flight(n->http); }
 
 void kvb_decode_node_last_receive_waits(kvb_decode_node *n, double *reader_s, double *consumer_s) {
     engine_acquire(n); /* between requests */

@@ -138,6 +138,10 @@ uint16_t kvb_decode_node_port(const kvb_decode_node *n);
  * verifying thread waited for a frame (the link or the prefill node was). */
 void kvb_decode_node_last_receive_waits(kvb_decode_node *n, double *reader_s, double *consumer_s);
 void kvb_decode_node_stop(kvb_decode_node *n);
+/* A graceful stop's first half (kvb_http_server_quiesce): new requests get 503, those in flight go on;
+ * kvb_decode_node_in_flight says how many are left. Then kvb_decode_node_stop. */
+void kvb_decode_node_quiesce(kvb_decode_node *n);
+unsigned kvb_decode_node_in_flight(kvb_decode_node *n);
 
 /* ---- a minimal HTTP/1.1 client (demo, ladder benchmark, tests) --------------------------------- */
 
