@@ -62,7 +62,8 @@ static void test_chat_full(void **state) {
         "\"max_tokens\":10,\"max_completion_tokens\":12,\"temperature\":0.5,\"top_p\":0.9,\"top_k\":40,"
         "\"seed\":-7,\"stop\":[\"\\n\\n\",\"END\"],\"stream\":true,\"stream_options\":{\"include_usage\":true},"
         "\"ignore_eos\":true,\"logit_bias\":{\"5\":10,\"70000\":-100.0,\"0\":0.25},\"n\":1,\"user\":\"u1\",\"frequency_penalty\":0.5,\"presence_penalty\":-1,"
-        "\"logprobs\":false,\"tools\":[],\"response_format\":{\"type\":\"text\"},"
+        "\"logprobs\":false,\"tools\":[],\"response_format\":{\"type\":\"text\"},\"tool_choice\":\"none\","
+        "\"function_call\":\"auto\",\"modalities\":[\"text\"],\"audio\":null,"
         "\"some_future_field\":{\"ignored\":[1,2,3]},\"kvbridge\":{\"bridge\":\"force\"}}";
     kvb_completion_req *r = parse_ok(KVB_API_CHAT_COMPLETIONS, body);
     assert_string_equal(r->model, "tiny");
@@ -357,6 +358,12 @@ static const bad_case bad_cases[] = {
     {CHAT, CHATB(",\"tools\":[{\"type\":\"function\"}]"), "tools", "not supported"},
     {CHAT, CHATB(",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{}}"), "response_format", "no JSON schemas"},
     {CHAT, CHATB(",\"response_format\":\"json_object\""), "response_format", "not supported"},
+    {CHAT, CHATB(",\"tool_choice\":\"required\""), "tool_choice", "no tool calling"},
+    {CHAT, CHATB(",\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"f\"}}"), "tool_choice", "no tool calling"},
+    {CHAT, CHATB(",\"function_call\":{\"name\":\"f\"}"), "function_call", "no tool calling"},
+    {CHAT, CHATB(",\"audio\":{\"voice\":\"alloy\",\"format\":\"wav\"}"), "audio", "text only"},
+    {CHAT, CHATB(",\"modalities\":[\"text\",\"audio\"]"), "modalities", "[\"text\"]"},
+    {CHAT, CHATB(",\"modalities\":\"text\""), "modalities", "[\"text\"]"},
     {CHAT, CHATB(",\"response_format\":{\"type\":5}"), "response_format", "not supported"},
     /* completions */
     {CMPL, "{\"model\":\"m\"}", "prompt", "Missing"},

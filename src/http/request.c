@@ -378,6 +378,22 @@ static kvb_status refuse_unsupported(const cJSON *root, kvb_api api, kvb_http_er
         return BAD(e, "tools", "'tools' is not supported by this server (no tool calling).");
     if ((v = field(root, "functions")) && !(cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0))
         return BAD(e, "functions", "'functions' is not supported by this server (no tool calling).");
+    /* a tool choice that asks for a call: there are no tools to call ("none" and "auto" mean none) */
+    static const char *const choices[2] = {"tool_choice", "function_call"};
+    for (int i = 0; i < 2; i++)
+        if ((v = field(root, choices[i])) &&
+            !(cJSON_IsString(v) && (strcmp(v->valuestring, "none") == 0 || strcmp(v->valuestring, "auto") == 0)))
+            return BAD(e, choices[i], "'%s' other than \"none\" or \"auto\" is not supported by this server (no tool "
+                       "calling).", choices[i]);
+    if ((v = field(root, "audio")))
+        return BAD(e, "audio", "'audio' is not supported by this server (text only).");
+    if ((v = field(root, "modalities"))) {
+        const cJSON *m;
+        bool text_only = cJSON_IsArray(v);
+        cJSON_ArrayForEach(m, v) text_only = text_only && cJSON_IsString(m) && strcmp(m->valuestring, "text") == 0;
+        if (!text_only)
+            return BAD(e, "modalities", "'modalities' other than [\"text\"] is not supported by this server.");
+    }
     if ((v = field(root, "response_format"))) {
         const cJSON *t = cJSON_IsObject(v) ? cJSON_GetObjectItemCaseSensitive(v, "type") : NULL;
         if (!cJSON_IsString(t) || (strcmp(t->valuestring, "text") != 0 && strcmp(t->valuestring, "json_object") != 0))
