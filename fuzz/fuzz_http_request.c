@@ -45,6 +45,9 @@ static const char *const seeds[] = {
     "\x02{\"prompt\":\"Hello\",\"add_special_tokens\":false}",
     "\x02{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"add_generation_prompt\":true}",
     "\x03{\"tokens\":[1,2,3]}",
+    ("\x00{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"n\":3,\"response_format\":"
+     "{\"type\":\"json_object\"},\"tool_choice\":\"none\",\"modalities\":[\"text\"]}"),
+    "\x01{\"model\":\"m\",\"prompt\":\"x\",\"max_tokens\":8,\"min_tokens\":2,\"stop_token_ids\":[2,7]}",
 };
 #endif
 
@@ -85,6 +88,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     else check_string(r->model, "model");
     check(r->top_logprobs <= KVB_HTTP_MAX_TOP_LOGPROBS && (r->logprobs || r->top_logprobs == 0), "logprobs");
     check(!r->echo || api == KVB_API_COMPLETIONS, "echo only in completions");
+    check(r->n >= 1 && r->n <= KVB_HTTP_MAX_N && (r->n == 1 || !r->echo), "n");
+    check(r->min_tokens >= 0 && (r->max_tokens < 0 || r->min_tokens <= r->max_tokens), "min_tokens");
+    check(r->n_stop_token_ids <= KVB_HTTP_MAX_STOP_IDS, "stop_token_ids");
+    for (size_t i = 0; i < r->n_stop_token_ids; i++) check(r->stop_token_ids[i] >= 0, "stop token id range");
     if (api == KVB_API_CHAT_COMPLETIONS) {
         check(r->n_messages >= 1 && r->messages != NULL, "chat has messages");
         for (size_t i = 0; i < r->n_messages; i++) check_string(r->messages[i].content, "message content");
