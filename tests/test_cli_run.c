@@ -1,7 +1,7 @@
 /* tests/test_cli_run.c — the foundation's command-line acceptance: gen-model writes the same
  * file for any thread count; `run --output ids` prints N ids, identical on every run and every
  * thread count; bad options fail with exit 2 and a message that says what to do; the batched
- * decode benchmarks run and pass their own checks. */
+ * decode benchmarks run and pass their own checks; `serve` drains on SIGTERM. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -124,6 +124,35 @@ static void test_bench_batched_decode_runs(void **state) {
     assert_non_null(strstr(out, "usage: kvbridge bench parallel"));
 }
 
+/* `serve` stops gracefully: on SIGTERM a stream in flight runs to its end, a request that comes
+ * meanwhile gets a 503, and the process then exits 0. */
+static void test_serve_drains_on_sigterm(void **state) {
+    (void)state;
+    char dir[512], cmd[4096], out[8192];
+    kvbt_tmp_path(dir, sizeof dir, "drain");
+    snprintf(cmd, sizeof cmd,
+             "set -u; rm -rf '%s'; mkdir -p '%s' && cd '%s' || exit 9\n"
+             "'%s' serve --role decode -m '%s' --http 127.0.0.1:0 --ctx 8192 --threads 1 --drain-seconds 300 "
+             "  > serve.out 2> serve.err & P=$!\n"
+             "for i in $(seq 300); do grep -q 'on port' serve.out && break; sleep 0.1; done\n"
+             "PORT=$(sed -n 's/.*OpenAI API on port \\([0-9]*\\).*/\\1/p' serve.out)\n"
+             "curl -sN -H 'Content-Type: application/json' -d '{\"model\":\"m\",\"prompt\":[5,6],\"max_tokens\":6000,"
+             "\"ignore_eos\":true,\"stream\":true,\"stream_options\":{\"include_usage\":true}}' "
+             "http://127.0.0.1:$PORT/v1/completions > stream.txt & C=$!\n"
+             "for i in $(seq 300); do [ -s stream.txt ] && break; sleep 0.05; done\n"
+             "kill -TERM $P; sleep 0.3\n"
+             "echo late=$(curl -s -o /dev/null -w '%%{http_code}' http://127.0.0.1:$PORT/v1/models)\n"
+             "wait $C; wait $P; echo exit=$?\n"
+             "echo tokens=$(grep -c '\"completion_tokens\":6000,' stream.txt) done=$(grep -c '^data: \\[DONE\\]' stream.txt) "
+             "length=$(grep -c 'finish_reason\":\"length' stream.txt)\n",
+             dir, dir, dir, kvbt_bin(), g_model);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 0);
+    printf("%s", out);
+    assert_non_null(strstr(out, "late=503"));
+    assert_non_null(strstr(out, "exit=0"));
+    assert_non_null(strstr(out, "tokens=1 done=1 length=1")); /* all 6,000 tokens, the finish and the end */
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_gen_model_thread_invariant),
@@ -131,6 +160,7 @@ int main(void) {
         cmocka_unit_test(test_run_bad_options),
         cmocka_unit_test(test_run_text_prompt),
         cmocka_unit_test(test_bench_batched_decode_runs),
+        cmocka_unit_test(test_serve_drains_on_sigterm),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }
