@@ -48,6 +48,9 @@ kvb_status kvb_vocab_bytes_from_lists(const char *const *bytes, const uint32_t *
                                       uint32_t n, kvb_vocab_bytes **out, kvb_err *err);
 void kvb_vocab_bytes_free(kvb_vocab_bytes *v);
 uint32_t kvb_vocab_bytes_n(const kvb_vocab_bytes *v);
+/* Feeds token id's bytes to s: true when the reply is still a prefix. A token that is not text,
+ * or of no bytes, never continues it (false). */
+bool kvb_json_feed_token(kvb_json_state *s, const kvb_vocab_bytes *v, int32_t id);
 
 /* The mask a state implies, applied to a reply's logits. One per reply (not thread-safe); v and
  * pool must outlive it. Masks are remembered for the last KVB_JSON_MASK_CACHE states: a reply

@@ -24,6 +24,12 @@ void kvb_vocab_bytes_free(kvb_vocab_bytes *v) {
 
 uint32_t kvb_vocab_bytes_n(const kvb_vocab_bytes *v) { return v->n; }
 
+bool kvb_json_feed_token(kvb_json_state *s, const kvb_vocab_bytes *v, int32_t id) {
+    if (id < 0 || (uint32_t)id >= v->n || v->kind[id] != KVB_VOCAB_TEXT) return false;
+    const uint32_t len = v->off[id + 1] - v->off[id];
+    return len > 0 && kvb_json_feed(s, v->blob + v->off[id], len);
+}
+
 static kvb_vocab_bytes *vocab_alloc(uint32_t n, size_t blob_bytes) {
     kvb_vocab_bytes *v = calloc(1, sizeof *v);
     if (!v) return NULL;
@@ -104,14 +110,8 @@ static void mask_chunk(void *ctx, int t, int worker) {
     const uint32_t i0 = (uint32_t)t * j->chunk, i1 = v->n - i0 > j->chunk ? i0 + j->chunk : v->n;
     uint32_t allowed = 0;
     for (uint32_t i = i0; i < i1; i++) {
-        bool ok;
-        if (v->kind[i] == KVB_VOCAB_TEXT) {
-            kvb_json_state st = *j->s;
-            const uint32_t len = v->off[i + 1] - v->off[i];
-            ok = len > 0 && kvb_json_feed(&st, v->blob + v->off[i], len);
-        } else {
-            ok = v->kind[i] == KVB_VOCAB_EOG && j->complete;
-        }
+        kvb_json_state st = *j->s;
+        const bool ok = v->kind[i] == KVB_VOCAB_EOG ? j->complete : kvb_json_feed_token(&st, v, (int32_t)i);
         if (ok) j->bits[i / 64] |= (uint64_t)1 << (i % 64);
         else j->bits[i / 64] &= ~((uint64_t)1 << (i % 64));
         allowed += ok;

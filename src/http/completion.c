@@ -174,6 +174,19 @@ kvb_status kvb_completion_add_logprobs(kvb_completion_out *out, const kvb_token_
     return st;
 }
 
+bool http_completion_close_choice(kvb_completion_out *out, kvb_finish_reason reason) {
+    if (!out->done_choices) out->done_choices = cJSON_CreateArray();
+    cJSON *lp = out->req->logprobs ? http_logprobs_take(&out->logprobs, true) : NULL;
+    cJSON *c = out->done_choices && !out->logprobs.oom
+                   ? http_choice_json(out->meta.api, out->meta.index, out->text.data ? out->text.data : "", lp, reason)
+                   : (cJSON_Delete(lp), NULL);
+    if (!c) return false;
+    cJSON_AddItemToArray(out->done_choices, c);
+    out->text.len = 0; /* the next choice's text starts afresh */
+    if (out->text.data) out->text.data[0] = 0;
+    return true;
+}
+
 kvb_status kvb_completion_next_choice(kvb_completion_out *out, kvb_finish_reason reason) {
     if (!out || (reason != KVB_FINISH_STOP && reason != KVB_FINISH_LENGTH)) return KVB_ERR_INVALID;
     pthread_mutex_lock(&out->mu);
@@ -194,20 +207,10 @@ kvb_status kvb_completion_next_choice(kvb_completion_out *out, kvb_finish_reason
             http_sse_chunk(&out->pending, &out->meta, NULL, NULL, true, NULL, NULL, NULL);
         if (out->pending.oom || out->logprobs.oom) st = KVB_ERR_NOMEM;
         pthread_cond_broadcast(&out->cv);
+    } else if (!http_completion_close_choice(out, reason)) {
+        st = KVB_ERR_NOMEM;
     } else {
-        if (!out->done_choices) out->done_choices = cJSON_CreateArray();
-        cJSON *lp = out->req->logprobs ? http_logprobs_take(&out->logprobs, true) : NULL;
-        cJSON *c = out->done_choices && !out->logprobs.oom
-                       ? http_choice_json(out->meta.api, out->meta.index, out->text.data ? out->text.data : "", lp, reason)
-                       : NULL;
-        if (!c) {
-            st = KVB_ERR_NOMEM;
-        } else {
-            cJSON_AddItemToArray(out->done_choices, c);
-            out->text.len = 0;
-            if (out->text.data) out->text.data[0] = 0;
-            out->meta.index++;
-        }
+        out->meta.index++;
     }
     pthread_mutex_unlock(&out->mu);
     return st;

@@ -172,6 +172,10 @@ bool http_completion_start_worker(kvb_completion_out *out);
 int http_completion_wait_begun(kvb_completion_out *out);
 /* The MHD content reader for a streaming response (cls = out). */
 ssize_t http_completion_stream_read(void *cls, uint64_t pos, char *buf, size_t max);
+/* Non-streaming: the current choice (its text, logprobs and reason) appended to out->done_choices,
+ * its text emptied for the next. false on allocation failure. With mu held, or after the handler
+ * returned. */
+bool http_completion_close_choice(kvb_completion_out *out, kvb_finish_reason reason);
 /* Marks the completion cancelled (connection closing) and joins the worker. */
 void http_completion_abandon(kvb_completion_out *out);
 bool http_peer_closed(int fd);

@@ -639,19 +639,7 @@ static kvb_status fill_detokenize(req_storage *st, const cJSON *root, kvb_http_e
     if (!s && !cJSON_IsArray(toks))
         s = BAD(e, "tokens", "Invalid type for 'tokens': expected an array of token ids, but got %s instead.",
                 json_type_name(toks));
-    const size_t n = s ? 0 : (size_t)cJSON_GetArraySize(toks);
-    if (!s && n && !(st->tokens = malloc(sizeof(int32_t) * n))) s = NOMEM(e);
-    size_t i = 0;
-    const cJSON *it;
-    if (!s)
-        cJSON_ArrayForEach(it, toks) {
-            char param[32];
-            snprintf(param, sizeof param, "tokens[%zu]", i);
-            if ((s = check_integer(it, param, 0, (double)INT32_MAX, e))) return s;
-            st->tokens[i++] = (int32_t)it->valuedouble;
-        }
-    st->req.prompt_tokens = st->tokens;
-    st->req.n_prompt_tokens = s ? 0 : n;
+    if (!s && toks->child) s = parse_token_ids(st, toks, "tokens", e); /* [] detokenizes to "" */
     return s;
 }
 

@@ -284,16 +284,12 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
         kvb_trace_span("http.completion", t_run, kvb_now_s(), 0);
         if (out->client_gone) return MHD_NO; /* nobody to answer */
         if (out->failed) return queue_completion_error(ctx, conn);
-        cJSON *logprobs = out->req->logprobs ? http_logprobs_take(&out->logprobs, true) : NULL;
-        if (out->logprobs.oom) return refuse(ctx, conn, 500, NULL, "Out of memory formatting the logprobs.");
-        cJSON *choices = out->done_choices ? out->done_choices : cJSON_CreateArray();
-        out->done_choices = NULL; /* the body takes them */
-        cJSON *last = choices ? http_choice_json(out->meta.api, out->meta.index, out->text.data ? out->text.data : "",
-                                                 logprobs, out->finish_reason)
-                              : (cJSON_Delete(logprobs), NULL);
-        if (!last) cJSON_Delete(choices);
-        else cJSON_AddItemToArray(choices, last);
-        char *body = last ? http_completion_json(&out->meta, choices, &out->usage, out->final_verdict) : NULL;
+        /* the last choice joins the body's (the others joined at kvb_completion_next_choice) */
+        char *body = NULL;
+        if (http_completion_close_choice(out, out->finish_reason)) {
+            body = http_completion_json(&out->meta, out->done_choices, &out->usage, out->final_verdict);
+            out->done_choices = NULL; /* taken by it, freed by it on failure */
+        }
         if (!body) return refuse(ctx, conn, 500, NULL, "Out of memory formatting the response.");
         enum MHD_Result r = queue_body(ctx, conn, 200, "application/json", body, strlen(body),
                                        out->final_verdict, NULL, NULL);
@@ -540,7 +536,8 @@ static const char *verdict_class(const char *v) {
 /* One line per request, as an operator reads a server's access log: at INFO, completions (the id
  * the client got, tokens by where they came from, time to the first token, the verdict, how it
  * ended) and the other API calls and refusals; at DEBUG, probes and scrapes (every few seconds). */
-static void log_request(const request_ctx *ctx, const char *method, double seconds) {
+static void log_request(const request_ctx *ctx, double seconds) {
+    const char *method = ctx->method;
     const kvb_completion_out *out = ctx->out;
     const char *route = route_labels[ctx->route];
     const unsigned status = ctx->responded ? ctx->status : 0u;
@@ -578,7 +575,7 @@ static void request_completed(void *cls, struct MHD_Connection *conn, void **con
     kvb_completion_out *out = ctx->out;
     const double seconds = kvb_now_s() - ctx->t_start;
     if (out) http_completion_abandon(out); /* joins a streaming worker: its fields are final */
-    log_request(ctx, ctx->method, seconds);
+    log_request(ctx, seconds);
     if (out) {
         const char *api = out->meta.api == KVB_API_CHAT_COMPLETIONS ? "chat" : "completions";
         bool delivered = toe == MHD_REQUEST_TERMINATED_COMPLETED_OK;

@@ -64,58 +64,12 @@ void http_buf_free(http_buf *b) {
 
 /* ---- UTF-8 ----------------------------------------------------------------------------- */
 
-/* Length of the valid UTF-8 sequence at s[0..n) (1..4), or 0 if invalid (overlongs, surrogates
- * and code points above U+10FFFF are invalid). */
-static size_t utf8_seq_len(const unsigned char *s, size_t n) {
-    unsigned char c = s[0];
-    if (c < 0x80) return 1;
-    size_t len;
-    uint32_t cp;
-    if (c >= 0xC2 && c <= 0xDF) { len = 2; cp = c & 0x1Fu; }
-    else if (c >= 0xE0 && c <= 0xEF) { len = 3; cp = c & 0x0Fu; }
-    else if (c >= 0xF0 && c <= 0xF4) { len = 4; cp = c & 0x07u; }
-    else return 0;
-    if (n < len) return 0;
-    for (size_t i = 1; i < len; i++) {
-        if ((s[i] & 0xC0) != 0x80) return 0;
-        cp = (cp << 6) | (s[i] & 0x3Fu);
-    }
-    if (len == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) return 0;
-    if (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)) return 0;
-    return len;
-}
-
-/* At an invalid sequence: how many bytes one U+FFFD stands for, Unicode's "maximal subpart" (the
- * longest prefix that could still begin a valid sequence, at least 1), as Python's
- * decode(errors='replace') and WHATWG's decoder count them. */
-static size_t utf8_maximal_subpart(const unsigned char *s, size_t n) {
-    const unsigned char c = s[0];
-    size_t len;
-    unsigned char lo = 0x80, hi = 0xBF; /* the second byte's range, which the lead narrows */
-    if (c >= 0xC2 && c <= 0xDF) len = 2;
-    else if (c >= 0xE0 && c <= 0xEF) {
-        len = 3;
-        if (c == 0xE0) lo = 0xA0;
-        if (c == 0xED) hi = 0x9F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-        len = 4;
-        if (c == 0xF0) lo = 0x90;
-        if (c == 0xF4) hi = 0x8F;
-    } else
-        return 1;
-    size_t i = 1;
-    for (; i < len && i < n; i++) {
-        const unsigned char b = s[i];
-        if (i == 1 ? (b < lo || b > hi) : (b & 0xC0) != 0x80) break;
-    }
-    return i;
-}
-
 bool http_utf8_valid(const char *s, size_t n) {
     const unsigned char *p = (const unsigned char *)s;
     size_t i = 0;
+    size_t bad;
     while (i < n) {
-        size_t l = utf8_seq_len(p + i, n - i);
+        size_t l = kvb_utf8_valid_len(p + i, n - i, &bad);
         if (!l) return false;
         i += l;
     }
@@ -125,12 +79,13 @@ bool http_utf8_valid(const char *s, size_t n) {
 void http_utf8_sanitize_append(http_buf *b, const char *s, size_t n) {
     const unsigned char *p = (const unsigned char *)s;
     size_t i = 0, run = 0; /* run: start of the pending valid span */
+    size_t bad;
     while (i < n) {
-        size_t l = utf8_seq_len(p + i, n - i);
+        size_t l = kvb_utf8_valid_len(p + i, n - i, &bad);
         if (l) { i += l; continue; }
         http_buf_append(b, s + run, i - run);
         http_buf_append(b, "\xEF\xBF\xBD", 3);
-        i += utf8_maximal_subpart(p + i, n - i);
+        i += bad; /* one U+FFFD per maximal subpart */
         run = i;
     }
     http_buf_append(b, s + run, n - run);

@@ -529,6 +529,13 @@ static kvb_status forward_prompt_sliced(kvb_decode_node *n, kvb_seq *s, const in
     return KVB_OK;
 }
 
+/* The index of the first of ids[0 .. k) outside the model's vocabulary (its logits' rows), or k. */
+static size_t first_outside_vocab(const kvb_decode_node *n, const int32_t *ids, size_t k) {
+    for (size_t i = 0; i < k; i++)
+        if (ids[i] < 0 || (uint32_t)ids[i] >= n->m->d.n_vocab) return i;
+    return k;
+}
+
 /* Builds the prompt's token ids. Returns an HTTP status (0 = ok) with a message in err. */
 static int prompt_tokens(kvb_decode_node *n, const kvb_completion_req *req, int32_t **ids, size_t *n_ids, kvb_err *err) {
     char *text = NULL;
@@ -539,18 +546,15 @@ static int prompt_tokens(kvb_decode_node *n, const kvb_completion_req *req, int3
         }
         if (kvb_chat_render(n->fam, req->messages, req->n_messages, true, &text, err)) return 400;
     } else if (req->prompt_tokens) {
+        const size_t bad = first_outside_vocab(n, req->prompt_tokens, req->n_prompt_tokens);
+        if (bad < req->n_prompt_tokens) {
+            kvb_err_set(err, KVB_ERR_INVALID, "prompt token %d is outside the vocabulary (0..%u)",
+                        req->prompt_tokens[bad], n->m->d.n_vocab - 1);
+            return 400;
+        }
         *ids = malloc(sizeof(int32_t) * req->n_prompt_tokens);
         if (!*ids) return 500;
-        for (size_t i = 0; i < req->n_prompt_tokens; i++) {
-            if ((uint32_t)req->prompt_tokens[i] >= n->m->d.n_vocab) {
-                kvb_err_set(err, KVB_ERR_INVALID, "prompt token %d is outside the vocabulary (0..%u)",
-                            req->prompt_tokens[i], n->m->d.n_vocab - 1);
-                free(*ids);
-                *ids = NULL;
-                return 400;
-            }
-            (*ids)[i] = req->prompt_tokens[i];
-        }
+        memcpy(*ids, req->prompt_tokens, sizeof(int32_t) * req->n_prompt_tokens);
         *n_ids = req->n_prompt_tokens;
         return 0;
     }
@@ -636,9 +640,8 @@ static kvb_status decode_choice(kvb_decode_node *n, const kvb_completion_req *re
                                 char *lp_scratch, kvb_usage *u, kvb_finish_reason *reason, bool *gone, kvb_err *err) {
     kvb_sampler smp = {0};
     stop_filter sf = {0};
-    kvb_reply_rules jm = {.min_tokens = req->min_tokens, .eog_ids = n->eog_ids, .n_eog = n->n_eog,
-                          .stop_ids = req->stop_token_ids, .n_stop = req->n_stop_token_ids}; /* the sampler's constraint */
-    char *tok_buf = NULL;   /* with json_object: one token's bytes */
+    kvb_reply_rules rules = {.min_tokens = req->min_tokens, .eog_ids = n->eog_ids, .n_eog = n->n_eog,
+                             .stop_ids = req->stop_token_ids, .n_stop = req->n_stop_token_ids}; /* the sampler's constraint */
     kvb_status st = KVB_OK;
     kvb_sampler_opts so = {.temperature = (float)req->temperature, .top_k = req->top_k, .top_p = (float)req->top_p,
                            .seed = (req->has_seed ? (uint64_t)req->seed : (uint64_t)(kvb_now_s() * 1e6)) + c,
@@ -648,11 +651,9 @@ static kvb_status decode_choice(kvb_decode_node *n, const kvb_completion_req *re
                            .n_bias = (uint32_t)req->n_logit_bias,
                            .logprobs = req->logprobs, .top_logprobs = req->top_logprobs,
                            .constrain = req->json_object || req->min_tokens ? kvb_reply_constrain : NULL,
-                           .constrain_ctx = &jm};
-    kvb_json_init(&jm.s);
-    if (req->json_object && !(tok_buf = malloc(kvb_tokenizer_max_token_len(n->tok) + 8)))
-        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the JSON mode");
-    if (req->json_object && !st) st = kvb_json_masker_create(n->vocab_bytes, kvb_engine_pool(n->e), &jm.masker, err);
+                           .constrain_ctx = &rules};
+    kvb_json_init(&rules.s);
+    if (req->json_object) st = kvb_json_masker_create(n->vocab_bytes, kvb_engine_pool(n->e), &rules.masker, err);
     if (!st) st = kvb_sampler_init(&smp, &so, n->m->d.n_vocab, err);
     /* the engine's pool is the sampler's only while the engine is held: here, for the first token,
      * then by the decode batch's leader, which samples each step's next token */
@@ -676,8 +677,7 @@ static kvb_status decode_choice(kvb_decode_node *n, const kvb_completion_req *re
         }
         u->completion_tokens++;
         if (req->json_object) { /* the mask let only tokens through that keep the reply a JSON prefix */
-            const int len = kvb_token_to_bytes(n->tok, id, tok_buf, kvb_tokenizer_max_token_len(n->tok) + 8);
-            if (len < 0 || !kvb_json_feed(&jm.s, tok_buf, (size_t)len)) {
+            if (!kvb_json_feed_token(&rules.s, n->vocab_bytes, id)) {
                 st = kvb_err_set(err, KVB_ERR_INVALID, "JSON mode: token %d does not continue the JSON reply", id);
                 break;
             }
@@ -691,12 +691,12 @@ static kvb_status decode_choice(kvb_decode_node *n, const kvb_completion_req *re
             *gone = true;
             break;
         }
-        if (sf.stopped || (req->json_object && kvb_json_complete(&jm.s))) { /* a stop string, or the object closed */
+        if (sf.stopped || (req->json_object && kvb_json_complete(&rules.s))) { /* a stop string, or the object closed */
             *reason = KVB_FINISH_STOP;
             break;
         }
         if (i + 1 < max_new && kvb_seq_len(s) + 1 < n->cfg.max_ctx) { /* with the other requests' steps */
-            jm.generated = i + 1;
+            rules.generated = i + 1;
             step.token = id;
             if ((st = kvb_decode_batch_step(n->batch, &step))) *err = step.err;
             id = step.next;
@@ -710,8 +710,7 @@ static kvb_status decode_choice(kvb_decode_node *n, const kvb_completion_req *re
     }
     kvb_sampler_free(&smp);
     free(sf.buf);
-    free(tok_buf);
-    kvb_json_masker_free(jm.masker);
+    kvb_json_masker_free(rules.masker);
     return st;
 }
 
@@ -748,22 +747,22 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
         }
         max_new = ctx_max - (int64_t)n_tok;
     }
-    for (size_t i = 0; i < req->n_stop_token_ids; i++)
-        if ((uint32_t)req->stop_token_ids[i] >= n->m->d.n_vocab) {
-            kvb_completion_fail(out, 400, NULL, "stop_token_ids",
-                                "Invalid token %d in 'stop_token_ids': this model's vocabulary has %u tokens.",
-                                req->stop_token_ids[i], n->m->d.n_vocab);
-            free(toks);
-            return;
-        }
-    for (size_t i = 0; i < req->n_logit_bias; i++)
-        if ((uint32_t)req->logit_bias_ids[i] >= n->m->d.n_vocab) {
-            kvb_completion_fail(out, 400, NULL, "logit_bias",
-                                "Invalid key %d in 'logit_bias': this model's vocabulary has %u tokens (0..%u).",
-                                req->logit_bias_ids[i], n->m->d.n_vocab, n->m->d.n_vocab - 1);
-            free(toks);
-            return;
-        }
+    const size_t bad_stop = first_outside_vocab(n, req->stop_token_ids, req->n_stop_token_ids);
+    if (bad_stop < req->n_stop_token_ids) {
+        kvb_completion_fail(out, 400, NULL, "stop_token_ids",
+                            "Invalid token %d in 'stop_token_ids': this model's vocabulary has %u tokens.",
+                            req->stop_token_ids[bad_stop], n->m->d.n_vocab);
+        free(toks);
+        return;
+    }
+    const size_t bad_bias = first_outside_vocab(n, req->logit_bias_ids, req->n_logit_bias);
+    if (bad_bias < req->n_logit_bias) {
+        kvb_completion_fail(out, 400, NULL, "logit_bias",
+                            "Invalid key %d in 'logit_bias': this model's vocabulary has %u tokens (0..%u).",
+                            req->logit_bias_ids[bad_bias], n->m->d.n_vocab, n->m->d.n_vocab - 1);
+        free(toks);
+        return;
+    }
     const uint64_t need = blocks_needed(n, n_tok, (uint64_t)max_new);
     if (need > n->cfg.cache_blocks) {
         kvb_completion_fail(out, 400, "context_length_exceeded", "max_tokens",
@@ -956,14 +955,14 @@ static int handle_tokenize(void *ctx, const kvb_completion_req *req, int32_t **i
 /* POST /detokenize: the text of the ids, special tokens shown (the inverse of /tokenize). */
 static int handle_detokenize(void *ctx, const kvb_completion_req *req, char **text, kvb_http_error *e) {
     kvb_decode_node *n = ctx;
-    for (size_t i = 0; i < req->n_prompt_tokens; i++)
-        if ((uint32_t)req->prompt_tokens[i] >= n->m->d.n_vocab) {
-            char param[32];
-            snprintf(param, sizeof param, "tokens[%zu]", i);
-            kvb_http_error_set(e, 400, NULL, param, "Token %d is outside the vocabulary (0..%u).", req->prompt_tokens[i],
-                               n->m->d.n_vocab - 1);
-            return 400;
-        }
+    const size_t bad = first_outside_vocab(n, req->prompt_tokens, req->n_prompt_tokens);
+    if (bad < req->n_prompt_tokens) {
+        char param[32];
+        snprintf(param, sizeof param, "tokens[%zu]", bad);
+        kvb_http_error_set(e, 400, NULL, param, "Token %d is outside the vocabulary (0..%u).", req->prompt_tokens[bad],
+                           n->m->d.n_vocab - 1);
+        return 400;
+    }
     const size_t piece_cap = kvb_tokenizer_max_token_len(n->tok) + 8;
     char *out = malloc((req->n_prompt_tokens + 1) * piece_cap + 1); /* every piece fits its slot */
     if (!out) {
@@ -997,16 +996,14 @@ static void handle_health(void *ctx, cJSON *body) {
     cJSON_AddNumberToObject(body, "requests_waiting", (double)waiting);
 }
 
-/* The vocabulary's end-of-generation tokens, once (min_tokens bars them at every step). */
+/* The tokenizer's end-of-generation tokens that are rows of the logits (min_tokens bars them). */
 static kvb_status collect_eog(kvb_decode_node *n, kvb_err *err) {
-    const uint32_t nv = kvb_tokenizer_n_vocab(n->tok);
-    for (uint32_t i = 0; i < nv; i++) n->n_eog += kvb_tokenizer_is_eog(n->tok, (int32_t)i);
-    n->eog_ids = malloc(sizeof *n->eog_ids * (n->n_eog + 1));
-    if (!n->eog_ids) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
     size_t k = 0;
-    for (uint32_t i = 0; i < nv && k < n->n_eog; i++)
-        if (kvb_tokenizer_is_eog(n->tok, (int32_t)i) && i < n->m->d.n_vocab) n->eog_ids[k++] = (int32_t)i;
-    n->n_eog = k;
+    const int32_t *eog = kvb_tokenizer_eog_ids(n->tok, &k);
+    n->eog_ids = malloc(sizeof *n->eog_ids * (k + 1));
+    if (!n->eog_ids) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; i < k; i++)
+        if (eog[i] >= 0 && (uint32_t)eog[i] < n->m->d.n_vocab) n->eog_ids[n->n_eog++] = eog[i];
     return KVB_OK;
 }
 

@@ -34,7 +34,7 @@ static size_t incomplete_tail(const uint8_t *s, size_t n) {
         if (need <= k) return 0;
         size_t bad;
         /* a proper prefix is "ill-formed only because it is cut short" */
-        size_t l = kvb_u_valid_len(s + n - k, k, &bad);
+        size_t l = kvb_utf8_valid_len(s + n - k, k, &bad);
         return (l == 0 && bad == k) ? k : 0;
     }
     return 0;
@@ -78,7 +78,7 @@ size_t kvb_detok_push(kvb_detok *d, int32_t id, char *out, size_t cap) {
         size_t np = d->n_pending, k = n < 4 ? n : 4, bad;
         memcpy(tmp, d->pending, np);
         memcpy(tmp + np, s, k);
-        size_t l = kvb_u_valid_len(tmp, np + k, &bad);
+        size_t l = kvb_utf8_valid_len(tmp, np + k, &bad);
         if (!l && bad == np + k && k == n) { /* still incomplete and nothing more to add */
             memcpy(d->pending + np, s, k);
             d->n_pending = np + k;

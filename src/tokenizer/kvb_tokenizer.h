@@ -24,6 +24,8 @@ int32_t kvb_tokenizer_bos(const kvb_tokenizer *t);   /* -1 if none */
 int32_t kvb_tokenizer_eos(const kvb_tokenizer *t);   /* -1 if none */
 bool kvb_tokenizer_add_bos(const kvb_tokenizer *t);  /* tokenizer.ggml.add_bos_token (or model default) */
 bool kvb_tokenizer_is_eog(const kvb_tokenizer *t, int32_t id); /* end of generation (eos, eot, im_end...) */
+/* Those tokens: (*n) ids, owned by the tokenizer. */
+const int32_t *kvb_tokenizer_eog_ids(const kvb_tokenizer *t, size_t *n);
 /* Whether the token stands for text (normal, byte and user-defined tokens), rather than a
  * control, unknown or unused one. */
 bool kvb_tokenizer_is_text(const kvb_tokenizer *t, int32_t id);
@@ -48,6 +50,12 @@ kvb_status kvb_tokenizer_set_pre(kvb_tokenizer *t, const char *name, kvb_err *er
  * parse_special (longest match at the leftmost position wins). */
 kvb_status kvb_tokenize(const kvb_tokenizer *t, const char *text, size_t len, bool add_special,
                         bool parse_special, int32_t **ids, size_t *n_ids, kvb_err *err);
+
+/* Length (1..4) of the well-formed UTF-8 sequence at s[0..n), or 0 if ill-formed; for ill-formed
+ * input *bad gets the length of the maximal subpart to replace with one U+FFFD (>= 1: Unicode's
+ * Table 3-7, what Python's errors='replace' does). Overlongs, surrogates and code points above
+ * U+10FFFF are ill-formed. The one UTF-8 check of the tokenizer and the HTTP server. */
+size_t kvb_utf8_valid_len(const uint8_t *s, size_t n, size_t *bad);
 
 /* Raw bytes a token stands for (after undoing byte mapping / ▁ / byte-fallback); returns the
  * byte count written (may be 0), or -(needed) if cap is too small. */

@@ -40,7 +40,7 @@ static inline bool better(const spm_bigram *a, const spm_bigram *b) {
 
 /* A character as the encoder splits text: a valid UTF-8 sequence, else one byte. */
 static size_t char_len(const uint8_t *s, size_t n) {
-    size_t bad, l = kvb_u_valid_len(s, n, &bad);
+    size_t bad, l = kvb_utf8_valid_len(s, n, &bad);
     return l ? l : 1;
 }
 

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "kvb_core.h"
+#include "kvb_tokenizer.h"
 
 #define KVB_U_L 1u   /* \p{L} */
 #define KVB_U_N 2u   /* \p{N} */
@@ -59,9 +60,7 @@ static inline uint32_t kvb_u_decode(const uint8_t *s, size_t n, size_t *len) {
            ((uint32_t)(s[2] & 0x3F) << 6) | (s[3] & 0x3F);
 }
 
-/* Length (1..4) of the well-formed UTF-8 sequence at s, or 0 if ill-formed; for ill-formed
- * input *bad gets the length of the maximal subpart to replace with one U+FFFD (>= 1). */
-size_t kvb_u_valid_len(const uint8_t *s, size_t n, size_t *bad);
+/* kvb_utf8_valid_len (kvb_tokenizer.h) is this module's UTF-8 check too. */
 
 /* Writes cp as UTF-8 (cp must be a scalar value); returns 1..4. */
 size_t kvb_u_encode(uint32_t cp, uint8_t *out);

@@ -33,7 +33,7 @@ uint32_t kvb_u_ccc(uint32_t cp) {
     return range_lookup(kvb_u_ccc_ranges, kvb_u_ccc_ranges_n, cp);
 }
 
-size_t kvb_u_valid_len(const uint8_t *s, size_t n, size_t *bad) {
+size_t kvb_utf8_valid_len(const uint8_t *s, size_t n, size_t *bad) {
     uint8_t c = s[0];
     *bad = 1;
     if (c < 0x80) return 1;
@@ -221,7 +221,7 @@ kvb_status kvb_u_clean(const uint8_t *s, size_t n, bool want_nfc, uint8_t **out,
             continue;
         }
         size_t bad;
-        size_t l = kvb_u_valid_len(s + i, n - i, &bad);
+        size_t l = kvb_utf8_valid_len(s + i, n - i, &bad);
         if (!l) {
             valid = false;
             break;
@@ -242,7 +242,7 @@ kvb_status kvb_u_clean(const uint8_t *s, size_t n, bool want_nfc, uint8_t **out,
     unsafe = false;
     for (i = 0; i < n;) {
         size_t bad;
-        size_t l = kvb_u_valid_len(s + i, n - i, &bad);
+        size_t l = kvb_utf8_valid_len(s + i, n - i, &bad);
         if (!l) {
             cps[m++] = 0xFFFD;
             i += bad;

@@ -197,7 +197,7 @@ static uint32_t raw_of(const kvb_tokenizer *t, uint32_t id, char *dst) {
     /* byte-level: every character must be a mapped byte; otherwise keep the text as it is */
     uint32_t w = 0;
     for (uint32_t i = 0; i < n;) {
-        size_t bad, l = kvb_u_valid_len((const uint8_t *)s + i, n - i, &bad);
+        size_t bad, l = kvb_utf8_valid_len((const uint8_t *)s + i, n - i, &bad);
         int b = -1;
         if (l) {
             size_t dl;
@@ -549,6 +549,10 @@ bool kvb_tokenizer_is_eog(const kvb_tokenizer *t, int32_t id) {
     for (uint32_t i = 0; i < t->n_eog; i++)
         if (t->eog[i] == id) return true;
     return false;
+}
+const int32_t *kvb_tokenizer_eog_ids(const kvb_tokenizer *t, size_t *n) {
+    *n = t->n_eog;
+    return t->eog;
 }
 bool kvb_tokenizer_is_text(const kvb_tokenizer *t, int32_t id) {
     if (id < 0 || (uint32_t)id >= t->n_vocab) return false;

@@ -121,12 +121,7 @@ void kvb_logprobs_of(const float *logits, uint32_t n, int32_t id, uint32_t n_top
 }
 
 int32_t kvb_sample_penalized(kvb_sampler *s, float *logits) {
-    if (!s->picked && !s->n_bias && !s->o.constrain) {
-        const int32_t id = kvb_sample(s, logits);
-        if (s->o.logprobs) kvb_logprobs_of(logits, s->n_vocab, id, s->o.top_logprobs, &s->last);
-        return id;
-    }
-    if (s->raw) memcpy(s->raw, logits, sizeof *s->raw * s->n_vocab);
+    if (s->raw) memcpy(s->raw, logits, sizeof *s->raw * s->n_vocab); /* logprobs, and the logits will change */
     for (uint32_t i = 0; i < s->n_bias; i++) logits[s->bias_ids[i]] = logits[s->bias_ids[i]] + s->bias_values[i];
     for (uint32_t i = 0; i < s->n_picked; i++) { /* vLLM's order: frequency, then presence */
         const int32_t id = s->picked_ids[i];
@@ -136,7 +131,7 @@ int32_t kvb_sample_penalized(kvb_sampler *s, float *logits) {
     if (s->o.constrain) s->o.constrain(s->o.constrain_ctx, logits);
     const int32_t id = kvb_sample(s, logits);
     if (s->picked && id >= 0 && (uint32_t)id < s->n_vocab && s->picked[id]++ == 0) s->picked_ids[s->n_picked++] = id;
-    if (s->raw) kvb_logprobs_of(s->raw, s->n_vocab, id, s->o.top_logprobs, &s->last);
+    if (s->o.logprobs) kvb_logprobs_of(s->raw ? s->raw : logits, s->n_vocab, id, s->o.top_logprobs, &s->last);
     return id;
 }
 
