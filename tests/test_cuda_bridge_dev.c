@@ -156,34 +156,59 @@ static void test_mma_wide_shapes(void **state) {
     assert_int_equal(ok, total);
 }
 
-/* What the ship callback saw. */
+/* What the ship callback saw. deferred: it returns tickets, and the rows are checked when the
+ * bridge says they were sent, so a slot handed back (and refilled) too early shows as wrong rows. */
+#define SHIP_LOG_MAX 256
 typedef struct {
     const kvb_model *m;
     uint32_t dtype;
     const float *h_all;  /* (chunks * layers, n, E): the inputs enqueued, in order */
     uint32_t n, calls, bad_order, bad_rows;
+    bool deferred, on_shipper, flushing;
+    uint32_t sent_calls, bad_sent;      /* sent callbacks; out of order, or before the next ship */
+    const uint8_t *k[SHIP_LOG_MAX], *v[SHIP_LOG_MAX]; /* call i's rows, until sent */
 } ship_log;
 
+static void check_rows(ship_log *s, uint32_t i, const uint8_t *k, const uint8_t *v) {
+    const uint32_t L = s->m->d.n_layer, n = s->n;
+    const size_t rows = (size_t)n * s->m->d.n_head_kv * kvb_row_bytes(s->dtype, s->m->d.head_dim);
+    uint8_t *ck = malloc(rows), *cv = malloc(rows);
+    cpu_rows(s->m, i % L, s->dtype, (i / L) * n, n, s->h_all + (size_t)i * n * s->m->d.n_embd, ck, cv);
+    if (memcmp(ck, k, rows) || memcmp(cv, v, rows)) s->bad_rows++;
+    free(ck);
+    free(cv);
+}
+
 static kvb_status ship_check(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const uint8_t *k, const uint8_t *v,
-                             kvb_err *err) {
+                             uint64_t *ticket, kvb_err *err) {
     (void)err;
     ship_log *s = ctx;
     const uint32_t L = s->m->d.n_layer, i = s->calls++;
     const uint32_t want_layer = i % L, want_pos0 = (i / L) * s->n;
-    if (layer != want_layer || pos0 != want_pos0 || n != s->n) {
+    if (layer != want_layer || pos0 != want_pos0 || n != s->n || i >= SHIP_LOG_MAX) {
         s->bad_order++;
         return KVB_OK;
     }
-    const size_t rows = (size_t)n * s->m->d.n_head_kv * kvb_row_bytes(s->dtype, s->m->d.head_dim);
-    uint8_t *ck = malloc(rows), *cv = malloc(rows);
-    cpu_rows(s->m, layer, s->dtype, pos0, n, s->h_all + (size_t)i * n * s->m->d.n_embd, ck, cv);
-    if (memcmp(ck, k, rows) || memcmp(cv, v, rows)) s->bad_rows++;
-    free(ck);
-    free(cv);
+    if (s->deferred) { /* still "being sent": checked in sent_check, when the slot is handed back */
+        s->k[i] = k, s->v[i] = v;
+        *ticket = i + 1;
+        return KVB_OK;
+    }
+    check_rows(s, i, k, v);
     return KVB_OK;
 }
 
-static void enqueue_path(const char *preset) {
+static kvb_status sent_check(void *ctx, uint64_t ticket, kvb_err *err) {
+    (void)err;
+    ship_log *s = ctx;
+    const uint32_t i = (uint32_t)(ticket - 1);
+    /* in order; on the shipping thread only once the next call's rows were handed over, or at flush */
+    if (i != s->sent_calls++ || (s->on_shipper && s->calls <= i + 1 && !__atomic_load_n(&s->flushing, __ATOMIC_SEQ_CST))) s->bad_sent++;
+    check_rows(s, i, s->k[i], s->v[i]);
+    return KVB_OK;
+}
+
+static void enqueue_path(const char *preset, bool deferred, bool on_shipper) {
     char path[512];
     snprintf(path, sizeof path, "%s/dev-path-%s.gguf", kvbt_tmpdir(), preset);
     kvb_gen_opts o = {.preset = preset, .type = KVB_TYPE_Q8_0, .seed = 11, .n_threads = 2};
@@ -201,8 +226,9 @@ static void enqueue_path(const char *preset) {
         assert_int_equal(cudaMalloc((void **)&d_h, sizeof(float) * n * E), cudaSuccess);
         kvb_bridge_cuda *b = NULL;
         if (kvb_bridge_cuda_create(m, dtypes[dt], n, &b, &err)) fail_msg("%s", err.msg);
-        ship_log log = {.m = m, .dtype = dtypes[dt], .h_all = h_all, .n = n};
-        kvb_bridge_cuda_set_ship(b, ship_check, &log);
+        ship_log log = {.m = m, .dtype = dtypes[dt], .h_all = h_all, .n = n, .deferred = deferred,
+                        .on_shipper = on_shipper};
+        kvb_bridge_cuda_set_ship(b, ship_check, deferred ? sent_check : NULL, &log);
         for (uint32_t c = 0; c < chunks; c++)
             for (uint32_t l = 0; l < L; l++) {
                 const float *h = h_all + ((size_t)c * L + l) * n * E;
@@ -210,14 +236,18 @@ static void enqueue_path(const char *preset) {
                 assert_int_equal(cudaMemcpy(d_h, h, sizeof(float) * n * E, cudaMemcpyHostToDevice), cudaSuccess);
                 if (kvb_bridge_cuda_enqueue(b, l, c * n, n, d_h, NULL, &err)) fail_msg("%s", err.msg);
             }
+        __atomic_store_n(&log.flushing, true, __ATOMIC_SEQ_CST);
         if (kvb_bridge_cuda_flush(b, &err)) fail_msg("%s", err.msg);
-        print_message("device-input path, %s, %s cache: %u ship calls (want %u), %u out of order, %u with wrong "
-                      "rows; pinned staging %zu bytes\n",
-                      preset, kvb_type_name(dtypes[dt]), log.calls, chunks * L, log.bad_order, log.bad_rows,
+        print_message("device-input path, %s, %s cache%s: %u ship calls (want %u), %u out of order, %u with wrong "
+                      "rows, %u sent (%u early or out of order); pinned staging %zu bytes\n",
+                      preset, kvb_type_name(dtypes[dt]), deferred ? ", rows held until sent" : "", log.calls,
+                      chunks * L, log.bad_order, log.bad_rows, log.sent_calls, log.bad_sent,
                       kvb_bridge_cuda_pinned_bytes(b));
         assert_int_equal(log.calls, chunks * L);
         assert_int_equal(log.bad_order, 0);
         assert_int_equal(log.bad_rows, 0);
+        assert_int_equal(log.sent_calls, deferred ? chunks * L : 0);
+        assert_int_equal(log.bad_sent, 0);
         kvb_bridge_cuda_free(b);
         cudaFree(d_h);
         free(h_all);
@@ -232,8 +262,9 @@ static void test_enqueue_path(void **state) {
     for (int shipper = 0; shipper < 2; shipper++) {
         setenv("KVB_BRIDGE_SHIPPER", shipper ? "1" : "0", 1);
         print_message("shipping %s\n", shipper ? "on the bridge's thread (KVB_BRIDGE_SHIPPER=1)" : "inline");
-        enqueue_path("tiny-qwen3");
-        enqueue_path("tiny-gemma3"); /* 5 local + 1 global layers: two RoPE tables */
+        enqueue_path("tiny-qwen3", false, shipper);
+        enqueue_path("tiny-gemma3", false, shipper); /* 5 local + 1 global layers: two RoPE tables */
+        enqueue_path("tiny-qwen3", true, shipper);   /* the slot held until its rows were sent */
     }
     unsetenv("KVB_BRIDGE_SHIPPER");
 }

@@ -294,7 +294,8 @@ typedef struct {
 } ship_rec;
 
 static kvb_status record_ship(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const uint8_t *k,
-                              const uint8_t *v, kvb_err *err) {
+                              const uint8_t *v, uint64_t *ticket, kvb_err *err) {
+    (void)ticket; /* sent when it returns */
     ship_rec *r = ctx;
     const size_t need = 12 + 2 * (size_t)n * r->row_set;
     if (r->len + need > r->cap) {
@@ -338,7 +339,7 @@ static void bridged_forward(const kvb_model *m, int gpus, bool ranks, uint32_t d
               : kvb_bridge_cuda_create(m, dtype, 32, &b[0], &err))
         fail_msg("bridge: %s", err.msg);
     rec->row_set = (size_t)m->d.n_head_kv * kvb_row_bytes(dtype, m->d.head_dim);
-    kvb_bridge_cuda_set_ship(b[0], record_ship, rec);
+    kvb_bridge_cuda_set_ship(b[0], record_ship, NULL, rec);
     bridge_hook_ctx hc = {.b = b, .fail_rank = -1};
     kvb_cuda_opts o = {.max_ctx = 4 * N_TOK, .max_batch = 32, .block_tokens = 16, .n_gpus = gpus,
                        .tp_one_device = true, .attention = KVB_CUDA_ATTN_OWN, .layer_hook = bridge_hook,

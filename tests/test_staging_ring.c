@@ -5,7 +5,8 @@
  * once every slab was sent; a copy pushed into a ring reset for views is refused; a failed ring
  * fails a producer blocked on it; a reset ring starts over. While kvb_ring_wait_sent waits it
  * checksums the slabs no sender took yet: every checksum a sender is handed is the slab's, and a
- * layer pushed before any sender runs is checksummed whole by the producer. */
+ * layer pushed before any sender runs is checksummed whole by the producer. kvb_ring_wait_sent_to
+ * returns once the slabs before its mark were sent, not waiting for those pushed after it. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -30,6 +31,9 @@ typedef struct {
     atomic_uint sums_known, sums_bad; /* checksums handed to a sender; of those, wrong ones */
     _Atomic uint32_t last_pos[SENDERS]; /* per sender: positions come in increasing order */
     int delay_us;
+    uint32_t gate_from;          /* nonzero: a slab at or past this position waits for gate_open */
+    atomic_bool gate_open;
+    atomic_uchar done[2 * VIEW_SLOTS + 2]; /* by position: the slab was sent (before kvb_ring_done) */
 } senders_ctx;
 
 typedef struct {
@@ -62,6 +66,8 @@ static void *sender_main(void *arg) {
         if (prev && s.pos0 <= prev) atomic_fetch_add(&c->order_bad, 1);
         atomic_store(&c->last_pos[a->id], s.pos0);
         if (c->delay_us) usleep((useconds_t)c->delay_us);
+        while (c->gate_from && s.pos0 >= c->gate_from && !atomic_load(&c->gate_open)) usleep(200);
+        if (s.pos0 < 2 * VIEW_SLOTS + 2) atomic_store(&c->done[s.pos0], 1);
         atomic_fetch_add(&c->taken, 1);
         kvb_ring_done(c->r, slot);
     }
@@ -220,6 +226,50 @@ static void test_waiting_producer_checksums_untaken_views(void **state) {
     kvb_ring_destroy(&r);
 }
 
+/* Two batches of views, the second held back by its senders: waiting for the first batch's mark
+ * returns with every slab of it sent (were it to wait for the second, it would hang: alarm). */
+static void test_wait_sent_to_a_mark(void **state) {
+    (void)state;
+    kvb_ring r;
+    kvb_err err = {0};
+    assert_int_equal(kvb_ring_init(&r, SLOTS, 2 * VIEW_SLOTS, SLOT_BYTES, &err), KVB_OK);
+    static uint8_t rows[2][2][SLOT_BYTES / 2];
+    fill(rows[0][0], SLOT_BYTES / 2, 0);
+    fill(rows[0][1], SLOT_BYTES / 2, 0);
+    for (int round = 0; round < 2; round++) {
+        kvb_ring_reset(&r, true);
+        senders_ctx c = {.r = &r, .delay_us = 100, .gate_from = VIEW_SLOTS + 1};
+        pthread_t th[SENDERS];
+        sender_arg args[SENDERS];
+        if (round) start_senders(&c, th, args); /* senders running while pushed, or only after */
+        uint64_t marks[2];
+        for (int b = 0; b < 2; b++) {
+            for (uint32_t i = 1; i <= VIEW_SLOTS; i++) {
+                kvb_slab s = {.pos0 = (uint32_t)b * VIEW_SLOTS + i, .n = 1, .k = rows[0][0], .v = rows[0][1]};
+                assert_int_equal(kvb_ring_push_view(&r, &s, &err), KVB_OK);
+            }
+            marks[b] = kvb_ring_mark(&r);
+        }
+        assert_int_equal(marks[0], VIEW_SLOTS);
+        assert_int_equal(marks[1], 2 * VIEW_SLOTS);
+        if (!round) start_senders(&c, th, args);
+        alarm(30);
+        assert_int_equal(kvb_ring_wait_sent_to(&r, marks[0], &err), KVB_OK);
+        alarm(0);
+        for (uint32_t i = 1; i <= VIEW_SLOTS; i++) assert_int_equal(atomic_load(&c.done[i]), 1);
+        for (uint32_t i = VIEW_SLOTS + 1; i <= 2 * VIEW_SLOTS; i++) assert_int_equal(atomic_load(&c.done[i]), 0);
+        atomic_store(&c.gate_open, true);
+        assert_int_equal(kvb_ring_wait_sent_to(&r, marks[1], &err), KVB_OK);
+        for (uint32_t i = 1; i <= 2 * VIEW_SLOTS; i++) assert_int_equal(atomic_load(&c.done[i]), 1);
+        assert_int_equal(kvb_ring_wait_sent_to(&r, 0, &err), KVB_OK); /* nothing before mark 0 */
+        kvb_ring_close(&r);
+        join_senders(th);
+        assert_int_equal(atomic_load(&c.taken), 2 * VIEW_SLOTS);
+        assert_int_equal(atomic_load(&c.order_bad), 0);
+    }
+    kvb_ring_destroy(&r);
+}
+
 static void *blocked_producer(void *arg) {
     producer_arg *a = arg;
     kvb_err err = {0};
@@ -257,6 +307,7 @@ int main(void) {
         cmocka_unit_test(test_copies_through_few_slots),
         cmocka_unit_test(test_views_hold_a_whole_layer),
         cmocka_unit_test(test_waiting_producer_checksums_untaken_views),
+        cmocka_unit_test(test_wait_sent_to_a_mark),
         cmocka_unit_test(test_fail_releases_a_blocked_producer),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

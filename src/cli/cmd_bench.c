@@ -218,7 +218,8 @@ static kvb_status bench_bridge_hook(void *ctx, int rank, uint32_t layer, uint32_
 }
 
 static kvb_status bench_bridge_ship(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const uint8_t *k,
-                                    const uint8_t *v, kvb_err *err) {
+                                    const uint8_t *v, uint64_t *ticket, kvb_err *err) {
+    (void)ticket; /* sent when it returns */
     (void)layer, (void)pos0, (void)k, (void)v, (void)err;
     ((bench_bridge *)ctx)->bytes += n;
     return KVB_OK;
@@ -298,7 +299,7 @@ static int bench_prefill_cuda(const char *model_path, const char *tokens_arg, in
         if (kvb_bridge_cuda_create(m, bridge_dtype, chunk ? chunk : (max_n < 8192 ? (uint32_t)max_n : 8192), &bb.b,
                                    &err))
             goto fail;
-        kvb_bridge_cuda_set_ship(bb.b, bench_bridge_ship, &bb);
+        kvb_bridge_cuda_set_ship(bb.b, bench_bridge_ship, NULL, &bb);
         o.layer_hook = bench_bridge_hook;
         o.layer_hook_ctx = &bb;
         if (!(tps_bridged = calloc((size_t)reps * n_sizes * n_kinds, sizeof(double)))) {

@@ -28,7 +28,9 @@ typedef struct {
     bool *sent;      /* (view_slots) taken and sent, not yet freed (an older slot is still in flight) */
     uint8_t *hash;   /* (view_slots) RING_HASH_*: who computes the slab's checksum (kvb_ring_wait_sent) */
     uint32_t head, tail, count, peak; /* count: filled slots not yet freed, oldest at head; peak: of copies */
-    bool waits_all;                   /* the producer waits for every slot to be freed (kvb_ring_wait_sent) */
+    uint64_t pushed, freed;           /* slots pushed and freed since the last reset (kvb_ring_mark) */
+    uint64_t wait_mark;               /* the producer waits until freed reaches it (kvb_ring_wait_sent_to) */
+    bool waits_all;                   /* ... and is waiting now: only a freed slot that reaches it wakes it */
     uint32_t next_take, untaken;      /* the oldest filled slot no sender took yet; how many */
     bool closed, failed, inited;
     double full_s, empty_s; /* since the last reset: the producer blocked on a full ring (the link or
@@ -60,6 +62,12 @@ kvb_status kvb_ring_push_view(kvb_ring *r, const kvb_slab *s, kvb_err *err);
  * the two meet in the middle (a sender otherwise hashes and sends one slab after the other, which
  * held one lane to ~80 % of a loopback stream). */
 kvb_status kvb_ring_wait_sent(kvb_ring *r, kvb_err *err);
+/* Slabs pushed since the last reset: a mark for kvb_ring_wait_sent_to. */
+uint64_t kvb_ring_mark(kvb_ring *r);
+/* As kvb_ring_wait_sent, but only until every slab pushed before `mark` was sent: a producer of
+ * views pushes one batch of rows (a layer of a pinned slot), then waits for the batch before it,
+ * so the senders never run dry between the two (two batches' views must fit in view_slots). */
+kvb_status kvb_ring_wait_sent_to(kvb_ring *r, uint64_t mark, kvb_err *err);
 /* Takes the oldest filled slot no sender has taken (waits for one): true with its slot index and
  * slab (views into the slot, valid until kvb_ring_done); false once closed and every slot taken,
  * or failed. Several senders may take at once. *checksum_known: out->checksum is the slab's

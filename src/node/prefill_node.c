@@ -88,8 +88,8 @@ static kvb_status sink_to_ring(void *ctx, const kvb_slab *s, kvb_err *err) {
     return kvb_ring_push(&((kvb_prefill_node *)ctx)->ring, s, err);
 }
 
-/* Rows that stay put until the call that cut them returns (the CUDA bridge's pinned slot, the
- * bench's filler): sent from where they lie; that call ends with kvb_ring_wait_sent. */
+/* Rows that stay put until the ring says they were sent (the CUDA bridge's pinned slot, the
+ * bench's filler): sent from where they lie; their producer waits with kvb_ring_wait_sent_to. */
 static kvb_status sink_view_to_ring(void *ctx, const kvb_slab *s, kvb_err *err) {
     return kvb_ring_push_view(&((kvb_prefill_node *)ctx)->ring, s, err);
 }
@@ -214,11 +214,15 @@ static kvb_status filler_rows_make(kvb_prefill_node *n, kvb_err *err) {
 static kvb_status ship_filler_rows(kvb_prefill_node *n, kvb_err *err) {
     const uint32_t chunk = n->cfg.chunk_tokens;
     kvb_status st = KVB_OK;
+    uint64_t before = 0; /* the ring's mark after the previous (chunk, layer) */
     for (uint32_t p = n->ship_from; !st && p < n->ship_to; p += chunk) {
         const uint32_t cnt = n->ship_to - p < chunk ? n->ship_to - p : chunk;
         for (uint32_t l = 0; !st && l < n->m->d.n_layer; l++) {
             st = kvb_bridge_cpu_rows(n->br, l, p, cnt, n->filler_k, n->filler_v, n->fmt.dtype, err);
-            if (!st) st = kvb_ring_wait_sent(&n->ring, err); /* the views point into the filler */
+            const uint64_t mark = kvb_ring_mark(&n->ring);
+            /* as the CUDA bridge's two pinned slots: one batch in the senders' hands, the next queued */
+            if (!st) st = kvb_ring_wait_sent_to(&n->ring, before, err);
+            before = mark;
         }
     }
     return st;
@@ -239,13 +243,20 @@ static kvb_status cuda_layer_hook(void *ctx, int rank, uint32_t layer, uint32_t 
                                    stream, err);
 }
 
-/* The CUDA bridge's rows, one layer late, cut into slabs sent straight from its pinned slot: the
- * slot is handed back once they are all sent. */
+/* The CUDA bridge's rows, one layer late, cut into slabs sent straight from its pinned slot. It
+ * returns once they are queued for the senders: the ticket is the ring's mark after them, and the
+ * bridge hands the slot back after cuda_rows_sent(ticket), which it calls once the next slot's
+ * rows are queued behind them (so the senders go on from one layer to the next without a gap). */
 static kvb_status cuda_ship_rows(void *ctx, uint32_t layer, uint32_t pos0, uint32_t cnt, const uint8_t *k,
-                                 const uint8_t *v, kvb_err *err) {
+                                 const uint8_t *v, uint64_t *ticket, kvb_err *err) {
     kvb_prefill_node *n = ctx;
     kvb_status st = kvb_bridge_cpu_rows(n->br, layer, pos0, cnt, k, v, n->fmt.dtype, err);
-    return st ? st : kvb_ring_wait_sent(&n->ring, err);
+    *ticket = st ? 0 : kvb_ring_mark(&n->ring) + 1; /* + 1: a ticket is never 0 */
+    return st;
+}
+
+static kvb_status cuda_rows_sent(void *ctx, uint64_t ticket, kvb_err *err) {
+    return kvb_ring_wait_sent_to(&((kvb_prefill_node *)ctx)->ring, ticket - 1, err);
 }
 
 /* Prefills tokens[0 .. p->ship_tokens) on the GPU, adopting this node's cached prefix up to the
@@ -573,7 +584,7 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
                                                   err);
                 if (!st) n->bc = n->bcr[0];
             }
-            if (!st) kvb_bridge_cuda_set_ship(n->bc, cuda_ship_rows, n);
+            if (!st) kvb_bridge_cuda_set_ship(n->bc, cuda_ship_rows, cuda_rows_sent, n);
 #else
             st = kvb_err_set(err, KVB_ERR_UNSUPPORTED, "this build has no CUDA engine (built without nvcc)");
 #endif
@@ -589,7 +600,7 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
         if (!st && cfg->bench_filler_rows) st = filler_rows_make(n, err);
     }
     if (!st)
-        st = kvb_ring_init(&n->ring, n->cfg.ring_slots, n->cfg.chunk_tokens / bt + 2, /* views: a chunk's layer */
+        st = kvb_ring_init(&n->ring, n->cfg.ring_slots, 2 * (n->cfg.chunk_tokens / bt + 2), /* views: two chunk-layers */
                            2 * (size_t)bt * n->m->d.n_head_kv * kvb_kvformat_row_bytes(&n->fmt), err);
     if (!st) st = kvb_hello_init(&n->hello, KVB_ROLE_PREFILL,
                                  cfg->prefill_mode ? KVB_BRIDGE_MODE_PREFILL : KVB_BRIDGE_MODE_DECODER,

@@ -9,7 +9,10 @@
  * on separate condition variables; a freed slot wakes the producer only when it can go on. While
  * the producer waits for a layer's views to be sent it computes their checksums from the newest
  * back, as the senders take them from the oldest on: a sender that finds its slab's checksum made
- * only sends it (each slot's RING_HASH_* state, under the lock, says who hashes it). */
+ * only sends it (each slot's RING_HASH_* state, under the lock, says who hashes it). A producer of
+ * views waits only for the batch before the one it just pushed (kvb_ring_wait_sent_to, by the
+ * count of slots freed so far), so the senders go from one layer's slabs to the next without
+ * draining the ring in between. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -59,6 +62,7 @@ void kvb_ring_reset(kvb_ring *r, bool views) {
     memset(r->sent, 0, r->view_slots * sizeof *r->sent);
     memset(r->hash, RING_HASH_NONE, r->view_slots * sizeof *r->hash);
     r->closed = r->failed = r->waits_all = false;
+    r->pushed = r->freed = r->wait_mark = 0;
     r->full_s = r->empty_s = 0;
     r->hashed_by_producer = r->hash_waiters = 0;
     pthread_mutex_unlock(&r->mu);
@@ -88,6 +92,7 @@ static void ring_publish(kvb_ring *r, bool copy) {
     r->tail = (r->tail + 1) % r->cap;
     r->count++;
     r->untaken++;
+    r->pushed++;
     if (copy && r->count > r->peak) r->peak = r->count; /* staging memory in use */
     pthread_cond_signal(&r->cv_taken); /* one slab: one sender */
     pthread_mutex_unlock(&r->mu);
@@ -127,11 +132,21 @@ static bool ring_untaken(const kvb_ring *r, uint32_t slot) {
     return r->untaken && (slot + r->cap - r->next_take) % r->cap < r->untaken;
 }
 
-kvb_status kvb_ring_wait_sent(kvb_ring *r, kvb_err *err) {
+uint64_t kvb_ring_mark(kvb_ring *r) {
     pthread_mutex_lock(&r->mu);
+    const uint64_t m = r->pushed;
+    pthread_mutex_unlock(&r->mu);
+    return m;
+}
+
+kvb_status kvb_ring_wait_sent(kvb_ring *r, kvb_err *err) { return kvb_ring_wait_sent_to(r, UINT64_MAX, err); }
+
+kvb_status kvb_ring_wait_sent_to(kvb_ring *r, uint64_t mark, kvb_err *err) {
+    pthread_mutex_lock(&r->mu);
+    if (mark > r->pushed) mark = r->pushed;
     /* the newest slab first; once the cursor reaches a taken one, every older one is taken too */
     uint32_t next_hash = (r->tail + r->cap - 1) % r->cap;
-    while (r->count && !r->failed) {
+    while (r->freed < mark && !r->failed) {
         if (ring_untaken(r, next_hash) && r->hash[next_hash] == RING_HASH_NONE) {
             const uint32_t slot = next_hash;
             next_hash = (next_hash + r->cap - 1) % r->cap;
@@ -146,9 +161,10 @@ kvb_status kvb_ring_wait_sent(kvb_ring *r, kvb_err *err) {
             if (r->hash_waiters) pthread_cond_broadcast(&r->cv_hashed);
             continue;
         }
-        const double t0 = kvb_now_s(); /* nothing left to hash: idle until every slab is sent */
+        const double t0 = kvb_now_s(); /* nothing left to hash: idle until the slabs before mark are sent */
         r->waits_all = true;
-        while (r->count && !r->failed) pthread_cond_wait(&r->cv_freed, &r->mu);
+        r->wait_mark = mark;
+        while (r->freed < mark && !r->failed) pthread_cond_wait(&r->cv_freed, &r->mu);
         r->waits_all = false;
         r->full_s += kvb_now_s() - t0;
     }
@@ -189,9 +205,10 @@ void kvb_ring_done(kvb_ring *r, uint32_t slot) {
         r->sent[r->head] = false;
         r->head = (r->head + 1) % r->cap;
         r->count--;
+        r->freed++;
         freed = true;
     }
-    if (freed && (!r->waits_all || r->count == 0)) pthread_cond_signal(&r->cv_freed); /* the producer can go on */
+    if (freed && (!r->waits_all || r->freed >= r->wait_mark)) pthread_cond_signal(&r->cv_freed); /* the producer can go on */
     pthread_mutex_unlock(&r->mu);
 }
 

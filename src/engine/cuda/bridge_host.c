@@ -78,7 +78,9 @@ struct kvb_bridge_cuda {
     uint64_t seq;               /* fill order of the slots */
     size_t pinned_bytes;
     kvb_bridge_rows_ship ship;
+    kvb_bridge_rows_sent sent; /* may be NULL: every ship returns with its rows sent */
     void *ship_ctx;
+    uint32_t idle_waiters;     /* threads in wait_idle: the shipper hands back the slot it holds */
     /* the shipping thread (absent with KVB_BRIDGE_SYNC_SHIP=1): slots' pending/shipping flags,
      * ship_st and the flags below are guarded by mu */
     bool has_shipper, stop, dropping;
@@ -502,22 +504,34 @@ kvb_status kvb_bridge_cuda_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t po
  * first token 0.408 / 0.661 / 3.99 s at 8K / 32K / 128K against 0.523 / 0.913 / 5.41 s inline);
  * KVB_BRIDGE_SHIPPER=0 ships inline on the engine's thread instead. */
 
-void kvb_bridge_cuda_set_ship(kvb_bridge_cuda *b, kvb_bridge_rows_ship fn, void *ctx) {
+void kvb_bridge_cuda_set_ship(kvb_bridge_cuda *b, kvb_bridge_rows_ship fn, kvb_bridge_rows_sent sent, void *ctx) {
     b->ship = fn;
+    b->sent = sent;
     b->ship_ctx = ctx;
 }
 
 /* Waits for a filled slot's rows (every rank's part) and hands them to the ship callback (unless
- * dropping). */
-static kvb_status ship_slot(kvb_bridge_cuda *b, pinned_slot *p, bool drop, kvb_err *err) {
+ * dropping). *ticket: nonzero while the rows are still being sent (see kvb_bridge_rows_ship). */
+static kvb_status ship_slot(kvb_bridge_cuda *b, pinned_slot *p, bool drop, uint64_t *ticket, kvb_err *err) {
+    *ticket = 0;
     const double t0 = kvb_now_s();
     KVB_CU(cudaEventSynchronize(p->done));
     for (int r = 1; r < b->n_ranks; r++) KVB_CU(cudaEventSynchronize(b->ranks[r]->r_done[p - b->slot]));
     const double t1 = kvb_now_s();
     kvb_trace_span("bridge.rows_wait", t0, t1, p->layer); /* until the GPU's rows are in the pinned slot */
     if (drop || !b->ship) return KVB_OK;
-    kvb_status st = b->ship(b->ship_ctx, p->layer, p->pos0, p->n, p->k, p->v, err);
-    kvb_trace_span("bridge.ship_rows", t1, kvb_now_s(), p->layer); /* cut, sent, slot free again */
+    kvb_status st = b->ship(b->ship_ctx, p->layer, p->pos0, p->n, p->k, p->v, ticket, err);
+    if (st || !b->sent) *ticket = 0;
+    kvb_trace_span("bridge.ship_rows", t1, kvb_now_s(), p->layer); /* cut and queued (or sent) */
+    return st;
+}
+
+/* Until a shipped slot's rows have all left (its ticket); 0: nothing to wait for. */
+static kvb_status slot_rows_sent(kvb_bridge_cuda *b, const pinned_slot *p, uint64_t ticket, kvb_err *err) {
+    if (!ticket) return KVB_OK;
+    const double t0 = kvb_now_s();
+    kvb_status st = b->sent(b->ship_ctx, ticket, err);
+    kvb_trace_span("bridge.rows_sent", t0, kvb_now_s(), p->layer); /* the slot's last slabs left */
     return st;
 }
 
@@ -529,6 +543,20 @@ static pinned_slot *oldest_pending(kvb_bridge_cuda *b) {
     return o;
 }
 
+/* A shipped slot is free for the engine again; st: how its shipping went. Caller holds mu. */
+static void slot_free_locked(kvb_bridge_cuda *b, pinned_slot *p, kvb_status st, const kvb_err *e) {
+    if (st && !b->ship_st) {
+        b->ship_st = st;
+        b->ship_err = *e;
+    }
+    p->shipping = p->pending = false;
+    p->shipped_call = p->seq;
+    pthread_cond_broadcast(&b->cv);
+}
+
+/* Takes pending slots in fill order and ships each. A slot whose rows are still being sent is held
+ * (it stays pending) until the next slot's rows were handed over behind them, or until someone
+ * waits for the bridge to go idle, or it stops: then it waits for its rows to leave and frees it. */
 static void *shipper_main(void *arg) {
     kvb_bridge_cuda *b = arg;
     cudaError_t dev_e = cudaSetDevice(b->device);
@@ -538,23 +566,36 @@ static void *shipper_main(void *arg) {
         kvb_err_set(&b->ship_err, KVB_ERR_INTERNAL, "CUDA bridge shipping thread: cudaSetDevice(%d): %s", b->device,
                     cudaGetErrorString(dev_e));
     }
+    pinned_slot *held = NULL; /* shipped, its rows still leaving */
+    uint64_t held_ticket = 0;
     for (;;) {
         pinned_slot *p;
-        while (!(p = oldest_pending(b)) && !b->stop) pthread_cond_wait(&b->cv, &b->mu);
-        if (!p) break; /* stopping with nothing pending */
-        p->shipping = true;
-        const bool drop = b->dropping || b->ship_st != KVB_OK; /* after a failure nothing more is sent */
-        pthread_mutex_unlock(&b->mu);
+        while (!(p = oldest_pending(b)) && !b->stop && !(held && b->idle_waiters)) pthread_cond_wait(&b->cv, &b->mu);
+        if (!p && !held) break; /* stopping with nothing pending */
+        kvb_status st = KVB_OK;
         kvb_err e = {0};
-        kvb_status st = ship_slot(b, p, drop, &e);
-        pthread_mutex_lock(&b->mu);
-        if (st && !b->ship_st) {
-            b->ship_st = st;
-            b->ship_err = e;
+        uint64_t ticket = 0;
+        if (p) {
+            p->shipping = true;
+            const bool drop = b->dropping || b->ship_st != KVB_OK; /* after a failure nothing more is sent */
+            pthread_mutex_unlock(&b->mu);
+            st = ship_slot(b, p, drop, &ticket, &e);
+            pthread_mutex_lock(&b->mu);
         }
-        p->shipping = p->pending = false;
-        p->shipped_call = p->seq;
-        pthread_cond_broadcast(&b->cv);
+        if (held) { /* p's rows (if any) are queued behind its: wait for them to leave, hand it back */
+            kvb_err he = {0};
+            pthread_mutex_unlock(&b->mu);
+            const kvb_status hs = slot_rows_sent(b, held, held_ticket, &he);
+            pthread_mutex_lock(&b->mu);
+            slot_free_locked(b, held, hs, &he);
+            held = NULL;
+        }
+        if (p && !st && ticket) {
+            held = p;
+            held_ticket = ticket;
+        } else if (p) {
+            slot_free_locked(b, p, st, &e);
+        }
     }
     pthread_mutex_unlock(&b->mu);
     return NULL;
@@ -608,7 +649,9 @@ static kvb_status ship_inline(kvb_bridge_cuda *b, bool drop, kvb_err *err) {
     pinned_slot *p = oldest_pending(b);
     if (!p) return KVB_OK;
     p->pending = false;
-    return ship_slot(b, p, drop, err);
+    uint64_t ticket = 0;
+    kvb_status st = ship_slot(b, p, drop, &ticket, err);
+    return st ? st : slot_rows_sent(b, p, ticket, err);
 }
 
 static bool any_pending(const kvb_bridge_cuda *b) {
@@ -631,8 +674,10 @@ static kvb_status wait_idle(kvb_bridge_cuda *b, bool drop, kvb_err *err) {
     }
     pthread_mutex_lock(&b->mu);
     b->dropping = drop;
+    b->idle_waiters++; /* the shipper hands back the slot it holds */
     pthread_cond_broadcast(&b->cv);
     while (any_pending(b)) pthread_cond_wait(&b->cv, &b->mu);
+    b->idle_waiters--;
     b->dropping = false;
     kvb_status st = b->ship_st;
     if (st) *err = b->ship_err;

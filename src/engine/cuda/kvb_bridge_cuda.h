@@ -49,10 +49,17 @@ kvb_status kvb_bridge_cuda_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t po
  * (kvb_bridge_cuda_pinned_bytes), whatever the prompt length. By default a thread of the bridge
  * ships instead, so the hook returns at once and the engine's thread keeps the stream full
  * (KVB_BRIDGE_SHIPPER=0: the engine's thread ships inline, as described first). The ship callback
- * then runs on that thread; a failure it returns comes back from the next enqueue, or from flush. */
+ * then runs on that thread; a failure it returns comes back from the next enqueue, or from flush.
+ * The callback may return before the rows have left: it then sets *ticket to a nonzero value, and
+ * the slot stays taken until `sent` (ctx, ticket) has returned. The shipping thread calls it once
+ * the NEXT slot's rows were handed to the callback (or at flush, discard and free), so the rows of
+ * two layers can be queued at once and the link never waits for the slot's hand-back. *ticket 0
+ * (or sent NULL): the slot is free again when the callback returns. */
 typedef kvb_status (*kvb_bridge_rows_ship)(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n,
-                                           const uint8_t *k_rows, const uint8_t *v_rows, kvb_err *err);
-void kvb_bridge_cuda_set_ship(kvb_bridge_cuda *b, kvb_bridge_rows_ship fn, void *ctx);
+                                           const uint8_t *k_rows, const uint8_t *v_rows, uint64_t *ticket,
+                                           kvb_err *err);
+typedef kvb_status (*kvb_bridge_rows_sent)(void *ctx, uint64_t ticket, kvb_err *err);
+void kvb_bridge_cuda_set_ship(kvb_bridge_cuda *b, kvb_bridge_rows_ship fn, kvb_bridge_rows_sent sent, void *ctx);
 kvb_status kvb_bridge_cuda_enqueue(kvb_bridge_cuda *b, uint32_t layer, uint32_t pos0, uint32_t n, const float *d_h,
                                    void *stream, kvb_err *err);
 kvb_status kvb_bridge_cuda_flush(kvb_bridge_cuda *b, kvb_err *err);
