@@ -57,12 +57,12 @@ static void help(FILE *f) {
             "                       time and GB/s of the slab path alone (cutting, staging, transport, the\n"
             "                       decoder's verification and commit) — its ceiling; the decoder's last\n"
             "                       token then runs after the transfer, not beside it. The decoder's cache\n"
-            "                       holds filler, so no decoder-alone or prefill-alone legs are run. Each row\n"
-            "                       also sends the same bytes over plain TCP loopback connections, as many\n"
-            "                       streams at once as the decoder has lanes, and prints the slab path's GB/s\n"
-            "                       as a share of that raw link's. The filler goes a chunk's layer at a time\n"
-            "                       (8192 tokens unless --chunk), as a CUDA prefill node's bridge hands its\n"
-            "                       rows over\n",
+            "                       holds filler, so no decoder-alone or prefill-alone legs are run. After\n"
+            "                       each bridged leg the same bytes also go over plain TCP loopback\n"
+            "                       connections, as many streams at once as the decoder has lanes; a row\n"
+            "                       prints the slab path's median GB/s as a share of those raw runs' median.\n"
+            "                       The filler goes a chunk's layer at a time (8192 tokens unless --chunk),\n"
+            "                       as a CUDA prefill node's bridge hands its rows over\n",
             KVB_MAX_LANES, KVB_DEFAULT_LANES);
 }
 
@@ -259,6 +259,7 @@ int kvb_bench_ladder(int argc, char **argv) {
     uint64_t seed = (uint64_t)(kvb_now_s() * 1e3);
     for (int li = 0; li < n_lens; li++) {
         double a[100], b[100], gbs[100], pa[100], pb[100], ph_pre[100], ph_xfer[100], ph_nat[100];
+        double raw_gbs[100]; /* --slab-path-only: the raw link right after each bridged leg */
         int n_piped = 0; /* bridged legs whose last token ran with the transfer */
         uint64_t len_global, len_local;
         kvb_kvformat_ship_bytes(&lf, 0, (uint32_t)lens[li] - 1, &len_global, &len_local);
@@ -290,6 +291,10 @@ int kvb_bench_ladder(int argc, char **argv) {
             uint64_t leg_g, leg_l; /* what this leg shipped (all of it when complete) */
             kvb_kvformat_ship_bytes(&lf, 0, (uint32_t)lb.bridged, &leg_g, &leg_l);
             gbs[s] = lb.transfer_s > 0 ? (double)(leg_g + leg_l) / lb.transfer_s / 1e9 : 0;
+            /* the raw link the same way, beside each leg: the loopback's own speed wanders from run
+             * to run (11-19 GB/s over 4 streams on the H100/H200 hosts), so one sample per length
+             * made the share swing by tens of percent */
+            raw_gbs[s] = filler ? kvb_bench_raw_loopback_gbs(len_global + len_local, 65536, lanes_used) : 0;
             fprintf(stderr,
                     "ladder %d tokens, seed %d: alone %.3f s, bridged %.3f s (%s), prefill alone %.3f s, +bridge %.3f s\n",
                     lens[li], s, la.ttft, lb.ttft, lb.verdict, pa[s], pb[s]);
@@ -337,11 +342,12 @@ int kvb_bench_ladder(int argc, char **argv) {
                kvb_median_sort(ph_pre, (int)seeds), kvb_median_sort(ph_xfer, (int)seeds),
                kvb_median_sort(ph_nat, (int)seeds), n_piped, seeds);
         if (filler) {
-            /* the raw link the same way in the same run: as many bytes as one leg shipped */
-            const uint64_t leg_bytes = len_global + len_local;
-            const double raw = kvb_bench_raw_loopback_gbs(leg_bytes, 65536, lanes_used);
-            printf("          raw TCP loopback, %u stream%s, same bytes, this run: %.2f GB/s; slab path / raw: %.0f %%\n",
-                   lanes_used, lanes_used == 1 ? "" : "s", raw, raw > 0 ? 100.0 * mg / raw : 0.0);
+            /* the raw link the same way in the same run: as many bytes as one leg shipped, after each leg */
+            const double raw = kvb_median_sort(raw_gbs, (int)seeds);
+            printf("          raw TCP loopback, %u stream%s, same bytes, after each leg: %.2f GB/s (median; runs",
+                   lanes_used, lanes_used == 1 ? "" : "s", raw);
+            for (int s = 0; s < seeds; s++) printf(" %.2f", raw_gbs[s]);
+            printf(", sorted); slab path / raw: %.0f %%\n", raw > 0 ? 100.0 * mg / raw : 0.0);
         } else if (pn && mp > 0) {
             /* the floor a link sets: bridged time to first token cannot beat the prefill alone, nor
              * the time the raw link takes for the bytes (measured now, the same way as bench link) */
