@@ -181,6 +181,9 @@ static void fake_completion(void *ctx, const kvb_completion_req *req, kvb_comple
             atomic_fetch_add(&fs->choice_overruns, 1); /* no choice past n */
     }
     if (st == KVB_ERR_IO) return; /* client gone: nothing to finish (the server answers for us) */
+    /* the handler's own buffer, as the decode node's: the reply must not read it after we return */
+    char faults[64];
+    snprintf(faults, sizeof faults, "%s", "peer lost: \x01 \xff\"x\""); /* quotes the peer: made printable */
     kvb_usage u = {
         .prompt_tokens = (int64_t)prompt_words,
         .completion_tokens = emitted,
@@ -195,11 +198,13 @@ static void fake_completion(void *ctx, const kvb_completion_req *req, kvb_comple
         .native_s = 0.0625,
         .decode_s = 0.5,
         .bridge_attempts = 2,
-        .bridge_faults = "peer lost: \x01 \xff\"x\"", /* quotes the peer: made printable ASCII */
+        .bridge_faults = faults,
     };
     kvb_completion_finish(out, st == KVB_ERR_RANGE ? KVB_FINISH_LENGTH : KVB_FINISH_STOP, &u);
     if (kvb_completion_finish(out, KVB_FINISH_STOP, &u) == KVB_ERR_INVALID)
         atomic_fetch_add(&fs->contract_errors, 1); /* a second finish is refused */
+    volatile char *vf = faults; /* what a dangling pointer would show (volatile: not optimised away) */
+    for (size_t i = 0; i + 1 < sizeof faults; i++) vf[i] = 'Z';
 }
 
 static void fake_health(void *ctx, cJSON *body) {

@@ -233,6 +233,8 @@ kvb_status kvb_completion_finish(kvb_completion_out *out, kvb_finish_reason reas
     }
     if (usage) out->usage = *usage;
     out->usage.verdict = out->final_verdict;
+    http_printable_copy(out->final_faults, sizeof out->final_faults, usage ? usage->bridge_faults : NULL);
+    out->usage.bridge_faults = out->final_faults;
     out->finish_reason = reason;
     out->ended = true;
     if (out->streaming && !out->cancelled) {

@@ -144,6 +144,8 @@ struct kvb_completion_out {
     kvb_finish_reason finish_reason;
     kvb_usage usage;
     char final_verdict[KVB_VERDICT_MAX]; /* the body's (usage.kvbridge.verdict) */
+    char final_faults[3 * KVB_VERDICT_MAX]; /* usage.kvbridge.bridge_faults, copied: the handler's
+                                               buffer is gone when a non-streamed body is made */
     bool handler_returned;
     bool cancelled;                     /* client gone or server stopping */
     bool client_gone;

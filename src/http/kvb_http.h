@@ -185,7 +185,7 @@ typedef struct {
                               arrived (native_s is then only what it ran on after the transfer) */
     int32_t bridge_attempts;   /* PREFILLs sent for this request: 0 when not bridged, > 1 when an
                                   attempt that stopped short was resumed */
-    const char *bridge_faults; /* the attempts' faults, "; "-separated (NULL or "": none) */
+    const char *bridge_faults; /* the attempts' faults, "; "-separated (NULL or "": none); finish copies it */
 } kvb_usage;
 
 /* The verdict ("complete", "partial 3/8", "declined: peer down"): required before the first
