@@ -37,6 +37,7 @@ static uint32_t g_lanes; /* decode nodes' lanes (0: the default) */
 static int g_resumes;    /* decode nodes' bridge_resumes (0: the default, 2; -1: none) */
 static uint32_t g_parallel; /* decode nodes' parallel (0: the default, 4) */
 static bool g_tail_after;   /* decode nodes' tail_after_transfer */
+static bool g_filler_peer;  /* decode nodes' bench_filler_peer */
 static uint32_t g_cache_blocks; /* decode nodes' cache_blocks (0: the default) */
 
 static int setup(void **state) {
@@ -78,7 +79,8 @@ static kvb_decode_node *start_decode_mode(uint16_t peer_port, const char *psk, i
                            .psk = psk, .n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32,
                            .max_ctx = 4096, .peer_timeout_ms = timeout_ms, .prefill_mode = prefill_mode,
                            .lanes = g_lanes, .bridge_resumes = g_resumes, .parallel = g_parallel,
-                           .tail_after_transfer = g_tail_after, .cache_blocks = g_cache_blocks};
+                           .tail_after_transfer = g_tail_after, .cache_blocks = g_cache_blocks,
+                           .bench_filler_peer = g_filler_peer};
     kvb_decode_node *n = NULL;
     kvb_err err = {0};
     if (kvb_decode_node_start(&c, &n, &err)) fail_msg("decode node: %s", err.msg);
@@ -1269,6 +1271,7 @@ static void test_filler_rows_slab_path(void **state) {
     kvb_prefill_node *pn = NULL;
     kvb_err err = {0};
     if (kvb_prefill_node_start(&c, &pn, &err)) fail_msg("prefill node: %s", err.msg);
+    g_filler_peer = true; /* this decoder knows the peer ships filler */
     kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
     int32_t ids[700];
     for (int i = 0; i < 2; i++) {
@@ -1283,10 +1286,24 @@ static void test_filler_rows_slab_path(void **state) {
         free(b.content);
     }
     assert_int_equal(kvb_prefill_node_peak_capture_bytes(pn), 0); /* views only: no staging copies */
+    /* a decoder that did not ask for filler refuses the node as another model: native, no filler */
+    g_filler_peer = false;
+    kvb_decode_node *plain = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
+    g_filler_peer = true;
+    kvbt_reply b;
+    kvbt_prompt_ids(ids, 700, 600);
+    kvbt_complete_ids(kvb_decode_node_port(plain), ids, 700, &b);
+    assert_non_null(strstr(b.verdict, "declined: prefill node unavailable"));
+    assert_non_null(strstr(b.verdict, "model"));
+    assert_int_equal(b.bridged, 0);
+    assert_true(kvbt_metric(kvb_decode_node_port(plain), "kvbridge_slab_bytes_total ") == 0);
+    free(b.content);
+    kvb_decode_node_stop(plain);
     double secs = -1;
     assert_int_equal(kvb_prefill_node_time_alone(pn, 64, 1, false, &secs, &err), KVB_ERR_UNSUPPORTED);
     kvb_decode_node_stop(dn);
     kvb_prefill_node_stop(pn);
+    g_filler_peer = false;
 }
 
 static void test_openai_client_streams(void **state) {

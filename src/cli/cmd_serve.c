@@ -61,6 +61,10 @@ static void help(FILE *f) {
             "                       (default 2; 0 = compute what is missing natively at once)\n"
             "  --fault SPEC         prefill, test-only: corrupt:N, die:N, stall:N (30 s) or pause:N (2 s) at\n"
             "                       the Nth slab of every request, or of the first K with corrupt:NxK (...)\n"
+            "  --bench-filler-rows  prefill, bench-only: ship filler rows without computing them, to time the\n"
+            "                       slab path across a real link (kvbridge bench ladder --peer ADDR\n"
+            "                       --slab-path-only). The node then announces a model fingerprint of its\n"
+            "                       own, so a decode node serving answers refuses it as another model\n"
             "  --drain-seconds N    decode: on SIGINT/SIGTERM answer new requests 503 and let those in flight\n"
             "                       finish for up to N s (default 30; 0: stop at once); a second signal stops\n"
             "  --quiet              log warnings and errors only (by default also one line per completion,\n"
@@ -81,7 +85,7 @@ int kvb_cmd_serve(int argc, char **argv) {
     long long threads = 0, bt = 32, ctx = 0, bridge_min = 0, max_tokens = 0, chunk = 0, cache_blocks = 0, lanes = 0,
               warmup = -1, resumes = -1, parallel = 0, drain_s = 30;
     long long gpus = 1;
-    bool tail_after = false, tp_one_device = false;
+    bool tail_after = false, tp_one_device = false, filler = false;
     kvb_log_level log_level = KVB_LOG_INFO; /* a server's access log is on unless asked off */
     int gpu_weights = 0;
     uint32_t cache_type = KVB_TYPE_F16, engine_type = 0;
@@ -117,6 +121,7 @@ int kvb_cmd_serve(int argc, char **argv) {
         else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) log_level = KVB_LOG_WARN;
         else if (!strcmp(a, "--tail-after-transfer")) tail_after = true;
         else if (!strcmp(a, "--tp-one-device")) tp_one_device = true;
+        else if (!strcmp(a, "--bench-filler-rows")) filler = true;
         else if (!strcmp(a, "--gpu-weights")) {
             if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_gpu_weights(cmd, v, &gpu_weights)) return 2;
         }
@@ -144,6 +149,10 @@ int kvb_cmd_serve(int argc, char **argv) {
     if (!prefill && (gpus > 1 || tp_one_device)) {
         fprintf(stderr, "kvbridge serve: --gpus and --tp-one-device are the prefill node's (--role prefill --device "
                         "cuda); a decode node decodes on its CPU\n");
+        return 2;
+    }
+    if (filler && (!prefill || !strcmp(device, "cuda"))) {
+        fprintf(stderr, "kvbridge serve: --bench-filler-rows is for --role prefill on the CPU (it computes nothing)\n");
         return 2;
     }
     if (prefill && allow_origin) {
@@ -176,12 +185,14 @@ int kvb_cmd_serve(int argc, char **argv) {
                                 .fault = fault, .prefill_mode = prefill_mode, .engine_cache_dtype = engine_type,
                                 .cuda = !strcmp(device, "cuda"), .chunk_tokens = (uint32_t)chunk,
                                 .gpus = (int)gpus, .tp_one_device = tp_one_device, .gpu_weights = gpu_weights,
-                                .warmup_tokens = (uint32_t)(warmup >= 0 ? warmup : (chunk ? chunk : 8192) + 64)};
+                                .warmup_tokens = (uint32_t)(warmup >= 0 ? warmup : (chunk ? chunk : 8192) + 64),
+                                .bench_filler_rows = filler};
         if (kvb_prefill_node_start(&c, &pn, &err)) goto fail;
         double wu_s = 0;
         const uint32_t wu = kvb_prefill_node_warmup(pn, &wu_s);
         printf("kvbridge prefill node: listening on port %u (model %s", kvb_prefill_node_port(pn), model);
         if (wu) printf("; GPU warmed up on %u tokens in %.2f s", wu, wu_s);
+        if (filler) printf("; FILLER ROWS, bench only: only a decoder started for filler accepts this node");
         printf(")\n");
     } else {
         kvb_decode_config c = {.http_listen = http, .peer = peer, .model_path = model, .model_id = model_id,

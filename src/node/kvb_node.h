@@ -52,10 +52,15 @@ typedef struct {
      * cut, checksummed, staged and sent exactly as computed rows are, a chunk's layer at a time
      * (as the CUDA bridge hands over its pinned slot). Measures the slab path (staging,
      * transport, the decoder's verification and commit) with no engine in the way: none is made,
-     * and the filler is made at start. The decoder's cache then holds filler: never set this on a
-     * node that serves answers. */
+     * and the filler is made at start. The decoder's cache then holds filler, so such a node
+     * announces a model fingerprint of its own (kvb_filler_fingerprint): a decode node refuses it
+     * as another model unless it set bench_filler_peer. */
     bool bench_filler_rows;
 } kvb_prefill_config;
+
+/* The model fingerprint a bench_filler_rows prefill node (and a bench_filler_peer decode node)
+ * puts in its HELLO instead of the model's: filler rows never reach a decoder that serves answers. */
+uint64_t kvb_filler_fingerprint(uint64_t model_fingerprint);
 
 typedef struct kvb_prefill_node kvb_prefill_node;
 kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_node **out, kvb_err *err);
@@ -127,6 +132,9 @@ typedef struct {
     bool tail_after_transfer;  /* run the last prompt token after the transfer, not pipelined with
                                   it (also KVB_DECODE_PIPELINED_TAIL=0); bench ladder
                                   --slab-path-only, so the link's ceiling is measured alone */
+    bool bench_filler_peer;    /* bench-only: the peer ships filler rows (kvb_prefill_config.
+                                  bench_filler_rows), which this node then takes into its cache;
+                                  without it, such a peer is refused as another model */
 } kvb_decode_config;
 
 #define KVB_DECODE_MAX_PARALLEL 64

@@ -197,6 +197,10 @@ static void senders_wait(kvb_prefill_node *n, uint32_t n_lanes) {
     pthread_mutex_unlock(&n->crew_mu);
 }
 
+uint64_t kvb_filler_fingerprint(uint64_t model_fingerprint) {
+    return model_fingerprint ^ 0x66696c6c65722121ull; /* "filler!!" */
+}
+
 /* bench_filler_rows: the filler, made once at start (it stands in for an engine's rows: not
  * staging memory, not counted as capture, and not the request's time). */
 static kvb_status filler_rows_make(kvb_prefill_node *n, kvb_err *err) {
@@ -605,7 +609,8 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
     if (!st) st = kvb_hello_init(&n->hello, KVB_ROLE_PREFILL,
                                  cfg->prefill_mode ? KVB_BRIDGE_MODE_PREFILL : KVB_BRIDGE_MODE_DECODER,
                                  cfg->name ? cfg->name : "prefill",
-                                 n->m->fingerprint, &n->fmt, err);
+                                 cfg->bench_filler_rows ? kvb_filler_fingerprint(n->m->fingerprint) : n->m->fingerprint,
+                                 &n->fmt, err);
     n->tcfg = (kvb_transport_config){.psk = (const uint8_t *)n->psk, .psk_len = n->psk ? strlen(n->psk) : 0};
     if (!st && cfg->cuda && cfg->warmup_tokens) {
         /* twice: the second pass is its shapes' second sight, so cuDNN's plans for them are built
