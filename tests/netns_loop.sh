@@ -50,10 +50,16 @@ for turn in 1 2; do
   echo "netns_loop: turn $turn: verdict '$verdict'; usage: $(echo "$out" | python3 -c 'import json,sys; print(json.load(sys.stdin)["usage"]["kvbridge"])')"
   [ "$verdict" = complete ] || fail=1
 done
-# Transport throughput beside the raw shaped link, measured the same way in the same run (printed,
-# not asserted: a benchmark, not a timed test).
+# Throughput beside the raw shaped link, measured the same way in the same run (printed, not
+# asserted: a benchmark, not a timed test): the whole slab path (a prefill node shipping filler
+# rows: cut, checksummed, striped over 4 lanes, verified and committed by the decoder; 128 MiB per
+# prompt), then the transport alone.
+ip netns exec $P "$K" serve --role prefill --listen 10.213.7.1:7413 -m "$M" --threads 1 --ctx 70000 \
+  --bench-filler-rows >"$WORK/f.log" 2>&1 &
 ip netns exec $P "$K" bench link --listen 10.213.7.1:7420 >"$WORK/l.log" 2>&1 &
-sleep 0.3
+sleep 0.5
+ip netns exec $D "$K" bench ladder -m "$M" --peer 10.213.7.1:7413 --raw-peer 10.213.7.1:7420 --slab-path-only \
+  --lengths 65536 --seeds 3 2>/dev/null | grep -E "^ +65536|raw TCP" | sed 's/^ */netns_loop: slab path: /'
 ip netns exec $D "$K" bench link --peer 10.213.7.1:7420 --bytes 268435456 --reps 3 2>/dev/null | sed 's/^/netns_loop: /'
 [ $fail = 0 ] || { echo "--- prefill log"; cat "$WORK/p.log"; echo "--- decode log"; cat "$WORK/d.log"; }
 echo "netns_loop: $((2 - fail)) passed, $fail failed"

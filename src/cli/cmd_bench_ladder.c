@@ -23,8 +23,11 @@ static void help(FILE *f) {
             "  --lengths LIST       prompt lengths in tokens (default 1024,4096)\n"
             "  --seeds N            prompts per length (default 3)\n"
             "  --threads T          threads per node (default: half the CPUs each)\n"
-            "  --peer HOST:PORT     use a running prefill node instead of one in this process (needs --psk)\n"
+            "  --peer HOST:PORT     use a running prefill node instead of one in this process (needs --psk);\n"
+            "                       with --slab-path-only, one started with serve --bench-filler-rows\n"
             "  --psk KEY            its pre-shared key (or env KVB_PSK)\n"
+            "  --raw-peer HOST:PORT with --peer and --slab-path-only: a `kvbridge bench link --listen HOST:PORT`\n"
+            "                       beside the prefill node, so the raw link is timed over the same network\n"
             "  --cache-type T       the decoder's cache dtype (default f16)\n"
             "  --device cpu|cuda    the in-process prefill node's engine (default cpu); with cuda the column\n"
             "                       'prefill alone' is the GPU prefilling the same length with the bridge idle,\n"
@@ -114,7 +117,7 @@ static int one_leg(uint16_t port, int len, uint64_t seed, uint32_t n_vocab, leg 
 }
 
 int kvb_bench_ladder(int argc, char **argv) {
-    const char *model = NULL, *lengths = "1024,4096", *peer = NULL, *psk = getenv("KVB_PSK");
+    const char *model = NULL, *lengths = "1024,4096", *peer = NULL, *psk = getenv("KVB_PSK"), *raw_peer = NULL;
     long long seeds = 3, threads = 0, chunk = 0, alone_max = 1 << 20, pa_max = 1 << 20, warmup = -1, block = 32,
               lanes = 0, /* 0: the decode node's default */
               gpus = 1;
@@ -132,6 +135,8 @@ int kvb_bench_ladder(int argc, char **argv) {
             if (!(lengths = kvb_arg_value("bench", argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--peer")) {
             if (!(peer = kvb_arg_value("bench", argc, argv, &i))) return 2;
+        } else if (!strcmp(a, "--raw-peer")) {
+            if (!(raw_peer = kvb_arg_value("bench", argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--psk")) {
             if (!(psk = kvb_arg_value("bench", argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--seeds")) {
@@ -184,6 +189,15 @@ int kvb_bench_ladder(int argc, char **argv) {
         fprintf(stderr, "kvbridge bench ladder: -m MODEL is required\n");
         return 2;
     }
+    if (filler && peer && !raw_peer) {
+        fprintf(stderr, "kvbridge bench ladder: --slab-path-only with --peer needs --raw-peer HOST:PORT (a kvbridge "
+                        "bench link --listen beside the prefill node), so the raw link is timed over the same network\n");
+        return 2;
+    }
+    if (raw_peer && !(filler && peer)) {
+        fprintf(stderr, "kvbridge bench ladder: --raw-peer goes with --peer and --slab-path-only\n");
+        return 2;
+    }
     int lens[32], n_lens = 0, max_len = 0;
     for (const char *p = lengths; *p && n_lens < 32;) {
         char *end;
@@ -229,6 +243,7 @@ int kvb_bench_ladder(int argc, char **argv) {
                             .n_threads = (int)threads, .cache_dtype = cache_type, .max_ctx = ctx,
                             .peer_timeout_ms = 600000, .block_tokens = (uint32_t)block, .lanes = (uint32_t)lanes,
                             .tail_after_transfer = filler, /* the slab path's ceiling, measured alone */
+                            .bench_filler_peer = filler,
                             /* one prompt's blocks and some room: legs use fresh prompts, LRU evicts */
                             .cache_blocks = (ctx + (uint32_t)block - 1) / (uint32_t)block + 64};
     if (kvb_decode_node_start(&dc, &dn, &err)) goto fail;
@@ -294,7 +309,9 @@ int kvb_bench_ladder(int argc, char **argv) {
             /* the raw link the same way, beside each leg: the loopback's own speed wanders from run
              * to run (11-19 GB/s over 4 streams on the H100/H200 hosts), so one sample per length
              * made the share swing by tens of percent */
-            raw_gbs[s] = filler ? kvb_bench_raw_loopback_gbs(len_global + len_local, 65536, lanes_used) : 0;
+            raw_gbs[s] = !filler  ? 0
+                         : raw_peer ? kvb_bench_raw_remote_gbs(raw_peer, len_global + len_local, 65536, lanes_used)
+                                    : kvb_bench_raw_loopback_gbs(len_global + len_local, 65536, lanes_used);
             fprintf(stderr,
                     "ladder %d tokens, seed %d: alone %.3f s, bridged %.3f s (%s), prefill alone %.3f s, +bridge %.3f s\n",
                     lens[li], s, la.ttft, lb.ttft, lb.verdict, pa[s], pb[s]);
@@ -344,8 +361,8 @@ int kvb_bench_ladder(int argc, char **argv) {
         if (filler) {
             /* the raw link the same way in the same run: as many bytes as one leg shipped, after each leg */
             const double raw = kvb_median_sort(raw_gbs, (int)seeds);
-            printf("          raw TCP loopback, %u stream%s, same bytes, after each leg: %.2f GB/s (median; runs",
-                   lanes_used, lanes_used == 1 ? "" : "s", raw);
+            printf("          raw TCP %s%s, %u stream%s, same bytes, after each leg: %.2f GB/s (median; runs",
+                   raw_peer ? "to " : "loopback", raw_peer ? raw_peer : "", lanes_used, lanes_used == 1 ? "" : "s", raw);
             for (int s = 0; s < seeds; s++) printf(" %.2f", raw_gbs[s]);
             printf(", sorted); slab path / raw: %.0f %%\n", raw > 0 ? 100.0 * mg / raw : 0.0);
         } else if (pn && mp > 0) {

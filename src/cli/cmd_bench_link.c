@@ -93,6 +93,10 @@ static bool raw_recv_acked(int fd, char *buf, size_t cap, uint64_t bytes) {
 
 /* Stream i's share when `bytes` are split over `streams` connections (the first ones carry the
  * remainder, a byte each). */
+/* A round's header is {bytes for this stream, streams}; this bit in the second word says the round
+ * is raw TCP only (kvb_bench_raw_remote_gbs: the server then expects no framed leg). */
+#define RAW_ONLY (1ull << 32)
+
 static uint64_t stream_share(uint64_t bytes, uint32_t streams, uint32_t i) {
     return bytes / streams + (i < bytes % streams ? 1 : 0);
 }
@@ -319,21 +323,23 @@ static int serve(const char *addr, const char *psk) {
             if (fd >= 0) close(fd);
             break;
         }
-        if (hdr[1] > KVB_MAX_LANES) {
+        const bool raw_only = hdr[1] & RAW_ONLY; /* kvb_bench_raw_remote_gbs: no framed leg follows */
+        if ((hdr[1] & ~RAW_ONLY) > KVB_MAX_LANES) {
             fprintf(stderr, "kvbridge bench link: a round asked for %llu streams (at most %d)\n",
-                    (unsigned long long)hdr[1], KVB_MAX_LANES);
+                    (unsigned long long)(hdr[1] & ~RAW_ONLY), KVB_MAX_LANES);
             close(fd);
             rc = 1;
             break;
         }
-        const uint32_t streams = (uint32_t)hdr[1];
+        const uint32_t streams = (uint32_t)(hdr[1] & ~RAW_ONLY);
+        const uint64_t round_hdr = hdr[1];
         uint32_t n = 0;
         bool ok = true;
         for (;;) {
             e[n++] = (stream_end){.main = raw_recv_main, .fd = fd, .piece = 1 << 24, .bytes = hdr[0]};
             if (n == streams) break;
             fd = accept(lfd, NULL, NULL);
-            ok = fd >= 0 && recv_all(fd, hdr, sizeof hdr) && hdr[1] == streams;
+            ok = fd >= 0 && recv_all(fd, hdr, sizeof hdr) && hdr[1] == round_hdr;
             if (!ok) {
                 if (fd >= 0) close(fd);
                 break;
@@ -347,6 +353,7 @@ static int serve(const char *addr, const char *psk) {
             rc = 1;
             break;
         }
+        if (raw_only) continue;
         for (n = 0; n < streams; n++) {
             e[n] = (stream_end){.main = slab_recv_main, .fd = -1};
             if (kvb_transport_accept(l, &me, &cfg, 60000, &e[n].conn, NULL, &err)) break;
@@ -368,14 +375,15 @@ static int serve(const char *addr, const char *psk) {
     return rc;
 }
 
-/* The connecting side's raw leg of one round; *gbs on success. */
+/* The connecting side's raw leg of one round (raw_only: the round has no framed leg); *gbs on
+ * success. */
 static bool raw_leg(const char *host, const char *port, const uint8_t *data, size_t piece, uint64_t bytes,
-                    uint32_t streams, double *gbs, kvb_err *err) {
+                    uint32_t streams, bool raw_only, double *gbs, kvb_err *err) {
     stream_end e[KVB_MAX_LANES];
     uint32_t n = 0;
     bool ok = true;
     while (ok && n < streams) {
-        uint64_t hdr[2] = {stream_share(bytes, streams, n), streams};
+        uint64_t hdr[2] = {stream_share(bytes, streams, n), streams | (raw_only ? RAW_ONLY : 0)};
         e[n] = (stream_end){.main = raw_send_main, .fd = kvb_tcp_dial(host, port), .data = data, .piece = piece,
                             .bytes = hdr[0]};
         ok = e[n].fd >= 0 && send_all(e[n].fd, hdr, sizeof hdr);
@@ -418,6 +426,24 @@ static bool framed_leg(const char *tport, const kvb_hello *me, const kvb_transpo
     return ok;
 }
 
+double kvb_bench_raw_remote_gbs(const char *addr, uint64_t bytes, size_t piece, uint32_t streams) {
+    char host[128], port[16];
+    long p = split_addr(addr, host, sizeof host);
+    if (p <= 0 || p > 65534 || streams < 1 || streams > KVB_MAX_LANES || piece == 0) return 0;
+    snprintf(port, sizeof port, "%ld", p);
+    uint8_t *data = malloc(piece);
+    if (!data) return 0;
+    for (size_t i = 0; i < piece; i++) data[i] = (uint8_t)(i * 131 + 7);
+    double gbs = 0;
+    kvb_err err = {0};
+    if (!raw_leg(host, port, data, piece, bytes, streams, true, &gbs, &err)) {
+        fprintf(stderr, "kvbridge bench: raw link to %s: %s\n", addr, err.msg);
+        gbs = 0;
+    }
+    free(data);
+    return gbs;
+}
+
 static int measure(const char *addr, const char *psk, uint64_t bytes, size_t slab, int reps, uint32_t streams) {
     char host[128], port[16], tport[140];
     long p = split_addr(addr, host, sizeof host);
@@ -437,7 +463,7 @@ static int measure(const char *addr, const char *psk, uint64_t bytes, size_t sla
     int rc = 0;
     if (make_hello(KVB_ROLE_PREFILL, &me, &err)) goto fail;
     for (int r = 0; r < reps; r++) {
-        if (!raw_leg(host, port, data, slab, bytes, streams, &raw[r], &err) ||
+        if (!raw_leg(host, port, data, slab, bytes, streams, false, &raw[r], &err) ||
             !framed_leg(tport, &me, &cfg, data, slab, bytes, streams, &framed[r], &err))
             goto fail;
         fprintf(stderr, "bench link: round %d: raw %.3f GB/s, kvbridge transport %.3f GB/s\n", r + 1, raw[r], framed[r]);

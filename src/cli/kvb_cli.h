@@ -28,6 +28,10 @@ int kvb_bench_link(int argc, char **argv);
  * last receiver's acknowledgement. 0 on failure (or a stream count out of range). The yardstick
  * for the slab path striped over as many lanes, on the same machine, in the same run. */
 double kvb_bench_raw_loopback_gbs(uint64_t bytes, size_t piece, uint32_t streams);
+/* The same over a real link: `bytes` over `streams` plain TCP connections to a `kvbridge bench link
+ * --listen ADDR` server (a raw-only round), timed to the server's acknowledgements. 0 on failure
+ * (the reason printed on stderr). */
+double kvb_bench_raw_remote_gbs(const char *addr, uint64_t bytes, size_t piece, uint32_t streams);
 /* `kvbridge bench slab` (cmd_bench_slab.c). */
 int kvb_bench_slab(int argc, char **argv);
 /* `kvbridge bench tokenize` (cmd_bench_tokenize.c). */
