@@ -153,6 +153,38 @@ static void test_serve_drains_on_sigterm(void **state) {
     assert_non_null(strstr(out, "tokens=1 done=1 length=1")); /* all 6,000 tokens, the finish and the end */
 }
 
+/* `serve --role prefill` stops gracefully too: SIGTERM while it ships a prompt (paused 2 s at its
+ * 3rd slab) lets that prompt finish (the decoder's verdict is `complete`), then it exits 0. */
+static void test_serve_prefill_drains_on_sigterm(void **state) {
+    (void)state;
+    char dir[512], cmd[4096], out[8192];
+    kvbt_tmp_path(dir, sizeof dir, "pdrain");
+    snprintf(cmd, sizeof cmd,
+             "set -u; rm -rf '%s'; mkdir -p '%s' && cd '%s' || exit 9\n"
+             "export KVB_PSK=cli-run-drain-key-0123456789\n"
+             "'%s' serve --role prefill -m '%s' --listen 127.0.0.1:0 --ctx 8192 --threads 1 --fault pause:3 "
+             "  > p.out 2> p.err & P=$!\n"
+             "for i in $(seq 300); do grep -q 'on port' p.out && break; sleep 0.1; done\n"
+             "PP=$(sed -n 's/.*listening on port \\([0-9]*\\).*/\\1/p' p.out)\n"
+             "'%s' serve --role decode -m '%s' --http 127.0.0.1:0 --peer 127.0.0.1:$PP --ctx 8192 --threads 1 "
+             "  > d.out 2> d.err & D=$!\n"
+             "for i in $(seq 300); do grep -q 'on port' d.out && break; sleep 0.1; done\n"
+             "DP=$(sed -n 's/.*OpenAI API on port \\([0-9]*\\).*/\\1/p' d.out)\n"
+             "curl -s -D h.txt -H 'Content-Type: application/json' -d \"{\\\"model\\\":\\\"m\\\",\\\"prompt\\\":[$(seq 600 | awk '{printf \"%%s%%d\", (NR > 1 ? \",\" : \"\"), $1 %% 250 + 3}')],"
+             "\\\"max_tokens\\\":4}\" http://127.0.0.1:$DP/v1/completions > reply.json & C=$!\n"
+             "sleep 0.6; kill -TERM $P\n"
+             "wait $C; wait $P; echo exit=$?\n"
+             "echo verdict=$(grep -i '^x-kvbridge:' h.txt | tr -d '\\r' | cut -d' ' -f2-)\n"
+             "grep -o 'draining [0-9]* request' p.err\n"
+             "kill -TERM $D; wait $D\n",
+             dir, dir, dir, kvbt_bin(), g_model, kvbt_bin(), g_model);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 0);
+    printf("%s", out);
+    assert_non_null(strstr(out, "exit=0"));
+    assert_non_null(strstr(out, "verdict=complete"));
+    assert_non_null(strstr(out, "draining 1 request"));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_gen_model_thread_invariant),
@@ -161,6 +193,7 @@ int main(void) {
         cmocka_unit_test(test_run_text_prompt),
         cmocka_unit_test(test_bench_batched_decode_runs),
         cmocka_unit_test(test_serve_drains_on_sigterm),
+        cmocka_unit_test(test_serve_prefill_drains_on_sigterm),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

@@ -1306,6 +1306,45 @@ static void test_filler_rows_slab_path(void **state) {
     g_filler_peer = false;
 }
 
+/* A prefill node told to drain (kvb_prefill_node_quiesce, serve's first SIGTERM) finishes the
+ * request it is computing (paused 2 s at its 3rd slab) and refuses the next one, which another
+ * decode node then computes itself, with a verdict that says so and the native answer. */
+static void test_prefill_node_drains(void **state) {
+    (void)state;
+    kvb_prefill_node *pn = start_prefill(g_model, PSK, "pause:3x1");
+    kvb_decode_node *da = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
+    kvb_decode_node *db = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
+    kvb_decode_node *nat = start_decode(0, PSK, 10000);
+    client_job a = {.port = kvb_decode_node_port(da), .n = 600, .max_tokens = 8},
+               b = {.port = kvb_decode_node_port(db), .n = 600, .max_tokens = 8};
+    kvbt_prompt_ids(a.ids, a.n, 911);
+    kvbt_prompt_ids(b.ids, b.n, 912);
+    pthread_t ta, tb;
+    assert_int_equal(pthread_create(&ta, NULL, client_main, &a), 0);
+    while (kvb_prefill_node_in_flight(pn) == 0) usleep(1000); /* a's PREFILL is being served */
+    kvb_prefill_node_quiesce(pn);
+    assert_int_equal(pthread_create(&tb, NULL, client_main, &b), 0);
+    pthread_join(ta, NULL);
+    pthread_join(tb, NULL);
+    printf("drain: a '%s', b '%s'\n", a.r.verdict, b.r.verdict);
+    assert_string_equal(a.r.verdict, "complete"); /* accepted before the drain: finished */
+    assert_non_null(strstr(b.r.verdict, "draining"));
+    assert_int_equal(b.r.bridged, 0);
+    assert_int_equal(kvb_prefill_node_in_flight(pn), 0);
+    client_job *jobs[] = {&a, &b};
+    for (int c = 0; c < 2; c++) { /* both answers are the native ones */
+        kvbt_reply alone;
+        complete_job(kvb_decode_node_port(nat), jobs[c], &alone);
+        assert_string_equal(alone.content, jobs[c]->r.content);
+        free(alone.content);
+        free(jobs[c]->r.content);
+    }
+    kvb_decode_node_stop(nat);
+    kvb_decode_node_stop(db);
+    kvb_decode_node_stop(da);
+    kvb_prefill_node_stop(pn);
+}
+
 static void test_openai_client_streams(void **state) {
     (void)state;
     const char *src = getenv("KVB_SOURCE_DIR");
@@ -1358,6 +1397,7 @@ int main(void) {
         cmocka_unit_test(test_prefill_mode),
         cmocka_unit_test(test_bridged_blocks_are_evictable),
         cmocka_unit_test(test_filler_rows_slab_path),
+        cmocka_unit_test(test_prefill_node_drains),
         cmocka_unit_test(test_openai_client_streams),
     };
     if (getenv("KVB_TEST_FILTER")) cmocka_set_test_filter(getenv("KVB_TEST_FILTER")); /* e.g. CI's TSan pass */

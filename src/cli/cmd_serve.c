@@ -65,8 +65,9 @@ static void help(FILE *f) {
             "                       slab path across a real link (kvbridge bench ladder --peer ADDR\n"
             "                       --slab-path-only). The node then announces a model fingerprint of its\n"
             "                       own, so a decode node serving answers refuses it as another model\n"
-            "  --drain-seconds N    decode: on SIGINT/SIGTERM answer new requests 503 and let those in flight\n"
-            "                       finish for up to N s (default 30; 0: stop at once); a second signal stops\n"
+            "  --drain-seconds N    on SIGINT/SIGTERM let the requests in flight finish for up to N s (default\n"
+            "                       30; 0: stop at once) while refusing new ones (decode: HTTP 503; prefill: the\n"
+            "                       decoder is told to compute the prompt itself); a second signal stops\n"
             "  --quiet              log warnings and errors only (by default also one line per completion,\n"
             "                       connections and faults)\n"
             "  --verbose            also log every other request (probes, scrapes) and the HTTP library's notes\n");
@@ -210,14 +211,17 @@ int kvb_cmd_serve(int argc, char **argv) {
     }
     fflush(stdout);
     while (!g_stop) usleep(100000);
-    if (dn && drain_s > 0 && g_stop == 1) { /* a graceful stop: the replies in flight finish */
-        kvb_decode_node_quiesce(dn);
+    if (drain_s > 0 && g_stop == 1) { /* a graceful stop: the requests in flight finish */
+        if (dn) kvb_decode_node_quiesce(dn);
+        if (pn) kvb_prefill_node_quiesce(pn);
         const double t0 = kvb_now_s();
         kvb_log(KVB_LOG_WARN, "serve: draining %u request(s), up to %lld s (signal again to stop at once)",
-                kvb_decode_node_in_flight(dn), drain_s);
-        while (g_stop == 1 && kvb_decode_node_in_flight(dn) > 0 && kvb_now_s() - t0 < (double)drain_s) usleep(50000);
-        if (kvb_decode_node_in_flight(dn))
-            kvb_log(KVB_LOG_WARN, "serve: stopping with %u request(s) unfinished", kvb_decode_node_in_flight(dn));
+                dn ? kvb_decode_node_in_flight(dn) : kvb_prefill_node_in_flight(pn), drain_s);
+        while (g_stop == 1 && (dn ? kvb_decode_node_in_flight(dn) : kvb_prefill_node_in_flight(pn)) > 0 &&
+               kvb_now_s() - t0 < (double)drain_s)
+            usleep(50000);
+        const unsigned left = dn ? kvb_decode_node_in_flight(dn) : kvb_prefill_node_in_flight(pn);
+        if (left) kvb_log(KVB_LOG_WARN, "serve: stopping with %u request(s) unfinished", left);
     }
     kvb_prefill_node_stop(pn);
     kvb_decode_node_stop(dn);

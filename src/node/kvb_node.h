@@ -92,6 +92,12 @@ void kvb_prefill_node_last_staging(kvb_prefill_node *n, kvb_staging_stats *out);
  * node's whole share of a bridged request, without the link. Waits for any request in flight. */
 kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, uint64_t seed, bool with_bridge,
                                        double *seconds, kvb_err *err);
+/* A graceful stop's first half: a PREFILL that arrives from now on is refused with an ERROR
+ * saying the node is draining (its decoder computes that prompt itself); those already accepted
+ * (computing, or waiting for the engine) go on. kvb_prefill_node_in_flight says how many are
+ * left. Then kvb_prefill_node_stop. */
+void kvb_prefill_node_quiesce(kvb_prefill_node *n);
+unsigned kvb_prefill_node_in_flight(kvb_prefill_node *n);
 void kvb_prefill_node_stop(kvb_prefill_node *n);
 
 /* ---- decode node ------------------------------------------------------------------------------ */

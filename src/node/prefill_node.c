@@ -61,6 +61,8 @@ struct kvb_prefill_node {
     pthread_t accept_thread;
     bool accept_started;
     atomic_bool stop; /* read by the accept and connection threads */
+    atomic_bool draining;  /* kvb_prefill_node_quiesce: new PREFILLs are refused */
+    atomic_uint in_flight; /* PREFILLs accepted and not yet answered (computing, or waiting their turn) */
     pthread_mutex_t mu; /* conns list and the engine: one request at a time */
     kvb_conn *conns[MAX_CONNS];
     pthread_t conn_threads[MAX_CONNS];
@@ -314,7 +316,28 @@ static void send_error_all(kvb_conn *const *lanes, uint32_t n_lanes, uint64_t re
 }
 
 /* Serves one PREFILL that arrived on connection `slot`, over its lanes, one request at a time. */
+static void serve_prefill_accepted(kvb_prefill_node *n, int slot, kvb_msg_prefill *p);
+
 static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
+    atomic_fetch_add(&n->in_flight, 1);
+    if (atomic_load(&n->draining)) { /* stopping: the decoder computes this prompt itself */
+        pthread_mutex_lock(&n->mu);
+        char why[160];
+        kvb_conn *lanes[KVB_WIRE_MAX_LANES];
+        const uint32_t n_lanes = gather_lanes(n, slot, lanes, why, sizeof why);
+        if (n_lanes)
+            send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST,
+                           "this prefill node is draining (shutting down); compute natively");
+        else
+            kvb_conn_send_error(n->conns[slot], p->request_id, KVB_WIRE_ERR_REQUEST, why, 10000, NULL);
+        pthread_mutex_unlock(&n->mu);
+    } else {
+        serve_prefill_accepted(n, slot, p);
+    }
+    atomic_fetch_sub(&n->in_flight, 1);
+}
+
+static void serve_prefill_accepted(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
     kvb_err err = {0};
     const uint32_t bt = n->fmt.block_tokens;
     kvb_conn *lanes[KVB_WIRE_MAX_LANES];
@@ -744,6 +767,12 @@ static void poke_listener(kvb_prefill_node *n) {
     int fd = kvb_tcp_dial(host, port);
     if (fd >= 0) close(fd);
 }
+
+void kvb_prefill_node_quiesce(kvb_prefill_node *n) {
+    if (n) atomic_store(&n->draining, true);
+}
+
+unsigned kvb_prefill_node_in_flight(kvb_prefill_node *n) { return n ? atomic_load(&n->in_flight) : 0; }
 
 void kvb_prefill_node_stop(kvb_prefill_node *n) {
     if (!n) return;
