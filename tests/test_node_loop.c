@@ -1328,6 +1328,7 @@ static void test_prefill_node_drains(void **state) {
     pthread_join(tb, NULL);
     printf("drain: a '%s', b '%s'\n", a.r.verdict, b.r.verdict);
     assert_string_equal(a.r.verdict, "complete"); /* accepted before the drain: finished */
+    assert_non_null(strstr(b.r.verdict, "declined: peer refused: "));
     assert_non_null(strstr(b.r.verdict, "draining"));
     assert_int_equal(b.r.bridged, 0);
     assert_int_equal(kvb_prefill_node_in_flight(pn), 0);

@@ -871,6 +871,9 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
         if (got == blocks_total && (tail == 0 || tail_ok) && !o.fault_kind) {
             snprintf(verdict, sizeof verdict, "complete");
             kind = "complete";
+        } else if (got == 0 && !tail_ok && o.fault_kind && !strcmp(o.fault_kind, "peer_error")) {
+            /* the prefill node said no (draining, a prompt past its context, ...): nothing was bridged */
+            snprintf(verdict, sizeof verdict, "declined: %.110s", o.fault);
         } else {
             snprintf(verdict, sizeof verdict, "partial %u/%u: %.100s", got, blocks_total,
                      o.fault_kind ? o.fault : "blocks missing");
