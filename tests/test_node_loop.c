@@ -1306,22 +1306,29 @@ static void test_filler_rows_slab_path(void **state) {
     g_filler_peer = false;
 }
 
-/* A prefill node told to drain (kvb_prefill_node_quiesce, serve's first SIGTERM) finishes the
- * request it is computing (paused 2 s at its 3rd slab) and refuses the next one, which another
- * decode node then computes itself, with a verdict that says so and the native answer. */
+/* A decode node connects to a prefill node while that one computes a prompt (paused 2 s at its 3rd
+ * slab): the connection table is not the engine's lock. Told to drain then (kvb_prefill_node_quiesce,
+ * serve's first SIGTERM), the prefill node finishes that prompt and refuses the next one, which
+ * the new decode node then computes itself, with a verdict that says so and the native answer. */
 static void test_prefill_node_drains(void **state) {
     (void)state;
     kvb_prefill_node *pn = start_prefill(g_model, PSK, "pause:3x1");
     kvb_decode_node *da = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
-    kvb_decode_node *db = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
     kvb_decode_node *nat = start_decode(0, PSK, 10000);
     client_job a = {.port = kvb_decode_node_port(da), .n = 600, .max_tokens = 8},
-               b = {.port = kvb_decode_node_port(db), .n = 600, .max_tokens = 8};
+               b = {.n = 600, .max_tokens = 8};
     kvbt_prompt_ids(a.ids, a.n, 911);
     kvbt_prompt_ids(b.ids, b.n, 912);
     pthread_t ta, tb;
     assert_int_equal(pthread_create(&ta, NULL, client_main, &a), 0);
     while (kvb_prefill_node_in_flight(pn) == 0) usleep(1000); /* a's PREFILL is being served */
+    const double t_connect = kvb_now_s();
+    kvb_decode_node *db = start_decode(kvb_prefill_node_port(pn), PSK, 10000); /* connects, groups its lanes */
+    const double connect_s = kvb_now_s() - t_connect;
+    printf("a decode node connected in %.3f s while a prompt was in flight\n", connect_s);
+    assert_true(kvbt_metric(kvb_decode_node_port(db), "kvbridge_peer_up ") == 1);
+    assert_int_equal(kvb_prefill_node_in_flight(pn), 1); /* before a's prompt ended */
+    b.port = kvb_decode_node_port(db);
     kvb_prefill_node_quiesce(pn);
     assert_int_equal(pthread_create(&tb, NULL, client_main, &b), 0);
     pthread_join(ta, NULL);

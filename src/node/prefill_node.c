@@ -63,10 +63,15 @@ struct kvb_prefill_node {
     atomic_bool stop; /* read by the accept and connection threads */
     atomic_bool draining;  /* kvb_prefill_node_quiesce: new PREFILLs are refused */
     atomic_uint in_flight; /* PREFILLs accepted and not yet answered (computing, or waiting their turn) */
-    pthread_mutex_t mu; /* conns list and the engine: one request at a time */
+    pthread_mutex_t mu; /* the engine: one request at a time */
+    /* the connection table, guarded by conns_mu (taken before lanes_mu, never after it): a slot is
+     * used from its registration until the accept thread reaps it, which it does only once the
+     * slot's thread ended (conn_done) and no request holds it as a lane (conn_busy) */
+    pthread_mutex_t conns_mu;
     kvb_conn *conns[MAX_CONNS];
     pthread_t conn_threads[MAX_CONNS];
-    bool conn_used[MAX_CONNS];
+    bool conn_used[MAX_CONNS], conn_done[MAX_CONNS];
+    uint32_t conn_busy[MAX_CONNS]; /* requests (served or refused now) using the slot's connection */
     pthread_mutex_t lanes_mu;     /* the lane fields (a LANE frame may arrive while a request runs) */
     kvb_msg_lane lane[MAX_CONNS]; /* each connection's lane (group 0: it sent none) */
     atomic_uint slab_seq;         /* slabs sent for the request in flight, over all lanes (faults) */
@@ -288,10 +293,14 @@ static kvb_status prefill_on_cuda(kvb_prefill_node *n, const kvb_msg_prefill *p,
 #endif
 
 /* The lanes a PREFILL on connection `slot` is answered over: that connection, and when it is lane 0
- * of a group, the group's other lanes in order (out: (lanes) connections). 0 with a message when
- * the group is incomplete. Caller holds n->mu (no connection is reaped meanwhile). */
-static uint32_t gather_lanes(kvb_prefill_node *n, int slot, kvb_conn **out, char *why, size_t why_cap) {
+ * of a group, the group's other lanes in order (out: (lanes) connections, out_slots their table
+ * slots). 0 with a message when the group is incomplete. The lanes are held (conn_busy) until
+ * release_lanes, so none is reaped while the request uses it. */
+static uint32_t gather_lanes(kvb_prefill_node *n, int slot, kvb_conn **out, int *out_slots, char *why,
+                             size_t why_cap) {
+    pthread_mutex_lock(&n->conns_mu);
     out[0] = n->conns[slot];
+    out_slots[0] = slot;
     pthread_mutex_lock(&n->lanes_mu);
     const kvb_msg_lane me = n->lane[slot];
     uint32_t lanes = me.group && me.lane == 0 ? me.lanes : 1;
@@ -299,15 +308,25 @@ static uint32_t gather_lanes(kvb_prefill_node *n, int slot, kvb_conn **out, char
         out[l] = NULL;
         for (int i = 0; i < MAX_CONNS && !out[l]; i++)
             if (n->conn_used[i] && i != slot && n->lane[i].group == me.group && n->lane[i].lane == l &&
-                n->lane[i].lanes == lanes && kvb_conn_usable(n->conns[i]))
+                n->lane[i].lanes == lanes && kvb_conn_usable(n->conns[i])) {
                 out[l] = n->conns[i];
+                out_slots[l] = i;
+            }
         if (!out[l]) {
             snprintf(why, why_cap, "lane %u of the %u this connection's group has is not connected", l, lanes);
             lanes = 0;
         }
     }
     pthread_mutex_unlock(&n->lanes_mu);
+    for (uint32_t l = 0; l < lanes; l++) n->conn_busy[out_slots[l]]++;
+    pthread_mutex_unlock(&n->conns_mu);
     return lanes;
+}
+
+static void release_lanes(kvb_prefill_node *n, const int *slots, uint32_t n_lanes) {
+    pthread_mutex_lock(&n->conns_mu);
+    for (uint32_t l = 0; l < n_lanes; l++) n->conn_busy[slots[l]]--;
+    pthread_mutex_unlock(&n->conns_mu);
 }
 
 static void send_error_all(kvb_conn *const *lanes, uint32_t n_lanes, uint64_t request_id, uint32_t code,
@@ -315,57 +334,50 @@ static void send_error_all(kvb_conn *const *lanes, uint32_t n_lanes, uint64_t re
     for (uint32_t l = 0; l < n_lanes; l++) kvb_conn_send_error(lanes[l], request_id, code, msg, 10000, NULL);
 }
 
-/* Serves one PREFILL that arrived on connection `slot`, over its lanes, one request at a time. */
-static void serve_prefill_accepted(kvb_prefill_node *n, int slot, kvb_msg_prefill *p);
+/* Serves one PREFILL over its lanes; the caller holds the engine (n->mu). t0: its arrival. */
+static void serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *lanes, uint32_t n_lanes, kvb_msg_prefill *p,
+                                 double t0);
 
+/* One PREFILL that arrived on connection `slot`: refused at once while draining, else served when
+ * the engine is free (one request at a time). */
 static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
+    const double t0 = kvb_now_s();
     atomic_fetch_add(&n->in_flight, 1);
-    if (atomic_load(&n->draining)) { /* stopping: the decoder computes this prompt itself */
-        pthread_mutex_lock(&n->mu);
-        char why[160];
-        kvb_conn *lanes[KVB_WIRE_MAX_LANES];
-        const uint32_t n_lanes = gather_lanes(n, slot, lanes, why, sizeof why);
-        if (n_lanes)
-            send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST,
-                           "this prefill node is draining (shutting down); compute natively");
-        else
-            kvb_conn_send_error(n->conns[slot], p->request_id, KVB_WIRE_ERR_REQUEST, why, 10000, NULL);
-        pthread_mutex_unlock(&n->mu);
+    kvb_conn *lanes[KVB_WIRE_MAX_LANES];
+    int lane_slots[KVB_WIRE_MAX_LANES];
+    char why[160];
+    const uint32_t n_lanes = gather_lanes(n, slot, lanes, lane_slots, why, sizeof why);
+    if (!n_lanes) {
+        kvb_conn_send_error(n->conns[slot], p->request_id, KVB_WIRE_ERR_REQUEST, why, 10000, NULL);
+    } else if (atomic_load(&n->draining)) { /* stopping: the decoder computes this prompt itself */
+        send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST,
+                       "this prefill node is draining (shutting down); compute natively");
     } else {
-        serve_prefill_accepted(n, slot, p);
+        pthread_mutex_lock(&n->mu);
+        serve_prefill_locked(n, lanes, n_lanes, p, t0);
+        pthread_mutex_unlock(&n->mu);
     }
+    if (n_lanes) release_lanes(n, lane_slots, n_lanes);
     atomic_fetch_sub(&n->in_flight, 1);
 }
 
-static void serve_prefill_accepted(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
+static void serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *lanes, uint32_t n_lanes, kvb_msg_prefill *p,
+                                 double t0) {
     kvb_err err = {0};
     const uint32_t bt = n->fmt.block_tokens;
-    kvb_conn *lanes[KVB_WIRE_MAX_LANES];
-    char why[160];
-    double t0 = kvb_now_s();
-    pthread_mutex_lock(&n->mu);
-    const uint32_t n_lanes = gather_lanes(n, slot, lanes, why, sizeof why);
-    if (!n_lanes) {
-        kvb_conn_send_error(n->conns[slot], p->request_id, KVB_WIRE_ERR_REQUEST, why, 10000, NULL);
-        pthread_mutex_unlock(&n->mu);
-        return;
-    }
     if (p->bridge_mode != n->hello.bridge_mode) {
         send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_MODE, "this prefill node runs another bridge mode");
-        pthread_mutex_unlock(&n->mu);
         return;
     }
     if (kvb_msg_prefill_check(p, &n->fmt, &err) || p->n_tokens > n->cfg.max_ctx) {
         if (!err.msg[0]) snprintf(err.msg, sizeof err.msg, "prompt of %u tokens exceeds this node's limit of %u",
                                   p->n_tokens, n->cfg.max_ctx);
         send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST, err.msg);
-        pthread_mutex_unlock(&n->mu);
         return;
     }
     for (uint32_t i = 0; i < p->n_tokens; i++)
         if ((uint32_t)p->tokens[i] >= n->m->d.n_vocab) {
             send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST, "token id outside the vocabulary");
-            pthread_mutex_unlock(&n->mu);
             return;
         }
     kvb_seq *s = NULL;
@@ -418,13 +430,11 @@ static void serve_prefill_accepted(kvb_prefill_node *n, int slot, kvb_msg_prefil
     kvb_seq_free(s);
 
     if (link_failed) { /* the connection is unusable; the decoder keeps what it committed */
-        pthread_mutex_unlock(&n->mu);
         return;
     }
     if (st) {
         kvb_log(KVB_LOG_WARN, "prefill: request %llu failed: %s", (unsigned long long)p->request_id, err.msg);
         send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST, err.msg);
-        pthread_mutex_unlock(&n->mu);
         return;
     }
     uint32_t nb = (p->ship_tokens - p->cached_tokens) / bt;
@@ -447,7 +457,6 @@ static void serve_prefill_accepted(kvb_prefill_node *n, int slot, kvb_msg_prefil
             kvb_log(KVB_LOG_WARN, "prefill: sending DONE on lane %u failed: %s", l, err.msg);
     }
     kvb_trace_span("prefill.send_done", t_done, kvb_now_s(), n_lanes);
-    pthread_mutex_unlock(&n->mu);
 }
 
 typedef struct {
@@ -477,6 +486,9 @@ static void *conn_main(void *arg) {
         else if (m.type == KVB_FRAME_ERROR) kvb_log(KVB_LOG_WARN, "prefill: peer error: %s", m.u.error.msg);
         kvb_msg_free(&m);
     }
+    pthread_mutex_lock(&n->conns_mu);
+    n->conn_done[slot] = true; /* the accept thread may reap the slot once no request holds it */
+    pthread_mutex_unlock(&n->conns_mu);
     return NULL;
 }
 
@@ -492,19 +504,20 @@ static void *accept_main(void *arg) {
             if (!n->stop && !strstr(err.msg, "timed out")) kvb_log(KVB_LOG_WARN, "prefill: refused a peer: %s", err.msg);
             continue;
         }
-        pthread_mutex_lock(&n->mu);
+        /* the connection table only, not the engine: a decode node connects while a prompt computes */
+        pthread_mutex_lock(&n->conns_mu);
         int slot = -1;
         for (int i = 0; i < MAX_CONNS && slot < 0; i++)
             if (!n->conn_used[i]) slot = i;
-            else if (!kvb_conn_usable(n->conns[i])) { /* reap a finished connection */
+            else if (n->conn_done[i] && !n->conn_busy[i]) { /* reap a finished connection: its thread ended */
                 pthread_join(n->conn_threads[i], NULL);
                 kvb_conn_close(n->conns[i]);
-                n->conn_used[i] = false;
+                n->conn_used[i] = n->conn_done[i] = false;
                 slot = i;
             }
         conn_arg *ca = slot >= 0 ? malloc(sizeof *ca) : NULL;
         if (!ca) {
-            pthread_mutex_unlock(&n->mu);
+            pthread_mutex_unlock(&n->conns_mu);
             kvb_conn_send_error(c, 0, KVB_WIRE_ERR_REQUEST, "too many decode nodes connected", 1000, NULL);
             kvb_conn_close(c);
             continue;
@@ -519,7 +532,7 @@ static void *accept_main(void *arg) {
             free(ca);
             kvb_conn_close(c);
         }
-        pthread_mutex_unlock(&n->mu);
+        pthread_mutex_unlock(&n->conns_mu);
         kvb_log(KVB_LOG_INFO, "prefill: decode node '%s' connected", peer.name);
     }
     return NULL;
@@ -556,6 +569,7 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
     if (n->cfg.chunk_tokens > n->cfg.max_ctx) n->cfg.chunk_tokens = n->cfg.max_ctx;
     if (!n->cfg.ring_slots) n->cfg.ring_slots = 16;
     pthread_mutex_init(&n->mu, NULL);
+    pthread_mutex_init(&n->conns_mu, NULL);
     pthread_mutex_init(&n->lanes_mu, NULL);
     pthread_mutex_init(&n->crew_mu, NULL);
     pthread_cond_init(&n->crew_cv, NULL);
@@ -807,6 +821,7 @@ void kvb_prefill_node_stop(kvb_prefill_node *n) {
     kvb_bridge_cpu_free(n->br);
     kvb_model_free(n->m);
     pthread_mutex_destroy(&n->mu);
+    pthread_mutex_destroy(&n->conns_mu);
     pthread_mutex_destroy(&n->lanes_mu);
     pthread_mutex_destroy(&n->crew_mu);
     pthread_cond_destroy(&n->crew_cv);
