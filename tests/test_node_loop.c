@@ -1353,6 +1353,59 @@ static void test_prefill_node_drains(void **state) {
     kvb_prefill_node_stop(pn);
 }
 
+/* A prefill node's /health and /metrics (serve --role prefill --http): what it shipped equals what
+ * the decoder received, byte for byte; a refusal is counted as one; completions are 404s there;
+ * and draining shows as a 503 on /health. */
+static void test_prefill_node_ops(void **state) {
+    (void)state;
+    kvb_prefill_config c = {.listen = "127.0.0.1:0", .http_listen = "127.0.0.1:0", .model_path = g_model,
+                            .psk = PSK, .n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32,
+                            .max_ctx = 4096};
+    kvb_prefill_node *pn = NULL;
+    kvb_err err = {0};
+    if (kvb_prefill_node_start(&c, &pn, &err)) fail_msg("prefill node: %s", err.msg);
+    const uint16_t hp = kvb_prefill_node_http_port(pn);
+    assert_true(hp != 0);
+    kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
+    const uint16_t dp = kvb_decode_node_port(dn);
+    assert_true(kvbt_metric(hp, "kvbridge_prefill_connections ") == (g_lanes ? g_lanes : KVB_DEFAULT_LANES));
+    int32_t ids[700];
+    kvbt_prompt_ids(ids, 700, 1300);
+    kvbt_reply b;
+    kvbt_complete_ids(dp, ids, 700, &b);
+    assert_string_equal(b.verdict, "complete");
+    free(b.content);
+    assert_true(kvbt_metric(hp, "kvbridge_prefill_requests_total{outcome=\"served\"} ") == 1);
+    assert_true(kvbt_metric(hp, "kvbridge_prefill_tokens_total{kind=\"shipped\"} ") == b.bridged);
+    assert_true(kvbt_metric(hp, "kvbridge_prefill_tokens_total{kind=\"computed\"} ") == b.bridged);
+    assert_true(kvbt_metric(hp, "kvbridge_prefill_slab_bytes_total ") == kvbt_metric(dp, "kvbridge_slab_bytes_total "));
+    assert_true(kvbt_metric(hp, "kvbridge_prefill_slab_bytes_total ") == 699.0 * 2048.0); /* tiny: 2 KiB a token */
+    assert_true(kvbt_metric(hp, "kvbridge_prefill_request_seconds_count ") == 1);
+    assert_true(kvbt_metric(hp, "kvbridge_prefill_in_flight ") == 0);
+    char cmd[256], out[2048];
+    snprintf(cmd, sizeof cmd, "curl -s -w ' %%{http_code}' http://127.0.0.1:%u/health", hp);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 0), 0);
+    if (!strstr(out, "\"role\":\"prefill\"") || !strstr(out, "\"in_flight\":0") || !strstr(out, " 200"))
+        fail_msg("prefill /health: %s", out);
+    snprintf(cmd, sizeof cmd,
+             "curl -s -w ' %%{http_code}' -H 'Content-Type: application/json' -d '{\"model\":\"m\",\"prompt\":\"hi\"}' "
+             "http://127.0.0.1:%u/v1/completions", hp);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 0), 0);
+    if (!strstr(out, "not_a_decode_node") || !strstr(out, " 404")) fail_msg("prefill completions: %s", out);
+    kvb_prefill_node_quiesce(pn); /* draining: the next prompt is refused, and counted so */
+    kvbt_prompt_ids(ids, 700, 1301);
+    kvbt_complete_ids(dp, ids, 700, &b);
+    assert_non_null(strstr(b.verdict, "declined: peer refused: "));
+    free(b.content);
+    assert_true(kvbt_metric(hp, "kvbridge_prefill_requests_total{outcome=\"refused\"} ") == 1);
+    assert_true(kvbt_metric(hp, "kvbridge_prefill_draining ") == 1);
+    snprintf(cmd, sizeof cmd, "curl -s -w ' %%{http_code}' http://127.0.0.1:%u/health", hp);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 0), 0);
+    if (!strstr(out, "draining") || !strstr(out, " 503")) fail_msg("draining prefill /health: %s", out);
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+}
+
 static void test_openai_client_streams(void **state) {
     (void)state;
     const char *src = getenv("KVB_SOURCE_DIR");
@@ -1406,6 +1459,7 @@ int main(void) {
         cmocka_unit_test(test_bridged_blocks_are_evictable),
         cmocka_unit_test(test_filler_rows_slab_path),
         cmocka_unit_test(test_prefill_node_drains),
+        cmocka_unit_test(test_prefill_node_ops),
         cmocka_unit_test(test_openai_client_streams),
     };
     if (getenv("KVB_TEST_FILTER")) cmocka_set_test_filter(getenv("KVB_TEST_FILTER")); /* e.g. CI's TSan pass */

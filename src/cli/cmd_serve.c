@@ -18,7 +18,8 @@ static void help(FILE *f) {
             "         /v1/models, /health, /metrics) that bridges long prompts through the prefill node\n\n"
             "  -m, --model FILE     the decoder's GGUF (both roles load the same file)\n"
             "  --listen HOST:PORT   prefill: where decode nodes connect\n"
-            "  --http HOST:PORT     decode: the HTTP API address\n"
+            "  --http HOST:PORT     decode: the HTTP API address; prefill (optional): /health and /metrics for\n"
+            "                       probes and scrapers\n"
             "  --peer HOST:PORT     decode: the prefill node (omit to always compute natively)\n"
             "  --psk KEY            pre-shared key, >= 16 bytes (or env KVB_PSK); both nodes need the same\n"
             "  --api-key KEY        decode: /v1/* require 'Authorization: Bearer KEY' (clients: their OpenAI\n"
@@ -181,7 +182,7 @@ int kvb_cmd_serve(int argc, char **argv) {
     kvb_prefill_node *pn = NULL;
     kvb_decode_node *dn = NULL;
     if (prefill) {
-        kvb_prefill_config c = {.listen = listen, .model_path = model, .psk = psk, .n_threads = (int)threads,
+        kvb_prefill_config c = {.listen = listen, .http_listen = http, .model_path = model, .psk = psk, .n_threads = (int)threads,
                                 .cache_dtype = cache_type, .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
                                 .fault = fault, .prefill_mode = prefill_mode, .engine_cache_dtype = engine_type,
                                 .cuda = !strcmp(device, "cuda"), .chunk_tokens = (uint32_t)chunk,
@@ -194,6 +195,7 @@ int kvb_cmd_serve(int argc, char **argv) {
         printf("kvbridge prefill node: listening on port %u (model %s", kvb_prefill_node_port(pn), model);
         if (wu) printf("; GPU warmed up on %u tokens in %.2f s", wu, wu_s);
         if (filler) printf("; FILLER ROWS, bench only: only a decoder started for filler accepts this node");
+        if (kvb_prefill_node_http_port(pn)) printf("; /health and /metrics on port %u", kvb_prefill_node_http_port(pn));
         printf(")\n");
     } else {
         kvb_decode_config c = {.http_listen = http, .peer = peer, .model_path = model, .model_id = model_id,

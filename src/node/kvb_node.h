@@ -20,6 +20,7 @@
 
 typedef struct {
     const char *listen;        /* "HOST:PORT" (port 0 = ephemeral) */
+    const char *http_listen;   /* NULL, or "HOST:PORT" for /health and /metrics (probes, scrapers) */
     const char *model_path;    /* the decoder's GGUF: decoder mode needs its K/V weights */
     const char *psk;           /* pre-shared key, >= 16 bytes */
     const char *name;          /* node name in HELLO (default "prefill") */
@@ -97,6 +98,8 @@ kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, u
  * (computing, or waiting for the engine) go on. kvb_prefill_node_in_flight says how many are
  * left. Then kvb_prefill_node_stop. */
 void kvb_prefill_node_quiesce(kvb_prefill_node *n);
+/* The port of /health and /metrics (kvb_prefill_config.http_listen), 0 without. */
+uint16_t kvb_prefill_node_http_port(const kvb_prefill_node *n);
 unsigned kvb_prefill_node_in_flight(kvb_prefill_node *n);
 void kvb_prefill_node_stop(kvb_prefill_node *n);
 

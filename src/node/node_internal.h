@@ -137,6 +137,19 @@ void kvb_decode_batch_on_step(kvb_decode_batch *b, void (*fn)(void *ctx), void *
 void kvb_decode_batch_free(kvb_decode_batch *b);
 
 /* The decode side's receiving thread for one request (recv_pipe.c). */
+/* A prefill node's operations endpoint (prefill_ops.c): its metrics registry and families and,
+ * with an HTTP address, /health and /metrics (completion routes 404: clients talk to decode nodes). */
+typedef struct {
+    kvb_metrics *metrics;
+    kvb_http_server *http; /* NULL without an address */
+    kvb_metric *m_requests, *m_tokens, *m_bytes, *m_seconds, *m_in_flight, *m_conns, *m_draining;
+} kvb_prefill_ops;
+kvb_status kvb_prefill_ops_start(kvb_prefill_ops *o, const char *http_listen, const char *model_id,
+                                 void (*health)(void *ctx, cJSON *body), void *ctx, kvb_err *err);
+/* Draining: the gauge set, /health a 503 "draining" (the node still serves what it accepted). */
+void kvb_prefill_ops_quiesce(kvb_prefill_ops *o);
+void kvb_prefill_ops_stop(kvb_prefill_ops *o);
+
 typedef struct kvb_recv_pipe kvb_recv_pipe;
 kvb_status kvb_recv_pipe_start(kvb_conn *c, uint64_t request_id, int timeout_ms, kvb_recv_pipe **out, kvb_err *err);
 /* The oldest unreleased message (waits for it); a receive failure is returned with its error, and

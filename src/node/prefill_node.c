@@ -36,6 +36,7 @@ typedef struct {
     kvb_conn *c;
     uint64_t request_id;
     uint32_t slabs_sent; /* on this lane */
+    uint64_t bytes_sent; /* K and V bytes of those slabs */
     kvb_err err;
     bool failed;
 } sender_ctx;
@@ -63,6 +64,8 @@ struct kvb_prefill_node {
     atomic_bool stop; /* read by the accept and connection threads */
     atomic_bool draining;  /* kvb_prefill_node_quiesce: new PREFILLs are refused */
     atomic_uint in_flight; /* PREFILLs accepted and not yet answered (computing, or waiting their turn) */
+    kvb_prefill_ops ops;   /* metrics, and /health and /metrics with cfg.http_listen */
+    atomic_uint n_conns;   /* connection threads running */
     pthread_mutex_t mu; /* the engine: one request at a time */
     /* the connection table, guarded by conns_mu (taken before lanes_mu, never after it): a slot is
      * used from its registration until the accept thread reaps it, which it does only once the
@@ -144,6 +147,7 @@ static void send_lane(sender_ctx *sc) {
             kvb_ring_fail(&n->ring);
             break;
         }
+        sc->bytes_sent += s.k_bytes + s.v_bytes;
         kvb_trace_span("prefill.send_slab", t_got, kvb_now_s(), s.layer); /* checksum and send */
         kvb_ring_done(&n->ring, slot);
     }
@@ -186,6 +190,7 @@ static kvb_status senders_start(kvb_prefill_node *n, kvb_conn *const *lanes, uin
         sc->c = lanes[l];
         sc->request_id = request_id;
         sc->slabs_sent = 0;
+        sc->bytes_sent = 0;
         sc->failed = false;
         memset(&sc->err, 0, sizeof sc->err);
         sc->busy = true;
@@ -272,7 +277,7 @@ static kvb_status cuda_rows_sent(void *ctx, uint64_t ticket, kvb_err *err) {
 
 /* Prefills tokens[0 .. p->ship_tokens) on the GPU, adopting this node's cached prefix up to the
  * decoder's; slabs leave through the hook and the ring. */
-static kvb_status prefill_on_cuda(kvb_prefill_node *n, const kvb_msg_prefill *p, kvb_err *err) {
+static kvb_status prefill_on_cuda(kvb_prefill_node *n, const kvb_msg_prefill *p, uint32_t *computed, kvb_err *err) {
     kvb_cuda_seq *s = NULL;
     uint32_t adopted = 0;
     const double t0 = kvb_now_s();
@@ -280,8 +285,10 @@ static kvb_status prefill_on_cuda(kvb_prefill_node *n, const kvb_msg_prefill *p,
     if (!st) st = kvb_cuda_seq_attach_cached(s, p->tokens, p->cached_tokens + 1, &adopted, err);
     const double t1 = kvb_now_s();
     kvb_trace_span("prefill.cuda_attach", t0, t1, adopted);
-    if (!st && p->ship_tokens > adopted)
+    if (!st && p->ship_tokens > adopted) {
         st = kvb_cuda_forward(n->ce, s, p->tokens + adopted, p->ship_tokens - adopted, NULL, false, err);
+        if (!st) *computed = p->ship_tokens - adopted;
+    }
     const double t2 = kvb_now_s();
     kvb_trace_span("prefill.cuda_forward", t1, t2, p->ship_tokens - adopted);
     if (!st) st = kvb_bridge_cuda_flush(n->bc, err);
@@ -335,14 +342,15 @@ static void send_error_all(kvb_conn *const *lanes, uint32_t n_lanes, uint64_t re
 }
 
 /* Serves one PREFILL over its lanes; the caller holds the engine (n->mu). t0: its arrival. */
-static void serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *lanes, uint32_t n_lanes, kvb_msg_prefill *p,
-                                 double t0);
+static const char *serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *lanes, uint32_t n_lanes,
+                                        kvb_msg_prefill *p, double t0);
 
 /* One PREFILL that arrived on connection `slot`: refused at once while draining, else served when
  * the engine is free (one request at a time). */
 static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
     const double t0 = kvb_now_s();
-    atomic_fetch_add(&n->in_flight, 1);
+    kvb_metric_set(n->ops.m_in_flight, NULL, atomic_fetch_add(&n->in_flight, 1) + 1.0);
+    const char *outcome = "refused";
     kvb_conn *lanes[KVB_WIRE_MAX_LANES];
     int lane_slots[KVB_WIRE_MAX_LANES];
     char why[160];
@@ -354,34 +362,36 @@ static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
                        "this prefill node is draining (shutting down); compute natively");
     } else {
         pthread_mutex_lock(&n->mu);
-        serve_prefill_locked(n, lanes, n_lanes, p, t0);
+        outcome = serve_prefill_locked(n, lanes, n_lanes, p, t0);
         pthread_mutex_unlock(&n->mu);
     }
     if (n_lanes) release_lanes(n, lane_slots, n_lanes);
-    atomic_fetch_sub(&n->in_flight, 1);
+    kvb_metric_add(n->ops.m_requests, KVB_LABELS(outcome), 1);
+    kvb_metric_set(n->ops.m_in_flight, NULL, atomic_fetch_sub(&n->in_flight, 1) - 1.0);
 }
 
-static void serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *lanes, uint32_t n_lanes, kvb_msg_prefill *p,
-                                 double t0) {
+/* Returns the outcome for kvbridge_prefill_requests_total: "served", "refused" or "failed". */
+static const char *serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *lanes, uint32_t n_lanes,
+                                        kvb_msg_prefill *p, double t0) {
     kvb_err err = {0};
     const uint32_t bt = n->fmt.block_tokens;
     if (p->bridge_mode != n->hello.bridge_mode) {
         send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_MODE, "this prefill node runs another bridge mode");
-        return;
+        return "refused";
     }
     if (kvb_msg_prefill_check(p, &n->fmt, &err) || p->n_tokens > n->cfg.max_ctx) {
         if (!err.msg[0]) snprintf(err.msg, sizeof err.msg, "prompt of %u tokens exceeds this node's limit of %u",
                                   p->n_tokens, n->cfg.max_ctx);
         send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST, err.msg);
-        return;
+        return "refused";
     }
     for (uint32_t i = 0; i < p->n_tokens; i++)
         if ((uint32_t)p->tokens[i] >= n->m->d.n_vocab) {
             send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST, "token id outside the vocabulary");
-            return;
+            return "refused";
         }
     kvb_seq *s = NULL;
-    uint32_t adopted = 0;
+    uint32_t adopted = 0, computed = 0; /* computed: prompt tokens this node's engine ran */
     kvb_status st = KVB_OK;
     /* adopt our own cached prefix, but never past the decoder's: we need the attention inputs of
      * every position we ship, so those are recomputed */
@@ -406,8 +416,9 @@ static void serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *lanes, ui
         st = ship_filler_rows(n, &err);
     else if (!st && n->e && p->ship_tokens > adopted)
         st = kvb_engine_forward(n->e, s, p->tokens + adopted, p->ship_tokens - adopted, NULL, false, &err);
+    if (!st && n->e && !n->cfg.bench_filler_rows && p->ship_tokens > adopted) computed = p->ship_tokens - adopted;
 #ifdef KVB_HAVE_CUDA
-    if (!st && n->ce && !n->cfg.bench_filler_rows) st = prefill_on_cuda(n, p, &err);
+    if (!st && n->ce && !n->cfg.bench_filler_rows) st = prefill_on_cuda(n, p, &computed, &err);
 #endif
     kvb_ring_close(&n->ring);
     if (st) kvb_ring_fail(&n->ring); /* what was staged is not sent: the request failed */
@@ -429,13 +440,15 @@ static void serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *lanes, ui
                                           .checksums_by_producer = n->ring.hashed_by_producer};
     kvb_seq_free(s);
 
-    if (link_failed) { /* the connection is unusable; the decoder keeps what it committed */
-        return;
-    }
+    uint64_t bytes = 0;
+    for (uint32_t l = 0; l < n_lanes; l++) bytes += sc[l].bytes_sent;
+    kvb_metric_add(n->ops.m_bytes, NULL, (double)bytes);
+    if (link_failed) /* the connection is unusable; the decoder keeps what it committed */
+        return "failed";
     if (st) {
         kvb_log(KVB_LOG_WARN, "prefill: request %llu failed: %s", (unsigned long long)p->request_id, err.msg);
         send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST, err.msg);
-        return;
+        return "failed";
     }
     uint32_t nb = (p->ship_tokens - p->cached_tokens) / bt;
     uint64_t *keys = malloc(sizeof(uint64_t) * (nb ? nb : 1));
@@ -457,6 +470,10 @@ static void serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *lanes, ui
             kvb_log(KVB_LOG_WARN, "prefill: sending DONE on lane %u failed: %s", l, err.msg);
     }
     kvb_trace_span("prefill.send_done", t_done, kvb_now_s(), n_lanes);
+    kvb_metric_add(n->ops.m_tokens, KVB_LABELS("shipped"), (double)(p->ship_tokens - p->cached_tokens));
+    kvb_metric_add(n->ops.m_tokens, KVB_LABELS("computed"), (double)computed);
+    kvb_metric_observe(n->ops.m_seconds, NULL, kvb_now_s() - t0);
+    return "served";
 }
 
 typedef struct {
@@ -489,6 +506,7 @@ static void *conn_main(void *arg) {
     pthread_mutex_lock(&n->conns_mu);
     n->conn_done[slot] = true; /* the accept thread may reap the slot once no request holds it */
     pthread_mutex_unlock(&n->conns_mu);
+    kvb_metric_set(n->ops.m_conns, NULL, atomic_fetch_sub(&n->n_conns, 1) - 1.0);
     return NULL;
 }
 
@@ -527,11 +545,14 @@ static void *accept_main(void *arg) {
         pthread_mutex_lock(&n->lanes_mu);
         n->lane[slot] = (kvb_msg_lane){0}; /* a group of one until it says otherwise */
         pthread_mutex_unlock(&n->lanes_mu);
+        atomic_fetch_add(&n->n_conns, 1); /* before the thread, whose end takes it back */
         n->conn_used[slot] = pthread_create(&n->conn_threads[slot], NULL, conn_main, ca) == 0;
         if (!n->conn_used[slot]) {
+            atomic_fetch_sub(&n->n_conns, 1);
             free(ca);
             kvb_conn_close(c);
         }
+        kvb_metric_set(n->ops.m_conns, NULL, (double)atomic_load(&n->n_conns));
         pthread_mutex_unlock(&n->conns_mu);
         kvb_log(KVB_LOG_INFO, "prefill: decode node '%s' connected", peer.name);
     }
@@ -555,6 +576,14 @@ static kvb_status parse_fault(kvb_prefill_node *n, const char *f, kvb_err *err) 
         }
     return kvb_err_set(err, KVB_ERR_INVALID, "fault '%s' is not corrupt:N, die:N, stall:N or pause:N (N >= 1), or one of them "
                                              "with xK (the first K requests only)", f);
+}
+
+/* /health with --http: {"status": "ok" (503 "draining" once quiesced), "role": "prefill", ...}. */
+static void prefill_health(void *ctx, cJSON *body) {
+    kvb_prefill_node *n = ctx;
+    cJSON_AddStringToObject(body, "role", "prefill");
+    cJSON_AddNumberToObject(body, "in_flight", atomic_load(&n->in_flight));
+    cJSON_AddNumberToObject(body, "connections", atomic_load(&n->n_conns));
 }
 
 kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_node **out, kvb_err *err) {
@@ -660,6 +689,8 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
             n->warmup_s = s1 + s2;
         }
     }
+    if (!st) st = kvb_prefill_ops_start(&n->ops, cfg->http_listen, cfg->name ? cfg->name : "prefill", prefill_health, n,
+                                        err);
     if (!st) st = kvb_transport_listen(cfg->listen, NULL, &n->l, err);
     if (!st) {
         n->accept_started = pthread_create(&n->accept_thread, NULL, accept_main, n) == 0;
@@ -783,7 +814,13 @@ static void poke_listener(kvb_prefill_node *n) {
 }
 
 void kvb_prefill_node_quiesce(kvb_prefill_node *n) {
-    if (n) atomic_store(&n->draining, true);
+    if (!n) return;
+    atomic_store(&n->draining, true);
+    kvb_prefill_ops_quiesce(&n->ops);
+}
+
+uint16_t kvb_prefill_node_http_port(const kvb_prefill_node *n) {
+    return n && n->ops.http ? kvb_http_server_port(n->ops.http) : 0;
 }
 
 unsigned kvb_prefill_node_in_flight(kvb_prefill_node *n) { return n ? atomic_load(&n->in_flight) : 0; }
@@ -820,6 +857,7 @@ void kvb_prefill_node_stop(kvb_prefill_node *n) {
 #endif
     kvb_bridge_cpu_free(n->br);
     kvb_model_free(n->m);
+    kvb_prefill_ops_stop(&n->ops);
     pthread_mutex_destroy(&n->mu);
     pthread_mutex_destroy(&n->conns_mu);
     pthread_mutex_destroy(&n->lanes_mu);
