@@ -1137,24 +1137,30 @@ static void test_choices_are_single_requests(void **state) {
 }
 
 /* The completion of ids (greedy) with extra fields: its text's length in tokens and finish reason. */
-static void complete_with(uint16_t port, const int32_t *ids, int n, const char *extra, int *tokens, char *finish,
-                          size_t cap) {
+static void complete_with_text(uint16_t port, const int32_t *ids, int n, const char *extra, int *tokens, char *finish,
+                               size_t cap, char *text, size_t text_cap) {
     char *body = kvbt_completion_json(ids, n, 12, false);
     const size_t len = strlen(body) + strlen(extra) + 8;
     char *req = malloc(len);
     snprintf(req, len, "%.*s,%s}", (int)strlen(body) - 1, body, extra);
     cJSON *r = post_node(port, "/v1/completions", req, 200);
     *tokens = (int)cJSON_GetObjectItem(cJSON_GetObjectItem(r, "usage"), "completion_tokens")->valuedouble;
-    snprintf(finish, cap, "%s", cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(r, "choices"), 0),
-                                                    "finish_reason")->valuestring);
+    const cJSON *choice = cJSON_GetArrayItem(cJSON_GetObjectItem(r, "choices"), 0);
+    snprintf(finish, cap, "%s", cJSON_GetObjectItem(choice, "finish_reason")->valuestring);
+    if (text) snprintf(text, text_cap, "%s", cJSON_GetObjectItem(choice, "text")->valuestring);
     cJSON_Delete(r);
     free(req);
     free(body);
 }
 
+static void complete_with(uint16_t port, const int32_t *ids, int n, const char *extra, int *tokens, char *finish,
+                          size_t cap) {
+    complete_with_text(port, ids, n, extra, tokens, finish, cap, NULL, 0);
+}
+
 /* vLLM's min_tokens and stop_token_ids: a reply the bias ends at once (its end-of-generation token,
- * or a stop token id) runs min_tokens tokens first when asked; an id outside the vocabulary is a
- * 400. */
+ * a stop token id, or a stop string) runs min_tokens tokens first when asked; an id outside the
+ * vocabulary is a 400. */
 static void test_min_tokens_and_stop_ids(void **state) {
     (void)state;
     kvb_model *m = NULL;
@@ -1191,6 +1197,23 @@ static void test_min_tokens_and_stop_ids(void **state) {
     complete_with(dp, ids, 40, "\"logit_bias\":{\"70\":100}", &got, finish, sizeof finish);
     assert_int_equal(got, 12); /* without the stop id: to max_tokens */
     assert_string_equal(finish, "length");
+    /* a stop string: "aa" ends a reply of a's at once, but only once min_tokens tokens are out */
+    cJSON *tk = post_node(dp, "/tokenize", "{\"prompt\":\"a\",\"add_special_tokens\":false}", 200);
+    const cJSON *tks = cJSON_GetObjectItem(tk, "tokens");
+    assert_int_equal(cJSON_GetArraySize(tks), 1);
+    const int a_id = (int)cJSON_GetArrayItem(tks, 0)->valuedouble;
+    cJSON_Delete(tk);
+    char text[64];
+    snprintf(extra, sizeof extra, "\"logit_bias\":{\"%d\":100},\"stop\":[\"aa\"]", a_id);
+    complete_with_text(dp, ids, 40, extra, &got, finish, sizeof finish, text, sizeof text);
+    assert_int_equal(got, 2);
+    assert_string_equal(text, "");
+    assert_string_equal(finish, "stop");
+    snprintf(extra, sizeof extra, "\"logit_bias\":{\"%d\":100},\"stop\":[\"aa\"],\"min_tokens\":5", a_id);
+    complete_with_text(dp, ids, 40, extra, &got, finish, sizeof finish, text, sizeof text);
+    assert_int_equal(got, 5); /* the "aa" of tokens 1-4 did not count: the one ending at token 5 did */
+    assert_string_equal(text, "aaa");
+    assert_string_equal(finish, "stop");
     cJSON *bad = post_node(dp, "/v1/completions", "{\"model\":\"m\",\"prompt\":[5,6],\"stop_token_ids\":[99999999]}", 400);
     assert_string_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(bad, "error"), "param")->valuestring, "stop_token_ids");
     cJSON_Delete(bad);

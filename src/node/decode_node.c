@@ -565,7 +565,10 @@ static int prompt_tokens(kvb_decode_node *n, const kvb_completion_req *req, int3
     return st ? 400 : 0;
 }
 
-/* Streams text while holding back anything that could still become a stop string. */
+/* Streams text while holding back anything that could still become a stop string. With match
+ * false (the reply is still short of min_tokens, as vLLM reads it) stop strings are not looked
+ * for: what is emitted then stays, and only a stop string that ends once the reply has min_tokens
+ * tokens ends it. */
 typedef struct {
     char *buf;
     size_t len, cap, emitted;
@@ -573,7 +576,7 @@ typedef struct {
 } stop_filter;
 
 static kvb_status emit_filtered(kvb_completion_out *out, stop_filter *f, const kvb_completion_req *req, const char *piece,
-                                bool flush) {
+                                bool match, bool flush) {
     size_t k = strlen(piece);
     if (f->len + k + 1 > f->cap) {
         size_t cap = (f->len + k + 1) * 2;
@@ -585,7 +588,7 @@ static kvb_status emit_filtered(kvb_completion_out *out, stop_filter *f, const k
     memcpy(f->buf + f->len, piece, k + 1);
     f->len += k;
     size_t safe = f->len;
-    for (size_t s = 0; s < req->n_stop; s++) {
+    for (size_t s = 0; match && s < req->n_stop; s++) {
         const char *hit = strstr(f->buf + f->emitted, req->stop[s]);
         if (hit && (size_t)(hit - f->buf) < safe) {
             safe = (size_t)(hit - f->buf);
@@ -687,7 +690,7 @@ static kvb_status decode_choice(kvb_decode_node *n, const kvb_completion_req *re
             break;
         }
         kvb_detok_push(&dt, id, piece, sizeof piece);
-        if (emit_filtered(out, &sf, req, piece, false)) { /* client gone */
+        if (emit_filtered(out, &sf, req, piece, i + 1 >= req->min_tokens, false)) { /* client gone */
             *gone = true;
             break;
         }
@@ -706,7 +709,7 @@ static kvb_status decode_choice(kvb_decode_node *n, const kvb_completion_req *re
     kvb_decode_batch_leave(n->batch);
     if (!sf.stopped && !*gone) {
         kvb_detok_flush(&dt, piece, sizeof piece);
-        emit_filtered(out, &sf, req, piece, true);
+        emit_filtered(out, &sf, req, piece, true, true); /* the reply is over: min_tokens was reached or max_new */
     }
     kvb_sampler_free(&smp);
     free(sf.buf);
