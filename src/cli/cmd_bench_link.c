@@ -91,12 +91,20 @@ static bool raw_recv_acked(int fd, char *buf, size_t cap, uint64_t bytes) {
     return got == bytes && send_all(fd, "k", 1);
 }
 
-/* Stream i's share when `bytes` are split over `streams` connections (the first ones carry the
- * remainder, a byte each). */
 /* A round's header is {bytes for this stream, streams}; this bit in the second word says the round
  * is raw TCP only (kvb_bench_raw_remote_gbs: the server then expects no framed leg). */
 #define RAW_ONLY (1ull << 32)
 
+/* `piece` bytes of filler to send (malloc'd; NULL when out of memory). */
+static uint8_t *filler_piece(size_t piece) {
+    uint8_t *data = malloc(piece);
+    if (data)
+        for (size_t i = 0; i < piece; i++) data[i] = (uint8_t)(i * 131 + 7);
+    return data;
+}
+
+/* Stream i's share when `bytes` are split over `streams` connections (the first ones carry the
+ * remainder, a byte each). */
 static uint64_t stream_share(uint64_t bytes, uint32_t streams, uint32_t i) {
     return bytes / streams + (i < bytes % streams ? 1 : 0);
 }
@@ -245,12 +253,9 @@ double kvb_bench_raw_loopback_gbs(uint64_t bytes, size_t piece, uint32_t streams
     struct sockaddr_storage sa;
     socklen_t sl = sizeof sa;
     char port[16];
-    uint8_t *data = malloc(piece);
+    uint8_t *data = filler_piece(piece);
     bool ok = lfd >= 0 && data && getsockname(lfd, (struct sockaddr *)&sa, &sl) == 0;
-    if (ok) {
-        snprintf(port, sizeof port, "%u", ntohs(((struct sockaddr_in *)&sa)->sin_port));
-        for (size_t i = 0; i < piece; i++) data[i] = (uint8_t)(i * 131 + 7);
-    }
+    if (ok) snprintf(port, sizeof port, "%u", ntohs(((struct sockaddr_in *)&sa)->sin_port));
     /* one connection at a time, so the socket accepted is the one just dialed: each receiver
      * knows its sender's share */
     for (uint32_t i = 0; ok && i < streams; i++) {
@@ -431,9 +436,8 @@ double kvb_bench_raw_remote_gbs(const char *addr, uint64_t bytes, size_t piece, 
     long p = split_addr(addr, host, sizeof host);
     if (p <= 0 || p > 65534 || streams < 1 || streams > KVB_MAX_LANES || piece == 0) return 0;
     snprintf(port, sizeof port, "%ld", p);
-    uint8_t *data = malloc(piece);
+    uint8_t *data = filler_piece(piece);
     if (!data) return 0;
-    for (size_t i = 0; i < piece; i++) data[i] = (uint8_t)(i * 131 + 7);
     double gbs = 0;
     kvb_err err = {0};
     if (!raw_leg(host, port, data, piece, bytes, streams, true, &gbs, &err)) {
@@ -453,9 +457,8 @@ static int measure(const char *addr, const char *psk, uint64_t bytes, size_t sla
     }
     snprintf(port, sizeof port, "%ld", p);
     snprintf(tport, sizeof tport, "%s:%ld", host, p + 1);
-    uint8_t *data = malloc(slab);
+    uint8_t *data = filler_piece(slab);
     if (!data) return 1;
-    for (size_t i = 0; i < slab; i++) data[i] = (uint8_t)(i * 131 + 7);
     kvb_hello me;
     kvb_err err = {0};
     kvb_transport_config cfg = {.psk = (const uint8_t *)psk, .psk_len = strlen(psk)};

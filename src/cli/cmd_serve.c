@@ -74,6 +74,11 @@ static void help(FILE *f) {
             "  --verbose            also log every other request (probes, scrapes) and the HTTP library's notes\n");
 }
 
+/* Requests the node in this process has in flight (the role it runs). */
+static unsigned in_flight(kvb_decode_node *dn, kvb_prefill_node *pn) {
+    return dn ? kvb_decode_node_in_flight(dn) : kvb_prefill_node_in_flight(pn);
+}
+
 static volatile sig_atomic_t g_stop; /* signals received: the first drains, the second stops */
 static void on_signal(int sig) {
     (void)sig;
@@ -218,12 +223,9 @@ int kvb_cmd_serve(int argc, char **argv) {
         if (pn) kvb_prefill_node_quiesce(pn);
         const double t0 = kvb_now_s();
         kvb_log(KVB_LOG_WARN, "serve: draining %u request(s), up to %lld s (signal again to stop at once)",
-                dn ? kvb_decode_node_in_flight(dn) : kvb_prefill_node_in_flight(pn), drain_s);
-        while (g_stop == 1 && (dn ? kvb_decode_node_in_flight(dn) : kvb_prefill_node_in_flight(pn)) > 0 &&
-               kvb_now_s() - t0 < (double)drain_s)
-            usleep(50000);
-        const unsigned left = dn ? kvb_decode_node_in_flight(dn) : kvb_prefill_node_in_flight(pn);
-        if (left) kvb_log(KVB_LOG_WARN, "serve: stopping with %u request(s) unfinished", left);
+                in_flight(dn, pn), drain_s);
+        while (g_stop == 1 && in_flight(dn, pn) > 0 && kvb_now_s() - t0 < (double)drain_s) usleep(50000);
+        if (in_flight(dn, pn)) kvb_log(KVB_LOG_WARN, "serve: stopping with %u request(s) unfinished", in_flight(dn, pn));
     }
     kvb_prefill_node_stop(pn);
     kvb_decode_node_stop(dn);

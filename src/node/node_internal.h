@@ -29,8 +29,8 @@ typedef struct {
     uint8_t *hash;   /* (view_slots) RING_HASH_*: who computes the slab's checksum (kvb_ring_wait_sent) */
     uint32_t head, tail, count, peak; /* count: filled slots not yet freed, oldest at head; peak: of copies */
     uint64_t pushed, freed;           /* slots pushed and freed since the last reset (kvb_ring_mark) */
-    uint64_t wait_mark;               /* the producer waits until freed reaches it (kvb_ring_wait_sent_to) */
-    bool waits_all;                   /* ... and is waiting now: only a freed slot that reaches it wakes it */
+    uint64_t wait_mark;               /* nonzero while the producer waits for freed to reach it
+                                         (kvb_ring_wait_sent_to): only a freed slot that does wakes it */
     uint32_t next_take, untaken;      /* the oldest filled slot no sender took yet; how many */
     bool closed, failed, inited;
     double full_s, empty_s; /* since the last reset: the producer blocked on a full ring (the link or

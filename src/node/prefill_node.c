@@ -65,7 +65,6 @@ struct kvb_prefill_node {
     atomic_bool draining;  /* kvb_prefill_node_quiesce: new PREFILLs are refused */
     atomic_uint in_flight; /* PREFILLs accepted and not yet answered (computing, or waiting their turn) */
     kvb_prefill_ops ops;   /* metrics, and /health and /metrics with cfg.http_listen */
-    atomic_uint n_conns;   /* connection threads running */
     pthread_mutex_t mu; /* the engine: one request at a time */
     /* the connection table, guarded by conns_mu (taken before lanes_mu, never after it): a slot is
      * used from its registration until the accept thread reaps it, which it does only once the
@@ -330,6 +329,20 @@ static uint32_t gather_lanes(kvb_prefill_node *n, int slot, kvb_conn **out, int 
     return lanes;
 }
 
+/* Connections from decode nodes whose threads still run. Caller holds conns_mu. */
+static uint32_t conns_open_locked(const kvb_prefill_node *n) {
+    uint32_t k = 0;
+    for (int i = 0; i < MAX_CONNS; i++) k += n->conn_used[i] && !n->conn_done[i];
+    return k;
+}
+
+static uint32_t conns_open(kvb_prefill_node *n) {
+    pthread_mutex_lock(&n->conns_mu);
+    const uint32_t k = conns_open_locked(n);
+    pthread_mutex_unlock(&n->conns_mu);
+    return k;
+}
+
 static void release_lanes(kvb_prefill_node *n, const int *slots, uint32_t n_lanes) {
     pthread_mutex_lock(&n->conns_mu);
     for (uint32_t l = 0; l < n_lanes; l++) n->conn_busy[slots[l]]--;
@@ -414,9 +427,10 @@ static const char *serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *la
     kvb_trace_span("prefill.senders_start", t_checked, kvb_now_s(), n_lanes);
     if (!st && n->cfg.bench_filler_rows)
         st = ship_filler_rows(n, &err);
-    else if (!st && n->e && p->ship_tokens > adopted)
+    else if (!st && n->e && p->ship_tokens > adopted) {
         st = kvb_engine_forward(n->e, s, p->tokens + adopted, p->ship_tokens - adopted, NULL, false, &err);
-    if (!st && n->e && !n->cfg.bench_filler_rows && p->ship_tokens > adopted) computed = p->ship_tokens - adopted;
+        if (!st) computed = p->ship_tokens - adopted;
+    }
 #ifdef KVB_HAVE_CUDA
     if (!st && n->ce && !n->cfg.bench_filler_rows) st = prefill_on_cuda(n, p, &computed, &err);
 #endif
@@ -505,8 +519,8 @@ static void *conn_main(void *arg) {
     }
     pthread_mutex_lock(&n->conns_mu);
     n->conn_done[slot] = true; /* the accept thread may reap the slot once no request holds it */
+    kvb_metric_set(n->ops.m_conns, NULL, conns_open_locked(n));
     pthread_mutex_unlock(&n->conns_mu);
-    kvb_metric_set(n->ops.m_conns, NULL, atomic_fetch_sub(&n->n_conns, 1) - 1.0);
     return NULL;
 }
 
@@ -545,14 +559,12 @@ static void *accept_main(void *arg) {
         pthread_mutex_lock(&n->lanes_mu);
         n->lane[slot] = (kvb_msg_lane){0}; /* a group of one until it says otherwise */
         pthread_mutex_unlock(&n->lanes_mu);
-        atomic_fetch_add(&n->n_conns, 1); /* before the thread, whose end takes it back */
         n->conn_used[slot] = pthread_create(&n->conn_threads[slot], NULL, conn_main, ca) == 0;
         if (!n->conn_used[slot]) {
-            atomic_fetch_sub(&n->n_conns, 1);
             free(ca);
             kvb_conn_close(c);
         }
-        kvb_metric_set(n->ops.m_conns, NULL, (double)atomic_load(&n->n_conns));
+        kvb_metric_set(n->ops.m_conns, NULL, conns_open_locked(n));
         pthread_mutex_unlock(&n->conns_mu);
         kvb_log(KVB_LOG_INFO, "prefill: decode node '%s' connected", peer.name);
     }
@@ -583,7 +595,7 @@ static void prefill_health(void *ctx, cJSON *body) {
     kvb_prefill_node *n = ctx;
     cJSON_AddStringToObject(body, "role", "prefill");
     cJSON_AddNumberToObject(body, "in_flight", atomic_load(&n->in_flight));
-    cJSON_AddNumberToObject(body, "connections", atomic_load(&n->n_conns));
+    cJSON_AddNumberToObject(body, "connections", conns_open(n));
 }
 
 kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_node **out, kvb_err *err) {

@@ -61,7 +61,7 @@ void kvb_ring_reset(kvb_ring *r, bool views) {
     r->cap = views ? r->view_slots : r->n_slots;
     memset(r->sent, 0, r->view_slots * sizeof *r->sent);
     memset(r->hash, RING_HASH_NONE, r->view_slots * sizeof *r->hash);
-    r->closed = r->failed = r->waits_all = false;
+    r->closed = r->failed = false;
     r->pushed = r->freed = r->wait_mark = 0;
     r->full_s = r->empty_s = 0;
     r->hashed_by_producer = r->hash_waiters = 0;
@@ -162,10 +162,9 @@ kvb_status kvb_ring_wait_sent_to(kvb_ring *r, uint64_t mark, kvb_err *err) {
             continue;
         }
         const double t0 = kvb_now_s(); /* nothing left to hash: idle until the slabs before mark are sent */
-        r->waits_all = true;
-        r->wait_mark = mark;
+        r->wait_mark = mark; /* > freed >= 0 */
         while (r->freed < mark && !r->failed) pthread_cond_wait(&r->cv_freed, &r->mu);
-        r->waits_all = false;
+        r->wait_mark = 0;
         r->full_s += kvb_now_s() - t0;
     }
     const bool failed = r->failed;
@@ -208,7 +207,7 @@ void kvb_ring_done(kvb_ring *r, uint32_t slot) {
         r->freed++;
         freed = true;
     }
-    if (freed && (!r->waits_all || r->freed >= r->wait_mark)) pthread_cond_signal(&r->cv_freed); /* the producer can go on */
+    if (freed && r->freed >= r->wait_mark) pthread_cond_signal(&r->cv_freed); /* the producer can go on */
     pthread_mutex_unlock(&r->mu);
 }
 
