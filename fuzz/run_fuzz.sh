@@ -1,11 +1,14 @@
-#!/bin/sh
+#!/usr/bin/env bash
 # fuzz/run_fuzz.sh BUILD_DIR SECONDS — configures BUILD_DIR with clang and -DKVB_FUZZ=ON, builds
 # the fuzzers (GGUF reader, tokenizer, wire protocol, HTTP request parser) and their seed
-# generators, writes fresh seeds, and runs each with libFuzzer for SECONDS (default 60). Exits
+# generators, writes fresh seeds, and runs each with libFuzzer for SECONDS (default 60),
+# KVB_FUZZ_JOBS of them at once (default 2: each fuzzer is one process on one core, so on CI's two
+# cores two at a time give each its full SECONDS in half the wall time). Each fuzzer's output goes
+# to BUILD_DIR/fuzz/NAME.log; its final statistics are printed, the whole log when it fails. Exits
 # non-zero if a build fails or a fuzzer finds a crash, leak, timeout or sanitizer report (the
 # reproducer is left in BUILD_DIR/fuzz/artifacts/). The corpora the runs grow are kept under
 # BUILD_DIR/fuzz/ and reused by the next run.
-set -eu
+set -euo pipefail
 if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
   echo "usage: $0 BUILD_DIR [SECONDS]" >&2
   exit 2
@@ -17,35 +20,56 @@ jobs=${KVB_FUZZ_JOBS:-2}
 
 cmake -S "$src" -B "$build" -G Ninja -DCMAKE_C_COMPILER=clang -DKVB_FUZZ=ON -DKVB_CUDA=OFF \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build "$build" --target fuzz_gguf fuzz_gguf_seeds -j "$jobs"
+cmake --build "$build" -j "$jobs" --target fuzz_gguf fuzz_gguf_seeds fuzz_tokenize fuzz_wire fuzz_wire_seeds \
+  fuzz_http_request fuzz_http_seeds
 
 work=$build/fuzz
-rm -rf "$work/seeds"
-mkdir -p "$work/seeds" "$work/corpus" "$work/artifacts"
-"$work/fuzz_gguf_seeds" "$work/seeds"
-
-echo "fuzz_gguf: running for $secs s (corpus $work/corpus, seeds $work/seeds)"
-"$work/fuzz_gguf" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -max_len=16384 \
-  -dict="$src/fuzz/gguf.dict" -artifact_prefix="$work/artifacts/" -print_final_stats=1 \
-  "$work/corpus" "$work/seeds"
-
-# The tokenizer's encoder on arbitrary bytes (with the shared vocabularies when present).
-cmake --build "$build" --target fuzz_tokenize -j "$jobs"
-mkdir -p "$work/tokcorpus"
-echo "fuzz_tokenize: running for $secs s"
-KVB_FUZZ_VOCAB_DIR="$src/../shared/vocab" "$work/fuzz_tokenize" -max_total_time="$secs" -max_len=8192 -timeout=10 \
-  -rss_limit_mb=2048 -artifact_prefix="$work/artifacts/" -print_final_stats=1 "$work/tokcorpus"
-
-# A fuzzer with a seed writer: build both, write fresh seeds, run for the same time budget.
-run_seeded() { # run_seeded FUZZER SEEDS_PROGRAM NAME (corpus and seeds: $work/NAMEcorpus, $work/NAMEseeds)
-  cmake --build "$build" --target "$1" "$2" -j "$jobs"
-  rm -rf "$work/$3seeds"
-  mkdir -p "$work/$3seeds" "$work/$3corpus"
-  "$work/$2" "$work/$3seeds"
-  echo "$1: running for $secs s (corpus $work/$3corpus, seeds $work/$3seeds)"
-  "$work/$1" -max_total_time="$secs" -max_len=8192 -timeout=10 -rss_limit_mb=2048 \
-    -artifact_prefix="$work/artifacts/" -print_final_stats=1 "$work/$3corpus" "$work/$3seeds"
+mkdir -p "$work/artifacts"
+fresh_seeds() { # fresh_seeds SEEDS_PROGRAM DIR: the seed writer's corpus, written anew
+  rm -rf "$2"
+  mkdir -p "$2"
+  "$work/$1" "$2"
 }
+fresh_seeds fuzz_gguf_seeds "$work/seeds"
+fresh_seeds fuzz_wire_seeds "$work/wireseeds"
+fresh_seeds fuzz_http_seeds "$work/httpseeds"
+mkdir -p "$work/corpus" "$work/tokcorpus" "$work/wirecorpus" "$work/httpcorpus"
 
-run_seeded fuzz_wire fuzz_wire_seeds wire                 # the wire protocol's receive side
-run_seeded fuzz_http_request fuzz_http_seeds http         # the decode node's HTTP request parser
+common=(-max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -artifact_prefix="$work/artifacts/"
+  -print_final_stats=1)
+# one function per fuzzer: the GGUF reader (with its dictionary), the tokenizer's encoder on
+# arbitrary bytes (with the shared vocabularies when present), the wire protocol's receive side and
+# the decode node's HTTP request parser
+fuzz_gguf() { "$work/fuzz_gguf" "${common[@]}" -max_len=16384 -dict="$src/fuzz/gguf.dict" "$work/corpus" "$work/seeds"; }
+fuzz_tokenize() {
+  KVB_FUZZ_VOCAB_DIR="$src/../shared/vocab" "$work/fuzz_tokenize" "${common[@]}" -max_len=8192 "$work/tokcorpus"
+}
+fuzz_wire() { "$work/fuzz_wire" "${common[@]}" -max_len=8192 "$work/wirecorpus" "$work/wireseeds"; }
+fuzz_http_request() { "$work/fuzz_http_request" "${common[@]}" -max_len=8192 "$work/httpcorpus" "$work/httpseeds"; }
+
+failed=0
+finish() { # finish NAME PID: waits for one fuzzer, prints its stats (its whole log if it failed)
+  if wait "$2"; then
+    echo "$1: passed"
+    grep -E '^(stat::|Done )' "$work/$1.log" || true
+  else
+    echo "$1: FAILED (its log follows; reproducers in $work/artifacts/)"
+    cat "$work/$1.log"
+    failed=1
+  fi
+}
+names=()
+pids=()
+for name in fuzz_gguf fuzz_tokenize fuzz_wire fuzz_http_request; do
+  echo "$name: running for $secs s (log $work/$name.log)"
+  "$name" >"$work/$name.log" 2>&1 &
+  names+=("$name")
+  pids+=("$!")
+  if [ "${#pids[@]}" -ge "$jobs" ]; then
+    finish "${names[0]}" "${pids[0]}"
+    names=("${names[@]:1}")
+    pids=("${pids[@]:1}")
+  fi
+done
+for i in "${!pids[@]}"; do finish "${names[$i]}" "${pids[$i]}"; done
+exit "$failed"
