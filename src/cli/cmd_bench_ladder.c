@@ -375,6 +375,22 @@ int kvb_bench_ladder(int argc, char **argv) {
                    "%.3f s; bridged / max(prefill alone, that) = %.2fx\n",
                    leg_bytes / 1e6, lanes_used, lanes_used == 1 ? "" : "s", raw, link_s,
                    floor_s > 0 ? mb / floor_s : 0.0);
+            /* the floor no link removes (docs/design.md, "Not yet"): the last layer's rows exist only
+             * when the prefill node has computed them, cross the link after that, and only then can
+             * the decoder run the last prompt token's last layer and output head (its tail after
+             * DONE, measured in these legs). Every other cost (the request, the bridge's own GPU
+             * work, the slab path's stages) is taken as zero here. */
+            const uint32_t last = lf.n_layer - 1;
+            const bool last_local = lf.n_local && ((lf.local_mask[last / 64] >> (last % 64)) & 1);
+            const uint64_t last_bytes = last_local ? len_local / lf.n_local
+                                                   : (uint64_t)(lens[li] - 1) * 2u * lf.n_head_kv *
+                                                         kvb_kvformat_row_bytes(&lf);
+            const double last_s = raw > 0 ? (double)last_bytes / raw / 1e9 : 0;
+            const double tail_s = kvb_median_sort(ph_nat, (int)seeds), cfloor = mp + last_s + tail_s;
+            printf("          floor by construction: prefill alone %.3f s + the last layer's %.1f MB over that link "
+                   "%.4f s + the decoder's tail after DONE %.4f s = %.3f s, %.2fx the prefill alone; bridged / that "
+                   "floor = %.2fx\n",
+                   mp, last_bytes / 1e6, last_s, tail_s, cfloor, cfloor / mp, mb / cfloor);
         }
         if (pn) {
             double rd_s, cons_s;
