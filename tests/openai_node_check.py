@@ -4,7 +4,8 @@
 Usage: openai_node_check.py PORT
 Streams a chat completion (include_usage) whose prompt is long enough to bridge, and checks the
 X-KVBridge header, the deltas, finish_reason and usage.kvbridge; then logprobs, in a body and a stream, and an echoed prompt's
-(a loglikelihood as lm-eval-harness asks for it). Exit 0 with
+(a loglikelihood as lm-eval-harness asks for it); JSON mode, and structured outputs from a Pydantic
+model through the client's parse helper. Exit 0 with
 "openai node check: N passed, 0 failed"; 1 on a failure; 77 when the openai package is absent.
 """
 import sys
@@ -99,5 +100,39 @@ if jfinish == "stop":
     except ValueError:
         ok = False
 check("json mode", ok, (jfinish, jtext))
+
+# Structured outputs through the client's own helper: it turns a Pydantic model into a strict
+# json_schema response_format. The reply holds the schema's properties in order; one that ended by
+# itself parses into the model (this generated model may instead run to max_tokens: then the
+# client raises LengthFinishReasonError, and the text so far must still start as the schema says)
+import re
+import openai
+from pydantic import BaseModel
+
+
+class Answer(BaseModel):
+    city: str
+    year: int
+
+
+try:
+    parsed = client.chat.completions.parse(model="any", messages=[{"role": "user", "content": "Where and when?"}],
+                                           max_tokens=48, temperature=0, response_format=Answer)
+    msg = parsed.choices[0].message
+    check("json schema: parsed", isinstance(msg.parsed, Answer), (msg.content, msg.parsed))
+    print(f"structured output (parsed): {msg.content}")
+except openai.LengthFinishReasonError as e:
+    stext = e.completion.choices[0].message.content or ""
+    head = re.sub(r"\s+", "", stext)[:7]  # the first key may hold no blanks; only blanks precede it
+    check("json schema: ran to max_tokens, a prefix", head == '{"city"'[:len(head)] and len(stext) > 0, stext)
+    print(f"structured output (ran to max_tokens): {stext!r}")
+try:
+    client.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}], response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]+$"}}}}})
+    check("json schema: unsupported keyword refused", False, "no exception")
+except openai.BadRequestError as e:
+    body = e.body if isinstance(e.body, dict) else {}
+    check("json schema: unsupported keyword refused", "pattern" in body.get("message", ""), repr(e.body))
 print(f"openai node check: {passed} passed, {failed} failed")
 sys.exit(1 if failed else 0)

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "json_gen.h"
 #include "kvb_grammar.h"
 
 /* Every prefix accepted, only the whole complete. */
@@ -97,76 +98,12 @@ static void test_limits(void **state) {
 
 /* ---- random valid objects ----------------------------------------------------------------- */
 
-static uint64_t g_rng = 88172645463325252ull;
-static uint32_t rnd(uint32_t n) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (uint32_t)(g_rng % n);
-}
-
-static void put(char *buf, size_t *n, const char *s) {
-    const size_t k = strlen(s);
-    memcpy(buf + *n, s, k);
-    *n += k;
-}
-
-static void blanks(char *buf, size_t *n) {
-    static const char *const ws[] = {"", "", " ", "\n  ", "\t", "\r\n"};
-    put(buf, n, ws[rnd(6)]);
-}
-
-static void gen_value(char *buf, size_t *n, int depth);
-
-static void gen_string(char *buf, size_t *n) {
-    static const char *const parts[] = {"a", "key", " ", "\\\"", "\\\\", "\\/", "\\n", "\\t", "\\u00e9", "\\uFFFF",
-                                        "\xc3\xa9", "\xe2\x82\xac", "0", "{", "]", ":", ","};
-    put(buf, n, "\"");
-    for (uint32_t k = rnd(5); k > 0; k--) put(buf, n, parts[rnd(sizeof parts / sizeof *parts)]);
-    put(buf, n, "\"");
-}
-
-static void gen_object(char *buf, size_t *n, int depth) {
-    put(buf, n, "{");
-    for (uint32_t k = depth > 3 ? 0 : rnd(4), i = 0; i < k; i++) {
-        if (i) put(buf, n, ",");
-        blanks(buf, n);
-        gen_string(buf, n);
-        blanks(buf, n);
-        put(buf, n, ":");
-        blanks(buf, n);
-        gen_value(buf, n, depth + 1);
-        blanks(buf, n);
-    }
-    put(buf, n, "}");
-}
-
-static void gen_value(char *buf, size_t *n, int depth) {
-    static const char *const scalars[] = {"0", "-0", "7", "-12", "3.25", "-0.5", "1e5", "2E-3", "6.02e+23", "10",
-                                          "true", "false", "null"};
-    switch (depth > 3 ? 2 : rnd(4)) {
-    case 0: gen_object(buf, n, depth); break;
-    case 1:
-        put(buf, n, "[");
-        for (uint32_t k = rnd(4), i = 0; i < k; i++) {
-            if (i) put(buf, n, ",");
-            blanks(buf, n);
-            gen_value(buf, n, depth + 1);
-            blanks(buf, n);
-        }
-        put(buf, n, "]");
-        break;
-    case 2: put(buf, n, scalars[rnd(sizeof scalars / sizeof *scalars)]); break;
-    default: gen_string(buf, n);
-    }
-}
-
 static void test_random_objects(void **state) {
     (void)state;
     char *buf = malloc(1 << 16);
     for (int t = 0; t < 3000; t++) {
         size_t n = 0;
-        gen_object(buf, &n, 0);
+        kvbt_gen_json_object(buf, &n, 0, 3);
         buf[n] = 0;
         cJSON *j = cJSON_ParseWithLength(buf, n);
         if (!cJSON_IsObject(j)) fail_msg("the generator made no object: %s", buf);
@@ -184,9 +121,9 @@ static void test_complete_means_parseable(void **state) {
     char text[24];
     int complete = 0;
     for (int t = 0; t < 400000; t++) {
-        const size_t n = 2 + rnd(sizeof text - 2);
+        const size_t n = 2 + kvbt_rnd(sizeof text - 2);
         text[0] = '{';
-        for (size_t i = 1; i < n; i++) text[i] = alphabet[rnd(sizeof alphabet - 1)];
+        for (size_t i = 1; i < n; i++) text[i] = alphabet[kvbt_rnd(sizeof alphabet - 1)];
         kvb_json_state s;
         kvb_json_init(&s);
         size_t i = 0;
@@ -261,9 +198,9 @@ static void test_mask_on_a_pool(void **state) {
     uint32_t *lens = malloc(sizeof *lens * N);
     uint8_t *kinds = malloc(N);
     for (int i = 0; i < N; i++) {
-        lens[i] = rnd(5);
+        lens[i] = kvbt_rnd(5);
         bytes[i] = malloc(lens[i] + 1);
-        for (uint32_t k = 0; k < lens[i]; k++) bytes[i][k] = alphabet[rnd(sizeof alphabet - 1)];
+        for (uint32_t k = 0; k < lens[i]; k++) bytes[i][k] = alphabet[kvbt_rnd(sizeof alphabet - 1)];
         kinds[i] = i % 997 == 0 ? KVB_VOCAB_EOG : i % 499 == 0 ? KVB_VOCAB_OTHER : KVB_VOCAB_TEXT;
     }
     kvb_vocab_bytes *v = NULL;
@@ -279,9 +216,9 @@ static void test_mask_on_a_pool(void **state) {
     for (int t = 0; t < 400; t++) {
         if (t % 4 == 0) { /* four prefixes of each object: states repeat, the masks are remembered */
             n = 0;
-            gen_object(doc, &n, 0);
+            kvbt_gen_json_object(doc, &n, 0, 3);
         }
-        const size_t cut = rnd((uint32_t)n + 1); /* a prefix, complete when cut == n */
+        const size_t cut = kvbt_rnd((uint32_t)n + 1); /* a prefix, complete when cut == n */
         kvb_json_state s;
         kvb_json_init(&s);
         assert_true(kvb_json_feed(&s, doc, cut));

@@ -146,6 +146,27 @@ static void test_logprobs_fields(void **state) {
     kvb_completion_req_free(r);
     r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":\"x\",\"response_format\":{\"type\":\"text\"}}");
     assert_false(r->json_object);
+    assert_null(r->json_schema);
+    kvb_completion_req_free(r);
+    /* json_schema: compiled with the request (its text is held to it), json_object with it */
+    r = parse_ok(KVB_API_CHAT_COMPLETIONS, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+                 "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"person-v1_2\",\"strict\":true,"
+                 "\"description\":\"d\",\"schema\":{\"type\":\"object\",\"title\":\"P\",\"properties\":{\"name\":{\"type\":\"string\"},"
+                 "\"age\":{\"type\":[\"integer\",\"null\"]}},\"required\":[\"name\",\"age\"],\"additionalProperties\":false}}}}");
+    assert_true(r->json_object);
+    assert_non_null(r->json_schema);
+    kvb_json_state js;
+    kvb_json_init_schema(&js, r->json_schema);
+    const char *ok = "{\"name\":\"Ann\",\"age\":null}";
+    assert_true(kvb_json_feed(&js, ok, strlen(ok)) && kvb_json_complete(&js));
+    kvb_json_init_schema(&js, r->json_schema);
+    assert_false(kvb_json_feed(&js, "{\"age\"", 6)); /* name is required and comes first */
+    kvb_completion_req_free(r);
+    /* without "schema": any object, as json_object */
+    r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":\"x\",\"response_format\":{\"type\":\"json_schema\","
+                 "\"json_schema\":{\"name\":\"any\"}}}");
+    assert_true(r->json_object);
+    assert_null(r->json_schema);
     kvb_completion_req_free(r);
     r = parse_ok(KVB_API_CHAT_COMPLETIONS, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"n\":16}");
     assert_int_equal(r->n, 16);
@@ -356,7 +377,38 @@ static const bad_case bad_cases[] = {
     {CHAT, CHATB(",\"logprobs\":true,\"top_logprobs\":-1"), "top_logprobs", "out of range"},
     {CHAT, CHATB(",\"logprobs\":true,\"top_logprobs\":2.5"), "top_logprobs", "decimal"},
     {CHAT, CHATB(",\"tools\":[{\"type\":\"function\"}]"), "tools", "not supported"},
-    {CHAT, CHATB(",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{}}"), "response_format", "no JSON schemas"},
+    {CHAT, CHATB(",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{}}"), "response_format", "'response_format.json_schema.name'"},
+    /* response_format json_schema: OpenAI's shape, then the schema compiled (its path in the message) */
+#define RFS(js) CHATB(",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":" js "}")
+#define SCH(schema) RFS("{\"name\":\"n\",\"schema\":" schema "}")
+    {CHAT, CHATB(",\"response_format\":{\"type\":\"json_schema\"}"), "response_format", "Missing required parameter: 'response_format.json_schema'"},
+    {CHAT, RFS("\"x\""), "response_format", "expected an object, but got a string"},
+    {CHAT, RFS("{\"name\":5}"), "response_format.json_schema.name", "expected a string"},
+    {CHAT, RFS("{\"name\":\"\"}"), "response_format.json_schema.name", "empty string"},
+    {CHAT, RFS("{\"name\":\"a b\"}"), "response_format", "1 to 64 characters"},
+    {CHAT, RFS("{\"name\":\"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\"}"), "response_format", "1 to 64 characters"},
+    {CHAT, RFS("{\"name\":\"n\",\"strict\":\"yes\"}"), "response_format.json_schema.strict", "expected a boolean"},
+    {CHAT, RFS("{\"name\":\"n\",\"description\":1}"), "response_format.json_schema.description", "expected a string"},
+    {CHAT, RFS("{\"name\":\"n\",\"shema\":{}}"), "response_format", "Unknown parameter: 'response_format.json_schema.shema'"},
+    {CHAT, SCH("[]"), "response_format", "'response_format.json_schema.schema': expected an object, but got an array"},
+    {CHAT, SCH("{\"type\":\"array\"}"), "response_format", "response_format.json_schema.schema: the root schema must be {\"type\": \"object\"}"},
+    {CHAT, SCH("{}"), "response_format", "the root schema must be"},
+    {CHAT, SCH("{\"type\":\"object\",\"properties\":{\"age\":{\"type\":\"integer\",\"pattern\":\"x\"}}}"), "response_format",
+     "response_format.json_schema.schema.properties.age: keyword 'pattern' is not supported by this server (supported: type,"},
+    {CHAT, SCH("{\"type\":\"object\",\"$defs\":{}}"), "response_format", "schema: keyword '$defs' is not supported"},
+    {CHAT, SCH("{\"type\":\"object\",\"properties\":{\"a\":{\"$ref\":\"#\"}}}"), "response_format", "schema.properties.a: keyword '$ref' is not supported"},
+    {CHAT, SCH("{\"type\":\"object\",\"properties\":{\"a b\":{\"type\":\"array\",\"items\":{\"format\":\"date\"}}}}"),
+     "response_format", "schema.properties[\"a b\"].items: keyword 'format' is not supported"},
+    {CHAT, SCH("{\"type\":\"object\",\"required\":[\"a\"]}"), "response_format", "'required' names 'a', which is not in 'properties'"},
+    {CHAT, SCH("{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\",\"enum\":[\"x\"]}}}"), "response_format",
+     "schema.properties.a: no value of 'enum' is of the schema's 'type'"},
+    {CHAT, SCH("{\"type\":\"object\",\"properties\":{\"a\":{\"anyOf\":[{\"type\":\"integer\"},{\"type\":\"number\"}]}}}"),
+     "response_format", "'anyOf' alternatives 0 and 1 may both be a number"},
+    {CHAT, SCH("{\"type\":\"object\",\"additionalProperties\":{\"type\":\"string\"}}"), "response_format",
+     "'additionalProperties' must be true or false"},
+    {CHAT, SCH("{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"array\",\"maxItems\":1000}}}"), "response_format",
+     "'maxItems' must be an integer in [0, 255]"},
+
     {CHAT, CHATB(",\"response_format\":\"json_object\""), "response_format", "not supported"},
     {CHAT, CHATB(",\"tool_choice\":\"required\""), "tool_choice", "no tool calling"},
     {CHAT, CHATB(",\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"f\"}}"), "tool_choice", "no tool calling"},

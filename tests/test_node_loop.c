@@ -1072,6 +1072,70 @@ static void test_json_mode(void **state) {
     kvb_decode_node_stop(dn);
 }
 
+/* response_format json_schema on a real node: every reply is a prefix of an object valid under the
+ * schema, and one that ends by itself (finish_reason stop) is complete: cJSON parses it, the
+ * required keys are there with their types and values. The schema bounds its instances (a boolean,
+ * an enum, a short array of an enum), so random weights end most replies within max_tokens; an
+ * unsupported keyword is a 400 that names it. */
+static void test_json_schema_mode(void **state) {
+    (void)state;
+    kvb_decode_node *dn = start_decode(0, PSK, 10000);
+    const uint16_t dp = kvb_decode_node_port(dn);
+    static const char *const schema =
+        "{\"type\":\"object\",\"properties\":{\"ok\":{\"type\":\"boolean\"},\"tag\":{\"enum\":[\"red\",\"green\"]},"
+        "\"list\":{\"type\":\"array\",\"items\":{\"enum\":[1,2]},\"maxItems\":3}},\"required\":[\"ok\",\"tag\"],"
+        "\"additionalProperties\":false}";
+    cJSON *sj = cJSON_Parse(schema);
+    kvb_json_schema *sch = NULL;
+    kvb_err err = {0};
+    assert_int_equal(kvb_json_schema_compile(sj, "schema", &sch, &err), KVB_OK);
+    cJSON_Delete(sj);
+    int stopped = 0;
+    for (int seed = 1; seed <= 2; seed++) {
+        char body[1024];
+        snprintf(body, sizeof body, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"a colour, please\"}],"
+                 "\"max_tokens\":400,\"temperature\":1,\"seed\":%d,\"response_format\":{\"type\":\"json_schema\","
+                 "\"json_schema\":{\"name\":\"colour\",\"strict\":true,\"schema\":%s}}}", seed, schema);
+        cJSON *r = post_node(dp, "/v1/chat/completions", body, 200);
+        const cJSON *choice = cJSON_GetArrayItem(cJSON_GetObjectItem(r, "choices"), 0);
+        const char *text = cJSON_GetObjectItem(cJSON_GetObjectItem(choice, "message"), "content")->valuestring;
+        const char *finish = cJSON_GetObjectItem(choice, "finish_reason")->valuestring;
+        printf("json schema, seed %d (%s, %d tokens): %s\n", seed, finish,
+               (int)cJSON_GetObjectItem(cJSON_GetObjectItem(r, "usage"), "completion_tokens")->valuedouble, text);
+        kvb_json_state js;
+        kvb_json_init_schema(&js, sch);
+        if (!kvb_json_feed(&js, text, strlen(text))) fail_msg("seed %d: not a prefix under the schema: '%s'", seed, text);
+        assert_int_equal(kvb_json_complete(&js), strcmp(finish, "stop") == 0);
+        if (kvb_json_complete(&js)) {
+            cJSON *obj = cJSON_Parse(text);
+            const cJSON *ok = cJSON_GetObjectItem(obj, "ok"), *tag = cJSON_GetObjectItem(obj, "tag");
+            const cJSON *list = cJSON_GetObjectItem(obj, "list");
+            if (!cJSON_IsObject(obj) || !cJSON_IsBool(ok) || !cJSON_IsString(tag) ||
+                (strcmp(tag->valuestring, "red") != 0 && strcmp(tag->valuestring, "green") != 0) ||
+                (list && !(cJSON_IsArray(list) && cJSON_GetArraySize(list) <= 3)) ||
+                cJSON_GetArraySize(obj) != 2 + (list != NULL))
+                fail_msg("seed %d: '%s' is not valid under the schema", seed, text);
+            const cJSON *it;
+            cJSON_ArrayForEach(it, list) assert_true(cJSON_IsNumber(it) && (it->valuedouble == 1 || it->valuedouble == 2));
+            cJSON_Delete(obj);
+            stopped++;
+        }
+        cJSON_Delete(r);
+    }
+    assert_true(stopped >= 1);
+    kvb_json_schema_free(sch);
+    /* outside the subset: a 400 naming the keyword and where it is */
+    cJSON *bad = post_node(dp, "/v1/chat/completions", "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+                           "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"n\",\"schema\":"
+                           "{\"type\":\"object\",\"properties\":{\"age\":{\"type\":\"integer\",\"minimum\":0}}}}}}", 400);
+    const cJSON *e = cJSON_GetObjectItem(bad, "error");
+    assert_string_equal(cJSON_GetObjectItem(e, "param")->valuestring, "response_format");
+    assert_non_null(strstr(cJSON_GetObjectItem(e, "message")->valuestring,
+                           "response_format.json_schema.schema.properties.age: keyword 'minimum' is not supported"));
+    cJSON_Delete(bad);
+    kvb_decode_node_stop(dn);
+}
+
 /* A completion body for ids: temperature t, seed, n choices, max_tokens (ignore_eos), bridging forced. */
 static char *sampled_body(const int32_t *ids, int n_ids, double t, int seed, int n, int max_tokens) {
     cJSON *req = cJSON_CreateObject();
@@ -1488,6 +1552,7 @@ int main(void) {
         cmocka_unit_test(test_echo_prompt_logprobs),
         cmocka_unit_test(test_tokenize_matches_completions),
         cmocka_unit_test(test_json_mode),
+        cmocka_unit_test(test_json_schema_mode),
         cmocka_unit_test(test_choices_are_single_requests),
         cmocka_unit_test(test_min_tokens_and_stop_ids),
         cmocka_unit_test(test_prefill_mode),

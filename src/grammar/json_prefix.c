@@ -1,8 +1,15 @@
 /* grammar/json_prefix.c — the JSON prefix recognizer (kvb_grammar.h): one switch per byte over
- * the lexical state, with the open containers as a bit stack. A number has no end byte of its
- * own: in a state where it could be complete, the first byte that cannot continue it ends it and
- * is then read as what follows a value. */
-#include "kvb_grammar.h"
+ * the structural state (where a value, a key, ':' or ',' may come), with the open containers as a
+ * bit stack, and one shared lexer for what lies inside a token (strings and their escapes, numbers,
+ * true/false/null). A schema, when there is one, is consulted at the structural points only: which
+ * node a value is read under when it begins (by its first byte), how far an object or array has
+ * got (its frame), and which property name or enum value is being written (candidates matched byte
+ * by byte against their canonical text). A number has no end byte of its own: in a state where it
+ * could be complete, the first byte that cannot continue it ends it and is then read as what
+ * follows a value; a numeric enum value ends the same way. */
+#include <string.h>
+
+#include "grammar_internal.h"
 
 enum {
     J_START = 0, /* before the object: '{' (a reply does not open with blanks) */
@@ -15,7 +22,7 @@ enum {
     J_STR,       /* in a string (aux & STR_KEY: a key) */
     J_STR_ESC,   /* after '\' in a string */
     J_STR_U,     /* in \uXXXX (aux & 7: hex digits read) */
-    J_NUM_MINUS, /* "-" */
+    J_NUM_MINUS, /* "-" (aux & NUM_INT: an integer) */
     J_NUM_ZERO,  /* "0" (complete) */
     J_NUM_INT,   /* "12" (complete) */
     J_NUM_DOT,   /* "1." */
@@ -24,14 +31,26 @@ enum {
     J_NUM_ESIGN, /* "1e-" */
     J_NUM_EXP,   /* "1e5" (complete) */
     J_LIT,       /* in true/false/null (aux: literal * 8 + bytes matched) */
+    J_KEY,       /* schema: in a declared property's name (cand, off) */
+    J_ENUM,      /* schema: in an enum value (vnode, cand, off) */
     J_DONE,      /* the object closed: nothing may follow */
 };
 
 #define STR_KEY 0x80
+#define NUM_INT 0x40
+
+_Static_assert(sizeof(kvb_json_frame) == 4 && sizeof(kvb_json_state) == 32 + 4 * KVB_JSON_MAX_DEPTH,
+               "kvb_json_state has no padding: states compare with memcmp");
 
 static const char *const literals[3] = {"true", "false", "null"};
 
-void kvb_json_init(kvb_json_state *s) { *s = (kvb_json_state){.state = J_START}; }
+void kvb_json_init_schema(kvb_json_state *s, const kvb_json_schema *schema) {
+    memset(s, 0, sizeof *s);
+    s->state = J_START;
+    s->schema = schema;
+}
+
+void kvb_json_init(kvb_json_state *s) { kvb_json_init_schema(s, NULL); }
 
 bool kvb_json_complete(const kvb_json_state *s) { return s->state == J_DONE; }
 
@@ -40,28 +59,257 @@ static bool is_digit(unsigned char c) { return c >= '0' && c <= '9'; }
 static bool is_hex(unsigned char c) { return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
 static bool top_is_object(const kvb_json_state *s) { return (s->stack >> (s->depth - 1)) & 1; }
 
-static bool open_container(kvb_json_state *s, bool object) {
+/* ---- the lexer: inside a string, a number or a literal (J_STR .. J_LIT) --------------------- */
+
+typedef enum {
+    LEX_MORE,         /* c taken; the token goes on */
+    LEX_END,          /* c taken and it ended the token (a string's closing quote, a literal's last byte) */
+    LEX_ENDED_BEFORE, /* a complete number ended before c: c is what follows it */
+    LEX_BAD,          /* c cannot come here */
+} lex_step;
+
+static lex_step lex_byte(kvb_json_state *s, unsigned char c) {
+    switch (s->state) {
+    case J_STR:
+        if (c == '"') return LEX_END;
+        if (c == '\\') s->state = J_STR_ESC;
+        return c >= 0x20 ? LEX_MORE : LEX_BAD;
+    case J_STR_ESC:
+        if (c == 'u') {
+            s->state = J_STR_U;
+            s->aux &= STR_KEY;
+            return LEX_MORE;
+        }
+        s->state = J_STR;
+        return c == '"' || c == '\\' || c == '/' || c == 'b' || c == 'f' || c == 'n' || c == 'r' || c == 't'
+                   ? LEX_MORE : LEX_BAD;
+    case J_STR_U:
+        if (!is_hex(c)) return LEX_BAD;
+        if ((++s->aux & 7) == 4) {
+            s->state = J_STR;
+            s->aux &= STR_KEY;
+        }
+        return LEX_MORE;
+    case J_NUM_MINUS:
+        if (c == '0') s->state = J_NUM_ZERO;
+        else if (is_digit(c)) s->state = J_NUM_INT;
+        else return LEX_BAD;
+        return LEX_MORE;
+    case J_NUM_INT:
+        if (is_digit(c)) return LEX_MORE;
+        __attribute__((fallthrough)); /* what may follow an integer */
+    case J_NUM_ZERO:
+        if (s->aux & NUM_INT) return LEX_ENDED_BEFORE; /* no fraction, no exponent */
+        if (c == '.') { s->state = J_NUM_DOT; return LEX_MORE; }
+        if (c == 'e' || c == 'E') { s->state = J_NUM_E; return LEX_MORE; }
+        return LEX_ENDED_BEFORE;
+    case J_NUM_DOT:
+        if (!is_digit(c)) return LEX_BAD;
+        s->state = J_NUM_FRAC;
+        return LEX_MORE;
+    case J_NUM_FRAC:
+        if (is_digit(c)) return LEX_MORE;
+        if (c == 'e' || c == 'E') { s->state = J_NUM_E; return LEX_MORE; }
+        return LEX_ENDED_BEFORE;
+    case J_NUM_E:
+        if (c == '+' || c == '-') { s->state = J_NUM_ESIGN; return LEX_MORE; }
+        __attribute__((fallthrough));
+    case J_NUM_ESIGN:
+        if (!is_digit(c)) return LEX_BAD;
+        s->state = J_NUM_EXP;
+        return LEX_MORE;
+    case J_NUM_EXP: return is_digit(c) ? LEX_MORE : LEX_ENDED_BEFORE;
+    case J_LIT: {
+        const char *lit = literals[s->aux / 8];
+        const unsigned pos = s->aux % 8;
+        if ((unsigned char)lit[pos] != c) return LEX_BAD;
+        s->aux++;
+        return lit[pos + 1] == '\0' ? LEX_END : LEX_MORE;
+    }
+    default: return LEX_BAD;
+    }
+}
+
+/* ---- the schema's view ---------------------------------------------------------------------- */
+
+static const js_node *node_at(const kvb_json_state *s, uint16_t i) { return &s->schema->nodes[i]; }
+static kvb_json_frame *top(kvb_json_state *s) { return &s->frame[s->depth - 1]; }
+
+/* The candidates among texts[cand bits] whose byte at off is c. */
+static uint64_t narrow(const kvb_json_schema *sch, const js_text *texts, uint64_t cand, uint16_t off, unsigned char c) {
+    uint64_t next = 0;
+    for (uint64_t rest = cand; rest; rest &= rest - 1) {
+        const int i = __builtin_ctzll(rest);
+        if (texts[i].len > off && (unsigned char)sch->text[texts[i].off + off] == c) next |= (uint64_t)1 << i;
+    }
+    return next;
+}
+
+/* The candidates that are whole after off bytes. */
+static uint64_t whole(const js_text *texts, uint64_t cand, uint16_t off) {
+    uint64_t done = 0;
+    for (uint64_t rest = cand; rest; rest &= rest - 1) {
+        const int i = __builtin_ctzll(rest);
+        if (texts[i].len == off) done |= (uint64_t)1 << i;
+    }
+    return done;
+}
+
+/* Declared properties at or after `from` that some required one does not stand before. */
+static bool required_from(const js_node *n, unsigned from) { return from < 64 && (n->required >> from) != 0; }
+
+/* The properties the next key may be: from the frame's count up to the first required one. */
+static uint64_t key_window(const js_node *n, unsigned from) {
+    const uint64_t at_or_after = ~(uint64_t)0 << from; /* from < n_props <= 64 */
+    const uint64_t req = n->required & at_or_after;
+    const unsigned last = req ? (unsigned)__builtin_ctzll(req) : n->n_props - 1u;
+    const uint64_t upto = last == 63 ? ~(uint64_t)0 : ((uint64_t)1 << (last + 1)) - 1;
+    return at_or_after & upto;
+}
+
+/* ---- the structure ---------------------------------------------------------------------------- */
+
+/* A value ended: ',' or a closing bracket may come. */
+static void value_done(kvb_json_state *s) {
+    s->state = J_AFTER;
+    s->aux = 0;
+    s->vnode = 0;
+    s->off = 0;
+    s->cand = 0;
+}
+
+static bool open_container(kvb_json_state *s, bool object, uint16_t node) {
     if (s->depth == KVB_JSON_MAX_DEPTH) return false;
     if (object) s->stack |= (uint64_t)1 << s->depth;
     else s->stack &= ~((uint64_t)1 << s->depth);
+    if (s->schema) s->frame[s->depth] = (kvb_json_frame){.node = node};
     s->depth++;
     s->state = object ? J_OBJ_FIRST : J_ARR_FIRST;
+    s->aux = 0;
+    s->vnode = 0;
     return true;
 }
 
 static bool close_container(kvb_json_state *s, unsigned char c) {
     if (s->depth == 0 || top_is_object(s) != (c == '}')) return false;
+    if (s->schema) {
+        kvb_json_frame *f = top(s);
+        const js_node *n = node_at(s, f->node);
+        if (c == '}' ? required_from(n, f->count) : f->count < n->min_items) return false;
+        *f = (kvb_json_frame){0};
+    }
     s->depth--;
-    s->state = s->depth ? J_AFTER : J_DONE;
+    value_done(s);
+    if (!s->depth) s->state = J_DONE;
     return true;
+}
+
+static int value_class(unsigned char c) {
+    switch (c) {
+    case '{': return JC_OBJ;
+    case '[': return JC_ARR;
+    case '"': return JC_STR;
+    case 't': return JC_TRUE;
+    case 'f': return JC_FALSE;
+    case 'n': return JC_NULL;
+    default: return c == '-' || is_digit(c) ? JC_NUM : -1;
+    }
+}
+
+/* A byte of an enum value (J_ENUM): the values it may still be narrowed to those that go on with c. */
+static bool feed_byte(kvb_json_state *s, unsigned char c);
+static bool enum_byte(kvb_json_state *s, unsigned char c) {
+    const js_text *values = &s->schema->values[node_at(s, s->vnode)->values];
+    const uint64_t next = narrow(s->schema, values, s->cand, s->off, c);
+    if (!next) {
+        if (!whole(values, s->cand, s->off)) return false;
+        value_done(s); /* a numeric value ended at c */
+        return feed_byte(s, c);
+    }
+    s->cand = next;
+    s->off++;
+    if (whole(values, next, s->off) == next) value_done(s); /* nothing longer can follow */
+    return true;
+}
+
+/* A byte of a declared property's name (J_KEY, from its opening quote on). */
+static bool key_byte(kvb_json_state *s, unsigned char c) {
+    kvb_json_frame *f = top(s);
+    const js_node *n = node_at(s, f->node);
+    const js_text *keys = &s->schema->prop_key[n->props];
+    const uint64_t next = narrow(s->schema, keys, s->cand, s->off, c);
+    if (!next) return false;
+    s->cand = next;
+    s->off++;
+    const uint64_t done = c == '"' ? whole(keys, next, s->off) : 0; /* names differ: one at most */
+    if (done) {
+        const unsigned p = (unsigned)__builtin_ctzll(done);
+        f->count = (uint8_t)(p + 1);
+        s->vnode = s->schema->prop_node[n->props + p];
+        s->state = J_COLON;
+        s->cand = 0;
+        s->off = 0;
+    }
+    return true;
+}
+
+/* A key's opening quote. */
+static bool begin_key(kvb_json_state *s) {
+    const js_node *n = s->schema ? node_at(s, top(s)->node) : NULL;
+    if (!n || !n->closed) { /* any key; its value any value */
+        s->state = J_STR;
+        s->aux = STR_KEY;
+        return true;
+    }
+    if (top(s)->count >= n->n_props) return false;
+    s->cand = key_window(n, top(s)->count);
+    s->off = 1; /* every name begins with its quote */
+    s->state = J_KEY;
+    return true;
+}
+
+/* One more item in the array on top: false when maxItems has been reached. */
+static bool count_item(kvb_json_state *s) {
+    kvb_json_frame *f = top(s);
+    const js_node *n = node_at(s, f->node);
+    if (n->has_max && f->count >= n->max_items) return false;
+    if (f->count < n->item_cap) f->count++;
+    return true;
+}
+
+/* After a value in the container on top: whether ',' may come (another member or item fits). */
+static bool may_continue(kvb_json_state *s) {
+    if (!s->schema) return true;
+    const kvb_json_frame *f = top(s);
+    const js_node *n = node_at(s, f->node);
+    if (top_is_object(s)) return !n->closed || f->count < n->n_props;
+    return !n->has_max || f->count < n->max_items;
 }
 
 /* The first byte of a value. */
 static bool begin_value(kvb_json_state *s, unsigned char c) {
+    uint16_t at = 0;
+    s->aux = 0;
+    if (s->schema) {
+        const int cls = value_class(c);
+        if (cls < 0) return false;
+        const bool item = s->depth && !top_is_object(s);
+        at = node_at(s, item ? node_at(s, top(s)->node)->items : s->vnode)->first[cls];
+        if (at == JS_NONE || (item && !count_item(s))) return false;
+        const js_node *n = node_at(s, at);
+        if (n->kind == JS_ENUM) {
+            s->state = J_ENUM;
+            s->vnode = at;
+            s->cand = n->n_values == 64 ? ~(uint64_t)0 : ((uint64_t)1 << n->n_values) - 1;
+            s->off = 0;
+            return enum_byte(s, c);
+        }
+        if (n->integer && cls == JC_NUM) s->aux = NUM_INT;
+    }
     switch (c) {
-    case '{': return open_container(s, true);
-    case '[': return open_container(s, false);
-    case '"': s->state = J_STR; s->aux = 0; return true;
+    case '{': return open_container(s, true, at);
+    case '[': return open_container(s, false, at);
+    case '"': s->state = J_STR; return true;
     case '-': s->state = J_NUM_MINUS; return true;
     case '0': s->state = J_NUM_ZERO; return true;
     case 't': s->state = J_LIT; s->aux = 0 * 8 + 1; return true;
@@ -77,95 +325,49 @@ static bool begin_value(kvb_json_state *s, unsigned char c) {
 static bool blank(kvb_json_state *s) { return ++s->ws_run <= KVB_JSON_MAX_WS; }
 
 static bool feed_byte(kvb_json_state *s, unsigned char c) {
+    if (s->state >= J_STR && s->state <= J_LIT) goto lex; /* inside a token: the common case first */
     if (s->state > J_START && s->state < J_STR && is_blank(c)) return blank(s); /* the reply starts at '{' */
     if (s->state < J_STR) s->ws_run = 0;
     switch (s->state) {
-    case J_START: return c == '{' && open_container(s, true);
+    case J_START: return c == '{' && open_container(s, true, s->schema ? s->schema->root : 0);
     case J_VALUE: return begin_value(s, c);
     case J_ARR_FIRST: return c == ']' ? close_container(s, c) : begin_value(s, c);
     case J_OBJ_FIRST:
         if (c == '}') return close_container(s, c);
         __attribute__((fallthrough)); /* a key */
-    case J_OBJ_KEY:
-        if (c != '"') return false;
-        s->state = J_STR;
-        s->aux = STR_KEY;
-        return true;
+    case J_OBJ_KEY: return c == '"' && begin_key(s);
     case J_COLON:
         if (c != ':') return false;
         s->state = J_VALUE;
         return true;
     case J_AFTER:
         if (c == ',') {
+            if (!may_continue(s)) return false;
             s->state = top_is_object(s) ? J_OBJ_KEY : J_VALUE;
             return true;
         }
         return (c == '}' || c == ']') && close_container(s, c);
-    case J_STR:
-        if (c == '"') {
-            s->state = s->aux & STR_KEY ? J_COLON : J_AFTER;
-            return true;
-        }
-        if (c == '\\') s->state = J_STR_ESC;
-        return c >= 0x20;
-    case J_STR_ESC:
-        if (c == 'u') {
-            s->state = J_STR_U;
-            s->aux &= STR_KEY;
-            return true;
-        }
-        s->state = J_STR;
-        return c == '"' || c == '\\' || c == '/' || c == 'b' || c == 'f' || c == 'n' || c == 'r' || c == 't';
-    case J_STR_U:
-        if (!is_hex(c)) return false;
-        if ((++s->aux & 7) == 4) {
-            s->state = J_STR;
-            s->aux &= STR_KEY;
-        }
-        return true;
-    case J_NUM_MINUS:
-        if (c == '0') s->state = J_NUM_ZERO;
-        else if (is_digit(c)) s->state = J_NUM_INT;
-        else return false;
-        return true;
-    case J_NUM_INT:
-        if (is_digit(c)) return true;
-        __attribute__((fallthrough)); /* what may follow an integer */
-    case J_NUM_ZERO:
-        if (c == '.') { s->state = J_NUM_DOT; return true; }
-        if (c == 'e' || c == 'E') { s->state = J_NUM_E; return true; }
-        break; /* the number ended */
-    case J_NUM_DOT:
-        if (!is_digit(c)) return false;
-        s->state = J_NUM_FRAC;
-        return true;
-    case J_NUM_FRAC:
-        if (is_digit(c)) return true;
-        if (c == 'e' || c == 'E') { s->state = J_NUM_E; return true; }
-        break;
-    case J_NUM_E:
-        if (c == '+' || c == '-') { s->state = J_NUM_ESIGN; return true; }
-        __attribute__((fallthrough));
-    case J_NUM_ESIGN:
-        if (!is_digit(c)) return false;
-        s->state = J_NUM_EXP;
-        return true;
-    case J_NUM_EXP:
-        if (is_digit(c)) return true;
-        break;
-    case J_LIT: {
-        const char *lit = literals[s->aux / 8];
-        const unsigned pos = s->aux % 8;
-        if ((unsigned char)lit[pos] != c) return false;
-        s->aux++;
-        if (lit[pos + 1] == '\0') s->state = J_AFTER;
-        return true;
+    case J_KEY: return key_byte(s, c);
+    case J_ENUM: return enum_byte(s, c);
+    case J_DONE: return false;
+    default: break; /* in a string, a number or a literal */
     }
-    default: return false; /* J_DONE */
+lex:
+    switch (lex_byte(s, c)) {
+    case LEX_MORE: return true;
+    case LEX_END:
+        if (s->aux & STR_KEY) { /* a key of an object with any keys: its value is any value */
+            s->state = J_COLON;
+            s->aux = 0;
+            s->vnode = JS_ANY;
+        } else
+            value_done(s);
+        return true;
+    case LEX_ENDED_BEFORE: /* a complete number ended at c: c is what follows the value */
+        value_done(s);
+        return feed_byte(s, c);
+    default: return false;
     }
-    /* a complete number ended at c: c is what follows the value */
-    s->state = J_AFTER;
-    return feed_byte(s, c);
 }
 
 bool kvb_json_feed(kvb_json_state *s, const char *bytes, size_t n) {

@@ -1,11 +1,12 @@
 /* grammar/vocab_mask.c — the vocabulary's bytes in one blob (token i: blob[off[i] .. off[i+1]))
- * and the mask a JSON prefix state implies: each text token's bytes fed to a copy of the state, in
- * chunks on a pool, into a bitmap that is remembered for the state and applied to the logits. */
+ * and the mask a JSON prefix state implies: each text token's bytes fed to a copy of the state (its
+ * live part: a schema's frames up to its depth), in chunks on a pool, into a bitmap that is
+ * remembered for the state (compared with memcmp) and applied to the logits. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvb_grammar.h"
+#include "grammar_internal.h"
 
 struct kvb_vocab_bytes {
     uint32_t n;
@@ -109,8 +110,13 @@ static void mask_chunk(void *ctx, int t, int worker) {
     const kvb_vocab_bytes *v = j->v;
     const uint32_t i0 = (uint32_t)t * j->chunk, i1 = v->n - i0 > j->chunk ? i0 + j->chunk : v->n;
     uint32_t allowed = 0;
+    const size_t frames = json_state_live_bytes(j->s) - offsetof(kvb_json_state, frame);
+    kvb_json_state st;
     for (uint32_t i = i0; i < i1; i++) {
-        kvb_json_state st = *j->s;
+        /* the live part only (feeding reads no frame above the depth): a fixed-size head, and a
+         * schema's open frames */
+        memcpy(&st, j->s, offsetof(kvb_json_state, frame));
+        if (frames) memcpy(st.frame, j->s->frame, frames);
         const bool ok = v->kind[i] == KVB_VOCAB_EOG ? j->complete : kvb_json_feed_token(&st, v, (int32_t)i);
         if (ok) j->bits[i / 64] |= (uint64_t)1 << (i % 64);
         else j->bits[i / 64] &= ~((uint64_t)1 << (i % 64));
@@ -171,15 +177,10 @@ void kvb_json_masker_free(kvb_json_masker *m) {
     free(m);
 }
 
-static bool same_state(const kvb_json_state *a, const kvb_json_state *b) {
-    return a->stack == b->stack && a->depth == b->depth && a->state == b->state && a->aux == b->aux &&
-           a->ws_run == b->ws_run;
-}
-
 uint32_t kvb_json_masker_apply(kvb_json_masker *m, const kvb_json_state *s, float *logits) {
     int hit = -1, victim = 0;
     for (int k = 0; k < KVB_JSON_MASK_CACHE; k++) {
-        if (m->slot[k].used && same_state(&m->slot[k].s, s)) hit = k;
+        if (m->slot[k].used && memcmp(&m->slot[k].s, s, sizeof *s) == 0) hit = k;
         if (m->slot[k].used < m->slot[victim].used) victim = k;
     }
     if (hit < 0) {

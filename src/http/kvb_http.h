@@ -26,6 +26,7 @@
 #include <cJSON.h>
 
 #include "kvb_core.h"
+#include "kvb_grammar.h"   /* kvb_json_schema: response_format json_schema, compiled at parse time */
 #include "kvb_tokenizer.h" /* kvb_chat_msg: parsed messages go straight to kvb_chat_render */
 
 /* ---- metrics registry -------------------------------------------------------------------- */
@@ -116,8 +117,11 @@ typedef struct {
     bool ignore_eos;                 /* extension (vLLM's): an end-of-generation token does not end the
                                         reply, which runs to max_tokens or the context end (benchmarks) */
     bool logprobs;                   /* chat: "logprobs": true; completions: "logprobs": N (0..20) */
-    bool json_object;                /* response_format {"type": "json_object"}: the reply is a JSON
-                                        object (constrained decoding); {"type": "text"}: false */
+    bool json_object;                /* response_format {"type": "json_object"} or {"type":
+                                        "json_schema"}: the reply is a JSON object (constrained
+                                        decoding); {"type": "text"}: false */
+    const kvb_json_schema *json_schema; /* response_format json_schema: the object is valid under this
+                                        (compiled; lives with the request); NULL: any object */
     bool echo;                       /* completions: the reply's text starts with the prompt's; with
                                         logprobs, the prompt's tokens come first (the first one's
                                         logprob and top_logprobs null: nothing conditions it) */

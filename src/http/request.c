@@ -1,7 +1,8 @@
 /* request.c — hostile request bytes -> a validated kvb_completion_req. Every rejection is a 400
  * in OpenAI's shape naming the offending param ("messages[2].content", "stop[1]", ...). The
  * parsed cJSON tree stays alive with the request: strings point into it; only joined content
- * parts and the token id array are separate allocations. */
+ * parts, the token id array, the logit bias and a response_format's compiled JSON schema are
+ * separate allocations. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,20 +18,11 @@ typedef struct {
     int32_t *tokens;
     int32_t *bias_ids; /* (n_logit_bias) */
     float *bias_values;
+    kvb_json_schema *schema; /* response_format json_schema, compiled */
 } req_storage;
 
 #define BAD(e, param, ...) (http_error_set((e), 400, NULL, (param), __VA_ARGS__), KVB_ERR_INVALID)
 #define NOMEM(e) (http_error_set((e), 500, NULL, NULL, "out of memory parsing the request"), KVB_ERR_NOMEM)
-
-static const char *json_type_name(const cJSON *v) {
-    if (cJSON_IsString(v)) return "a string";
-    if (cJSON_IsNumber(v)) return "a number";
-    if (cJSON_IsBool(v)) return "a boolean";
-    if (cJSON_IsArray(v)) return "an array";
-    if (cJSON_IsObject(v)) return "an object";
-    if (cJSON_IsNull(v)) return "null";
-    return "an invalid value";
-}
 
 /* The item, or NULL when absent or JSON null (both mean "use the default"). */
 static const cJSON *field(const cJSON *obj, const char *name) {
@@ -44,7 +36,7 @@ static kvb_status get_bool(const cJSON *obj, const char *name, const char *param
     if (!v) return KVB_OK;
     if (!cJSON_IsBool(v))
         return BAD(e, param, "Invalid type for '%s': expected a boolean, but got %s instead.", param,
-                   json_type_name(v));
+                   kvb_json_value_kind(v));
     *out = cJSON_IsTrue(v);
     return KVB_OK;
 }
@@ -55,7 +47,7 @@ static kvb_status get_number(const cJSON *obj, const char *name, double lo, doub
     if (!v) return KVB_OK;
     if (!cJSON_IsNumber(v))
         return BAD(e, name, "Invalid type for '%s': expected a number, but got %s instead.", name,
-                   json_type_name(v));
+                   kvb_json_value_kind(v));
     double d = v->valuedouble;
     if (!isfinite(d) || d < lo || d > hi)
         return BAD(e, name, "Invalid '%s': %g is out of range; expected a value in [%g, %g].", name, d,
@@ -76,7 +68,7 @@ static kvb_status check_integer(const cJSON *v, const char *param, double lo, do
                                 kvb_http_error *e) {
     if (!cJSON_IsNumber(v))
         return BAD(e, param, "Invalid type for '%s': expected an integer, but got %s instead.", param,
-                   json_type_name(v));
+                   kvb_json_value_kind(v));
     double d = v->valuedouble;
     if (!isfinite(d) || d != floor(d))
         return BAD(e, param, "Invalid type for '%s': expected an integer, but got a decimal number "
@@ -91,7 +83,7 @@ static kvb_status get_string(const cJSON *v, const char *param, bool allow_empty
                              kvb_http_error *e) {
     if (!cJSON_IsString(v) || !v->valuestring)
         return BAD(e, param, "Invalid type for '%s': expected a string, but got %s instead.", param,
-                   json_type_name(v));
+                   kvb_json_value_kind(v));
     size_t n = strlen(v->valuestring);
     if (!http_utf8_valid(v->valuestring, n))
         return BAD(e, param, "Invalid '%s': the string is not valid UTF-8.", param);
@@ -121,7 +113,7 @@ static kvb_status parse_content(req_storage *st, const cJSON *content, const cha
     if (cJSON_IsString(content)) return get_string(content, param, true, out, e);
     if (!cJSON_IsArray(content))
         return BAD(e, param, "Invalid type for '%s': expected a string or an array of content parts, "
-                   "but got %s instead.", param, json_type_name(content));
+                   "but got %s instead.", param, kvb_json_value_kind(content));
     http_buf joined = {0};
     http_buf_append(&joined, "", 0);
     size_t pi = 0;
@@ -133,7 +125,7 @@ static kvb_status parse_content(req_storage *st, const cJSON *content, const cha
         kvb_status s = KVB_OK;
         if (!cJSON_IsObject(part))
             s = BAD(e, pparam, "Invalid type for '%s': expected a content part object, but got %s "
-                    "instead.", pparam, json_type_name(part));
+                    "instead.", pparam, kvb_json_value_kind(part));
         if (!s) {
             const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "type");
             char tparam[140];
@@ -171,7 +163,7 @@ static kvb_status parse_messages(req_storage *st, const cJSON *root, kvb_http_er
     if (!msgs || cJSON_IsNull(msgs)) return BAD(e, "messages", "Missing required parameter: 'messages'.");
     if (!cJSON_IsArray(msgs))
         return BAD(e, "messages", "Invalid type for 'messages': expected an array, but got %s instead.",
-                   json_type_name(msgs));
+                   kvb_json_value_kind(msgs));
     size_t n = (size_t)cJSON_GetArraySize(msgs);
     if (n == 0)
         return BAD(e, "messages", "Invalid 'messages': empty array. Expected an array with minimum "
@@ -185,7 +177,7 @@ static kvb_status parse_messages(req_storage *st, const cJSON *root, kvb_http_er
         snprintf(param, sizeof param, "messages[%zu]", i);
         if (!cJSON_IsObject(m))
             return BAD(e, param, "Invalid type for '%s': expected an object, but got %s instead.", param,
-                       json_type_name(m));
+                       kvb_json_value_kind(m));
         char rparam[112];
         snprintf(rparam, sizeof rparam, "%s.role", param);
         const cJSON *r = cJSON_GetObjectItemCaseSensitive(m, "role");
@@ -246,7 +238,7 @@ static kvb_status parse_prompt(req_storage *st, const cJSON *root, kvb_http_erro
     if (cJSON_IsString(p)) return get_string(p, "prompt", true, &st->req.prompt, e);
     if (!cJSON_IsArray(p))
         return BAD(e, "prompt", "Invalid type for 'prompt': expected a string, an array of one string "
-                   "or an array of token ids, but got %s instead.", json_type_name(p));
+                   "or an array of token ids, but got %s instead.", kvb_json_value_kind(p));
     const cJSON *first = p->child;
     if (!first) return BAD(e, "prompt", "Invalid 'prompt': empty array.");
     if (cJSON_IsNumber(first)) return parse_token_ids(st, p, "prompt", e);
@@ -256,7 +248,7 @@ static kvb_status parse_prompt(req_storage *st, const cJSON *root, kvb_http_erro
     if (cJSON_IsString(first)) return get_string(first, "prompt[0]", true, &st->req.prompt, e);
     if (cJSON_IsArray(first)) return parse_token_ids(st, first, "prompt[0]", e);
     return BAD(e, "prompt[0]", "Invalid type for 'prompt[0]': expected a string or an array of token "
-               "ids, but got %s instead.", json_type_name(first));
+               "ids, but got %s instead.", kvb_json_value_kind(first));
 }
 
 static kvb_status parse_stop(req_storage *st, const cJSON *root, kvb_http_error *e) {
@@ -268,7 +260,7 @@ static kvb_status parse_stop(req_storage *st, const cJSON *root, kvb_http_error 
     }
     if (!cJSON_IsArray(s))
         return BAD(e, "stop", "Invalid type for 'stop': expected a string or an array of strings, but "
-                   "got %s instead.", json_type_name(s));
+                   "got %s instead.", kvb_json_value_kind(s));
     int n = cJSON_GetArraySize(s);
     if (n > KVB_HTTP_MAX_STOP)
         return BAD(e, "stop", "Invalid 'stop': array too long. Expected an array with maximum length "
@@ -293,7 +285,7 @@ static kvb_status parse_stop_token_ids(req_storage *st, const cJSON *root, kvb_h
     if (!a) return KVB_OK;
     if (!cJSON_IsArray(a))
         return BAD(e, "stop_token_ids", "Invalid type for 'stop_token_ids': expected an array of token ids, but got "
-                   "%s instead.", json_type_name(a));
+                   "%s instead.", kvb_json_value_kind(a));
     const int n = cJSON_GetArraySize(a);
     if (n > KVB_HTTP_MAX_STOP_IDS)
         return BAD(e, "stop_token_ids", "Invalid 'stop_token_ids': %d ids; at most %d.", n, KVB_HTTP_MAX_STOP_IDS);
@@ -317,7 +309,7 @@ static kvb_status parse_logit_bias(req_storage *st, const cJSON *root, kvb_http_
     if (!b) return KVB_OK;
     if (!cJSON_IsObject(b))
         return BAD(e, "logit_bias", "Invalid type for 'logit_bias': expected an object mapping token ids to "
-                   "biases, but got %s instead.", json_type_name(b));
+                   "biases, but got %s instead.", kvb_json_value_kind(b));
     const int n = cJSON_GetArraySize(b);
     if (n > KVB_HTTP_MAX_LOGIT_BIAS)
         return BAD(e, "logit_bias", "Invalid 'logit_bias': %d entries; at most %d.", n, KVB_HTTP_MAX_LOGIT_BIAS);
@@ -351,7 +343,7 @@ static kvb_status parse_kvbridge(req_storage *st, const cJSON *root, kvb_http_er
     if (!k) return KVB_OK;
     if (!cJSON_IsObject(k))
         return BAD(e, "kvbridge", "Invalid type for 'kvbridge': expected an object, but got %s instead.",
-                   json_type_name(k));
+                   kvb_json_value_kind(k));
     const cJSON *it;
     cJSON_ArrayForEach(it, k) {
         const char *key = it->string ? it->string : "";
@@ -394,18 +386,64 @@ static kvb_status refuse_unsupported(const cJSON *root, kvb_api api, kvb_http_er
         if (!text_only)
             return BAD(e, "modalities", "'modalities' other than [\"text\"] is not supported by this server.");
     }
-    if ((v = field(root, "response_format"))) {
-        const cJSON *t = cJSON_IsObject(v) ? cJSON_GetObjectItemCaseSensitive(v, "type") : NULL;
-        if (!cJSON_IsString(t) || (strcmp(t->valuestring, "text") != 0 && strcmp(t->valuestring, "json_object") != 0))
-            return BAD(e, "response_format", "'response_format' other than {\"type\": \"text\"} or "
-                       "{\"type\": \"json_object\"} is not supported by this server (no JSON schemas).");
-    }
     if (api == KVB_API_COMPLETIONS) {
         if ((v = field(root, "suffix")))
             return BAD(e, "suffix", "'suffix' is not supported by this server.");
         if ((v = field(root, "best_of")) && !(cJSON_IsNumber(v) && v->valuedouble == 1))
             return BAD(e, "best_of", "Only best_of=1 is supported by this server.");
     }
+    return KVB_OK;
+}
+
+/* response_format: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema",
+ * "json_schema": {"name": 1..64 of [a-zA-Z0-9_-], "description"?, "schema"?, "strict"?}} (OpenAI's
+ * shape). The schema is compiled here, so one outside the subset the grammar supports is a 400
+ * that names the keyword and its path; without "schema" the reply is any JSON object, as with
+ * json_object. "strict" is accepted either way: the reply is always held to the schema. */
+static kvb_status parse_response_format(req_storage *st, const cJSON *root, kvb_http_error *e) {
+    const cJSON *v = field(root, "response_format");
+    if (!v) return KVB_OK;
+    const cJSON *t = cJSON_IsObject(v) ? cJSON_GetObjectItemCaseSensitive(v, "type") : NULL;
+    const char *type = cJSON_IsString(t) ? t->valuestring : "";
+    if (strcmp(type, "text") == 0) return KVB_OK;
+    st->req.json_object = true;
+    if (strcmp(type, "json_object") == 0) return KVB_OK;
+    if (strcmp(type, "json_schema") != 0)
+        return BAD(e, "response_format", "'response_format' other than {\"type\": \"text\"}, {\"type\": "
+                   "\"json_object\"} or {\"type\": \"json_schema\", ...} is not supported by this server.");
+    const cJSON *js = field(v, "json_schema");
+    if (!js) return BAD(e, "response_format", "Missing required parameter: 'response_format.json_schema'.");
+    if (!cJSON_IsObject(js))
+        return BAD(e, "response_format", "Invalid type for 'response_format.json_schema': expected an object, but got "
+                   "%s instead.", kvb_json_value_kind(js));
+    for (const cJSON *f = js->child; f; f = f->next)
+        if (strcmp(f->string, "name") != 0 && strcmp(f->string, "description") != 0 &&
+            strcmp(f->string, "schema") != 0 && strcmp(f->string, "strict") != 0)
+            return BAD(e, "response_format", "Unknown parameter: 'response_format.json_schema.%.40s'.", f->string);
+    const cJSON *name = field(js, "name"), *desc = field(js, "description");
+    const char *text = NULL;
+    kvb_status s;
+    if (!name) return BAD(e, "response_format", "Missing required parameter: 'response_format.json_schema.name'.");
+    if ((s = get_string(name, "response_format.json_schema.name", false, &text, e))) return s;
+    bool name_ok = strlen(text) <= 64;
+    for (const char *c = text; name_ok && *c; c++)
+        name_ok = (*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') || *c == '_' || *c == '-';
+    if (!name_ok)
+        return BAD(e, "response_format", "Invalid 'response_format.json_schema.name': '%.64s'. Expected 1 to 64 "
+                   "characters of a-z, A-Z, 0-9, '_' and '-'.", text);
+    if (desc && (s = get_string(desc, "response_format.json_schema.description", true, &text, e))) return s;
+    bool strict = false;
+    if ((s = get_bool(js, "strict", "response_format.json_schema.strict", &strict, e))) return s;
+    const cJSON *schema = field(js, "schema");
+    if (!schema) return KVB_OK; /* any object */
+    if (!cJSON_IsObject(schema))
+        return BAD(e, "response_format", "Invalid type for 'response_format.json_schema.schema': expected an object, "
+                   "but got %s instead.", kvb_json_value_kind(schema));
+    kvb_err err = {0};
+    s = kvb_json_schema_compile(schema, "response_format.json_schema.schema", &st->schema, &err);
+    if (s == KVB_ERR_NOMEM) return NOMEM(e);
+    if (s) return BAD(e, "response_format", "%s", err.msg);
+    st->req.json_schema = st->schema;
     return KVB_OK;
 }
 
@@ -507,7 +545,7 @@ static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_http_error 
     if ((v = field(root, "stream_options"))) {
         if (!cJSON_IsObject(v))
             return BAD(e, "stream_options", "Invalid type for 'stream_options': expected an object, but "
-                       "got %s instead.", json_type_name(v));
+                       "got %s instead.", kvb_json_value_kind(v));
         if (!r->stream)
             return BAD(e, "stream_options", "The 'stream_options' parameter is only allowed when "
                        "'stream' is enabled.");
@@ -516,9 +554,7 @@ static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_http_error 
     }
     if ((s = parse_kvbridge(st, root, e))) return s;
     if ((s = refuse_unsupported(root, api, e))) return s;
-    const cJSON *rf = field(root, "response_format"); /* refuse_unsupported let only text and json_object by */
-    r->json_object = rf && strcmp(cJSON_GetObjectItemCaseSensitive(rf, "type")->valuestring, "json_object") == 0;
-    return KVB_OK;
+    return parse_response_format(st, root, e);
 }
 
 /* A hostile body into a JSON object (*root; cJSON_Delete it), or a 400 saying what is wrong. */
@@ -550,7 +586,7 @@ static kvb_status parse_body_object(const char *body, size_t len, cJSON **root, 
                    "the JSON value at byte %zu.", pos);
     }
     if (!cJSON_IsObject(r)) {
-        kvb_status s = BAD(e, NULL, "The request body must be a JSON object, but it is %s.", json_type_name(r));
+        kvb_status s = BAD(e, NULL, "The request body must be a JSON object, but it is %s.", kvb_json_value_kind(r));
         cJSON_Delete(r);
         return s;
     }
@@ -638,7 +674,7 @@ static kvb_status fill_detokenize(req_storage *st, const cJSON *root, kvb_http_e
     if (!s && !toks) s = BAD(e, "tokens", "Missing required parameter: 'tokens'.");
     if (!s && !cJSON_IsArray(toks))
         s = BAD(e, "tokens", "Invalid type for 'tokens': expected an array of token ids, but got %s instead.",
-                json_type_name(toks));
+                kvb_json_value_kind(toks));
     if (!s && toks->child) s = parse_token_ids(st, toks, "tokens", e); /* [] detokenizes to "" */
     return s;
 }
@@ -657,6 +693,7 @@ void kvb_completion_req_free(kvb_completion_req *req) {
     free(st->tokens);
     free(st->bias_ids);
     free(st->bias_values);
+    kvb_json_schema_free(st->schema);
     cJSON_Delete(st->root);
     free(st);
 }

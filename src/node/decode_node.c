@@ -655,7 +655,7 @@ static kvb_status decode_choice(kvb_decode_node *n, const kvb_completion_req *re
                            .logprobs = req->logprobs, .top_logprobs = req->top_logprobs,
                            .constrain = req->json_object || req->min_tokens ? kvb_reply_constrain : NULL,
                            .constrain_ctx = &rules};
-    kvb_json_init(&rules.s);
+    kvb_json_init_schema(&rules.s, req->json_schema); /* NULL: any object (json_object) */
     if (req->json_object) st = kvb_json_masker_create(n->vocab_bytes, kvb_engine_pool(n->e), &rules.masker, err);
     if (!st) st = kvb_sampler_init(&smp, &so, n->m->d.n_vocab, err);
     /* the engine's pool is the sampler's only while the engine is held: here, for the first token,

@@ -216,11 +216,11 @@ kvb_status kvb_reply_emit_echo(const kvb_tokenizer *tok, const kvb_completion_re
 /* The rules a reply's tokens are drawn under, as the sampler's constraint (kvb_reply_constrain,
  * ctx: a kvb_reply_rules): before min_tokens reply tokens, no end-of-generation token and no stop
  * token id (vLLM's min_tokens); with response_format's JSON mode, only tokens that keep the reply
- * a JSON prefix (its masker over the node's vocabulary bytes, on the engine's pool: idle whenever a
- * sampler runs, it is the sampler's too). `generated` is the reply's tokens so far, set by the
- * request's thread before each step. */
+ * a JSON prefix, valid under the request's JSON schema when it has one (its masker over the node's
+ * vocabulary bytes, on the engine's pool: idle whenever a sampler runs, it is the sampler's too).
+ * `generated` is the reply's tokens so far, set by the request's thread before each step. */
 typedef struct {
-    kvb_json_state s;
+    kvb_json_state s;           /* the reply so far (kvb_json_init_schema with the request's schema) */
     kvb_json_masker *masker;    /* NULL: no JSON mode */
     int64_t min_tokens, generated;
     const int32_t *eog_ids;     /* (n_eog) the vocabulary's end-of-generation tokens */

@@ -1,7 +1,8 @@
 /* node/reply_fields.c — the optional parts of a decode node's reply: each token's logprobs (its
  * bytes from the vocabulary beside the sampler's numbers), an echoed prompt with every prompt
  * token's logprob (the whole prompt through the engine with all its rows' logits), and the rules
- * the sampler draws under (min_tokens, the JSON mode). */
+ * the sampler draws under (min_tokens, the JSON mode with or without a JSON schema: the schema
+ * travels in the recognizer's state). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
