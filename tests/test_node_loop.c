@@ -608,7 +608,7 @@ static void check_against(uint16_t port, client_job *jobs, int n) {
 
 static void test_cache_budget_admission(void **state) {
     (void)state;
-    g_cache_blocks = 100;
+    g_cache_blocks = 30; /* a request reserves ceil((prompt + max_tokens) / 32) + 2 blocks */
     kvb_decode_node *par = start_decode(0, PSK, 10000); /* parallel 4 (the default) */
     g_parallel = 1;
     kvb_decode_node *one = start_decode(0, PSK, 10000);
@@ -618,8 +618,8 @@ static void test_cache_budget_admission(void **state) {
     client_job small[4], big[2];
     memset(small, 0, sizeof small);
     memset(big, 0, sizeof big);
-    for (int c = 0; c < 4; c++) { /* 200 + 32 tokens: 10 blocks each */
-        small[c] = (client_job){.port = pp, .n = 200, .max_tokens = 32, .ignore_eos = true};
+    for (int c = 0; c < 4; c++) { /* 100 + 32 tokens: 7 blocks each, 28 together */
+        small[c] = (client_job){.port = pp, .n = 100, .max_tokens = 32, .ignore_eos = true};
         kvbt_prompt_ids(small[c].ids, small[c].n, 500 + (uint64_t)c);
     }
     run_clients(small, 4);
@@ -628,16 +628,16 @@ static void test_cache_budget_admission(void **state) {
     printf("four short requests: %.0f steps in %.0f batches\n", steps, batches);
     assert_true(steps > batches);                                          /* served together */
     assert_true(kvbt_metric(pp, "kvbridge_cache_waits_total ") == 0);
-    for (int c = 0; c < 2; c++) { /* 400 + 1200 tokens: 52 blocks each, 104 together */
-        big[c] = (client_job){.port = pp, .n = 400, .max_tokens = 1200, .ignore_eos = true};
-        for (int i = 0; i < 400; i++) big[c].ids[i] = 3 + (int32_t)((i * 7 + c * 13) % 250);
+    for (int c = 0; c < 2; c++) { /* 100 + 350 tokens: 17 blocks each, 34 together */
+        big[c] = (client_job){.port = pp, .n = 100, .max_tokens = 350, .ignore_eos = true};
+        for (int i = 0; i < 100; i++) big[c].ids[i] = 3 + (int32_t)((i * 7 + c * 13) % 250);
     }
     run_clients(big, 2);
     assert_true(kvbt_metric(pp, "kvbridge_cache_waits_total ") == 1);
     assert_true(kvbt_metric(pp, "kvbridge_cache_blocks_reserved ") == 0);
-    /* 400 + 3300 tokens: 118 blocks, more than the cache holds */
+    /* 100 + 900 tokens: 34 blocks, more than the cache holds */
     kvb_http_reply h;
-    kvbt_post_ids(pp, big[0].ids, 400, 3300, false, &h);
+    kvbt_post_ids(pp, big[0].ids, 100, 900, false, &h);
     assert_int_equal(h.status, 400);
     if (!strstr(h.body, "--cache-blocks") || !strstr(h.body, "context_length_exceeded")) fail_msg("%s", h.body);
     kvb_http_reply_free(&h);
