@@ -110,8 +110,12 @@ import openai
 from pydantic import BaseModel
 
 
-class Answer(BaseModel):
+class Place(BaseModel):  # nested: the client sends it as a $ref into the schema's $defs
     city: str
+
+
+class Answer(BaseModel):
+    place: Place
     year: int
 
 
@@ -123,8 +127,8 @@ try:
     print(f"structured output (parsed): {msg.content}")
 except openai.LengthFinishReasonError as e:
     stext = e.completion.choices[0].message.content or ""
-    head = re.sub(r"\s+", "", stext)[:7]  # the first key may hold no blanks; only blanks precede it
-    check("json schema: ran to max_tokens, a prefix", head == '{"city"'[:len(head)] and len(stext) > 0, stext)
+    head = re.sub(r"\s+", "", stext)[:8]  # the first key may hold no blanks; only blanks precede it
+    check("json schema: ran to max_tokens, a prefix", head == '{"place"'[:len(head)] and len(stext) > 0, stext)
     print(f"structured output (ran to max_tokens): {stext!r}")
 try:
     client.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}], response_format={

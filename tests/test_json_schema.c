@@ -51,7 +51,7 @@ static void expect_refused_schema(const char *text, const char *words) {
 
 static void test_refused_keywords(void **state) {
     (void)state;
-    static const char *const refused[] = {"$ref", "$defs", "definitions", "pattern", "format", "oneOf", "allOf",
+    static const char *const refused[] = {"pattern", "format", "oneOf", "allOf",
                                           "not", "if", "then", "else", "minLength", "maxLength", "minimum",
                                           "maximum", "multipleOf", "uniqueItems", "prefixItems",
                                           "patternProperties", "propertyNames", "contains", "dependentRequired",
@@ -74,6 +74,78 @@ static void test_refused_keywords(void **state) {
     kvb_json_schema_free(compile_ok("{\"type\":\"object\",\"title\":\"T\",\"description\":\"d\",\"$schema\":\"x\","
                                     "\"$comment\":\"c\",\"default\":{},\"examples\":[{}],\"properties\":{\"a\":{\"title\":\"A\","
                                     "\"type\":\"string\",\"default\":\"z\"}}}"));
+}
+
+/* $ref into the root's $defs, as the openai client's parse helper sends a Pydantic model with a
+ * nested model, a list of them, an optional one and an enum class. */
+static void test_refs_into_defs(void **state) {
+    (void)state;
+    static const char *const pydantic =
+        "{\"$defs\":{\"Color\":{\"enum\":[\"red\",\"green\"],\"title\":\"Color\",\"type\":\"string\"},\"Inner\":"
+        "{\"properties\":{\"x\":{\"title\":\"X\",\"type\":\"integer\"},\"tag\":{\"const\":\"a\",\"title\":\"Tag\","
+        "\"type\":\"string\"}},\"required\":[\"x\",\"tag\"],\"title\":\"Inner\",\"type\":\"object\","
+        "\"additionalProperties\":false}},\"properties\":{\"name\":{\"title\":\"Name\",\"type\":\"string\"},"
+        "\"inner\":{\"$ref\":\"#/$defs/Inner\"},\"items\":{\"items\":{\"$ref\":\"#/$defs/Inner\"},\"title\":\"Items\","
+        "\"type\":\"array\"},\"maybe\":{\"anyOf\":[{\"$ref\":\"#/$defs/Inner\"},{\"type\":\"null\"}]},\"color\":"
+        "{\"$ref\":\"#/$defs/Color\"},\"score\":{\"title\":\"Score\",\"type\":\"number\"}},\"required\":[\"name\","
+        "\"inner\",\"items\",\"maybe\",\"color\",\"score\"],\"title\":\"Outer\",\"type\":\"object\","
+        "\"additionalProperties\":false}";
+    kvb_json_schema *sch = compile_ok(pydantic);
+    static const char *const valid[] = {
+        "{\"name\":\"n\",\"inner\":{\"x\":1,\"tag\":\"a\"},\"items\":[],\"maybe\":null,\"color\":\"red\",\"score\":2.5}",
+        "{\"name\":\"\",\"inner\":{\"x\":-3,\"tag\":\"a\"},\"items\":[{\"x\":0,\"tag\":\"a\"},{\"x\":7,\"tag\":\"a\"}],"
+        "\"maybe\":{\"x\":2,\"tag\":\"a\"},\"color\":\"green\",\"score\":1e3}",
+    };
+    for (size_t i = 0; i < sizeof valid / sizeof *valid; i++) {
+        kvb_json_state st;
+        kvb_json_init_schema(&st, sch);
+        if (!kvb_json_feed(&st, valid[i], strlen(valid[i])) || !kvb_json_complete(&st))
+            fail_msg("refused or incomplete: %s", valid[i]);
+    }
+    /* the shared definition holds wherever it is referenced: a wrong tag, a fraction, a colour */
+    static const char *const invalid[] = {
+        "{\"name\":\"n\",\"inner\":{\"x\":1,\"tag\":\"b\"",
+        "{\"name\":\"n\",\"inner\":{\"x\":1,\"tag\":\"a\"},\"items\":[{\"x\":1.5",
+        "{\"name\":\"n\",\"inner\":{\"x\":1,\"tag\":\"a\"},\"items\":[],\"maybe\":{\"tag\"",
+        "{\"name\":\"n\",\"inner\":{\"x\":1,\"tag\":\"a\"},\"items\":[],\"maybe\":null,\"color\":\"blue",
+        "{\"name\":\"n\",\"inner\":{\"x\":1,\"tag\":\"a\"},\"items\":[],\"maybe\":null,\"color\":\"red\",\"score\":\"",
+    };
+    for (size_t i = 0; i < sizeof invalid / sizeof *invalid; i++) {
+        kvb_json_state st;
+        kvb_json_init_schema(&st, sch);
+        if (kvb_json_feed(&st, invalid[i], strlen(invalid[i]))) fail_msg("accepted: %s", invalid[i]);
+    }
+    kvb_json_schema_free(sch);
+    /* draft-07's "definitions", a name with JSON Pointer escapes, a $ref beside metadata */
+    kvb_json_schema_free(compile_ok("{\"type\":\"object\",\"definitions\":{\"a/b~c\":{\"type\":\"integer\"}},"
+                                    "\"properties\":{\"v\":{\"$ref\":\"#/definitions/a~1b~0c\",\"description\":\"d\"}}}"));
+    /* refused: recursion (direct and through another definition), references elsewhere, unknown names,
+     * $defs below the root, $ref beside constraints, both spellings at once */
+    expect_refused_schema("{\"type\":\"object\",\"$defs\":{\"N\":{\"type\":\"object\",\"properties\":{\"next\":"
+                          "{\"$ref\":\"#/$defs/N\"}}}},\"properties\":{\"head\":{\"$ref\":\"#/$defs/N\"}}}",
+                          "schema.$defs.N.properties.next: '$ref' \"#/$defs/N\" refers to itself");
+    expect_refused_schema("{\"type\":\"object\",\"$defs\":{\"A\":{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/B\"}},"
+                          "\"B\":{\"anyOf\":[{\"$ref\":\"#/$defs/A\"},{\"type\":\"null\"}]}},\"properties\":{\"a\":"
+                          "{\"$ref\":\"#/$defs/A\"}}}", "schema.$defs.B.anyOf[0]: '$ref' \"#/$defs/A\" refers to itself");
+    expect_refused_schema("{\"type\":\"object\",\"properties\":{\"a\":{\"$ref\":\"#\"}}}",
+                          "schema.properties.a: '$ref' \"#\" is not supported by this server");
+    expect_refused_schema("{\"type\":\"object\",\"$defs\":{},\"properties\":{\"a\":{\"$ref\":\"http://x/s.json\"}}}",
+                          "'$ref' \"http://x/s.json\" is not supported");
+    expect_refused_schema("{\"type\":\"object\",\"$defs\":{\"A\":{}},\"properties\":{\"a\":{\"$ref\":\"#/$defs/B\"}}}",
+                          "schema.properties.a: '$ref' \"#/$defs/B\": no such definition");
+    expect_refused_schema("{\"type\":\"object\",\"$defs\":{\"A\":{}},\"properties\":{\"a\":{\"$ref\":\"#/$defs/A/x\"}}}",
+                          "does not name one definition");
+    expect_refused_schema("{\"type\":\"object\",\"$defs\":{\"A\":{}},\"properties\":{\"a\":{\"$ref\":\"#/$defs/A\","
+                          "\"type\":\"string\"}}}", "schema.properties.a: '$ref' beside 'type' is not supported");
+    expect_refused_schema("{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"object\",\"$defs\":{}}}}",
+                          "schema.properties.a: '$defs' is supported by this server only at the schema's root");
+    expect_refused_schema("{\"type\":\"object\",\"$defs\":{},\"definitions\":{}}", "'$defs' and 'definitions' together");
+    expect_refused_schema("{\"type\":\"object\",\"$defs\":[]}", "'$defs' must be an object of schemas, not an array");
+    expect_refused_schema("{\"type\":\"object\",\"$defs\":{\"A\":{}},\"properties\":{\"a\":{\"$ref\":7}}}",
+                          "'$ref' must be a string, not a number");
+    /* an error inside a definition names the definition's place */
+    expect_refused_schema("{\"type\":\"object\",\"$defs\":{\"A\":{\"type\":\"string\",\"pattern\":\"x\"}},\"properties\":"
+                          "{\"a\":{\"$ref\":\"#/$defs/A\"}}}", "schema.$defs.A: keyword 'pattern' is not supported");
 }
 
 static void test_wrong_values(void **state) {
@@ -1084,6 +1156,7 @@ int main(void) {
     kvbt_rnd_seed(0x9E3779B97F4A7C15ull); /* this file's own stream of random texts */
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_refused_keywords),
+        cmocka_unit_test(test_refs_into_defs),
         cmocka_unit_test(test_wrong_values),
         cmocka_unit_test(test_limits_and_hostile_schemas),
         cmocka_unit_test(test_objects_and_scalars),

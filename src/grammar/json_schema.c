@@ -16,15 +16,23 @@
 #define PATH_MAX_BYTES 256
 
 #define SUPPORTED "type, properties, required, additionalProperties (true or false), items, minItems, maxItems, " \
-                  "enum, const, anyOf; ignored: title, description, $schema, $comment, default, examples"
+                  "enum, const, anyOf, $ref to the root's $defs (not recursive); ignored: title, description, " \
+                  "$schema, $comment, default, examples"
 
 typedef struct {
     kvb_json_schema *sch;
     uint32_t cap_nodes, cap_props, cap_prop_nodes, cap_values, cap_text;
     kvb_err *err;
     char path[PATH_MAX_BYTES]; /* where the subschema being compiled stands */
-    size_t path_len;
+    size_t path_len, root_path_len; /* root_path_len: the root schema's own path */
+    const cJSON *defs;              /* the root's "$defs" (or "definitions") object, or NULL */
+    const char *defs_key;           /* which of the two it is */
+    uint32_t n_refs;                /* definitions met through $ref so far: */
+    const cJSON *ref_target[KVB_JSON_SCHEMA_MAX_NODES]; /* (n_refs) each one's schema */
+    uint16_t ref_node[KVB_JSON_SCHEMA_MAX_NODES];       /* (n_refs) its node, or REF_OPEN while compiling */
 } compiler;
+
+#define REF_OPEN 0xFFFFu /* a definition being compiled: a $ref to it from inside is a cycle */
 
 static kvb_status fail(compiler *k, kvb_status code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static kvb_status fail(compiler *k, kvb_status code, const char *fmt, ...) {
@@ -172,9 +180,10 @@ static kvb_status add_number_text(compiler *k, double d, js_text *out) {
 /* ---- keywords --------------------------------------------------------------------------------- */
 
 enum { KW_TYPE = 0, KW_PROPERTIES, KW_REQUIRED, KW_ADDITIONAL, KW_ITEMS, KW_MIN_ITEMS, KW_MAX_ITEMS, KW_ENUM,
-       KW_CONST, KW_ANYOF, KW_N };
+       KW_CONST, KW_ANYOF, KW_REF, KW_DEFS, KW_DEFINITIONS, KW_N };
 static const char *const keywords[KW_N] = {"type", "properties", "required", "additionalProperties", "items",
-                                           "minItems", "maxItems", "enum", "const", "anyOf"};
+                                           "minItems", "maxItems", "enum", "const", "anyOf", "$ref", "$defs",
+                                           "definitions"};
 static const char *const ignored[] = {"title", "description", "$schema", "$comment", "default", "examples"};
 
 /* Types a node allows. */
@@ -385,6 +394,57 @@ static kvb_status compile_array(compiler *k, uint16_t at, const cJSON *const kw[
     return KVB_OK;
 }
 
+/* "$ref": a local reference into the root's definitions ("#/$defs/NAME" or "#/definitions/NAME",
+ * NAME with JSON Pointer's ~0 and ~1), as Pydantic writes nested models and enums. Each definition
+ * is compiled once, where it is first referenced, and every $ref to it shares its node; a $ref
+ * back into a definition still being compiled (a recursive schema) is refused. Messages inside a
+ * definition name its own place: "SCHEMA.$defs.NAME". */
+static kvb_status compile_ref(compiler *k, const cJSON *ref, int depth, uint16_t *out) {
+    if (!cJSON_IsString(ref)) return fail(k, KVB_ERR_INVALID, "'$ref' must be a string, not %s", kvb_json_value_kind(ref));
+    const char *r = ref->valuestring;
+    char prefix[32];
+    snprintf(prefix, sizeof prefix, "#/%s/", k->defs_key ? k->defs_key : "$defs");
+    if (!k->defs || strncmp(r, prefix, strlen(prefix)) != 0)
+        return fail(k, KVB_ERR_UNSUPPORTED, "'$ref' \"%.60s\" is not supported by this server (only references to "
+                    "the root's %s: \"%sNAME\")", r, k->defs_key ? k->defs_key : "$defs", prefix);
+    char name[KVB_JSON_SCHEMA_MAX_STRING + 1]; /* JSON Pointer's ~1 (/) and ~0 (~) decoded */
+    size_t n = 0;
+    for (const char *c = r + strlen(prefix); *c; c++) {
+        if (*c == '/' || n == sizeof name - 1 || (*c == '~' && c[1] != '0' && c[1] != '1'))
+            return fail(k, KVB_ERR_UNSUPPORTED, "'$ref' \"%.60s\" does not name one definition", r);
+        name[n++] = *c == '~' ? (*++c == '1' ? '/' : '~') : *c;
+    }
+    name[n] = '\0';
+    const cJSON *target = NULL;
+    for (const cJSON *d = k->defs->child; d && !target; d = d->next)
+        if (strcmp(d->string, name) == 0) target = d;
+    if (!target) return fail(k, KVB_ERR_INVALID, "'$ref' \"%.60s\": no such definition", r);
+    uint32_t i = 0;
+    while (i < k->n_refs && k->ref_target[i] != target) i++;
+    if (i < k->n_refs) {
+        if (k->ref_node[i] == REF_OPEN)
+            return fail(k, KVB_ERR_UNSUPPORTED, "'$ref' \"%.60s\" refers to itself (recursive schemas are not "
+                        "supported by this server)", r);
+        *out = k->ref_node[i];
+        return KVB_OK;
+    }
+    if (k->n_refs == KVB_JSON_SCHEMA_MAX_NODES)
+        return fail(k, KVB_ERR_RANGE, "the schema has more than %d subschemas", KVB_JSON_SCHEMA_MAX_NODES);
+    k->ref_target[k->n_refs] = target;
+    k->ref_node[k->n_refs++] = REF_OPEN;
+    char here[PATH_MAX_BYTES]; /* compiled at its own place in the schema, then back here */
+    memcpy(here, k->path, sizeof here);
+    const size_t here_len = k->path_len;
+    path_pop(k, k->root_path_len);
+    path_push_name(k, k->defs_key[0] == '$' ? ".$defs" : ".definitions", name);
+    const kvb_status st = compile_node(k, target, depth + 1, out);
+    memcpy(k->path, here, sizeof here);
+    k->path_len = here_len;
+    if (st) return st;
+    k->ref_node[i] = *out;
+    return KVB_OK;
+}
+
 static kvb_status compile_node(compiler *k, const cJSON *js, int depth, uint16_t *out) {
     if (depth > KVB_JSON_MAX_DEPTH)
         return fail(k, KVB_ERR_RANGE, "the schema nests deeper than %d levels", KVB_JSON_MAX_DEPTH);
@@ -399,7 +459,7 @@ static kvb_status compile_node(compiler *k, const cJSON *js, int depth, uint16_t
         if (found >= 0) {
             if (kw[found]) return fail(k, KVB_ERR_INVALID, "keyword '%s' appears twice", keywords[found]);
             kw[found] = e;
-            constrains = constrains || found != KW_ANYOF;
+            constrains = constrains || (found != KW_ANYOF && found != KW_DEFS && found != KW_DEFINITIONS);
             continue;
         }
         bool skip = false;
@@ -407,6 +467,17 @@ static kvb_status compile_node(compiler *k, const cJSON *js, int depth, uint16_t
         if (!skip)
             return fail(k, KVB_ERR_UNSUPPORTED, "keyword '%.40s' is not supported by this server (supported: " SUPPORTED ")",
                         e->string);
+    }
+    if (kw[KW_DEFS] || kw[KW_DEFINITIONS]) { /* read by kvb_json_schema_compile, at the root only */
+        if (depth != 1)
+            return fail(k, KVB_ERR_UNSUPPORTED, "'%s' is supported by this server only at the schema's root",
+                        kw[KW_DEFS] ? "$defs" : "definitions");
+    }
+    if (kw[KW_REF]) {
+        for (int i = 0; i < KW_N; i++)
+            if (kw[i] && i != KW_REF && i != KW_DEFS && i != KW_DEFINITIONS)
+                return fail(k, KVB_ERR_UNSUPPORTED, "'$ref' beside '%s' is not supported by this server", keywords[i]);
+        return compile_ref(k, kw[KW_REF], depth, out);
     }
     uint16_t at;
     kvb_status st = new_node(k, &at);
@@ -449,8 +520,21 @@ kvb_status kvb_json_schema_compile(const cJSON *schema, const char *path, kvb_js
     k.sch = calloc(1, sizeof *k.sch);
     if (!k.sch) return no_memory(&k);
     path_push(&k, "%s", path ? path : "schema");
+    k.root_path_len = k.path_len;
+    kvb_status st = KVB_OK;
+    if (cJSON_IsObject(schema)) {
+        const cJSON *d = cJSON_GetObjectItemCaseSensitive(schema, "$defs"),
+                    *dd = cJSON_GetObjectItemCaseSensitive(schema, "definitions");
+        if (d && dd) st = kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: '$defs' and 'definitions' together are not "
+                                       "supported by this server", k.path);
+        else if ((d || dd) && !cJSON_IsObject(d ? d : dd))
+            st = kvb_err_set(err, KVB_ERR_INVALID, "%s: '%s' must be an object of schemas, not %s", k.path,
+                              d ? "$defs" : "definitions", kvb_json_value_kind(d ? d : dd));
+        k.defs = d ? d : dd;
+        k.defs_key = d ? "$defs" : dd ? "definitions" : NULL;
+    }
     uint16_t any, root;
-    kvb_status st = new_node(&k, &any); /* node 0: any value */
+    if (!st) st = new_node(&k, &any); /* node 0: any value */
     if (!st) {
         js_node *n = &k.sch->nodes[any];
         for (int c = 0; c < JC_N; c++) n->first[c] = any;

@@ -34,8 +34,11 @@
  *   - anyOf (at most KVB_JSON_SCHEMA_MAX_ANYOF alternatives, no other constraining keyword
  *     beside it) whose alternatives cannot begin with the same byte (their types differ: e.g.
  *     [{"type": "string"}, {"type": "null"}]): the first byte of the value picks the alternative.
+ *   - $ref to a definition in the root's $defs (or draft-07's definitions): "#/$defs/NAME", as
+ *     Pydantic writes nested models and enum classes; each definition compiled once and shared
+ *     by every $ref to it; a recursive one (a $ref back into a definition being compiled) refused.
  *   - title, description, $schema, $comment, default, examples: accepted and ignored.
- * Refused: $ref/$defs (so no recursion), pattern, format, minLength/maxLength, oneOf, allOf, not,
+ * Refused: other $refs and recursion, pattern, format, minLength/maxLength, oneOf, allOf, not,
  * if/then/else, a schema for additionalProperties, tuple items, unknown keywords, boolean schemas.
  * Limits: KVB_JSON_MAX_DEPTH levels of schema, KVB_JSON_SCHEMA_MAX_NODES subschemas, names and
  * values of at most KVB_JSON_SCHEMA_MAX_STRING bytes, KVB_JSON_SCHEMA_MAX_TEXT bytes of them in all.
