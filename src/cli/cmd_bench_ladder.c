@@ -358,6 +358,9 @@ int kvb_bench_ladder(int argc, char **argv) {
                "native tail %.3f s (after DONE; pipelined with the transfer in %d of %lld)\n",
                kvb_median_sort(ph_pre, (int)seeds), kvb_median_sort(ph_xfer, (int)seeds),
                kvb_median_sort(ph_nat, (int)seeds), n_piped, seeds);
+        printf("          decoder's tail after DONE, each bridged prompt (sorted):");
+        for (int s = 0; s < seeds; s++) printf(" %.4f", ph_nat[s]); /* kvb_median_sort sorted them */
+        printf(" s\n");
         if (filler) {
             /* the raw link the same way in the same run: as many bytes as one leg shipped, after each leg */
             const double raw = kvb_median_sort(raw_gbs, (int)seeds);

@@ -10,6 +10,9 @@
 #   ladder  bench ladder --device cuda on the llama3.2-1b shape (CUDA prefill node -> CPU decode
 #           node on loopback) at LADDER_LENGTHS, decoder alone up to ALONE_MAX tokens
 #   million one bridged 1,048,576-token prompt on the 1B shape (bench ladder, decoder alone not run)
+#   trace   the CUDA ladder at each of LADDER_LENGTHS (decoder alone not run) with KVB_TRACE, and
+#           tools/trace_report.py's sums of its last two bridged prompts (trace*.txt; the timelines
+#           gzipped beside them): where the time after the GPU goes, the decoder's tail above all
 #   shipper the ladder again (bridged legs and GPU alone only) with KVB_BRIDGE_SHIPPER=0: the CUDA
 #           bridge shipping inline on the engine's thread, to compare with the default shipping
 #           thread the ladder stage uses
@@ -85,6 +88,17 @@ if want ladder; then
   timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths "$LADDER_LENGTHS" --seeds "$LADDER_SEEDS" \
     --alone-max "$ALONE_MAX" --cache-type "$CACHE" $LADDER_EXTRA 2>"$OUT/ladder.err" | tee "$OUT/ladder.txt"
   tail -5 "$OUT/ladder.err"
+fi
+if want trace; then # where a bridged prompt's time goes after the GPU is done (the decoder's tail)
+  say "== trace: the CUDA ladder with KVB_TRACE, one timeline per length, summed by tools/trace_report.py"
+  f=$(gen llama3.2-1b q8_0)
+  for L in ${LADDER_LENGTHS//,/ }; do
+    KVB_TRACE="$OUT/trace$L.json" timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths "$L" \
+      --seeds "$LADDER_SEEDS" --alone-max 0 --cache-type "$CACHE" $LADDER_EXTRA >"$OUT/trace$L.txt" 2>&1
+    python3 tools/trace_report.py "$OUT/trace$L.json" --last 2 --min-ms 0.2 >>"$OUT/trace$L.txt" 2>&1
+    gzip -f "$OUT/trace$L.json"
+    grep -E '^ +[0-9]+ |tail|floor' "$OUT/trace$L.txt" | head -12
+  done
 fi
 if want shipper; then
   say "== ladder with the CUDA bridge shipping inline (KVB_BRIDGE_SHIPPER=0)"
