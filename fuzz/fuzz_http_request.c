@@ -51,7 +51,7 @@ static const char *const seeds[] = {
     /* structured outputs: a schema compiled at parse time (every supported keyword) */
     ("\x00{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":"
      "\"json_schema\",\"json_schema\":{\"name\":\"a_b-1\",\"strict\":true,\"schema\":{\"type\":\"object\","
-     "\"title\":\"T\",\"properties\":{\"s\":{\"type\":\"string\"},\"n\":{\"type\":[\"integer\",\"null\"]},"
+     "\"title\":\"T\",\"properties\":{\"s\":{\"type\":\"string\",\"minLength\":1,\"maxLength\":5},\"n\":{\"type\":[\"integer\",\"null\"]},"
      "\"e\":{\"enum\":[\"a\\\"b\",1.5,true,null]},\"c\":{\"const\":100},\"l\":{\"type\":\"array\",\"items\":"
      "{\"type\":\"number\"},\"minItems\":1,\"maxItems\":3},\"u\":{\"anyOf\":[{\"type\":\"string\"},"
      "{\"type\":\"object\",\"properties\":{}}]},\"o\":{\"type\":\"object\"}},\"required\":[\"s\",\"l\"],"

@@ -52,7 +52,7 @@ static void expect_refused_schema(const char *text, const char *words) {
 static void test_refused_keywords(void **state) {
     (void)state;
     static const char *const refused[] = {"pattern", "format", "oneOf", "allOf",
-                                          "not", "if", "then", "else", "minLength", "maxLength", "minimum",
+                                          "not", "if", "then", "else", "minimum",
                                           "maximum", "multipleOf", "uniqueItems", "prefixItems",
                                           "patternProperties", "propertyNames", "contains", "dependentRequired",
                                           "unevaluatedProperties", "minProperties", "nullable", "x-foo"};
@@ -434,6 +434,50 @@ static void test_free_objects_and_any(void **state) {
     RUN("{\"type\":\"object\",\"properties\":{\"meta\":{},\"list\":{\"type\":\"array\",\"title\":\"L\"},\"m2\":{\"description\":\"d\"}}}", any);
 }
 
+/* minLength / maxLength count code points: raw UTF-8 of 1 to 4 bytes, escapes, an escaped
+ * surrogate pair (one), a lone surrogate (one); refused at the first byte past the bound, and
+ * only a pairing low surrogate's escape may follow a full count that ends in a high one. */
+static void test_string_lengths(void **state) {
+    (void)state;
+    static const char *const lens =
+        "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\",\"maxLength\":2},\"b\":{\"type\":\"string\","
+        "\"minLength\":2,\"maxLength\":3},\"c\":{\"type\":[\"string\",\"null\"],\"minLength\":1},\"z\":{\"type\":"
+        "\"string\",\"maxLength\":0}}}";
+    static const text_case cases[] = {
+        {"{\"a\":\"\"}", NULL},
+        {"{\"a\":\"xy\"}", NULL},
+        {"{\"a\":\"\xc3\xa9\xf0\x9f\x98\x80\"}", NULL},                 /* 2 and 4 bytes: two characters */
+        {"{\"a\":\"\\n\\u00e9\"}", NULL},
+        {"{\"a\":\"x\\ud83d\\ude00\"}", NULL},                          /* a pair is one */
+        {"{\"a\":\"\\uD83D\\uDE00\\u0041\"}", NULL},                      /* upper-case hex: two */
+        {"{\"a\":\"xy", "z\"}"},
+        {"{\"a\":\"xy", "\\n\"}"},
+        {"{\"a\":\"xy", "\xc3\xa9\"}"},
+        {"{\"a\":\"x\\ud83d\\", "n\"}"},                                  /* full after a high: only \u... */
+        {"{\"a\":\"x\\ud83d\\u", "0041\"}"},                              /* ... d */
+        {"{\"a\":\"x\\ud83d\\ud", "800\"}"},                              /* ... dc-df */
+        {"{\"a\":\"xy", "\\ude00\"}"},                                     /* no high before: no escape at all */
+        {"{\"a\":\"x\\udc00", "y\"}"},                                     /* a lone low surrogate is one */
+        {"{\"b\":\"x", "\"}"},                                             /* minLength 2 */
+        {"{\"b\":\"\\ud83d\\ude00", "\"}"},                                /* one character */
+        {"{\"b\":\"\\ud83d\\ude00\xc3\xa9\"}", NULL},
+        {"{\"b\":\"abc", "d\"}"},
+        {"{\"c\":null}", NULL},
+        {"{\"c\":\"", "\"}"},
+        {"{\"z\":\"\"}", NULL},
+        {"{\"z\":\"", "a\"}"},
+    };
+    RUN(lens, cases);
+    static const struct { const char *schema, *words; } bad[] = {
+        {OBJ("\"a\":{\"minLength\":-1}"), "'minLength' must be an integer in [0, 65535]"},
+        {OBJ("\"a\":{\"maxLength\":65536}"), "'maxLength' must be an integer in [0, 65535]"},
+        {OBJ("\"a\":{\"maxLength\":1.5}"), "'maxLength' must be an integer"},
+        {OBJ("\"a\":{\"minLength\":3,\"maxLength\":2}"), "'minLength' (3) is more than 'maxLength' (2)"},
+        {OBJ("\"a\":{\"enum\":[\"x\"],\"maxLength\":2}"), "'maxLength' beside 'enum' is not supported"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) expect_refused_schema(bad[i].schema, bad[i].words);
+}
+
 static void test_arrays(void **state) {
     (void)state;
     static const char *const points =
@@ -559,23 +603,41 @@ static bool v_ws(vtext *t) {
     while (peek(t) == ' ' || peek(t) == '\n' || peek(t) == '\t' || peek(t) == '\r') t->i++, run++;
     return run <= KVB_JSON_MAX_WS;
 }
-static bool v_string(vtext *t) {
+/* A JSON string; *chars: its length as JSON Schema counts it, in code points (a UTF-8 character,
+ * an escape, and an escaped surrogate pair each one). */
+static bool v_string_chars(vtext *t, unsigned *chars) {
     if (peek(t) != '"') return false;
     t->i++;
+    unsigned count = 0;
+    bool after_high = false;
     for (;;) {
         const int c = peek(t);
         if (c < 0x20) return false; /* the end (-1) or a control byte */
         t->i++;
-        if (c == '"') return true;
-        if (c != '\\') continue;
+        if (c == '"') break;
+        if (c != '\\') {
+            if ((c & 0xC0) != 0x80) count++, after_high = false; /* not a continuation byte */
+            continue;
+        }
         const int e = peek(t);
         t->i++;
         if (e == 'u') {
-            for (int k = 0; k < 4; k++, t->i++)
-                if (!strchr("0123456789abcdefABCDEF", peek(t)) || peek(t) <= 0) return false;
+            unsigned v = 0;
+            for (int k = 0; k < 4; k++, t->i++) {
+                const int h = peek(t);
+                if (h <= 0 || !strchr("0123456789abcdefABCDEF", h)) return false;
+                v = v * 16 + (unsigned)(h <= '9' ? h - '0' : (h | 0x20) - 'a' + 10);
+            }
+            const bool low = v >= 0xDC00 && v <= 0xDFFF;
+            if (!(low && after_high)) count++;
+            after_high = v >= 0xD800 && v <= 0xDBFF;
         } else if (e < 0 || !strchr("\"\\/bfnrt", e)) return false;
+        else count++, after_high = false;
     }
+    if (chars) *chars = count;
+    return true;
 }
+static bool v_string(vtext *t) { return v_string_chars(t, NULL); }
 static bool digit(int c) { return c >= '0' && c <= '9'; }
 static bool v_number(vtext *t, bool *integer) {
     *integer = true;
@@ -722,7 +784,13 @@ static bool v_value(vtext *t, const cJSON *sch) {
     switch (c) {
     case '{': return (types & VT_OBJ) && v_object(t, sch);
     case '[': return (types & VT_ARR) && v_array(t, sch);
-    case '"': return (types & VT_STR) && v_string(t);
+    case '"': {
+        unsigned chars;
+        if (!(types & VT_STR) || !v_string_chars(t, &chars)) return false;
+        const cJSON *lo = sch ? cJSON_GetObjectItemCaseSensitive(sch, "minLength") : NULL,
+                    *hi = sch ? cJSON_GetObjectItemCaseSensitive(sch, "maxLength") : NULL;
+        return (!lo || chars >= (unsigned)lo->valueint) && (!hi || chars <= (unsigned)hi->valueint);
+    }
     case 't': return (types & VT_BOOL) && v_word(t, "true");
     case 'f': return (types & VT_BOOL) && v_word(t, "false");
     case 'n': return (types & VT_NULL) && v_word(t, "null");
@@ -794,7 +862,13 @@ static cJSON *gen_schema(int depth) {
         if (kvbt_rnd(2)) cJSON_AddNumberToObject(o, "maxItems", lo + (int)kvbt_rnd(3));
         return o;
     }
-    case 3: return gen_typed("string");
+    case 3: {
+        o = gen_typed("string");
+        const int lo = (int)kvbt_rnd(3);
+        if (kvbt_rnd(3) == 0) cJSON_AddNumberToObject(o, "minLength", lo);
+        if (kvbt_rnd(3) == 0) cJSON_AddNumberToObject(o, "maxLength", lo + (int)kvbt_rnd(3));
+        return o;
+    }
     case 4: return gen_typed("number");
     case 5: return gen_typed("integer");
     case 6: return gen_typed("boolean");
@@ -906,7 +980,22 @@ static void gen_instance(char *buf, size_t *n, const cJSON *sch, int depth) {
         kvbt_put(buf, n, "]");
         break;
     }
-    case VT_STR: kvbt_gen_json_string(buf, n); break;
+    case VT_STR: {
+        const cJSON *lo = cJSON_GetObjectItemCaseSensitive(sch, "minLength"), *hi = cJSON_GetObjectItemCaseSensitive(sch, "maxLength");
+        if (!lo && !hi) {
+            kvbt_gen_json_string(buf, n);
+            break;
+        }
+        /* characters of one code point each: raw UTF-8 of 1..4 bytes, escapes, an escaped pair */
+        static const char *const chars[] = {"a", " ", "\\n", "\\\"", "\\u00e9", "\xc3\xa9", "\xe2\x82\xac",
+                                            "\xf0\x9f\x98\x80", "\\ud83d\\ude00", "\\uD83D\\uDE00", "\\udc00"};
+        const int min = lo ? lo->valueint : 0, max = hi ? hi->valueint : min + 3;
+        kvbt_put(buf, n, "\"");
+        for (int k = min + (int)kvbt_rnd((uint32_t)(max - min + 1)); k > 0; k--)
+            kvbt_put(buf, n, chars[kvbt_rnd(sizeof chars / sizeof *chars)]);
+        kvbt_put(buf, n, "\"");
+        break;
+    }
     case VT_NUM: kvbt_gen_json_number(buf, n, false); break;
     case VT_INT: kvbt_gen_json_number(buf, n, true); break;
     case VT_BOOL: kvbt_put(buf, n, kvbt_rnd(2) ? "true" : "false"); break;
@@ -1157,6 +1246,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_refused_keywords),
         cmocka_unit_test(test_refs_into_defs),
+        cmocka_unit_test(test_string_lengths),
         cmocka_unit_test(test_wrong_values),
         cmocka_unit_test(test_limits_and_hostile_schemas),
         cmocka_unit_test(test_objects_and_scalars),

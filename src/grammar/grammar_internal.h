@@ -27,6 +27,9 @@ typedef struct {
     uint8_t n_props;      /* object: declared properties (<= KVB_JSON_SCHEMA_MAX_PROPS) */
     uint8_t min_items, max_items;
     uint8_t item_cap;     /* array: items are counted up to this (max_items, or min_items without one) */
+    bool counted;         /* string: minLength or maxLength given (its characters are counted) */
+    bool has_max_len;     /* string: max_len applies */
+    uint16_t min_len, max_len; /* string: characters (code points, an escape or a surrogate pair one) */
     uint16_t items;       /* array: its items' node */
     uint8_t n_values;     /* enum: values (<= KVB_JSON_SCHEMA_MAX_ENUM) */
     uint32_t props;       /* object: its first property in prop_key / prop_node */

@@ -37,7 +37,12 @@ enum {
 };
 
 #define STR_KEY 0x80
-#define NUM_INT 0x40
+#define NUM_INT 0x40 /* in a number */
+/* in a string whose characters are counted (minLength/maxLength; vnode its node, off its count): */
+#define STR_COUNT 0x40      /* it is counted */
+#define STR_AFTER_HIGH 0x20 /* the last character was an escaped high surrogate (a low one may pair it) */
+#define STR_U_LOW 0x10      /* the \u escape being read is a low surrogate (\uDC00-\uDFFF) */
+#define STR_U_D 0x08        /* ... its first digit was d; from its second on: it is a high one (D800-DBFF) */
 
 _Static_assert(sizeof(kvb_json_frame) == 4 && sizeof(kvb_json_state) == 32 + 4 * KVB_JSON_MAX_DEPTH,
                "kvb_json_state has no padding: states compare with memcmp");
@@ -77,7 +82,7 @@ static lex_step lex_byte(kvb_json_state *s, unsigned char c) {
     case J_STR_ESC:
         if (c == 'u') {
             s->state = J_STR_U;
-            s->aux &= STR_KEY;
+            s->aux &= (uint8_t)~7u; /* the digits read; the string's flags stay */
             return LEX_MORE;
         }
         s->state = J_STR;
@@ -87,7 +92,7 @@ static lex_step lex_byte(kvb_json_state *s, unsigned char c) {
         if (!is_hex(c)) return LEX_BAD;
         if ((++s->aux & 7) == 4) {
             s->state = J_STR;
-            s->aux &= STR_KEY;
+            s->aux &= (uint8_t)~7u;
         }
         return LEX_MORE;
     case J_NUM_MINUS:
@@ -165,6 +170,55 @@ static uint64_t key_window(const js_node *n, unsigned from) {
     const unsigned last = req ? (unsigned)__builtin_ctzll(req) : n->n_props - 1u;
     const uint64_t upto = last == 63 ? ~(uint64_t)0 : ((uint64_t)1 << (last + 1)) - 1;
     return at_or_after & upto;
+}
+
+/* A counted string's character (J_STR .. J_STR_U, before the lexer reads c): JSON Schema counts
+ * code points, so a UTF-8 character counts at its first byte, an escape when it is complete, and a
+ * low surrogate's escape right after a high one's counts nothing (the pair is one). False when c
+ * would pass maxLength, or close the string short of minLength. Once the count is at maxLength only
+ * the closing quote, or the escape of a low surrogate that completes a pair, may come: refused at
+ * its first byte that cannot be that, so an accepted prefix can always be finished. */
+static bool count_char(kvb_json_state *s, unsigned char c) {
+    const js_node *n = node_at(s, s->vnode);
+    const bool full = n->has_max_len && s->off >= n->max_len;
+    const bool pairs = s->aux & STR_AFTER_HIGH;
+    switch (s->state) {
+    case J_STR:
+        if (c == '"') return s->off >= n->min_len;
+        if (c == '\\') return !full || pairs;
+        if ((c & 0xC0) == 0x80) return true; /* a UTF-8 continuation byte: its character is counted */
+        break;
+    case J_STR_ESC:
+        if (c == 'u') return true; /* counted when its digits are read */
+        break;
+    default: { /* J_STR_U: hex digit (aux & 7) */
+        const unsigned d = s->aux & 7u;
+        if (d == 0) {
+            const bool dd = c == 'd' || c == 'D';
+            if (dd) s->aux |= STR_U_D;
+            return !full || (pairs && dd); /* full: only a low surrogate that pairs may come */
+        }
+        if (d == 1) {
+            const bool dd = s->aux & STR_U_D;
+            s->aux &= (uint8_t)~STR_U_D;
+            if (dd && ((c >= '8' && c <= '9') || (c >= 'a' && c <= 'b') || (c >= 'A' && c <= 'B'))) s->aux |= STR_U_D;
+            if (dd && ((c >= 'c' && c <= 'f') || (c >= 'C' && c <= 'F'))) s->aux |= STR_U_LOW;
+            return !full || (pairs && (s->aux & STR_U_LOW));
+        }
+        if (d < 3 || !is_hex(c)) return true; /* (a wrong digit: the lexer refuses it) */
+        const bool pair_end = pairs && (s->aux & STR_U_LOW), high = s->aux & STR_U_D;
+        s->aux &= (uint8_t)~(STR_U_D | STR_U_LOW | STR_AFTER_HIGH);
+        if (high) s->aux |= STR_AFTER_HIGH;
+        if (pair_end) return true;
+        if (full) return false;
+        s->off++;
+        return true;
+    }
+    }
+    if (full) return false; /* a character begins: a raw one, or a one-letter escape */
+    s->off++;
+    s->aux &= (uint8_t)~STR_AFTER_HIGH;
+    return true;
 }
 
 /* ---- the structure ---------------------------------------------------------------------------- */
@@ -305,6 +359,11 @@ static bool begin_value(kvb_json_state *s, unsigned char c) {
             return enum_byte(s, c);
         }
         if (n->integer && cls == JC_NUM) s->aux = NUM_INT;
+        if (n->counted && cls == JC_STR) {
+            s->aux = STR_COUNT;
+            s->vnode = at;
+            s->off = 0;
+        }
     }
     switch (c) {
     case '{': return open_container(s, true, at);
@@ -353,6 +412,7 @@ static bool feed_byte(kvb_json_state *s, unsigned char c) {
     default: break; /* in a string, a number or a literal */
     }
 lex:
+    if (s->state <= J_STR_U && (s->aux & STR_COUNT) && !count_char(s, c)) return false;
     switch (lex_byte(s, c)) {
     case LEX_MORE: return true;
     case LEX_END:

@@ -16,7 +16,7 @@
 #define PATH_MAX_BYTES 256
 
 #define SUPPORTED "type, properties, required, additionalProperties (true or false), items, minItems, maxItems, " \
-                  "enum, const, anyOf, $ref to the root's $defs (not recursive); ignored: title, description, " \
+                  "minLength, maxLength, enum, const, anyOf, $ref to the root's $defs (not recursive); ignored: title, description, " \
                   "$schema, $comment, default, examples"
 
 typedef struct {
@@ -180,10 +180,10 @@ static kvb_status add_number_text(compiler *k, double d, js_text *out) {
 /* ---- keywords --------------------------------------------------------------------------------- */
 
 enum { KW_TYPE = 0, KW_PROPERTIES, KW_REQUIRED, KW_ADDITIONAL, KW_ITEMS, KW_MIN_ITEMS, KW_MAX_ITEMS, KW_ENUM,
-       KW_CONST, KW_ANYOF, KW_REF, KW_DEFS, KW_DEFINITIONS, KW_N };
+       KW_CONST, KW_ANYOF, KW_REF, KW_DEFS, KW_DEFINITIONS, KW_MIN_LENGTH, KW_MAX_LENGTH, KW_N };
 static const char *const keywords[KW_N] = {"type", "properties", "required", "additionalProperties", "items",
                                            "minItems", "maxItems", "enum", "const", "anyOf", "$ref", "$defs",
-                                           "definitions"};
+                                           "definitions", "minLength", "maxLength"};
 static const char *const ignored[] = {"title", "description", "$schema", "$comment", "default", "examples"};
 
 /* Types a node allows. */
@@ -215,11 +215,31 @@ static kvb_status parse_type(compiler *k, const cJSON *v, unsigned *out) {
     return KVB_OK;
 }
 
-static kvb_status parse_count(compiler *k, const cJSON *v, const char *name, uint8_t *out) {
+/* A count keyword's value: an integer in [0, limit]. */
+static kvb_status parse_count(compiler *k, const cJSON *v, const char *name, unsigned limit, unsigned *out) {
     if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble) || v->valuedouble != floor(v->valuedouble) ||
-        v->valuedouble < 0 || v->valuedouble > KVB_JSON_SCHEMA_MAX_ITEMS)
-        return fail(k, KVB_ERR_INVALID, "'%s' must be an integer in [0, %d]", name, KVB_JSON_SCHEMA_MAX_ITEMS);
-    *out = (uint8_t)v->valuedouble;
+        v->valuedouble < 0 || v->valuedouble > limit)
+        return fail(k, KVB_ERR_INVALID, "'%s' must be an integer in [0, %u]", name, limit);
+    *out = (unsigned)v->valuedouble;
+    return KVB_OK;
+}
+
+/* minLength, maxLength: a string's characters, counted while it is written. */
+static kvb_status compile_lengths(compiler *k, uint16_t at, const cJSON *const kw[KW_N]) {
+    unsigned lo = 0, hi = 0;
+    kvb_status st = KVB_OK;
+    if (kw[KW_MIN_LENGTH] && (st = parse_count(k, kw[KW_MIN_LENGTH], "minLength", KVB_JSON_SCHEMA_MAX_LENGTH, &lo)))
+        return st;
+    if (kw[KW_MAX_LENGTH] && (st = parse_count(k, kw[KW_MAX_LENGTH], "maxLength", KVB_JSON_SCHEMA_MAX_LENGTH, &hi)))
+        return st;
+    if (kw[KW_MAX_LENGTH] && lo > hi)
+        return fail(k, KVB_ERR_INVALID, "'minLength' (%u) is more than 'maxLength' (%u): no string could be written",
+                    lo, hi);
+    js_node *n = &k->sch->nodes[at];
+    n->counted = kw[KW_MIN_LENGTH] || kw[KW_MAX_LENGTH];
+    n->has_max_len = kw[KW_MAX_LENGTH] != NULL;
+    n->min_len = (uint16_t)lo;
+    n->max_len = (uint16_t)hi;
     return KVB_OK;
 }
 
@@ -369,10 +389,12 @@ static kvb_status compile_object(compiler *k, uint16_t at, const cJSON *const kw
 
 /* items, minItems, maxItems. */
 static kvb_status compile_array(compiler *k, uint16_t at, const cJSON *const kw[KW_N], int depth) {
-    uint8_t lo = 0, hi = 0;
+    unsigned lo = 0, hi = 0;
     kvb_status st = KVB_OK;
-    if (kw[KW_MIN_ITEMS] && (st = parse_count(k, kw[KW_MIN_ITEMS], "minItems", &lo))) return st;
-    if (kw[KW_MAX_ITEMS] && (st = parse_count(k, kw[KW_MAX_ITEMS], "maxItems", &hi))) return st;
+    if (kw[KW_MIN_ITEMS] && (st = parse_count(k, kw[KW_MIN_ITEMS], "minItems", KVB_JSON_SCHEMA_MAX_ITEMS, &lo)))
+        return st;
+    if (kw[KW_MAX_ITEMS] && (st = parse_count(k, kw[KW_MAX_ITEMS], "maxItems", KVB_JSON_SCHEMA_MAX_ITEMS, &hi)))
+        return st;
     if (kw[KW_MAX_ITEMS] && lo > hi)
         return fail(k, KVB_ERR_INVALID, "'minItems' (%u) is more than 'maxItems' (%u): no array could be written", lo, hi);
     uint16_t items = JS_ANY;
@@ -387,10 +409,10 @@ static kvb_status compile_array(compiler *k, uint16_t at, const cJSON *const kw[
     }
     js_node *n = &k->sch->nodes[at];
     n->items = items;
-    n->min_items = lo;
-    n->max_items = hi;
+    n->min_items = (uint8_t)lo;
+    n->max_items = (uint8_t)hi;
     n->has_max = kw[KW_MAX_ITEMS] != NULL;
-    n->item_cap = n->has_max ? hi : lo;
+    n->item_cap = (uint8_t)(n->has_max ? hi : lo);
     return KVB_OK;
 }
 
@@ -491,11 +513,15 @@ static kvb_status compile_node(compiler *k, const cJSON *js, int depth, uint16_t
     }
     if (kw[KW_ENUM] && kw[KW_CONST])
         return fail(k, KVB_ERR_UNSUPPORTED, "'enum' and 'const' together are not supported by this server");
+    if ((kw[KW_ENUM] || kw[KW_CONST]) && (kw[KW_MIN_LENGTH] || kw[KW_MAX_LENGTH]))
+        return fail(k, KVB_ERR_UNSUPPORTED, "'%s' beside '%s' is not supported by this server (list only the values "
+                    "that fit)", kw[KW_MIN_LENGTH] ? "minLength" : "maxLength", kw[KW_ENUM] ? "enum" : "const");
     unsigned types = T_ALL;
     if ((st = parse_type(k, kw[KW_TYPE], &types))) return st;
     /* the object's and the array's keywords, compiled whether or not the type lets such a value be */
     if ((st = compile_object(k, at, kw, depth))) return st;
     if ((st = compile_array(k, at, kw, depth))) return st;
+    if ((st = compile_lengths(k, at, kw))) return st;
     if (kw[KW_ENUM] || kw[KW_CONST]) return compile_enum(k, at, kw[KW_ENUM] ? kw[KW_ENUM] : kw[KW_CONST], !kw[KW_ENUM], types);
     js_node *n = &k->sch->nodes[at];
     static const unsigned class_types[JC_N] = {T_OBJ, T_ARR, T_STR, T_NUM | T_INT, T_BOOL, T_BOOL, T_NULL};

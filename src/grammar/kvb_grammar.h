@@ -24,8 +24,10 @@
  *     keys, any values. At most KVB_JSON_SCHEMA_MAX_PROPS properties; required names must be declared.
  *   - array: items (one schema; absent: any values), minItems, maxItems (at most
  *     KVB_JSON_SCHEMA_MAX_ITEMS, minItems <= maxItems).
- *   - string: any JSON string. number: JSON's number grammar; integer: the same without fraction
- *     or exponent.
+ *   - string: any JSON string; minLength, maxLength (at most KVB_JSON_SCHEMA_MAX_LENGTH) count its
+ *     characters as JSON Schema does, in code points: a UTF-8 character, an escape, or an escaped
+ *     surrogate pair ("\ud83d\ude00") is one. number: JSON's number grammar; integer: the same
+ *     without fraction or exponent.
  *   - enum (at most KVB_JSON_SCHEMA_MAX_ENUM values) and const: strings, numbers, booleans, null,
  *     filtered by type when both are given. Property names and enum/const values must be written
  *     in their canonical JSON form: a string with only '"', '\' and control bytes escaped (as \",
@@ -38,7 +40,7 @@
  *     Pydantic writes nested models and enum classes; each definition compiled once and shared
  *     by every $ref to it; a recursive one (a $ref back into a definition being compiled) refused.
  *   - title, description, $schema, $comment, default, examples: accepted and ignored.
- * Refused: other $refs and recursion, pattern, format, minLength/maxLength, oneOf, allOf, not,
+ * Refused: other $refs and recursion, pattern, format, oneOf, allOf, not,
  * if/then/else, a schema for additionalProperties, tuple items, unknown keywords, boolean schemas.
  * Limits: KVB_JSON_MAX_DEPTH levels of schema, KVB_JSON_SCHEMA_MAX_NODES subschemas, names and
  * values of at most KVB_JSON_SCHEMA_MAX_STRING bytes, KVB_JSON_SCHEMA_MAX_TEXT bytes of them in all.
@@ -64,6 +66,7 @@
 #define KVB_JSON_SCHEMA_MAX_ENUM 64   /* per enum: a bit each */
 #define KVB_JSON_SCHEMA_MAX_ANYOF 16
 #define KVB_JSON_SCHEMA_MAX_ITEMS 255 /* minItems, maxItems */
+#define KVB_JSON_SCHEMA_MAX_LENGTH 65535 /* minLength, maxLength */
 #define KVB_JSON_SCHEMA_MAX_STRING 1024     /* bytes of one property name or enum value, as written */
 #define KVB_JSON_SCHEMA_MAX_TEXT (256 * 1024) /* bytes of all of them */
 
