@@ -224,17 +224,26 @@ static kvb_status parse_count(compiler *k, const cJSON *v, const char *name, uns
     return KVB_OK;
 }
 
+/* A pair of count keywords (minItems/maxItems, minLength/maxLength; NULL when absent) into *lo
+ * (0 without one) and *hi, with lo <= hi when both are given. what: "array", "string". */
+static kvb_status parse_bounds(compiler *k, const cJSON *min, const cJSON *max, const char *min_name,
+                               const char *max_name, unsigned limit, const char *what, unsigned *lo, unsigned *hi) {
+    *lo = *hi = 0;
+    kvb_status st = KVB_OK;
+    if (min && (st = parse_count(k, min, min_name, limit, lo))) return st;
+    if (max && (st = parse_count(k, max, max_name, limit, hi))) return st;
+    if (max && *lo > *hi)
+        return fail(k, KVB_ERR_INVALID, "'%s' (%u) is more than '%s' (%u): no %s could be written", min_name, *lo,
+                    max_name, *hi, what);
+    return KVB_OK;
+}
+
 /* minLength, maxLength: a string's characters, counted while it is written. */
 static kvb_status compile_lengths(compiler *k, uint16_t at, const cJSON *const kw[KW_N]) {
-    unsigned lo = 0, hi = 0;
-    kvb_status st = KVB_OK;
-    if (kw[KW_MIN_LENGTH] && (st = parse_count(k, kw[KW_MIN_LENGTH], "minLength", KVB_JSON_SCHEMA_MAX_LENGTH, &lo)))
-        return st;
-    if (kw[KW_MAX_LENGTH] && (st = parse_count(k, kw[KW_MAX_LENGTH], "maxLength", KVB_JSON_SCHEMA_MAX_LENGTH, &hi)))
-        return st;
-    if (kw[KW_MAX_LENGTH] && lo > hi)
-        return fail(k, KVB_ERR_INVALID, "'minLength' (%u) is more than 'maxLength' (%u): no string could be written",
-                    lo, hi);
+    unsigned lo, hi;
+    const kvb_status st = parse_bounds(k, kw[KW_MIN_LENGTH], kw[KW_MAX_LENGTH], "minLength", "maxLength",
+                                       KVB_JSON_SCHEMA_MAX_LENGTH, "string", &lo, &hi);
+    if (st) return st;
     js_node *n = &k->sch->nodes[at];
     n->counted = kw[KW_MIN_LENGTH] || kw[KW_MAX_LENGTH];
     n->has_max_len = kw[KW_MAX_LENGTH] != NULL;
@@ -389,14 +398,10 @@ static kvb_status compile_object(compiler *k, uint16_t at, const cJSON *const kw
 
 /* items, minItems, maxItems. */
 static kvb_status compile_array(compiler *k, uint16_t at, const cJSON *const kw[KW_N], int depth) {
-    unsigned lo = 0, hi = 0;
-    kvb_status st = KVB_OK;
-    if (kw[KW_MIN_ITEMS] && (st = parse_count(k, kw[KW_MIN_ITEMS], "minItems", KVB_JSON_SCHEMA_MAX_ITEMS, &lo)))
-        return st;
-    if (kw[KW_MAX_ITEMS] && (st = parse_count(k, kw[KW_MAX_ITEMS], "maxItems", KVB_JSON_SCHEMA_MAX_ITEMS, &hi)))
-        return st;
-    if (kw[KW_MAX_ITEMS] && lo > hi)
-        return fail(k, KVB_ERR_INVALID, "'minItems' (%u) is more than 'maxItems' (%u): no array could be written", lo, hi);
+    unsigned lo, hi;
+    kvb_status st = parse_bounds(k, kw[KW_MIN_ITEMS], kw[KW_MAX_ITEMS], "minItems", "maxItems", KVB_JSON_SCHEMA_MAX_ITEMS,
+                                 "array", &lo, &hi);
+    if (st) return st;
     uint16_t items = JS_ANY;
     if (kw[KW_ITEMS]) {
         if (!cJSON_IsObject(kw[KW_ITEMS]))
