@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "grammar_internal.h" /* json_state_mask_key */
 #include "json_gen.h"
 #include "kvb_grammar.h"
 
@@ -1148,6 +1149,33 @@ static void test_random_walks(void **state) {
 
 /* ---- the masker with a schema ---------------------------------------------------------------- */
 
+/* The masker's key for a counted string: one state wherever the count is at least T = (longest
+ * token) + 1 from both bounds, the real count near them. */
+static void test_counted_string_mask_key(void **state) {
+    (void)state;
+    kvb_json_schema *sch = compile_ok("{\"type\":\"object\",\"properties\":{\"s\":{\"type\":\"string\",\"minLength\":10,"
+                                      "\"maxLength\":30}}}");
+    kvb_json_state s, key, first_far_below, first_far_above;
+    kvb_json_init_schema(&s, sch);
+    assert_true(kvb_json_feed(&s, "{\"s\":\"", 6));
+    int moved = 0;
+    for (unsigned off = 0; off <= 30; off++) { /* T = 5: 0..5 below, 10..25 above and far from 30 */
+        json_state_mask_key(&s, 4, &key);
+        const bool far_below = off + 5 <= 10, far_above = off >= 10 && 30 - off >= 5;
+        if (far_below || far_above) {
+            kvb_json_state *first = far_below ? &first_far_below : &first_far_above;
+            if (off == 0 || off == 10) *first = key;
+            else if (memcmp(first, &key, sizeof key) != 0) fail_msg("count %u: another key than its region's", off);
+            moved += key.off != s.off;
+        } else if (memcmp(&s, &key, sizeof key) != 0)
+            fail_msg("count %u: near a bound the key must be the state", off);
+        if (off < 30) assert_true(kvb_json_feed(&s, "a", 1));
+    }
+    assert_true(memcmp(&first_far_below, &first_far_above, sizeof key) != 0); /* may close, or not */
+    assert_true(moved > 0);
+    kvb_json_schema_free(sch);
+}
+
 static void test_masker_walks(void **state) {
     (void)state;
     /* every printable byte, a newline, some longer pieces, control tokens */
@@ -1185,8 +1213,14 @@ static void test_masker_walks(void **state) {
     assert_int_equal(kvb_vocab_bytes_from_lists(bytes, lens, kinds, N, &v, &err), KVB_OK);
     char *text = malloc(1 << 16);
     int walks = 0, ended = 0;
-    for (int t = 0; t < 60; t++) {
-        cJSON *js = gen_root();
+    /* after the random schemas, long counted strings: their masks are remembered by a key that
+     * moves the count while it is far from both bounds (json_state_mask_key) */
+    static const char *const counted =
+        "{\"type\":\"object\",\"properties\":{\"s\":{\"type\":\"string\",\"minLength\":10,\"maxLength\":24},"
+        "\"u\":{\"type\":\"string\",\"minLength\":9},\"w\":{\"type\":\"array\",\"items\":{\"type\":\"string\","
+        "\"maxLength\":20}}},\"required\":[\"s\"]}";
+    for (int t = 0; t < 70; t++) {
+        cJSON *js = t < 60 ? gen_root() : cJSON_Parse(counted);
         kvb_json_schema *sch = NULL;
         assert_int_equal(kvb_json_schema_compile(js, "schema", &sch, &err), KVB_OK);
         kvb_json_masker *m = NULL; /* one per schema: it remembers masks across its walks */
@@ -1247,6 +1281,7 @@ int main(void) {
         cmocka_unit_test(test_refused_keywords),
         cmocka_unit_test(test_refs_into_defs),
         cmocka_unit_test(test_string_lengths),
+        cmocka_unit_test(test_counted_string_mask_key),
         cmocka_unit_test(test_wrong_values),
         cmocka_unit_test(test_limits_and_hostile_schemas),
         cmocka_unit_test(test_objects_and_scalars),

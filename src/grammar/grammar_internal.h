@@ -55,6 +55,13 @@ struct kvb_json_schema {
     uint16_t root;        /* the reply's object's node */
 };
 
+/* A state that every token of at most max_token_bytes bytes continues exactly as it continues s
+ * (json_prefix.c): s itself, except inside a string counted for minLength/maxLength whose count
+ * is far enough from both bounds that no such token can reach them. There the count is moved to
+ * one value per node, so the masker's cache meets one state step after step, as in an uncounted
+ * string. */
+void json_state_mask_key(const kvb_json_state *s, uint32_t max_token_bytes, kvb_json_state *key);
+
 /* The bytes of s a copy must take to go on feeding it: the frames above its depth are never read. */
 static inline size_t json_state_live_bytes(const kvb_json_state *s) {
     return offsetof(kvb_json_state, frame) + (s->schema ? s->depth : 0) * sizeof(kvb_json_frame);

@@ -221,6 +221,18 @@ static bool count_char(kvb_json_state *s, unsigned char c) {
     return true;
 }
 
+void json_state_mask_key(const kvb_json_state *s, uint32_t max_token_bytes, kvb_json_state *key) {
+    *key = *s;
+    if (s->state < J_STR || s->state > J_STR_U || !(s->aux & STR_COUNT)) return;
+    /* a token adds at most max_token_bytes characters: at T or more from a bound it cannot reach it */
+    const uint32_t T = max_token_bytes + 1u, off = s->off;
+    const js_node *n = node_at(s, s->vnode);
+    if (off >= n->min_len) { /* may close; moved to min_len, which stays as far from maxLength */
+        if (!n->has_max_len || n->max_len - off >= T) key->off = n->min_len;
+    } else if (n->min_len - off >= T) /* may not close within a token; maxLength is farther still */
+        key->off = (uint16_t)(n->min_len - T);
+}
+
 /* ---- the structure ---------------------------------------------------------------------------- */
 
 /* A value ended: ',' or a closing bracket may come. */

@@ -10,6 +10,7 @@
 
 struct kvb_vocab_bytes {
     uint32_t n;
+    uint32_t max_token_bytes; /* the longest text token's bytes */
     char *blob;
     uint32_t *off;  // (n + 1)
     uint8_t *kind;  // (n) kvb_vocab_kind
@@ -60,6 +61,7 @@ kvb_status kvb_vocab_bytes_from_lists(const char *const *bytes, const uint32_t *
         v->kind[i] = kinds[i] <= KVB_VOCAB_OTHER ? kinds[i] : KVB_VOCAB_OTHER;
     }
     v->off[n] = at;
+    for (uint32_t i = 0; i < n; i++) v->max_token_bytes = KVB_MAX(v->max_token_bytes, v->off[i + 1] - v->off[i]);
     *out = v;
     return KVB_OK;
 }
@@ -86,6 +88,7 @@ kvb_status kvb_vocab_bytes_create(const kvb_tokenizer *t, kvb_vocab_bytes **out,
         at += len > 0 ? (uint32_t)len : 0;
     }
     v->off[n] = at;
+    for (uint32_t i = 0; i < n; i++) v->max_token_bytes = KVB_MAX(v->max_token_bytes, v->off[i + 1] - v->off[i]);
     free(one);
     *out = v;
     return KVB_OK;
@@ -178,15 +181,17 @@ void kvb_json_masker_free(kvb_json_masker *m) {
 }
 
 uint32_t kvb_json_masker_apply(kvb_json_masker *m, const kvb_json_state *s, float *logits) {
+    kvb_json_state key; /* continues every token as s does; what the cache remembers masks by */
+    json_state_mask_key(s, m->v->max_token_bytes, &key);
     int hit = -1, victim = 0;
     for (int k = 0; k < KVB_JSON_MASK_CACHE; k++) {
-        if (m->slot[k].used && memcmp(&m->slot[k].s, s, sizeof *s) == 0) hit = k;
+        if (m->slot[k].used && memcmp(&m->slot[k].s, &key, sizeof key) == 0) hit = k;
         if (m->slot[k].used < m->slot[victim].used) victim = k;
     }
     if (hit < 0) {
         hit = victim;
-        m->slot[hit].s = *s;
-        m->slot[hit].allowed = mask_bits(s, m->v, m->slot[hit].bits, m->pool);
+        m->slot[hit].s = key;
+        m->slot[hit].allowed = mask_bits(&key, m->v, m->slot[hit].bits, m->pool);
     }
     m->slot[hit].used = ++m->clock;
     apply_bits(m->v, m->slot[hit].bits, m->slot[hit].allowed, logits);
