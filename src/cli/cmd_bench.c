@@ -22,7 +22,8 @@ static void help(FILE *f) {
             "       kvbridge bench quality [-m MODEL] [options]  (see kvbridge bench quality --help)\n"
             "       kvbridge bench slab [options]              (see kvbridge bench slab --help)\n"
             "       kvbridge bench tokenize -m MODEL [options] (see kvbridge bench tokenize --help)\n"
-            "       kvbridge bench parallel -m MODEL [options] (see kvbridge bench parallel --help)\n\n"
+            "       kvbridge bench parallel -m MODEL [options] (see kvbridge bench parallel --help)\n"
+            "       kvbridge bench json -m MODEL [options]     (see kvbridge bench json --help)\n\n"
             "Measures the CPU engine and prints tok/s beside the memory bandwidth measured in the same run.\n"
             "  prefill   one batch of --tokens random tokens from an empty cache (like llama-bench pp)\n"
             "  decode    --gen single-token steps after a --ctx-token prompt (like llama-bench tg)\n\n"
@@ -495,9 +496,10 @@ int kvb_cmd_bench(int argc, char **argv) {
     if (!strcmp(what, "slab")) return kvb_bench_slab(argc, argv);
     if (!strcmp(what, "tokenize")) return kvb_bench_tokenize(argc, argv);
     if (!strcmp(what, "parallel")) return kvb_bench_parallel(argc, argv);
+    if (!strcmp(what, "json")) return kvb_bench_json(argc, argv);
     bool prefill = !strcmp(what, "prefill");
     if (!prefill && strcmp(what, "decode")) {
-        fprintf(stderr, "kvbridge bench: unknown benchmark '%s' (prefill, decode, ladder, link, slab, tokenize, parallel or quality; see kvbridge bench --help)\n", what);
+        fprintf(stderr, "kvbridge bench: unknown benchmark '%s' (prefill, decode, ladder, link, slab, tokenize, parallel, json or quality; see kvbridge bench --help)\n", what);
         return 2;
     }
     long long threads = 0, n_tok = 512, n_gen = 128, n_ctx = 16, reps = 3, chunk = 0, ceiling_reps = 20, warmup = 2,
