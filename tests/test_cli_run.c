@@ -1,7 +1,8 @@
 /* tests/test_cli_run.c — the foundation's command-line acceptance: gen-model writes the same
  * file for any thread count; `run --output ids` prints N ids, identical on every run and every
  * thread count; bad options fail with exit 2 and a message that says what to do; the batched
- * decode benchmarks run and pass their own checks; `serve` drains on SIGTERM. */
+ * decode benchmarks and the structured-output benchmark run and pass their own checks; `serve`
+ * drains on SIGTERM. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -122,6 +123,11 @@ static void test_bench_batched_decode_runs(void **state) {
     snprintf(cmd, sizeof cmd, "'%s' bench parallel --help", kvbt_bin());
     assert_int_equal(kvbt_sh(cmd, out, sizeof out, 0), 0);
     assert_non_null(strstr(out, "usage: kvbridge bench parallel"));
+    /* structured outputs against plain text: both replies run the full 8 tokens (else it fails) */
+    snprintf(cmd, sizeof cmd, "'%s' bench json -m '%s' --tokens 8 --rounds 1 --threads 2", kvbt_bin(), g_model);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 0), 0);
+    assert_non_null(strstr(out, "median     plain"));
+    assert_non_null(strstr(out, "reply      {"));
 }
 
 /* `serve` stops gracefully: on SIGTERM a stream in flight runs to its end, a request that comes
