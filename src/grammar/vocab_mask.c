@@ -46,6 +46,12 @@ static kvb_vocab_bytes *vocab_alloc(uint32_t n, size_t blob_bytes) {
     return v;
 }
 
+/* The blob's end (at: its bytes) closes the offsets; the longest token follows from them. */
+static void vocab_seal(kvb_vocab_bytes *v, uint32_t at) {
+    v->off[v->n] = at;
+    for (uint32_t i = 0; i < v->n; i++) v->max_token_bytes = KVB_MAX(v->max_token_bytes, v->off[i + 1] - v->off[i]);
+}
+
 kvb_status kvb_vocab_bytes_from_lists(const char *const *bytes, const uint32_t *lens, const uint8_t *kinds,
                                       uint32_t n, kvb_vocab_bytes **out, kvb_err *err) {
     size_t total = 0;
@@ -60,8 +66,7 @@ kvb_status kvb_vocab_bytes_from_lists(const char *const *bytes, const uint32_t *
         at += lens[i];
         v->kind[i] = kinds[i] <= KVB_VOCAB_OTHER ? kinds[i] : KVB_VOCAB_OTHER;
     }
-    v->off[n] = at;
-    for (uint32_t i = 0; i < n; i++) v->max_token_bytes = KVB_MAX(v->max_token_bytes, v->off[i + 1] - v->off[i]);
+    vocab_seal(v, at);
     *out = v;
     return KVB_OK;
 }
@@ -87,8 +92,7 @@ kvb_status kvb_vocab_bytes_create(const kvb_tokenizer *t, kvb_vocab_bytes **out,
         const int len = text ? kvb_token_to_bytes(t, (int32_t)i, v->blob + at, cap) : 0;
         at += len > 0 ? (uint32_t)len : 0;
     }
-    v->off[n] = at;
-    for (uint32_t i = 0; i < n; i++) v->max_token_bytes = KVB_MAX(v->max_token_bytes, v->off[i + 1] - v->off[i]);
+    vocab_seal(v, at);
     free(one);
     *out = v;
     return KVB_OK;
