@@ -21,6 +21,14 @@ typedef enum {
     KVB_ERR_RANGE,       /* a number or size out of the allowed range / overflow */
     KVB_ERR_NOT_FOUND,   /* key, tensor, file not present */
     KVB_ERR_INTERNAL,    /* a broken invariant: a bug */
+    /* the peer and the link: decided on by code, never by a message's text */
+    KVB_ERR_TIMEOUT,     /* a deadline passed: the peer or the client said nothing in time */
+    KVB_ERR_CANCELLED,   /* stopped on purpose: the client went away, a CANCEL, a drain */
+    KVB_ERR_CHECKSUM,    /* bytes arrived but their checksum does not match (corrupt in flight) */
+    KVB_ERR_AUTH,        /* the peer failed authentication (wrong pre-shared key) */
+    KVB_ERR_PEER_GONE,   /* the peer closed the connection, or none can be made */
+    KVB_ERR_MISMATCH,    /* the peers disagree: model or cache-format fingerprint, protocol version */
+    KVB_ERR_REFUSED,     /* the peer answered with a refusal of its own (ERROR frame: draining, too long) */
 } kvb_status;
 
 /* An error: code plus a human message that says what is wrong and, where it can, what to do. */

@@ -46,6 +46,13 @@ const char *kvb_status_name(kvb_status s) {
     case KVB_ERR_RANGE: return "out of range";
     case KVB_ERR_NOT_FOUND: return "not found";
     case KVB_ERR_INTERNAL: return "internal error";
+    case KVB_ERR_TIMEOUT: return "timed out";
+    case KVB_ERR_CANCELLED: return "cancelled";
+    case KVB_ERR_CHECKSUM: return "checksum mismatch";
+    case KVB_ERR_AUTH: return "authentication failed";
+    case KVB_ERR_PEER_GONE: return "peer gone";
+    case KVB_ERR_MISMATCH: return "peers do not match";
+    case KVB_ERR_REFUSED: return "refused by the peer";
     }
     return "unknown status";
 }

@@ -494,4 +494,46 @@ bool kvb_conn_usable(const kvb_conn *c);
 void kvb_conn_shutdown(kvb_conn *c);
 void kvb_conn_close(kvb_conn *c); /* NULL is fine */
 
+/* ==== a peer link: one peer's lanes, connected and kept up off the request path ================
+ * A decode node's connections to its prefill node: n lanes (grouped with LANE frames when n > 1),
+ * dialled and handshaken by the link's own thread, never by a request. A request asks for the
+ * lanes and gets them at once or is told at once why not (connecting, down with the reason and
+ * when the next attempt is); a link that failed is dialled again with exponential back-off, not
+ * on every request. One owner uses the lanes at a time (the decode node's prompt FIFO): from
+ * kvb_peer_link_lanes until kvb_peer_link_drop or the next kvb_peer_link_lanes. */
+typedef struct kvb_peer_link kvb_peer_link;
+
+typedef enum { KVB_PEER_CONNECTING = 0, KVB_PEER_UP, KVB_PEER_DOWN } kvb_peer_state;
+
+typedef struct {
+    const char *addr;                 /* "HOST:PORT" */
+    const kvb_hello *hello;           /* this node's HELLO (copied) */
+    const kvb_transport_config *tcfg; /* copied; its psk must outlive the link */
+    uint32_t lanes;                   /* 1..KVB_MAX_LANES */
+    int connect_timeout_ms;           /* one whole connect + handshake + grouping; 0: 5000 */
+    double backoff_min_s, backoff_max_s; /* after a failure; 0: 0.5 and 30 */
+    /* called from the link's thread on every state change (NULL: none), e.g. for a gauge */
+    void (*on_state)(void *ctx, kvb_peer_state state, const char *why);
+    void *on_state_ctx;
+} kvb_peer_link_config;
+
+/* Starts the link's thread, which dials at once. */
+kvb_status kvb_peer_link_start(const kvb_peer_link_config *cfg, kvb_peer_link **out, kvb_err *err);
+/* Stops the thread (an attempt under way is cut short) and closes the lanes. NULL is fine. */
+void kvb_peer_link_stop(kvb_peer_link *l);
+/* Never blocks: KVB_OK with the lanes (*n of them) when the link is up and every lane usable;
+ * else KVB_ERR_PEER_GONE (or KVB_ERR_AUTH / KVB_ERR_MISMATCH when the peer refused the handshake)
+ * with the state in err ("connecting", "down: <why> (next attempt in 1.5 s)"). A lane found
+ * unusable drops the link (the thread dials again). */
+kvb_status kvb_peer_link_lanes(kvb_peer_link *l, kvb_conn *const **lanes, uint32_t *n, kvb_err *err);
+/* The lanes can no longer be trusted (a fault mid-stream): closed now; the thread dials again
+ * without waiting out a back-off (the link was up). */
+void kvb_peer_link_drop(kvb_peer_link *l, const kvb_err *why);
+/* Waits up to timeout_ms for the link to be up (a resume after a dropped lane), then answers as
+ * kvb_peer_link_lanes. */
+kvb_status kvb_peer_link_wait_lanes(kvb_peer_link *l, int timeout_ms, kvb_conn *const **lanes, uint32_t *n,
+                                    kvb_err *err);
+/* The state now, and why (cap bytes, "" when up). */
+kvb_peer_state kvb_peer_link_state(kvb_peer_link *l, char *why, size_t cap);
+
 #endif
