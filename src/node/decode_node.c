@@ -11,7 +11,6 @@
  * no prompt computes, before each prompt and between its slices (decode_batch.c), the weights
  * read once per step for every request. */
 #include <stdio.h>
-#include <sys/random.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -47,17 +46,17 @@ struct kvb_decode_node {
     uint32_t n_served;              /* admitted, not yet done */
     uint64_t blocks_reserved;       /* by them */
     kvb_decode_batch *batch;
-    /* the peer link (used only while holding the engine): lane 0 carries PREFILL and CANCEL */
-    kvb_conn *lanes[KVB_MAX_LANES];
+    /* the peer link, dialled and kept up by its own thread; the lanes it lent to the prompt FIFO's
+     * holder (n_lanes of them, valid while it holds the FIFO): lane 0 carries PREFILL and CANCEL */
+    kvb_peer_link *link;
+    kvb_conn *const *lanes;
     uint32_t n_lanes;
     kvb_hello hello;
     kvb_transport_config tcfg;
     uint64_t next_request_id;
-    char peer_state[160];
-    double peer_retry_at; /* after a failed connect, no new attempt before this time (backoff) */
-    double peer_backoff_s;
     /* metrics */
     kvb_metric *m_requests, *m_tokens, *m_faults, *m_resumes, *m_slab_bytes, *m_peer_up, *m_queue;
+    kvb_metric *m_peer_refused; /* the link's failed attempts, by reason */
     kvb_metric *m_phase; /* kvbridge_request_phase_seconds{phase} */
     kvb_metric *m_batches, *m_steps, *m_in_prompts;
     kvb_metric *m_reserved, *m_cache_waits; /* admission by cache blocks */
@@ -80,68 +79,47 @@ typedef struct {
     double tail_wait_s;     /* how long the pipelined tail ran on after the transfer */
 } bridge_outcome;
 
+/* One whole dial of the peer link (connect, handshake and grouping of every lane); also how long
+ * the node's start, and a resume after a dropped lane, wait for the link. */
+#define PEER_DIAL_TIMEOUT_MS 5000
+
 static bool pipelined_tail_on(const kvb_decode_node *n) {
     const char *v = getenv("KVB_DECODE_PIPELINED_TAIL");
     return !n->cfg.tail_after_transfer && (!v || !*v || *v != '0');
 }
 
+/* The lanes can no longer be trusted: the link closes them and dials again. */
 static void drop_peer(kvb_decode_node *n) {
-    for (uint32_t l = 0; l < KVB_MAX_LANES; l++) {
-        kvb_conn_close(n->lanes[l]);
-        n->lanes[l] = NULL;
-    }
-    kvb_metric_set(n->m_peer_up, NULL, 0);
+    kvb_peer_link_drop(n->link, NULL);
+    n->lanes = NULL;
+    n->n_lanes = 0;
 }
 
-static bool peer_usable(const kvb_decode_node *n) {
-    for (uint32_t l = 0; l < n->n_lanes; l++)
-        if (!n->lanes[l] || !kvb_conn_usable(n->lanes[l])) return false;
-    return true;
+/* The link's lanes for this request, at once, or why not (never waits: the link's own thread
+ * connects). Holding the prompt FIFO. */
+static kvb_status peer_lanes(kvb_decode_node *n, kvb_err *err) {
+    return kvb_peer_link_lanes(n->link, &n->lanes, &n->n_lanes, err);
 }
 
-/* Groups the lanes at the peer: LANE on each, then a PING whose PONG says the peer has read it (a
- * connection's frames are handled in order), so a PREFILL on lane 0 finds the group complete. */
-static kvb_status group_lanes(kvb_decode_node *n, kvb_err *err) {
-    uint64_t group = 0;
-    while (!group)
-        if (getrandom(&group, sizeof group, 0) != (ssize_t)sizeof group)
-            group = (uint64_t)(kvb_now_s() * 1e9) ^ (uint64_t)(uintptr_t)n; /* no entropy: unique is enough */
-    for (uint32_t l = 0; l < n->n_lanes; l++) {
-        kvb_msg_lane m = {.group = group, .lane = l, .lanes = n->n_lanes};
-        kvb_status st = kvb_conn_send_lane(n->lanes[l], &m, 5000, err);
-        if (!st) st = kvb_conn_send_ping(n->lanes[l], group + l, 5000, err);
-        kvb_msg r = {0};
-        if (!st) st = kvb_conn_recv(n->lanes[l], 5000, &r, err);
-        if (!st && (r.type != KVB_FRAME_PONG || r.u.ping.token != group + l))
-            st = kvb_err_set(err, KVB_ERR_FORMAT, "lane %u: the peer answered %s, not the PONG to its LANE", l,
-                             kvb_frame_type_name(r.type));
-        kvb_msg_free(&r);
-        if (st) return kvb_err_prefix(err, "grouping the lanes: ");
-    }
-    return KVB_OK;
+/* After a fault mid-stream: the link dials again; waits a bounded time for it with the engine
+ * lent to the decode batches, so other requests' streams go on meanwhile. */
+static kvb_status peer_lanes_again(kvb_decode_node *n, kvb_err *err) {
+    kvb_decode_batch_exec_lend(n->batch);
+    const kvb_status st = kvb_peer_link_wait_lanes(n->link, PEER_DIAL_TIMEOUT_MS, &n->lanes, &n->n_lanes, err);
+    kvb_decode_batch_exec_reclaim(n->batch);
+    return st;
 }
 
-static kvb_status ensure_peer(kvb_decode_node *n, kvb_err *err) {
-    if (peer_usable(n)) return KVB_OK;
-    drop_peer(n);
-    double now = kvb_now_s();
-    if (now < n->peer_retry_at) /* a peer that just failed is not dialled for every request */
-        return kvb_err_set(err, KVB_ERR_IO, "%s (next attempt in %.1f s)", n->peer_state, n->peer_retry_at - now);
-    kvb_status st = KVB_OK;
-    for (uint32_t l = 0; !st && l < n->n_lanes; l++)
-        st = kvb_transport_connect(n->peer, &n->hello, &n->tcfg, 5000, &n->lanes[l], NULL, err);
-    if (!st && n->n_lanes > 1) st = group_lanes(n, err);
-    if (st) {
-        drop_peer(n);
-        snprintf(n->peer_state, sizeof n->peer_state, "down: %.140s", err->msg);
-        n->peer_backoff_s = n->peer_backoff_s ? KVB_MIN(2 * n->peer_backoff_s, 30.0) : 0.5;
-        n->peer_retry_at = kvb_now_s() + n->peer_backoff_s;
-        return st;
+/* The link's thread on every change: the gauge, the failed attempts by reason, and a log line. */
+static void on_peer_state(void *ctx, kvb_peer_state state, kvb_status code, const char *why) {
+    kvb_decode_node *n = ctx;
+    kvb_metric_set(n->m_peer_up, NULL, state == KVB_PEER_UP);
+    if (state == KVB_PEER_DOWN) {
+        kvb_metric_add(n->m_peer_refused, KVB_LABELS(kvb_handshake_reason_name(kvb_handshake_reason_of(code))), 1);
+        kvb_log(KVB_LOG_INFO, "decode: prefill node %s unavailable: %s", n->peer, why);
+    } else if (state == KVB_PEER_UP) {
+        kvb_log(KVB_LOG_INFO, "decode: prefill node %s connected", n->peer);
     }
-    n->peer_backoff_s = 0;
-    snprintf(n->peer_state, sizeof n->peer_state, "up");
-    kvb_metric_set(n->m_peer_up, NULL, 1);
-    return KVB_OK;
 }
 
 /* ---- receiving a bridged request: one committing thread per lane -------------------------------- */
@@ -823,7 +801,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     } else if (ship - cached < n->cfg.bridge_min_tokens && req->bridge != KVB_BRIDGE_FORCE) {
         snprintf(verdict, sizeof verdict, "declined: %u uncached tokens are below the bridge threshold of %u",
                  ship - cached, n->cfg.bridge_min_tokens);
-    } else if (ensure_peer(n, &err)) {
+    } else if (peer_lanes(n, &err)) {
         snprintf(verdict, sizeof verdict, "declined: prefill node unavailable: %.90s", err.msg);
         kvb_metric_add(n->m_faults, KVB_LABELS("peer_down"), 1);
         memset(&err, 0, sizeof err);
@@ -846,7 +824,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
             if (!st) st = kvb_seq_attach_cached(s, toks, (uint32_t)n_tok, &adopted, &err);
             if (st || !resume_worth_it(n, &o, adopted, ship, u.bridge_attempts)) break;
             kvb_err perr = {0};
-            if (ensure_peer(n, &perr)) { /* the peer is gone: the verdict keeps the attempt's fault */
+            if (peer_lanes_again(n, &perr)) { /* the peer is gone: the verdict keeps the attempt's fault */
                 kvb_metric_add(n->m_faults, KVB_LABELS("peer_down"), 1);
                 faults_append(faults, sizeof faults, "not resumed: ", perr.msg);
                 break;
@@ -988,7 +966,10 @@ static int handle_detokenize(void *ctx, const kvb_completion_req *req, char **te
 
 static void handle_health(void *ctx, cJSON *body) {
     kvb_decode_node *n = ctx;
-    cJSON_AddStringToObject(body, "peer", n->peer ? n->peer_state : "none");
+    char why[sizeof(((kvb_err *)0)->msg) + 64] = ""; /* the link's whole story, while not up */
+    const kvb_peer_state ps = n->link ? kvb_peer_link_state(n->link, why, sizeof why) : KVB_PEER_DOWN;
+    cJSON_AddStringToObject(body, "peer", n->link ? kvb_peer_state_name(ps) : "none");
+    if (why[0]) cJSON_AddStringToObject(body, "peer_reason", why);
     kvb_store_stats st;
     kvb_store_get_stats(n->store, &st);
     cJSON_AddNumberToObject(body, "cache_blocks_committed", st.committed);
@@ -1042,7 +1023,6 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                          KVB_MAX_LANES);
         goto fail;
     }
-    n->n_lanes = c->lanes;
     n->peer = cfg->peer ? strdup(cfg->peer) : NULL;
     const char *base = strrchr(cfg->model_path, '/');
     n->model_id = strdup(cfg->model_id ? cfg->model_id : base ? base + 1 : cfg->model_path);
@@ -1089,7 +1069,6 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                                  cfg->bench_filler_peer ? kvb_filler_fingerprint(n->m->fingerprint) : n->m->fingerprint,
                                  kvb_engine_kvformat(n->e), err)))
             goto fail;
-        snprintf(n->peer_state, sizeof n->peer_state, "not connected yet");
     }
     /* the registry, its families and the decode batch before the server takes a request */
     if ((st = kvb_metrics_create(&n->metrics, err))) goto fail;
@@ -1110,6 +1089,12 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                                    NULL, NULL, 0, &n->m_slab_bytes, err)) ||
         (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_peer_up", "1 while the prefill node link is up",
                                    NULL, NULL, 0, &n->m_peer_up, err)) ||
+        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_peer_handshakes_refused_total",
+                                   "Attempts to connect to the prefill node that failed, by reason: auth (another "
+                                   "key), mismatch (another model, cache format or version), timeout (it said "
+                                   "nothing in time), protocol (not kvbridge), refused (it said no), gone (nobody "
+                                   "answered, or it closed), other",
+                                   "reason", NULL, 0, &n->m_peer_refused, err)) ||
         (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_queue_depth",
                                    "Completions waiting for their turn or being served (at most --parallel at once)", NULL, NULL,
                                    0, &n->m_queue, err)) ||
@@ -1149,17 +1134,18 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                           .allow_origins = cfg->allow_origins};
     kvb_http_handlers hh = {.ctx = n, .completion = handle_completion, .health = handle_health,
                             .tokenize = handle_tokenize, .detokenize = handle_detokenize};
+    if (n->peer) { /* the link's thread dials now, before a request can ask for it */
+        kvb_peer_link_config lc = {.addr = n->peer, .hello = &n->hello, .tcfg = &n->tcfg, .lanes = c->lanes,
+                                   .connect_timeout_ms = PEER_DIAL_TIMEOUT_MS, .on_state = on_peer_state,
+                                   .on_state_ctx = n};
+        if ((st = kvb_peer_link_start(&lc, &n->link, err))) goto fail;
+    }
     if ((st = kvb_http_server_start(&hc, &hh, &n->http, err))) goto fail;
-    if (n->peer) { /* the lanes now, not on the first bridged request (connects and handshakes) */
-        engine_acquire(n);
-        kvb_err pe = {0};
-        if (ensure_peer(n, &pe)) { /* not up yet: the first request dials again, without back-off */
-            n->peer_retry_at = 0;
-            n->peer_backoff_s = 0;
-            kvb_log(KVB_LOG_INFO, "decode: prefill node %s not reachable at start (%s); dialled again on the first "
-                    "bridged request", n->peer, pe.msg);
-        }
-        engine_release(n);
+    if (n->link) { /* the first attempt's outcome is waited for here, not by a request (a peer not up by
+                      then is declined at once, with the reason, and dialled again with back-off) */
+        kvb_conn *const *lanes;
+        uint32_t n_up;
+        kvb_peer_link_wait_lanes(n->link, PEER_DIAL_TIMEOUT_MS + 1000, &lanes, &n_up, NULL);
     }
     *out = n;
     return KVB_OK;
@@ -1182,7 +1168,7 @@ void kvb_decode_node_last_receive_waits(kvb_decode_node *n, double *reader_s, do
 void kvb_decode_node_stop(kvb_decode_node *n) {
     if (!n) return;
     kvb_http_server_stop(n->http);
-    for (uint32_t l = 0; l < KVB_MAX_LANES; l++) kvb_conn_close(n->lanes[l]);
+    kvb_peer_link_stop(n->link); /* before the metrics its thread updates */
     kvb_decode_batch_free(n->batch);
     kvb_metrics_free(n->metrics); /* after the server, whose families live in it */
     kvb_engine_free(n->e);
