@@ -6,7 +6,8 @@
  * (no connect timeout paid by a request) with an honest verdict ("declined: prefill node
  * unavailable ...") and the same text as a node without a peer, and /health and /metrics say the
  * link is down and why. Refused handshakes are counted on both sides: a decode node with another
- * key against a real prefill node shows reason "auth" in both nodes' /metrics. */
+ * key or another model against a real prefill node shows reason "auth" or "mismatch" in both
+ * nodes' /metrics, and a connection that says nothing "timeout" in the prefill node's. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -32,14 +33,16 @@
 #define PSK "test-key-0123456789abcdef"
 #define STREAM_PROMPT 40  /* under the bridge threshold (2 blocks of 32): native */
 #define BRIDGE_PROMPT 600 /* worth bridging, were the peer up */
-static char g_model[512];
+static char g_model[512], g_other[512];
 
 static int setup(void **state) {
     (void)state;
     kvb_err err = {0};
     kvbt_tmp_path(g_model, sizeof g_model, "peers.gguf");
-    kvb_gen_opts o = {.preset = "tiny", .type = KVB_TYPE_Q8_0, .seed = 21, .n_threads = 2};
-    if (kvb_gen_model(&o, g_model, &err)) {
+    kvbt_tmp_path(g_other, sizeof g_other, "peers-other.gguf");
+    kvb_gen_opts o = {.preset = "tiny", .type = KVB_TYPE_Q8_0, .seed = 21, .n_threads = 2}, o2 = o;
+    o2.seed = 22;
+    if (kvb_gen_model(&o, g_model, &err) || kvb_gen_model(&o2, g_other, &err)) {
         fprintf(stderr, "setup: %s\n", err.msg);
         return -1;
     }
@@ -270,34 +273,59 @@ static void test_garbage_peer(void **state) {
     misbehaving_peer(KVBT_PEER_GARBAGE, "protocol");
 }
 
-/* Another key: both nodes count the refused handshake under "auth"; the request is declined at
- * once with a verdict that says the keys differ. */
-static void test_refusals_counted_on_both_sides(void **state) {
-    (void)state;
-    kvb_prefill_config pc = {.listen = "127.0.0.1:0", .http_listen = "127.0.0.1:0", .model_path = g_model,
-                             .psk = "another-key-0123456789", .n_threads = 1, .cache_dtype = KVB_TYPE_F16,
-                             .block_tokens = 32, .max_ctx = 4096};
+static kvb_prefill_node *start_prefill(const char *model, const char *psk) {
+    kvb_prefill_config pc = {.listen = "127.0.0.1:0", .http_listen = "127.0.0.1:0", .model_path = model, .psk = psk,
+                             .n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 4096};
     kvb_prefill_node *pn = NULL;
     kvb_err err = {0};
     if (kvb_prefill_node_start(&pc, &pn, &err)) fail_msg("prefill node: %s", err.msg);
+    return pn;
+}
+
+/* Waits (up to 8 s: the prefill node's accept gives a silent peer 5 s) for a series to reach 1. */
+static double await_metric(uint16_t port, const char *series) {
+    for (int i = 0; i < 800 && kvbt_metric(port, series) < 1; i++) usleep(10 * 1000);
+    return kvbt_metric(port, series);
+}
+
+/* A decode node refused by its prefill node (another key, another model): the request is declined
+ * at once with a verdict that says why, and both nodes count the refused handshake by reason. */
+static void refused(const char *model, const char *psk, const char *reason, const char *verdict_words) {
+    kvb_prefill_node *pn = start_prefill(model, psk);
     kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK);
     const uint16_t dp = kvb_decode_node_port(dn), pp = kvb_prefill_node_http_port(pn);
     int32_t ids[BRIDGE_PROMPT];
     kvbt_prompt_ids(ids, BRIDGE_PROMPT, 77);
     kvbt_reply b;
     kvbt_complete_ids(dp, ids, BRIDGE_PROMPT, &b);
-    printf("verdict '%s'\n", b.verdict);
-    if (!strstr(b.verdict, "declined: prefill node unavailable: ") || !strstr(b.verdict, "keys differ"))
+    printf("%s: verdict '%s'\n", reason, b.verdict);
+    if (!strstr(b.verdict, "declined: prefill node unavailable: ") || !strstr(b.verdict, verdict_words))
         fail_msg("verdict '%s'", b.verdict);
     free(b.content);
-    assert_true(kvbt_metric(dp, "kvbridge_peer_handshakes_refused_total{reason=\"auth\"} ") >= 1);
-    /* the prefill node counts as it accepts: give its accept loop a moment */
-    for (int i = 0; i < 200 && kvbt_metric(pp, "kvbridge_prefill_handshakes_refused_total{reason=\"auth\"} ") < 1; i++)
-        usleep(10 * 1000);
-    assert_true(kvbt_metric(pp, "kvbridge_prefill_handshakes_refused_total{reason=\"auth\"} ") >= 1);
-    assert_true(kvbt_metric(pp, "kvbridge_prefill_handshakes_refused_total{reason=\"mismatch\"} ") == 0);
+    char series[128];
+    snprintf(series, sizeof series, "kvbridge_peer_handshakes_refused_total{reason=\"%s\"} ", reason);
+    assert_true(kvbt_metric(dp, series) >= 1);
+    snprintf(series, sizeof series, "kvbridge_prefill_handshakes_refused_total{reason=\"%s\"} ", reason);
+    assert_true(await_metric(pp, series) >= 1);
     kvb_decode_node_stop(dn);
+    /* a connection that says nothing is counted as a timeout by the prefill node */
+    char port[8];
+    snprintf(port, sizeof port, "%u", kvb_prefill_node_port(pn));
+    const int fd = kvb_tcp_dial("127.0.0.1", port);
+    assert_true(fd >= 0);
+    assert_true(await_metric(pp, "kvbridge_prefill_handshakes_refused_total{reason=\"timeout\"} ") >= 1);
+    close(fd);
     kvb_prefill_node_stop(pn);
+}
+
+static void test_wrong_key_counted_on_both_sides(void **state) {
+    (void)state;
+    refused(g_model, "another-key-0123456789", "auth", "keys differ");
+}
+
+static void test_other_model_counted_on_both_sides(void **state) {
+    (void)state;
+    refused(g_other, PSK, "mismatch", "another model");
 }
 
 int main(void) {
@@ -305,7 +333,8 @@ int main(void) {
         cmocka_unit_test(test_silent_peer),
         cmocka_unit_test(test_trickling_peer),
         cmocka_unit_test(test_garbage_peer),
-        cmocka_unit_test(test_refusals_counted_on_both_sides),
+        cmocka_unit_test(test_wrong_key_counted_on_both_sides),
+        cmocka_unit_test(test_other_model_counted_on_both_sides),
     };
     if (getenv("KVB_TEST_FILTER")) cmocka_set_test_filter(getenv("KVB_TEST_FILTER"));
     return cmocka_run_group_tests(tests, setup, NULL);

@@ -270,7 +270,8 @@ kvb_status kvb_peer_link_lanes(kvb_peer_link *l, kvb_conn *const **lanes, uint32
 
 void kvb_peer_link_drop(kvb_peer_link *l, const kvb_err *why) {
     pthread_mutex_lock(&l->mu);
-    if (l->state == KVB_PEER_UP) redial_locked(l, why ? why->msg : "dropped by its owner");
+    if (l->state == KVB_PEER_UP)
+        redial_locked(l, why ? why->msg : "the lanes were dropped after a fault on one of them");
     pthread_mutex_unlock(&l->mu);
 }
 
@@ -290,6 +291,8 @@ kvb_peer_state kvb_peer_link_state(kvb_peer_link *l, char *why, size_t cap) {
     if (why && cap) {
         if (s == KVB_PEER_DOWN)
             snprintf(why, cap, "%s (next attempt in %.1f s)", l->why, KVB_MAX(l->next_attempt_at - kvb_now_s(), 0.0));
+        else if (s == KVB_PEER_CONNECTING && l->why[0])
+            snprintf(why, cap, "dialling again after: %s", l->why);
         else
             snprintf(why, cap, "%s", s == KVB_PEER_UP ? "" : l->why);
     }

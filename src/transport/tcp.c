@@ -118,7 +118,8 @@ static kvb_status wait_fd(int fd, short events, double deadline, const char *wha
     for (;;) {
         int ms = wire_ms_left(deadline);
         if (ms == 0) return kvb_err_set(err, KVB_ERR_TIMEOUT, "%s %s: timed out", what, peer);
-        if (cancel && atomic_load(cancel)) return kvb_err_set(err, KVB_ERR_CANCELLED, "%s %s: cancelled", what, peer);
+        if (cancel && atomic_load(cancel))
+            return kvb_err_set(err, KVB_ERR_CANCELLED, "%s %s: cancelled", what, peer);
         if (cancel && ms > WIRE_CANCEL_POLL_MS) ms = WIRE_CANCEL_POLL_MS;
         struct pollfd p = {.fd = fd, .events = events};
         int r = poll(&p, 1, ms);

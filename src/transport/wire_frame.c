@@ -1,5 +1,6 @@
 /* transport/wire_frame.c — the frame header (encode, validate, decode), payload hashing, whole
- * frames in memory, the growable receive buffer and deadline arithmetic. */
+ * frames in memory, the growable receive buffer, deadline arithmetic and a thread's cancel flag
+ * (which the backends' waits look at). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
