@@ -64,7 +64,7 @@ static void *server_main(void *arg) {
     server *s = arg;
     while (!atomic_load(&s->stop) && s->n_conns < MAX_SERVED) {
         kvb_conn *c = NULL;
-        if (kvb_transport_accept(s->l, &s->hello, &s->cfg, 100, &c, NULL, NULL)) continue;
+        if (kvb_transport_accept(s->l, &s->hello, &s->cfg, 500, &c, NULL, NULL)) continue; /* 500 ms: a slow handshake too */
         s->conns[s->n_conns] = c;
         assert_int_equal(pthread_create(&s->conn_threads[s->n_conns], NULL, serve_conn, c), 0);
         s->n_conns++;
@@ -152,9 +152,12 @@ static void test_up_grouped_and_redialled_after_drop(void **state) {
     kvb_conn *const *lanes = NULL;
     uint32_t n = 0;
     kvb_err e = {0};
-    if (kvb_peer_link_wait_lanes(l, 5000, &lanes, &n, &e)) fail_msg("not up: %s", e.msg);
-    assert_int_equal(n, 3);
     char why[512];
+    if (kvb_peer_link_wait_lanes(l, 5000, &lanes, &n, &e)) {
+        kvb_peer_link_state(l, why, sizeof why);
+        fail_msg("not up: %s (%s)", e.msg, why);
+    }
+    assert_int_equal(n, 3);
     assert_int_equal(kvb_peer_link_state(l, why, sizeof why), KVB_PEER_UP);
     assert_string_equal(why, "");
     assert_int_equal(atomic_load(&o.ups), 1);
