@@ -550,9 +550,8 @@ typedef struct {
     double backoff_min_s, backoff_max_s; /* after a failure; 0: 0.5 and 30 */
     /* called with the link's lock held (it must not call the link): from the link's thread as
      * each attempt starts (connecting) and ends (up, or down), and from the owner's when it drops
-     * the lanes (connecting) (NULL: none), e.g. for a gauge and a
-     * counter by reason: code is KVB_OK when up or connecting, else the failure
-     * (kvb_handshake_reason_of gives the reason) */
+     * the lanes (connecting); NULL: none. For a gauge and a counter by reason: code is KVB_OK
+     * when up or connecting, else the failure (kvb_handshake_reason_of gives the reason). */
     void (*on_state)(void *ctx, kvb_peer_state state, kvb_status code, const char *why);
     void *on_state_ctx;
 } kvb_peer_link_config;
@@ -577,7 +576,8 @@ void kvb_peer_link_drop(kvb_peer_link *l, const kvb_err *why);
  * through its back-off). */
 kvb_status kvb_peer_link_wait_lanes(kvb_peer_link *l, int timeout_ms, kvb_conn *const **lanes, uint32_t *n,
                                     kvb_err *err);
-/* The state now, and why (cap bytes, "" when up). */
+/* The state now, and why (cap bytes): "" when up; the last failure and when the next attempt
+ * is while down; while connecting, what it is dialling again after ("" for the first attempt). */
 kvb_peer_state kvb_peer_link_state(kvb_peer_link *l, char *why, size_t cap);
 
 #endif
