@@ -14,61 +14,6 @@
 #endif
 #include "kvb_quant.h"
 
-static void help(FILE *f) {
-    fprintf(f,
-            "usage: kvbridge bench (prefill|decode) -m MODEL [options]\n"
-            "       kvbridge bench ladder -m MODEL [options]   (see kvbridge bench ladder --help)\n"
-            "       kvbridge bench link (--listen|--peer) ADDR (see kvbridge bench link --help)\n"
-            "       kvbridge bench quality [-m MODEL] [options]  (see kvbridge bench quality --help)\n"
-            "       kvbridge bench slab [options]              (see kvbridge bench slab --help)\n"
-            "       kvbridge bench tokenize -m MODEL [options] (see kvbridge bench tokenize --help)\n"
-            "       kvbridge bench parallel -m MODEL [options] (see kvbridge bench parallel --help)\n"
-            "       kvbridge bench json -m MODEL [options]     (see kvbridge bench json --help)\n\n"
-            "Measures the CPU engine and prints tok/s beside the memory bandwidth measured in the same run.\n"
-            "  prefill   one batch of --tokens random tokens from an empty cache (like llama-bench pp)\n"
-            "  decode    --gen single-token steps after a --ctx-token prompt (like llama-bench tg)\n\n"
-            "  -m FILE              GGUF model\n"
-            "  --threads T          threads (default: all CPUs)\n"
-            "  --tokens N           prefill tokens (default 512)\n"
-            "  --gen N              decode steps (default 128)\n"
-            "  --ctx N              prompt length before decode (default 16)\n"
-            "  --batch B            decode: also B sequences stepped together (kvb_engine_forward_batch), each\n"
-            "                       after its own --ctx prompt: their tokens/s beside one sequence's, same run\n"
-            "  --reps R             repetitions; the median is reported (default 3)\n"
-            "  --cache-type T       KV cache dtype (default f16)\n"
-            "  --llama-bench PATH   also run llama.cpp's llama-bench on the same file and threads\n"
-            "  --json FILE          also write the figures as JSON\n\n"
-            "  --device cpu|cuda    cuda: prefill on the GPU (bf16), several sizes (--tokens 2048,8192,32768) in\n"
-            "                       one run, each beside the bf16 GEMM ceiling measured in the same run (cuBLAS\n"
-            "                       8192^3) and, with --peer-json, a peer's figures for the same sizes\n"
-            "  --chunk N            (cuda) tokens per forward chunk (default 8192)\n"
-            "  --peer-json FILE     (cuda) JSON from tools/peer/torch_llama_prefill.py\n"
-            "  --bridge T           (cuda) also time every size with the CUDA bridge kernel hooked after each\n"
-            "                       (chunk, layer), writing a decoder cache of dtype T from this file's K/V\n"
-            "                       weights (use a Q8_0/Q4_0 file: a CPU decoder's), and print its cost as a\n"
-            "                       fraction of the prefill time (kernels and copies to pinned memory; the\n"
-            "                       slabs are not sent anywhere)\n"
-            "  --ceiling-reps N     (cuda) timed GEMMs for the ceiling (default 20)\n"
-            "  --warmup N           (cuda) untimed forwards before each size's timed ones (default 2: the first\n"
-            "                       runs a new shape on the engine's kernel, the second builds cuDNN's plans)\n"
-            "  --attention A        (cuda) attention on global layers: own (the engine's flash kernel), cudnn\n"
-            "                       (cuDNN's fused attention, libcudnn.so.9 on LD_LIBRARY_PATH), both (each size\n"
-            "                       with each, side by side, and their ratio) or auto (default: cuDNN when it\n"
-            "                       loads; KVB_CUDA_ATTENTION=own|cudnn sets the default everywhere). cuDNN\n"
-            "                       builds a plan (40-100 ms) for a new shape only when it pays; other chunks run\n"
-            "                       on the engine's kernel (KVB_CUDNN_PLANS=eager: a plan for every shape)\n"
-            "  --host-overhead      (cuda) after each size, one forward enqueued behind a gate kernel (the GPU\n"
-            "                       waits until the host has enqueued everything), timed on the GPU: the share of\n"
-            "                       the wall time the GPU spent waiting for the host (launch gaps, host work)\n"
-            "  --gpus N             (cuda) tensor-parallel prefill over N GPUs (devices 0..N-1, NCCL all-reduce;\n"
-            "                       heads and the MLP width divide by N; KV heads by N, or N by them);\n"
-            "                       KVB_TP_OVERLAP=1 runs the all-reduces beside the GEMMs (off by default)\n"
-            "  --tp-one-device      (cuda) with --gpus N: every rank on one GPU, summed by the engine itself (tests\n"
-            "                       the split and measures its overhead on a one-GPU host; not faster)\n"
-            KVB_CLI_GPU_WEIGHTS_HELP);
-}
-
-
 /* Decode throughput of `batch` sequences stepped together: each prefilled with its own n_ctx-token
  * prompt (toks shifted by its index mod V, so no two share cache blocks), then n_gen batched steps;
  * *tps = the median over reps of batch * n_gen / seconds. */
@@ -483,96 +428,130 @@ done:
 }
 #endif
 
+/* What the command line asks of `bench prefill|decode`. */
+typedef struct {
+    const char *model_path, *llama_bench, *json_path, *tokens_arg, *peer_json, *attn_arg;
+    long long threads, n_gen, n_ctx, reps, chunk, ceiling_reps, warmup, batch;
+    int device; /* kvb_cli_device_names */
+    bool host_overhead;
+    kvb_cli_gpu gpu;
+    uint32_t cache_type, bridge_type;
+} bench_args;
+
+static const char *const k_bench_usage =
+    "(prefill|decode) -m MODEL [options]\n"
+    "ladder -m MODEL [options]   (see kvbridge bench ladder --help)\n"
+    "link (--listen|--peer) ADDR (see kvbridge bench link --help)\n"
+    "quality [-m MODEL] [options]  (see kvbridge bench quality --help)\n"
+    "slab [options]              (see kvbridge bench slab --help)\n"
+    "tokenize -m MODEL [options] (see kvbridge bench tokenize --help)\n"
+    "parallel -m MODEL [options] (see kvbridge bench parallel --help)\n"
+    "json -m MODEL [options]     (see kvbridge bench json --help)";
+
+/* Fills *a from argv (argv[0]: prefill or decode); KVB_CLI_GO, or the code the command returns. */
+static int bench_parse(bench_args *a, int argc, char **argv) {
+    const kvb_opt opts[] = {
+        KVB_CLI_OPT_MODEL(&a->model_path, "GGUF model", true),
+        KVB_CLI_OPT_THREADS(&a->threads, "threads (default: all CPUs)"),
+        {.long_name = "tokens", .kind = KVB_OPT_STRING, .dst = &a->tokens_arg, .meta = "N",
+         .help = "prefill tokens (default 512; cuda: a list of sizes, default 2048)"},
+        {.long_name = "gen", .kind = KVB_OPT_INT, .dst = &a->n_gen, .meta = "N", .help = "decode steps",
+         .def = "128", .lo = 1, .hi = 1 << 20},
+        {.long_name = "ctx", .kind = KVB_OPT_INT, .dst = &a->n_ctx, .meta = "N",
+         .help = "prompt length before decode", .def = "16", .lo = 1, .hi = 1 << 20},
+        {.long_name = "batch", .kind = KVB_OPT_INT, .dst = &a->batch, .meta = "B", .def = "1", .lo = 1, .hi = 256,
+         .help = "decode: also B sequences stepped together (kvb_engine_forward_batch), each after its own --ctx "
+                 "prompt: their tokens/s beside one sequence's, same run"},
+        {.long_name = "reps", .kind = KVB_OPT_INT, .dst = &a->reps, .meta = "R",
+         .help = "repetitions; the median is reported", .def = "3", .lo = 1, .hi = 100},
+        KVB_CLI_OPT_CACHE_TYPE(&a->cache_type, "KV cache dtype"),
+        {.long_name = "llama-bench", .kind = KVB_OPT_STRING, .dst = &a->llama_bench, .meta = "PATH",
+         .help = "also run llama.cpp's llama-bench on the same file and threads"},
+        {.long_name = "json", .kind = KVB_OPT_STRING, .dst = &a->json_path, .meta = "FILE",
+         .help = "also write the figures as JSON"},
+        KVB_CLI_OPT_DEVICE(&a->device,
+                           "cuda: prefill on the GPU (bf16), several sizes (--tokens 2048,8192,32768) in one run, "
+                           "each beside the bf16 GEMM ceiling measured in the same run (cuBLAS 8192^3) and, with "
+                           "--peer-json, a peer's figures for the same sizes"),
+        {.long_name = "chunk", .kind = KVB_OPT_INT, .dst = &a->chunk, .meta = "N", .lo = 1, .hi = 1 << 24,
+         .help = "(cuda) tokens per forward chunk (default 8192)"},
+        {.long_name = "peer-json", .kind = KVB_OPT_STRING, .dst = &a->peer_json, .meta = "FILE",
+         .help = "(cuda) JSON from tools/peer/torch_llama_prefill.py"},
+        {.long_name = "bridge", .kind = KVB_OPT_CUSTOM, .dst = &a->bridge_type, .meta = "T",
+         .parse = kvb_opt_parse_type,
+         .help = "(cuda) also time every size with the CUDA bridge kernel hooked after each (chunk, layer), "
+                 "writing a decoder cache of dtype T from this file's K/V weights (use a Q8_0/Q4_0 file: a CPU "
+                 "decoder's), and print its cost as a fraction of the prefill time (kernels and copies to pinned "
+                 "memory; the slabs are not sent anywhere)"},
+        {.long_name = "ceiling-reps", .kind = KVB_OPT_INT, .dst = &a->ceiling_reps, .meta = "N",
+         .help = "(cuda) timed GEMMs for the ceiling", .def = "20", .lo = 1, .hi = 1000},
+        {.long_name = "warmup", .kind = KVB_OPT_INT, .dst = &a->warmup, .meta = "N", .def = "2", .lo = 0, .hi = 100,
+         .help = "(cuda) untimed forwards before each size's timed ones (the first runs a new shape on the "
+                 "engine's kernel, the second builds cuDNN's plans)"},
+        {.long_name = "attention", .kind = KVB_OPT_STRING, .dst = &a->attn_arg, .meta = "A",
+         .help = "(cuda) attention on global layers: own (the engine's flash kernel), cudnn (cuDNN's fused "
+                 "attention, libcudnn.so.9 on LD_LIBRARY_PATH), both (each size with each, side by side, and "
+                 "their ratio) or auto (default: cuDNN when it loads; KVB_CUDA_ATTENTION=own|cudnn sets the "
+                 "default everywhere). cuDNN builds a plan (40-100 ms) for a new shape only when it pays; other "
+                 "chunks run on the engine's kernel (KVB_CUDNN_PLANS=eager: a plan for every shape)"},
+        {.long_name = "host-overhead", .kind = KVB_OPT_FLAG, .dst = &a->host_overhead,
+         .help = "(cuda) after each size, one forward enqueued behind a gate kernel (the GPU waits until the host "
+                 "has enqueued everything), timed on the GPU: the share of the wall time the GPU spent waiting "
+                 "for the host (launch gaps, host work)"},
+        KVB_CLI_OPTS_GPU(&a->gpu),
+        {0},
+    };
+    const kvb_cli_spec spec = {
+        .name = "bench", .usage = k_bench_usage, .opts = opts,
+        .about = "Measures the CPU engine and prints tok/s beside the memory bandwidth measured in the same run.\n"
+                 "  prefill   one batch of --tokens random tokens from an empty cache (like llama-bench pp)\n"
+                 "  decode    --gen single-token steps after a --ctx-token prompt (like llama-bench tg)\n"
+                 "With --gpus N, KVB_TP_OVERLAP=1 runs the all-reduces beside the GEMMs (off by default)."};
+    int rc = kvb_cli_parse(&spec, argc, argv);
+    if (rc != KVB_CLI_GO) return rc;
+    return kvb_cli_gpu_ok("bench", &a->gpu, a->device == 1) ? KVB_CLI_GO : 2;
+}
+
+/* The benchmarks `kvbridge bench NAME` dispatches to, each given argv from NAME on. */
+static const struct {
+    const char *name;
+    int (*fn)(int, char **);
+} k_bench_kinds[] = {
+    {"ladder", kvb_bench_ladder}, {"link", kvb_bench_link},         {"quality", kvb_bench_quality},
+    {"slab", kvb_bench_slab},     {"tokenize", kvb_bench_tokenize}, {"parallel", kvb_bench_parallel},
+    {"json", kvb_bench_json},
+};
+
 int kvb_cmd_bench(int argc, char **argv) {
-    const char *cmd = "bench", *model_path = NULL, *llama_bench = NULL, *json_path = NULL;
-    if (argc < 2 || kvb_arg_is_help(argv[1])) {
-        help(argc < 2 ? stderr : stdout);
-        return argc < 2 ? 2 : 0;
+    const char *cmd = "bench";
+    if (argc < 2) {
+        fprintf(stderr, "kvbridge bench: name a benchmark: prefill, decode, ladder, link, quality, slab, tokenize, "
+                        "parallel or json (see kvbridge bench --help)\n");
+        return 2;
+    }
+    if (kvb_arg_is_help(argv[1])) {
+        bench_args unused = {0};
+        return bench_parse(&unused, argc, argv);
     }
     const char *what = argv[1];
-    if (!strcmp(what, "ladder")) return kvb_bench_ladder(argc, argv);
-    if (!strcmp(what, "link")) return kvb_bench_link(argc, argv);
-    if (!strcmp(what, "quality")) return kvb_bench_quality(argc, argv);
-    if (!strcmp(what, "slab")) return kvb_bench_slab(argc, argv);
-    if (!strcmp(what, "tokenize")) return kvb_bench_tokenize(argc, argv);
-    if (!strcmp(what, "parallel")) return kvb_bench_parallel(argc, argv);
-    if (!strcmp(what, "json")) return kvb_bench_json(argc, argv);
+    for (size_t k = 0; k < sizeof k_bench_kinds / sizeof k_bench_kinds[0]; k++)
+        if (!strcmp(what, k_bench_kinds[k].name)) return k_bench_kinds[k].fn(argc - 1, argv + 1);
     bool prefill = !strcmp(what, "prefill");
     if (!prefill && strcmp(what, "decode")) {
         fprintf(stderr, "kvbridge bench: unknown benchmark '%s' (prefill, decode, ladder, link, slab, tokenize, parallel, json or quality; see kvbridge bench --help)\n", what);
         return 2;
     }
-    long long threads = 0, n_tok = 512, n_gen = 128, n_ctx = 16, reps = 3, chunk = 0, ceiling_reps = 20, warmup = 2,
-              batch = 1;
-    const char *tokens_arg = NULL, *peer_json = NULL, *attn_arg = NULL;
-    bool cuda = false, host_overhead = false, tp_one_device = false;
-    long long gpus = 1;
-    int gpu_weights = 0;
-    uint32_t cache_type = KVB_TYPE_F16, bridge_type = 0;
-    for (int i = 2; i < argc; i++) {
-        const char *a = argv[i], *v;
-        if (kvb_arg_is_help(a)) {
-            help(stdout);
-            return 0;
-        } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
-            if (!(model_path = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--threads")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1024, &threads)) return 2;
-        } else if (!strcmp(a, "--tokens")) {
-            if (!(tokens_arg = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--device")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-            if (!strcmp(v, "cuda")) cuda = true;
-            else if (!strcmp(v, "cpu")) cuda = false;
-            else {
-                fprintf(stderr, "kvbridge bench: --device expects 'cpu' or 'cuda', got '%s'\n", v);
-                return 2;
-            }
-        } else if (!strcmp(a, "--chunk")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 24, &chunk)) return 2;
-        } else if (!strcmp(a, "--ceiling-reps")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1000, &ceiling_reps)) return 2;
-        } else if (!strcmp(a, "--warmup")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 0, 100, &warmup)) return 2;
-        } else if (!strcmp(a, "--peer-json")) {
-            if (!(peer_json = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--gen")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 20, &n_gen)) return 2;
-        } else if (!strcmp(a, "--batch")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 256, &batch)) return 2;
-        } else if (!strcmp(a, "--ctx")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 20, &n_ctx)) return 2;
-        } else if (!strcmp(a, "--reps")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 100, &reps)) return 2;
-        } else if (!strcmp(a, "--cache-type")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &cache_type)) return 2;
-        } else if (!strcmp(a, "--llama-bench")) {
-            if (!(llama_bench = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--json")) {
-            if (!(json_path = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--bridge")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &bridge_type)) return 2;
-        } else if (!strcmp(a, "--attention")) {
-            if (!(attn_arg = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--host-overhead")) {
-            host_overhead = true;
-        } else if (!strcmp(a, "--gpus")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, KVB_CLI_MAX_GPUS, &gpus)) return 2;
-        } else if (!strcmp(a, "--tp-one-device")) {
-            tp_one_device = true;
-        } else if (!strcmp(a, "--gpu-weights")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_gpu_weights("bench", v, &gpu_weights)) return 2;
-        } else {
-            fprintf(stderr, "kvbridge bench: unknown option '%s' (see kvbridge bench --help)\n", a);
-            return 2;
-        }
-    }
-    if (!kvb_arg_gpus_ok("bench", gpus, tp_one_device, cuda) || !kvb_arg_gpu_weights_ok("bench", gpu_weights, cuda))
-        return 2;
-    if (!model_path) {
-        fprintf(stderr, "kvbridge bench: -m MODEL is required (see kvbridge bench --help)\n");
-        return 2;
-    }
+    bench_args a = {0};
+    int prc = bench_parse(&a, argc - 1, argv + 1);
+    if (prc != KVB_CLI_GO) return prc;
+    const char *model_path = a.model_path, *llama_bench = a.llama_bench, *json_path = a.json_path,
+               *tokens_arg = a.tokens_arg, *peer_json = a.peer_json, *attn_arg = a.attn_arg;
+    long long threads = a.threads, n_tok = 512, n_gen = a.n_gen, n_ctx = a.n_ctx, reps = a.reps, chunk = a.chunk,
+              ceiling_reps = a.ceiling_reps, warmup = a.warmup, batch = a.batch, gpus = a.gpu.gpus;
+    const bool cuda = a.device == 1, host_overhead = a.host_overhead, tp_one_device = a.gpu.tp_one_device;
+    const int gpu_weights = a.gpu.gpu_weights;
+    const uint32_t cache_type = a.cache_type, bridge_type = a.bridge_type;
+    (void)peer_json, (void)chunk, (void)ceiling_reps, (void)warmup; /* the CUDA benchmark's */
     if (cuda) {
         if (!prefill) {
             fprintf(stderr, "kvbridge bench: --device cuda supports 'prefill' only for now\n");
