@@ -16,6 +16,7 @@
 #include <string.h>
 
 const char *const kvb_cli_device_names[] = {"cpu", "cuda", NULL};
+const char *const kvb_cli_bridge_mode_names[] = {"decoder", "prefill", NULL}; /* index 1: prefill mode */
 const char *const kvb_cli_gpu_weights_names[] = {"auto", "bf16", "packed", NULL}; /* kvb_cuda_weights' order */
 
 static bool opt_is_end(const kvb_opt *o) { return !o->long_name && !o->short_name; }
@@ -319,6 +320,9 @@ void kvb_cli_help(const kvb_cli_spec *spec, FILE *f) {
     fputc('\n', f);
     for (const kvb_opt *o = spec->opts; !opt_is_end(o); o++) help_option(f, o);
     fprintf(f, "  -h, --help           this help\n");
+    if (spec->epilog) {
+        fprintf(f, "\n%s\n", spec->epilog);
+    }
 }
 
 kvb_status kvb_opt_parse_type(const char *val, void *dst, kvb_err *err) {

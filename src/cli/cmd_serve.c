@@ -25,20 +25,13 @@ typedef struct {
     const char *model, *listen, *http, *peer, *psk, *tmpl, *model_id, *fault, *api_key, *allow_origin;
     long long threads, bt, ctx, bridge_min, max_tokens, chunk, cache_blocks, lanes, warmup, resumes, parallel,
         drain_s;
-    int role, mode, device; /* k_roles, k_bridge_modes, kvb_cli_device_names */
+    int role, mode, device; /* k_roles, kvb_cli_bridge_mode_names, kvb_cli_device_names */
     kvb_cli_gpu gpu;
     bool tail_after, filler, quiet, verbose;
     uint32_t cache_type, engine_type;
 } serve_args;
 
 static const char *const k_roles[] = {"prefill", "decode", NULL};
-static const char *const k_bridge_modes[] = {"decoder", "prefill", NULL};
-
-/* The options every node takes, and those of one role (the help says which). */
-#define SERVE_INT(name_, dst_, meta_, lo_, hi_, help_)                                                        \
-    {.long_name = name_, .kind = KVB_OPT_INT, .dst = dst_, .meta = meta_, .lo = lo_, .hi = hi_, .help = help_}
-#define SERVE_STR(name_, dst_, meta_, help_)                                                                  \
-    {.long_name = name_, .kind = KVB_OPT_STRING, .dst = dst_, .meta = meta_, .help = help_}
 
 /* Checks that span several options; 2 after a message, else KVB_CLI_GO. */
 static int serve_check(const kvb_cli_spec *spec, serve_args *a) {
@@ -68,61 +61,57 @@ static int serve_parse(serve_args *a, int argc, char **argv) {
          .help = "prefill: computes the decode node's own KV cache for the prompts it is sent and streams it; "
                  "decode: the front door, an OpenAI-compatible API"},
         KVB_CLI_OPT_MODEL(&a->model, "the decoder's GGUF (both roles load the same file)", true),
-        SERVE_STR("listen", &a->listen, "HOST:PORT", "prefill: where decode nodes connect"),
-        SERVE_STR("http", &a->http, "HOST:PORT",
+        KVB_CLI_STR("listen", &a->listen, "HOST:PORT", "prefill: where decode nodes connect"),
+        KVB_CLI_STR("http", &a->http, "HOST:PORT",
                   "decode: the HTTP API address; prefill (optional): /health and /metrics for probes and scrapers"),
-        SERVE_STR("peer", &a->peer, "HOST:PORT", "decode: the prefill node (omit to always compute natively)"),
+        KVB_CLI_STR("peer", &a->peer, "HOST:PORT", "decode: the prefill node (omit to always compute natively)"),
         KVB_CLI_OPT_PSK(&a->psk, "pre-shared key, >= 16 bytes (or env KVB_PSK); both nodes need the same"),
-        SERVE_STR("api-key", &a->api_key, "KEY",
+        KVB_CLI_STR("api-key", &a->api_key, "KEY",
                   "decode: /v1/* require 'Authorization: Bearer KEY' (clients: their OpenAI api_key), >= 8 bytes "
                   "(or env KVB_API_KEY); /health and /metrics stay open"),
-        SERVE_STR("allow-origin", &a->allow_origin, "LIST",
+        KVB_CLI_STR("allow-origin", &a->allow_origin, "LIST",
                   "decode: browser pages from these origins may call the API (CORS): "
                   "https://ui.example[,https://other.example], or * for any"),
         KVB_CLI_OPT_CACHE_TYPE(&a->cache_type, "the decoder's cache dtype: f16, f32, bf16, q8_0"),
-        {.long_name = "block-tokens", .kind = KVB_OPT_INT, .dst = &a->bt, .meta = "N", .lo = 1, .hi = 4096,
-         .def = "32", .help = "tokens per cache block"},
-        SERVE_INT("ctx", &a->ctx, "N", 16, 1 << 24, "context limit in tokens"),
+        KVB_CLI_OPT_BLOCK_TOKENS(&a->bt, "tokens per cache block"),
+        KVB_CLI_INT("ctx", &a->ctx, "N", 16, 1 << 24, NULL, "context limit in tokens"),
         KVB_CLI_OPT_THREADS(&a->threads, "CPU threads (default: all)"),
-        SERVE_INT("bridge-min", &a->bridge_min, "N", 1, 1 << 24,
+        KVB_CLI_INT("bridge-min", &a->bridge_min, "N", 1, 1 << 24, NULL,
                   "decode: bridge only when at least N tokens are uncached (default 2 blocks)"),
-        SERVE_INT("max-tokens", &a->max_tokens, "N", 1, 1 << 24,
+        KVB_CLI_INT("max-tokens", &a->max_tokens, "N", 1, 1 << 24, NULL,
                   "decode: completion length when a request names none (default 256)"),
-        SERVE_STR("chat-template", &a->tmpl, "NAME", "decode: override the chat template family"),
-        SERVE_STR("model-id", &a->model_id, "NAME", "decode: the model name the API reports"),
-        {.long_name = "bridge-mode", .kind = KVB_OPT_ENUM, .dst = &a->mode, .meta = "M", .def = "decoder",
-         .choices = k_bridge_modes,
-         .help = "decoder (the decoder's own arithmetic, exact) or prefill (the prefill engine's own K/V "
-                 "re-encoded: cheaper, not exact); both nodes must agree"},
+        KVB_CLI_STR("chat-template", &a->tmpl, "NAME", "decode: override the chat template family"),
+        KVB_CLI_STR("model-id", &a->model_id, "NAME", "decode: the model name the API reports"),
+        KVB_CLI_OPT_BRIDGE_MODE(&a->mode),
         {.long_name = "engine-cache-type", .kind = KVB_OPT_CUSTOM, .dst = &a->engine_type, .meta = "T",
          .parse = kvb_opt_parse_type,
          .help = "prefill, bridge mode prefill: this node's own cache dtype (default: the decoder's)"},
         KVB_CLI_OPT_DEVICE(&a->device, "prefill: the engine that prefills; cuda prefills in bf16 on the GPU and "
                                        "runs the bridge kernel there (decoder mode)"),
-        SERVE_INT("chunk", &a->chunk, "N", 16, 1 << 20,
+        KVB_CLI_INT("chunk", &a->chunk, "N", 16, 1 << 20, NULL,
                   "prefill: tokens per forward chunk (default 512 on cpu, 8192 on cuda)"),
         KVB_CLI_OPTS_GPU(&a->gpu),
-        SERVE_INT("warmup", &a->warmup, "N", 0, 1 << 24,
+        KVB_CLI_INT("warmup", &a->warmup, "N", 0, 1 << 24, NULL,
                   "prefill, cuda: before listening, prefill N random tokens twice with the bridge's kernels (rows "
                   "dropped) so the first request does not pay for loading the GPU kernels and libraries and "
                   "cuDNN's plan for a full first chunk (default: one chunk and 64 tokens; 0 = none)"),
-        SERVE_INT("cache-blocks", &a->cache_blocks, "N", 16, 1LL << 31,
+        KVB_CLI_INT("cache-blocks", &a->cache_blocks, "N", 16, 1LL << 31, NULL,
                   "decode: prefix-cache size in blocks (default: 4 contexts' worth)"),
         {.long_name = "tail-after-transfer", .kind = KVB_OPT_FLAG, .dst = &a->tail_after,
          .help = "decode: compute the prompt's last token after the bridged cache has arrived, not layer by "
                  "layer while it arrives (the default, same answer)"},
-        SERVE_INT("lanes", &a->lanes, "N", 1, KVB_MAX_LANES,
+        KVB_CLI_INT("lanes", &a->lanes, "N", 1, KVB_MAX_LANES, NULL,
                   "decode: connections to the prefill node that each bridged request's slabs are striped over, "
                   "each with its own receiving thread (default 4)"),
-        SERVE_INT("parallel", &a->parallel, "N", 1, KVB_DECODE_MAX_PARALLEL,
+        KVB_CLI_INT("parallel", &a->parallel, "N", 1, KVB_DECODE_MAX_PARALLEL, NULL,
                   "decode: requests served at once, their decode steps run as one batch (the weights read once "
                   "per step for all; default 4). Each is admitted, in arrival order, once the cache blocks its "
                   "prompt and max_tokens can fill fit beside the others' in --cache-blocks"),
-        SERVE_INT("bridge-resumes", &a->resumes, "N", 0, 100,
+        KVB_CLI_INT("bridge-resumes", &a->resumes, "N", 0, 100, NULL,
                   "decode: after a corrupt slab or a dropped connection, ask the prefill node again for only the "
                   "blocks still missing, at most N times per request (default 2; 0 = compute what is missing "
                   "natively at once)"),
-        SERVE_STR("fault", &a->fault, "SPEC",
+        KVB_CLI_STR("fault", &a->fault, "SPEC",
                   "prefill, test-only: corrupt:N, die:N, stall:N (30 s) or pause:N (2 s) at the Nth slab of every "
                   "request, or of the first K with corrupt:NxK (...)"),
         {.long_name = "bench-filler-rows", .kind = KVB_OPT_FLAG, .dst = &a->filler,
@@ -150,8 +139,6 @@ static int serve_parse(serve_args *a, int argc, char **argv) {
     int rc = kvb_cli_parse(&spec, argc, argv);
     return rc != KVB_CLI_GO ? rc : serve_check(&spec, a);
 }
-#undef SERVE_INT
-#undef SERVE_STR
 
 int kvb_cmd_serve(int argc, char **argv) {
     serve_args a = {.psk = getenv("KVB_PSK"), .warmup = -1, .resumes = -1};

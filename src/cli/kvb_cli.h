@@ -112,6 +112,7 @@ typedef struct {
     const char *usage; /* what follows "usage: kvbridge NAME "; a '\n' starts another usage line */
     const char *about; /* the one-paragraph description (wrapped; a '\n' breaks the line) */
     const kvb_opt *opts;
+    const char *epilog; /* printed after the options as it is (lists, examples); NULL: nothing */
     /* Operands (arguments that are not options): at most max_operands of them go to operands[],
      * their count to *n_operands; with max_operands 0 an operand is an error. */
     int max_operands;
@@ -131,11 +132,19 @@ int kvb_cli_parse(const kvb_cli_spec *spec, int argc, char **argv);
  * out of range or with trailing junk, an unknown choice), or a custom converter's status, with
  * the message in err. */
 kvb_status kvb_cli_parse_args(const kvb_cli_spec *spec, int argc, char **argv, bool *help_asked, kvb_err *err);
-/* The help generated from spec: usage lines, the description, one entry per option. */
+/* The help generated from spec: usage lines, the description, one entry per option, the epilog. */
 void kvb_cli_help(const kvb_cli_spec *spec, FILE *f);
 /* Prints "kvbridge NAME: <fmt> (see kvbridge NAME --help)" on stderr and returns 2: for checks
  * that span several options, after parsing. */
 int kvb_cli_usage_error(const kvb_cli_spec *spec, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Shorthands for the commonest entries (long name only; def_ may be NULL). */
+#define KVB_CLI_INT(name_, dst_, meta_, lo_, hi_, def_, help_)                                                \
+    {.long_name = (name_), .kind = KVB_OPT_INT, .dst = (dst_), .meta = (meta_), .lo = (lo_), .hi = (hi_),    \
+     .def = (def_), .help = (help_)}
+#define KVB_CLI_STR(name_, dst_, meta_, help_)                                                                \
+    {.long_name = (name_), .kind = KVB_OPT_STRING, .dst = (dst_), .meta = (meta_), .help = (help_)}
+#define KVB_CLI_FLAG(name_, dst_, help_) {.long_name = (name_), .kind = KVB_OPT_FLAG, .dst = (dst_), .help = (help_)}
 
 /* Shared option groups: declared here once, placed in any command's table. */
 extern const char *const kvb_cli_device_names[];     /* cpu, cuda (index 1 = cuda) */
@@ -160,6 +169,16 @@ kvb_status kvb_opt_parse_type(const char *val, void *dst, kvb_err *err); /* into
 #define KVB_CLI_OPT_DEVICE(dst_, help_)                                                                        \
     {.long_name = "device", .kind = KVB_OPT_ENUM, .dst = (dst_), .help = (help_), .def = "cpu",                \
      .choices = kvb_cli_device_names}
+/* --bridge-mode decoder|prefill into an int (1 = prefill), default decoder; both nodes must agree. */
+extern const char *const kvb_cli_bridge_mode_names[];
+#define KVB_CLI_OPT_BRIDGE_MODE(dst_)                                                                         \
+    {.long_name = "bridge-mode", .kind = KVB_OPT_ENUM, .dst = (dst_), .meta = "M", .def = "decoder",          \
+     .choices = kvb_cli_bridge_mode_names,                                                                   \
+     .help = "decoder (the decoder's own arithmetic, exact) or prefill (the prefill engine's own K/V "        \
+             "re-encoded: cheaper, not exact); both nodes must agree"}
+/* --block-tokens N (1..4096, default 32), the decoder's cache block. */
+#define KVB_CLI_OPT_BLOCK_TOKENS(dst_, help_)                                                                 \
+    KVB_CLI_INT("block-tokens", (dst_), "N", 1, 4096, "32", (help_))
 /* The CUDA engine's placement: --gpus N, --tp-one-device, --gpu-weights W (into a kvb_cli_gpu). */
 typedef struct {
     long long gpus;     /* 1..KVB_CLI_MAX_GPUS */
