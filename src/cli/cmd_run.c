@@ -149,16 +149,116 @@ static int run_parse(run_args *a, int argc, char **argv) {
     return kvb_cli_gpu_ok("run", &a->gpu, cuda) ? KVB_CLI_GO : 2;
 }
 
+/* --logits-out FILE: the last prompt token's n_vocab logits, little-endian f32. */
+static kvb_status write_logits(const char *path, const float *logits, uint32_t n_vocab, kvb_err *err) {
+    FILE *lf = fopen(path, "wb");
+    bool ok = lf && fwrite(logits, sizeof(float), n_vocab, lf) == n_vocab;
+    if (lf && fclose(lf) != 0) ok = false;
+    return ok ? KVB_OK : kvb_err_set(err, KVB_ERR_IO, "cannot write the logits to %s", path);
+}
+
+/* The chat family for --chat: --chat-template NAME, else detected from the model's own template. */
+static kvb_status run_chat_family(const char *tmpl_name, const kvb_model *m, const char *model_path,
+                                  kvb_chat_family *fam, kvb_err *err) {
+    if (tmpl_name) return kvb_chat_family_from_name(tmpl_name, fam, err);
+    const kvb_gguf_kv *kv = kvb_gguf_find(m->gguf, "tokenizer.chat_template");
+    if (!kv || kv->type != KVB_GGUF_STRING)
+        return kvb_err_set(err, KVB_ERR_NOT_FOUND, "%s has no tokenizer.chat_template; pass --chat-template NAME",
+                           model_path);
+    char *tmpl = strndup(kv->str.ptr, kv->str.len);
+    kvb_status st = tmpl ? kvb_chat_family_detect(tmpl, fam, err) : kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    free(tmpl);
+    return st;
+}
+
+/* The prompt's token ids (*ids malloc'd, *n_ids >= 1): --tokens parsed, or -p TEXT tokenized
+ * (wrapped as a user message in the chat template with --chat). *usage_error is set when the
+ * command line is at fault (a bad --tokens list, a prompt that tokenizes to nothing). */
+static kvb_status run_prompt_ids(const run_args *a, const kvb_model *m, const kvb_tokenizer *tok, int32_t **ids,
+                                 uint32_t *n_ids, bool *usage_error, kvb_err *err) {
+    if (a->tokens_arg) {
+        *usage_error = !parse_ids(a->tokens_arg, ids, n_ids);
+        return *usage_error ? kvb_err_set(err, KVB_ERR_INVALID, "--tokens expects comma-separated token ids, got '%s'",
+                                          a->tokens_arg)
+                            : KVB_OK;
+    }
+    char *rendered = NULL;
+    if (a->chat) {
+        kvb_chat_family fam;
+        if (run_chat_family(a->tmpl_name, m, a->model_path, &fam, err) != KVB_OK) return err->code;
+        kvb_chat_msg msg = {"user", a->prompt};
+        if (kvb_chat_render(fam, &msg, 1, true, &rendered, err) != KVB_OK) return err->code;
+    }
+    const char *text = rendered ? rendered : a->prompt;
+    size_t nt = 0;
+    kvb_status st = kvb_tokenize(tok, text, strlen(text), true, a->chat, ids, &nt, err);
+    free(rendered);
+    if (st) return st;
+    *n_ids = (uint32_t)nt;
+    if (nt == 0) {
+        *usage_error = true;
+        return kvb_err_set(err, KVB_ERR_INVALID, "the prompt tokenized to nothing; give a non-empty prompt");
+    }
+    return KVB_OK;
+}
+
+/* The context limit: --ctx, else min(training context, 8192) raised to what the run needs when the
+ * model allows it. False after saying that the prompt and -n do not fit. */
+static bool run_max_ctx(const run_args *a, const kvb_model *m, uint32_t n_ids, uint32_t *max_ctx) {
+    if (a->ctx) *max_ctx = (uint32_t)a->ctx;
+    else {
+        uint32_t need = n_ids + (uint32_t)a->n_gen;
+        *max_ctx = m->d.n_ctx_train < 8192 ? m->d.n_ctx_train : 8192;
+        if (need > *max_ctx && need <= m->d.n_ctx_train) *max_ctx = need;
+    }
+    if ((uint64_t)n_ids + (uint64_t)a->n_gen <= *max_ctx) return true;
+    fprintf(stderr,
+            "kvbridge run: prompt (%u tokens) + %lld generated tokens exceed the context limit of %u tokens; "
+            "shorten the prompt, lower -n or raise --ctx\n",
+            n_ids, a->n_gen, *max_ctx);
+    return false;
+}
+
+/* Samples up to -n tokens from logits (the prompt's last), a forward per token, into out_ids
+ * (*n_out of them), streaming the text unless --output ids, stopping at end-of-generation unless
+ * --ignore-eos; then prints the ids, or the text's last piece. */
+static kvb_status run_decode(run_engine *re, kvb_sampler *smp, const kvb_tokenizer *tok, const run_args *a,
+                             float *logits, int32_t *out_ids, uint32_t *n_out, kvb_err *err) {
+    const bool ids_out = a->output == 1;
+    kvb_detok dt;
+    if (tok) kvb_detok_init(&dt, tok);
+    char piece[512];
+    for (long long i = 0; i < a->n_gen; i++) {
+        int32_t id = kvb_sample(smp, logits);
+        out_ids[(*n_out)++] = id;
+        if (!ids_out) {
+            size_t k = kvb_detok_push(&dt, id, piece, sizeof piece);
+            fwrite(piece, 1, k, stdout);
+            fflush(stdout);
+        }
+        if (!a->ignore_eos && tok && kvb_tokenizer_is_eog(tok, id)) break;
+        if (i + 1 < a->n_gen && re_forward(re, &id, 1, logits, err) != KVB_OK) return err->code;
+    }
+    if (ids_out) {
+        for (uint32_t i = 0; i < *n_out; i++) printf(i ? " %d" : "%d", out_ids[i]);
+        printf("\n");
+    } else {
+        size_t k = kvb_detok_flush(&dt, piece, sizeof piece);
+        fwrite(piece, 1, k, stdout);
+        printf("\n");
+    }
+    return KVB_OK;
+}
+
 int kvb_cmd_run(int argc, char **argv) {
     run_args a = {0};
     int prc = run_parse(&a, argc, argv);
     if (prc != KVB_CLI_GO) return prc;
-    const char *model_path = a.model_path, *tokens_arg = a.tokens_arg, *prompt = a.prompt, *tmpl_name = a.tmpl_name,
-               *logits_out = a.logits_out;
-    const long long n_gen = a.n_gen, threads = a.threads, ctx = a.ctx, gpus = a.gpu.gpus;
+    const char *model_path = a.model_path, *logits_out = a.logits_out;
+    const long long n_gen = a.n_gen, threads = a.threads, gpus = a.gpu.gpus;
     const int gpu_weights = a.gpu.gpu_weights;
-    const bool ids_out = a.output == 1, ignore_eos = a.ignore_eos, verbose = a.verbose, chat = a.chat,
-               cuda = a.device == 1, tp_one_device = a.gpu.tp_one_device;
+    const bool ids_out = a.output == 1, verbose = a.verbose, cuda = a.device == 1,
+               tp_one_device = a.gpu.tp_one_device;
     const kvb_sampler_opts so = {.temperature = (float)a.temp, .top_k = (int)a.top_k, .top_p = (float)a.top_p,
                                  .seed = a.seed};
     const uint32_t cache_type = a.cache_type;
@@ -170,67 +270,23 @@ int kvb_cmd_run(int argc, char **argv) {
     kvb_tokenizer *tok = NULL;
     int32_t *ids = NULL, *out_ids = NULL;
     float *logits = NULL;
-    char *rendered = NULL;
     uint32_t n_ids = 0;
     kvb_sampler smp = {0};
 
     if (kvb_model_load(model_path, &m, &err) != KVB_OK) goto fail;
-    if (prompt || !ids_out) {
+    if (a.prompt || !ids_out) {
         if (kvb_tokenizer_load(m->gguf, &tok, &err) != KVB_OK) goto fail;
     }
-    if (tokens_arg) {
-        if (!parse_ids(tokens_arg, &ids, &n_ids)) {
-            fprintf(stderr, "kvbridge run: --tokens expects comma-separated token ids, got '%s'\n", tokens_arg);
-            rc = 2;
-            goto done;
-        }
-    } else {
-        const char *text = prompt;
-        if (chat) {
-            kvb_chat_family fam;
-            if (tmpl_name) {
-                if (kvb_chat_family_from_name(tmpl_name, &fam, &err) != KVB_OK) goto fail;
-            } else {
-                char *tmpl = NULL;
-                const kvb_gguf_kv *kv = kvb_gguf_find(m->gguf, "tokenizer.chat_template");
-                if (!kv || kv->type != KVB_GGUF_STRING) {
-                    kvb_err_set(&err, KVB_ERR_NOT_FOUND,
-                                "%s has no tokenizer.chat_template; pass --chat-template NAME", model_path);
-                    goto fail;
-                }
-                tmpl = strndup(kv->str.ptr, kv->str.len);
-                kvb_status st = tmpl ? kvb_chat_family_detect(tmpl, &fam, &err) : KVB_ERR_NOMEM;
-                free(tmpl);
-                if (st) goto fail;
-            }
-            kvb_chat_msg msg = {"user", prompt};
-            if (kvb_chat_render(fam, &msg, 1, true, &rendered, &err) != KVB_OK) goto fail;
-            text = rendered;
-        }
-        int32_t *tids = NULL;
-        size_t nt = 0;
-        if (kvb_tokenize(tok, text, strlen(text), true, chat, &tids, &nt, &err) != KVB_OK) goto fail;
-        ids = tids;
-        n_ids = (uint32_t)nt;
-        if (n_ids == 0) {
-            fprintf(stderr, "kvbridge run: the prompt tokenized to nothing; give a non-empty prompt\n");
-            rc = 2;
-            goto done;
-        }
+    bool usage_error = false;
+    if (run_prompt_ids(&a, m, tok, &ids, &n_ids, &usage_error, &err) != KVB_OK) {
+        if (!usage_error) goto fail;
+        fprintf(stderr, "kvbridge run: %s\n", err.msg);
+        rc = 2;
+        goto done;
     }
 
     kvb_engine_opts eo = {.n_threads = (int)threads, .cache_dtype = cache_type};
-    if (ctx) eo.max_ctx = (uint32_t)ctx;
-    else {
-        uint32_t need = n_ids + (uint32_t)n_gen;
-        eo.max_ctx = m->d.n_ctx_train < 8192 ? m->d.n_ctx_train : 8192;
-        if (need > eo.max_ctx && need <= m->d.n_ctx_train) eo.max_ctx = need;
-    }
-    if ((uint64_t)n_ids + (uint64_t)n_gen > eo.max_ctx) {
-        fprintf(stderr,
-                "kvbridge run: prompt (%u tokens) + %lld generated tokens exceed the context limit of %u tokens; "
-                "shorten the prompt, lower -n or raise --ctx\n",
-                n_ids, n_gen, eo.max_ctx);
+    if (!run_max_ctx(&a, m, n_ids, &eo.max_ctx)) {
         rc = 2;
         goto done;
     }
@@ -273,39 +329,10 @@ int kvb_cmd_run(int argc, char **argv) {
     double t0 = kvb_now_s();
     if (re_forward(&re, ids, n_ids, logits, &err) != KVB_OK) goto fail;
     double t1 = kvb_now_s();
-    if (logits_out) {
-        FILE *lf = fopen(logits_out, "wb");
-        bool ok = lf && fwrite(logits, sizeof(float), m->d.n_vocab, lf) == m->d.n_vocab;
-        if (lf && fclose(lf) != 0) ok = false;
-        if (!ok) {
-            kvb_err_set(&err, KVB_ERR_IO, "cannot write the logits to %s", logits_out);
-            goto fail;
-        }
-    }
-    kvb_detok dt;
-    if (tok) kvb_detok_init(&dt, tok);
-    char piece[512];
+    if (logits_out && write_logits(logits_out, logits, m->d.n_vocab, &err)) goto fail;
     uint32_t n_out = 0;
-    for (long long i = 0; i < n_gen; i++) {
-        int32_t id = kvb_sample(&smp, logits);
-        out_ids[n_out++] = id;
-        if (!ids_out) {
-            size_t k = kvb_detok_push(&dt, id, piece, sizeof piece);
-            fwrite(piece, 1, k, stdout);
-            fflush(stdout);
-        }
-        if (!ignore_eos && tok && kvb_tokenizer_is_eog(tok, id)) break;
-        if (i + 1 < n_gen && re_forward(&re, &id, 1, logits, &err) != KVB_OK) goto fail;
-    }
+    if (run_decode(&re, &smp, tok, &a, logits, out_ids, &n_out, &err)) goto fail;
     double t2 = kvb_now_s();
-    if (ids_out) {
-        for (uint32_t i = 0; i < n_out; i++) printf(i ? " %d" : "%d", out_ids[i]);
-        printf("\n");
-    } else {
-        size_t k = kvb_detok_flush(&dt, piece, sizeof piece);
-        fwrite(piece, 1, k, stdout);
-        printf("\n");
-    }
     if (verbose)
         fprintf(stderr, "run: prefill %u tokens in %.3f s (%.1f tok/s); decode %u tokens in %.3f s (%.1f tok/s)\n",
                 n_ids, t1 - t0, n_ids / (t1 - t0), n_out, t2 - t1, n_out > 1 ? (n_out - 1) / (t2 - t1) : 0.0);
@@ -319,7 +346,6 @@ done:
     free(logits);
     free(out_ids);
     free(ids);
-    free(rendered);
     re_free(&re);
     kvb_tokenizer_free(tok);
     kvb_model_free(m);
