@@ -522,8 +522,168 @@ static const struct {
     {"json", kvb_bench_json},
 };
 
+/* Times the CPU engine: one short untimed forward (pages the weights in), then --reps runs of a
+ * prefill of n_tok tokens, or of --gen single-token steps after a --ctx prompt; times[r] in tok/s. */
+static kvb_status bench_cpu_runs(kvb_engine *e, const int32_t *toks, float *logits, const bench_args *a, bool prefill,
+                                 long long n_tok, double *times, kvb_err *err) {
+    /* warm-up: one short forward pages the weights in */
+    {
+        kvb_seq *s = NULL;
+        if (kvb_seq_create(e, &s, err)) return err->code;
+        kvb_status st = kvb_engine_forward(e, s, toks, prefill ? (uint32_t)(n_tok < 32 ? n_tok : 32) : 1, logits,
+                                           false, err);
+        kvb_seq_free(s);
+        if (st) return err->code;
+    }
+    for (int r = 0; r < a->reps; r++) {
+        kvb_seq *s = NULL;
+        if (kvb_seq_create(e, &s, err)) return err->code;
+        kvb_status st = KVB_OK;
+        double t0 = 0, t1 = 0;
+        if (prefill) {
+            t0 = kvb_now_s();
+            st = kvb_engine_forward(e, s, toks, (uint32_t)n_tok, logits, false, err);
+            t1 = kvb_now_s();
+        } else {
+            st = kvb_engine_forward(e, s, toks, (uint32_t)a->n_ctx, logits, false, err);
+            t0 = kvb_now_s();
+            for (long long g = 0; g < a->n_gen && !st; g++)
+                st = kvb_engine_forward(e, s, &toks[a->n_ctx + g], 1, logits, false, err);
+            t1 = kvb_now_s();
+        }
+        kvb_seq_free(s);
+        if (st) return err->code;
+        times[r] = (prefill ? n_tok : a->n_gen) / (t1 - t0);
+        fprintf(stderr, "bench %s: run %d/%lld: %.2f tok/s\n", prefill ? "prefill" : "decode", r + 1, a->reps, times[r]);
+    }
+    return KVB_OK;
+}
+
+/* What a CPU benchmark measured. */
+typedef struct {
+    const double *runs; /* --reps tok/s figures, in run order */
+    double tps, batch_tps, bw, peer; /* median tok/s, --batch's, read GB/s, llama-bench's (<= 0: none) */
+    int threads;
+    long long n_tok;
+} bench_cpu_figures;
+
+/* Prints the CPU benchmark's figures beside the machine's bandwidth (and llama-bench's), and
+ * writes --json. */
+static void bench_cpu_report(const bench_args *a, const kvb_model *m, const char *what, const bench_cpu_figures *fig) {
+    const bool prefill = !strcmp(what, "prefill");
+    printf("runs      ");
+    for (int r = 0; r < a->reps; r++) printf(" %.2f", fig->runs[r]);
+    printf(" tok/s\n");
+    uint64_t wbytes = weight_bytes_per_token(m);
+    double flops_tok = 2.0 * (double)kvb_model_n_params_nonembd(&m->d);
+    if (prefill) {
+        /* attention: QK^fig->threads and PV over the causal triangle */
+        double att = 2.0 * 2.0 * m->d.n_layer * m->d.n_head * m->d.head_dim * (double)fig->n_tok * (fig->n_tok + 1) / 2.0;
+        double gflops = (flops_tok * fig->n_tok + att) / (fig->n_tok / fig->tps) / 1e9;
+        printf("prefill    %lld tokens: %.1f tok/s (median of %lld), %.1f GFLOP/s\n", fig->n_tok, fig->tps, a->reps, gflops);
+    } else {
+        size_t rb = kvb_row_bytes(a->cache_type, m->d.head_dim);
+        double kv_avg = (double)m->d.n_layer * 2 * m->d.n_head_kv * rb * (a->n_ctx + a->n_gen / 2.0);
+        double bytes = (double)wbytes + kv_avg;
+        double achieved = bytes * fig->tps / 1e9;
+        printf("decode     %lld steps after %lld tokens: %.2f tok/s (median of %lld)\n", a->n_gen, a->n_ctx, fig->tps, a->reps);
+        printf("bytes/tok  %.1f MB (weights %.1f MB + KV %.2f MB)\n", bytes / 1e6, wbytes / 1e6, kv_avg / 1e6);
+        printf("bandwidth  %.1f GB/s achieved = %.0f%% of %.1f GB/s measured read bandwidth (same run, %d threads)\n",
+               achieved, 100.0 * achieved / fig->bw, fig->bw, fig->threads);
+        if (a->batch > 1)
+            printf("batch      %lld sequences stepped together: %.2f tok/s in all, %.2f per sequence = %.2fx one "
+                   "sequence's %.2f tok/s\n",
+                   a->batch, fig->batch_tps, fig->batch_tps / a->batch, fig->batch_tps / fig->tps, fig->tps);
+    }
+    if (prefill) printf("bandwidth  %.1f GB/s measured read bandwidth (same run, %d threads)\n", fig->bw, fig->threads);
+    if (a->llama_bench) {
+        if (fig->peer > 0)
+            printf("peer       llama.cpp llama-bench %s: %.2f tok/s -> kvbridge/llama.cpp = %.2fx\n",
+                   prefill ? "pp" : "tg", fig->peer, fig->tps / fig->peer);
+        else printf("peer       llama-bench at %s did not produce a result\n", a->llama_bench);
+    }
+    if (a->json_path) {
+        FILE *f = fopen(a->json_path, "w");
+        if (f) {
+            fprintf(f,
+                    "{\"bench\":\"%s\",\"model\":\"%s\",\"threads\":%d,\"tok_s\":%.4f,\"read_bw_gbs\":%.3f,"
+                    "\"weight_bytes\":%llu,\"peer_tok_s\":%.4f}\n",
+                    what, a->model_path, fig->threads, fig->tps, fig->bw, (unsigned long long)wbytes, fig->peer);
+            fclose(f);
+        }
+    }
+}
+
+/* `bench prefill|decode` on the CPU engine (what: which). */
+static int bench_cpu(const bench_args *a, const char *what) {
+    long long n_tok = 512;
+    if (a->tokens_arg && !kvb_arg_int("bench", "--tokens", a->tokens_arg, 1, 1 << 20, &n_tok)) return 2;
+    const bool prefill = !strcmp(what, "prefill");
+    kvb_err err = {0};
+    kvb_model *m = NULL;
+    kvb_engine *e = NULL;
+    int rc = 1;
+    int32_t *toks = NULL;
+    float *logits = NULL;
+    double *times = NULL;
+    if (kvb_model_load(a->model_path, &m, &err)) goto fail;
+    uint32_t need = prefill ? (uint32_t)n_tok : (uint32_t)(a->n_ctx + a->n_gen);
+    const uint32_t bt_default = 32; /* the engine's default block size */
+    kvb_engine_opts eo = {.n_threads = (int)a->threads, .cache_dtype = a->cache_type, .max_ctx = need + 1,
+                          .n_blocks = (uint32_t)(prefill ? 0 : (a->batch + 1) * ((need + 1) / bt_default + 2))};
+    if (kvb_engine_create(m, &eo, &e, &err)) goto fail;
+    int T = kvb_engine_threads(e);
+    toks = malloc(sizeof(int32_t) * need);
+    logits = malloc(sizeof(float) * m->d.n_vocab);
+    times = malloc(sizeof(double) * (size_t)a->reps);
+    if (!toks || !logits || !times) {
+        kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    kvb_rng rng;
+    kvb_rng_seed(&rng, 42);
+    for (uint32_t i = 0; i < need; i++) toks[i] = (int32_t)(kvb_rng_u64(&rng) % m->d.n_vocab);
+
+    char desc[256];
+    kvb_model_describe(m, desc, sizeof desc);
+    printf("model      %s\n           %s\n", a->model_path, desc);
+    printf("machine    %d threads, %s kernels, KV cache %s\n", T, kvb_simd_name(), kvb_type_name(a->cache_type));
+
+    if (bench_cpu_runs(e, toks, logits, a, prefill, n_tok, times, &err)) goto fail;
+    double runs[100];
+    memcpy(runs, times, sizeof(double) * (size_t)a->reps);
+    double tps = kvb_median_sort(times, (int)a->reps);
+    double batch_tps = 0;
+    if (!prefill && a->batch > 1 && bench_decode_batch(e, m->d.n_vocab, toks, (uint32_t)a->n_ctx, (uint32_t)a->n_gen, (uint32_t)a->batch,
+                                                    (int)a->reps, &batch_tps, &err))
+        goto fail;
+    kvb_pool *pool = NULL;
+    if (kvb_pool_create(T, &pool, &err)) goto fail;
+    double bw = kvb_measure_read_bw(pool, (size_t)1 << 30, 3);
+    kvb_pool_destroy(pool);
+
+    double peer = -1;
+    if (a->llama_bench)
+        peer = run_llama_bench(a->llama_bench, a->model_path, T, prefill ? (int)n_tok : 0, prefill ? 0 : (int)a->n_gen,
+                               (int)a->reps);
+
+    const bench_cpu_figures fig = {.runs = runs, .tps = tps, .batch_tps = batch_tps, .bw = bw, .peer = peer,
+                                   .threads = T, .n_tok = n_tok};
+    bench_cpu_report(a, m, what, &fig);
+    rc = 0;
+    goto done;
+fail:
+    fprintf(stderr, "kvbridge bench: %s\n", err.msg);
+done:
+    free(toks);
+    free(logits);
+    free(times);
+    kvb_engine_free(e);
+    kvb_model_free(m);
+    return rc;
+}
+
 int kvb_cmd_bench(int argc, char **argv) {
-    const char *cmd = "bench";
     if (argc < 2) {
         fprintf(stderr, "kvbridge bench: name a benchmark: prefill, decode, ladder, link, quality, slab, tokenize, "
                         "parallel or json (see kvbridge bench --help)\n");
@@ -544,14 +704,15 @@ int kvb_cmd_bench(int argc, char **argv) {
     bench_args a = {0};
     int prc = bench_parse(&a, argc - 1, argv + 1);
     if (prc != KVB_CLI_GO) return prc;
-    const char *model_path = a.model_path, *llama_bench = a.llama_bench, *json_path = a.json_path,
-               *tokens_arg = a.tokens_arg, *peer_json = a.peer_json, *attn_arg = a.attn_arg;
-    long long threads = a.threads, n_tok = 512, n_gen = a.n_gen, n_ctx = a.n_ctx, reps = a.reps, chunk = a.chunk,
-              ceiling_reps = a.ceiling_reps, warmup = a.warmup, batch = a.batch, gpus = a.gpu.gpus;
+    const char *model_path = a.model_path, *json_path = a.json_path, *tokens_arg = a.tokens_arg,
+               *peer_json = a.peer_json, *attn_arg = a.attn_arg;
+    const long long reps = a.reps, chunk = a.chunk, ceiling_reps = a.ceiling_reps, warmup = a.warmup,
+                    gpus = a.gpu.gpus;
     const bool cuda = a.device == 1, host_overhead = a.host_overhead, tp_one_device = a.gpu.tp_one_device;
     const int gpu_weights = a.gpu.gpu_weights;
-    const uint32_t cache_type = a.cache_type, bridge_type = a.bridge_type;
-    (void)peer_json, (void)chunk, (void)ceiling_reps, (void)warmup; /* the CUDA benchmark's */
+    const uint32_t bridge_type = a.bridge_type;
+    (void)model_path, (void)tokens_arg, (void)reps, (void)peer_json, (void)json_path, (void)chunk, (void)ceiling_reps,
+        (void)warmup; /* the CUDA benchmark's */
     if (cuda) {
         if (!prefill) {
             fprintf(stderr, "kvbridge bench: --device cuda supports 'prefill' only for now\n");
@@ -568,134 +729,5 @@ int kvb_cmd_bench(int argc, char **argv) {
         return 2;
 #endif
     }
-    if (tokens_arg && !kvb_arg_int(cmd, "--tokens", tokens_arg, 1, 1 << 20, &n_tok)) return 2;
-    kvb_err err = {0};
-    kvb_model *m = NULL;
-    kvb_engine *e = NULL;
-    int rc = 1;
-    int32_t *toks = NULL;
-    float *logits = NULL;
-    double *times = NULL;
-    if (kvb_model_load(model_path, &m, &err)) goto fail;
-    uint32_t need = prefill ? (uint32_t)n_tok : (uint32_t)(n_ctx + n_gen);
-    const uint32_t bt_default = 32; /* the engine's default block size */
-    kvb_engine_opts eo = {.n_threads = (int)threads, .cache_dtype = cache_type, .max_ctx = need + 1,
-                          .n_blocks = (uint32_t)(prefill ? 0 : (batch + 1) * ((need + 1) / bt_default + 2))};
-    if (kvb_engine_create(m, &eo, &e, &err)) goto fail;
-    int T = kvb_engine_threads(e);
-    toks = malloc(sizeof(int32_t) * need);
-    logits = malloc(sizeof(float) * m->d.n_vocab);
-    times = malloc(sizeof(double) * (size_t)reps);
-    if (!toks || !logits || !times) {
-        kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
-        goto fail;
-    }
-    kvb_rng rng;
-    kvb_rng_seed(&rng, 42);
-    for (uint32_t i = 0; i < need; i++) toks[i] = (int32_t)(kvb_rng_u64(&rng) % m->d.n_vocab);
-
-    char desc[256];
-    kvb_model_describe(m, desc, sizeof desc);
-    printf("model      %s\n           %s\n", model_path, desc);
-    printf("machine    %d threads, %s kernels, KV cache %s\n", T, kvb_simd_name(), kvb_type_name(cache_type));
-
-    /* warm-up: one short forward pages the weights in */
-    {
-        kvb_seq *s = NULL;
-        if (kvb_seq_create(e, &s, &err)) goto fail;
-        kvb_status st = kvb_engine_forward(e, s, toks, prefill ? (uint32_t)(n_tok < 32 ? n_tok : 32) : 1, logits,
-                                           false, &err);
-        kvb_seq_free(s);
-        if (st) goto fail;
-    }
-    for (int r = 0; r < reps; r++) {
-        kvb_seq *s = NULL;
-        if (kvb_seq_create(e, &s, &err)) goto fail;
-        kvb_status st = KVB_OK;
-        double t0 = 0, t1 = 0;
-        if (prefill) {
-            t0 = kvb_now_s();
-            st = kvb_engine_forward(e, s, toks, (uint32_t)n_tok, logits, false, &err);
-            t1 = kvb_now_s();
-        } else {
-            st = kvb_engine_forward(e, s, toks, (uint32_t)n_ctx, logits, false, &err);
-            t0 = kvb_now_s();
-            for (long long g = 0; g < n_gen && !st; g++)
-                st = kvb_engine_forward(e, s, &toks[n_ctx + g], 1, logits, false, &err);
-            t1 = kvb_now_s();
-        }
-        kvb_seq_free(s);
-        if (st) goto fail;
-        times[r] = (prefill ? n_tok : n_gen) / (t1 - t0);
-        fprintf(stderr, "bench %s: run %d/%lld: %.2f tok/s\n", what, r + 1, reps, times[r]);
-    }
-    double runs[100];
-    memcpy(runs, times, sizeof(double) * (size_t)reps);
-    double tps = kvb_median_sort(times, (int)reps);
-    double batch_tps = 0;
-    if (!prefill && batch > 1 && bench_decode_batch(e, m->d.n_vocab, toks, (uint32_t)n_ctx, (uint32_t)n_gen, (uint32_t)batch,
-                                                    (int)reps, &batch_tps, &err))
-        goto fail;
-    kvb_pool *pool = NULL;
-    if (kvb_pool_create(T, &pool, &err)) goto fail;
-    double bw = kvb_measure_read_bw(pool, (size_t)1 << 30, 3);
-    kvb_pool_destroy(pool);
-
-    double peer = -1;
-    if (llama_bench)
-        peer = run_llama_bench(llama_bench, model_path, T, prefill ? (int)n_tok : 0, prefill ? 0 : (int)n_gen,
-                               (int)reps);
-
-    printf("runs      ");
-    for (int r = 0; r < reps; r++) printf(" %.2f", runs[r]);
-    printf(" tok/s\n");
-    uint64_t wbytes = weight_bytes_per_token(m);
-    double flops_tok = 2.0 * (double)kvb_model_n_params_nonembd(&m->d);
-    if (prefill) {
-        /* attention: QK^T and PV over the causal triangle */
-        double att = 2.0 * 2.0 * m->d.n_layer * m->d.n_head * m->d.head_dim * (double)n_tok * (n_tok + 1) / 2.0;
-        double gflops = (flops_tok * n_tok + att) / (n_tok / tps) / 1e9;
-        printf("prefill    %lld tokens: %.1f tok/s (median of %lld), %.1f GFLOP/s\n", n_tok, tps, reps, gflops);
-    } else {
-        size_t rb = kvb_row_bytes(cache_type, m->d.head_dim);
-        double kv_avg = (double)m->d.n_layer * 2 * m->d.n_head_kv * rb * (n_ctx + n_gen / 2.0);
-        double bytes = (double)wbytes + kv_avg;
-        double achieved = bytes * tps / 1e9;
-        printf("decode     %lld steps after %lld tokens: %.2f tok/s (median of %lld)\n", n_gen, n_ctx, tps, reps);
-        printf("bytes/tok  %.1f MB (weights %.1f MB + KV %.2f MB)\n", bytes / 1e6, wbytes / 1e6, kv_avg / 1e6);
-        printf("bandwidth  %.1f GB/s achieved = %.0f%% of %.1f GB/s measured read bandwidth (same run, %d threads)\n",
-               achieved, 100.0 * achieved / bw, bw, T);
-        if (batch > 1)
-            printf("batch      %lld sequences stepped together: %.2f tok/s in all, %.2f per sequence = %.2fx one "
-                   "sequence's %.2f tok/s\n",
-                   batch, batch_tps, batch_tps / batch, batch_tps / tps, tps);
-    }
-    if (prefill) printf("bandwidth  %.1f GB/s measured read bandwidth (same run, %d threads)\n", bw, T);
-    if (llama_bench) {
-        if (peer > 0)
-            printf("peer       llama.cpp llama-bench %s: %.2f tok/s -> kvbridge/llama.cpp = %.2fx\n",
-                   prefill ? "pp" : "tg", peer, tps / peer);
-        else printf("peer       llama-bench at %s did not produce a result\n", llama_bench);
-    }
-    if (json_path) {
-        FILE *f = fopen(json_path, "w");
-        if (f) {
-            fprintf(f,
-                    "{\"bench\":\"%s\",\"model\":\"%s\",\"threads\":%d,\"tok_s\":%.4f,\"read_bw_gbs\":%.3f,"
-                    "\"weight_bytes\":%llu,\"peer_tok_s\":%.4f}\n",
-                    what, model_path, T, tps, bw, (unsigned long long)wbytes, peer);
-            fclose(f);
-        }
-    }
-    rc = 0;
-    goto done;
-fail:
-    fprintf(stderr, "kvbridge bench: %s\n", err.msg);
-done:
-    free(toks);
-    free(logits);
-    free(times);
-    kvb_engine_free(e);
-    kvb_model_free(m);
-    return rc;
+    return bench_cpu(&a, what);
 }
