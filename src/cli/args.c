@@ -39,6 +39,17 @@ static void enum_choices_text(const kvb_opt *o, char *buf, size_t cap) {
         len += (size_t)snprintf(buf + len, cap - len, "%s%s", i == 0 ? "" : i + 1 == n ? " or " : ", ", o->choices[i]);
 }
 
+/* The value's name as help and messages show it: .meta, an enum's choices a|b|c, or "" for a flag. */
+static const char *opt_meta(const kvb_opt *o, char *buf, size_t cap) {
+    buf[0] = 0;
+    if (o->kind == KVB_OPT_ENUM && !o->meta) {
+        size_t len = 0;
+        for (int i = 0; o->choices[i] && len < cap; i++)
+            len += (size_t)snprintf(buf + len, cap - len, "%s%s", i ? "|" : "", o->choices[i]);
+    } else if (opt_takes_value(o)) snprintf(buf, cap, "%s", o->meta ? o->meta : "VALUE");
+    return buf;
+}
+
 /* A whole number, decimal or 0x hex, with nothing after it; false on junk or overflow. */
 static bool parse_u64_text(const char *val, uint64_t *out, char **end_out) {
     const bool hex = val[0] == '0' && (val[1] == 'x' || val[1] == 'X');
@@ -162,13 +173,17 @@ static const kvb_opt *opt_find(const kvb_opt *opts, const char *a, const char **
     return NULL;
 }
 
+enum { MAX_OPTS = 128 }; /* entries in one command's table */
+
 /* Applies every default, as if given before the command line. */
 static kvb_status opts_apply_defaults(const kvb_cli_spec *spec, kvb_err *err) {
-    for (const kvb_opt *o = spec->opts; !opt_is_end(o); o++)
+    size_t n = 0;
+    for (const kvb_opt *o = spec->opts; !opt_is_end(o); o++, n++)
         if (o->def && o->kind != KVB_OPT_FLAG && o->kind != KVB_OPT_LIST) {
             kvb_status st = opt_set(o, o->def, err);
             if (st) return kvb_err_set(err, KVB_ERR_INTERNAL, "the default of an option is wrong: %s", err->msg);
         }
+    if (n > MAX_OPTS) return kvb_err_set(err, KVB_ERR_INTERNAL, "%zu options in one table (at most %d)", n, MAX_OPTS);
     return KVB_OK;
 }
 
@@ -181,7 +196,6 @@ static kvb_status take_operand(const kvb_cli_spec *spec, const char *a, kvb_err 
 }
 
 kvb_status kvb_cli_parse_args(const kvb_cli_spec *spec, int argc, char **argv, bool *help_asked, kvb_err *err) {
-    enum { MAX_OPTS = 128 };
     bool seen[MAX_OPTS] = {0};
     *help_asked = false;
     if (spec->max_operands > 0) *spec->n_operands = 0;
@@ -203,24 +217,24 @@ kvb_status kvb_cli_parse_args(const kvb_cli_spec *spec, int argc, char **argv, b
         }
         const kvb_opt *o = opt_find(spec->opts, a, &val);
         if (!o) return kvb_err_set(err, KVB_ERR_INVALID, "unknown option '%s'", a);
-        char name[64];
+        char name[64], meta[160];
         opt_label(o, name, sizeof name);
         if (!opt_takes_value(o) && val)
             return kvb_err_set(err, KVB_ERR_INVALID, "%s takes no value, got '%s'", name, a);
         if (opt_takes_value(o) && !val) {
             if (i + 1 >= argc)
-                return kvb_err_set(err, KVB_ERR_INVALID, "%s needs a value (%s)", name, o->meta ? o->meta : "one");
+                return kvb_err_set(err, KVB_ERR_INVALID, "%s needs a value (%s)", name, opt_meta(o, meta, sizeof meta));
             val = argv[++i];
         }
-        if ((size_t)(o - spec->opts) < MAX_OPTS) seen[o - spec->opts] = true;
+        seen[o - spec->opts] = true;
         st = opt_set(o, val, err);
     }
     if (st) return st;
     for (const kvb_opt *o = spec->opts; !opt_is_end(o); o++)
-        if (o->required && (size_t)(o - spec->opts) < MAX_OPTS && !seen[o - spec->opts]) {
-            char name[64];
+        if (o->required && !seen[o - spec->opts]) {
+            char name[64], meta[160];
             return kvb_err_set(err, KVB_ERR_INVALID, "%s %s is required", opt_label(o, name, sizeof name),
-                               o->meta ? o->meta : "");
+                               opt_meta(o, meta, sizeof meta));
         }
     return KVB_OK;
 }
@@ -285,12 +299,8 @@ static void help_wrap(FILE *f, const char *text, int at, int indent) {
 
 /* One option's entry: "  -m, --model FILE     what it does (default: X)". */
 static void help_option(FILE *f, const kvb_opt *o) {
-    char left[192], meta[160] = "", tail[192] = "", text[2048];
-    if (o->kind == KVB_OPT_ENUM && !o->meta) {
-        size_t len = 0;
-        for (int i = 0; o->choices[i] && len < sizeof meta; i++)
-            len += (size_t)snprintf(meta + len, sizeof meta - len, "%s%s", i ? "|" : "", o->choices[i]);
-    } else if (opt_takes_value(o)) snprintf(meta, sizeof meta, "%s", o->meta ? o->meta : "VALUE");
+    char left[192], meta[160], tail[192] = "", text[2048];
+    opt_meta(o, meta, sizeof meta);
     int n;
     if (o->short_name && o->long_name) n = snprintf(left, sizeof left, "  -%c, --%s", o->short_name, o->long_name);
     else if (o->short_name) n = snprintf(left, sizeof left, "  -%c", o->short_name);
@@ -333,19 +343,16 @@ kvb_status kvb_opt_parse_type(const char *val, void *dst, kvb_err *err) {
 }
 
 bool kvb_cli_gpu_ok(const char *cmd, const kvb_cli_gpu *g, bool cuda) {
-    return kvb_arg_gpus_ok(cmd, g->gpus, g->tp_one_device, cuda) && kvb_arg_gpu_weights_ok(cmd, g->gpu_weights, cuda);
+    if (!kvb_arg_gpus_ok(cmd, g->gpus, g->tp_one_device, cuda)) return false;
+    if (g->gpu_weights && !cuda) {
+        fprintf(stderr, "kvbridge %s: --gpu-weights is how the CUDA engine holds the weights; add --device cuda\n",
+                cmd);
+        return false;
+    }
+    return true;
 }
 
 bool kvb_arg_is_help(const char *a) { return strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0; }
-
-const char *kvb_arg_value(const char *cmd, int argc, char **argv, int *i) {
-    if (*i + 1 >= argc) {
-        fprintf(stderr, "kvbridge %s: %s needs a value (see kvbridge %s --help)\n", cmd, argv[*i], cmd);
-        return NULL;
-    }
-    (*i)++;
-    return argv[*i];
-}
 
 bool kvb_arg_int(const char *cmd, const char *opt, const char *val, long long lo, long long hi,
                  long long *out) {
@@ -355,31 +362,6 @@ bool kvb_arg_int(const char *cmd, const char *opt, const char *val, long long lo
     if (errno || !end || *end || end == val || v < lo || v > hi) {
         fprintf(stderr, "kvbridge %s: %s expects a whole number from %lld to %lld, got '%s'\n", cmd, opt, lo,
                 hi, val);
-        return false;
-    }
-    *out = v;
-    return true;
-}
-
-bool kvb_arg_u64(const char *cmd, const char *opt, const char *val, uint64_t *out) {
-    char *end = NULL;
-    errno = 0;
-    if (val[0] == '-') goto bad;
-    unsigned long long v = strtoull(val, &end, 0);
-    if (errno || !end || *end || end == val) goto bad;
-    *out = v;
-    return true;
-bad:
-    fprintf(stderr, "kvbridge %s: %s expects a non-negative whole number, got '%s'\n", cmd, opt, val);
-    return false;
-}
-
-bool kvb_arg_float(const char *cmd, const char *opt, const char *val, double lo, double hi, double *out) {
-    char *end = NULL;
-    errno = 0;
-    double v = strtod(val, &end);
-    if (errno || !end || *end || end == val || !(v >= lo && v <= hi)) {
-        fprintf(stderr, "kvbridge %s: %s expects a number from %g to %g, got '%s'\n", cmd, opt, lo, hi, val);
         return false;
     }
     *out = v;
@@ -400,26 +382,6 @@ bool kvb_arg_gpus_ok(const char *cmd, long long gpus, bool tp_one_device, bool c
     return true;
 }
 
-bool kvb_arg_gpu_weights_ok(const char *cmd, int gpu_weights, bool cuda) {
-    if (gpu_weights && !cuda) {
-        fprintf(stderr, "kvbridge %s: --gpu-weights is how the CUDA engine holds the weights; add --device cuda\n",
-                cmd);
-        return false;
-    }
-    return true;
-}
-
-bool kvb_arg_gpu_weights(const char *cmd, const char *val, int *out) {
-    static const char *const names[] = {"auto", "bf16", "packed"}; /* kvb_cuda_weights' order */
-    for (int i = 0; i < 3; i++)
-        if (!strcmp(val, names[i])) {
-            *out = i;
-            return true;
-        }
-    fprintf(stderr, "kvbridge %s: --gpu-weights expects auto, bf16 or packed, got '%s'\n", cmd, val);
-    return false;
-}
-
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
@@ -428,17 +390,6 @@ static int cmp_double(const void *a, const void *b) {
 double kvb_median_sort(double *v, int n) {
     qsort(v, (size_t)n, sizeof *v, cmp_double);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-bool kvb_arg_type(const char *cmd, const char *opt, const char *val, uint32_t *out) {
-    kvb_type t;
-    kvb_err err = {0};
-    if (kvb_type_from_name(val, &t, &err) != KVB_OK) {
-        fprintf(stderr, "kvbridge %s: %s: %s\n", cmd, opt, err.msg);
-        return false;
-    }
-    *out = t;
-    return true;
 }
 
 void kvb_gemma3_path(char *buf, size_t cap) {

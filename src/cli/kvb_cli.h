@@ -1,6 +1,7 @@
 /* cli — the `kvbridge` subcommands. Each cmd_*.c implements one subcommand as
- * int kvb_cmd_NAME(int argc, char **argv) (argv[0] is the subcommand name) and prints its own
- * --help. Only this module (and tests) may exit the process. */
+ * int kvb_cmd_NAME(int argc, char **argv) (argv[0] is the subcommand name): it declares its options
+ * as a table (kvb_opt, below) that kvb_cli_parse reads and that its --help is generated from.
+ * Only this module (and tests) may exit the process. */
 #ifndef KVB_CLI_H
 #define KVB_CLI_H
 
@@ -179,6 +180,8 @@ extern const char *const kvb_cli_bridge_mode_names[];
 /* --block-tokens N (1..4096, default 32), the decoder's cache block. */
 #define KVB_CLI_OPT_BLOCK_TOKENS(dst_, help_)                                                                 \
     KVB_CLI_INT("block-tokens", (dst_), "N", 1, 4096, "32", (help_))
+/* The most GPUs --gpus takes (the CUDA engine's KVB_CUDA_MAX_GPUS, checked where both are seen). */
+#define KVB_CLI_MAX_GPUS 8
 /* The CUDA engine's placement: --gpus N, --tp-one-device, --gpu-weights W (into a kvb_cli_gpu). */
 typedef struct {
     long long gpus;     /* 1..KVB_CLI_MAX_GPUS */
@@ -198,34 +201,17 @@ typedef struct {
              "(every matrix converted at load) or packed (matrices kept in the file's type, a layer expanded " \
              "to bf16 just before it runs; same results)"}
 /* --gpus, --tp-one-device and --gpu-weights only mean something with the CUDA engine (cuda): false
- * after a message otherwise (kvb_arg_gpus_ok and kvb_arg_gpu_weights_ok together). */
+ * after a message otherwise (kvb_arg_gpus_ok, and --gpu-weights checked likewise). */
 bool kvb_cli_gpu_ok(const char *cmd, const kvb_cli_gpu *g, bool cuda);
 
 /* Small shared helpers for option parsing (cli/args.c). */
-bool kvb_arg_is_help(const char *a);
-/* Parses a whole decimal integer in [lo, hi]; prints "kvbridge CMD: --OPT expects ..." and
- * returns false on error. */
+bool kvb_arg_is_help(const char *a); /* -h or --help */
+/* Parses a whole decimal integer in [lo, hi] (an element of a list option); prints "kvbridge CMD:
+ * --OPT expects ..." and returns false on error. */
 bool kvb_arg_int(const char *cmd, const char *opt, const char *val, long long lo, long long hi,
                  long long *out);
-bool kvb_arg_u64(const char *cmd, const char *opt, const char *val, uint64_t *out);
-bool kvb_arg_float(const char *cmd, const char *opt, const char *val, double lo, double hi, double *out);
-/* Returns the value of an option that takes one (argv[*i + 1]) and advances *i, or prints
- * "kvbridge CMD: OPT needs a value" and returns NULL. */
-const char *kvb_arg_value(const char *cmd, int argc, char **argv, int *i);
-/* Parses a tensor/cache type name ("f16", "q8_0", ...) into *out, or prints what is wrong. */
-bool kvb_arg_type(const char *cmd, const char *opt, const char *val, uint32_t *out);
-/* The most GPUs --gpus takes (the CUDA engine's KVB_CUDA_MAX_GPUS, checked where both are seen). */
-#define KVB_CLI_MAX_GPUS 8
 /* --gpus N (> 1) and --tp-one-device need the CUDA engine (cuda): false, with a message, otherwise. */
 bool kvb_arg_gpus_ok(const char *cmd, long long gpus, bool tp_one_device, bool cuda);
-/* --gpu-weights auto|bf16|packed: *out = 0, 1 or 2 (kvb_cuda_weights); false after a message. */
-bool kvb_arg_gpu_weights_ok(const char *cmd, int gpu_weights, bool cuda); /* false (said) without cuda */
-bool kvb_arg_gpu_weights(const char *cmd, const char *val, int *out);
-/* The help line of --gpu-weights, shared by every command that takes it. */
-#define KVB_CLI_GPU_WEIGHTS_HELP                                                                                \
-    "  --gpu-weights W      (cuda) auto (default: bf16 when the model's bf16 form fits the GPU with the cache,\n" \
-    "                       else packed), bf16 (every matrix converted at load) or packed (matrices kept in\n"   \
-    "                       the file's type, a layer expanded to bf16 just before it runs; same results)\n"
 /* Where the real Gemma 3 270M file is (tools/fetch_gemma3.sh puts it there): $KVB_GEMMA3_GGUF,
  * else ${KVB_CACHE_DIR:-$HOME/.cache/kvbridge}/gemma-3-270m-q4_k_m.gguf. It may not exist. */
 void kvb_gemma3_path(char *buf, size_t cap);
