@@ -21,7 +21,8 @@ int kvb_cmd_inspect(int argc, char **argv);
 int kvb_cmd_verify(int argc, char **argv);
 int kvb_cmd_serve(int argc, char **argv);
 int kvb_cmd_doctor(int argc, char **argv);
-/* `kvbridge bench ladder` (cmd_bench_ladder.c), dispatched by kvb_cmd_bench. */
+/* `kvbridge bench ladder` (cmd_bench_ladder.c), dispatched by kvb_cmd_bench, which hands each
+ * benchmark argv from its own name on (argv[0] = "ladder"), like a subcommand's. */
 int kvb_bench_ladder(int argc, char **argv);
 /* `kvbridge bench link` (cmd_bench_link.c). */
 int kvb_bench_link(int argc, char **argv);
