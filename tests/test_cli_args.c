@@ -154,7 +154,7 @@ static void test_usage_errors_are_refused(void **state) {
     values v;
     kvb_err err;
     assert_int_equal(parse_words(&v, &err, "-n", "3", NULL), KVB_ERR_INVALID);
-    assert_non_null(strstr(err.msg, "--model FILE is required"));
+    assert_non_null(strstr(err.msg, "-m MODEL (--model) is required"));
     char *argv[40] = {"test", "-m", "a"};
     for (int i = 0; i < 34; i++) argv[3 + i] = "--tag=t";
     bool help = false;
@@ -195,7 +195,7 @@ static void test_help_is_generated_from_the_table(void **state) {
     printf("%s", buf);
     assert_non_null(strstr(buf, "usage: kvbridge test -m FILE [options]\n       kvbridge test other FORM\n"));
     assert_non_null(strstr(buf, "\nTests the parser.\n"));
-    assert_non_null(strstr(buf, "\n  -m, --model FILE     GGUF model (required)\n"));
+    assert_non_null(strstr(buf, "\n  -m, --model MODEL    GGUF model (required)\n"));
     assert_non_null(strstr(buf, "\n  --threads T          CPU threads (default: all)\n"));
     assert_non_null(strstr(buf, "\n  --color red|green|blue a color (default: green)\n") ||
                     strstr(buf, "\n  --color red|green|blue\n                       a color (default: green)\n"));

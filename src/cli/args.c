@@ -232,9 +232,13 @@ kvb_status kvb_cli_parse_args(const kvb_cli_spec *spec, int argc, char **argv, b
     if (st) return st;
     for (const kvb_opt *o = spec->opts; !opt_is_end(o); o++)
         if (o->required && !seen[o - spec->opts]) {
-            char name[64], meta[160];
-            return kvb_err_set(err, KVB_ERR_INVALID, "%s %s is required", opt_label(o, name, sizeof name),
-                               opt_meta(o, meta, sizeof meta));
+            char meta[160];
+            opt_meta(o, meta, sizeof meta);
+            if (o->short_name && o->long_name) /* as usage lines write it: "-m MODEL (--model) is required" */
+                return kvb_err_set(err, KVB_ERR_INVALID, "-%c %s (--%s) is required", o->short_name, meta,
+                                   o->long_name);
+            char name[64];
+            return kvb_err_set(err, KVB_ERR_INVALID, "%s %s is required", opt_label(o, name, sizeof name), meta);
         }
     return KVB_OK;
 }

@@ -58,8 +58,7 @@ static int serve_check(const kvb_cli_spec *spec, serve_args *a) {
 static int serve_parse(serve_args *a, int argc, char **argv) {
     const kvb_opt opts[] = {
         {.long_name = "role", .kind = KVB_OPT_ENUM, .dst = &a->role, .choices = k_roles, .required = true,
-         .help = "prefill: computes the decode node's own KV cache for the prompts it is sent and streams it; "
-                 "decode: the front door, an OpenAI-compatible API"},
+         .help = "the node this process runs (above)"},
         KVB_CLI_OPT_MODEL(&a->model, "the decoder's GGUF (both roles load the same file)", true),
         KVB_CLI_STR("listen", &a->listen, "HOST:PORT", "prefill: where decode nodes connect"),
         KVB_CLI_STR("http", &a->http, "HOST:PORT",

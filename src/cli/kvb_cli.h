@@ -152,9 +152,9 @@ int kvb_cli_usage_error(const kvb_cli_spec *spec, const char *fmt, ...) __attrib
 extern const char *const kvb_cli_device_names[];     /* cpu, cuda (index 1 = cuda) */
 extern const char *const kvb_cli_gpu_weights_names[]; /* auto, bf16, packed (kvb_cuda_weights' order) */
 kvb_status kvb_opt_parse_type(const char *val, void *dst, kvb_err *err); /* into a uint32_t kvb_type */
-/* -m/--model FILE, a GGUF. */
+/* -m/--model MODEL, a GGUF file. */
 #define KVB_CLI_OPT_MODEL(dst_, help_, required_)                                                              \
-    {.long_name = "model", .short_name = 'm', .kind = KVB_OPT_STRING, .dst = (dst_), .meta = "FILE",           \
+    {.long_name = "model", .short_name = 'm', .kind = KVB_OPT_STRING, .dst = (dst_), .meta = "MODEL",          \
      .help = (help_), .required = (required_)}
 /* --threads T, CPU threads (1..1024); what 0 (unset) means is the command's (help_). */
 #define KVB_CLI_OPT_THREADS(dst_, help_)                                                                       \
