@@ -197,11 +197,13 @@ typedef struct {
 /* Fills *a from argv; KVB_CLI_GO, or the code the command returns. */
 static int demo_parse(demo_args *a, int argc, char **argv) {
     const kvb_opt opts[] = {
-        {.long_name = "model", .kind = KVB_OPT_STRING, .dst = &a->model, .meta = "FILE",
-         .help = "use this GGUF instead of the generated tiny model; `gemma3` is the real Gemma 3 270M "
-                 "(~/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf, fetched by tools/fetch_gemma3.sh). A model without "
-                 "a chat template (a base model, like that one) holds the conversation as an interview transcript "
-                 "it continues (/v1/completions, one line per reply) and the replies are printed"},
+        KVB_CLI_OPT_MODEL(&a->model,
+                          "use this GGUF instead of the generated tiny model; `gemma3` is the real Gemma 3 270M "
+                                   "(~/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf, fetched by tools/fetch_gemma3.sh). A "
+                          "model without a chat template (a base model, like that one) holds the conversation as "
+                          "an interview transcript it continues (/v1/completions, one line per reply) and the "
+                          "replies are printed",
+                          false),
         {.long_name = "threads", .kind = KVB_OPT_INT, .dst = &a->threads, .meta = "T", .help = "CPU threads per node",
          .def = "1", .lo = 1, .hi = 1024},
         {.long_name = "turns", .kind = KVB_OPT_INT, .dst = &a->turns, .meta = "N", .help = "conversation turns",
