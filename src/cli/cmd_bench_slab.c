@@ -12,17 +12,22 @@
 #include "kvb_quant.h" /* kvb_type_name */
 #include "kvb_store.h"
 
-int kvb_bench_slab(int argc, char **argv) {
-    long long tokens = 0, layers = 0, heads = 0, hd = 0, bt = 0, reps = 0;
-    uint32_t dtype = KVB_TYPE_F16;
+/* The shape and the runs `bench slab` times. */
+typedef struct {
+    long long tokens, layers, heads, hd, bt, reps;
+    uint32_t dtype;
+} slab_args;
+
+/* Fills *a from argv; KVB_CLI_GO, or the code the command returns. */
+static int slab_parse(slab_args *a, int argc, char **argv) {
     const kvb_opt opts[] = {
-        KVB_CLI_INT("tokens", &tokens, "N", 1, 1 << 22, "8192", "prompt length"),
-        KVB_CLI_INT("layers", &layers, "L", 1, 256, "16", "layers"),
-        KVB_CLI_INT("kv-heads", &heads, "H", 1, 256, "8", "KV heads"),
-        KVB_CLI_INT("head-dim", &hd, "D", 32, 1024, "64", "head dimension"),
-        KVB_CLI_OPT_BLOCK_TOKENS(&bt, "tokens per cache block"),
-        KVB_CLI_OPT_CACHE_TYPE(&dtype, "the decoder's cache dtype"),
-        KVB_CLI_INT("reps", &reps, "R", 1, 100, "3", "repetitions (the best is reported)"),
+        KVB_CLI_INT("tokens", &a->tokens, "N", 1, 1 << 22, "8192", "prompt length"),
+        KVB_CLI_INT("layers", &a->layers, "L", 1, 256, "16", "layers"),
+        KVB_CLI_INT("kv-heads", &a->heads, "H", 1, 256, "8", "KV heads"),
+        KVB_CLI_INT("head-dim", &a->hd, "D", 32, 1024, "64", "head dimension"),
+        KVB_CLI_OPT_BLOCK_TOKENS(&a->bt, "tokens per cache block"),
+        KVB_CLI_OPT_CACHE_TYPE(&a->dtype, "the decoder's cache dtype"),
+        KVB_CLI_INT("reps", &a->reps, "R", 1, 100, "3", "repetitions (the best is reported)"),
         {0},
     };
     const kvb_cli_spec spec = {
@@ -33,8 +38,15 @@ int kvb_bench_slab(int argc, char **argv) {
                  "N-token prompt through kvb_store_slab_put (checks, checksum, scatter, commit), then the checksum "
                  "and the scatter alone. Prints microseconds per slab and GB/s (best of R). The defaults are the "
                  "llama3.2-1b shape."};
-    int prc = kvb_cli_parse(&spec, argc, argv);
+    return kvb_cli_parse(&spec, argc, argv);
+}
+
+int kvb_bench_slab(int argc, char **argv) {
+    slab_args a = {0};
+    int prc = slab_parse(&a, argc, argv);
     if (prc != KVB_CLI_GO) return prc;
+    const long long tokens = a.tokens, layers = a.layers, heads = a.heads, hd = a.hd, bt = a.bt, reps = a.reps;
+    const uint32_t dtype = a.dtype;
     kvb_kvformat f;
     kvb_err err = {0};
     if (kvb_kvformat_init(&f, dtype, (uint32_t)bt, (uint32_t)layers, (uint32_t)heads, (uint32_t)hd, &err)) {
