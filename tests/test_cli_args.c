@@ -2,7 +2,8 @@
  * fills its destination (--name VALUE, --name=VALUE, -x VALUE), defaults apply when an option is
  * absent, bad values (out of range, trailing junk, unknown choices), unknown options, missing
  * values and missing required options are refused with a message naming the option, operands are
- * counted, and --help is generated from the same table. */
+ * counted, and --help is generated from the same table; every subcommand of the kvbridge binary
+ * prints its generated help and refuses an unknown option naming it. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -14,6 +15,7 @@
 
 #include "kvb_cli.h"
 #include "kvb_quant.h"
+#include "kvbt.h"
 
 /* Every kind's destination, and the table that fills them. */
 typedef struct {
@@ -210,6 +212,31 @@ static void test_help_is_generated_from_the_table(void **state) {
     }
 }
 
+/* Every subcommand of the binary parses through a table: its help is the generated one (usage, the
+ * -h line the generator adds) and an unknown option is refused with exit 2, named, with the way to
+ * the help. */
+static void test_every_subcommand_uses_the_parser(void **state) {
+    (void)state;
+    static const char *const subs[] = {"run", "verify", "demo", "serve", "doctor", "tokenize", "inspect",
+                                       "gen-model", "bench prefill", "bench decode", "bench ladder", "bench link",
+                                       "bench quality", "bench slab", "bench tokenize", "bench parallel",
+                                       "bench json"};
+    for (size_t i = 0; i < sizeof subs / sizeof subs[0]; i++) {
+        char cmd[512], out[32768], want[256];
+        snprintf(cmd, sizeof cmd, "'%s' %s --help", kvbt_bin(), subs[i]);
+        assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 0);
+        const bool bench_cpu = !strcmp(subs[i], "bench prefill") || !strcmp(subs[i], "bench decode");
+        snprintf(want, sizeof want, "usage: kvbridge %s ", bench_cpu ? "bench" : subs[i]);
+        if (!strstr(out, want)) fail_msg("%s --help: no '%s' in:\n%s", subs[i], want, out);
+        assert_non_null(strstr(out, "\n  -h, --help           this help\n"));
+        snprintf(cmd, sizeof cmd, "'%s' %s --no-such-option", kvbt_bin(), subs[i]);
+        assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 2);
+        snprintf(want, sizeof want, "kvbridge %s: unknown option '--no-such-option' (see kvbridge %s --help)",
+                 bench_cpu ? "bench" : subs[i], bench_cpu ? "bench" : subs[i]);
+        if (!strstr(out, want)) fail_msg("%s: no '%s' in: %s", subs[i], want, out);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_every_kind_fills_its_destination),
@@ -217,6 +244,7 @@ int main(void) {
         cmocka_unit_test(test_bad_values_are_refused_naming_the_option),
         cmocka_unit_test(test_usage_errors_are_refused),
         cmocka_unit_test(test_help_is_generated_from_the_table),
+        cmocka_unit_test(test_every_subcommand_uses_the_parser),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
