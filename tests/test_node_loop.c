@@ -27,6 +27,7 @@
 #include "kvb_store.h"
 #include "kvb_tokenizer.h"
 #include "kvb_transport.h"
+#include "node_internal.h"
 #include "kvb_quant.h"
 #include "kvbt.h"
 #include "node_client.h"
@@ -1381,7 +1382,7 @@ static void test_filler_rows_slab_path(void **state) {
     kvbt_prompt_ids(ids, 700, 600);
     kvbt_complete_ids(kvb_decode_node_port(plain), ids, 700, &b);
     assert_non_null(strstr(b.verdict, "declined: prefill node unavailable"));
-    assert_non_null(strstr(b.verdict, "model"));
+    if (!strstr(b.verdict, "model")) fail_msg("verdict: %s", b.verdict);
     assert_int_equal(b.bridged, 0);
     assert_true(kvbt_metric(kvb_decode_node_port(plain), "kvbridge_slab_bytes_total ") == 0);
     free(b.content);
@@ -1524,6 +1525,77 @@ static size_t shard_tests(struct CMUnitTest *t, size_t n) {
     return m;
 }
 
+/* A model without a chat template: /v1/chat/completions is a 400 that says what to do (start the
+ * node with --chat-template NAME), not a server error; /v1/completions still answers. The model is
+ * the loop's own with its tokenizer.chat_template key renamed in place (same length). */
+static void test_chat_without_template(void **state) {
+    (void)state;
+    char path[512];
+    kvbt_tmp_path(path, sizeof path, "loop-no-template.gguf");
+    FILE *f = fopen(g_model, "rb");
+    assert_non_null(f);
+    fseek(f, 0, SEEK_END);
+    const long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *bytes = malloc((size_t)size);
+    assert_true(bytes && fread(bytes, 1, (size_t)size, f) == (size_t)size);
+    fclose(f);
+    static const char key[] = "tokenizer.chat_template";
+    char *hit = NULL;
+    for (long i = 0; !hit && i + (long)sizeof key - 1 <= size; i++)
+        if (!memcmp(bytes + i, key, sizeof key - 1)) hit = bytes + i;
+    assert_non_null(hit);
+    hit[sizeof key - 2] = 'X'; /* tokenizer.chat_templatX: no template */
+    f = fopen(path, "wb");
+    assert_true(f && fwrite(bytes, 1, (size_t)size, f) == (size_t)size);
+    fclose(f);
+    free(bytes);
+    kvb_decode_config c = {.http_listen = "127.0.0.1:0", .model_path = path, .n_threads = 1,
+                           .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 4096};
+    kvb_decode_node *dn = NULL;
+    kvb_err err = {0};
+    if (kvb_decode_node_start(&c, &dn, &err)) fail_msg("decode node: %s", err.msg);
+    const uint16_t dp = kvb_decode_node_port(dn);
+    cJSON *r = post_node(dp, "/v1/chat/completions",
+                         "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":1}",
+                         400);
+    const cJSON *msg = cJSON_GetObjectItem(cJSON_GetObjectItem(r, "error"), "message");
+    assert_true(cJSON_IsString(msg));
+    if (!strstr(msg->valuestring, "--chat-template")) fail_msg("the 400 does not say what to do: %s", msg->valuestring);
+    cJSON_Delete(r);
+    r = post_node(dp, "/v1/completions", "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":1}", 200);
+    cJSON_Delete(r);
+    kvb_decode_node_stop(dn);
+    remove(path);
+}
+
+/* A verdict too long for KVB_VERDICT_MAX is cut at a word boundary with "...", never mid-word; a
+ * short one is kept as it is; one long word is cut whole bytes of UTF-8 only. */
+static void test_verdict_cut_at_a_word(void **state) {
+    (void)state;
+    char v[KVB_VERDICT_MAX], reason[400] = "";
+    kvb_verdict_format(v, "partial %u/%u: %s", 3u, 8u, "peer lost");
+    assert_string_equal(v, "partial 3/8: peer lost");
+    for (int i = 0; strlen(reason) < 300; i++) /* words of varying length */
+        snprintf(reason + strlen(reason), sizeof reason - strlen(reason), "%sword%d", i ? " " : "", i * 37);
+    char full[512];
+    snprintf(full, sizeof full, "declined: prefill node unavailable: %s", reason);
+    kvb_verdict_format(v, "declined: prefill node unavailable: %s", reason);
+    const size_t len = strlen(v);
+    assert_true(len < KVB_VERDICT_MAX && len > KVB_VERDICT_MAX / 2);
+    assert_string_equal(v + len - 3, "...");
+    const size_t kept = len - 3;
+    assert_memory_equal(v, full, kept);
+    assert_true(full[kept] == ' ' && v[kept - 1] != ' '); /* the kept text ends where a word ends */
+    char word[300];
+    memset(word, 'a', sizeof word - 1);
+    memcpy(word + KVB_VERDICT_MAX - 6, "\xe2\x82\xac", 3); /* a euro sign across the cut */
+    word[sizeof word - 1] = 0;
+    kvb_verdict_format(v, "%s", word);
+    assert_int_equal(strlen(v), KVB_VERDICT_MAX - 6 + 3); /* the euro sign left out whole, then "..." */
+    assert_string_equal(v + strlen(v) - 3, "...");
+}
+
 int main(void) {
     struct CMUnitTest tests[] = {
         cmocka_unit_test(test_multiturn_ships_only_increments),
@@ -1561,6 +1633,8 @@ int main(void) {
         cmocka_unit_test(test_prefill_node_drains),
         cmocka_unit_test(test_prefill_node_ops),
         cmocka_unit_test(test_openai_client_streams),
+        cmocka_unit_test(test_chat_without_template),
+        cmocka_unit_test(test_verdict_cut_at_a_word),
     };
     if (getenv("KVB_TEST_FILTER")) cmocka_set_test_filter(getenv("KVB_TEST_FILTER")); /* e.g. CI's TSan pass */
     const size_t n = shard_tests(tests, sizeof tests / sizeof tests[0]);
