@@ -437,6 +437,89 @@ static void test_fault_other_model(void **state) {
     check_fault(NULL, g_other, PSK, true, 10000, "declined: prefill node unavailable", 0, NULL);
 }
 
+static void reference_engine(kvb_model **m, kvb_engine **e, kvb_seq **s);
+static void reference_engine_free(kvb_model *m, kvb_engine *e, kvb_seq *s);
+
+/* A prefill peer of its own that answers every PREFILL with one well-formed, checksummed slab for
+ * a block outside the range asked for: the block before the cached prefix ends (position 0). */
+typedef struct {
+    kvb_listener *l;
+    kvb_hello hello;
+    kvb_transport_config tc;
+    size_t slab_bytes; /* K (and V) of one block of one layer */
+    int prefills;      /* PREFILLs answered */
+} stray_peer;
+
+static void *stray_peer_main(void *arg) {
+    stray_peer *p = arg;
+    kvb_conn *c = NULL;
+    kvb_err err = {0};
+    if (kvb_transport_accept(p->l, &p->hello, &p->tc, 30000, &c, NULL, &err)) return NULL;
+    uint8_t *k = calloc(1, p->slab_bytes), *v = calloc(1, p->slab_bytes);
+    kvb_msg m = {0};
+    while (k && v && !kvb_conn_recv(c, 60000, &m, &err)) { /* until the decode node closes the lane */
+        if (m.type == KVB_FRAME_PREFILL) {
+            kvb_msg_slab sl = {.layer = 0, .pos0 = 0, .n = 32, .k = k, .v = v, .k_bytes = p->slab_bytes,
+                               .v_bytes = p->slab_bytes};
+            sl.checksum = kvb_slab_checksum(k, p->slab_bytes, v, p->slab_bytes);
+            p->prefills += m.u.prefill.cached_tokens > 0; /* position 0 is then outside what was asked */
+            kvb_conn_send_slab(c, m.request_id, &sl, 5000, &err);
+        }
+        kvb_msg_free(&m);
+    }
+    free(k);
+    free(v);
+    kvb_conn_close(c);
+    return NULL;
+}
+
+/* A slab outside the range the decode node asked for (a block of its cached prefix) is refused by
+ * the receiver before the store sees it: a corrupt_slab fault, the verdict partial, nothing
+ * bridged, the answer the native one. */
+static void test_fault_slab_outside_range(void **state) {
+    (void)state;
+    kvb_model *m;
+    kvb_engine *e;
+    kvb_seq *s;
+    reference_engine(&m, &e, &s); /* the decoder's model and cache format, for the peer's HELLO */
+    stray_peer p = {.tc = {.psk = (const uint8_t *)PSK, .psk_len = strlen(PSK)}};
+    const kvb_kvformat *f = kvb_engine_kvformat(e);
+    p.slab_bytes = 32 * (size_t)m->d.n_head_kv * kvb_kvformat_row_bytes(f);
+    kvb_err err = {0};
+    assert_int_equal(kvb_hello_init(&p.hello, KVB_ROLE_PREFILL, KVB_BRIDGE_MODE_DECODER, "stray", m->fingerprint, f,
+                                    &err), KVB_OK);
+    assert_int_equal(kvb_transport_listen("127.0.0.1:0", NULL, &p.l, &err), KVB_OK);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, stray_peer_main, &p), 0);
+    g_lanes = 1;
+    g_resumes = -1;
+    kvb_decode_node *dn = start_decode(kvb_listener_port(p.l), PSK, 10000);
+    kvb_decode_node *nat = start_decode(0, PSK, 10000);
+    g_lanes = 0;
+    g_resumes = 0;
+    int32_t ids[400];
+    kvbt_prompt_ids(ids, 400, 4242);
+    kvbt_reply a, b, n;
+    kvbt_complete_ids(kvb_decode_node_port(dn), ids, 40, &a); /* under the threshold: native, block 0 cached */
+    assert_int_equal(a.bridged, 0);
+    kvbt_complete_ids(kvb_decode_node_port(dn), ids, 400, &b);
+    kvbt_complete_ids(kvb_decode_node_port(nat), ids, 400, &n);
+    assert_int_equal(b.cached, 32);
+    if (strncmp(b.verdict, "partial 0/", 10)) fail_msg("verdict '%s'", b.verdict);
+    assert_int_equal(b.bridged, 0);
+    assert_string_equal(b.content, n.content);
+    assert_true(kvbt_metric(kvb_decode_node_port(dn), FAULT_CORRUPT) == 1);
+    assert_int_equal(p.prefills, 1);
+    free(a.content);
+    free(b.content);
+    free(n.content);
+    kvb_decode_node_stop(nat);
+    kvb_decode_node_stop(dn); /* closes the lane: the peer's thread ends */
+    pthread_join(th, NULL);
+    kvb_listener_close(p.l);
+    reference_engine_free(m, e, s);
+}
+
 /* Ingest without decoding: a completion with max_tokens 0 warms the decoder's cache with a
  * document (bridged, nothing generated); the next request that starts with it ships only the
  * rest. */
@@ -1613,6 +1696,7 @@ int main(void) {
         cmocka_unit_test(test_fault_peer_down),
         cmocka_unit_test(test_fault_wrong_key),
         cmocka_unit_test(test_fault_other_model),
+        cmocka_unit_test(test_fault_slab_outside_range),
         cmocka_unit_test(test_ingest_without_decoding),
         cmocka_unit_test(test_concurrent_requests_batch_exactly),
         cmocka_unit_test(test_concurrent_decode_during_bridge),
