@@ -140,6 +140,33 @@ static kvb_status run_bridge(const kvb_model *m, const kvb_verify_opts *o, const
     return st;
 }
 
+/* The bridge's one-shot rows against the decoder's own blocks (dec_ids, in ds_store), every
+ * (layer, K/V) array from position 0 (a local layer's from keep) to ship, and the chunked rows
+ * against the one-shot ones, into r's arrays and chunked rows. */
+static void compare_arrays(const kvb_kvformat *fmt, const kvb_model_desc *d, kvb_store *ds_store,
+                           const kvb_block_id *dec_ids, const collector *one, const collector *chunked, uint32_t keep,
+                           kvb_verify_result *r) {
+    const uint8_t *kv[2] = {one->k, one->v}, *kvc[2] = {chunked->k, chunked->v};
+    const size_t rb = kvb_kvformat_row_bytes(fmt), tok_bytes = one->tok_bytes;
+    const uint32_t ship = one->ship, bt = fmt->block_tokens;
+    for (uint32_t l = 0; l < d->n_layer; l++)
+        for (uint32_t w = 0; w < 2; w++) {
+            bool same = true;
+            for (uint32_t p = kvb_kvformat_layer_local(fmt, l) ? keep : 0; p < ship && same; p++)
+                for (uint32_t h = 0; h < d->n_head_kv && same; h++) {
+                    const uint8_t *dec = kvb_store_block_data(ds_store, dec_ids[p / bt]) +
+                                         kvb_kvformat_row_offset(fmt, l, w, h, p % bt);
+                    const uint8_t *brg = kv[w] + ((size_t)l * ship + p) * tok_bytes + (size_t)h * rb;
+                    same = memcmp(dec, brg, rb) == 0;
+                }
+            r->arrays_ok += same;
+            r->arrays_total++;
+            size_t n = (size_t)ship * tok_bytes;
+            r->chunked_ok += memcmp(kv[w] + (size_t)l * n, kvc[w] + (size_t)l * n, n) == 0;
+            r->chunked_total++;
+        }
+}
+
 kvb_status kvb_verify_cpu(const kvb_model *m, const kvb_verify_opts *o, kvb_verify_result *r, kvb_err *err) {
     memset(r, 0, sizeof *r);
     const kvb_model_desc *d = &m->d;
@@ -189,29 +216,13 @@ kvb_status kvb_verify_cpu(const kvb_model *m, const kvb_verify_opts *o, kvb_veri
     if (!st) st = run_bridge(m, o, fmt, &in, 5, &chunked, err);
 
     if (!st) {
-        const uint8_t *kv[2] = {one.k, one.v}, *kvc[2] = {chunked.k, chunked.v};
-        const size_t rb = kvb_kvformat_row_bytes(fmt);
         kvb_store *ds_store = kvb_engine_store(de);
         /* local (sliding-window) layers: the rows the decoder keeps, from keep on (the bridge cuts
          * the others and the receiving store never holds them) */
         const uint32_t keep = kvb_kvformat_local_keep_from(fmt, ship);
         r->local_keep_from = keep;
-        for (uint32_t l = 0; l < d->n_layer; l++)
-            for (uint32_t w = 0; w < 2; w++) {
-                bool same = true;
-                for (uint32_t p = kvb_kvformat_layer_local(fmt, l) ? keep : 0; p < ship && same; p++)
-                    for (uint32_t h = 0; h < d->n_head_kv && same; h++) {
-                        const uint8_t *dec = kvb_store_block_data(ds_store, dec_ids[p / bt]) +
-                                             kvb_kvformat_row_offset(fmt, l, w, h, p % bt);
-                        const uint8_t *brg = kv[w] + ((size_t)l * ship + p) * tok_bytes + (size_t)h * rb;
-                        same = memcmp(dec, brg, rb) == 0;
-                    }
-                r->arrays_ok += same;
-                r->arrays_total++;
-                size_t n = (size_t)ship * tok_bytes;
-                r->chunked_ok += memcmp(kv[w] + (size_t)l * n, kvc[w] + (size_t)l * n, n) == 0;
-                r->chunked_total++;
-            }
+        compare_arrays(fmt, d, ds_store, dec_ids, &one, &chunked, keep, r);
+        const size_t rb = kvb_kvformat_row_bytes(fmt);
         uint32_t n_br = 0;
         st = kvb_store_lookup(bstore, toks, ship, br_ids, &n_br, err);
         r->blocks_total = nb;

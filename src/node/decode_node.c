@@ -928,89 +928,28 @@ static kvb_status collect_eog(kvb_decode_node *n, kvb_err *err) {
     return KVB_OK;
 }
 
-kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node **out, kvb_err *err) {
-    *out = NULL;
-    kvb_decode_node *n = calloc(1, sizeof *n);
-    if (!n) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
-    n->cfg = *cfg;
-    kvb_decode_config *c = &n->cfg;
-    pthread_mutex_init(&n->mu, NULL);
-    pthread_cond_init(&n->cv, NULL);
-    kvb_status st = kvb_model_load(cfg->model_path, &n->m, err);
-    /* the engine reads the weights in place: every page now, not on the first request */
-    if (!st) st = kvb_gguf_prefault(n->m->gguf, err);
-    if (!st) st = kvb_tokenizer_load(n->m->gguf, &n->tok, err);
-    if (!st) st = kvb_vocab_bytes_create(n->tok, &n->vocab_bytes, err);
-    if (!st) st = collect_eog(n, err);
-    if (st) goto fail;
-    if (!c->block_tokens) c->block_tokens = 32;
-    if (!c->max_ctx) c->max_ctx = n->m->d.n_ctx_train < 32768 ? n->m->d.n_ctx_train : 32768;
-    if (!c->cache_blocks) c->cache_blocks = 4 * ((c->max_ctx + c->block_tokens - 1) / c->block_tokens);
-    if (!c->bridge_min_tokens) c->bridge_min_tokens = 2 * c->block_tokens;
-    if (!c->default_max_tokens) c->default_max_tokens = 256;
-    if (!c->peer_timeout_ms) c->peer_timeout_ms = 10000;
-    if (!c->bridge_resumes) c->bridge_resumes = 2;
-    if (c->bridge_resumes < 0) c->bridge_resumes = 0;
-    if (!c->lanes) c->lanes = KVB_DEFAULT_LANES;
-    if (c->lanes > KVB_MAX_LANES) {
-        st = kvb_err_set(err, KVB_ERR_INVALID, "--lanes %u: at most %d connections to the prefill node", c->lanes,
-                         KVB_MAX_LANES);
-        goto fail;
-    }
-    n->n_lanes = c->lanes;
-    n->peer = cfg->peer ? strdup(cfg->peer) : NULL;
-    const char *base = strrchr(cfg->model_path, '/');
-    n->model_id = strdup(cfg->model_id ? cfg->model_id : base ? base + 1 : cfg->model_path);
-    if (!n->model_id) {
-        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
-        goto fail;
-    }
-    /* the chat family: an override, or recognised from the template (an unknown one fails chat
-     * requests with a clear message but completions still work) */
-    if (cfg->chat_template) {
-        if ((st = kvb_chat_family_from_name(cfg->chat_template, &n->fam, err))) goto fail;
-    } else {
-        const kvb_gguf_kv *kv = kvb_gguf_find(n->m->gguf, "tokenizer.chat_template");
-        kvb_err e2 = {0};
-        char *tmpl = kv && kv->type == KVB_GGUF_STRING ? strndup(kv->str.ptr, kv->str.len) : NULL;
-        n->fam_status = tmpl ? kvb_chat_family_detect(tmpl, &n->fam, &e2) : KVB_ERR_NOT_FOUND;
-        if (!tmpl)
-            snprintf(e2.msg, sizeof e2.msg,
-                     "this model has no chat template: send the prompt to /v1/completions, or start the node with "
-                     "--chat-template NAME (llama2, llama3, chatml, mistral, phi3 or gemma)");
-        snprintf(n->fam_error, sizeof n->fam_error, "%s", e2.msg);
-        free(tmpl);
-    }
-    kvb_engine_opts eo = {.n_threads = cfg->n_threads, .cache_dtype = c->cache_dtype, .block_tokens = c->block_tokens,
-                          .max_ctx = c->max_ctx, .n_blocks = c->cache_blocks};
-    if ((st = kvb_engine_create(n->m, &eo, &n->e, err))) goto fail;
-    n->store = kvb_engine_store(n->e);
-    /* up to `parallel` served at once, each admitted when the blocks it can need fit the cache */
-    if (!c->parallel) c->parallel = 4;
-    if (c->parallel > KVB_DECODE_MAX_PARALLEL) {
-        st = kvb_err_set(err, KVB_ERR_INVALID, "--parallel %u: at most %d requests are served at once", c->parallel,
-                         KVB_DECODE_MAX_PARALLEL);
-        goto fail;
-    }
+/* The chat family: the --chat-template override, or recognised from the model's template; a
+ * model without one, or with one not recognised, keeps serving completions and answers chat
+ * requests with a 400 that says what to do (n->fam_status, n->fam_error). */
+static kvb_status chat_family(kvb_decode_node *n, const char *override, kvb_err *err) {
+    if (override) return kvb_chat_family_from_name(override, &n->fam, err);
+    const kvb_gguf_kv *kv = kvb_gguf_find(n->m->gguf, "tokenizer.chat_template");
+    kvb_err why = {0};
+    char *tmpl = kv && kv->type == KVB_GGUF_STRING ? strndup(kv->str.ptr, kv->str.len) : NULL;
+    n->fam_status = tmpl ? kvb_chat_family_detect(tmpl, &n->fam, &why) : KVB_ERR_NOT_FOUND;
+    if (!tmpl)
+        snprintf(why.msg, sizeof why.msg,
+                 "this model has no chat template: send the prompt to /v1/completions, or start the node with "
+                 "--chat-template NAME (llama2, llama3, chatml, mistral, phi3 or gemma)");
+    snprintf(n->fam_error, sizeof n->fam_error, "%s", why.msg);
+    free(tmpl);
+    return KVB_OK;
+}
 
-    kvb_store_prefault(n->store); /* page faults at start, not while the first prompts arrive */
-    if (n->peer) {
-        if (!cfg->psk || strlen(cfg->psk) < KVB_WIRE_PSK_MIN) {
-            st = kvb_err_set(err, KVB_ERR_INVALID, "--peer needs a pre-shared key of at least %d bytes (--psk)",
-                             KVB_WIRE_PSK_MIN);
-            goto fail;
-        }
-        n->psk = strdup(cfg->psk);
-        n->tcfg = (kvb_transport_config){.psk = (const uint8_t *)n->psk, .psk_len = strlen(n->psk)};
-        if ((st = kvb_hello_init(&n->hello, KVB_ROLE_DECODE,
-                                 cfg->prefill_mode ? KVB_BRIDGE_MODE_PREFILL : KVB_BRIDGE_MODE_DECODER, "decode",
-                                 cfg->bench_filler_peer ? kvb_filler_fingerprint(n->m->fingerprint) : n->m->fingerprint,
-                                 kvb_engine_kvformat(n->e), err)))
-            goto fail;
-        snprintf(n->peer_state, sizeof n->peer_state, "not connected yet");
-    }
-    /* the registry, its families and the decode batch before the server takes a request */
-    if ((st = kvb_metrics_create(&n->metrics, err))) goto fail;
+/* The metrics registry /metrics renders and the node's families in it. */
+static kvb_status register_metrics(kvb_decode_node *n, kvb_err *err) {
+    kvb_status st = kvb_metrics_create(&n->metrics, err);
+    if (st) return st;
     kvb_metrics *mx = n->metrics;
     if ((st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_requests_total",
                                    "Completions served, by bridge verdict", "verdict", NULL, 0, &n->m_requests, err)) ||
@@ -1058,7 +997,78 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                                    "Of the decode steps, those run while another request's prompt held the engine: "
                                    "between slices of its native prefill and while its bridged layers arrived",
                                    NULL, NULL, 0, &n->m_in_prompts, err)))
+        return st;
+    return KVB_OK;
+}
+
+kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node **out, kvb_err *err) {
+    *out = NULL;
+    kvb_decode_node *n = calloc(1, sizeof *n);
+    if (!n) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    n->cfg = *cfg;
+    kvb_decode_config *c = &n->cfg;
+    pthread_mutex_init(&n->mu, NULL);
+    pthread_cond_init(&n->cv, NULL);
+    kvb_status st = kvb_model_load(cfg->model_path, &n->m, err);
+    /* the engine reads the weights in place: every page now, not on the first request */
+    if (!st) st = kvb_gguf_prefault(n->m->gguf, err);
+    if (!st) st = kvb_tokenizer_load(n->m->gguf, &n->tok, err);
+    if (!st) st = kvb_vocab_bytes_create(n->tok, &n->vocab_bytes, err);
+    if (!st) st = collect_eog(n, err);
+    if (st) goto fail;
+    if (!c->block_tokens) c->block_tokens = 32;
+    if (!c->max_ctx) c->max_ctx = n->m->d.n_ctx_train < 32768 ? n->m->d.n_ctx_train : 32768;
+    if (!c->cache_blocks) c->cache_blocks = 4 * ((c->max_ctx + c->block_tokens - 1) / c->block_tokens);
+    if (!c->bridge_min_tokens) c->bridge_min_tokens = 2 * c->block_tokens;
+    if (!c->default_max_tokens) c->default_max_tokens = 256;
+    if (!c->peer_timeout_ms) c->peer_timeout_ms = 10000;
+    if (!c->bridge_resumes) c->bridge_resumes = 2;
+    if (c->bridge_resumes < 0) c->bridge_resumes = 0;
+    if (!c->lanes) c->lanes = KVB_DEFAULT_LANES;
+    if (c->lanes > KVB_MAX_LANES) {
+        st = kvb_err_set(err, KVB_ERR_INVALID, "--lanes %u: at most %d connections to the prefill node", c->lanes,
+                         KVB_MAX_LANES);
         goto fail;
+    }
+    n->n_lanes = c->lanes;
+    n->peer = cfg->peer ? strdup(cfg->peer) : NULL;
+    const char *base = strrchr(cfg->model_path, '/');
+    n->model_id = strdup(cfg->model_id ? cfg->model_id : base ? base + 1 : cfg->model_path);
+    if (!n->model_id) {
+        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    if ((st = chat_family(n, cfg->chat_template, err))) goto fail;
+    kvb_engine_opts eo = {.n_threads = cfg->n_threads, .cache_dtype = c->cache_dtype, .block_tokens = c->block_tokens,
+                          .max_ctx = c->max_ctx, .n_blocks = c->cache_blocks};
+    if ((st = kvb_engine_create(n->m, &eo, &n->e, err))) goto fail;
+    n->store = kvb_engine_store(n->e);
+    /* up to `parallel` served at once, each admitted when the blocks it can need fit the cache */
+    if (!c->parallel) c->parallel = 4;
+    if (c->parallel > KVB_DECODE_MAX_PARALLEL) {
+        st = kvb_err_set(err, KVB_ERR_INVALID, "--parallel %u: at most %d requests are served at once", c->parallel,
+                         KVB_DECODE_MAX_PARALLEL);
+        goto fail;
+    }
+
+    kvb_store_prefault(n->store); /* page faults at start, not while the first prompts arrive */
+    if (n->peer) {
+        if (!cfg->psk || strlen(cfg->psk) < KVB_WIRE_PSK_MIN) {
+            st = kvb_err_set(err, KVB_ERR_INVALID, "--peer needs a pre-shared key of at least %d bytes (--psk)",
+                             KVB_WIRE_PSK_MIN);
+            goto fail;
+        }
+        n->psk = strdup(cfg->psk);
+        n->tcfg = (kvb_transport_config){.psk = (const uint8_t *)n->psk, .psk_len = strlen(n->psk)};
+        if ((st = kvb_hello_init(&n->hello, KVB_ROLE_DECODE,
+                                 cfg->prefill_mode ? KVB_BRIDGE_MODE_PREFILL : KVB_BRIDGE_MODE_DECODER, "decode",
+                                 cfg->bench_filler_peer ? kvb_filler_fingerprint(n->m->fingerprint) : n->m->fingerprint,
+                                 kvb_engine_kvformat(n->e), err)))
+            goto fail;
+        snprintf(n->peer_state, sizeof n->peer_state, "not connected yet");
+    }
+    /* the registry, its families and the decode batch before the server takes a request */
+    if ((st = register_metrics(n, err))) goto fail;
     if ((st = kvb_decode_batch_create(n->e, c->parallel, n->m->d.n_vocab, n->m_batches, n->m_steps, n->m_in_prompts,
                                       &n->batch, err)))
         goto fail;
