@@ -10,6 +10,7 @@
  * (which also owns the peer link), and the decode steps of all of them run as batches whenever
  * no prompt computes, before each prompt and between its slices (decode_batch.c), the weights
  * read once per step for every request. */
+#include <stddef.h>
 #include <stdio.h>
 #include <sys/random.h>
 #include <stdlib.h>
@@ -946,59 +947,74 @@ static kvb_status chat_family(kvb_decode_node *n, const char *override, kvb_err 
     return KVB_OK;
 }
 
+/* The node's metric families: type, name, help, label names, and the field that holds it. */
+typedef struct {
+    kvb_metric_type type;
+    const char *name, *help, *label;
+    size_t field; /* offsetof(kvb_decode_node, its kvb_metric *) */
+} node_metric;
+
+static const node_metric k_node_metrics[] = {
+    {KVB_METRIC_COUNTER, "kvbridge_requests_total",
+     "Completions served, by bridge verdict",
+     "verdict", offsetof(kvb_decode_node, m_requests)},
+    {KVB_METRIC_COUNTER, "kvbridge_prompt_tokens_total",
+     "Prompt tokens by source: cached, bridged, native",
+     "source", offsetof(kvb_decode_node, m_tokens)},
+    {KVB_METRIC_COUNTER, "kvbridge_bridge_faults_total",
+     "Bridging stopped short or declined by a fault, by kind",
+     "kind", offsetof(kvb_decode_node, m_faults)},
+    {KVB_METRIC_COUNTER, "kvbridge_bridge_resumes_total",
+     "Bridge attempts resumed after a link fault, asking only for the blocks still "
+     "missing",
+     NULL, offsetof(kvb_decode_node, m_resumes)},
+    {KVB_METRIC_COUNTER, "kvbridge_slab_bytes_total",
+     "Cache bytes received as slabs",
+     NULL, offsetof(kvb_decode_node, m_slab_bytes)},
+    {KVB_METRIC_GAUGE, "kvbridge_peer_up",
+     "1 while the prefill node link is up",
+     NULL, offsetof(kvb_decode_node, m_peer_up)},
+    {KVB_METRIC_GAUGE, "kvbridge_queue_depth",
+     "Completions waiting for their turn or being served (at most --parallel at once)",
+     NULL, offsetof(kvb_decode_node, m_queue)},
+    {KVB_METRIC_HISTOGRAM, "kvbridge_request_phase_seconds",
+     "Where a served completion's time went, by phase (as in usage.kvbridge): tokenize, "
+     "queue (waiting for the engine), lookup, prefill (the prefill node's own clock) "
+     "and transfer (request to DONE) when bridged, native, decode",
+     "phase", offsetof(kvb_decode_node, m_phase)},
+    {KVB_METRIC_COUNTER, "kvbridge_decode_batches_total",
+     "Batches of decode steps run (steps / batches: requests decoding together)",
+     NULL, offsetof(kvb_decode_node, m_batches)},
+    {KVB_METRIC_COUNTER, "kvbridge_decode_steps_total",
+     "Decode steps run, one token of one request each, in batches",
+     NULL, offsetof(kvb_decode_node, m_steps)},
+    {KVB_METRIC_COUNTER, "kvbridge_prompts_abandoned_total",
+     "Requests whose client went away while they waited their turn or before their "
+     "native prompt was in: the rest was not computed (what was stays cached)",
+     NULL, offsetof(kvb_decode_node, m_abandoned)},
+    {KVB_METRIC_GAUGE, "kvbridge_cache_blocks_reserved",
+     "Cache blocks reserved by the requests being served (each reserves what its "
+     "prompt and max_tokens can fill; at most --cache-blocks)",
+     NULL, offsetof(kvb_decode_node, m_reserved)},
+    {KVB_METRIC_COUNTER, "kvbridge_cache_waits_total",
+     "Requests that waited for cache blocks to be released before being served "
+     "(often: a larger --cache-blocks would serve them at once)",
+     NULL, offsetof(kvb_decode_node, m_cache_waits)},
+    {KVB_METRIC_COUNTER, "kvbridge_decode_steps_in_prompts_total",
+     "Of the decode steps, those run while another request's prompt held the engine: "
+     "between slices of its native prefill and while its bridged layers arrived",
+     NULL, offsetof(kvb_decode_node, m_in_prompts)},
+};
+
 /* The metrics registry /metrics renders and the node's families in it. */
 static kvb_status register_metrics(kvb_decode_node *n, kvb_err *err) {
     kvb_status st = kvb_metrics_create(&n->metrics, err);
-    if (st) return st;
-    kvb_metrics *mx = n->metrics;
-    if ((st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_requests_total",
-                                   "Completions served, by bridge verdict", "verdict", NULL, 0, &n->m_requests, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_prompt_tokens_total",
-                                   "Prompt tokens by source: cached, bridged, native", "source", NULL, 0, &n->m_tokens,
-                                   err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_bridge_faults_total",
-                                   "Bridging stopped short or declined by a fault, by kind", "kind", NULL, 0,
-                                   &n->m_faults, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_bridge_resumes_total",
-                                   "Bridge attempts resumed after a link fault, asking only for the blocks still "
-                                   "missing",
-                                   NULL, NULL, 0, &n->m_resumes, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_slab_bytes_total", "Cache bytes received as slabs",
-                                   NULL, NULL, 0, &n->m_slab_bytes, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_peer_up", "1 while the prefill node link is up",
-                                   NULL, NULL, 0, &n->m_peer_up, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_queue_depth",
-                                   "Completions waiting for their turn or being served (at most --parallel at once)", NULL, NULL,
-                                   0, &n->m_queue, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_HISTOGRAM, "kvbridge_request_phase_seconds",
-                                   "Where a served completion's time went, by phase (as in usage.kvbridge): tokenize, "
-                                   "queue (waiting for the engine), lookup, prefill (the prefill node's own clock) "
-                                   "and transfer (request to DONE) when bridged, native, decode",
-                                   "phase", NULL, 0, &n->m_phase, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_decode_batches_total",
-                                   "Batches of decode steps run (steps / batches: requests decoding together)", NULL,
-                                   NULL, 0, &n->m_batches, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_decode_steps_total",
-                                   "Decode steps run, one token of one request each, in batches", NULL, NULL, 0,
-                                   &n->m_steps, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_prompts_abandoned_total",
-                                   "Requests whose client went away while they waited their turn or before their "
-                                   "native prompt was in: the rest was not computed (what was stays cached)",
-                                   NULL, NULL, 0, &n->m_abandoned, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_cache_blocks_reserved",
-                                   "Cache blocks reserved by the requests being served (each reserves what its "
-                                   "prompt and max_tokens can fill; at most --cache-blocks)",
-                                   NULL, NULL, 0, &n->m_reserved, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_cache_waits_total",
-                                   "Requests that waited for cache blocks to be released before being served "
-                                   "(often: a larger --cache-blocks would serve them at once)",
-                                   NULL, NULL, 0, &n->m_cache_waits, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_decode_steps_in_prompts_total",
-                                   "Of the decode steps, those run while another request's prompt held the engine: "
-                                   "between slices of its native prefill and while its bridged layers arrived",
-                                   NULL, NULL, 0, &n->m_in_prompts, err)))
-        return st;
-    return KVB_OK;
+    for (size_t i = 0; !st && i < KVB_ARRAY_LEN(k_node_metrics); i++) {
+        const node_metric *m = &k_node_metrics[i];
+        st = kvb_metrics_register(n->metrics, m->type, m->name, m->help, m->label, NULL, 0,
+                                  (kvb_metric **)((char *)n + m->field), err);
+    }
+    return st;
 }
 
 kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node **out, kvb_err *err) {
