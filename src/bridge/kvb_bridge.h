@@ -1,10 +1,13 @@
-/* bridge — turns a prefill engine's attention inputs into the decoder's own cache: for each
- * (chunk, layer) it runs the decoder's cache-producing arithmetic (kvb_kv_produce, with the
- * DECODER's K/V weights and cache format) and cuts the encoded rows into slabs at block
- * boundaries, each with its XXH3 checksum, handed to a sink (the transport, or a store's slab
- * assembler in tests and `kvbridge verify`). Positions up to (never including) the last prompt
- * token are shipped, the decoder computes that one itself; a local (sliding-window) layer's rows
- * only where the decoder keeps them (kvb_kvformat_local_keep_from). */
+/* bridge — owns both ends of the cache transfer. The producer side turns a prefill engine's
+ * attention inputs into the decoder's own cache: for each (chunk, layer) it runs the decoder's
+ * cache-producing arithmetic (kvb_kv_produce, with the DECODER's K/V weights and cache format) and
+ * cuts the encoded rows into slabs at block boundaries, each with its XXH3 checksum, handed to a
+ * sink (the prefill node's staging ring and lanes, or the receiver in tests and `kvbridge
+ * verify`). Positions up to (never including) the last prompt token are shipped, the decoder
+ * computes that one itself; a local (sliding-window) layer's rows only where the decoder keeps
+ * them (kvb_kvformat_local_keep_from). The decode side is one receiver (range check, the store's
+ * slab assembler and block writer, the DONE check, the tail), driven over the peer's lanes by
+ * kvb_bridge_rx_run or in process by verify and bench quality; and the fault kinds it reports. */
 #ifndef KVB_BRIDGE_H
 #define KVB_BRIDGE_H
 

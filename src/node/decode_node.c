@@ -1,15 +1,16 @@
-/* node/decode_node.c — the decode role, the front door: the OpenAI API handler. Per request:
- * tokenize (chat template), look up the prefix cache, decide (enough uncached tokens and a
- * reachable peer -> bridge; else native), commit arriving slabs through the store's slab path
- * and one block writer — the slabs striped over the peer's lanes (several connections, grouped
- * with LANE frames), one receiving and one committing thread per lane — compute the rest
- * natively (always the last prompt token: while the blocks arrive, layer by layer, on the
- * pipelined tail's thread — tail_pipe.c; KVB_DECODE_PIPELINED_TAIL=0 runs it after the transfer
- * instead), decode and stream; the verdict says what actually happened. Up to cfg.parallel
- * requests are served at once, admitted in arrival order: prompts take their turn in a FIFO
- * (which also owns the peer link), and the decode steps of all of them run as batches whenever
- * no prompt computes, before each prompt and between its slices (decode_batch.c), the weights
- * read once per step for every request. */
+/* node/decode_node.c — the decode role, the front door: the OpenAI API handler. A request runs
+ * as stages over one decode_request: admit (tokenize with the chat template, check the context
+ * and the cache blocks it can need), look up the prefix cache, decide (an enum: enough uncached
+ * tokens and a reachable peer -> bridge; else why not), bridge (the bridge's receiver over the
+ * peer's lanes, src/bridge/rx_lanes.c: slabs striped over several connections, one receiving and
+ * one committing thread per lane, committed through the store's slab path and one block writer;
+ * the last prompt token computed while the blocks arrive, layer by layer, on the pipelined tail's
+ * thread — KVB_DECODE_PIPELINED_TAIL=0 runs it after the transfer instead), native fill (the
+ * rest), decode and emit; the verdict, printed from the decision and the outcome, says what
+ * actually happened. Up to cfg.parallel requests are served at once, admitted in arrival order:
+ * prompts take their turn in a FIFO (which also owns the peer link), and the decode steps of all
+ * of them run as batches whenever no prompt computes, before each prompt and between its slices
+ * (decode_batch.c), the weights read once per step for every request. */
 #include <stddef.h>
 #include <stdio.h>
 #include <sys/random.h>
