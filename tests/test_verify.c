@@ -196,8 +196,9 @@ static void test_receiver_done_with_blocks_missing(void **state) {
     kvb_store_free(store);
 }
 
-/* The fault kinds: one name each, as the metrics label them; a receive's timeout is a timeout,
- * any other receive failure a lost peer; only link faults are resumable. */
+/* The fault kinds: one name each, as the metrics label them; a receive's timeout is a timeout, a
+ * frame corrupt in flight a corrupt slab, any other receive failure a lost peer; only link faults
+ * are resumable. */
 static void test_fault_kinds(void **state) {
     (void)state;
     static const char *const want[] = {"none", "timeout", "peer_lost", "corrupt_slab", "peer_error", "done_mismatch",
@@ -207,6 +208,7 @@ static void test_fault_kinds(void **state) {
         assert_string_equal(kvb_bridge_fault_name((kvb_bridge_fault)f), want[f]);
     assert_int_equal(kvb_bridge_fault_of_receive(KVB_ERR_TIMEOUT), KVB_BRIDGE_FAULT_TIMEOUT);
     assert_int_equal(kvb_bridge_fault_of_receive(KVB_ERR_PEER_GONE), KVB_BRIDGE_FAULT_PEER_LOST);
+    assert_int_equal(kvb_bridge_fault_of_receive(KVB_ERR_CHECKSUM), KVB_BRIDGE_FAULT_CORRUPT_SLAB);
     assert_int_equal(kvb_bridge_fault_of_receive(KVB_ERR_IO), KVB_BRIDGE_FAULT_PEER_LOST);
     for (int f = 0; f < KVB_BRIDGE_FAULT_COUNT; f++)
         assert_int_equal(kvb_bridge_fault_resumable((kvb_bridge_fault)f),

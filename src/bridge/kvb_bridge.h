@@ -147,7 +147,8 @@ typedef enum {
 
 /* The fault's name as metrics label and verdicts use it ("timeout", "peer_lost", ...). */
 const char *kvb_bridge_fault_name(kvb_bridge_fault f);
-/* The fault a failed receive on a lane stands for: a timeout, else the peer lost. */
+/* The fault a failed receive on a lane stands for: a timeout, a frame corrupt in flight
+ * (KVB_ERR_CHECKSUM: a corrupt slab), else the peer lost. */
 kvb_bridge_fault kvb_bridge_fault_of_receive(kvb_status st);
 /* A link fault that a resumed attempt can repair (the blocks that arrived stay): a corrupt slab or
  * a lost peer, not a stall (another timeout), a refusal or a DONE that disagrees. */

@@ -172,7 +172,11 @@ const char *kvb_bridge_fault_name(kvb_bridge_fault f) {
 }
 
 kvb_bridge_fault kvb_bridge_fault_of_receive(kvb_status st) {
-    return st == KVB_ERR_TIMEOUT ? KVB_BRIDGE_FAULT_TIMEOUT : KVB_BRIDGE_FAULT_PEER_LOST;
+    switch (st) {
+    case KVB_ERR_TIMEOUT: return KVB_BRIDGE_FAULT_TIMEOUT;
+    case KVB_ERR_CHECKSUM: return KVB_BRIDGE_FAULT_CORRUPT_SLAB;
+    default: return KVB_BRIDGE_FAULT_PEER_LOST;
+    }
 }
 
 bool kvb_bridge_fault_resumable(kvb_bridge_fault f) {

@@ -88,7 +88,9 @@ static void *lane_main(void *arg) {
         if (st) {
             if (!rx_stopping(rx)) {
                 const kvb_bridge_fault kind = kvb_bridge_fault_of_receive(st);
-                const char *fmt = kind == KVB_BRIDGE_FAULT_TIMEOUT ? "peer stalled: %.120s" : "peer lost: %.120s";
+                const char *fmt = kind == KVB_BRIDGE_FAULT_TIMEOUT        ? "peer stalled: %.120s"
+                                  : kind == KVB_BRIDGE_FAULT_CORRUPT_SLAB ? "corrupt frame rejected: %.120s"
+                                                                          : "peer lost: %.120s";
                 rx_fault(rx, kind, true, fmt, err.msg);
             }
             break;
