@@ -179,7 +179,7 @@ static void settle(bridge_rx *rx, kvb_bridge_rx_outcome *o) {
         kvb_err err = {0};
         o->prefill_s = done[0].prefill_seconds;
         if (kvb_bridge_receiver_check_done(rx->r, done, lane_slabs, rx->n_lanes, &err))
-            rx_fault(rx, KVB_BRIDGE_FAULT_DONE_MISMATCH, false, "%s", err.msg);
+            rx_fault(rx, KVB_BRIDGE_FAULT_DONE_MISMATCH, false, "%.150s", err.msg);
         else
             o->tail_page = kvb_bridge_receiver_take_tail(rx->r);
     }
