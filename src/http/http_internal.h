@@ -39,6 +39,20 @@ void http_error_vset(kvb_http_error *e, int status, const char *code, const char
 /* {"error": {...}} as malloc'd JSON text; NULL on allocation failure. */
 char *http_error_json(const kvb_http_error *e);
 
+/* ---- strict JSON (json_strict.c): 400s naming the field by its path ------------------------ */
+
+/* Every string of the raw body (keys too), before cJSON decodes it: escapes are JSON's own, "\u"
+ * has four hex digits, is not U+0000 and pairs its surrogates. Malformed JSON is left to cJSON. */
+kvb_status http_json_strings_check(const char *body, size_t len, kvb_http_error *e);
+/* No object of the tree has a key twice (a lookup would see only the first). */
+kvb_status http_json_unique_keys(const cJSON *root, kvb_http_error *e);
+/* Each member of obj is one of known[0 .. n_known), else a 400 "Unrecognized request argument
+ * supplied: PREFIX.KEY" (code unknown_parameter, param PREFIX.KEY; prefix NULL or "": top level). */
+kvb_status http_json_refuse_unknown(const cJSON *obj, const char *prefix, const char *const *known,
+                                    size_t n_known, kvb_http_error *e);
+/* That 400 for one member: returns KVB_ERR_INVALID. */
+kvb_status http_error_unknown_field(kvb_http_error *e, const char *prefix, const char *key);
+
 /* ---- response formatting ------------------------------------------------------------------ */
 
 typedef struct {
