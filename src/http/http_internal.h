@@ -113,6 +113,43 @@ struct MHD_Connection;
 #define HTTP_API_KEY_DIGEST_LEN 32 /* SHA-256 */
 #define HTTP_API_KEY_MIN 8
 
+/* ---- the guard in front of MHD (guard.c) ------------------------------------------------------ */
+
+#define HTTP_HEADER_TIMEOUT_DEFAULT_S 10 /* a connection's request head must be whole this soon */
+#define HTTP_BODY_TIMEOUT_DEFAULT_S 30   /* and its body this soon after the head */
+#define HTTP_PER_CLIENT_DEFAULT(max_conn) ((max_conn) / 4 > 8 ? (max_conn) / 4 : 8)
+
+typedef struct {
+    unsigned max_active;     /* connections handed to MHD at once */
+    unsigned max_per_client; /* per client address, waiting or handed */
+    double header_timeout_s, body_timeout_s;
+} http_guard_limits;
+
+struct sockaddr_storage;
+typedef struct http_guard http_guard;
+/* A request whose body is being read: answered 408 and shut down past its deadline. */
+typedef struct http_body_watch {
+    int fd;
+    double deadline;
+    bool listed, killed;
+    struct http_body_watch *prev, *next;
+} http_body_watch;
+
+/* Listens on addr and hands whole, well-formed request heads to s->daemon (started with
+ * MHD_USE_NO_LISTEN_SOCKET) within the limits. */
+kvb_status http_guard_start(kvb_http_server *s, const struct sockaddr_storage *addr, const http_guard_limits *limits,
+                            http_guard **out, kvb_err *err);
+uint16_t http_guard_port(const http_guard *g);
+/* MHD closed a connection the guard handed it (its NOTIFY_CONNECTION). */
+void http_guard_connection_closed(http_guard *g, int fd);
+/* The body of the request on fd is being read / is whole. body_end returns false when the
+ * deadline already answered it (the request must not be served). */
+void http_guard_body_begin(http_guard *g, http_body_watch *w, int fd);
+bool http_guard_body_end(http_guard *g, http_body_watch *w);
+/* Stops accepting and closes the connections not handed over; free after MHD has stopped. */
+void http_guard_stop_accepting(http_guard *g);
+void http_guard_free(http_guard *g);
+
 struct kvb_http_server {
     struct MHD_Daemon *daemon;
     kvb_http_handlers handlers;
@@ -133,6 +170,8 @@ struct kvb_http_server {
     char *allow_origins;                                /* NULL: no CORS; else "a,b,c" or "*" */
     bool has_api_key;                                   /* /v1/ routes need the bearer token */
     unsigned char api_key_digest[HTTP_API_KEY_DIGEST_LEN]; /* SHA-256 of the key, never the key */
+    http_guard *guard;
+    kvb_metric *m_refused, *m_framing, *m_deadlines; /* the guard's: 503s by reason, 4xx by status, 408s by phase */
     kvb_metric *m_requests, *m_duration, *m_in_flight, *m_ttft, *m_gap, *m_prompt_tokens,
         *m_generated_tokens, *m_disconnects, *m_verdicts;
 };

@@ -257,7 +257,16 @@ typedef struct {
     uint32_t max_model_len;    /* its context in tokens, in /v1/models (vLLM's field); 0: left out */
     bool accept_any_model;     /* false: a request naming another model is 404 model_not_found */
     size_t max_body_bytes;     /* 0 = 32 MiB; larger bodies are 413 */
-    unsigned max_connections;  /* 0 = 256 (each holds a thread) */
+    unsigned max_connections;  /* requests served at once; 0 = 256 (each holds a thread). Past it a
+                                  new one is a 503 with Retry-After */
+    unsigned max_connections_per_client; /* connections one client address may hold (sending its
+                                  request or served); 0 = max_connections / 4, at least 8. Past it
+                                  a 503. Connections still sending their request head hold no
+                                  thread; a malformed request line, header or chunk size is a 4xx
+                                  at once */
+    unsigned header_timeout_s; /* a connection's request head must be whole this soon (else 408); 0 = 10 */
+    unsigned body_timeout_s;   /* a request's body must be whole this soon after its head (else 408);
+                                  0 = 30 */
     unsigned idle_timeout_s;   /* keep-alive idle limit; 0 = 120 (never cuts a slow handler) */
     kvb_metrics *metrics;      /* NULL: the server creates (and frees) its own */
     const char *api_key;       /* NULL or "": none; else every /v1/ route requires "Authorization:
