@@ -83,7 +83,6 @@ static const char *reason_phrase(int status) {
     case 414: return "URI Too Long";
     case 431: return "Request Header Fields Too Large";
     case 503: return "Service Unavailable";
-    case 505: return "HTTP Version Not Supported";
     default: return "Error";
     }
 }
@@ -161,7 +160,7 @@ static int check_request_line(const char *line, size_t n, bool complete, bool *h
     }
     if (vn == 8 && memcmp(version, "HTTP/", 5) == 0 && version[5] >= '0' && version[5] <= '9' && version[6] == '.' &&
         version[7] >= '0' && version[7] <= '9')
-        return HEAD_BAD(e, 505, "HTTP version %.8s is not supported; use HTTP/1.1.", version);
+        return HEAD_BAD(e, 400, "HTTP version %.8s is not supported here; use HTTP/1.1.", version);
     return HEAD_BAD(e, 400, "Malformed request line: expected HTTP/1.1 after the target.");
 }
 

@@ -146,9 +146,13 @@ typedef struct {
     void *internal_;                 /* owned storage; kvb_completion_req_free releases it */
 } kvb_completion_req;
 
-/* Parses and validates a request body (`len` bytes, need not be NUL-terminated). Unknown fields
- * are ignored like OpenAI does, except inside the "kvbridge" object (ours: an unknown key is a
- * 400). Known fields this server cannot honour are 400s rather than silently ignored: n > 16,
+/* Parses and validates a request body (`len` bytes, need not be NUL-terminated). A field the route
+ * does not take is a 400 naming it ("Unrecognized request argument supplied: temprature", code
+ * unknown_parameter), as is a key sent twice; a few that OpenAI's and vLLM's clients send are
+ * accepted and ignored (user, metadata, store, service_tier, parallel_tool_calls, prompt_cache_key,
+ * safety_identifier: request_fields in request.c lists them all). Strings are taken exactly as
+ * sent: an invalid escape, a lone UTF-16 surrogate or "\u0000" is a 400 naming the field. Known
+ * fields this server cannot honour are 400s rather than silently ignored: n > 16,
  * echo with n > 1, suffix, best_of > 1, tools/functions, response_format other than "text" and "json_object",
  * "tool"/"function" roles, non-text content parts. On failure: KVB_ERR_INVALID (err->status 400)
  * or KVB_ERR_NOMEM (500), *out NULL. */

@@ -1,4 +1,5 @@
-/* server.c — the libmicrohttpd daemon (one thread per connection, poll), routing, body limits,
+/* server.c — the libmicrohttpd daemon (one thread per connection, poll; the connections come from
+ * the guard in guard.c, which listens, answers framing errors and keeps the deadlines), routing, body limits,
  * the non-completion routes (/v1/models, /health, /metrics) and the glue that turns a
  * kvb_completion_out into a response: non-streaming completions run the handler on the connection
  * thread and answer once it returns; streaming ones run it on a worker thread and answer (200,
