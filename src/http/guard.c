@@ -18,7 +18,6 @@
  * Counted in /metrics: refused connections (503s) by reason, framing errors by status, deadlines. */
 #include <errno.h>
 #include <fcntl.h>
-#include <limits.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -31,10 +30,7 @@
 
 #include "http_internal.h"
 
-#define GUARD_HEAD_MAX 16384      /* request line and headers; a longer head is a 431 */
-#define GUARD_LINE_MAX 8192       /* a longer request line is a 414 */
-#define GUARD_HEADERS_MAX 100     /* more header lines is a 431 */
-#define GUARD_PEEK_MAX (GUARD_HEAD_MAX + 4096) /* the head and the start of a chunked body */
+#define GUARD_PEEK_MAX (HTTP_HEAD_MAX + 4096) /* the head and the start of a chunked body */
 #define GUARD_PENDING_MAX 4096    /* connections sending their head; more are 503s */
 #define GUARD_LINGER_S 1.0        /* after a refusal, what the client still sends is dropped this long */
 #define GUARD_CHUNK_WAIT_S 0.1    /* a chunked head waits this long for its first chunk size */
@@ -121,153 +117,6 @@ static void refuse_pending(http_guard *g, guard_pending *p, const kvb_http_error
     kvb_log(KVB_LOG_DEBUG, "http: refused a connection: %d %s", e->status, e->message);
     p->state = PEND_LINGER;
     p->t_start = kvb_now_s();
-}
-
-/* ---- the request head ----------------------------------------------------------------------------- */
-
-static bool is_tchar(unsigned char c) {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-           (c && strchr("!#$%&'*+-.^_`|~", c));
-}
-
-#define HEAD_BAD(e, status, ...) (http_error_set((e), (status), NULL, NULL, __VA_ARGS__), -1)
-
-/* The request line line[0 .. n) (without its line end): METHOD SP TARGET SP HTTP/1.x. complete:
- * the line ended (else only the part sent so far is judged). -1 with e filled when it is wrong. */
-static int check_request_line(const char *line, size_t n, bool complete, bool *http10, kvb_http_error *e) {
-    size_t i = 0;
-    while (i < n && is_tchar((unsigned char)line[i])) i++;
-    if (i == n && !complete) return i > 32 ? HEAD_BAD(e, 400, "Malformed request line: the method is too long.") : 0;
-    if (i == 0 || i > 32 || line[i] != ' ')
-        return HEAD_BAD(e, 400, "Malformed request line: expected 'METHOD /path HTTP/1.1'; this server speaks "
-                        "HTTP/1.1 (plain text, no TLS on this port).");
-    const size_t target = ++i;
-    while (i < n && (unsigned char)line[i] > ' ' && line[i] != 0x7f) i++;
-    if (i - target > GUARD_LINE_MAX) return HEAD_BAD(e, 414, "The request target is over %d bytes.", GUARD_LINE_MAX);
-    if (i == n && !complete) return 0;
-    if (i == target || i == n || line[i] != ' ')
-        return HEAD_BAD(e, 400, "Malformed request line: the target has a space or a control byte, or no "
-                        "HTTP version follows it.");
-    const char *version = line + i + 1;
-    const size_t vn = n - i - 1;
-    if (!complete) /* what came of the version so far must start like one */
-        return vn <= 8 && memcmp(version, "HTTP/", vn < 5 ? vn : 5) == 0
-                   ? 0
-                   : HEAD_BAD(e, 400, "Malformed request line: expected HTTP/1.1 after the target.");
-    if (vn == 8 && (memcmp(version, "HTTP/1.1", 8) == 0 || memcmp(version, "HTTP/1.0", 8) == 0)) {
-        *http10 = version[7] == '0';
-        return 1;
-    }
-    if (vn == 8 && memcmp(version, "HTTP/", 5) == 0 && version[5] >= '0' && version[5] <= '9' && version[6] == '.' &&
-        version[7] >= '0' && version[7] <= '9')
-        return HEAD_BAD(e, 400, "HTTP version %.8s is not supported here; use HTTP/1.1.", version);
-    return HEAD_BAD(e, 400, "Malformed request line: expected HTTP/1.1 after the target.");
-}
-
-typedef struct {
-    bool http10, has_host, chunked;
-    long long content_length; /* -1: none */
-    size_t head_len;          /* bytes up to and with the empty line */
-} head_info;
-
-/* One header line (without its line end) into h; -1 with e filled when it breaks the rules. */
-static int check_header(const char *line, size_t n, head_info *h, kvb_http_error *e) {
-    if (line[0] == ' ' || line[0] == '\t')
-        return HEAD_BAD(e, 400, "Malformed header: a line folded onto the one before (obsolete, refused).");
-    size_t i = 0;
-    while (i < n && is_tchar((unsigned char)line[i])) i++;
-    if (i == 0 || i == n || line[i] != ':')
-        return HEAD_BAD(e, 400, "Malformed header line: expected 'Name: value' with a token name and no space "
-                        "before the colon.");
-    const size_t name_len = i++;
-    while (i < n && (line[i] == ' ' || line[i] == '\t')) i++;
-    size_t end = n;
-    while (end > i && (line[end - 1] == ' ' || line[end - 1] == '\t')) end--;
-    for (size_t k = i; k < end; k++)
-        if (((unsigned char)line[k] < ' ' && line[k] != '\t') || line[k] == 0x7f)
-            return HEAD_BAD(e, 400, "Malformed header '%.*s': its value has a control byte.", (int)name_len, line);
-    const char *v = line + i;
-    const size_t vn = end - i;
-    if (name_len == 4 && strncasecmp(line, "Host", 4) == 0) {
-        if (h->has_host) return HEAD_BAD(e, 400, "More than one Host header.");
-        h->has_host = true;
-    } else if (name_len == 14 && strncasecmp(line, "Content-Length", 14) == 0) {
-        long long cl = 0;
-        for (size_t k = 0; k < vn; k++) {
-            if (v[k] < '0' || v[k] > '9') return HEAD_BAD(e, 400, "Invalid Content-Length: '%.40s'.", v);
-            if (cl > (LLONG_MAX - 9) / 10) return HEAD_BAD(e, 413, "Content-Length %.40s is over any body limit.", v);
-            cl = cl * 10 + (v[k] - '0');
-        }
-        if (vn == 0) return HEAD_BAD(e, 400, "Empty Content-Length.");
-        if (h->content_length >= 0 && h->content_length != cl)
-            return HEAD_BAD(e, 400, "Two different Content-Length headers.");
-        h->content_length = cl;
-    } else if (name_len == 17 && strncasecmp(line, "Transfer-Encoding", 17) == 0) {
-        if (h->chunked || vn != 7 || strncasecmp(v, "chunked", 7) != 0)
-            return HEAD_BAD(e, 400, "Unsupported Transfer-Encoding '%.*s'; only 'chunked' (once) is.", (int)(vn < 40 ? vn : 40), v);
-        h->chunked = true;
-    }
-    return 0;
-}
-
-/* The start of a chunked body, buf[0 .. n): each chunk size line that arrived is hex (and the sizes
- * stay within the body limit), each chunk's data ends with CRLF. -1 with e filled; 1 when a chunk
- * size line was seen (the rest is MHD's), 0 when none is there yet. */
-static int check_chunks(const char *buf, size_t n, size_t max_body, kvb_http_error *e) {
-    size_t pos = 0, total = 0;
-    int seen = 0;
-    while (pos < n) {
-        const char *nl = memchr(buf + pos, '\n', n - pos);
-        size_t digits = 0, size = 0;
-        while (pos + digits < n && digits <= 16 && strchr("0123456789abcdefABCDEF", buf[pos + digits]) && buf[pos + digits]) {
-            const char c = buf[pos + digits];
-            size = size * 16 + (size_t)(c <= '9' ? c - '0' : (c | 0x20) - 'a' + 10);
-            digits++;
-        }
-        if (digits > 16 || (digits && size > max_body) || (total += size) > max_body)
-            return HEAD_BAD(e, 413, "A chunk of the request body is over the limit of %zu bytes.", max_body);
-        if (!nl) return seen;
-        if (digits == 0 || (buf[pos + digits] != '\r' && buf[pos + digits] != ';'))
-            return HEAD_BAD(e, 400, "Malformed chunked body: a chunk size is not a hex number.");
-        seen = 1;
-        if (size == 0) return 1; /* the last chunk: trailers are MHD's */
-        pos = (size_t)(nl - buf) + 1 + size;
-        if (pos + 2 > n) return 1;
-        if (buf[pos] != '\r' || buf[pos + 1] != '\n')
-            return HEAD_BAD(e, 400, "Malformed chunked body: a chunk's data is longer than its size.");
-        pos += 2;
-    }
-    return seen;
-}
-
-/* buf[0 .. n): what the client sent so far. 0: not whole yet; 1: a whole, well-formed head (h);
- * -1: refused (e). */
-static int check_head(const char *buf, size_t n, head_info *h, kvb_http_error *e) {
-    *h = (head_info){.content_length = -1};
-    if (memchr(buf, '\0', n)) return HEAD_BAD(e, 400, "The request head has a NUL byte.");
-    size_t pos = 0, lines = 0;
-    while (pos < n) {
-        const char *nl = memchr(buf + pos, '\n', n - pos);
-        size_t len = (nl ? (size_t)(nl - buf) : n) - pos;
-        if (nl && len && buf[pos + len - 1] == '\r') len--;
-        if (!nl && len && buf[pos + len - 1] == '\r') len--; /* its LF may come next */
-        int r = lines == 0 ? check_request_line(buf + pos, len, nl != NULL, &h->http10, e) : 0;
-        if (r < 0) return r;
-        if (!nl) return pos + len > GUARD_HEAD_MAX ? HEAD_BAD(e, 431, "The request head is over %d bytes.", GUARD_HEAD_MAX) : 0;
-        if (lines > 0 && len == 0) { /* the empty line: the head is whole */
-            h->head_len = (size_t)(nl - buf) + 1;
-            if (!h->http10 && !h->has_host) return HEAD_BAD(e, 400, "An HTTP/1.1 request needs a Host header.");
-            if (h->chunked && h->content_length >= 0)
-                return HEAD_BAD(e, 400, "Both Content-Length and Transfer-Encoding: the body's length is ambiguous.");
-            if (h->chunked && h->http10) return HEAD_BAD(e, 400, "Transfer-Encoding in an HTTP/1.0 request.");
-            return 1;
-        }
-        if (lines > 0 && check_header(buf + pos, len, h, e) < 0) return -1;
-        if (++lines > GUARD_HEADERS_MAX + 1) return HEAD_BAD(e, 431, "More than %d header lines.", GUARD_HEADERS_MAX);
-        pos = (size_t)(nl - buf) + 1;
-        if (pos > GUARD_HEAD_MAX) return HEAD_BAD(e, 431, "The request head is over %d bytes.", GUARD_HEAD_MAX);
-    }
-    return 0;
 }
 
 /* ---- connections handed to MHD --------------------------------------------------------------------- */
@@ -411,14 +260,14 @@ static bool serve_pending(http_guard *g, guard_pending *p, bool readable, double
             close(p->fd); /* gone before its head was whole */
             return false;
         }
-        head_info h;
-        const int r = n > 0 ? check_head(g->peek, (size_t)n, &h, &e) : 0;
+        http_head h;
+        const int r = n > 0 ? http_head_check(g->peek, (size_t)n, &h, &e) : 0;
         if (r < 0) {
             refuse_pending(g, p, &e, "framing");
             return true;
         }
         if (r > 0 && h.chunked) { /* the sizes that came with the head */
-            const int c = check_chunks(g->peek + h.head_len, (size_t)n - h.head_len, g->server->max_body_bytes, &e);
+            const int c = http_chunks_check(g->peek + h.head_len, (size_t)n - h.head_len, g->server->max_body_bytes, &e);
             if (c < 0) {
                 refuse_pending(g, p, &e, "framing");
                 return true;

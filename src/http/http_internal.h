@@ -113,6 +113,28 @@ struct MHD_Connection;
 #define HTTP_API_KEY_DIGEST_LEN 32 /* SHA-256 */
 #define HTTP_API_KEY_MIN 8
 
+/* ---- request heads (head.c) ------------------------------------------------------------------ */
+
+#define HTTP_HEAD_MAX 16384   /* request line and headers; a longer head is a 431 */
+#define HTTP_TARGET_MAX 8192  /* a longer request target is a 414 */
+#define HTTP_HEADERS_MAX 100  /* more header lines is a 431 */
+
+typedef struct {
+    bool http10, has_host, chunked;
+    long long content_length;     /* -1: none */
+    size_t method_len;            /* the method is buf[0 .. method_len) */
+    size_t target_off, target_len; /* the target is buf[target_off .. + target_len) */
+    size_t head_len;              /* bytes up to and with the empty line */
+} http_head;
+
+/* buf[0 .. n): what a client sent so far. 0: not a whole head yet (nothing wrong so far); 1: a
+ * whole, well-formed head (h); -1: refused, e filled (a 4xx: 400, 413, 414 or 431). */
+int http_head_check(const char *buf, size_t n, http_head *h, kvb_http_error *e);
+/* The start of a chunked body, buf[0 .. n): each chunk size line that arrived is hex within the
+ * body limit (in all), each chunk's data ends with CRLF. -1 with e filled (400 or 413); 1 when a
+ * chunk size line was seen (the rest is for the HTTP library), 0 when none is there yet. */
+int http_chunks_check(const char *buf, size_t n, size_t max_body, kvb_http_error *e);
+
 /* ---- the guard in front of MHD (guard.c) ------------------------------------------------------ */
 
 #define HTTP_HEADER_TIMEOUT_DEFAULT_S 10 /* a connection's request head must be whole this soon */
