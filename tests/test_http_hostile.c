@@ -7,10 +7,11 @@
  * hang, no 5xx, and a normal request served right after it. Strings that are accepted come back
  * byte for byte (the fake tokenizer's ids are the prompt's bytes). Then the connection limits:
  * 300 idle or trickling connections (from one address, then from forty) and a normal request from
- * another client still answered within 1 s; a full house and a client over its share get a 503
- * with Retry-After; a head or body that stops coming gets a 408 at its deadline; and /metrics
- * counts the refusals, framing errors and deadlines. The handlers are fakes (echo, bytes as
- * tokens), as in tests/test_http_server.c. */
+ * another client still answered within 1 s (and /metrics shows them waiting, the ones over a
+ * client's share refused); a full house and a client over its share get a 503 with Retry-After;
+ * a head or body that stops coming gets a 408 at its deadline; and /metrics counts the refusals,
+ * framing errors and deadlines. The handlers are fakes (echo, bytes as tokens), as in
+ * tests/test_http_server.c. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -580,6 +581,47 @@ static void test_strings_exact(void **state) {
     kvb_http_server_stop(s);
 }
 
+/* Within the limits is served: a head just under 16 KiB, 100 headers, a chunked body in pieces. */
+static void test_large_heads_served(void **state) {
+    (void)state;
+    kvb_http_server *s = start_server(0, 0, 0, 0);
+    const uint16_t port = kvb_http_server_port(s);
+    char *req = malloc(20000);
+    assert_non_null(req);
+    reply *r = malloc(sizeof *r);
+    assert_non_null(r);
+    int n = sprintf(req, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Pad: ");
+    memset(req + n, 'p', 16000 - (size_t)n);
+    n = 16000;
+    n += sprintf(req + n, "\r\n\r\n");
+    exchange(port, req, (size_t)n, r);
+    if (r->status != 200) fail_msg("a 16000-byte head: %s %d %.200s", outcome_names[r->out], r->status, r->data);
+    n = sprintf(req, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
+    for (int i = 0; i < 97; i++) n += sprintf(req + n, "X-H%d: %d\r\n", i, i);
+    n += sprintf(req + n, "\r\n");
+    exchange(port, req, (size_t)n, r);
+    assert_int_equal(r->status, 200);
+    /* chunked, the head and each chunk sent on their own */
+    static const char *const parts[] = {
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n",
+        "a\r\n{\"model\":\"\r\n", "b\r\nkvb-hostile\r\n", "16\r\n\",\"prompt\":\"in parts\"}\r\n", "0\r\n\r\n",
+    };
+    int fd = dial(port, NULL);
+    const double t0 = now_s();
+    for (size_t i = 0; i < sizeof parts / sizeof *parts; i++) {
+        send_bytes(fd, parts[i], strlen(parts[i]));
+        struct timespec ts = {0, 150000000L}; /* past the guard's wait for the first chunk */
+        nanosleep(&ts, NULL);
+    }
+    await_reply(fd, t0, 3.0, r);
+    close(fd);
+    if (r->status != 200 || !strstr(r->body, "in parts")) fail_msg("chunked in parts: %d %.300s", r->status, r->data);
+    free(r);
+    free(req);
+    kvb_http_server_stop(s);
+}
+
 /* n connections from `from`: idle (nothing sent) or trickling (part of a head). */
 static void open_idle(uint16_t port, const char *from, int *fds, int n, bool trickle) {
     for (int i = 0; i < n; i++) {
@@ -605,6 +647,16 @@ static void test_idle_connections(void **state) {
         open_idle(port, from, &fds[i], 1, i % 2);
     }
     expect_served(port, "127.0.0.1", "320 idle connections from 40 clients");
+    reply *m = malloc(sizeof *m); /* /metrics sees them waiting */
+    assert_non_null(m);
+    static const char metrics[] = "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    exchange(port, metrics, sizeof metrics - 1, m);
+    assert_int_equal(m->status, 200);
+    const char *waiting = strstr(m->body, "kvb_http_connections{state=\"waiting\"} ");
+    assert_non_null(waiting);
+    if (atof(waiting + strlen("kvb_http_connections{state=\"waiting\"} ")) < 320) fail_msg("%.80s", waiting);
+    assert_non_null(strstr(m->body, "kvb_http_connections_refused_total{reason=\"per_client\"} 236"));
+    free(m);
     /* a completion too, on a fresh connection while they wait */
     case_list l = {0};
     add_route_body(&l, 1, "still served", "", NULL, "normal");
@@ -746,6 +798,7 @@ int main(void) {
         cmocka_unit_test(test_framing),
         cmocka_unit_test(test_json_and_params),
         cmocka_unit_test(test_strings_exact),
+        cmocka_unit_test(test_large_heads_served),
         cmocka_unit_test(test_idle_connections),
         cmocka_unit_test(test_limits),
         cmocka_unit_test(test_deadlines_and_metrics),

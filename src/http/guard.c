@@ -15,7 +15,8 @@
  * limit is a 413 at once). Once MHD has a request, the guard also keeps its body deadline: a body
  * not whole 30 s (unless configured) after its head is answered 408 and the connection shut down.
  * Later requests on a kept-alive connection are MHD's alone (its own checks, its idle timeout).
- * Counted in /metrics: refused connections (503s) by reason, framing errors by status, deadlines. */
+ * Counted in /metrics: refused connections (503s) by reason, framing errors by status, deadlines,
+ * and the open connections, waiting and serving. */
 #include <errno.h>
 #include <fcntl.h>
 #include <microhttpd.h>
@@ -25,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -35,6 +37,7 @@
 #define GUARD_LINGER_S 1.0        /* after a refusal, what the client still sends is dropped this long */
 #define GUARD_CHUNK_WAIT_S 0.1    /* a chunked head waits this long for its first chunk size */
 #define GUARD_TICK_MS 100
+#define GUARD_TICK_PARTIAL_MS 20  /* while a part of some head waits: how soon its next bytes are seen */
 
 typedef enum { PEND_HEAD = 0, PEND_LINGER } pend_state;
 
@@ -44,6 +47,8 @@ typedef struct {
     socklen_t addr_len;
     double t_start;    /* accepted (PEND_HEAD) or refused (PEND_LINGER) */
     double t_head;     /* a chunked head was whole at this time (0: not yet) */
+    size_t peeked;     /* bytes seen at the last look: a part of a head stays readable, so it is
+                          looked at again each tick instead of being polled (which would spin) */
     pend_state state;
 } guard_pending;
 
@@ -109,7 +114,7 @@ static void count_refusal(kvb_http_server *s, const kvb_http_error *e, const cha
     else kvb_metric_add(s->m_framing, KVB_LABELS(code), 1);
 }
 
-/* Answers pending connection i with e and lets it linger (its later bytes are read and dropped). */
+/* Answers the pending connection p with e and lets it linger (its later bytes are read and dropped). */
 static void refuse_pending(http_guard *g, guard_pending *p, const kvb_http_error *e, const char *reason) {
     send_error(p->fd, e);
     shutdown(p->fd, SHUT_WR);
@@ -240,9 +245,10 @@ static void accept_new(http_guard *g) {
     }
 }
 
-/* One pending connection that has something to read (or whose time may be up). Returns false
- * when it is done with (closed or handed to MHD). */
-static bool serve_pending(http_guard *g, guard_pending *p, bool readable, double now) {
+/* One pending connection: what poll said of it (revents), or only that its time may be up.
+ * Returns false when it is done with (closed or handed to MHD). */
+static bool serve_pending(http_guard *g, guard_pending *p, short revents, double now) {
+    const bool readable = revents != 0;
     if (p->state == PEND_LINGER) {
         char drop[4096];
         ssize_t n = readable ? recv(p->fd, drop, sizeof drop, MSG_DONTWAIT) : -1;
@@ -254,14 +260,21 @@ static bool serve_pending(http_guard *g, guard_pending *p, bool readable, double
         return true;
     }
     kvb_http_error e;
-    if (readable) {
+    int avail = -1; /* a part already seen and nothing new: no need to look again */
+    if (!readable && p->peeked && ioctl(p->fd, FIONREAD, &avail) == 0 && (size_t)avail == p->peeked) avail = -2;
+    if (readable || (p->peeked && avail != -2)) {
         ssize_t n = recv(p->fd, g->peek, sizeof g->peek, MSG_PEEK | MSG_DONTWAIT);
         if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
             close(p->fd); /* gone before its head was whole */
             return false;
         }
+        p->peeked = n > 0 ? (size_t)n : p->peeked;
         http_head h;
         const int r = n > 0 ? http_head_check(g->peek, (size_t)n, &h, &e) : 0;
+        if (r == 0 && (revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+            close(p->fd); /* it stopped sending before its head was whole */
+            return false;
+        }
         if (r < 0) {
             refuse_pending(g, p, &e, "framing");
             return true;
@@ -290,21 +303,33 @@ static void *guard_main(void *arg) {
     for (;;) {
         g->polls[0] = (struct pollfd){.fd = g->wake[0], .events = POLLIN};
         g->polls[1] = (struct pollfd){.fd = g->listen_fd, .events = POLLIN};
-        for (size_t i = 0; i < g->n_pending; i++) g->polls[i + 2] = (struct pollfd){.fd = g->pending[i].fd, .events = POLLIN};
+        for (size_t i = 0; i < g->n_pending; i++) { /* a part of a head already seen: only its hang-up */
+            const guard_pending *p = &g->pending[i];
+            g->polls[i + 2] = (struct pollfd){.fd = p->fd, .events = p->state == PEND_HEAD && p->peeked ? POLLRDHUP : POLLIN};
+        }
         const size_t n_polled = g->n_pending;
-        const int ready = poll(g->polls, n_polled + 2, GUARD_TICK_MS);
+        bool partial = false;
+        for (size_t i = 0; i < n_polled && !partial; i++) partial = g->polls[i + 2].events == POLLRDHUP;
+        const int ready = poll(g->polls, n_polled + 2, partial ? GUARD_TICK_PARTIAL_MS : GUARD_TICK_MS);
         if (ready < 0 && errno != EINTR) break;
         if (g->polls[0].revents) break;
         const double now = kvb_now_s();
         size_t kept = 0;
         for (size_t i = 0; i < n_polled; i++) { /* in order, compacting */
             guard_pending p = g->pending[i];
-            if (serve_pending(g, &p, g->polls[i + 2].revents != 0, now)) g->pending[kept++] = p;
+            if (serve_pending(g, &p, g->polls[i + 2].revents, now)) g->pending[kept++] = p;
         }
         memmove(g->pending + kept, g->pending + n_polled, (g->n_pending - n_polled) * sizeof *g->pending);
         g->n_pending = kept + (g->n_pending - n_polled);
         if (g->polls[1].revents) accept_new(g);
         body_deadlines(g, now);
+        size_t waiting = 0;
+        for (size_t i = 0; i < g->n_pending; i++) waiting += g->pending[i].state == PEND_HEAD;
+        pthread_mutex_lock(&g->mu);
+        const size_t serving = g->n_active;
+        pthread_mutex_unlock(&g->mu);
+        kvb_metric_set(g->server->m_connections, KVB_LABELS("waiting"), (double)waiting);
+        kvb_metric_set(g->server->m_connections, KVB_LABELS("serving"), (double)serving);
     }
     return NULL;
 }

@@ -194,6 +194,7 @@ struct kvb_http_server {
     unsigned char api_key_digest[HTTP_API_KEY_DIGEST_LEN]; /* SHA-256 of the key, never the key */
     http_guard *guard;
     kvb_metric *m_refused, *m_framing, *m_deadlines; /* the guard's: 503s by reason, 4xx by status, 408s by phase */
+    kvb_metric *m_connections;                       /* the guard's: open connections, waiting or serving */
     kvb_metric *m_requests, *m_duration, *m_in_flight, *m_ttft, *m_gap, *m_prompt_tokens,
         *m_generated_tokens, *m_disconnects, *m_verdicts;
 };

@@ -698,6 +698,9 @@ static kvb_status register_metrics(kvb_http_server *s, kvb_err *err) {
          "status code.", "code", NULL, 0},
         {&s->m_deadlines, KVB_METRIC_COUNTER, "kvb_http_deadline_timeouts_total",
          "Requests answered 408 because their headers or body did not arrive in time, by phase.", "phase", NULL, 0},
+        {&s->m_connections, KVB_METRIC_GAUGE, "kvb_http_connections",
+         "Open client connections: waiting (sending their request head; they hold no thread) and serving (handed "
+         "to the HTTP library, at most --max-connections).", "state", NULL, 0},
         {&s->m_requests, KVB_METRIC_COUNTER, "kvb_http_requests_total",
          "HTTP requests by route and status code (0: no response was sent).", "route,code", NULL, 0},
         {&s->m_duration, KVB_METRIC_HISTOGRAM, "kvb_http_request_duration_seconds",
