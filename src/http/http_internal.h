@@ -139,7 +139,7 @@ int http_chunks_check(const char *buf, size_t n, size_t max_body, kvb_http_error
 
 #define HTTP_HEADER_TIMEOUT_DEFAULT_S 10 /* a connection's request head must be whole this soon */
 #define HTTP_BODY_TIMEOUT_DEFAULT_S 30   /* and its body this soon after the head */
-#define HTTP_PER_CLIENT_DEFAULT(max_conn) ((max_conn) / 4 > 8 ? (max_conn) / 4 : 8)
+#define HTTP_PER_CLIENT_DEFAULT(max_conn) ((max_conn) / 2 > 8 ? (max_conn) / 2 : 8)
 
 typedef struct {
     unsigned max_active;     /* connections handed to MHD at once */

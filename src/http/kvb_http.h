@@ -264,7 +264,7 @@ typedef struct {
     unsigned max_connections;  /* requests served at once; 0 = 256 (each holds a thread). Past it a
                                   new one is a 503 with Retry-After */
     unsigned max_connections_per_client; /* connections one client address may hold (sending its
-                                  request or served); 0 = max_connections / 4, at least 8. Past it
+                                  request or served); 0 = max_connections / 2, at least 8. Past it
                                   a 503. Connections still sending their request head hold no
                                   thread; a malformed request line, header or chunk size is a 4xx
                                   at once */
