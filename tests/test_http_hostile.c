@@ -8,7 +8,8 @@
  * byte for byte (the fake tokenizer's ids are the prompt's bytes). Then the connection limits:
  * 300 idle or trickling connections (from one address, then from forty) and a normal request from
  * another client still answered within 1 s (and /metrics shows them waiting, the ones over a
- * client's share refused); a full house and a client over its share get a 503 with Retry-After;
+ * client's share refused); a full house and a client over its share get a 503 with Retry-After,
+ * idle kept-alive connections make room for a new client instead;
  * a head or body that stops coming gets a 408 at its deadline; and /metrics counts the refusals,
  * framing errors and deadlines. The handlers are fakes (echo, bytes as tokens), as in
  * tests/test_http_server.c. */
@@ -717,7 +718,8 @@ static void expect_503(uint16_t port, const char *from, const char *what) {
     free(r);
 }
 
-/* A full house is a 503 with Retry-After, and so is a client over its share; both end. */
+/* A full house of requests is a 503 with Retry-After, and so is a client over its share; both end.
+ * A full house of connections kept alive idle makes room instead. */
 static void test_limits(void **state) {
     (void)state;
     kvb_http_server *s = start_server(4, 3, 0, 0);
@@ -745,6 +747,34 @@ static void test_limits(void **state) {
     for (int i = 0; i < 4; i++) pthread_join(threads[i], NULL);
     for (int i = 0; i < 4; i++) assert_int_equal(calls[i].status, 200);
     expect_served(port, "127.0.0.4", "the house emptied");
+    /* four connections kept alive idle after a request fill the house too: a new client is served
+     * all the same, in the place of the one idle the longest, which is closed */
+    int kept[4];
+    reply *r = malloc(sizeof *r);
+    assert_non_null(r);
+    static const char health[] = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+    for (int i = 0; i < 4; i++) {
+        char from[32];
+        snprintf(from, sizeof from, "127.0.0.%d", 20 + i);
+        kept[i] = dial(port, from);
+        const double t0 = now_s();
+        send_bytes(kept[i], health, sizeof health - 1);
+        await_reply(kept[i], t0, ANSWER_WITHIN_S, r);
+        assert_int_equal(r->status, 200);
+        struct timespec gap = {0, 20000000L}; /* their idle times differ */
+        nanosleep(&gap, NULL);
+    }
+    expect_served(port, "127.0.0.30", "four connections kept alive idle");
+    await_reply(kept[0], now_s(), ANSWER_WITHIN_S, r); /* the oldest was closed */
+    assert_int_equal(r->out, OUT_SILENT_CLOSE);
+    for (int i = 1; i < 4; i++) { /* the others still serve */
+        const double t0 = now_s();
+        send_bytes(kept[i], health, sizeof health - 1);
+        await_reply(kept[i], t0, ANSWER_WITHIN_S, r);
+        if (r->status != 200) fail_msg("kept-alive connection %d: %s %d", i, outcome_names[r->out], r->status);
+    }
+    for (int i = 0; i < 4; i++) close(kept[i]);
+    free(r);
     kvb_http_server_stop(s);
 }
 

@@ -7,7 +7,8 @@
  * OpenAI's error shape, Connection: close) at once; a head not whole within its deadline
  * (10 s unless configured) gets a 408. Only a whole, well-formed head is handed to MHD (MHD_add_connection), which then
  * reads it afresh, so idle and trickling clients never hold one of its threads. At the handoff, a
- * full house (max_connections in MHD) is a 503 with Retry-After, and one client (by IP address)
+ * full house (max_connections in MHD) closes the connection kept alive idle the longest to make
+ * room, or is a 503 with Retry-After when every one is serving a request; one client (by IP address)
  * may hold at most max_connections_per_client connections, waiting or served, before its next one
  * is a 503 too. After a refusal the guard reads and drops what the client still sends for a
  * moment before closing, so the close does not reset the connection under the answer. For a
@@ -55,6 +56,7 @@ typedef struct {
 typedef struct {
     int fd;
     struct sockaddr_storage addr; /* the client's: per-client counts */
+    double idle_since;            /* kept alive between requests since then; 0: a request is on it */
 } guard_active;
 
 struct http_guard {
@@ -157,11 +159,34 @@ void http_guard_connection_closed(http_guard *g, int fd) {
     pthread_mutex_unlock(&g->mu);
 }
 
-/* A whole head: to MHD, or a 503 when its connections are all taken. Returns true when handed. */
+void http_guard_connection_idle(http_guard *g, int fd, bool idle) {
+    pthread_mutex_lock(&g->mu);
+    for (size_t i = 0; i < g->n_active; i++)
+        if (g->active[i].fd == fd) g->active[i].idle_since = idle ? kvb_now_s() : 0;
+    pthread_mutex_unlock(&g->mu);
+}
+
+/* With every connection taken: the one kept alive idle the longest is shut down (MHD then closes
+ * it; its client opens another when it has a request, as after any keep-alive timeout) and its
+ * place is free. False when every connection is serving a request. With mu held. */
+static bool evict_idle(http_guard *g) {
+    size_t oldest = g->n_active;
+    for (size_t i = 0; i < g->n_active; i++)
+        if (g->active[i].idle_since > 0 && (oldest == g->n_active || g->active[i].idle_since < g->active[oldest].idle_since))
+            oldest = i;
+    if (oldest == g->n_active) return false;
+    shutdown(g->active[oldest].fd, SHUT_RDWR); /* MHD closes the fd only after its NOTIFY_CLOSED, which waits for mu */
+    g->active[oldest] = g->active[--g->n_active];
+    kvb_metric_add(g->server->m_evicted, NULL, 1);
+    return true;
+}
+
+/* A whole head: to MHD (making room by closing an idle kept-alive connection if need be), or a 503
+ * when every connection is serving a request. Returns true when handed. */
 static bool hand_off(http_guard *g, guard_pending *p) {
     kvb_http_error e;
     pthread_mutex_lock(&g->mu);
-    const bool full = g->n_active >= g->limits.max_active;
+    const bool full = g->n_active >= g->limits.max_active && !evict_idle(g);
     if (!full) g->active[g->n_active++] = (guard_active){.fd = p->fd, .addr = p->addr};
     pthread_mutex_unlock(&g->mu);
     if (full) {

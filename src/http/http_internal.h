@@ -164,6 +164,9 @@ kvb_status http_guard_start(kvb_http_server *s, const struct sockaddr_storage *a
 uint16_t http_guard_port(const http_guard *g);
 /* MHD closed a connection the guard handed it (its NOTIFY_CONNECTION). */
 void http_guard_connection_closed(http_guard *g, int fd);
+/* The connection on fd is kept alive between requests (idle), or has a request again: a full
+ * house closes the one idle the longest to make room. */
+void http_guard_connection_idle(http_guard *g, int fd, bool idle);
 /* The body of the request on fd is being read / is whole. body_end returns false when the
  * deadline already answered it (the request must not be served). */
 void http_guard_body_begin(http_guard *g, http_body_watch *w, int fd);
@@ -195,6 +198,7 @@ struct kvb_http_server {
     http_guard *guard;
     kvb_metric *m_refused, *m_framing, *m_deadlines; /* the guard's: 503s by reason, 4xx by status, 408s by phase */
     kvb_metric *m_connections;                       /* the guard's: open connections, waiting or serving */
+    kvb_metric *m_evicted;                           /* the guard's: idle kept-alive connections closed for room */
     kvb_metric *m_requests, *m_duration, *m_in_flight, *m_ttft, *m_gap, *m_prompt_tokens,
         *m_generated_tokens, *m_disconnects, *m_verdicts;
 };

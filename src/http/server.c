@@ -492,6 +492,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         snprintf(ctx->method, sizeof ctx->method, "%s", method);
         *con_cls = ctx;
         kvb_metric_add(s->m_in_flight, NULL, 1);
+        http_guard_connection_idle(s->guard, connection_fd(conn), false);
         enum MHD_Result r = on_headers(ctx, conn, url, method);
         if (r == MHD_YES && !ctx->responded && is_post_route(ctx->route)) { /* its body has a deadline */
             http_guard_body_begin(s->guard, &ctx->body_watch, connection_fd(conn));
@@ -605,6 +606,8 @@ static void request_completed(void *cls, struct MHD_Connection *conn, void **con
     }
     if (ctx->timeout_lifted)
         MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, s->idle_timeout_s);
+    if (toe == MHD_REQUEST_TERMINATED_COMPLETED_OK) /* kept alive for the next request, if any */
+        http_guard_connection_idle(s->guard, connection_fd(conn), true);
     char code[16];
     snprintf(code, sizeof code, "%u", ctx->responded ? ctx->status : 0u);
     const char *route = route_labels[ctx->route];
@@ -701,6 +704,9 @@ static kvb_status register_metrics(kvb_http_server *s, kvb_err *err) {
         {&s->m_connections, KVB_METRIC_GAUGE, "kvb_http_connections",
          "Open client connections: waiting (sending their request head; they hold no thread) and serving (handed "
          "to the HTTP library, at most --max-connections).", "state", NULL, 0},
+        {&s->m_evicted, KVB_METRIC_COUNTER, "kvb_http_idle_connections_closed_total",
+         "Kept-alive connections idle between requests closed to make room for a new client when every connection "
+         "was taken.", NULL, NULL, 0},
         {&s->m_requests, KVB_METRIC_COUNTER, "kvb_http_requests_total",
          "HTTP requests by route and status code (0: no response was sent).", "route,code", NULL, 0},
         {&s->m_duration, KVB_METRIC_HISTOGRAM, "kvb_http_request_duration_seconds",
