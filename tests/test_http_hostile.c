@@ -175,14 +175,22 @@ static void await_reply(int fd, double t0, double limit_s, reply *r) {
     if (r->out == OUT_RESPONSE) sscanf(r->data, "HTTP/1.%*d %d", &r->status);
 }
 
-/* One hostile exchange on a fresh connection. */
-static void exchange(uint16_t port, const char *bytes, size_t n, reply *r) {
-    int fd = dial(port, NULL);
+/* One exchange on a fresh connection from `from` (NULL: any), waiting at most limit_s. */
+static void exchange_from(uint16_t port, const char *from, const char *bytes, size_t n, double limit_s, reply *r) {
+    int fd = dial(port, from);
     const double t0 = now_s();
     send_bytes(fd, bytes, n);
-    await_reply(fd, t0, ANSWER_WITHIN_S + 0.5, r);
+    await_reply(fd, t0, limit_s, r);
     close(fd);
 }
+
+/* One hostile exchange on a fresh connection. */
+static void exchange(uint16_t port, const char *bytes, size_t n, reply *r) {
+    exchange_from(port, NULL, bytes, n, ANSWER_WITHIN_S + 0.5, r);
+}
+
+static const char health_close[] = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+static const char metrics_close[] = "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
 
 /* NULL when r is a 4xx OpenAI error with a message (and param, when want_param is given: equal,
  * or a prefix of it when the case ends want_param with '*') in time; else what is wrong. */
@@ -209,14 +217,9 @@ static const char *hostile_verdict(const reply *r, const char *want_param, char 
 
 /* A normal request, answered 200 in time. */
 static void expect_served(uint16_t port, const char *from, const char *after) {
-    int fd = dial(port, from);
-    const double t0 = now_s();
-    static const char health[] = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
-    send_bytes(fd, health, sizeof health - 1);
     reply *r = malloc(sizeof *r);
     assert_non_null(r);
-    await_reply(fd, t0, ANSWER_WITHIN_S, r);
-    close(fd);
+    exchange_from(port, from, health_close, sizeof health_close - 1, ANSWER_WITHIN_S, r);
     if (r->out != OUT_RESPONSE || r->status != 200)
         fail_msg("after %s: a normal request got %s (status %d, %.2f s)", after, outcome_names[r->out], r->status,
                  r->seconds);
@@ -650,8 +653,7 @@ static void test_idle_connections(void **state) {
     expect_served(port, "127.0.0.1", "320 idle connections from 40 clients");
     reply *m = malloc(sizeof *m); /* /metrics sees them waiting */
     assert_non_null(m);
-    static const char metrics[] = "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
-    exchange(port, metrics, sizeof metrics - 1, m);
+    exchange(port, metrics_close, sizeof metrics_close - 1, m);
     assert_int_equal(m->status, 200);
     const char *waiting = strstr(m->body, "kvb_http_connections{state=\"waiting\"} ");
     assert_non_null(waiting);
@@ -686,11 +688,7 @@ static void *pause_call(void *arg) { /* a completion that takes 1.5 s; a 503 is 
     add_route_body(&l, 1, "PAUSE", "", NULL, "pause");
     reply *r = malloc(sizeof *r);
     for (int attempt = 0; attempt < 20; attempt++) { /* a connection of the test before may not be closed yet */
-        int fd = dial(c->port, c->from);
-        const double t0 = now_s();
-        send_bytes(fd, l.items[0].bytes, l.items[0].len);
-        await_reply(fd, t0, 5, r);
-        close(fd);
+        exchange_from(c->port, c->from, l.items[0].bytes, l.items[0].len, 5, r);
         c->status = r->out == OUT_RESPONSE ? r->status : -1;
         if (c->status != 503) break;
         struct timespec ts = {0, 100000000L};
@@ -704,12 +702,7 @@ static void *pause_call(void *arg) { /* a completion that takes 1.5 s; a 503 is 
 static void expect_503(uint16_t port, const char *from, const char *what) {
     reply *r = malloc(sizeof *r);
     assert_non_null(r);
-    int fd = dial(port, from);
-    const double t0 = now_s();
-    static const char health[] = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
-    send_bytes(fd, health, sizeof health - 1);
-    await_reply(fd, t0, ANSWER_WITHIN_S, r);
-    close(fd);
+    exchange_from(port, from, health_close, sizeof health_close - 1, ANSWER_WITHIN_S, r);
     if (r->status != 503 || !strcasestr(r->data, "\r\nRetry-After: 1"))
         fail_msg("%s: %s %d %.300s", what, outcome_names[r->out], r->status, r->data);
     cJSON *j = cJSON_Parse(r->body);
@@ -791,23 +784,14 @@ static void test_deadlines_and_metrics(void **state) {
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n9\r\n{\"model\"", /* a chunk */
     };
     for (size_t i = 0; i < sizeof stalls / sizeof *stalls; i++) {
-        int fd = dial(port, NULL);
-        const double t0 = now_s();
-        send_bytes(fd, stalls[i], strlen(stalls[i]));
-        await_reply(fd, t0, 3.0, r);
-        close(fd);
+        exchange_from(port, NULL, stalls[i], strlen(stalls[i]), 3.0, r);
         if (r->out != OUT_RESPONSE || r->status != 408 || r->seconds < 0.9)
             fail_msg("stall %zu: %s %d after %.2f s", i, outcome_names[r->out], r->status, r->seconds);
     }
     reply *m = r;
-    int fd = dial(port, NULL);
     exchange(port, "HELLO\r\n\r\n", 9, m);
     assert_int_equal(m->status, 400);
-    static const char get[] = "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
-    const double t0 = now_s();
-    send_bytes(fd, get, sizeof get - 1);
-    await_reply(fd, t0, 2.0, m);
-    close(fd);
+    exchange_from(port, NULL, metrics_close, sizeof metrics_close - 1, 2.0, m);
     assert_int_equal(m->status, 200);
     assert_non_null(strstr(m->body, "kvb_http_deadline_timeouts_total{phase=\"headers\"} 1"));
     assert_non_null(strstr(m->body, "kvb_http_deadline_timeouts_total{phase=\"body\"} 2"));
