@@ -607,8 +607,8 @@ static void test_large_heads_served(void **state) {
     assert_int_equal(r->status, 200);
     /* chunked, the head and each chunk sent on their own */
     static const char *const parts[] = {
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
-        "Transfer-Encoding: chunked\r\n\r\n",
+        ("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+         "Transfer-Encoding: chunked\r\n\r\n"),
         "a\r\n{\"model\":\"\r\n", "b\r\nkvb-hostile\r\n", "16\r\n\",\"prompt\":\"in parts\"}\r\n", "0\r\n\r\n",
     };
     int fd = dial(port, NULL);
