@@ -70,6 +70,8 @@ struct http_guard {
     size_t n_pending;
     struct pollfd *polls;        /* (GUARD_PENDING_MAX + 2) */
     char peek[GUARD_PEEK_MAX];
+    double shown_waiting, shown_serving; /* this guard's share of kvb_http_connections (a registry may be
+                                            shared by several servers: it adds its changes) */
     pthread_mutex_t mu;          /* the fields below: MHD's threads close connections and bodies */
     guard_active *active;        /* (max_active) connections handed to MHD */
     size_t n_active;
@@ -353,8 +355,10 @@ static void *guard_main(void *arg) {
         pthread_mutex_lock(&g->mu);
         const size_t serving = g->n_active;
         pthread_mutex_unlock(&g->mu);
-        kvb_metric_set(g->server->m_connections, KVB_LABELS("waiting"), (double)waiting);
-        kvb_metric_set(g->server->m_connections, KVB_LABELS("serving"), (double)serving);
+        kvb_metric_add(g->server->m_connections, KVB_LABELS("waiting"), (double)waiting - g->shown_waiting);
+        kvb_metric_add(g->server->m_connections, KVB_LABELS("serving"), (double)serving - g->shown_serving);
+        g->shown_waiting = (double)waiting;
+        g->shown_serving = (double)serving;
     }
     return NULL;
 }
@@ -405,6 +409,9 @@ void http_guard_stop_accepting(http_guard *g) {
     (void)!write(g->wake[1], "x", 1);
     pthread_join(g->thread, NULL);
     g->thread_started = false;
+    kvb_metric_add(g->server->m_connections, KVB_LABELS("waiting"), -g->shown_waiting); /* gone with it */
+    kvb_metric_add(g->server->m_connections, KVB_LABELS("serving"), -g->shown_serving);
+    g->shown_waiting = g->shown_serving = 0;
     for (size_t i = 0; i < g->n_pending; i++) close(g->pending[i].fd);
     g->n_pending = 0;
     close(g->listen_fd);
