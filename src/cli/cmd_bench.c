@@ -14,61 +14,6 @@
 #endif
 #include "kvb_quant.h"
 
-static void help(FILE *f) {
-    fprintf(f,
-            "usage: kvbridge bench (prefill|decode) -m MODEL [options]\n"
-            "       kvbridge bench ladder -m MODEL [options]   (see kvbridge bench ladder --help)\n"
-            "       kvbridge bench link (--listen|--peer) ADDR (see kvbridge bench link --help)\n"
-            "       kvbridge bench quality [-m MODEL] [options]  (see kvbridge bench quality --help)\n"
-            "       kvbridge bench slab [options]              (see kvbridge bench slab --help)\n"
-            "       kvbridge bench tokenize -m MODEL [options] (see kvbridge bench tokenize --help)\n"
-            "       kvbridge bench parallel -m MODEL [options] (see kvbridge bench parallel --help)\n"
-            "       kvbridge bench json -m MODEL [options]     (see kvbridge bench json --help)\n\n"
-            "Measures the CPU engine and prints tok/s beside the memory bandwidth measured in the same run.\n"
-            "  prefill   one batch of --tokens random tokens from an empty cache (like llama-bench pp)\n"
-            "  decode    --gen single-token steps after a --ctx-token prompt (like llama-bench tg)\n\n"
-            "  -m FILE              GGUF model\n"
-            "  --threads T          threads (default: all CPUs)\n"
-            "  --tokens N           prefill tokens (default 512)\n"
-            "  --gen N              decode steps (default 128)\n"
-            "  --ctx N              prompt length before decode (default 16)\n"
-            "  --batch B            decode: also B sequences stepped together (kvb_engine_forward_batch), each\n"
-            "                       after its own --ctx prompt: their tokens/s beside one sequence's, same run\n"
-            "  --reps R             repetitions; the median is reported (default 3)\n"
-            "  --cache-type T       KV cache dtype (default f16)\n"
-            "  --llama-bench PATH   also run llama.cpp's llama-bench on the same file and threads\n"
-            "  --json FILE          also write the figures as JSON\n\n"
-            "  --device cpu|cuda    cuda: prefill on the GPU (bf16), several sizes (--tokens 2048,8192,32768) in\n"
-            "                       one run, each beside the bf16 GEMM ceiling measured in the same run (cuBLAS\n"
-            "                       8192^3) and, with --peer-json, a peer's figures for the same sizes\n"
-            "  --chunk N            (cuda) tokens per forward chunk (default 8192)\n"
-            "  --peer-json FILE     (cuda) JSON from tools/peer/torch_llama_prefill.py\n"
-            "  --bridge T           (cuda) also time every size with the CUDA bridge kernel hooked after each\n"
-            "                       (chunk, layer), writing a decoder cache of dtype T from this file's K/V\n"
-            "                       weights (use a Q8_0/Q4_0 file: a CPU decoder's), and print its cost as a\n"
-            "                       fraction of the prefill time (kernels and copies to pinned memory; the\n"
-            "                       slabs are not sent anywhere)\n"
-            "  --ceiling-reps N     (cuda) timed GEMMs for the ceiling (default 20)\n"
-            "  --warmup N           (cuda) untimed forwards before each size's timed ones (default 2: the first\n"
-            "                       runs a new shape on the engine's kernel, the second builds cuDNN's plans)\n"
-            "  --attention A        (cuda) attention on global layers: own (the engine's flash kernel), cudnn\n"
-            "                       (cuDNN's fused attention, libcudnn.so.9 on LD_LIBRARY_PATH), both (each size\n"
-            "                       with each, side by side, and their ratio) or auto (default: cuDNN when it\n"
-            "                       loads; KVB_CUDA_ATTENTION=own|cudnn sets the default everywhere). cuDNN\n"
-            "                       builds a plan (40-100 ms) for a new shape only when it pays; other chunks run\n"
-            "                       on the engine's kernel (KVB_CUDNN_PLANS=eager: a plan for every shape)\n"
-            "  --host-overhead      (cuda) after each size, one forward enqueued behind a gate kernel (the GPU\n"
-            "                       waits until the host has enqueued everything), timed on the GPU: the share of\n"
-            "                       the wall time the GPU spent waiting for the host (launch gaps, host work)\n"
-            "  --gpus N             (cuda) tensor-parallel prefill over N GPUs (devices 0..N-1, NCCL all-reduce;\n"
-            "                       heads and the MLP width divide by N; KV heads by N, or N by them);\n"
-            "                       KVB_TP_OVERLAP=1 runs the all-reduces beside the GEMMs (off by default)\n"
-            "  --tp-one-device      (cuda) with --gpus N: every rank on one GPU, summed by the engine itself (tests\n"
-            "                       the split and measures its overhead on a one-GPU host; not faster)\n"
-            KVB_CLI_GPU_WEIGHTS_HELP);
-}
-
-
 /* Decode throughput of `batch` sequences stepped together: each prefilled with its own n_ctx-token
  * prompt (toks shifted by its index mod V, so no two share cache blocks), then n_gen batched steps;
  * *tps = the median over reps of batch * n_gen / seconds. */
@@ -483,96 +428,291 @@ done:
 }
 #endif
 
+/* What the command line asks of `bench prefill|decode`. */
+typedef struct {
+    const char *model_path, *llama_bench, *json_path, *tokens_arg, *peer_json, *attn_arg;
+    long long threads, n_gen, n_ctx, reps, chunk, ceiling_reps, warmup, batch;
+    int device; /* kvb_cli_device_names */
+    bool host_overhead;
+    kvb_cli_gpu gpu;
+    uint32_t cache_type, bridge_type;
+} bench_args;
+
+static const char *const k_bench_usage =
+    "(prefill|decode) -m MODEL [options]\n"
+    "ladder -m MODEL [options]   (see kvbridge bench ladder --help)\n"
+    "link (--listen|--peer) ADDR (see kvbridge bench link --help)\n"
+    "quality [-m MODEL] [options]  (see kvbridge bench quality --help)\n"
+    "slab [options]              (see kvbridge bench slab --help)\n"
+    "tokenize -m MODEL [options] (see kvbridge bench tokenize --help)\n"
+    "parallel -m MODEL [options] (see kvbridge bench parallel --help)\n"
+    "json -m MODEL [options]     (see kvbridge bench json --help)";
+
+/* Fills *a from argv (argv[0]: prefill or decode); KVB_CLI_GO, or the code the command returns. */
+static int bench_parse(bench_args *a, int argc, char **argv) {
+    const kvb_opt opts[] = {
+        KVB_CLI_OPT_MODEL(&a->model_path, "GGUF model", true),
+        KVB_CLI_OPT_THREADS(&a->threads, "threads (default: all CPUs)"),
+        {.long_name = "tokens", .kind = KVB_OPT_STRING, .dst = &a->tokens_arg, .meta = "N",
+         .help = "prefill tokens (default 512; cuda: a list of sizes, default 2048)"},
+        {.long_name = "gen", .kind = KVB_OPT_INT, .dst = &a->n_gen, .meta = "N", .help = "decode steps",
+         .def = "128", .lo = 1, .hi = 1 << 20},
+        {.long_name = "ctx", .kind = KVB_OPT_INT, .dst = &a->n_ctx, .meta = "N",
+         .help = "prompt length before decode", .def = "16", .lo = 1, .hi = 1 << 20},
+        {.long_name = "batch", .kind = KVB_OPT_INT, .dst = &a->batch, .meta = "B", .def = "1", .lo = 1, .hi = 256,
+         .help = "decode: also B sequences stepped together (kvb_engine_forward_batch), each after its own --ctx "
+                 "prompt: their tokens/s beside one sequence's, same run"},
+        {.long_name = "reps", .kind = KVB_OPT_INT, .dst = &a->reps, .meta = "R",
+         .help = "repetitions; the median is reported", .def = "3", .lo = 1, .hi = 100},
+        KVB_CLI_OPT_CACHE_TYPE(&a->cache_type, "KV cache dtype"),
+        {.long_name = "llama-bench", .kind = KVB_OPT_STRING, .dst = &a->llama_bench, .meta = "PATH",
+         .help = "also run llama.cpp's llama-bench on the same file and threads"},
+        {.long_name = "json", .kind = KVB_OPT_STRING, .dst = &a->json_path, .meta = "FILE",
+         .help = "also write the figures as JSON"},
+        KVB_CLI_OPT_DEVICE(&a->device,
+                           "cuda: prefill on the GPU (bf16), several sizes (--tokens 2048,8192,32768) in one run, "
+                           "each beside the bf16 GEMM ceiling measured in the same run (cuBLAS 8192^3) and, with "
+                           "--peer-json, a peer's figures for the same sizes"),
+        {.long_name = "chunk", .kind = KVB_OPT_INT, .dst = &a->chunk, .meta = "N", .lo = 1, .hi = 1 << 24,
+         .help = "(cuda) tokens per forward chunk (default 8192)"},
+        {.long_name = "peer-json", .kind = KVB_OPT_STRING, .dst = &a->peer_json, .meta = "FILE",
+         .help = "(cuda) JSON from tools/peer/torch_llama_prefill.py"},
+        {.long_name = "bridge", .kind = KVB_OPT_CUSTOM, .dst = &a->bridge_type, .meta = "T",
+         .parse = kvb_opt_parse_type,
+         .help = "(cuda) also time every size with the CUDA bridge kernel hooked after each (chunk, layer), "
+                 "writing a decoder cache of dtype T from this file's K/V weights (use a Q8_0/Q4_0 file: a CPU "
+                 "decoder's), and print its cost as a fraction of the prefill time (kernels and copies to pinned "
+                 "memory; the slabs are not sent anywhere)"},
+        {.long_name = "ceiling-reps", .kind = KVB_OPT_INT, .dst = &a->ceiling_reps, .meta = "N",
+         .help = "(cuda) timed GEMMs for the ceiling", .def = "20", .lo = 1, .hi = 1000},
+        {.long_name = "warmup", .kind = KVB_OPT_INT, .dst = &a->warmup, .meta = "N", .def = "2", .lo = 0, .hi = 100,
+         .help = "(cuda) untimed forwards before each size's timed ones (the first runs a new shape on the "
+                 "engine's kernel, the second builds cuDNN's plans)"},
+        {.long_name = "attention", .kind = KVB_OPT_STRING, .dst = &a->attn_arg, .meta = "A",
+         .help = "(cuda) attention on global layers: own (the engine's flash kernel), cudnn (cuDNN's fused "
+                 "attention, libcudnn.so.9 on LD_LIBRARY_PATH), both (each size with each, side by side, and "
+                 "their ratio) or auto (default: cuDNN when it loads; KVB_CUDA_ATTENTION=own|cudnn sets the "
+                 "default everywhere). cuDNN builds a plan (40-100 ms) for a new shape only when it pays; other "
+                 "chunks run on the engine's kernel (KVB_CUDNN_PLANS=eager: a plan for every shape)"},
+        {.long_name = "host-overhead", .kind = KVB_OPT_FLAG, .dst = &a->host_overhead,
+         .help = "(cuda) after each size, one forward enqueued behind a gate kernel (the GPU waits until the host "
+                 "has enqueued everything), timed on the GPU: the share of the wall time the GPU spent waiting "
+                 "for the host (launch gaps, host work)"},
+        KVB_CLI_OPTS_GPU(&a->gpu),
+        {0},
+    };
+    const kvb_cli_spec spec = {
+        .name = "bench", .usage = k_bench_usage, .opts = opts,
+        .about = "Measures the CPU engine and prints tok/s beside the memory bandwidth measured in the same run.\n"
+                 "  prefill   one batch of --tokens random tokens from an empty cache (like llama-bench pp)\n"
+                 "  decode    --gen single-token steps after a --ctx-token prompt (like llama-bench tg)\n"
+                 "With --gpus N, KVB_TP_OVERLAP=1 runs the all-reduces beside the GEMMs (off by default)."};
+    int rc = kvb_cli_parse(&spec, argc, argv);
+    if (rc != KVB_CLI_GO) return rc;
+    return kvb_cli_gpu_ok("bench", &a->gpu, a->device == 1) ? KVB_CLI_GO : 2;
+}
+
+/* The benchmarks `kvbridge bench NAME` dispatches to, each given argv from NAME on. */
+static const struct {
+    const char *name;
+    int (*fn)(int, char **);
+} k_bench_kinds[] = {
+    {"ladder", kvb_bench_ladder}, {"link", kvb_bench_link},         {"quality", kvb_bench_quality},
+    {"slab", kvb_bench_slab},     {"tokenize", kvb_bench_tokenize}, {"parallel", kvb_bench_parallel},
+    {"json", kvb_bench_json},
+};
+
+/* Times the CPU engine: one short untimed forward (pages the weights in), then --reps runs of a
+ * prefill of n_tok tokens, or of --gen single-token steps after a --ctx prompt; times[r] in tok/s. */
+static kvb_status bench_cpu_runs(kvb_engine *e, const int32_t *toks, float *logits, const bench_args *a, bool prefill,
+                                 long long n_tok, double *times, kvb_err *err) {
+    /* warm-up: one short forward pages the weights in */
+    {
+        kvb_seq *s = NULL;
+        if (kvb_seq_create(e, &s, err)) return err->code;
+        kvb_status st = kvb_engine_forward(e, s, toks, prefill ? (uint32_t)(n_tok < 32 ? n_tok : 32) : 1, logits,
+                                           false, err);
+        kvb_seq_free(s);
+        if (st) return err->code;
+    }
+    for (int r = 0; r < a->reps; r++) {
+        kvb_seq *s = NULL;
+        if (kvb_seq_create(e, &s, err)) return err->code;
+        kvb_status st = KVB_OK;
+        double t0 = 0, t1 = 0;
+        if (prefill) {
+            t0 = kvb_now_s();
+            st = kvb_engine_forward(e, s, toks, (uint32_t)n_tok, logits, false, err);
+            t1 = kvb_now_s();
+        } else {
+            st = kvb_engine_forward(e, s, toks, (uint32_t)a->n_ctx, logits, false, err);
+            t0 = kvb_now_s();
+            for (long long g = 0; g < a->n_gen && !st; g++)
+                st = kvb_engine_forward(e, s, &toks[a->n_ctx + g], 1, logits, false, err);
+            t1 = kvb_now_s();
+        }
+        kvb_seq_free(s);
+        if (st) return err->code;
+        times[r] = (prefill ? n_tok : a->n_gen) / (t1 - t0);
+        fprintf(stderr, "bench %s: run %d/%lld: %.2f tok/s\n", prefill ? "prefill" : "decode", r + 1, a->reps, times[r]);
+    }
+    return KVB_OK;
+}
+
+/* What a CPU benchmark measured. */
+typedef struct {
+    const double *runs; /* --reps tok/s figures, in run order */
+    double tps, batch_tps, bw, peer; /* median tok/s, --batch's, read GB/s, llama-bench's (<= 0: none) */
+    int threads;
+    long long n_tok;
+} bench_cpu_figures;
+
+/* Prints the CPU benchmark's figures beside the machine's bandwidth (and llama-bench's), and
+ * writes --json. */
+static void bench_cpu_report(const bench_args *a, const kvb_model *m, const char *what, const bench_cpu_figures *fig) {
+    const bool prefill = !strcmp(what, "prefill");
+    printf("runs      ");
+    for (int r = 0; r < a->reps; r++) printf(" %.2f", fig->runs[r]);
+    printf(" tok/s\n");
+    uint64_t wbytes = weight_bytes_per_token(m);
+    double flops_tok = 2.0 * (double)kvb_model_n_params_nonembd(&m->d);
+    if (prefill) {
+        /* attention: QK^fig->threads and PV over the causal triangle */
+        double att = 2.0 * 2.0 * m->d.n_layer * m->d.n_head * m->d.head_dim * (double)fig->n_tok * (fig->n_tok + 1) / 2.0;
+        double gflops = (flops_tok * fig->n_tok + att) / (fig->n_tok / fig->tps) / 1e9;
+        printf("prefill    %lld tokens: %.1f tok/s (median of %lld), %.1f GFLOP/s\n", fig->n_tok, fig->tps, a->reps, gflops);
+    } else {
+        size_t rb = kvb_row_bytes(a->cache_type, m->d.head_dim);
+        double kv_avg = (double)m->d.n_layer * 2 * m->d.n_head_kv * rb * (a->n_ctx + a->n_gen / 2.0);
+        double bytes = (double)wbytes + kv_avg;
+        double achieved = bytes * fig->tps / 1e9;
+        printf("decode     %lld steps after %lld tokens: %.2f tok/s (median of %lld)\n", a->n_gen, a->n_ctx, fig->tps, a->reps);
+        printf("bytes/tok  %.1f MB (weights %.1f MB + KV %.2f MB)\n", bytes / 1e6, wbytes / 1e6, kv_avg / 1e6);
+        printf("bandwidth  %.1f GB/s achieved = %.0f%% of %.1f GB/s measured read bandwidth (same run, %d threads)\n",
+               achieved, 100.0 * achieved / fig->bw, fig->bw, fig->threads);
+        if (a->batch > 1)
+            printf("batch      %lld sequences stepped together: %.2f tok/s in all, %.2f per sequence = %.2fx one "
+                   "sequence's %.2f tok/s\n",
+                   a->batch, fig->batch_tps, fig->batch_tps / a->batch, fig->batch_tps / fig->tps, fig->tps);
+    }
+    if (prefill) printf("bandwidth  %.1f GB/s measured read bandwidth (same run, %d threads)\n", fig->bw, fig->threads);
+    if (a->llama_bench) {
+        if (fig->peer > 0)
+            printf("peer       llama.cpp llama-bench %s: %.2f tok/s -> kvbridge/llama.cpp = %.2fx\n",
+                   prefill ? "pp" : "tg", fig->peer, fig->tps / fig->peer);
+        else printf("peer       llama-bench at %s did not produce a result\n", a->llama_bench);
+    }
+    if (a->json_path) {
+        FILE *f = fopen(a->json_path, "w");
+        if (f) {
+            fprintf(f,
+                    "{\"bench\":\"%s\",\"model\":\"%s\",\"threads\":%d,\"tok_s\":%.4f,\"read_bw_gbs\":%.3f,"
+                    "\"weight_bytes\":%llu,\"peer_tok_s\":%.4f}\n",
+                    what, a->model_path, fig->threads, fig->tps, fig->bw, (unsigned long long)wbytes, fig->peer);
+            fclose(f);
+        }
+    }
+}
+
+/* `bench prefill|decode` on the CPU engine (what: which). */
+static int bench_cpu(const bench_args *a, const char *what) {
+    long long n_tok = 512;
+    if (a->tokens_arg && !kvb_arg_int("bench", "--tokens", a->tokens_arg, 1, 1 << 20, &n_tok)) return 2;
+    const bool prefill = !strcmp(what, "prefill");
+    kvb_err err = {0};
+    kvb_model *m = NULL;
+    kvb_engine *e = NULL;
+    int rc = 1;
+    int32_t *toks = NULL;
+    float *logits = NULL;
+    double *times = NULL;
+    if (kvb_model_load(a->model_path, &m, &err)) goto fail;
+    uint32_t need = prefill ? (uint32_t)n_tok : (uint32_t)(a->n_ctx + a->n_gen);
+    const uint32_t bt_default = 32; /* the engine's default block size */
+    kvb_engine_opts eo = {.n_threads = (int)a->threads, .cache_dtype = a->cache_type, .max_ctx = need + 1,
+                          .n_blocks = (uint32_t)(prefill ? 0 : (a->batch + 1) * ((need + 1) / bt_default + 2))};
+    if (kvb_engine_create(m, &eo, &e, &err)) goto fail;
+    int T = kvb_engine_threads(e);
+    toks = malloc(sizeof(int32_t) * need);
+    logits = malloc(sizeof(float) * m->d.n_vocab);
+    times = malloc(sizeof(double) * (size_t)a->reps);
+    if (!toks || !logits || !times) {
+        kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    kvb_rng rng;
+    kvb_rng_seed(&rng, 42);
+    for (uint32_t i = 0; i < need; i++) toks[i] = (int32_t)(kvb_rng_u64(&rng) % m->d.n_vocab);
+
+    char desc[256];
+    kvb_model_describe(m, desc, sizeof desc);
+    printf("model      %s\n           %s\n", a->model_path, desc);
+    printf("machine    %d threads, %s kernels, KV cache %s\n", T, kvb_simd_name(), kvb_type_name(a->cache_type));
+
+    if (bench_cpu_runs(e, toks, logits, a, prefill, n_tok, times, &err)) goto fail;
+    double runs[100];
+    memcpy(runs, times, sizeof(double) * (size_t)a->reps);
+    double tps = kvb_median_sort(times, (int)a->reps);
+    double batch_tps = 0;
+    if (!prefill && a->batch > 1 && bench_decode_batch(e, m->d.n_vocab, toks, (uint32_t)a->n_ctx, (uint32_t)a->n_gen, (uint32_t)a->batch,
+                                                    (int)a->reps, &batch_tps, &err))
+        goto fail;
+    kvb_pool *pool = NULL;
+    if (kvb_pool_create(T, &pool, &err)) goto fail;
+    double bw = kvb_measure_read_bw(pool, (size_t)1 << 30, 3);
+    kvb_pool_destroy(pool);
+
+    double peer = -1;
+    if (a->llama_bench)
+        peer = run_llama_bench(a->llama_bench, a->model_path, T, prefill ? (int)n_tok : 0, prefill ? 0 : (int)a->n_gen,
+                               (int)a->reps);
+
+    const bench_cpu_figures fig = {.runs = runs, .tps = tps, .batch_tps = batch_tps, .bw = bw, .peer = peer,
+                                   .threads = T, .n_tok = n_tok};
+    bench_cpu_report(a, m, what, &fig);
+    rc = 0;
+    goto done;
+fail:
+    fprintf(stderr, "kvbridge bench: %s\n", err.msg);
+done:
+    free(toks);
+    free(logits);
+    free(times);
+    kvb_engine_free(e);
+    kvb_model_free(m);
+    return rc;
+}
+
 int kvb_cmd_bench(int argc, char **argv) {
-    const char *cmd = "bench", *model_path = NULL, *llama_bench = NULL, *json_path = NULL;
-    if (argc < 2 || kvb_arg_is_help(argv[1])) {
-        help(argc < 2 ? stderr : stdout);
-        return argc < 2 ? 2 : 0;
+    if (argc < 2) {
+        fprintf(stderr, "kvbridge bench: name a benchmark: prefill, decode, ladder, link, quality, slab, tokenize, "
+                        "parallel or json (see kvbridge bench --help)\n");
+        return 2;
+    }
+    if (kvb_arg_is_help(argv[1])) {
+        bench_args unused = {0};
+        return bench_parse(&unused, argc, argv);
     }
     const char *what = argv[1];
-    if (!strcmp(what, "ladder")) return kvb_bench_ladder(argc, argv);
-    if (!strcmp(what, "link")) return kvb_bench_link(argc, argv);
-    if (!strcmp(what, "quality")) return kvb_bench_quality(argc, argv);
-    if (!strcmp(what, "slab")) return kvb_bench_slab(argc, argv);
-    if (!strcmp(what, "tokenize")) return kvb_bench_tokenize(argc, argv);
-    if (!strcmp(what, "parallel")) return kvb_bench_parallel(argc, argv);
-    if (!strcmp(what, "json")) return kvb_bench_json(argc, argv);
+    for (size_t k = 0; k < sizeof k_bench_kinds / sizeof k_bench_kinds[0]; k++)
+        if (!strcmp(what, k_bench_kinds[k].name)) return k_bench_kinds[k].fn(argc - 1, argv + 1);
     bool prefill = !strcmp(what, "prefill");
     if (!prefill && strcmp(what, "decode")) {
         fprintf(stderr, "kvbridge bench: unknown benchmark '%s' (prefill, decode, ladder, link, slab, tokenize, parallel, json or quality; see kvbridge bench --help)\n", what);
         return 2;
     }
-    long long threads = 0, n_tok = 512, n_gen = 128, n_ctx = 16, reps = 3, chunk = 0, ceiling_reps = 20, warmup = 2,
-              batch = 1;
-    const char *tokens_arg = NULL, *peer_json = NULL, *attn_arg = NULL;
-    bool cuda = false, host_overhead = false, tp_one_device = false;
-    long long gpus = 1;
-    int gpu_weights = 0;
-    uint32_t cache_type = KVB_TYPE_F16, bridge_type = 0;
-    for (int i = 2; i < argc; i++) {
-        const char *a = argv[i], *v;
-        if (kvb_arg_is_help(a)) {
-            help(stdout);
-            return 0;
-        } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
-            if (!(model_path = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--threads")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1024, &threads)) return 2;
-        } else if (!strcmp(a, "--tokens")) {
-            if (!(tokens_arg = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--device")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-            if (!strcmp(v, "cuda")) cuda = true;
-            else if (!strcmp(v, "cpu")) cuda = false;
-            else {
-                fprintf(stderr, "kvbridge bench: --device expects 'cpu' or 'cuda', got '%s'\n", v);
-                return 2;
-            }
-        } else if (!strcmp(a, "--chunk")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 24, &chunk)) return 2;
-        } else if (!strcmp(a, "--ceiling-reps")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1000, &ceiling_reps)) return 2;
-        } else if (!strcmp(a, "--warmup")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 0, 100, &warmup)) return 2;
-        } else if (!strcmp(a, "--peer-json")) {
-            if (!(peer_json = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--gen")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 20, &n_gen)) return 2;
-        } else if (!strcmp(a, "--batch")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 256, &batch)) return 2;
-        } else if (!strcmp(a, "--ctx")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 20, &n_ctx)) return 2;
-        } else if (!strcmp(a, "--reps")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 100, &reps)) return 2;
-        } else if (!strcmp(a, "--cache-type")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &cache_type)) return 2;
-        } else if (!strcmp(a, "--llama-bench")) {
-            if (!(llama_bench = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--json")) {
-            if (!(json_path = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--bridge")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &bridge_type)) return 2;
-        } else if (!strcmp(a, "--attention")) {
-            if (!(attn_arg = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--host-overhead")) {
-            host_overhead = true;
-        } else if (!strcmp(a, "--gpus")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, KVB_CLI_MAX_GPUS, &gpus)) return 2;
-        } else if (!strcmp(a, "--tp-one-device")) {
-            tp_one_device = true;
-        } else if (!strcmp(a, "--gpu-weights")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_gpu_weights("bench", v, &gpu_weights)) return 2;
-        } else {
-            fprintf(stderr, "kvbridge bench: unknown option '%s' (see kvbridge bench --help)\n", a);
-            return 2;
-        }
-    }
-    if (!kvb_arg_gpus_ok("bench", gpus, tp_one_device, cuda) || !kvb_arg_gpu_weights_ok("bench", gpu_weights, cuda))
-        return 2;
-    if (!model_path) {
-        fprintf(stderr, "kvbridge bench: -m MODEL is required (see kvbridge bench --help)\n");
-        return 2;
-    }
+    bench_args a = {0};
+    int prc = bench_parse(&a, argc - 1, argv + 1);
+    if (prc != KVB_CLI_GO) return prc;
+    const char *model_path = a.model_path, *json_path = a.json_path, *tokens_arg = a.tokens_arg,
+               *peer_json = a.peer_json, *attn_arg = a.attn_arg;
+    const long long reps = a.reps, chunk = a.chunk, ceiling_reps = a.ceiling_reps, warmup = a.warmup,
+                    gpus = a.gpu.gpus;
+    const bool cuda = a.device == 1, host_overhead = a.host_overhead, tp_one_device = a.gpu.tp_one_device;
+    const int gpu_weights = a.gpu.gpu_weights;
+    const uint32_t bridge_type = a.bridge_type;
+    (void)model_path, (void)tokens_arg, (void)reps, (void)peer_json, (void)json_path, (void)chunk, (void)ceiling_reps,
+        (void)warmup; /* the CUDA benchmark's */
     if (cuda) {
         if (!prefill) {
             fprintf(stderr, "kvbridge bench: --device cuda supports 'prefill' only for now\n");
@@ -589,134 +729,5 @@ int kvb_cmd_bench(int argc, char **argv) {
         return 2;
 #endif
     }
-    if (tokens_arg && !kvb_arg_int(cmd, "--tokens", tokens_arg, 1, 1 << 20, &n_tok)) return 2;
-    kvb_err err = {0};
-    kvb_model *m = NULL;
-    kvb_engine *e = NULL;
-    int rc = 1;
-    int32_t *toks = NULL;
-    float *logits = NULL;
-    double *times = NULL;
-    if (kvb_model_load(model_path, &m, &err)) goto fail;
-    uint32_t need = prefill ? (uint32_t)n_tok : (uint32_t)(n_ctx + n_gen);
-    const uint32_t bt_default = 32; /* the engine's default block size */
-    kvb_engine_opts eo = {.n_threads = (int)threads, .cache_dtype = cache_type, .max_ctx = need + 1,
-                          .n_blocks = (uint32_t)(prefill ? 0 : (batch + 1) * ((need + 1) / bt_default + 2))};
-    if (kvb_engine_create(m, &eo, &e, &err)) goto fail;
-    int T = kvb_engine_threads(e);
-    toks = malloc(sizeof(int32_t) * need);
-    logits = malloc(sizeof(float) * m->d.n_vocab);
-    times = malloc(sizeof(double) * (size_t)reps);
-    if (!toks || !logits || !times) {
-        kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
-        goto fail;
-    }
-    kvb_rng rng;
-    kvb_rng_seed(&rng, 42);
-    for (uint32_t i = 0; i < need; i++) toks[i] = (int32_t)(kvb_rng_u64(&rng) % m->d.n_vocab);
-
-    char desc[256];
-    kvb_model_describe(m, desc, sizeof desc);
-    printf("model      %s\n           %s\n", model_path, desc);
-    printf("machine    %d threads, %s kernels, KV cache %s\n", T, kvb_simd_name(), kvb_type_name(cache_type));
-
-    /* warm-up: one short forward pages the weights in */
-    {
-        kvb_seq *s = NULL;
-        if (kvb_seq_create(e, &s, &err)) goto fail;
-        kvb_status st = kvb_engine_forward(e, s, toks, prefill ? (uint32_t)(n_tok < 32 ? n_tok : 32) : 1, logits,
-                                           false, &err);
-        kvb_seq_free(s);
-        if (st) goto fail;
-    }
-    for (int r = 0; r < reps; r++) {
-        kvb_seq *s = NULL;
-        if (kvb_seq_create(e, &s, &err)) goto fail;
-        kvb_status st = KVB_OK;
-        double t0 = 0, t1 = 0;
-        if (prefill) {
-            t0 = kvb_now_s();
-            st = kvb_engine_forward(e, s, toks, (uint32_t)n_tok, logits, false, &err);
-            t1 = kvb_now_s();
-        } else {
-            st = kvb_engine_forward(e, s, toks, (uint32_t)n_ctx, logits, false, &err);
-            t0 = kvb_now_s();
-            for (long long g = 0; g < n_gen && !st; g++)
-                st = kvb_engine_forward(e, s, &toks[n_ctx + g], 1, logits, false, &err);
-            t1 = kvb_now_s();
-        }
-        kvb_seq_free(s);
-        if (st) goto fail;
-        times[r] = (prefill ? n_tok : n_gen) / (t1 - t0);
-        fprintf(stderr, "bench %s: run %d/%lld: %.2f tok/s\n", what, r + 1, reps, times[r]);
-    }
-    double runs[100];
-    memcpy(runs, times, sizeof(double) * (size_t)reps);
-    double tps = kvb_median_sort(times, (int)reps);
-    double batch_tps = 0;
-    if (!prefill && batch > 1 && bench_decode_batch(e, m->d.n_vocab, toks, (uint32_t)n_ctx, (uint32_t)n_gen, (uint32_t)batch,
-                                                    (int)reps, &batch_tps, &err))
-        goto fail;
-    kvb_pool *pool = NULL;
-    if (kvb_pool_create(T, &pool, &err)) goto fail;
-    double bw = kvb_measure_read_bw(pool, (size_t)1 << 30, 3);
-    kvb_pool_destroy(pool);
-
-    double peer = -1;
-    if (llama_bench)
-        peer = run_llama_bench(llama_bench, model_path, T, prefill ? (int)n_tok : 0, prefill ? 0 : (int)n_gen,
-                               (int)reps);
-
-    printf("runs      ");
-    for (int r = 0; r < reps; r++) printf(" %.2f", runs[r]);
-    printf(" tok/s\n");
-    uint64_t wbytes = weight_bytes_per_token(m);
-    double flops_tok = 2.0 * (double)kvb_model_n_params_nonembd(&m->d);
-    if (prefill) {
-        /* attention: QK^T and PV over the causal triangle */
-        double att = 2.0 * 2.0 * m->d.n_layer * m->d.n_head * m->d.head_dim * (double)n_tok * (n_tok + 1) / 2.0;
-        double gflops = (flops_tok * n_tok + att) / (n_tok / tps) / 1e9;
-        printf("prefill    %lld tokens: %.1f tok/s (median of %lld), %.1f GFLOP/s\n", n_tok, tps, reps, gflops);
-    } else {
-        size_t rb = kvb_row_bytes(cache_type, m->d.head_dim);
-        double kv_avg = (double)m->d.n_layer * 2 * m->d.n_head_kv * rb * (n_ctx + n_gen / 2.0);
-        double bytes = (double)wbytes + kv_avg;
-        double achieved = bytes * tps / 1e9;
-        printf("decode     %lld steps after %lld tokens: %.2f tok/s (median of %lld)\n", n_gen, n_ctx, tps, reps);
-        printf("bytes/tok  %.1f MB (weights %.1f MB + KV %.2f MB)\n", bytes / 1e6, wbytes / 1e6, kv_avg / 1e6);
-        printf("bandwidth  %.1f GB/s achieved = %.0f%% of %.1f GB/s measured read bandwidth (same run, %d threads)\n",
-               achieved, 100.0 * achieved / bw, bw, T);
-        if (batch > 1)
-            printf("batch      %lld sequences stepped together: %.2f tok/s in all, %.2f per sequence = %.2fx one "
-                   "sequence's %.2f tok/s\n",
-                   batch, batch_tps, batch_tps / batch, batch_tps / tps, tps);
-    }
-    if (prefill) printf("bandwidth  %.1f GB/s measured read bandwidth (same run, %d threads)\n", bw, T);
-    if (llama_bench) {
-        if (peer > 0)
-            printf("peer       llama.cpp llama-bench %s: %.2f tok/s -> kvbridge/llama.cpp = %.2fx\n",
-                   prefill ? "pp" : "tg", peer, tps / peer);
-        else printf("peer       llama-bench at %s did not produce a result\n", llama_bench);
-    }
-    if (json_path) {
-        FILE *f = fopen(json_path, "w");
-        if (f) {
-            fprintf(f,
-                    "{\"bench\":\"%s\",\"model\":\"%s\",\"threads\":%d,\"tok_s\":%.4f,\"read_bw_gbs\":%.3f,"
-                    "\"weight_bytes\":%llu,\"peer_tok_s\":%.4f}\n",
-                    what, model_path, T, tps, bw, (unsigned long long)wbytes, peer);
-            fclose(f);
-        }
-    }
-    rc = 0;
-    goto done;
-fail:
-    fprintf(stderr, "kvbridge bench: %s\n", err.msg);
-done:
-    free(toks);
-    free(logits);
-    free(times);
-    kvb_engine_free(e);
-    kvb_model_free(m);
-    return rc;
+    return bench_cpu(&a, what);
 }
