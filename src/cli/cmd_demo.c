@@ -209,19 +209,26 @@ static int converse(uint16_t port, int turns, turn_result *out) {
 }
 
 /* What the table means, what the run proved on this machine and what it cannot show. Every number
- * quoted here is the run's own or its configuration's. */
-static void explain(int same, int complete, int turns, bool cuda, uint32_t block_tokens, double capture_bytes) {
-    printf("\ncolumns: prompt = the turn's prompt tokens. cached = tokens the decode node already held: the previous\n"
-           "  turn's prompt in whole %u-token blocks only (the store keeps whole blocks), so turn 2's is below turn 1's\n"
-           "  prompt and that partial last block is computed and shipped again with the reply and the new question.\n"
-           "  bridged = tokens whose cache came from the prefill node; native = tokens the decode node computed itself\n"
-           "  (the last prompt token, whose logits start the reply). prefill s = the prefill node's time from the\n"
-           "  request's arrival to its last slab sent; transfer s = the decode node's from sending the request to the\n"
-           "  last slab received. Slabs stream out while later blocks are computed, so both cover the same work and\n"
-           "  differ only by the request's and the last slab's trips (milliseconds on loopback): the transfer hides in\n"
-           "  the prefill. reply s = the whole HTTP request, reply generated; native reply s = the same request on the\n"
-           "  decode node that has no prefill node. verdict: complete = every block the decode node asked for arrived.\n",
+ * quoted here is the run's own or its configuration's. br: the bridged conversation's turns. */
+static void explain(const turn_result *br, int same, int complete, int turns, bool cuda, uint32_t block_tokens,
+                    double capture_bytes) {
+    printf("\ncolumns: prompt = the turn's prompt tokens. cached = the leading tokens of the prompt that the\n"
+           "  decode node already held: what earlier turns left in its store, in whole %u-token blocks only,\n"
+           "  and only where this prompt's tokens are the same (a reply that the chat template encodes again\n"
+           "  can come out as other tokens). The partial block after them is computed and shipped again.\n",
            block_tokens);
+    if (turns > 1)
+        printf("  Turn 2 here: %d cached (%d whole blocks) of turn 1's %d tokens (%d prompt + %d reply).\n",
+               br[1].cached, br[1].cached / (int)block_tokens, br[0].prompt + br[0].completion, br[0].prompt,
+               br[0].completion);
+    printf("  bridged = tokens whose cache came from the prefill node; native = tokens the decode node\n"
+           "  computed itself (the last prompt token: its logits start the reply). prefill s = the prefill\n"
+           "  node's time from the request's arrival to its last slab sent; transfer s = the decode node's\n"
+           "  from sending the request to the last slab received. Slabs stream out while later blocks are\n"
+           "  computed, so both cover the same work and differ only by the request's and the last slab's\n"
+           "  trips (milliseconds on loopback): the transfer hides in the prefill. reply s = the whole HTTP\n"
+           "  request, reply generated; native reply s = the same request on the decode node that has no\n"
+           "  prefill node. verdict: complete = every block the decode node asked for arrived.\n");
     printf("\ndemo: %d/%d replies identical to the native ones. Turn 1 ships the whole prompt; later turns ship only\n"
            "their increment (the decode node keeps the conversation cached). Capture memory on the prefill node:\n"
            "%.1f KiB of staging ring, whatever the prompt length.\n",
@@ -236,14 +243,14 @@ static void explain(int same, int complete, int turns, bool cuda, uint32_t block
                "GPU's hidden states, close to the native cache but not bit-identical, so on this model's near-tied\n"
                "logits replies may part (--device cpu bridges bit for bit). %d/%d turns bridged `complete`.\n",
                complete, turns);
-        printf("demo: what the bridge buys on a long prompt is measured by `kvbridge bench ladder -m MODEL --device\n"
-               "cuda` (time to first token bridged vs the decode node alone, at 1K-16K tokens).\n");
+        printf("demo: what the bridge buys on a long prompt is measured by `kvbridge bench ladder -m MODEL\n"
+               "--device cuda` (time to first token bridged vs the decode node alone, at 1K-16K tokens).\n");
         return;
     }
     if (same == turns)
-        printf("demo: proved here: a separate prefill node computed the decode node's own KV cache and streamed it over\n"
-               "TCP, and the decode node's replies from it are the native ones token for token (`kvbridge verify`\n"
-               "compares the caches themselves, bit for bit).\n");
+        printf("demo: proved here: a separate prefill node computed the decode node's own KV cache and\n"
+               "streamed it over TCP, and the decode node's replies from it are the native ones token for\n"
+               "token (`kvbridge verify` compares the caches themselves, bit for bit).\n");
     else
         printf("demo: NOT proved: %d of %d replies differ from the native ones, where a CPU prefill node must\n"
                "reproduce the decode node's cache bit for bit (`kvbridge verify` compares the caches).\n",
@@ -390,7 +397,7 @@ int kvb_cmd_demo(int argc, char **argv) {
     }
     int complete = 0;
     for (int t = 0; t < turns; t++) complete += !strcmp(br[t].verdict, "complete");
-    explain(same, complete, (int)turns, cuda, dc.block_tokens, kvb_prefill_node_peak_capture_bytes(pn));
+    explain(br, same, complete, (int)turns, cuda, dc.block_tokens, kvb_prefill_node_peak_capture_bytes(pn));
     rc = (cuda ? complete == turns : same == turns) ? 0 : 1;
     goto done;
 fail:
