@@ -315,8 +315,8 @@ static void test_system_extensions(void **state) {
           "<|end|>\n<|user|>\n  What is 2+2?\n<|end|>\n<|assistant|>\n");
 }
 
-/* The Qwen3 template in the test vocabularies' qwen2-tokenizer_config.json is detected as chatml, and a single
- * user message renders exactly as that template does. */
+/* The Qwen3 template in the test vocabularies' qwen2-tokenizer_config.json is detected as chatml,
+ * and a single user message renders exactly as that template does. */
 static void test_qwen_config_template(void **state) {
     (void)state;
     char path[1024];

@@ -85,7 +85,8 @@ static void test_crosscheck_hf(void **state) {
     (void)state;
     need_data();
     char py[1024], ref[1024], cmd[4096], out[8192];
-    if (!venv_python(py, sizeof py)) kvbt_skip("no venv: no .venv/bin/python in the source tree (tools/install.sh makes it)");
+    if (!venv_python(py, sizeof py))
+        kvbt_skip("no venv: no .venv/bin/python in the source tree (tools/install.sh makes it)");
     kvbt_tmp_path(ref, sizeof ref, "hf-ref.tsv");
     snprintf(cmd, sizeof cmd, "'%s' '%s/tools/tokenizer_crosscheck.py' --tokenizer '%s' --out '%s' --n 12000", py,
              getenv("KVB_SOURCE_DIR"), g_json, ref);

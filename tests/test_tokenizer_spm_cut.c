@@ -3,8 +3,8 @@
  * piece on its own. White box: the ids must equal those of the uncut merge (the filter swapped for
  * one that says "every pair may join") on texts built from the vocabulary's own tokens, spaces,
  * newlines, multi-byte characters and invalid bytes. Vocabularies: a small one whose tokens cross
- * word starts and hold invalid and truncated UTF-8; the llama-spm and phi-3 test vocabularies; the real
- * Gemma 3 one when its file is there. A filter that cuts everywhere must change some of those ids
+ * word starts and hold invalid and truncated UTF-8; the llama-spm and phi-3 test vocabularies;
+ * the real Gemma 3 one when its file is there. A filter that cuts everywhere must change some of those ids
  * (so the comparison can fail). */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -157,7 +157,7 @@ static void test_llama_spm_and_phi3(void **state) {
 static void test_gemma3_vocabulary(void **state) {
     (void)state;
     const char *path = kvbt_gemma3_path();
-    if (!path) kvbt_skip("no Gemma 3 270M file (KVB_GEMMA3_GGUF, or tools/fetch_gemma3.sh puts it in ~/.cache/kvbridge)");
+    if (!path) kvbt_skip("no Gemma 3 270M file (KVB_GEMMA3_GGUF; tools/fetch_gemma3.sh puts it in ~/.cache/kvbridge)");
     check_file(path, 7);
 }
 
