@@ -157,7 +157,7 @@ static void test_llama_spm_and_phi3(void **state) {
 static void test_gemma3_vocabulary(void **state) {
     (void)state;
     const char *path = kvbt_gemma3_path();
-    if (!path) kvbt_skip("no Gemma 3 270M file (KVB_GEMMA3_GGUF; tools/fetch_gemma3.sh puts it in ~/.cache/kvbridge)");
+    if (!path) kvbt_skip("no Gemma 3 270M file (KVB_GEMMA3_GGUF; tools/fetch_gemma3.sh fetches it into the cache)");
     check_file(path, 7);
 }
 

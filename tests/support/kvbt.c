@@ -61,15 +61,20 @@ int kvbt_sh(const char *cmdline, char *out, size_t cap, int merge_stderr) {
 
 const char *kvbt_bin(void) { return getenv("KVB_BIN") ? getenv("KVB_BIN") : "kvbridge"; }
 
+/* The cache the fetch scripts fill (tools/fetch_common.sh): ${KVB_CACHE_DIR:-$HOME/.cache/kvbridge}. */
+static void cache_path(char *buf, size_t cap, const char *name) {
+    const char *cache = getenv("KVB_CACHE_DIR"), *home = getenv("HOME");
+    if (cache && *cache) snprintf(buf, cap, "%s/%s", cache, name);
+    else snprintf(buf, cap, "%s/.cache/kvbridge/%s", home ? home : "", name);
+}
+
 /* Where the test vocabularies are looked for, whether or not the directory exists. */
 static const char *vocab_dir_path(void) {
     static char dir[1024];
     const char *vocab = getenv("KVB_VOCAB_DIR"), *shared = getenv("KVB_SHARED_DIR");
-    const char *cache = getenv("KVB_CACHE_DIR"), *home = getenv("HOME");
     if (vocab && *vocab) snprintf(dir, sizeof dir, "%s", vocab);
     else if (shared && *shared) snprintf(dir, sizeof dir, "%s/vocab", shared);
-    else if (cache && *cache) snprintf(dir, sizeof dir, "%s/vocab", cache);
-    else snprintf(dir, sizeof dir, "%s/.cache/kvbridge/vocab", home ? home : "");
+    else cache_path(dir, sizeof dir, "vocab");
     return dir;
 }
 
@@ -88,9 +93,9 @@ const char *kvbt_require_vocab(const char *name, char *buf, size_t cap) {
 
 const char *kvbt_gemma3_path(void) {
     static char path[1024];
-    const char *env = getenv("KVB_GEMMA3_GGUF"), *home = getenv("HOME");
+    const char *env = getenv("KVB_GEMMA3_GGUF");
     if (env && *env) snprintf(path, sizeof path, "%s", env);
-    else snprintf(path, sizeof path, "%s/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf", home ? home : "");
+    else cache_path(path, sizeof path, "gemma-3-270m-q4_k_m.gguf");
     struct stat st;
     return stat(path, &st) == 0 && S_ISREG(st.st_mode) ? path : NULL;
 }

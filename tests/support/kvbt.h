@@ -26,8 +26,9 @@ const char *kvbt_vocab_file(const char *name, char *buf, size_t cap);
 /* In a cmocka test: kvbt_vocab_file, or skips the case saying which file is missing and how to
  * get it. */
 const char *kvbt_require_vocab(const char *name, char *buf, size_t cap);
-/* The real Gemma 3 270M file: $KVB_GEMMA3_GGUF, else ~/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf
- * (tools/fetch_gemma3.sh); NULL when it is not there. */
+/* The real Gemma 3 270M file: $KVB_GEMMA3_GGUF, else gemma-3-270m-q4_k_m.gguf in
+ * ${KVB_CACHE_DIR:-$HOME/.cache/kvbridge}, where tools/fetch_gemma3.sh puts it; NULL when it is not
+ * there. */
 const char *kvbt_gemma3_path(void);
 /* |a - ref| / |ref| in double (|a - ref| when ref is all zero). */
 double kvbt_rel_l2(const float *a, const float *ref, size_t n);
