@@ -150,8 +150,7 @@ static void test_bridge_refuses_kquants(void **state) {
 #else
 static void test_bridge_bit_exact(void **state) {
     (void)state;
-    print_message("no CUDA device: this build has no CUDA engine (KVB_CUDA=OFF); skipping\n");
-    skip();
+    kvbt_require_gpu(); /* skips, saying why: this build has no CUDA engine */
 }
 static void test_bridge_perturbation(void **state) { test_bridge_bit_exact(state); }
 static void test_bridge_refuses_kquants(void **state) { test_bridge_bit_exact(state); }

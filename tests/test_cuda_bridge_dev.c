@@ -422,8 +422,7 @@ static void test_post_paths(void **state) {
 #else
 static void test_mma_wide_shapes(void **state) {
     (void)state;
-    print_message("no CUDA device: this build has no CUDA engine (KVB_CUDA=OFF); skipping\n");
-    skip();
+    kvbt_require_gpu(); /* skips, saying why: this build has no CUDA engine */
 }
 static void test_enqueue_path(void **state) { test_mma_wide_shapes(state); }
 static void test_quantize_act_i8(void **state) { test_mma_wide_shapes(state); }

@@ -450,10 +450,11 @@ int main(void) {
 
 #else /* built without CUDA */
 
+#include "kvbt.h"
+
 static void test_no_cuda(void **state) {
     (void)state;
-    print_message("no CUDA device: this build has no CUDA engine (KVB_CUDA=OFF); skipping\n");
-    skip();
+    kvbt_require_gpu(); /* skips, saying why: this build has no CUDA engine */
 }
 
 int main(void) {

@@ -180,19 +180,11 @@ static void test_detect(void **state) {
 /* The templates that ship with our test data. */
 static void test_detect_real_templates(void **state) {
     (void)state;
-    const char *shared = kvbt_shared_dir();
     char path[1024];
-    if (!shared) {
-        printf("SKIP: KVB_SHARED_DIR not set\n");
-        skip();
-    }
-    snprintf(path, sizeof path, "%s/vocab/phi-3.gguf", shared);
+    kvbt_require_vocab("phi-3.gguf", path, sizeof path);
     kvb_gguf *g = NULL;
     kvb_err err = {0};
-    if (kvb_gguf_open(path, &g, &err) != KVB_OK) {
-        printf("SKIP: %s\n", err.msg);
-        skip();
-    }
+    if (kvb_gguf_open(path, &g, &err) != KVB_OK) fail_msg("%s", err.msg);
     const kvb_gguf_kv *kv = kvb_gguf_find(g, "tokenizer.chat_template");
     assert_non_null(kv);
     char *t = strndup(kv->str.ptr, kv->str.len);
@@ -323,18 +315,14 @@ static void test_system_extensions(void **state) {
           "<|end|>\n<|user|>\n  What is 2+2?\n<|end|>\n<|assistant|>\n");
 }
 
-/* The Qwen3 template in the shared tokenizer_config.json is detected as chatml, and a single
- * user message renders exactly as that template does. */
+/* The Qwen3 template in the test vocabularies' qwen2-tokenizer_config.json is detected as chatml,
+ * and a single user message renders exactly as that template does. */
 static void test_qwen_config_template(void **state) {
     (void)state;
-    const char *shared = kvbt_shared_dir();
     char path[1024];
-    if (shared) snprintf(path, sizeof path, "%s/vocab/qwen2-tokenizer_config.json", shared);
-    FILE *f = shared ? fopen(path, "rb") : NULL;
-    if (!f) {
-        printf("SKIP: qwen2-tokenizer_config.json not found under KVB_SHARED_DIR/vocab\n");
-        skip();
-    }
+    kvbt_require_vocab("qwen2-tokenizer_config.json", path, sizeof path);
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
     char *buf = malloc(1 << 16);
     size_t n = fread(buf, 1, (1 << 16) - 1, f);
     fclose(f);

@@ -1,5 +1,5 @@
 /* tests/test_tokenizer_qwen.c — Qwen's real vocabulary (qwen2-tokenizer.json + its
- * tokenizer_config.json from $KVB_SHARED_DIR/vocab) converted into a GGUF by
+ * tokenizer_config.json in the test vocabularies, kvbt_vocab_file()) converted into a GGUF by
  * kvb_vocab_from_hf_json and loaded back:
  *  - cross-check against Hugging Face `tokenizers` on >= 10,000 generated strings (code,
  *    whitespace runs, numbers, Unicode incl. NFC cases, emoji, CJK, invalid UTF-8), produced by
@@ -33,12 +33,10 @@ static bool exists(const char *p) {
     return stat(p, &st) == 0;
 }
 
+/* The setup converts the tokenizer.json when it is there; each case then needs it (need_data). */
 static int setup(void **state) {
     (void)state;
-    const char *shared = kvbt_shared_dir();
-    if (!shared) return 0;
-    snprintf(g_json, sizeof g_json, "%s/vocab/qwen2-tokenizer.json", shared);
-    if (!exists(g_json)) return 0;
+    if (!kvbt_vocab_file("qwen2-tokenizer.json", g_json, sizeof g_json)) return 0;
     kvbt_tmp_path(g_gguf, sizeof g_gguf, "qwen-vocab.gguf");
     kvb_err err = {0};
     kvb_gguf_writer *w = NULL;
@@ -63,10 +61,8 @@ static int setup(void **state) {
 }
 
 static void need_data(void) {
-    if (!g_have_data) {
-        printf("SKIP: test data not found (KVB_SHARED_DIR/vocab/qwen2-tokenizer.json)\n");
-        skip();
-    }
+    char path[1024];
+    if (!g_have_data) kvbt_require_vocab("qwen2-tokenizer.json", path, sizeof path);
 }
 
 static void load(kvb_gguf **g, kvb_tokenizer **t) {
@@ -89,19 +85,13 @@ static void test_crosscheck_hf(void **state) {
     (void)state;
     need_data();
     char py[1024], ref[1024], cmd[4096], out[8192];
-    if (!venv_python(py, sizeof py)) {
-        printf("SKIP: no .venv/bin/python in the source tree (python3 -m venv .venv && .venv/bin/pip install "
-               "tokenizers)\n");
-        skip();
-    }
+    if (!venv_python(py, sizeof py))
+        kvbt_skip("no venv: no .venv/bin/python in the source tree (tools/install.sh makes it)");
     kvbt_tmp_path(ref, sizeof ref, "hf-ref.tsv");
     snprintf(cmd, sizeof cmd, "'%s' '%s/tools/tokenizer_crosscheck.py' --tokenizer '%s' --out '%s' --n 12000", py,
              getenv("KVB_SOURCE_DIR"), g_json, ref);
     int rc = kvbt_sh(cmd, out, sizeof out, 1);
-    if (rc == 77) {
-        printf("SKIP: %s", out);
-        skip();
-    }
+    if (rc == 77) kvbt_skip("no venv package: %s", out);
     if (rc != 0) fail_msg("tokenizer_crosscheck.py failed (%d): %s", rc, out);
 
     kvb_gguf *g = NULL;

@@ -3,8 +3,8 @@
  * piece on its own. White box: the ids must equal those of the uncut merge (the filter swapped for
  * one that says "every pair may join") on texts built from the vocabulary's own tokens, spaces,
  * newlines, multi-byte characters and invalid bytes. Vocabularies: a small one whose tokens cross
- * word starts and hold invalid and truncated UTF-8; the shared llama-spm and phi-3 ones; the real
- * Gemma 3 one when its file is there. A filter that cuts everywhere must change some of those ids
+ * word starts and hold invalid and truncated UTF-8; the llama-spm and phi-3 test vocabularies;
+ * the real Gemma 3 one when its file is there. A filter that cuts everywhere must change some of those ids
  * (so the comparison can fail). */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -146,35 +146,25 @@ static void check_file(const char *path, uint64_t seed) {
     kvb_gguf_close(g);
 }
 
-static void test_shared_vocabularies(void **state) {
+static void test_llama_spm_and_phi3(void **state) {
     (void)state;
-    const char *d = kvbt_shared_dir();
-    if (!d) {
-        print_message("SKIP: KVB_SHARED_DIR is not set\n");
-        skip();
-    }
     static const char *names[] = {"llama-spm.gguf", "phi-3.gguf"};
-    for (size_t i = 0; i < KVB_ARRAY_LEN(names); i++) {
-        char path[1024];
-        snprintf(path, sizeof path, "%s/vocab/%s", d, names[i]);
-        check_file(path, 100 + i);
-    }
+    char paths[KVB_ARRAY_LEN(names)][1024];
+    for (size_t i = 0; i < KVB_ARRAY_LEN(names); i++) kvbt_require_vocab(names[i], paths[i], sizeof paths[i]);
+    for (size_t i = 0; i < KVB_ARRAY_LEN(names); i++) check_file(paths[i], 100 + i);
 }
 
 static void test_gemma3_vocabulary(void **state) {
     (void)state;
     const char *path = kvbt_gemma3_path();
-    if (!path) {
-        print_message("SKIP: no Gemma 3 270M file (KVB_GEMMA3_GGUF or ~/.cache/kvbridge)\n");
-        skip();
-    }
+    if (!path) kvbt_skip("no Gemma 3 270M file (KVB_GEMMA3_GGUF; tools/fetch_gemma3.sh fetches it into the cache)");
     check_file(path, 7);
 }
 
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_small_vocab_with_odd_tokens),
-        cmocka_unit_test(test_shared_vocabularies),
+        cmocka_unit_test(test_llama_spm_and_phi3),
         cmocka_unit_test(test_gemma3_vocabulary),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

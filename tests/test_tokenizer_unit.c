@@ -3,7 +3,7 @@
  *    fail to load with the right status (never crash); odd but legal ones load and encode;
  *  - the byte-level vocabulary gen-model writes (ids, BOS, special tokens, chat template,
  *    padding), NFC and U+FFFD handling, the streaming decoder, kvb_token_to_bytes;
- *  - SentencePiece rules on the shared llama-spm / phi-3 vocabularies (BOS, special tokens,
+ *  - SentencePiece rules on the llama-spm / phi-3 test vocabularies (BOS, special tokens,
  *    user-defined tokens, leading space), copying a vocabulary from a GGUF (with padding);
  *  - decode(encode(x)) == x on random valid UTF-8 for every vocabulary we have;
  *  - `kvbridge tokenize` (encode, --no-special, --decode, errors). */
@@ -16,7 +16,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "kvb_gguf.h"
 #include "kvb_tokenizer.h"
@@ -92,14 +91,6 @@ static size_t decode_all(const kvb_tokenizer *t, const int32_t *ids, size_t n, c
     m += k;
     out[m] = 0;
     return m;
-}
-
-static const char *shared_vocab(const char *name, char *buf, size_t cap) {
-    const char *shared = kvbt_shared_dir();
-    struct stat st;
-    if (!shared) return NULL;
-    snprintf(buf, cap, "%s/vocab/%s", shared, name);
-    return stat(buf, &st) == 0 ? buf : NULL;
 }
 
 /* ---- hostile vocabularies ------------------------------------------------------------------------ */
@@ -490,15 +481,13 @@ static void test_streaming_detok(void **state) {
     kvb_gguf_close(g);
 }
 
-/* ---- SentencePiece rules on the shared vocabularies ----------------------------------------------------- */
+/* ---- SentencePiece rules on the test vocabularies ----------------------------------------------------- */
 
 static void test_spm_rules(void **state) {
     (void)state;
     char p1[1024], p2[1024];
-    if (!shared_vocab("llama-spm.gguf", p1, sizeof p1) || !shared_vocab("phi-3.gguf", p2, sizeof p2)) {
-        printf("SKIP: KVB_SHARED_DIR/vocab/llama-spm.gguf or phi-3.gguf not found\n");
-        skip();
-    }
+    kvbt_require_vocab("llama-spm.gguf", p1, sizeof p1);
+    kvbt_require_vocab("phi-3.gguf", p2, sizeof p2);
     kvb_gguf *g = NULL;
     kvb_tokenizer *t = load_ok(p1, &g);
     assert_true(kvb_tokenizer_is_spm(t));
@@ -563,10 +552,7 @@ static kvb_status k_copy(kvb_gguf_writer *w, kvb_err *e) {
 static void test_copy_vocab(void **state) {
     (void)state;
     char src[1024], dst[512];
-    if (!shared_vocab("llama-spm.gguf", src, sizeof src)) {
-        printf("SKIP: KVB_SHARED_DIR/vocab/llama-spm.gguf not found\n");
-        skip();
-    }
+    kvbt_require_vocab("llama-spm.gguf", src, sizeof src);
     kvbt_tmp_path(dst, sizeof dst, "copied.gguf");
     g_copy_src = src;
     static const char text[] = "Copying keeps every id: ünïcödé, 🦙 and <s> too.";
@@ -709,17 +695,20 @@ static void roundtrip(const char *name, const char *path) {
     kvb_gguf_close(g);
 }
 
-static void test_roundtrip_all(void **state) {
+static void test_roundtrip_bytelevel(void **state) {
     (void)state;
     char path[1024];
     kvbt_tmp_path(path, sizeof path, "bytelevel-rt.gguf");
     write_gguf(path, NULL, 0, true);
     roundtrip("bytelevel", path);
+}
+
+static void test_roundtrip_vocabularies(void **state) {
+    (void)state;
     static const char *const names[] = {"llama-spm.gguf", "phi-3.gguf", "gpt-2.gguf", "deepseek-coder.gguf"};
-    for (size_t i = 0; i < KVB_ARRAY_LEN(names); i++) {
-        if (shared_vocab(names[i], path, sizeof path)) roundtrip(names[i], path);
-        else printf("SKIP %s: not found under KVB_SHARED_DIR/vocab\n", names[i]);
-    }
+    char paths[KVB_ARRAY_LEN(names)][1024];
+    for (size_t i = 0; i < KVB_ARRAY_LEN(names); i++) kvbt_require_vocab(names[i], paths[i], sizeof paths[i]);
+    for (size_t i = 0; i < KVB_ARRAY_LEN(names); i++) roundtrip(names[i], paths[i]);
 }
 
 /* ---- the command line ---------------------------------------------------------------------------------------- */
@@ -769,7 +758,8 @@ int main(void) {
         cmocka_unit_test(test_hostile_vocabularies), cmocka_unit_test(test_bytelevel_vocab),
         cmocka_unit_test(test_unicode),              cmocka_unit_test(test_streaming_detok),
         cmocka_unit_test(test_spm_rules),            cmocka_unit_test(test_copy_vocab),
-        cmocka_unit_test(test_hf_json_errors),       cmocka_unit_test(test_roundtrip_all),
+        cmocka_unit_test(test_hf_json_errors),       cmocka_unit_test(test_roundtrip_bytelevel),
+        cmocka_unit_test(test_roundtrip_vocabularies),
         cmocka_unit_test(test_cli_tokenize),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

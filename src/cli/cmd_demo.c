@@ -232,6 +232,58 @@ static int demo_parse(demo_args *a, int argc, char **argv) {
     return kvb_arg_gpus_ok("demo", a->gpus, a->tp_one_device, a->device == 2) ? KVB_CLI_GO : 2;
 }
 
+/* What the table means, what the run proved on this machine and what it cannot show. Every number
+ * quoted here is the run's own or its configuration's. br: the bridged conversation's turns. */
+static void explain(const turn_result *br, int same, int complete, int turns, bool cuda, uint32_t block_tokens,
+                    double capture_bytes) {
+    printf("\ncolumns: prompt = the turn's prompt tokens. cached = the leading tokens of the prompt that the\n"
+           "  decode node already held: what earlier turns left in its store, in whole %u-token blocks only,\n"
+           "  and only where this prompt's tokens are the same (a reply that the chat template encodes again\n"
+           "  can come out as other tokens). The partial block after them is computed and shipped again.\n",
+           block_tokens);
+    if (turns > 1)
+        printf("  Turn 2 here: %d cached (%d whole blocks) of turn 1's %d tokens (%d prompt + %d reply).\n",
+               br[1].cached, br[1].cached / (int)block_tokens, br[0].prompt + br[0].completion, br[0].prompt,
+               br[0].completion);
+    printf("  bridged = tokens whose cache came from the prefill node; native = tokens the decode node\n"
+           "  computed itself (the last prompt token: its logits start the reply). prefill s = the prefill\n"
+           "  node's time from the request's arrival to its last slab sent; transfer s = the decode node's\n"
+           "  from sending the request to the last slab received. Slabs stream out while later blocks are\n"
+           "  computed, so both cover the same work and differ only by the request's and the last slab's\n"
+           "  trips (milliseconds on loopback): the transfer hides in the prefill. reply s = the whole HTTP\n"
+           "  request, reply generated; native reply s = the same request on the decode node that has no\n"
+           "  prefill node. verdict: complete = every block the decode node asked for arrived.\n");
+    printf("\ndemo: %d/%d replies identical to the native ones. Turn 1 ships the whole prompt; later turns ship only\n"
+           "their increment (the decode node keeps the conversation cached). Capture memory on the prefill node:\n"
+           "%.1f KiB of staging ring, whatever the prompt length.\n",
+           same, turns, capture_bytes / 1024.0);
+    /* A CPU prefill node computes the decoder's own cache bit for bit: its replies must be the
+     * native ones. A GPU prefill node runs the decoder's arithmetic on the GPU's bf16 hidden
+     * states, which differ from the decoder's by bf16 rounding: the cache is close, not equal, and
+     * a model with near-tied logits (the generated one has random weights) can part from the
+     * native reply. There every turn must be bridged `complete`, and agreement is reported. */
+    if (cuda) {
+        printf("demo: the prefill node ran on the GPU (bf16 forward): its cache is the decoder's arithmetic on the\n"
+               "GPU's hidden states, close to the native cache but not bit-identical, so on this model's near-tied\n"
+               "logits replies may part (--device cpu bridges bit for bit). %d/%d turns bridged `complete`.\n",
+               complete, turns);
+        printf("demo: what the bridge buys on a long prompt is measured by `kvbridge bench ladder -m MODEL\n"
+               "--device cuda` (time to first token bridged vs the decode node alone, at 1K-16K tokens).\n");
+        return;
+    }
+    if (same == turns)
+        printf("demo: proved here: a separate prefill node computed the decode node's own KV cache and\n"
+               "streamed it over TCP, and the decode node's replies from it are the native ones token for\n"
+               "token (`kvbridge verify` compares the caches themselves, bit for bit).\n");
+    else
+        printf("demo: NOT proved: %d of %d replies differ from the native ones, where a CPU prefill node must\n"
+               "reproduce the decode node's cache bit for bit (`kvbridge verify` compares the caches).\n",
+               turns - same, turns);
+    printf("demo: not shown here: speed. Both nodes share this machine's CPU, so the times show the machinery,\n"
+           "not a gain; the gain comes from a GPU prefill node feeding a CPU decode node. On a GPU host,\n"
+           "`kvbridge bench ladder -m MODEL --device cuda` measures it (time to first token, bridged vs alone).\n");
+}
+
 int kvb_cmd_demo(int argc, char **argv) {
     demo_args a = {.model = "models/tiny-q8_0.gguf"};
     int prc = demo_parse(&a, argc, argv);
@@ -341,20 +393,7 @@ int kvb_cmd_demo(int argc, char **argv) {
     }
     int complete = 0;
     for (int t = 0; t < turns; t++) complete += !strcmp(br[t].verdict, "complete");
-    printf("\ndemo: %d/%lld replies identical to the native ones. Turn 1 ships the whole prompt; later turns ship only\n"
-           "their increment (the decode node keeps the conversation cached). Capture memory on the prefill node:\n"
-           "%.1f KiB of staging ring, whatever the prompt length.\n",
-           same, turns, kvb_prefill_node_peak_capture_bytes(pn) / 1024.0);
-    /* A CPU prefill node computes the decoder's own cache bit for bit: its replies must be the
-     * native ones. A GPU prefill node runs the decoder's arithmetic on the GPU's bf16 hidden
-     * states, which differ from the decoder's by bf16 rounding: the cache is close, not equal, and
-     * a model with near-tied logits (the generated one has random weights) can part from the
-     * native reply. There every turn must be bridged `complete`, and agreement is reported. */
-    if (cuda)
-        printf("demo: the prefill node ran on the GPU (bf16 forward): its cache is the decoder's arithmetic on the\n"
-               "GPU's hidden states, close to the native cache but not bit-identical, so on this model's near-tied\n"
-               "logits replies may part (--device cpu bridges bit for bit). %d/%lld turns bridged `complete`.\n",
-               complete, turns);
+    explain(br, same, complete, (int)turns, cuda, dc.block_tokens, kvb_prefill_node_peak_capture_bytes(pn));
     rc = (cuda ? complete == turns : same == turns) ? 0 : 1;
     goto done;
 fail:

@@ -1,4 +1,5 @@
-/* tests/support/kvbt.c — see kvbt.h. */
+/* tests/support/kvbt.c — the shared test helpers declared in kvbt.h (paths, the temp directory,
+ * running commands, a GPU check); the ctest reporting is in kvbt_run.c. */
 #include "kvbt.h"
 
 #include <setjmp.h>
@@ -60,18 +61,41 @@ int kvbt_sh(const char *cmdline, char *out, size_t cap, int merge_stderr) {
 
 const char *kvbt_bin(void) { return getenv("KVB_BIN") ? getenv("KVB_BIN") : "kvbridge"; }
 
-const char *kvbt_shared_dir(void) {
-    const char *d = getenv("KVB_SHARED_DIR");
+/* The cache the fetch scripts fill (tools/fetch_common.sh): ${KVB_CACHE_DIR:-$HOME/.cache/kvbridge}. */
+static void cache_path(char *buf, size_t cap, const char *name) {
+    const char *cache = getenv("KVB_CACHE_DIR"), *home = getenv("HOME");
+    if (cache && *cache) snprintf(buf, cap, "%s/%s", cache, name);
+    else snprintf(buf, cap, "%s/.cache/kvbridge/%s", home ? home : "", name);
+}
+
+/* Where the test vocabularies are looked for, whether or not the directory exists. */
+static const char *vocab_dir_path(void) {
+    static char dir[1024];
+    const char *vocab = getenv("KVB_VOCAB_DIR"), *shared = getenv("KVB_SHARED_DIR");
+    if (vocab && *vocab) snprintf(dir, sizeof dir, "%s", vocab);
+    else if (shared && *shared) snprintf(dir, sizeof dir, "%s/vocab", shared);
+    else cache_path(dir, sizeof dir, "vocab");
+    return dir;
+}
+
+const char *kvbt_vocab_file(const char *name, char *buf, size_t cap) {
+    snprintf(buf, cap, "%s/%s", vocab_dir_path(), name);
     struct stat st;
-    if (!d || stat(d, &st) != 0 || !S_ISDIR(st.st_mode)) return NULL;
-    return d;
+    return stat(buf, &st) == 0 && S_ISREG(st.st_mode) ? buf : NULL;
+}
+
+const char *kvbt_require_vocab(const char *name, char *buf, size_t cap) {
+    if (kvbt_vocab_file(name, buf, cap)) return buf;
+    kvbt_skip("no vocabulary: %s is not in %s (tools/fetch_vocab.sh fetches the test vocabularies there; "
+              "KVB_VOCAB_DIR names another directory)",
+              name, vocab_dir_path());
 }
 
 const char *kvbt_gemma3_path(void) {
     static char path[1024];
-    const char *env = getenv("KVB_GEMMA3_GGUF"), *home = getenv("HOME");
+    const char *env = getenv("KVB_GEMMA3_GGUF");
     if (env && *env) snprintf(path, sizeof path, "%s", env);
-    else snprintf(path, sizeof path, "%s/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf", home ? home : "");
+    else cache_path(path, sizeof path, "gemma-3-270m-q4_k_m.gguf");
     struct stat st;
     return stat(path, &st) == 0 && S_ISREG(st.st_mode) ? path : NULL;
 }
@@ -94,9 +118,8 @@ void kvbt_require_gpu(void) {
 #ifdef KVB_HAVE_CUDA
     char why[256];
     if (kvb_cuda_device_available(why, sizeof why)) return;
-    print_message("%s: skipping\n", why);
+    kvbt_skip("no GPU: %s", why);
 #else
-    print_message("no CUDA device: this build has no CUDA engine; skipping\n");
+    kvbt_skip("no GPU: this build has no CUDA engine (KVB_CUDA=OFF)");
 #endif
-    skip();
 }

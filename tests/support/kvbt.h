@@ -1,6 +1,8 @@
 /* tests/support/kvbt.h — small helpers shared by the tests: a private temp directory, running
- * the kvbridge binary and capturing its output and exit code, reading test environment paths,
- * a relative L2 distance, skipping a test that needs a GPU. */
+ * the kvbridge binary and capturing its output and exit code, reading test environment paths
+ * (the tokenizer vocabularies, the real Gemma 3 file), a relative L2 distance, skipping a case with
+ * its reason (a GPU, a vocabulary). How a binary reports passed, failed and skipped cases to ctest
+ * is in kvbt_run.c. */
 #ifndef KVBT_H
 #define KVBT_H
 
@@ -15,15 +17,29 @@ void kvbt_tmp_path(char *buf, size_t cap, const char *name);
 int kvbt_sh(const char *cmdline, char *out, size_t cap, int merge_stderr);
 /* The kvbridge binary under test (KVB_BIN), or "kvbridge". */
 const char *kvbt_bin(void);
-/* The shared data directory (KVB_SHARED_DIR) or NULL if unset/absent. */
-const char *kvbt_shared_dir(void);
-/* The real Gemma 3 270M file: $KVB_GEMMA3_GGUF, else ~/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf
- * (tools/fetch_gemma3.sh); NULL when it is not there. */
+/* The tokenizer test vocabularies (llama.cpp's vocab-only GGUFs and their .inp/.out vectors, Qwen's
+ * tokenizer.json) are in $KVB_VOCAB_DIR, else $KVB_SHARED_DIR/vocab, else
+ * ${KVB_CACHE_DIR:-$HOME/.cache/kvbridge}/vocab, where tools/fetch_vocab.sh puts them.
+ * Writes the path of vocabulary file `name` (e.g. "llama-spm.gguf") there into buf; returns buf
+ * when the file exists, else NULL (buf then holds where it was looked for). */
+const char *kvbt_vocab_file(const char *name, char *buf, size_t cap);
+/* In a cmocka test: kvbt_vocab_file, or skips the case saying which file is missing and how to
+ * get it. */
+const char *kvbt_require_vocab(const char *name, char *buf, size_t cap);
+/* The real Gemma 3 270M file: $KVB_GEMMA3_GGUF, else gemma-3-270m-q4_k_m.gguf in
+ * ${KVB_CACHE_DIR:-$HOME/.cache/kvbridge}, where tools/fetch_gemma3.sh puts it; NULL when it is not
+ * there. */
 const char *kvbt_gemma3_path(void);
 /* |a - ref| / |ref| in double (|a - ref| when ref is all zero). */
 double kvbt_rel_l2(const float *a, const float *ref, size_t n);
 /* In a cmocka test: skips it, saying why, when no CUDA device can be used (always in a build
  * without the CUDA engine). */
 void kvbt_require_gpu(void);
+
+/* In a cmocka test: skips the running case with a printf-style reason, which the binary's closing
+ * summary repeats ("kvbt: skipped CASE: REASON"). Does not return. */
+#define kvbt_skip(...) kvbt_skip_at(__FILE__, __LINE__, __VA_ARGS__)
+void kvbt_skip_at(const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4), noreturn));
 
 #endif
