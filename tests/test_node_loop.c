@@ -355,8 +355,8 @@ static void check_fault(const char *fault, const char *model, const char *psk_pr
     uint16_t port = pn ? kvb_prefill_node_port(pn) : 1; /* port 1: nothing listens */
     kvb_decode_node *dn = start_decode(port, PSK, timeout_ms);
     kvb_decode_node *nat = start_decode(0, PSK, timeout_ms);
-    /* a peer that refused the lanes at start (down, wrong key, other model) is dialled again by the
-     * request below, at once (no back-off from the start's attempt): its verdict says why */
+    /* a peer that refused the lanes at start (down, wrong key, other model) is not dialled by the
+     * request below: the link's own thread dials it with back-off, and the verdict says why */
     if (!start_peer || strcmp(psk_prefill, PSK) || model != g_model)
         assert_true(kvbt_metric(kvb_decode_node_port(dn), "kvbridge_peer_up ") == 0);
     int32_t ids[600];

@@ -252,7 +252,7 @@ static void slot_release(kvb_decode_node *n, uint64_t need) {
  * (n_vocab) of the last token. Before each slice or chunk it looks whether the client went away
  * (KVB_ERR_IO then: the blocks computed so far stay cached). Holding the engine. On the 1B shape
  * (2 cores) a slice of 128 halved a stream's longest pause against 256 (1.9 -> 1.0 s) at about
- * the same prompt time; 64 cost the prompt ~8 % (bench/RESULTS.md, session 17). */
+ * the same prompt time; 64 cost the prompt ~8 % (bench/history/2026-12-05.md). */
 #define PROMPT_SLICE 128
 static kvb_status forward_prompt_sliced(kvb_decode_node *n, kvb_seq *s, const int32_t *toks, uint32_t n_toks,
                                           float *logits, kvb_completion_out *out, kvb_err *err) {
