@@ -6,12 +6,10 @@
 
 #include "kvb_cli.h"
 #include "kvb_engine_cpu.h"
-#ifdef KVB_HAVE_CUDA
-#include "kvb_engine_cuda.h"
-_Static_assert(KVB_CLI_MAX_GPUS == KVB_CUDA_MAX_GPUS, "the CLI's --gpus limit is the engine's");
-_Static_assert(KVB_CUDA_WEIGHTS_AUTO == 0 && KVB_CUDA_WEIGHTS_BF16 == 1 && KVB_CUDA_WEIGHTS_PACKED == 2,
-               "kvb_arg_gpu_weights numbers --gpu-weights in kvb_cuda_weights' order");
-#endif
+#include "kvb_prefill_engine.h"
+_Static_assert(KVB_CLI_MAX_GPUS == KVB_PREFILL_MAX_GPUS, "the CLI's --gpus limit is the engine's");
+_Static_assert(KVB_PREFILL_WEIGHTS_AUTO == 0 && KVB_PREFILL_WEIGHTS_BF16 == 1 && KVB_PREFILL_WEIGHTS_PACKED == 2,
+               "kvb_arg_gpu_weights numbers --gpu-weights in kvb_prefill_weights' order");
 #include "kvb_quant.h"
 #include "kvb_tokenizer.h"
 
@@ -44,30 +42,19 @@ static void help(FILE *f) {
             "                       for comparison with another implementation\n");
 }
 
-/* The engine a run uses: the CPU engine, or (--device cuda) the CUDA engine. */
+/* The engine a run uses (the CPU's, or with --device cuda the GPU's) and its one sequence. */
 typedef struct {
-    kvb_engine *e;
-    kvb_seq *s;
-#ifdef KVB_HAVE_CUDA
-    kvb_cuda_engine *ge;
-    kvb_cuda_seq *gs;
-#endif
+    kvb_prefill_engine *e;
+    kvb_prefill_seq *s;
 } run_engine;
 
 static kvb_status re_forward(run_engine *r, const int32_t *t, uint32_t n, float *logits, kvb_err *err) {
-#ifdef KVB_HAVE_CUDA
-    if (r->ge) return kvb_cuda_forward(r->ge, r->gs, t, n, logits, false, err);
-#endif
-    return kvb_engine_forward(r->e, r->s, t, n, logits, false, err);
+    return kvb_prefill_forward(r->e, r->s, t, n, logits, false, err);
 }
 
 static void re_free(run_engine *r) {
-#ifdef KVB_HAVE_CUDA
-    kvb_cuda_seq_free(r->gs);
-    kvb_cuda_engine_free(r->ge);
-#endif
-    kvb_seq_free(r->s);
-    kvb_engine_free(r->e);
+    kvb_prefill_seq_free(r->s);
+    kvb_prefill_engine_free(r->e);
 }
 
 /* Parses "1,2,3" into a malloc'd array. */
@@ -102,6 +89,161 @@ static bool parse_ids(const char *s, int32_t **out, uint32_t *n) {
     *out = ids;
     *n = (uint32_t)k;
     return k > 0;
+}
+
+/* What `run` was asked (its options, parsed). */
+typedef struct {
+    const char *model_path, *tokens_arg, *prompt, *tmpl_name, *logits_out;
+    long long n_gen, threads, ctx, gpus;
+    int gpu_weights;
+    bool ids_out, ignore_eos, verbose, chat, cuda, tp_one_device;
+    kvb_sampler_opts so;
+    uint32_t cache_type;
+} run_opts;
+
+/* The prompt's token ids: --tokens as given, or -p's text (rendered with the chat template under
+ * --chat) tokenized. 0, or 2 (said) for a prompt that gives none, or 1 with err. */
+static int prompt_ids(const run_opts *o, const kvb_model *m, kvb_tokenizer *tok, int32_t **ids, uint32_t *n_ids,
+                      kvb_err *err) {
+    if (o->tokens_arg) {
+        if (parse_ids(o->tokens_arg, ids, n_ids)) return 0;
+        fprintf(stderr, "kvbridge run: --tokens expects comma-separated token ids, got '%s'\n", o->tokens_arg);
+        return 2;
+    }
+    const char *text = o->prompt;
+    char *rendered = NULL;
+    if (o->chat) {
+        kvb_chat_family fam;
+        if (o->tmpl_name) {
+            if (kvb_chat_family_from_name(o->tmpl_name, &fam, err) != KVB_OK) return 1;
+        } else {
+            const kvb_gguf_kv *kv = kvb_gguf_find(m->gguf, "tokenizer.chat_template");
+            if (!kv || kv->type != KVB_GGUF_STRING) {
+                kvb_err_set(err, KVB_ERR_NOT_FOUND, "%s has no tokenizer.chat_template; pass --chat-template NAME",
+                            o->model_path);
+                return 1;
+            }
+            char *tmpl = strndup(kv->str.ptr, kv->str.len);
+            kvb_status st = tmpl ? kvb_chat_family_detect(tmpl, &fam, err) : KVB_ERR_NOMEM;
+            free(tmpl);
+            if (st) return 1;
+        }
+        kvb_chat_msg msg = {"user", o->prompt};
+        if (kvb_chat_render(fam, &msg, 1, true, &rendered, err) != KVB_OK) return 1;
+        text = rendered;
+    }
+    size_t nt = 0;
+    kvb_status st = kvb_tokenize(tok, text, strlen(text), true, o->chat, ids, &nt, err);
+    free(rendered);
+    if (st) return 1;
+    *n_ids = (uint32_t)nt;
+    if (nt) return 0;
+    fprintf(stderr, "kvbridge run: the prompt tokenized to nothing; give a non-empty prompt\n");
+    return 2;
+}
+
+/* The engine --device names, with one sequence, for a context of n_ids prompt tokens plus the
+ * reply. 0, or 2 (said) when they do not fit, or 1 with err. */
+static int run_engine_open(const run_opts *o, const kvb_model *m, uint32_t n_ids, run_engine *re, kvb_err *err) {
+    kvb_prefill_opts eo = {.device = o->cuda ? KVB_DEVICE_CUDA : KVB_DEVICE_CPU, .n_threads = (int)o->threads,
+                           .cache_dtype = o->cache_type, .gpus = (int)o->gpus, .tp_one_device = o->tp_one_device,
+                           .weights = (kvb_prefill_weights)o->gpu_weights};
+    if (o->ctx) eo.max_ctx = (uint32_t)o->ctx;
+    else {
+        uint32_t need = n_ids + (uint32_t)o->n_gen;
+        eo.max_ctx = m->d.n_ctx_train < 8192 ? m->d.n_ctx_train : 8192;
+        if (need > eo.max_ctx && need <= m->d.n_ctx_train) eo.max_ctx = need;
+    }
+    if ((uint64_t)n_ids + (uint64_t)o->n_gen > eo.max_ctx) {
+        fprintf(stderr,
+                "kvbridge run: prompt (%u tokens) + %lld generated tokens exceed the context limit of %u tokens; "
+                "shorten the prompt, lower -n or raise --ctx\n",
+                n_ids, o->n_gen, eo.max_ctx);
+        return 2;
+    }
+    if (kvb_prefill_engine_create(m, &eo, &re->e, err) != KVB_OK) return 1;
+    return kvb_prefill_seq_create(re->e, &re->s, err) != KVB_OK;
+}
+
+/* Prefills ids, then samples up to n_gen tokens, printing them as text (streamed) or ids. */
+static kvb_status run_generate(const run_opts *o, run_engine *re, const kvb_model *m, kvb_tokenizer *tok,
+                               const int32_t *ids, uint32_t n_ids, kvb_err *err) {
+    kvb_sampler smp = {0};
+    float *logits = malloc(sizeof(float) * m->d.n_vocab);
+    int32_t *out_ids = malloc(sizeof(int32_t) * (size_t)(o->n_gen + 1));
+    kvb_status st = logits && out_ids ? kvb_sampler_init(&smp, &o->so, m->d.n_vocab, err)
+                                      : kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    kvb_pool *pool = kvb_prefill_engine_pool(re->e); /* the CPU engine's, idle between the forwards */
+    if (!st && pool) kvb_sampler_use_pool(&smp, pool);
+    if (!st && o->verbose) {
+        char desc[256], ed[512], ad[768];
+        kvb_model_describe(m, desc, sizeof desc);
+        kvb_prefill_engine_describe(re->e, ed, sizeof ed);
+        kvb_prefill_engine_attention_describe(re->e, ad, sizeof ad);
+        fprintf(stderr, "run: %s; %s engine: %s; attention: %s; prompt %u tokens\n", desc,
+                kvb_prefill_engine_name(re->e), ed, ad, n_ids);
+    }
+    const double t0 = kvb_now_s();
+    if (!st) st = re_forward(re, ids, n_ids, logits, err);
+    const double t1 = kvb_now_s();
+    if (!st && o->logits_out) {
+        FILE *lf = fopen(o->logits_out, "wb");
+        bool ok = lf && fwrite(logits, sizeof(float), m->d.n_vocab, lf) == m->d.n_vocab;
+        if (lf && fclose(lf) != 0) ok = false;
+        if (!ok) st = kvb_err_set(err, KVB_ERR_IO, "cannot write the logits to %s", o->logits_out);
+    }
+    kvb_detok dt;
+    if (tok) kvb_detok_init(&dt, tok);
+    char piece[512];
+    uint32_t n_out = 0;
+    for (long long i = 0; !st && i < o->n_gen; i++) {
+        int32_t id = kvb_sample(&smp, logits);
+        out_ids[n_out++] = id;
+        if (!o->ids_out) {
+            size_t k = kvb_detok_push(&dt, id, piece, sizeof piece);
+            fwrite(piece, 1, k, stdout);
+            fflush(stdout);
+        }
+        if (!o->ignore_eos && tok && kvb_tokenizer_is_eog(tok, id)) break;
+        if (i + 1 < o->n_gen) st = re_forward(re, &id, 1, logits, err);
+    }
+    const double t2 = kvb_now_s();
+    if (!st && o->ids_out) {
+        for (uint32_t i = 0; i < n_out; i++) printf(i ? " %d" : "%d", out_ids[i]);
+        printf("\n");
+    } else if (!st) {
+        size_t k = kvb_detok_flush(&dt, piece, sizeof piece);
+        fwrite(piece, 1, k, stdout);
+        printf("\n");
+    }
+    if (!st && o->verbose)
+        fprintf(stderr, "run: prefill %u tokens in %.3f s (%.1f tok/s); decode %u tokens in %.3f s (%.1f tok/s)\n",
+                n_ids, t1 - t0, n_ids / (t1 - t0), n_out, t2 - t1, n_out > 1 ? (n_out - 1) / (t2 - t1) : 0.0);
+    kvb_sampler_free(&smp);
+    free(logits);
+    free(out_ids);
+    return st;
+}
+
+/* Loads the model (and its tokenizer), then prompt, engine, reply. Returns the exit code. */
+static int run_main(const run_opts *o) {
+    kvb_err err = {0};
+    kvb_model *m = NULL;
+    run_engine re = {0};
+    kvb_tokenizer *tok = NULL;
+    int32_t *ids = NULL;
+    uint32_t n_ids = 0;
+    int rc = kvb_model_load(o->model_path, &m, &err) != KVB_OK;
+    if (!rc && (o->prompt || !o->ids_out)) rc = kvb_tokenizer_load(m->gguf, &tok, &err) != KVB_OK;
+    if (!rc) rc = prompt_ids(o, m, tok, &ids, &n_ids, &err);
+    if (!rc) rc = run_engine_open(o, m, n_ids, &re, &err);
+    if (!rc) rc = run_generate(o, &re, m, tok, ids, n_ids, &err) != KVB_OK;
+    if (rc == 1) fprintf(stderr, "kvbridge run: %s\n", err.msg);
+    free(ids);
+    re_free(&re);
+    kvb_tokenizer_free(tok);
+    kvb_model_free(m);
+    return rc;
 }
 
 int kvb_cmd_run(int argc, char **argv) {
@@ -157,13 +299,6 @@ int kvb_cmd_run(int argc, char **argv) {
                 fprintf(stderr, "kvbridge run: --device expects 'cpu' or 'cuda', got '%s'\n", v);
                 return 2;
             }
-#ifndef KVB_HAVE_CUDA
-            if (cuda) {
-                fprintf(stderr, "kvbridge run: --device cuda: this kvbridge was built without the CUDA engine "
-                                "(configure with -DKVB_CUDA=ON where nvcc is installed)\n");
-                return 2;
-            }
-#endif
         } else if (!strcmp(a, "--ignore-eos")) {
             ignore_eos = true;
         } else if (!strcmp(a, "--gpus")) {
@@ -196,165 +331,10 @@ int kvb_cmd_run(int argc, char **argv) {
     if (!kvb_arg_gpus_ok("run", gpus, tp_one_device, cuda) || !kvb_arg_gpu_weights_ok("run", gpu_weights, cuda))
         return 2;
 
-    int rc = 1;
-    kvb_err err = {0};
-    kvb_model *m = NULL;
-    run_engine re = {0};
-    kvb_tokenizer *tok = NULL;
-    int32_t *ids = NULL, *out_ids = NULL;
-    float *logits = NULL;
-    char *rendered = NULL;
-    uint32_t n_ids = 0;
-    kvb_sampler smp = {0};
-
-    if (kvb_model_load(model_path, &m, &err) != KVB_OK) goto fail;
-    if (prompt || !ids_out) {
-        if (kvb_tokenizer_load(m->gguf, &tok, &err) != KVB_OK) goto fail;
-    }
-    if (tokens_arg) {
-        if (!parse_ids(tokens_arg, &ids, &n_ids)) {
-            fprintf(stderr, "kvbridge run: --tokens expects comma-separated token ids, got '%s'\n", tokens_arg);
-            rc = 2;
-            goto done;
-        }
-    } else {
-        const char *text = prompt;
-        if (chat) {
-            kvb_chat_family fam;
-            if (tmpl_name) {
-                if (kvb_chat_family_from_name(tmpl_name, &fam, &err) != KVB_OK) goto fail;
-            } else {
-                char *tmpl = NULL;
-                const kvb_gguf_kv *kv = kvb_gguf_find(m->gguf, "tokenizer.chat_template");
-                if (!kv || kv->type != KVB_GGUF_STRING) {
-                    kvb_err_set(&err, KVB_ERR_NOT_FOUND,
-                                "%s has no tokenizer.chat_template; pass --chat-template NAME", model_path);
-                    goto fail;
-                }
-                tmpl = strndup(kv->str.ptr, kv->str.len);
-                kvb_status st = tmpl ? kvb_chat_family_detect(tmpl, &fam, &err) : KVB_ERR_NOMEM;
-                free(tmpl);
-                if (st) goto fail;
-            }
-            kvb_chat_msg msg = {"user", prompt};
-            if (kvb_chat_render(fam, &msg, 1, true, &rendered, &err) != KVB_OK) goto fail;
-            text = rendered;
-        }
-        int32_t *tids = NULL;
-        size_t nt = 0;
-        if (kvb_tokenize(tok, text, strlen(text), true, chat, &tids, &nt, &err) != KVB_OK) goto fail;
-        ids = tids;
-        n_ids = (uint32_t)nt;
-        if (n_ids == 0) {
-            fprintf(stderr, "kvbridge run: the prompt tokenized to nothing; give a non-empty prompt\n");
-            rc = 2;
-            goto done;
-        }
-    }
-
-    kvb_engine_opts eo = {.n_threads = (int)threads, .cache_dtype = cache_type};
-    if (ctx) eo.max_ctx = (uint32_t)ctx;
-    else {
-        uint32_t need = n_ids + (uint32_t)n_gen;
-        eo.max_ctx = m->d.n_ctx_train < 8192 ? m->d.n_ctx_train : 8192;
-        if (need > eo.max_ctx && need <= m->d.n_ctx_train) eo.max_ctx = need;
-    }
-    if ((uint64_t)n_ids + (uint64_t)n_gen > eo.max_ctx) {
-        fprintf(stderr,
-                "kvbridge run: prompt (%u tokens) + %lld generated tokens exceed the context limit of %u tokens; "
-                "shorten the prompt, lower -n or raise --ctx\n",
-                n_ids, n_gen, eo.max_ctx);
-        rc = 2;
-        goto done;
-    }
-#ifdef KVB_HAVE_CUDA
-    if (cuda) {
-        kvb_cuda_opts co = {.max_ctx = eo.max_ctx, .n_threads = (int)threads, .n_gpus = (int)gpus,
-                            .tp_one_device = tp_one_device, .weights = (kvb_cuda_weights)gpu_weights};
-        if (kvb_cuda_engine_create(m, &co, &re.ge, &err) != KVB_OK) goto fail;
-        if (kvb_cuda_seq_create(re.ge, &re.gs, &err) != KVB_OK) goto fail;
-    } else
-#endif
-    {
-        (void)cuda, (void)gpus, (void)tp_one_device, (void)gpu_weights;
-        if (kvb_engine_create(m, &eo, &re.e, &err) != KVB_OK) goto fail;
-        if (kvb_seq_create(re.e, &re.s, &err) != KVB_OK) goto fail;
-    }
-    if (kvb_sampler_init(&smp, &so, m->d.n_vocab, &err) != KVB_OK) goto fail;
-    if (re.e) kvb_sampler_use_pool(&smp, kvb_engine_pool(re.e)); /* idle between the forwards */
-    logits = malloc(sizeof(float) * m->d.n_vocab);
-    out_ids = malloc(sizeof(int32_t) * (size_t)(n_gen + 1));
-    if (!logits || !out_ids) {
-        kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
-        goto fail;
-    }
-    if (verbose) {
-        char desc[256];
-        kvb_model_describe(m, desc, sizeof desc);
-#ifdef KVB_HAVE_CUDA
-        if (re.ge) {
-            char gd[512], ad[768];
-            kvb_cuda_engine_describe(re.ge, gd, sizeof gd);
-            kvb_cuda_engine_attention_describe(re.ge, ad, sizeof ad);
-            fprintf(stderr, "run: %s; CUDA: %s; attention: %s; prompt %u tokens\n", desc, gd, ad, n_ids);
-        } else
-#endif
-            fprintf(stderr, "run: %s; %d threads, %s kernels, prompt %u tokens\n", desc, kvb_engine_threads(re.e),
-                    kvb_simd_name(), n_ids);
-    }
-
-    double t0 = kvb_now_s();
-    if (re_forward(&re, ids, n_ids, logits, &err) != KVB_OK) goto fail;
-    double t1 = kvb_now_s();
-    if (logits_out) {
-        FILE *lf = fopen(logits_out, "wb");
-        bool ok = lf && fwrite(logits, sizeof(float), m->d.n_vocab, lf) == m->d.n_vocab;
-        if (lf && fclose(lf) != 0) ok = false;
-        if (!ok) {
-            kvb_err_set(&err, KVB_ERR_IO, "cannot write the logits to %s", logits_out);
-            goto fail;
-        }
-    }
-    kvb_detok dt;
-    if (tok) kvb_detok_init(&dt, tok);
-    char piece[512];
-    uint32_t n_out = 0;
-    for (long long i = 0; i < n_gen; i++) {
-        int32_t id = kvb_sample(&smp, logits);
-        out_ids[n_out++] = id;
-        if (!ids_out) {
-            size_t k = kvb_detok_push(&dt, id, piece, sizeof piece);
-            fwrite(piece, 1, k, stdout);
-            fflush(stdout);
-        }
-        if (!ignore_eos && tok && kvb_tokenizer_is_eog(tok, id)) break;
-        if (i + 1 < n_gen && re_forward(&re, &id, 1, logits, &err) != KVB_OK) goto fail;
-    }
-    double t2 = kvb_now_s();
-    if (ids_out) {
-        for (uint32_t i = 0; i < n_out; i++) printf(i ? " %d" : "%d", out_ids[i]);
-        printf("\n");
-    } else {
-        size_t k = kvb_detok_flush(&dt, piece, sizeof piece);
-        fwrite(piece, 1, k, stdout);
-        printf("\n");
-    }
-    if (verbose)
-        fprintf(stderr, "run: prefill %u tokens in %.3f s (%.1f tok/s); decode %u tokens in %.3f s (%.1f tok/s)\n",
-                n_ids, t1 - t0, n_ids / (t1 - t0), n_out, t2 - t1, n_out > 1 ? (n_out - 1) / (t2 - t1) : 0.0);
-    rc = 0;
-    goto done;
-fail:
-    fprintf(stderr, "kvbridge run: %s\n", err.msg);
-    rc = 1;
-done:
-    kvb_sampler_free(&smp);
-    free(logits);
-    free(out_ids);
-    free(ids);
-    free(rendered);
-    re_free(&re);
-    kvb_tokenizer_free(tok);
-    kvb_model_free(m);
-    return rc;
+    const run_opts ro = {.model_path = model_path, .tokens_arg = tokens_arg, .prompt = prompt, .tmpl_name = tmpl_name,
+                         .logits_out = logits_out, .n_gen = n_gen, .threads = threads, .ctx = ctx, .gpus = gpus,
+                         .gpu_weights = gpu_weights, .ids_out = ids_out, .ignore_eos = ignore_eos, .verbose = verbose,
+                         .chat = chat, .cuda = cuda, .tp_one_device = tp_one_device, .so = so,
+                         .cache_type = cache_type};
+    return run_main(&ro);
 }
