@@ -14,7 +14,6 @@
 #include <stdint.h>
 #include <cmocka.h>
 
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,13 +50,6 @@ static int teardown(void **state) {
     return 0;
 }
 
-static void need_device(void) {
-    char why[256] = "";
-    if (kvb_prefill_device_available(KVB_DEVICE_CUDA, why, sizeof why)) return;
-    print_message("no CUDA device: %s; skipping\n", why);
-    skip();
-}
-
 static void prompt(int32_t *t) {
     kvb_rng r;
     kvb_rng_seed(&r, 9);
@@ -83,7 +75,7 @@ static void interface_logits(int gpus, float *logits) {
 
 static void test_logits(void **state) {
     (void)state;
-    need_device();
+    kvbt_require_gpu();
     const uint32_t V = g_model->d.n_vocab;
     float *one = malloc(sizeof(float) * V), *two = malloc(sizeof(float) * V), *direct = malloc(sizeof(float) * V);
     assert_true(one && two && direct);
@@ -103,10 +95,9 @@ static void test_logits(void **state) {
     assert_memory_equal(one, direct, sizeof(float) * V);
 #endif
     interface_logits(2, two);
-    double d2 = 0, r2 = 0;
-    for (uint32_t i = 0; i < V; i++) d2 += (double)(two[i] - one[i]) * (two[i] - one[i]), r2 += (double)one[i] * one[i];
-    print_message("two ranks vs one GPU: rel-L2 %.3g\n", sqrt(d2 / r2));
-    assert_true(sqrt(d2 / r2) < 2e-2);
+    const double rel = kvbt_rel_l2(two, one, V);
+    print_message("two ranks vs one GPU: rel-L2 %.3g\n", rel);
+    assert_true(rel < 2e-2);
     free(one);
     free(two);
     free(direct);
@@ -178,14 +169,14 @@ static void bridge_on(int gpus) {
 
 static void test_bridge(void **state) {
     (void)state;
-    need_device();
+    kvbt_require_gpu();
     bridge_on(1);
     bridge_on(2);
 }
 
 static void test_capabilities(void **state) {
     (void)state;
-    need_device();
+    kvbt_require_gpu();
     kvb_err err = {0};
     kvb_prefill_opts po = {.device = KVB_DEVICE_CUDA, .max_ctx = 64, .max_batch = 32};
     kvb_prefill_engine *pe = NULL;

@@ -333,11 +333,34 @@ static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
     kvb_metric_set(n->ops.m_in_flight, NULL, atomic_fetch_sub(&n->in_flight, 1) - 1.0);
 }
 
+/* DONE on every lane of a served request: the chain digest of the blocks shipped, and each lane's
+ * own slab count. t0: the request's arrival. */
+static void send_done_all(kvb_prefill_node *n, kvb_conn *const *lanes, uint32_t n_lanes, const kvb_msg_prefill *p,
+                          double t0) {
+    const uint32_t bt = n->fmt.block_tokens, nb = (p->ship_tokens - p->cached_tokens) / bt;
+    uint64_t *keys = malloc(sizeof(uint64_t) * (nb ? nb : 1));
+    uint64_t key = p->last_cached_key;
+    for (uint32_t b = 0; keys && b < nb; b++) {
+        key = kvb_chain_next(key, p->tokens + p->cached_tokens + (size_t)b * bt, bt);
+        keys[b] = key;
+    }
+    kvb_msg_done d = {.tokens_covered = p->ship_tokens,
+                      .blocks = nb,
+                      .chain_digest = keys ? kvb_wire_chain_digest(keys, nb) : 0,
+                      .prefill_seconds = kvb_now_s() - t0};
+    free(keys);
+    kvb_err err = {0};
+    for (uint32_t l = 0; l < n_lanes; l++) {
+        d.slabs = n->senders[l].slabs_sent;
+        if (kvb_conn_send_done(lanes[l], p->request_id, &d, 10000, &err))
+            kvb_log(KVB_LOG_WARN, "prefill: sending DONE on lane %u failed: %s", l, err.msg);
+    }
+}
+
 /* Returns the outcome for kvbridge_prefill_requests_total: "served", "refused" or "failed". */
 static const char *serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *lanes, uint32_t n_lanes,
                                         kvb_msg_prefill *p, double t0) {
     kvb_err err = {0};
-    const uint32_t bt = n->fmt.block_tokens;
     if (p->bridge_mode != n->hello.bridge_mode) {
         send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_MODE, "this prefill node runs another bridge mode");
         return "refused";
@@ -411,25 +434,9 @@ static const char *serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *la
         send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST, err.msg);
         return "failed";
     }
-    uint32_t nb = (p->ship_tokens - p->cached_tokens) / bt;
-    uint64_t *keys = malloc(sizeof(uint64_t) * (nb ? nb : 1));
-    uint64_t key = p->last_cached_key;
-    for (uint32_t b = 0; keys && b < nb; b++) {
-        key = kvb_chain_next(key, p->tokens + p->cached_tokens + (size_t)b * bt, bt);
-        keys[b] = key;
-    }
     const double t_done = kvb_now_s();
     kvb_trace_span("prefill.senders_join", t_join, t_done, 0);
-    kvb_msg_done d = {.tokens_covered = p->ship_tokens,
-                      .blocks = nb,
-                      .chain_digest = keys ? kvb_wire_chain_digest(keys, nb) : 0,
-                      .prefill_seconds = kvb_now_s() - t0};
-    free(keys);
-    for (uint32_t l = 0; l < n_lanes; l++) { /* each lane's DONE counts that lane's slabs */
-        d.slabs = sc[l].slabs_sent;
-        if (kvb_conn_send_done(lanes[l], p->request_id, &d, 10000, &err))
-            kvb_log(KVB_LOG_WARN, "prefill: sending DONE on lane %u failed: %s", l, err.msg);
-    }
+    send_done_all(n, lanes, n_lanes, p, t0);
     kvb_trace_span("prefill.send_done", t_done, kvb_now_s(), n_lanes);
     kvb_metric_add(n->ops.m_tokens, KVB_LABELS("shipped"), (double)(p->ship_tokens - p->cached_tokens));
     kvb_metric_add(n->ops.m_tokens, KVB_LABELS("computed"), (double)computed);
