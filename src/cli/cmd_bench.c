@@ -1,6 +1,8 @@
-/* cli/cmd_bench.c — `kvbridge bench prefill|decode`: CPU engine speed beside the machine's
- * measured memory bandwidth (same run, same threads) and, when given, llama.cpp's llama-bench
- * on the same file with the same threads. Benchmarks print; they never assert. */
+/* cli/cmd_bench.c — `kvbridge bench prefill|decode`: prefill speed on whichever engine --device
+ * names (one path for every engine: tok/s per size beside a GPU's GEMM ceiling or the host's
+ * measured read bandwidth, and a peer's figures), and the CPU engine's decode speed beside the
+ * machine's measured memory bandwidth (same run, same threads); with --llama-bench, llama.cpp's
+ * llama-bench on the same file with the same threads. Benchmarks print; they never assert. */
 #include <cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,61 +12,6 @@
 #include "kvb_engine_cpu.h"
 #include "kvb_prefill_engine.h"
 #include "kvb_quant.h"
-
-static void help(FILE *f) {
-    fprintf(f,
-            "usage: kvbridge bench (prefill|decode) -m MODEL [options]\n"
-            "       kvbridge bench ladder -m MODEL [options]   (see kvbridge bench ladder --help)\n"
-            "       kvbridge bench link (--listen|--peer) ADDR (see kvbridge bench link --help)\n"
-            "       kvbridge bench quality [-m MODEL] [options]  (see kvbridge bench quality --help)\n"
-            "       kvbridge bench slab [options]              (see kvbridge bench slab --help)\n"
-            "       kvbridge bench tokenize -m MODEL [options] (see kvbridge bench tokenize --help)\n"
-            "       kvbridge bench parallel -m MODEL [options] (see kvbridge bench parallel --help)\n"
-            "       kvbridge bench json -m MODEL [options]     (see kvbridge bench json --help)\n\n"
-            "Measures the CPU engine and prints tok/s beside the memory bandwidth measured in the same run.\n"
-            "  prefill   one batch of --tokens random tokens from an empty cache (like llama-bench pp)\n"
-            "  decode    --gen single-token steps after a --ctx-token prompt (like llama-bench tg)\n\n"
-            "  -m FILE              GGUF model\n"
-            "  --threads T          threads (default: all CPUs)\n"
-            "  --tokens N           prefill tokens (default 512)\n"
-            "  --gen N              decode steps (default 128)\n"
-            "  --ctx N              prompt length before decode (default 16)\n"
-            "  --batch B            decode: also B sequences stepped together (kvb_engine_forward_batch), each\n"
-            "                       after its own --ctx prompt: their tokens/s beside one sequence's, same run\n"
-            "  --reps R             repetitions; the median is reported (default 3)\n"
-            "  --cache-type T       KV cache dtype (default f16)\n"
-            "  --llama-bench PATH   also run llama.cpp's llama-bench on the same file and threads\n"
-            "  --json FILE          also write the figures as JSON\n\n"
-            "  --device cpu|cuda    cuda: prefill on the GPU (bf16), several sizes (--tokens 2048,8192,32768) in\n"
-            "                       one run, each beside the bf16 GEMM ceiling measured in the same run (cuBLAS\n"
-            "                       8192^3) and, with --peer-json, a peer's figures for the same sizes\n"
-            "  --chunk N            (cuda) tokens per forward chunk (default 8192)\n"
-            "  --peer-json FILE     (cuda) JSON from tools/peer/torch_llama_prefill.py\n"
-            "  --bridge T           (cuda) also time every size with the CUDA bridge kernel hooked after each\n"
-            "                       (chunk, layer), writing a decoder cache of dtype T from this file's K/V\n"
-            "                       weights (use a Q8_0/Q4_0 file: a CPU decoder's), and print its cost as a\n"
-            "                       fraction of the prefill time (kernels and copies to pinned memory; the\n"
-            "                       slabs are not sent anywhere)\n"
-            "  --ceiling-reps N     (cuda) timed GEMMs for the ceiling (default 20)\n"
-            "  --warmup N           (cuda) untimed forwards before each size's timed ones (default 2: the first\n"
-            "                       runs a new shape on the engine's kernel, the second builds cuDNN's plans)\n"
-            "  --attention A        (cuda) attention on global layers: own (the engine's flash kernel), cudnn\n"
-            "                       (cuDNN's fused attention, libcudnn.so.9 on LD_LIBRARY_PATH), both (each size\n"
-            "                       with each, side by side, and their ratio) or auto (default: cuDNN when it\n"
-            "                       loads; KVB_CUDA_ATTENTION=own|cudnn sets the default everywhere). cuDNN\n"
-            "                       builds a plan (40-100 ms) for a new shape only when it pays; other chunks run\n"
-            "                       on the engine's kernel (KVB_CUDNN_PLANS=eager: a plan for every shape)\n"
-            "  --host-overhead      (cuda) after each size, one forward enqueued behind a gate kernel (the GPU\n"
-            "                       waits until the host has enqueued everything), timed on the GPU: the share of\n"
-            "                       the wall time the GPU spent waiting for the host (launch gaps, host work)\n"
-            "  --gpus N             (cuda) tensor-parallel prefill over N GPUs (devices 0..N-1, NCCL all-reduce;\n"
-            "                       heads and the MLP width divide by N; KV heads by N, or N by them);\n"
-            "                       KVB_TP_OVERLAP=1 runs the all-reduces beside the GEMMs (off by default)\n"
-            "  --tp-one-device      (cuda) with --gpus N: every rank on one GPU, summed by the engine itself (tests\n"
-            "                       the split and measures its overhead on a one-GPU host; not faster)\n"
-            KVB_CLI_GPU_WEIGHTS_HELP);
-}
-
 
 /* Decode throughput of `batch` sequences stepped together: each prefilled with its own n_ctx-token
  * prompt (toks shifted by its index mod V, so no two share cache blocks), then n_gen batched steps;
@@ -154,6 +101,7 @@ static double run_llama_bench(const char *path, const char *model, int threads, 
     free(buf);
     return ts;
 }
+
 
 /* ---- prefill, on any engine ------------------------------------------------------------------ */
 
@@ -526,57 +474,150 @@ static int bench_prefill(prefill_bench *b, const char *tokens_arg, const char *a
     return st ? 1 : 0;
 }
 
-/* `bench decode`: single-token steps on the CPU engine after a prompt (like llama-bench tg). */
-typedef struct {
-    const char *model_path, *llama_bench, *json_path;
-    int threads, reps;
-    uint32_t n_gen, n_ctx, batch, cache_type;
-} decode_bench;
 
-/* The figures beside the median tok/s: bytes per token, bandwidth, the batch and the peer. */
-static void decode_report(const decode_bench *d, const kvb_model *m, int T, double tps, double batch_tps, double bw,
+/* What the command line asks of `bench prefill|decode`. */
+typedef struct {
+    const char *model_path, *llama_bench, *json_path, *tokens_arg, *peer_json, *attn_arg;
+    long long threads, n_gen, n_ctx, reps, chunk, ceiling_reps, warmup, batch;
+    int device; /* kvb_cli_device_names */
+    bool host_overhead;
+    kvb_cli_gpu gpu;
+    uint32_t cache_type, bridge_type;
+} bench_args;
+
+static const char *const k_bench_usage =
+    "(prefill|decode) -m MODEL [options]\n"
+    "ladder -m MODEL [options]   (see kvbridge bench ladder --help)\n"
+    "link (--listen|--peer) ADDR (see kvbridge bench link --help)\n"
+    "quality [-m MODEL] [options]  (see kvbridge bench quality --help)\n"
+    "slab [options]              (see kvbridge bench slab --help)\n"
+    "tokenize -m MODEL [options] (see kvbridge bench tokenize --help)\n"
+    "parallel -m MODEL [options] (see kvbridge bench parallel --help)\n"
+    "json -m MODEL [options]     (see kvbridge bench json --help)";
+
+/* Fills *a from argv (argv[0]: prefill or decode); KVB_CLI_GO, or the code the command returns. */
+static int bench_parse(bench_args *a, int argc, char **argv) {
+    const kvb_opt opts[] = {
+        KVB_CLI_OPT_MODEL(&a->model_path, "GGUF model", true),
+        KVB_CLI_OPT_THREADS(&a->threads, "threads (default: all CPUs)"),
+        {.long_name = "tokens", .kind = KVB_OPT_STRING, .dst = &a->tokens_arg, .meta = "N",
+         .help = "prefill: comma-separated sizes, each timed (default 512; cuda: 2048)"},
+        {.long_name = "gen", .kind = KVB_OPT_INT, .dst = &a->n_gen, .meta = "N", .help = "decode steps",
+         .def = "128", .lo = 1, .hi = 1 << 20},
+        {.long_name = "ctx", .kind = KVB_OPT_INT, .dst = &a->n_ctx, .meta = "N",
+         .help = "prompt length before decode", .def = "16", .lo = 1, .hi = 1 << 20},
+        {.long_name = "batch", .kind = KVB_OPT_INT, .dst = &a->batch, .meta = "B", .def = "1", .lo = 1, .hi = 256,
+         .help = "decode: also B sequences stepped together (kvb_engine_forward_batch), each after its own --ctx "
+                 "prompt: their tokens/s beside one sequence's, same run"},
+        {.long_name = "reps", .kind = KVB_OPT_INT, .dst = &a->reps, .meta = "R",
+         .help = "repetitions; the median is reported", .def = "3", .lo = 1, .hi = 100},
+        KVB_CLI_OPT_CACHE_TYPE(&a->cache_type, "KV cache dtype"),
+        {.long_name = "llama-bench", .kind = KVB_OPT_STRING, .dst = &a->llama_bench, .meta = "PATH",
+         .help = "also run llama.cpp's llama-bench on the same file and threads"},
+        {.long_name = "json", .kind = KVB_OPT_STRING, .dst = &a->json_path, .meta = "FILE",
+         .help = "also write the figures as JSON"},
+        KVB_CLI_OPT_DEVICE(&a->device,
+                           "cuda: prefill on the GPU (bf16), several sizes (--tokens 2048,8192,32768) in one run, "
+                           "each beside the bf16 GEMM ceiling measured in the same run (cuBLAS 8192^3) and, with "
+                           "--peer-json, a peer's figures for the same sizes"),
+        {.long_name = "chunk", .kind = KVB_OPT_INT, .dst = &a->chunk, .meta = "N", .lo = 1, .hi = 1 << 24,
+         .help = "prefill: tokens per forward chunk (default: the engine's, 512 on cpu, 8192 on cuda)"},
+        {.long_name = "peer-json", .kind = KVB_OPT_STRING, .dst = &a->peer_json, .meta = "FILE",
+         .help = "prefill: a peer's figures, JSON from tools/peer/torch_llama_prefill.py"},
+        {.long_name = "bridge", .kind = KVB_OPT_CUSTOM, .dst = &a->bridge_type, .meta = "T",
+         .parse = kvb_opt_parse_type,
+         .help = "prefill: also time every size with the engine's bridge hooked after each (chunk, layer) (on "
+                 "cuda the bridge kernel), writing a decoder cache of dtype T from this file's K/V weights (use a "
+                 "Q8_0/Q4_0 file: a CPU decoder's), and print its cost as a fraction of the prefill time (the rows "
+                 "are cut into slabs; nothing is sent)"},
+        {.long_name = "ceiling-reps", .kind = KVB_OPT_INT, .dst = &a->ceiling_reps, .meta = "N",
+         .help = "(cuda) timed GEMMs for the ceiling", .def = "20", .lo = 1, .hi = 1000},
+        {.long_name = "warmup", .kind = KVB_OPT_INT, .dst = &a->warmup, .meta = "N", .def = "2", .lo = 0, .hi = 100,
+         .help = "prefill: untimed forwards before each size's timed ones (cuda: the first runs a new shape on the "
+                 "engine's kernel, the second builds cuDNN's plans)"},
+        {.long_name = "attention", .kind = KVB_OPT_STRING, .dst = &a->attn_arg, .meta = "A",
+         .help = "(cuda) attention on global layers: own (the engine's flash kernel), cudnn (cuDNN's fused "
+                 "attention, libcudnn.so.9 on LD_LIBRARY_PATH), both (each size with each, side by side, and "
+                 "their ratio) or auto (default: cuDNN when it loads; KVB_CUDA_ATTENTION=own|cudnn sets the "
+                 "default everywhere). cuDNN builds a plan (40-100 ms) for a new shape only when it pays; other "
+                 "chunks run on the engine's kernel (KVB_CUDNN_PLANS=eager: a plan for every shape)"},
+        {.long_name = "host-overhead", .kind = KVB_OPT_FLAG, .dst = &a->host_overhead,
+         .help = "(cuda) after each size, one forward enqueued behind a gate kernel (the GPU waits until the host "
+                 "has enqueued everything), timed on the GPU: the share of the wall time the GPU spent waiting "
+                 "for the host (launch gaps, host work)"},
+        KVB_CLI_OPTS_GPU(&a->gpu),
+        {0},
+    };
+    const kvb_cli_spec spec = {
+        .name = "bench", .usage = k_bench_usage, .opts = opts,
+        .about = "Measures an engine and prints tok/s beside what bounds it, measured in the same run.\n"
+                 "  prefill   on --device's engine: batches of --tokens random tokens from an empty cache (like\n"
+                 "            llama-bench pp), beside a GPU's GEMM ceiling or the host's read bandwidth\n"
+                 "  decode    on the CPU engine: --gen single-token steps after a --ctx-token prompt (like\n"
+                 "            llama-bench tg), beside the memory bandwidth\n"
+                 "With --gpus N, KVB_TP_OVERLAP=1 runs the all-reduces beside the GEMMs (off by default)."};
+    int rc = kvb_cli_parse(&spec, argc, argv);
+    if (rc != KVB_CLI_GO) return rc;
+    return kvb_cli_gpu_ok("bench", &a->gpu, a->device == 1) ? KVB_CLI_GO : 2;
+}
+
+/* The benchmarks `kvbridge bench NAME` dispatches to, each given argv from NAME on. */
+static const struct {
+    const char *name;
+    int (*fn)(int, char **);
+} k_bench_kinds[] = {
+    {"ladder", kvb_bench_ladder}, {"link", kvb_bench_link},         {"quality", kvb_bench_quality},
+    {"slab", kvb_bench_slab},     {"tokenize", kvb_bench_tokenize}, {"parallel", kvb_bench_parallel},
+    {"json", kvb_bench_json},
+};
+
+/* `bench decode` on the CPU engine: the figures beside the median tok/s (bytes per token, bandwidth,
+ * the batch, the peer), and --json. */
+static void decode_report(const bench_args *a, const kvb_model *m, int T, double tps, double batch_tps, double bw,
                           double peer) {
     const uint64_t wbytes = weight_bytes_per_token(m);
-    const size_t rb = kvb_row_bytes(d->cache_type, m->d.head_dim);
-    const double kv_avg = (double)m->d.n_layer * 2 * m->d.n_head_kv * rb * (d->n_ctx + d->n_gen / 2.0);
+    const size_t rb = kvb_row_bytes(a->cache_type, m->d.head_dim);
+    const double kv_avg = (double)m->d.n_layer * 2 * m->d.n_head_kv * rb * (a->n_ctx + a->n_gen / 2.0);
     const double bytes = (double)wbytes + kv_avg, achieved = bytes * tps / 1e9;
-    printf("decode     %u steps after %u tokens: %.2f tok/s (median of %d)\n", d->n_gen, d->n_ctx, tps, d->reps);
+    printf("decode     %lld steps after %lld tokens: %.2f tok/s (median of %lld)\n", a->n_gen, a->n_ctx, tps, a->reps);
     printf("bytes/tok  %.1f MB (weights %.1f MB + KV %.2f MB)\n", bytes / 1e6, wbytes / 1e6, kv_avg / 1e6);
     printf("bandwidth  %.1f GB/s achieved = %.0f%% of %.1f GB/s measured read bandwidth (same run, %d threads)\n",
            achieved, 100.0 * achieved / bw, bw, T);
-    if (d->batch > 1)
-        printf("batch      %u sequences stepped together: %.2f tok/s in all, %.2f per sequence = %.2fx one "
+    if (a->batch > 1)
+        printf("batch      %lld sequences stepped together: %.2f tok/s in all, %.2f per sequence = %.2fx one "
                "sequence's %.2f tok/s\n",
-               d->batch, batch_tps, batch_tps / d->batch, batch_tps / tps, tps);
-    if (d->llama_bench) {
+               a->batch, batch_tps, batch_tps / a->batch, batch_tps / tps, tps);
+    if (a->llama_bench) {
         if (peer > 0)
             printf("peer       llama.cpp llama-bench tg: %.2f tok/s -> kvbridge/llama.cpp = %.2fx\n", peer, tps / peer);
-        else printf("peer       llama-bench at %s did not produce a result\n", d->llama_bench);
+        else printf("peer       llama-bench at %s did not produce a result\n", a->llama_bench);
     }
-    FILE *f = d->json_path ? fopen(d->json_path, "w") : NULL;
+    FILE *f = a->json_path ? fopen(a->json_path, "w") : NULL;
     if (f) {
         fprintf(f,
                 "{\"bench\":\"decode\",\"model\":\"%s\",\"threads\":%d,\"tok_s\":%.4f,\"read_bw_gbs\":%.3f,"
                 "\"weight_bytes\":%llu,\"peer_tok_s\":%.4f}\n",
-                d->model_path, T, tps, bw, (unsigned long long)wbytes, peer);
+                a->model_path, T, tps, bw, (unsigned long long)wbytes, peer);
         fclose(f);
     }
 }
 
-/* Returns the exit code. */
-static int bench_decode(const decode_bench *d) {
+/* `bench decode`: --gen single-token steps on the CPU engine after a --ctx prompt (like llama-bench
+ * tg), after one untimed step that pages the weights in. Returns the exit code. */
+static int bench_decode(const bench_args *a) {
     kvb_err err = {0};
     kvb_model *m = NULL;
     kvb_engine *e = NULL;
     kvb_pool *pool = NULL;
-    const uint32_t need = d->n_ctx + d->n_gen, bt_default = 32; /* the engine's default block size */
+    const uint32_t n_ctx = (uint32_t)a->n_ctx, n_gen = (uint32_t)a->n_gen, need = n_ctx + n_gen;
+    const uint32_t bt_default = 32; /* the engine's default block size */
     int32_t *toks = malloc(sizeof(int32_t) * need);
     double times[100];
-    kvb_status st = toks ? kvb_model_load(d->model_path, &m, &err) : kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
+    kvb_status st = toks ? kvb_model_load(a->model_path, &m, &err) : kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
     float *logits = st ? NULL : malloc(sizeof(float) * m->d.n_vocab);
     if (!st && !logits) st = kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
-    kvb_engine_opts eo = {.n_threads = d->threads, .cache_dtype = d->cache_type, .max_ctx = need + 1,
-                          .n_blocks = (d->batch + 1) * ((need + 1) / bt_default + 2)};
+    kvb_engine_opts eo = {.n_threads = (int)a->threads, .cache_dtype = a->cache_type, .max_ctx = need + 1,
+                          .n_blocks = (uint32_t)(a->batch + 1) * ((need + 1) / bt_default + 2)};
     if (!st) st = kvb_engine_create(m, &eo, &e, &err);
     const int T = st ? 0 : kvb_engine_threads(e);
     if (!st) {
@@ -585,38 +626,37 @@ static int bench_decode(const decode_bench *d) {
         for (uint32_t i = 0; i < need; i++) toks[i] = (int32_t)(kvb_rng_u64(&rng) % m->d.n_vocab);
         char desc[256];
         kvb_model_describe(m, desc, sizeof desc);
-        printf("model      %s\n           %s\n", d->model_path, desc);
-        printf("machine    %d threads, %s kernels, KV cache %s\n", T, kvb_simd_name(), kvb_type_name(d->cache_type));
+        printf("model      %s\n           %s\n", a->model_path, desc);
+        printf("machine    %d threads, %s kernels, KV cache %s\n", T, kvb_simd_name(), kvb_type_name(a->cache_type));
     }
-    /* r < 0: the warm-up, one short forward that pages the weights in */
-    for (int r = -1; !st && r < d->reps; r++) {
+    for (int r = -1; !st && r < (int)a->reps; r++) { /* r < 0: the warm-up, one step */
         kvb_seq *s = NULL;
         st = kvb_seq_create(e, &s, &err);
-        if (!st) st = kvb_engine_forward(e, s, toks, r < 0 ? 1 : d->n_ctx, logits, false, &err);
+        if (!st) st = kvb_engine_forward(e, s, toks, r < 0 ? 1 : n_ctx, logits, false, &err);
         const double t0 = kvb_now_s();
-        for (uint32_t g = 0; r >= 0 && g < d->n_gen && !st; g++)
-            st = kvb_engine_forward(e, s, &toks[d->n_ctx + g], 1, logits, false, &err);
+        for (uint32_t g = 0; r >= 0 && g < n_gen && !st; g++)
+            st = kvb_engine_forward(e, s, &toks[n_ctx + g], 1, logits, false, &err);
         const double t1 = kvb_now_s();
         kvb_seq_free(s);
         if (st || r < 0) continue;
-        times[r] = d->n_gen / (t1 - t0);
-        fprintf(stderr, "bench decode: run %d/%d: %.2f tok/s\n", r + 1, d->reps, times[r]);
+        times[r] = n_gen / (t1 - t0);
+        fprintf(stderr, "bench decode: run %d/%lld: %.2f tok/s\n", r + 1, a->reps, times[r]);
     }
     double tps = 0, batch_tps = 0;
     if (!st) {
         printf("runs      ");
-        for (int r = 0; r < d->reps; r++) printf(" %.2f", times[r]);
+        for (int r = 0; r < a->reps; r++) printf(" %.2f", times[r]);
         printf(" tok/s\n");
-        tps = kvb_median_sort(times, d->reps);
+        tps = kvb_median_sort(times, (int)a->reps);
     }
-    if (!st && d->batch > 1)
-        st = bench_decode_batch(e, m->d.n_vocab, toks, d->n_ctx, d->n_gen, d->batch, d->reps, &batch_tps, &err);
+    if (!st && a->batch > 1)
+        st = bench_decode_batch(e, m->d.n_vocab, toks, n_ctx, n_gen, (uint32_t)a->batch, (int)a->reps, &batch_tps, &err);
     if (!st) st = kvb_pool_create(T, &pool, &err);
     if (!st) {
         const double bw = kvb_measure_read_bw(pool, (size_t)1 << 30, 3);
-        const double peer =
-            d->llama_bench ? run_llama_bench(d->llama_bench, d->model_path, T, 0, (int)d->n_gen, d->reps) : -1;
-        decode_report(d, m, T, tps, batch_tps, bw, peer);
+        const double peer = a->llama_bench ? run_llama_bench(a->llama_bench, a->model_path, T, 0, (int)n_gen, (int)a->reps)
+                                           : -1;
+        decode_report(a, m, T, tps, batch_tps, bw, peer);
     } else fprintf(stderr, "kvbridge bench: %s\n", err.msg);
     kvb_pool_destroy(pool);
     free(toks);
@@ -627,111 +667,41 @@ static int bench_decode(const decode_bench *d) {
 }
 
 int kvb_cmd_bench(int argc, char **argv) {
-    const char *cmd = "bench", *model_path = NULL, *llama_bench = NULL, *json_path = NULL;
-    if (argc < 2 || kvb_arg_is_help(argv[1])) {
-        help(argc < 2 ? stderr : stdout);
-        return argc < 2 ? 2 : 0;
+    if (argc < 2) {
+        fprintf(stderr, "kvbridge bench: name a benchmark: prefill, decode, ladder, link, quality, slab, tokenize, "
+                        "parallel or json (see kvbridge bench --help)\n");
+        return 2;
+    }
+    if (kvb_arg_is_help(argv[1])) {
+        bench_args unused = {0};
+        return bench_parse(&unused, argc, argv);
     }
     const char *what = argv[1];
-    if (!strcmp(what, "ladder")) return kvb_bench_ladder(argc, argv);
-    if (!strcmp(what, "link")) return kvb_bench_link(argc, argv);
-    if (!strcmp(what, "quality")) return kvb_bench_quality(argc, argv);
-    if (!strcmp(what, "slab")) return kvb_bench_slab(argc, argv);
-    if (!strcmp(what, "tokenize")) return kvb_bench_tokenize(argc, argv);
-    if (!strcmp(what, "parallel")) return kvb_bench_parallel(argc, argv);
-    if (!strcmp(what, "json")) return kvb_bench_json(argc, argv);
+    for (size_t k = 0; k < sizeof k_bench_kinds / sizeof k_bench_kinds[0]; k++)
+        if (!strcmp(what, k_bench_kinds[k].name)) return k_bench_kinds[k].fn(argc - 1, argv + 1);
     bool prefill = !strcmp(what, "prefill");
     if (!prefill && strcmp(what, "decode")) {
         fprintf(stderr, "kvbridge bench: unknown benchmark '%s' (prefill, decode, ladder, link, slab, tokenize, parallel, json or quality; see kvbridge bench --help)\n", what);
         return 2;
     }
-    long long threads = 0, n_gen = 128, n_ctx = 16, reps = 3, chunk = 0, ceiling_reps = 20, warmup = 2,
-              batch = 1;
-    const char *tokens_arg = NULL, *peer_json = NULL, *attn_arg = NULL;
-    bool cuda = false, host_overhead = false, tp_one_device = false;
-    long long gpus = 1;
-    int gpu_weights = 0;
-    uint32_t cache_type = KVB_TYPE_F16, bridge_type = 0;
-    for (int i = 2; i < argc; i++) {
-        const char *a = argv[i], *v;
-        if (kvb_arg_is_help(a)) {
-            help(stdout);
-            return 0;
-        } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
-            if (!(model_path = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--threads")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1024, &threads)) return 2;
-        } else if (!strcmp(a, "--tokens")) {
-            if (!(tokens_arg = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--device")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-            if (!strcmp(v, "cuda")) cuda = true;
-            else if (!strcmp(v, "cpu")) cuda = false;
-            else {
-                fprintf(stderr, "kvbridge bench: --device expects 'cpu' or 'cuda', got '%s'\n", v);
-                return 2;
-            }
-        } else if (!strcmp(a, "--chunk")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 24, &chunk)) return 2;
-        } else if (!strcmp(a, "--ceiling-reps")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1000, &ceiling_reps)) return 2;
-        } else if (!strcmp(a, "--warmup")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 0, 100, &warmup)) return 2;
-        } else if (!strcmp(a, "--peer-json")) {
-            if (!(peer_json = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--gen")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 20, &n_gen)) return 2;
-        } else if (!strcmp(a, "--batch")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 256, &batch)) return 2;
-        } else if (!strcmp(a, "--ctx")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 20, &n_ctx)) return 2;
-        } else if (!strcmp(a, "--reps")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 100, &reps)) return 2;
-        } else if (!strcmp(a, "--cache-type")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &cache_type)) return 2;
-        } else if (!strcmp(a, "--llama-bench")) {
-            if (!(llama_bench = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--json")) {
-            if (!(json_path = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--bridge")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &bridge_type)) return 2;
-        } else if (!strcmp(a, "--attention")) {
-            if (!(attn_arg = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--host-overhead")) {
-            host_overhead = true;
-        } else if (!strcmp(a, "--gpus")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, KVB_CLI_MAX_GPUS, &gpus)) return 2;
-        } else if (!strcmp(a, "--tp-one-device")) {
-            tp_one_device = true;
-        } else if (!strcmp(a, "--gpu-weights")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_gpu_weights("bench", v, &gpu_weights)) return 2;
-        } else {
-            fprintf(stderr, "kvbridge bench: unknown option '%s' (see kvbridge bench --help)\n", a);
-            return 2;
-        }
-    }
-    if (!kvb_arg_gpus_ok("bench", gpus, tp_one_device, cuda) || !kvb_arg_gpu_weights_ok("bench", gpu_weights, cuda))
-        return 2;
-    if (!model_path) {
-        fprintf(stderr, "kvbridge bench: -m MODEL is required (see kvbridge bench --help)\n");
-        return 2;
-    }
+    bench_args a = {0};
+    int prc = bench_parse(&a, argc - 1, argv + 1);
+    if (prc != KVB_CLI_GO) return prc;
+    const bool cuda = a.device == 1;
     if (prefill) { /* one path for every engine */
-        prefill_bench b = {.model_path = model_path, .peer_json = peer_json, .json_path = json_path,
-                           .llama_bench = llama_bench, .device = cuda ? "cuda" : "cpu", .reps = (int)reps,
-                           .warmup = (int)warmup, .ceiling_reps = (int)ceiling_reps, .host_overhead = host_overhead,
-                           .bridge_dtype = bridge_type,
-                           .eo = {.device = cuda ? KVB_DEVICE_CUDA : KVB_DEVICE_CPU, .n_threads = (int)threads,
-                                  .cache_dtype = cache_type, .max_batch = (uint32_t)chunk, .gpus = (int)gpus,
-                                  .tp_one_device = tp_one_device, .weights = (kvb_prefill_weights)gpu_weights}};
-        return bench_prefill(&b, tokens_arg ? tokens_arg : cuda ? "2048" : "512", attn_arg);
+        prefill_bench b = {.model_path = a.model_path, .peer_json = a.peer_json, .json_path = a.json_path,
+                           .llama_bench = a.llama_bench, .device = cuda ? "cuda" : "cpu", .reps = (int)a.reps,
+                           .warmup = (int)a.warmup, .ceiling_reps = (int)a.ceiling_reps,
+                           .host_overhead = a.host_overhead, .bridge_dtype = a.bridge_type,
+                           .eo = {.device = cuda ? KVB_DEVICE_CUDA : KVB_DEVICE_CPU, .n_threads = (int)a.threads,
+                                  .cache_dtype = a.cache_type, .max_batch = (uint32_t)a.chunk, .gpus = (int)a.gpu.gpus,
+                                  .tp_one_device = a.gpu.tp_one_device,
+                                  .weights = (kvb_prefill_weights)a.gpu.gpu_weights}};
+        return bench_prefill(&b, a.tokens_arg ? a.tokens_arg : cuda ? "2048" : "512", a.attn_arg);
     }
     if (cuda) {
         fprintf(stderr, "kvbridge bench: --device cuda supports 'prefill' only for now\n");
         return 2;
     }
-    const decode_bench d = {.model_path = model_path, .llama_bench = llama_bench, .json_path = json_path,
-                            .threads = (int)threads, .n_gen = (uint32_t)n_gen, .n_ctx = (uint32_t)n_ctx,
-                            .batch = (uint32_t)batch, .reps = (int)reps, .cache_type = cache_type};
-    return bench_decode(&d);
+    return bench_decode(&a);
 }

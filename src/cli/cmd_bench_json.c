@@ -14,18 +14,6 @@
 #include "kvb_model.h"
 #include "kvb_node.h"
 
-static void help(FILE *f) {
-    fprintf(f, "usage: kvbridge bench json -m MODEL [--tokens T] [--rounds R] [--threads N]\n\n"
-               "Starts a native decode node on loopback and asks it, R rounds, for T tokens of the same prompt\n"
-               "twice (the order alternates): as plain text, and under a response_format json_schema whose\n"
-               "string property has a minLength no T tokens reach (every token drawn through the vocabulary\n"
-               "mask). Prints both decode speeds (tokens per second of decoding, from usage.kvbridge), their\n"
-               "ratio, and the schema reply's start.\n\n"
-               "  --tokens T         tokens of each reply (default 64, at most 1024)\n"
-               "  --rounds R         rounds; the medians are reported (default 3)\n"
-               "  --threads N        the node's CPU threads (default: all)\n");
-}
-
 /* One request: its decode tokens per second, or -1 with why. text: the reply's first bytes. */
 static double one_reply(uint16_t port, const char *body, long long want, char *text, size_t text_len, char *why,
                         size_t why_len) {
@@ -54,31 +42,24 @@ static double one_reply(uint16_t port, const char *body, long long want, char *t
 }
 
 int kvb_bench_json(int argc, char **argv) {
-    const char *model = NULL, *v;
-    long long tokens = 64, rounds = 3, threads = 0;
-    for (int i = 2; i < argc; i++) {
-        const char *a = argv[i];
-        if (kvb_arg_is_help(a)) {
-            help(stdout);
-            return 0;
-        } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
-            if (!(model = kvb_arg_value("bench", argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--tokens")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 1024, &tokens)) return 2;
-        } else if (!strcmp(a, "--rounds")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 100, &rounds)) return 2;
-        } else if (!strcmp(a, "--threads")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 1024, &threads))
-                return 2;
-        } else {
-            fprintf(stderr, "kvbridge bench json: unknown option '%s' (see kvbridge bench json --help)\n", a);
-            return 2;
-        }
-    }
-    if (!model) {
-        fprintf(stderr, "kvbridge bench json: -m MODEL is required (see kvbridge bench json --help)\n");
-        return 2;
-    }
+    const char *model = NULL;
+    long long tokens = 0, rounds = 0, threads = 0;
+    const kvb_opt opts[] = {
+        KVB_CLI_OPT_MODEL(&model, "GGUF model", true),
+        KVB_CLI_INT("tokens", &tokens, "T", 1, 1024, "64", "tokens of each reply"),
+        KVB_CLI_INT("rounds", &rounds, "R", 1, 100, "3", "rounds; the medians are reported"),
+        KVB_CLI_OPT_THREADS(&threads, "the node's CPU threads (default: all)"),
+        {0},
+    };
+    const kvb_cli_spec spec = {
+        .name = "bench json", .usage = "-m MODEL [--tokens T] [--rounds R] [--threads N]", .opts = opts,
+        .about = "Starts a native decode node on loopback and asks it, R rounds, for T tokens of the same prompt "
+                 "twice (the order alternates): as plain text, and under a response_format json_schema whose "
+                 "string property has a minLength no T tokens reach (every token drawn through the vocabulary "
+                 "mask). Prints both decode speeds (tokens per second of decoding, from usage.kvbridge), their "
+                 "ratio, and the schema reply's start."};
+    int prc = kvb_cli_parse(&spec, argc, argv);
+    if (prc != KVB_CLI_GO) return prc;
     kvb_err err = {0};
     kvb_model *m = NULL;
     if (kvb_model_load(model, &m, &err)) {

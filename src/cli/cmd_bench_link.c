@@ -21,24 +21,6 @@
 #include "kvb_store.h"
 #include "kvb_transport.h"
 
-static void help(FILE *f) {
-    fprintf(f,
-            "usage: kvbridge bench link --listen HOST:PORT [--psk KEY]\n"
-            "       kvbridge bench link --peer HOST:PORT [--bytes N] [--slab-bytes S] [--reps R] [--streams C]\n"
-            "                           [--psk KEY]\n\n"
-            "Measures kvbridge's transport against the raw TCP link between two machines: the listener serves\n"
-            "plain TCP on PORT and the transport on PORT+1; the connecting side sends N bytes (default 1 GiB)\n"
-            "each way of sending, in pieces of S bytes (default 1 MiB), alternating, R times (default 3), and\n"
-            "prints both GB/s and their ratio. Both sides need the same pre-shared key (--psk or KVB_PSK).\n\n"
-            "  --streams C   send each way over C connections at once (1..%d, default 1): C plain TCP\n"
-            "                connections, then C authenticated kvbridge connections, N/C bytes on each, one\n"
-            "                sending thread per connection on this side and one receiving thread per\n"
-            "                connection on the listener's, timed from the first byte to the last\n"
-            "                acknowledgement (the raw yardstick for a decode node striping over C lanes).\n"
-            "                The listener takes the count from each round's header.\n",
-            KVB_MAX_LANES);
-}
-
 static int tcp_listen(const char *host, const char *port) {
     struct addrinfo hints = {.ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE}, *ai = NULL;
     if (getaddrinfo(*host ? host : NULL, port, &hints, &ai) != 0 || !ai) return -1;
@@ -498,40 +480,38 @@ done:
 
 int kvb_bench_link(int argc, char **argv) {
     const char *listen = NULL, *peer = NULL, *psk = getenv("KVB_PSK");
-    long long bytes = 1LL << 30, slab = 1 << 20, reps = 3, streams = 1;
-    for (int i = 2; i < argc; i++) {
-        const char *a = argv[i], *v;
-        if (kvb_arg_is_help(a)) {
-            help(stdout);
-            return 0;
-        } else if (!strcmp(a, "--listen")) {
-            if (!(listen = kvb_arg_value("bench", argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--peer")) {
-            if (!(peer = kvb_arg_value("bench", argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--psk")) {
-            if (!(psk = kvb_arg_value("bench", argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--bytes")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1 << 20, 1LL << 40, &bytes))
-                return 2;
-        } else if (!strcmp(a, "--slab-bytes")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 4096, 1 << 26, &slab))
-                return 2;
-        } else if (!strcmp(a, "--reps")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 100, &reps)) return 2;
-        } else if (!strcmp(a, "--streams")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) ||
-                !kvb_arg_int("bench", a, v, 1, KVB_MAX_LANES, &streams))
-                return 2;
-        } else {
-            fprintf(stderr, "kvbridge bench link: unknown option '%s' (see kvbridge bench link --help)\n", a);
-            return 2;
-        }
-    }
-    if (!listen == !peer || !psk || strlen(psk) < KVB_WIRE_PSK_MIN) {
-        fprintf(stderr, "kvbridge bench link: give exactly one of --listen or --peer, and a key of >= %d bytes "
-                        "(--psk or KVB_PSK)\n", KVB_WIRE_PSK_MIN);
-        return 2;
-    }
+    uint64_t bytes = 0, slab = 0;
+    long long reps = 0, streams = 0;
+    const kvb_opt opts[] = {
+        KVB_CLI_STR("listen", &listen, "HOST:PORT", "serve: plain TCP on PORT and the transport on PORT+1"),
+        KVB_CLI_STR("peer", &peer, "HOST:PORT", "measure against a listener there"),
+        KVB_CLI_OPT_PSK(&psk, "pre-shared key, the same on both sides (or env KVB_PSK)"),
+        {.long_name = "bytes", .kind = KVB_OPT_SIZE, .dst = &bytes, .meta = "N", .def = "1G", .ulo = 1 << 20,
+         .uhi = 1ULL << 40, .help = "bytes sent each way of sending, per round"},
+        {.long_name = "slab-bytes", .kind = KVB_OPT_SIZE, .dst = &slab, .meta = "S", .def = "1M", .ulo = 4096,
+         .uhi = 1 << 26, .help = "the size of each send and each SLAB frame"},
+        KVB_CLI_INT("reps", &reps, "R", 1, 100, "3", "rounds; the medians are reported"),
+        KVB_CLI_INT("streams", &streams, "C", 1, KVB_MAX_LANES, "1",
+                    "send each way over C connections at once: C plain TCP connections, then C authenticated "
+                    "kvbridge connections, N/C bytes on each, one sending thread per connection on this side and "
+                    "one receiving thread per connection on the listener's, timed from the first byte to the last "
+                    "acknowledgement (the raw yardstick for a decode node striping over C lanes). The listener takes "
+                    "the count from each round's header"),
+        {0},
+    };
+    const kvb_cli_spec spec = {
+        .name = "bench link", .opts = opts,
+        .usage = "--listen HOST:PORT [--psk KEY]\n--peer HOST:PORT [--bytes N] [--slab-bytes S] [--reps R] "
+                 "[--streams C] [--psk KEY]",
+        .about = "Measures kvbridge's transport against the raw TCP link between two machines: the listener serves "
+                 "plain TCP on PORT and the transport on PORT+1; the connecting side sends N bytes each way of "
+                 "sending, in pieces of S bytes, alternating, R times, and prints both GB/s and their ratio. Both "
+                 "sides need the same pre-shared key (--psk or KVB_PSK)."};
+    int prc = kvb_cli_parse(&spec, argc, argv);
+    if (prc != KVB_CLI_GO) return prc;
+    if (!listen == !peer || !psk || strlen(psk) < KVB_WIRE_PSK_MIN)
+        return kvb_cli_usage_error(&spec, "give exactly one of --listen or --peer, and a key of >= %d bytes (--psk "
+                                          "or KVB_PSK)", KVB_WIRE_PSK_MIN);
     return listen ? serve(listen, psk)
-                  : measure(peer, psk, (uint64_t)bytes, (size_t)slab, (int)reps, (uint32_t)streams);
+                  : measure(peer, psk, bytes, (size_t)slab, (int)reps, (uint32_t)streams);
 }

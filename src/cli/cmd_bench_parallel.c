@@ -17,18 +17,6 @@
 
 #define MAX_CLIENTS KVB_DECODE_MAX_PARALLEL
 
-static void help(FILE *f) {
-    fprintf(f, "usage: kvbridge bench parallel -m MODEL [--clients N] [--tokens T] [--prompt-tokens P] [--rounds R]\n\n"
-               "Starts two native decode nodes on loopback, one serving a request at a time and one serving\n"
-               "N at once (decode steps batched), sends N clients' requests at the same moment to each in\n"
-               "turn, R rounds, and prints the tokens per second of all replies together on both, their\n"
-               "ratio, and whether every reply was the same on both.\n\n"
-               "  --clients N        concurrent clients, and the second node's --parallel (2..64, default 4)\n"
-               "  --tokens T         max_tokens of each request, greedy (default 64)\n"
-               "  --prompt-tokens P  each client's own prompt of random token ids (default 64)\n"
-               "  --rounds R         rounds; the median is reported (default 3)\n"
-               "  --threads T        the nodes' CPU threads (default: all)\n");
-}
 
 typedef struct {
     uint16_t port;
@@ -90,37 +78,26 @@ static double round_on(uint16_t port, char **bodies, int n, char **texts, char *
 }
 
 int kvb_bench_parallel(int argc, char **argv) {
-    const char *model = NULL, *v;
-    long long clients = 4, tokens = 64, prompt = 64, rounds = 3, threads = 0;
-    for (int i = 2; i < argc; i++) {
-        const char *a = argv[i];
-        if (kvb_arg_is_help(a)) {
-            help(stdout);
-            return 0;
-        } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
-            if (!(model = kvb_arg_value("bench", argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--clients")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 2, MAX_CLIENTS, &clients))
-                return 2;
-        } else if (!strcmp(a, "--tokens")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 4096, &tokens)) return 2;
-        } else if (!strcmp(a, "--prompt-tokens")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 16384, &prompt))
-                return 2;
-        } else if (!strcmp(a, "--rounds")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 100, &rounds)) return 2;
-        } else if (!strcmp(a, "--threads")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 1024, &threads))
-                return 2;
-        } else {
-            fprintf(stderr, "kvbridge bench parallel: unknown option '%s' (see kvbridge bench parallel --help)\n", a);
-            return 2;
-        }
-    }
-    if (!model) {
-        fprintf(stderr, "kvbridge bench parallel: -m MODEL is required (see kvbridge bench parallel --help)\n");
-        return 2;
-    }
+    const char *model = NULL;
+    long long clients = 0, tokens = 0, prompt = 0, rounds = 0, threads = 0;
+    const kvb_opt opts[] = {
+        KVB_CLI_OPT_MODEL(&model, "GGUF model", true),
+        KVB_CLI_INT("clients", &clients, "N", 2, MAX_CLIENTS, "4", "concurrent clients, and the second node's --parallel"),
+        KVB_CLI_INT("tokens", &tokens, "T", 1, 4096, "64", "max_tokens of each request, greedy"),
+        KVB_CLI_INT("prompt-tokens", &prompt, "P", 1, 16384, "64", "each client's own prompt of random token ids"),
+        KVB_CLI_INT("rounds", &rounds, "R", 1, 100, "3", "rounds; the median is reported"),
+        KVB_CLI_OPT_THREADS(&threads, "the nodes' CPU threads (default: all)"),
+        {0},
+    };
+    const kvb_cli_spec spec = {
+        .name = "bench parallel", .opts = opts,
+        .usage = "-m MODEL [--clients N] [--tokens T] [--prompt-tokens P] [--rounds R]",
+        .about = "Starts two native decode nodes on loopback, one serving a request at a time and one serving N at "
+                 "once (decode steps batched), sends N clients' requests at the same moment to each in turn, R "
+                 "rounds, and prints the tokens per second of all replies together on both, their ratio, and "
+                 "whether every reply was the same on both."};
+    int prc = kvb_cli_parse(&spec, argc, argv);
+    if (prc != KVB_CLI_GO) return prc;
     const int n = (int)clients;
     kvb_err err = {0};
     kvb_model *m = NULL;

@@ -52,71 +52,6 @@ static const char *const k_mode_names[N_MODES] = {"decoder", "prefill"};
 #define BLOCK_TOKENS 32u
 #define MAX_BATCH 512u
 
-static void help(FILE *f) {
-    fprintf(f,
-            "usage: kvbridge bench quality [-m MODEL] [--prompts N] [--min-tokens N] [--max-tokens N] [options]\n\n"
-            "Bridged vs native cache on the same decoder (the CPU engine, the decoder's cache format), over a\n"
-            "fixed, deterministic set of needle-in-a-document prompts: a generated English document with one\n"
-            "fact (\"The secret code of the blue lighthouse is 48217.\") at a random depth, then\n"
-            "\"Question: ...\\nAnswer:\". For each prompt the decoder computes the cache itself (native), and\n"
-            "decodes again from the cache the bridge delivers (bridged: slabs for every position before the\n"
-            "last prompt token, assembled into a fresh store through the slab assembler as a decode node does:\n"
-            "full blocks committed, the partial tail adopted; the decoder computes only the last prompt token).\n\n"
-            "Per prompt and bridge mode: greedy token agreement over the first --gen tokens (tokens before the\n"
-            "first divergence, and the fraction of identical tokens), mean next-token KL(native || bridged)\n"
-            "teacher-forced on the native tokens (softmax in double), and needle retrieval (the answer in the\n"
-            "generated text, case-insensitive) for both paths. Prints a table by prompt length and totals;\n"
-            "one progress line per prompt on stderr. Decoder mode is checked to be bit-exact (identical logits\n"
-            "at every step: KL 0, agreement 100 %%); the exit status is 1 when it is not.\n\n"
-            "Modes:\n"
-            "  decoder   the bridge runs the decoder's arithmetic on the attention inputs of a prefill engine\n"
-            "            computing in the decoder's cache format; that engine's forward IS the decoder's native\n"
-            "            forward, so the bridge hooks on it (the slabs still go through the whole bridge path)\n"
-            "  prefill   a prefill engine computes in its own cache dtype (--prefill-engine-cache) and its own\n"
-            "            K/V rows are re-encoded into the decoder's format\n\n"
-            "  -m, --model FILE         GGUF model (default: the Gemma 3 270M file tools/fetch_gemma3.sh installs,\n"
-            "                           ~/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf)\n"
-            "  --prompts N              prompts (default 200)\n"
-            "  --min-tokens N           shortest prompt in tokens (default 1024)\n"
-            "  --max-tokens N           longest prompt in tokens (default 30720); lengths go round-robin over\n"
-            "                           the octaves [min, 2 min), [2 min, 4 min), ... and are uniform inside\n"
-            "                           one, so prompt i is the same whatever --prompts says\n"
-            "  --seed S                 the prompt set (default 1)\n"
-            "  --gen N                  greedy tokens per prompt and path (default 64)\n"
-            "  --modes LIST             decoder,prefill (default both)\n"
-            "  --cache-type T           the decoder's cache dtype: f16 (default), f32, bf16, q8_0\n"
-            "  --prefill-engine-cache T the prefill engine's own cache dtype in mode prefill (default f32)\n"
-            "  --threads T              CPU threads (default: all)\n"
-            "  --verbose                also print each prompt's generated texts (stderr)\n"
-            "  --perturb                test-only: perturb the decoder-mode bridge by one reordered addition\n"
-            "                           (as kvbridge verify --perturb); the decoder-mode claim must then fail\n\n"
-            "Resuming and sharding (the default set takes hours):\n"
-            "  --results FILE           append one JSON line to FILE as each prompt finishes: its figures, its\n"
-            "                           0-based \"index\" (the progress line shows index + 1) and the settings\n"
-            "                           that decide them (model file name and fingerprint, --seed, --min-tokens,\n"
-            "                           --max-tokens, --gen, --modes, --cache-type, --prefill-engine-cache,\n"
-            "                           --perturb). When FILE exists, the prompts it holds are loaded and not\n"
-            "                           computed again; a line from other settings stops the command (use\n"
-            "                           another FILE), as does a damaged line (its line number is named). A last\n"
-            "                           line without its newline (a run killed while writing it) is dropped\n"
-            "                           with a warning. Shards' files can be concatenated into one.\n"
-            "  --first I                skip the first I prompts: compute prompts I+1 .. N of --prompts N only\n"
-            "                           (prompt i is the same in every shard); the tables cover those and the\n"
-            "                           ones FILE holds (default 0)\n"
-            "  --table-only             compute nothing (the model file need not be here): print the tables and\n"
-            "                           the decoder-mode claim over the prompts of 1 .. --prompts that\n"
-            "                           --results FILE holds, saying how many are present; give the run's\n"
-            "                           settings (they must match the file's)\n"
-            "A run stopped part way continues where it stopped when the same command is run again. On two\n"
-            "machines, then one table:\n"
-            "  A:  kvbridge bench quality --prompts 100 --results a.jsonl\n"
-            "  B:  kvbridge bench quality --first 100 --prompts 200 --results b.jsonl\n"
-            "  cat a.jsonl b.jsonl > all.jsonl\n"
-            "  kvbridge bench quality --prompts 200 --results all.jsonl --table-only\n\n"
-            "Cost: two prefills per prompt with both modes (the native forward with the decoder-mode bridge on\n"
-            "it, and the prefill engine's), plus about 3 x --gen decode steps.\n");
-}
-
 typedef struct {
     const char *model;
     long long n_prompts, min_tok, max_tok, gen, threads;
@@ -894,7 +829,9 @@ static void print_ranges(const bool *have, uint32_t lo, uint32_t hi, bool want) 
 
 /* ---- the command ----------------------------------------------------------------------------- */
 
-static int parse_modes(const char *v, bool modes[N_MODES]) {
+/* --modes LIST (decoder, prefill or both, comma-separated) into a bool[N_MODES]. */
+static kvb_status parse_modes(const char *v, void *dst, kvb_err *err) {
+    bool *modes = dst;
     modes[MODE_DECODER] = modes[MODE_PREFILL] = false;
     const char *p = v;
     while (*p) {
@@ -902,63 +839,88 @@ static int parse_modes(const char *v, bool modes[N_MODES]) {
         int m = -1;
         for (int k = 0; k < N_MODES; k++)
             if (len == strlen(k_mode_names[k]) && !strncmp(p, k_mode_names[k], len)) m = k;
-        if (m < 0) {
-            fprintf(stderr, "kvbridge bench quality: --modes expects decoder, prefill or decoder,prefill, got '%s'\n", v);
-            return -1;
-        }
+        if (m < 0) return kvb_err_set(err, KVB_ERR_RANGE, "expects decoder, prefill or decoder,prefill, got '%s'", v);
         modes[m] = true;
         p += len;
         if (*p == ',') p++;
     }
-    if (!modes[MODE_DECODER] && !modes[MODE_PREFILL]) {
-        fprintf(stderr, "kvbridge bench quality: --modes names no mode\n");
-        return -1;
-    }
-    return 0;
+    if (!modes[MODE_DECODER] && !modes[MODE_PREFILL]) return kvb_err_set(err, KVB_ERR_RANGE, "names no mode");
+    return KVB_OK;
 }
 
+/* Fills *o from argv; KVB_CLI_GO, or the code the command returns. */
 static int parse_args(int argc, char **argv, qopts *o, char *model_buf, size_t cap) {
-    const char *cmd = "bench quality";
-    for (int i = 2; i < argc; i++) {
-        const char *a = argv[i], *v;
-        if (kvb_arg_is_help(a)) {
-            help(stdout);
-            return 1;
-        } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
-            if (!(o->model = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--prompts")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 100000, &o->n_prompts)) return 2;
-        } else if (!strcmp(a, "--min-tokens")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 64, 1 << 20, &o->min_tok)) return 2;
-        } else if (!strcmp(a, "--max-tokens")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 64, 1 << 20, &o->max_tok)) return 2;
-        } else if (!strcmp(a, "--gen")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 4096, &o->gen)) return 2;
-        } else if (!strcmp(a, "--threads")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1024, &o->threads)) return 2;
-        } else if (!strcmp(a, "--seed")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_u64(cmd, a, v, &o->seed)) return 2;
-        } else if (!strcmp(a, "--modes")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || parse_modes(v, o->modes)) return 2;
-        } else if (!strcmp(a, "--cache-type")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &o->cache_type)) return 2;
-        } else if (!strcmp(a, "--prefill-engine-cache")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &o->prefill_cache_type)) return 2;
-        } else if (!strcmp(a, "--verbose") || !strcmp(a, "-v")) {
-            o->verbose = true;
-        } else if (!strcmp(a, "--perturb")) {
-            o->perturb = true;
-        } else if (!strcmp(a, "--results")) {
-            if (!(o->results = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--first")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 0, 99999, &o->first)) return 2;
-        } else if (!strcmp(a, "--table-only")) {
-            o->table_only = true;
-        } else {
-            fprintf(stderr, "kvbridge bench quality: unknown option '%s' (see kvbridge bench quality --help)\n", a);
-            return 2;
-        }
-    }
+    const kvb_opt opts[] = {
+        KVB_CLI_OPT_MODEL(&o->model, "GGUF model (default: the Gemma 3 270M file tools/fetch_gemma3.sh installs, "
+                                     "~/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf)", false),
+        KVB_CLI_INT("prompts", &o->n_prompts, "N", 1, 100000, "200", "prompts"),
+        KVB_CLI_INT("min-tokens", &o->min_tok, "N", 64, 1 << 20, "1024", "shortest prompt in tokens"),
+        KVB_CLI_INT("max-tokens", &o->max_tok, "N", 64, 1 << 20, "30720",
+                    "longest prompt in tokens; lengths go round-robin over the octaves [min, 2 min), [2 min, 4 min), "
+                    "... and are uniform inside one, so prompt i is the same whatever --prompts says"),
+        {.long_name = "seed", .kind = KVB_OPT_UINT, .dst = &o->seed, .meta = "S", .def = "1", .help = "the prompt set"},
+        KVB_CLI_INT("gen", &o->gen, "N", 1, 4096, "64", "greedy tokens per prompt and path"),
+        {.long_name = "modes", .kind = KVB_OPT_CUSTOM, .dst = o->modes, .meta = "LIST", .def = "decoder,prefill",
+         .parse = parse_modes, .help = "the bridge modes compared: decoder, prefill or both"},
+        KVB_CLI_OPT_CACHE_TYPE(&o->cache_type, "the decoder's cache dtype: f16, f32, bf16, q8_0"),
+        {.long_name = "prefill-engine-cache", .kind = KVB_OPT_CUSTOM, .dst = &o->prefill_cache_type, .meta = "T",
+         .def = "f32", .parse = kvb_opt_parse_type, .help = "the prefill engine's own cache dtype in mode prefill"},
+        KVB_CLI_OPT_THREADS(&o->threads, "CPU threads (default: all)"),
+        {.long_name = "verbose", .short_name = 'v', .kind = KVB_OPT_FLAG, .dst = &o->verbose,
+         .help = "also print each prompt's generated texts (stderr)"},
+        KVB_CLI_FLAG("perturb", &o->perturb,
+                     "test-only: perturb the decoder-mode bridge by one reordered addition (as kvbridge verify "
+                     "--perturb); the decoder-mode claim must then fail"),
+        KVB_CLI_STR("results", &o->results, "FILE",
+                    "append one JSON line to FILE as each prompt finishes: its figures, its 0-based \"index\" (the "
+                    "progress line shows index + 1) and the settings that decide them (model file name and "
+                    "fingerprint, --seed, --min-tokens, --max-tokens, --gen, --modes, --cache-type, "
+                    "--prefill-engine-cache, --perturb). When FILE exists, the prompts it holds are loaded and not "
+                    "computed again; a line from other settings stops the command (use another FILE), as does a "
+                    "damaged line (its line number is named). A last line without its newline (a run killed while "
+                    "writing it) is dropped with a warning. Shards' files can be concatenated into one"),
+        KVB_CLI_INT("first", &o->first, "I", 0, 99999, "0",
+                    "skip the first I prompts: compute prompts I+1 .. N of --prompts N only (prompt i is the same "
+                    "in every shard); the tables cover those and the ones FILE holds"),
+        KVB_CLI_FLAG("table-only", &o->table_only,
+                     "compute nothing (the model file need not be here): print the tables and the decoder-mode "
+                     "claim over the prompts of 1 .. --prompts that --results FILE holds, saying how many are "
+                     "present; give the run's settings (they must match the file's)"),
+        {0},
+    };
+    const kvb_cli_spec spec = {
+        .name = "bench quality", .opts = opts,
+        .usage = "[-m MODEL] [--prompts N] [--min-tokens N] [--max-tokens N] [options]",
+        .about = "Bridged vs native cache on the same decoder (the CPU engine, the decoder's cache format), over a "
+                 "fixed, deterministic set of needle-in-a-document prompts: a generated English document with one "
+                 "fact (\"The secret code of the blue lighthouse is 48217.\") at a random depth, then "
+                 "\"Question: ...\\nAnswer:\". For each prompt the decoder computes the cache itself (native), and "
+                 "decodes again from the cache the bridge delivers (bridged: slabs for every position before the "
+                 "last prompt token, assembled into a fresh store through the slab assembler as a decode node "
+                 "does: full blocks committed, the partial tail adopted; the decoder computes only the last prompt "
+                 "token).\n\n"
+                 "Per prompt and bridge mode: greedy token agreement over the first --gen tokens (tokens before "
+                 "the first divergence, and the fraction of identical tokens), mean next-token KL(native || "
+                 "bridged) teacher-forced on the native tokens (softmax in double), and needle retrieval (the "
+                 "answer in the generated text, case-insensitive) for both paths. Prints a table by prompt length "
+                 "and totals; one progress line per prompt on stderr. Decoder mode is checked to be bit-exact "
+                 "(identical logits at every step: KL 0, agreement 100 %); the exit status is 1 when it is not.\n\n"
+                 "Modes:\n"
+                 "  decoder   the bridge runs the decoder's arithmetic on the attention inputs of a prefill engine\n"
+                 "            computing in the decoder's cache format; that engine's forward IS the decoder's native\n"
+                 "            forward, so the bridge hooks on it (the slabs still go through the whole bridge path)\n"
+                 "  prefill   a prefill engine computes in its own cache dtype (--prefill-engine-cache) and its own\n"
+                 "            K/V rows are re-encoded into the decoder's format",
+        .epilog = "Resuming and sharding (the default set takes hours): a run stopped part way continues where it\n"
+                  "stopped when the same command is run again (--results). On two machines, then one table:\n"
+                  "  A:  kvbridge bench quality --prompts 100 --results a.jsonl\n"
+                  "  B:  kvbridge bench quality --first 100 --prompts 200 --results b.jsonl\n"
+                  "  cat a.jsonl b.jsonl > all.jsonl\n"
+                  "  kvbridge bench quality --prompts 200 --results all.jsonl --table-only\n\n"
+                  "Cost: two prefills per prompt with both modes (the native forward with the decoder-mode bridge on\n"
+                  "it, and the prefill engine's), plus about 3 x --gen decode steps."};
+    int rc = kvb_cli_parse(&spec, argc, argv);
+    if (rc != KVB_CLI_GO) return rc;
     if (o->min_tok > o->max_tok) {
         fprintf(stderr, "kvbridge bench quality: --min-tokens %lld is above --max-tokens %lld\n", o->min_tok,
                 o->max_tok);
@@ -984,7 +946,7 @@ static int parse_args(int argc, char **argv, qopts *o, char *model_buf, size_t c
         kvb_gemma3_path(model_buf, cap);
         o->model = model_buf;
     }
-    return 0;
+    return KVB_CLI_GO;
 }
 
 static kvb_status bench_setup(qbench *q, kvb_err *err) {
@@ -1144,12 +1106,71 @@ static kvb_status compute(qbench *q, prompt_result *pr, bool *have, long keep, u
     return st;
 }
 
+/* The decoder the prompts run on. */
+static void print_decoder(const qbench *q) {
+    char desc[512];
+    kvb_model_describe(q->m, desc, sizeof desc);
+    printf("bench quality: %s\n", q->o->model);
+    printf("model      %s\n", desc);
+    printf("decoder    CPU engine, %d threads, %s kernels, cache %s, %u-token blocks\n", kvb_engine_threads(q->dec),
+           kvb_simd_name(), kvb_type_name(q->o->cache_type), BLOCK_TOKENS);
+}
+
+/* What a run takes from --results FILE and what --first leaves out, before it computes. */
+static void print_resume(const qopts *o, const bool *have, uint32_t resumed, bool existed) {
+    const uint32_t n_prompts = (uint32_t)o->n_prompts;
+    if (o->results && existed) {
+        printf("resumed %u prompts from %s", resumed, o->results);
+        if (resumed) {
+            printf(" (prompts ");
+            print_ranges(have, 0, n_prompts, true);
+            printf(": not computed again)");
+        }
+        printf("\n");
+    } else if (o->results) {
+        printf("results    %s (a new file): one line per prompt as it finishes\n", o->results);
+    }
+    bool before = false;
+    for (uint32_t i = 0; i < (uint32_t)o->first; i++) before = before || !have[i];
+    if (before) {
+        printf("prompts ");
+        print_ranges(have, 0, (uint32_t)o->first, false);
+        printf(" are before --first %lld%s%s: absent from the tables\n", o->first, o->results ? " and not in " : "",
+               o->results ? o->results : "");
+    }
+}
+
+/* The tables by prompt length for each mode, over the prompts present (gathered at pr's front). */
+static void print_tables(const qopts *o, const prompt_result *pr, uint32_t present, const bool *have) {
+    const uint32_t n_prompts = (uint32_t)o->n_prompts, gen = (uint32_t)o->gen;
+    if (o->results || o->first) {
+        printf("\n%u of %u prompts present", present, n_prompts);
+        if (present < n_prompts) {
+            printf(" (absent: ");
+            print_ranges(have, 0, n_prompts, false);
+            printf("); the tables and the claim are over the present ones");
+        }
+        printf("\n");
+    }
+    for (int m = 0; m < N_MODES; m++) {
+        if (!o->modes[m]) continue;
+        printf("\nmode %s: %s\n", k_mode_names[m],
+               m == MODE_DECODER ? "the bridge runs the decoder's arithmetic on the prefill engine's attention inputs"
+                                 : "the prefill engine's own K/V rows re-encoded into the decoder's format");
+        print_table(pr, present, m, gen);
+    }
+    printf("\nagree run: generated tokens before the first divergence / %u; same tokens: positions with the same "
+           "token; identical: prompts with all %u the same; KL(native || bridged) per step, teacher-forced on the "
+           "native tokens (mean of prompt means; max over all steps); needle: the answer in the %u generated "
+           "tokens.\n",
+           gen, gen, gen);
+}
+
 int kvb_bench_quality(int argc, char **argv) {
-    qopts o = {.n_prompts = 200, .min_tok = 1024, .max_tok = 30720, .gen = 64, .threads = 0, .seed = 1,
-               .cache_type = KVB_TYPE_F16, .prefill_cache_type = KVB_TYPE_F32, .modes = {true, true}};
+    qopts o = {0};
     char model_buf[1024];
     int prc = parse_args(argc, argv, &o, model_buf, sizeof model_buf);
-    if (prc) return prc == 1 ? 0 : prc;
+    if (prc != KVB_CLI_GO) return prc;
     FILE *mf = o.table_only ? NULL : fopen(o.model, "rb");
     if (!o.table_only && !mf) {
         fprintf(stderr, "kvbridge bench quality: %s does not exist; run tools/fetch_gemma3.sh for the Gemma 3 270M "
@@ -1175,12 +1196,7 @@ int kvb_bench_quality(int argc, char **argv) {
         printf("model      %s\n", base_name(o.model));
     } else {
         if (bench_setup(&q, &err)) goto fail;
-        char desc[512];
-        kvb_model_describe(q.m, desc, sizeof desc);
-        printf("bench quality: %s\n", o.model);
-        printf("model      %s\n", desc);
-        printf("decoder    CPU engine, %d threads, %s kernels, cache %s, %u-token blocks\n", kvb_engine_threads(q.dec),
-               kvb_simd_name(), kvb_type_name(o.cache_type), BLOCK_TOKENS);
+        print_decoder(&q);
     }
     print_settings(&o);
     if (o.results &&
@@ -1192,25 +1208,7 @@ int kvb_bench_quality(int argc, char **argv) {
         goto fail;
     }
     if (!o.table_only) {
-        if (o.results && existed) {
-            printf("resumed %u prompts from %s", resumed, o.results);
-            if (resumed) {
-                printf(" (prompts ");
-                print_ranges(have, 0, n_prompts, true);
-                printf(": not computed again)");
-            }
-            printf("\n");
-        } else if (o.results) {
-            printf("results    %s (a new file): one line per prompt as it finishes\n", o.results);
-        }
-        bool before = false;
-        for (uint32_t i = 0; i < (uint32_t)o.first; i++) before = before || !have[i];
-        if (before) {
-            printf("prompts ");
-            print_ranges(have, 0, (uint32_t)o.first, false);
-            printf(" are before --first %lld%s%s: absent from the tables\n", o.first, o.results ? " and not in " : "",
-                   o.results ? o.results : "");
-        }
+        print_resume(&o, have, resumed, existed);
         fflush(stdout);
         if (compute(&q, pr, have, keep, &computed, &err)) goto fail;
     }
@@ -1222,27 +1220,7 @@ int kvb_bench_quality(int argc, char **argv) {
                     o.results, n_prompts);
         goto fail;
     }
-    if (o.results || o.first) {
-        printf("\n%u of %u prompts present", present, n_prompts);
-        if (present < n_prompts) {
-            printf(" (absent: ");
-            print_ranges(have, 0, n_prompts, false);
-            printf("); the tables and the claim are over the present ones");
-        }
-        printf("\n");
-    }
-    for (int m = 0; m < N_MODES; m++) {
-        if (!o.modes[m]) continue;
-        printf("\nmode %s: %s\n", k_mode_names[m],
-               m == MODE_DECODER ? "the bridge runs the decoder's arithmetic on the prefill engine's attention inputs"
-                                 : "the prefill engine's own K/V rows re-encoded into the decoder's format");
-        print_table(pr, present, m, gen);
-    }
-    printf("\nagree run: generated tokens before the first divergence / %u; same tokens: positions with the same "
-           "token; identical: prompts with all %u the same; KL(native || bridged) per step, teacher-forced on the "
-           "native tokens (mean of prompt means; max over all steps); needle: the answer in the %u generated "
-           "tokens.\n",
-           gen, gen, gen);
+    print_tables(&o, pr, present, have);
     rc = 0;
     if (o.modes[MODE_DECODER] && !decoder_claim(gen, pr, present)) rc = 1;
     if (o.table_only) printf("\nbench quality: %u of %u prompts, tabulated from %s\n", present, n_prompts, o.results);

@@ -12,40 +12,41 @@
 #include "kvb_quant.h" /* kvb_type_name */
 #include "kvb_store.h"
 
-static void help(FILE *f) {
-    fprintf(f, "usage: kvbridge bench slab [--tokens N] [--layers L] [--kv-heads H] [--head-dim D]\n"
-               "                           [--block-tokens B] [--cache-type T] [--reps R]\n\n"
-               "The decode node's slab commit on one thread, no network: every (block, layer) slab of an\n"
-               "N-token prompt through kvb_store_slab_put (checks, checksum, scatter, commit), then the\n"
-               "checksum and the scatter alone. Prints microseconds per slab and GB/s (best of R).\n"
-               "Defaults: the llama3.2-1b shape (16 layers, 8 kv heads x 64), 32-token blocks, f16 cache,\n"
-               "8192 tokens, 3 reps.\n");
+/* The shape and the runs `bench slab` times. */
+typedef struct {
+    long long tokens, layers, heads, hd, bt, reps;
+    uint32_t dtype;
+} slab_args;
+
+/* Fills *a from argv; KVB_CLI_GO, or the code the command returns. */
+static int slab_parse(slab_args *a, int argc, char **argv) {
+    const kvb_opt opts[] = {
+        KVB_CLI_INT("tokens", &a->tokens, "N", 1, 1 << 22, "8192", "prompt length"),
+        KVB_CLI_INT("layers", &a->layers, "L", 1, 256, "16", "layers"),
+        KVB_CLI_INT("kv-heads", &a->heads, "H", 1, 256, "8", "KV heads"),
+        KVB_CLI_INT("head-dim", &a->hd, "D", 32, 1024, "64", "head dimension"),
+        KVB_CLI_OPT_BLOCK_TOKENS(&a->bt, "tokens per cache block"),
+        KVB_CLI_OPT_CACHE_TYPE(&a->dtype, "the decoder's cache dtype"),
+        KVB_CLI_INT("reps", &a->reps, "R", 1, 100, "3", "repetitions (the best is reported)"),
+        {0},
+    };
+    const kvb_cli_spec spec = {
+        .name = "bench slab", .opts = opts,
+        .usage = "[--tokens N] [--layers L] [--kv-heads H] [--head-dim D] [--block-tokens B] [--cache-type T] "
+                 "[--reps R]",
+        .about = "The decode node's slab commit on one thread, no network: every (block, layer) slab of an "
+                 "N-token prompt through kvb_store_slab_put (checks, checksum, scatter, commit), then the checksum "
+                 "and the scatter alone. Prints microseconds per slab and GB/s (best of R). The defaults are the "
+                 "llama3.2-1b shape."};
+    return kvb_cli_parse(&spec, argc, argv);
 }
 
 int kvb_bench_slab(int argc, char **argv) {
-    long long tokens = 8192, layers = 16, heads = 8, hd = 64, bt = 32, reps = 3;
-    uint32_t dtype = KVB_TYPE_F16;
-    for (int i = 2; i < argc; i++) {
-        const char *a = argv[i], *v;
-#define NUM(opt, var, lo, hi)                                                                                   \
-    else if (!strcmp(a, opt)) {                                                                                 \
-        if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, lo, hi, &var)) return 2; \
-    }
-        if (kvb_arg_is_help(a)) {
-            help(stdout);
-            return 0;
-        }
-        NUM("--tokens", tokens, 1, 1 << 22) NUM("--layers", layers, 1, 256) NUM("--kv-heads", heads, 1, 256)
-        NUM("--head-dim", hd, 32, 1024) NUM("--block-tokens", bt, 1, 4096) NUM("--reps", reps, 1, 100)
-        else if (!strcmp(a, "--cache-type")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_type("bench", a, v, &dtype)) return 2;
-        }
-        else {
-            fprintf(stderr, "kvbridge bench slab: unknown option '%s' (see kvbridge bench slab --help)\n", a);
-            return 2;
-        }
-#undef NUM
-    }
+    slab_args a = {0};
+    int prc = slab_parse(&a, argc, argv);
+    if (prc != KVB_CLI_GO) return prc;
+    const long long tokens = a.tokens, layers = a.layers, heads = a.heads, hd = a.hd, bt = a.bt, reps = a.reps;
+    const uint32_t dtype = a.dtype;
     kvb_kvformat f;
     kvb_err err = {0};
     if (kvb_kvformat_init(&f, dtype, (uint32_t)bt, (uint32_t)layers, (uint32_t)heads, (uint32_t)hd, &err)) {

@@ -11,43 +11,24 @@
 #include "kvb_gguf.h"
 #include "kvb_tokenizer.h"
 
-static void help(FILE *f) {
-    fprintf(f, "usage: kvbridge bench tokenize -m MODEL [--file TEXT | --tokens N] [--reps R]\n\n"
-               "Encodes one text R times (default 5) with MODEL's vocabulary (a GGUF file; a vocab-only\n"
-               "one is fine), as a decode node encodes a chat request's prompt, and prints the\n"
-               "vocabulary's load time, then the best and median encode time, MB/s and microseconds\n"
-               "per token.\n\n"
-               "  --file TEXT  the text, byte for byte (default: the quality benchmark's English document)\n"
-               "  --tokens N   the size of that document, in tokens, approximately (default 32768)\n"
-               "  --reps R     encodes to time (1..1000)\n");
-}
-
 int kvb_bench_tokenize(int argc, char **argv) {
-    const char *model = NULL, *file = NULL, *v;
-    long long tokens = 32768, reps = 5;
-    for (int i = 2; i < argc; i++) {
-        const char *a = argv[i];
-        if (kvb_arg_is_help(a)) {
-            help(stdout);
-            return 0;
-        } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
-            if (!(model = kvb_arg_value("bench", argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--file")) {
-            if (!(file = kvb_arg_value("bench", argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--tokens")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 1 << 24, &tokens))
-                return 2;
-        } else if (!strcmp(a, "--reps")) {
-            if (!(v = kvb_arg_value("bench", argc, argv, &i)) || !kvb_arg_int("bench", a, v, 1, 1000, &reps)) return 2;
-        } else {
-            fprintf(stderr, "kvbridge bench tokenize: unknown option '%s' (see kvbridge bench tokenize --help)\n", a);
-            return 2;
-        }
-    }
-    if (!model) {
-        fprintf(stderr, "kvbridge bench tokenize: -m MODEL is required (see kvbridge bench tokenize --help)\n");
-        return 2;
-    }
+    const char *model = NULL, *file = NULL;
+    long long tokens = 0, reps = 0;
+    const kvb_opt opts[] = {
+        KVB_CLI_OPT_MODEL(&model, "GGUF file whose vocabulary encodes (a vocab-only one is fine)", true),
+        KVB_CLI_STR("file", &file, "TEXT", "the text, byte for byte (default: the quality benchmark's English "
+                                           "document)"),
+        KVB_CLI_INT("tokens", &tokens, "N", 1, 1 << 24, "32768", "the size of that document, in tokens, approximately"),
+        KVB_CLI_INT("reps", &reps, "R", 1, 1000, "5", "encodes to time"),
+        {0},
+    };
+    const kvb_cli_spec spec = {
+        .name = "bench tokenize", .usage = "-m MODEL [--file TEXT | --tokens N] [--reps R]", .opts = opts,
+        .about = "Encodes one text R times with MODEL's vocabulary, as a decode node encodes a chat request's "
+                 "prompt, and prints the vocabulary's load time, then the best and median encode time, MB/s and "
+                 "microseconds per token."};
+    int prc = kvb_cli_parse(&spec, argc, argv);
+    if (prc != KVB_CLI_GO) return prc;
     size_t n = 0;
     char *text = NULL, *question = NULL, *answer = NULL;
     if (file) {

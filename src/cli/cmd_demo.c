@@ -20,30 +20,6 @@
 #include "kvb_quant.h"
 #include "kvb_prefill_engine.h"
 
-static void help(FILE *f) {
-    fprintf(f,
-            "usage: kvbridge demo [--model FILE|gemma3] [--threads T] [--turns N]\n\n"
-            "Starts a prefill node and a decode node on loopback (CPU -> CPU here; the prefill node computes the\n"
-            "decode node's own cache), holds a multi-turn conversation through the OpenAI API, and prints per\n"
-            "turn: prompt tokens, tokens already cached, tokens bridged, prefill and transfer seconds, reply\n"
-            "seconds and the verdict — beside the same conversation on a decode node without a prefill node.\n"
-            "The decode node bridges any whole uncached block (threshold one block of 32 tokens; serve's default\n"
-            "is two), so turns with short increments are bridged too.\n"
-            "The default model is generated (models/tiny-q8_0.gguf, random weights: the replies are noise; the\n"
-            "demo shows the machinery, and that bridged and native replies are identical).\n\n"
-            "  --model FILE   use this GGUF instead of the generated tiny model; `gemma3` is the real Gemma 3 270M\n"
-            "                 (~/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf, fetched by tools/fetch_gemma3.sh). A model\n"
-            "                 without a chat template (a base model, like that one) holds the conversation as an\n"
-            "                 interview transcript it continues (/v1/completions, one line per reply) and the\n"
-            "                 replies are printed\n"
-            "  --threads T    CPU threads per node (default 1)\n"
-            "  --turns N      conversation turns (default 4)\n"
-            "  --device D     the prefill node's engine: auto (default: cuda when a GPU is usable, else cpu),\n"
-            "                 cpu or cuda\n"
-            "  --gpus N       cuda: tensor-parallel prefill over GPUs 0..N-1 (NCCL)\n"
-            "  --tp-one-device  cuda, --gpus N: every rank on one GPU (tests the split)\n");
-}
-
 static const char *k_document =
     "The harbour at Kestrel Point was built in 1887 to ship granite from the quarries on the ridge. "
     "Each morning the stone came down on a cable railway, and each evening the barges left on the tide. ";
@@ -206,41 +182,61 @@ static int converse(uint16_t port, int turns, turn_result *out) {
     return rc;
 }
 
+static const char *const k_demo_devices[] = {"auto", "cpu", "cuda", NULL};
+
+/* What the command line asks of the demo. */
+typedef struct {
+    const char *model;
+    long long threads, turns, gpus;
+    int device; /* k_demo_devices */
+    bool tp_one_device;
+} demo_args;
+
+/* Fills *a from argv; KVB_CLI_GO, or the code the command returns. */
+static int demo_parse(demo_args *a, int argc, char **argv) {
+    const kvb_opt opts[] = {
+        KVB_CLI_OPT_MODEL(&a->model,
+                          "use this GGUF instead of the generated tiny model; `gemma3` is the real Gemma 3 270M "
+                                   "(~/.cache/kvbridge/gemma-3-270m-q4_k_m.gguf, fetched by tools/fetch_gemma3.sh). A "
+                          "model without a chat template (a base model, like that one) holds the conversation as "
+                          "an interview transcript it continues (/v1/completions, one line per reply) and the "
+                          "replies are printed",
+                          false),
+        {.long_name = "threads", .kind = KVB_OPT_INT, .dst = &a->threads, .meta = "T", .help = "CPU threads per node",
+         .def = "1", .lo = 1, .hi = 1024},
+        {.long_name = "turns", .kind = KVB_OPT_INT, .dst = &a->turns, .meta = "N", .help = "conversation turns",
+         .def = "4", .lo = 1, .hi = 6},
+        {.long_name = "device", .kind = KVB_OPT_ENUM, .dst = &a->device, .meta = "D", .def = "auto",
+         .choices = k_demo_devices,
+         .help = "the prefill node's engine: auto (cuda when a GPU is usable, else cpu), cpu or cuda"},
+        {.long_name = "gpus", .kind = KVB_OPT_INT, .dst = &a->gpus, .meta = "N", .def = "1", .lo = 1,
+         .hi = KVB_CLI_MAX_GPUS, .help = "cuda: tensor-parallel prefill over GPUs 0..N-1 (NCCL)"},
+        {.long_name = "tp-one-device", .kind = KVB_OPT_FLAG, .dst = &a->tp_one_device,
+         .help = "cuda, --gpus N: every rank on one GPU (tests the split)"},
+        {0},
+    };
+    const kvb_cli_spec spec = {
+        .name = "demo", .usage = "[--model FILE|gemma3] [--threads T] [--turns N]", .opts = opts,
+        .about = "Starts a prefill node and a decode node on loopback (CPU -> CPU here; the prefill node computes "
+                 "the decode node's own cache), holds a multi-turn conversation through the OpenAI API, and prints "
+                 "per turn: prompt tokens, tokens already cached, tokens bridged, prefill and transfer seconds, "
+                 "reply seconds and the verdict — beside the same conversation on a decode node without a prefill "
+                 "node. The decode node bridges any whole uncached block (threshold one block of 32 tokens; "
+                 "serve's default is two), so turns with short increments are bridged too. The default model is "
+                 "generated (models/tiny-q8_0.gguf, random weights: the replies are noise; the demo shows the "
+                 "machinery, and that bridged and native replies are identical)."};
+    int rc = kvb_cli_parse(&spec, argc, argv);
+    if (rc != KVB_CLI_GO) return rc;
+    return kvb_arg_gpus_ok("demo", a->gpus, a->tp_one_device, a->device == 2) ? KVB_CLI_GO : 2;
+}
+
 int kvb_cmd_demo(int argc, char **argv) {
-    const char *model = "models/tiny-q8_0.gguf";
-    long long threads = 1, turns = 4, gpus = 1;
-    const char *device = "auto";
-    bool tp_one_device = false;
-    for (int i = 1; i < argc; i++) {
-        const char *v;
-        if (kvb_arg_is_help(argv[i])) {
-            help(stdout);
-            return 0;
-        } else if (!strcmp(argv[i], "--model")) {
-            if (!(model = kvb_arg_value("demo", argc, argv, &i))) return 2;
-        } else if (!strcmp(argv[i], "--threads")) {
-            if (!(v = kvb_arg_value("demo", argc, argv, &i)) || !kvb_arg_int("demo", "--threads", v, 1, 1024, &threads))
-                return 2;
-        } else if (!strcmp(argv[i], "--device")) {
-            if (!(device = kvb_arg_value("demo", argc, argv, &i))) return 2;
-            if (strcmp(device, "auto") && strcmp(device, "cpu") && strcmp(device, "cuda")) {
-                fprintf(stderr, "kvbridge demo: --device expects auto, cpu or cuda, got '%s'\n", device);
-                return 2;
-            }
-        } else if (!strcmp(argv[i], "--gpus")) {
-            if (!(v = kvb_arg_value("demo", argc, argv, &i)) || !kvb_arg_int("demo", "--gpus", v, 1, KVB_CLI_MAX_GPUS, &gpus))
-                return 2;
-        } else if (!strcmp(argv[i], "--tp-one-device")) {
-            tp_one_device = true;
-        } else if (!strcmp(argv[i], "--turns")) {
-            if (!(v = kvb_arg_value("demo", argc, argv, &i)) || !kvb_arg_int("demo", "--turns", v, 1, 6, &turns))
-                return 2;
-        } else {
-            fprintf(stderr, "kvbridge demo: unknown option '%s' (see kvbridge demo --help)\n", argv[i]);
-            return 2;
-        }
-    }
-    if (!kvb_arg_gpus_ok("demo", gpus, tp_one_device, !strcmp(device, "cuda"))) return 2;
+    demo_args a = {.model = "models/tiny-q8_0.gguf"};
+    int prc = demo_parse(&a, argc, argv);
+    if (prc != KVB_CLI_GO) return prc;
+    const char *model = a.model, *device = k_demo_devices[a.device];
+    const long long threads = a.threads, turns = a.turns, gpus = a.gpus;
+    const bool tp_one_device = a.tp_one_device;
     struct stat sb;
     kvb_err err = {0};
     char gemma3[1024];

@@ -10,15 +10,6 @@
 #include "kvb_quant.h"
 #include "kvb_transport.h"
 
-static void help(FILE *f) {
-    fprintf(f,
-            "usage: kvbridge doctor --peer HOST:PORT -m MODEL [--cache-type T] [--block-tokens N]\n"
-            "                       [--bridge-mode decoder|prefill] [--psk KEY]\n\n"
-            "Connects to a prefill node as a decode node with these settings would, runs the full handshake\n"
-            "(protocol version, mutual key proof, model and cache-format fingerprints, bridge mode) and prints\n"
-            "both sides' facts, or the reason the prefill node refused. Exits 0 when they are compatible.\n");
-}
-
 static void print_hello(const char *who, const kvb_hello *h) {
     char fmt[96];
     kvb_kvformat_describe(&h->format, fmt, sizeof fmt);
@@ -29,35 +20,30 @@ static void print_hello(const char *who, const kvb_hello *h) {
 }
 
 int kvb_cmd_doctor(int argc, char **argv) {
-    const char *cmd = "doctor", *peer = NULL, *model = NULL, *psk = getenv("KVB_PSK"), *mode = "decoder";
-    long long bt = 32;
+    const char *peer = NULL, *model = NULL, *psk = getenv("KVB_PSK");
+    long long bt = 0;
+    int mode = 0; /* kvb_cli_bridge_mode_names */
     uint32_t cache_type = KVB_TYPE_F16;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v;
-        if (kvb_arg_is_help(a)) {
-            help(stdout);
-            return 0;
-        } else if (!strcmp(a, "--peer")) {
-            if (!(peer = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
-            if (!(model = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--psk")) {
-            if (!(psk = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--bridge-mode")) {
-            if (!(mode = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--block-tokens")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 4096, &bt)) return 2;
-        } else if (!strcmp(a, "--cache-type")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &cache_type)) return 2;
-        } else {
-            fprintf(stderr, "kvbridge doctor: unknown option '%s' (see kvbridge doctor --help)\n", a);
-            return 2;
-        }
-    }
-    if (!peer || !model || !psk || (strcmp(mode, "decoder") && strcmp(mode, "prefill"))) {
-        fprintf(stderr, "kvbridge doctor: give --peer, -m, a key (--psk or KVB_PSK) and --bridge-mode decoder|prefill\n");
-        return 2;
-    }
+    const kvb_opt opts[] = {
+        {.long_name = "peer", .kind = KVB_OPT_STRING, .dst = &peer, .meta = "HOST:PORT", .required = true,
+         .help = "the prefill node"},
+        KVB_CLI_OPT_MODEL(&model, "the decoder's GGUF", true),
+        KVB_CLI_OPT_CACHE_TYPE(&cache_type, "the decoder's cache dtype"),
+        KVB_CLI_OPT_BLOCK_TOKENS(&bt, "tokens per cache block"),
+        KVB_CLI_OPT_BRIDGE_MODE(&mode),
+        KVB_CLI_OPT_PSK(&psk, "pre-shared key (or env KVB_PSK)"),
+        {0},
+    };
+    const kvb_cli_spec spec = {
+        .name = "doctor", .opts = opts,
+        .usage = "--peer HOST:PORT -m MODEL [--cache-type T] [--block-tokens N] [--bridge-mode decoder|prefill] "
+                 "[--psk KEY]",
+        .about = "Connects to a prefill node as a decode node with these settings would, runs the full handshake "
+                 "(protocol version, mutual key proof, model and cache-format fingerprints, bridge mode) and prints "
+                 "both sides' facts, or the reason the prefill node refused. Exits 0 when they are compatible."};
+    int prc = kvb_cli_parse(&spec, argc, argv);
+    if (prc != KVB_CLI_GO) return prc;
+    if (!psk) return kvb_cli_usage_error(&spec, "give a key: --psk KEY or the environment's KVB_PSK");
     kvb_err err = {0};
     kvb_model *m = NULL;
     kvb_kvformat fmt;
@@ -65,7 +51,7 @@ int kvb_cmd_doctor(int argc, char **argv) {
     kvb_conn *c = NULL;
     if (kvb_model_load(model, &m, &err) ||
         kvb_model_kvformat(&m->d, cache_type, (uint32_t)bt, &fmt, &err) ||
-        kvb_hello_init(&me, KVB_ROLE_DECODE, !strcmp(mode, "prefill") ? KVB_BRIDGE_MODE_PREFILL : KVB_BRIDGE_MODE_DECODER,
+        kvb_hello_init(&me, KVB_ROLE_DECODE, mode == 1 ? KVB_BRIDGE_MODE_PREFILL : KVB_BRIDGE_MODE_DECODER,
                        "doctor", m->fingerprint, &fmt, &err)) {
         fprintf(stderr, "kvbridge doctor: %s\n", err.msg);
         kvb_model_free(m);

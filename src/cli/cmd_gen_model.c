@@ -7,57 +7,40 @@
 #include "kvb_model.h"
 #include "kvb_quant.h"
 
-static void help(FILE *f) {
-    fprintf(f,
-            "usage: kvbridge gen-model --preset NAME --out FILE [--type T] [--seed S] [--vocab F] [--threads N] [--quiet]\n\n"
-            "Writes a real GGUF file (llama.cpp tensor names and layouts) with the preset's architecture and\n"
-            "seeded random weights, scaled so activations stay sane and logits are not flat. The same\n"
-            "(preset, type, seed, vocab) always gives the same file, whatever the thread count.\n\n"
-            "  --preset NAME   model shape (list below)\n"
-            "  --out FILE      output path\n"
-            "  --type T        weight type of the matrices: f32, f16, bf16, q8_0 (default), q4_0\n"
-            "  --seed S        random seed (default 1)\n"
-            "  --vocab F       vocabulary: a GGUF with tokenizer.ggml.* keys, or a Hugging Face tokenizer.json;\n"
-            "                  default: a byte-level vocabulary (padded to the preset's real vocabulary size)\n"
-            "  --threads N     generation threads (default: all CPUs)\n"
-            "  --quiet         no progress output\n\npresets:\n");
-    for (size_t i = 0; i < kvb_preset_count(); i++)
-        fprintf(f, "  %-15s %s\n", kvb_preset_at(i)->name, kvb_preset_at(i)->summary);
-}
-
 int kvb_cmd_gen_model(int argc, char **argv) {
-    const char *cmd = "gen-model", *out = NULL;
-    kvb_gen_opts o = {.type = KVB_TYPE_Q8_0, .seed = 1, .progress = true};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v;
-        long long n;
-        if (kvb_arg_is_help(a)) {
-            help(stdout);
-            return 0;
-        } else if (strcmp(a, "--preset") == 0) {
-            if (!(o.preset = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (strcmp(a, "--out") == 0 || strcmp(a, "-o") == 0) {
-            if (!(out = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (strcmp(a, "--type") == 0) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &o.type)) return 2;
-        } else if (strcmp(a, "--seed") == 0) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_u64(cmd, a, v, &o.seed)) return 2;
-        } else if (strcmp(a, "--vocab") == 0) {
-            if (!(o.vocab_path = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (strcmp(a, "--threads") == 0) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1024, &n)) return 2;
-            o.n_threads = (int)n;
-        } else if (strcmp(a, "--quiet") == 0) {
-            o.progress = false;
-        } else {
-            fprintf(stderr, "kvbridge gen-model: unknown option '%s' (see kvbridge gen-model --help)\n", a);
-            return 2;
-        }
-    }
-    if (!o.preset || !out) {
-        fprintf(stderr, "kvbridge gen-model: --preset and --out are required (see kvbridge gen-model --help)\n");
-        return 2;
-    }
+    const char *out = NULL;
+    long long threads = 0;
+    bool quiet = false;
+    kvb_gen_opts o = {.type = KVB_TYPE_Q8_0};
+    const kvb_opt opts[] = {
+        {.long_name = "preset", .kind = KVB_OPT_STRING, .dst = &o.preset, .meta = "NAME", .required = true,
+         .help = "model shape (list below)"},
+        {.long_name = "out", .short_name = 'o', .kind = KVB_OPT_STRING, .dst = &out, .meta = "FILE",
+         .required = true, .help = "output path"},
+        {.long_name = "type", .kind = KVB_OPT_CUSTOM, .dst = &o.type, .meta = "T", .def = "q8_0",
+         .parse = kvb_opt_parse_type, .help = "weight type of the matrices: f32, f16, bf16, q8_0, q4_0"},
+        {.long_name = "seed", .kind = KVB_OPT_UINT, .dst = &o.seed, .meta = "S", .def = "1", .help = "random seed"},
+        KVB_CLI_STR("vocab", &o.vocab_path, "F",
+                    "vocabulary: a GGUF with tokenizer.ggml.* keys, or a Hugging Face tokenizer.json (default: a "
+                    "byte-level vocabulary, padded to the preset's real vocabulary size)"),
+        KVB_CLI_OPT_THREADS(&threads, "generation threads (default: all CPUs)"),
+        KVB_CLI_FLAG("quiet", &quiet, "no progress output"),
+        {0},
+    };
+    char presets[4096] = "presets:";
+    for (size_t i = 0, len = strlen(presets); i < kvb_preset_count() && len < sizeof presets; i++)
+        len += (size_t)snprintf(presets + len, sizeof presets - len, "\n  %-15s %s", kvb_preset_at(i)->name,
+                                kvb_preset_at(i)->summary);
+    const kvb_cli_spec spec = {
+        .name = "gen-model", .opts = opts, .epilog = presets,
+        .usage = "--preset NAME --out FILE [--type T] [--seed S] [--vocab F] [--threads N] [--quiet]",
+        .about = "Writes a real GGUF file (llama.cpp tensor names and layouts) with the preset's architecture and "
+                 "seeded random weights, scaled so activations stay sane and logits are not flat. The same (preset, "
+                 "type, seed, vocab) always gives the same file, whatever the thread count."};
+    int prc = kvb_cli_parse(&spec, argc, argv);
+    if (prc != KVB_CLI_GO) return prc;
+    o.n_threads = (int)threads;
+    o.progress = !quiet;
     kvb_err err = {0};
     double t0 = kvb_now_s();
     if (kvb_gen_model(&o, out, &err) != KVB_OK) {

@@ -23,47 +23,28 @@ typedef struct {
     bool kv_full;
 } inspect_opts;
 
-static void usage(FILE *f) {
-    fprintf(f,
-            "usage: kvbridge inspect FILE [--tensors] [--kv-full]\n\n"
-            "Validates a GGUF file (header, every KV pair, every tensor info and that each tensor's data\n"
-            "lies inside the file) and prints its version, alignment and metadata.\n\n"
-            "options:\n"
-            "  --tensors   also list every tensor: name, type, dims, offset and bytes\n"
-            "  --kv-full   print strings and arrays in full (default: strings cut at %d bytes,\n"
-            "              arrays show their first %d elements)\n"
-            "  -h, --help  show this help\n\n"
-            "exit status: 0 the file is valid, 1 it is not (or cannot be read), 2 usage error\n",
-            SHORT_STRING_BYTES, SHORT_ARRAY_ELEMS);
-}
-
-/* Returns 0 when parsed, 2 after a usage error, -1 after printing help. */
+/* Fills *o from argv; KVB_CLI_GO, or the code the command returns. */
 static int parse_args(int argc, char **argv, inspect_opts *o) {
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (kvb_arg_is_help(a)) {
-            usage(stdout);
-            return -1;
-        } else if (strcmp(a, "--tensors") == 0) {
-            o->tensors = true;
-        } else if (strcmp(a, "--kv-full") == 0) {
-            o->kv_full = true;
-        } else if (a[0] == '-' && a[1] != 0) {
-            fprintf(stderr, "kvbridge inspect: unknown option '%s' (see kvbridge inspect --help)\n", a);
-            return 2;
-        } else if (o->path) {
-            fprintf(stderr, "kvbridge inspect: one FILE only (got '%s' and '%s')\n", o->path, a);
-            return 2;
-        } else {
-            o->path = a;
-        }
-    }
-    if (!o->path) {
-        fprintf(stderr, "kvbridge inspect: FILE is missing\n\n");
-        usage(stderr);
-        return 2;
-    }
-    return 0;
+    int n_files = 0;
+    char kv_full_help[160];
+    snprintf(kv_full_help, sizeof kv_full_help,
+             "print strings and arrays in full (default: strings cut at %d bytes, arrays show their first %d "
+             "elements)",
+             SHORT_STRING_BYTES, SHORT_ARRAY_ELEMS);
+    const kvb_opt opts[] = {
+        KVB_CLI_FLAG("tensors", &o->tensors, "also list every tensor: name, type, dims, offset and bytes"),
+        KVB_CLI_FLAG("kv-full", &o->kv_full, kv_full_help),
+        {0},
+    };
+    const kvb_cli_spec spec = {
+        .name = "inspect", .usage = "FILE [--tensors] [--kv-full]", .opts = opts,
+        .about = "Validates a GGUF file (header, every KV pair, every tensor info and that each tensor's data lies "
+                 "inside the file) and prints its version, alignment and metadata.",
+        .epilog = "exit status: 0 the file is valid, 1 it is not (or cannot be read), 2 usage error",
+        .max_operands = 1, .operands = &o->path, .n_operands = &n_files};
+    int rc = kvb_cli_parse(&spec, argc, argv);
+    if (rc != KVB_CLI_GO) return rc;
+    return n_files == 1 ? KVB_CLI_GO : kvb_cli_usage_error(&spec, "give the GGUF FILE to inspect");
 }
 
 /* ---- value printing ------------------------------------------------------------------------- */
@@ -219,7 +200,7 @@ static void print_tensors(const kvb_gguf *g, bool list) {
 int kvb_cmd_inspect(int argc, char **argv) {
     inspect_opts o = {0};
     int rc = parse_args(argc, argv, &o);
-    if (rc != 0) return rc < 0 ? 0 : rc;
+    if (rc != KVB_CLI_GO) return rc;
     kvb_gguf *g = NULL;
     kvb_err err = {0};
     if (kvb_gguf_open(o.path, &g, &err) != KVB_OK) {

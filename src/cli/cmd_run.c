@@ -13,35 +13,6 @@ _Static_assert(KVB_PREFILL_WEIGHTS_AUTO == 0 && KVB_PREFILL_WEIGHTS_BF16 == 1 &&
 #include "kvb_quant.h"
 #include "kvb_tokenizer.h"
 
-static void help(FILE *f) {
-    fprintf(f,
-            "usage: kvbridge run -m MODEL (--tokens 1,2,3 | -p TEXT) [-n N] [options]\n\n"
-            "Runs the model on this machine's CPU (or GPU with --device cuda): prefills the prompt, then\n"
-            "generates N tokens.\n\n"
-            "  -m, --model FILE     GGUF model (llama, qwen2, qwen3, gemma3; F32/F16/BF16/Q8_0/Q4_0/Q5_0/Q4_K/Q5_K/Q6_K)\n"
-            "  --tokens LIST        prompt as comma-separated token ids\n"
-            "  -p, --prompt TEXT    prompt as text (tokenized with the model's own vocabulary)\n"
-            "  --chat               wrap -p TEXT as a user message in the model's chat template\n"
-            "  --chat-template NAME override the template family (llama2, llama3, chatml, mistral, phi3, gemma)\n"
-            "  -n N                 tokens to generate (default 32)\n"
-            "  --seed S             sampler seed (default 0: runs repeat exactly)\n"
-            "  --temp T             temperature (default 0.8; 0 = greedy)\n"
-            "  --top-k K            keep the K most likely tokens (default 40; 0 = off)\n"
-            "  --top-p P            nucleus sampling threshold (default 0.95; 1 = off)\n"
-            "  --threads T          CPU threads (default: all)\n"
-            "  --device cpu|cuda    where the model runs (default cpu; cuda: bf16 weights and KV cache)\n"
-            "  --gpus N             (cuda) tensor-parallel over GPUs 0..N-1 (NCCL all-reduce)\n"
-            "  --tp-one-device      (cuda) with --gpus N: every rank on one GPU (tests the split)\n"
-            KVB_CLI_GPU_WEIGHTS_HELP
-            "  --cache-type T       KV cache dtype: f16 (default), f32, bf16, q8_0\n"
-            "  --ctx N              context limit in tokens (default: min(training context, 8192))\n"
-            "  --ignore-eos         keep generating past end-of-generation tokens\n"
-            "  --output text|ids    print decoded text (default) or the generated ids on one line\n"
-            "  --verbose            print timings to stderr\n"
-            "  --logits-out FILE    write the last prompt token's logits (n_vocab little-endian f32) to FILE,\n"
-            "                       for comparison with another implementation\n");
-}
-
 /* The engine a run uses (the CPU's, or with --device cuda the GPU's) and its one sequence. */
 typedef struct {
     kvb_prefill_engine *e;
@@ -91,250 +62,263 @@ static bool parse_ids(const char *s, int32_t **out, uint32_t *n) {
     return k > 0;
 }
 
-/* What `run` was asked (its options, parsed). */
+/* What the command line asks of a run. */
 typedef struct {
     const char *model_path, *tokens_arg, *prompt, *tmpl_name, *logits_out;
-    long long n_gen, threads, ctx, gpus;
-    int gpu_weights;
-    bool ids_out, ignore_eos, verbose, chat, cuda, tp_one_device;
-    kvb_sampler_opts so;
+    long long n_gen, threads, ctx;
+    int device, output; /* kvb_cli_device_names, k_outputs */
+    kvb_cli_gpu gpu;
+    bool ignore_eos, verbose, chat;
+    uint64_t seed;
+    double temp, top_p;
+    long long top_k;
     uint32_t cache_type;
-} run_opts;
+} run_args;
 
-/* The prompt's token ids: --tokens as given, or -p's text (rendered with the chat template under
- * --chat) tokenized. 0, or 2 (said) for a prompt that gives none, or 1 with err. */
-static int prompt_ids(const run_opts *o, const kvb_model *m, kvb_tokenizer *tok, int32_t **ids, uint32_t *n_ids,
-                      kvb_err *err) {
-    if (o->tokens_arg) {
-        if (parse_ids(o->tokens_arg, ids, n_ids)) return 0;
-        fprintf(stderr, "kvbridge run: --tokens expects comma-separated token ids, got '%s'\n", o->tokens_arg);
+static const char *const k_outputs[] = {"text", "ids", NULL};
+
+/* Fills *a from argv; KVB_CLI_GO, or the code the command returns. */
+static int run_parse(run_args *a, int argc, char **argv) {
+    const kvb_opt opts[] = {
+        KVB_CLI_OPT_MODEL(&a->model_path,
+                          "GGUF model (llama, qwen2, qwen3, gemma3; F32/F16/BF16/Q8_0/Q4_0/Q5_0/Q4_K/Q5_K/Q6_K)", true),
+        {.long_name = "tokens", .kind = KVB_OPT_STRING, .dst = &a->tokens_arg, .meta = "LIST",
+         .help = "prompt as comma-separated token ids"},
+        {.long_name = "prompt", .short_name = 'p', .kind = KVB_OPT_STRING, .dst = &a->prompt, .meta = "TEXT",
+         .help = "prompt as text (tokenized with the model's own vocabulary)"},
+        {.long_name = "chat", .kind = KVB_OPT_FLAG, .dst = &a->chat,
+         .help = "wrap -p TEXT as a user message in the model's chat template"},
+        {.long_name = "chat-template", .kind = KVB_OPT_STRING, .dst = &a->tmpl_name, .meta = "NAME",
+         .help = "override the template family (llama2, llama3, chatml, mistral, phi3, gemma); implies --chat"},
+        {.short_name = 'n', .kind = KVB_OPT_INT, .dst = &a->n_gen, .meta = "N", .help = "tokens to generate",
+         .def = "32", .lo = 0, .hi = 1 << 24},
+        {.long_name = "seed", .kind = KVB_OPT_UINT, .dst = &a->seed, .meta = "S",
+         .help = "sampler seed (0: runs repeat exactly)", .def = "0"},
+        {.long_name = "temp", .kind = KVB_OPT_DOUBLE, .dst = &a->temp, .meta = "T",
+         .help = "temperature (0 = greedy)", .def = "0.8", .dlo = 0, .dhi = 100},
+        {.long_name = "top-k", .kind = KVB_OPT_INT, .dst = &a->top_k, .meta = "K",
+         .help = "keep the K most likely tokens (0 = off)", .def = "40", .lo = 0, .hi = 1 << 24},
+        {.long_name = "top-p", .kind = KVB_OPT_DOUBLE, .dst = &a->top_p, .meta = "P",
+         .help = "nucleus sampling threshold (1 = off)", .def = "0.95", .dlo = 0, .dhi = 1},
+        KVB_CLI_OPT_THREADS(&a->threads, "CPU threads (default: all)"),
+        KVB_CLI_OPT_DEVICE(&a->device, "where the model runs (cuda: bf16 weights and KV cache)"),
+        KVB_CLI_OPTS_GPU(&a->gpu),
+        KVB_CLI_OPT_CACHE_TYPE(&a->cache_type, "KV cache dtype: f16, f32, bf16, q8_0"),
+        {.long_name = "ctx", .kind = KVB_OPT_INT, .dst = &a->ctx, .meta = "N", .lo = 1, .hi = 1 << 24,
+         .help = "context limit in tokens (default: min(training context, 8192))"},
+        {.long_name = "ignore-eos", .kind = KVB_OPT_FLAG, .dst = &a->ignore_eos,
+         .help = "keep generating past end-of-generation tokens"},
+        {.long_name = "output", .kind = KVB_OPT_ENUM, .dst = &a->output, .def = "text", .choices = k_outputs,
+         .help = "print decoded text or the generated ids on one line"},
+        {.long_name = "verbose", .short_name = 'v', .kind = KVB_OPT_FLAG, .dst = &a->verbose,
+         .help = "print timings to stderr"},
+        {.long_name = "logits-out", .kind = KVB_OPT_STRING, .dst = &a->logits_out, .meta = "FILE",
+         .help = "write the last prompt token's logits (n_vocab little-endian f32) to FILE, for comparison with "
+                 "another implementation"},
+        {0},
+    };
+    const kvb_cli_spec spec = {
+        .name = "run", .usage = "-m MODEL (--tokens 1,2,3 | -p TEXT) [-n N] [options]", .opts = opts,
+        .about = "Runs the model on this machine's CPU (or GPU with --device cuda): prefills the prompt, then "
+                 "generates N tokens."};
+    int rc = kvb_cli_parse(&spec, argc, argv);
+    if (rc != KVB_CLI_GO) return rc;
+    a->chat = a->chat || a->tmpl_name;
+    if (!a->tokens_arg == !a->prompt) return kvb_cli_usage_error(&spec, "give exactly one of --tokens or -p");
+    const bool cuda = a->device == 1;
+    char why[256];
+    if (cuda && !kvb_prefill_device_available(KVB_DEVICE_CUDA, why, sizeof why)) {
+        fprintf(stderr, "kvbridge run: --device cuda: %s\n", why);
         return 2;
     }
-    const char *text = o->prompt;
+    return kvb_cli_gpu_ok("run", &a->gpu, cuda) ? KVB_CLI_GO : 2;
+}
+
+/* --logits-out FILE: the last prompt token's n_vocab logits, little-endian f32. */
+static kvb_status write_logits(const char *path, const float *logits, uint32_t n_vocab, kvb_err *err) {
+    FILE *lf = fopen(path, "wb");
+    bool ok = lf && fwrite(logits, sizeof(float), n_vocab, lf) == n_vocab;
+    if (lf && fclose(lf) != 0) ok = false;
+    return ok ? KVB_OK : kvb_err_set(err, KVB_ERR_IO, "cannot write the logits to %s", path);
+}
+
+/* The chat family for --chat: --chat-template NAME, else detected from the model's own template. */
+static kvb_status run_chat_family(const char *tmpl_name, const kvb_model *m, const char *model_path,
+                                  kvb_chat_family *fam, kvb_err *err) {
+    if (tmpl_name) return kvb_chat_family_from_name(tmpl_name, fam, err);
+    const kvb_gguf_kv *kv = kvb_gguf_find(m->gguf, "tokenizer.chat_template");
+    if (!kv || kv->type != KVB_GGUF_STRING)
+        return kvb_err_set(err, KVB_ERR_NOT_FOUND, "%s has no tokenizer.chat_template; pass --chat-template NAME",
+                           model_path);
+    char *tmpl = strndup(kv->str.ptr, kv->str.len);
+    kvb_status st = tmpl ? kvb_chat_family_detect(tmpl, fam, err) : kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    free(tmpl);
+    return st;
+}
+
+/* The prompt's token ids (*ids malloc'd, *n_ids >= 1): --tokens parsed, or -p TEXT tokenized
+ * (wrapped as a user message in the chat template with --chat). *usage_error is set when the
+ * command line is at fault (a bad --tokens list, a prompt that tokenizes to nothing). */
+static kvb_status run_prompt_ids(const run_args *a, const kvb_model *m, const kvb_tokenizer *tok, int32_t **ids,
+                                 uint32_t *n_ids, bool *usage_error, kvb_err *err) {
+    if (a->tokens_arg) {
+        *usage_error = !parse_ids(a->tokens_arg, ids, n_ids);
+        return *usage_error ? kvb_err_set(err, KVB_ERR_INVALID, "--tokens expects comma-separated token ids, got '%s'",
+                                          a->tokens_arg)
+                            : KVB_OK;
+    }
     char *rendered = NULL;
-    if (o->chat) {
+    if (a->chat) {
         kvb_chat_family fam;
-        if (o->tmpl_name) {
-            if (kvb_chat_family_from_name(o->tmpl_name, &fam, err) != KVB_OK) return 1;
-        } else {
-            const kvb_gguf_kv *kv = kvb_gguf_find(m->gguf, "tokenizer.chat_template");
-            if (!kv || kv->type != KVB_GGUF_STRING) {
-                kvb_err_set(err, KVB_ERR_NOT_FOUND, "%s has no tokenizer.chat_template; pass --chat-template NAME",
-                            o->model_path);
-                return 1;
-            }
-            char *tmpl = strndup(kv->str.ptr, kv->str.len);
-            kvb_status st = tmpl ? kvb_chat_family_detect(tmpl, &fam, err) : KVB_ERR_NOMEM;
-            free(tmpl);
-            if (st) return 1;
-        }
-        kvb_chat_msg msg = {"user", o->prompt};
-        if (kvb_chat_render(fam, &msg, 1, true, &rendered, err) != KVB_OK) return 1;
-        text = rendered;
+        if (run_chat_family(a->tmpl_name, m, a->model_path, &fam, err) != KVB_OK) return err->code;
+        kvb_chat_msg msg = {"user", a->prompt};
+        if (kvb_chat_render(fam, &msg, 1, true, &rendered, err) != KVB_OK) return err->code;
     }
+    const char *text = rendered ? rendered : a->prompt;
     size_t nt = 0;
-    kvb_status st = kvb_tokenize(tok, text, strlen(text), true, o->chat, ids, &nt, err);
+    kvb_status st = kvb_tokenize(tok, text, strlen(text), true, a->chat, ids, &nt, err);
     free(rendered);
-    if (st) return 1;
+    if (st) return st;
     *n_ids = (uint32_t)nt;
-    if (nt) return 0;
-    fprintf(stderr, "kvbridge run: the prompt tokenized to nothing; give a non-empty prompt\n");
-    return 2;
+    if (nt == 0) {
+        *usage_error = true;
+        return kvb_err_set(err, KVB_ERR_INVALID, "the prompt tokenized to nothing; give a non-empty prompt");
+    }
+    return KVB_OK;
 }
 
-/* The engine --device names, with one sequence, for a context of n_ids prompt tokens plus the
- * reply. 0, or 2 (said) when they do not fit, or 1 with err. */
-static int run_engine_open(const run_opts *o, const kvb_model *m, uint32_t n_ids, run_engine *re, kvb_err *err) {
-    kvb_prefill_opts eo = {.device = o->cuda ? KVB_DEVICE_CUDA : KVB_DEVICE_CPU, .n_threads = (int)o->threads,
-                           .cache_dtype = o->cache_type, .gpus = (int)o->gpus, .tp_one_device = o->tp_one_device,
-                           .weights = (kvb_prefill_weights)o->gpu_weights};
-    if (o->ctx) eo.max_ctx = (uint32_t)o->ctx;
+/* The context limit: --ctx, else min(training context, 8192) raised to what the run needs when the
+ * model allows it. False after saying that the prompt and -n do not fit. */
+static bool run_max_ctx(const run_args *a, const kvb_model *m, uint32_t n_ids, uint32_t *max_ctx) {
+    if (a->ctx) *max_ctx = (uint32_t)a->ctx;
     else {
-        uint32_t need = n_ids + (uint32_t)o->n_gen;
-        eo.max_ctx = m->d.n_ctx_train < 8192 ? m->d.n_ctx_train : 8192;
-        if (need > eo.max_ctx && need <= m->d.n_ctx_train) eo.max_ctx = need;
+        uint32_t need = n_ids + (uint32_t)a->n_gen;
+        *max_ctx = m->d.n_ctx_train < 8192 ? m->d.n_ctx_train : 8192;
+        if (need > *max_ctx && need <= m->d.n_ctx_train) *max_ctx = need;
     }
-    if ((uint64_t)n_ids + (uint64_t)o->n_gen > eo.max_ctx) {
-        fprintf(stderr,
-                "kvbridge run: prompt (%u tokens) + %lld generated tokens exceed the context limit of %u tokens; "
-                "shorten the prompt, lower -n or raise --ctx\n",
-                n_ids, o->n_gen, eo.max_ctx);
-        return 2;
-    }
-    if (kvb_prefill_engine_create(m, &eo, &re->e, err) != KVB_OK) return 1;
-    return kvb_prefill_seq_create(re->e, &re->s, err) != KVB_OK;
+    if ((uint64_t)n_ids + (uint64_t)a->n_gen <= *max_ctx) return true;
+    fprintf(stderr,
+            "kvbridge run: prompt (%u tokens) + %lld generated tokens exceed the context limit of %u tokens; "
+            "shorten the prompt, lower -n or raise --ctx\n",
+            n_ids, a->n_gen, *max_ctx);
+    return false;
 }
 
-/* Prefills ids, then samples up to n_gen tokens, printing them as text (streamed) or ids. */
-static kvb_status run_generate(const run_opts *o, run_engine *re, const kvb_model *m, kvb_tokenizer *tok,
-                               const int32_t *ids, uint32_t n_ids, kvb_err *err) {
-    kvb_sampler smp = {0};
-    float *logits = malloc(sizeof(float) * m->d.n_vocab);
-    int32_t *out_ids = malloc(sizeof(int32_t) * (size_t)(o->n_gen + 1));
-    kvb_status st = logits && out_ids ? kvb_sampler_init(&smp, &o->so, m->d.n_vocab, err)
-                                      : kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
-    kvb_pool *pool = kvb_prefill_engine_pool(re->e); /* the CPU engine's, idle between the forwards */
-    if (!st && pool) kvb_sampler_use_pool(&smp, pool);
-    if (!st && o->verbose) {
-        char desc[256], ed[512], ad[768];
-        kvb_model_describe(m, desc, sizeof desc);
-        kvb_prefill_engine_describe(re->e, ed, sizeof ed);
-        kvb_prefill_engine_attention_describe(re->e, ad, sizeof ad);
-        fprintf(stderr, "run: %s; %s engine: %s; attention: %s; prompt %u tokens\n", desc,
-                kvb_prefill_engine_name(re->e), ed, ad, n_ids);
-    }
-    const double t0 = kvb_now_s();
-    if (!st) st = re_forward(re, ids, n_ids, logits, err);
-    const double t1 = kvb_now_s();
-    if (!st && o->logits_out) {
-        FILE *lf = fopen(o->logits_out, "wb");
-        bool ok = lf && fwrite(logits, sizeof(float), m->d.n_vocab, lf) == m->d.n_vocab;
-        if (lf && fclose(lf) != 0) ok = false;
-        if (!ok) st = kvb_err_set(err, KVB_ERR_IO, "cannot write the logits to %s", o->logits_out);
-    }
+/* Samples up to -n tokens from logits (the prompt's last), a forward per token, into out_ids
+ * (*n_out of them), streaming the text unless --output ids, stopping at end-of-generation unless
+ * --ignore-eos; then prints the ids, or the text's last piece. */
+static kvb_status run_decode(run_engine *re, kvb_sampler *smp, const kvb_tokenizer *tok, const run_args *a,
+                             float *logits, int32_t *out_ids, uint32_t *n_out, kvb_err *err) {
+    const bool ids_out = a->output == 1;
     kvb_detok dt;
     if (tok) kvb_detok_init(&dt, tok);
     char piece[512];
-    uint32_t n_out = 0;
-    for (long long i = 0; !st && i < o->n_gen; i++) {
-        int32_t id = kvb_sample(&smp, logits);
-        out_ids[n_out++] = id;
-        if (!o->ids_out) {
+    for (long long i = 0; i < a->n_gen; i++) {
+        int32_t id = kvb_sample(smp, logits);
+        out_ids[(*n_out)++] = id;
+        if (!ids_out) {
             size_t k = kvb_detok_push(&dt, id, piece, sizeof piece);
             fwrite(piece, 1, k, stdout);
             fflush(stdout);
         }
-        if (!o->ignore_eos && tok && kvb_tokenizer_is_eog(tok, id)) break;
-        if (i + 1 < o->n_gen) st = re_forward(re, &id, 1, logits, err);
+        if (!a->ignore_eos && tok && kvb_tokenizer_is_eog(tok, id)) break;
+        if (i + 1 < a->n_gen && re_forward(re, &id, 1, logits, err) != KVB_OK) return err->code;
     }
-    const double t2 = kvb_now_s();
-    if (!st && o->ids_out) {
-        for (uint32_t i = 0; i < n_out; i++) printf(i ? " %d" : "%d", out_ids[i]);
+    if (ids_out) {
+        for (uint32_t i = 0; i < *n_out; i++) printf(i ? " %d" : "%d", out_ids[i]);
         printf("\n");
-    } else if (!st) {
+    } else {
         size_t k = kvb_detok_flush(&dt, piece, sizeof piece);
         fwrite(piece, 1, k, stdout);
         printf("\n");
     }
-    if (!st && o->verbose)
-        fprintf(stderr, "run: prefill %u tokens in %.3f s (%.1f tok/s); decode %u tokens in %.3f s (%.1f tok/s)\n",
-                n_ids, t1 - t0, n_ids / (t1 - t0), n_out, t2 - t1, n_out > 1 ? (n_out - 1) / (t2 - t1) : 0.0);
-    kvb_sampler_free(&smp);
-    free(logits);
-    free(out_ids);
-    return st;
+    return KVB_OK;
 }
 
-/* Loads the model (and its tokenizer), then prompt, engine, reply. Returns the exit code. */
-static int run_main(const run_opts *o) {
+int kvb_cmd_run(int argc, char **argv) {
+    run_args a = {0};
+    int prc = run_parse(&a, argc, argv);
+    if (prc != KVB_CLI_GO) return prc;
+    const char *model_path = a.model_path, *logits_out = a.logits_out;
+    const long long n_gen = a.n_gen, threads = a.threads, gpus = a.gpu.gpus;
+    const int gpu_weights = a.gpu.gpu_weights;
+    const bool ids_out = a.output == 1, verbose = a.verbose, cuda = a.device == 1,
+               tp_one_device = a.gpu.tp_one_device;
+    const kvb_sampler_opts so = {.temperature = (float)a.temp, .top_k = (int)a.top_k, .top_p = (float)a.top_p,
+                                 .seed = a.seed};
+    const uint32_t cache_type = a.cache_type;
+
+    int rc = 1;
     kvb_err err = {0};
     kvb_model *m = NULL;
     run_engine re = {0};
     kvb_tokenizer *tok = NULL;
-    int32_t *ids = NULL;
+    int32_t *ids = NULL, *out_ids = NULL;
+    float *logits = NULL;
     uint32_t n_ids = 0;
-    int rc = kvb_model_load(o->model_path, &m, &err) != KVB_OK;
-    if (!rc && (o->prompt || !o->ids_out)) rc = kvb_tokenizer_load(m->gguf, &tok, &err) != KVB_OK;
-    if (!rc) rc = prompt_ids(o, m, tok, &ids, &n_ids, &err);
-    if (!rc) rc = run_engine_open(o, m, n_ids, &re, &err);
-    if (!rc) rc = run_generate(o, &re, m, tok, ids, n_ids, &err) != KVB_OK;
-    if (rc == 1) fprintf(stderr, "kvbridge run: %s\n", err.msg);
+    kvb_sampler smp = {0};
+
+    if (kvb_model_load(model_path, &m, &err) != KVB_OK) goto fail;
+    if (a.prompt || !ids_out) {
+        if (kvb_tokenizer_load(m->gguf, &tok, &err) != KVB_OK) goto fail;
+    }
+    bool usage_error = false;
+    if (run_prompt_ids(&a, m, tok, &ids, &n_ids, &usage_error, &err) != KVB_OK) {
+        if (!usage_error) goto fail;
+        fprintf(stderr, "kvbridge run: %s\n", err.msg);
+        rc = 2;
+        goto done;
+    }
+
+    kvb_prefill_opts eo = {.device = cuda ? KVB_DEVICE_CUDA : KVB_DEVICE_CPU, .n_threads = (int)threads,
+                           .cache_dtype = cache_type, .gpus = (int)gpus, .tp_one_device = tp_one_device,
+                           .weights = (kvb_prefill_weights)gpu_weights};
+    if (!run_max_ctx(&a, m, n_ids, &eo.max_ctx)) {
+        rc = 2;
+        goto done;
+    }
+    if (kvb_prefill_engine_create(m, &eo, &re.e, &err) != KVB_OK) goto fail;
+    if (kvb_prefill_seq_create(re.e, &re.s, &err) != KVB_OK) goto fail;
+    if (kvb_sampler_init(&smp, &so, m->d.n_vocab, &err) != KVB_OK) goto fail;
+    kvb_pool *pool = kvb_prefill_engine_pool(re.e); /* the CPU engine's, idle between the forwards */
+    if (pool) kvb_sampler_use_pool(&smp, pool);
+    logits = malloc(sizeof(float) * m->d.n_vocab);
+    out_ids = malloc(sizeof(int32_t) * (size_t)(n_gen + 1));
+    if (!logits || !out_ids) {
+        kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    if (verbose) {
+        char desc[256], ed[512], ad[768];
+        kvb_model_describe(m, desc, sizeof desc);
+        kvb_prefill_engine_describe(re.e, ed, sizeof ed);
+        kvb_prefill_engine_attention_describe(re.e, ad, sizeof ad);
+        fprintf(stderr, "run: %s; %s engine: %s; attention: %s; prompt %u tokens\n", desc,
+                kvb_prefill_engine_name(re.e), ed, ad, n_ids);
+    }
+
+    double t0 = kvb_now_s();
+    if (re_forward(&re, ids, n_ids, logits, &err) != KVB_OK) goto fail;
+    double t1 = kvb_now_s();
+    if (logits_out && write_logits(logits_out, logits, m->d.n_vocab, &err)) goto fail;
+    uint32_t n_out = 0;
+    if (run_decode(&re, &smp, tok, &a, logits, out_ids, &n_out, &err)) goto fail;
+    double t2 = kvb_now_s();
+    if (verbose)
+        fprintf(stderr, "run: prefill %u tokens in %.3f s (%.1f tok/s); decode %u tokens in %.3f s (%.1f tok/s)\n",
+                n_ids, t1 - t0, n_ids / (t1 - t0), n_out, t2 - t1, n_out > 1 ? (n_out - 1) / (t2 - t1) : 0.0);
+    rc = 0;
+    goto done;
+fail:
+    fprintf(stderr, "kvbridge run: %s\n", err.msg);
+    rc = 1;
+done:
+    kvb_sampler_free(&smp);
+    free(logits);
+    free(out_ids);
     free(ids);
     re_free(&re);
     kvb_tokenizer_free(tok);
     kvb_model_free(m);
     return rc;
-}
-
-int kvb_cmd_run(int argc, char **argv) {
-    const char *cmd = "run", *model_path = NULL, *tokens_arg = NULL, *prompt = NULL, *tmpl_name = NULL;
-    long long n_gen = 32, threads = 0, ctx = 0, gpus = 1;
-    int gpu_weights = 0;
-    bool ids_out = false, ignore_eos = false, verbose = false, chat = false, cuda = false, tp_one_device = false;
-    const char *logits_out = NULL;
-    kvb_sampler_opts so = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .seed = 0};
-    uint32_t cache_type = KVB_TYPE_F16;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v;
-        double f;
-        long long n;
-        if (kvb_arg_is_help(a)) {
-            help(stdout);
-            return 0;
-        } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
-            if (!(model_path = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--tokens")) {
-            if (!(tokens_arg = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) {
-            if (!(prompt = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--chat")) {
-            chat = true;
-        } else if (!strcmp(a, "--chat-template")) {
-            if (!(tmpl_name = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-            chat = true;
-        } else if (!strcmp(a, "-n")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 0, 1 << 24, &n_gen)) return 2;
-        } else if (!strcmp(a, "--seed")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_u64(cmd, a, v, &so.seed)) return 2;
-        } else if (!strcmp(a, "--temp")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_float(cmd, a, v, 0, 100, &f)) return 2;
-            so.temperature = (float)f;
-        } else if (!strcmp(a, "--top-k")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 0, 1 << 24, &n)) return 2;
-            so.top_k = (int)n;
-        } else if (!strcmp(a, "--top-p")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_float(cmd, a, v, 0, 1, &f)) return 2;
-            so.top_p = (float)f;
-        } else if (!strcmp(a, "--threads")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1024, &threads)) return 2;
-        } else if (!strcmp(a, "--ctx")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, 1 << 24, &ctx)) return 2;
-        } else if (!strcmp(a, "--cache-type")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_type(cmd, a, v, &cache_type)) return 2;
-        } else if (!strcmp(a, "--device")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-            if (!strcmp(v, "cuda")) cuda = true;
-            else if (!strcmp(v, "cpu")) cuda = false;
-            else {
-                fprintf(stderr, "kvbridge run: --device expects 'cpu' or 'cuda', got '%s'\n", v);
-                return 2;
-            }
-        } else if (!strcmp(a, "--ignore-eos")) {
-            ignore_eos = true;
-        } else if (!strcmp(a, "--gpus")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_int(cmd, a, v, 1, KVB_CLI_MAX_GPUS, &gpus)) return 2;
-        } else if (!strcmp(a, "--tp-one-device")) {
-            tp_one_device = true;
-        } else if (!strcmp(a, "--gpu-weights")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i)) || !kvb_arg_gpu_weights("run", v, &gpu_weights)) return 2;
-        } else if (!strcmp(a, "--logits-out")) {
-            if (!(logits_out = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--verbose") || !strcmp(a, "-v")) {
-            verbose = true;
-        } else if (!strcmp(a, "--output")) {
-            if (!(v = kvb_arg_value(cmd, argc, argv, &i))) return 2;
-            if (!strcmp(v, "ids")) ids_out = true;
-            else if (!strcmp(v, "text")) ids_out = false;
-            else {
-                fprintf(stderr, "kvbridge run: --output expects 'text' or 'ids', got '%s'\n", v);
-                return 2;
-            }
-        } else {
-            fprintf(stderr, "kvbridge run: unknown option '%s' (see kvbridge run --help)\n", a);
-            return 2;
-        }
-    }
-    if (!model_path || (!tokens_arg == !prompt)) {
-        fprintf(stderr, "kvbridge run: give -m MODEL and exactly one of --tokens or -p (see kvbridge run --help)\n");
-        return 2;
-    }
-    if (!kvb_arg_gpus_ok("run", gpus, tp_one_device, cuda) || !kvb_arg_gpu_weights_ok("run", gpu_weights, cuda))
-        return 2;
-
-    const run_opts ro = {.model_path = model_path, .tokens_arg = tokens_arg, .prompt = prompt, .tmpl_name = tmpl_name,
-                         .logits_out = logits_out, .n_gen = n_gen, .threads = threads, .ctx = ctx, .gpus = gpus,
-                         .gpu_weights = gpu_weights, .ids_out = ids_out, .ignore_eos = ignore_eos, .verbose = verbose,
-                         .chat = chat, .cuda = cuda, .tp_one_device = tp_one_device, .so = so,
-                         .cache_type = cache_type};
-    return run_main(&ro);
 }

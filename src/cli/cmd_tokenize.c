@@ -9,28 +9,6 @@
 #include "kvb_gguf.h"
 #include "kvb_tokenizer.h"
 
-static void usage(FILE *f) {
-    fprintf(f,
-            "usage: kvbridge tokenize -m MODEL [--no-special] [--decode]\n"
-            "\n"
-            "Encodes the UTF-8 text on stdin with the vocabulary stored in MODEL (a GGUF file, a\n"
-            "vocab-only one is fine) and prints the token ids, space-separated, on one line. The\n"
-            "input is taken byte for byte: a trailing newline is part of the text (use printf '%%s').\n"
-            "\n"
-            "  -m, --model MODEL  the GGUF file\n"
-            "  --no-special       no BOS/EOS, and special-token text such as <|im_start|> is encoded\n"
-            "                     as ordinary text (default: add BOS if the vocabulary asks for it\n"
-            "                     and recognise special tokens in the text)\n"
-            "  --decode           the other way: read token ids (separated by spaces, commas or\n"
-            "                     newlines) and print the text they decode to; special tokens are\n"
-            "                     printed as their text unless --no-special\n"
-            "  -h, --help         this help\n"
-            "\n"
-            "examples:\n"
-            "  printf 'Hello world' | kvbridge tokenize -m model.gguf\n"
-            "  echo '9707 1879' | kvbridge tokenize -m model.gguf --decode\n");
-}
-
 static int encode(const kvb_tokenizer *t, bool special) {
     size_t n = 0;
     char *text = kvb_cli_read_all(stdin, &n);
@@ -111,27 +89,28 @@ static int decode(const kvb_tokenizer *t, bool special) {
 
 int kvb_cmd_tokenize(int argc, char **argv) {
     const char *model = NULL;
-    bool special = true, dec = false;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (kvb_arg_is_help(a)) {
-            usage(stdout);
-            return 0;
-        } else if (strcmp(a, "-m") == 0 || strcmp(a, "--model") == 0) {
-            if (!(model = kvb_arg_value("tokenize", argc, argv, &i))) return 2;
-        } else if (strcmp(a, "--no-special") == 0) {
-            special = false;
-        } else if (strcmp(a, "--decode") == 0) {
-            dec = true;
-        } else {
-            fprintf(stderr, "kvbridge tokenize: unknown option '%s' (see kvbridge tokenize --help)\n", a);
-            return 2;
-        }
-    }
-    if (!model) {
-        fprintf(stderr, "kvbridge tokenize: -m MODEL is required (see kvbridge tokenize --help)\n");
-        return 2;
-    }
+    bool no_special = false, dec = false;
+    const kvb_opt opts[] = {
+        KVB_CLI_OPT_MODEL(&model, "the GGUF file", true),
+        KVB_CLI_FLAG("no-special", &no_special,
+                     "no BOS/EOS, and special-token text such as <|im_start|> is encoded as ordinary text (default: "
+                     "add BOS if the vocabulary asks for it and recognise special tokens in the text)"),
+        KVB_CLI_FLAG("decode", &dec,
+                     "the other way: read token ids (separated by spaces, commas or newlines) and print the text "
+                     "they decode to; special tokens are printed as their text unless --no-special"),
+        {0},
+    };
+    const kvb_cli_spec spec = {
+        .name = "tokenize", .usage = "-m MODEL [--no-special] [--decode]", .opts = opts,
+        .about = "Encodes the UTF-8 text on stdin with the vocabulary stored in MODEL (a GGUF file, a vocab-only "
+                 "one is fine) and prints the token ids, space-separated, on one line. The input is taken byte for "
+                 "byte: a trailing newline is part of the text (use printf '%s').",
+        .epilog = "examples:\n"
+                  "  printf 'Hello world' | kvbridge tokenize -m model.gguf\n"
+                  "  echo '9707 1879' | kvbridge tokenize -m model.gguf --decode"};
+    int prc = kvb_cli_parse(&spec, argc, argv);
+    if (prc != KVB_CLI_GO) return prc;
+    const bool special = !no_special;
     kvb_err err = {0};
     kvb_gguf *g = NULL;
     kvb_tokenizer *t = NULL;

@@ -11,30 +11,6 @@
 #include "kvb_quant.h"
 #include "kvb_prefill_engine.h"
 
-static void help(FILE *f) {
-    fprintf(f,
-            "usage: kvbridge verify [--preset NAME]... [--model FILE] [--device cpu|cuda [--gpus N]] [--threads T]\n"
-            "                       [--perturb]\n\n"
-            "Proves the bridge computes the decoder's own cache: for each model and each cache format\n"
-            "(f32, f16, bf16, q8_0) it compares, bit for bit,\n"
-            "  arrays   every layer's K and V written by the bridge vs by the decoder's own forward\n"
-            "  blocks   blocks committed from bridge slabs vs blocks the decoder committed itself\n"
-            "  chunked  bridge output computed in odd 5-token chunks vs in one shot\n"
-            "and exits 1 if any row is short.\n\n"
-            "  --preset NAME   generate (once, into models/) and verify this preset; repeatable\n"
-            "                  (default: tiny, tiny-qwen2, tiny-qwen3, tiny-llama3, tiny-gemma3)\n"
-            "  --model FILE    verify this GGUF instead\n"
-            "  --device D      cpu (default) or cuda (needs the CUDA bridge; said plainly when absent)\n"
-            "  --gpus N        with cuda: N tensor-parallel rank bridges, each computing its share of the KV\n"
-            "                  heads into the same rows (GPUs 0..N-1 when the host has them, else all on GPU 0)\n"
-            "  --threads T     CPU threads (default: all)\n"
-            "  --perturb       test-only: perturb the bridge by one reordered addition; every row must fail\n"
-            "  --bytes-at LIST prompt lengths for the bytes-per-token table by layer kind (default 1024,8192,30720;\n"
-            "                  'none' to leave it out)\n\n"
-            "  bytes    the slab bytes shipped, by layer kind, equal the rule: global layers every position,\n"
-            "           local (sliding-window) layers only the positions the decoder keeps\n");
-}
-
 static const uint32_t k_formats[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0};
 
 /* Bytes per token by layer kind for prompts of the given lengths, bridged from position 0 into a
@@ -120,64 +96,73 @@ static int verify_model(const char *label, const char *path, int threads, bool p
     return 0;
 }
 
-int kvb_cmd_verify(int argc, char **argv) {
-    const char *presets[16], *model = NULL, *device = "cpu";
-    char *paths[16] = {0};
-    int n_presets = 0, threads = 0, n_lens = 3;
-    uint32_t lens[8] = {1024, 8192, 30720};
-    bool perturb = false;
-    long long gpus = 1;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v;
+/* --bytes-at LIST: up to 8 prompt lengths into lens (*n_lens of them), or none for 'none'. */
+static bool parse_bytes_at(const char *v, uint32_t *lens, int *n_lens) {
+    *n_lens = 0;
+    if (!strcmp(v, "none")) return true;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", v);
+    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
         long long n;
-        if (kvb_arg_is_help(a)) {
-            help(stdout);
-            return 0;
-        } else if (!strcmp(a, "--preset")) {
-            if (!(v = kvb_arg_value("verify", argc, argv, &i))) return 2;
-            if (n_presets == 16) {
-                fprintf(stderr, "kvbridge verify: at most 16 presets\n");
-                return 2;
-            }
-            if (!kvb_preset_find(v)) {
-                fprintf(stderr, "kvbridge verify: unknown preset '%s' (see kvbridge gen-model --help)\n", v);
-                return 2;
-            }
-            presets[n_presets++] = v;
-        } else if (!strcmp(a, "--model")) {
-            if (!(model = kvb_arg_value("verify", argc, argv, &i))) return 2;
-        } else if (!strcmp(a, "--device")) {
-            if (!(device = kvb_arg_value("verify", argc, argv, &i))) return 2;
-            if (strcmp(device, "cpu") && strcmp(device, "cuda")) {
-                fprintf(stderr, "kvbridge verify: --device expects cpu or cuda, got '%s'\n", device);
-                return 2;
-            }
-        } else if (!strcmp(a, "--threads")) {
-            if (!(v = kvb_arg_value("verify", argc, argv, &i)) || !kvb_arg_int("verify", a, v, 1, 1024, &n)) return 2;
-            threads = (int)n;
-        } else if (!strcmp(a, "--gpus")) {
-            if (!(v = kvb_arg_value("verify", argc, argv, &i)) || !kvb_arg_int("verify", a, v, 1, KVB_CLI_MAX_GPUS, &gpus)) return 2;
-        } else if (!strcmp(a, "--perturb")) {
-            perturb = true;
-        } else if (!strcmp(a, "--bytes-at")) {
-            if (!(v = kvb_arg_value("verify", argc, argv, &i))) return 2;
-            n_lens = 0;
-            if (strcmp(v, "none")) {
-                char buf[256];
-                snprintf(buf, sizeof buf, "%s", v);
-                for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
-                    if (n_lens == 8 || !kvb_arg_int("verify", a, tok, 2, 1 << 30, &n)) {
-                        if (n_lens == 8) fprintf(stderr, "kvbridge verify: --bytes-at takes at most 8 lengths\n");
-                        return 2;
-                    }
-                    lens[n_lens++] = (uint32_t)n;
-                }
-            }
-        } else {
-            fprintf(stderr, "kvbridge verify: unknown option '%s' (see kvbridge verify --help)\n", a);
-            return 2;
+        if (*n_lens == 8) {
+            fprintf(stderr, "kvbridge verify: --bytes-at takes at most 8 lengths\n");
+            return false;
         }
+        if (!kvb_arg_int("verify", "--bytes-at", tok, 2, 1 << 30, &n)) return false;
+        lens[(*n_lens)++] = (uint32_t)n;
     }
+    return true;
+}
+
+int kvb_cmd_verify(int argc, char **argv) {
+    const char *presets[16], *model = NULL, *bytes_at = "1024,8192,30720";
+    char *paths[16] = {0};
+    int n_presets = 0, n_lens = 0, device_index = 0;
+    uint32_t lens[8];
+    bool perturb = false;
+    long long gpus = 1, threads_arg = 0;
+    kvb_opt_list preset_list = {0};
+    const kvb_opt opts[] = {
+        {.long_name = "preset", .kind = KVB_OPT_LIST, .dst = &preset_list, .meta = "NAME",
+         .help = "generate (once, into models/) and verify this preset (default: tiny, tiny-qwen2, tiny-qwen3, "
+                 "tiny-llama3, tiny-gemma3)"},
+        KVB_CLI_OPT_MODEL(&model, "verify this GGUF instead", false),
+        KVB_CLI_OPT_DEVICE(&device_index, "cuda needs the CUDA bridge (said plainly when absent)"),
+        {.long_name = "gpus", .kind = KVB_OPT_INT, .dst = &gpus, .meta = "N", .lo = 1, .hi = KVB_CLI_MAX_GPUS,
+         .def = "1",
+         .help = "with cuda: N tensor-parallel rank bridges, each computing its share of the KV heads into the "
+                 "same rows (GPUs 0..N-1 when the host has them, else all on GPU 0)"},
+        KVB_CLI_OPT_THREADS(&threads_arg, "CPU threads (default: all)"),
+        {.long_name = "perturb", .kind = KVB_OPT_FLAG, .dst = &perturb,
+         .help = "test-only: perturb the bridge by one reordered addition; every row must fail"},
+        {.long_name = "bytes-at", .kind = KVB_OPT_STRING, .dst = &bytes_at, .meta = "LIST",
+         .def = "1024,8192,30720",
+         .help = "prompt lengths for the bytes-per-token table by layer kind ('none' to leave it out)"},
+        {0},
+    };
+    const kvb_cli_spec spec = {
+        .name = "verify", .opts = opts,
+        .usage = "[--preset NAME]... [--model FILE] [--device cpu|cuda [--gpus N]] [--threads T] [--perturb]",
+        .about = "Proves the bridge computes the decoder's own cache: for each model and each cache format (f32, "
+                 "f16, bf16, q8_0) it compares, bit for bit,\n"
+                 "  arrays   every layer's K and V written by the bridge vs by the decoder's own forward\n"
+                 "  blocks   blocks committed from bridge slabs vs blocks the decoder committed itself\n"
+                 "  chunked  bridge output computed in odd 5-token chunks vs in one shot\n"
+                 "  bytes    the slab bytes shipped, by layer kind, equal the rule: global layers every position,\n"
+                 "           local (sliding-window) layers only the positions the decoder keeps\n"
+                 "and exits 1 if any row is short."};
+    int prc = kvb_cli_parse(&spec, argc, argv);
+    if (prc != KVB_CLI_GO) return prc;
+    if (preset_list.n > 16) return kvb_cli_usage_error(&spec, "at most 16 presets");
+    for (int i = 0; i < preset_list.n; i++) {
+        if (!kvb_preset_find(preset_list.v[i]))
+            return kvb_cli_usage_error(&spec, "unknown preset '%s' (kvbridge gen-model --help lists them)",
+                                       preset_list.v[i]);
+        presets[n_presets++] = preset_list.v[i];
+    }
+    if (!parse_bytes_at(bytes_at, lens, &n_lens)) return 2;
+    const char *device = kvb_cli_device_names[device_index];
+    const int threads = (int)threads_arg;
     if (!model && n_presets == 0) {
         static const char *dflt[] = {"tiny", "tiny-qwen2", "tiny-qwen3", "tiny-llama3", "tiny-gemma3"};
         for (size_t i = 0; i < sizeof dflt / sizeof dflt[0]; i++) presets[n_presets++] = dflt[i];
