@@ -33,15 +33,7 @@ static kvb_model *g_model;
 
 static int setup(void **state) {
     (void)state;
-    char path[512];
-    kvbt_tmp_path(path, sizeof path, "tiny-cuda-interface.gguf");
-    kvb_gen_opts o = {.preset = "tiny", .type = KVB_TYPE_Q8_0, .seed = 21, .n_threads = 2};
-    kvb_err err = {0};
-    if (kvb_gen_model(&o, path, &err) || kvb_model_load(path, &g_model, &err)) {
-        fprintf(stderr, "setup: %s\n", err.msg);
-        return -1;
-    }
-    return 0;
+    return (g_model = kvbt_gen_load("tiny-cuda-interface.gguf", "tiny", KVB_TYPE_Q8_0, 21)) ? 0 : -1;
 }
 
 static int teardown(void **state) {
@@ -50,11 +42,7 @@ static int teardown(void **state) {
     return 0;
 }
 
-static void prompt(int32_t *t) {
-    kvb_rng r;
-    kvb_rng_seed(&r, 9);
-    for (uint32_t i = 0; i < N_TOK; i++) t[i] = (int32_t)(kvb_rng_u64(&r) % g_model->d.n_vocab);
-}
+static void prompt(int32_t *t) { kvbt_random_tokens(t, N_TOK, g_model->d.n_vocab, 9); }
 
 /* The last token's logits through the interface on `gpus` ranks (two: both on one device). */
 static void interface_logits(int gpus, float *logits) {

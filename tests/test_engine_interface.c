@@ -22,15 +22,7 @@ static kvb_model *g_model;
 
 static int setup(void **state) {
     (void)state;
-    char path[512];
-    kvbt_tmp_path(path, sizeof path, "tiny-interface.gguf");
-    kvb_gen_opts o = {.preset = "tiny", .type = KVB_TYPE_Q8_0, .seed = 11, .n_threads = 2};
-    kvb_err err = {0};
-    if (kvb_gen_model(&o, path, &err) || kvb_model_load(path, &g_model, &err)) {
-        fprintf(stderr, "setup: %s\n", err.msg);
-        return -1;
-    }
-    return 0;
+    return (g_model = kvbt_gen_load("tiny-interface.gguf", "tiny", KVB_TYPE_Q8_0, 11)) ? 0 : -1;
 }
 
 static int teardown(void **state) {
@@ -39,11 +31,7 @@ static int teardown(void **state) {
     return 0;
 }
 
-static void random_tokens(int32_t *t, uint32_t n, uint64_t seed) {
-    kvb_rng r;
-    kvb_rng_seed(&r, seed);
-    for (uint32_t i = 0; i < n; i++) t[i] = (int32_t)(kvb_rng_u64(&r) % g_model->d.n_vocab);
-}
+static void random_tokens(int32_t *t, uint32_t n, uint64_t seed) { kvbt_random_tokens(t, n, g_model->d.n_vocab, seed); }
 
 #define N_TOK 77
 #define BT 16
