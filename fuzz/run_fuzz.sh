@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # fuzz/run_fuzz.sh BUILD_DIR SECONDS — configures BUILD_DIR with clang and -DKVB_FUZZ=ON, builds
-# the fuzzers (GGUF reader, tokenizer, wire protocol, HTTP request parser) and their seed
+# the fuzzers (GGUF reader, tokenizer, wire protocol, HTTP request path) and their seed
 # generators, writes fresh seeds, and runs each with libFuzzer for SECONDS (default 60),
 # KVB_FUZZ_JOBS of them at once (default 2: each fuzzer is one process on one core, so on CI's two
 # cores two at a time give each its full SECONDS in half the wall time). Each fuzzer's output goes
@@ -39,7 +39,7 @@ common=(-max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -artifact_prefix=
   -print_final_stats=1)
 # one function per fuzzer: the GGUF reader (with its dictionary), the tokenizer's encoder on
 # arbitrary bytes (with the shared vocabularies when present), the wire protocol's receive side and
-# the decode node's HTTP request parser
+# the decode node's HTTP request path (raw connection bytes through the head check, and bodies)
 fuzz_gguf() { "$work/fuzz_gguf" "${common[@]}" -max_len=16384 -dict="$src/fuzz/gguf.dict" "$work/corpus" "$work/seeds"; }
 fuzz_tokenize() {
   KVB_FUZZ_VOCAB_DIR="$src/../shared/vocab" "$work/fuzz_tokenize" "${common[@]}" -max_len=8192 "$work/tokcorpus"

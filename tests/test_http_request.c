@@ -2,8 +2,11 @@
  * or JSON gets a 4xx"): minimal and full valid chat and completion requests give the documented
  * fields and defaults; a table of wrong types, out-of-range values, malformed JSON and unsupported
  * features gives a 400 that names the param; hostile bytes (NUL, "\u0000", invalid UTF-8, deep
- * nesting, trailing garbage, huge numbers) are refused, never truncated; and every prefix of a
- * valid body parses or fails cleanly (run under ASan for memory safety). */
+ * nesting, trailing garbage, huge numbers) are refused, never truncated; strings are taken exactly
+ * as sent (an invalid "\u" escape, a lone surrogate or "\u0000" is a 400 naming the field, valid
+ * escapes and pairs decode to the right bytes); every route refuses a field it does not know (and a
+ * key sent twice) naming it, and takes the fields OpenAI's and vLLM's clients send; and every
+ * prefix of a valid body parses or fails cleanly (run under ASan for memory safety). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -64,7 +67,8 @@ static void test_chat_full(void **state) {
         "\"ignore_eos\":true,\"logit_bias\":{\"5\":10,\"70000\":-100.0,\"0\":0.25},\"n\":1,\"user\":\"u1\",\"frequency_penalty\":0.5,\"presence_penalty\":-1,"
         "\"logprobs\":false,\"tools\":[],\"response_format\":{\"type\":\"text\"},\"tool_choice\":\"none\","
         "\"function_call\":\"auto\",\"modalities\":[\"text\"],\"audio\":null,"
-        "\"some_future_field\":{\"ignored\":[1,2,3]},\"kvbridge\":{\"bridge\":\"force\"}}";
+        "\"metadata\":{\"k\":\"v\"},\"store\":false,\"service_tier\":\"auto\",\"parallel_tool_calls\":true,"
+        "\"kvbridge\":{\"bridge\":\"force\"}}";
     kvb_completion_req *r = parse_ok(KVB_API_CHAT_COMPLETIONS, body);
     assert_string_equal(r->model, "tiny");
     assert_int_equal(r->n_messages, 4);
@@ -181,11 +185,6 @@ static void test_logprobs_fields(void **state) {
     assert_int_equal(r->n_stop_token_ids, 2);
     assert_int_equal(r->stop_token_ids[1], 128009);
     kvb_completion_req_free(r);
-    /* chat has no echo in OpenAI's API: an unknown field, ignored */
-    r = parse_ok(KVB_API_CHAT_COMPLETIONS, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
-                                           "\"echo\":true}");
-    assert_false(r->echo);
-    kvb_completion_req_free(r);
 }
 
 static void test_tokenize_bodies(void **state) {
@@ -218,10 +217,13 @@ static void test_tokenize_bodies(void **state) {
     assert_int_equal(kvb_detokenize_req_parse(b5, strlen(b5), &r, &e), KVB_OK);
     assert_int_equal(r->n_prompt_tokens, 0);
     kvb_completion_req_free(r);
-    /* completions never turn the special tokens off */
-    r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":\"x\",\"add_special_tokens\":false}");
+    /* completions never turn the special tokens off: true is taken, false refused (never ignored) */
+    r = parse_ok(KVB_API_COMPLETIONS, "{\"model\":\"m\",\"prompt\":\"x\",\"add_special_tokens\":true}");
     assert_true(r->add_special_tokens);
     kvb_completion_req_free(r);
+    const char *b6 = "{\"model\":\"m\",\"prompt\":\"x\",\"add_special_tokens\":false}";
+    assert_int_equal(kvb_completion_req_parse(KVB_API_COMPLETIONS, b6, strlen(b6), &r, &e), KVB_ERR_INVALID);
+    assert_string_equal(e.param, "add_special_tokens");
 }
 
 static void test_completion_prompts(void **state) {
@@ -287,8 +289,8 @@ static const bad_case bad_cases[] = {
     {CHAT, "null", NULL, "must be a JSON object"},
     {CHAT, CHATB("") " trailing", NULL, "unexpected bytes after"},
     {CHAT, CHATB("") "{}", NULL, "unexpected bytes after"},
-    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"a\\u0000b\"}]}", NULL, "NUL"},
-    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"\\ud800\"}]}", NULL, "malformed JSON"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"a\\u0000b\"}]}", "messages[0].content", "NUL"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"\\ud800\"}]}", "messages[0].content", "lone UTF-16 high"},
     /* model */
     {CHAT, "{" MSGS "}", "model", "model parameter"},
     {CHAT, "{\"model\":null," MSGS "}", "model", "model parameter"},
@@ -453,6 +455,57 @@ static const bad_case bad_cases[] = {
     {DETOK, "{\"tokens\":[1,-1]}", "tokens[1]", "out of range"},
     {DETOK, "{\"tokens\":[1.5]}", "tokens[0]", "decimal"},
     {DETOK, "{\"tokens\":[2147483648]}", "tokens[0]", "out of range"},
+    /* strict strings: nothing decoded differently from what was sent */
+    {TOKZ, "{\"prompt\":\"abc\\uZZZZdef\"}", "prompt", "four hex digits"},
+    {TOKZ, "{\"prompt\":\"abc\\u12\"}", "prompt", "four hex digits"},
+    {TOKZ, "{\"prompt\":\"abc\\u0000def\"}", "prompt", "NUL"},
+    {TOKZ, "{\"prompt\":\"x\\\\\\u0000\"}", "prompt", "NUL"}, /* \\ then \u0000 */
+    {TOKZ, "{\"prompt\":\"a\\ud83d b\"}", "prompt", "lone UTF-16 high"},
+    {TOKZ, "{\"prompt\":\"a\\ud83d\\u0041\"}", "prompt", "lone UTF-16 high"},
+    {TOKZ, "{\"prompt\":\"a\\ude00\"}", "prompt", "lone UTF-16 low"},
+    {TOKZ, "{\"prompt\":\"a\\x41\"}", "prompt", "escape JSON does not have"},
+    {TOKZ, "{\"prompt\":[\"ok\",\"a\\q\"]}", "prompt[1]", "escape JSON does not have"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"ok\"},{\"role\":\"user\","
+           "\"content\":[{\"type\":\"text\",\"text\":\"\\uD800\"}]}]}", "messages[1].content[0].text", "lone UTF-16 high"},
+    {CHAT, CHATB(",\"stop\":[\"a\",\"\\uZZZZ\"]"), "stop[1]", "four hex digits"},
+    {CHAT, CHATB(",\"kvbridge\":{\"bridge\":\"o\\u0000ff\"}"), "kvbridge.bridge", "NUL"},
+    {CHAT, CHATB(",\"us\\u0000er\":\"x\""), "us", "NUL"}, /* in a key: named up to the escape */
+    {CHAT, "{\"model\":\"m\\uZZZZ\"," MSGS "}", "model", "four hex digits"},
+    {DETOK, "{\"model\":\"\\uDFFF\",\"tokens\":[]}", "model", "lone UTF-16 low"},
+    /* a key sent twice: the second would be unseen */
+    {TOKZ, "{\"prompt\":\"a\",\"prompt\":\"b\"}", "prompt", "Duplicate key"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"a\",\"content\":\"b\"}]}",
+           "messages[0].content", "Duplicate key"},
+    {CHAT, CHATB(",\"kvbridge\":{\"bridge\":\"off\",\"bridge\":\"force\"}"), "kvbridge.bridge", "Duplicate key"},
+    /* unknown fields, on every route */
+    {CHAT, CHATB(",\"temprature\":0.2"), "temprature", "Unrecognized request argument supplied: temprature"},
+    {CHAT, CHATB(",\"foo\":1"), "foo", "Unrecognized"},
+    {CHAT, CHATB(",\"echo\":true"), "echo", "Unrecognized"},
+    {CHAT, CHATB(",\"suffix\":\"x\""), "suffix", "Unrecognized"},
+    {CHAT, CHATB(",\"foo\":null"), "foo", "Unrecognized"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"messages\":[]}", "messages", "Unrecognized"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"tools\":[]}", "tools", "Unrecognized"},
+    {CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"metadata\":{}}", "metadata", "Unrecognized"},
+    {TOKZ, "{\"prompt\":\"x\",\"max_tokens\":3}", "max_tokens", "Unrecognized"},
+    {TOKZ, "{\"prompt\":\"x\",\"foo\":1}", "foo", "Unrecognized"},
+    {DETOK, "{\"tokens\":[1],\"prompt\":\"x\"}", "prompt", "Unrecognized"},
+    {DETOK, "{\"tokens\":[1],\"skip_special_tokens\":true}", "skip_special_tokens", "Unrecognized"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\",\"contnet\":\"y\"}]}",
+           "messages[0].contnet", "Unrecognized"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"x\","
+           "\"cache_control\":{}}]}]}", "messages[0].content[0].cache_control", "Unrecognized"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"assistant\",\"content\":\"x\",\"tool_calls\":[{}]}]}",
+           "messages[0].tool_calls", "not supported"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"assistant\",\"content\":\"x\",\"refusal\":\"no\"}]}",
+           "messages[0].refusal", "not supported"},
+    {CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\",\"name\":5}]}",
+           "messages[0].name", "expected a string"},
+    {CHAT, CHATB(",\"stream\":true,\"stream_options\":{\"include_usage\":true,\"x\":1}"), "stream_options.x",
+           "Unrecognized"},
+    {CHAT, CHATB(",\"response_format\":{\"type\":\"text\",\"schema\":{}}"), "response_format.schema", "Unrecognized"},
+    {CHAT, CHATB(",\"metadata\":\"x\""), "metadata", "expected an object"},
+    {CHAT, CHATB(",\"store\":1"), "store", "expected a boolean"},
+    {CHAT, CHATB(",\"service_tier\":[]"), "service_tier", "expected a string"},
 };
 
 static void test_bad_requests_table(void **state) {
@@ -480,6 +533,56 @@ static void test_bad_requests_table(void **state) {
         kvb_completion_req_free(r);
     }
     assert_int_equal(failures, 0);
+}
+
+/* Valid escapes decode to exactly the characters sent (pairs to one 4-byte character, \\u005c to a
+ * backslash), and the fields OpenAI's and vLLM's clients send are taken (ignored ones without effect). */
+static void test_strict_strings_and_client_fields(void **state) {
+    (void)state;
+    kvb_completion_req *r = parse_ok(CMPL, "{\"model\":\"m\",\"prompt\":\"a\\ud83d\\ude00b\\u00e9\\u20ac\\u005cu0000"
+                                           "\\\"\\/\\b\\f\\n\\r\\t\\\\z\"}");
+    assert_string_equal(r->prompt, "a\xf0\x9f\x98\x80" "b\xc3\xa9\xe2\x82\xac\\u0000\"/\b\f\n\r\t\\z");
+    kvb_completion_req_free(r);
+    r = parse_ok(CHAT, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\",\"name\":\"ann\"},"
+                       "{\"role\":\"assistant\",\"content\":\"yo\",\"refusal\":null,\"tool_calls\":[],\"function_call\":null,"
+                       "\"audio\":null,\"annotations\":[]},{\"role\":\"user\",\"content\":\"more\"}],"
+                       "\"user\":\"u-1\",\"metadata\":{\"a\":\"b\"},\"store\":true,\"service_tier\":\"default\","
+                       "\"parallel_tool_calls\":false,\"prompt_cache_key\":\"k\",\"safety_identifier\":\"s\",\"seed\":3,\"n\":2,"
+                       "\"stream\":true,\"stream_options\":{\"include_usage\":true,\"include_obfuscation\":false},"
+                       "\"tools\":null,\"tool_choice\":\"none\",\"response_format\":{\"type\":\"json_object\"}}");
+    assert_int_equal(r->n_messages, 3);
+    assert_string_equal(r->messages[1].content, "yo");
+    assert_true(r->include_usage && r->has_seed && r->n == 2 && r->json_object);
+    kvb_completion_req_free(r);
+    /* the completions fields of the openai client */
+    r = parse_ok(CMPL, "{\"model\":\"m\",\"prompt\":\"x\",\"best_of\":1,\"echo\":false,\"logprobs\":null,\"suffix\":null,"
+                       "\"user\":null,\"stream\":false,\"stop\":null}");
+    assert_string_equal(r->prompt, "x");
+    kvb_completion_req_free(r);
+    /* a key's own escapes are checked too, and a valid escaped key is the field it spells */
+    r = parse_ok(CMPL, "{\"model\":\"m\",\"pro\\u006dpt\":\"y\"}");
+    assert_string_equal(r->prompt, "y");
+    kvb_completion_req_free(r);
+    /* a large object (sorted to find duplicates): 1024 logit biases, then one id twice */
+    char *big = malloc(32 * 1100);
+    assert_non_null(big);
+    for (int twice = 0; twice < 2; twice++) {
+        size_t n = (size_t)sprintf(big, "{\"model\":\"m\",\"prompt\":\"x\",\"logit_bias\":{");
+        for (int i = 0; i < 1024; i++) n += (size_t)sprintf(big + n, "%s\"%d\":1", i ? "," : "", twice && i == 1000 ? 7 : i);
+        n += (size_t)sprintf(big + n, "}}");
+        kvb_http_error e;
+        r = NULL;
+        kvb_status st = kvb_completion_req_parse(CMPL, big, n, &r, &e);
+        if (!twice) {
+            assert_int_equal(st, KVB_OK);
+            assert_int_equal(r->n_logit_bias, 1024);
+        } else {
+            assert_int_equal(st, KVB_ERR_INVALID);
+            assert_string_equal(e.param, "logit_bias.7");
+        }
+        kvb_completion_req_free(r);
+    }
+    free(big);
 }
 
 /* Invalid UTF-8 becomes one U+FFFD per maximal subpart, as Python's decode(errors='replace')
@@ -585,6 +688,7 @@ int main(void) {
         cmocka_unit_test(test_logprobs_fields),
         cmocka_unit_test(test_tokenize_bodies),
         cmocka_unit_test(test_utf8_replacement),
+        cmocka_unit_test(test_strict_strings_and_client_fields),
         cmocka_unit_test(test_completion_prompts),
         cmocka_unit_test(test_bad_requests_table),
         cmocka_unit_test(test_hostile_bytes),

@@ -1358,7 +1358,7 @@ static void test_body_limits(void **state) {
     size_t pad = SMALL_BODY_LIMIT - 200;
     char *body = malloc(pad + 256);
     assert_non_null(body);
-    int bn = sprintf(body, "{\"model\":\"" MODEL "\",\"messages\":[{\"role\":\"user\",\"content\":\"ok\"}],\"pad\":\"");
+    int bn = sprintf(body, "{\"model\":\"" MODEL "\",\"messages\":[{\"role\":\"user\",\"content\":\"ok\"}],\"user\":\"");
     memset(body + bn, 'x', pad - (size_t)bn);
     strcpy(body + pad, "\"}");
     post_json(f->port, "/v1/chat/completions", body, &r);

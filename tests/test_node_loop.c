@@ -27,6 +27,7 @@
 #include "kvb_store.h"
 #include "kvb_tokenizer.h"
 #include "kvb_transport.h"
+#include "node_internal.h"
 #include "kvb_quant.h"
 #include "kvbt.h"
 #include "node_client.h"
@@ -434,6 +435,89 @@ static void test_fault_wrong_key(void **state) {
 static void test_fault_other_model(void **state) {
     (void)state;
     check_fault(NULL, g_other, PSK, true, 10000, "declined: prefill node unavailable", 0, NULL);
+}
+
+static void reference_engine(kvb_model **m, kvb_engine **e, kvb_seq **s);
+static void reference_engine_free(kvb_model *m, kvb_engine *e, kvb_seq *s);
+
+/* A prefill peer of its own that answers every PREFILL with one well-formed, checksummed slab for
+ * a block outside the range asked for: the block before the cached prefix ends (position 0). */
+typedef struct {
+    kvb_listener *l;
+    kvb_hello hello;
+    kvb_transport_config tc;
+    size_t slab_bytes; /* K (and V) of one block of one layer */
+    int prefills;      /* PREFILLs answered */
+} stray_peer;
+
+static void *stray_peer_main(void *arg) {
+    stray_peer *p = arg;
+    kvb_conn *c = NULL;
+    kvb_err err = {0};
+    if (kvb_transport_accept(p->l, &p->hello, &p->tc, 30000, &c, NULL, &err)) return NULL;
+    uint8_t *k = calloc(1, p->slab_bytes), *v = calloc(1, p->slab_bytes);
+    kvb_msg m = {0};
+    while (k && v && !kvb_conn_recv(c, 60000, &m, &err)) { /* until the decode node closes the lane */
+        if (m.type == KVB_FRAME_PREFILL) {
+            kvb_msg_slab sl = {.layer = 0, .pos0 = 0, .n = 32, .k = k, .v = v, .k_bytes = p->slab_bytes,
+                               .v_bytes = p->slab_bytes};
+            sl.checksum = kvb_slab_checksum(k, p->slab_bytes, v, p->slab_bytes);
+            p->prefills += m.u.prefill.cached_tokens > 0; /* position 0 is then outside what was asked */
+            kvb_conn_send_slab(c, m.request_id, &sl, 5000, &err);
+        }
+        kvb_msg_free(&m);
+    }
+    free(k);
+    free(v);
+    kvb_conn_close(c);
+    return NULL;
+}
+
+/* A slab outside the range the decode node asked for (a block of its cached prefix) is refused by
+ * the receiver before the store sees it: a corrupt_slab fault, the verdict partial, nothing
+ * bridged, the answer the native one. */
+static void test_fault_slab_outside_range(void **state) {
+    (void)state;
+    kvb_model *m;
+    kvb_engine *e;
+    kvb_seq *s;
+    reference_engine(&m, &e, &s); /* the decoder's model and cache format, for the peer's HELLO */
+    stray_peer p = {.tc = {.psk = (const uint8_t *)PSK, .psk_len = strlen(PSK)}};
+    const kvb_kvformat *f = kvb_engine_kvformat(e);
+    p.slab_bytes = 32 * (size_t)m->d.n_head_kv * kvb_kvformat_row_bytes(f);
+    kvb_err err = {0};
+    assert_int_equal(kvb_hello_init(&p.hello, KVB_ROLE_PREFILL, KVB_BRIDGE_MODE_DECODER, "stray", m->fingerprint, f,
+                                    &err), KVB_OK);
+    assert_int_equal(kvb_transport_listen("127.0.0.1:0", NULL, &p.l, &err), KVB_OK);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, stray_peer_main, &p), 0);
+    g_lanes = 1;
+    g_resumes = -1;
+    kvb_decode_node *dn = start_decode(kvb_listener_port(p.l), PSK, 10000);
+    kvb_decode_node *nat = start_decode(0, PSK, 10000);
+    g_lanes = 0;
+    g_resumes = 0;
+    int32_t ids[400];
+    kvbt_prompt_ids(ids, 400, 4242);
+    kvbt_reply a, b, n;
+    kvbt_complete_ids(kvb_decode_node_port(dn), ids, 40, &a); /* under the threshold: native, block 0 cached */
+    assert_int_equal(a.bridged, 0);
+    kvbt_complete_ids(kvb_decode_node_port(dn), ids, 400, &b);
+    kvbt_complete_ids(kvb_decode_node_port(nat), ids, 400, &n);
+    assert_int_equal(b.cached, 32);
+    if (strncmp(b.verdict, "partial 0/", 10)) fail_msg("verdict '%s'", b.verdict);
+    assert_int_equal(b.bridged, 0);
+    assert_string_equal(b.content, n.content);
+    assert_true(kvbt_metric(kvb_decode_node_port(dn), FAULT_CORRUPT) == 1);
+    assert_int_equal(p.prefills, 1);
+    free(a.content);
+    free(b.content);
+    free(n.content);
+    kvb_decode_node_stop(nat);
+    kvb_decode_node_stop(dn); /* closes the lane: the peer's thread ends */
+    pthread_join(th, NULL);
+    kvb_listener_close(p.l);
+    reference_engine_free(m, e, s);
 }
 
 /* Ingest without decoding: a completion with max_tokens 0 warms the decoder's cache with a
@@ -1381,7 +1465,7 @@ static void test_filler_rows_slab_path(void **state) {
     kvbt_prompt_ids(ids, 700, 600);
     kvbt_complete_ids(kvb_decode_node_port(plain), ids, 700, &b);
     assert_non_null(strstr(b.verdict, "declined: prefill node unavailable"));
-    assert_non_null(strstr(b.verdict, "model"));
+    if (!strstr(b.verdict, "model")) fail_msg("verdict: %s", b.verdict);
     assert_int_equal(b.bridged, 0);
     assert_true(kvbt_metric(kvb_decode_node_port(plain), "kvbridge_slab_bytes_total ") == 0);
     free(b.content);
@@ -1524,6 +1608,77 @@ static size_t shard_tests(struct CMUnitTest *t, size_t n) {
     return m;
 }
 
+/* A model without a chat template: /v1/chat/completions is a 400 that says what to do (start the
+ * node with --chat-template NAME), not a server error; /v1/completions still answers. The model is
+ * the loop's own with its tokenizer.chat_template key renamed in place (same length). */
+static void test_chat_without_template(void **state) {
+    (void)state;
+    char path[512];
+    kvbt_tmp_path(path, sizeof path, "loop-no-template.gguf");
+    FILE *f = fopen(g_model, "rb");
+    assert_non_null(f);
+    fseek(f, 0, SEEK_END);
+    const long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *bytes = malloc((size_t)size);
+    assert_true(bytes && fread(bytes, 1, (size_t)size, f) == (size_t)size);
+    fclose(f);
+    static const char key[] = "tokenizer.chat_template";
+    char *hit = NULL;
+    for (long i = 0; !hit && i + (long)sizeof key - 1 <= size; i++)
+        if (!memcmp(bytes + i, key, sizeof key - 1)) hit = bytes + i;
+    assert_non_null(hit);
+    hit[sizeof key - 2] = 'X'; /* tokenizer.chat_templatX: no template */
+    f = fopen(path, "wb");
+    assert_true(f && fwrite(bytes, 1, (size_t)size, f) == (size_t)size);
+    fclose(f);
+    free(bytes);
+    kvb_decode_config c = {.http_listen = "127.0.0.1:0", .model_path = path, .n_threads = 1,
+                           .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 4096};
+    kvb_decode_node *dn = NULL;
+    kvb_err err = {0};
+    if (kvb_decode_node_start(&c, &dn, &err)) fail_msg("decode node: %s", err.msg);
+    const uint16_t dp = kvb_decode_node_port(dn);
+    cJSON *r = post_node(dp, "/v1/chat/completions",
+                         "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":1}",
+                         400);
+    const cJSON *msg = cJSON_GetObjectItem(cJSON_GetObjectItem(r, "error"), "message");
+    assert_true(cJSON_IsString(msg));
+    if (!strstr(msg->valuestring, "--chat-template")) fail_msg("the 400 does not say what to do: %s", msg->valuestring);
+    cJSON_Delete(r);
+    r = post_node(dp, "/v1/completions", "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":1}", 200);
+    cJSON_Delete(r);
+    kvb_decode_node_stop(dn);
+    remove(path);
+}
+
+/* A verdict too long for KVB_VERDICT_MAX is cut at a word boundary with "...", never mid-word; a
+ * short one is kept as it is; one long word is cut whole bytes of UTF-8 only. */
+static void test_verdict_cut_at_a_word(void **state) {
+    (void)state;
+    char v[KVB_VERDICT_MAX], reason[400] = "";
+    kvb_verdict_format(v, "partial %u/%u: %s", 3u, 8u, "peer lost");
+    assert_string_equal(v, "partial 3/8: peer lost");
+    for (int i = 0; strlen(reason) < 300; i++) /* words of varying length */
+        snprintf(reason + strlen(reason), sizeof reason - strlen(reason), "%sword%d", i ? " " : "", i * 37);
+    char full[512];
+    snprintf(full, sizeof full, "declined: prefill node unavailable: %s", reason);
+    kvb_verdict_format(v, "declined: prefill node unavailable: %s", reason);
+    const size_t len = strlen(v);
+    assert_true(len < KVB_VERDICT_MAX && len > KVB_VERDICT_MAX / 2);
+    assert_string_equal(v + len - 3, "...");
+    const size_t kept = len - 3;
+    assert_memory_equal(v, full, kept);
+    assert_true(full[kept] == ' ' && v[kept - 1] != ' '); /* the kept text ends where a word ends */
+    char word[300];
+    memset(word, 'a', sizeof word - 1);
+    memcpy(word + KVB_VERDICT_MAX - 6, "\xe2\x82\xac", 3); /* a euro sign across the cut */
+    word[sizeof word - 1] = 0;
+    kvb_verdict_format(v, "%s", word);
+    assert_int_equal(strlen(v), KVB_VERDICT_MAX - 6 + 3); /* the euro sign left out whole, then "..." */
+    assert_string_equal(v + strlen(v) - 3, "...");
+}
+
 int main(void) {
     struct CMUnitTest tests[] = {
         cmocka_unit_test(test_multiturn_ships_only_increments),
@@ -1541,6 +1696,7 @@ int main(void) {
         cmocka_unit_test(test_fault_peer_down),
         cmocka_unit_test(test_fault_wrong_key),
         cmocka_unit_test(test_fault_other_model),
+        cmocka_unit_test(test_fault_slab_outside_range),
         cmocka_unit_test(test_ingest_without_decoding),
         cmocka_unit_test(test_concurrent_requests_batch_exactly),
         cmocka_unit_test(test_concurrent_decode_during_bridge),
@@ -1561,6 +1717,8 @@ int main(void) {
         cmocka_unit_test(test_prefill_node_drains),
         cmocka_unit_test(test_prefill_node_ops),
         cmocka_unit_test(test_openai_client_streams),
+        cmocka_unit_test(test_chat_without_template),
+        cmocka_unit_test(test_verdict_cut_at_a_word),
     };
     if (getenv("KVB_TEST_FILTER")) cmocka_set_test_filter(getenv("KVB_TEST_FILTER")); /* e.g. CI's TSan pass */
     const size_t n = shard_tests(tests, sizeof tests / sizeof tests[0]);

@@ -1,4 +1,4 @@
-/* tests/test_staging_ring.c — the prefill node's staging ring (white box, node_internal.h): copies
+/* tests/test_staging_ring.c — the prefill node's staging ring (white box, kvb_bridge.h): copies
  * go through at most `slots` staging slots, in order, with their bytes intact, whatever the number
  * of senders; a request of views holds a whole layer's slabs at once (view_slots pushed with no
  * sender running must not block) and counts no staging memory; kvb_ring_wait_sent returns only
@@ -18,7 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "node_internal.h"
+#include "kvb_bridge.h"
 
 #define SLOT_BYTES 256
 #define SLOTS 4

@@ -349,10 +349,17 @@ static void test_handshake_and_stream(void **state) {
 
     /* the peer closing is a clean error on the other side */
     kvb_conn_close(pc);
-    assert_int_equal(kvb_conn_recv(dc, IO_TIMEOUT_MS, &m, &e), KVB_ERR_IO);
+    assert_int_equal(kvb_conn_recv(dc, IO_TIMEOUT_MS, &m, &e), KVB_ERR_PEER_GONE);
+    assert_int_equal(e.code, KVB_ERR_PEER_GONE);
     assert_true(strstr(e.msg, "closed the connection") != NULL);
     assert_false(kvb_conn_usable(dc));
+    /* a later call fails fast with the first failure's code */
+    assert_int_equal(kvb_conn_send_ping(dc, 7, IO_TIMEOUT_MS, &e), KVB_ERR_PEER_GONE);
+    assert_true(strstr(e.msg, "unusable after an earlier failure") != NULL);
     kvb_conn_close(dc);
+    kvb_listener_stats ls;
+    kvb_listener_get_stats(l, &ls);
+    assert_int_equal(ls.accepted, 1);
     kvb_listener_close(l);
 }
 
@@ -376,6 +383,12 @@ static void expect_refusal(kvb_hello server, const uint8_t *server_psk, kvb_hell
     assert_int_equal(j.st, want_st);
     if (!strstr(j.err.msg, server_needle)) fail_msg("accepting side's message lacks \"%s\": %s", server_needle, j.err.msg);
     if (!strstr(e.msg, client_needle)) fail_msg("connecting side's message lacks \"%s\": %s", client_needle, e.msg);
+    /* the listener counted the refusal under its reason, and nothing else */
+    kvb_listener_stats ls;
+    kvb_listener_get_stats(l, &ls);
+    assert_int_equal(ls.accepted, 0);
+    for (int r = 0; r < KVB_HANDSHAKE_REASONS; r++)
+        assert_int_equal(ls.failed[r], r == (int)kvb_handshake_reason_of(want_st) ? 1 : 0);
     kvb_listener_close(l);
 }
 
@@ -383,25 +396,25 @@ static void test_wrong_key_refused_both_sides(void **state) {
     (void)state;
     kvb_hello s = make_hello(KVB_ROLE_PREFILL, "prefill-a", MODEL_FP, 16, KVB_TYPE_F16);
     kvb_hello c = make_hello(KVB_ROLE_DECODE, "decoder-a", MODEL_FP, 16, KVB_TYPE_F16);
-    expect_refusal(s, PSK, c, OTHER_PSK, KVB_ERR_INVALID, "authentication failed", "authentication failed");
-    expect_refusal(s, OTHER_PSK, c, PSK, KVB_ERR_INVALID, "different keys", "refused the connection: [auth]");
+    expect_refusal(s, PSK, c, OTHER_PSK, KVB_ERR_AUTH, "authentication failed", "authentication failed");
+    expect_refusal(s, OTHER_PSK, c, PSK, KVB_ERR_AUTH, "different keys", "refused the connection: [auth]");
 }
 
 static void test_mismatches_refused_with_reason(void **state) {
     (void)state;
     kvb_hello s = make_hello(KVB_ROLE_PREFILL, "prefill-a", MODEL_FP, 16, KVB_TYPE_F16);
     kvb_hello c = make_hello(KVB_ROLE_DECODE, "decoder-a", MODEL_FP + 1, 16, KVB_TYPE_F16);
-    expect_refusal(s, PSK, c, PSK, KVB_ERR_UNSUPPORTED, "model fingerprint differs", "[model] model fingerprint differs");
+    expect_refusal(s, PSK, c, PSK, KVB_ERR_MISMATCH, "model fingerprint differs", "[model] model fingerprint differs");
     c = make_hello(KVB_ROLE_DECODE, "decoder-a", MODEL_FP, 32, KVB_TYPE_F16);
-    expect_refusal(s, PSK, c, PSK, KVB_ERR_UNSUPPORTED, "cache format differs: block_tokens 16 vs 32",
+    expect_refusal(s, PSK, c, PSK, KVB_ERR_MISMATCH, "cache format differs: block_tokens 16 vs 32",
                    "[format] cache format differs: block_tokens 16 vs 32");
     c = make_hello(KVB_ROLE_DECODE, "decoder-a", MODEL_FP, 16, KVB_TYPE_Q8_0);
-    expect_refusal(s, PSK, c, PSK, KVB_ERR_UNSUPPORTED, "cache format differs: dtype F16 vs Q8_0", "uses q8_0/16tok");
+    expect_refusal(s, PSK, c, PSK, KVB_ERR_MISMATCH, "cache format differs: dtype F16 vs Q8_0", "uses q8_0/16tok");
     c = make_hello(KVB_ROLE_PREFILL, "prefill-b", MODEL_FP, 16, KVB_TYPE_F16);
-    expect_refusal(s, PSK, c, PSK, KVB_ERR_UNSUPPORTED, "both nodes are prefill nodes", "[role]");
+    expect_refusal(s, PSK, c, PSK, KVB_ERR_MISMATCH, "both nodes are prefill nodes", "[role]");
     c = make_hello(KVB_ROLE_DECODE, "decoder-a", MODEL_FP, 16, KVB_TYPE_F16);
     c.bridge_mode = KVB_BRIDGE_MODE_PREFILL;
-    expect_refusal(s, PSK, c, PSK, KVB_ERR_UNSUPPORTED, "bridge mode differs", "[mode]");
+    expect_refusal(s, PSK, c, PSK, KVB_ERR_MISMATCH, "bridge mode differs", "[mode]");
 }
 
 static bool refuse_all(void *ctx, const kvb_hello *mine, const kvb_hello *peer, uint32_t *code, char *why, size_t cap) {
@@ -428,8 +441,9 @@ static void test_custom_check(void **state) {
     loopback_addr(addr, sizeof addr, kvb_listener_port(l));
     kvb_conn *c = NULL;
     kvb_err e = {0};
-    assert_int_equal(kvb_transport_connect(addr, &me, &cfg, IO_TIMEOUT_MS, &c, NULL, &e), KVB_ERR_UNSUPPORTED);
+    assert_int_equal(kvb_transport_connect(addr, &me, &cfg, IO_TIMEOUT_MS, &c, NULL, &e), KVB_ERR_MISMATCH);
     accept_join(&j);
+    assert_int_equal(j.st, KVB_ERR_MISMATCH);
     assert_int_equal(calls, 1);
     assert_true(strstr(e.msg, "[incompatible] rope scaling differs") != NULL);
     assert_true(strstr(j.err.msg, "rope scaling differs") != NULL);
@@ -481,7 +495,7 @@ static void test_impostor_server_refused(void **state) {
     loopback_addr(addr, sizeof addr, port);
     kvb_conn *c = NULL;
     kvb_err e = {0};
-    assert_int_equal(kvb_transport_connect(addr, &me, &cfg, IO_TIMEOUT_MS, &c, NULL, &e), KVB_ERR_INVALID);
+    assert_int_equal(kvb_transport_connect(addr, &me, &cfg, IO_TIMEOUT_MS, &c, NULL, &e), KVB_ERR_AUTH);
     pthread_join(t, NULL);
     close(j.lfd);
     print_message("    %s\n", e.msg);
@@ -527,7 +541,7 @@ static void attack(int variant) {
     assert_int_not_equal(j.st, KVB_OK);
     assert_null(j.conn); /* no connection: nothing can be received from it */
     if (variant == 2) {
-        assert_int_equal(j.st, KVB_ERR_INVALID);
+        assert_int_equal(j.st, KVB_ERR_AUTH);
         assert_true(strstr(j.err.msg, "authentication failed") != NULL);
     } else {
         assert_int_equal(j.st, KVB_ERR_FORMAT);
@@ -628,7 +642,7 @@ static void hostile_after_auth(int variant, kvb_status want, const char *needle)
     assert_int_equal(cs.protocol_errors, (variant == 1 || variant == 5) ? 0 : 1);
     /* unusable afterwards, even if good bytes follow */
     if (fd >= 0) raw_send(fd, KVB_FRAME_SLAB, 3, slab, sizeof slab);
-    assert_int_equal(kvb_conn_recv(dc, IO_TIMEOUT_MS, &m, &e), KVB_ERR_IO);
+    assert_int_equal(kvb_conn_recv(dc, IO_TIMEOUT_MS, &m, &e), want); /* the first failure's code */
     assert_true(strstr(e.msg, "unusable") != NULL);
     if (fd >= 0) close(fd);
     kvb_conn_close(dc);
@@ -638,11 +652,11 @@ static void hostile_after_auth(int variant, kvb_status want, const char *needle)
 static void test_hostile_frames_after_auth(void **state) {
     (void)state;
     hostile_after_auth(0, KVB_ERR_RANGE, "exceeds the limit of 1048576 bytes");
-    hostile_after_auth(1, KVB_ERR_FORMAT, "SLAB payload from 127.0.0.1");
+    hostile_after_auth(1, KVB_ERR_CHECKSUM, "SLAB payload from 127.0.0.1");
     hostile_after_auth(2, KVB_ERR_FORMAT, "unexpected PREFILL frame");
     hostile_after_auth(3, KVB_ERR_FORMAT, "k_bytes 5 + v_bytes 4");
     hostile_after_auth(4, KVB_ERR_FORMAT, "unexpected HELLO frame");
-    hostile_after_auth(5, KVB_ERR_IO, "closed the connection");
+    hostile_after_auth(5, KVB_ERR_PEER_GONE, "closed the connection");
 }
 
 /* A listener that accepts and then never says anything. */
@@ -669,7 +683,7 @@ static void test_silent_peer_times_out(void **state) {
     kvb_conn *c = NULL;
     kvb_err e = {0};
     double t0 = kvb_now_s();
-    assert_int_equal(kvb_transport_connect(addr, &me, &cfg, 200, &c, NULL, &e), KVB_ERR_IO);
+    assert_int_equal(kvb_transport_connect(addr, &me, &cfg, 200, &c, NULL, &e), KVB_ERR_TIMEOUT);
     double dt = kvb_now_s() - t0;
     pthread_join(t, NULL);
     print_message("    handshake: %s after %.3f s\n", e.msg, dt);
@@ -682,17 +696,20 @@ static void test_silent_peer_times_out(void **state) {
     /* nobody connects: accept times out */
     kvb_listener *l = listen_loopback();
     t0 = kvb_now_s();
-    assert_int_equal(kvb_transport_accept(l, &me, &cfg, 200, &c, NULL, &e), KVB_ERR_IO);
+    assert_int_equal(kvb_transport_accept(l, &me, &cfg, 200, &c, NULL, &e), KVB_ERR_TIMEOUT);
     dt = kvb_now_s() - t0;
     assert_true(strstr(e.msg, "timed out") != NULL);
     assert_true(dt >= 0.19 && dt < 1.0);
+    kvb_listener_stats ls; /* nobody came: no handshake failed */
+    kvb_listener_get_stats(l, &ls);
+    assert_int_equal(ls.failed[KVB_HANDSHAKE_TIMEOUT], 0);
 
     /* after the handshake: the prefill node accepted and never sends */
     kvb_conn *dc, *pc;
     connect_pair(l, &dc, &pc);
     kvb_msg m;
     t0 = kvb_now_s();
-    assert_int_equal(kvb_conn_recv(dc, 200, &m, &e), KVB_ERR_IO);
+    assert_int_equal(kvb_conn_recv(dc, 200, &m, &e), KVB_ERR_TIMEOUT);
     dt = kvb_now_s() - t0;
     print_message("    stream: %s after %.3f s\n", e.msg, dt);
     assert_true(strstr(e.msg, "timed out") != NULL);
@@ -701,7 +718,7 @@ static void test_silent_peer_times_out(void **state) {
     kvb_conn_get_stats(dc, &cs);
     assert_int_equal(cs.timeouts, 1);
     assert_false(kvb_conn_usable(dc));
-    assert_int_equal(kvb_conn_send_ping(dc, 1, 200, &e), KVB_ERR_IO);
+    assert_int_equal(kvb_conn_send_ping(dc, 1, 200, &e), KVB_ERR_TIMEOUT);
     assert_true(strstr(e.msg, "unusable after an earlier failure") != NULL);
     kvb_conn_close(dc);
     kvb_conn_close(pc);
@@ -724,7 +741,7 @@ static void test_send_times_out_when_peer_stops_reading(void **state) {
     for (; sent < 64 && st == KVB_OK; sent++) st = kvb_conn_send_slab(pc, 1, &s, 200, &e);
     double dt = kvb_now_s() - t0;
     print_message("    %d sends of 8 MiB: %s after %.3f s\n", sent, e.msg, dt);
-    assert_int_equal(st, KVB_ERR_IO);
+    assert_int_equal(st, KVB_ERR_TIMEOUT);
     assert_true(strstr(e.msg, "timed out") != NULL);
     assert_true(sent <= 8); /* a few socket buffers' worth, not unbounded */
     assert_true(dt < 3.0);
@@ -765,7 +782,7 @@ static void test_shutdown_wakes_blocked_receive(void **state) {
     kvb_conn_shutdown(dc);
     pthread_join(t, NULL);
     print_message("    %s after %.3f s\n", j.err.msg, j.seconds);
-    assert_int_not_equal(j.st, KVB_OK);
+    assert_int_equal(j.st, KVB_ERR_CANCELLED);
     assert_true(j.seconds < 2.0);
     assert_true(strstr(j.err.msg, "shut down by this node") != NULL);
     assert_false(kvb_conn_usable(dc));
@@ -787,7 +804,7 @@ static void test_bad_arguments_and_refused_connect(void **state) {
     char addr[64];
     loopback_addr(addr, sizeof addr, port);
     double t0 = kvb_now_s();
-    assert_int_equal(kvb_transport_connect(addr, &me, &cfg, IO_TIMEOUT_MS, &c, NULL, &e), KVB_ERR_IO);
+    assert_int_equal(kvb_transport_connect(addr, &me, &cfg, IO_TIMEOUT_MS, &c, NULL, &e), KVB_ERR_PEER_GONE);
     assert_true(kvb_now_s() - t0 < 1.0);
     assert_true(strstr(e.msg, "refused") != NULL);
     const char *bad[] = {"", "127.0.0.1", "127.0.0.1:", "127.0.0.1:65536", "127.0.0.1:12a", "[::1:80"};

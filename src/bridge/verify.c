@@ -1,7 +1,9 @@
 /* bridge/verify.c — the evidence behind "decoder-exact": the decoder's own forward commits its
  * cache blocks; an independent prefill engine feeds the bridge, whose slabs are assembled and
- * committed into a second store through the same block writer; cache arrays, block bytes and
- * chunked-vs-one-shot output are compared bit for bit. */
+ * committed into a second store by the decode node's own receiver (receiver.c: range check, slab
+ * assembler, block writer, the DONE check against what the sender says it shipped); cache arrays,
+ * block bytes and chunked-vs-one-shot output are compared bit for bit, and the receiver must
+ * refuse slabs outside the range it expects. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,6 +19,7 @@ typedef struct {
     uint8_t *k, *v;         /* (layer, pos, n_head_kv, row_bytes) every shipped row */
     kvb_bridge_receiver *rcv; /* assemble into a store through it (NULL: only collect) */
     uint64_t bytes, local_bytes; /* every slab; those of local layers */
+    uint32_t slabs;              /* the bridge emitted (a sender's DONE counts them) */
 } collector;
 
 static kvb_status collect_slab(void *ctx, const kvb_slab *s, kvb_err *err) {
@@ -28,7 +31,40 @@ static kvb_status collect_slab(void *ctx, const kvb_slab *s, kvb_err *err) {
     memcpy(c->v + off, s->v, s->v_bytes);
     c->bytes += s->k_bytes + s->v_bytes;
     if (kvb_kvformat_layer_local(c->fmt, s->layer)) c->local_bytes += s->k_bytes + s->v_bytes;
+    c->slabs++;
     return c->rcv ? kvb_bridge_receiver_put(c->rcv, s, err) : KVB_OK;
+}
+
+/* The receiver against the DONE a prefill node would send after shipping blocks [0, ship) as one
+ * lane: the slabs the bridge emitted, the chain keys from the decoder's own store. */
+static kvb_status check_done(const collector *c, kvb_store *dec_store, const int32_t *toks, uint32_t ship,
+                             kvb_err *err) {
+    kvb_msg_done d;
+    kvb_status st = kvb_bridge_done_for(dec_store, toks, 0, ship, c->slabs, &d, err);
+    const uint32_t accepted = kvb_bridge_receiver_slabs(c->rcv);
+    return st ? st : kvb_bridge_receiver_check_done(c->rcv, &d, &accepted, 1, err);
+}
+
+/* The receiver's range check: over blocks [1, nb) of a fresh receiver (the first block cached),
+ * a well-formed slab (checksummed) for block 0 and one for block nb (no tail) must both be refused
+ * as KVB_ERR_FORMAT, before the store sees them. */
+static kvb_status check_range_refused(kvb_store *store, const int32_t *toks, const collector *one, uint32_t bt,
+                                      uint32_t nb, kvb_err *err) {
+    kvb_bridge_receiver *r = NULL;
+    kvb_status st = kvb_bridge_receiver_create(store, toks, bt, nb * bt, &r, err);
+    const uint32_t outside[2] = {0, nb * bt};
+    const size_t n_bytes = (size_t)bt * one->tok_bytes; /* layer 0's first block of rows: real bytes */
+    for (int i = 0; i < 2 && !st; i++) {
+        kvb_slab s = {.layer = 0, .pos0 = outside[i], .n = bt, .k = one->k, .v = one->v, .k_bytes = n_bytes,
+                      .v_bytes = n_bytes, .checksum = kvb_slab_checksum(one->k, n_bytes, one->v, n_bytes)};
+        kvb_err perr = {0};
+        const kvb_status got = kvb_bridge_receiver_put(r, &s, &perr);
+        if (got != KVB_ERR_FORMAT)
+            st = kvb_err_set(err, KVB_ERR_INTERNAL, "the receiver took a slab for position %u outside [%u, %u) (%s)",
+                             outside[i], bt, nb * bt, got ? perr.msg : "accepted");
+    }
+    kvb_bridge_receiver_free(r);
+    return st;
 }
 
 static void collector_free(collector *c) {
@@ -80,6 +116,33 @@ static kvb_status run_bridge(const kvb_model *m, const kvb_verify_opts *o, const
     return st;
 }
 
+/* The bridge's one-shot rows against the decoder's own blocks (dec_ids, in ds_store), every
+ * (layer, K/V) array from position 0 (a local layer's from keep) to ship, and the chunked rows
+ * against the one-shot ones, into r's arrays and chunked rows. */
+static void compare_arrays(const kvb_kvformat *fmt, const kvb_model_desc *d, kvb_store *ds_store,
+                           const kvb_block_id *dec_ids, const collector *one, const collector *chunked, uint32_t keep,
+                           kvb_verify_result *r) {
+    const uint8_t *kv[2] = {one->k, one->v}, *kvc[2] = {chunked->k, chunked->v};
+    const size_t rb = kvb_kvformat_row_bytes(fmt), tok_bytes = one->tok_bytes;
+    const uint32_t ship = one->ship, bt = fmt->block_tokens;
+    for (uint32_t l = 0; l < d->n_layer; l++)
+        for (uint32_t w = 0; w < 2; w++) {
+            bool same = true;
+            for (uint32_t p = kvb_kvformat_layer_local(fmt, l) ? keep : 0; p < ship && same; p++)
+                for (uint32_t h = 0; h < d->n_head_kv && same; h++) {
+                    const uint8_t *dec = kvb_store_block_data(ds_store, dec_ids[p / bt]) +
+                                         kvb_kvformat_row_offset(fmt, l, w, h, p % bt);
+                    const uint8_t *brg = kv[w] + ((size_t)l * ship + p) * tok_bytes + (size_t)h * rb;
+                    same = memcmp(dec, brg, rb) == 0;
+                }
+            r->arrays_ok += same;
+            r->arrays_total++;
+            size_t n = (size_t)ship * tok_bytes;
+            r->chunked_ok += memcmp(kv[w] + (size_t)l * n, kvc[w] + (size_t)l * n, n) == 0;
+            r->chunked_total++;
+        }
+}
+
 kvb_status kvb_verify_cpu(const kvb_model *m, const kvb_verify_opts *o, kvb_verify_result *r, kvb_err *err) {
     memset(r, 0, sizeof *r);
     const kvb_model_desc *d = &m->d;
@@ -124,33 +187,18 @@ kvb_status kvb_verify_cpu(const kvb_model *m, const kvb_verify_opts *o, kvb_veri
     }
     if (!st) st = kvb_bridge_receiver_create(bstore, toks, 0, ship, &one.rcv, err);
     if (!st) st = run_bridge(m, o, fmt, &in, ship, &one, err);
+    if (!st) st = check_done(&one, kvb_engine_store(de), toks, ship, err);
     /* 3. the bridge again, in odd chunks that straddle block boundaries */
     if (!st) st = run_bridge(m, o, fmt, &in, 5, &chunked, err);
 
     if (!st) {
-        const uint8_t *kv[2] = {one.k, one.v}, *kvc[2] = {chunked.k, chunked.v};
-        const size_t rb = kvb_kvformat_row_bytes(fmt);
         kvb_store *ds_store = kvb_engine_store(de);
         /* local (sliding-window) layers: the rows the decoder keeps, from keep on (the bridge cuts
          * the others and the receiving store never holds them) */
         const uint32_t keep = kvb_kvformat_local_keep_from(fmt, ship);
         r->local_keep_from = keep;
-        for (uint32_t l = 0; l < d->n_layer; l++)
-            for (uint32_t w = 0; w < 2; w++) {
-                bool same = true;
-                for (uint32_t p = kvb_kvformat_layer_local(fmt, l) ? keep : 0; p < ship && same; p++)
-                    for (uint32_t h = 0; h < d->n_head_kv && same; h++) {
-                        const uint8_t *dec = kvb_store_block_data(ds_store, dec_ids[p / bt]) +
-                                             kvb_kvformat_row_offset(fmt, l, w, h, p % bt);
-                        const uint8_t *brg = kv[w] + ((size_t)l * ship + p) * tok_bytes + (size_t)h * rb;
-                        same = memcmp(dec, brg, rb) == 0;
-                    }
-                r->arrays_ok += same;
-                r->arrays_total++;
-                size_t n = (size_t)ship * tok_bytes;
-                r->chunked_ok += memcmp(kv[w] + (size_t)l * n, kvc[w] + (size_t)l * n, n) == 0;
-                r->chunked_total++;
-            }
+        compare_arrays(fmt, d, ds_store, dec_ids, &one, &chunked, keep, r);
+        const size_t rb = kvb_kvformat_row_bytes(fmt);
         uint32_t n_br = 0;
         st = kvb_store_lookup(bstore, toks, ship, br_ids, &n_br, err);
         r->blocks_total = nb;
@@ -173,6 +221,7 @@ kvb_status kvb_verify_cpu(const kvb_model *m, const kvb_verify_opts *o, kvb_veri
         r->ship_tokens = ship;
         kvb_store_release(ds_store, dec_ids, n_dec, NULL);
     }
+    if (!st && nb > 1) st = check_range_refused(bstore, toks, &one, bt, nb, err);
     collector_free(&one);
     collector_free(&chunked);
     kvb_seq_free(ds);

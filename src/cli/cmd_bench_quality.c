@@ -225,8 +225,9 @@ static kvb_status bridged_store(const qbench *q, uint32_t L, kvb_store **out, kv
 
 /* Runs tokens[0, n) through engine e in a new sequence *s (the caller frees it) with bridge br,
  * when not NULL, on the engine's hook shipping [0, ship) into a receiver over `store`; checks
- * that every shipped block was committed and the tail (the partial block before the last prompt
- * token, if any) arrived whole; *tail receives its page (owned by the caller) or KVB_BLOCK_NONE. */
+ * with the receiver's DONE check that every shipped block was committed and the tail (the partial
+ * block before the last prompt token, if any) arrived whole; *tail receives its page (owned by the
+ * caller) or KVB_BLOCK_NONE. */
 static kvb_status forward_shipping(kvb_engine *e, kvb_seq **s, kvb_bridge_cpu *br, kvb_store *store,
                                    const int32_t *ids, uint32_t n, uint32_t ship, float *logits, kvb_block_id *tail,
                                    kvb_err *err) {
@@ -238,10 +239,11 @@ static kvb_status forward_shipping(kvb_engine *e, kvb_seq **s, kvb_bridge_cpu *b
     if (!st) st = kvb_engine_forward(e, *s, ids, n, logits, false, err);
     if (br) {
         kvb_bridge_cpu_begin(br, 0, 0, NULL, NULL); /* disarmed: decode steps ship nothing */
-        const uint32_t missing = rcv ? kvb_bridge_receiver_missing(rcv) : 0;
-        if (!st && missing)
-            st = kvb_err_set(err, KVB_ERR_INTERNAL, "the bridge left %u of its blocks (tail included) incomplete",
-                             missing);
+        /* held to the DONE a sender would send: every block committed, the tail complete */
+        kvb_msg_done done;
+        const uint32_t slabs = rcv ? kvb_bridge_receiver_slabs(rcv) : 0;
+        if (!st) st = kvb_bridge_done_for(store, ids, 0, ship, slabs, &done, err);
+        if (!st) st = kvb_bridge_receiver_check_done(rcv, &done, &slabs, 1, err);
         if (!st) *tail = kvb_bridge_receiver_take_tail(rcv);
     }
     kvb_bridge_receiver_free(rcv);

@@ -39,6 +39,20 @@ void http_error_vset(kvb_http_error *e, int status, const char *code, const char
 /* {"error": {...}} as malloc'd JSON text; NULL on allocation failure. */
 char *http_error_json(const kvb_http_error *e);
 
+/* ---- strict JSON (json_strict.c): 400s naming the field by its path ------------------------ */
+
+/* Every string of the raw body (keys too), before cJSON decodes it: escapes are JSON's own, "\u"
+ * has four hex digits, is not U+0000 and pairs its surrogates. Malformed JSON is left to cJSON. */
+kvb_status http_json_strings_check(const char *body, size_t len, kvb_http_error *e);
+/* No object of the tree has a key twice (a lookup would see only the first). */
+kvb_status http_json_unique_keys(const cJSON *root, kvb_http_error *e);
+/* Each member of obj is one of known[0 .. n_known), else a 400 "Unrecognized request argument
+ * supplied: PREFIX.KEY" (code unknown_parameter, param PREFIX.KEY; prefix NULL or "": top level). */
+kvb_status http_json_refuse_unknown(const cJSON *obj, const char *prefix, const char *const *known,
+                                    size_t n_known, kvb_http_error *e);
+/* That 400 for one member: returns KVB_ERR_INVALID. */
+kvb_status http_error_unknown_field(kvb_http_error *e, const char *prefix, const char *key);
+
 /* ---- response formatting ------------------------------------------------------------------ */
 
 typedef struct {
@@ -99,6 +113,68 @@ struct MHD_Connection;
 #define HTTP_API_KEY_DIGEST_LEN 32 /* SHA-256 */
 #define HTTP_API_KEY_MIN 8
 
+/* ---- request heads (head.c) ------------------------------------------------------------------ */
+
+#define HTTP_HEAD_MAX 16384   /* request line and headers; a longer head is a 431 */
+#define HTTP_TARGET_MAX 8192  /* a longer request target is a 414 */
+#define HTTP_HEADERS_MAX 100  /* more header lines is a 431 */
+
+typedef struct {
+    bool http10, has_host, chunked;
+    long long content_length;     /* -1: none */
+    size_t method_len;            /* the method is buf[0 .. method_len) */
+    size_t target_off, target_len; /* the target is buf[target_off .. + target_len) */
+    size_t head_len;              /* bytes up to and with the empty line */
+} http_head;
+
+/* buf[0 .. n): what a client sent so far. 0: not a whole head yet (nothing wrong so far); 1: a
+ * whole, well-formed head (h); -1: refused, e filled (a 4xx: 400, 413, 414 or 431). */
+int http_head_check(const char *buf, size_t n, http_head *h, kvb_http_error *e);
+/* The start of a chunked body, buf[0 .. n): each chunk size line that arrived is hex within the
+ * body limit (in all), each chunk's data ends with CRLF. -1 with e filled (400 or 413); 1 when a
+ * chunk size line was seen (the rest is for the HTTP library), 0 when none is there yet. */
+int http_chunks_check(const char *buf, size_t n, size_t max_body, kvb_http_error *e);
+
+/* ---- the guard in front of MHD (guard.c) ------------------------------------------------------ */
+
+#define HTTP_HEADER_TIMEOUT_DEFAULT_S 10 /* a connection's request head must be whole this soon */
+#define HTTP_BODY_TIMEOUT_DEFAULT_S 30   /* and its body this soon after the head */
+#define HTTP_PER_CLIENT_DEFAULT(max_conn) ((max_conn) / 2 > 8 ? (max_conn) / 2 : 8)
+
+typedef struct {
+    unsigned max_active;     /* connections handed to MHD at once */
+    unsigned max_per_client; /* per client address, waiting or handed */
+    double header_timeout_s, body_timeout_s;
+} http_guard_limits;
+
+struct sockaddr_storage;
+typedef struct http_guard http_guard;
+/* A request whose body is being read: answered 408 and shut down past its deadline. */
+typedef struct http_body_watch {
+    int fd;
+    double deadline;
+    bool listed, killed;
+    struct http_body_watch *prev, *next;
+} http_body_watch;
+
+/* Listens on addr and hands whole, well-formed request heads to s->daemon (started with
+ * MHD_USE_NO_LISTEN_SOCKET) within the limits. */
+kvb_status http_guard_start(kvb_http_server *s, const struct sockaddr_storage *addr, const http_guard_limits *limits,
+                            http_guard **out, kvb_err *err);
+uint16_t http_guard_port(const http_guard *g);
+/* MHD closed a connection the guard handed it (its NOTIFY_CONNECTION). */
+void http_guard_connection_closed(http_guard *g, int fd);
+/* The connection on fd is kept alive between requests (idle), or has a request again: a full
+ * house closes the one idle the longest to make room. */
+void http_guard_connection_idle(http_guard *g, int fd, bool idle);
+/* The body of the request on fd is being read / is whole. body_end returns false when the
+ * deadline already answered it (the request must not be served). */
+void http_guard_body_begin(http_guard *g, http_body_watch *w, int fd);
+bool http_guard_body_end(http_guard *g, http_body_watch *w);
+/* Stops accepting and closes the connections not handed over; free after MHD has stopped. */
+void http_guard_stop_accepting(http_guard *g);
+void http_guard_free(http_guard *g);
+
 struct kvb_http_server {
     struct MHD_Daemon *daemon;
     kvb_http_handlers handlers;
@@ -119,6 +195,10 @@ struct kvb_http_server {
     char *allow_origins;                                /* NULL: no CORS; else "a,b,c" or "*" */
     bool has_api_key;                                   /* /v1/ routes need the bearer token */
     unsigned char api_key_digest[HTTP_API_KEY_DIGEST_LEN]; /* SHA-256 of the key, never the key */
+    http_guard *guard;
+    kvb_metric *m_refused, *m_framing, *m_deadlines; /* the guard's: 503s by reason, 4xx by status, 408s by phase */
+    kvb_metric *m_connections;                       /* the guard's: open connections, waiting or serving */
+    kvb_metric *m_evicted;                           /* the guard's: idle kept-alive connections closed for room */
     kvb_metric *m_requests, *m_duration, *m_in_flight, *m_ttft, *m_gap, *m_prompt_tokens,
         *m_generated_tokens, *m_disconnects, *m_verdicts;
 };

@@ -146,9 +146,13 @@ typedef struct {
     void *internal_;                 /* owned storage; kvb_completion_req_free releases it */
 } kvb_completion_req;
 
-/* Parses and validates a request body (`len` bytes, need not be NUL-terminated). Unknown fields
- * are ignored like OpenAI does, except inside the "kvbridge" object (ours: an unknown key is a
- * 400). Known fields this server cannot honour are 400s rather than silently ignored: n > 16,
+/* Parses and validates a request body (`len` bytes, need not be NUL-terminated). A field the route
+ * does not take is a 400 naming it ("Unrecognized request argument supplied: temprature", code
+ * unknown_parameter), as is a key sent twice; a few that OpenAI's and vLLM's clients send are
+ * accepted and ignored (user, metadata, store, service_tier, parallel_tool_calls, prompt_cache_key,
+ * safety_identifier: request_fields in request.c lists them all). Strings are taken exactly as
+ * sent: an invalid escape, a lone UTF-16 surrogate or "\u0000" is a 400 naming the field. Known
+ * fields this server cannot honour are 400s rather than silently ignored: n > 16,
  * echo with n > 1, suffix, best_of > 1, tools/functions, response_format other than "text" and "json_object",
  * "tool"/"function" roles, non-text content parts. On failure: KVB_ERR_INVALID (err->status 400)
  * or KVB_ERR_NOMEM (500), *out NULL. */
@@ -257,7 +261,16 @@ typedef struct {
     uint32_t max_model_len;    /* its context in tokens, in /v1/models (vLLM's field); 0: left out */
     bool accept_any_model;     /* false: a request naming another model is 404 model_not_found */
     size_t max_body_bytes;     /* 0 = 32 MiB; larger bodies are 413 */
-    unsigned max_connections;  /* 0 = 256 (each holds a thread) */
+    unsigned max_connections;  /* requests served at once; 0 = 256 (each holds a thread). Past it a
+                                  new one is a 503 with Retry-After */
+    unsigned max_connections_per_client; /* connections one client address may hold (sending its
+                                  request or served); 0 = max_connections / 2, at least 8. Past it
+                                  a 503. Connections still sending their request head hold no
+                                  thread; a malformed request line, header or chunk size is a 4xx
+                                  at once */
+    unsigned header_timeout_s; /* a connection's request head must be whole this soon (else 408); 0 = 10 */
+    unsigned body_timeout_s;   /* a request's body must be whole this soon after its head (else 408);
+                                  0 = 30 */
     unsigned idle_timeout_s;   /* keep-alive idle limit; 0 = 120 (never cuts a slow handler) */
     kvb_metrics *metrics;      /* NULL: the server creates (and frees) its own */
     const char *api_key;       /* NULL or "": none; else every /v1/ route requires "Authorization:

@@ -2,7 +2,9 @@
  * in OpenAI's shape naming the offending param ("messages[2].content", "stop[1]", ...). The
  * parsed cJSON tree stays alive with the request: strings point into it; only joined content
  * parts, the token id array, the logit bias and a response_format's compiled JSON schema are
- * separate allocations. */
+ * separate allocations. Nothing a client sent is dropped unseen: the body's strings are checked
+ * byte by byte before cJSON decodes them, a key sent twice is refused, and every field must be in
+ * request_fields (or a nested object's own list), else a 400 names it. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +25,100 @@ typedef struct {
 
 #define BAD(e, param, ...) (http_error_set((e), 400, NULL, (param), __VA_ARGS__), KVB_ERR_INVALID)
 #define NOMEM(e) (http_error_set((e), 500, NULL, NULL, "out of memory parsing the request"), KVB_ERR_NOMEM)
+
+/* ---- the fields each route takes: one table ------------------------------------------------------ */
+
+enum { ON_CHAT = 1u, ON_COMPLETIONS = 2u, ON_TOKENIZE = 4u, ON_DETOKENIZE = 8u };
+#define ON_GENERATE (ON_CHAT | ON_COMPLETIONS)
+#define ON_ALL (ON_GENERATE | ON_TOKENIZE | ON_DETOKENIZE)
+#define T_NULL cJSON_NULL
+
+/* Every top-level field a route accepts. A field not here, or not for this route ("echo" on chat),
+ * is a 400 naming it, as OpenAI answers one ("Unrecognized request argument supplied: temprature").
+ * ignored_types != 0: accepted and without effect here, when its JSON type is one of these —
+ * what OpenAI's and vLLM's clients send for features this server has no use for (end-user ids,
+ * stored-completion and billing options, tool-call parallelism with no tools, prompt-cache hints
+ * for OpenAI's cache). Fields that are here but that this server cannot honour by value (tools,
+ * suffix, best_of > 1, ...) are refused by value in refuse_unsupported. */
+typedef struct {
+    const char *name;
+    unsigned routes;
+    int ignored_types; /* 0: read by the parser */
+} request_field;
+
+static const request_field request_fields[] = {
+    {"model", ON_ALL, 0},
+    {"messages", ON_CHAT | ON_TOKENIZE, 0},
+    {"prompt", ON_COMPLETIONS | ON_TOKENIZE, 0},
+    {"tokens", ON_DETOKENIZE, 0},
+    {"add_special_tokens", ON_COMPLETIONS | ON_TOKENIZE, 0}, /* vLLM's; on completions true only */
+    {"add_generation_prompt", ON_TOKENIZE, 0},
+    {"max_tokens", ON_GENERATE, 0},
+    {"max_completion_tokens", ON_GENERATE, 0},
+    {"temperature", ON_GENERATE, 0},
+    {"top_p", ON_GENERATE, 0},
+    {"top_k", ON_GENERATE, 0},                 /* vLLM's */
+    {"frequency_penalty", ON_GENERATE, 0},
+    {"presence_penalty", ON_GENERATE, 0},
+    {"seed", ON_GENERATE, 0},
+    {"n", ON_GENERATE, 0},
+    {"stop", ON_GENERATE, 0},
+    {"stop_token_ids", ON_GENERATE, 0},        /* vLLM's */
+    {"min_tokens", ON_GENERATE, 0},            /* vLLM's */
+    {"ignore_eos", ON_GENERATE, 0},            /* vLLM's */
+    {"logit_bias", ON_GENERATE, 0},
+    {"logprobs", ON_GENERATE, 0},
+    {"top_logprobs", ON_GENERATE, 0},          /* chat's; on completions only 0 */
+    {"stream", ON_GENERATE, 0},
+    {"stream_options", ON_GENERATE, 0},
+    {"response_format", ON_GENERATE, 0},
+    {"kvbridge", ON_GENERATE, 0},              /* ours */
+    {"echo", ON_COMPLETIONS, 0},
+    {"suffix", ON_COMPLETIONS, 0},             /* refused */
+    {"best_of", ON_COMPLETIONS, 0},            /* 1 only */
+    {"tools", ON_CHAT, 0},                     /* [] only */
+    {"functions", ON_CHAT, 0},                 /* [] only */
+    {"tool_choice", ON_CHAT, 0},               /* "none" / "auto" only */
+    {"function_call", ON_CHAT, 0},             /* "none" / "auto" only */
+    {"audio", ON_CHAT, 0},                     /* null only */
+    {"modalities", ON_CHAT, 0},                /* ["text"] only */
+    /* accepted and ignored */
+    {"user", ON_GENERATE, cJSON_String | T_NULL},
+    {"metadata", ON_CHAT, cJSON_Object | T_NULL},
+    {"store", ON_CHAT, cJSON_True | cJSON_False | T_NULL},
+    {"service_tier", ON_CHAT, cJSON_String | T_NULL},
+    {"parallel_tool_calls", ON_CHAT, cJSON_True | cJSON_False | T_NULL},
+    {"prompt_cache_key", ON_CHAT, cJSON_String | T_NULL},
+    {"safety_identifier", ON_CHAT, cJSON_String | T_NULL},
+};
+
+/* The keys a message object, a content part, stream_options and response_format take. A message's
+ * "name" is ignored; the fields of an assistant message as a client sends one back are taken when
+ * null or empty (they carry nothing then). */
+static const char *const message_fields[] = {"role", "content", "name", "refusal", "tool_calls", "function_call",
+                                             "audio", "annotations"};
+static const char *const message_empty_only[] = {"refusal", "tool_calls", "function_call", "audio", "annotations"};
+static const char *const content_part_fields[] = {"type", "text"};
+static const char *const stream_options_fields[] = {"include_usage", "include_obfuscation" /* ignored */};
+static const char *const response_format_fields[] = {"type", "json_schema"};
+
+/* Each member of root is in request_fields for this route, an ignored one of its accepted types. */
+static kvb_status check_request_fields(const cJSON *root, unsigned route, kvb_http_error *e) {
+    for (const cJSON *c = root->child; c; c = c->next) {
+        const request_field *f = NULL;
+        for (size_t i = 0; i < KVB_ARRAY_LEN(request_fields) && !f; i++)
+            if ((request_fields[i].routes & route) && strcmp(c->string, request_fields[i].name) == 0)
+                f = &request_fields[i];
+        if (!f) return http_error_unknown_field(e, NULL, c->string);
+        if (f->ignored_types && !(c->type & f->ignored_types)) {
+            const int t = f->ignored_types;
+            const char *want = t & cJSON_String ? "a string" : t & cJSON_Object ? "an object" : "a boolean";
+            return BAD(e, f->name, "Invalid type for '%s': expected %s, but got %s instead.", f->name, want,
+                       kvb_json_value_kind(c));
+        }
+    }
+    return KVB_OK;
+}
 
 /* The item, or NULL when absent or JSON null (both mean "use the default"). */
 static const cJSON *field(const cJSON *obj, const char *name) {
@@ -136,6 +232,7 @@ static kvb_status parse_content(req_storage *st, const cJSON *content, const cha
         if (!s && strcmp(type, "text") != 0)
             s = BAD(e, pparam, "Content part type '%.40s' in '%s' is not supported; only 'text' parts "
                     "are.", type, pparam);
+        if (!s) s = http_json_refuse_unknown(part, pparam, content_part_fields, KVB_ARRAY_LEN(content_part_fields), e);
         if (!s) {
             const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
             char tparam[140];
@@ -155,6 +252,27 @@ static kvb_status parse_content(req_storage *st, const cJSON *content, const cha
     if (joined.oom) { http_buf_free(&joined); return NOMEM(e); }
     kvb_status s = own_string(st, joined.data, e); /* ownership moves to st */
     if (!s) *out = joined.data;
+    return s;
+}
+
+/* A message's keys (message_fields); those carried back from a reply must be empty. */
+static kvb_status check_message_fields(const cJSON *m, const char *param, kvb_http_error *e) {
+    kvb_status s = http_json_refuse_unknown(m, param, message_fields, KVB_ARRAY_LEN(message_fields), e);
+    for (size_t i = 0; !s && i < KVB_ARRAY_LEN(message_empty_only); i++) {
+        const cJSON *v = field(m, message_empty_only[i]);
+        if (!v || (cJSON_IsArray(v) && !v->child)) continue;
+        char fparam[128];
+        snprintf(fparam, sizeof fparam, "%s.%s", param, message_empty_only[i]);
+        s = BAD(e, fparam, "'%s' is not supported by this server (text messages only); send it as null or leave "
+                "it out.", fparam);
+    }
+    const cJSON *name = field(m, "name");
+    const char *ignored = NULL;
+    if (!s && name) {
+        char nparam[112];
+        snprintf(nparam, sizeof nparam, "%s.name", param);
+        s = get_string(name, nparam, true, &ignored, e);
+    }
     return s;
 }
 
@@ -178,12 +296,14 @@ static kvb_status parse_messages(req_storage *st, const cJSON *root, kvb_http_er
         if (!cJSON_IsObject(m))
             return BAD(e, param, "Invalid type for '%s': expected an object, but got %s instead.", param,
                        kvb_json_value_kind(m));
+        kvb_status s = check_message_fields(m, param, e);
+        if (s) return s;
         char rparam[112];
         snprintf(rparam, sizeof rparam, "%s.role", param);
         const cJSON *r = cJSON_GetObjectItemCaseSensitive(m, "role");
         const char *role = NULL;
         if (!r || cJSON_IsNull(r)) return BAD(e, rparam, "Missing required parameter: '%s'.", rparam);
-        kvb_status s = get_string(r, rparam, false, &role, e);
+        s = get_string(r, rparam, false, &role, e);
         if (s) return s;
         if (strcmp(role, "developer") == 0) role = "system";
         if (strcmp(role, "tool") == 0 || strcmp(role, "function") == 0)
@@ -403,6 +523,10 @@ static kvb_status refuse_unsupported(const cJSON *root, kvb_api api, kvb_http_er
 static kvb_status parse_response_format(req_storage *st, const cJSON *root, kvb_http_error *e) {
     const cJSON *v = field(root, "response_format");
     if (!v) return KVB_OK;
+    kvb_status s = cJSON_IsObject(v) ? http_json_refuse_unknown(v, "response_format", response_format_fields,
+                                                                KVB_ARRAY_LEN(response_format_fields), e)
+                                     : KVB_OK;
+    if (s) return s;
     const cJSON *t = cJSON_IsObject(v) ? cJSON_GetObjectItemCaseSensitive(v, "type") : NULL;
     const char *type = cJSON_IsString(t) ? t->valuestring : "";
     if (strcmp(type, "text") == 0) return KVB_OK;
@@ -422,7 +546,6 @@ static kvb_status parse_response_format(req_storage *st, const cJSON *root, kvb_
             return BAD(e, "response_format", "Unknown parameter: 'response_format.json_schema.%.40s'.", f->string);
     const cJSON *name = field(js, "name"), *desc = field(js, "description");
     const char *text = NULL;
-    kvb_status s;
     if (!name) return BAD(e, "response_format", "Missing required parameter: 'response_format.json_schema.name'.");
     if ((s = get_string(name, "response_format.json_schema.name", false, &text, e))) return s;
     bool name_ok = strlen(text) <= 64;
@@ -445,18 +568,6 @@ static kvb_status parse_response_format(req_storage *st, const cJSON *root, kvb_
     if (s) return BAD(e, "response_format", "%s", err.msg);
     st->req.json_schema = st->schema;
     return KVB_OK;
-}
-
-/* A JSON "\u0000" escape would silently cut a cJSON string: refuse it. An escape is real when
- * the run of backslashes before the 'u' has odd length (backslashes only occur in strings). */
-static bool has_nul_escape(const char *body, size_t len) {
-    for (size_t i = 0; i + 6 <= len; i++) {
-        if (body[i] != '\\' || body[i + 1] != 'u' || memcmp(body + i + 2, "0000", 4) != 0) continue;
-        size_t run = 0;
-        while (run <= i && body[i - run] == '\\') run++;
-        if (run % 2 == 1) return true;
-    }
-    return false;
 }
 
 /* chat: "logprobs": bool, "top_logprobs": 0..20 (> 0 only with logprobs true); completions (the
@@ -525,7 +636,7 @@ static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_http_error 
         if ((s = check_integer(v, "n", 1, KVB_HTTP_MAX_N, e))) return s;
         r->n = (uint32_t)v->valuedouble;
     }
-    const char *user_ignored = NULL;
+    const char *user_ignored = NULL; /* ignored, but a string must be valid UTF-8 */
     if ((v = field(root, "user")) && (s = get_string(v, "user", true, &user_ignored, e))) return s;
     if ((s = parse_stop(st, root, e))) return s;
     if ((s = parse_stop_token_ids(st, root, e))) return s;
@@ -539,6 +650,12 @@ static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_http_error 
     if ((s = parse_logit_bias(st, root, e))) return s;
     if ((s = parse_logprobs(r, root, api, e))) return s;
     if (api == KVB_API_COMPLETIONS && (s = get_bool(root, "echo", "echo", &r->echo, e))) return s;
+    if (api == KVB_API_COMPLETIONS &&
+        (s = get_bool(root, "add_special_tokens", "add_special_tokens", &r->add_special_tokens, e)))
+        return s;
+    if (!r->add_special_tokens)
+        return BAD(e, "add_special_tokens", "Only add_special_tokens=true is supported on /v1/completions (the "
+                   "prompt's tokens are those the tokenizer adds specials to; send token ids for others).");
     if (r->echo && r->n > 1) return BAD(e, "echo", "'echo' is supported with n=1 only.");
     if ((s = get_bool(root, "stream", "stream", &r->stream, e))) return s;
     if ((s = get_bool(root, "ignore_eos", "ignore_eos", &r->ignore_eos, e))) return s;
@@ -549,7 +666,13 @@ static kvb_status parse_root(req_storage *st, const cJSON *root, kvb_http_error 
         if (!r->stream)
             return BAD(e, "stream_options", "The 'stream_options' parameter is only allowed when "
                        "'stream' is enabled.");
+        if ((s = http_json_refuse_unknown(v, "stream_options", stream_options_fields,
+                                          KVB_ARRAY_LEN(stream_options_fields), e)))
+            return s;
         if ((s = get_bool(v, "include_usage", "stream_options.include_usage", &r->include_usage, e)))
+            return s;
+        bool obfuscation_ignored = false;
+        if ((s = get_bool(v, "include_obfuscation", "stream_options.include_obfuscation", &obfuscation_ignored, e)))
             return s;
     }
     if ((s = parse_kvbridge(st, root, e))) return s;
@@ -567,8 +690,8 @@ static kvb_status parse_body_object(const char *body, size_t len, cJSON **root, 
         return BAD(e, NULL, "The request body is empty; expected a JSON object.");
     if (memchr(body, '\0', len))
         return BAD(e, NULL, "The request body contains a NUL byte; expected JSON text.");
-    if (has_nul_escape(body, len))
-        return BAD(e, NULL, "Strings containing NUL (\\u0000) are not accepted.");
+    kvb_status s = http_json_strings_check(body, len, e); /* before cJSON decodes (and may cut) them */
+    if (s) return s;
 
     const char *end = NULL;
     cJSON *r = cJSON_ParseWithLengthOpts(body, len, &end, false);
@@ -585,8 +708,9 @@ static kvb_status parse_body_object(const char *body, size_t len, cJSON **root, 
         return BAD(e, NULL, "We could not parse the JSON body of your request: unexpected bytes after "
                    "the JSON value at byte %zu.", pos);
     }
-    if (!cJSON_IsObject(r)) {
-        kvb_status s = BAD(e, NULL, "The request body must be a JSON object, but it is %s.", kvb_json_value_kind(r));
+    if (!cJSON_IsObject(r)) s = BAD(e, NULL, "The request body must be a JSON object, but it is %s.", kvb_json_value_kind(r));
+    if (!s) s = http_json_unique_keys(r, e);
+    if (s) {
         cJSON_Delete(r);
         return s;
     }
@@ -613,14 +737,18 @@ typedef kvb_status (*fill_fn)(req_storage *st, const cJSON *root, kvb_http_error
 #define API_BY_BODY ((kvb_api)-1) /* chat when the body has "messages" (/tokenize) */
 
 /* The body as a JSON object, a request's storage around it, then fill's fields. */
-static kvb_status parse_request(const char *body, size_t len, kvb_api api, fill_fn fill, kvb_completion_req **out,
-                                kvb_http_error *err) {
+static kvb_status parse_request(const char *body, size_t len, kvb_api api, unsigned route, fill_fn fill,
+                                kvb_completion_req **out, kvb_http_error *err) {
     kvb_http_error scratch;
     kvb_http_error *e = err ? err : &scratch;
     *out = NULL;
     cJSON *root = NULL;
     kvb_status s = parse_body_object(body, len, &root, e);
-    if (s) return s;
+    if (!s) s = check_request_fields(root, route, e);
+    if (s) {
+        cJSON_Delete(root);
+        return s;
+    }
     if (api == API_BY_BODY) api = field(root, "messages") ? KVB_API_CHAT_COMPLETIONS : KVB_API_COMPLETIONS;
     req_storage *st = new_storage(root, api);
     if (!st) { cJSON_Delete(root); return NOMEM(e); }
@@ -637,7 +765,8 @@ kvb_status kvb_completion_req_parse(kvb_api api, const char *body, size_t len,
         if (err) http_error_set(err, 500, NULL, NULL, "unknown API kind %d", (int)api);
         return KVB_ERR_INVALID;
     }
-    return parse_request(body, len, api, parse_root, out, err);
+    return parse_request(body, len, api, api == KVB_API_CHAT_COMPLETIONS ? ON_CHAT : ON_COMPLETIONS, parse_root, out,
+                         err);
 }
 
 /* "model", when given, names a model (the server checks which). */
@@ -665,7 +794,7 @@ static kvb_status fill_tokenize(req_storage *st, const cJSON *root, kvb_http_err
 }
 
 kvb_status kvb_tokenize_req_parse(const char *body, size_t len, kvb_completion_req **out, kvb_http_error *err) {
-    return parse_request(body, len, API_BY_BODY, fill_tokenize, out, err);
+    return parse_request(body, len, API_BY_BODY, ON_TOKENIZE, fill_tokenize, out, err);
 }
 
 static kvb_status fill_detokenize(req_storage *st, const cJSON *root, kvb_http_error *e) {
@@ -680,7 +809,7 @@ static kvb_status fill_detokenize(req_storage *st, const cJSON *root, kvb_http_e
 }
 
 kvb_status kvb_detokenize_req_parse(const char *body, size_t len, kvb_completion_req **out, kvb_http_error *err) {
-    return parse_request(body, len, KVB_API_COMPLETIONS, fill_detokenize, out, err);
+    return parse_request(body, len, KVB_API_COMPLETIONS, ON_DETOKENIZE, fill_detokenize, out, err);
 }
 
 void kvb_completion_req_free(kvb_completion_req *req) {

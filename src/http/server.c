@@ -1,4 +1,5 @@
-/* server.c — the libmicrohttpd daemon (one thread per connection, poll), routing, body limits,
+/* server.c — the libmicrohttpd daemon (one thread per connection, poll; the connections come from
+ * the guard in guard.c, which listens, answers framing errors and keeps the deadlines), routing, body limits,
  * the non-completion routes (/v1/models, /health, /metrics) and the glue that turns a
  * kvb_completion_out into a response: non-streaming completions run the handler on the connection
  * thread and answer once it returns; streaming ones run it on a worker thread and answer (200,
@@ -61,6 +62,8 @@ typedef struct {
     kvb_completion_out *out;
     char origin[256];      /* the request's Origin when it is an allowed one (CORS), else "" */
     char request_id[129];  /* the client's X-Request-Id (printable ASCII, <= 128 bytes), else "" */
+    bool body_watched;     /* the guard keeps the body's deadline */
+    http_body_watch body_watch;
 } request_ctx;
 
 /* ---- responses ---------------------------------------------------------------------------------- */
@@ -489,7 +492,13 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         snprintf(ctx->method, sizeof ctx->method, "%s", method);
         *con_cls = ctx;
         kvb_metric_add(s->m_in_flight, NULL, 1);
-        return on_headers(ctx, conn, url, method);
+        http_guard_connection_idle(s->guard, connection_fd(conn), false);
+        enum MHD_Result r = on_headers(ctx, conn, url, method);
+        if (r == MHD_YES && !ctx->responded && is_post_route(ctx->route)) { /* its body has a deadline */
+            http_guard_body_begin(s->guard, &ctx->body_watch, connection_fd(conn));
+            ctx->body_watched = true;
+        }
+        return r;
     }
     if (ctx->responded) { /* an early refusal is queued; MHD discards the rest */
         *upload_data_size = 0;
@@ -511,6 +520,10 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         return ctx->body.oom ? MHD_NO : MHD_YES;
     }
     /* the whole request is in */
+    if (ctx->body_watched) {
+        ctx->body_watched = false;
+        if (!http_guard_body_end(s->guard, &ctx->body_watch)) return MHD_NO; /* answered 408 already */
+    }
     if (ctx->body_too_large)
         return refuse(ctx, conn, 413, NULL, "Request body is over the limit of %zu bytes.", s->max_body_bytes);
     switch (ctx->route) {
@@ -572,6 +585,7 @@ static void request_completed(void *cls, struct MHD_Connection *conn, void **con
     request_ctx *ctx = *con_cls;
     if (!ctx) return;
     *con_cls = NULL;
+    if (ctx->body_watched) http_guard_body_end(s->guard, &ctx->body_watch);
     kvb_completion_out *out = ctx->out;
     const double seconds = kvb_now_s() - ctx->t_start;
     if (out) http_completion_abandon(out); /* joins a streaming worker: its fields are final */
@@ -592,6 +606,8 @@ static void request_completed(void *cls, struct MHD_Connection *conn, void **con
     }
     if (ctx->timeout_lifted)
         MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, s->idle_timeout_s);
+    if (toe == MHD_REQUEST_TERMINATED_COMPLETED_OK) /* kept alive for the next request, if any */
+        http_guard_connection_idle(s->guard, connection_fd(conn), true);
     char code[16];
     snprintf(code, sizeof code, "%u", ctx->responded ? ctx->status : 0u);
     const char *route = route_labels[ctx->route];
@@ -601,6 +617,14 @@ static void request_completed(void *cls, struct MHD_Connection *conn, void **con
     kvb_completion_req_free(ctx->req);
     http_buf_free(&ctx->body);
     free(ctx);
+}
+
+/* A connection the guard handed over is closed: it no longer counts against the limits. */
+static void connection_notified(void *cls, struct MHD_Connection *conn, void **socket_context,
+                                enum MHD_ConnectionNotificationCode toe) {
+    kvb_http_server *s = cls;
+    (void)socket_context;
+    if (toe == MHD_CONNECTION_NOTIFY_CLOSED && s->guard) http_guard_connection_closed(s->guard, connection_fd(conn));
 }
 
 static void mhd_logger(void *cls, const char *fmt, va_list ap) {
@@ -669,6 +693,20 @@ static kvb_status register_metrics(kvb_http_server *s, kvb_err *err) {
         const double *bounds;
         size_t n_bounds;
     } defs[] = {
+        {&s->m_refused, KVB_METRIC_COUNTER, "kvb_http_connections_refused_total",
+         "Connections answered 503 before their request was served, by reason: capacity (every connection "
+         "serving), per_client (the client holds its most), waiting (too many heads being sent).", "reason", NULL, 0},
+        {&s->m_framing, KVB_METRIC_COUNTER, "kvb_http_framing_errors_total",
+         "Requests refused for their HTTP framing (request line, headers, chunk sizes) before reaching a route, by "
+         "status code.", "code", NULL, 0},
+        {&s->m_deadlines, KVB_METRIC_COUNTER, "kvb_http_deadline_timeouts_total",
+         "Requests answered 408 because their headers or body did not arrive in time, by phase.", "phase", NULL, 0},
+        {&s->m_connections, KVB_METRIC_GAUGE, "kvb_http_connections",
+         "Open client connections: waiting (sending their request head; they hold no thread) and serving (handed "
+         "to the HTTP library, at most --max-connections).", "state", NULL, 0},
+        {&s->m_evicted, KVB_METRIC_COUNTER, "kvb_http_idle_connections_closed_total",
+         "Kept-alive connections idle between requests closed to make room for a new client when every connection "
+         "was taken.", NULL, NULL, 0},
         {&s->m_requests, KVB_METRIC_COUNTER, "kvb_http_requests_total",
          "HTTP requests by route and status code (0: no response was sent).", "route,code", NULL, 0},
         {&s->m_duration, KVB_METRIC_HISTOGRAM, "kvb_http_request_duration_seconds",
@@ -766,24 +804,36 @@ kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_hand
         s->has_api_key = true;
     }
 
-    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
-                     MHD_USE_ERROR_LOG;
-    if (addr.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
-    unsigned max_conn = cfg->max_connections ? cfg->max_connections : 256;
+    /* MHD listens on nothing: the guard (guard.c) accepts, checks each request head and hands the
+     * connection over; MHD's own limit sits above the guard's, whose count leads MHD's by a moment */
+    const unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
+                           MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET | MHD_USE_ITC;
+    const unsigned max_conn = cfg->max_connections ? cfg->max_connections : 256;
+    const unsigned per_client = cfg->max_connections_per_client ? cfg->max_connections_per_client
+                                                                : HTTP_PER_CLIENT_DEFAULT(max_conn);
     s->daemon = MHD_start_daemon(flags, 0, NULL, NULL, on_request, s,
-                                 MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&addr,
                                  MHD_OPTION_NOTIFY_COMPLETED, request_completed, s,
+                                 MHD_OPTION_NOTIFY_CONNECTION, connection_notified, s,
                                  MHD_OPTION_CONNECTION_TIMEOUT, s->idle_timeout_s,
-                                 MHD_OPTION_CONNECTION_LIMIT, max_conn,
+                                 MHD_OPTION_CONNECTION_LIMIT, max_conn + 64,
                                  MHD_OPTION_EXTERNAL_LOGGER, mhd_logger, NULL,
                                  MHD_OPTION_END);
     if (!s->daemon) {
-        st = kvb_err_set(err, KVB_ERR_IO, "http: cannot listen on %s (address in use, or not a local "
-                         "address?)", cfg->listen);
+        st = kvb_err_set(err, KVB_ERR_IO, "http: cannot start the HTTP daemon for %s", cfg->listen);
         goto fail;
     }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->daemon, MHD_DAEMON_INFO_BIND_PORT);
-    s->port = di ? di->port : 0;
+    const http_guard_limits limits = {
+        .max_active = max_conn,
+        .max_per_client = per_client,
+        .header_timeout_s = cfg->header_timeout_s ? cfg->header_timeout_s : HTTP_HEADER_TIMEOUT_DEFAULT_S,
+        .body_timeout_s = cfg->body_timeout_s ? cfg->body_timeout_s : HTTP_BODY_TIMEOUT_DEFAULT_S,
+    };
+    if ((st = http_guard_start(s, &addr, &limits, &s->guard, err))) {
+        kvb_log(KVB_LOG_ERROR, "http: cannot listen on %s (address in use, or not a local address?)", cfg->listen);
+        MHD_stop_daemon(s->daemon);
+        goto fail;
+    }
+    s->port = http_guard_port(s->guard);
     kvb_log(KVB_LOG_INFO, "http: serving model '%s' on %s (port %u%s%s%s)", s->model_id, cfg->listen, s->port,
             s->has_api_key ? ", API key required on /v1/" : "", s->allow_origins ? ", CORS for " : "",
             s->allow_origins ? s->allow_origins : "");
@@ -813,7 +863,9 @@ kvb_metrics *kvb_http_server_metrics(kvb_http_server *s) { return s ? s->metrics
 void kvb_http_server_stop(kvb_http_server *s) {
     if (!s) return;
     atomic_store(&s->stopping, true); /* every wait and emit sees it within a slice */
+    http_guard_stop_accepting(s->guard);
     MHD_stop_daemon(s->daemon);       /* joins the connection threads (they join the workers) */
+    http_guard_free(s->guard);
     OPENSSL_cleanse(s->api_key_digest, sizeof s->api_key_digest);
     if (s->owns_metrics) kvb_metrics_free(s->metrics);
     free(s->allow_origins);

@@ -1,17 +1,19 @@
-/* node/decode_node.c — the decode role, the front door: the OpenAI API handler. Per request:
- * tokenize (chat template), look up the prefix cache, decide (enough uncached tokens and a
- * reachable peer -> bridge; else native), commit arriving slabs through the store's slab path
- * and one block writer — the slabs striped over the peer's lanes (several connections, grouped
- * with LANE frames), one receiving and one committing thread per lane — compute the rest
- * natively (always the last prompt token: while the blocks arrive, layer by layer, on the
- * pipelined tail's thread — tail_pipe.c; KVB_DECODE_PIPELINED_TAIL=0 runs it after the transfer
- * instead), decode and stream; the verdict says what actually happened. Up to cfg.parallel
- * requests are served at once, admitted in arrival order: prompts take their turn in a FIFO
- * (which also owns the peer link), and the decode steps of all of them run as batches whenever
- * no prompt computes, before each prompt and between its slices (decode_batch.c), the weights
- * read once per step for every request. */
+/* node/decode_node.c — the decode role, the front door: the OpenAI API handler. A request runs
+ * as stages over one decode_request: admit (tokenize with the chat template, check the context
+ * and the cache blocks it can need), look up the prefix cache, decide (an enum: enough uncached
+ * tokens and a reachable peer -> bridge; else why not), bridge (the bridge's receiver over the
+ * peer's lanes, src/bridge/rx_lanes.c: slabs striped over several connections, one receiving and
+ * one committing thread per lane, committed through the store's slab path and one block writer;
+ * the last prompt token computed while the blocks arrive, layer by layer, on the pipelined tail's
+ * thread — KVB_DECODE_PIPELINED_TAIL=0 runs it after the transfer instead), native fill (the
+ * rest), decode and emit; the verdict, printed from the decision and the outcome, says what
+ * actually happened. Up to cfg.parallel requests are served at once, admitted in arrival order:
+ * prompts take their turn in a FIFO (whose holder borrows the peer link's lanes; the link's own
+ * thread dials them, src/transport/peer_link.c), and the decode steps of all
+ * of them run as batches whenever no prompt computes, before each prompt and between its slices
+ * (decode_batch.c), the weights read once per step for every request. */
+#include <stddef.h>
 #include <stdio.h>
-#include <sys/random.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -47,17 +49,17 @@ struct kvb_decode_node {
     uint32_t n_served;              /* admitted, not yet done */
     uint64_t blocks_reserved;       /* by them */
     kvb_decode_batch *batch;
-    /* the peer link (used only while holding the engine): lane 0 carries PREFILL and CANCEL */
-    kvb_conn *lanes[KVB_MAX_LANES];
+    /* the peer link, dialled and kept up by its own thread; the lanes it lent to the prompt FIFO's
+     * holder (n_lanes of them, valid while it holds the FIFO): lane 0 carries PREFILL and CANCEL */
+    kvb_peer_link *link;
+    kvb_conn *const *lanes;
     uint32_t n_lanes;
     kvb_hello hello;
     kvb_transport_config tcfg;
     uint64_t next_request_id;
-    char peer_state[160];
-    double peer_retry_at; /* after a failed connect, no new attempt before this time (backoff) */
-    double peer_backoff_s;
     /* metrics */
     kvb_metric *m_requests, *m_tokens, *m_faults, *m_resumes, *m_slab_bytes, *m_peer_up, *m_queue;
+    kvb_metric *m_peer_refused; /* the link's failed attempts, by reason */
     kvb_metric *m_phase; /* kvbridge_request_phase_seconds{phase} */
     kvb_metric *m_batches, *m_steps, *m_in_prompts;
     kvb_metric *m_reserved, *m_cache_waits; /* admission by cache blocks */
@@ -68,372 +70,109 @@ struct kvb_decode_node {
 
 /* ---- the bridge, decode side ----------------------------------------------------------------- */
 
+/* One bridge attempt: what the receiver reports, and the attempt's time from setup to the last DONE. */
 typedef struct {
-    uint32_t blocks_total;
-    kvb_block_id tail_page; /* the tail, complete and verified: a writing page now ours, or NONE */
-    uint64_t bytes;
-    double transfer_s, prefill_s;
-    char fault[160]; /* why bridging stopped short ("" = it did not) */
-    const char *fault_kind;
-    bool last_ready;        /* the pipelined tail computed the last token: logits hold its logits and */
-    kvb_block_id last_page; /* this page (WRITING, ours) holds the tail's rows and the last token's */
-    double tail_wait_s;     /* how long the pipelined tail ran on after the transfer */
+    kvb_bridge_rx_outcome rx;
+    double transfer_s;
 } bridge_outcome;
+
+/* One whole dial of the peer link (connect, handshake and grouping of every lane); also how long
+ * the node's start, and a resume after a dropped lane, wait for the link. */
+#define PEER_DIAL_TIMEOUT_MS 5000
 
 static bool pipelined_tail_on(const kvb_decode_node *n) {
     const char *v = getenv("KVB_DECODE_PIPELINED_TAIL");
     return !n->cfg.tail_after_transfer && (!v || !*v || *v != '0');
 }
 
+/* The lanes can no longer be trusted: the link closes them and dials again. */
 static void drop_peer(kvb_decode_node *n) {
-    for (uint32_t l = 0; l < KVB_MAX_LANES; l++) {
-        kvb_conn_close(n->lanes[l]);
-        n->lanes[l] = NULL;
+    kvb_peer_link_drop(n->link, NULL);
+    n->lanes = NULL;
+    n->n_lanes = 0;
+}
+
+/* The link's lanes for this request, at once, or why not (never waits: the link's own thread
+ * connects). Holding the prompt FIFO. */
+static kvb_status peer_lanes(kvb_decode_node *n, kvb_err *err) {
+    return kvb_peer_link_lanes(n->link, &n->lanes, &n->n_lanes, err);
+}
+
+/* After a fault mid-stream: the link dials again; waits a bounded time for it with the engine
+ * lent to the decode batches, so other requests' streams go on meanwhile. */
+static kvb_status peer_lanes_again(kvb_decode_node *n, kvb_err *err) {
+    kvb_decode_batch_exec_lend(n->batch);
+    const kvb_status st = kvb_peer_link_wait_lanes(n->link, PEER_DIAL_TIMEOUT_MS, &n->lanes, &n->n_lanes, err);
+    kvb_decode_batch_exec_reclaim(n->batch);
+    return st;
+}
+
+/* The link's thread on every change: the gauge, the failed attempts by reason, and a log line. */
+static void on_peer_state(void *ctx, kvb_peer_state state, kvb_status code, const char *why) {
+    kvb_decode_node *n = ctx;
+    kvb_metric_set(n->m_peer_up, NULL, state == KVB_PEER_UP);
+    if (state == KVB_PEER_DOWN) {
+        kvb_metric_add(n->m_peer_refused, KVB_LABELS(kvb_handshake_reason_name(kvb_handshake_reason_of(code))), 1);
+        kvb_log(KVB_LOG_INFO, "decode: prefill node %s unavailable: %s", n->peer, why);
+    } else if (state == KVB_PEER_UP) {
+        kvb_log(KVB_LOG_INFO, "decode: prefill node %s connected", n->peer);
     }
-    kvb_metric_set(n->m_peer_up, NULL, 0);
 }
 
-static bool peer_usable(const kvb_decode_node *n) {
-    for (uint32_t l = 0; l < n->n_lanes; l++)
-        if (!n->lanes[l] || !kvb_conn_usable(n->lanes[l])) return false;
-    return true;
-}
+/* ---- the bridge, through the bridge's receiver over the peer's lanes --------------------------- */
 
-/* Groups the lanes at the peer: LANE on each, then a PING whose PONG says the peer has read it (a
- * connection's frames are handled in order), so a PREFILL on lane 0 finds the group complete. */
-static kvb_status group_lanes(kvb_decode_node *n, kvb_err *err) {
-    uint64_t group = 0;
-    while (!group)
-        if (getrandom(&group, sizeof group, 0) != (ssize_t)sizeof group)
-            group = (uint64_t)(kvb_now_s() * 1e9) ^ (uint64_t)(uintptr_t)n; /* no entropy: unique is enough */
-    for (uint32_t l = 0; l < n->n_lanes; l++) {
-        kvb_msg_lane m = {.group = group, .lane = l, .lanes = n->n_lanes};
-        kvb_status st = kvb_conn_send_lane(n->lanes[l], &m, 5000, err);
-        if (!st) st = kvb_conn_send_ping(n->lanes[l], group + l, 5000, err);
-        kvb_msg r = {0};
-        if (!st) st = kvb_conn_recv(n->lanes[l], 5000, &r, err);
-        if (!st && (r.type != KVB_FRAME_PONG || r.u.ping.token != group + l))
-            st = kvb_err_set(err, KVB_ERR_FORMAT, "lane %u: the peer answered %s, not the PONG to its LANE", l,
-                             kvb_frame_type_name(r.type));
-        kvb_msg_free(&r);
-        if (st) return kvb_err_prefix(err, "grouping the lanes: ");
-    }
-    return KVB_OK;
-}
-
-static kvb_status ensure_peer(kvb_decode_node *n, kvb_err *err) {
-    if (peer_usable(n)) return KVB_OK;
-    drop_peer(n);
-    double now = kvb_now_s();
-    if (now < n->peer_retry_at) /* a peer that just failed is not dialled for every request */
-        return kvb_err_set(err, KVB_ERR_IO, "%s (next attempt in %.1f s)", n->peer_state, n->peer_retry_at - now);
-    kvb_status st = KVB_OK;
-    for (uint32_t l = 0; !st && l < n->n_lanes; l++)
-        st = kvb_transport_connect(n->peer, &n->hello, &n->tcfg, 5000, &n->lanes[l], NULL, err);
-    if (!st && n->n_lanes > 1) st = group_lanes(n, err);
-    if (st) {
-        drop_peer(n);
-        snprintf(n->peer_state, sizeof n->peer_state, "down: %.140s", err->msg);
-        n->peer_backoff_s = n->peer_backoff_s ? KVB_MIN(2 * n->peer_backoff_s, 30.0) : 0.5;
-        n->peer_retry_at = kvb_now_s() + n->peer_backoff_s;
-        return st;
-    }
-    n->peer_backoff_s = 0;
-    snprintf(n->peer_state, sizeof n->peer_state, "up");
-    kvb_metric_set(n->m_peer_up, NULL, 1);
-    return KVB_OK;
-}
-
-/* ---- receiving a bridged request: one committing thread per lane -------------------------------- */
-
-typedef struct lane_rx lane_rx;
-typedef struct {
-    kvb_slab_pending **pend; /* (nb, then the tail) */
-    uint32_t bt, b0, nb, tail;
-    uint64_t rid;
-    kvb_tail_pipe *tp;
-    lane_rx *lanes; /* (n_lanes) */
-    uint32_t n_lanes;
-    pthread_mutex_t mu; /* the fields below */
-    char fault[160];    /* the first fault on any lane ("" = none) */
-    const char *fault_kind;
-    bool drop;          /* the lanes can no longer be trusted */
-    bool stopping;      /* a lane faulted: the others stop */
-    uint32_t running;   /* lane threads not yet ended */
-    pthread_cond_t ended; /* (monotonic) a lane thread ended */
-} bridge_rx;
-
-struct lane_rx {
-    bridge_rx *rx;
-    kvb_recv_pipe *pipe;
-    uint32_t slabs;  /* accepted on this lane */
-    uint64_t bytes;
-    kvb_msg_done done; /* its DONE (every lane has one when no fault was recorded) */
-    pthread_t thread;
-    bool started;
-};
-
-/* Records the first fault; unless it is the peer's own refusal (which comes on every lane), the
- * other lanes are shut so their threads stop now. */
-static void rx_fault(bridge_rx *rx, const char *kind, bool drop, const char *fmt, const char *msg) {
-    pthread_mutex_lock(&rx->mu);
-    const bool first = rx->fault_kind == NULL;
-    if (first) {
-        snprintf(rx->fault, sizeof rx->fault, fmt, msg);
-        rx->fault_kind = kind;
-    }
-    rx->drop |= drop;
-    const bool stop_others = drop && !rx->stopping;
-    if (stop_others) rx->stopping = true;
-    pthread_mutex_unlock(&rx->mu);
-    if (stop_others)
-        for (uint32_t l = 0; l < rx->n_lanes; l++) kvb_recv_pipe_abort(rx->lanes[l].pipe);
-}
-
-static bool rx_stopping(bridge_rx *rx) {
-    pthread_mutex_lock(&rx->mu);
-    const bool s = rx->stopping;
-    pthread_mutex_unlock(&rx->mu);
-    return s;
-}
-
-/* One lane: verifies and commits its slabs until its DONE or ERROR, or a fault anywhere. */
-static void *lane_main(void *arg) {
-    lane_rx *ln = arg;
-    bridge_rx *rx = ln->rx;
-    kvb_err err = {0};
-    for (;; kvb_recv_pipe_release(ln->pipe)) {
-        kvb_msg m;
-        if (kvb_recv_pipe_next(ln->pipe, &m, &err)) {
-            if (!rx_stopping(rx)) {
-                const bool timeout = strstr(err.msg, "timed out") != NULL;
-                rx_fault(rx, timeout ? "timeout" : "peer_lost", true,
-                         timeout ? "peer stalled: %.120s" : "peer lost: %.120s", err.msg);
-            }
-            break;
-        }
-        if (rx_stopping(rx)) break;
-        if (m.request_id != rx->rid) continue; /* a late frame of an abandoned request, a PONG */
-        if (m.type == KVB_FRAME_SLAB) {
-            const kvb_msg_slab *sl = &m.u.slab;
-            const uint32_t g = sl->pos0 / rx->bt;
-            kvb_status st = KVB_OK;
-            if (g < rx->b0 || g > rx->b0 + rx->nb || (g == rx->b0 + rx->nb && !rx->tail))
-                st = kvb_err_set(&err, KVB_ERR_FORMAT, "slab for position %u outside the requested range", sl->pos0);
-            else {
-                const double t_put = kvb_now_s();
-                st = kvb_store_slab_put(rx->pend[g - rx->b0], sl->layer, sl->pos0 % rx->bt, sl->n, sl->k, sl->k_bytes,
-                                        sl->v, sl->v_bytes, sl->checksum, NULL, &err);
-                kvb_trace_span("decode.slab_put", t_put, kvb_now_s(), sl->layer); /* verify and scatter */
-            }
-            if (st) {
-                rx_fault(rx, "corrupt_slab", true, "corrupt slab rejected: %.120s", err.msg);
-                break;
-            }
-            ln->slabs++;
-            ln->bytes += sl->k_bytes + sl->v_bytes;
-            kvb_tail_pipe_slab(rx->tp, g - rx->b0, sl->layer);
-        } else if (m.type == KVB_FRAME_DONE) {
-            ln->done = m.u.done;
-            break;
-        } else if (m.type == KVB_FRAME_ERROR) {
-            rx_fault(rx, "peer_error", false, "peer refused: %.130s", m.u.error.msg);
-            break;
-        }
-    }
-    pthread_mutex_lock(&rx->mu);
-    rx->running--;
-    pthread_cond_broadcast(&rx->ended);
-    pthread_mutex_unlock(&rx->mu);
-    return NULL;
-}
-
-/* Until every started lane thread has ended. A client that goes away meanwhile (looked at every
- * 100 ms) stops the bridge as a fault of kind client_gone: the lanes are shut, the peer is told
- * to cancel, and what arrived stays cached. */
-static void wait_lanes(bridge_rx *rx, kvb_completion_out *out) {
-    pthread_mutex_lock(&rx->mu);
-    while (rx->running) {
-        kvb_cond_wait_until(&rx->ended, &rx->mu, kvb_now_s() + 0.1);
-        if (!rx->running || rx->stopping) continue;
-        pthread_mutex_unlock(&rx->mu);
-        if (kvb_completion_cancelled(out)) rx_fault(rx, "client_gone", true, "%s", "the client went away");
-        pthread_mutex_lock(&rx->mu);
-    }
-    pthread_mutex_unlock(&rx->mu);
-}
+/* The decode batch as the bridge's receiver drives it (kvb_bridge_batch_hooks). */
+static uint32_t batch_run_pending(void *ctx) { return kvb_decode_batch_run_pending(ctx); }
+static void batch_on_step(void *ctx, void (*fn)(void *), void *fn_ctx) { kvb_decode_batch_on_step(ctx, fn, fn_ctx); }
+static void batch_lend(void *ctx) { kvb_decode_batch_exec_lend(ctx); }
+static void batch_reclaim(void *ctx) { kvb_decode_batch_exec_reclaim(ctx); }
+static bool client_gone(void *ctx) { return kvb_completion_cancelled(ctx); }
 
 /* Asks the peer for blocks [cached, ship) and the tail [ship, ship + tail) (the partial block
- * before the last prompt token) and commits what arrives; the store keeps any block that
- * completed and verified, lookups see only the contiguous committed chain. A complete tail comes
- * back as o->tail_page for the sequence to adopt. Meanwhile the pipelined tail may compute the
- * last token into logits (n_vocab): o->last_ready says whether it did. */
+ * before the last prompt token) and commits what arrives through the bridge's receiver; the store
+ * keeps any block that completed and verified, lookups see only the contiguous committed chain.
+ * A complete tail comes back as o->rx.tail_page for the sequence to adopt. Meanwhile the pipelined
+ * tail may compute the last token into logits (n_vocab): o->rx.last_ready says whether it did. */
 static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_tok, uint32_t cached, uint32_t ship,
                           uint32_t tail, float *logits, kvb_completion_out *out, bridge_outcome *o) {
-    const uint32_t bt = n->cfg.block_tokens, b0 = cached / bt, nb = (ship - cached) / bt;
-    o->blocks_total = nb;
-    o->tail_page = o->last_page = KVB_BLOCK_NONE;
-    kvb_tail_pipe *tp = NULL;
-    uint64_t *keys = malloc(sizeof(uint64_t) * (ship / bt + 1));
-    kvb_slab_pending **pend = calloc(nb + 1, sizeof *pend); /* (blocks, then the tail) */
+    memset(o, 0, sizeof *o);
+    o->rx.tail_page = o->rx.last_page = KVB_BLOCK_NONE;
+    const double t0 = kvb_now_s();
+    kvb_bridge_receiver *r = NULL;
     kvb_err err = {0};
-    double t0 = kvb_now_s(), t_end = 0; /* the transfer's end (before the pipelined tail's last layers) */
-    if (!keys || !pend) {
-        snprintf(o->fault, sizeof o->fault, "out of memory");
-        o->fault_kind = "internal";
-        goto done;
-    }
-    kvb_store_chain_keys(n->store, toks, ship, keys);
-    const uint64_t root = kvb_store_root_key(n->store);
-    /* local (sliding-window) layers: only the rows this node keeps are expected (the bridge cuts the same) */
-    const uint32_t keep = kvb_kvformat_local_keep_from(kvb_store_kvformat(n->store), ship + tail);
-    for (uint32_t b = 0; b < nb; b++) {
-        uint32_t g = b0 + b;
-        if (kvb_store_slab_begin(n->store, keys[g], g ? keys[g - 1] : root, toks + (size_t)g * bt, &pend[b], &err)) {
-            snprintf(o->fault, sizeof o->fault, "cache full: %.120s", err.msg);
-            o->fault_kind = "cache_full";
-            goto done;
-        }
-        const uint32_t lo = kvb_kvformat_block_local_lo(kvb_store_kvformat(n->store), keep, g);
-        if (lo && kvb_store_slab_keep_local_from(pend[b], lo, &err)) {
-            snprintf(o->fault, sizeof o->fault, "internal: %.120s", err.msg);
-            o->fault_kind = "internal";
-            goto done;
-        }
-    }
-    if (tail && kvb_store_slab_begin_tail(n->store, tail, &pend[nb], &err)) {
-        snprintf(o->fault, sizeof o->fault, "cache full: %.120s", err.msg);
-        o->fault_kind = "cache_full";
-        goto done;
-    }
-    const double t_send = kvb_now_s();
-    kvb_trace_span("decode.bridge_setup", t0, t_send, nb); /* chain keys, pages for the blocks */
-    uint64_t rid = ++n->next_request_id;
-    kvb_msg_prefill p = {.request_id = rid, .bridge_mode = n->hello.bridge_mode, .n_tokens = n_tok,
-                         .cached_tokens = cached, .ship_tokens = ship + tail,
-                         .last_cached_key = b0 ? keys[b0 - 1] : root, .tokens = (int32_t *)toks};
-    if (kvb_conn_send_prefill(n->lanes[0], &p, n->cfg.peer_timeout_ms, &err)) {
-        snprintf(o->fault, sizeof o->fault, "peer lost: %.130s", err.msg);
-        o->fault_kind = "peer_lost";
-        drop_peer(n);
-        goto done;
-    }
-    const double t_lanes = kvb_now_s();
-    kvb_trace_span("decode.send_prefill", t_send, t_lanes, n_tok);
-    lane_rx lanes[KVB_MAX_LANES];
-    memset(lanes, 0, sizeof lanes);
-    bridge_rx rx = {.pend = pend, .bt = bt, .b0 = b0, .nb = nb, .tail = tail, .rid = rid,
-                    .lanes = lanes, .n_lanes = n->n_lanes};
-    pthread_mutex_init(&rx.mu, NULL);
-    const bool watch = kvb_cond_init_monotonic(&rx.ended) == 0; /* else: joined without watching the client */
-    /* per lane, a receiving thread reads ahead while a committing thread verifies and commits. A
-     * lane carries about one frame in n_lanes, so its wait for the next one may be n_lanes times
-     * the per-frame timeout before the peer counts as stalled (the last frames of a request, DONE
-     * on every lane, come after the whole prefill) */
-    const long long lane_timeout = (long long)n->cfg.peer_timeout_ms * n->n_lanes;
-    const int lane_timeout_ms = lane_timeout > 24LL * 3600 * 1000 ? 24 * 3600 * 1000 : (int)lane_timeout;
-    for (uint32_t l = 0; l < n->n_lanes; l++) {
-        lanes[l].rx = &rx;
-        if (kvb_recv_pipe_start(n->lanes[l], rid, lane_timeout_ms, &lanes[l].pipe, &err)) {
-            rx_fault(&rx, "internal", true, "%.150s", err.msg); /* the PREFILL went out: its stream would arrive unread */
-            break;
-        }
-    }
-    if (!rx.fault_kind && pipelined_tail_on(n)) {
-        kvb_err terr = {0}; /* without it the last token runs after the transfer, as before */
+    const kvb_status st = kvb_bridge_receiver_create(n->store, toks, cached, ship + tail, &r, &err);
+    if (st) { /* the pages for the blocks: the store's KVB_ERR_RANGE says it is full */
+        o->rx.fault = st == KVB_ERR_RANGE ? KVB_BRIDGE_FAULT_CACHE_FULL : KVB_BRIDGE_FAULT_INTERNAL;
+        snprintf(o->rx.fault_msg, sizeof o->rx.fault_msg, "%s: %.120s",
+                 st == KVB_ERR_RANGE ? "cache full" : "internal", err.msg);
+    } else {
+        kvb_trace_span("decode.bridge_setup", t0, kvb_now_s(), kvb_bridge_receiver_blocks(r)); /* keys, pages */
+        const kvb_msg_prefill p = {.request_id = ++n->next_request_id, .bridge_mode = n->hello.bridge_mode,
+                                   .n_tokens = n_tok, .cached_tokens = cached, .ship_tokens = ship + tail,
+                                   .last_cached_key = kvb_bridge_receiver_parent_key(r), .tokens = (int32_t *)toks};
+        /* a lane carries about one frame in n_lanes, so its wait for the next one may be n_lanes
+         * times the per-frame timeout before the peer counts as stalled (the last frames of a
+         * request, DONE on every lane, come after the whole prefill) */
+        const long long lane_timeout = (long long)n->cfg.peer_timeout_ms * n->n_lanes;
         /* while slabs arrive, one CPU per receiving and per committing thread is theirs */
         const int in_transfer = kvb_engine_threads(n->e) - 2 * (int)n->n_lanes;
-        if (kvb_tail_pipe_start(n->e, toks, n_tok, cached, pend, nb + (tail ? 1 : 0), tail != 0, logits,
-                                in_transfer > 1 ? in_transfer : 1, n->batch, &tp, &terr))
-            kvb_log(KVB_LOG_WARN, "decode node: no pipelined tail for this request: %s", terr.msg);
+        const kvb_bridge_rx_opts ro = {
+            .lanes = n->lanes, .n_lanes = n->n_lanes, .prefill = &p, .send_timeout_ms = n->cfg.peer_timeout_ms,
+            .lane_timeout_ms = lane_timeout > 24LL * 3600 * 1000 ? 24 * 3600 * 1000 : (int)lane_timeout,
+            .tail_engine = pipelined_tail_on(n) ? n->e : NULL, .toks = toks, .n_tok = n_tok, .cached = cached,
+            .logits = logits, .tail_threads = in_transfer > 1 ? in_transfer : 1,
+            .batch = {.ctx = n->batch, .run_pending = batch_run_pending, .on_step = batch_on_step,
+                      .lend = batch_lend, .reclaim = batch_reclaim},
+            .cancelled = client_gone, .cancelled_ctx = out};
+        kvb_bridge_rx_run(r, &ro, &o->rx);
+        n->last_reader_wait_s = o->rx.reader_wait_s;
+        n->last_consumer_wait_s = o->rx.consumer_wait_s;
+        if (o->rx.drop_link) drop_peer(n);
     }
-    rx.tp = tp;
-    bool starting = rx.fault_kind == NULL; /* read before any lane thread runs; after, under rx.mu */
-    for (uint32_t l = 0; starting && l < n->n_lanes; l++) {
-        pthread_mutex_lock(&rx.mu);
-        rx.running++;
-        pthread_mutex_unlock(&rx.mu);
-        lanes[l].started = pthread_create(&lanes[l].thread, NULL, lane_main, &lanes[l]) == 0;
-        if (!lanes[l].started) {
-            pthread_mutex_lock(&rx.mu);
-            rx.running--;
-            pthread_mutex_unlock(&rx.mu);
-            rx_fault(&rx, "internal", true, "%s", "could not start a receiving thread");
-            starting = false;
-        }
-    }
-    /* without the pipelined tail nothing computes for this prompt until DONE: the batches may */
-    if (!tp) kvb_decode_batch_exec_lend(n->batch);
-    if (watch) wait_lanes(&rx, out);
-    for (uint32_t l = 0; l < n->n_lanes; l++)
-        if (lanes[l].started) pthread_join(lanes[l].thread, NULL);
-    t_end = kvb_now_s();
-    if (!tp) kvb_decode_batch_exec_reclaim(n->batch);
-    kvb_trace_span("decode.exchange", t_lanes, t_end, nb); /* lanes started until every DONE */
-    uint32_t slabs = 0;
-    for (uint32_t l = 0; l < n->n_lanes; l++) {
-        slabs += lanes[l].slabs;
-        o->bytes += lanes[l].bytes;
-    }
-    if (rx.fault_kind) {
-        snprintf(o->fault, sizeof o->fault, "%s", rx.fault);
-        o->fault_kind = rx.fault_kind;
-    } else { /* every lane ended with its DONE: they agree, each counts its own slabs */
-        const kvb_msg_done *d = &lanes[0].done;
-        uint64_t digest = kvb_wire_chain_digest(keys + b0, nb);
-        uint32_t missing = 0, lane_off = 0;
-        for (uint32_t b = 0; b < nb; b++) missing += !kvb_store_slab_committed(pend[b]);
-        missing += tail && kvb_store_slab_missing(pend[nb]) != 0;
-        for (uint32_t l = 0; l < n->n_lanes; l++)
-            lane_off += lanes[l].done.slabs != lanes[l].slabs || lanes[l].done.tokens_covered != d->tokens_covered ||
-                        lanes[l].done.blocks != d->blocks || lanes[l].done.chain_digest != d->chain_digest;
-        o->prefill_s = d->prefill_seconds;
-        if (d->tokens_covered != ship + tail || d->blocks != nb || d->chain_digest != digest || lane_off || missing) {
-            snprintf(o->fault, sizeof o->fault,
-                     "DONE does not match what arrived (tokens %u/%u, blocks %u/%u, %u slabs, %u of %u lanes "
-                     "disagree, %u blocks missing)",
-                     d->tokens_covered, ship + tail, d->blocks, nb, slabs, lane_off, n->n_lanes, missing);
-            o->fault_kind = "done_mismatch";
-        } else if (tail) {
-            o->tail_page = kvb_store_slab_take_tail(pend[nb]);
-        }
-    }
-    const double t_fin = kvb_now_s();
-    o->last_ready = kvb_tail_pipe_finish(tp, o->fault_kind != NULL, o->tail_page, &o->last_page, &o->tail_wait_s);
-    kvb_trace_span("decode.tail_finish", t_fin, kvb_now_s(), o->last_ready);
-    n->last_reader_wait_s = n->last_consumer_wait_s = 0;
-    for (uint32_t l = 0; l < n->n_lanes; l++) {
-        double r = 0, c = 0;
-        if (lanes[l].pipe) kvb_recv_pipe_waits(lanes[l].pipe, &r, &c);
-        n->last_reader_wait_s += r / n->n_lanes; /* per lane, on average */
-        n->last_consumer_wait_s += c / n->n_lanes;
-    }
-    if (rx.fault_kind && (!strcmp(rx.fault_kind, "corrupt_slab") || !strcmp(rx.fault_kind, "client_gone")))
-        kvb_conn_send_cancel(n->lanes[0], rid, 1000, NULL);
-    for (uint32_t l = 0; l < n->n_lanes; l++) kvb_recv_pipe_stop(lanes[l].pipe);
-    if (watch) pthread_cond_destroy(&rx.ended);
-    pthread_mutex_destroy(&rx.mu);
-    if (rx.drop) drop_peer(n);
-    kvb_trace_span("decode.lanes_stop", t_fin, kvb_now_s(), 0);
-done:
-    o->transfer_s = (t_end > 0 ? t_end : kvb_now_s()) - t0;
-    if (pend)
-        for (uint32_t b = 0; b <= nb; b++) kvb_store_slab_close(pend[b]); /* uncommitted pages go back */
-    free(pend);
-    free(keys);
-    if (o->fault_kind) kvb_metric_add(n->m_faults, KVB_LABELS(o->fault_kind), 1);
-    kvb_metric_add(n->m_slab_bytes, NULL, (double)o->bytes);
-}
-
-/* Whether a bridge attempt that stopped short is worth resuming: the link failed (a corrupt slab,
- * a dropped connection — not a stalled peer, which would only cost another timeout, nor a peer's
- * own refusal or a DONE that disagrees), at least the bridge threshold of tokens is still
- * missing, and the node's resume budget is not spent. The store keeps every block that arrived
- * and verified, so a resumed attempt asks only for the rest. */
-static bool resume_worth_it(const kvb_decode_node *n, const bridge_outcome *o, uint32_t adopted, uint32_t ship,
-                            int32_t attempts) {
-    if (!o->fault_kind || (strcmp(o->fault_kind, "corrupt_slab") && strcmp(o->fault_kind, "peer_lost"))) return false;
-    return adopted < ship && ship - adopted >= n->cfg.bridge_min_tokens && attempts <= n->cfg.bridge_resumes;
+    o->transfer_s = (o->rx.t_end > 0 ? o->rx.t_end : kvb_now_s()) - t0;
+    kvb_bridge_receiver_free(r); /* uncommitted pages go back */
+    if (o->rx.fault) kvb_metric_add(n->m_faults, KVB_LABELS(kvb_bridge_fault_name(o->rx.fault)), 1);
+    kvb_metric_add(n->m_slab_bytes, NULL, (double)o->rx.bytes);
 }
 
 /* Appends "; " (unless buf is empty), then label and text, to the faults list in buf (cut at cap). */
@@ -540,9 +279,9 @@ static size_t first_outside_vocab(const kvb_decode_node *n, const int32_t *ids, 
 static int prompt_tokens(kvb_decode_node *n, const kvb_completion_req *req, int32_t **ids, size_t *n_ids, kvb_err *err) {
     char *text = NULL;
     if (req->api == KVB_API_CHAT_COMPLETIONS) {
-        if (n->fam_status) {
+        if (n->fam_status) { /* the request cannot be rendered here: what to do, not a server fault */
             kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s", n->fam_error);
-            return 500;
+            return 400;
         }
         if (kvb_chat_render(n->fam, req->messages, req->n_messages, true, &text, err)) return 400;
     } else if (req->prompt_tokens) {
@@ -717,230 +456,373 @@ static kvb_status decode_choice(kvb_decode_node *n, const kvb_completion_req *re
     return st;
 }
 
-static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_completion_out *out) {
-    kvb_decode_node *n = ctx;
-    kvb_err err = {0};
-    int32_t *toks = NULL;
-    size_t n_tok = 0;
-    const double t_req = kvb_now_s();
-    int status = prompt_tokens(n, req, &toks, &n_tok, &err);
-    const double t_tok = kvb_now_s();
-    kvb_trace_span("decode.prompt_tokens", t_req, t_tok, n_tok);
+/* ---- a completion as stages over one request: admit -> lookup -> decide -> bridge -> native fill
+ * -> decode -> emit ---------------------------------------------------------------------------- */
+
+/* What the node decided for a prompt's uncached part: bridge it, or why not (the verdict's reason). */
+typedef enum {
+    DECIDE_BRIDGE,          /* ship the uncached whole blocks (and the tail) from the prefill node */
+    DECIDE_PROMPT_LOGPROBS, /* echo with logprobs: every prompt row's logits are this node's own */
+    DECIDE_TURNED_OFF,      /* the request turned bridging off */
+    DECIDE_NO_PEER,         /* no prefill node configured */
+    DECIDE_NOTHING_TO_SHIP, /* every whole block before the last token is cached */
+    DECIDE_BELOW_THRESHOLD, /* fewer uncached tokens than the bridge threshold */
+    DECIDE_PEER_DOWN,       /* the prefill node is unavailable */
+} decode_decision;
+
+typedef struct {
+    kvb_decode_node *n;
+    const kvb_completion_req *req;
+    kvb_completion_out *out;
+    int32_t *toks; /* (n_tok) the prompt */
+    size_t n_tok;
+    int64_t max_new;
+    uint64_t need;        /* cache blocks reserved while it is served */
+    double t_req, t_tok;  /* arrival; tokenized */
+    kvb_usage u;
+    kvb_seq *s;
+    float *logits;        /* (n_vocab) the prompt's last token's */
+    char *lp_scratch;     /* with logprobs: the tokens' bytes (kvb_reply_send_logprobs) */
+    bool prompt_lp;       /* echo with logprobs: computed natively, row by row */
+    uint32_t cached;      /* prompt tokens cached before */
+    uint32_t adopted;     /* prompt tokens in the sequence before the native fill */
+    uint32_t ship, tail;  /* whole blocks before the last prompt token end at ship; the partial block after */
+    decode_decision decision;
+    bool last_done;       /* the pipelined tail computed the last token (logits hold it) */
+    double tail_wait_s;
+    kvb_bridge_fault fault;  /* the last bridge attempt's (NONE: it delivered everything asked) */
+    char fault_msg[160];
+    uint32_t got, blocks_total; /* whole blocks bridged, of those asked for */
+    bool tail_ok;            /* the bridged tail continues the sequence */
+    char peer_msg[160];      /* DECIDE_PEER_DOWN: why, as the link says it (its kind first, whole words) */
+    char faults[3 * KVB_VERDICT_MAX]; /* the bridge attempts' faults, "; "-separated */
+    kvb_err err;
+} decode_request;
+
+/* The verdict, from the decision and what the bridge did; *kind: its requests_total label. */
+static void request_verdict(const decode_request *rq, char *verdict, const char **kind) {
+    *kind = "declined";
+    switch (rq->decision) {
+    case DECIDE_PROMPT_LOGPROBS:
+        kvb_verdict_format(verdict,
+                           "declined: prompt logprobs (echo) need this node's own logits for every prompt token");
+        return;
+    case DECIDE_TURNED_OFF: kvb_verdict_format(verdict, "declined: bridging turned off for this request"); return;
+    case DECIDE_NO_PEER: kvb_verdict_format(verdict, "declined: no prefill node configured"); return;
+    case DECIDE_NOTHING_TO_SHIP:
+        kvb_verdict_format(verdict, "declined: nothing to ship (%u of %zu prompt tokens cached)", rq->cached, rq->n_tok);
+        return;
+    case DECIDE_BELOW_THRESHOLD:
+        kvb_verdict_format(verdict, "declined: %u uncached tokens are below the bridge threshold of %u",
+                       rq->ship - rq->cached, rq->n->cfg.bridge_min_tokens);
+        return;
+    case DECIDE_PEER_DOWN: /* the link's short reason: its kind first, whole words */
+        kvb_verdict_format(verdict, "declined: prefill node unavailable: %s", rq->peer_msg);
+        return;
+    case DECIDE_BRIDGE: break;
+    }
+    if (rq->got == rq->blocks_total && (rq->tail == 0 || rq->tail_ok) && !rq->fault) {
+        *kind = "complete";
+        kvb_verdict_format(verdict, "complete");
+    } else if (rq->got == 0 && !rq->tail_ok && rq->fault == KVB_BRIDGE_FAULT_PEER_ERROR) {
+        /* the prefill node said no (draining, a prompt past its context, ...): nothing was bridged */
+        kvb_verdict_format(verdict, "declined: %s", rq->fault_msg);
+    } else {
+        *kind = "partial";
+        kvb_verdict_format(verdict, "partial %u/%u: %s", rq->got, rq->blocks_total,
+                       rq->fault ? rq->fault_msg : "blocks missing");
+    }
+}
+
+/* Admit, part 1: the prompt's tokens. False when the request was answered with an error. */
+static bool request_tokenize(decode_request *rq) {
+    const kvb_completion_req *req = rq->req;
+    rq->t_req = kvb_now_s();
+    int status = prompt_tokens(rq->n, req, &rq->toks, &rq->n_tok, &rq->err);
+    rq->t_tok = kvb_now_s();
+    kvb_trace_span("decode.prompt_tokens", rq->t_req, rq->t_tok, rq->n_tok);
     if (status) {
-        kvb_completion_fail(out, status, NULL, req->api == KVB_API_CHAT_COMPLETIONS ? "messages" : "prompt", "%s",
-                            err.msg[0] ? err.msg : "out of memory");
-        return;
+        kvb_completion_fail(rq->out, status, NULL, req->api == KVB_API_CHAT_COMPLETIONS ? "messages" : "prompt", "%s",
+                            rq->err.msg[0] ? rq->err.msg : "out of memory");
+        return false;
     }
-    const uint32_t ctx_max = n->cfg.max_ctx, bt = n->cfg.block_tokens;
-    if (n_tok == 0) {
-        kvb_completion_fail(out, 400, NULL, "prompt", "the prompt is empty after tokenization");
-        free(toks);
-        return;
+    if (rq->n_tok == 0) {
+        kvb_completion_fail(rq->out, 400, NULL, "prompt", "the prompt is empty after tokenization");
+        return false;
     }
-    int64_t max_new = req->max_tokens;
-    if (max_new < 0) max_new = req->api == KVB_API_CHAT_COMPLETIONS ? n->cfg.default_max_tokens : 16;
-    if (n_tok + (uint64_t)max_new > ctx_max) {
-        if (req->max_tokens >= 0 || n_tok >= ctx_max) {
-            kvb_completion_fail(out, 400, "context_length_exceeded", "messages",
+    return true;
+}
+
+/* Admit, part 2: the context, the token ids the request names and the cache blocks it can need.
+ * False when the request was answered with an error. */
+static bool request_admit(decode_request *rq) {
+    kvb_decode_node *n = rq->n;
+    const kvb_completion_req *req = rq->req;
+    const uint32_t ctx_max = n->cfg.max_ctx;
+    rq->max_new = req->max_tokens;
+    if (rq->max_new < 0) rq->max_new = req->api == KVB_API_CHAT_COMPLETIONS ? n->cfg.default_max_tokens : 16;
+    if (rq->n_tok + (uint64_t)rq->max_new > ctx_max) {
+        if (req->max_tokens >= 0 || rq->n_tok >= ctx_max) {
+            kvb_completion_fail(rq->out, 400, "context_length_exceeded", "messages",
                                 "this model's context is %u tokens; the prompt has %zu and %lld more were asked for "
                                 "(the prompt is never truncated)",
-                                ctx_max, n_tok, (long long)max_new);
-            free(toks);
-            return;
+                                ctx_max, rq->n_tok, (long long)rq->max_new);
+            return false;
         }
-        max_new = ctx_max - (int64_t)n_tok;
+        rq->max_new = ctx_max - (int64_t)rq->n_tok;
     }
     const size_t bad_stop = first_outside_vocab(n, req->stop_token_ids, req->n_stop_token_ids);
     if (bad_stop < req->n_stop_token_ids) {
-        kvb_completion_fail(out, 400, NULL, "stop_token_ids",
+        kvb_completion_fail(rq->out, 400, NULL, "stop_token_ids",
                             "Invalid token %d in 'stop_token_ids': this model's vocabulary has %u tokens.",
                             req->stop_token_ids[bad_stop], n->m->d.n_vocab);
-        free(toks);
-        return;
+        return false;
     }
     const size_t bad_bias = first_outside_vocab(n, req->logit_bias_ids, req->n_logit_bias);
     if (bad_bias < req->n_logit_bias) {
-        kvb_completion_fail(out, 400, NULL, "logit_bias",
+        kvb_completion_fail(rq->out, 400, NULL, "logit_bias",
                             "Invalid key %d in 'logit_bias': this model's vocabulary has %u tokens (0..%u).",
                             req->logit_bias_ids[bad_bias], n->m->d.n_vocab, n->m->d.n_vocab - 1);
-        free(toks);
-        return;
+        return false;
     }
-    const uint64_t need = blocks_needed(n, n_tok, (uint64_t)max_new);
-    if (need > n->cfg.cache_blocks) {
-        kvb_completion_fail(out, 400, "context_length_exceeded", "max_tokens",
+    rq->need = blocks_needed(n, rq->n_tok, (uint64_t)rq->max_new);
+    if (rq->need > n->cfg.cache_blocks) {
+        kvb_completion_fail(rq->out, 400, "context_length_exceeded", "max_tokens",
                             "the prompt (%zu tokens) and max_tokens (%lld) need %llu blocks of this node's cache, "
                             "which holds %u; lower max_tokens, or start the node with a larger --cache-blocks",
-                            n_tok, (long long)max_new, (unsigned long long)need, n->cfg.cache_blocks);
-        free(toks);
-        return;
+                            rq->n_tok, (long long)rq->max_new, (unsigned long long)rq->need, n->cfg.cache_blocks);
+        return false;
     }
+    return true;
+}
 
-    const double t_acq = kvb_now_s();
-    slot_acquire(n, need);
-    engine_acquire(n);
-    kvb_trace_span("decode.engine_acquire", t_acq, kvb_now_s(), 0);
-    kvb_usage u = {.prompt_tokens = (int64_t)n_tok, .tokenize_s = t_tok - t_req, .queue_s = kvb_now_s() - t_acq};
-    kvb_seq *s = NULL;
-    float *logits = NULL;
-    char *lp_scratch = NULL; /* with logprobs: the tokens' bytes (kvb_reply_send_logprobs) */
-    if (kvb_completion_cancelled(out)) { /* gone while it waited its turn: nothing to compute for */
-        engine_release(n);
-        kvb_metric_add(n->m_abandoned, NULL, 1);
-        goto cleanup_unlocked;
-    }
-    logits = malloc(sizeof(float) * n->m->d.n_vocab);
-    char verdict[KVB_VERDICT_MAX];
-    char faults[3 * KVB_VERDICT_MAX] = ""; /* the bridge attempts' faults, "; "-separated */
-    uint32_t cached = 0, adopted = 0; /* prompt tokens cached before; in the sequence before native */
-    bool last_done = false;           /* the pipelined tail computed the last token (logits hold it) */
-    double tail_wait_s = 0;
-    double t_lookup = kvb_now_s();
-    kvb_status st = logits ? kvb_seq_create(n->e, &s, &err) : kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory");
+/* Look up the prefix cache (holding the engine): the request's sequence with the cached prefix,
+ * and where the shipped range ends. */
+static kvb_status request_lookup(decode_request *rq) {
+    kvb_decode_node *n = rq->n;
+    const double t_lookup = kvb_now_s();
+    rq->logits = malloc(sizeof(float) * n->m->d.n_vocab);
+    kvb_status st = rq->logits ? kvb_seq_create(n->e, &rq->s, &rq->err)
+                               : kvb_err_set(&rq->err, KVB_ERR_NOMEM, "out of memory");
     /* echo with logprobs: every prompt token's logprob needs the row before it, which only this
      * node's own forward has (neither a cached nor a bridged prefix keeps logits) */
-    const bool prompt_lp = req->echo && req->logprobs;
-    if (!st && req->logprobs) {
-        lp_scratch = malloc((size_t)(1 + KVB_MAX_TOP_LOGPROBS) * kvb_tokenizer_max_token_len(n->tok));
-        if (!lp_scratch) st = kvb_err_set(&err, KVB_ERR_NOMEM, "out of memory for the logprobs");
+    rq->prompt_lp = rq->req->echo && rq->req->logprobs;
+    if (!st && rq->req->logprobs) {
+        rq->lp_scratch = malloc((size_t)(1 + KVB_MAX_TOP_LOGPROBS) * kvb_tokenizer_max_token_len(n->tok));
+        if (!rq->lp_scratch) st = kvb_err_set(&rq->err, KVB_ERR_NOMEM, "out of memory for the logprobs");
     }
-    if (!st && !prompt_lp) st = kvb_seq_attach_cached(s, toks, (uint32_t)n_tok, &cached, &err);
-    adopted = cached;
-    u.lookup_s = kvb_now_s() - t_lookup;
+    if (!st && !rq->prompt_lp) st = kvb_seq_attach_cached(rq->s, rq->toks, (uint32_t)rq->n_tok, &rq->cached, &rq->err);
+    rq->adopted = rq->cached;
+    rq->u.lookup_s = kvb_now_s() - t_lookup;
     /* ship: whole blocks before the last prompt token; tail: the partial block after them, also
      * before the last prompt token, whose logits the decoder always computes itself */
-    const uint32_t ship = (uint32_t)((n_tok - 1) / bt * bt), tail = (uint32_t)(n_tok - 1) - ship;
-    const char *kind = "declined";
-    if (st) {
-    } else if (prompt_lp) {
-        snprintf(verdict, sizeof verdict, "declined: prompt logprobs (echo) need this node's own logits for every prompt token");
-    } else if (req->bridge == KVB_BRIDGE_OFF) {
-        snprintf(verdict, sizeof verdict, "declined: bridging turned off for this request");
-    } else if (!n->peer) {
-        snprintf(verdict, sizeof verdict, "declined: no prefill node configured");
-    } else if (ship <= cached) {
-        snprintf(verdict, sizeof verdict, "declined: nothing to ship (%u of %zu prompt tokens cached)", cached, n_tok);
-    } else if (ship - cached < n->cfg.bridge_min_tokens && req->bridge != KVB_BRIDGE_FORCE) {
-        snprintf(verdict, sizeof verdict, "declined: %u uncached tokens are below the bridge threshold of %u",
-                 ship - cached, n->cfg.bridge_min_tokens);
-    } else if (ensure_peer(n, &err)) {
-        snprintf(verdict, sizeof verdict, "declined: prefill node unavailable: %.90s", err.msg);
-        kvb_metric_add(n->m_faults, KVB_LABELS("peer_down"), 1);
-        memset(&err, 0, sizeof err);
-    } else {
-        kvb_seq_free(s); /* the cached prefix is re-adopted below, with what arrived */
-        s = NULL;
-        const uint32_t blocks_total = (ship - cached) / bt;
-        bridge_outcome o;
-        for (;;) { /* an attempt; a resumed one asks only for the blocks still missing */
-            memset(&o, 0, sizeof o);
-            const double t_br = kvb_now_s();
-            bridge_blocks(n, toks, (uint32_t)n_tok, adopted, ship, tail, logits, out, &o);
-            kvb_trace_span("decode.bridge", t_br, kvb_now_s(), ship - adopted);
-            u.bridge_attempts++;
-            u.transfer_s += o.transfer_s;
-            u.prefill_s += o.prefill_s;
-            tail_wait_s = o.tail_wait_s;
-            if (o.fault_kind) faults_append(faults, sizeof faults, "", o.fault); /* for usage.kvbridge */
-            st = kvb_seq_create(n->e, &s, &err);
-            if (!st) st = kvb_seq_attach_cached(s, toks, (uint32_t)n_tok, &adopted, &err);
-            if (st || !resume_worth_it(n, &o, adopted, ship, u.bridge_attempts)) break;
-            kvb_err perr = {0};
-            if (ensure_peer(n, &perr)) { /* the peer is gone: the verdict keeps the attempt's fault */
-                kvb_metric_add(n->m_faults, KVB_LABELS("peer_down"), 1);
-                faults_append(faults, sizeof faults, "not resumed: ", perr.msg);
-                break;
-            }
-            kvb_seq_free(s); /* adopted again after the next attempt */
-            s = NULL;
-            kvb_metric_add(n->m_resumes, NULL, 1);
-        }
-        uint32_t got = adopted > cached ? (adopted - cached) / bt : 0;
-        bool tail_ok = false; /* the tail continues the chain only when every block before it is there */
-        /* with the pipelined tail's result, its page also holds the last token's row */
-        const kvb_block_id tail_pg = o.last_ready ? o.last_page : o.tail_page;
-        const uint32_t tail_n = o.last_ready ? tail + 1 : tail;
-        if (!st && tail_pg != KVB_BLOCK_NONE && adopted == ship &&
-            !kvb_seq_adopt_tail(s, tail_pg, toks + ship, tail_n, &err)) {
-            tail_ok = true;
-            adopted += tail_n;
-            last_done = o.last_ready;
-        } else if (tail_pg != KVB_BLOCK_NONE) {
-            kvb_store_release(n->store, &tail_pg, 1, NULL); /* unused: its page goes back */
-            memset(&err, 0, sizeof err);
-        }
-        u.bridged_tokens = (int64_t)got * bt + (tail_ok ? tail : 0);
-        u.bridge_faults = faults;
-        if (got == blocks_total && (tail == 0 || tail_ok) && !o.fault_kind) {
-            snprintf(verdict, sizeof verdict, "complete");
-            kind = "complete";
-        } else if (got == 0 && !tail_ok && o.fault_kind && !strcmp(o.fault_kind, "peer_error")) {
-            /* the prefill node said no (draining, a prompt past its context, ...): nothing was bridged */
-            snprintf(verdict, sizeof verdict, "declined: %.110s", o.fault);
-        } else {
-            snprintf(verdict, sizeof verdict, "partial %u/%u: %.100s", got, blocks_total,
-                     o.fault_kind ? o.fault : "blocks missing");
-            kind = "partial";
-        }
-    }
-    u.cached_tokens = cached;
-    u.native_tokens = (int64_t)n_tok - (int64_t)adopted + (last_done ? 1 : 0); /* the decoder's own tokens */
-    double t_native = kvb_now_s();
-    if (!st && !last_done)
-        st = prompt_lp ? kvb_reply_prompt_logprobs(n->e, n->batch, n->tok, n->m->d.n_vocab, s, toks, (uint32_t)n_tok, req->top_logprobs,
-                                                   logits, out, lp_scratch, &err)
-                       : forward_prompt_sliced(n, s, toks + adopted, (uint32_t)n_tok - adopted, logits, out, &err);
-    u.native_s = last_done ? tail_wait_s : kvb_now_s() - t_native; /* pipelined: what ran on after DONE */
-    kvb_trace_span("decode.native", t_native, kvb_now_s(), u.native_tokens);
-    u.native_pipelined = last_done;
-    if (st) {
-        engine_release(n);
-        if (st == KVB_ERR_IO) kvb_metric_add(n->m_abandoned, NULL, 1);
-        else kvb_completion_fail(out, st == KVB_ERR_RANGE ? 503 : 500, NULL, NULL, "%s", err.msg);
-        goto cleanup_unlocked; /* a client gone: nobody to answer */
-    }
-    kvb_completion_set_verdict(out, verdict);
-    kvb_metric_add(n->m_requests, KVB_LABELS(kind), 1);
-    kvb_metric_add(n->m_tokens, KVB_LABELS("cached"), (double)u.cached_tokens);
-    kvb_metric_add(n->m_tokens, KVB_LABELS("bridged"), (double)u.bridged_tokens);
-    kvb_metric_add(n->m_tokens, KVB_LABELS("native"), (double)u.native_tokens);
+    const uint32_t bt = n->cfg.block_tokens;
+    rq->ship = (uint32_t)((rq->n_tok - 1) / bt * bt);
+    rq->tail = (uint32_t)(rq->n_tok - 1) - rq->ship;
+    return st;
+}
 
-    double t_decode = kvb_now_s();
-    kvb_finish_reason reason = KVB_FINISH_LENGTH;
-    for (uint32_t c = 0;; c++) { /* the choices, one after another (n > 1) */
+/* Decide: bridge the uncached part, or why not (the link's lanes are asked for only when all else
+ * says yes; the link answers at once, up or not). */
+static decode_decision request_decide(decode_request *rq) {
+    kvb_decode_node *n = rq->n;
+    if (rq->prompt_lp) return DECIDE_PROMPT_LOGPROBS;
+    if (rq->req->bridge == KVB_BRIDGE_OFF) return DECIDE_TURNED_OFF;
+    if (!n->peer) return DECIDE_NO_PEER;
+    if (rq->ship <= rq->cached) return DECIDE_NOTHING_TO_SHIP;
+    if (rq->ship - rq->cached < n->cfg.bridge_min_tokens && rq->req->bridge != KVB_BRIDGE_FORCE)
+        return DECIDE_BELOW_THRESHOLD;
+    kvb_err perr = {0};
+    if (peer_lanes(n, &perr)) {
+        snprintf(rq->peer_msg, sizeof rq->peer_msg, "%.150s", perr.msg);
+        kvb_metric_add(n->m_faults, KVB_LABELS(kvb_bridge_fault_name(KVB_BRIDGE_FAULT_PEER_DOWN)), 1);
+        return DECIDE_PEER_DOWN;
+    }
+    return DECIDE_BRIDGE;
+}
+
+/* Whether a bridge attempt that stopped short is worth resuming: a link fault a resumed attempt
+ * can repair (kvb_bridge_fault_resumable), at least the bridge threshold of tokens still missing,
+ * and the node's resume budget not spent. The store keeps every block that arrived and verified,
+ * so a resumed attempt asks only for the rest. */
+static bool resume_worth_it(const decode_request *rq, const bridge_outcome *o) {
+    return kvb_bridge_fault_resumable(o->rx.fault) && rq->adopted < rq->ship &&
+           rq->ship - rq->adopted >= rq->n->cfg.bridge_min_tokens && rq->u.bridge_attempts <= rq->n->cfg.bridge_resumes;
+}
+
+/* Adopts the bridged tail after the whole blocks (with the pipelined tail's result, its page also
+ * holds the last token's row), or gives its page back. */
+static void request_adopt_tail(decode_request *rq, const bridge_outcome *o, kvb_status st) {
+    const kvb_block_id tail_pg = o->rx.last_ready ? o->rx.last_page : o->rx.tail_page;
+    const uint32_t tail_n = o->rx.last_ready ? rq->tail + 1 : rq->tail;
+    /* the tail continues the chain only when every block before it is there */
+    if (!st && tail_pg != KVB_BLOCK_NONE && rq->adopted == rq->ship &&
+        !kvb_seq_adopt_tail(rq->s, tail_pg, rq->toks + rq->ship, tail_n, &rq->err)) {
+        rq->tail_ok = true;
+        rq->adopted += tail_n;
+        rq->last_done = o->rx.last_ready;
+    } else if (tail_pg != KVB_BLOCK_NONE) {
+        kvb_block_id unused = tail_pg;
+        kvb_store_release(rq->n->store, &unused, 1, NULL); /* its page goes back */
+        memset(&rq->err, 0, sizeof rq->err);
+    }
+}
+
+/* Bridge: attempts until the blocks are in or a fault is not worth resuming (a resumed attempt
+ * asks only for the blocks still missing), then the sequence adopts what arrived. */
+static kvb_status request_bridge(decode_request *rq) {
+    kvb_decode_node *n = rq->n;
+    const uint32_t bt = n->cfg.block_tokens;
+    kvb_seq_free(rq->s); /* the cached prefix is re-adopted below, with what arrived */
+    rq->s = NULL;
+    rq->blocks_total = (rq->ship - rq->cached) / bt;
+    bridge_outcome o;
+    kvb_status st;
+    for (;;) {
+        const double t_br = kvb_now_s();
+        bridge_blocks(n, rq->toks, (uint32_t)rq->n_tok, rq->adopted, rq->ship, rq->tail, rq->logits, rq->out, &o);
+        kvb_trace_span("decode.bridge", t_br, kvb_now_s(), rq->ship - rq->adopted);
+        rq->u.bridge_attempts++;
+        rq->u.transfer_s += o.transfer_s;
+        rq->u.prefill_s += o.rx.prefill_s;
+        rq->tail_wait_s = o.rx.tail_wait_s;
+        if (o.rx.fault) faults_append(rq->faults, sizeof rq->faults, "", o.rx.fault_msg); /* for usage.kvbridge */
+        st = kvb_seq_create(n->e, &rq->s, &rq->err);
+        if (!st) st = kvb_seq_attach_cached(rq->s, rq->toks, (uint32_t)rq->n_tok, &rq->adopted, &rq->err);
+        if (st || !resume_worth_it(rq, &o)) break;
+        kvb_err perr = {0};
+        if (peer_lanes_again(n, &perr)) { /* the peer is gone: the verdict keeps the attempt's fault */
+            kvb_metric_add(n->m_faults, KVB_LABELS(kvb_bridge_fault_name(KVB_BRIDGE_FAULT_PEER_DOWN)), 1);
+            faults_append(rq->faults, sizeof rq->faults, "not resumed: ", perr.msg);
+            break;
+        }
+        kvb_seq_free(rq->s); /* adopted again after the next attempt */
+        rq->s = NULL;
+        kvb_metric_add(n->m_resumes, NULL, 1);
+    }
+    rq->got = rq->adopted > rq->cached ? (rq->adopted - rq->cached) / bt : 0;
+    request_adopt_tail(rq, &o, st);
+    rq->fault = o.rx.fault;
+    snprintf(rq->fault_msg, sizeof rq->fault_msg, "%s", o.rx.fault_msg);
+    rq->u.bridged_tokens = (int64_t)rq->got * bt + (rq->tail_ok ? rq->tail : 0);
+    rq->u.bridge_faults = rq->faults;
+    return st;
+}
+
+/* Native fill: the prompt tokens this node computes itself (all of them with prompt logprobs;
+ * none when the pipelined tail computed the last one). */
+static kvb_status request_native_fill(decode_request *rq) {
+    kvb_decode_node *n = rq->n;
+    rq->u.cached_tokens = rq->cached;
+    rq->u.native_tokens = (int64_t)rq->n_tok - (int64_t)rq->adopted + (rq->last_done ? 1 : 0); /* the decoder's own */
+    const double t_native = kvb_now_s();
+    kvb_status st = KVB_OK;
+    if (!rq->last_done)
+        st = rq->prompt_lp ? kvb_reply_prompt_logprobs(n->e, n->batch, n->tok, n->m->d.n_vocab, rq->s, rq->toks,
+                                                       (uint32_t)rq->n_tok, rq->req->top_logprobs, rq->logits, rq->out,
+                                                       rq->lp_scratch, &rq->err)
+                           : forward_prompt_sliced(n, rq->s, rq->toks + rq->adopted, (uint32_t)rq->n_tok - rq->adopted,
+                                                   rq->logits, rq->out, &rq->err);
+    rq->u.native_s = rq->last_done ? rq->tail_wait_s : kvb_now_s() - t_native; /* pipelined: what ran on after DONE */
+    kvb_trace_span("decode.native", t_native, kvb_now_s(), rq->u.native_tokens);
+    rq->u.native_pipelined = rq->last_done;
+    return st;
+}
+
+/* Decode: the choices, one after another (n > 1), the engine released by the first token of each.
+ * *reason: how the last one ended. */
+static kvb_status request_decode(decode_request *rq, kvb_finish_reason *reason) {
+    kvb_decode_node *n = rq->n;
+    const double t_decode = kvb_now_s();
+    kvb_status st;
+    for (uint32_t c = 0;; c++) {
         bool gone = false;
-        st = decode_choice(n, req, out, s, logits, max_new, c, toks, n_tok, lp_scratch, &u, &reason, &gone, &err);
-        if (st || gone || c + 1 >= req->n) break;
-        if ((st = kvb_completion_next_choice(out, reason))) break;
+        st = decode_choice(n, rq->req, rq->out, rq->s, rq->logits, rq->max_new, c, rq->toks, rq->n_tok,
+                           rq->lp_scratch, &rq->u, reason, &gone, &rq->err);
+        if (st || gone || c + 1 >= rq->req->n) break;
+        if ((st = kvb_completion_next_choice(rq->out, *reason))) break;
         /* the next choice's sequence: the prompt's blocks from the cache, its tail computed again */
-        kvb_seq_keep_window_at(s, (uint32_t)n_tok);
-        kvb_seq_free(s);
-        s = NULL;
+        kvb_seq_keep_window_at(rq->s, (uint32_t)rq->n_tok);
+        kvb_seq_free(rq->s);
+        rq->s = NULL;
         engine_acquire(n);
         uint32_t again = 0;
-        st = kvb_seq_create(n->e, &s, &err);
-        if (!st) st = kvb_seq_attach_cached(s, toks, (uint32_t)n_tok, &again, &err);
-        if (!st) st = forward_prompt_sliced(n, s, toks + again, (uint32_t)n_tok - again, logits, out, &err);
+        st = kvb_seq_create(n->e, &rq->s, &rq->err);
+        if (!st) st = kvb_seq_attach_cached(rq->s, rq->toks, (uint32_t)rq->n_tok, &again, &rq->err);
+        if (!st)
+            st = forward_prompt_sliced(n, rq->s, rq->toks + again, (uint32_t)rq->n_tok - again, rq->logits, rq->out,
+                                       &rq->err);
         if (st) {
             engine_release(n);
             break;
         }
     }
-    u.decode_s = kvb_now_s() - t_decode;
-    kvb_trace_span("decode.sample_emit", t_decode, kvb_now_s(), u.completion_tokens);
-    if (st && st != KVB_ERR_IO) kvb_completion_fail(out, 500, NULL, NULL, "%s", err.msg);
-    else { /* (a client gone: the finish goes nowhere) */
-        kvb_completion_finish(out, reason, &u);
-        observe_phases(n, &u);
+    rq->u.decode_s = kvb_now_s() - t_decode;
+    kvb_trace_span("decode.sample_emit", t_decode, kvb_now_s(), rq->u.completion_tokens);
+    return st;
+}
+
+/* The prompt phase, holding the engine: lookup, decide, bridge, native fill; then the verdict and
+ * the token counts. KVB_ERR_IO: the client went away. On failure the engine is released. */
+static kvb_status request_prompt(decode_request *rq) {
+    kvb_decode_node *n = rq->n;
+    kvb_status st = request_lookup(rq);
+    if (!st) {
+        rq->decision = request_decide(rq);
+        if (rq->decision == DECIDE_BRIDGE) st = request_bridge(rq);
     }
-    kvb_trace_span("decode.request", t_req, kvb_now_s(), n_tok); /* to the reply's end */
-cleanup_unlocked:
-    free(lp_scratch);
-    if (s) kvb_seq_keep_window_at(s, (uint32_t)n_tok); /* a next turn may diverge where the reply began */
-    kvb_seq_free(s); /* its blocks stay cached for the next turn */
-    slot_release(n, need);
-    free(logits);
-    free(toks);
+    if (!st) st = request_native_fill(rq);
+    if (st) {
+        engine_release(n);
+        return st;
+    }
+    char verdict[KVB_VERDICT_MAX];
+    const char *kind;
+    request_verdict(rq, verdict, &kind);
+    kvb_completion_set_verdict(rq->out, verdict);
+    kvb_metric_add(n->m_requests, KVB_LABELS(kind), 1);
+    kvb_metric_add(n->m_tokens, KVB_LABELS("cached"), (double)rq->u.cached_tokens);
+    kvb_metric_add(n->m_tokens, KVB_LABELS("bridged"), (double)rq->u.bridged_tokens);
+    kvb_metric_add(n->m_tokens, KVB_LABELS("native"), (double)rq->u.native_tokens);
+    return KVB_OK;
+}
+
+static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_completion_out *out) {
+    decode_request rq = {.n = ctx, .req = req, .out = out};
+    kvb_decode_node *n = rq.n;
+    if (!request_tokenize(&rq) || !request_admit(&rq)) {
+        free(rq.toks);
+        return;
+    }
+    const double t_acq = kvb_now_s();
+    slot_acquire(n, rq.need);
+    engine_acquire(n);
+    kvb_trace_span("decode.engine_acquire", t_acq, kvb_now_s(), 0);
+    rq.u = (kvb_usage){.prompt_tokens = (int64_t)rq.n_tok, .tokenize_s = rq.t_tok - rq.t_req,
+                       .queue_s = kvb_now_s() - t_acq};
+    kvb_status st = KVB_OK;
+    if (kvb_completion_cancelled(out)) { /* gone while it waited its turn: nothing to compute for */
+        engine_release(n);
+        kvb_metric_add(n->m_abandoned, NULL, 1);
+    } else if ((st = request_prompt(&rq))) {
+        if (st == KVB_ERR_IO) kvb_metric_add(n->m_abandoned, NULL, 1); /* a client gone: nobody to answer */
+        else kvb_completion_fail(out, st == KVB_ERR_RANGE ? 503 : 500, NULL, NULL, "%s", rq.err.msg);
+    } else {
+        kvb_finish_reason reason = KVB_FINISH_LENGTH;
+        st = request_decode(&rq, &reason);
+        if (st && st != KVB_ERR_IO) kvb_completion_fail(out, 500, NULL, NULL, "%s", rq.err.msg);
+        else { /* emit (a client gone: the finish goes nowhere) */
+            kvb_completion_finish(out, reason, &rq.u);
+            observe_phases(n, &rq.u);
+        }
+        kvb_trace_span("decode.request", rq.t_req, kvb_now_s(), rq.n_tok); /* to the reply's end */
+    }
+    free(rq.lp_scratch);
+    if (rq.s) kvb_seq_keep_window_at(rq.s, (uint32_t)rq.n_tok); /* a next turn may diverge where the reply began */
+    kvb_seq_free(rq.s); /* its blocks stay cached for the next turn */
+    slot_release(n, rq.need);
+    free(rq.logits);
+    free(rq.toks);
 }
 
 /* POST /tokenize: the ids a completion with this prompt or these messages computes. */
@@ -988,7 +870,10 @@ static int handle_detokenize(void *ctx, const kvb_completion_req *req, char **te
 
 static void handle_health(void *ctx, cJSON *body) {
     kvb_decode_node *n = ctx;
-    cJSON_AddStringToObject(body, "peer", n->peer ? n->peer_state : "none");
+    char why[sizeof(((kvb_err *)0)->msg) + 64] = ""; /* the link's whole story, while not up */
+    const kvb_peer_state ps = n->link ? kvb_peer_link_state(n->link, why, sizeof why) : KVB_PEER_DOWN;
+    cJSON_AddStringToObject(body, "peer", n->link ? kvb_peer_state_name(ps) : "none");
+    if (why[0]) cJSON_AddStringToObject(body, "peer_reason", why);
     kvb_store_stats st;
     kvb_store_get_stats(n->store, &st);
     cJSON_AddNumberToObject(body, "cache_blocks_committed", st.committed);
@@ -1011,6 +896,99 @@ static kvb_status collect_eog(kvb_decode_node *n, kvb_err *err) {
     for (size_t i = 0; i < k; i++)
         if (eog[i] >= 0 && (uint32_t)eog[i] < n->m->d.n_vocab) n->eog_ids[n->n_eog++] = eog[i];
     return KVB_OK;
+}
+
+/* The chat family: the --chat-template override, or recognised from the model's template; a
+ * model without one, or with one not recognised, keeps serving completions and answers chat
+ * requests with a 400 that says what to do (n->fam_status, n->fam_error). */
+static kvb_status chat_family(kvb_decode_node *n, const char *override, kvb_err *err) {
+    if (override) return kvb_chat_family_from_name(override, &n->fam, err);
+    const kvb_gguf_kv *kv = kvb_gguf_find(n->m->gguf, "tokenizer.chat_template");
+    kvb_err why = {0};
+    char *tmpl = kv && kv->type == KVB_GGUF_STRING ? strndup(kv->str.ptr, kv->str.len) : NULL;
+    n->fam_status = tmpl ? kvb_chat_family_detect(tmpl, &n->fam, &why) : KVB_ERR_NOT_FOUND;
+    if (!tmpl)
+        snprintf(why.msg, sizeof why.msg,
+                 "this model has no chat template: send the prompt to /v1/completions, or start the node with "
+                 "--chat-template NAME (llama2, llama3, chatml, mistral, phi3 or gemma)");
+    snprintf(n->fam_error, sizeof n->fam_error, "%s", why.msg);
+    free(tmpl);
+    return KVB_OK;
+}
+
+/* The node's metric families: type, name, help, label names, and the field that holds it. */
+typedef struct {
+    kvb_metric_type type;
+    const char *name, *help, *label;
+    size_t field; /* offsetof(kvb_decode_node, its kvb_metric *) */
+} node_metric;
+
+static const node_metric k_node_metrics[] = {
+    {KVB_METRIC_COUNTER, "kvbridge_requests_total",
+     "Completions served, by bridge verdict",
+     "verdict", offsetof(kvb_decode_node, m_requests)},
+    {KVB_METRIC_COUNTER, "kvbridge_prompt_tokens_total",
+     "Prompt tokens by source: cached, bridged, native",
+     "source", offsetof(kvb_decode_node, m_tokens)},
+    {KVB_METRIC_COUNTER, "kvbridge_bridge_faults_total",
+     "Bridging stopped short or declined by a fault, by kind",
+     "kind", offsetof(kvb_decode_node, m_faults)},
+    {KVB_METRIC_COUNTER, "kvbridge_bridge_resumes_total",
+     "Bridge attempts resumed after a link fault, asking only for the blocks still "
+     "missing",
+     NULL, offsetof(kvb_decode_node, m_resumes)},
+    {KVB_METRIC_COUNTER, "kvbridge_slab_bytes_total",
+     "Cache bytes received as slabs",
+     NULL, offsetof(kvb_decode_node, m_slab_bytes)},
+    {KVB_METRIC_GAUGE, "kvbridge_peer_up",
+     "1 while the prefill node link is up",
+     NULL, offsetof(kvb_decode_node, m_peer_up)},
+    {KVB_METRIC_COUNTER, "kvbridge_peer_handshakes_refused_total",
+     "Attempts to connect to the prefill node that failed, by reason: auth (another key), mismatch "
+     "(another model, cache format or version), timeout (it said nothing in time), protocol (not "
+     "kvbridge), refused (it said no), gone (nobody answered, or it closed), other",
+     "reason", offsetof(kvb_decode_node, m_peer_refused)},
+    {KVB_METRIC_GAUGE, "kvbridge_queue_depth",
+     "Completions waiting for their turn or being served (at most --parallel at once)",
+     NULL, offsetof(kvb_decode_node, m_queue)},
+    {KVB_METRIC_HISTOGRAM, "kvbridge_request_phase_seconds",
+     "Where a served completion's time went, by phase (as in usage.kvbridge): tokenize, "
+     "queue (waiting for the engine), lookup, prefill (the prefill node's own clock) "
+     "and transfer (request to DONE) when bridged, native, decode",
+     "phase", offsetof(kvb_decode_node, m_phase)},
+    {KVB_METRIC_COUNTER, "kvbridge_decode_batches_total",
+     "Batches of decode steps run (steps / batches: requests decoding together)",
+     NULL, offsetof(kvb_decode_node, m_batches)},
+    {KVB_METRIC_COUNTER, "kvbridge_decode_steps_total",
+     "Decode steps run, one token of one request each, in batches",
+     NULL, offsetof(kvb_decode_node, m_steps)},
+    {KVB_METRIC_COUNTER, "kvbridge_prompts_abandoned_total",
+     "Requests whose client went away while they waited their turn or before their "
+     "native prompt was in: the rest was not computed (what was stays cached)",
+     NULL, offsetof(kvb_decode_node, m_abandoned)},
+    {KVB_METRIC_GAUGE, "kvbridge_cache_blocks_reserved",
+     "Cache blocks reserved by the requests being served (each reserves what its "
+     "prompt and max_tokens can fill; at most --cache-blocks)",
+     NULL, offsetof(kvb_decode_node, m_reserved)},
+    {KVB_METRIC_COUNTER, "kvbridge_cache_waits_total",
+     "Requests that waited for cache blocks to be released before being served "
+     "(often: a larger --cache-blocks would serve them at once)",
+     NULL, offsetof(kvb_decode_node, m_cache_waits)},
+    {KVB_METRIC_COUNTER, "kvbridge_decode_steps_in_prompts_total",
+     "Of the decode steps, those run while another request's prompt held the engine: "
+     "between slices of its native prefill and while its bridged layers arrived",
+     NULL, offsetof(kvb_decode_node, m_in_prompts)},
+};
+
+/* The metrics registry /metrics renders and the node's families in it. */
+static kvb_status register_metrics(kvb_decode_node *n, kvb_err *err) {
+    kvb_status st = kvb_metrics_create(&n->metrics, err);
+    for (size_t i = 0; !st && i < KVB_ARRAY_LEN(k_node_metrics); i++) {
+        const node_metric *m = &k_node_metrics[i];
+        st = kvb_metrics_register(n->metrics, m->type, m->name, m->help, m->label, NULL, 0,
+                                  (kvb_metric **)((char *)n + m->field), err);
+    }
+    return st;
 }
 
 kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node **out, kvb_err *err) {
@@ -1042,7 +1020,6 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                          KVB_MAX_LANES);
         goto fail;
     }
-    n->n_lanes = c->lanes;
     n->peer = cfg->peer ? strdup(cfg->peer) : NULL;
     const char *base = strrchr(cfg->model_path, '/');
     n->model_id = strdup(cfg->model_id ? cfg->model_id : base ? base + 1 : cfg->model_path);
@@ -1050,19 +1027,7 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
         st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
         goto fail;
     }
-    /* the chat family: an override, or recognised from the template (an unknown one fails chat
-     * requests with a clear message but completions still work) */
-    if (cfg->chat_template) {
-        if ((st = kvb_chat_family_from_name(cfg->chat_template, &n->fam, err))) goto fail;
-    } else {
-        const kvb_gguf_kv *kv = kvb_gguf_find(n->m->gguf, "tokenizer.chat_template");
-        kvb_err e2 = {0};
-        char *tmpl = kv && kv->type == KVB_GGUF_STRING ? strndup(kv->str.ptr, kv->str.len) : NULL;
-        n->fam_status = tmpl ? kvb_chat_family_detect(tmpl, &n->fam, &e2) : KVB_ERR_NOT_FOUND;
-        if (!tmpl) snprintf(e2.msg, sizeof e2.msg, "the model has no chat template; start the node with --chat-template");
-        snprintf(n->fam_error, sizeof n->fam_error, "%s", e2.msg);
-        free(tmpl);
-    }
+    if ((st = chat_family(n, cfg->chat_template, err))) goto fail;
     kvb_engine_opts eo = {.n_threads = cfg->n_threads, .cache_dtype = c->cache_dtype, .block_tokens = c->block_tokens,
                           .max_ctx = c->max_ctx, .n_blocks = c->cache_blocks};
     if ((st = kvb_engine_create(n->m, &eo, &n->e, err))) goto fail;
@@ -1089,58 +1054,9 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                                  cfg->bench_filler_peer ? kvb_filler_fingerprint(n->m->fingerprint) : n->m->fingerprint,
                                  kvb_engine_kvformat(n->e), err)))
             goto fail;
-        snprintf(n->peer_state, sizeof n->peer_state, "not connected yet");
     }
     /* the registry, its families and the decode batch before the server takes a request */
-    if ((st = kvb_metrics_create(&n->metrics, err))) goto fail;
-    kvb_metrics *mx = n->metrics;
-    if ((st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_requests_total",
-                                   "Completions served, by bridge verdict", "verdict", NULL, 0, &n->m_requests, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_prompt_tokens_total",
-                                   "Prompt tokens by source: cached, bridged, native", "source", NULL, 0, &n->m_tokens,
-                                   err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_bridge_faults_total",
-                                   "Bridging stopped short or declined by a fault, by kind", "kind", NULL, 0,
-                                   &n->m_faults, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_bridge_resumes_total",
-                                   "Bridge attempts resumed after a link fault, asking only for the blocks still "
-                                   "missing",
-                                   NULL, NULL, 0, &n->m_resumes, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_slab_bytes_total", "Cache bytes received as slabs",
-                                   NULL, NULL, 0, &n->m_slab_bytes, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_peer_up", "1 while the prefill node link is up",
-                                   NULL, NULL, 0, &n->m_peer_up, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_queue_depth",
-                                   "Completions waiting for their turn or being served (at most --parallel at once)", NULL, NULL,
-                                   0, &n->m_queue, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_HISTOGRAM, "kvbridge_request_phase_seconds",
-                                   "Where a served completion's time went, by phase (as in usage.kvbridge): tokenize, "
-                                   "queue (waiting for the engine), lookup, prefill (the prefill node's own clock) "
-                                   "and transfer (request to DONE) when bridged, native, decode",
-                                   "phase", NULL, 0, &n->m_phase, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_decode_batches_total",
-                                   "Batches of decode steps run (steps / batches: requests decoding together)", NULL,
-                                   NULL, 0, &n->m_batches, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_decode_steps_total",
-                                   "Decode steps run, one token of one request each, in batches", NULL, NULL, 0,
-                                   &n->m_steps, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_prompts_abandoned_total",
-                                   "Requests whose client went away while they waited their turn or before their "
-                                   "native prompt was in: the rest was not computed (what was stays cached)",
-                                   NULL, NULL, 0, &n->m_abandoned, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_cache_blocks_reserved",
-                                   "Cache blocks reserved by the requests being served (each reserves what its "
-                                   "prompt and max_tokens can fill; at most --cache-blocks)",
-                                   NULL, NULL, 0, &n->m_reserved, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_cache_waits_total",
-                                   "Requests that waited for cache blocks to be released before being served "
-                                   "(often: a larger --cache-blocks would serve them at once)",
-                                   NULL, NULL, 0, &n->m_cache_waits, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_decode_steps_in_prompts_total",
-                                   "Of the decode steps, those run while another request's prompt held the engine: "
-                                   "between slices of its native prefill and while its bridged layers arrived",
-                                   NULL, NULL, 0, &n->m_in_prompts, err)))
-        goto fail;
+    if ((st = register_metrics(n, err))) goto fail;
     if ((st = kvb_decode_batch_create(n->e, c->parallel, n->m->d.n_vocab, n->m_batches, n->m_steps, n->m_in_prompts,
                                       &n->batch, err)))
         goto fail;
@@ -1149,17 +1065,18 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                           .allow_origins = cfg->allow_origins};
     kvb_http_handlers hh = {.ctx = n, .completion = handle_completion, .health = handle_health,
                             .tokenize = handle_tokenize, .detokenize = handle_detokenize};
+    if (n->peer) { /* the link's thread dials now, before a request can ask for it */
+        kvb_peer_link_config lc = {.addr = n->peer, .hello = &n->hello, .tcfg = &n->tcfg, .lanes = c->lanes,
+                                   .connect_timeout_ms = PEER_DIAL_TIMEOUT_MS, .on_state = on_peer_state,
+                                   .on_state_ctx = n};
+        if ((st = kvb_peer_link_start(&lc, &n->link, err))) goto fail;
+    }
     if ((st = kvb_http_server_start(&hc, &hh, &n->http, err))) goto fail;
-    if (n->peer) { /* the lanes now, not on the first bridged request (connects and handshakes) */
-        engine_acquire(n);
-        kvb_err pe = {0};
-        if (ensure_peer(n, &pe)) { /* not up yet: the first request dials again, without back-off */
-            n->peer_retry_at = 0;
-            n->peer_backoff_s = 0;
-            kvb_log(KVB_LOG_INFO, "decode: prefill node %s not reachable at start (%s); dialled again on the first "
-                    "bridged request", n->peer, pe.msg);
-        }
-        engine_release(n);
+    if (n->link) { /* the first attempt's outcome is waited for here, not by a request (a peer not up by
+                      then is declined at once, with the reason, and dialled again with back-off) */
+        kvb_conn *const *lanes;
+        uint32_t n_up;
+        kvb_peer_link_wait_lanes(n->link, PEER_DIAL_TIMEOUT_MS + 1000, &lanes, &n_up, NULL);
     }
     *out = n;
     return KVB_OK;
@@ -1182,7 +1099,7 @@ void kvb_decode_node_last_receive_waits(kvb_decode_node *n, double *reader_s, do
 void kvb_decode_node_stop(kvb_decode_node *n) {
     if (!n) return;
     kvb_http_server_stop(n->http);
-    for (uint32_t l = 0; l < KVB_MAX_LANES; l++) kvb_conn_close(n->lanes[l]);
+    kvb_peer_link_stop(n->link); /* before the metrics its thread updates */
     kvb_decode_batch_free(n->batch);
     kvb_metrics_free(n->metrics); /* after the server, whose families live in it */
     kvb_engine_free(n->e);

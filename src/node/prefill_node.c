@@ -49,6 +49,8 @@ struct kvb_prefill_node {
     kvb_hello hello;
     kvb_transport_config tcfg;
     kvb_listener *l;
+    kvb_metric *m_refused;                            /* handshakes refused, by reason */
+    uint64_t refused_counted[KVB_HANDSHAKE_REASONS];  /* of the listener's, in m_refused (accept thread) */
     pthread_t accept_thread;
     bool accept_started;
     atomic_bool stop; /* read by the accept and connection threads */
@@ -478,6 +480,18 @@ static void *conn_main(void *arg) {
     return NULL;
 }
 
+/* The listener's refused handshakes since the last look, into the counter by reason. */
+static void count_refusals(kvb_prefill_node *n) {
+    kvb_listener_stats ls;
+    kvb_listener_get_stats(n->l, &ls);
+    for (int r = 0; r < KVB_HANDSHAKE_REASONS; r++)
+        if (ls.failed[r] > n->refused_counted[r]) {
+            kvb_metric_add(n->m_refused, KVB_LABELS(kvb_handshake_reason_name((kvb_handshake_reason)r)),
+                           (double)(ls.failed[r] - n->refused_counted[r]));
+            n->refused_counted[r] = ls.failed[r];
+        }
+}
+
 static void *accept_main(void *arg) {
     kvb_prefill_node *n = arg;
     while (!n->stop) {
@@ -487,7 +501,8 @@ static void *accept_main(void *arg) {
         /* the timeout bounds the wait and the handshake: generous, since a loaded machine can be
          * slow to schedule either side; stop() wakes this with a connection of its own */
         if (kvb_transport_accept(n->l, &n->hello, &n->tcfg, 5000, &c, &peer, &err)) {
-            if (!n->stop && !strstr(err.msg, "timed out")) kvb_log(KVB_LOG_WARN, "prefill: refused a peer: %s", err.msg);
+            count_refusals(n); /* a wait in which nobody connected counts nothing */
+            if (!n->stop && err.code != KVB_ERR_TIMEOUT) kvb_log(KVB_LOG_WARN, "prefill: refused a peer: %s", err.msg);
             continue;
         }
         /* the connection table only, not the engine: a decode node connects while a prompt computes */
@@ -641,6 +656,12 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
     }
     if (!st) st = kvb_prefill_ops_start(&n->ops, cfg->http_listen, cfg->name ? cfg->name : "prefill", prefill_health, n,
                                         err);
+    if (!st)
+        st = kvb_metrics_register(n->ops.metrics, KVB_METRIC_COUNTER, "kvbridge_prefill_handshakes_refused_total",
+                                  "Connections from would-be decode nodes whose handshake failed, by reason: auth "
+                                  "(another key), mismatch (another model, cache format or version), timeout (it "
+                                  "said nothing in time), protocol (not kvbridge), gone (it closed), refused, other",
+                                  "reason", NULL, 0, &n->m_refused, err);
     if (!st) st = kvb_transport_listen(cfg->listen, NULL, &n->l, err);
     if (!st) {
         n->accept_started = pthread_create(&n->accept_thread, NULL, accept_main, n) == 0;

@@ -35,6 +35,7 @@ void wire_conn_break(kvb_conn *c, const kvb_err *why) {
     pthread_mutex_lock(&c->broken_lock);
     if (!atomic_load(&c->broken)) {
         snprintf(c->broken_msg, sizeof c->broken_msg, "%s", why ? why->msg : "closed");
+        c->broken_code = why && why->code ? why->code : KVB_ERR_PEER_GONE;
         atomic_store(&c->broken, true);
         /* After the handshake, a thread blocked in the other direction wakes up. During it there is
          * one thread, and the socket stays open so the refusal can still be sent. */
@@ -44,20 +45,22 @@ void wire_conn_break(kvb_conn *c, const kvb_err *why) {
 }
 
 void wire_count_failure(kvb_conn *c, const kvb_err *e) {
-    if (kvb_wire_err_is_checksum(e))
+    if (e->code == KVB_ERR_CHECKSUM)
         atomic_fetch_add_explicit(&c->checksum_failures, 1, memory_order_relaxed);
-    else if (strstr(e->msg, "timed out"))
+    else if (e->code == KVB_ERR_TIMEOUT)
         atomic_fetch_add_explicit(&c->timeouts, 1, memory_order_relaxed);
-    else if (e->code == KVB_ERR_FORMAT || e->code == KVB_ERR_RANGE || e->code == KVB_ERR_UNSUPPORTED)
+    else if (e->code == KVB_ERR_FORMAT || e->code == KVB_ERR_RANGE || e->code == KVB_ERR_MISMATCH)
         atomic_fetch_add_explicit(&c->protocol_errors, 1, memory_order_relaxed);
 }
 
+/* A call on a broken connection: the first failure's code, and its message. */
 static kvb_status fail_fast(kvb_conn *c, kvb_err *err) {
     pthread_mutex_lock(&c->broken_lock);
-    kvb_err_set(err, KVB_ERR_IO, "connection to %s is unusable after an earlier failure (%s)", c->link->peer_addr,
+    const kvb_status st = c->broken_code;
+    kvb_err_set(err, st, "connection to %s is unusable after an earlier failure (%s)", c->link->peer_addr,
                 c->broken_msg);
     pthread_mutex_unlock(&c->broken_lock);
-    return KVB_ERR_IO;
+    return st;
 }
 
 static kvb_status fail(kvb_conn *c, kvb_status st, kvb_err *err) {
@@ -66,8 +69,7 @@ static kvb_status fail(kvb_conn *c, kvb_status st, kvb_err *err) {
     if (atomic_load(&c->broken)) {
         /* Another thread broke or shut the connection down while this call waited: say so rather
          * than report the socket-level symptom. */
-        fail_fast(c, err);
-        return KVB_ERR_IO;
+        return fail_fast(c, err);
     }
     err->code = st;
     wire_count_failure(c, err);
@@ -113,11 +115,11 @@ kvb_status wire_conn_recv(kvb_conn *c, uint32_t allowed, uint64_t max_payload, d
     const uint8_t *payload = h.payload_len ? buf->data : (const uint8_t *)"";
     uint64_t got = kvb_xxh3(payload, (size_t)kvb_wire_hashed_len(h.type, h.payload_len));
     if (got != h.payload_hash) {
-        kvb_err_set(err, KVB_ERR_FORMAT,
-                    "%s payload from %s: " WIRE_CHECKSUM_MSG " (header says %016llx, %llu bytes hash to %016llx)",
+        kvb_err_set(err, KVB_ERR_CHECKSUM,
+                    "%s payload from %s: checksum mismatch (header says %016llx, %llu bytes hash to %016llx)",
                     kvb_frame_type_name(h.type), c->link->peer_addr, (unsigned long long)h.payload_hash,
                     (unsigned long long)kvb_wire_hashed_len(h.type, h.payload_len), (unsigned long long)got);
-        return fail(c, KVB_ERR_FORMAT, err);
+        return fail(c, KVB_ERR_CHECKSUM, err);
     }
     atomic_fetch_add_explicit(&c->bytes_received, KVB_WIRE_HEADER_BYTES + h.payload_len, memory_order_relaxed);
     atomic_fetch_add_explicit(&c->frames_received, 1, memory_order_relaxed);
@@ -317,7 +319,7 @@ bool kvb_conn_usable(const kvb_conn *c) { return !atomic_load(&((kvb_conn *)c)->
 void kvb_conn_shutdown(kvb_conn *c) {
     if (!c) return;
     kvb_err e;
-    kvb_err_set(&e, KVB_ERR_IO, "shut down by this node");
+    kvb_err_set(&e, KVB_ERR_CANCELLED, "shut down by this node");
     wire_conn_break(c, &e);
 }
 

@@ -39,6 +39,33 @@ kvb_status kvb_transport_listen(const char *addr, const kvb_wire_backend *backen
 
 uint16_t kvb_listener_port(const kvb_listener *l) { return l->link_listener->port; }
 
+kvb_handshake_reason kvb_handshake_reason_of(kvb_status st) {
+    switch (st) {
+    case KVB_ERR_AUTH: return KVB_HANDSHAKE_AUTH;
+    case KVB_ERR_MISMATCH: return KVB_HANDSHAKE_MISMATCH;
+    case KVB_ERR_TIMEOUT: return KVB_HANDSHAKE_TIMEOUT;
+    case KVB_ERR_FORMAT:
+    case KVB_ERR_RANGE:
+    case KVB_ERR_CHECKSUM: return KVB_HANDSHAKE_PROTOCOL;
+    case KVB_ERR_REFUSED: return KVB_HANDSHAKE_REFUSED;
+    case KVB_ERR_PEER_GONE: return KVB_HANDSHAKE_GONE;
+    default: return KVB_HANDSHAKE_OTHER;
+    }
+}
+
+const char *kvb_handshake_reason_name(kvb_handshake_reason r) {
+    static const char *const names[KVB_HANDSHAKE_REASONS] = {"auth",    "mismatch", "timeout", "protocol",
+                                                             "refused", "gone",     "other"};
+    return (unsigned)r < KVB_HANDSHAKE_REASONS ? names[r] : "other";
+}
+
+void kvb_listener_get_stats(const kvb_listener *l, kvb_listener_stats *out) {
+    kvb_listener *m = (kvb_listener *)l; /* atomics are read-only here */
+    out->accepted = atomic_load_explicit(&m->accepted, memory_order_relaxed);
+    for (int r = 0; r < KVB_HANDSHAKE_REASONS; r++)
+        out->failed[r] = atomic_load_explicit(&m->failed[r], memory_order_relaxed);
+}
+
 void kvb_listener_close(kvb_listener *l) {
     if (!l) return;
     l->backend->listener_close(l->link_listener);
@@ -174,21 +201,21 @@ static kvb_status make_hello(const kvb_hello *in, kvb_hello *out, uint8_t *buf, 
 }
 
 static uint32_t wire_code_for(kvb_status st) {
-    return st == KVB_ERR_UNSUPPORTED ? KVB_WIRE_ERR_VERSION : KVB_WIRE_ERR_PROTOCOL;
+    return st == KVB_ERR_MISMATCH ? KVB_WIRE_ERR_VERSION : KVB_WIRE_ERR_PROTOCOL;
 }
 
+/* The status a refusal by the peer (its ERROR frame's code) is returned as. */
 static kvb_status status_for_wire_code(uint32_t code) {
     switch (code) {
-    case KVB_WIRE_ERR_AUTH: return KVB_ERR_INVALID;
+    case KVB_WIRE_ERR_AUTH: return KVB_ERR_AUTH;
     case KVB_WIRE_ERR_VERSION:
     case KVB_WIRE_ERR_ROLE:
     case KVB_WIRE_ERR_MODEL:
     case KVB_WIRE_ERR_FORMAT:
     case KVB_WIRE_ERR_MODE:
-    case KVB_WIRE_ERR_INCOMPATIBLE: return KVB_ERR_UNSUPPORTED;
-    case KVB_WIRE_ERR_PROTOCOL: return KVB_ERR_FORMAT;
+    case KVB_WIRE_ERR_INCOMPATIBLE: return KVB_ERR_MISMATCH;
     }
-    return KVB_ERR_IO;
+    return KVB_ERR_REFUSED; /* busy, draining, or it found our frames malformed */
 }
 
 /* Tells the peer why (best effort, bounded by the deadline and at most 500 ms), whatever state the
@@ -210,7 +237,7 @@ static void refuse(kvb_conn *c, uint32_t code, const char *why, double deadline)
         }
     }
     kvb_err e;
-    kvb_err_set(&e, KVB_ERR_IO, "handshake refused: %s", why);
+    kvb_err_set(&e, KVB_ERR_REFUSED, "handshake refused: %s", why);
     wire_conn_break(c, &e);
 }
 
@@ -233,7 +260,7 @@ static kvb_status recv_handshake(kvb_conn *c, uint16_t want, double deadline, kv
     if (st) {
         /* A frame we could not accept (wrong version, corrupt, too large) is answered; a timeout or a
          * closed connection is not. */
-        if (st == KVB_ERR_FORMAT || st == KVB_ERR_UNSUPPORTED || st == KVB_ERR_RANGE)
+        if (st == KVB_ERR_FORMAT || st == KVB_ERR_MISMATCH || st == KVB_ERR_RANGE || st == KVB_ERR_CHECKSUM)
             refuse(c, wire_code_for(st), err->msg, deadline);
         return st;
     }
@@ -245,7 +272,7 @@ static kvb_status recv_handshake(kvb_conn *c, uint16_t want, double deadline, kv
             return refuse_with(c, KVB_WIRE_ERR_PROTOCOL, kvb_err_set(err, KVB_ERR_FORMAT, "malformed ERROR frame: %s", derr.msg),
                                deadline, err);
         kvb_err e;
-        kvb_err_set(&e, KVB_ERR_IO, "the peer refused: %s", m.msg);
+        kvb_err_set(&e, status_for_wire_code(m.code), "the peer refused: %s", m.msg);
         wire_conn_break(c, &e);
         return kvb_err_set(err, status_for_wire_code(m.code), "the peer refused the connection: [%s] %s",
                            kvb_wire_error_name(m.code), m.msg);
@@ -265,9 +292,9 @@ static kvb_status send_handshake(kvb_conn *c, uint16_t type, const uint8_t *buf,
 static kvb_status check_peer(kvb_conn *c, const kvb_transport_config *cfg, double deadline, kvb_err *err) {
     const kvb_hello *mine = &c->mine, *peer = &c->peer;
     if (peer->role == mine->role) {
-        kvb_err_set(err, KVB_ERR_UNSUPPORTED, "both nodes are %s nodes ('%s' and '%s'): one must be prefill, one decode",
+        kvb_err_set(err, KVB_ERR_MISMATCH, "both nodes are %s nodes ('%s' and '%s'): one must be prefill, one decode",
                     kvb_wire_role_name(mine->role), mine->name, peer->name);
-        return refuse_with(c, KVB_WIRE_ERR_ROLE, KVB_ERR_UNSUPPORTED, deadline, err);
+        return refuse_with(c, KVB_WIRE_ERR_ROLE, KVB_ERR_MISMATCH, deadline, err);
     }
     uint32_t code = KVB_WIRE_ERR_INCOMPATIBLE;
     char why[sizeof err->msg - 64];
@@ -275,8 +302,8 @@ static kvb_status check_peer(kvb_conn *c, const kvb_transport_config *cfg, doubl
     kvb_hello_check_fn check = cfg->check ? cfg->check : kvb_hello_check_default;
     if (!check(cfg->check_ctx, mine, peer, &code, why, sizeof why)) {
         why[sizeof why - 1] = 0;
-        kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s", why[0] ? why : "the compatibility check refused the peer");
-        return refuse_with(c, code, KVB_ERR_UNSUPPORTED, deadline, err);
+        kvb_err_set(err, KVB_ERR_MISMATCH, "%s", why[0] ? why : "the compatibility check refused the peer");
+        return refuse_with(c, code, KVB_ERR_MISMATCH, deadline, err);
     }
     return KVB_OK;
 }
@@ -299,9 +326,9 @@ static kvb_status decode_peer_hello(kvb_conn *c, const kvb_frame *f, uint8_t *co
     kvb_status st = kvb_msg_hello_decode(f->payload, (size_t)f->payload_len, &c->peer, err);
     if (st) return refuse_with(c, KVB_WIRE_ERR_PROTOCOL, st, deadline, err);
     if (c->peer.protocol_version != KVB_WIRE_VERSION) {
-        kvb_err_set(err, KVB_ERR_UNSUPPORTED, "node '%s' speaks kvbridge protocol version %u, this node speaks %u",
+        kvb_err_set(err, KVB_ERR_MISMATCH, "node '%s' speaks kvbridge protocol version %u, this node speaks %u",
                     c->peer.name, c->peer.protocol_version, KVB_WIRE_VERSION);
-        return refuse_with(c, KVB_WIRE_ERR_VERSION, KVB_ERR_UNSUPPORTED, deadline, err);
+        return refuse_with(c, KVB_WIRE_ERR_VERSION, KVB_ERR_MISMATCH, deadline, err);
     }
     if (my_nonce && memcmp(my_nonce, c->peer.nonce, KVB_WIRE_NONCE_BYTES) == 0) {
         kvb_err_set(err, KVB_ERR_FORMAT, "node '%s' sent back this node's own nonce", c->peer.name);
@@ -358,11 +385,11 @@ static kvb_status client_handshake(kvb_conn *c, const kvb_transport_config *cfg,
     st = compute_proof(cfg, &t, 'S', expect.mac, err);
     if (st) return st;
     if (CRYPTO_memcmp(expect.mac, theirs.mac, KVB_WIRE_MAC_BYTES) != 0) {
-        kvb_err_set(err, KVB_ERR_INVALID,
+        kvb_err_set(err, KVB_ERR_AUTH,
                     "authentication failed: node '%s' could not prove it holds this node's pre-shared key "
                     "(different keys, or an impostor); nothing will be accepted from it",
                     c->peer.name);
-        return refuse_with(c, KVB_WIRE_ERR_AUTH, KVB_ERR_INVALID, deadline, err);
+        return refuse_with(c, KVB_WIRE_ERR_AUTH, KVB_ERR_AUTH, deadline, err);
     }
     return check_peer(c, cfg, deadline, err);
 }
@@ -415,11 +442,11 @@ static kvb_status server_handshake(kvb_conn *c, const kvb_transport_config *cfg,
     st = compute_proof(cfg, &t, 'C', expect.mac, err);
     if (st) return st;
     if (CRYPTO_memcmp(expect.mac, theirs.mac, KVB_WIRE_MAC_BYTES) != 0) {
-        kvb_err_set(err, KVB_ERR_INVALID,
+        kvb_err_set(err, KVB_ERR_AUTH,
                     "authentication failed: node '%s' did not prove it holds the pre-shared key of node '%s' "
                     "(the two nodes use different keys, or the peer is not trusted)",
                     c->peer.name, c->mine.name);
-        return refuse_with(c, KVB_WIRE_ERR_AUTH, KVB_ERR_INVALID, deadline, err);
+        return refuse_with(c, KVB_WIRE_ERR_AUTH, KVB_ERR_AUTH, deadline, err);
     }
     st = check_peer(c, cfg, deadline, err);
     if (st) return st;
@@ -445,7 +472,10 @@ kvb_status kvb_transport_accept(kvb_listener *l, const kvb_hello *mine, const kv
     st = wire_conn_new(l->backend, link, &c, err);
     if (st) return st;
     c->mine = *mine;
-    st = server_handshake(c, cfg, deadline, err);
+    /* a peer that connected late in the wait still gets the whole time for its handshake */
+    st = server_handshake(c, cfg, kvb_now_s() + timeout_ms / 1000.0, err);
     if (!st) set_authenticated(c, cfg);
+    if (st) atomic_fetch_add_explicit(&l->failed[kvb_handshake_reason_of(st)], 1, memory_order_relaxed);
+    else atomic_fetch_add_explicit(&l->accepted, 1, memory_order_relaxed);
     return finish(c, st, out, peer_hello, err);
 }

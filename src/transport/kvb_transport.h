@@ -110,19 +110,17 @@ uint64_t kvb_wire_frame_payload_hash(uint16_t type, const kvb_iov *iov, int n_io
  * included). h->type, request_id, payload_len and payload_hash are the caller's. */
 void kvb_wire_header_encode(const kvb_frame_header *h, uint8_t out[KVB_WIRE_HEADER_BYTES]);
 /* Validates 44 received header bytes (magic, version, header hash, type, flags, payload_len <=
- * max_payload) and decodes them. KVB_ERR_FORMAT (KVB_ERR_UNSUPPORTED for another protocol
- * version, KVB_ERR_RANGE for an oversize payload) with a message that names the field. */
+ * max_payload) and decodes them. KVB_ERR_FORMAT (KVB_ERR_MISMATCH for another protocol version,
+ * KVB_ERR_CHECKSUM for a header hash that does not match, KVB_ERR_RANGE for an oversize payload)
+ * with a message that names the field. */
 kvb_status kvb_wire_header_decode(const uint8_t in[KVB_WIRE_HEADER_BYTES], uint64_t max_payload, kvb_frame_header *h,
                                   kvb_err *err);
-/* true when the message of a failed kvb_wire_header_decode / payload check was a checksum
- * mismatch (for the counters). */
-bool kvb_wire_err_is_checksum(const kvb_err *err);
 /* Whole frame in memory (tests, fuzzing, tools): header + payload written to out (cap bytes);
  * *written = KVB_WIRE_HEADER_BYTES + payload length. */
 kvb_status kvb_wire_frame_encode(uint16_t type, uint64_t request_id, const kvb_iov *payload, int n_iov, uint8_t *out,
                                  size_t cap, size_t *written, kvb_err *err);
-/* Parses exactly one whole frame of n bytes (no trailing bytes) with every receive-side check;
- * out->payload points into bytes. */
+/* Parses exactly one whole frame of n bytes (no trailing bytes) with every receive-side check
+ * (a payload hash that does not match: KVB_ERR_CHECKSUM); out->payload points into bytes. */
 kvb_status kvb_wire_frame_parse(const uint8_t *bytes, size_t n, uint64_t max_payload, kvb_frame *out, kvb_err *err);
 
 /* ==== messages ================================================================================
@@ -327,7 +325,8 @@ kvb_status kvb_msg_lane_decode(const uint8_t *p, size_t n, kvb_msg_lane *m, kvb_
 /* ==== backends ================================================================================
  * A backend moves whole frames. The framing layer (this header) builds and checks headers and
  * payload hashes; a backend only transports bytes, honouring an absolute deadline (kvb_now_s()
- * seconds) on every call, and reports a stalled peer as KVB_ERR_IO "timed out". Backends embed
+ * seconds) on every call, and reports a stalled peer as KVB_ERR_TIMEOUT, a closed, reset or
+ * refused connection as KVB_ERR_PEER_GONE (other socket errors: KVB_ERR_IO). Backends embed
  * kvb_link / kvb_link_listener as their first member.
  *
  * TCP (kvb_wire_backend_tcp): send_frame is one sendmsg of header + pieces (partial writes
@@ -384,7 +383,18 @@ struct kvb_wire_backend {
 
 extern const kvb_wire_backend kvb_wire_backend_tcp;
 
-/* ==== connections ============================================================================ */
+/* ==== connections ============================================================================
+ * Failures are typed, so a caller decides on the code, never on the message:
+ *   KVB_ERR_TIMEOUT    a deadline passed (the peer stalled, or said nothing in time)
+ *   KVB_ERR_PEER_GONE  the peer closed or reset the connection, or none could be made
+ *   KVB_ERR_CHECKSUM   a frame's header or payload hash does not match its bytes
+ *   KVB_ERR_AUTH       the key proof failed, either way (or the peer refused ours: [auth])
+ *   KVB_ERR_MISMATCH   protocol version, roles, model or cache-format fingerprint, bridge mode
+ *                      disagree (found here, or the peer's refusal said so)
+ *   KVB_ERR_REFUSED    the peer answered the handshake with an ERROR of another kind (busy, ...)
+ *   KVB_ERR_CANCELLED  this node shut the connection down (kvb_conn_shutdown) while a call waited
+ *   KVB_ERR_FORMAT / KVB_ERR_RANGE  a malformed, unexpected or oversize frame
+ * A call on a connection that already failed fails fast with the first failure's code. */
 
 typedef struct kvb_conn kvb_conn;
 typedef struct kvb_listener kvb_listener;
@@ -413,6 +423,29 @@ kvb_status kvb_transport_listen(const char *addr, const kvb_wire_backend *backen
 uint16_t kvb_listener_port(const kvb_listener *l);
 void kvb_listener_close(kvb_listener *l);
 
+/* Why a handshake failed, as counted on both sides (/metrics: by reason). */
+typedef enum {
+    KVB_HANDSHAKE_AUTH = 0, /* KVB_ERR_AUTH: a wrong key, either way */
+    KVB_HANDSHAKE_MISMATCH, /* KVB_ERR_MISMATCH: version, role, model, cache format, bridge mode */
+    KVB_HANDSHAKE_TIMEOUT,  /* KVB_ERR_TIMEOUT: the peer connected and then said nothing in time */
+    KVB_HANDSHAKE_PROTOCOL, /* KVB_ERR_FORMAT, _RANGE, _CHECKSUM: garbage, not a kvbridge peer */
+    KVB_HANDSHAKE_REFUSED,  /* KVB_ERR_REFUSED: the peer answered with an ERROR of another kind */
+    KVB_HANDSHAKE_GONE,     /* KVB_ERR_PEER_GONE: closed, reset, or no connection could be made */
+    KVB_HANDSHAKE_OTHER,    /* anything else (out of memory, a socket error) */
+    KVB_HANDSHAKE_REASONS
+} kvb_handshake_reason;
+kvb_handshake_reason kvb_handshake_reason_of(kvb_status st);
+/* "auth", "mismatch", "timeout", "protocol", "refused", "gone", "other": a metric label */
+const char *kvb_handshake_reason_name(kvb_handshake_reason r);
+
+/* What a listener's accepts came to, since it opened: handshakes completed, and those that
+ * failed once a connection had arrived, by reason (a wait in which nobody connected is neither). */
+typedef struct {
+    uint64_t accepted;
+    uint64_t failed[KVB_HANDSHAKE_REASONS];
+} kvb_listener_stats;
+void kvb_listener_get_stats(const kvb_listener *l, kvb_listener_stats *out);
+
 /* Connects to addr and runs the handshake as the connecting side: sends HELLO (mine, with a fresh
  * nonce), receives the peer's HELLO, sends AUTH, receives AUTH_OK and verifies the peer's proof,
  * then checks compatibility. Only when all of that passed is *out set (and *peer_hello, when not
@@ -421,11 +454,13 @@ void kvb_listener_close(kvb_listener *l);
  * the peer returns its ERROR message. timeout_ms (>= 1) bounds the whole call. */
 kvb_status kvb_transport_connect(const char *addr, const kvb_hello *mine, const kvb_transport_config *cfg,
                                  int timeout_ms, kvb_conn **out, kvb_hello *peer_hello, kvb_err *err);
-/* Waits for one connection on the listener and runs the handshake as the accepting side: receives
+/* Waits for one connection on the listener and runs the handshake as the accepting side (counted
+ * in the listener's stats): receives
  * HELLO, sends HELLO, receives AUTH and verifies it, checks compatibility, sends AUTH_OK with its
  * own proof. Anything else (a PREFILL or SLAB before authentication, a wrong key, a mismatch) is
  * answered with ERROR and the connection is closed; no frame of it is ever delivered.
- * timeout_ms (>= 1) bounds the whole call, waiting included. */
+ * timeout_ms (>= 1) bounds the wait for a connection (KVB_ERR_TIMEOUT, nothing counted), and then
+ * the handshake on its own (a peer that connects late in the wait is not cut short). */
 kvb_status kvb_transport_accept(kvb_listener *l, const kvb_hello *mine, const kvb_transport_config *cfg,
                                 int timeout_ms, kvb_conn **out, kvb_hello *peer_hello, kvb_err *err);
 
@@ -504,36 +539,45 @@ void kvb_conn_close(kvb_conn *c); /* NULL is fine */
 typedef struct kvb_peer_link kvb_peer_link;
 
 typedef enum { KVB_PEER_CONNECTING = 0, KVB_PEER_UP, KVB_PEER_DOWN } kvb_peer_state;
+const char *kvb_peer_state_name(kvb_peer_state s); /* "connecting", "up", "down" */
 
 typedef struct {
     const char *addr;                 /* "HOST:PORT" */
     const kvb_hello *hello;           /* this node's HELLO (copied) */
-    const kvb_transport_config *tcfg; /* copied; its psk must outlive the link */
-    uint32_t lanes;                   /* 1..KVB_MAX_LANES */
+    const kvb_transport_config *tcfg; /* copied, its psk too */
+    uint32_t lanes;                   /* 1..KVB_WIRE_MAX_LANES */
     int connect_timeout_ms;           /* one whole connect + handshake + grouping; 0: 5000 */
     double backoff_min_s, backoff_max_s; /* after a failure; 0: 0.5 and 30 */
-    /* called from the link's thread on every state change (NULL: none), e.g. for a gauge */
-    void (*on_state)(void *ctx, kvb_peer_state state, const char *why);
+    /* called with the link's lock held (it must not call the link): from the link's thread as
+     * each attempt starts (connecting) and ends (up, or down), and from the owner's when it drops
+     * the lanes (connecting); NULL: none. For a gauge and a counter by reason: code is KVB_OK
+     * when up or connecting, else the failure (kvb_handshake_reason_of gives the reason). */
+    void (*on_state)(void *ctx, kvb_peer_state state, kvb_status code, const char *why);
     void *on_state_ctx;
 } kvb_peer_link_config;
 
-/* Starts the link's thread, which dials at once. */
+/* Starts the link's thread, which dials at once (a copy of everything in cfg is kept, the key
+ * included). */
 kvb_status kvb_peer_link_start(const kvb_peer_link_config *cfg, kvb_peer_link **out, kvb_err *err);
 /* Stops the thread (an attempt under way is cut short) and closes the lanes. NULL is fine. */
 void kvb_peer_link_stop(kvb_peer_link *l);
 /* Never blocks: KVB_OK with the lanes (*n of them) when the link is up and every lane usable;
- * else KVB_ERR_PEER_GONE (or KVB_ERR_AUTH / KVB_ERR_MISMATCH when the peer refused the handshake)
- * with the state in err ("connecting", "down: <why> (next attempt in 1.5 s)"). A lane found
- * unusable drops the link (the thread dials again). */
+ * else KVB_ERR_PEER_GONE while connecting, or the last attempt's code while down (KVB_ERR_AUTH,
+ * _MISMATCH, _TIMEOUT, _REFUSED, _PEER_GONE, ...), with a short message in whole words that fits
+ * a verdict ("connecting (an attempt is under way)", "down (the pre-shared keys differ), next
+ * attempt in 1.5 s"); kvb_peer_link_state has the whole story. A lane found unusable drops the
+ * link (the thread dials again). */
 kvb_status kvb_peer_link_lanes(kvb_peer_link *l, kvb_conn *const **lanes, uint32_t *n, kvb_err *err);
 /* The lanes can no longer be trusted (a fault mid-stream): closed now; the thread dials again
  * without waiting out a back-off (the link was up). */
 void kvb_peer_link_drop(kvb_peer_link *l, const kvb_err *why);
-/* Waits up to timeout_ms for the link to be up (a resume after a dropped lane), then answers as
- * kvb_peer_link_lanes. */
+/* Waits up to timeout_ms while the link is connecting (at start, or a resume after a dropped lane),
+ * then answers as kvb_peer_link_lanes: at once when it is up or down (a down link is not waited
+ * through its back-off). */
 kvb_status kvb_peer_link_wait_lanes(kvb_peer_link *l, int timeout_ms, kvb_conn *const **lanes, uint32_t *n,
                                     kvb_err *err);
-/* The state now, and why (cap bytes, "" when up). */
+/* The state now, and why (cap bytes): "" when up; the last failure and when the next attempt
+ * is while down; while connecting, what it is dialling again after ("" for the first attempt). */
 kvb_peer_state kvb_peer_link_state(kvb_peer_link *l, char *why, size_t cap);
 
 #endif

@@ -112,11 +112,15 @@ static void tune_socket(int fd) {
     if (atomic_load(&rcv_ok) == 1) setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof bytes);
 }
 
-/* Waits for events on fd until the deadline: KVB_OK when ready, KVB_ERR_IO "timed out" else. */
+/* Waits for events on fd until the deadline: KVB_OK when ready, KVB_ERR_TIMEOUT ("timed out") else. */
 static kvb_status wait_fd(int fd, short events, double deadline, const char *what, const char *peer, kvb_err *err) {
+    const atomic_bool *cancel = wire_thread_cancel();
     for (;;) {
         int ms = wire_ms_left(deadline);
-        if (ms == 0) return kvb_err_set(err, KVB_ERR_IO, "%s %s: timed out", what, peer);
+        if (ms == 0) return kvb_err_set(err, KVB_ERR_TIMEOUT, "%s %s: timed out", what, peer);
+        if (cancel && atomic_load(cancel))
+            return kvb_err_set(err, KVB_ERR_CANCELLED, "%s %s: cancelled", what, peer);
+        if (cancel && ms > WIRE_CANCEL_POLL_MS) ms = WIRE_CANCEL_POLL_MS;
         struct pollfd p = {.fd = fd, .events = events};
         int r = poll(&p, 1, ms);
         if (r > 0) return KVB_OK; /* readable, writable or an error the next call reports */
@@ -213,9 +217,9 @@ static kvb_status tcp_connect(const char *addr, double deadline, kvb_link **out,
     if (st) return st;
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
     int gai = getaddrinfo(host[0] ? host : "localhost", port, &hints, &res);
-    if (gai) return kvb_err_set(err, KVB_ERR_IO, "connect to %s: %s", addr, gai_strerror(gai));
+    if (gai) return kvb_err_set(err, KVB_ERR_PEER_GONE, "connect to %s: %s", addr, gai_strerror(gai));
     kvb_err last = {0};
-    kvb_err_set(&last, KVB_ERR_IO, "connect to %s: no address", addr);
+    kvb_err_set(&last, KVB_ERR_PEER_GONE, "connect to %s: no address", addr);
     for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
         int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
         if (fd < 0) {
@@ -236,7 +240,8 @@ static kvb_status tcp_connect(const char *addr, double deadline, kvb_link **out,
             errno = soerr;
         }
         if (r != 0) {
-            kvb_err_set(&last, KVB_ERR_IO, "connect to %s: %s", addr, strerror(errno));
+            /* refused, reset, unreachable: no connection can be made now */
+            kvb_err_set(&last, KVB_ERR_PEER_GONE, "connect to %s: %s", addr, strerror(errno));
             close(fd);
             continue;
         }
@@ -248,12 +253,14 @@ static kvb_status tcp_connect(const char *addr, double deadline, kvb_link **out,
     }
     freeaddrinfo(res);
     if (err) *err = last;
-    return KVB_ERR_IO;
+    return last.code;
 }
 
 static kvb_status io_error(const char *what, const char *peer, int e, kvb_err *err) {
     if (e == EPIPE || e == ECONNRESET)
-        return kvb_err_set(err, KVB_ERR_IO, "%s %s: the peer closed the connection", what, peer);
+        return kvb_err_set(err, KVB_ERR_PEER_GONE, "%s %s: the peer closed the connection", what, peer);
+    if (e == ECONNABORTED || e == ENOTCONN || e == ETIMEDOUT || e == EHOSTUNREACH || e == ENETUNREACH)
+        return kvb_err_set(err, KVB_ERR_PEER_GONE, "%s %s: %s", what, peer, strerror(e));
     return kvb_err_set(err, KVB_ERR_IO, "%s %s: %s", what, peer, strerror(e));
 }
 
@@ -309,14 +316,16 @@ static kvb_status recv_exact(tcp_link *t, uint8_t *dst, size_t n, bool read_ahea
             continue;
         }
         if (r == 0) {
-            return kvb_err_set(err, KVB_ERR_IO, "receive from %s: the peer closed the connection (%s, %zu of %zu bytes)",
+            return kvb_err_set(err, KVB_ERR_PEER_GONE, "receive from %s: the peer closed the connection (%s, %zu of %zu bytes)",
                                t->base.peer_addr, what, got, n);
         }
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            if (wait_fd(t->fd, POLLIN, deadline, "receive from", t->base.peer_addr, err) != KVB_OK)
-                return kvb_err_set(err, KVB_ERR_IO, "receive from %s: timed out (%s, %zu of %zu bytes)",
+            kvb_status st = wait_fd(t->fd, POLLIN, deadline, "receive from", t->base.peer_addr, err);
+            if (st == KVB_ERR_TIMEOUT)
+                return kvb_err_set(err, KVB_ERR_TIMEOUT, "receive from %s: timed out (%s, %zu of %zu bytes)",
                                    t->base.peer_addr, what, got, n);
+            if (st) return st;
             continue;
         }
         return io_error("receive from", t->base.peer_addr, errno, err);

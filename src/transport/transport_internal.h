@@ -29,17 +29,22 @@ static inline uint64_t wire_get_u64(const uint8_t *p) {
 }
 
 
-/* Message prefix of a checksum failure (kvb_wire_err_is_checksum looks for it). */
-#define WIRE_CHECKSUM_MSG "checksum mismatch"
-
 /* Absolute deadline from a timeout; KVB_ERR_INVALID for timeout_ms < 1. */
 kvb_status wire_deadline(int timeout_ms, double *deadline, kvb_err *err);
 /* Milliseconds left until deadline for poll(): >= 0 (0 = expired), rounded up. */
 int wire_ms_left(double deadline);
 
+/* A thread's cancel flag (NULL: none), looked at by the backends' waits at least every
+ * WIRE_CANCEL_POLL_MS: once it reads true, the wait fails with KVB_ERR_CANCELLED. The peer link's
+ * thread sets it, so a dial to a silent peer is cut short when the link stops. */
+#define WIRE_CANCEL_POLL_MS 20
+void wire_set_thread_cancel(const atomic_bool *flag);
+const atomic_bool *wire_thread_cancel(void);
+
 struct kvb_listener {
     const kvb_wire_backend *backend;
     kvb_link_listener *link_listener;
+    atomic_uint_fast64_t accepted, failed[KVB_HANDSHAKE_REASONS]; /* kvb_listener_stats */
 };
 
 struct kvb_conn {
@@ -54,6 +59,7 @@ struct kvb_conn {
     atomic_bool broken;
     pthread_mutex_t broken_lock;
     char broken_msg[sizeof(((kvb_err *)0)->msg)];
+    kvb_status broken_code; /* the first failure's, which later calls fail fast with */
     atomic_uint_fast64_t bytes_sent, frames_sent, bytes_received, frames_received;
     atomic_uint_fast64_t checksum_failures, protocol_errors, timeouts;
 };

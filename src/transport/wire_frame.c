@@ -1,5 +1,6 @@
 /* transport/wire_frame.c — the frame header (encode, validate, decode), payload hashing, whole
- * frames in memory, the growable receive buffer and deadline arithmetic. */
+ * frames in memory, the growable receive buffer, deadline arithmetic and a thread's cancel flag
+ * (which the backends' waits look at). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,13 +48,13 @@ kvb_status kvb_wire_header_decode(const uint8_t in[KVB_WIRE_HEADER_BYTES], uint6
                            in[0], in[1], in[2], in[3]);
     uint16_t version = wire_get_u16(in + 4);
     if (version != KVB_WIRE_VERSION)
-        return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+        return kvb_err_set(err, KVB_ERR_MISMATCH,
                            "frame header: peer speaks kvbridge protocol version %u, this node speaks version %u",
                            version, KVB_WIRE_VERSION);
     uint64_t want = wire_get_u64(in + 36), got = XXH3_64bits(in, HEADER_HASHED_BYTES);
     if (want != got)
-        return kvb_err_set(err, KVB_ERR_FORMAT,
-                           "frame header: " WIRE_CHECKSUM_MSG " (header says %016llx, bytes hash to %016llx)",
+        return kvb_err_set(err, KVB_ERR_CHECKSUM,
+                           "frame header: checksum mismatch (header says %016llx, bytes hash to %016llx)",
                            (unsigned long long)want, (unsigned long long)got);
     uint16_t type = wire_get_u16(in + 6);
     if (type < 1 || type > KVB_FRAME_TYPE_MAX)
@@ -74,8 +75,6 @@ kvb_status kvb_wire_header_decode(const uint8_t in[KVB_WIRE_HEADER_BYTES], uint6
     h->payload_hash = wire_get_u64(in + 28);
     return KVB_OK;
 }
-
-bool kvb_wire_err_is_checksum(const kvb_err *err) { return err && strstr(err->msg, WIRE_CHECKSUM_MSG) != NULL; }
 
 kvb_status kvb_wire_frame_encode(uint16_t type, uint64_t request_id, const kvb_iov *payload, int n_iov, uint8_t *out,
                                  size_t cap, size_t *written, kvb_err *err) {
@@ -114,7 +113,7 @@ kvb_status kvb_wire_frame_parse(const uint8_t *bytes, size_t n, uint64_t max_pay
                            (unsigned long long)h.payload_len, n - KVB_WIRE_HEADER_BYTES);
     uint64_t got = kvb_xxh3(bytes + KVB_WIRE_HEADER_BYTES, (size_t)kvb_wire_hashed_len(h.type, h.payload_len));
     if (got != h.payload_hash)
-        return kvb_err_set(err, KVB_ERR_FORMAT, "%s payload: " WIRE_CHECKSUM_MSG " (header says %016llx, bytes hash to %016llx)",
+        return kvb_err_set(err, KVB_ERR_CHECKSUM, "%s payload: checksum mismatch (header says %016llx, bytes hash to %016llx)",
                            kvb_frame_type_name(h.type), (unsigned long long)h.payload_hash, (unsigned long long)got);
     out->type = h.type;
     out->flags = h.flags;
@@ -163,3 +162,7 @@ int wire_ms_left(double deadline) {
     if (left > 1e9) return 1000000000;
     return (int)ceil(left);
 }
+
+static _Thread_local const atomic_bool *thread_cancel;
+void wire_set_thread_cancel(const atomic_bool *flag) { thread_cancel = flag; }
+const atomic_bool *wire_thread_cancel(void) { return thread_cancel; }

@@ -1,4 +1,4 @@
-/* node/tail_pipe.c — the decoder's pipelined tail. While a bridged prompt's blocks arrive, a thread
+/* bridge/tail_pipe.c — the decoder's pipelined tail. While a bridged prompt's blocks arrive, a thread
  * runs the prompt's last token through the decoder's own forward on a provisional sequence: the
  * cached prefix, then the pages still being assembled (borrowed, kvb_seq_borrow_pages) and a
  * page for the last token's row. Before each layer's attention the forward waits at a gate until
@@ -22,7 +22,7 @@
 
 #include "kvb_engine_cpu.h"
 #include "kvb_store.h"
-#include "node_internal.h"
+#include "bridge_internal.h"
 
 struct kvb_tail_pipe {
     kvb_engine *e;
@@ -36,7 +36,7 @@ struct kvb_tail_pipe {
     int32_t last_token;
     float *logits;                 /* (n_vocab) the caller's */
     int threads_in_transfer;       /* the engine's pool width while later layers are arriving */
-    kvb_decode_batch *batch;       /* the other requests' decode steps, run while waiting; or NULL */
+    kvb_bridge_batch_hooks batch;  /* the other requests' decode steps, run while waiting (or not) */
     uint32_t steps_run;            /* by the gates, in batches_run batches (the tail thread's) */
     uint32_t batches_run;
     /* guarded by mu */
@@ -67,12 +67,12 @@ static kvb_status gate(void *ctx, uint32_t layer, kvb_err *err) {
     pthread_mutex_lock(&t->mu);
     bool parked = false;
     while (!t->abort && t->ready[layer] < t->n_pend) {
-        if (t->steps_waiting && t->batch) { /* the others' decode steps, while this layer is on its way */
+        if (t->steps_waiting && t->batch.run_pending) { /* the others' decode steps, while this layer is on its way */
             t->steps_waiting = false;
             pthread_mutex_unlock(&t->mu); /* the batcher calls step_handed_in under its lock */
             const double tb = kvb_now_s();
             kvb_engine_set_threads(t->e, t->threads_in_transfer);
-            const uint32_t ran = kvb_decode_batch_run_pending(t->batch);
+            const uint32_t ran = t->batch.run_pending(t->batch.ctx);
             if (ran) kvb_trace_span("decode.tail_gate_batch", tb, kvb_now_s(), ran);
             pthread_mutex_lock(&t->mu);
             t->steps_run += ran;
@@ -99,7 +99,7 @@ static void *tail_main(void *arg) {
     kvb_err err = {0};
     const double t0 = kvb_now_s();
     kvb_status st = kvb_engine_forward(t->e, t->ps, &t->last_token, 1, t->logits, false, &err);
-    if (t->batch) kvb_decode_batch_on_step(t->batch, NULL, NULL); /* past its last gate */
+    if (t->batch.on_step) t->batch.on_step(t->batch.ctx, NULL, NULL); /* past its last gate */
     kvb_engine_set_threads(t->e, 0); /* all of them again, for the decode steps */
     kvb_trace_span("decode.tail_forward", t0, kvb_now_s(), 0);
     pthread_mutex_lock(&t->mu);
@@ -125,7 +125,7 @@ static void count_layer(kvb_tail_pipe *t, uint32_t i, uint32_t layer) {
 
 static void tail_pipe_free(kvb_tail_pipe *t) {
     if (!t) return;
-    if (t->batch) kvb_decode_batch_on_step(t->batch, NULL, NULL);
+    if (t->batch.on_step) t->batch.on_step(t->batch.ctx, NULL, NULL);
     kvb_seq_free(t->ps); /* borrowed pages stay with their pendings */
     if (t->own_page != KVB_BLOCK_NONE) kvb_store_release(t->store, &t->own_page, 1, NULL);
     pthread_mutex_destroy(&t->mu);
@@ -138,7 +138,7 @@ static void tail_pipe_free(kvb_tail_pipe *t) {
 
 kvb_status kvb_tail_pipe_start(kvb_engine *e, const int32_t *toks, uint32_t n_tok, uint32_t cached,
                                kvb_slab_pending *const *pend, uint32_t n_pend, bool has_tail, float *logits,
-                               int threads_in_transfer, kvb_decode_batch *batch, kvb_tail_pipe **out,
+                               int threads_in_transfer, const kvb_bridge_batch_hooks *batch, kvb_tail_pipe **out,
                                kvb_err *err) {
     *out = NULL;
     kvb_store *store = kvb_engine_store(e);
@@ -158,7 +158,7 @@ kvb_status kvb_tail_pipe_start(kvb_engine *e, const int32_t *toks, uint32_t n_to
     t->last_token = toks[n_tok - 1];
     t->logits = logits;
     t->threads_in_transfer = threads_in_transfer;
-    t->batch = batch;
+    if (batch) t->batch = *batch;
     t->steps_waiting = true; /* steps handed in before the hook was set: the first gate looks */
     t->pages = malloc(sizeof(kvb_block_id) * (n_pages ? n_pages : 1));
     t->counted = calloc((size_t)n_pend * t->n_layer + 1, 1);
@@ -181,7 +181,7 @@ kvb_status kvb_tail_pipe_start(kvb_engine *e, const int32_t *toks, uint32_t n_to
         return st;
     }
     kvb_seq_set_layer_gate(t->ps, gate, t);
-    if (batch) kvb_decode_batch_on_step(batch, step_handed_in, t);
+    if (t->batch.on_step) t->batch.on_step(t->batch.ctx, step_handed_in, t);
     for (uint32_t i = 0; i < n_pend; i++) /* layers that are there already: none expected (local rows cut) */
         for (uint32_t l = 0; l < t->n_layer; l++) count_layer(t, i, l);
     if (pthread_create(&t->thread, NULL, tail_main, t) != 0) {

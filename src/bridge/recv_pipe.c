@@ -1,4 +1,4 @@
-/* node/recv_pipe.c — the decode node's receiving thread for one bridged request: it reads frames
+/* bridge/recv_pipe.c — one lane's receiving thread for one bridged request: it reads frames
  * into a small ring of its own payload buffers (kvb_conn_recv_into) while the request's thread
  * verifies and commits the slabs that already arrived, so the socket copy overlaps the checksum
  * and the scatter into blocks. Messages come out in arrival order; a message's views stay valid
@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "node_internal.h"
+#include "bridge_internal.h"
 
 #define PIPE_SLOTS 8
 
@@ -50,6 +50,8 @@ static void *reader_main(void *arg) {
         memset(&it->err, 0, sizeof it->err);
         const double t_recv = kvb_now_s();
         it->st = kvb_conn_recv_into(p->c, p->timeout_ms, &p->bufs[slot], &it->m, &it->err);
+        if (it->st && it->st != KVB_ERR_TIMEOUT && kvb_now_s() - t_recv >= p->timeout_ms / 1000.0)
+            it->st = it->err.code = KVB_ERR_TIMEOUT; /* failed at its deadline: it timed out, whatever the link said */
         kvb_trace_span("decode.recv_frame", t_recv, kvb_now_s(), it->st ? 0 : it->m.type);
         const bool last = it->st || ((it->m.type == KVB_FRAME_DONE || it->m.type == KVB_FRAME_ERROR) &&
                                      it->m.request_id == p->request_id);

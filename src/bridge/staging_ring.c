@@ -1,4 +1,4 @@
-/* node/staging_ring.c — the prefill node's bounded capture memory: a fixed ring of slab-sized
+/* bridge/staging_ring.c — the prefill node's bounded capture memory: a fixed ring of slab-sized
  * staging slots between the bridge (producer, on the engine's thread) and the sender threads, one
  * per lane. Senders take filled slots in order and finish them in any order; a slot is free again
  * once it and every older slot are sent. A full ring blocks the producer (back-pressure from a slow
@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "node_internal.h"
+#include "kvb_bridge.h"
 
 kvb_status kvb_ring_init(kvb_ring *r, uint32_t slots, uint32_t view_slots, size_t slot_bytes, kvb_err *err) {
     memset(r, 0, sizeof *r);
