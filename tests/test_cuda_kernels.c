@@ -42,6 +42,7 @@
 #include "kvb_quant.h"
 
 #ifdef KVB_HAVE_CUDA
+#include "cuda_testapi.h"
 #include "kvb_engine_cuda.h"
 #include "kvbt.h"
 #include "tp_comm.h"

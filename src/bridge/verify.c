@@ -10,18 +10,7 @@
 #include "kvb_bridge.h"
 #include "kvb_quant.h"
 #include "kvb_store.h"
-#ifdef KVB_HAVE_CUDA
-#include "kvb_bridge_cuda.h"
-#include "kvb_engine_cuda.h"
-
-/* ctx: a NULL-terminated array of CUDA bridges (tensor-parallel ranks: each writes its KV heads). */
-static kvb_status cuda_rows(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const float *h, uint8_t *k_rows,
-                            uint8_t *v_rows, kvb_err *err) {
-    kvb_status st = KVB_OK;
-    for (kvb_bridge_cuda **b = ctx; *b && !st; b++) st = kvb_bridge_cuda_layer(*b, layer, pos0, n, h, k_rows, v_rows, err);
-    return st;
-}
-#endif
+#include "kvb_prefill_engine.h"
 
 typedef struct {
     const kvb_kvformat *fmt;
@@ -107,26 +96,15 @@ static kvb_status run_bridge(const kvb_model *m, const kvb_verify_opts *o, const
     kvb_status st = kvb_bridge_cpu_create(m, fmt, NULL, chunk, &br, err);
     if (st) return st;
     kvb_bridge_cpu_set_perturbed(br, o->perturb);
-#ifdef KVB_HAVE_CUDA
-    kvb_bridge_cuda *gpu[KVB_CUDA_MAX_GPUS + 1] = {0}; /* NULL-terminated: one, or o->gpus rank bridges */
+    kvb_device_bridge *gpu = NULL; /* the CUDA bridge kernel computes the rows: one, or o->gpus rank bridges */
     if (o->cuda) {
-        const int ranks = o->gpus > 1 ? o->gpus : 1;
-        st = ranks > KVB_CUDA_MAX_GPUS ? kvb_err_set(err, KVB_ERR_INVALID, "--gpus %d: at most %d", ranks, KVB_CUDA_MAX_GPUS)
-             : ranks > 1 ? kvb_bridge_cuda_create_ranks(m, fmt->dtype, chunk, ranks, NULL, gpu, err)
-                         : kvb_bridge_cuda_create(m, fmt->dtype, chunk, &gpu[0], err);
+        st = kvb_device_bridge_attach(KVB_DEVICE_CUDA, m, fmt, chunk, o->gpus > 1 ? o->gpus : 1, o->perturb, br, &gpu,
+                                      err);
         if (st) {
             kvb_bridge_cpu_free(br);
             return st;
         }
-        for (int r = 0; r < ranks; r++) kvb_bridge_cuda_set_perturbed(gpu[r], o->perturb);
-        kvb_bridge_cpu_set_producer(br, cuda_rows, gpu);
     }
-#else
-    if (o->cuda) {
-        kvb_bridge_cpu_free(br);
-        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "this build has no CUDA");
-    }
-#endif
     kvb_bridge_cpu_begin(br, 0, c->ship, collect_slab, c);
     for (uint32_t p = 0; p < in->ship && !st; p += chunk) {
         uint32_t n = in->ship - p < chunk ? in->ship - p : chunk;
@@ -134,9 +112,7 @@ static kvb_status run_bridge(const kvb_model *m, const kvb_verify_opts *o, const
             st = kvb_bridge_cpu_layer(br, l, p, n, in->h + ((size_t)l * in->ship + p) * in->n_embd, err);
     }
     kvb_bridge_cpu_free(br);
-#ifdef KVB_HAVE_CUDA
-    kvb_bridge_cuda_free(gpu[0]); /* and the other ranks' */
-#endif
+    kvb_device_bridge_free(gpu);
     return st;
 }
 

@@ -18,9 +18,7 @@
 #include "kvb_model.h"
 #include "kvb_node.h"
 #include "kvb_quant.h"
-#ifdef KVB_HAVE_CUDA
-#include "kvb_engine_cuda.h"
-#endif
+#include "kvb_prefill_engine.h"
 
 static const char *k_document =
     "The harbour at Kestrel Point was built in 1887 to ship granite from the quarries on the ridge. "
@@ -340,10 +338,8 @@ int kvb_cmd_demo(int argc, char **argv) {
     turn_result br[6] = {0}, nat[6] = {0};
     int rc = 1;
     bool cuda = !strcmp(device, "cuda");
-#ifdef KVB_HAVE_CUDA
     char why[256] = "";
-    if (!strcmp(device, "auto")) cuda = kvb_cuda_device_available(why, sizeof why);
-#endif
+    if (!strcmp(device, "auto")) cuda = kvb_prefill_device_available(KVB_DEVICE_CUDA, why, sizeof why);
     kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = psk, .n_threads = (int)threads,
                              .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 8192, .cuda = cuda,
                              .gpus = (int)gpus, .tp_one_device = tp_one_device, .warmup_tokens = 8192 + 64};

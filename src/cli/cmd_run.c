@@ -6,39 +6,26 @@
 
 #include "kvb_cli.h"
 #include "kvb_engine_cpu.h"
-#ifdef KVB_HAVE_CUDA
-#include "kvb_engine_cuda.h"
-_Static_assert(KVB_CLI_MAX_GPUS == KVB_CUDA_MAX_GPUS, "the CLI's --gpus limit is the engine's");
-_Static_assert(KVB_CUDA_WEIGHTS_AUTO == 0 && KVB_CUDA_WEIGHTS_BF16 == 1 && KVB_CUDA_WEIGHTS_PACKED == 2,
-               "kvb_arg_gpu_weights numbers --gpu-weights in kvb_cuda_weights' order");
-#endif
+#include "kvb_prefill_engine.h"
+_Static_assert(KVB_CLI_MAX_GPUS == KVB_PREFILL_MAX_GPUS, "the CLI's --gpus limit is the engine's");
+_Static_assert(KVB_PREFILL_WEIGHTS_AUTO == 0 && KVB_PREFILL_WEIGHTS_BF16 == 1 && KVB_PREFILL_WEIGHTS_PACKED == 2,
+               "kvb_arg_gpu_weights numbers --gpu-weights in kvb_prefill_weights' order");
 #include "kvb_quant.h"
 #include "kvb_tokenizer.h"
 
-/* The engine a run uses: the CPU engine, or (--device cuda) the CUDA engine. */
+/* The engine a run uses (the CPU's, or with --device cuda the GPU's) and its one sequence. */
 typedef struct {
-    kvb_engine *e;
-    kvb_seq *s;
-#ifdef KVB_HAVE_CUDA
-    kvb_cuda_engine *ge;
-    kvb_cuda_seq *gs;
-#endif
+    kvb_prefill_engine *e;
+    kvb_prefill_seq *s;
 } run_engine;
 
 static kvb_status re_forward(run_engine *r, const int32_t *t, uint32_t n, float *logits, kvb_err *err) {
-#ifdef KVB_HAVE_CUDA
-    if (r->ge) return kvb_cuda_forward(r->ge, r->gs, t, n, logits, false, err);
-#endif
-    return kvb_engine_forward(r->e, r->s, t, n, logits, false, err);
+    return kvb_prefill_forward(r->e, r->s, t, n, logits, false, err);
 }
 
 static void re_free(run_engine *r) {
-#ifdef KVB_HAVE_CUDA
-    kvb_cuda_seq_free(r->gs);
-    kvb_cuda_engine_free(r->ge);
-#endif
-    kvb_seq_free(r->s);
-    kvb_engine_free(r->e);
+    kvb_prefill_seq_free(r->s);
+    kvb_prefill_engine_free(r->e);
 }
 
 /* Parses "1,2,3" into a malloc'd array. */
@@ -139,13 +126,11 @@ static int run_parse(run_args *a, int argc, char **argv) {
     a->chat = a->chat || a->tmpl_name;
     if (!a->tokens_arg == !a->prompt) return kvb_cli_usage_error(&spec, "give exactly one of --tokens or -p");
     const bool cuda = a->device == 1;
-#ifndef KVB_HAVE_CUDA
-    if (cuda) {
-        fprintf(stderr, "kvbridge run: --device cuda: this kvbridge was built without the CUDA engine "
-                        "(configure with -DKVB_CUDA=ON where nvcc is installed)\n");
+    char why[256];
+    if (cuda && !kvb_prefill_device_available(KVB_DEVICE_CUDA, why, sizeof why)) {
+        fprintf(stderr, "kvbridge run: --device cuda: %s\n", why);
         return 2;
     }
-#endif
     return kvb_cli_gpu_ok("run", &a->gpu, cuda) ? KVB_CLI_GO : 2;
 }
 
@@ -285,26 +270,18 @@ int kvb_cmd_run(int argc, char **argv) {
         goto done;
     }
 
-    kvb_engine_opts eo = {.n_threads = (int)threads, .cache_dtype = cache_type};
+    kvb_prefill_opts eo = {.device = cuda ? KVB_DEVICE_CUDA : KVB_DEVICE_CPU, .n_threads = (int)threads,
+                           .cache_dtype = cache_type, .gpus = (int)gpus, .tp_one_device = tp_one_device,
+                           .weights = (kvb_prefill_weights)gpu_weights};
     if (!run_max_ctx(&a, m, n_ids, &eo.max_ctx)) {
         rc = 2;
         goto done;
     }
-#ifdef KVB_HAVE_CUDA
-    if (cuda) {
-        kvb_cuda_opts co = {.max_ctx = eo.max_ctx, .n_threads = (int)threads, .n_gpus = (int)gpus,
-                            .tp_one_device = tp_one_device, .weights = (kvb_cuda_weights)gpu_weights};
-        if (kvb_cuda_engine_create(m, &co, &re.ge, &err) != KVB_OK) goto fail;
-        if (kvb_cuda_seq_create(re.ge, &re.gs, &err) != KVB_OK) goto fail;
-    } else
-#endif
-    {
-        (void)cuda, (void)gpus, (void)tp_one_device, (void)gpu_weights;
-        if (kvb_engine_create(m, &eo, &re.e, &err) != KVB_OK) goto fail;
-        if (kvb_seq_create(re.e, &re.s, &err) != KVB_OK) goto fail;
-    }
+    if (kvb_prefill_engine_create(m, &eo, &re.e, &err) != KVB_OK) goto fail;
+    if (kvb_prefill_seq_create(re.e, &re.s, &err) != KVB_OK) goto fail;
     if (kvb_sampler_init(&smp, &so, m->d.n_vocab, &err) != KVB_OK) goto fail;
-    if (re.e) kvb_sampler_use_pool(&smp, kvb_engine_pool(re.e)); /* idle between the forwards */
+    kvb_pool *pool = kvb_prefill_engine_pool(re.e); /* the CPU engine's, idle between the forwards */
+    if (pool) kvb_sampler_use_pool(&smp, pool);
     logits = malloc(sizeof(float) * m->d.n_vocab);
     out_ids = malloc(sizeof(int32_t) * (size_t)(n_gen + 1));
     if (!logits || !out_ids) {
@@ -312,18 +289,12 @@ int kvb_cmd_run(int argc, char **argv) {
         goto fail;
     }
     if (verbose) {
-        char desc[256];
+        char desc[256], ed[512], ad[768];
         kvb_model_describe(m, desc, sizeof desc);
-#ifdef KVB_HAVE_CUDA
-        if (re.ge) {
-            char gd[512], ad[768];
-            kvb_cuda_engine_describe(re.ge, gd, sizeof gd);
-            kvb_cuda_engine_attention_describe(re.ge, ad, sizeof ad);
-            fprintf(stderr, "run: %s; CUDA: %s; attention: %s; prompt %u tokens\n", desc, gd, ad, n_ids);
-        } else
-#endif
-            fprintf(stderr, "run: %s; %d threads, %s kernels, prompt %u tokens\n", desc, kvb_engine_threads(re.e),
-                    kvb_simd_name(), n_ids);
+        kvb_prefill_engine_describe(re.e, ed, sizeof ed);
+        kvb_prefill_engine_attention_describe(re.e, ad, sizeof ad);
+        fprintf(stderr, "run: %s; %s engine: %s; attention: %s; prompt %u tokens\n", desc,
+                kvb_prefill_engine_name(re.e), ed, ad, n_ids);
     }
 
     double t0 = kvb_now_s();

@@ -9,9 +9,7 @@
 #include "kvb_bridge.h"
 #include "kvb_cli.h"
 #include "kvb_quant.h"
-#ifdef KVB_HAVE_CUDA
-#include "kvb_engine_cuda.h"
-#endif
+#include "kvb_prefill_engine.h"
 
 static const uint32_t k_formats[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0};
 
@@ -194,9 +192,8 @@ int kvb_cmd_verify(int argc, char **argv) {
         if (!paths[i] || verify_model(presets[i], path, threads, perturb, 0, &short_rows, lens, n_lens)) return 1;
     }
     /* the CUDA rows: the bridge kernel on the GPU against the same decoder's own cache */
-#ifdef KVB_HAVE_CUDA
     char why[256] = "";
-    if (!strcmp(device, "cuda") && kvb_cuda_device_available(why, sizeof why)) {
+    if (!strcmp(device, "cuda") && kvb_prefill_device_available(KVB_DEVICE_CUDA, why, sizeof why)) {
         if (model && verify_model(model, model, threads, perturb, (int)gpus, &short_rows, lens, n_lens)) return 1;
         for (int i = 0; i < n_presets; i++)
             if (verify_model(presets[i], paths[i], threads, perturb, (int)gpus, &short_rows, lens, n_lens)) return 1;
@@ -205,10 +202,6 @@ int kvb_cmd_verify(int argc, char **argv) {
     } else {
         printf("  CUDA rows: not run — pass --device cuda on a GPU host.\n");
     }
-#else
-    printf("  CUDA rows: not run — this build has no CUDA (no nvcc at build time)%s.\n",
-           strcmp(device, "cuda") ? "" : "; --device cuda needs a CUDA build on a GPU host");
-#endif
     for (int i = 0; i < n_presets; i++) free(paths[i]);
     printf("%s: %d short row(s)\n", short_rows ? "FAIL" : "PASS", short_rows);
     return short_rows ? 1 : 0;

@@ -11,11 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "kvb_engine_cpu.h"
-#ifdef KVB_HAVE_CUDA
-#include "kvb_bridge_cuda.h"
-#include "kvb_engine_cuda.h"
-#endif
+#include "kvb_prefill_engine.h"
 #include "kvb_quant.h"
 #include "kvb_store.h"
 #include "kvb_transport.h"
@@ -45,16 +41,10 @@ struct kvb_prefill_node {
     kvb_prefill_config cfg;
     char *psk;
     kvb_model *m;
-    kvb_engine *e;        /* the CPU engine, or NULL when the CUDA engine computes */
-    kvb_bridge_cpu *br;   /* cuts rows into slabs (and computes them, on the CPU engine) */
-#ifdef KVB_HAVE_CUDA
-    kvb_cuda_engine *ce;  /* --device cuda: the prefill engine ... */
-    kvb_bridge_cuda *bc;  /* ... and the bridge kernel fed from its layer hook (tensor parallel:
-                             rank 0's, which ships; bcr holds every rank's, each for its KV heads) */
-    kvb_bridge_cuda *bcr[KVB_CUDA_MAX_GPUS];
-#endif
+    kvb_prefill_engine *pe; /* the prefill engine (the factory's choice), or NULL: filler rows stand in */
+    kvb_bridge_cpu *br;     /* cuts rows into slabs (and computes them, on the CPU engine) */
+    uint64_t staging_bytes; /* host memory the engine's bridge rows stay in (its pinned slots) */
     uint32_t ship_from, ship_to; /* the request in flight: positions the decoder lacks */
-    uint32_t local_from;         /* local (sliding-window) layers: the decoder keeps rows from here on */
     kvb_kvformat fmt; /* the decoder's format */
     kvb_hello hello;
     kvb_transport_config tcfg;
@@ -245,60 +235,20 @@ static kvb_status ship_filler_rows(kvb_prefill_node *n, kvb_err *err) {
     return st;
 }
 
-#ifdef KVB_HAVE_CUDA
-/* The CUDA engine's layer hook: the bridge kernel on the positions the decoder lacks. */
-static kvb_status cuda_layer_hook(void *ctx, int rank, uint32_t layer, uint32_t pos0, uint32_t cnt,
-                                  const float *d_h, void *stream, kvb_err *err) {
-    kvb_prefill_node *n = ctx;
-    /* a local layer's rows the decoder does not keep are not computed (the bridge would drop them) */
-    const uint32_t from = kvb_kvformat_layer_local(&n->fmt, layer) && n->local_from > n->ship_from ? n->local_from
-                                                                                                : n->ship_from;
-    const uint32_t lo = pos0 > from ? pos0 : from;
-    const uint32_t hi = pos0 + cnt < n->ship_to ? pos0 + cnt : n->ship_to;
-    if (lo >= hi) return KVB_OK;
-    return kvb_bridge_cuda_enqueue(n->bcr[rank], layer, lo, hi - lo, d_h + (size_t)(lo - pos0) * n->m->d.n_embd,
-                                   stream, err);
+/* The engine's bridge rows that stay put (pinned slots) are released once the senders took them:
+ * a batch's mark is the ring's after its slabs. */
+static uint64_t ring_mark(void *ctx) { return kvb_ring_mark(&((kvb_prefill_node *)ctx)->ring); }
+
+static kvb_status ring_wait_sent(void *ctx, uint64_t mark, kvb_err *err) {
+    return kvb_ring_wait_sent_to(&((kvb_prefill_node *)ctx)->ring, mark, err);
 }
 
-/* The CUDA bridge's rows, one layer late, cut into slabs sent straight from its pinned slot. It
- * returns once they are queued for the senders: the ticket is the ring's mark after them, and the
- * bridge hands the slot back after cuda_rows_sent(ticket), which it calls once the next slot's
- * rows are queued behind them (so the senders go on from one layer to the next without a gap). */
-static kvb_status cuda_ship_rows(void *ctx, uint32_t layer, uint32_t pos0, uint32_t cnt, const uint8_t *k,
-                                 const uint8_t *v, uint64_t *ticket, kvb_err *err) {
-    kvb_prefill_node *n = ctx;
-    kvb_status st = kvb_bridge_cpu_rows(n->br, layer, pos0, cnt, k, v, n->fmt.dtype, err);
-    *ticket = st ? 0 : kvb_ring_mark(&n->ring) + 1; /* + 1: a ticket is never 0 */
-    return st;
+/* The next rows' positions and sink: through the engine, which computes them, or (filler rows) the
+ * cutter alone. */
+static void bridge_begin(kvb_prefill_node *n, uint32_t ship_from, uint32_t ship_to, kvb_slab_sink sink) {
+    if (n->pe) kvb_prefill_bridge_begin(n->pe, ship_from, ship_to, sink, n);
+    else kvb_bridge_cpu_begin(n->br, ship_from, ship_to, sink, n);
 }
-
-static kvb_status cuda_rows_sent(void *ctx, uint64_t ticket, kvb_err *err) {
-    return kvb_ring_wait_sent_to(&((kvb_prefill_node *)ctx)->ring, ticket - 1, err);
-}
-
-/* Prefills tokens[0 .. p->ship_tokens) on the GPU, adopting this node's cached prefix up to the
- * decoder's; slabs leave through the hook and the ring. */
-static kvb_status prefill_on_cuda(kvb_prefill_node *n, const kvb_msg_prefill *p, uint32_t *computed, kvb_err *err) {
-    kvb_cuda_seq *s = NULL;
-    uint32_t adopted = 0;
-    const double t0 = kvb_now_s();
-    kvb_status st = kvb_cuda_seq_create(n->ce, &s, err);
-    if (!st) st = kvb_cuda_seq_attach_cached(s, p->tokens, p->cached_tokens + 1, &adopted, err);
-    const double t1 = kvb_now_s();
-    kvb_trace_span("prefill.cuda_attach", t0, t1, adopted);
-    if (!st && p->ship_tokens > adopted) {
-        st = kvb_cuda_forward(n->ce, s, p->tokens + adopted, p->ship_tokens - adopted, NULL, false, err);
-        if (!st) *computed = p->ship_tokens - adopted;
-    }
-    const double t2 = kvb_now_s();
-    kvb_trace_span("prefill.cuda_forward", t1, t2, p->ship_tokens - adopted);
-    if (!st) st = kvb_bridge_cuda_flush(n->bc, err);
-    else kvb_bridge_cuda_discard(n->bc);
-    kvb_trace_span("prefill.cuda_flush", t2, kvb_now_s(), 0); /* the last layers' rows shipped */
-    kvb_cuda_seq_free(s);
-    return st;
-}
-#endif
 
 /* The lanes a PREFILL on connection `slot` is answered over: that connection, and when it is lane 0
  * of a group, the group's other lanes in order (out: (lanes) connections, out_slots their table
@@ -385,11 +335,34 @@ static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
     kvb_metric_set(n->ops.m_in_flight, NULL, atomic_fetch_sub(&n->in_flight, 1) - 1.0);
 }
 
+/* DONE on every lane of a served request: the chain digest of the blocks shipped, and each lane's
+ * own slab count. t0: the request's arrival. */
+static void send_done_all(kvb_prefill_node *n, kvb_conn *const *lanes, uint32_t n_lanes, const kvb_msg_prefill *p,
+                          double t0) {
+    const uint32_t bt = n->fmt.block_tokens, nb = (p->ship_tokens - p->cached_tokens) / bt;
+    uint64_t *keys = malloc(sizeof(uint64_t) * (nb ? nb : 1));
+    uint64_t key = p->last_cached_key;
+    for (uint32_t b = 0; keys && b < nb; b++) {
+        key = kvb_chain_next(key, p->tokens + p->cached_tokens + (size_t)b * bt, bt);
+        keys[b] = key;
+    }
+    kvb_msg_done d = {.tokens_covered = p->ship_tokens,
+                      .blocks = nb,
+                      .chain_digest = keys ? kvb_wire_chain_digest(keys, nb) : 0,
+                      .prefill_seconds = kvb_now_s() - t0};
+    free(keys);
+    kvb_err err = {0};
+    for (uint32_t l = 0; l < n_lanes; l++) {
+        d.slabs = n->senders[l].slabs_sent;
+        if (kvb_conn_send_done(lanes[l], p->request_id, &d, 10000, &err))
+            kvb_log(KVB_LOG_WARN, "prefill: sending DONE on lane %u failed: %s", l, err.msg);
+    }
+}
+
 /* Returns the outcome for kvbridge_prefill_requests_total: "served", "refused" or "failed". */
 static const char *serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *lanes, uint32_t n_lanes,
                                         kvb_msg_prefill *p, double t0) {
     kvb_err err = {0};
-    const uint32_t bt = n->fmt.block_tokens;
     if (p->bridge_mode != n->hello.bridge_mode) {
         send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_MODE, "this prefill node runs another bridge mode");
         return "refused";
@@ -405,37 +378,34 @@ static const char *serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *la
             send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST, "token id outside the vocabulary");
             return "refused";
         }
-    kvb_seq *s = NULL;
+    kvb_prefill_seq *s = NULL;
     uint32_t adopted = 0, computed = 0; /* computed: prompt tokens this node's engine ran */
     kvb_status st = KVB_OK;
     /* adopt our own cached prefix, but never past the decoder's: we need the attention inputs of
      * every position we ship, so those are recomputed */
-    if (n->e) {
-        st = kvb_seq_create(n->e, &s, &err);
-        if (!st) st = kvb_seq_attach_cached(s, p->tokens, p->cached_tokens + 1, &adopted, &err);
+    if (n->pe) {
+        st = kvb_prefill_seq_create(n->pe, &s, &err);
+        if (!st) st = kvb_prefill_seq_attach_cached(s, p->tokens, p->cached_tokens + 1, &adopted, &err);
     }
     n->ship_from = p->cached_tokens;
     n->ship_to = p->ship_tokens;
-    n->local_from = kvb_kvformat_local_keep_from(&n->fmt, p->ship_tokens);
-    const bool views = !n->e; /* no CPU engine: rows that stay put (pinned slots, the bench's filler) */
+    /* rows that stay put (an engine's pinned slots, the bench's filler) are sent from where they lie */
+    const bool views = !n->pe || kvb_prefill_rows_stay_put(n->pe);
     kvb_ring_reset(&n->ring, views);
     atomic_store(&n->slab_seq, 0);
     const double t_checked = kvb_now_s();
     kvb_trace_span("prefill.setup", t0, t_checked, p->n_tokens); /* lanes, checks, our cached prefix */
     if (!st) {
-        kvb_bridge_cpu_begin(n->br, p->cached_tokens, p->ship_tokens, views ? sink_view_to_ring : sink_to_ring, n);
+        bridge_begin(n, p->cached_tokens, p->ship_tokens, views ? sink_view_to_ring : sink_to_ring);
         st = senders_start(n, lanes, n_lanes, p->request_id, &err);
     }
     kvb_trace_span("prefill.senders_start", t_checked, kvb_now_s(), n_lanes);
-    if (!st && n->cfg.bench_filler_rows)
+    if (!st && !n->pe)
         st = ship_filler_rows(n, &err);
-    else if (!st && n->e && p->ship_tokens > adopted) {
-        st = kvb_engine_forward(n->e, s, p->tokens + adopted, p->ship_tokens - adopted, NULL, false, &err);
+    else if (!st && p->ship_tokens > adopted) {
+        st = kvb_prefill_forward(n->pe, s, p->tokens + adopted, p->ship_tokens - adopted, NULL, false, &err);
         if (!st) computed = p->ship_tokens - adopted;
     }
-#ifdef KVB_HAVE_CUDA
-    if (!st && n->ce && !n->cfg.bench_filler_rows) st = prefill_on_cuda(n, p, &computed, &err);
-#endif
     kvb_ring_close(&n->ring);
     if (st) kvb_ring_fail(&n->ring); /* what was staged is not sent: the request failed */
     const double t_join = kvb_now_s();
@@ -454,7 +424,7 @@ static const char *serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *la
                                           .empty_s = n->ring.empty_s / n_lanes,
                                           .slabs = atomic_load(&n->slab_seq),
                                           .checksums_by_producer = n->ring.hashed_by_producer};
-    kvb_seq_free(s);
+    kvb_prefill_seq_free(s);
 
     uint64_t bytes = 0;
     for (uint32_t l = 0; l < n_lanes; l++) bytes += sc[l].bytes_sent;
@@ -466,25 +436,9 @@ static const char *serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *la
         send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST, err.msg);
         return "failed";
     }
-    uint32_t nb = (p->ship_tokens - p->cached_tokens) / bt;
-    uint64_t *keys = malloc(sizeof(uint64_t) * (nb ? nb : 1));
-    uint64_t key = p->last_cached_key;
-    for (uint32_t b = 0; keys && b < nb; b++) {
-        key = kvb_chain_next(key, p->tokens + p->cached_tokens + (size_t)b * bt, bt);
-        keys[b] = key;
-    }
     const double t_done = kvb_now_s();
     kvb_trace_span("prefill.senders_join", t_join, t_done, 0);
-    kvb_msg_done d = {.tokens_covered = p->ship_tokens,
-                      .blocks = nb,
-                      .chain_digest = keys ? kvb_wire_chain_digest(keys, nb) : 0,
-                      .prefill_seconds = kvb_now_s() - t0};
-    free(keys);
-    for (uint32_t l = 0; l < n_lanes; l++) { /* each lane's DONE counts that lane's slabs */
-        d.slabs = sc[l].slabs_sent;
-        if (kvb_conn_send_done(lanes[l], p->request_id, &d, 10000, &err))
-            kvb_log(KVB_LOG_WARN, "prefill: sending DONE on lane %u failed: %s", l, err.msg);
-    }
+    send_done_all(n, lanes, n_lanes, p, t0);
     kvb_trace_span("prefill.send_done", t_done, kvb_now_s(), n_lanes);
     kvb_metric_add(n->ops.m_tokens, KVB_LABELS("shipped"), (double)(p->ship_tokens - p->cached_tokens));
     kvb_metric_add(n->ops.m_tokens, KVB_LABELS("computed"), (double)computed);
@@ -586,6 +540,44 @@ static void *accept_main(void *arg) {
     return NULL;
 }
 
+/* The prefill engine the configuration names, with the bridge on its layer hook. Decoder mode: the
+ * engine computes in the decoder's own cache format, so its attention inputs are the decoder's,
+ * and the bridge runs the decoder's arithmetic on them (a GPU engine computes the prompt in bf16,
+ * and the bridge kernel runs the decoder's arithmetic on the GPU, layer by layer). Prefill mode:
+ * the engine's own rows (its own format) are re-encoded instead. Its own store is the prefix cache
+ * across requests. */
+static kvb_status engine_create(kvb_prefill_node *n, kvb_err *err) {
+    const kvb_prefill_config *cfg = &n->cfg;
+    const uint32_t bt = cfg->block_tokens;
+    kvb_prefill_opts po = {
+        .device = cfg->cuda ? KVB_DEVICE_CUDA : KVB_DEVICE_CPU,
+        .n_threads = cfg->n_threads,
+        .cache_dtype = cfg->prefill_mode && cfg->engine_cache_dtype ? cfg->engine_cache_dtype : cfg->cache_dtype,
+        .block_tokens = bt,
+        .max_ctx = cfg->max_ctx,
+        .max_batch = cfg->chunk_tokens,
+        .n_blocks = 2 * ((cfg->max_ctx + bt - 1) / bt),
+        .prefault = true, /* every weight page now, not on the first request */
+        .gpus = cfg->gpus > 1 ? cfg->gpus : 1,
+        .tp_one_device = cfg->tp_one_device,
+        .weights = (kvb_prefill_weights)cfg->gpu_weights,
+        .bridge = n->br,
+        .bridge_fmt = &n->fmt,
+        .bridge_engine_rows = cfg->prefill_mode,
+        .release = {.mark = ring_mark, .wait_sent = ring_wait_sent, .ctx = n},
+    };
+    kvb_status st = kvb_prefill_engine_create(n->m, &po, &n->pe, err);
+    if (st) return st;
+    char dev[512], att[768];
+    kvb_prefill_engine_describe(n->pe, dev, sizeof dev);
+    kvb_prefill_engine_attention_describe(n->pe, att, sizeof att);
+    kvb_log(KVB_LOG_INFO, "prefill: %s engine: %s; attention: %s", kvb_prefill_engine_name(n->pe), dev, att);
+    kvb_prefill_stats ps;
+    kvb_prefill_engine_stats(n->pe, &ps);
+    n->staging_bytes = ps.staging_bytes;
+    return KVB_OK;
+}
+
 static kvb_status parse_fault(kvb_prefill_node *n, const char *f, kvb_err *err) {
     if (!f || !*f) return KVB_OK;
     const char *kinds[] = {"corrupt:", "die:", "stall:", "pause:"};
@@ -635,67 +627,13 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
                          KVB_WIRE_PSK_MIN);
     if (!st && !(n->psk = strdup(cfg->psk))) st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
     if (!st) st = kvb_model_load(cfg->model_path, &n->m, err);
-    /* the CPU engine reads the weights in place: every page now, not on the first request (the
-     * CUDA engine copies them to the GPU at creation) */
-    if (!st && !cfg->cuda) st = kvb_gguf_prefault(n->m->gguf, err);
+    if (!st) st = kvb_model_kvformat(&n->m->d, cfg->cache_dtype, n->cfg.block_tokens, &n->fmt, err);
+    if (!st) st = kvb_bridge_cpu_create(n->m, &n->fmt, NULL, n->cfg.chunk_tokens, &n->br, err);
+    if (!st) kvb_bridge_cpu_sink_checksums(n->br, true); /* the senders hash, one per lane */
+    /* filler rows stand in for the engine: none is made (nor its activations for a chunk) */
+    if (!st && !cfg->bench_filler_rows) st = engine_create(n, err);
+    if (!st && cfg->bench_filler_rows) st = filler_rows_make(n, err);
     const uint32_t bt = n->cfg.block_tokens;
-    if (!st) {
-        /* the engine computes in the decoder's own cache format, so its attention inputs are the
-         * decoder's; its own store is the prefix cache across requests */
-        /* decoder mode: the engine computes in the decoder's own cache format, so its attention
-         * inputs are the decoder's, and the bridge runs the decoder's arithmetic on them.
-         * prefill mode: the engine's own rows (its own format) are re-encoded instead. */
-        const uint32_t engine_dtype = cfg->prefill_mode && cfg->engine_cache_dtype ? cfg->engine_cache_dtype
-                                                                                   : cfg->cache_dtype;
-        kvb_engine_opts eo = {.n_threads = cfg->n_threads, .cache_dtype = engine_dtype, .block_tokens = bt,
-                              .max_ctx = n->cfg.max_ctx, .max_batch = n->cfg.chunk_tokens,
-                              .n_blocks = 2 * ((n->cfg.max_ctx + bt - 1) / bt)};
-        st = kvb_model_kvformat(&n->m->d, cfg->cache_dtype, bt, &n->fmt, err);
-        if (!st) st = kvb_bridge_cpu_create(n->m, &n->fmt, NULL, n->cfg.chunk_tokens, &n->br, err);
-        if (!st) kvb_bridge_cpu_sink_checksums(n->br, true); /* the senders hash, one per lane */
-        if (!st && cfg->cuda) {
-#ifdef KVB_HAVE_CUDA
-            /* the GPU computes the prompt in bf16 (its own cache); the bridge kernel runs the
-             * decoder's arithmetic on the GPU's attention inputs, layer by layer */
-            if (cfg->prefill_mode)
-                st = kvb_err_set(err, KVB_ERR_UNSUPPORTED,
-                                 "bridge mode prefill is not available with --device cuda (use decoder mode)");
-            const int gpus = cfg->gpus > 1 ? cfg->gpus : 1;
-            /* the engine first: it checks the GPUs (count, shape splits) and says what is wrong */
-            kvb_cuda_opts co = {.max_ctx = n->cfg.max_ctx, .max_batch = n->cfg.chunk_tokens,
-                                .n_threads = cfg->n_threads, .layer_hook = cuda_layer_hook, .layer_hook_ctx = n,
-                                .n_gpus = gpus, .tp_one_device = cfg->tp_one_device, .hook_every_rank = true,
-                                .weights = (kvb_cuda_weights)cfg->gpu_weights};
-            if (!st) st = kvb_cuda_engine_create(n->m, &co, &n->ce, err);
-            if (!st) {
-                char ad[768];
-                kvb_cuda_engine_attention_describe(n->ce, ad, sizeof ad);
-                kvb_log(KVB_LOG_INFO, "prefill: CUDA engine attention: %s", ad);
-            }
-            if (!st && gpus == 1) st = kvb_bridge_cuda_create(n->m, cfg->cache_dtype, n->cfg.chunk_tokens, &n->bc, err);
-            if (!st && gpus == 1) n->bcr[0] = n->bc;
-            if (!st && gpus > 1) { /* each rank's bridge on its rank's device, as the engine places them */
-                int devs[KVB_CUDA_MAX_GPUS];
-                for (int r = 0; r < gpus; r++) devs[r] = cfg->tp_one_device ? 0 : r;
-                st = kvb_bridge_cuda_create_ranks(n->m, cfg->cache_dtype, n->cfg.chunk_tokens, gpus, devs, n->bcr,
-                                                  err);
-                if (!st) n->bc = n->bcr[0];
-            }
-            if (!st) kvb_bridge_cuda_set_ship(n->bc, cuda_ship_rows, cuda_rows_sent, n);
-#else
-            st = kvb_err_set(err, KVB_ERR_UNSUPPORTED, "this build has no CUDA engine (built without nvcc)");
-#endif
-        } else if (cfg->prefill_mode) {
-            eo.rows_hook = kvb_bridge_cpu_rows;
-            eo.rows_hook_ctx = n->br;
-        } else {
-            eo.layer_hook = kvb_bridge_cpu_layer;
-            eo.layer_hook_ctx = n->br;
-        }
-        /* filler rows stand in for the engine: none is made (nor its activations for a chunk) */
-        if (!st && !cfg->cuda && !cfg->bench_filler_rows) st = kvb_engine_create(n->m, &eo, &n->e, err);
-        if (!st && cfg->bench_filler_rows) st = filler_rows_make(n, err);
-    }
     if (!st)
         st = kvb_ring_init(&n->ring, n->cfg.ring_slots, 2 * (n->cfg.chunk_tokens / bt + 2), /* views: two chunk-layers */
                            2 * (size_t)bt * n->m->d.n_head_kv * kvb_kvformat_row_bytes(&n->fmt), err);
@@ -743,10 +681,7 @@ uint32_t kvb_prefill_node_warmup(const kvb_prefill_node *n, double *seconds) {
     return n->warmup_tokens;
 }
 uint64_t kvb_prefill_node_peak_capture_bytes(const kvb_prefill_node *n) {
-#ifdef KVB_HAVE_CUDA
-    if (n->bc) return n->peak_capture + kvb_bridge_cuda_pinned_bytes(n->bc);
-#endif
-    return n->peak_capture;
+    return n->peak_capture + n->staging_bytes;
 }
 
 void kvb_prefill_node_last_staging(kvb_prefill_node *n, kvb_staging_stats *out) {
@@ -756,17 +691,12 @@ void kvb_prefill_node_last_staging(kvb_prefill_node *n, kvb_staging_stats *out) 
 }
 
 uint64_t kvb_prefill_node_peak_gpu_bytes(kvb_prefill_node *n) {
-#ifdef KVB_HAVE_CUDA
-    if (n->ce) {
-        kvb_cuda_stats cs;
-        pthread_mutex_lock(&n->mu); /* the engine is busy while a request runs */
-        kvb_cuda_engine_stats(n->ce, &cs);
-        pthread_mutex_unlock(&n->mu);
-        return cs.dev_peak_used_bytes;
-    }
-#endif
-    (void)n;
-    return 0;
+    if (!n->pe) return 0;
+    kvb_prefill_stats ps;
+    pthread_mutex_lock(&n->mu); /* the engine is busy while a request runs */
+    kvb_prefill_engine_stats(n->pe, &ps);
+    pthread_mutex_unlock(&n->mu);
+    return ps.dev_peak_used_bytes; /* 0 on the CPU */
 }
 
 /* A timing leg's rows (kvb_prefill_node_time_alone with the bridge on): cut, then dropped. */
@@ -797,27 +727,13 @@ kvb_status kvb_prefill_node_time_alone(kvb_prefill_node *n, uint32_t n_tokens, u
      * token, as a decoder asks) and its rows are dropped where the senders would take them */
     n->ship_from = 0;
     n->ship_to = with_bridge ? n_tokens - 1 : 0;
-    n->local_from = with_bridge ? kvb_kvformat_local_keep_from(&n->fmt, n->ship_to) : 0;
     kvb_ring_reset(&n->ring, false);
-    kvb_bridge_cpu_begin(n->br, 0, n->ship_to, with_bridge ? sink_discard : sink_to_ring, n);
-    kvb_status st = KVB_OK;
+    bridge_begin(n, 0, n->ship_to, with_bridge ? sink_discard : sink_to_ring);
     const double t0 = kvb_now_s();
-    if (n->e) {
-        kvb_seq *s = NULL;
-        st = kvb_seq_create(n->e, &s, err);
-        if (!st) st = kvb_engine_forward(n->e, s, tok, n_tokens, logits, false, err);
-        kvb_seq_free(s);
-    }
-#ifdef KVB_HAVE_CUDA
-    if (n->ce) {
-        kvb_cuda_seq *s = NULL;
-        st = kvb_cuda_seq_create(n->ce, &s, err);
-        if (!st) st = kvb_cuda_forward(n->ce, s, tok, n_tokens, logits, false, err);
-        if (!st) st = kvb_bridge_cuda_flush(n->bc, err); /* the last layer's rows, when computed */
-        else kvb_bridge_cuda_discard(n->bc);
-        kvb_cuda_seq_free(s);
-    }
-#endif
+    kvb_prefill_seq *s = NULL;
+    kvb_status st = kvb_prefill_seq_create(n->pe, &s, err);
+    if (!st) st = kvb_prefill_forward(n->pe, s, tok, n_tokens, logits, false, err);
+    kvb_prefill_seq_free(s);
     *seconds = kvb_now_s() - t0;
     kvb_trace_span(with_bridge ? "prefill.alone_bridge" : "prefill.alone", t0, t0 + *seconds, n_tokens);
     pthread_mutex_unlock(&n->mu);
@@ -881,13 +797,9 @@ void kvb_prefill_node_stop(kvb_prefill_node *n) {
         if (n->senders[l].started) pthread_join(n->senders[l].thread, NULL);
     kvb_listener_close(n->l);
     kvb_ring_destroy(&n->ring);
-    kvb_engine_free(n->e);
+    kvb_prefill_engine_free(n->pe);
     free(n->filler_k);
     free(n->filler_v);
-#ifdef KVB_HAVE_CUDA
-    kvb_cuda_engine_free(n->ce);
-    kvb_bridge_cuda_free(n->bc);
-#endif
     kvb_bridge_cpu_free(n->br);
     kvb_model_free(n->m);
     kvb_prefill_ops_stop(&n->ops);

@@ -110,6 +110,28 @@ double kvbt_rel_l2(const float *a, const float *ref, size_t n) {
     return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
+#include "kvb_core.h"
+#include "kvb_model.h"
+
+struct kvb_model *kvbt_gen_load(const char *name, const char *preset, uint32_t type, uint64_t seed) {
+    char path[512];
+    kvbt_tmp_path(path, sizeof path, name);
+    kvb_gen_opts o = {.preset = preset, .type = type, .seed = seed, .n_threads = 2};
+    kvb_err err = {0};
+    kvb_model *m = NULL;
+    if (kvb_gen_model(&o, path, &err) || kvb_model_load(path, &m, &err)) {
+        fprintf(stderr, "%s: %s\n", name, err.msg);
+        return NULL;
+    }
+    return m;
+}
+
+void kvbt_random_tokens(int32_t *tokens, uint32_t n, uint32_t n_vocab, uint64_t seed) {
+    kvb_rng r;
+    kvb_rng_seed(&r, seed);
+    for (uint32_t i = 0; i < n; i++) tokens[i] = (int32_t)(kvb_rng_u64(&r) % n_vocab);
+}
+
 #ifdef KVB_HAVE_CUDA
 #include "kvb_engine_cuda.h"
 #endif

@@ -7,6 +7,7 @@
 #define KVBT_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* Creates (once per process) and returns a fresh temp directory; removed at exit. */
 const char *kvbt_tmpdir(void);
@@ -32,6 +33,12 @@ const char *kvbt_require_vocab(const char *name, char *buf, size_t cap);
 const char *kvbt_gemma3_path(void);
 /* |a - ref| / |ref| in double (|a - ref| when ref is all zero). */
 double kvbt_rel_l2(const float *a, const float *ref, size_t n);
+/* Writes a preset (kvb_gen_model: its shapes, weights of `type`, seeded) to name in the temp dir
+ * and loads it; NULL (said on stderr) when either fails. For a group's setup. */
+struct kvb_model;
+struct kvb_model *kvbt_gen_load(const char *name, const char *preset, uint32_t type, uint64_t seed);
+/* n token ids below n_vocab, from seed. */
+void kvbt_random_tokens(int32_t *tokens, uint32_t n, uint32_t n_vocab, uint64_t seed);
 /* In a cmocka test: skips it, saying why, when no CUDA device can be used (always in a build
  * without the CUDA engine). */
 void kvbt_require_gpu(void);

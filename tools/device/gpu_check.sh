@@ -12,7 +12,7 @@
 #    background, the Llama-3.1-8B shape (bf16, ~16 GB);
 # 3. runs the gpu-labelled tests (test_cuda_*: kernels vs CPU twins, engine vs CPU engine on tiny
 #    presets, fixtures vs the float64 reference, chunked == one-shot, cached prefix == cold, and the
-#    two real presets);
+#    two real presets; the prefill-engine interface: its logits, its bridge, tensor parallel);
 # 4. runs the PyTorch peer (tools/peer/torch_llama_prefill.py) and `kvbridge bench prefill --device
 #    cuda` on the 8B shape at $SIZES, in this order, nothing else on the GPU meanwhile; then the
 #    small presets at 1K..32K;
@@ -137,7 +137,7 @@ fi
 
 # ---- 3. tests ----------------------------------------------------------------------------------------
 if want tests; then
-  for t in test_cuda_kernels test_cuda_engine; do
+  for t in test_cuda_kernels test_cuda_engine test_cuda_interface; do
     enough 30 "$t" || continue
     say "running $t"
     KVB_BIN=$BIN KVB_CUDA_TEST_MODELS="$Q06,$L1B" timeout "$(tmo 300)" "$TESTS/$t" >>"$OUT/tests.log" 2>&1

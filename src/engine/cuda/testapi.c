@@ -1,10 +1,11 @@
-/* engine/cuda/testapi.c — the kernel entry points for tests (kvb_engine_cuda.h, "kernel entry
+/* engine/cuda/testapi.c — the kernel entry points for tests (cuda_testapi.h, "kernel entry
  * points for tests"): copy host inputs and the caller's (poisoned) outputs to the device, run one
  * launcher, synchronise, check, and copy the outputs back. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "cuda_internal.h"
+#include "cuda_testapi.h"
 #include "cudnn_attention.h"
 
 #define NBUF 8

@@ -1,4 +1,4 @@
-// engine/cuda/bridge.cu — the CUDA bridge kernels: the decoder's cache-producing arithmetic
+// bridge/cuda/bridge.cu — the CUDA bridge kernels: the decoder's cache-producing arithmetic
 // (kvb_engine_cpu.h, "the decoder's cache-producing arithmetic") reproduced operation for
 // operation: the canonical dot (16 lanes, fmaf, fixed tree; exact integer block sums for
 // Q8_0/Q4_0/Q5_0 weights against Q8_0 activations), bias add, k-norm, RoPE with products rounded

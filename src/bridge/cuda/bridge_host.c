@@ -1,4 +1,4 @@
-/* engine/cuda/bridge_host.c — host side of the CUDA bridge: uploads the decoder's K/V weights
+/* bridge/cuda/bridge_host.c — host side of the CUDA bridge: uploads the decoder's K/V weights
  * once (and, for Q8_0/Q4_0/Q5_0, unpacks them to int8 rows for the tensor-core projection), and
  * per (chunk, layer) runs quantise -> project K, V -> post and copies the rows back — on the
  * device-input path on a second stream, so the copy overlaps the engine's next kernels. RoPE uses

@@ -1,4 +1,4 @@
-// engine/cuda/bridge_quant.cuh — private to the bridge kernels: the canonical Q8_0 activation
+// bridge/cuda/bridge_quant.cuh — private to the bridge kernels: the canonical Q8_0 activation
 // quantiser (kvb_quant.h, kvb_quantize_act) for one 32-element block, shared by the per-thread
 // path (bridge.cu, 34-byte blocks) and the tensor-core path (bridge_mma.cu, int8 rows + scales).
 #ifndef KVB_BRIDGE_QUANT_CUH

@@ -1,4 +1,4 @@
-/* engine/cuda/kvb_bridge_cuda.h — the bridge kernel on the GPU: the decoder's cache-producing
+/* bridge/cuda/kvb_bridge_cuda.h — the bridge kernel on the GPU: the decoder's cache-producing
  * arithmetic (kvb_kv_produce, specified in engine/cpu/kvb_engine_cpu.h) with the DECODER's K/V
  * weights in their own file type (Q8_0 weights against Q8_0-quantised activations, integer block
  * sums), reproduced bit for bit on the device. Attention inputs (n, n_embd) f32 go in; K and V

@@ -1,4 +1,4 @@
-// engine/cuda/bridge_mma.cu — the bridge's K/V projection for quantised weights (Q8_0, Q4_0, Q5_0)
+// bridge/cuda/bridge_mma.cu — the bridge's K/V projection for quantised weights (Q8_0, Q4_0, Q5_0)
 // against Q8_0 activations on the integer tensor cores. mma.sync m16n8k32 (s8 x s8 -> s32) gives
 // each 32-element block sum s_b = sum_j wq_j * xq_j exactly (integers, |s_b| < 2^19, no
 // saturation), one mma per block; the float epilogue is the canonical dot's (kvb_quant.h) to the

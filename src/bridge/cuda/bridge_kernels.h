@@ -1,4 +1,4 @@
-/* engine/cuda/bridge_kernels.h — private: the C entry points of the bridge kernels (bridge.cu),
+/* bridge/cuda/bridge_kernels.h — private: the C entry points of the bridge kernels (bridge.cu),
  * launched on the stream given (a cudaStream_t; NULL = the default stream) by bridge_host.c.
  * Shapes in each comment. */
 #ifndef KVB_BRIDGE_KERNELS_H

@@ -1,0 +1,87 @@
+/* engine/cuda/cuda_testapi.h — the CUDA engine's kernel entry points for tests, kept out of the
+ * engine's public header: each runs one of the engine's kernels on host buffers (testapi.c). Only
+ * testapi.c and the GPU tests (tests/test_cuda_*.c) include it; no production path calls these. */
+#ifndef KVB_CUDA_TESTAPI_H
+#define KVB_CUDA_TESTAPI_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvb_core.h"
+
+/* ---- kernel entry points for tests --------------------------------------------------------
+ * Each copies its host inputs AND the current contents of its host outputs (so poison set by the
+ * caller reaches the device) to the device, runs one kernel, and copies the outputs back. bf16
+ * values are raw uint16_t bits. Not for production paths (they allocate and synchronise). */
+
+/* x (n, E) f32 = table[tok[t]] (V, E) bf16 widened, times scale unless scale == 0. */
+kvb_status kvb_cuda_test_embed(const uint16_t *table, uint32_t V, uint32_t E, const int32_t *tok, uint32_t n,
+                               float scale, float *x, kvb_err *err);
+/* With y: y (n, E) bf16 = bf16((x * (1/sqrtf(mean(x^2) + eps))) * w); with acc instead (gemma3's
+ * post norm): acc (n, E) f32 += the same values unrounded; x (n, E) f32. */
+kvb_status kvb_cuda_test_rmsnorm(const float *x, uint32_t n, uint32_t E, const float *w, float eps, uint16_t *y,
+                                 float *acc, kvb_err *err);
+/* out (n, FF) bf16 = bf16(silu(g) * u), or with gelu bf16(gelu_tanh(g) * u), with gu (n, 2*FF) bf16
+ * rows [g | u]. */
+kvb_status kvb_cuda_test_glu(const uint16_t *gu, uint32_t n, uint32_t FF, bool gelu, uint16_t *out, kvb_err *err);
+/* y (n, rows) f32 = beta * y + W x for W (rows, cols) bf16 and x (n, cols) bf16, through the
+ * engine's cuBLAS call. y_bf16: write bf16 (then beta must be 0). */
+kvb_status kvb_cuda_test_gemm(const uint16_t *W, uint32_t rows, uint32_t cols, const uint16_t *x, uint32_t n,
+                              float beta, void *y, bool y_bf16, kvb_err *err);
+
+/* The paged cache as tests see it: n_pool_blocks blocks of the kvformat layout (BF16). */
+typedef struct {
+    uint8_t *pool;           /* host copy (n_pool_blocks * block_bytes) */
+    uint32_t n_pool_blocks;
+    const int32_t *blocks;   /* the sequence's block table */
+    uint32_t n_table;
+    uint32_t block_tokens;   /* power of two */
+    uint32_t n_layer, n_head_kv, head_dim;
+} kvb_cuda_test_cache;
+
+/* The fused QKV epilogue: for token t (position pos0 + t) and each of the H + 2*Hkv head slots of
+ * qkv (n, (H + 2*Hkv) * D) f32: v = qkv + bias (if bias); q/k slots: rmsnorm with q_norm/k_norm
+ * (if given), RoPE (neox or pairs) with rope_cos/sin (rows = positions 0 .., n_rot/2 columns);
+ * q slots -> q_out (n, H*D) bf16; k and v slots -> the cache rows of layer `layer` (bf16). */
+typedef struct {
+    const float *qkv;
+    uint32_t n, H, Hkv, D, n_rot;
+    bool neox;
+    const float *bias, *q_norm, *k_norm; /* may be NULL */
+    float eps;
+    const float *rope_cos, *rope_sin;    /* (pos0 + n, n_rot/2) */
+    uint32_t pos0, layer;
+    uint16_t *q_out;
+    kvb_cuda_test_cache cache;           /* pool updated in place */
+} kvb_cuda_test_qkv_args;
+kvb_status kvb_cuda_test_qkv_post(const kvb_cuda_test_qkv_args *a, kvb_err *err);
+
+/* out (n, H*D) bf16 = causal attention of q (n, H*D) bf16 at positions pos0 .. pos0+n-1 over the
+ * cache's K/V of `layer` for positions 0 .. pos0+n-1 (window > 0: only keys k with p - k < window);
+ * scores times scale (0: 1/sqrt(D)); GQA head h -> h/(H/Hkv). variant 0: the engine's choice
+ * (tensor-core kernel for D = 64 or 128), 1: the generic kernel, 2 / 3: the tensor-core kernel with
+ * 64 / 128 query rows per CTA, 4: cuDNN's fused attention after the K/V gather (window must be 0;
+ * KVB_ERR_UNSUPPORTED when cuDNN cannot be loaded or has no engine for the shape). */
+kvb_status kvb_cuda_test_attention(const uint16_t *q, uint32_t n, uint32_t H, uint32_t pos0, uint32_t layer,
+                                   uint32_t window, float scale, const kvb_cuda_test_cache *cache, int variant,
+                                   uint16_t *out, kvb_err *err);
+/* k_out, v_out (Hkv, n_pos, D) bf16 = the cache's K and V rows of `layer` for positions 0 ..
+ * n_pos-1 (the gather that feeds cuDNN's attention). */
+/* The engine's choice of kernel over a sequence of calls through one cuDNN attention object
+ * (query capacity max_q, key capacity max_kv): for call i, took[i] = whether cuDNN takes a chunk of
+ * n[i] queries at pos0[i] of a model with layers[i] global layers (kvb_cudnn_attn_take), then
+ * out[i] (n[i], H*D) bf16 = its attention from q[i] over the cache's `layer` on cuDNN or, when not
+ * taken, the engine's kernel; *plans = execution plans built over the sequence. */
+kvb_status kvb_cuda_test_cudnn_sequence(const kvb_cuda_test_cache *cache, uint32_t layer, uint32_t H, uint32_t max_q,
+                                        uint32_t max_kv, uint32_t calls, const uint32_t *n, const uint32_t *pos0,
+                                        const uint32_t *layers, const uint16_t *const *q, uint16_t *const *out,
+                                        bool *took, uint32_t *plans, kvb_err *err);
+kvb_status kvb_cuda_test_gather_kv(const kvb_cuda_test_cache *cache, uint32_t layer, uint32_t n_pos, uint16_t *k_out,
+                                   uint16_t *v_out, kvb_err *err);
+/* out (rows, cols) bf16 = the packed-weight expansion of src (rows, src_row_bytes) of `type`
+ * (what the engine runs before each layer with KVB_CUDA_WEIGHTS_PACKED); cols % 32 == 0. */
+kvb_status kvb_cuda_test_expand_bf16(uint32_t type, const void *src, size_t src_row_bytes, uint32_t rows,
+                                     uint32_t cols, uint16_t *out, kvb_err *err);
+
+#endif
