@@ -237,6 +237,24 @@ static void test_every_subcommand_uses_the_parser(void **state) {
     }
 }
 
+/* bench's --attention is an enum of the table: a value outside it is refused by the parser, exit 2,
+ * with the choices listed, before anything loads; its help shows the default. */
+static void test_bench_attention_is_an_enum(void **state) {
+    (void)state;
+    char cmd[512], out[32768];
+    snprintf(cmd, sizeof cmd, "'%s' bench prefill -m /no/such/model.gguf --attention fast", kvbt_bin());
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 2);
+    if (!strstr(out, "kvbridge bench: --attention expects auto, own, cudnn or both, got 'fast'"))
+        fail_msg("--attention fast: %s", out);
+    snprintf(cmd, sizeof cmd, "'%s' bench --help", kvbt_bin());
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 0);
+    char *h = strstr(out, "--attention A ");
+    if (!h) fail_msg("bench --help: no --attention A in:\n%s", out);
+    char *next = strstr(h, "\n  -"); /* the next option's entry */
+    if (next) *next = 0;
+    if (!strstr(h, "(default: auto)")) fail_msg("bench --help: --attention's entry has no (default: auto):\n%s", h);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_every_kind_fills_its_destination),
@@ -245,6 +263,7 @@ int main(void) {
         cmocka_unit_test(test_usage_errors_are_refused),
         cmocka_unit_test(test_help_is_generated_from_the_table),
         cmocka_unit_test(test_every_subcommand_uses_the_parser),
+        cmocka_unit_test(test_bench_attention_is_an_enum),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -179,18 +179,19 @@ typedef struct {
     cJSON *peer_root;
 } prefill_bench;
 
-/* --tokens and --attention; false (said) when malformed. */
-static bool prefill_parse(prefill_bench *b, const char *tokens_arg, const char *attn_arg) {
+/* --attention's choices, KVB_OPT_ENUM's indices: the first three are kinds, "both" times own and
+ * cudnn side by side. */
+static const char *const k_bench_attention[] = {"auto", "own", "cudnn", "both", NULL};
+enum { BENCH_ATTN_BOTH = 3 };
+
+/* --tokens and --attention (attention: k_bench_attention); false (said) when malformed. */
+static bool prefill_parse(prefill_bench *b, const char *tokens_arg, int attention) {
+    static const kvb_prefill_attention kinds[] = {KVB_PREFILL_ATTN_AUTO, KVB_PREFILL_ATTN_OWN, KVB_PREFILL_ATTN_CUDNN};
     b->kinds[0] = b->kinds[1] = KVB_PREFILL_ATTN_AUTO;
     b->n_kinds = 1;
-    if (attn_arg && !strcmp(attn_arg, "own")) b->kinds[0] = KVB_PREFILL_ATTN_OWN;
-    else if (attn_arg && !strcmp(attn_arg, "cudnn")) b->kinds[0] = KVB_PREFILL_ATTN_CUDNN;
-    else if (attn_arg && !strcmp(attn_arg, "both"))
+    if (attention == BENCH_ATTN_BOTH)
         b->kinds[0] = KVB_PREFILL_ATTN_OWN, b->kinds[1] = KVB_PREFILL_ATTN_CUDNN, b->n_kinds = 2;
-    else if (attn_arg && strcmp(attn_arg, "auto")) {
-        fprintf(stderr, "kvbridge bench: --attention expects own, cudnn, both or auto, got '%s'\n", attn_arg);
-        return false;
-    }
+    else b->kinds[0] = kinds[attention];
     for (const char *p = tokens_arg; *p;) {
         char *end;
         long long v = strtoll(p, &end, 10);
@@ -449,8 +450,8 @@ static void prefill_print_memory(prefill_bench *b, cJSON *out) {
 
 /* `bench prefill` on the engine the options name: every size (and attention kind) timed, then the
  * tables. Returns the exit code. */
-static int bench_prefill(prefill_bench *b, const char *tokens_arg, const char *attn_arg) {
-    if (!prefill_parse(b, tokens_arg, attn_arg)) return 2;
+static int bench_prefill(prefill_bench *b, const char *tokens_arg, int attention) {
+    if (!prefill_parse(b, tokens_arg, attention)) return 2;
     if (b->peer_json && !(b->peer_root = read_json(b->peer_json)))
         fprintf(stderr, "kvbridge bench: could not read peer figures from %s; continuing without them\n", b->peer_json);
     kvb_err err = {0};
@@ -477,9 +478,10 @@ static int bench_prefill(prefill_bench *b, const char *tokens_arg, const char *a
 
 /* What the command line asks of `bench prefill|decode`. */
 typedef struct {
-    const char *model_path, *llama_bench, *json_path, *tokens_arg, *peer_json, *attn_arg;
+    const char *model_path, *llama_bench, *json_path, *tokens_arg, *peer_json;
     long long threads, n_gen, n_ctx, reps, chunk, ceiling_reps, warmup, batch;
-    int device; /* kvb_cli_device_names */
+    int device;    /* kvb_cli_device_names */
+    int attention; /* k_bench_attention */
     bool host_overhead;
     kvb_cli_gpu gpu;
     uint32_t cache_type, bridge_type;
@@ -535,11 +537,12 @@ static int bench_parse(bench_args *a, int argc, char **argv) {
         {.long_name = "warmup", .kind = KVB_OPT_INT, .dst = &a->warmup, .meta = "N", .def = "2", .lo = 0, .hi = 100,
          .help = "prefill: untimed forwards before each size's timed ones (cuda: the first runs a new shape on the "
                  "engine's kernel, the second builds cuDNN's plans)"},
-        {.long_name = "attention", .kind = KVB_OPT_STRING, .dst = &a->attn_arg, .meta = "A",
+        {.long_name = "attention", .kind = KVB_OPT_ENUM, .dst = &a->attention, .meta = "A", .def = "auto",
+         .choices = k_bench_attention,
          .help = "(cuda) attention on global layers: own (the engine's flash kernel), cudnn (cuDNN's fused "
                  "attention, libcudnn.so.9 on LD_LIBRARY_PATH), both (each size with each, side by side, and "
-                 "their ratio) or auto (default: cuDNN when it loads; KVB_CUDA_ATTENTION=own|cudnn sets the "
-                 "default everywhere). cuDNN builds a plan (40-100 ms) for a new shape only when it pays; other "
+                 "their ratio) or auto (cuDNN when it loads; KVB_CUDA_ATTENTION=own|cudnn sets the default "
+                 "everywhere). cuDNN builds a plan (40-100 ms) for a new shape only when it pays; other "
                  "chunks run on the engine's kernel (KVB_CUDNN_PLANS=eager: a plan for every shape)"},
         {.long_name = "host-overhead", .kind = KVB_OPT_FLAG, .dst = &a->host_overhead,
          .help = "(cuda) after each size, one forward enqueued behind a gate kernel (the GPU waits until the host "
@@ -697,7 +700,7 @@ int kvb_cmd_bench(int argc, char **argv) {
                                   .cache_dtype = a.cache_type, .max_batch = (uint32_t)a.chunk, .gpus = (int)a.gpu.gpus,
                                   .tp_one_device = a.gpu.tp_one_device,
                                   .weights = (kvb_prefill_weights)a.gpu.gpu_weights}};
-        return bench_prefill(&b, a.tokens_arg ? a.tokens_arg : cuda ? "2048" : "512", a.attn_arg);
+        return bench_prefill(&b, a.tokens_arg ? a.tokens_arg : cuda ? "2048" : "512", a.attention);
     }
     if (cuda) {
         fprintf(stderr, "kvbridge bench: --device cuda supports 'prefill' only for now\n");

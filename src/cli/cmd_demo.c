@@ -282,93 +282,54 @@ static void explain(const turn_result *br, int same, int complete, int turns, bo
            "`kvbridge bench ladder -m MODEL --device cuda` measures it (time to first token, bridged vs alone).\n");
 }
 
-int kvb_cmd_demo(int argc, char **argv) {
-    demo_args a = {.model = "models/tiny-q8_0.gguf"};
-    int prc = demo_parse(&a, argc, argv);
-    if (prc != KVB_CLI_GO) return prc;
-    const char *model = a.model, *device = k_demo_devices[a.device];
-    const long long threads = a.threads, turns = a.turns, gpus = a.gpus;
-    const bool tp_one_device = a.tp_one_device;
+/* Resolves --model (`gemma3`, a file, or the default tiny model, generated here when absent) into
+ * *model, which may point into buf; 0, or the code the command returns. */
+static int demo_model_path(const char **model, char *buf, size_t cap) {
     struct stat sb;
     kvb_err err = {0};
-    char gemma3[1024];
-    if (!strcmp(model, "gemma3")) {
-        kvb_gemma3_path(gemma3, sizeof gemma3);
-        model = gemma3;
-        if (stat(model, &sb) != 0) {
+    if (!strcmp(*model, "gemma3")) {
+        kvb_gemma3_path(buf, cap);
+        *model = buf;
+        if (stat(*model, &sb) != 0) {
             fprintf(stderr, "kvbridge demo: --model gemma3: the Gemma 3 270M file is not at %s; run "
-                            "tools/fetch_gemma3.sh to fetch it (or give --model FILE)\n", model);
+                            "tools/fetch_gemma3.sh to fetch it (or give --model FILE)\n", *model);
             return 1;
         }
     }
-    if (stat(model, &sb) != 0) {
-        if (strcmp(model, "models/tiny-q8_0.gguf") != 0) {
-            fprintf(stderr, "kvbridge demo: %s does not exist\n", model);
+    if (stat(*model, &sb) != 0) {
+        if (strcmp(*model, "models/tiny-q8_0.gguf") != 0) {
+            fprintf(stderr, "kvbridge demo: %s does not exist\n", *model);
             return 1;
         }
         mkdir("models", 0755);
-        printf("demo: generating the tiny model (llama architecture, Q8_0 weights, seed 1) -> %s\n", model);
+        printf("demo: generating the tiny model (llama architecture, Q8_0 weights, seed 1) -> %s\n", *model);
         kvb_gen_opts o = {.preset = "tiny", .type = KVB_TYPE_Q8_0, .seed = 1};
-        if (kvb_gen_model(&o, model, &err)) {
+        if (kvb_gen_model(&o, *model, &err)) {
             fprintf(stderr, "kvbridge demo: %s\n", err.msg);
             return 1;
         }
     }
-    /* no chat template: a base model, which would only echo chat markup; it continues a transcript */
-    bool base = false;
-    char name[128] = "";
+    return 0;
+}
+
+/* Reads the model's general.name ("?" without one) and whether it is a base model: one without a
+ * chat template, which would only echo chat markup, so it continues a transcript. 0, or 1. */
+static int demo_model_info(const char *model, bool *base, char *name, size_t cap) {
+    kvb_err err = {0};
     kvb_gguf *g = NULL;
     if (kvb_gguf_open(model, &g, &err)) {
         fprintf(stderr, "kvbridge demo: %s\n", err.msg);
         return 1;
     }
-    base = !kvb_gguf_find(g, "tokenizer.chat_template");
-    if (kvb_gguf_get_str(g, "general.name", name, sizeof name, &err)) snprintf(name, sizeof name, "?");
-    memset(&err, 0, sizeof err);
+    *base = !kvb_gguf_find(g, "tokenizer.chat_template");
+    if (kvb_gguf_get_str(g, "general.name", name, cap, &err)) snprintf(name, cap, "?");
     kvb_gguf_close(g);
-    const bool show = base || strcmp(model, "models/tiny-q8_0.gguf") != 0; /* the tiny model's replies are noise */
-    /* a fresh random key per demo: the nodes authenticate each other with it */
-    kvb_rng rng;
-    kvb_rng_seed(&rng, (uint64_t)(kvb_now_s() * 1e9));
-    char psk[40];
-    snprintf(psk, sizeof psk, "%016llx%016llx", (unsigned long long)kvb_rng_u64(&rng),
-             (unsigned long long)kvb_rng_u64(&rng));
-    kvb_prefill_node *pn = NULL;
-    kvb_decode_node *dn = NULL, *native = NULL;
-    turn_result br[6] = {0}, nat[6] = {0};
-    int rc = 1;
-    bool cuda = !strcmp(device, "cuda");
-    char why[256] = "";
-    if (!strcmp(device, "auto")) cuda = kvb_prefill_device_available(KVB_DEVICE_CUDA, why, sizeof why);
-    kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = psk, .n_threads = (int)threads,
-                             .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 8192, .cuda = cuda,
-                             .gpus = (int)gpus, .tp_one_device = tp_one_device, .warmup_tokens = 8192 + 64};
-    if (kvb_prefill_node_start(&pc, &pn, &err)) goto fail;
-    char peer[32];
-    snprintf(peer, sizeof peer, "127.0.0.1:%u", kvb_prefill_node_port(pn));
-    kvb_decode_config dc = {.http_listen = "127.0.0.1:0", .peer = peer, .model_path = model, .psk = psk,
-                            .n_threads = (int)threads, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32,
-                            .max_ctx = 8192, .bridge_min_tokens = 32 /* any whole block: short turns bridge too */};
-    if (kvb_decode_node_start(&dc, &dn, &err)) goto fail;
-    kvb_decode_config nc = dc;
-    nc.peer = NULL;
-    if (kvb_decode_node_start(&nc, &native, &err)) goto fail;
-    printf("demo: prefill node (%s engine) on %s; decode node (OpenAI API) on 127.0.0.1:%u; native-only decode node on "
-           "127.0.0.1:%u\n",
-           cuda ? "CUDA" : "CPU", peer, kvb_decode_node_port(dn), kvb_decode_node_port(native));
-    if (base)
-        printf("demo: %s (general.name \"%s\") has no chat template: a base (pretrained) model, not instruction-tuned,\n"
-               "      which only echoes chat markup. The conversation is an interview transcript it continues through\n"
-               "      /v1/completions (one example exchange, greedy, each reply up to the end of its line, at most 40\n"
-               "      tokens); each turn's prompt is the previous one plus the reply and the next question.\n",
-               model, name);
-    printf("demo: a %lld-turn conversation (greedy, %d tokens per reply at most), bridged and natively...\n\n", turns,
-           base ? 40 : 24);
-    fflush(stdout);
-    if (base ? interview(kvb_decode_node_port(dn), (int)turns, br) || interview(kvb_decode_node_port(native), (int)turns, nat)
-             : converse(kvb_decode_node_port(dn), (int)turns, br) ||
-                   converse(kvb_decode_node_port(native), (int)turns, nat))
-        goto done;
+    return 0;
+}
+
+/* Prints the bridged conversation's replies (show) and the per-turn table beside the native one;
+ * returns how many replies are the native ones. br, nat: (turn) of each conversation. */
+static int demo_table(const turn_result *br, const turn_result *nat, int turns, bool base, bool show) {
     if (show) {
         for (int t = 0; t < turns; t++) {
             const char *reply = br[t].content + (br[t].content[0] == ' ');
@@ -387,9 +348,81 @@ int kvb_cmd_demo(int argc, char **argv) {
                br[t].bridged, br[t].native, br[t].prefill_s, br[t].transfer_s, br[t].reply_s, nat[t].reply_s,
                eq ? "yes" : "NO", br[t].verdict);
     }
+    return same;
+}
+
+/* The three nodes of the demo: the prefill node, the decode node it feeds, the native baseline. */
+typedef struct {
+    kvb_prefill_node *pn;
+    kvb_decode_node *dn, *native;
+    char peer[32];
+    uint32_t block_tokens;
+} demo_nodes;
+
+/* Starts the nodes on loopback, authenticated by a fresh random key; on failure the caller still
+ * stops those started. */
+static kvb_status demo_start(demo_nodes *n, const demo_args *a, const char *model, bool cuda, kvb_err *err) {
+    /* a fresh random key per demo: the nodes authenticate each other with it */
+    kvb_rng rng;
+    kvb_rng_seed(&rng, (uint64_t)(kvb_now_s() * 1e9));
+    char psk[40];
+    snprintf(psk, sizeof psk, "%016llx%016llx", (unsigned long long)kvb_rng_u64(&rng),
+             (unsigned long long)kvb_rng_u64(&rng));
+    kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = psk, .n_threads = (int)a->threads,
+                             .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 8192, .cuda = cuda,
+                             .gpus = (int)a->gpus, .tp_one_device = a->tp_one_device, .warmup_tokens = 8192 + 64};
+    kvb_status st = kvb_prefill_node_start(&pc, &n->pn, err);
+    if (st) return st;
+    snprintf(n->peer, sizeof n->peer, "127.0.0.1:%u", kvb_prefill_node_port(n->pn));
+    kvb_decode_config dc = {.http_listen = "127.0.0.1:0", .peer = n->peer, .model_path = model, .psk = psk,
+                            .n_threads = (int)a->threads, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32,
+                            .max_ctx = 8192, .bridge_min_tokens = 32 /* any whole block: short turns bridge too */};
+    n->block_tokens = dc.block_tokens;
+    if ((st = kvb_decode_node_start(&dc, &n->dn, err))) return st;
+    kvb_decode_config nc = dc;
+    nc.peer = NULL;
+    return kvb_decode_node_start(&nc, &n->native, err);
+}
+
+int kvb_cmd_demo(int argc, char **argv) {
+    demo_args a = {.model = "models/tiny-q8_0.gguf"};
+    int prc = demo_parse(&a, argc, argv);
+    if (prc != KVB_CLI_GO) return prc;
+    const char *model = a.model, *device = k_demo_devices[a.device];
+    const int turns = (int)a.turns;
+    kvb_err err = {0};
+    char gemma3[1024];
+    if (demo_model_path(&model, gemma3, sizeof gemma3)) return 1;
+    bool base = false;
+    char name[128] = "";
+    if (demo_model_info(model, &base, name, sizeof name)) return 1;
+    const bool show = base || strcmp(model, "models/tiny-q8_0.gguf") != 0; /* the tiny model's replies are noise */
+    demo_nodes n = {0};
+    turn_result br[6] = {0}, nat[6] = {0};
+    int rc = 1;
+    bool cuda = !strcmp(device, "cuda");
+    char why[256] = "";
+    if (!strcmp(device, "auto")) cuda = kvb_prefill_device_available(KVB_DEVICE_CUDA, why, sizeof why);
+    if (demo_start(&n, &a, model, cuda, &err)) goto fail;
+    printf("demo: prefill node (%s engine) on %s; decode node (OpenAI API) on 127.0.0.1:%u; native-only decode node on "
+           "127.0.0.1:%u\n",
+           cuda ? "CUDA" : "CPU", n.peer, kvb_decode_node_port(n.dn), kvb_decode_node_port(n.native));
+    if (base)
+        printf("demo: %s (general.name \"%s\") has no chat template: a base (pretrained) model, not instruction-tuned,\n"
+               "      which only echoes chat markup. The conversation is an interview transcript it continues through\n"
+               "      /v1/completions (one example exchange, greedy, each reply up to the end of its line, at most 40\n"
+               "      tokens); each turn's prompt is the previous one plus the reply and the next question.\n",
+               model, name);
+    printf("demo: a %lld-turn conversation (greedy, %d tokens per reply at most), bridged and natively...\n\n", a.turns,
+           base ? 40 : 24);
+    fflush(stdout);
+    if (base ? interview(kvb_decode_node_port(n.dn), turns, br) || interview(kvb_decode_node_port(n.native), turns, nat)
+             : converse(kvb_decode_node_port(n.dn), turns, br) || converse(kvb_decode_node_port(n.native), turns, nat))
+        goto done;
+    int same = demo_table(br, nat, turns, base, show);
     int complete = 0;
     for (int t = 0; t < turns; t++) complete += !strcmp(br[t].verdict, "complete");
-    explain(br, same, complete, (int)turns, cuda, dc.block_tokens, kvb_prefill_node_peak_capture_bytes(pn));
+    explain(br, same, complete, turns, cuda, n.block_tokens, kvb_prefill_node_peak_capture_bytes(n.pn));
     rc = (cuda ? complete == turns : same == turns) ? 0 : 1;
     goto done;
 fail:
@@ -399,8 +432,8 @@ done:
         free(br[t].content);
         free(nat[t].content);
     }
-    kvb_decode_node_stop(native);
-    kvb_decode_node_stop(dn);
-    kvb_prefill_node_stop(pn);
+    kvb_decode_node_stop(n.native);
+    kvb_decode_node_stop(n.dn);
+    kvb_prefill_node_stop(n.pn);
     return rc;
 }

@@ -740,9 +740,9 @@ static kvb_status register_metrics(kvb_http_server *s, kvb_err *err) {
     return KVB_OK;
 }
 
-kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_handlers *h,
-                                 kvb_http_server **out, kvb_err *err) {
-    *out = NULL;
+/* The config's checks: a completion handler, a model id, an API key of printable ASCII and at
+ * least HTTP_API_KEY_MIN bytes, origins without spaces or control bytes. */
+static kvb_status check_config(const kvb_http_config *cfg, const kvb_http_handlers *h, kvb_err *err) {
     if (!cfg || !h || !h->completion)
         return kvb_err_set(err, KVB_ERR_INVALID, "http: a config and a completion handler are required");
     if (!cfg->model_id || !cfg->model_id[0])
@@ -760,9 +760,51 @@ kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_hand
         if ((unsigned char)*p <= ' ' || (unsigned char)*p >= 0x7f)
             return kvb_err_set(err, KVB_ERR_INVALID, "http: the allowed origins ('%s') must be origins like "
                                "https://ui.example, comma-separated without spaces, or *", cfg->allow_origins);
-    struct sockaddr_storage addr;
-    kvb_status st = resolve_listen(cfg->listen, &addr, err);
+    return KVB_OK;
+}
+
+/* Starts MHD (listening on nothing) and the guard that accepts on addr and hands connections over;
+ * on failure nothing of them is left running. */
+static kvb_status start_listening(kvb_http_server *s, const kvb_http_config *cfg, const struct sockaddr_storage *addr,
+                                  kvb_err *err) {
+    kvb_status st;
+    /* MHD listens on nothing: the guard (guard.c) accepts, checks each request head and hands the
+     * connection over; MHD's own limit sits above the guard's, whose count leads MHD's by a moment */
+    const unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
+                           MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET | MHD_USE_ITC;
+    const unsigned max_conn = cfg->max_connections ? cfg->max_connections : 256;
+    const unsigned per_client = cfg->max_connections_per_client ? cfg->max_connections_per_client
+                                                                : HTTP_PER_CLIENT_DEFAULT(max_conn);
+    s->daemon = MHD_start_daemon(flags, 0, NULL, NULL, on_request, s,
+                                 MHD_OPTION_NOTIFY_COMPLETED, request_completed, s,
+                                 MHD_OPTION_NOTIFY_CONNECTION, connection_notified, s,
+                                 MHD_OPTION_CONNECTION_TIMEOUT, s->idle_timeout_s,
+                                 MHD_OPTION_CONNECTION_LIMIT, max_conn + 64,
+                                 MHD_OPTION_EXTERNAL_LOGGER, mhd_logger, NULL,
+                                 MHD_OPTION_END);
+    if (!s->daemon) return kvb_err_set(err, KVB_ERR_IO, "http: cannot start the HTTP daemon for %s", cfg->listen);
+    const http_guard_limits limits = {
+        .max_active = max_conn,
+        .max_per_client = per_client,
+        .header_timeout_s = cfg->header_timeout_s ? cfg->header_timeout_s : HTTP_HEADER_TIMEOUT_DEFAULT_S,
+        .body_timeout_s = cfg->body_timeout_s ? cfg->body_timeout_s : HTTP_BODY_TIMEOUT_DEFAULT_S,
+    };
+    if ((st = http_guard_start(s, addr, &limits, &s->guard, err))) {
+        kvb_log(KVB_LOG_ERROR, "http: cannot listen on %s (address in use, or not a local address?)", cfg->listen);
+        MHD_stop_daemon(s->daemon);
+        return st;
+    }
+    return KVB_OK;
+}
+
+kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_handlers *h,
+                                 kvb_http_server **out, kvb_err *err) {
+    *out = NULL;
+    kvb_status st = check_config(cfg, h, err);
     if (st) return st;
+    const size_t key_len = cfg->api_key ? strlen(cfg->api_key) : 0;
+    struct sockaddr_storage addr;
+    if ((st = resolve_listen(cfg->listen, &addr, err))) return st;
 
     kvb_http_server *s = calloc(1, sizeof *s);
     if (!s) return kvb_err_set(err, KVB_ERR_NOMEM, "http: out of memory");
@@ -804,35 +846,7 @@ kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_hand
         s->has_api_key = true;
     }
 
-    /* MHD listens on nothing: the guard (guard.c) accepts, checks each request head and hands the
-     * connection over; MHD's own limit sits above the guard's, whose count leads MHD's by a moment */
-    const unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
-                           MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET | MHD_USE_ITC;
-    const unsigned max_conn = cfg->max_connections ? cfg->max_connections : 256;
-    const unsigned per_client = cfg->max_connections_per_client ? cfg->max_connections_per_client
-                                                                : HTTP_PER_CLIENT_DEFAULT(max_conn);
-    s->daemon = MHD_start_daemon(flags, 0, NULL, NULL, on_request, s,
-                                 MHD_OPTION_NOTIFY_COMPLETED, request_completed, s,
-                                 MHD_OPTION_NOTIFY_CONNECTION, connection_notified, s,
-                                 MHD_OPTION_CONNECTION_TIMEOUT, s->idle_timeout_s,
-                                 MHD_OPTION_CONNECTION_LIMIT, max_conn + 64,
-                                 MHD_OPTION_EXTERNAL_LOGGER, mhd_logger, NULL,
-                                 MHD_OPTION_END);
-    if (!s->daemon) {
-        st = kvb_err_set(err, KVB_ERR_IO, "http: cannot start the HTTP daemon for %s", cfg->listen);
-        goto fail;
-    }
-    const http_guard_limits limits = {
-        .max_active = max_conn,
-        .max_per_client = per_client,
-        .header_timeout_s = cfg->header_timeout_s ? cfg->header_timeout_s : HTTP_HEADER_TIMEOUT_DEFAULT_S,
-        .body_timeout_s = cfg->body_timeout_s ? cfg->body_timeout_s : HTTP_BODY_TIMEOUT_DEFAULT_S,
-    };
-    if ((st = http_guard_start(s, &addr, &limits, &s->guard, err))) {
-        kvb_log(KVB_LOG_ERROR, "http: cannot listen on %s (address in use, or not a local address?)", cfg->listen);
-        MHD_stop_daemon(s->daemon);
-        goto fail;
-    }
+    if ((st = start_listening(s, cfg, &addr, err))) goto fail;
     s->port = http_guard_port(s->guard);
     kvb_log(KVB_LOG_INFO, "http: serving model '%s' on %s (port %u%s%s%s)", s->model_id, cfg->listen, s->port,
             s->has_api_key ? ", API key required on /v1/" : "", s->allow_origins ? ", CORS for " : "",

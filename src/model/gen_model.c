@@ -128,8 +128,10 @@ static kvb_status write_keys(kvb_gguf_writer *w, const kvb_model_desc *d, const 
     return KVB_OK;
 }
 
-kvb_status kvb_gen_model(const kvb_gen_opts *o, const char *out_path, kvb_err *err) {
+/* The preset o names, and o's weight type checked; *out = NULL on failure. */
+static kvb_status gen_preset(const kvb_gen_opts *o, const kvb_preset **out, kvb_err *err) {
     const kvb_preset *p = o->preset ? kvb_preset_find(o->preset) : NULL;
+    *out = NULL;
     if (!p) {
         char names[512] = "";
         for (size_t i = 0; i < kvb_preset_count(); i++) {
@@ -143,109 +145,113 @@ kvb_status kvb_gen_model(const kvb_gen_opts *o, const char *out_path, kvb_err *e
     if (!ti || !ti->supported)
         return kvb_err_set(err, KVB_ERR_INVALID, "weight type %s is not one gen-model writes (f32, f16, bf16, q8_0, q4_0, "
                            "q5_0, q4_k, q5_k, q6_k)", kvb_type_name(o->type));
-    kvb_model_desc d = p->d;
+    *out = p;
+    return KVB_OK;
+}
 
-    kvb_gguf_writer *w = NULL;
-    gen_tensor *ts = NULL;
-    FILE *f = NULL;
-    kvb_pool *pool = NULL;
-    float **scratch = NULL;
-    uint8_t *buf = NULL;
-    float *rope_factors = NULL;
-    int n_workers = 0;
-    bool created = false;
-    kvb_status st = kvb_gguf_writer_create(&w, err);
-    if (st) return st;
-    if ((st = write_keys(w, &d, p->name, o->type, err))) goto done;
-
+/* Writes the vocabulary keys (byte-level, or from --vocab's tokenizer.json or GGUF, padded to the
+ * preset's size) and sets d->n_vocab to the vocabulary's real size. */
+static kvb_status gen_vocab(kvb_gguf_writer *w, const char *vocab_path, kvb_model_desc *d, kvb_err *err) {
     uint32_t n_vocab = 0;
-    if (!o->vocab_path) st = kvb_vocab_write_bytelevel(w, d.n_vocab, &n_vocab, err);
+    kvb_status st;
+    if (!vocab_path) st = kvb_vocab_write_bytelevel(w, d->n_vocab, &n_vocab, err);
     else {
-        size_t L = strlen(o->vocab_path);
-        if (L >= 5 && strcmp(o->vocab_path + L - 5, ".json") == 0)
-            st = kvb_vocab_from_hf_json(w, o->vocab_path, d.n_vocab, &n_vocab, err);
-        else st = kvb_vocab_copy_from_gguf(w, o->vocab_path, d.n_vocab, &n_vocab, err);
+        size_t L = strlen(vocab_path);
+        if (L >= 5 && strcmp(vocab_path + L - 5, ".json") == 0)
+            st = kvb_vocab_from_hf_json(w, vocab_path, d->n_vocab, &n_vocab, err);
+        else st = kvb_vocab_copy_from_gguf(w, vocab_path, d->n_vocab, &n_vocab, err);
     }
-    if (st) goto done;
-    d.n_vocab = n_vocab;
+    if (st) return st;
+    d->n_vocab = n_vocab;
+    return KVB_OK;
+}
 
-    const uint64_t E = d.n_embd, Q = (uint64_t)d.n_head * d.head_dim, KV = (uint64_t)d.n_head_kv * d.head_dim;
-    const float s_in = 1.0f / sqrtf((float)E), s_ff = 1.0f / sqrtf((float)d.n_ff);
-    const float s_res = 1.0f / sqrtf(2.0f * (float)d.n_layer); /* residual branches shrink with depth */
-    size_t max_t = 8 + (size_t)d.n_layer * 16;
-    ts = calloc(max_t, sizeof *ts);
-    if (!ts) {
-        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
-        goto done;
+/* Adds layer l's tensors to ts from index n; returns the new count. */
+static int gen_layer_tensors(gen_tensor *ts, int n, const kvb_model_desc *d, uint32_t l, uint32_t type) {
+    const uint64_t E = d->n_embd, Q = (uint64_t)d->n_head * d->head_dim, KV = (uint64_t)d->n_head_kv * d->head_dim;
+    const float s_in = 1.0f / sqrtf((float)E), s_ff = 1.0f / sqrtf((float)d->n_ff);
+    const float s_res = 1.0f / sqrtf(2.0f * (float)d->n_layer); /* residual branches shrink with depth */
+    char nm[64];
+#define NM(s) (snprintf(nm, sizeof nm, "blk.%u.%s", l, s), nm)
+    n = add_t(ts, n, NM("attn_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+    n = add_t(ts, n, NM("attn_q.weight"), E, Q, type, INIT_NORMAL, s_in);
+    n = add_t(ts, n, NM("attn_k.weight"), E, KV, type, INIT_NORMAL, s_in);
+    n = add_t(ts, n, NM("attn_v.weight"), E, KV, type, INIT_NORMAL, s_in);
+    if (d->has_qkv_bias) {
+        n = add_t(ts, n, NM("attn_q.bias"), Q, 1, KVB_TYPE_F32, INIT_BIAS, 0.1f);
+        n = add_t(ts, n, NM("attn_k.bias"), KV, 1, KVB_TYPE_F32, INIT_BIAS, 0.1f);
+        n = add_t(ts, n, NM("attn_v.bias"), KV, 1, KVB_TYPE_F32, INIT_BIAS, 0.1f);
     }
-    int n = 0;
+    if (d->has_qk_norm) {
+        n = add_t(ts, n, NM("attn_q_norm.weight"), d->head_dim, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+        n = add_t(ts, n, NM("attn_k_norm.weight"), d->head_dim, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+    }
+    n = add_t(ts, n, NM("attn_output.weight"), Q, E, type, INIT_NORMAL, s_res / sqrtf((float)Q));
+    /* gemma3's post norms (stored with Gemma's +1 included, like llama.cpp's converter stores them):
+     * each residual branch adds RMS ~1 whatever the projection scales */
+    if (d->has_post_norms)
+        n = add_t(ts, n, NM("post_attention_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+    n = add_t(ts, n, NM("ffn_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+    n = add_t(ts, n, NM("ffn_gate.weight"), E, d->n_ff, type, INIT_NORMAL, s_in);
+    n = add_t(ts, n, NM("ffn_up.weight"), E, d->n_ff, type, INIT_NORMAL, s_in);
+    n = add_t(ts, n, NM("ffn_down.weight"), d->n_ff, E, type, INIT_NORMAL, 2.0f * s_res * s_ff);
+    if (d->has_post_norms)
+        n = add_t(ts, n, NM("post_ffw_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+#undef NM
+    return n;
+}
+
+/* The file's tensors in order, with their initialisations: *ts (calloc'd) and *n; *rope_factors
+ * (malloc'd, or NULL) holds Llama 3's exact rope_freqs values that one of them points to. */
+static kvb_status gen_tensor_list(const kvb_model_desc *d, uint32_t type, gen_tensor **ts, int *n,
+                                  float **rope_factors, kvb_err *err) {
+    const uint64_t E = d->n_embd;
+    const float s_in = 1.0f / sqrtf((float)E);
+    *ts = calloc(8 + (size_t)d->n_layer * 16, sizeof **ts);
+    if (!*ts) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    gen_tensor *t = *ts;
+    int k = 0;
     /* gemma3 multiplies embeddings by sqrt(n_embd): rows of std 3/sqrt(E) enter the residual stream at
      * RMS ~3 and, as the tied output head, give logits of std ~3 */
-    const float s_embd = d.arch == KVB_ARCH_GEMMA3 ? 3.0f * s_in : 1.0f;
-    n = add_t(ts, n, "token_embd.weight", E, n_vocab, o->type, INIT_NORMAL, s_embd);
-    if (d.rope_scale_factor > 0) {
-        rope_factors = malloc(sizeof(float) * (d.n_rot / 2));
-        if (!rope_factors) {
-            st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
-            goto done;
-        }
-        kvb_llama3_rope_factors(&d, rope_factors);
-        n = add_t(ts, n, "rope_freqs.weight", d.n_rot / 2, 1, KVB_TYPE_F32, INIT_NORMAL, 0);
-        ts[n - 1].fixed = rope_factors;
+    const float s_embd = d->arch == KVB_ARCH_GEMMA3 ? 3.0f * s_in : 1.0f;
+    k = add_t(t, k, "token_embd.weight", E, d->n_vocab, type, INIT_NORMAL, s_embd);
+    if (d->rope_scale_factor > 0) {
+        *rope_factors = malloc(sizeof(float) * (d->n_rot / 2));
+        if (!*rope_factors) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+        kvb_llama3_rope_factors(d, *rope_factors);
+        k = add_t(t, k, "rope_freqs.weight", d->n_rot / 2, 1, KVB_TYPE_F32, INIT_NORMAL, 0);
+        t[k - 1].fixed = *rope_factors;
     }
-    n = add_t(ts, n, "output_norm.weight", E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
-    if (!d.tied_output) n = add_t(ts, n, "output.weight", E, n_vocab, o->type, INIT_NORMAL, 3.0f * s_in);
-    char nm[64];
-    for (uint32_t l = 0; l < d.n_layer; l++) {
-#define NM(s) (snprintf(nm, sizeof nm, "blk.%u.%s", l, s), nm)
-        n = add_t(ts, n, NM("attn_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
-        n = add_t(ts, n, NM("attn_q.weight"), E, Q, o->type, INIT_NORMAL, s_in);
-        n = add_t(ts, n, NM("attn_k.weight"), E, KV, o->type, INIT_NORMAL, s_in);
-        n = add_t(ts, n, NM("attn_v.weight"), E, KV, o->type, INIT_NORMAL, s_in);
-        if (d.has_qkv_bias) {
-            n = add_t(ts, n, NM("attn_q.bias"), Q, 1, KVB_TYPE_F32, INIT_BIAS, 0.1f);
-            n = add_t(ts, n, NM("attn_k.bias"), KV, 1, KVB_TYPE_F32, INIT_BIAS, 0.1f);
-            n = add_t(ts, n, NM("attn_v.bias"), KV, 1, KVB_TYPE_F32, INIT_BIAS, 0.1f);
-        }
-        if (d.has_qk_norm) {
-            n = add_t(ts, n, NM("attn_q_norm.weight"), d.head_dim, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
-            n = add_t(ts, n, NM("attn_k_norm.weight"), d.head_dim, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
-        }
-        n = add_t(ts, n, NM("attn_output.weight"), Q, E, o->type, INIT_NORMAL, s_res / sqrtf((float)Q));
-        /* gemma3's post norms (stored with Gemma's +1 included, like llama.cpp's converter stores them):
-         * each residual branch adds RMS ~1 whatever the projection scales */
-        if (d.has_post_norms)
-            n = add_t(ts, n, NM("post_attention_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
-        n = add_t(ts, n, NM("ffn_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
-        n = add_t(ts, n, NM("ffn_gate.weight"), E, d.n_ff, o->type, INIT_NORMAL, s_in);
-        n = add_t(ts, n, NM("ffn_up.weight"), E, d.n_ff, o->type, INIT_NORMAL, s_in);
-        n = add_t(ts, n, NM("ffn_down.weight"), d.n_ff, E, o->type, INIT_NORMAL, 2.0f * s_res * s_ff);
-        if (d.has_post_norms)
-            n = add_t(ts, n, NM("post_ffw_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
-#undef NM
-    }
+    k = add_t(t, k, "output_norm.weight", E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+    if (!d->tied_output) k = add_t(t, k, "output.weight", E, d->n_vocab, type, INIT_NORMAL, 3.0f * s_in);
+    for (uint32_t l = 0; l < d->n_layer; l++) k = gen_layer_tensors(t, k, d, l, type);
+    *n = k;
+    return KVB_OK;
+}
+
+/* Declares the n tensors to the writer, each row a whole number of its type's blocks. */
+static kvb_status gen_declare(kvb_gguf_writer *w, const char *preset, const gen_tensor *ts, int n, kvb_err *err) {
     for (int i = 0; i < n; i++) {
-        if (kvb_row_bytes(ts[i].type, (int64_t)ts[i].ne[0]) == 0) {
-            st = kvb_err_set(err, KVB_ERR_INVALID, "preset %s: %s has rows of %llu elements, not whole %s blocks of %d",
-                             p->name, ts[i].name, (unsigned long long)ts[i].ne[0], kvb_type_name(ts[i].type),
-                             kvb_type_get(ts[i].type)->block_elems);
-            goto done;
-        }
-        if ((st = kvb_gguf_writer_add_tensor(w, ts[i].name, ts[i].n_dims, ts[i].ne, ts[i].type, err))) goto done;
+        if (kvb_row_bytes(ts[i].type, (int64_t)ts[i].ne[0]) == 0)
+            return kvb_err_set(err, KVB_ERR_INVALID, "preset %s: %s has rows of %llu elements, not whole %s blocks of %d",
+                               preset, ts[i].name, (unsigned long long)ts[i].ne[0], kvb_type_name(ts[i].type),
+                               kvb_type_get(ts[i].type)->block_elems);
+        kvb_status st = kvb_gguf_writer_add_tensor(w, ts[i].name, ts[i].n_dims, ts[i].ne, ts[i].type, err);
+        if (st) return st;
     }
+    return KVB_OK;
+}
 
-    f = fopen(out_path, "wb");
-    created = f != NULL;
-    if (!f) {
-        st = kvb_err_set(err, KVB_ERR_IO, "cannot create %s: %m", out_path);
-        goto done;
-    }
-    if ((st = kvb_gguf_writer_write_header(w, f, err))) goto done;
-
+/* Generates the tensors' data on a pool of workers, tensor by tensor in order, and writes it to f
+ * (after the header), reporting progress when o->progress. */
+static kvb_status gen_write_data(kvb_gguf_writer *w, FILE *f, const kvb_gen_opts *o, const gen_tensor *ts, int n,
+                                 kvb_err *err) {
+    kvb_pool *pool = NULL;
+    uint8_t *buf = NULL; /* one tensor's data */
     int threads = o->n_threads > 0 ? o->n_threads : kvb_cpu_count();
-    if ((st = kvb_pool_create(threads, &pool, err))) goto done;
-    n_workers = threads;
-    scratch = calloc((size_t)n_workers, sizeof *scratch);
+    kvb_status st = kvb_pool_create(threads, &pool, err);
+    if (st) return st;
+    float **scratch = calloc((size_t)threads, sizeof *scratch); /* per worker: (max_cols) */
     if (!scratch) {
         st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
         goto done;
@@ -255,7 +261,7 @@ kvb_status kvb_gen_model(const kvb_gen_opts *o, const char *out_path, kvb_err *e
         max_cols = ts[i].ne[0] > max_cols ? ts[i].ne[0] : max_cols;
         total += kvb_gguf_writer_tensor_bytes(w, (uint64_t)i);
     }
-    for (int i = 0; i < n_workers; i++)
+    for (int i = 0; i < threads; i++)
         if (!(scratch[i] = malloc(max_cols * sizeof(float)))) {
             st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
             goto done;
@@ -287,6 +293,37 @@ kvb_status kvb_gen_model(const kvb_gen_opts *o, const char *out_path, kvb_err *e
         }
     }
     if (o->progress) fputc('\n', stderr);
+done:
+    if (scratch)
+        for (int i = 0; i < threads; i++) free(scratch[i]);
+    free(scratch);
+    free(buf);
+    kvb_pool_destroy(pool);
+    return st;
+}
+
+kvb_status kvb_gen_model(const kvb_gen_opts *o, const char *out_path, kvb_err *err) {
+    const kvb_preset *p;
+    kvb_status st = gen_preset(o, &p, err);
+    if (st) return st;
+    kvb_model_desc d = p->d;
+    kvb_gguf_writer *w = NULL;
+    gen_tensor *ts = NULL;
+    FILE *f = NULL;
+    float *rope_factors = NULL;
+    int n = 0;
+    bool created = false;
+    if ((st = kvb_gguf_writer_create(&w, err))) return st;
+    if ((st = write_keys(w, &d, p->name, o->type, err)) || (st = gen_vocab(w, o->vocab_path, &d, err)) ||
+        (st = gen_tensor_list(&d, o->type, &ts, &n, &rope_factors, err)) || (st = gen_declare(w, p->name, ts, n, err)))
+        goto done;
+    f = fopen(out_path, "wb");
+    created = f != NULL;
+    if (!f) {
+        st = kvb_err_set(err, KVB_ERR_IO, "cannot create %s: %m", out_path);
+        goto done;
+    }
+    if ((st = kvb_gguf_writer_write_header(w, f, err)) || (st = gen_write_data(w, f, o, ts, n, err))) goto done;
     if (fclose(f) != 0) {
         f = NULL;
         st = kvb_err_set(err, KVB_ERR_IO, "writing %s failed: %m", out_path);
@@ -296,13 +333,8 @@ kvb_status kvb_gen_model(const kvb_gen_opts *o, const char *out_path, kvb_err *e
 done:
     if (f) fclose(f);
     if (st && created) remove(out_path); /* only a file this call created: never a path it could not open */
-    if (scratch)
-        for (int i = 0; i < n_workers; i++) free(scratch[i]);
-    free(scratch);
-    free(buf);
     free(rope_factors);
     free(ts);
-    kvb_pool_destroy(pool);
     kvb_gguf_writer_destroy(w);
     return st;
 }

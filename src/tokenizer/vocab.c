@@ -301,8 +301,8 @@ static kvb_status build_eog(kvb_tokenizer *t, kvb_err *err) {
     return KVB_OK;
 }
 
-static kvb_status load(const kvb_gguf *g, kvb_tokenizer *t, kvb_err *err) {
-    kvb_status st;
+/* tokenizer.ggml.model: which algorithm the vocabulary is for. */
+static kvb_status load_model_kind(const kvb_gguf *g, kvb_tokenizer *t, kvb_err *err) {
     const kvb_gguf_kv *kv = kvb_gguf_find(g, "tokenizer.ggml.model");
     if (!kv)
         return kvb_err_set(err, KVB_ERR_NOT_FOUND,
@@ -319,16 +319,21 @@ static kvb_status load(const kvb_gguf *g, kvb_tokenizer *t, kvb_err *err) {
                            "SentencePiece BPE, 'gpt2' = byte-level BPE)",
                            (int)KVB_MIN(kv->str.len, 64), kv->str.ptr);
     }
+    return KVB_OK;
+}
 
-    /* tokens */
-    kv = kvb_gguf_find(g, "tokenizer.ggml.tokens");
+/* tokenizer.ggml.tokens: the token texts, copied into t->text_blob (every table of the vocabulary
+ * is allocated here, sized by the count); *max_text = the longest text in bytes. */
+static kvb_status load_tokens(const kvb_gguf *g, kvb_tokenizer *t, uint32_t *max_text, kvb_err *err) {
+    kvb_status st;
+    const kvb_gguf_kv *kv = kvb_gguf_find(g, "tokenizer.ggml.tokens");
     if (!kv) return kvb_err_set(err, KVB_ERR_NOT_FOUND, "tokenizer.ggml.tokens is missing");
     if (kv->type != KVB_GGUF_ARRAY || kv->arr_type != KVB_GGUF_STRING)
         return kvb_err_set(err, KVB_ERR_FORMAT, "tokenizer.ggml.tokens is not an array of strings");
     if (kv->arr_len == 0 || kv->arr_len > MAX_VOCAB)
         return kvb_err_set(err, KVB_ERR_FORMAT, "tokenizer.ggml.tokens has %" PRIu64 " entries (expected 1 to %u)",
                            kv->arr_len, MAX_VOCAB);
-    uint32_t n = (uint32_t)kv->arr_len;
+    const uint32_t n = (uint32_t)kv->arr_len;
     t->n_vocab = n;
     kvb_gguf_str *views = malloc((size_t)n * sizeof *views);
     if (!views) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for %" PRIu32 " tokens", n);
@@ -361,19 +366,23 @@ static kvb_status load(const kvb_gguf *g, kvb_tokenizer *t, kvb_err *err) {
         free(views);
         return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the vocabulary");
     }
-    uint32_t off = 0, max_text = 0;
+    uint32_t off = 0;
+    *max_text = 0;
     for (uint32_t i = 0; i < n; i++) {
         t->text_off[i] = off;
         t->text_len[i] = (uint32_t)views[i].len;
         if (views[i].len) memcpy(t->text_blob + off, views[i].ptr, views[i].len);
         off += (uint32_t)views[i].len;
-        if (views[i].len > max_text) max_text = (uint32_t)views[i].len;
+        if (views[i].len > *max_text) *max_text = (uint32_t)views[i].len;
     }
     free(views);
+    return KVB_OK;
+}
 
-    /* token types */
+/* tokenizer.ggml.token_type, optional: every token NORMAL without it. n = t->n_vocab. */
+static kvb_status load_types(const kvb_gguf *g, kvb_tokenizer *t, uint32_t n, kvb_err *err) {
     memset(t->type, KVB_TT_NORMAL, n);
-    kv = kvb_gguf_find(g, "tokenizer.ggml.token_type");
+    const kvb_gguf_kv *kv = kvb_gguf_find(g, "tokenizer.ggml.token_type");
     if (kv) {
         if (kv->type != KVB_GGUF_ARRAY || !is_int_type(kv->arr_type))
             return kvb_err_set(err, KVB_ERR_FORMAT, "tokenizer.ggml.token_type is not an array of integers");
@@ -388,33 +397,41 @@ static kvb_status load(const kvb_gguf *g, kvb_tokenizer *t, kvb_err *err) {
             t->type[i] = (uint8_t)(v == KVB_TT_UNDEFINED ? KVB_TT_NORMAL : v);
         }
     }
+    return KVB_OK;
+}
 
-    /* scores (SPM) */
-    if (t->model == KVB_TOKM_SPM) {
-        t->score = calloc(n, sizeof *t->score);
-        if (!t->score) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
-        kv = kvb_gguf_find(g, "tokenizer.ggml.scores");
-        if (kv) {
-            if (kv->type != KVB_GGUF_ARRAY || (kv->arr_type != KVB_GGUF_F32 && kv->arr_type != KVB_GGUF_F64))
-                return kvb_err_set(err, KVB_ERR_FORMAT, "tokenizer.ggml.scores is not an array of floats");
-            if (kv->arr_len != n)
-                return kvb_err_set(err, KVB_ERR_FORMAT,
-                                   "tokenizer.ggml.scores has %" PRIu64 " entries for %" PRIu32 " tokens", kv->arr_len, n);
-            for (uint32_t i = 0; i < n; i++) {
-                float f;
-                if (kv->arr_type == KVB_GGUF_F32) {
-                    memcpy(&f, kv->arr_data + 4 * (size_t)i, 4);
-                } else {
-                    double d;
-                    memcpy(&d, kv->arr_data + 8 * (size_t)i, 8);
-                    f = (float)d;
-                }
-                t->score[i] = isnan(f) ? -INFINITY : f;
+/* tokenizer.ggml.scores of an SPM vocabulary, optional (all 0 without it); NaN reads as -inf.
+ * n = t->n_vocab. */
+static kvb_status load_scores(const kvb_gguf *g, kvb_tokenizer *t, uint32_t n, kvb_err *err) {
+    if (t->model != KVB_TOKM_SPM) return KVB_OK;
+    t->score = calloc(n, sizeof *t->score);
+    if (!t->score) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    const kvb_gguf_kv *kv = kvb_gguf_find(g, "tokenizer.ggml.scores");
+    if (kv) {
+        if (kv->type != KVB_GGUF_ARRAY || (kv->arr_type != KVB_GGUF_F32 && kv->arr_type != KVB_GGUF_F64))
+            return kvb_err_set(err, KVB_ERR_FORMAT, "tokenizer.ggml.scores is not an array of floats");
+        if (kv->arr_len != n)
+            return kvb_err_set(err, KVB_ERR_FORMAT,
+                               "tokenizer.ggml.scores has %" PRIu64 " entries for %" PRIu32 " tokens", kv->arr_len, n);
+        for (uint32_t i = 0; i < n; i++) {
+            float f;
+            if (kv->arr_type == KVB_GGUF_F32) {
+                memcpy(&f, kv->arr_data + 4 * (size_t)i, 4);
+            } else {
+                double d;
+                memcpy(&d, kv->arr_data + 8 * (size_t)i, 8);
+                f = (float)d;
             }
+            t->score[i] = isnan(f) ? -INFINITY : f;
         }
     }
+    return KVB_OK;
+}
 
-    /* raw bytes */
+/* The tokens' raw bytes, the lookups by text and by raw bytes, each byte's token and the special
+ * tokens. max_text: the longest token text in bytes; n = t->n_vocab. */
+static kvb_status build_lookups(kvb_tokenizer *t, uint32_t n, uint32_t max_text, kvb_err *err) {
+    kvb_status st;
     uint32_t roff = 0;
     t->max_token_len = 0;
     for (uint32_t i = 0; i < n; i++) {
@@ -451,9 +468,13 @@ static kvb_status load(const kvb_gguf *g, kvb_tokenizer *t, kvb_err *err) {
             t->byte_tok[b] = id;
         }
     }
-    if ((st = build_special(t, err))) return st;
+    return build_special(t, err);
+}
 
-    /* special ids and flags */
+/* The special token ids and the add-BOS/EOS/space flags (llama.cpp's defaults, then the file's
+ * keys), then the end-of-generation set. n = t->n_vocab. */
+static kvb_status load_special_ids(const kvb_gguf *g, kvb_tokenizer *t, uint32_t n, kvb_err *err) {
+    kvb_status st;
     t->bos = t->eos = t->unk = t->eot = t->eom = -1;
     t->add_bos = false;
     t->add_eos = false;
@@ -475,9 +496,13 @@ static kvb_status load(const kvb_gguf *g, kvb_tokenizer *t, kvb_err *err) {
         return st;
     if (t->bos < 0) t->add_bos = false;
     if (t->eos < 0) t->add_eos = false;
-    if ((st = build_eog(t, err))) return st;
+    return build_eog(t, err);
+}
 
-    /* pre-tokenizer and merges */
+/* The pre-tokenizer and the merges of a BPE vocabulary; an SPM one's pairs. n = t->n_vocab. */
+static kvb_status load_merges(const kvb_gguf *g, kvb_tokenizer *t, uint32_t n, kvb_err *err) {
+    kvb_status st;
+    const kvb_gguf_kv *kv;
     if (t->model == KVB_TOKM_BPE) {
         kv = kvb_gguf_find(g, "tokenizer.ggml.pre");
         if (kv) {
@@ -510,6 +535,17 @@ static kvb_status load(const kvb_gguf *g, kvb_tokenizer *t, kvb_err *err) {
         if ((st = kvb_spm_pairs_build(t, n, err))) return st;
     }
     return KVB_OK;
+}
+
+static kvb_status load(const kvb_gguf *g, kvb_tokenizer *t, kvb_err *err) {
+    kvb_status st;
+    uint32_t max_text = 0;
+    if ((st = load_model_kind(g, t, err)) || (st = load_tokens(g, t, &max_text, err))) return st;
+    const uint32_t n = t->n_vocab;
+    if ((st = load_types(g, t, n, err)) || (st = load_scores(g, t, n, err)) ||
+        (st = build_lookups(t, n, max_text, err)) || (st = load_special_ids(g, t, n, err)))
+        return st;
+    return load_merges(g, t, n, err);
 }
 
 kvb_status kvb_tokenizer_load(const kvb_gguf *g, kvb_tokenizer **out, kvb_err *err) {

@@ -342,115 +342,103 @@ static bool id_of(const cJSON *j, uint32_t *out) {
     return true;
 }
 
-kvb_status kvb_vocab_from_hf_json(kvb_gguf_writer *w, const char *path, uint32_t pad_to, uint32_t *n_vocab,
-                                  kvb_err *err) {
-    kvb_status st = KVB_OK;
-    cJSON *root = parse_json(path, err, &st), *cfg = NULL;
-    hf_vocab v = {0};
-    kvb_gguf_str *merges = NULL, *pt = NULL;
-    int32_t *ptypes = NULL;
-    uint32_t m = 0;
-    char *merge_buf = NULL, *pad_buf = NULL, *cpath = NULL, *rbuf = NULL;
-    if (!root) return st;
+/* A tokenizer.json being converted: what the later keys are made of. The strings point into the
+ * parsed JSON (root and cfg) or into the buffers here. */
+typedef struct {
+    hf_vocab v;
+    char *pad_buf;       /* the "[PADn]" texts of the holes */
+    kvb_gguf_str *merges; /* (n_merges) "a b" */
+    char *merge_buf;     /* the "a b" texts of the merges given as pairs */
+    int n_merges;
+    cJSON *cfg; /* tokenizer_config.json, or NULL */
+    int32_t bos, eos, pad;
+    bool add_bos, add_eos;
+    const char *tmpl; /* the chat template, or NULL */
+} hf_conv;
 
-    const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
-    const cJSON *mtype = cJSON_GetObjectItemCaseSensitive(model, "type");
-    const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(model, "vocab");
-    const cJSON *jmerges = cJSON_GetObjectItemCaseSensitive(model, "merges");
-    const cJSON *added = cJSON_GetObjectItemCaseSensitive(root, "added_tokens");
-    if (!cJSON_IsString(mtype) || strcmp(mtype->valuestring, "BPE") != 0 || !cJSON_IsObject(vocab) ||
-        !cJSON_IsArray(jmerges)) {
-        st = kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: not a BPE tokenizer.json (model.type \"BPE\" with vocab and merges)",
-                         path);
-        goto done;
-    }
-    const char *pre = NULL;
-    if ((st = detect_pre(root, path, &pre, err))) goto done;
-    /* what we cannot reproduce is refused rather than converted into a vocabulary that would
-     * tokenize differently: a normalizer other than Qwen2's NFC, a ByteLevel prefix space */
-    {
-        const cJSON *norm = cJSON_GetObjectItemCaseSensitive(root, "normalizer");
-        const cJSON *nt = cJSON_GetObjectItemCaseSensitive(norm, "type");
-        bool nfc = cJSON_IsString(nt) && strcmp(nt->valuestring, "NFC") == 0;
-        if (norm && !cJSON_IsNull(norm) && !(nfc && strcmp(pre, "qwen2") == 0)) {
-            st = kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: normalizer '%s' is not supported with the %s pre-tokenizer",
-                             path, cJSON_IsString(nt) ? nt->valuestring : "?", pre);
-            goto done;
-        }
-        if (!nfc && strcmp(pre, "qwen2") == 0)
-            kvb_log(KVB_LOG_WARN, "%s: Qwen2 split without its NFC normalizer; kvbridge normalizes to NFC", path);
-        const char *txt = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer"));
-        bool prefix = txt && strstr(txt, "\"add_prefix_space\":true");
-        cJSON_free((void *)txt);
-        if (prefix) {
-            st = kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: ByteLevel add_prefix_space=true is not supported", path);
-            goto done;
-        }
-    }
+/* What we cannot reproduce is refused rather than converted into a vocabulary that would
+ * tokenize differently: a normalizer other than Qwen2's NFC, a ByteLevel prefix space. */
+static kvb_status hf_check_supported(const cJSON *root, const char *path, const char *pre, kvb_err *err) {
+    const cJSON *norm = cJSON_GetObjectItemCaseSensitive(root, "normalizer");
+    const cJSON *nt = cJSON_GetObjectItemCaseSensitive(norm, "type");
+    bool nfc = cJSON_IsString(nt) && strcmp(nt->valuestring, "NFC") == 0;
+    if (norm && !cJSON_IsNull(norm) && !(nfc && strcmp(pre, "qwen2") == 0))
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: normalizer '%s' is not supported with the %s pre-tokenizer",
+                           path, cJSON_IsString(nt) ? nt->valuestring : "?", pre);
+    if (!nfc && strcmp(pre, "qwen2") == 0)
+        kvb_log(KVB_LOG_WARN, "%s: Qwen2 split without its NFC normalizer; kvbridge normalizes to NFC", path);
+    const char *txt = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer"));
+    bool prefix = txt && strstr(txt, "\"add_prefix_space\":true");
+    cJSON_free((void *)txt);
+    if (prefix) return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: ByteLevel add_prefix_space=true is not supported", path);
+    return KVB_OK;
+}
 
-    /* vocabulary size: the largest id + 1 */
+/* Unused "[PADn]" tokens for the ids that neither the vocab nor the added tokens give. */
+static kvb_status hf_fill_holes(hf_conv *c, const char *path, kvb_err *err) {
+    uint32_t holes = 0;
+    for (uint32_t i = 0; i < c->v.n; i++) holes += !c->v.toks[i].ptr;
+    if (!holes) return KVB_OK;
+    c->pad_buf = malloc((size_t)holes * 20);
+    if (!c->pad_buf) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory converting %s", path);
+    char *p = c->pad_buf;
+    for (uint32_t i = 0; i < c->v.n; i++) {
+        if (c->v.toks[i].ptr) continue;
+        int l = snprintf(p, 20, "[PAD%" PRIu32 "]", i);
+        c->v.toks[i].ptr = p;
+        c->v.toks[i].len = (uint64_t)l;
+        c->v.types[i] = KVB_TT_UNUSED;
+        p += l + 1;
+    }
+    return KVB_OK;
+}
+
+/* model.vocab and added_tokens into c->v: as many tokens as the largest id + 1, an id given twice
+ * in the vocab refused, holes padded. */
+static kvb_status hf_read_vocab(hf_conv *c, const cJSON *vocab, const cJSON *added, const char *path, kvb_err *err) {
     uint32_t n = 0, id;
     const cJSON *it;
     cJSON_ArrayForEach(it, vocab) {
-        if (!id_of(it, &id)) {
-            st = kvb_err_set(err, KVB_ERR_FORMAT, "%s: vocab entry '%.40s' has no valid id", path, it->string ? it->string : "");
-            goto done;
-        }
+        if (!id_of(it, &id))
+            return kvb_err_set(err, KVB_ERR_FORMAT, "%s: vocab entry '%.40s' has no valid id", path,
+                               it->string ? it->string : "");
         if (id + 1 > n) n = id + 1;
     }
     cJSON_ArrayForEach(it, added) {
         if (!id_of(cJSON_GetObjectItemCaseSensitive(it, "id"), &id) ||
-            !cJSON_IsString(cJSON_GetObjectItemCaseSensitive(it, "content"))) {
-            st = kvb_err_set(err, KVB_ERR_FORMAT, "%s: an added_tokens entry lacks a valid id or content", path);
-            goto done;
-        }
+            !cJSON_IsString(cJSON_GetObjectItemCaseSensitive(it, "content")))
+            return kvb_err_set(err, KVB_ERR_FORMAT, "%s: an added_tokens entry lacks a valid id or content", path);
         if (id + 1 > n) n = id + 1;
     }
-    if (n == 0) {
-        st = kvb_err_set(err, KVB_ERR_FORMAT, "%s: empty vocabulary", path);
-        goto done;
-    }
-    v.n = n;
-    v.toks = calloc(n, sizeof *v.toks);
-    v.types = calloc(n, sizeof *v.types);
-    if (!v.toks || !v.types) goto nomem;
+    if (n == 0) return kvb_err_set(err, KVB_ERR_FORMAT, "%s: empty vocabulary", path);
+    c->v.n = n;
+    c->v.toks = calloc(n, sizeof *c->v.toks);
+    c->v.types = calloc(n, sizeof *c->v.types);
+    if (!c->v.toks || !c->v.types) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory converting %s", path);
     cJSON_ArrayForEach(it, vocab) {
         id_of(it, &id);
-        if (v.toks[id].ptr) {
-            st = kvb_err_set(err, KVB_ERR_FORMAT, "%s: id %" PRIu32 " appears twice in the vocab", path, id);
-            goto done;
-        }
-        v.toks[id].ptr = it->string ? it->string : "";
-        v.toks[id].len = strlen(v.toks[id].ptr);
-        v.types[id] = KVB_TT_NORMAL;
+        if (c->v.toks[id].ptr)
+            return kvb_err_set(err, KVB_ERR_FORMAT, "%s: id %" PRIu32 " appears twice in the vocab", path, id);
+        c->v.toks[id].ptr = it->string ? it->string : "";
+        c->v.toks[id].len = strlen(c->v.toks[id].ptr);
+        c->v.types[id] = KVB_TT_NORMAL;
     }
     cJSON_ArrayForEach(it, added) {
         id_of(cJSON_GetObjectItemCaseSensitive(it, "id"), &id);
-        const char *c = cJSON_GetObjectItemCaseSensitive(it, "content")->valuestring;
+        const char *s = cJSON_GetObjectItemCaseSensitive(it, "content")->valuestring;
         /* added tokens are matched in raw text, so stored raw (llama.cpp's converter does the same) */
-        v.toks[id].ptr = c;
-        v.toks[id].len = strlen(c);
-        v.types[id] = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(it, "special")) ? KVB_TT_CONTROL : KVB_TT_USER_DEFINED;
+        c->v.toks[id].ptr = s;
+        c->v.toks[id].len = strlen(s);
+        c->v.types[id] = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(it, "special")) ? KVB_TT_CONTROL
+                                                                                       : KVB_TT_USER_DEFINED;
     }
-    /* holes become unused "[PADn]" tokens */
-    uint32_t holes = 0;
-    for (uint32_t i = 0; i < n; i++) holes += !v.toks[i].ptr;
-    if (holes) {
-        pad_buf = malloc((size_t)holes * 20);
-        if (!pad_buf) goto nomem;
-        char *p = pad_buf;
-        for (uint32_t i = 0; i < n; i++) {
-            if (v.toks[i].ptr) continue;
-            int l = snprintf(p, 20, "[PAD%" PRIu32 "]", i);
-            v.toks[i].ptr = p;
-            v.toks[i].len = (uint64_t)l;
-            v.types[i] = KVB_TT_UNUSED;
-            p += l + 1;
-        }
-    }
+    return hf_fill_holes(c, path, err);
+}
 
-    /* merges: "a b" strings or ["a", "b"] pairs */
-    int nm = cJSON_GetArraySize(jmerges);
+/* model.merges into c->merges: "a b" strings or ["a", "b"] pairs, both stored as "a b". */
+static kvb_status hf_read_merges(hf_conv *c, const cJSON *jmerges, const char *path, kvb_err *err) {
+    const cJSON *it;
+    c->n_merges = cJSON_GetArraySize(jmerges);
     size_t mbytes = 0;
     cJSON_ArrayForEach(it, jmerges) {
         if (cJSON_IsString(it)) {
@@ -459,101 +447,137 @@ kvb_status kvb_vocab_from_hf_json(kvb_gguf_writer *w, const char *path, uint32_t
                    cJSON_IsString(cJSON_GetArrayItem(it, 1))) {
             mbytes += strlen(cJSON_GetArrayItem(it, 0)->valuestring) + strlen(cJSON_GetArrayItem(it, 1)->valuestring) + 2;
         } else {
-            st = kvb_err_set(err, KVB_ERR_FORMAT, "%s: a merge is neither \"a b\" nor [\"a\", \"b\"]", path);
-            goto done;
+            return kvb_err_set(err, KVB_ERR_FORMAT, "%s: a merge is neither \"a b\" nor [\"a\", \"b\"]", path);
         }
     }
-    merges = calloc(nm > 0 ? (size_t)nm : 1, sizeof *merges);
-    merge_buf = malloc(mbytes + 1);
-    if (!merges || !merge_buf) goto nomem;
-    {
-        size_t off = 0;
-        int k = 0;
-        cJSON_ArrayForEach(it, jmerges) {
-            if (cJSON_IsString(it)) {
-                merges[k].ptr = it->valuestring;
-                merges[k].len = strlen(it->valuestring);
-            } else {
-                const char *a = cJSON_GetArrayItem(it, 0)->valuestring, *b = cJSON_GetArrayItem(it, 1)->valuestring;
-                size_t la = strlen(a), lb = strlen(b);
-                memcpy(merge_buf + off, a, la);
-                merge_buf[off + la] = ' ';
-                memcpy(merge_buf + off + la + 1, b, lb);
-                merges[k].ptr = merge_buf + off;
-                merges[k].len = la + 1 + lb;
-                off += la + lb + 2;
-            }
-            k++;
+    c->merges = calloc(c->n_merges > 0 ? (size_t)c->n_merges : 1, sizeof *c->merges);
+    c->merge_buf = malloc(mbytes + 1);
+    if (!c->merges || !c->merge_buf) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory converting %s", path);
+    size_t off = 0;
+    int k = 0;
+    cJSON_ArrayForEach(it, jmerges) {
+        if (cJSON_IsString(it)) {
+            c->merges[k].ptr = it->valuestring;
+            c->merges[k].len = strlen(it->valuestring);
+        } else {
+            const char *a = cJSON_GetArrayItem(it, 0)->valuestring, *b = cJSON_GetArrayItem(it, 1)->valuestring;
+            size_t la = strlen(a), lb = strlen(b);
+            memcpy(c->merge_buf + off, a, la);
+            c->merge_buf[off + la] = ' ';
+            memcpy(c->merge_buf + off + la + 1, b, lb);
+            c->merges[k].ptr = c->merge_buf + off;
+            c->merges[k].len = la + 1 + lb;
+            off += la + lb + 2;
         }
+        k++;
     }
+    return KVB_OK;
+}
 
-    /* tokenizer_config.json: BOS/EOS/pad, add_bos/add_eos, chat template */
-    int32_t bos = -1, eos = -1, pad = -1;
-    bool add_bos = false, add_eos = false;
+/* The chat template of tokenizer_config.json: a string, or the "default" (else the last) of a
+ * [{"name": ..., "template": ...}] list; NULL without one. */
+static const char *hf_chat_template(const cJSON *cfg) {
+    const cJSON *ct = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template");
+    if (cJSON_IsString(ct)) return ct->valuestring;
     const char *tmpl = NULL;
-    cpath = config_path(path);
-    if (!cpath) goto nomem;
+    if (cJSON_IsArray(ct)) {
+        const cJSON *e;
+        cJSON_ArrayForEach(e, ct) {
+            const cJSON *nm = cJSON_GetObjectItemCaseSensitive(e, "name");
+            const cJSON *tt = cJSON_GetObjectItemCaseSensitive(e, "template");
+            if (!cJSON_IsString(tt)) continue;
+            if (!tmpl || (cJSON_IsString(nm) && strcmp(nm->valuestring, "default") == 0)) tmpl = tt->valuestring;
+        }
+    }
+    return tmpl;
+}
+
+/* tokenizer_config.json next to path, when there: BOS/EOS/pad, add_bos/add_eos and the chat
+ * template; EOS guessed as <|endoftext|> without one. */
+static kvb_status hf_read_config(hf_conv *c, const char *path, kvb_err *err) {
+    c->bos = c->eos = c->pad = -1;
+    char *cpath = config_path(path);
+    if (!cpath) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory converting %s", path);
     FILE *cf = fopen(cpath, "rb");
     if (cf) {
         fclose(cf);
-        kvb_status cst;
-        cfg = parse_json(cpath, err, &cst);
-        if (!cfg) {
-            st = cst;
-            goto done;
-        }
-        bos = find_token(&v, token_text(cJSON_GetObjectItemCaseSensitive(cfg, "bos_token")));
-        eos = find_token(&v, token_text(cJSON_GetObjectItemCaseSensitive(cfg, "eos_token")));
-        pad = find_token(&v, token_text(cJSON_GetObjectItemCaseSensitive(cfg, "pad_token")));
-        add_bos = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(cfg, "add_bos_token"));
-        add_eos = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(cfg, "add_eos_token"));
-        const cJSON *ct = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template");
-        if (cJSON_IsString(ct)) {
-            tmpl = ct->valuestring;
-        } else if (cJSON_IsArray(ct)) { /* [{"name": "default", "template": "..."}, ...] */
-            const cJSON *e;
-            cJSON_ArrayForEach(e, ct) {
-                const cJSON *nm2 = cJSON_GetObjectItemCaseSensitive(e, "name");
-                const cJSON *tt = cJSON_GetObjectItemCaseSensitive(e, "template");
-                if (!cJSON_IsString(tt)) continue;
-                if (!tmpl || (cJSON_IsString(nm2) && strcmp(nm2->valuestring, "default") == 0)) tmpl = tt->valuestring;
-            }
-        }
+        kvb_status st;
+        c->cfg = parse_json(cpath, err, &st);
+        free(cpath);
+        if (!c->cfg) return st;
+        c->bos = find_token(&c->v, token_text(cJSON_GetObjectItemCaseSensitive(c->cfg, "bos_token")));
+        c->eos = find_token(&c->v, token_text(cJSON_GetObjectItemCaseSensitive(c->cfg, "eos_token")));
+        c->pad = find_token(&c->v, token_text(cJSON_GetObjectItemCaseSensitive(c->cfg, "pad_token")));
+        c->add_bos = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(c->cfg, "add_bos_token"));
+        c->add_eos = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(c->cfg, "add_eos_token"));
+        c->tmpl = hf_chat_template(c->cfg);
     } else {
         kvb_log(KVB_LOG_INFO, "%s not found: BOS/EOS guessed, no chat template", cpath);
+        free(cpath);
     }
-    if (eos < 0) eos = find_token(&v, "<|endoftext|>");
-    if (bos < 0) add_bos = false;
+    if (c->eos < 0) c->eos = find_token(&c->v, "<|endoftext|>");
+    if (c->bos < 0) c->add_bos = false;
+    return KVB_OK;
+}
 
-    if ((st = pad_vocab(v.toks, v.types, n, pad_to, &pt, &ptypes, &m, &rbuf, err))) goto done;
+/* The tokenizer.* keys of the converted vocabulary, padded to pad_to tokens; *n_vocab = its size. */
+static kvb_status hf_write_keys(kvb_gguf_writer *w, const hf_conv *c, const char *pre, uint32_t pad_to,
+                                uint32_t *n_vocab, kvb_err *err) {
+    kvb_gguf_str *pt = NULL;
+    int32_t *ptypes = NULL;
+    char *rbuf = NULL;
+    uint32_t m = 0;
+    kvb_status st = pad_vocab(c->v.toks, c->v.types, c->v.n, pad_to, &pt, &ptypes, &m, &rbuf, err);
+    if (st) goto done;
     if ((st = kvb_gguf_writer_add_str(w, "tokenizer.ggml.model", "gpt2", err)) ||
         (st = kvb_gguf_writer_add_str(w, "tokenizer.ggml.pre", pre, err)) ||
         (st = kvb_gguf_writer_add_arr_str(w, "tokenizer.ggml.tokens", pt, m, err)) ||
         (st = kvb_gguf_writer_add_arr(w, "tokenizer.ggml.token_type", KVB_GGUF_I32, ptypes, m, err)) ||
-        (st = kvb_gguf_writer_add_arr_str(w, "tokenizer.ggml.merges", merges, (uint64_t)(nm > 0 ? nm : 0), err)))
+        (st = kvb_gguf_writer_add_arr_str(w, "tokenizer.ggml.merges", c->merges,
+                                          (uint64_t)(c->n_merges > 0 ? c->n_merges : 0), err)))
         goto done;
-    if (bos >= 0 && (st = kvb_gguf_writer_add_u32(w, "tokenizer.ggml.bos_token_id", (uint32_t)bos, err))) goto done;
-    if (eos >= 0 && (st = kvb_gguf_writer_add_u32(w, "tokenizer.ggml.eos_token_id", (uint32_t)eos, err))) goto done;
-    if (pad >= 0 && (st = kvb_gguf_writer_add_u32(w, "tokenizer.ggml.padding_token_id", (uint32_t)pad, err))) goto done;
-    if ((st = kvb_gguf_writer_add_bool(w, "tokenizer.ggml.add_bos_token", add_bos, err)) ||
-        (st = kvb_gguf_writer_add_bool(w, "tokenizer.ggml.add_eos_token", add_eos, err)))
+    if (c->bos >= 0 && (st = kvb_gguf_writer_add_u32(w, "tokenizer.ggml.bos_token_id", (uint32_t)c->bos, err))) goto done;
+    if (c->eos >= 0 && (st = kvb_gguf_writer_add_u32(w, "tokenizer.ggml.eos_token_id", (uint32_t)c->eos, err))) goto done;
+    if (c->pad >= 0 && (st = kvb_gguf_writer_add_u32(w, "tokenizer.ggml.padding_token_id", (uint32_t)c->pad, err)))
         goto done;
-    if (tmpl && (st = kvb_gguf_writer_add_str(w, "tokenizer.chat_template", tmpl, err))) goto done;
+    if ((st = kvb_gguf_writer_add_bool(w, "tokenizer.ggml.add_bos_token", c->add_bos, err)) ||
+        (st = kvb_gguf_writer_add_bool(w, "tokenizer.ggml.add_eos_token", c->add_eos, err)))
+        goto done;
+    if (c->tmpl && (st = kvb_gguf_writer_add_str(w, "tokenizer.chat_template", c->tmpl, err))) goto done;
     *n_vocab = m;
-    goto done;
-nomem:
-    st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory converting %s", path);
 done:
-    cJSON_Delete(root);
-    cJSON_Delete(cfg);
-    free(v.toks);
-    free(v.types);
-    free(merges);
-    free(merge_buf);
-    free(pad_buf);
-    free(cpath);
     free(pt);
     free(ptypes);
     free(rbuf);
+    return st;
+}
+
+kvb_status kvb_vocab_from_hf_json(kvb_gguf_writer *w, const char *path, uint32_t pad_to, uint32_t *n_vocab,
+                                  kvb_err *err) {
+    kvb_status st = KVB_OK;
+    cJSON *root = parse_json(path, err, &st);
+    if (!root) return st;
+    hf_conv c = {0};
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
+    const cJSON *mtype = cJSON_GetObjectItemCaseSensitive(model, "type");
+    const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(model, "vocab");
+    const cJSON *jmerges = cJSON_GetObjectItemCaseSensitive(model, "merges");
+    const cJSON *added = cJSON_GetObjectItemCaseSensitive(root, "added_tokens");
+    const char *pre = NULL;
+    if (!cJSON_IsString(mtype) || strcmp(mtype->valuestring, "BPE") != 0 || !cJSON_IsObject(vocab) ||
+        !cJSON_IsArray(jmerges))
+        st = kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: not a BPE tokenizer.json (model.type \"BPE\" with vocab and merges)",
+                         path);
+    if (!st && !(st = detect_pre(root, path, &pre, err)) && !(st = hf_check_supported(root, path, pre, err)) &&
+        !(st = hf_read_vocab(&c, vocab, added, path, err)) && !(st = hf_read_merges(&c, jmerges, path, err)) &&
+        !(st = hf_read_config(&c, path, err)))
+        st = hf_write_keys(w, &c, pre, pad_to, n_vocab, err);
+    cJSON_Delete(root);
+    cJSON_Delete(c.cfg);
+    free(c.v.toks);
+    free(c.v.types);
+    free(c.merges);
+    free(c.merge_buf);
+    free(c.pad_buf);
     return st;
 }

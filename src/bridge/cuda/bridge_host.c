@@ -128,12 +128,9 @@ static kvb_status upload(void **dst, const void *src, size_t bytes, kvb_err *err
     return KVB_OK;
 }
 
-/* A bridge for KV heads [h0, h0 + nh) on the current device. */
-static kvb_status create_shard(const kvb_model *m, uint32_t dtype, uint32_t max_tokens, uint32_t h0, uint32_t nh,
-                               kvb_bridge_cuda **out, kvb_err *err) {
-    *out = NULL;
-    const kvb_model_desc *d = &m->d;
-    for (uint32_t l = 0; l < d->n_layer; l++) {
+/* Whether the CUDA bridge reproduces m's K/V weights and writes a cache of dtype. */
+static kvb_status shard_check(const kvb_model *m, uint32_t dtype, kvb_err *err) {
+    for (uint32_t l = 0; l < m->d.n_layer; l++) {
         const kvb_mat *ws[2] = {&m->layers[l].wk, &m->layers[l].wv};
         for (int i = 0; i < 2; i++)
             if (!bridge_weight_type(ws[i]->type))
@@ -144,50 +141,30 @@ static kvb_status create_shard(const kvb_model *m, uint32_t dtype, uint32_t max_
     }
     if (dtype != KVB_TYPE_F32 && dtype != KVB_TYPE_F16 && dtype != KVB_TYPE_BF16 && dtype != KVB_TYPE_Q8_0)
         return kvb_err_set(err, KVB_ERR_INVALID, "cache type %s is not one the bridge writes", kvb_type_name(dtype));
-    kvb_bridge_cuda *b = calloc(1, sizeof *b);
-    if (b) {
-        pthread_mutex_init(&b->mu, NULL);
-        pthread_cond_init(&b->cv, NULL);
-    }
-    if (!b) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
-    b->m = m;
-    b->dtype = dtype;
-    b->max_tokens = max_tokens;
-    b->h0 = h0;
-    b->nh = nh;
-    b->n_ranks = 1;
-    b->leader = b;
-    b->ranks[0] = b;
+    return KVB_OK;
+}
+
+/* b->n_slots: the default, or KVB_BRIDGE_SLOTS (more slots absorb the link's jitter, for pinned
+ * memory). */
+static kvb_status shard_slots(kvb_bridge_cuda *b, kvb_err *err) {
     b->n_slots = BRIDGE_DEFAULT_SLOTS;
-    const char *ns = getenv("KVB_BRIDGE_SLOTS"); /* more slots absorb the link's jitter, for pinned memory */
+    const char *ns = getenv("KVB_BRIDGE_SLOTS");
     if (ns && *ns) {
         char *end;
         long v = strtol(ns, &end, 10);
-        if (*end || v < 2 || v > BRIDGE_MAX_SLOTS) {
-            kvb_bridge_cuda_free(b);
+        if (*end || v < 2 || v > BRIDGE_MAX_SLOTS)
             return kvb_err_set(err, KVB_ERR_INVALID, "KVB_BRIDGE_SLOTS must be 2..%d, got '%s'", BRIDGE_MAX_SLOTS, ns);
-        }
         b->n_slots = (uint32_t)v;
     }
-    b->row_bytes = kvb_row_bytes(dtype, d->head_dim);
-    const size_t E = d->n_embd, KV = (size_t)nh * d->head_dim, half = d->n_rot / 2, r0 = (size_t)h0 * d->head_dim;
-    const uint32_t at = kvb_act_type(m->layers[0].wk.type);
-    b->act_stride = kvb_row_bytes(at == KVB_TYPE_Q8_0 || kvb_act_type(m->layers[0].wv.type) == KVB_TYPE_Q8_0
-                                      ? KVB_TYPE_F32 : at, (int64_t)E); /* f32 is the widest activation row */
-    kvb_status st = kvb_rope_tables_init(&b->rope, m, 0, err);
-    if (st) {
-        free(b);
-        return st;
-    }
-    const int pool_threads = kvb_cpu_count() / 2 < 8 ? kvb_cpu_count() / 2 : 8; /* half the CPUs, at most 8 */
-    if (pool_threads > 1 && (st = kvb_pool_create(pool_threads, &b->rope_pool, err))) goto fail;
-    b->h_cos = malloc(sizeof(float) * half * max_tokens);
-    b->h_sin = malloc(sizeof(float) * half * max_tokens);
-    b->layers = calloc(d->n_layer, sizeof *b->layers);
-    if (!b->h_cos || !b->h_sin || !b->layers) {
-        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
-        goto fail;
-    }
+    return KVB_OK;
+}
+
+/* Each layer's K/V weight rows of this shard's heads (rows r0 .. r0 + KV), biases and K norm, on
+ * the device; then, where tensor cores take the type, the weights unpacked to int8 (*any_i8). */
+static kvb_status shard_weights(kvb_bridge_cuda *b, size_t r0, size_t KV, bool *any_i8, kvb_err *err) {
+    const kvb_model *m = b->m;
+    const kvb_model_desc *d = &m->d;
+    kvb_status st = KVB_OK;
     for (uint32_t l = 0; l < d->n_layer && !st; l++) {
         const kvb_layer_weights *w = &m->layers[l];
         bridge_layer *bl = &b->layers[l];
@@ -204,46 +181,98 @@ static kvb_status create_shard(const kvb_model *m, uint32_t dtype, uint32_t max_
         if (!st) st = upload((void **)&bl->bv, w->bv ? w->bv + r0 : NULL, KV * sizeof(float), err);
         if (!st) st = upload((void **)&bl->knorm, w->k_norm, d->head_dim * sizeof(float), err);
     }
-    if (st) goto fail;
+    if (st) return st;
     const char *nv = getenv("KVB_BRIDGE_NAIVE");
     b->naive = nv && *nv && *nv != '0';
-    bool any_i8 = false;
+    *any_i8 = false;
     for (uint32_t l = 0; l < d->n_layer && !st; l++) {
         const kvb_layer_weights *w = &m->layers[l];
         bridge_layer *bl = &b->layers[l];
-        if (!st && tensor_core_type(w->wk.type) && E % 32 == 0 && nh) {
+        if (!st && tensor_core_type(w->wk.type) && d->n_embd % 32 == 0 && b->nh) {
             st = unpack(&bl->wk_m, bl->wk, &bl->wk_q, &bl->wk_s, err);
-            any_i8 = true;
+            *any_i8 = true;
         }
-        if (!st && tensor_core_type(w->wv.type) && E % 32 == 0 && nh) {
+        if (!st && tensor_core_type(w->wv.type) && d->n_embd % 32 == 0 && b->nh) {
             st = unpack(&bl->wv_m, bl->wv, &bl->wv_q, &bl->wv_s, err);
-            any_i8 = true;
+            *any_i8 = true;
         }
     }
-    if (st) goto fail;
-#define ALLOC(p, bytes) KVB_CU_GOTO(cudaMalloc((void **)&(p), (bytes)))
+    return st;
+}
+
+/* The device buffers for max_tokens tokens: the int8 activations (any_i8), hidden states, K/V,
+ * rope tables, activation rows and each slot's rows. KV: this shard's K/V width. */
+static kvb_status shard_buffers(kvb_bridge_cuda *b, size_t KV, bool any_i8, kvb_err *err) {
+    const size_t E = b->m->d.n_embd, half = b->m->d.n_rot / 2, max_tokens = b->max_tokens, nh = b->nh;
     if (any_i8) {
         const size_t qb = kvb_bk_aq_bytes(max_tokens, E), sb = kvb_bk_asc_count(max_tokens, E) * sizeof(float);
-        KVB_CU_GOTO((cudaError_t)kvb_bk_project_i8_init()); /* on this bridge's device (an attribute per device) */
-        ALLOC(b->d_aq, qb);
-        ALLOC(b->d_asc, sb);
-        KVB_CU_GOTO(cudaMemset(b->d_aq, 0, qb)); /* the pad tokens of the last 16-token tile: finite */
-        KVB_CU_GOTO(cudaMemset(b->d_asc, 0, sb));
+        KVB_CU((cudaError_t)kvb_bk_project_i8_init()); /* on this bridge's device (an attribute per device) */
+        KVB_CU(cudaMalloc((void **)&b->d_aq, qb));
+        KVB_CU(cudaMalloc((void **)&b->d_asc, sb));
+        KVB_CU(cudaMemset(b->d_aq, 0, qb)); /* the pad tokens of the last 16-token tile: finite */
+        KVB_CU(cudaMemset(b->d_asc, 0, sb));
     }
-    ALLOC(b->d_h, (size_t)max_tokens * E * sizeof(float));
-    ALLOC(b->d_k, (size_t)max_tokens * (KV ? KV : 1) * sizeof(float));
-    ALLOC(b->d_v, (size_t)max_tokens * (KV ? KV : 1) * sizeof(float));
+    KVB_CU(cudaMalloc((void **)&b->d_h, max_tokens * E * sizeof(float)));
+    KVB_CU(cudaMalloc((void **)&b->d_k, max_tokens * (KV ? KV : 1) * sizeof(float)));
+    KVB_CU(cudaMalloc((void **)&b->d_v, max_tokens * (KV ? KV : 1) * sizeof(float)));
     for (uint32_t k = 0; k < b->rope.n_kinds && k < 2; k++) {
-        ALLOC(b->d_cos[k], (size_t)max_tokens * half * sizeof(float));
-        ALLOC(b->d_sin[k], (size_t)max_tokens * half * sizeof(float));
+        KVB_CU(cudaMalloc((void **)&b->d_cos[k], max_tokens * half * sizeof(float)));
+        KVB_CU(cudaMalloc((void **)&b->d_sin[k], max_tokens * half * sizeof(float)));
     }
-    ALLOC(b->d_act, (size_t)max_tokens * b->act_stride);
+    KVB_CU(cudaMalloc((void **)&b->d_act, max_tokens * b->act_stride));
     for (uint32_t i = 0; i < b->n_slots; i++) {
-        ALLOC(b->d_krows[i], (size_t)max_tokens * (nh ? nh : 1) * b->row_bytes);
-        ALLOC(b->d_vrows[i], (size_t)max_tokens * (nh ? nh : 1) * b->row_bytes);
+        KVB_CU(cudaMalloc((void **)&b->d_krows[i], max_tokens * (nh ? nh : 1) * b->row_bytes));
+        KVB_CU(cudaMalloc((void **)&b->d_vrows[i], max_tokens * (nh ? nh : 1) * b->row_bytes));
     }
-#undef ALLOC
-    KVB_CU_GOTO(cudaDeviceSynchronize()); /* the unpacking kernels */
+    KVB_CU(cudaDeviceSynchronize()); /* the unpacking kernels */
+    return KVB_OK;
+}
+
+/* A bridge for KV heads [h0, h0 + nh) on the current device. */
+static kvb_status create_shard(const kvb_model *m, uint32_t dtype, uint32_t max_tokens, uint32_t h0, uint32_t nh,
+                               kvb_bridge_cuda **out, kvb_err *err) {
+    *out = NULL;
+    const kvb_model_desc *d = &m->d;
+    kvb_status st = shard_check(m, dtype, err);
+    if (st) return st;
+    kvb_bridge_cuda *b = calloc(1, sizeof *b);
+    if (b) {
+        pthread_mutex_init(&b->mu, NULL);
+        pthread_cond_init(&b->cv, NULL);
+    }
+    if (!b) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    b->m = m;
+    b->dtype = dtype;
+    b->max_tokens = max_tokens;
+    b->h0 = h0;
+    b->nh = nh;
+    b->n_ranks = 1;
+    b->leader = b;
+    b->ranks[0] = b;
+    if ((st = shard_slots(b, err))) {
+        kvb_bridge_cuda_free(b);
+        return st;
+    }
+    b->row_bytes = kvb_row_bytes(dtype, d->head_dim);
+    const size_t E = d->n_embd, KV = (size_t)nh * d->head_dim, half = d->n_rot / 2, r0 = (size_t)h0 * d->head_dim;
+    const uint32_t at = kvb_act_type(m->layers[0].wk.type);
+    b->act_stride = kvb_row_bytes(at == KVB_TYPE_Q8_0 || kvb_act_type(m->layers[0].wv.type) == KVB_TYPE_Q8_0
+                                      ? KVB_TYPE_F32 : at, (int64_t)E); /* f32 is the widest activation row */
+    if ((st = kvb_rope_tables_init(&b->rope, m, 0, err))) {
+        free(b);
+        return st;
+    }
+    const int pool_threads = kvb_cpu_count() / 2 < 8 ? kvb_cpu_count() / 2 : 8; /* half the CPUs, at most 8 */
+    if (pool_threads > 1 && (st = kvb_pool_create(pool_threads, &b->rope_pool, err))) goto fail;
+    b->h_cos = malloc(sizeof(float) * half * max_tokens);
+    b->h_sin = malloc(sizeof(float) * half * max_tokens);
+    b->layers = calloc(d->n_layer, sizeof *b->layers);
+    if (!b->h_cos || !b->h_sin || !b->layers) {
+        st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    bool any_i8 = false;
+    if ((st = shard_weights(b, r0, KV, &any_i8, err)) || (st = shard_buffers(b, KV, any_i8, err))) goto fail;
     *out = b;
     return KVB_OK;
 fail:

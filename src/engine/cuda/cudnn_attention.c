@@ -281,10 +281,12 @@ static cudnnStatus_t matmul(graph_b *g, bdesc A, bdesc B, bdesc C, bdesc *op) {
     return g->a->api.Finalize(*op);
 }
 
-/* Builds the execution plan for one shape into slot (plan and workspace size). */
-static kvb_status build_plan(kvb_cudnn_attn *a, plan_slot *slot, kvb_err *err) {
+/* The attention graph's operations for slot's shape into ops[0..*n_ops): S = Q K^T * scale, the
+ * bottom-right causal mask, softmax with its statistics, O = P V. */
+static kvb_status graph_ops(graph_b *g, bdesc ops[16], int *n_ops, kvb_err *err) {
     kvb_status st = KVB_OK;
-    graph_b gb = {a, slot, UID_VIRTUAL}, *g = &gb;
+    kvb_cudnn_attn *a = g->a;
+    const plan_slot *slot = g->slot;
     const int64_t H = slot->H, Hkv = slot->Hkv, D = slot->D, sq = slot->s_q, skv = slot->s_kv;
     const cudnnDataType_t BF = CUDNN_DATA_BFLOAT16, F32 = CUDNN_DATA_FLOAT, I32 = CUDNN_DATA_INT32,
                           BOOL = CUDNN_DATA_BOOLEAN;
@@ -296,8 +298,7 @@ static kvb_status build_plan(kvb_cudnn_attn *a, plan_slot *slot, kvb_err *err) {
     const int64_t r_dim[4] = {1, H, sq, 1}, r_str[4] = {H * sq, sq, 1, 1};
     bdesc tq, tk, tv, to, tscale, tneg, tskv, tsq;
     bdesc s0, s1, row, col, row1, row2, mask, s2, mx, sub, ex, sum, lg, stats, p;
-    bdesc ops[16];
-    int n_ops = 0;
+    int n = 0;
     DNN(tensor(g, UID_Q, BF, q_dim, q_str, false, false, &tq));
     DNN(tensor(g, UID_K, BF, kt_dim, kt_str, false, false, &tk));
     DNN(tensor(g, UID_V, BF, v_dim, v_str, false, false, &tv));
@@ -308,90 +309,115 @@ static kvb_status build_plan(kvb_cudnn_attn *a, plan_slot *slot, kvb_err *err) {
     DNN(scalar(g, UID_S_Q, I32, &tsq));
     /* S = Q K^T; S * scale */
     DNN(tensor(g, -1, F32, s_dim, s_str, true, false, &s0));
-    DNN(matmul(g, tq, tk, s0, &ops[n_ops++]));
+    DNN(matmul(g, tq, tk, s0, &ops[n++]));
     DNN(tensor(g, -1, F32, s_dim, s_str, true, false, &s1));
-    DNN(pointwise(g, CUDNN_POINTWISE_MUL, F32, -1, s0, tscale, NULL, s1, &ops[n_ops++]));
+    DNN(pointwise(g, CUDNN_POINTWISE_MUL, F32, -1, s0, tscale, NULL, s1, &ops[n++]));
     /* causal, bottom right: keep where row + s_kv - s_q >= col */
     DNN(tensor(g, -1, I32, s_dim, s_str, true, false, &row));
-    DNN(pointwise(g, CUDNN_POINTWISE_GEN_INDEX, F32, 2, s1, NULL, NULL, row, &ops[n_ops++]));
+    DNN(pointwise(g, CUDNN_POINTWISE_GEN_INDEX, F32, 2, s1, NULL, NULL, row, &ops[n++]));
     DNN(tensor(g, -1, I32, s_dim, s_str, true, false, &col));
-    DNN(pointwise(g, CUDNN_POINTWISE_GEN_INDEX, F32, 3, s1, NULL, NULL, col, &ops[n_ops++]));
+    DNN(pointwise(g, CUDNN_POINTWISE_GEN_INDEX, F32, 3, s1, NULL, NULL, col, &ops[n++]));
     DNN(tensor(g, -1, I32, s_dim, s_str, true, false, &row1));
-    DNN(pointwise(g, CUDNN_POINTWISE_ADD, I32, -1, row, tskv, NULL, row1, &ops[n_ops++]));
+    DNN(pointwise(g, CUDNN_POINTWISE_ADD, I32, -1, row, tskv, NULL, row1, &ops[n++]));
     DNN(tensor(g, -1, I32, s_dim, s_str, true, false, &row2));
-    DNN(pointwise(g, CUDNN_POINTWISE_SUB, I32, -1, row1, tsq, NULL, row2, &ops[n_ops++]));
+    DNN(pointwise(g, CUDNN_POINTWISE_SUB, I32, -1, row1, tsq, NULL, row2, &ops[n++]));
     DNN(tensor(g, -1, BOOL, s_dim, s_str, true, false, &mask));
-    DNN(pointwise(g, CUDNN_POINTWISE_CMP_GE, BOOL, -1, row2, col, NULL, mask, &ops[n_ops++]));
+    DNN(pointwise(g, CUDNN_POINTWISE_CMP_GE, BOOL, -1, row2, col, NULL, mask, &ops[n++]));
     DNN(tensor(g, -1, F32, s_dim, s_str, true, false, &s2));
-    DNN(pointwise(g, CUDNN_POINTWISE_BINARY_SELECT, F32, -1, s1, tneg, mask, s2, &ops[n_ops++]));
+    DNN(pointwise(g, CUDNN_POINTWISE_BINARY_SELECT, F32, -1, s1, tneg, mask, s2, &ops[n++]));
     /* softmax with its (virtual) statistics, as the frontend lowers it */
     DNN(tensor(g, -1, F32, r_dim, r_str, true, false, &mx));
-    DNN(reduction(g, CUDNN_REDUCE_TENSOR_MAX, s2, mx, &ops[n_ops++]));
+    DNN(reduction(g, CUDNN_REDUCE_TENSOR_MAX, s2, mx, &ops[n++]));
     DNN(tensor(g, -1, F32, s_dim, s_str, true, false, &sub));
-    DNN(pointwise(g, CUDNN_POINTWISE_SUB, F32, -1, s2, mx, NULL, sub, &ops[n_ops++]));
+    DNN(pointwise(g, CUDNN_POINTWISE_SUB, F32, -1, s2, mx, NULL, sub, &ops[n++]));
     DNN(tensor(g, -1, F32, s_dim, s_str, true, false, &ex));
-    DNN(pointwise(g, CUDNN_POINTWISE_EXP, F32, -1, sub, NULL, NULL, ex, &ops[n_ops++]));
+    DNN(pointwise(g, CUDNN_POINTWISE_EXP, F32, -1, sub, NULL, NULL, ex, &ops[n++]));
     DNN(tensor(g, -1, F32, r_dim, r_str, true, false, &sum));
-    DNN(reduction(g, CUDNN_REDUCE_TENSOR_ADD, ex, sum, &ops[n_ops++]));
+    DNN(reduction(g, CUDNN_REDUCE_TENSOR_ADD, ex, sum, &ops[n++]));
     DNN(tensor(g, -1, F32, r_dim, r_str, true, false, &lg));
-    DNN(pointwise(g, CUDNN_POINTWISE_LOG, F32, -1, sum, NULL, NULL, lg, &ops[n_ops++]));
+    DNN(pointwise(g, CUDNN_POINTWISE_LOG, F32, -1, sum, NULL, NULL, lg, &ops[n++]));
     DNN(tensor(g, -1, F32, r_dim, r_str, true, false, &stats));
-    DNN(pointwise(g, CUDNN_POINTWISE_ADD, F32, -1, mx, lg, NULL, stats, &ops[n_ops++]));
+    DNN(pointwise(g, CUDNN_POINTWISE_ADD, F32, -1, mx, lg, NULL, stats, &ops[n++]));
     DNN(tensor(g, -1, BF, s_dim, s_str, true, false, &p));
-    DNN(pointwise(g, CUDNN_POINTWISE_DIV, F32, -1, ex, sum, NULL, p, &ops[n_ops++]));
+    DNN(pointwise(g, CUDNN_POINTWISE_DIV, F32, -1, ex, sum, NULL, p, &ops[n++]));
     /* O = P V */
-    DNN(matmul(g, p, tv, to, &ops[n_ops++]));
+    DNN(matmul(g, p, tv, to, &ops[n++]));
+done:
+    *n_ops = n;
+    return st;
+}
 
-    bdesc graph, heur;
+/* The finalized operation graph of ops[0..n_ops) and the heuristics query over it, in *heur. */
+static kvb_status graph_heuristics(graph_b *g, bdesc *ops, int n_ops, bdesc *heur, kvb_err *err) {
+    kvb_status st = KVB_OK;
+    kvb_cudnn_attn *a = g->a;
+    bdesc graph;
     DNN(make(g, CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, &graph));
     DNN(SET(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, n_ops, ops));
     DNN(SET(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &a->h));
     DNN(a->api.Finalize(graph));
-    DNN(make(g, CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, &heur));
-    {
-        const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
-        DNN(SET(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &graph));
-        DNN(SET(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode));
-        DNN(a->api.Finalize(heur));
-    }
-    {
-        enum { MAX_CFG = 8 };
-        bdesc cfgs[MAX_CFG];
-        int64_t n_cfg = 0;
-        for (int i = 0; i < MAX_CFG; i++) DNN(make(g, CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &cfgs[i]));
-        DNN(a->api.GetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, MAX_CFG, &n_cfg,
-                               cfgs));
-        cudnnStatus_t last = CUDNN_STATUS_NOT_SUPPORTED;
-        char why[512] = "";
-        for (int64_t i = 0; i < n_cfg && i < MAX_CFG; i++) {
-            bdesc plan = NULL;
-            cudnnStatus_t s = a->api.CreateDescriptor(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &plan);
-            if (s == CUDNN_STATUS_SUCCESS) s = a->api.SetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE,
-                                                                   CUDNN_TYPE_HANDLE, 1, &a->h);
-            if (s == CUDNN_STATUS_SUCCESS)
-                s = a->api.SetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
-                                        &cfgs[i]);
-            if (s == CUDNN_STATUS_SUCCESS) s = a->api.Finalize(plan);
-            int64_t ws = 0, got = 0;
-            if (s == CUDNN_STATUS_SUCCESS)
-                s = a->api.GetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &got, &ws);
-            if (s == CUDNN_STATUS_SUCCESS) {
-                slot->plan = plan;
-                slot->ws_bytes = ws;
-                goto done;
-            }
-            last = s;
-            a->api.GetLastErrorString(why, sizeof why);
-            if (plan) a->api.DestroyDescriptor(plan);
-        }
-        st = kvb_err_set(err, KVB_ERR_UNSUPPORTED,
-                         "cuDNN: no engine for attention H %lld/%lld D %lld, %lld queries over %lld keys "
-                         "(%lld configurations tried, last: %s%s%s)",
-                         (long long)H, (long long)Hkv, (long long)D, (long long)sq, (long long)skv, (long long)n_cfg,
-                         a->api.GetErrorString(last), why[0] ? ": " : "", why);
-    }
+    DNN(make(g, CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, heur));
+    const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
+    DNN(SET(*heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &graph));
+    DNN(SET(*heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode));
+    DNN(a->api.Finalize(*heur));
 done:
-    return st; /* the descriptors stay with the slot (freed by slot_clear) */
+    return st;
+}
+
+/* The first of the heuristics' engine configurations that finalizes into an execution plan:
+ * slot->plan and slot->ws_bytes. */
+static kvb_status pick_plan(graph_b *g, bdesc heur, kvb_err *err) {
+    kvb_status st = KVB_OK;
+    kvb_cudnn_attn *a = g->a;
+    plan_slot *slot = g->slot;
+    enum { MAX_CFG = 8 };
+    bdesc cfgs[MAX_CFG];
+    int64_t n_cfg = 0;
+    for (int i = 0; i < MAX_CFG; i++) DNN(make(g, CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &cfgs[i]));
+    DNN(a->api.GetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, MAX_CFG, &n_cfg, cfgs));
+    cudnnStatus_t last = CUDNN_STATUS_NOT_SUPPORTED;
+    char why[512] = "";
+    for (int64_t i = 0; i < n_cfg && i < MAX_CFG; i++) {
+        bdesc plan = NULL;
+        cudnnStatus_t s = a->api.CreateDescriptor(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &plan);
+        if (s == CUDNN_STATUS_SUCCESS) s = a->api.SetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE,
+                                                               CUDNN_TYPE_HANDLE, 1, &a->h);
+        if (s == CUDNN_STATUS_SUCCESS)
+            s = a->api.SetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
+                                    &cfgs[i]);
+        if (s == CUDNN_STATUS_SUCCESS) s = a->api.Finalize(plan);
+        int64_t ws = 0, got = 0;
+        if (s == CUDNN_STATUS_SUCCESS)
+            s = a->api.GetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &got, &ws);
+        if (s == CUDNN_STATUS_SUCCESS) {
+            slot->plan = plan;
+            slot->ws_bytes = ws;
+            return KVB_OK;
+        }
+        last = s;
+        a->api.GetLastErrorString(why, sizeof why);
+        if (plan) a->api.DestroyDescriptor(plan);
+    }
+    st = kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                     "cuDNN: no engine for attention H %lld/%lld D %lld, %lld queries over %lld keys "
+                     "(%lld configurations tried, last: %s%s%s)",
+                     (long long)slot->H, (long long)slot->Hkv, (long long)slot->D, (long long)slot->s_q,
+                     (long long)slot->s_kv, (long long)n_cfg, a->api.GetErrorString(last), why[0] ? ": " : "", why);
+done:
+    return st;
+}
+
+/* Builds the execution plan for one shape into slot (plan and workspace size). The descriptors
+ * stay with the slot (freed by slot_clear). */
+static kvb_status build_plan(kvb_cudnn_attn *a, plan_slot *slot, kvb_err *err) {
+    graph_b g = {a, slot, UID_VIRTUAL};
+    bdesc ops[16], heur;
+    int n_ops = 0;
+    kvb_status st = graph_ops(&g, ops, &n_ops, err);
+    if (!st) st = graph_heuristics(&g, ops, n_ops, &heur, err);
+    if (!st) st = pick_plan(&g, heur, err);
+    return st;
 }
 
 /* ---- the contract ---------------------------------------------------------------------------- */

@@ -805,6 +805,73 @@ static kvb_status choose_weights(kvb_cuda_engine *e, kvb_err *err) {
     return KVB_OK;
 }
 
+/* The device: its properties (sm_90 required), the streams and events, cuBLAS on the engine's
+ * stream with its workspace. */
+static kvb_status device_setup(kvb_cuda_engine *e, kvb_err *err) {
+    const kvb_cuda_opts *o = &e->o;
+    KVB_CU(cudaSetDevice(o->device));
+    struct cudaDeviceProp prop;
+    KVB_CU(cudaGetDeviceProperties(&prop, o->device));
+    snprintf(e->dev_name, sizeof e->dev_name, "%s", prop.name);
+    e->n_sm = prop.multiProcessorCount;
+    e->cc_major = prop.major;
+    e->cc_minor = prop.minor;
+    e->dev_total = prop.totalGlobalMem;
+    if (prop.major != 9)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                           "%s has compute capability %d.%d; this build carries GPU code for sm_90 (Hopper) only",
+                           prop.name, prop.major, prop.minor);
+    KVB_CU(cudaStreamCreateWithFlags(&e->st, cudaStreamNonBlocking));
+    if (e->comm && o->tp_overlap) {
+        KVB_CU(cudaStreamCreateWithFlags(&e->comm_st, cudaStreamNonBlocking));
+        KVB_CU(cudaEventCreateWithFlags(&e->ev_rows, cudaEventDisableTiming));
+        KVB_CU(cudaEventCreateWithFlags(&e->ev_comm, cudaEventDisableTiming));
+    }
+    cublasStatus_t cs = cublasCreate(&e->cublas);
+    if (cs != CUBLAS_STATUS_SUCCESS) {
+        e->cublas = NULL;
+        return kvb_cublas_fail(err, cs, "cublasCreate", __FILE__, __LINE__);
+    }
+    const size_t ws = (size_t)32 << 20;
+    kvb_status st = dev_alloc(e, &e->cublas_ws, ws, &e->act_bytes, "cuBLAS workspace", err);
+    if (st) return st;
+    if ((cs = cublasSetStream(e->cublas, e->st)) != CUBLAS_STATUS_SUCCESS ||
+        (cs = cublasSetWorkspace(e->cublas, e->cublas_ws, ws)) != CUBLAS_STATUS_SUCCESS)
+        return kvb_cublas_fail(err, cs, "cublasSetStream/cublasSetWorkspace", __FILE__, __LINE__);
+    return KVB_OK;
+}
+
+/* The KV cache pool (o->n_blocks blocks) with its block manager, and the activation buffers for
+ * o->max_batch tokens. */
+static kvb_status alloc_cache_and_activations(kvb_cuda_engine *e, kvb_err *err) {
+    const kvb_cuda_opts *o = &e->o;
+    const kvb_model_desc *d = &e->m->d;
+    kvb_status st;
+    uint64_t kvb;
+    if (kvb_mul_overflow_u64(e->block_bytes, o->n_blocks, &kvb))
+        return kvb_err_set(err, KVB_ERR_RANGE, "KV cache of %u blocks is too large", o->n_blocks);
+    if ((st = dev_alloc(e, (void **)&e->kv_pool, kvb, &e->kv_bytes, "the KV cache", err))) return st;
+    if ((st = bm_init(&e->bm, o->n_blocks, err))) return st;
+    e->chain_root = kvb_chain_root(e->m->fingerprint, kvb_kvformat_fingerprint(&e->fmt));
+    const size_t B = o->max_batch, E = d->n_embd, D = d->head_dim, Q = (size_t)e->nh * D;
+    const size_t S = Q + 2 * (size_t)e->nkv * D, FF = e->nff;
+    e->logit_rows = o->max_batch < 64 ? o->max_batch : 64;
+    if ((st = dev_alloc(e, (void **)&e->x, B * E * 4, &e->act_bytes, "activations", err)) ||
+        (st = dev_alloc(e, &e->h, B * E * 2, &e->act_bytes, "activations", err)) ||
+        (o->layer_hook && (st = dev_alloc(e, (void **)&e->h32, B * E * 4, &e->act_bytes, "activations", err))) ||
+        (d->has_post_norms && (st = dev_alloc(e, (void **)&e->o32, B * E * 4, &e->act_bytes, "activations", err))) ||
+        (st = dev_alloc(e, (void **)&e->qkv, B * S * 4, &e->act_bytes, "activations", err)) ||
+        (st = dev_alloc(e, &e->q, B * Q * 2, &e->act_bytes, "activations", err)) ||
+        (st = dev_alloc(e, &e->att, B * Q * 2, &e->act_bytes, "activations", err)) ||
+        (st = dev_alloc(e, &e->gu, B * 2 * FF * 2, &e->act_bytes, "activations", err)) ||
+        (st = dev_alloc(e, &e->act, B * FF * 2, &e->act_bytes, "activations", err)) ||
+        (st = dev_alloc(e, (void **)&e->d_tok, (size_t)o->max_ctx * 4, &e->act_bytes, "token ids", err)) ||
+        (st = dev_alloc(e, (void **)&e->logits_d, (size_t)e->logit_rows * d->n_vocab * 4, &e->act_bytes, "logits",
+                        err)))
+        return st;
+    return KVB_OK;
+}
+
 kvb_status kvb_cu_engine_create_rank(const kvb_model *m, const kvb_cuda_opts *opts, int rank, int size,
                                      kvb_tp_comm *comm, kvb_cuda_engine **out, kvb_err *err) {
     *out = NULL;
@@ -828,42 +895,7 @@ kvb_status kvb_cu_engine_create_rank(const kvb_model *m, const kvb_cuda_opts *op
     if ((st = kvb_kvformat_init(&e->fmt, KVB_TYPE_BF16, o->block_tokens, d->n_layer, e->nkv, d->head_dim, err)))
         goto fail;
     e->block_bytes = kvb_kvformat_block_bytes(&e->fmt);
-
-    KVB_CU_GOTO(cudaSetDevice(o->device));
-    struct cudaDeviceProp prop;
-    KVB_CU_GOTO(cudaGetDeviceProperties(&prop, o->device));
-    snprintf(e->dev_name, sizeof e->dev_name, "%s", prop.name);
-    e->n_sm = prop.multiProcessorCount;
-    e->cc_major = prop.major;
-    e->cc_minor = prop.minor;
-    e->dev_total = prop.totalGlobalMem;
-    if (prop.major != 9) {
-        st = kvb_err_set(err, KVB_ERR_UNSUPPORTED,
-                         "%s has compute capability %d.%d; this build carries GPU code for sm_90 (Hopper) only",
-                         prop.name, prop.major, prop.minor);
-        goto fail;
-    }
-    KVB_CU_GOTO(cudaStreamCreateWithFlags(&e->st, cudaStreamNonBlocking));
-    if (comm && o->tp_overlap) {
-        KVB_CU_GOTO(cudaStreamCreateWithFlags(&e->comm_st, cudaStreamNonBlocking));
-        KVB_CU_GOTO(cudaEventCreateWithFlags(&e->ev_rows, cudaEventDisableTiming));
-        KVB_CU_GOTO(cudaEventCreateWithFlags(&e->ev_comm, cudaEventDisableTiming));
-    }
-    {
-        cublasStatus_t cs = cublasCreate(&e->cublas);
-        if (cs != CUBLAS_STATUS_SUCCESS) {
-            e->cublas = NULL;
-            st = kvb_cublas_fail(err, cs, "cublasCreate", __FILE__, __LINE__);
-            goto fail;
-        }
-        const size_t ws = (size_t)32 << 20;
-        if ((st = dev_alloc(e, &e->cublas_ws, ws, &e->act_bytes, "cuBLAS workspace", err))) goto fail;
-        if ((cs = cublasSetStream(e->cublas, e->st)) != CUBLAS_STATUS_SUCCESS ||
-            (cs = cublasSetWorkspace(e->cublas, e->cublas_ws, ws)) != CUBLAS_STATUS_SUCCESS) {
-            st = kvb_cublas_fail(err, cs, "cublasSetStream/cublasSetWorkspace", __FILE__, __LINE__);
-            goto fail;
-        }
-    }
+    if ((st = device_setup(e, err))) goto fail;
     KVB_CU_GOTO(kvb_cu_attention_init());
     if ((st = attention_setup(e, err))) goto fail;
 
@@ -871,36 +903,7 @@ kvb_status kvb_cu_engine_create_rank(const kvb_model *m, const kvb_cuda_opts *op
     if ((st = choose_weights(e, err))) goto fail;
     if ((st = upload_weights(e, pool, err))) goto fail;
     if ((st = upload_rope(e, pool, err))) goto fail;
-
-    {
-        uint64_t kvb;
-        if (kvb_mul_overflow_u64(e->block_bytes, o->n_blocks, &kvb)) {
-            st = kvb_err_set(err, KVB_ERR_RANGE, "KV cache of %u blocks is too large", o->n_blocks);
-            goto fail;
-        }
-        if ((st = dev_alloc(e, (void **)&e->kv_pool, kvb, &e->kv_bytes, "the KV cache", err))) goto fail;
-        if ((st = bm_init(&e->bm, o->n_blocks, err))) goto fail;
-        e->chain_root = kvb_chain_root(m->fingerprint, kvb_kvformat_fingerprint(&e->fmt));
-    }
-    {
-        const size_t B = o->max_batch, E = d->n_embd, D = d->head_dim, Q = (size_t)e->nh * D;
-        const size_t S = Q + 2 * (size_t)e->nkv * D, FF = e->nff;
-        e->logit_rows = o->max_batch < 64 ? o->max_batch : 64;
-        if ((st = dev_alloc(e, (void **)&e->x, B * E * 4, &e->act_bytes, "activations", err)) ||
-            (st = dev_alloc(e, &e->h, B * E * 2, &e->act_bytes, "activations", err)) ||
-            (o->layer_hook && (st = dev_alloc(e, (void **)&e->h32, B * E * 4, &e->act_bytes, "activations", err))) ||
-            (d->has_post_norms &&
-             (st = dev_alloc(e, (void **)&e->o32, B * E * 4, &e->act_bytes, "activations", err))) ||
-            (st = dev_alloc(e, (void **)&e->qkv, B * S * 4, &e->act_bytes, "activations", err)) ||
-            (st = dev_alloc(e, &e->q, B * Q * 2, &e->act_bytes, "activations", err)) ||
-            (st = dev_alloc(e, &e->att, B * Q * 2, &e->act_bytes, "activations", err)) ||
-            (st = dev_alloc(e, &e->gu, B * 2 * FF * 2, &e->act_bytes, "activations", err)) ||
-            (st = dev_alloc(e, &e->act, B * FF * 2, &e->act_bytes, "activations", err)) ||
-            (st = dev_alloc(e, (void **)&e->d_tok, (size_t)o->max_ctx * 4, &e->act_bytes, "token ids", err)) ||
-            (st = dev_alloc(e, (void **)&e->logits_d, (size_t)e->logit_rows * d->n_vocab * 4, &e->act_bytes,
-                            "logits", err)))
-            goto fail;
-    }
+    if ((st = alloc_cache_and_activations(e, err))) goto fail;
     KVB_CU_GOTO(cudaDeviceSynchronize());
     kvb_pool_destroy(pool);
     *out = e;
