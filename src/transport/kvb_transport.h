@@ -379,9 +379,24 @@ struct kvb_wire_backend {
     /* Stops both directions now (wakes a thread blocked in send or receive); close still needed. */
     void (*shutdown)(kvb_link *link);
     void (*close)(kvb_link *link);
+    /* What carries the link, for logs, /metrics and doctor ("ucx posix/memory cma/memory");
+     * NULL: the backend's name says it all. */
+    void (*describe)(kvb_link *link, char *buf, size_t cap);
 };
 
 extern const kvb_wire_backend kvb_wire_backend_tcp;
+#ifdef KVB_HAVE_UCX
+/* UCX (ucp stream API): shared memory, TCP or RDMA as UCX selects at run time (UCX_TLS). */
+extern const kvb_wire_backend kvb_wire_backend_ucx;
+#endif
+/* "tcp" or "ucx" (NULL or "" = tcp) to its backend; a build without UCX refuses "ucx" with
+ * KVB_ERR_UNSUPPORTED and a message saying why; another name is KVB_ERR_INVALID. */
+kvb_status kvb_wire_backend_by_name(const char *name, const kvb_wire_backend **out, kvb_err *err);
+/* Whether this build carries the UCX backend. */
+bool kvb_wire_have_ucx(void);
+/* The transports (lanes) UCX selected for the most recent connection made or accepted in this
+ * process ("posix/memory cma/memory", "tcp/lo"), "none yet", or "not built" without UCX. */
+void kvb_ucx_last_lanes(char *buf, size_t cap);
 
 /* ==== connections ============================================================================
  * Failures are typed, so a caller decides on the code, never on the message:
@@ -523,6 +538,8 @@ typedef struct {
 void kvb_conn_get_stats(const kvb_conn *c, kvb_conn_stats *out);
 const kvb_hello *kvb_conn_peer_hello(const kvb_conn *c);
 const char *kvb_conn_peer_addr(const kvb_conn *c);
+/* What carries the connection: "tcp", or "ucx" and the lanes UCX selected. */
+void kvb_conn_describe(const kvb_conn *c, char *buf, size_t cap);
 /* false once any call failed (the connection must be dropped). */
 bool kvb_conn_usable(const kvb_conn *c);
 /* Stops both directions (another thread blocked in send/recv returns an error); close still needed. */
