@@ -175,7 +175,7 @@ static void describe_lanes(ucp_ep_h ep, char *out, size_t cap) {
         while (*s >= '0' && *s <= '9') s++; /* resource index "8:" */
         if (*s == ':') s++;
         size_t n = strcspn(s, " \n");
-        if (n == 0 || n >= 64) continue;
+        if (n == 0 || n >= 64 || !memchr(s, '/', n)) continue; /* "cm rdmacm": the connection manager */
         char tok[64];
         memcpy(tok, s, n);
         tok[n] = 0;
