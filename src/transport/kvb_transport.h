@@ -382,6 +382,10 @@ struct kvb_wire_backend {
     /* What carries the link, for logs, /metrics and doctor ("ucx posix/memory cma/memory");
      * NULL: the backend's name says it all. */
     void (*describe)(kvb_link *link, char *buf, size_t cap);
+    /* Called on both sides once the handshake passed (the peer proved the key), before the
+     * connection is handed out: a backend may move the link onto a faster path with what only a
+     * trusted peer may send (UCX: worker addresses). NULL: nothing to do. */
+    kvb_status (*authenticated)(kvb_link *link, double deadline, kvb_err *err);
 };
 
 extern const kvb_wire_backend kvb_wire_backend_tcp;

@@ -25,12 +25,19 @@
 
 #define UCX_ACCEPT_QUEUE 64
 #define UCX_CLOSE_WAIT_S 1.0
+#define UCX_ADDR_MAGIC "KVBUCXA1" /* 8 bytes before a worker address (ucx_authenticated) */
+#define UCX_ADDR_MAX 65536
+#define UCX_DATA_MAGIC "KVBUCXD1" /* the first 8 bytes each way on the data endpoint */
 
 typedef struct {
     kvb_link base;
     pthread_mutex_t lock; /* every ucp call on worker / ep */
-    ucp_worker_h worker;
-    ucp_ep_h ep;
+    ucp_worker_h worker;    /* the connection manager's endpoint's */
+    ucp_worker_h dworker;   /* the data endpoint's, once the worker addresses are exchanged */
+    ucp_ep_h ep;            /* the data endpoint: the connection manager's until the worker addresses
+                               are exchanged, then one made from the peer's worker address */
+    ucp_ep_h cm_ep;         /* the connection manager's, kept open after the switch: it reports a peer
+                               that dies or closes at once */
     atomic_bool failed;     /* the endpoint's error callback ran */
     ucs_status_t fail_status;
     atomic_bool shut;       /* shutdown: every wait ends */
@@ -98,6 +105,13 @@ static void idle_backoff(unsigned *idle) {
     nanosleep(&ts, NULL);
 }
 
+/* Progresses the link's workers (the caller holds the lock). */
+static unsigned progress(ucx_link *u) {
+    unsigned n = ucp_worker_progress(u->worker);
+    if (u->dworker) n += ucp_worker_progress(u->dworker);
+    return n;
+}
+
 /* Why a wait must end now (KVB_OK: it may go on). */
 static kvb_status wait_check(ucx_link *u, double deadline, const char *what, kvb_err *err) {
     const atomic_bool *cancel = wire_thread_cancel();
@@ -131,7 +145,7 @@ static kvb_status wait_request(ucx_link *u, ucs_status_ptr_t req, bool is_send, 
     unsigned idle = 0;
     for (;;) {
         pthread_mutex_lock(&u->lock);
-        unsigned n = u->dead ? 0 : ucp_worker_progress(u->worker);
+        unsigned n = u->dead ? 0 : progress(u);
         ucs_status_t s = ucp_request_check_status(req);
         if (s != UCS_INPROGRESS) {
             ucp_request_free(req);
@@ -144,7 +158,7 @@ static kvb_status wait_request(ucx_link *u, ucs_status_ptr_t req, bool is_send, 
                                 : wait_check(u, deadline, what, err);
         if (st) {
             if (is_send) u->dead = true;
-            else ucp_request_cancel(u->worker, req);
+            else ucp_request_cancel(u->dworker ? u->dworker : u->worker, req);
             ucp_request_free(req);
             pthread_mutex_unlock(&u->lock);
             return st;
@@ -378,15 +392,8 @@ static void ucx_listener_close(kvb_link_listener *base) {
     free(l);
 }
 
-static kvb_status ucx_send_frame(kvb_link *base, const uint8_t header[KVB_WIRE_HEADER_BYTES], const kvb_iov *iov,
-                                 int n_iov, double deadline, kvb_err *err) {
-    ucx_link *u = (ucx_link *)base;
-    if (n_iov < 0 || n_iov > 3) return kvb_err_set(err, KVB_ERR_INVALID, "send: %d payload pieces (at most 3)", n_iov);
-    ucp_dt_iov_t v[4];
-    size_t nv = 0;
-    v[nv++] = (ucp_dt_iov_t){.buffer = (void *)header, .length = KVB_WIRE_HEADER_BYTES};
-    for (int i = 0; i < n_iov; i++)
-        if (iov[i].len) v[nv++] = (ucp_dt_iov_t){.buffer = (void *)iov[i].data, .length = iov[i].len};
+/* Sends the pieces as one stream send on the data endpoint and waits for it. */
+static kvb_status send_iov(ucx_link *u, ucp_dt_iov_t *v, size_t nv, double deadline, kvb_err *err) {
     kvb_status st = wait_check(u, deadline, "send to", err);
     if (st) return st;
     ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE, .datatype = ucp_dt_make_iov()};
@@ -398,6 +405,17 @@ static kvb_status ucx_send_frame(kvb_link *base, const uint8_t header[KVB_WIRE_H
     ucs_status_ptr_t req = ucp_stream_send_nbx(u->ep, v, nv, &rp);
     pthread_mutex_unlock(&u->lock);
     return wait_request(u, req, true, deadline, "send to", err);
+}
+
+static kvb_status ucx_send_frame(kvb_link *base, const uint8_t header[KVB_WIRE_HEADER_BYTES], const kvb_iov *iov,
+                                 int n_iov, double deadline, kvb_err *err) {
+    if (n_iov < 0 || n_iov > 3) return kvb_err_set(err, KVB_ERR_INVALID, "send: %d payload pieces (at most 3)", n_iov);
+    ucp_dt_iov_t v[4];
+    size_t nv = 0;
+    v[nv++] = (ucp_dt_iov_t){.buffer = (void *)header, .length = KVB_WIRE_HEADER_BYTES};
+    for (int i = 0; i < n_iov; i++)
+        if (iov[i].len) v[nv++] = (ucp_dt_iov_t){.buffer = (void *)iov[i].data, .length = iov[i].len};
+    return send_iov((ucx_link *)base, v, nv, deadline, err);
 }
 
 /* Copies exactly n received bytes into dst, from the chunk in hand and then from UCX's own
@@ -420,7 +438,7 @@ static kvb_status recv_exact(ucx_link *u, uint8_t *dst, size_t n, double deadlin
             idle = 0;
             continue;
         }
-        unsigned progressed = u->dead ? 0 : ucp_worker_progress(u->worker);
+        unsigned progressed = u->dead ? 0 : progress(u);
         size_t len = 0;
         ucs_status_ptr_t p = u->dead ? NULL : ucp_stream_recv_data_nb(u->ep, &len);
         if (p && !UCS_PTR_IS_ERR(p)) {
@@ -463,6 +481,78 @@ static kvb_status ucx_recv_frame(kvb_link *base, uint64_t max_payload, kvb_frame
     return recv_exact(u, buf->data, (size_t)hdr->payload_len, deadline, kvb_frame_type_name(hdr->type), err);
 }
 
+/* After the handshake: each side sends its worker address (magic, u32 length, address) over the
+ * connection manager's endpoint and connects a second endpoint to the peer's, which UCX wires up
+ * over every transport the two workers share (shared memory on one host: a connection made from a
+ * socket address gets only the lanes of its device, TCP). Frames then flow on that endpoint. */
+static kvb_status ucx_authenticated(kvb_link *base, double deadline, kvb_err *err) {
+    ucx_link *u = (ucx_link *)base;
+    ucp_address_t *mine = NULL;
+    size_t mine_len = 0;
+    ucp_worker_h dw = NULL;
+    kvb_status st = new_worker(&dw, "a data worker for", err);
+    if (st) return st;
+    pthread_mutex_lock(&u->lock);
+    u->dworker = dw;
+    ucs_status_t s = ucp_worker_get_address(u->dworker, &mine, &mine_len);
+    pthread_mutex_unlock(&u->lock);
+    if (s != UCS_OK) return kvb_err_set(err, KVB_ERR_IO, "ucp_worker_get_address: %s", ucs_status_string(s));
+    uint8_t head[12];
+    memcpy(head, UCX_ADDR_MAGIC, 8);
+    wire_put_u32(head + 8, (uint32_t)mine_len);
+    ucp_dt_iov_t v[2] = {{head, sizeof head}, {mine, mine_len}};
+    st = send_iov(u, v, 2, deadline, err);
+    pthread_mutex_lock(&u->lock);
+    ucp_worker_release_address(u->dworker, mine);
+    pthread_mutex_unlock(&u->lock);
+    uint8_t ph[12];
+    if (!st) st = recv_exact(u, ph, sizeof ph, deadline, "UCX worker address", err);
+    if (st) return st;
+    uint32_t len = wire_get_u32(ph + 8);
+    if (memcmp(ph, UCX_ADDR_MAGIC, 8) != 0)
+        return kvb_err_set(err, KVB_ERR_REFUSED, "%s sent no UCX worker address after the handshake (a refusal?)",
+                           u->base.peer_addr);
+    if (len == 0 || len > UCX_ADDR_MAX)
+        return kvb_err_set(err, KVB_ERR_FORMAT, "%s: a UCX worker address of %u bytes (1..%d)", u->base.peer_addr, len,
+                           UCX_ADDR_MAX);
+    uint8_t *peer = malloc(len);
+    if (!peer) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    st = recv_exact(u, peer, len, deadline, "UCX worker address", err);
+    if (!st && u->chunk) st = kvb_err_set(err, KVB_ERR_FORMAT, "%s sent more than its worker address", u->base.peer_addr);
+    /* No peer error handling on this one: UCX 1.13's shared-memory transports cannot detect a dead
+     * peer, so asking for it would leave only TCP. The connection manager's endpoint, which does,
+     * stays open and reports a peer that dies or closes (u->failed). */
+    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+                          .address = (const ucp_address_t *)peer,
+                          .err_mode = UCP_ERR_HANDLING_MODE_NONE};
+    ucp_ep_h data = NULL;
+    if (!st) {
+        pthread_mutex_lock(&u->lock);
+        s = ucp_ep_create(u->dworker, &ep, &data);
+        if (s == UCS_OK) {
+            u->cm_ep = u->ep;
+            u->ep = data;
+        }
+        pthread_mutex_unlock(&u->lock);
+        if (s != UCS_OK)
+            st = kvb_err_set(err, KVB_ERR_PEER_GONE, "%s: ucp_ep_create from its worker address: %s", u->base.peer_addr,
+                             ucs_status_string(s));
+    }
+    free(peer);
+    if (!st) st = wait_wired(u, deadline, "connect to the worker of", err);
+    /* one round trip on the new endpoint while both sides are here to progress it: its wireup is
+     * then complete both ways, and a later send completes without waiting for the peer */
+    uint8_t token[8];
+    ucp_dt_iov_t tv = {UCX_DATA_MAGIC, 8};
+    if (!st) st = send_iov(u, &tv, 1, deadline, err);
+    if (!st) st = recv_exact(u, token, sizeof token, deadline, "UCX data endpoint check", err);
+    if (!st && memcmp(token, UCX_DATA_MAGIC, 8) != 0)
+        st = kvb_err_set(err, KVB_ERR_FORMAT, "%s: the first bytes on the data endpoint are not its check",
+                         u->base.peer_addr);
+    if (!st) note_lanes(u, "frames to");
+    return st;
+}
+
 static void ucx_shutdown(kvb_link *base) { atomic_store(&((ucx_link *)base)->shut, true); }
 
 /* Releases held data, closes the endpoint (flushed when the link is healthy, forced otherwise,
@@ -475,16 +565,20 @@ static void ucx_close(kvb_link *base) {
     u->chunk = NULL;
     bool force = u->dead || atomic_load(&u->failed) || atomic_load(&u->shut);
     ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0};
-    ucs_status_ptr_t req = u->ep ? ucp_ep_close_nbx(u->ep, &rp) : NULL;
     double until = kvb_now_s() + UCX_CLOSE_WAIT_S;
-    while (req && !UCS_PTR_IS_ERR(req) && !u->dead) {
-        ucp_worker_progress(u->worker);
-        if (ucp_request_check_status(req) != UCS_INPROGRESS || kvb_now_s() > until) {
-            ucp_request_free(req);
-            break;
+    ucp_ep_h eps[2] = {u->ep, u->cm_ep};
+    for (int i = 0; i < 2; i++) {
+        ucs_status_ptr_t req = eps[i] ? ucp_ep_close_nbx(eps[i], &rp) : NULL;
+        while (req && !UCS_PTR_IS_ERR(req) && !u->dead) {
+            progress(u);
+            if (ucp_request_check_status(req) != UCS_INPROGRESS || kvb_now_s() > until) {
+                ucp_request_free(req);
+                break;
+            }
         }
     }
     pthread_mutex_unlock(&u->lock);
+    if (u->dworker) ucp_worker_destroy(u->dworker);
     ucp_worker_destroy(u->worker);
     pthread_mutex_destroy(&u->lock);
     free(u);
@@ -501,4 +595,5 @@ const kvb_wire_backend kvb_wire_backend_ucx = {
     .shutdown = ucx_shutdown,
     .close = ucx_close,
     .describe = ucx_describe,
+    .authenticated = ucx_authenticated,
 };
