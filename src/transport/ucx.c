@@ -28,6 +28,11 @@
 #define UCX_ADDR_MAGIC "KVBUCXA1" /* 8 bytes before a worker address (ucx_authenticated) */
 #define UCX_ADDR_MAX 65536
 #define UCX_DATA_MAGIC "KVBUCXD1" /* the first 8 bytes each way on the data endpoint */
+/* A payload this large (after the switch to the data endpoint) follows its header as a tagged
+ * message (tag: the direction's count of such payloads), which UCX moves with its rendezvous
+ * protocol — over shared memory one copy by the receiver (cma), instead of the stream's copies
+ * through small FIFO slots. */
+#define UCX_TAG_MIN_PAYLOAD (64u << 10)
 
 typedef struct {
     kvb_link base;
@@ -44,6 +49,7 @@ typedef struct {
     bool dead;              /* a send was abandoned mid-flight: the worker is never progressed again */
     uint8_t *chunk;         /* received stream data being consumed: (chunk_len) bytes, chunk_off used */
     size_t chunk_len, chunk_off;
+    uint64_t send_tag, recv_tag; /* large payloads sent / received so far (their tags) */
     char lanes[256];
 } ucx_link;
 
@@ -70,7 +76,7 @@ static void ctx_init(void) {
     g_ctx_status = ucp_config_read(NULL, NULL, &config);
     if (g_ctx_status != UCS_OK) return;
     ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
-                      .features = UCP_FEATURE_STREAM,
+                      .features = UCP_FEATURE_STREAM | UCP_FEATURE_TAG,
                       .mt_workers_shared = 0};
     g_ctx_status = ucp_init(&p, config, &g_ctx);
     ucp_config_release(config);
@@ -157,8 +163,14 @@ static kvb_status wait_request(ucx_link *u, ucs_status_ptr_t req, bool is_send, 
                                               u->base.peer_addr)
                                 : wait_check(u, deadline, what, err);
         if (st) {
-            if (is_send) u->dead = true;
-            else ucp_request_cancel(u->dworker ? u->dworker : u->worker, req);
+            if (!is_send && !u->dead) { /* cancelled, and then completed, it writes nothing more */
+                ucp_request_cancel(u->dworker ? u->dworker : u->worker, req);
+                double until = kvb_now_s() + UCX_CLOSE_WAIT_S;
+                while (ucp_request_check_status(req) == UCS_INPROGRESS && kvb_now_s() < until) progress(u);
+                if (ucp_request_check_status(req) == UCS_INPROGRESS) u->dead = true;
+            } else {
+                u->dead = true;
+            }
             ucp_request_free(req);
             pthread_mutex_unlock(&u->lock);
             return st;
@@ -410,12 +422,56 @@ static kvb_status send_iov(ucx_link *u, ucp_dt_iov_t *v, size_t nv, double deadl
 static kvb_status ucx_send_frame(kvb_link *base, const uint8_t header[KVB_WIRE_HEADER_BYTES], const kvb_iov *iov,
                                  int n_iov, double deadline, kvb_err *err) {
     if (n_iov < 0 || n_iov > 3) return kvb_err_set(err, KVB_ERR_INVALID, "send: %d payload pieces (at most 3)", n_iov);
+    ucx_link *u = (ucx_link *)base;
     ucp_dt_iov_t v[4];
     size_t nv = 0;
+    uint64_t total = 0;
     v[nv++] = (ucp_dt_iov_t){.buffer = (void *)header, .length = KVB_WIRE_HEADER_BYTES};
     for (int i = 0; i < n_iov; i++)
-        if (iov[i].len) v[nv++] = (ucp_dt_iov_t){.buffer = (void *)iov[i].data, .length = iov[i].len};
-    return send_iov((ucx_link *)base, v, nv, deadline, err);
+        if (iov[i].len) {
+            v[nv++] = (ucp_dt_iov_t){.buffer = (void *)iov[i].data, .length = iov[i].len};
+            total += iov[i].len;
+        }
+    if (!u->cm_ep || total < UCX_TAG_MIN_PAYLOAD) return send_iov(u, v, nv, deadline, err);
+    kvb_status st = send_iov(u, v, 1, deadline, err); /* the header on the stream, then the payload */
+    if (st) return st;
+    ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE, .datatype = ucp_dt_make_iov()};
+    pthread_mutex_lock(&u->lock);
+    ucs_status_ptr_t req = u->dead ? UCS_STATUS_PTR(UCS_ERR_CANCELED)
+                                   : ucp_tag_send_nbx(u->ep, v + 1, nv - 1, u->send_tag++, &rp);
+    pthread_mutex_unlock(&u->lock);
+    return wait_request(u, req, true, deadline, "send to", err);
+}
+
+/* Receives a large payload's tagged message into dst (exactly n bytes). */
+static kvb_status recv_tagged(ucx_link *u, uint8_t *dst, size_t n, double deadline, const char *what, kvb_err *err) {
+    ucp_tag_recv_info_t info = {0};
+    ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO, .recv_info = {.tag_info = &info}};
+    pthread_mutex_lock(&u->lock);
+    ucs_status_ptr_t req = u->dead ? UCS_STATUS_PTR(UCS_ERR_CANCELED)
+                                   : ucp_tag_recv_nbx(u->dworker, dst, n, u->recv_tag++, UINT64_MAX, &rp);
+    pthread_mutex_unlock(&u->lock);
+    if (req && !UCS_PTR_IS_ERR(req)) { /* learn the length before wait_request frees the request */
+        unsigned idle = 0;
+        for (;;) {
+            pthread_mutex_lock(&u->lock);
+            unsigned k = u->dead ? 0 : progress(u);
+            ucs_status_t s = ucp_tag_recv_request_test(req, &info);
+            pthread_mutex_unlock(&u->lock);
+            if (s != UCS_INPROGRESS || wait_check(u, deadline, "receive from", err) != KVB_OK) break;
+            if (k) idle = 0;
+            else idle_backoff(&idle);
+        }
+    }
+    kvb_status st = wait_request(u, req, false, deadline, "receive from", err);
+    if (st) {
+        kvb_err_prefix(err, "%s payload: ", what);
+        return st;
+    }
+    if (info.length != n)
+        return kvb_err_set(err, KVB_ERR_FORMAT, "receive from %s: the %s payload came as %zu bytes, its header says %zu",
+                           u->base.peer_addr, what, info.length, n);
+    return KVB_OK;
 }
 
 /* Copies exactly n received bytes into dst, from the chunk in hand and then from UCX's own
@@ -478,6 +534,8 @@ static kvb_status ucx_recv_frame(kvb_link *base, uint64_t max_payload, kvb_frame
     if (hdr->payload_len > SIZE_MAX) return kvb_err_set(err, KVB_ERR_RANGE, "payload does not fit in memory");
     st = kvb_wire_buf_reserve(buf, (size_t)hdr->payload_len, err); /* only after the length passed the limit */
     if (st) return st;
+    if (u->cm_ep && hdr->payload_len >= UCX_TAG_MIN_PAYLOAD)
+        return recv_tagged(u, buf->data, (size_t)hdr->payload_len, deadline, kvb_frame_type_name(hdr->type), err);
     return recv_exact(u, buf->data, (size_t)hdr->payload_len, deadline, kvb_frame_type_name(hdr->type), err);
 }
 
