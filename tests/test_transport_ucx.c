@@ -4,7 +4,8 @@
  * that run allows. Cases: the handshake and a stream of PREFILL, SLABs of up to 24 MiB (bytes
  * intact, bit for bit), DONE and PING/PONG with matching counters; a wrong key refused on both
  * sides (KVB_ERR_AUTH); a corrupt payload (a frame whose bytes no longer match its hash) fails the
- * receive with KVB_ERR_CHECKSUM; a silent peer is a timeout within the deadline; a shutdown wakes a
+ * receive with KVB_ERR_CHECKSUM; a large payload shorter or longer than its header says is
+ * KVB_ERR_FORMAT; a silent peer is a timeout within the deadline; a shutdown wakes a
  * blocked receive; a peer process killed mid-frame is KVB_ERR_PEER_GONE (the peer is this binary
  * run again, so it starts UCX afresh rather than inheriting the parent's state through fork). */
 #include <setjmp.h>
@@ -118,6 +119,19 @@ static void check_lanes(kvb_conn *c) {
     char last[256];
     kvb_ucx_last_lanes(last, sizeof last);
     assert_non_null(strstr(d, last));
+}
+
+typedef struct {
+    kvb_conn *c;
+    kvb_status st;
+    kvb_err err;
+} recv_job_lie;
+
+static void *recv_lie_main(void *arg) {
+    recv_job_lie *j = arg;
+    kvb_msg m;
+    j->st = kvb_conn_recv(j->c, 2000, &m, &j->err);
+    return NULL;
 }
 
 /* Receives 6 SLABs (each into its own buffer) and DONE. */
@@ -265,6 +279,41 @@ static void test_corrupt_payload_is_checksum_error(void **state) {
     kvb_listener_close(l);
 }
 
+/* An authenticated peer whose large payload (sent as a tagged message) is shorter or longer than
+ * its frame header says: KVB_ERR_FORMAT, never bytes beyond what arrived. */
+static void payload_length_lies(uint64_t header_says, size_t sent) {
+    kvb_listener *l = listen_ucx();
+    kvb_conn *dc, *pc;
+    connect_pair(l, &dc, &pc);
+    uint8_t *p = calloc(1, sent);
+    kvb_iov iov = {p, sent};
+    kvb_frame_header h = {.type = KVB_FRAME_DONE, .request_id = 7, .payload_len = header_says};
+    uint8_t hdr[KVB_WIRE_HEADER_BYTES];
+    kvb_wire_header_encode(&h, hdr);
+    kvb_err e = {0};
+    double deadline;
+    assert_int_equal(wire_deadline(IO_TIMEOUT_MS, &deadline, &e), KVB_OK);
+    recv_job_lie j = {.c = dc};
+    pthread_t t;
+    pthread_create(&t, NULL, recv_lie_main, &j);
+    kvb_status sst = pc->backend->send_frame(pc->link, hdr, &iov, 1, deadline, &e);
+    pthread_join(t, NULL);
+    print_message("    header %llu, sent %zu: %s (the sender: %s)\n", (unsigned long long)header_says, sent, j.err.msg,
+                  sst ? e.msg : "sent");
+    assert_int_equal(j.st, KVB_ERR_FORMAT);
+    assert_false(kvb_conn_usable(dc));
+    free(p);
+    kvb_conn_close(dc);
+    kvb_conn_close(pc);
+    kvb_listener_close(l);
+}
+
+static void test_large_payload_length_lies(void **state) {
+    (void)state;
+    payload_length_lies(256 << 10, 100 << 10);
+    payload_length_lies(128 << 10, 300 << 10);
+}
+
 static void test_silent_peer_times_out(void **state) {
     (void)state;
     kvb_listener *l = listen_ucx();
@@ -397,6 +446,7 @@ int main(void) {
         cmocka_unit_test(test_handshake_and_stream),
         cmocka_unit_test(test_wrong_key_refused_both_sides),
         cmocka_unit_test(test_corrupt_payload_is_checksum_error),
+        cmocka_unit_test(test_large_payload_length_lies),
         cmocka_unit_test(test_silent_peer_times_out),
         cmocka_unit_test(test_shutdown_wakes_blocked_receive),
         cmocka_unit_test(test_peer_killed_mid_frame),

@@ -7,8 +7,8 @@
  * obtain a kvb_conn, so nothing can be received on an unauthenticated or mismatched connection; and
  * a small backend vtable (connect, accept, send one frame as header + up to 3 payload pieces
  * without copying, receive one frame, close) with a TCP backend (poll-based deadlines on connect,
- * send and receive; TCP_NODELAY; large socket buffers; MSG_NOSIGNAL) so a UCX/RDMA backend can
- * follow. Any failure on a connection (timeout, malformed or corrupt frame, peer gone) is a clear
+ * send and receive; TCP_NODELAY; large socket buffers; MSG_NOSIGNAL) and a UCX backend (ucx.c,
+ * when the build found UCX) carrying the same frames. Any failure on a connection (timeout, malformed or corrupt frame, peer gone) is a clear
  * error and leaves the connection unusable: the caller drops it and computes natively (DESIGN.md
  * contract 7). One thread may send while another receives on a connection; several threads may
  * accept on one listener. Crypto: OpenSSL libcrypto (Debian libssl-dev) for HMAC-SHA256,
@@ -333,7 +333,13 @@ kvb_status kvb_msg_lane_decode(const uint8_t *p, size_t n, kvb_msg_lane *m, kvb_
  * continued), receive reads the header, validates it (rejecting an oversize length before the
  * buffer grows), then reads the payload into the connection's buffer.
  *
- * How a UCX/RDMA backend maps (the shape, not implemented): at connect time each side registers a
+ * UCX (kvb_wire_backend_ucx, ucx.c): connects with a socket address (UCX's connection manager),
+ * runs the same handshake over the ucp stream API, then (the `authenticated` hook) moves frames
+ * onto an endpoint made from the peer's worker address so UCX may pick shared memory or RDMA;
+ * payloads of 64 KiB and more follow their header as tagged messages (UCX's rendezvous). The lanes
+ * it picked are logged and reported (kvb_conn_describe, kvb_ucx_last_lanes).
+ *
+ * How one-sided RDMA would map (the shape, not implemented): at connect time each side registers a
  * receive region (for the decode node: a window of the store's pending-block pages, or a staging
  * ring) and sends its rkey and address in an extension of HELLO; the receiver pre-allocates the
  * blocks a PREFILL asks for and advertises them as (block index -> remote address) credits; the

@@ -157,7 +157,9 @@ static kvb_status wait_request(ucx_link *u, ucs_status_ptr_t req, bool is_send, 
             ucp_request_free(req);
             pthread_mutex_unlock(&u->lock);
             if (s == UCS_OK) return KVB_OK;
-            return kvb_err_set(err, KVB_ERR_PEER_GONE, "%s %s: %s", what, u->base.peer_addr, ucs_status_string(s));
+            /* a tagged payload longer than its header said */
+            kvb_status code = s == UCS_ERR_MESSAGE_TRUNCATED ? KVB_ERR_FORMAT : KVB_ERR_PEER_GONE;
+            return kvb_err_set(err, code, "%s %s: %s", what, u->base.peer_addr, ucs_status_string(s));
         }
         kvb_status st = u->dead ? kvb_err_set(err, KVB_ERR_PEER_GONE, "%s %s: the connection failed earlier", what,
                                               u->base.peer_addr)
