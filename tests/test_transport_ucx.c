@@ -121,19 +121,6 @@ static void check_lanes(kvb_conn *c) {
     assert_non_null(strstr(d, last));
 }
 
-typedef struct {
-    kvb_conn *c;
-    kvb_status st;
-    kvb_err err;
-} recv_job_lie;
-
-static void *recv_lie_main(void *arg) {
-    recv_job_lie *j = arg;
-    kvb_msg m;
-    j->st = kvb_conn_recv(j->c, 2000, &m, &j->err);
-    return NULL;
-}
-
 /* Receives 6 SLABs (each into its own buffer) and DONE. */
 typedef struct {
     kvb_conn *c;
@@ -279,6 +266,24 @@ static void test_corrupt_payload_is_checksum_error(void **state) {
     kvb_listener_close(l);
 }
 
+/* One receive on its own thread, timed. */
+typedef struct {
+    kvb_conn *c;
+    kvb_status st;
+    kvb_err err;
+    double seconds;
+    int timeout_ms;
+} recv_job;
+
+static void *recv_main(void *arg) {
+    recv_job *j = arg;
+    kvb_msg m;
+    double t0 = kvb_now_s();
+    j->st = kvb_conn_recv(j->c, j->timeout_ms, &m, &j->err);
+    j->seconds = kvb_now_s() - t0;
+    return NULL;
+}
+
 /* An authenticated peer whose large payload (sent as a tagged message) is shorter or longer than
  * its frame header says: KVB_ERR_FORMAT, never bytes beyond what arrived. */
 static void payload_length_lies(uint64_t header_says, size_t sent) {
@@ -293,9 +298,9 @@ static void payload_length_lies(uint64_t header_says, size_t sent) {
     kvb_err e = {0};
     double deadline;
     assert_int_equal(wire_deadline(IO_TIMEOUT_MS, &deadline, &e), KVB_OK);
-    recv_job_lie j = {.c = dc};
+    recv_job j = {.c = dc, .timeout_ms = 2000};
     pthread_t t;
-    pthread_create(&t, NULL, recv_lie_main, &j);
+    pthread_create(&t, NULL, recv_main, &j);
     kvb_status sst = pc->backend->send_frame(pc->link, hdr, &iov, 1, deadline, &e);
     pthread_join(t, NULL);
     print_message("    header %llu, sent %zu: %s (the sender: %s)\n", (unsigned long long)header_says, sent, j.err.msg,
@@ -340,28 +345,12 @@ static void test_silent_peer_times_out(void **state) {
     kvb_listener_close(l);
 }
 
-typedef struct {
-    kvb_conn *c;
-    kvb_status st;
-    kvb_err err;
-    double seconds;
-} recv_job;
-
-static void *recv_main(void *arg) {
-    recv_job *j = arg;
-    kvb_msg m;
-    double t0 = kvb_now_s();
-    j->st = kvb_conn_recv(j->c, IO_TIMEOUT_MS, &m, &j->err);
-    j->seconds = kvb_now_s() - t0;
-    return NULL;
-}
-
 static void test_shutdown_wakes_blocked_receive(void **state) {
     (void)state;
     kvb_listener *l = listen_ucx();
     kvb_conn *dc, *pc;
     connect_pair(l, &dc, &pc);
-    recv_job j = {.c = dc};
+    recv_job j = {.c = dc, .timeout_ms = IO_TIMEOUT_MS};
     pthread_t t;
     pthread_create(&t, NULL, recv_main, &j);
     usleep(100 * 1000);

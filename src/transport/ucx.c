@@ -31,7 +31,8 @@
 /* A payload this large (after the switch to the data endpoint) follows its header as a tagged
  * message (tag: the direction's count of such payloads), which UCX moves with its rendezvous
  * protocol — over shared memory one copy by the receiver (cma), instead of the stream's copies
- * through small FIFO slots. */
+ * through small FIFO slots. KVB_UCX_TAG_MIN (bytes; 0: never) overrides it for measurements; the
+ * two sides use the larger of their two values (sent with the worker address). */
 #define UCX_TAG_MIN_PAYLOAD (64u << 10)
 
 typedef struct {
@@ -50,6 +51,7 @@ typedef struct {
     uint8_t *chunk;         /* received stream data being consumed: (chunk_len) bytes, chunk_off used */
     size_t chunk_len, chunk_off;
     uint64_t send_tag, recv_tag; /* large payloads sent / received so far (their tags) */
+    uint64_t tag_min;            /* payloads of this many bytes or more go tagged (UINT64_MAX: none) */
     char lanes[256];
 } ucx_link;
 
@@ -434,7 +436,7 @@ static kvb_status ucx_send_frame(kvb_link *base, const uint8_t header[KVB_WIRE_H
             v[nv++] = (ucp_dt_iov_t){.buffer = (void *)iov[i].data, .length = iov[i].len};
             total += iov[i].len;
         }
-    if (!u->cm_ep || total < UCX_TAG_MIN_PAYLOAD) return send_iov(u, v, nv, deadline, err);
+    if (!u->cm_ep || total < u->tag_min) return send_iov(u, v, nv, deadline, err);
     kvb_status st = send_iov(u, v, 1, deadline, err); /* the header on the stream, then the payload */
     if (st) return st;
     ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE, .datatype = ucp_dt_make_iov()};
@@ -536,9 +538,23 @@ static kvb_status ucx_recv_frame(kvb_link *base, uint64_t max_payload, kvb_frame
     if (hdr->payload_len > SIZE_MAX) return kvb_err_set(err, KVB_ERR_RANGE, "payload does not fit in memory");
     st = kvb_wire_buf_reserve(buf, (size_t)hdr->payload_len, err); /* only after the length passed the limit */
     if (st) return st;
-    if (u->cm_ep && hdr->payload_len >= UCX_TAG_MIN_PAYLOAD)
+    if (u->cm_ep && hdr->payload_len >= u->tag_min)
         return recv_tagged(u, buf->data, (size_t)hdr->payload_len, deadline, kvb_frame_type_name(hdr->type), err);
     return recv_exact(u, buf->data, (size_t)hdr->payload_len, deadline, kvb_frame_type_name(hdr->type), err);
+}
+
+/* This side's tag threshold: KVB_UCX_TAG_MIN when set (0: never), else UCX_TAG_MIN_PAYLOAD. */
+static uint32_t tag_min_wanted(void) {
+    const char *e = getenv("KVB_UCX_TAG_MIN");
+    if (!e || !*e) return UCX_TAG_MIN_PAYLOAD;
+    char *end = NULL;
+    unsigned long long v = strtoull(e, &end, 10);
+    if (*end || v > UINT32_MAX) {
+        kvb_log(KVB_LOG_WARN, "ucx: KVB_UCX_TAG_MIN=\"%s\" is not a byte count up to %u: using %u", e, UINT32_MAX,
+                UCX_TAG_MIN_PAYLOAD);
+        return UCX_TAG_MIN_PAYLOAD;
+    }
+    return (uint32_t)v;
 }
 
 /* After the handshake: each side sends its worker address (magic, u32 length, address) over the
@@ -557,18 +573,20 @@ static kvb_status ucx_authenticated(kvb_link *base, double deadline, kvb_err *er
     ucs_status_t s = ucp_worker_get_address(u->dworker, &mine, &mine_len);
     pthread_mutex_unlock(&u->lock);
     if (s != UCS_OK) return kvb_err_set(err, KVB_ERR_IO, "ucp_worker_get_address: %s", ucs_status_string(s));
-    uint8_t head[12];
+    uint8_t head[16]; /* magic, address length u32, this side's tag threshold u32 (0: none) */
     memcpy(head, UCX_ADDR_MAGIC, 8);
     wire_put_u32(head + 8, (uint32_t)mine_len);
+    wire_put_u32(head + 12, tag_min_wanted());
     ucp_dt_iov_t v[2] = {{head, sizeof head}, {mine, mine_len}};
     st = send_iov(u, v, 2, deadline, err);
     pthread_mutex_lock(&u->lock);
     ucp_worker_release_address(u->dworker, mine);
     pthread_mutex_unlock(&u->lock);
-    uint8_t ph[12];
+    uint8_t ph[16];
     if (!st) st = recv_exact(u, ph, sizeof ph, deadline, "UCX worker address", err);
     if (st) return st;
-    uint32_t len = wire_get_u32(ph + 8);
+    uint32_t len = wire_get_u32(ph + 8), mine_min = tag_min_wanted(), peer_min = wire_get_u32(ph + 12);
+    u->tag_min = !mine_min || !peer_min ? UINT64_MAX : KVB_MAX(mine_min, peer_min);
     if (memcmp(ph, UCX_ADDR_MAGIC, 8) != 0)
         return kvb_err_set(err, KVB_ERR_REFUSED, "%s sent no UCX worker address after the handshake (a refusal?)",
                            u->base.peer_addr);
@@ -610,6 +628,9 @@ static kvb_status ucx_authenticated(kvb_link *base, double deadline, kvb_err *er
         st = kvb_err_set(err, KVB_ERR_FORMAT, "%s: the first bytes on the data endpoint are not its check",
                          u->base.peer_addr);
     if (!st) note_lanes(u, "frames to");
+    if (!st)
+        kvb_log(KVB_LOG_DEBUG, "ucx: payloads of %llu bytes or more to %s go as tagged messages",
+                (unsigned long long)u->tag_min, u->base.peer_addr);
     return st;
 }
 
