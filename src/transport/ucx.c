@@ -186,7 +186,8 @@ static kvb_status wait_request(ucx_link *u, ucs_status_ptr_t req, bool is_send, 
 }
 
 /* "posix/memory sysv/memory cma/memory" — the distinct transport/device pairs of the endpoint's lanes,
- * read from ucp_ep_print_info (UCX has no query for them in 1.13). */
+ * read from ucp_ep_print_info (UCX has no query for them in 1.13); KVB_UCX_DEBUG set prints that
+ * whole report (protocols and thresholds too) on stderr. */
 static void describe_lanes(ucp_ep_h ep, char *out, size_t cap) {
     char *text = NULL;
     size_t len = 0;
