@@ -40,6 +40,7 @@ static uint32_t g_parallel; /* decode nodes' parallel (0: the default, 4) */
 static bool g_tail_after;   /* decode nodes' tail_after_transfer */
 static bool g_filler_peer;  /* decode nodes' bench_filler_peer */
 static uint32_t g_cache_blocks; /* decode nodes' cache_blocks (0: the default) */
+static const kvb_wire_backend *g_backend; /* both nodes' wire backend (NULL: TCP) */
 
 static int setup(void **state) {
     (void)state;
@@ -62,7 +63,7 @@ static kvb_prefill_node *start_prefill_mode(const char *model, const char *psk, 
                                             uint32_t engine_dtype) {
     kvb_prefill_config c = {.listen = "127.0.0.1:0", .model_path = model, .psk = psk, .n_threads = 1,
                             .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 4096, .fault = fault,
-                            .prefill_mode = prefill_mode, .engine_cache_dtype = engine_dtype};
+                            .prefill_mode = prefill_mode, .engine_cache_dtype = engine_dtype, .backend = g_backend};
     kvb_prefill_node *n = NULL;
     kvb_err err = {0};
     if (kvb_prefill_node_start(&c, &n, &err)) fail_msg("prefill node: %s", err.msg);
@@ -81,7 +82,7 @@ static kvb_decode_node *start_decode_mode(uint16_t peer_port, const char *psk, i
                            .max_ctx = 4096, .peer_timeout_ms = timeout_ms, .prefill_mode = prefill_mode,
                            .lanes = g_lanes, .bridge_resumes = g_resumes, .parallel = g_parallel,
                            .tail_after_transfer = g_tail_after, .cache_blocks = g_cache_blocks,
-                           .bench_filler_peer = g_filler_peer};
+                           .bench_filler_peer = g_filler_peer, .backend = g_backend};
     kvb_decode_node *n = NULL;
     kvb_err err = {0};
     if (kvb_decode_node_start(&c, &n, &err)) fail_msg("decode node: %s", err.msg);
@@ -147,6 +148,21 @@ static void test_multiturn_one_lane(void **state) {
     (void)state;
     multiturn_ships_only_increments(1); /* one connection, no LANE frame (protocol 2's way) */
 }
+/* The same loop with both nodes on the UCX backend (--transport ucx): replies equal native. */
+static void test_multiturn_over_ucx(void **state) {
+    (void)state;
+    kvb_err err = {0};
+    if (kvb_wire_backend_by_name("ucx", &g_backend, &err)) skip();
+    char lanes[256];
+    kvb_ucx_last_lanes(lanes, sizeof lanes);
+    assert_string_equal(lanes, "none yet");
+    multiturn_ships_only_increments(0);
+    g_backend = NULL;
+    kvb_ucx_last_lanes(lanes, sizeof lanes); /* the nodes' lanes did go through UCX */
+    print_message("    UCX lanes: %s\n", lanes);
+    assert_non_null(strchr(lanes, '/'));
+}
+
 static void test_multiturn_three_lanes(void **state) {
     (void)state;
     multiturn_ships_only_increments(3);
@@ -1683,6 +1699,7 @@ int main(void) {
     struct CMUnitTest tests[] = {
         cmocka_unit_test(test_multiturn_ships_only_increments),
         cmocka_unit_test(test_multiturn_one_lane),
+        cmocka_unit_test(test_multiturn_over_ucx),
         cmocka_unit_test(test_multiturn_three_lanes),
         cmocka_unit_test(test_lane_group_on_the_wire),
         cmocka_unit_test(test_pipelined_tail_edges),

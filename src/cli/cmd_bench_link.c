@@ -273,14 +273,36 @@ static long split_addr(const char *addr, char *host, size_t cap) {
     return strtol(c + 1, NULL, 10);
 }
 
+/* The listener's framed leg of a round: accepts `streams` connections on l, verifies and answers
+ * them; false (said on stderr) when they did not all come. */
+static bool serve_framed(kvb_listener *l, const kvb_hello *me, const kvb_transport_config *cfg, uint32_t streams) {
+    stream_end e[KVB_MAX_LANES];
+    kvb_err err = {0};
+    uint32_t n = 0;
+    for (; n < streams; n++) {
+        e[n] = (stream_end){.main = slab_recv_main, .fd = -1};
+        if (kvb_transport_accept(l, me, cfg, 60000, &e[n].conn, NULL, &err)) break;
+    }
+    double dt;
+    if (n == streams) {
+        run_ends(e, n, &dt); /* a failed transfer shows on the connecting side */
+        for (uint32_t i = 0; i < n; i++)
+            if (!e[i].ok && e[i].err.msg[0]) fprintf(stderr, "kvbridge bench link: %s\n", e[i].err.msg);
+    }
+    for (uint32_t i = 0; i < n; i++) kvb_conn_close(e[i].conn);
+    if (n < streams) fprintf(stderr, "kvbridge bench link: %s\n", err.msg);
+    return n == streams;
+}
+
 /* A round, between the two sides: the connecting side opens the round's raw connections, each
  * starting with the header {bytes on this connection, the round's stream count} (uint64 each,
  * host order), and sends; the listener accepts as many as the first header says, receives and
  * acknowledges each; then the connecting side opens as many transport connections and sends
  * SLAB frames and a PING on each, which the listener verifies and answers with PONG. A header
- * with a stream count of 0 ends the listener. */
-static int serve(const char *addr, const char *psk) {
-    char host[128], port[16], tport[140];
+ * with a stream count of 0 ends the listener. With ucx (--transport ucx on both sides), each round's
+ * framed leg runs twice: over kvbridge's TCP transport, then over UCX (listening on PORT+2). */
+static int serve(const char *addr, const char *psk, const kvb_wire_backend *ucx) {
+    char host[128], port[16], tport[140], uport[140];
     long p = split_addr(addr, host, sizeof host);
     if (p <= 0 || p > 65534) {
         fprintf(stderr, "kvbridge bench link: --listen expects HOST:PORT (PORT < 65535), got '%s'\n", addr);
@@ -288,18 +310,22 @@ static int serve(const char *addr, const char *psk) {
     }
     snprintf(port, sizeof port, "%ld", p);
     snprintf(tport, sizeof tport, "%s:%ld", host, p + 1);
+    snprintf(uport, sizeof uport, "%s:%ld", host, p + 2);
     int lfd = tcp_listen(host, port);
-    kvb_listener *l = NULL;
+    kvb_listener *l = NULL, *lu = NULL;
     kvb_err err = {0};
     kvb_hello me;
-    if (lfd < 0 || kvb_transport_listen(tport, NULL, &l, &err) || make_hello(KVB_ROLE_DECODE, &me, &err)) {
+    if (lfd < 0 || kvb_transport_listen(tport, NULL, &l, &err) || (ucx && kvb_transport_listen(uport, ucx, &lu, &err)) ||
+        make_hello(KVB_ROLE_DECODE, &me, &err)) {
         fprintf(stderr, "kvbridge bench link: cannot listen on %s / %s: %s\n", addr, tport, err.msg);
         if (lfd >= 0) close(lfd);
         kvb_listener_close(l);
+        kvb_listener_close(lu);
         return 1;
     }
     kvb_transport_config cfg = {.psk = (const uint8_t *)psk, .psk_len = strlen(psk)};
-    printf("bench link: serving raw TCP on %s and the transport on %s\n", addr, tport);
+    printf("bench link: serving raw TCP on %s and the transport on %s%s%s\n", addr, tport, ucx ? ", over UCX on " : "",
+           ucx ? uport : "");
     fflush(stdout);
     int rc = 0;
     for (;;) { /* each round: the raw transfer, then the framed one, over the round's streams */
@@ -341,24 +367,14 @@ static int serve(const char *addr, const char *psk) {
             break;
         }
         if (raw_only) continue;
-        for (n = 0; n < streams; n++) {
-            e[n] = (stream_end){.main = slab_recv_main, .fd = -1};
-            if (kvb_transport_accept(l, &me, &cfg, 60000, &e[n].conn, NULL, &err)) break;
-        }
-        if (n == streams) {
-            run_ends(e, n, &dt);
-            for (uint32_t i = 0; i < n; i++)
-                if (!e[i].ok && e[i].err.msg[0]) fprintf(stderr, "kvbridge bench link: %s\n", e[i].err.msg);
-        }
-        for (uint32_t i = 0; i < n; i++) kvb_conn_close(e[i].conn);
-        if (n < streams) {
-            fprintf(stderr, "kvbridge bench link: %s\n", err.msg);
+        if (!serve_framed(l, &me, &cfg, streams) || (lu && !serve_framed(lu, &me, &cfg, streams))) {
             rc = 1;
             break;
         }
     }
     close(lfd);
     kvb_listener_close(l);
+    kvb_listener_close(lu);
     return rc;
 }
 
@@ -430,8 +446,9 @@ double kvb_bench_raw_remote_gbs(const char *addr, uint64_t bytes, size_t piece, 
     return gbs;
 }
 
-static int measure(const char *addr, const char *psk, uint64_t bytes, size_t slab, int reps, uint32_t streams) {
-    char host[128], port[16], tport[140];
+static int measure(const char *addr, const char *psk, uint64_t bytes, size_t slab, int reps, uint32_t streams,
+                   const kvb_wire_backend *ucx) {
+    char host[128], port[16], tport[140], uport[140];
     long p = split_addr(addr, host, sizeof host);
     if (p <= 0 || p > 65534) {
         fprintf(stderr, "kvbridge bench link: --peer expects HOST:PORT, got '%s'\n", addr);
@@ -439,19 +456,24 @@ static int measure(const char *addr, const char *psk, uint64_t bytes, size_t sla
     }
     snprintf(port, sizeof port, "%ld", p);
     snprintf(tport, sizeof tport, "%s:%ld", host, p + 1);
+    snprintf(uport, sizeof uport, "%s:%ld", host, p + 2);
     uint8_t *data = filler_piece(slab);
     if (!data) return 1;
     kvb_hello me;
     kvb_err err = {0};
     kvb_transport_config cfg = {.psk = (const uint8_t *)psk, .psk_len = strlen(psk)};
-    double raw[100], framed[100];
+    kvb_transport_config ucfg = {.psk = (const uint8_t *)psk, .psk_len = strlen(psk), .backend = ucx};
+    double raw[100], framed[100], over_ucx[100];
     int rc = 0;
     if (make_hello(KVB_ROLE_PREFILL, &me, &err)) goto fail;
     for (int r = 0; r < reps; r++) {
         if (!raw_leg(host, port, data, slab, bytes, streams, false, &raw[r], &err) ||
-            !framed_leg(tport, &me, &cfg, data, slab, bytes, streams, &framed[r], &err))
+            !framed_leg(tport, &me, &cfg, data, slab, bytes, streams, &framed[r], &err) ||
+            (ucx && !framed_leg(uport, &me, &ucfg, data, slab, bytes, streams, &over_ucx[r], &err)))
             goto fail;
-        fprintf(stderr, "bench link: round %d: raw %.3f GB/s, kvbridge transport %.3f GB/s\n", r + 1, raw[r], framed[r]);
+        fprintf(stderr, "bench link: round %d: raw %.3f GB/s, kvbridge transport %.3f GB/s", r + 1, raw[r], framed[r]);
+        if (ucx) fprintf(stderr, ", over UCX %.3f GB/s", over_ucx[r]);
+        fputc('\n', stderr);
     }
     {
         int fd = kvb_tcp_dial(host, port); /* tell the server to stop: a round of 0 streams */
@@ -469,6 +491,14 @@ static int measure(const char *addr, const char *psk, uint64_t bytes, size_t sla
     printf("raw TCP    %.3f GB/s\nkvbridge   %.3f GB/s (SLAB frames: header and slab head hashed, the slab checksum of K || V computed and verified, authenticated link)\n"
            "ratio      %.0f %% of the raw link\n",
            mr, mf, 100.0 * mf / mr);
+    if (ucx) {
+        double mu = kvb_median_sort(over_ucx, reps);
+        char lanes[256];
+        kvb_ucx_last_lanes(lanes, sizeof lanes);
+        printf("over UCX   %.3f GB/s (the same frames over UCX: headers on its stream API, payloads of 64 KiB or more as tagged rendezvous messages; lanes: %s)\n"
+               "ratio      %.2fx kvbridge's TCP transport, %.0f %% of the raw link\n",
+               mu, lanes, mu / mf, 100.0 * mu / mr);
+    }
     goto done;
 fail:
     fprintf(stderr, "kvbridge bench link: %s\n", err.msg);
@@ -482,10 +512,13 @@ int kvb_bench_link(int argc, char **argv) {
     const char *listen = NULL, *peer = NULL, *psk = getenv("KVB_PSK");
     uint64_t bytes = 0, slab = 0;
     long long reps = 0, streams = 0;
+    int transport = 0;
     const kvb_opt opts[] = {
         KVB_CLI_STR("listen", &listen, "HOST:PORT", "serve: plain TCP on PORT and the transport on PORT+1"),
         KVB_CLI_STR("peer", &peer, "HOST:PORT", "measure against a listener there"),
         KVB_CLI_OPT_PSK(&psk, "pre-shared key, the same on both sides (or env KVB_PSK)"),
+        KVB_CLI_OPT_TRANSPORT(&transport, "ucx: each round's framed leg runs over kvbridge's TCP transport and then "
+                                          "over UCX (the listener serves UCX on PORT+2); both sides need the same"),
         {.long_name = "bytes", .kind = KVB_OPT_SIZE, .dst = &bytes, .meta = "N", .def = "1G", .ulo = 1 << 20,
          .uhi = 1ULL << 40, .help = "bytes sent each way of sending, per round"},
         {.long_name = "slab-bytes", .kind = KVB_OPT_SIZE, .dst = &slab, .meta = "S", .def = "1M", .ulo = 4096,
@@ -512,6 +545,12 @@ int kvb_bench_link(int argc, char **argv) {
     if (!listen == !peer || !psk || strlen(psk) < KVB_WIRE_PSK_MIN)
         return kvb_cli_usage_error(&spec, "give exactly one of --listen or --peer, and a key of >= %d bytes (--psk "
                                           "or KVB_PSK)", KVB_WIRE_PSK_MIN);
-    return listen ? serve(listen, psk)
-                  : measure(peer, psk, bytes, (size_t)slab, (int)reps, (uint32_t)streams);
+    const kvb_wire_backend *ucx = NULL;
+    kvb_err err = {0};
+    if (transport == 1 && kvb_wire_backend_by_name("ucx", &ucx, &err)) {
+        fprintf(stderr, "kvbridge bench link: %s\n", err.msg);
+        return 2;
+    }
+    return listen ? serve(listen, psk, ucx)
+                  : measure(peer, psk, bytes, (size_t)slab, (int)reps, (uint32_t)streams, ucx);
 }

@@ -8,6 +8,7 @@
 #include "kvb_cli.h"
 #include "kvb_node.h"
 #include "kvb_quant.h"
+#include "kvb_transport.h"
 
 /* Requests the node in this process has in flight (the role it runs). */
 static unsigned in_flight(kvb_decode_node *dn, kvb_prefill_node *pn) {
@@ -25,7 +26,7 @@ typedef struct {
     const char *model, *listen, *http, *peer, *psk, *tmpl, *model_id, *fault, *api_key, *allow_origin;
     long long threads, bt, ctx, bridge_min, max_tokens, chunk, cache_blocks, lanes, warmup, resumes, parallel,
         drain_s;
-    int role, mode, device; /* k_roles, kvb_cli_bridge_mode_names, kvb_cli_device_names */
+    int role, mode, device, transport; /* k_roles, kvb_cli_{bridge_mode,device,transport}_names */
     kvb_cli_gpu gpu;
     bool tail_after, filler, quiet, verbose;
     uint32_t cache_type, engine_type;
@@ -65,6 +66,9 @@ static int serve_parse(serve_args *a, int argc, char **argv) {
                   "decode: the HTTP API address; prefill (optional): /health and /metrics for probes and scrapers"),
         KVB_CLI_STR("peer", &a->peer, "HOST:PORT", "decode: the prefill node (omit to always compute natively)"),
         KVB_CLI_OPT_PSK(&a->psk, "pre-shared key, >= 16 bytes (or env KVB_PSK); both nodes need the same"),
+        KVB_CLI_OPT_TRANSPORT(&a->transport, "the link between the nodes: tcp (kvbridge's own) or ucx (UCX: shared "
+                                             "memory, TCP or RDMA as it selects; the log names its lanes); both "
+                                             "nodes need the same"),
         KVB_CLI_STR("api-key", &a->api_key, "KEY",
                   "decode: /v1/* require 'Authorization: Bearer KEY' (clients: their OpenAI api_key), >= 8 bytes "
                   "(or env KVB_API_KEY); /health and /metrics stay open"),
@@ -157,11 +161,16 @@ int kvb_cmd_serve(int argc, char **argv) {
     signal(SIGTERM, on_signal);
     signal(SIGPIPE, SIG_IGN);
     kvb_err err = {0};
+    const kvb_wire_backend *backend = NULL;
+    if (kvb_wire_backend_by_name(kvb_cli_transport_names[a.transport], &backend, &err)) {
+        fprintf(stderr, "kvbridge serve: %s\n", err.msg);
+        return 2;
+    }
     kvb_prefill_node *pn = NULL;
     kvb_decode_node *dn = NULL;
     if (prefill) {
-        kvb_prefill_config c = {.listen = listen, .http_listen = http, .model_path = model, .psk = psk, .n_threads = (int)threads,
-                                .cache_dtype = cache_type, .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
+        kvb_prefill_config c = {.listen = listen, .http_listen = http, .model_path = model, .psk = psk, .backend = backend,
+                                .n_threads = (int)threads, .cache_dtype = cache_type, .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
                                 .fault = fault, .prefill_mode = prefill_mode, .engine_cache_dtype = engine_type,
                                 .cuda = cuda, .chunk_tokens = (uint32_t)chunk,
                                 .gpus = (int)a.gpu.gpus, .tp_one_device = a.gpu.tp_one_device, .gpu_weights = a.gpu.gpu_weights,
@@ -177,7 +186,7 @@ int kvb_cmd_serve(int argc, char **argv) {
         printf(")\n");
     } else {
         kvb_decode_config c = {.http_listen = http, .peer = peer, .model_path = model, .model_id = model_id,
-                               .psk = psk, .chat_template = tmpl, .n_threads = (int)threads, .cache_dtype = cache_type,
+                               .psk = psk, .backend = backend, .chat_template = tmpl, .n_threads = (int)threads, .cache_dtype = cache_type,
                                .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
                                .bridge_min_tokens = (uint32_t)bridge_min, .default_max_tokens = (uint32_t)max_tokens,
                                .prefill_mode = prefill_mode, .cache_blocks = (uint32_t)cache_blocks,

@@ -178,6 +178,12 @@ extern const char *const kvb_cli_bridge_mode_names[];
      .choices = kvb_cli_bridge_mode_names,                                                                   \
      .help = "decoder (the decoder's own arithmetic, exact) or prefill (the prefill engine's own K/V "        \
              "re-encoded: cheaper, not exact); both nodes must agree"}
+/* --transport tcp|ucx into an int (1 = ucx), default tcp; kvb_wire_backend_by_name of
+ * kvb_cli_transport_names[i] gives the backend (a build without UCX refuses ucx, saying why). */
+extern const char *const kvb_cli_transport_names[];
+#define KVB_CLI_OPT_TRANSPORT(dst_, help_)                                                                    \
+    {.long_name = "transport", .kind = KVB_OPT_ENUM, .dst = (dst_), .def = "tcp",                              \
+     .choices = kvb_cli_transport_names, .help = (help_)}
 /* --block-tokens N (1..4096, default 32), the decoder's cache block. */
 #define KVB_CLI_OPT_BLOCK_TOKENS(dst_, help_)                                                                 \
     KVB_CLI_INT("block-tokens", (dst_), "N", 1, 4096, "32", (help_))

@@ -1048,7 +1048,8 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
             goto fail;
         }
         n->psk = strdup(cfg->psk);
-        n->tcfg = (kvb_transport_config){.psk = (const uint8_t *)n->psk, .psk_len = strlen(n->psk)};
+        n->tcfg = (kvb_transport_config){.psk = (const uint8_t *)n->psk, .psk_len = strlen(n->psk),
+                                         .backend = cfg->backend};
         if ((st = kvb_hello_init(&n->hello, KVB_ROLE_DECODE,
                                  cfg->prefill_mode ? KVB_BRIDGE_MODE_PREFILL : KVB_BRIDGE_MODE_DECODER, "decode",
                                  cfg->bench_filler_peer ? kvb_filler_fingerprint(n->m->fingerprint) : n->m->fingerprint,

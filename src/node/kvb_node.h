@@ -23,6 +23,7 @@ typedef struct {
     const char *http_listen;   /* NULL, or "HOST:PORT" for /health and /metrics (probes, scrapers) */
     const char *model_path;    /* the decoder's GGUF: decoder mode needs its K/V weights */
     const char *psk;           /* pre-shared key, >= 16 bytes */
+    const struct kvb_wire_backend *backend; /* the listener's wire backend; NULL: TCP */
     const char *name;          /* node name in HELLO (default "prefill") */
     int n_threads;             /* 0 = all CPUs */
     uint32_t cache_dtype;      /* the DECODER's cache dtype the bridge produces (kvb_type) */
@@ -114,6 +115,7 @@ typedef struct {
     const char *model_path;
     const char *model_id;      /* name in the API (default: the file's base name) */
     const char *psk;
+    const struct kvb_wire_backend *backend; /* the peer link's wire backend; NULL: TCP */
     const char *api_key;       /* NULL or "": an open API; else /v1/ needs "Authorization: Bearer KEY" */
     const char *allow_origins; /* NULL or "": no CORS; else browser origins allowed to call the API
                                   (comma-separated, or "*"): kvb_http_config.allow_origins */

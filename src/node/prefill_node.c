@@ -642,7 +642,8 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
                                  cfg->name ? cfg->name : "prefill",
                                  cfg->bench_filler_rows ? kvb_filler_fingerprint(n->m->fingerprint) : n->m->fingerprint,
                                  &n->fmt, err);
-    n->tcfg = (kvb_transport_config){.psk = (const uint8_t *)n->psk, .psk_len = n->psk ? strlen(n->psk) : 0};
+    n->tcfg = (kvb_transport_config){.psk = (const uint8_t *)n->psk, .psk_len = n->psk ? strlen(n->psk) : 0,
+                                     .backend = cfg->backend};
     if (!st && cfg->cuda && cfg->warmup_tokens) {
         /* twice: the second pass is its shapes' second sight, so cuDNN's plans for them are built
          * (kvb_cudnn_attn_take) — a full first chunk is the shape every long prompt starts with */
@@ -662,7 +663,7 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
                                   "(another key), mismatch (another model, cache format or version), timeout (it "
                                   "said nothing in time), protocol (not kvbridge), gone (it closed), refused, other",
                                   "reason", NULL, 0, &n->m_refused, err);
-    if (!st) st = kvb_transport_listen(cfg->listen, NULL, &n->l, err);
+    if (!st) st = kvb_transport_listen(cfg->listen, cfg->backend, &n->l, err);
     if (!st) {
         n->accept_started = pthread_create(&n->accept_thread, NULL, accept_main, n) == 0;
         if (!n->accept_started) st = kvb_err_set(err, KVB_ERR_INTERNAL, "could not start the accept thread");

@@ -413,6 +413,7 @@ kvb_status kvb_transport_connect(const char *addr, const kvb_hello *mine, const 
     if (st) return st;
     c->mine = *mine;
     st = client_handshake(c, cfg, deadline, err);
+    if (!st && backend->authenticated) st = backend->authenticated(link, deadline, err);
     if (!st) set_authenticated(c, cfg);
     return finish(c, st, out, peer_hello, err);
 }
@@ -473,7 +474,9 @@ kvb_status kvb_transport_accept(kvb_listener *l, const kvb_hello *mine, const kv
     if (st) return st;
     c->mine = *mine;
     /* a peer that connected late in the wait still gets the whole time for its handshake */
-    st = server_handshake(c, cfg, kvb_now_s() + timeout_ms / 1000.0, err);
+    deadline = kvb_now_s() + timeout_ms / 1000.0;
+    st = server_handshake(c, cfg, deadline, err);
+    if (!st && l->backend->authenticated) st = l->backend->authenticated(link, deadline, err);
     if (!st) set_authenticated(c, cfg);
     if (st) atomic_fetch_add_explicit(&l->failed[kvb_handshake_reason_of(st)], 1, memory_order_relaxed);
     else atomic_fetch_add_explicit(&l->accepted, 1, memory_order_relaxed);

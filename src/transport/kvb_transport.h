@@ -7,8 +7,8 @@
  * obtain a kvb_conn, so nothing can be received on an unauthenticated or mismatched connection; and
  * a small backend vtable (connect, accept, send one frame as header + up to 3 payload pieces
  * without copying, receive one frame, close) with a TCP backend (poll-based deadlines on connect,
- * send and receive; TCP_NODELAY; large socket buffers; MSG_NOSIGNAL) so a UCX/RDMA backend can
- * follow. Any failure on a connection (timeout, malformed or corrupt frame, peer gone) is a clear
+ * send and receive; TCP_NODELAY; large socket buffers; MSG_NOSIGNAL) and a UCX backend (ucx.c,
+ * when the build found UCX) carrying the same frames. Any failure on a connection (timeout, malformed or corrupt frame, peer gone) is a clear
  * error and leaves the connection unusable: the caller drops it and computes natively (DESIGN.md
  * contract 7). One thread may send while another receives on a connection; several threads may
  * accept on one listener. Crypto: OpenSSL libcrypto (Debian libssl-dev) for HMAC-SHA256,
@@ -333,7 +333,13 @@ kvb_status kvb_msg_lane_decode(const uint8_t *p, size_t n, kvb_msg_lane *m, kvb_
  * continued), receive reads the header, validates it (rejecting an oversize length before the
  * buffer grows), then reads the payload into the connection's buffer.
  *
- * How a UCX/RDMA backend maps (the shape, not implemented): at connect time each side registers a
+ * UCX (kvb_wire_backend_ucx, ucx.c): connects with a socket address (UCX's connection manager),
+ * runs the same handshake over the ucp stream API, then (the `authenticated` hook) moves frames
+ * onto an endpoint made from the peer's worker address so UCX may pick shared memory or RDMA;
+ * payloads of 64 KiB and more follow their header as tagged messages (UCX's rendezvous). The lanes
+ * it picked are logged and reported (kvb_conn_describe, kvb_ucx_last_lanes).
+ *
+ * How one-sided RDMA would map (the shape, not implemented): at connect time each side registers a
  * receive region (for the decode node: a window of the store's pending-block pages, or a staging
  * ring) and sends its rkey and address in an extension of HELLO; the receiver pre-allocates the
  * blocks a PREFILL asks for and advertises them as (block index -> remote address) credits; the
@@ -379,9 +385,28 @@ struct kvb_wire_backend {
     /* Stops both directions now (wakes a thread blocked in send or receive); close still needed. */
     void (*shutdown)(kvb_link *link);
     void (*close)(kvb_link *link);
+    /* What carries the link, for logs, /metrics and doctor ("ucx posix/memory cma/memory");
+     * NULL: the backend's name says it all. */
+    void (*describe)(kvb_link *link, char *buf, size_t cap);
+    /* Called on both sides once the handshake passed (the peer proved the key), before the
+     * connection is handed out: a backend may move the link onto a faster path with what only a
+     * trusted peer may send (UCX: worker addresses). NULL: nothing to do. */
+    kvb_status (*authenticated)(kvb_link *link, double deadline, kvb_err *err);
 };
 
 extern const kvb_wire_backend kvb_wire_backend_tcp;
+#ifdef KVB_HAVE_UCX
+/* UCX (ucp stream API): shared memory, TCP or RDMA as UCX selects at run time (UCX_TLS). */
+extern const kvb_wire_backend kvb_wire_backend_ucx;
+#endif
+/* "tcp" or "ucx" (NULL or "" = tcp) to its backend; a build without UCX refuses "ucx" with
+ * KVB_ERR_UNSUPPORTED and a message saying why; another name is KVB_ERR_INVALID. */
+kvb_status kvb_wire_backend_by_name(const char *name, const kvb_wire_backend **out, kvb_err *err);
+/* Whether this build carries the UCX backend. */
+bool kvb_wire_have_ucx(void);
+/* The transports (lanes) UCX selected for the most recent connection made or accepted in this
+ * process ("posix/memory cma/memory", "tcp/lo"), "none yet", or "not built" without UCX. */
+void kvb_ucx_last_lanes(char *buf, size_t cap);
 
 /* ==== connections ============================================================================
  * Failures are typed, so a caller decides on the code, never on the message:
@@ -523,6 +548,8 @@ typedef struct {
 void kvb_conn_get_stats(const kvb_conn *c, kvb_conn_stats *out);
 const kvb_hello *kvb_conn_peer_hello(const kvb_conn *c);
 const char *kvb_conn_peer_addr(const kvb_conn *c);
+/* What carries the connection: "tcp", or "ucx" and the lanes UCX selected. */
+void kvb_conn_describe(const kvb_conn *c, char *buf, size_t cap);
 /* false once any call failed (the connection must be dropped). */
 bool kvb_conn_usable(const kvb_conn *c);
 /* Stops both directions (another thread blocked in send/recv returns an error); close still needed. */

@@ -38,7 +38,7 @@ typedef struct {
 } tcp_listener;
 
 /* Splits "HOST:PORT" / "[V6]:PORT" into host (empty -> NULL) and port. */
-static kvb_status parse_addr(const char *addr, char *host, size_t host_cap, char *port, size_t port_cap, kvb_err *err) {
+kvb_status wire_parse_addr(const char *addr, char *host, size_t host_cap, char *port, size_t port_cap, kvb_err *err) {
     if (!addr || !*addr) return kvb_err_set(err, KVB_ERR_INVALID, "address is empty (expected HOST:PORT)");
     const char *colon, *h0 = addr, *h1;
     if (addr[0] == '[') {
@@ -70,7 +70,7 @@ static kvb_status parse_addr(const char *addr, char *host, size_t host_cap, char
     return KVB_OK;
 }
 
-static void format_sockaddr(const struct sockaddr *sa, char *buf, size_t cap) {
+void wire_format_sockaddr(const struct sockaddr *sa, char *buf, size_t cap) {
     char ip[INET6_ADDRSTRLEN] = "?";
     unsigned port = 0;
     if (sa->sa_family == AF_INET) {
@@ -130,7 +130,7 @@ static kvb_status wait_fd(int fd, short events, double deadline, const char *wha
 
 static kvb_status tcp_listen(const char *addr, kvb_link_listener **out, kvb_err *err) {
     char host[256], port[8];
-    kvb_status st = parse_addr(addr, host, sizeof host, port, sizeof port, err);
+    kvb_status st = wire_parse_addr(addr, host, sizeof host, port, sizeof port, err);
     if (st) return st;
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE}, *res = NULL;
     int gai = getaddrinfo(host[0] ? host : NULL, port, &hints, &res);
@@ -180,7 +180,7 @@ static kvb_status new_link(int fd, const struct sockaddr *peer, kvb_link **out, 
         return kvb_err_set(err, KVB_ERR_NOMEM, "tcp: out of memory");
     }
     t->base.backend = &kvb_wire_backend_tcp;
-    format_sockaddr(peer, t->base.peer_addr, sizeof t->base.peer_addr);
+    wire_format_sockaddr(peer, t->base.peer_addr, sizeof t->base.peer_addr);
     t->fd = fd;
     *out = &t->base;
     return KVB_OK;
@@ -213,7 +213,7 @@ static void tcp_listener_close(kvb_link_listener *base) {
 
 static kvb_status tcp_connect(const char *addr, double deadline, kvb_link **out, kvb_err *err) {
     char host[256], port[8];
-    kvb_status st = parse_addr(addr, host, sizeof host, port, sizeof port, err);
+    kvb_status st = wire_parse_addr(addr, host, sizeof host, port, sizeof port, err);
     if (st) return st;
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
     int gai = getaddrinfo(host[0] ? host : "localhost", port, &hints, &res);

@@ -28,6 +28,11 @@ static inline uint64_t wire_get_u64(const uint8_t *p) {
     return v;
 }
 
+struct sockaddr;
+/* Splits "HOST:PORT" / "[V6]:PORT" into host ("" for none or "*") and port (tcp.c). */
+kvb_status wire_parse_addr(const char *addr, char *host, size_t host_cap, char *port, size_t port_cap, kvb_err *err);
+/* "IP:PORT" / "[IP6]:PORT" of an AF_INET / AF_INET6 address, "?" for others (tcp.c). */
+void wire_format_sockaddr(const struct sockaddr *sa, char *buf, size_t cap);
 
 /* Absolute deadline from a timeout; KVB_ERR_INVALID for timeout_ms < 1. */
 kvb_status wire_deadline(int timeout_ms, double *deadline, kvb_err *err);

@@ -1,0 +1,681 @@
+/* transport/ucx.c — the UCX backend (kvb_wire_backend_ucx, built only when CMake finds ucx through
+ * pkg-config): the same frames as TCP, carried by the ucp stream API over whatever UCX picks at run
+ * time (shared memory between processes on one host, TCP, RDMA verbs where the host has them;
+ * UCX_TLS narrows the choice). One process-wide ucp context; one worker per link, driven by the
+ * calling threads under the link's lock (the sending and the receiving thread take turns at
+ * ucp_worker_progress), so every wait honours its deadline and the thread's cancel flag. Frames are
+ * sent as one IOV stream send (header + payload pieces from the caller's memory, no copy) and
+ * received with ucp_stream_recv_data_nb: the payload is copied once out of UCX's buffer, and no
+ * receive request is ever left pointing into a caller's buffer when a deadline passes. Endpoints use
+ * peer error handling, so a peer that dies or closes is KVB_ERR_PEER_GONE. The listener is a
+ * ucp_listener on its own worker; each accepted connection request gets a fresh worker. Which
+ * transports (lanes) an endpoint actually selected is logged at connect/accept and kept for
+ * /metrics and doctor (kvb_ucx_last_lanes): a silent fallback to TCP is visible. */
+#include <errno.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <ucp/api/ucp.h>
+
+#include "transport_internal.h"
+
+#define UCX_ACCEPT_QUEUE 64
+#define UCX_CLOSE_WAIT_S 1.0
+#define UCX_ADDR_MAGIC "KVBUCXA1" /* 8 bytes before a worker address (ucx_authenticated) */
+#define UCX_ADDR_MAX 65536
+#define UCX_DATA_MAGIC "KVBUCXD1" /* the first 8 bytes each way on the data endpoint */
+/* A payload this large (after the switch to the data endpoint) follows its header as a tagged
+ * message (tag: the direction's count of such payloads), which UCX moves with its rendezvous
+ * protocol — over shared memory one copy by the receiver (cma), instead of the stream's copies
+ * through small FIFO slots. KVB_UCX_TAG_MIN (bytes; 0: never) overrides it for measurements; the
+ * two sides use the larger of their two values (sent with the worker address). */
+#define UCX_TAG_MIN_PAYLOAD (64u << 10)
+
+typedef struct {
+    kvb_link base;
+    pthread_mutex_t lock; /* every ucp call on worker / ep */
+    ucp_worker_h worker;    /* the connection manager's endpoint's */
+    ucp_worker_h dworker;   /* the data endpoint's, once the worker addresses are exchanged */
+    ucp_ep_h ep;            /* the data endpoint: the connection manager's until the worker addresses
+                               are exchanged, then one made from the peer's worker address */
+    ucp_ep_h cm_ep;         /* the connection manager's, kept open after the switch: it reports a peer
+                               that dies or closes at once */
+    atomic_bool failed;     /* the endpoint's error callback ran */
+    ucs_status_t fail_status;
+    atomic_bool shut;       /* shutdown: every wait ends */
+    bool dead;              /* a send was abandoned mid-flight: the worker is never progressed again */
+    uint8_t *chunk;         /* received stream data being consumed: (chunk_len) bytes, chunk_off used */
+    size_t chunk_len, chunk_off;
+    uint64_t send_tag, recv_tag; /* large payloads sent / received so far (their tags) */
+    uint64_t tag_min;            /* payloads of this many bytes or more go tagged (UINT64_MAX: none) */
+    char lanes[256];
+} ucx_link;
+
+typedef struct {
+    kvb_link_listener base;
+    pthread_mutex_t lock;
+    ucp_worker_h worker;
+    ucp_listener_h listener;
+    ucp_conn_request_h queue[UCX_ACCEPT_QUEUE]; /* connection requests not yet accepted */
+    int q_head, q_n;
+    char addr[96];
+} ucx_listener;
+
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static ucp_context_h g_ctx;
+static ucs_status_t g_ctx_status;
+static pthread_mutex_t g_lanes_lock = PTHREAD_MUTEX_INITIALIZER;
+static char g_last_lanes[256];
+
+/* The process-wide context, created once and kept for the process's life (no ucp_cleanup: every
+ * worker must be gone first, and a library cannot know when that is). */
+static void ctx_init(void) {
+    ucp_config_t *config = NULL;
+    g_ctx_status = ucp_config_read(NULL, NULL, &config);
+    if (g_ctx_status != UCS_OK) return;
+    ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
+                      .features = UCP_FEATURE_STREAM | UCP_FEATURE_TAG,
+                      .mt_workers_shared = 0};
+    g_ctx_status = ucp_init(&p, config, &g_ctx);
+    ucp_config_release(config);
+}
+
+static kvb_status get_ctx(const char *what, kvb_err *err) {
+    pthread_once(&g_once, ctx_init);
+    if (g_ctx_status != UCS_OK)
+        return kvb_err_set(err, KVB_ERR_IO, "%s: UCX could not start: %s", what, ucs_status_string(g_ctx_status));
+    return KVB_OK;
+}
+
+static kvb_status new_worker(ucp_worker_h *out, const char *what, kvb_err *err) {
+    kvb_status st = get_ctx(what, err);
+    if (st) return st;
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE, .thread_mode = UCS_THREAD_MODE_SERIALIZED};
+    ucs_status_t s = ucp_worker_create(g_ctx, &wp, out);
+    if (s != UCS_OK) return kvb_err_set(err, KVB_ERR_IO, "%s: ucp_worker_create: %s", what, ucs_status_string(s));
+    return KVB_OK;
+}
+
+/* Backs off while nothing happens: spins first (a stream in full flow), then yields, then sleeps
+ * up to 200 us (an idle connection waiting for its next request costs little CPU). */
+static void idle_backoff(unsigned *idle) {
+    unsigned n = (*idle)++;
+    if (n < 512) return;
+    if (n < 4096) {
+        sched_yield();
+        return;
+    }
+    struct timespec ts = {0, n < 8192 ? 20000 : 200000};
+    nanosleep(&ts, NULL);
+}
+
+/* Progresses the link's workers (the caller holds the lock). */
+static unsigned progress(ucx_link *u) {
+    unsigned n = ucp_worker_progress(u->worker);
+    if (u->dworker) n += ucp_worker_progress(u->dworker);
+    return n;
+}
+
+/* Why a wait must end now (KVB_OK: it may go on). */
+static kvb_status wait_check(ucx_link *u, double deadline, const char *what, kvb_err *err) {
+    const atomic_bool *cancel = wire_thread_cancel();
+    if (atomic_load(&u->shut))
+        return kvb_err_set(err, KVB_ERR_PEER_GONE, "%s %s: the connection was shut down", what, u->base.peer_addr);
+    if (atomic_load(&u->failed))
+        return kvb_err_set(err, KVB_ERR_PEER_GONE, "%s %s: the peer is gone (%s)", what, u->base.peer_addr,
+                           ucs_status_string(u->fail_status));
+    if (cancel && atomic_load(cancel)) return kvb_err_set(err, KVB_ERR_CANCELLED, "%s %s: cancelled", what, u->base.peer_addr);
+    if (wire_ms_left(deadline) == 0) return kvb_err_set(err, KVB_ERR_TIMEOUT, "%s %s: timed out", what, u->base.peer_addr);
+    return KVB_OK;
+}
+
+static void ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status) {
+    (void)ep;
+    ucx_link *u = arg;
+    u->fail_status = status;
+    atomic_store(&u->failed, true);
+}
+
+/* Waits for a request (NULL: done at once; an error pointer: failed) under the link's lock, taken
+ * and released around each progress so the other direction's thread gets its turns. On a deadline
+ * or a failure the request is released and, for a send, the link is marked dead (the request may
+ * still read the caller's memory: the worker is never progressed again). */
+static kvb_status wait_request(ucx_link *u, ucs_status_ptr_t req, bool is_send, double deadline, const char *what,
+                               kvb_err *err) {
+    if (req == NULL) return KVB_OK;
+    if (UCS_PTR_IS_ERR(req))
+        return kvb_err_set(err, KVB_ERR_PEER_GONE, "%s %s: %s", what, u->base.peer_addr,
+                           ucs_status_string(UCS_PTR_STATUS(req)));
+    unsigned idle = 0;
+    for (;;) {
+        pthread_mutex_lock(&u->lock);
+        unsigned n = u->dead ? 0 : progress(u);
+        ucs_status_t s = ucp_request_check_status(req);
+        if (s != UCS_INPROGRESS) {
+            ucp_request_free(req);
+            pthread_mutex_unlock(&u->lock);
+            if (s == UCS_OK) return KVB_OK;
+            /* a tagged payload longer than its header said */
+            kvb_status code = s == UCS_ERR_MESSAGE_TRUNCATED ? KVB_ERR_FORMAT : KVB_ERR_PEER_GONE;
+            return kvb_err_set(err, code, "%s %s: %s", what, u->base.peer_addr, ucs_status_string(s));
+        }
+        kvb_status st = u->dead ? kvb_err_set(err, KVB_ERR_PEER_GONE, "%s %s: the connection failed earlier", what,
+                                              u->base.peer_addr)
+                                : wait_check(u, deadline, what, err);
+        if (st) {
+            if (!is_send && !u->dead) { /* cancelled, and then completed, it writes nothing more */
+                ucp_request_cancel(u->dworker ? u->dworker : u->worker, req);
+                double until = kvb_now_s() + UCX_CLOSE_WAIT_S;
+                while (ucp_request_check_status(req) == UCS_INPROGRESS && kvb_now_s() < until) progress(u);
+                if (ucp_request_check_status(req) == UCS_INPROGRESS) u->dead = true;
+            } else {
+                u->dead = true;
+            }
+            ucp_request_free(req);
+            pthread_mutex_unlock(&u->lock);
+            return st;
+        }
+        pthread_mutex_unlock(&u->lock);
+        if (n) idle = 0;
+        else idle_backoff(&idle);
+    }
+}
+
+/* "posix/memory sysv/memory cma/memory" — the distinct transport/device pairs of the endpoint's lanes,
+ * read from ucp_ep_print_info (UCX has no query for them in 1.13); KVB_UCX_DEBUG set prints that
+ * whole report (protocols and thresholds too) on stderr. */
+static void describe_lanes(ucp_ep_h ep, char *out, size_t cap) {
+    char *text = NULL;
+    size_t len = 0;
+    out[0] = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f) return;
+    ucp_ep_print_info(ep, f);
+    fclose(f);
+    if (getenv("KVB_UCX_DEBUG")) fputs(text, stderr);
+    size_t off = 0;
+    for (char *p = text; p && (p = strstr(p, "lane[")) != NULL; p++) {
+        char *colon = strstr(p, "]:");
+        if (!colon) break;
+        char *s = colon + 2;
+        while (*s == ' ') s++;
+        while (*s >= '0' && *s <= '9') s++; /* resource index "8:" */
+        if (*s == ':') s++;
+        size_t n = strcspn(s, " \n");
+        if (n == 0 || n >= 64 || !memchr(s, '/', n)) continue; /* "cm rdmacm": the connection manager */
+        char tok[64];
+        memcpy(tok, s, n);
+        tok[n] = 0;
+        if (strstr(out, tok)) continue; /* several lanes on one transport */
+        int w = snprintf(out + off, cap - off, "%s%s", off ? " " : "", tok);
+        if (w < 0 || (size_t)w >= cap - off) break;
+        off += (size_t)w;
+    }
+    free(text);
+    if (!out[0]) snprintf(out, cap, "unknown");
+}
+
+/* Records the endpoint's lanes (log line, and the last ones for /metrics and doctor). */
+static void note_lanes(ucx_link *u, const char *how) {
+    pthread_mutex_lock(&u->lock);
+    describe_lanes(u->ep, u->lanes, sizeof u->lanes);
+    pthread_mutex_unlock(&u->lock);
+    pthread_mutex_lock(&g_lanes_lock);
+    snprintf(g_last_lanes, sizeof g_last_lanes, "%s", u->lanes);
+    pthread_mutex_unlock(&g_lanes_lock);
+    kvb_log(KVB_LOG_INFO, "ucx: %s %s over %s", how, u->base.peer_addr, u->lanes);
+}
+
+void kvb_ucx_last_lanes(char *buf, size_t cap) {
+    pthread_mutex_lock(&g_lanes_lock);
+    snprintf(buf, cap, "%s", g_last_lanes[0] ? g_last_lanes : "none yet");
+    pthread_mutex_unlock(&g_lanes_lock);
+}
+
+static void ucx_describe(kvb_link *base, char *buf, size_t cap) {
+    ucx_link *u = (ucx_link *)base;
+    pthread_mutex_lock(&u->lock);
+    if (!u->dead) describe_lanes(u->ep, u->lanes, sizeof u->lanes);
+    pthread_mutex_unlock(&u->lock);
+    snprintf(buf, cap, "ucx %s", u->lanes);
+}
+
+/* A link around a fresh worker; its endpoint is created by the caller with ep_params. */
+static kvb_status link_new(ucp_ep_params_t *ep_params, const char *peer, const char *what, ucx_link **out, kvb_err *err) {
+    ucx_link *u = calloc(1, sizeof *u);
+    if (!u) return kvb_err_set(err, KVB_ERR_NOMEM, "%s: out of memory", what);
+    u->base.backend = &kvb_wire_backend_ucx;
+    snprintf(u->base.peer_addr, sizeof u->base.peer_addr, "%s", peer);
+    pthread_mutex_init(&u->lock, NULL);
+    kvb_status st = new_worker(&u->worker, what, err);
+    if (st) {
+        pthread_mutex_destroy(&u->lock);
+        free(u);
+        return st;
+    }
+    ep_params->field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep_params->err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep_params->err_handler = (ucp_err_handler_t){.cb = ep_error_cb, .arg = u};
+    ucs_status_t s = ucp_ep_create(u->worker, ep_params, &u->ep);
+    if (s != UCS_OK) {
+        ucp_worker_destroy(u->worker);
+        pthread_mutex_destroy(&u->lock);
+        free(u);
+        return kvb_err_set(err, KVB_ERR_PEER_GONE, "%s %s: %s", what, peer, ucs_status_string(s));
+    }
+    *out = u;
+    return KVB_OK;
+}
+
+/* Waits until the endpoint is wired up (a flush completes only then): a peer that is not there
+ * fails here, not at the first frame. */
+static kvb_status wait_wired(ucx_link *u, double deadline, const char *what, kvb_err *err) {
+    ucp_request_param_t rp = {.op_attr_mask = 0};
+    pthread_mutex_lock(&u->lock);
+    ucs_status_ptr_t req = ucp_ep_flush_nbx(u->ep, &rp);
+    pthread_mutex_unlock(&u->lock);
+    return wait_request(u, req, false, deadline, what, err);
+}
+
+static void ucx_close(kvb_link *base);
+static void ucx_listener_close(kvb_link_listener *base);
+
+static kvb_status ucx_connect(const char *addr, double deadline, kvb_link **out, kvb_err *err) {
+    char host[256], port[8];
+    kvb_status st = wire_parse_addr(addr, host, sizeof host, port, sizeof port, err);
+    if (st) return st;
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
+    int gai = getaddrinfo(host[0] ? host : "localhost", port, &hints, &res);
+    if (gai) return kvb_err_set(err, KVB_ERR_PEER_GONE, "connect to %s: %s", addr, gai_strerror(gai));
+    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR,
+                          .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
+                          .sockaddr = {.addr = res->ai_addr, .addrlen = res->ai_addrlen}};
+    ucx_link *u = NULL;
+    st = link_new(&ep, addr, "connect to", &u, err);
+    freeaddrinfo(res);
+    if (st) return st;
+    st = wait_wired(u, deadline, "connect to", err);
+    if (st) {
+        ucx_close(&u->base);
+        return st;
+    }
+    note_lanes(u, "connected to");
+    *out = &u->base;
+    return KVB_OK;
+}
+
+static void conn_handler(ucp_conn_request_h req, void *arg) {
+    ucx_listener *l = arg; /* called from progress, under l->lock */
+    if (l->q_n == UCX_ACCEPT_QUEUE) {
+        ucp_listener_reject(l->listener, req);
+        return;
+    }
+    l->queue[(l->q_head + l->q_n++) % UCX_ACCEPT_QUEUE] = req;
+}
+
+static kvb_status ucx_listen(const char *addr, kvb_link_listener **out, kvb_err *err) {
+    char host[256], port[8];
+    kvb_status st = wire_parse_addr(addr, host, sizeof host, port, sizeof port, err);
+    if (st) return st;
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE}, *res = NULL;
+    int gai = getaddrinfo(host[0] ? host : NULL, port, &hints, &res);
+    if (gai) return kvb_err_set(err, KVB_ERR_IO, "listen on %s: %s", addr, gai_strerror(gai));
+    ucx_listener *l = calloc(1, sizeof *l);
+    if (!l) {
+        freeaddrinfo(res);
+        return kvb_err_set(err, KVB_ERR_NOMEM, "listen on %s: out of memory", addr);
+    }
+    pthread_mutex_init(&l->lock, NULL);
+    snprintf(l->addr, sizeof l->addr, "%s", addr);
+    st = new_worker(&l->worker, "listen on", err);
+    ucs_status_t s = UCS_OK;
+    if (!st) {
+        ucp_listener_params_t lp = {.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
+                                    .sockaddr = {.addr = res->ai_addr, .addrlen = res->ai_addrlen},
+                                    .conn_handler = {.cb = conn_handler, .arg = l}};
+        s = ucp_listener_create(l->worker, &lp, &l->listener);
+        if (s != UCS_OK) st = kvb_err_set(err, KVB_ERR_IO, "listen on %s: %s", addr, ucs_status_string(s));
+    }
+    freeaddrinfo(res);
+    ucp_listener_attr_t la = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
+    if (!st && (s = ucp_listener_query(l->listener, &la)) != UCS_OK)
+        st = kvb_err_set(err, KVB_ERR_IO, "listen on %s: ucp_listener_query: %s", addr, ucs_status_string(s));
+    if (st) {
+        ucx_listener_close(&l->base);
+        return st;
+    }
+    const struct sockaddr *sa = (const struct sockaddr *)&la.sockaddr;
+    l->base.port = ntohs(sa->sa_family == AF_INET6 ? ((const struct sockaddr_in6 *)sa)->sin6_port
+                                                   : ((const struct sockaddr_in *)sa)->sin_port);
+    l->base.backend = &kvb_wire_backend_ucx;
+    *out = &l->base;
+    return KVB_OK;
+}
+
+static kvb_status ucx_accept(kvb_link_listener *base, double deadline, kvb_link **out, kvb_err *err) {
+    ucx_listener *l = (ucx_listener *)base;
+    const atomic_bool *cancel = wire_thread_cancel();
+    unsigned idle = 0;
+    for (;;) {
+        pthread_mutex_lock(&l->lock);
+        unsigned n = ucp_worker_progress(l->worker);
+        ucp_conn_request_h req = NULL;
+        if (l->q_n) {
+            req = l->queue[l->q_head];
+            l->q_head = (l->q_head + 1) % UCX_ACCEPT_QUEUE;
+            l->q_n--;
+        }
+        pthread_mutex_unlock(&l->lock);
+        if (req) {
+            char peer[96] = "?";
+            ucp_conn_request_attr_t ca = {.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR};
+            if (ucp_conn_request_query(req, &ca) == UCS_OK)
+                wire_format_sockaddr((const struct sockaddr *)&ca.client_address, peer, sizeof peer);
+            ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST, .conn_request = req};
+            ucx_link *u = NULL;
+            kvb_status st = link_new(&ep, peer, "accept from", &u, err);
+            if (st) return st;
+            st = wait_wired(u, deadline, "accept from", err);
+            if (st) {
+                ucx_close(&u->base);
+                return st;
+            }
+            note_lanes(u, "accepted");
+            *out = &u->base;
+            return KVB_OK;
+        }
+        if (cancel && atomic_load(cancel)) return kvb_err_set(err, KVB_ERR_CANCELLED, "accept on %s: cancelled", l->addr);
+        if (wire_ms_left(deadline) == 0)
+            return kvb_err_set(err, KVB_ERR_TIMEOUT, "waiting for a connection on %s: timed out", l->addr);
+        if (n) idle = 0;
+        else idle_backoff(&idle);
+    }
+}
+
+static void ucx_listener_close(kvb_link_listener *base) {
+    if (!base) return;
+    ucx_listener *l = (ucx_listener *)base;
+    if (l->listener) {
+        for (; l->q_n; l->q_n--, l->q_head = (l->q_head + 1) % UCX_ACCEPT_QUEUE)
+            ucp_listener_reject(l->listener, l->queue[l->q_head]);
+        ucp_listener_destroy(l->listener);
+    }
+    if (l->worker) ucp_worker_destroy(l->worker);
+    pthread_mutex_destroy(&l->lock);
+    free(l);
+}
+
+/* Sends the pieces as one stream send on the data endpoint and waits for it. */
+static kvb_status send_iov(ucx_link *u, ucp_dt_iov_t *v, size_t nv, double deadline, kvb_err *err) {
+    kvb_status st = wait_check(u, deadline, "send to", err);
+    if (st) return st;
+    ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE, .datatype = ucp_dt_make_iov()};
+    pthread_mutex_lock(&u->lock);
+    if (u->dead) {
+        pthread_mutex_unlock(&u->lock);
+        return kvb_err_set(err, KVB_ERR_PEER_GONE, "send to %s: the connection failed earlier", u->base.peer_addr);
+    }
+    ucs_status_ptr_t req = ucp_stream_send_nbx(u->ep, v, nv, &rp);
+    pthread_mutex_unlock(&u->lock);
+    return wait_request(u, req, true, deadline, "send to", err);
+}
+
+static kvb_status ucx_send_frame(kvb_link *base, const uint8_t header[KVB_WIRE_HEADER_BYTES], const kvb_iov *iov,
+                                 int n_iov, double deadline, kvb_err *err) {
+    if (n_iov < 0 || n_iov > 3) return kvb_err_set(err, KVB_ERR_INVALID, "send: %d payload pieces (at most 3)", n_iov);
+    ucx_link *u = (ucx_link *)base;
+    ucp_dt_iov_t v[4];
+    size_t nv = 0;
+    uint64_t total = 0;
+    v[nv++] = (ucp_dt_iov_t){.buffer = (void *)header, .length = KVB_WIRE_HEADER_BYTES};
+    for (int i = 0; i < n_iov; i++)
+        if (iov[i].len) {
+            v[nv++] = (ucp_dt_iov_t){.buffer = (void *)iov[i].data, .length = iov[i].len};
+            total += iov[i].len;
+        }
+    if (!u->cm_ep || total < u->tag_min) return send_iov(u, v, nv, deadline, err);
+    kvb_status st = send_iov(u, v, 1, deadline, err); /* the header on the stream, then the payload */
+    if (st) return st;
+    ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE, .datatype = ucp_dt_make_iov()};
+    pthread_mutex_lock(&u->lock);
+    ucs_status_ptr_t req = u->dead ? UCS_STATUS_PTR(UCS_ERR_CANCELED)
+                                   : ucp_tag_send_nbx(u->ep, v + 1, nv - 1, u->send_tag++, &rp);
+    pthread_mutex_unlock(&u->lock);
+    return wait_request(u, req, true, deadline, "send to", err);
+}
+
+/* Receives a large payload's tagged message into dst (exactly n bytes). */
+static kvb_status recv_tagged(ucx_link *u, uint8_t *dst, size_t n, double deadline, const char *what, kvb_err *err) {
+    ucp_tag_recv_info_t info = {0};
+    ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO, .recv_info = {.tag_info = &info}};
+    pthread_mutex_lock(&u->lock);
+    ucs_status_ptr_t req = u->dead ? UCS_STATUS_PTR(UCS_ERR_CANCELED)
+                                   : ucp_tag_recv_nbx(u->dworker, dst, n, u->recv_tag++, UINT64_MAX, &rp);
+    pthread_mutex_unlock(&u->lock);
+    if (req && !UCS_PTR_IS_ERR(req)) { /* learn the length before wait_request frees the request */
+        unsigned idle = 0;
+        for (;;) {
+            pthread_mutex_lock(&u->lock);
+            unsigned k = u->dead ? 0 : progress(u);
+            ucs_status_t s = ucp_tag_recv_request_test(req, &info);
+            pthread_mutex_unlock(&u->lock);
+            if (s != UCS_INPROGRESS || wait_check(u, deadline, "receive from", err) != KVB_OK) break;
+            if (k) idle = 0;
+            else idle_backoff(&idle);
+        }
+    }
+    kvb_status st = wait_request(u, req, false, deadline, "receive from", err);
+    if (st) {
+        kvb_err_prefix(err, "%s payload: ", what);
+        return st;
+    }
+    if (info.length != n)
+        return kvb_err_set(err, KVB_ERR_FORMAT, "receive from %s: the %s payload came as %zu bytes, its header says %zu",
+                           u->base.peer_addr, what, info.length, n);
+    return KVB_OK;
+}
+
+/* Copies exactly n received bytes into dst, from the chunk in hand and then from UCX's own
+ * buffers as they arrive (data that arrived before the peer went away is still delivered). */
+static kvb_status recv_exact(ucx_link *u, uint8_t *dst, size_t n, double deadline, const char *what, kvb_err *err) {
+    size_t got = 0;
+    unsigned idle = 0;
+    while (got < n) {
+        pthread_mutex_lock(&u->lock);
+        if (u->chunk) {
+            size_t take = KVB_MIN(n - got, u->chunk_len - u->chunk_off);
+            memcpy(dst + got, u->chunk + u->chunk_off, take);
+            got += take;
+            u->chunk_off += take;
+            if (u->chunk_off == u->chunk_len) {
+                ucp_stream_data_release(u->ep, u->chunk);
+                u->chunk = NULL;
+            }
+            pthread_mutex_unlock(&u->lock);
+            idle = 0;
+            continue;
+        }
+        unsigned progressed = u->dead ? 0 : progress(u);
+        size_t len = 0;
+        ucs_status_ptr_t p = u->dead ? NULL : ucp_stream_recv_data_nb(u->ep, &len);
+        if (p && !UCS_PTR_IS_ERR(p)) {
+            u->chunk = p;
+            u->chunk_len = len;
+            u->chunk_off = 0;
+        }
+        pthread_mutex_unlock(&u->lock);
+        if (UCS_PTR_IS_ERR(p))
+            return kvb_err_set(err, KVB_ERR_PEER_GONE, "receive from %s: %s (%s, %zu of %zu bytes)", u->base.peer_addr,
+                               ucs_status_string(UCS_PTR_STATUS(p)), what, got, n);
+        if (p) continue;
+        if (u->dead)
+            return kvb_err_set(err, KVB_ERR_PEER_GONE, "receive from %s: the connection failed earlier", u->base.peer_addr);
+        kvb_status st = wait_check(u, deadline, "receive from", err);
+        if (st) {
+            if (st == KVB_ERR_TIMEOUT || st == KVB_ERR_PEER_GONE) {
+                kvb_err e = *err;
+                return kvb_err_set(err, st, "%s (%s, %zu of %zu bytes)", e.msg, what, got, n);
+            }
+            return st;
+        }
+        if (progressed) idle = 0;
+        else idle_backoff(&idle);
+    }
+    return KVB_OK;
+}
+
+static kvb_status ucx_recv_frame(kvb_link *base, uint64_t max_payload, kvb_frame_header *hdr, kvb_wire_buf *buf,
+                                 double deadline, kvb_err *err) {
+    ucx_link *u = (ucx_link *)base;
+    uint8_t h[KVB_WIRE_HEADER_BYTES];
+    kvb_status st = recv_exact(u, h, sizeof h, deadline, "frame header", err);
+    if (st) return st;
+    st = kvb_wire_header_decode(h, max_payload, hdr, err);
+    if (st) return st;
+    if (hdr->payload_len > SIZE_MAX) return kvb_err_set(err, KVB_ERR_RANGE, "payload does not fit in memory");
+    st = kvb_wire_buf_reserve(buf, (size_t)hdr->payload_len, err); /* only after the length passed the limit */
+    if (st) return st;
+    if (u->cm_ep && hdr->payload_len >= u->tag_min)
+        return recv_tagged(u, buf->data, (size_t)hdr->payload_len, deadline, kvb_frame_type_name(hdr->type), err);
+    return recv_exact(u, buf->data, (size_t)hdr->payload_len, deadline, kvb_frame_type_name(hdr->type), err);
+}
+
+/* This side's tag threshold: KVB_UCX_TAG_MIN when set (0: never), else UCX_TAG_MIN_PAYLOAD. */
+static uint32_t tag_min_wanted(void) {
+    const char *e = getenv("KVB_UCX_TAG_MIN");
+    if (!e || !*e) return UCX_TAG_MIN_PAYLOAD;
+    char *end = NULL;
+    unsigned long long v = strtoull(e, &end, 10);
+    if (*end || v > UINT32_MAX) {
+        kvb_log(KVB_LOG_WARN, "ucx: KVB_UCX_TAG_MIN=\"%s\" is not a byte count up to %u: using %u", e, UINT32_MAX,
+                UCX_TAG_MIN_PAYLOAD);
+        return UCX_TAG_MIN_PAYLOAD;
+    }
+    return (uint32_t)v;
+}
+
+/* After the handshake: each side sends its worker address (magic, u32 length, address) over the
+ * connection manager's endpoint and connects a second endpoint to the peer's, which UCX wires up
+ * over every transport the two workers share (shared memory on one host: a connection made from a
+ * socket address gets only the lanes of its device, TCP). Frames then flow on that endpoint. */
+static kvb_status ucx_authenticated(kvb_link *base, double deadline, kvb_err *err) {
+    ucx_link *u = (ucx_link *)base;
+    ucp_address_t *mine = NULL;
+    size_t mine_len = 0;
+    ucp_worker_h dw = NULL;
+    kvb_status st = new_worker(&dw, "a data worker for", err);
+    if (st) return st;
+    pthread_mutex_lock(&u->lock);
+    u->dworker = dw;
+    ucs_status_t s = ucp_worker_get_address(u->dworker, &mine, &mine_len);
+    pthread_mutex_unlock(&u->lock);
+    if (s != UCS_OK) return kvb_err_set(err, KVB_ERR_IO, "ucp_worker_get_address: %s", ucs_status_string(s));
+    uint8_t head[16]; /* magic, address length u32, this side's tag threshold u32 (0: none) */
+    memcpy(head, UCX_ADDR_MAGIC, 8);
+    wire_put_u32(head + 8, (uint32_t)mine_len);
+    wire_put_u32(head + 12, tag_min_wanted());
+    ucp_dt_iov_t v[2] = {{head, sizeof head}, {mine, mine_len}};
+    st = send_iov(u, v, 2, deadline, err);
+    pthread_mutex_lock(&u->lock);
+    ucp_worker_release_address(u->dworker, mine);
+    pthread_mutex_unlock(&u->lock);
+    uint8_t ph[16];
+    if (!st) st = recv_exact(u, ph, sizeof ph, deadline, "UCX worker address", err);
+    if (st) return st;
+    uint32_t len = wire_get_u32(ph + 8), mine_min = tag_min_wanted(), peer_min = wire_get_u32(ph + 12);
+    u->tag_min = !mine_min || !peer_min ? UINT64_MAX : KVB_MAX(mine_min, peer_min);
+    if (memcmp(ph, UCX_ADDR_MAGIC, 8) != 0)
+        return kvb_err_set(err, KVB_ERR_REFUSED, "%s sent no UCX worker address after the handshake (a refusal?)",
+                           u->base.peer_addr);
+    if (len == 0 || len > UCX_ADDR_MAX)
+        return kvb_err_set(err, KVB_ERR_FORMAT, "%s: a UCX worker address of %u bytes (1..%d)", u->base.peer_addr, len,
+                           UCX_ADDR_MAX);
+    uint8_t *peer = malloc(len);
+    if (!peer) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    st = recv_exact(u, peer, len, deadline, "UCX worker address", err);
+    if (!st && u->chunk) st = kvb_err_set(err, KVB_ERR_FORMAT, "%s sent more than its worker address", u->base.peer_addr);
+    /* No peer error handling on this one: UCX 1.13's shared-memory transports cannot detect a dead
+     * peer, so asking for it would leave only TCP. The connection manager's endpoint, which does,
+     * stays open and reports a peer that dies or closes (u->failed). */
+    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+                          .address = (const ucp_address_t *)peer,
+                          .err_mode = UCP_ERR_HANDLING_MODE_NONE};
+    ucp_ep_h data = NULL;
+    if (!st) {
+        pthread_mutex_lock(&u->lock);
+        s = ucp_ep_create(u->dworker, &ep, &data);
+        if (s == UCS_OK) {
+            u->cm_ep = u->ep;
+            u->ep = data;
+        }
+        pthread_mutex_unlock(&u->lock);
+        if (s != UCS_OK)
+            st = kvb_err_set(err, KVB_ERR_PEER_GONE, "%s: ucp_ep_create from its worker address: %s", u->base.peer_addr,
+                             ucs_status_string(s));
+    }
+    free(peer);
+    if (!st) st = wait_wired(u, deadline, "connect to the worker of", err);
+    /* one round trip on the new endpoint while both sides are here to progress it: its wireup is
+     * then complete both ways, and a later send completes without waiting for the peer */
+    uint8_t token[8];
+    ucp_dt_iov_t tv = {UCX_DATA_MAGIC, 8};
+    if (!st) st = send_iov(u, &tv, 1, deadline, err);
+    if (!st) st = recv_exact(u, token, sizeof token, deadline, "UCX data endpoint check", err);
+    if (!st && memcmp(token, UCX_DATA_MAGIC, 8) != 0)
+        st = kvb_err_set(err, KVB_ERR_FORMAT, "%s: the first bytes on the data endpoint are not its check",
+                         u->base.peer_addr);
+    if (!st) note_lanes(u, "frames to");
+    if (!st)
+        kvb_log(KVB_LOG_DEBUG, "ucx: payloads of %llu bytes or more to %s go as tagged messages",
+                (unsigned long long)u->tag_min, u->base.peer_addr);
+    return st;
+}
+
+static void ucx_shutdown(kvb_link *base) { atomic_store(&((ucx_link *)base)->shut, true); }
+
+/* Releases held data, closes the endpoint (flushed when the link is healthy, forced otherwise,
+ * bounded by UCX_CLOSE_WAIT_S), then the worker. */
+static void ucx_close(kvb_link *base) {
+    if (!base) return;
+    ucx_link *u = (ucx_link *)base;
+    pthread_mutex_lock(&u->lock);
+    if (u->chunk) ucp_stream_data_release(u->ep, u->chunk);
+    u->chunk = NULL;
+    bool force = u->dead || atomic_load(&u->failed) || atomic_load(&u->shut);
+    ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0};
+    double until = kvb_now_s() + UCX_CLOSE_WAIT_S;
+    ucp_ep_h eps[2] = {u->ep, u->cm_ep};
+    for (int i = 0; i < 2; i++) {
+        ucs_status_ptr_t req = eps[i] ? ucp_ep_close_nbx(eps[i], &rp) : NULL;
+        while (req && !UCS_PTR_IS_ERR(req) && !u->dead) {
+            progress(u);
+            if (ucp_request_check_status(req) != UCS_INPROGRESS || kvb_now_s() > until) {
+                ucp_request_free(req);
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&u->lock);
+    if (u->dworker) ucp_worker_destroy(u->dworker);
+    ucp_worker_destroy(u->worker);
+    pthread_mutex_destroy(&u->lock);
+    free(u);
+}
+
+const kvb_wire_backend kvb_wire_backend_ucx = {
+    .name = "ucx",
+    .listen = ucx_listen,
+    .accept = ucx_accept,
+    .listener_close = ucx_listener_close,
+    .connect = ucx_connect,
+    .send_frame = ucx_send_frame,
+    .recv_frame = ucx_recv_frame,
+    .shutdown = ucx_shutdown,
+    .close = ucx_close,
+    .describe = ucx_describe,
+    .authenticated = ucx_authenticated,
+};

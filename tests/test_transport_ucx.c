@@ -1,0 +1,444 @@
+/* tests/test_transport_ucx.c — the transport over the UCX backend on loopback (every case skips
+ * when this build has no UCX). ctest runs it twice: with UCX's own choice (shared memory between
+ * the endpoints) and with UCX_TLS=tcp; each run checks that the lanes UCX reports are the ones
+ * that run allows. Cases: the handshake and a stream of PREFILL, SLABs of up to 24 MiB (bytes
+ * intact, bit for bit), DONE and PING/PONG with matching counters; a wrong key refused on both
+ * sides (KVB_ERR_AUTH); a corrupt payload (a frame whose bytes no longer match its hash) fails the
+ * receive with KVB_ERR_CHECKSUM; a large payload shorter or longer than its header says is
+ * KVB_ERR_FORMAT; a silent peer is a timeout within the deadline; a shutdown wakes a
+ * blocked receive; a peer process killed mid-frame is KVB_ERR_PEER_GONE (the peer is this binary
+ * run again, so it starts UCX afresh rather than inheriting the parent's state through fork). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <xxhash.h>
+
+#include "kvb_quant.h"
+#include "transport_internal.h"
+
+#define IO_TIMEOUT_MS 5000
+static const uint8_t PSK[32] = "0123456789abcdef0123456789abcdef";
+static const uint8_t OTHER_PSK[32] = "0123456789abcdef0123456789abcdeX";
+static const uint64_t MODEL_FP = 0x6d6f64656c2d6670ULL;
+static const kvb_wire_backend *UCX;
+
+static kvb_hello make_hello(kvb_wire_role role, const char *name) {
+    kvb_kvformat f;
+    kvb_hello h;
+    kvb_err e = {0};
+    assert_int_equal(kvb_kvformat_init(&f, KVB_TYPE_F16, 16, 4, 2, 64, &e), KVB_OK);
+    if (kvb_hello_init(&h, role, KVB_BRIDGE_MODE_DECODER, name, MODEL_FP, &f, &e)) fail_msg("hello: %s", e.msg);
+    return h;
+}
+
+static kvb_transport_config make_config(const uint8_t *psk) {
+    return (kvb_transport_config){.psk = psk, .psk_len = 32, .backend = UCX};
+}
+
+static int setup(void **state) {
+    (void)state;
+    kvb_err e = {0};
+    if (kvb_wire_backend_by_name("ucx", &UCX, &e) != KVB_OK) UCX = NULL;
+    return 0;
+}
+
+static kvb_listener *listen_ucx(void) {
+    if (!UCX) skip();
+    kvb_listener *l = NULL;
+    kvb_err e = {0};
+    if (kvb_transport_listen("127.0.0.1:0", UCX, &l, &e)) fail_msg("listen: %s", e.msg);
+    assert_int_not_equal(kvb_listener_port(l), 0);
+    return l;
+}
+
+typedef struct {
+    kvb_listener *l;
+    const uint8_t *psk;
+    kvb_conn *conn;
+    kvb_status st;
+    kvb_err err;
+    pthread_t thread;
+} accept_job;
+
+static void *accept_main(void *arg) {
+    accept_job *j = arg;
+    kvb_hello me = make_hello(KVB_ROLE_PREFILL, "prefill-a");
+    kvb_transport_config cfg = make_config(j->psk);
+    j->st = kvb_transport_accept(j->l, &me, &cfg, IO_TIMEOUT_MS, &j->conn, NULL, &j->err);
+    return NULL;
+}
+
+/* decode connects with dpsk, prefill accepts with ppsk; returns the connecting side's status. */
+static kvb_status try_pair(kvb_listener *l, const uint8_t *dpsk, const uint8_t *ppsk, kvb_conn **decode,
+                           accept_job *j, kvb_err *e) {
+    *j = (accept_job){.l = l, .psk = ppsk};
+    assert_int_equal(pthread_create(&j->thread, NULL, accept_main, j), 0);
+    kvb_hello me = make_hello(KVB_ROLE_DECODE, "decoder-a");
+    kvb_transport_config cfg = make_config(dpsk);
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", kvb_listener_port(l));
+    kvb_status st = kvb_transport_connect(addr, &me, &cfg, IO_TIMEOUT_MS, decode, NULL, e);
+    pthread_join(j->thread, NULL);
+    return st;
+}
+
+static void connect_pair(kvb_listener *l, kvb_conn **decode, kvb_conn **prefill) {
+    accept_job j;
+    kvb_err e = {0};
+    if (try_pair(l, PSK, PSK, decode, &j, &e)) fail_msg("connect: %s", e.msg);
+    if (j.st) fail_msg("accept: %s", j.err.msg);
+    *prefill = j.conn;
+}
+
+/* The lanes must be the ones this run allows: TCP only with UCX_TLS=tcp, else shared memory
+ * (both ends are on this host) and no TCP. */
+static void check_lanes(kvb_conn *c) {
+    char d[256];
+    kvb_conn_describe(c, d, sizeof d);
+    print_message("    carried by: %s\n", d);
+    assert_true(strncmp(d, "ucx ", 4) == 0);
+    const char *tls = getenv("UCX_TLS");
+    assert_non_null(strchr(d + 4, '/')); /* at least one TRANSPORT/DEVICE */
+    if (tls && !strcmp(tls, "tcp")) {
+        assert_non_null(strstr(d, "tcp/"));
+        assert_null(strstr(d, "memory"));
+    } else {
+        assert_non_null(strstr(d, "memory"));
+        assert_null(strstr(d, "tcp/"));
+    }
+    char last[256];
+    kvb_ucx_last_lanes(last, sizeof last);
+    assert_non_null(strstr(d, last));
+}
+
+/* Receives 6 SLABs (each into its own buffer) and DONE. */
+typedef struct {
+    kvb_conn *c;
+    kvb_wire_buf buf[7];
+    kvb_msg msg[7];
+    kvb_status st[7];
+    kvb_err err;
+} stream_job;
+
+static void *stream_main(void *arg) {
+    stream_job *j = arg;
+    for (int i = 0; i < 7; i++)
+        if ((j->st[i] = kvb_conn_recv_into(j->c, IO_TIMEOUT_MS, &j->buf[i], &j->msg[i], &j->err)) != KVB_OK) break;
+    return NULL;
+}
+
+static void test_handshake_and_stream(void **state) {
+    (void)state;
+    kvb_listener *l = listen_ucx();
+    kvb_conn *dc, *pc;
+    connect_pair(l, &dc, &pc);
+    kvb_err e = {0};
+    int32_t tokens[64];
+    for (int i = 0; i < 64; i++) tokens[i] = 1000 + i;
+    kvb_msg_prefill req = {.request_id = 7, .bridge_mode = KVB_BRIDGE_MODE_DECODER, .n_tokens = 64,
+                           .cached_tokens = 16, .ship_tokens = 48, .last_cached_key = 0x99, .tokens = tokens};
+    if (kvb_conn_send_prefill(dc, &req, IO_TIMEOUT_MS, &e)) fail_msg("send prefill: %s", e.msg);
+    kvb_msg m;
+    if (kvb_conn_recv(pc, IO_TIMEOUT_MS, &m, &e)) fail_msg("prefill recv: %s", e.msg);
+    assert_int_equal(m.type, KVB_FRAME_PREFILL);
+    assert_memory_equal(m.u.prefill.tokens, tokens, sizeof tokens);
+    kvb_msg_free(&m);
+
+    /* slabs from 1 byte to 12 MiB each side, received on another thread while they are sent */
+    enum { NS = 6 };
+    const size_t sizes[NS] = {2048, 1, 65536, 1 << 20, 12 << 20, 4096 * 3 + 7};
+    uint8_t *k[NS], *v[NS];
+    stream_job rj = {.c = dc};
+    pthread_t rt;
+    assert_int_equal(pthread_create(&rt, NULL, stream_main, &rj), 0);
+    for (int s = 0; s < NS; s++) {
+        k[s] = malloc(sizes[s]);
+        v[s] = malloc(sizes[s]);
+        for (size_t i = 0; i < sizes[s]; i++) {
+            k[s][i] = (uint8_t)(s * 31 + i * 7 + (i >> 11));
+            v[s][i] = (uint8_t)(s * 17 + i * 3 + (i >> 13));
+        }
+        kvb_msg_slab sl = {.layer = (uint32_t)s % 4, .pos0 = 16, .n = 16, .k = k[s], .v = v[s], .k_bytes = sizes[s],
+                           .v_bytes = sizes[s], .checksum = XXH3_64bits(k[s], sizes[s])};
+        if (kvb_conn_send_slab(pc, 7, &sl, IO_TIMEOUT_MS, &e)) fail_msg("send slab %d: %s", s, e.msg);
+    }
+    kvb_msg_done done = {.tokens_covered = 48, .blocks = 2, .slabs = NS, .prefill_seconds = 0.25};
+    assert_int_equal(kvb_conn_send_done(pc, 7, &done, IO_TIMEOUT_MS, &e), KVB_OK);
+    pthread_join(rt, NULL);
+    for (int s = 0; s < NS; s++) {
+        if (rj.st[s]) fail_msg("slab recv %d: %s", s, rj.err.msg);
+        m = rj.msg[s];
+        assert_int_equal(m.type, KVB_FRAME_SLAB);
+        assert_int_equal(m.u.slab.layer, (uint32_t)s % 4);
+        assert_int_equal(m.u.slab.k_bytes, sizes[s]);
+        assert_int_equal(m.u.slab.checksum, XXH3_64bits(k[s], sizes[s]));
+        assert_memory_equal(m.u.slab.k, k[s], sizes[s]);
+        assert_memory_equal(m.u.slab.v, v[s], sizes[s]);
+        free(k[s]);
+        free(v[s]);
+        free(rj.buf[s].data);
+    }
+    if (rj.st[NS]) fail_msg("done recv: %s", rj.err.msg);
+    assert_int_equal(rj.msg[NS].type, KVB_FRAME_DONE);
+    m = rj.msg[NS];
+    assert_int_equal(m.u.done.slabs, NS);
+    /* both directions at once: PING from decode, PONG back */
+    assert_int_equal(kvb_conn_send_ping(dc, 0xabcdef, IO_TIMEOUT_MS, &e), KVB_OK);
+    assert_int_equal(kvb_conn_recv(pc, IO_TIMEOUT_MS, &m, &e), KVB_OK);
+    assert_int_equal(m.type, KVB_FRAME_PING);
+    assert_int_equal(kvb_conn_send_pong(pc, m.u.ping.token, IO_TIMEOUT_MS, &e), KVB_OK);
+    assert_int_equal(kvb_conn_recv(dc, IO_TIMEOUT_MS, &m, &e), KVB_OK);
+    assert_int_equal(m.type, KVB_FRAME_PONG);
+    assert_int_equal(m.u.ping.token, 0xabcdef);
+    check_lanes(dc);
+    check_lanes(pc);
+    kvb_conn_stats ds, ps;
+    kvb_conn_get_stats(dc, &ds);
+    kvb_conn_get_stats(pc, &ps);
+    assert_int_equal(ds.bytes_sent, ps.bytes_received);
+    assert_int_equal(ps.bytes_sent, ds.bytes_received);
+    assert_int_equal(ds.frames_received, ps.frames_sent);
+    assert_int_equal(ds.checksum_failures + ps.checksum_failures, 0);
+    kvb_conn_close(dc);
+    kvb_conn_close(pc);
+    kvb_listener_close(l);
+}
+
+static void test_wrong_key_refused_both_sides(void **state) {
+    (void)state;
+    kvb_listener *l = listen_ucx();
+    kvb_conn *dc = NULL;
+    accept_job j;
+    kvb_err e = {0};
+    assert_int_equal(try_pair(l, OTHER_PSK, PSK, &dc, &j, &e), KVB_ERR_AUTH);
+    print_message("    connecting side: %s\n    accepting side: %s\n", e.msg, j.err.msg);
+    assert_int_equal(j.st, KVB_ERR_AUTH);
+    assert_null(dc);
+    assert_null(j.conn);
+    kvb_listener_stats ls;
+    kvb_listener_get_stats(l, &ls);
+    assert_int_equal(ls.failed[KVB_HANDSHAKE_AUTH], 1);
+    assert_int_equal(ls.accepted, 0);
+    kvb_listener_close(l);
+}
+
+/* A SLAB whose head changes after its frame hash was taken (corrupted in flight): the receiver's
+ * hash check fails the receive before the message is decoded. */
+static void test_corrupt_payload_is_checksum_error(void **state) {
+    (void)state;
+    kvb_listener *l = listen_ucx();
+    kvb_conn *dc, *pc;
+    connect_pair(l, &dc, &pc);
+    uint8_t head[KVB_SLAB_HEAD_BYTES], k[256], v[256];
+    for (int i = 0; i < 256; i++) k[i] = v[i] = (uint8_t)i;
+    kvb_msg_slab sl = {.layer = 1, .pos0 = 16, .n = 16, .k = k, .v = v, .k_bytes = 256, .v_bytes = 256,
+                       .checksum = XXH3_64bits(k, 256)};
+    kvb_msg_slab_encode_head(&sl, head);
+    kvb_iov iov[3] = {{head, sizeof head}, {k, 256}, {v, 256}};
+    kvb_frame_header h = {.type = KVB_FRAME_SLAB, .request_id = 7, .payload_len = sizeof head + 512,
+                          .payload_hash = kvb_wire_frame_payload_hash(KVB_FRAME_SLAB, iov, 3)};
+    uint8_t hdr[KVB_WIRE_HEADER_BYTES];
+    kvb_wire_header_encode(&h, hdr);
+    head[9] ^= 0x20; /* in flight */
+    kvb_err e = {0};
+    double deadline;
+    assert_int_equal(wire_deadline(IO_TIMEOUT_MS, &deadline, &e), KVB_OK);
+    assert_int_equal(pc->backend->send_frame(pc->link, hdr, iov, 3, deadline, &e), KVB_OK);
+    kvb_msg m;
+    assert_int_equal(kvb_conn_recv(dc, IO_TIMEOUT_MS, &m, &e), KVB_ERR_CHECKSUM);
+    print_message("    %s\n", e.msg);
+    assert_false(kvb_conn_usable(dc));
+    kvb_conn_stats ds;
+    kvb_conn_get_stats(dc, &ds);
+    assert_int_equal(ds.checksum_failures, 1);
+    kvb_conn_close(dc);
+    kvb_conn_close(pc);
+    kvb_listener_close(l);
+}
+
+/* One receive on its own thread, timed. */
+typedef struct {
+    kvb_conn *c;
+    kvb_status st;
+    kvb_err err;
+    double seconds;
+    int timeout_ms;
+} recv_job;
+
+static void *recv_main(void *arg) {
+    recv_job *j = arg;
+    kvb_msg m;
+    double t0 = kvb_now_s();
+    j->st = kvb_conn_recv(j->c, j->timeout_ms, &m, &j->err);
+    j->seconds = kvb_now_s() - t0;
+    return NULL;
+}
+
+/* An authenticated peer whose large payload (sent as a tagged message) is shorter or longer than
+ * its frame header says: KVB_ERR_FORMAT, never bytes beyond what arrived. */
+static void payload_length_lies(uint64_t header_says, size_t sent) {
+    kvb_listener *l = listen_ucx();
+    kvb_conn *dc, *pc;
+    connect_pair(l, &dc, &pc);
+    uint8_t *p = calloc(1, sent);
+    kvb_iov iov = {p, sent};
+    kvb_frame_header h = {.type = KVB_FRAME_DONE, .request_id = 7, .payload_len = header_says};
+    uint8_t hdr[KVB_WIRE_HEADER_BYTES];
+    kvb_wire_header_encode(&h, hdr);
+    kvb_err e = {0};
+    double deadline;
+    assert_int_equal(wire_deadline(IO_TIMEOUT_MS, &deadline, &e), KVB_OK);
+    recv_job j = {.c = dc, .timeout_ms = 2000};
+    pthread_t t;
+    pthread_create(&t, NULL, recv_main, &j);
+    kvb_status sst = pc->backend->send_frame(pc->link, hdr, &iov, 1, deadline, &e);
+    pthread_join(t, NULL);
+    print_message("    header %llu, sent %zu: %s (the sender: %s)\n", (unsigned long long)header_says, sent, j.err.msg,
+                  sst ? e.msg : "sent");
+    assert_int_equal(j.st, KVB_ERR_FORMAT);
+    assert_false(kvb_conn_usable(dc));
+    free(p);
+    kvb_conn_close(dc);
+    kvb_conn_close(pc);
+    kvb_listener_close(l);
+}
+
+static void test_large_payload_length_lies(void **state) {
+    (void)state;
+    payload_length_lies(256 << 10, 100 << 10);
+    payload_length_lies(128 << 10, 300 << 10);
+}
+
+static void test_silent_peer_times_out(void **state) {
+    (void)state;
+    kvb_listener *l = listen_ucx();
+    kvb_conn *dc, *pc;
+    connect_pair(l, &dc, &pc);
+    kvb_err e = {0};
+    kvb_msg m;
+    double t0 = kvb_now_s();
+    assert_int_equal(kvb_conn_recv(dc, 300, &m, &e), KVB_ERR_TIMEOUT);
+    double dt = kvb_now_s() - t0;
+    print_message("    %s after %.3f s\n", e.msg, dt);
+    assert_true(dt >= 0.29 && dt < 1.5);
+    assert_non_null(strstr(e.msg, "timed out"));
+    assert_false(kvb_conn_usable(dc));
+    kvb_conn *c = NULL;
+    kvb_hello me = make_hello(KVB_ROLE_PREFILL, "prefill-a");
+    kvb_transport_config cfg = make_config(PSK);
+    t0 = kvb_now_s();
+    assert_int_equal(kvb_transport_accept(l, &me, &cfg, 200, &c, NULL, &e), KVB_ERR_TIMEOUT);
+    dt = kvb_now_s() - t0;
+    assert_true(dt >= 0.19 && dt < 1.5);
+    kvb_conn_close(dc);
+    kvb_conn_close(pc);
+    kvb_listener_close(l);
+}
+
+static void test_shutdown_wakes_blocked_receive(void **state) {
+    (void)state;
+    kvb_listener *l = listen_ucx();
+    kvb_conn *dc, *pc;
+    connect_pair(l, &dc, &pc);
+    recv_job j = {.c = dc, .timeout_ms = IO_TIMEOUT_MS};
+    pthread_t t;
+    pthread_create(&t, NULL, recv_main, &j);
+    usleep(100 * 1000);
+    kvb_conn_shutdown(dc);
+    pthread_join(t, NULL);
+    print_message("    %s after %.3f s\n", j.err.msg, j.seconds);
+    assert_int_equal(j.st, KVB_ERR_CANCELLED);
+    assert_true(j.seconds < 2.0);
+    kvb_conn_close(dc);
+    /* the other end learns that its peer closed */
+    kvb_msg m;
+    kvb_err e = {0};
+    assert_int_equal(kvb_conn_recv(pc, IO_TIMEOUT_MS, &m, &e), KVB_ERR_PEER_GONE);
+    print_message("    the other end: %s\n", e.msg);
+    kvb_conn_close(pc);
+    kvb_listener_close(l);
+}
+
+/* The child (this binary with KVB_UCX_CHILD_PORT set): connects as a decode node, sends a PREFILL
+ * header that promises 1 MiB (a payload that large follows as a tagged message) and not the
+ * payload, then kills itself. */
+static int child_main(const char *port) {
+    kvb_err e = {0};
+    if (kvb_wire_backend_by_name("ucx", &UCX, &e)) return 2;
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%s", port);
+    kvb_hello me = make_hello(KVB_ROLE_DECODE, "doomed");
+    kvb_transport_config cfg = make_config(PSK);
+    kvb_conn *c = NULL;
+    if (kvb_transport_connect(addr, &me, &cfg, IO_TIMEOUT_MS, &c, NULL, &e)) {
+        fprintf(stderr, "child: %s\n", e.msg);
+        return 3;
+    }
+    kvb_frame_header h = {.type = KVB_FRAME_PREFILL, .request_id = 1, .payload_len = 1 << 20};
+    uint8_t hdr[KVB_WIRE_HEADER_BYTES];
+    kvb_wire_header_encode(&h, hdr);
+    double deadline;
+    wire_deadline(IO_TIMEOUT_MS, &deadline, &e);
+    if (c->backend->send_frame(c->link, hdr, NULL, 0, deadline, &e)) return 4;
+    usleep(200 * 1000); /* let it arrive */
+    raise(SIGKILL);
+    return 5;
+}
+
+static void test_peer_killed_mid_frame(void **state) {
+    (void)state;
+    kvb_listener *l = listen_ucx();
+    char port[16];
+    snprintf(port, sizeof port, "%u", kvb_listener_port(l));
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        setenv("KVB_UCX_CHILD_PORT", port, 1);
+        execl("/proc/self/exe", "test_transport_ucx", (char *)NULL);
+        _exit(127);
+    }
+    kvb_hello me = make_hello(KVB_ROLE_PREFILL, "prefill-a");
+    kvb_transport_config cfg = make_config(PSK);
+    kvb_conn *c = NULL;
+    kvb_err e = {0};
+    if (kvb_transport_accept(l, &me, &cfg, 10000, &c, NULL, &e)) fail_msg("accept: %s", e.msg);
+    kvb_msg m;
+    double t0 = kvb_now_s();
+    kvb_status st = kvb_conn_recv(c, 10000, &m, &e);
+    double dt = kvb_now_s() - t0;
+    int wst = 0;
+    waitpid(pid, &wst, 0);
+    print_message("    %s after %.3f s\n", e.msg, dt);
+    assert_true(WIFSIGNALED(wst) && WTERMSIG(wst) == SIGKILL);
+    assert_int_equal(st, KVB_ERR_PEER_GONE);
+    assert_non_null(strstr(e.msg, "PREFILL payload"));
+    assert_non_null(strstr(e.msg, "the peer is gone"));
+    assert_true(dt < 9.0);
+    kvb_conn_close(c);
+    kvb_listener_close(l);
+}
+
+int main(void) {
+    const char *child_port = getenv("KVB_UCX_CHILD_PORT");
+    if (child_port) return child_main(child_port);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_handshake_and_stream),
+        cmocka_unit_test(test_wrong_key_refused_both_sides),
+        cmocka_unit_test(test_corrupt_payload_is_checksum_error),
+        cmocka_unit_test(test_large_payload_length_lies),
+        cmocka_unit_test(test_silent_peer_times_out),
+        cmocka_unit_test(test_shutdown_wakes_blocked_receive),
+        cmocka_unit_test(test_peer_killed_mid_frame),
+    };
+    return cmocka_run_group_tests(tests, setup, NULL);
+}
