@@ -306,7 +306,7 @@ kvb_status kvb_gen_model(const kvb_gen_opts *o, const char *out_path, kvb_err *e
                        .out = buf,
                        .row_bytes = kvb_row_bytes(ts[i].type, (int64_t)ts[i].ne[0]),
                        .scratch = scratch};
-        uint64_t rows = ts[i].n_dims > 1 ? ts[i].ne[1] : 1;
+        uint64_t rows = ts[i].n_dims > 1 ? ts[i].ne[1] * ts[i].ne[2] : 1;
         kvb_pool_parallel_for(pool, (int)((rows + GEN_CHUNK_ROWS - 1) / GEN_CHUNK_ROWS), gen_chunk, &job);
         if ((st = kvb_gguf_writer_write_tensor_data(w, f, (uint64_t)i, buf, bytes, err))) goto done;
         written += bytes;
