@@ -1,7 +1,8 @@
 /* model/desc.c — the architecture description read from GGUF metadata ({arch}.* keys), every
  * value range-checked so a hostile file cannot make later code allocate or index absurdly; for
  * gemma3 also the facts the file does not carry (embedding scale, local/global layer pattern,
- * the local layers' RoPE base, the attention scale), each stated where it is set. */
+ * the local layers' RoPE base, the attention scale), each stated where it is set; for qwen3moe
+ * the expert keys with llama.cpp's defaults (moe_desc). */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
