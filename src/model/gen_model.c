@@ -82,7 +82,8 @@ static int add_t(gen_tensor *ts, int n, const char *name, uint64_t ne0, uint64_t
 /* Layer l's mixture of experts with llama.cpp's names and ggml's shapes: the router
  * ffn_gate_inp [n_embd, n_expert] in f32 (llama.cpp keeps it f32 in every quantisation), and the
  * expert stacks ffn_gate_exps, ffn_up_exps [n_embd, n_ff_exp, n_expert] and ffn_down_exps
- * [n_ff_exp, n_embd, n_expert] in the file's type. Router logits of std ~2 route decisively;
+ * [n_ff_exp, n_embd, n_expert] in the file's type. Router logits of std ~4 route decisively
+ * (a trained router is peaked; a flat one would leave many tokens near a tie between experts);
  * each expert is scaled like a dense MLP of n_ff_exp (the top-k weights sum to 1). */
 static int add_moe_tensors(gen_tensor *ts, int n, uint32_t l, const kvb_model_desc *d, uint32_t type, float s_res) {
     const uint64_t E = d->n_embd, F = d->n_ff_exp;
@@ -90,7 +91,7 @@ static int add_moe_tensors(gen_tensor *ts, int n, uint32_t l, const kvb_model_de
     const char *names[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
     char nm[64];
     snprintf(nm, sizeof nm, "blk.%u.ffn_gate_inp.weight", l);
-    n = add_t(ts, n, nm, E, d->n_expert, KVB_TYPE_F32, INIT_NORMAL, 2.0f * s_in);
+    n = add_t(ts, n, nm, E, d->n_expert, KVB_TYPE_F32, INIT_NORMAL, 4.0f * s_in);
     for (int i = 0; i < 3; i++) {
         snprintf(nm, sizeof nm, "blk.%u.%s.weight", l, names[i]);
         n = add_t(ts, n, nm, i < 2 ? E : F, i < 2 ? F : E, type, INIT_NORMAL, i < 2 ? s_in : 2.0f * s_res * s_ff);
