@@ -3,8 +3,8 @@
  * tokens of some sequences beside one of others, as a prompt slice beside decode steps) gives each
  * the bits of its own forward of those tokens. Sequences of different lengths
  * (one token, block boundaries, past gemma3's sliding window) join and leave the batch from step
- * to step, in shuffled order, on llama, qwen3 (q/k norms) and gemma3 (two RoPE kinds, local
- * layers) shapes, with f16 and q8_0 caches and 1 or 2 threads; a reference engine runs the same
+ * to step, in shuffled order, on llama, qwen3 (q/k norms), gemma3 (two RoPE kinds, local
+ * layers) and qwen3moe (tokens of several sequences grouped by expert) shapes, with f16 and q8_0 caches and 1 or 2 threads; a reference engine runs the same
  * steps one sequence at a time. Also the batch's refusals. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -23,13 +23,15 @@
 #define N_SEQ 5
 #define N_STEPS 12
 
-static const char *const g_presets[] = {"tiny", "tiny-qwen3", "tiny-gemma3"};
-static kvb_model *g_models[3];
+/* tiny-moe: a batch's tokens are grouped by expert across its sequences */
+static const char *const g_presets[] = {"tiny", "tiny-qwen3", "tiny-gemma3", "tiny-moe"};
+#define N_MODELS (sizeof g_presets / sizeof g_presets[0])
+static kvb_model *g_models[N_MODELS];
 
 static int setup(void **state) {
     (void)state;
     kvb_err err = {0};
-    for (int i = 0; i < 3; i++) {
+    for (size_t i = 0; i < N_MODELS; i++) {
         char name[64], path[512];
         snprintf(name, sizeof name, "batch-%s.gguf", g_presets[i]);
         kvbt_tmp_path(path, sizeof path, name);
@@ -44,7 +46,7 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
     (void)state;
-    for (int i = 0; i < 3; i++) kvb_model_free(g_models[i]);
+    for (size_t i = 0; i < N_MODELS; i++) kvb_model_free(g_models[i]);
     return 0;
 }
 
@@ -124,7 +126,7 @@ static void test_batch_is_each_sequences_own_forward(void **state) {
     (void)state;
     const uint64_t seed = (uint64_t)time(NULL);
     printf("seed %llu\n", (unsigned long long)seed);
-    for (int mi = 0; mi < 3; mi++) {
+    for (int mi = 0; mi < (int)N_MODELS; mi++) {
         batch_matches_one_by_one(g_models[mi], KVB_TYPE_F16, 2, seed + (uint64_t)mi, false);
         batch_matches_one_by_one(g_models[mi], KVB_TYPE_Q8_0, 1, seed + 10 + (uint64_t)mi, false);
     }
@@ -134,7 +136,7 @@ static void test_segments_are_each_sequences_own_forward(void **state) {
     (void)state;
     const uint64_t seed = (uint64_t)time(NULL) ^ 0x5e9;
     printf("seed %llu\n", (unsigned long long)seed);
-    for (int mi = 0; mi < 3; mi++) {
+    for (int mi = 0; mi < (int)N_MODELS; mi++) {
         batch_matches_one_by_one(g_models[mi], KVB_TYPE_F16, 2, seed + (uint64_t)mi, true);
         batch_matches_one_by_one(g_models[mi], KVB_TYPE_Q8_0, 1, seed + 10 + (uint64_t)mi, true);
     }

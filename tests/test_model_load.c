@@ -22,7 +22,7 @@
 #include "kvb_quant.h"
 #include "kvbt.h"
 
-static char g_src[512], g_gemma[512];
+static char g_src[512], g_gemma[512], g_moe[512];
 
 static int setup(void **state) {
     (void)state;
@@ -30,8 +30,13 @@ static int setup(void **state) {
     kvbt_tmp_path(g_gemma, sizeof g_gemma, "gemma3.gguf");
     kvb_gen_opts o = {.preset = "tiny", .type = KVB_TYPE_Q8_0, .seed = 2, .n_threads = 1};
     kvb_gen_opts og = {.preset = "tiny-gemma3", .type = KVB_TYPE_Q8_0, .seed = 3, .n_threads = 1};
+    kvb_gen_opts om = {.preset = "tiny-moe", .type = KVB_TYPE_Q8_0, .seed = 4, .n_threads = 1};
+    kvbt_tmp_path(g_moe, sizeof g_moe, "moe.gguf");
     kvb_err err = {0};
-    return kvb_gen_model(&o, g_src, &err) == KVB_OK && kvb_gen_model(&og, g_gemma, &err) == KVB_OK ? 0 : -1;
+    return kvb_gen_model(&o, g_src, &err) == KVB_OK && kvb_gen_model(&og, g_gemma, &err) == KVB_OK &&
+                   kvb_gen_model(&om, g_moe, &err) == KVB_OK
+               ? 0
+               : -1;
 }
 
 typedef enum {
@@ -178,6 +183,77 @@ static kvb_model *load_ok(const char *path) {
     return m;
 }
 
+/* ---- qwen3moe ------------------------------------------------------------------------------- */
+
+/* tiny-moe's description and bound stacks: row r of expert x of a stack is row x * rows + r of
+ * the bound matrix, and the file's bytes are where that says. */
+static void test_moe_desc(void **state) {
+    (void)state;
+    kvb_model *m = load_ok(g_moe);
+    const kvb_model_desc *d = &m->d;
+    assert_int_equal(d->arch, KVB_ARCH_QWEN3MOE);
+    assert_true(d->has_qk_norm && d->rope_neox && d->expert_weights_norm);
+    assert_int_equal(d->n_expert, 8);
+    assert_int_equal(d->n_expert_used, 2);
+    assert_int_equal(d->n_ff_exp, 256);
+    for (uint32_t l = 0; l < d->n_layer; l++) {
+        const kvb_layer_weights *w = &m->layers[l];
+        assert_null(w->w_gate.data);
+        assert_int_equal(w->ffn_gate_inp.rows, 8);
+        assert_int_equal(w->ffn_gate_inp.cols, 256);
+        assert_int_equal(w->ffn_gate_inp.type, KVB_TYPE_F32);
+        assert_int_equal(w->gate_exps.rows, 8 * 256);
+        assert_int_equal(w->down_exps.rows, 8 * 256);
+        assert_int_equal(w->down_exps.cols, 256);
+        char name[64];
+        snprintf(name, sizeof name, "blk.%u.ffn_up_exps.weight", l);
+        const kvb_gguf_tensor *t = kvb_gguf_find_tensor(m->gguf, name);
+        assert_non_null(t);
+        assert_ptr_equal(w->up_exps.data, t->data);
+        assert_int_equal((uint64_t)w->up_exps.rows * w->up_exps.row_bytes, t->n_bytes);
+    }
+    char desc[512];
+    kvb_model_describe(m, desc, sizeof desc);
+    assert_non_null(strstr(desc, "8 experts (top 2, renormalised"));
+    kvb_model_free(m);
+}
+
+/* A qwen3moe file whose expert keys or tensors disagree is refused, naming what. */
+static void test_moe_refusals(void **state) {
+    (void)state;
+    expect_refused_from(g_moe, EDIT_SET_U32, "qwen3moe.expert_used_count", 9,
+                        "qwen3moe.expert_used_count = 9 is out of range [1, 8]");
+    expect_refused_from(g_moe, EDIT_SET_U32, "qwen3moe.expert_count", 0, "qwen3moe.expert_count = 0 is out of range");
+    expect_refused_from(g_moe, EDIT_SET_U32, "qwen3moe.expert_gating_func", 2, "expert_gating_func = 2");
+    expect_refused_from(g_moe, EDIT_SET_U32, "qwen3moe.expert_count", 4, "expected [256, 4]");
+    expect_refused_from(g_moe, EDIT_SET_U32, "qwen3moe.expert_feed_forward_length", 128, "expected [256, 128, 8]");
+    expect_refused_from(g_moe, EDIT_DROP_TENSOR, "blk.2.ffn_down_exps.weight", 0,
+                        "'blk.2.ffn_down_exps.weight' is missing");
+    expect_refused_from(g_moe, EDIT_SWAP_DIMS, "blk.1.ffn_gate_inp.weight", 0, "expected [256, 8]");
+}
+
+/* The Qwen3-30B-A3B and -235B-A22B presets against their published sizes (model cards: 30.5B total,
+ * 3.3B activated; 235B total, 22B activated), embeddings included: total = non-embedding (with the
+ * untied output head) + the embedding matrix. */
+static void test_moe_preset_sizes(void **state) {
+    (void)state;
+    const struct {
+        const char *name;
+        double total, active;
+    } want[] = {{"qwen3-30b-a3b", 30.5e9, 3.3e9}, {"qwen3-235b-a22b", 235e9, 22e9}};
+    for (size_t i = 0; i < 2; i++) {
+        const kvb_preset *p = kvb_preset_find(want[i].name);
+        assert_non_null(p);
+        const double emb = (double)p->d.n_vocab * p->d.n_embd;
+        const double total = (double)kvb_model_n_params_nonembd(&p->d) + emb;
+        const double active = (double)kvb_model_n_params_active(&p->d) + emb;
+        print_message("  %s: %.4g total, %.4g active\n", want[i].name, total, active);
+        if (fabs(total / want[i].total - 1) > 0.01 || fabs(active / want[i].active - 1) > 0.03)
+            fail_msg("%s: %.4g / %.4g parameters, published %.4g / %.4g", want[i].name, total, active, want[i].total,
+                     want[i].active);
+    }
+}
+
 static void test_gemma3_desc(void **state) {
     (void)state;
     kvb_model *m = load_ok(g_gemma);
@@ -295,6 +371,8 @@ int main(void) {
         cmocka_unit_test(test_bad_head_count),  cmocka_unit_test(test_unsupported_arch),
         cmocka_unit_test(test_unsupported_type), cmocka_unit_test(test_gemma3_refusals),
         cmocka_unit_test(test_gemma3_desc),      cmocka_unit_test(test_gemma3_gguf_py),
+        cmocka_unit_test(test_moe_desc),         cmocka_unit_test(test_moe_refusals),
+        cmocka_unit_test(test_moe_preset_sizes),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

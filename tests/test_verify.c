@@ -18,7 +18,9 @@
 #include "kvb_store.h"
 #include "kvbt.h"
 
-static const char *k_presets[] = {"tiny", "tiny-qwen2", "tiny-qwen3", "tiny-llama3", "tiny-gemma3"};
+/* tiny-moe: the bridge computes attention's cache; the mixture of experts between layers must
+ * reach it bit for bit as the decoder's own forward computes it */
+static const char *k_presets[] = {"tiny", "tiny-qwen2", "tiny-qwen3", "tiny-llama3", "tiny-gemma3", "tiny-moe"};
 static const uint32_t k_formats[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0};
 
 static kvb_model *load_preset(const char *preset, uint32_t wtype) {
@@ -53,7 +55,8 @@ static void test_rows_full(void **state) {
             }
             kvb_model_free(m);
         }
-    printf("verify: %d/%d rows N/N (5 presets x 2 weight types x 4 cache formats)\n", rows, rows);
+    printf("verify: %d/%d rows N/N (%zu presets x 2 weight types x 4 cache formats)\n", rows, rows,
+           sizeof k_presets / sizeof k_presets[0]);
 }
 
 static void test_perturbed_bridge_fails(void **state) {
@@ -76,6 +79,22 @@ static void test_perturbed_bridge_fails(void **state) {
     assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 0);
     assert_non_null(strstr(out, "PASS"));
     assert_non_null(strstr(out, "CUDA rows: not run"));
+}
+
+/* `kvbridge verify --preset tiny-moe` on the CPU: every row N/N, and the perturbed bridge short. */
+static void test_cli_tiny_moe(void **state) {
+    (void)state;
+    char cmd[1024], out[16384];
+    snprintf(cmd, sizeof cmd, "cd '%s' && '%s' verify --preset tiny-moe --threads 2 --bytes-at none", kvbt_tmpdir(),
+             kvbt_bin());
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 0);
+    assert_non_null(strstr(out, "tiny-moe"));
+    assert_non_null(strstr(out, "PASS: 0 short row(s)"));
+    assert_null(strstr(out, "SHORT"));
+    snprintf(cmd, sizeof cmd, "cd '%s' && '%s' verify --preset tiny-moe --threads 2 --bytes-at none --perturb",
+             kvbt_tmpdir(), kvbt_bin());
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 1);
+    assert_non_null(strstr(out, "SHORT"));
 }
 
 /* ---- the receiver ---------------------------------------------------------------------------- */
@@ -219,6 +238,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rows_full),
         cmocka_unit_test(test_perturbed_bridge_fails),
+        cmocka_unit_test(test_cli_tiny_moe),
         cmocka_unit_test(test_receiver_range_commit_done),
         cmocka_unit_test(test_receiver_done_with_blocks_missing),
         cmocka_unit_test(test_fault_kinds),

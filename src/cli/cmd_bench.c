@@ -52,13 +52,19 @@ static kvb_status bench_decode_batch(kvb_engine *e, uint32_t V, const int32_t *t
 
 static uint64_t mat_bytes(const kvb_mat *w) { return (uint64_t)w->rows * w->row_bytes; }
 
-/* Bytes of weights one decode step reads: every matrix once, the output head, the embedding row. */
+/* Bytes of weights one decode step reads: every matrix once, the output head, the embedding row;
+ * of a mixture of experts the router and the n_expert_used routed experts' rows (the active
+ * parameters), the expert stacks being n_expert equal slices. */
 static uint64_t weight_bytes_per_token(const kvb_model *m) {
     uint64_t b = mat_bytes(&m->output) + m->tok_embd.row_bytes;
     for (uint32_t l = 0; l < m->d.n_layer; l++) {
         const kvb_layer_weights *w = &m->layers[l];
         b += mat_bytes(&w->wq) + mat_bytes(&w->wk) + mat_bytes(&w->wv) + mat_bytes(&w->wo) + mat_bytes(&w->w_gate) +
              mat_bytes(&w->w_up) + mat_bytes(&w->w_down) + 2 * 4 * (uint64_t)m->d.n_embd;
+        if (m->d.n_expert)
+            b += mat_bytes(&w->ffn_gate_inp) +
+                 (mat_bytes(&w->gate_exps) + mat_bytes(&w->up_exps) + mat_bytes(&w->down_exps)) / m->d.n_expert *
+                     m->d.n_expert_used;
     }
     return b;
 }
@@ -144,7 +150,7 @@ static cJSON *read_json(const char *path) {
  * the head runs for the last token only, and the peer runs no head) x n, plus causal attention
  * (QK^T and PV over the causal triangle) 2 x layers x heads x head_dim x n^2. */
 static double prefill_flops(const kvb_model_desc *d, double n) {
-    double p = (double)kvb_model_n_params_nonembd(d) - (double)d->n_vocab * d->n_embd;
+    double p = (double)kvb_model_n_params_active(d) - (double)d->n_vocab * d->n_embd; /* MoE: routed experts */
     return 2.0 * p * n + 2.0 * d->n_layer * (double)d->n_head * d->head_dim * n * n;
 }
 
@@ -347,8 +353,9 @@ static void prefill_print_table(const prefill_bench *b, cJSON *arr) {
     if (b->read_bw > 0)
         printf("bandwidth  %.1f GB/s measured read bandwidth (same run, %d threads)\n", b->read_bw, b->host_threads);
     const kvb_model_desc *d = &b->m->d;
-    printf("flops      2 x %.3g params (non-embedding, no output head) x n + 2 x %u layers x %u heads x %u x n^2\n",
-           (double)kvb_model_n_params_nonembd(d) - (double)d->n_vocab * d->n_embd, d->n_layer, d->n_head, d->head_dim);
+    printf("flops      2 x %.3g params (non-embedding, no output head%s) x n + 2 x %u layers x %u heads x %u x n^2\n",
+           (double)kvb_model_n_params_active(d) - (double)d->n_vocab * d->n_embd,
+           d->n_expert ? ", the routed experts only" : "", d->n_layer, d->n_head, d->head_dim);
     if (b->peer_root) {
         const cJSON *pn = cJSON_GetObjectItem(b->peer_root, "peer");
         printf("peer       %s\n", cJSON_IsString(pn) ? pn->valuestring : b->peer_json);
@@ -583,7 +590,8 @@ static void decode_report(const bench_args *a, const kvb_model *m, int T, double
     const double kv_avg = (double)m->d.n_layer * 2 * m->d.n_head_kv * rb * (a->n_ctx + a->n_gen / 2.0);
     const double bytes = (double)wbytes + kv_avg, achieved = bytes * tps / 1e9;
     printf("decode     %lld steps after %lld tokens: %.2f tok/s (median of %lld)\n", a->n_gen, a->n_ctx, tps, a->reps);
-    printf("bytes/tok  %.1f MB (weights %.1f MB + KV %.2f MB)\n", bytes / 1e6, wbytes / 1e6, kv_avg / 1e6);
+    printf("bytes/tok  %.1f MB (weights %.1f MB%s + KV %.2f MB)\n", bytes / 1e6, wbytes / 1e6,
+           m->d.n_expert ? ", active: the routed experts only" : "", kv_avg / 1e6);
     printf("bandwidth  %.1f GB/s achieved = %.0f%% of %.1f GB/s measured read bandwidth (same run, %d threads)\n",
            achieved, 100.0 * achieved / bw, bw, T);
     if (a->batch > 1)

@@ -1,7 +1,8 @@
 /* model/desc.c — the architecture description read from GGUF metadata ({arch}.* keys), every
  * value range-checked so a hostile file cannot make later code allocate or index absurdly; for
  * gemma3 also the facts the file does not carry (embedding scale, local/global layer pattern,
- * the local layers' RoPE base, the attention scale), each stated where it is set. */
+ * the local layers' RoPE base, the attention scale), each stated where it is set; for qwen3moe
+ * the expert keys with llama.cpp's defaults (moe_desc). */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -125,6 +126,34 @@ static kvb_status gemma3_desc(const kvb_gguf *g, kvb_model_desc *d, kvb_err *err
     return KVB_OK;
 }
 
+/* The mixture-of-experts keys as llama.cpp's converter writes them for qwen3moe (gguf-py's
+ * Keys.LLM.EXPERT_*): expert_count and expert_used_count are required; expert_feed_forward_length
+ * falls back to feed_forward_length / expert_used_count as llama.cpp's loader does;
+ * expert_weights_norm (absent in converted Qwen3-MoE files) defaults to true, the top-k
+ * renormalisation llama.cpp applies to qwen3moe (HF norm_topk_prob); expert_gating_func, when
+ * present, must be softmax (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX = 1). */
+static kvb_status moe_desc(const kvb_gguf *g, kvb_model_desc *d, kvb_err *err) {
+    const char *a = d->arch_name;
+    kvb_status st;
+    if ((st = get_u32_key(g, a, "expert_count", true, 0, 1, KVB_MAX_EXPERTS, &d->n_expert, err))) return st;
+    if ((st = get_u32_key(g, a, "expert_used_count", true, 0, 1, d->n_expert, &d->n_expert_used, err))) return st;
+    if ((st = get_u32_key(g, a, "expert_feed_forward_length", false, d->n_ff / d->n_expert_used, 1, 1u << 18,
+                          &d->n_ff_exp, err)))
+        return st;
+    uint32_t gating = 1;
+    if ((st = get_u32_key(g, a, "expert_gating_func", false, 1, 0, 1u << 16, &gating, err))) return st;
+    if (gating != 1)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: %s.expert_gating_func = %u: only softmax (1) is supported",
+                           kvb_gguf_path(g), a, gating);
+    char key[128];
+    snprintf(key, sizeof key, "%s.expert_weights_norm", a);
+    kvb_err e2 = {0};
+    st = kvb_gguf_get_bool(g, key, &d->expert_weights_norm, &e2);
+    if (st == KVB_ERR_NOT_FOUND) d->expert_weights_norm = true;
+    else if (st) return kvb_err_set(err, st, "%s: %s", kvb_gguf_path(g), e2.msg);
+    return KVB_OK;
+}
+
 kvb_status kvb_model_desc_from_gguf(const kvb_gguf *g, kvb_model_desc *d, kvb_err *err) {
     memset(d, 0, sizeof *d);
     kvb_status st = kvb_gguf_get_str(g, "general.architecture", d->arch_name, sizeof d->arch_name, err);
@@ -134,9 +163,10 @@ kvb_status kvb_model_desc_from_gguf(const kvb_gguf *g, kvb_model_desc *d, kvb_er
     else if (strcmp(a, "qwen2") == 0) d->arch = KVB_ARCH_QWEN2;
     else if (strcmp(a, "qwen3") == 0) d->arch = KVB_ARCH_QWEN3;
     else if (strcmp(a, "gemma3") == 0) d->arch = KVB_ARCH_GEMMA3;
+    else if (strcmp(a, "qwen3moe") == 0) d->arch = KVB_ARCH_QWEN3MOE;
     else
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
-                           "%s: architecture '%s' is not supported (supported: llama, qwen2, qwen3, gemma3)",
+                           "%s: architecture '%s' is not supported (supported: llama, qwen2, qwen3, qwen3moe, gemma3)",
                            kvb_gguf_path(g), a);
     if (kvb_gguf_get_str(g, "general.name", d->name, sizeof d->name, NULL) != KVB_OK) d->name[0] = 0;
 
@@ -199,9 +229,10 @@ kvb_status kvb_model_desc_from_gguf(const kvb_gguf *g, kvb_model_desc *d, kvb_er
 
     d->rope_neox = d->arch != KVB_ARCH_LLAMA;
     d->has_qkv_bias = d->arch == KVB_ARCH_QWEN2;
-    d->has_qk_norm = d->arch == KVB_ARCH_QWEN3 || d->arch == KVB_ARCH_GEMMA3;
+    d->has_qk_norm = d->arch == KVB_ARCH_QWEN3 || d->arch == KVB_ARCH_GEMMA3 || d->arch == KVB_ARCH_QWEN3MOE;
     d->attn_scale = 1.0f / sqrtf((float)d->head_dim);
     if (d->arch == KVB_ARCH_GEMMA3) return gemma3_desc(g, d, err);
+    if (d->arch == KVB_ARCH_QWEN3MOE) return moe_desc(g, d, err);
     return KVB_OK;
 }
 
@@ -226,8 +257,13 @@ kvb_status kvb_model_kvformat(const kvb_model_desc *d, uint32_t dtype, uint32_t 
     return kvb_kvformat_set_window(f, d->swa_window, local, err);
 }
 
-uint64_t kvb_model_n_params_nonembd(const kvb_model_desc *d) {
+/* Non-embedding parameters with `experts` experts of each MoE layer counted. */
+static uint64_t n_params_with(const kvb_model_desc *d, uint64_t experts) {
     uint64_t e = d->n_embd, q = (uint64_t)d->n_head * d->head_dim, kv = (uint64_t)d->n_head_kv * d->head_dim;
-    uint64_t per_layer = e * q + 2 * e * kv + q * e + 3 * e * d->n_ff + (d->has_post_norms ? 4 : 2) * e;
+    uint64_t mlp = d->n_expert ? experts * 3 * e * d->n_ff_exp + e * d->n_expert : 3 * e * d->n_ff;
+    uint64_t per_layer = e * q + 2 * e * kv + q * e + mlp + (d->has_post_norms ? 4 : 2) * e;
     return per_layer * d->n_layer + e + (uint64_t)d->n_vocab * e; /* the output head is a matmul */
 }
+
+uint64_t kvb_model_n_params_nonembd(const kvb_model_desc *d) { return n_params_with(d, d->n_expert); }
+uint64_t kvb_model_n_params_active(const kvb_model_desc *d) { return n_params_with(d, d->n_expert_used); }

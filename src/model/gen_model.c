@@ -19,7 +19,7 @@ typedef enum { INIT_NORMAL, INIT_ONE_PLUS, INIT_BIAS } init_kind;
 typedef struct {
     char name[64];
     uint32_t n_dims;
-    uint64_t ne[2];
+    uint64_t ne[3];     /* ne[2]: a stack of matrices (experts), else 1 */
     uint32_t type;
     init_kind init;
     float std;
@@ -45,7 +45,7 @@ static inline float approx_normal(kvb_rng *r) {
 static void gen_chunk(void *ctx, int task, int worker) {
     gen_job *j = ctx;
     const gen_tensor *t = j->t;
-    const uint64_t cols = t->ne[0], rows = t->n_dims > 1 ? t->ne[1] : 1;
+    const uint64_t cols = t->ne[0], rows = t->n_dims > 1 ? t->ne[1] * t->ne[2] : 1;
     uint64_t r0 = (uint64_t)task * GEN_CHUNK_ROWS, r1 = r0 + GEN_CHUNK_ROWS < rows ? r0 + GEN_CHUNK_ROWS : rows;
     kvb_rng rng;
     kvb_rng_seed(&rng, kvb_splitmix64(j->seed ^ ((uint64_t)task * 0x9e3779b97f4a7c15ULL)));
@@ -72,10 +72,33 @@ static int add_t(gen_tensor *ts, int n, const char *name, uint64_t ne0, uint64_t
     t->n_dims = ne1 > 1 ? 2 : 1;
     t->ne[0] = ne0;
     t->ne[1] = ne1;
+    t->ne[2] = 1;
     t->type = type;
     t->init = k;
     t->std = std;
     return n + 1;
+}
+
+/* Layer l's mixture of experts with llama.cpp's names and ggml's shapes: the router
+ * ffn_gate_inp [n_embd, n_expert] in f32 (llama.cpp keeps it f32 in every quantisation), and the
+ * expert stacks ffn_gate_exps, ffn_up_exps [n_embd, n_ff_exp, n_expert] and ffn_down_exps
+ * [n_ff_exp, n_embd, n_expert] in the file's type. Router logits of std ~4 route decisively
+ * (a trained router is peaked; a flat one would leave many tokens near a tie between experts);
+ * each expert is scaled like a dense MLP of n_ff_exp (the top-k weights sum to 1). */
+static int add_moe_tensors(gen_tensor *ts, int n, uint32_t l, const kvb_model_desc *d, uint32_t type, float s_res) {
+    const uint64_t E = d->n_embd, F = d->n_ff_exp;
+    const float s_in = 1.0f / sqrtf((float)E), s_ff = 1.0f / sqrtf((float)F);
+    const char *names[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+    char nm[64];
+    snprintf(nm, sizeof nm, "blk.%u.ffn_gate_inp.weight", l);
+    n = add_t(ts, n, nm, E, d->n_expert, KVB_TYPE_F32, INIT_NORMAL, 4.0f * s_in);
+    for (int i = 0; i < 3; i++) {
+        snprintf(nm, sizeof nm, "blk.%u.%s.weight", l, names[i]);
+        n = add_t(ts, n, nm, i < 2 ? E : F, i < 2 ? F : E, type, INIT_NORMAL, i < 2 ? s_in : 2.0f * s_res * s_ff);
+        ts[n - 1].n_dims = 3;
+        ts[n - 1].ne[2] = d->n_expert;
+    }
+    return n;
 }
 
 /* llama.cpp's general.file_type (LLAMA_FTYPE_MOSTLY_*) for a file whose matrices are all of type t */
@@ -123,6 +146,11 @@ static kvb_status write_keys(kvb_gguf_writer *w, const kvb_model_desc *d, const 
         if (d->swa_pattern != 6 &&
             (st = kvb_gguf_writer_add_u32(w, KEY("attention.sliding_window_pattern"), d->swa_pattern, err)))
             return st;
+    }
+    if (d->n_expert) { /* as llama.cpp's converter writes qwen3moe (no expert_weights_norm key: renormalised) */
+        if ((st = kvb_gguf_writer_add_u32(w, KEY("expert_count"), d->n_expert, err))) return st;
+        if ((st = kvb_gguf_writer_add_u32(w, KEY("expert_used_count"), d->n_expert_used, err))) return st;
+        if ((st = kvb_gguf_writer_add_u32(w, KEY("expert_feed_forward_length"), d->n_ff_exp, err))) return st;
     }
 #undef KEY
     return KVB_OK;
@@ -192,6 +220,7 @@ static int gen_layer_tensors(gen_tensor *ts, int n, const kvb_model_desc *d, uin
     if (d->has_post_norms)
         n = add_t(ts, n, NM("post_attention_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
     n = add_t(ts, n, NM("ffn_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+    if (d->n_expert) return add_moe_tensors(ts, n, l, d, type, s_res); /* the router and the stacked experts */
     n = add_t(ts, n, NM("ffn_gate.weight"), E, d->n_ff, type, INIT_NORMAL, s_in);
     n = add_t(ts, n, NM("ffn_up.weight"), E, d->n_ff, type, INIT_NORMAL, s_in);
     n = add_t(ts, n, NM("ffn_down.weight"), d->n_ff, E, type, INIT_NORMAL, 2.0f * s_res * s_ff);
@@ -281,7 +310,7 @@ static kvb_status gen_write_data(kvb_gguf_writer *w, FILE *f, const kvb_gen_opts
                        .out = buf,
                        .row_bytes = kvb_row_bytes(ts[i].type, (int64_t)ts[i].ne[0]),
                        .scratch = scratch};
-        uint64_t rows = ts[i].n_dims > 1 ? ts[i].ne[1] : 1;
+        uint64_t rows = ts[i].n_dims > 1 ? ts[i].ne[1] * ts[i].ne[2] : 1;
         kvb_pool_parallel_for(pool, (int)((rows + GEN_CHUNK_ROWS - 1) / GEN_CHUNK_ROWS), gen_chunk, &job);
         if ((st = kvb_gguf_writer_write_tensor_data(w, f, (uint64_t)i, buf, bytes, err))) goto done;
         written += bytes;

@@ -1,5 +1,5 @@
 /* model — what a transformer is, read from GGUF metadata: the architecture description
- * (llama, qwen2, qwen3, gemma3; GQA, RoPE with Llama-3 scaling, per-layer RoPE bases and
+ * (llama, qwen2, qwen3, qwen3moe, gemma3; GQA, mixture-of-experts MLPs, RoPE with Llama-3 scaling, per-layer RoPE bases and
  * sliding-window (local) layers, RMSNorm eps, tied output), the weights
  * bound to views into the mapped file with every shape checked against the description, and
  * the synthetic model generator behind `kvbridge gen-model` (real architectures, real GGUF
@@ -20,7 +20,10 @@ typedef enum {
     KVB_ARCH_QWEN3,     /* llama + per-head q/k RMSNorm, explicit head_dim */
     KVB_ARCH_GEMMA3,    /* Gemma 3 (text): qwen3's q/k norms + embedding scale, post-attention and post-MLP
                            norms, GeGLU MLP (tanh GELU), local sliding-window layers with their own RoPE base */
+    KVB_ARCH_QWEN3MOE,  /* qwen3's attention + a mixture-of-experts MLP (softmax router, top-k, SwiGLU experts) */
 } kvb_arch;
+
+#define KVB_MAX_EXPERTS 1024 /* expert_count is refused above this */
 
 #define KVB_MAX_LAYERS 1024 /* block_count is refused above this */
 
@@ -63,6 +66,12 @@ typedef struct {
     uint64_t swa_local_mask[KVB_MAX_LAYERS / 64]; /* bit i set: layer i is local (only with swa_layers_explicit) */
     float rope_freq_base_local; /* RoPE base of local layers (gemma3: 10000); rope scaling applies to global
                                    layers only, as Gemma 3's rope_scaling does */
+    /* ---- mixture of experts (qwen3moe; zero / false for dense models) ---- */
+    uint32_t n_expert;      /* {arch}.expert_count: experts per layer; 0 = dense MLP */
+    uint32_t n_expert_used; /* {arch}.expert_used_count: experts each token is routed to (top-k) */
+    uint32_t n_ff_exp;      /* {arch}.expert_feed_forward_length: one expert's inner size */
+    bool expert_weights_norm; /* {arch}.expert_weights_norm: the top-k probabilities are divided by their sum
+                                 (qwen3moe: true, llama.cpp's default for the architecture when the key is absent) */
 } kvb_model_desc;
 
 /* A weight matrix: ne0 = columns (input dim, contiguous), ne1 = rows (output dim). */
@@ -84,6 +93,12 @@ typedef struct {
     kvb_mat w_gate, w_up;    /* (n_ff, n_embd) */
     kvb_mat w_down;          /* (n_embd, n_ff) */
     const float *post_ffw_norm;  /* gemma3 (n_embd) f32, else NULL */
+    /* mixture of experts (n_expert > 0; the dense w_gate/w_up/w_down are then absent, data NULL).
+     * The expert tensors are ggml's 3-D stacks viewed as one matrix: row r of expert x is row
+     * x * rows_per_expert + r. */
+    kvb_mat ffn_gate_inp;        /* router (n_expert, n_embd) */
+    kvb_mat gate_exps, up_exps;  /* (n_expert * n_ff_exp, n_embd) */
+    kvb_mat down_exps;           /* (n_expert * n_embd, n_ff_exp) */
 } kvb_layer_weights;
 
 typedef struct kvb_model {
@@ -106,8 +121,12 @@ kvb_status kvb_model_load(const char *path, kvb_model **out, kvb_err *err);
 void kvb_model_free(kvb_model *m);
 /* One-line human summary ("llama, 16 layers, 2048 embd, 32/8 heads, Q8_0, 1.24 B params"). */
 void kvb_model_describe(const kvb_model *m, char *buf, size_t cap);
-/* Parameters excluding token embeddings (for FLOP counts). */
+/* Parameters excluding token embeddings (for FLOP counts); every expert counts. */
 uint64_t kvb_model_n_params_nonembd(const kvb_model_desc *d);
+/* The non-embedding parameters one token reads: kvb_model_n_params_nonembd with only the
+ * n_expert_used routed experts of each layer counted (the router counts whole); a dense model's
+ * is kvb_model_n_params_nonembd. */
+uint64_t kvb_model_n_params_active(const kvb_model_desc *d);
 
 /* RoPE inverse frequencies for i in [0, n_rot/2): base^(-2i/n_rot), divided by the
  * rope_freqs.weight factors when the file has them, else by the Llama-3 scaling factors computed

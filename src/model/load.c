@@ -1,6 +1,6 @@
 /* model/load.c — binds a GGUF's tensors to the architecture: every expected tensor must be
  * present with the expected dims and a supported type; vectors (norms, biases) are made f32;
- * the model fingerprint hashes the description (every field, the gemma3 window, layer pattern,
+ * a mixture of experts' stacked expert tensors are bound as one matrix each; the model fingerprint hashes the description (every field, the gemma3 window, layer pattern,
  * local RoPE base and scales included) and each tensor's name, type, dims and bytes (sampled) so
  * two nodes can tell whether they hold the same model. */
 #include <stdio.h>
@@ -24,29 +24,32 @@ static kvb_status find_tensor(const kvb_gguf *g, const char *name, bool required
     return KVB_OK;
 }
 
-static kvb_status check_dims(const kvb_gguf *g, const kvb_gguf_tensor *t, uint64_t ne0, uint64_t ne1,
+/* t must be [ne0, ne1] (ne2 == 1: a matrix or, ne1 == 1, a vector) or [ne0, ne1, ne2] (a stack). */
+static kvb_status check_dims(const kvb_gguf *g, const kvb_gguf_tensor *t, uint64_t ne0, uint64_t ne1, uint64_t ne2,
                              kvb_err *err) {
-    uint64_t want_dims = ne1 > 1 ? 2 : 1;
-    bool ok = t->ne[0] == ne0 && t->ne[1] == ne1 && t->ne[2] == 1 && t->ne[3] == 1 && t->n_dims <= 2 &&
-              t->n_dims >= (uint32_t)(want_dims == 2 ? 2 : 1);
-    if (!ok)
-        return kvb_err_set(err, KVB_ERR_FORMAT,
-                           "%s: tensor '%.*s' has dims [%llu, %llu, %llu, %llu], expected [%llu, %llu] for this "
-                           "architecture",
-                           kvb_gguf_path(g), (int)t->name.len, t->name.ptr, (unsigned long long)t->ne[0],
-                           (unsigned long long)t->ne[1], (unsigned long long)t->ne[2], (unsigned long long)t->ne[3],
-                           (unsigned long long)ne0, (unsigned long long)ne1);
-    return KVB_OK;
+    uint32_t want_min = ne2 > 1 ? 3 : ne1 > 1 ? 2 : 1, want_max = ne2 > 1 ? 3 : 2;
+    bool ok = t->ne[0] == ne0 && t->ne[1] == ne1 && t->ne[2] == ne2 && t->ne[3] == 1 && t->n_dims <= want_max &&
+              t->n_dims >= want_min;
+    if (ok) return KVB_OK;
+    char third[32] = "";
+    if (ne2 > 1) snprintf(third, sizeof third, ", %llu", (unsigned long long)ne2);
+    return kvb_err_set(err, KVB_ERR_FORMAT,
+                       "%s: tensor '%.*s' has dims [%llu, %llu, %llu, %llu], expected [%llu, %llu%s] for this architecture",
+                       kvb_gguf_path(g), (int)t->name.len, t->name.ptr, (unsigned long long)t->ne[0],
+                       (unsigned long long)t->ne[1], (unsigned long long)t->ne[2], (unsigned long long)t->ne[3],
+                       (unsigned long long)ne0, (unsigned long long)ne1, third);
 }
 
-static kvb_status bind_mat(binder *b, const char *name, uint64_t cols, uint64_t rows, bool required, kvb_mat *out,
-                           kvb_err *err) {
+/* A matrix (n_stack == 1) or ggml's stack of n_stack matrices [cols, rows, n_stack], bound as one
+ * (n_stack * rows, cols) matrix: row r of matrix k is row k * rows + r. */
+static kvb_status bind_stack(binder *b, const char *name, uint64_t cols, uint64_t rows, uint64_t n_stack,
+                             bool required, kvb_mat *out, kvb_err *err) {
     const kvb_gguf *g = b->m->gguf;
     const kvb_gguf_tensor *t;
     kvb_status st = find_tensor(g, name, required, &t, err);
     memset(out, 0, sizeof *out);
     if (st || !t) return st;
-    if ((st = check_dims(g, t, cols, rows, err))) return st;
+    if ((st = check_dims(g, t, cols, rows, n_stack, err))) return st;
     const kvb_type_info *ti = kvb_type_get(t->type);
     if (!ti || !ti->supported) {
         char names[256] = ""; /* the types quant computes with, from its table */
@@ -63,9 +66,14 @@ static kvb_status bind_mat(binder *b, const char *name, uint64_t cols, uint64_t 
     out->data = t->data;
     out->type = t->type;
     out->cols = (int64_t)cols;
-    out->rows = (int64_t)rows;
+    out->rows = (int64_t)(rows * n_stack);
     out->row_bytes = kvb_row_bytes(t->type, (int64_t)cols);
     return KVB_OK;
+}
+
+static kvb_status bind_mat(binder *b, const char *name, uint64_t cols, uint64_t rows, bool required, kvb_mat *out,
+                           kvb_err *err) {
+    return bind_stack(b, name, cols, rows, 1, required, out, err);
 }
 
 /* A 1-D vector made f32 (converted into the model's owned buffer when stored otherwise). */
@@ -76,7 +84,7 @@ static kvb_status bind_vec(binder *b, const char *name, uint64_t n, bool require
     *out = NULL;
     kvb_status st = find_tensor(g, name, required, &t, err);
     if (st || !t) return st;
-    if ((st = check_dims(g, t, n, 1, err))) return st;
+    if ((st = check_dims(g, t, n, 1, 1, err))) return st;
     if (t->type == KVB_TYPE_F32 && ((uintptr_t)t->data % 4) == 0) {
         *out = t->data;
         return KVB_OK;
@@ -90,6 +98,24 @@ static kvb_status bind_vec(binder *b, const char *name, uint64_t n, bool require
     b->f32_used += n;
     *out = dst;
     return KVB_OK;
+}
+
+/* Layer l's mixture of experts, with llama.cpp's names and ggml's shapes: the router
+ * ffn_gate_inp [n_embd, n_expert] and the stacks ffn_gate_exps / ffn_up_exps
+ * [n_embd, n_ff_exp, n_expert] and ffn_down_exps [n_ff_exp, n_embd, n_expert]. */
+static kvb_status bind_moe(binder *b, uint32_t l, kvb_layer_weights *w, kvb_err *err) {
+    const kvb_model_desc *d = &b->m->d;
+    const uint64_t E = d->n_embd, F = d->n_ff_exp, X = d->n_expert;
+    char name[96];
+    kvb_status st;
+    snprintf(name, sizeof name, "blk.%u.ffn_gate_inp.weight", l);
+    if ((st = bind_mat(b, name, E, X, true, &w->ffn_gate_inp, err))) return st;
+    snprintf(name, sizeof name, "blk.%u.ffn_gate_exps.weight", l);
+    if ((st = bind_stack(b, name, E, F, X, true, &w->gate_exps, err))) return st;
+    snprintf(name, sizeof name, "blk.%u.ffn_up_exps.weight", l);
+    if ((st = bind_stack(b, name, E, F, X, true, &w->up_exps, err))) return st;
+    snprintf(name, sizeof name, "blk.%u.ffn_down_exps.weight", l);
+    return bind_stack(b, name, F, E, X, true, &w->down_exps, err);
 }
 
 static uint64_t fingerprint(const kvb_model *m) {
@@ -171,6 +197,10 @@ kvb_status kvb_model_load(const char *path, kvb_model **out, kvb_err *err) {
             if ((st = bind_vec(&b, L_NAME("post_ffw_norm.weight"), E, true, &w->post_ffw_norm, err))) goto fail;
         }
         if ((st = bind_vec(&b, L_NAME("ffn_norm.weight"), E, true, &w->ffn_norm, err))) goto fail;
+        if (d->n_expert) {
+            if ((st = bind_moe(&b, l, w, err))) goto fail;
+            continue;
+        }
         if ((st = bind_mat(&b, L_NAME("ffn_gate.weight"), E, d->n_ff, true, &w->w_gate, err))) goto fail;
         if ((st = bind_mat(&b, L_NAME("ffn_up.weight"), E, d->n_ff, true, &w->w_up, err))) goto fail;
         if ((st = bind_mat(&b, L_NAME("ffn_down.weight"), d->n_ff, E, true, &w->w_down, err))) goto fail;
@@ -202,8 +232,11 @@ void kvb_model_describe(const kvb_model *m, char *buf, size_t cap) {
     if (n_local)
         snprintf(local, sizeof local, " (%u local: window %u, rope base %g)", n_local, d->swa_window,
                  (double)d->rope_freq_base_local);
+    if (d->n_expert) /* ff is then the expert's, and the parameter count is every expert's */
+        snprintf(local, sizeof local, ", %u experts (top %u%s, active %.3g M/token)", d->n_expert, d->n_expert_used,
+                 d->expert_weights_norm ? ", renormalised" : "", kvb_model_n_params_active(d) / 1e6);
     snprintf(buf, cap, "%s%s%s: %u layers%s, embd %u, heads %u/%u x %u, ff %u, vocab %u, %s weights, %.3g%s params",
              d->arch_name, d->name[0] ? " " : "", d->name, d->n_layer, local, d->n_embd, d->n_head, d->n_head_kv,
-             d->head_dim, d->n_ff, d->n_vocab, kvb_type_name(m->layers[0].wq.type), p >= 1000000000 ? p / 1e9 : p / 1e6,
+             d->head_dim, d->n_expert ? d->n_ff_exp : d->n_ff, d->n_vocab, kvb_type_name(m->layers[0].wq.type), p >= 1000000000 ? p / 1e9 : p / 1e6,
              p >= 1000000000 ? " B" : " M");
 }

@@ -1,5 +1,6 @@
 /* model/presets.c — the shapes `kvbridge gen-model` knows: tiny test models for CI (one per
- * architecture) and the real shapes of models users run (Qwen3-0.6B, Qwen2.5-0.5B,
+ * architecture) and the real shapes of models users run (Qwen3-0.6B, Qwen3-30B-A3B and
+ * Qwen3-235B-A22B (mixtures of experts), Qwen2.5-0.5B,
  * Llama-3.2-1B, Llama-3.1-8B and -70B, Llama-2-7B, TinyLlama-1.1B, Gemma-3-270M), with their RoPE, norm
  * and (Gemma 3) sliding-window constants. */
 #include <string.h>
@@ -33,11 +34,35 @@ static const kvb_preset k_presets[] = {
       .n_ff = 512, .n_head = 4, .n_head_kv = 1, .head_dim = 64, .n_rot = 64, .rope_freq_base = 1000000.0f,
       .norm_eps = 1e-6f, .rope_neox = true, .has_qk_norm = true, .tied_output = true, .has_post_norms = true,
       .mlp_gelu = true, .swa_window = 16, .swa_pattern = 6, .rope_freq_base_local = 10000.0f}},
+    /* 8 experts, top 2: a 40-token prompt routes to every expert in every layer; the expert inner size is
+     * one K-quant block so every weight type applies */
+    {"tiny-moe", "qwen3moe, 3 layers, embd 256, 4/2 heads x 64, 8 experts top-2 x ff 256 (CI)",
+     {.arch = KVB_ARCH_QWEN3MOE, .arch_name = "qwen3moe", .n_ctx_train = 4096, .n_embd = 256, .n_layer = 3,
+      .n_ff = 512, .n_head = 4, .n_head_kv = 2, .head_dim = 64, .n_rot = 64, .rope_freq_base = 1000000.0f,
+      .norm_eps = 1e-6f, .rope_neox = true, .has_qk_norm = true, .n_expert = 8, .n_expert_used = 2,
+      .n_ff_exp = 256, .expert_weights_norm = true}},
     {"qwen3-0.6b", "Qwen3-0.6B shape: 28 layers, embd 1024, 16/8 heads x 128, ff 3072, vocab 151936",
      {.arch = KVB_ARCH_QWEN3, .arch_name = "qwen3", .n_vocab = 151936, .n_ctx_train = 40960, .n_embd = 1024,
       .n_layer = 28, .n_ff = 3072, .n_head = 16, .n_head_kv = 8, .head_dim = 128, .n_rot = 128,
       .rope_freq_base = 1000000.0f, .norm_eps = 1e-6f, .rope_neox = true, .has_qk_norm = true,
       .tied_output = true}},
+    /* Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, num_hidden_layers 48, intermediate_size 6144,
+     * moe_intermediate_size 768, num_experts 128, num_experts_per_tok 8, norm_topk_prob true, 32/4 heads,
+     * head_dim 128, rope_theta 1e6, rms_norm_eps 1e-6, max_position_embeddings 40960, untied embeddings */
+    {"qwen3-30b-a3b", "Qwen3-30B-A3B shape: 48 layers, embd 2048, 32/4 heads x 128, 128 experts top-8 x ff 768, "
+                      "vocab 151936",
+     {.arch = KVB_ARCH_QWEN3MOE, .arch_name = "qwen3moe", .n_vocab = 151936, .n_ctx_train = 40960, .n_embd = 2048,
+      .n_layer = 48, .n_ff = 6144, .n_head = 32, .n_head_kv = 4, .head_dim = 128, .n_rot = 128,
+      .rope_freq_base = 1000000.0f, .norm_eps = 1e-6f, .rope_neox = true, .has_qk_norm = true, .n_expert = 128,
+      .n_expert_used = 8, .n_ff_exp = 768, .expert_weights_norm = true}},
+    /* Qwen/Qwen3-235B-A22B config.json: hidden_size 4096, 94 layers, intermediate_size 12288,
+     * moe_intermediate_size 1536, 128 experts, top 8, 64/4 heads x 128 */
+    {"qwen3-235b-a22b", "Qwen3-235B-A22B shape: 94 layers, embd 4096, 64/4 heads x 128, 128 experts top-8 x ff 1536, "
+                        "vocab 151936 (470 GB in bf16)",
+     {.arch = KVB_ARCH_QWEN3MOE, .arch_name = "qwen3moe", .n_vocab = 151936, .n_ctx_train = 40960, .n_embd = 4096,
+      .n_layer = 94, .n_ff = 12288, .n_head = 64, .n_head_kv = 4, .head_dim = 128, .n_rot = 128,
+      .rope_freq_base = 1000000.0f, .norm_eps = 1e-6f, .rope_neox = true, .has_qk_norm = true, .n_expert = 128,
+      .n_expert_used = 8, .n_ff_exp = 1536, .expert_weights_norm = true}},
     {"qwen2.5-0.5b", "Qwen2.5-0.5B shape: 24 layers, embd 896, 14/2 heads x 64, ff 4864, vocab 151936",
      {.arch = KVB_ARCH_QWEN2, .arch_name = "qwen2", .n_vocab = 151936, .n_ctx_train = 32768, .n_embd = 896,
       .n_layer = 24, .n_ff = 4864, .n_head = 14, .n_head_kv = 2, .head_dim = 64, .n_rot = 64,

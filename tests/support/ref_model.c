@@ -245,6 +245,9 @@ typedef struct {
     double *w_gate, *w_up;    /* (n_ff, n_embd) */
     double *w_down;           /* (n_embd, n_ff) */
     double *post_ffw_norm;    /* NULL or (n_embd) (gemma3) */
+    double *gate_inp;         /* NULL or (n_expert, n_embd) router (qwen3moe) */
+    double *gate_exps, *up_exps; /* NULL or (n_expert, n_ff_exp, n_embd) */
+    double *down_exps;        /* NULL or (n_expert, n_embd, n_ff_exp) */
 } ref_layer;
 
 struct ref_model {
@@ -255,6 +258,8 @@ struct ref_model {
     double *output_norm; /* (n_embd) */
     double *output;      /* (n_vocab, n_embd); == tok_embd when tied (then not separately owned) */
     ref_layer *layers;   /* (n_layer) */
+    double *route_gap;   /* NULL, or (n) per token the smallest router-logit gap at the top-k boundary over
+                            layers (ref_model_forward_gaps) */
 };
 
 static void seterr(char *buf, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -334,7 +339,16 @@ static int meta_f32(loader *L, const char *suffix, bool required, double def, do
 
 /* Finds tensor `name`, checks it is (rows, cols) (1-D when rows == 0) in a supported type, and
  * returns it dequantised: (max(rows,1), cols) doubles in *out. Absent and !required: *out = NULL. */
+static int load_stack(loader *L, const char *name, int64_t rows, int64_t cols, int64_t n_stack, bool required,
+                      double **out);
 static int load_tensor(loader *L, const char *name, int64_t rows, int64_t cols, bool required, double **out) {
+    return load_stack(L, name, rows, cols, 1, required, out);
+}
+
+/* load_tensor for ggml's stack of n_stack (rows, cols) matrices [cols, rows, n_stack] when
+ * n_stack > 1: (n_stack * rows, cols) doubles. */
+static int load_stack(loader *L, const char *name, int64_t rows, int64_t cols, int64_t n_stack, bool required,
+                      double **out) {
     *out = NULL;
     const kvb_gguf_tensor *t = kvb_gguf_find_tensor(L->g, name);
     if (!t) {
@@ -342,10 +356,10 @@ static int load_tensor(loader *L, const char *name, int64_t rows, int64_t cols, 
         seterr(L->err, L->cap, "%s: tensor %s missing", L->path, name);
         return -1;
     }
-    const uint32_t want_dims = rows > 0 ? 2 : 1;
-    const int64_t nrows = rows > 0 ? rows : 1;
+    const uint32_t want_dims = n_stack > 1 ? 3 : rows > 0 ? 2 : 1;
+    const int64_t nrows = (rows > 0 ? rows : 1) * n_stack;
     bool ok = t->n_dims >= want_dims && t->n_dims <= KVB_GGUF_MAX_DIMS && t->ne[0] == (uint64_t)cols &&
-              (want_dims == 1 || t->ne[1] == (uint64_t)rows);
+              (want_dims == 1 || t->ne[1] == (uint64_t)rows) && (want_dims < 3 || t->ne[2] == (uint64_t)n_stack);
     for (uint32_t i = want_dims; ok && i < t->n_dims; i++) ok = t->ne[i] == 1;
     if (!ok) {
         seterr(L->err, L->cap, "%s: tensor %s has dims [%llu, %llu, %llu, %llu] (n_dims %u), expected [%lld, %lld]",
@@ -407,7 +421,7 @@ void ref_model_free(ref_model *m) {
             ref_layer *y = &m->layers[l];
             double *ptrs[] = {y->attn_norm, y->wq, y->wk, y->wv, y->bq, y->bk, y->bv, y->q_norm, y->k_norm,
                               y->wo, y->bo, y->ffn_norm, y->w_gate, y->w_up, y->w_down, y->post_attn_norm,
-                              y->post_ffw_norm};
+                              y->post_ffw_norm, y->gate_inp, y->gate_exps, y->up_exps, y->down_exps};
             for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) free(ptrs[i]);
         }
         free(m->layers);
@@ -578,6 +592,8 @@ static int load_gemma3_desc(loader *L, ref_model *m) {
     return 0;
 }
 
+static int load_moe_desc(loader *L, ref_desc *d);
+
 static int load_desc(loader *L, ref_model *m) {
     ref_desc *d = &m->d;
     uint32_t embd, nl, ff, nh, nhkv, hd, nrot, vlen;
@@ -620,6 +636,7 @@ static int load_desc(loader *L, ref_model *m) {
     d->rope_style = d->arch == REF_ARCH_LLAMA ? REF_ROPE_NORM : REF_ROPE_NEOX;
     d->embd_scale = 1.0;
     d->attn_scale = 1.0 / sqrt((double)d->head_dim);
+    if (d->arch == REF_ARCH_QWEN3MOE) return load_moe_desc(L, d);
     return d->arch == REF_ARCH_GEMMA3 ? load_gemma3_desc(L, m) : 0;
 }
 
@@ -634,6 +651,54 @@ static int load_local_rope(loader *L, ref_model *m) {
         return -1;
     }
     for (int i = 0; i < half; i++) m->inv_freq_local[i] = pow(d->rope_freq_base_local, -2.0 * i / d->n_rot);
+    return 0;
+}
+
+/* Layer l's router and stacked experts (qwen3moe), by llama.cpp's names. */
+static int load_experts(loader *L, int l, const ref_desc *d, ref_layer *y) {
+    char name[128];
+    const int64_t E = d->n_embd, F = d->n_ff_exp, X = d->n_expert;
+    snprintf(name, sizeof name, "blk.%d.ffn_gate_inp.weight", l);
+    if (load_tensor(L, name, X, E, true, &y->gate_inp)) return -1;
+    snprintf(name, sizeof name, "blk.%d.ffn_gate_exps.weight", l);
+    if (load_stack(L, name, F, E, X, true, &y->gate_exps)) return -1;
+    snprintf(name, sizeof name, "blk.%d.ffn_up_exps.weight", l);
+    if (load_stack(L, name, F, E, X, true, &y->up_exps)) return -1;
+    snprintf(name, sizeof name, "blk.%d.ffn_down_exps.weight", l);
+    return load_stack(L, name, E, F, X, true, &y->down_exps);
+}
+
+/* qwen3moe's keys: expert_count, expert_used_count (required), expert_feed_forward_length (else
+ * feed_forward_length / expert_used_count, llama.cpp's fallback), expert_weights_norm (bool,
+ * default true: llama.cpp renormalises qwen3moe's top-k). */
+static int load_moe_desc(loader *L, ref_desc *d) {
+    uint32_t x, k, f;
+    if (meta_u32(L, "expert_count", true, 0, &x) || meta_u32(L, "expert_used_count", true, 0, &k)) return -1;
+    if (x == 0 || x > 4096 || k == 0 || k > x) {
+        seterr(L->err, L->cap, "%s: bad expert counts: %u experts, %u used", L->path, x, k);
+        return -1;
+    }
+    if (meta_u32(L, "expert_feed_forward_length", false, (uint32_t)d->n_ff / k, &f)) return -1;
+    if (f == 0 || f > (1u << 22)) {
+        seterr(L->err, L->cap, "%s: bad expert_feed_forward_length %u", L->path, f);
+        return -1;
+    }
+    d->n_expert = (int)x;
+    d->n_expert_used = (int)k;
+    d->n_ff_exp = (int)f;
+    char key[96];
+    snprintf(key, sizeof key, "%s.expert_weights_norm", L->arch);
+    const kvb_gguf_kv *kv = kvb_gguf_find(L->g, key);
+    d->expert_weights_norm = true;
+    if (kv) {
+        if (kv->type != KVB_GGUF_BOOL) {
+            seterr(L->err, L->cap, "%s: %s is not a bool", L->path, key);
+            return -1;
+        }
+        bool b = true;
+        if (kvb_gguf_get_bool(L->g, key, &b, NULL) != KVB_OK) return -1;
+        d->expert_weights_norm = b;
+    }
     return 0;
 }
 
@@ -672,10 +737,12 @@ static int load_weights(loader *L, ref_model *m) {
             load_blk(L, l, "attn_q.weight", QD, E, true, &y->wq) || load_blk(L, l, "attn_k.weight", KD, E, true, &y->wk) ||
             load_blk(L, l, "attn_v.weight", KD, E, true, &y->wv) ||
             load_blk(L, l, "attn_output.weight", E, QD, true, &y->wo) ||
-            load_blk(L, l, "ffn_norm.weight", 0, E, true, &y->ffn_norm) ||
-            load_blk(L, l, "ffn_gate.weight", F, E, true, &y->w_gate) ||
-            load_blk(L, l, "ffn_up.weight", F, E, true, &y->w_up) ||
-            load_blk(L, l, "ffn_down.weight", E, F, true, &y->w_down))
+            load_blk(L, l, "ffn_norm.weight", 0, E, true, &y->ffn_norm))
+            return -1;
+        if (d->n_expert ? load_experts(L, l, d, y)
+                        : load_blk(L, l, "ffn_gate.weight", F, E, true, &y->w_gate) ||
+                              load_blk(L, l, "ffn_up.weight", F, E, true, &y->w_up) ||
+                              load_blk(L, l, "ffn_down.weight", E, F, true, &y->w_down))
             return -1;
         /* llama.cpp: qwen2 requires q/k/v biases; llama accepts each of them and attn_output.bias
          * optionally; qwen3 has none of them but requires the per-head q/k norms. Anything else is
@@ -691,7 +758,7 @@ static int load_weights(loader *L, ref_model *m) {
             if (load_blk(L, l, "attn_output.bias", 0, E, false, &y->bo)) return -1;
             if (y->bo) d->has_o_bias = true;
         }
-        if (qwen3 || gemma3) {
+        if (qwen3 || gemma3 || d->arch == REF_ARCH_QWEN3MOE) {
             if (load_blk(L, l, "attn_q_norm.weight", 0, d->head_dim, true, &y->q_norm) ||
                 load_blk(L, l, "attn_k_norm.weight", 0, d->head_dim, true, &y->k_norm))
                 return -1;
@@ -726,10 +793,11 @@ ref_model *ref_model_load(const char *gguf_path, char *errbuf, size_t cap) {
     if (strcmp(arch, "llama") == 0) m->d.arch = REF_ARCH_LLAMA;
     else if (strcmp(arch, "qwen2") == 0) m->d.arch = REF_ARCH_QWEN2;
     else if (strcmp(arch, "qwen3") == 0) m->d.arch = REF_ARCH_QWEN3;
+    else if (strcmp(arch, "qwen3moe") == 0) m->d.arch = REF_ARCH_QWEN3MOE;
     else if (strcmp(arch, "gemma3") == 0) m->d.arch = REF_ARCH_GEMMA3;
     else {
         seterr(errbuf, cap,
-               "%s: architecture \"%s\" is not one the reference implements (llama, qwen2, qwen3, gemma3)",
+               "%s: architecture \"%s\" is not one the reference implements (llama, qwen2, qwen3, qwen3moe, gemma3)",
                gguf_path, arch);
         goto fail;
     }
@@ -808,13 +876,73 @@ static double silu(double x) { return x / (1.0 + exp(-x)); }
 /* GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
 static double gelu_tanh(double x) { return 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x))); }
 
+/* o (n_embd) := the mixture-of-experts FFN of the normed row h (n_embd): softmax router, the top
+ * n_expert_used (largest first, lower index on a tie), renormalised weights, the weighted sum of
+ * those experts' SwiGLU outputs. g, u: (n_ff_exp) scratch. Returns 0 or -1 (allocation). */
+static int moe_ffn(const ref_desc *d, const ref_layer *y, const double *h, double *g, double *u, double *o,
+                   double *gap) {
+    const int E = d->n_embd, F = d->n_ff_exp, X = d->n_expert, K = d->n_expert_used;
+    double *p = malloc((size_t)X * sizeof *p);   /* (n_expert) */
+    double *eo = malloc((size_t)E * sizeof *eo); /* (n_embd) one expert's output */
+    int *sel = malloc((size_t)K * sizeof *sel);  /* (n_expert_used) */
+    double *w = malloc((size_t)K * sizeof *w);   /* (n_expert_used) */
+    if (!p || !eo || !sel || !w) {
+        free(p), free(eo), free(sel), free(w);
+        return -1;
+    }
+    matvec(y->gate_inp, NULL, h, p, X, E); /* router logits first: the gap is measured on them */
+    double *lg = malloc((size_t)X * sizeof *lg);
+    if (!lg) {
+        free(p), free(eo), free(sel), free(w);
+        return -1;
+    }
+    memcpy(lg, p, (size_t)X * sizeof *lg);
+    double mx = p[0], sum = 0, wsum = 0;
+    for (int x = 1; x < X; x++) mx = p[x] > mx ? p[x] : mx;
+    for (int x = 0; x < X; x++) sum += (p[x] = exp(p[x] - mx));
+    for (int x = 0; x < X; x++) p[x] /= sum;
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        for (int x = 0; x < X; x++) {
+            bool taken = false;
+            for (int i = 0; i < k; i++) taken = taken || sel[i] == x;
+            if (!taken && (best < 0 || p[x] > p[best])) best = x;
+        }
+        sel[k] = best;
+        wsum += (w[k] = p[best]);
+    }
+    if (gap && K < X) { /* the last chosen logit minus the best logit not chosen */
+        double best_out = -INFINITY;
+        for (int x = 0; x < X; x++) {
+            bool taken = false;
+            for (int i = 0; i < K; i++) taken = taken || sel[i] == x;
+            if (!taken && lg[x] > best_out) best_out = lg[x];
+        }
+        const double gk = lg[sel[K - 1]] - best_out;
+        if (gk < *gap) *gap = gk;
+    }
+    free(lg);
+    for (int i = 0; i < E; i++) o[i] = 0;
+    for (int k = 0; k < K; k++) {
+        const size_t x = (size_t)sel[k];
+        matvec(y->gate_exps + x * F * E, NULL, h, g, F, E);
+        matvec(y->up_exps + x * F * E, NULL, h, u, F, E);
+        for (int i = 0; i < F; i++) g[i] = silu(g[i]) * u[i];
+        matvec(y->down_exps + x * E * F, NULL, g, eo, E, F);
+        const double wk = d->expert_weights_norm ? w[k] / wsum : w[k];
+        for (int i = 0; i < E; i++) o[i] += wk * eo[i];
+    }
+    free(p), free(eo), free(sel), free(w);
+    return 0;
+}
+
 /* The forward pass. With kv_layer >= 0 it stops at that layer after copying its attention input
  * to h_out (n, n_embd) and its K and V to k_out/v_out (n, n_head_kv, head_dim), each when not
  * NULL; otherwise it writes logits (n, n_vocab). */
 static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int kv_layer, double *h_out,
                double *k_out, double *v_out) {
     const ref_desc *d = &m->d;
-    const int E = d->n_embd, F = d->n_ff, H = d->n_head, HKV = d->n_head_kv, D = d->head_dim;
+    const int E = d->n_embd, F = d->n_ff > d->n_ff_exp ? d->n_ff : d->n_ff_exp, H = d->n_head, HKV = d->n_head_kv, D = d->head_dim;
     const int QD = H * D, KD = HKV * D, group = H / HKV;
     const double scale = d->attn_scale;
     if (n < 1 || !tokens || (kv_layer < 0 && !logits) || kv_layer >= d->n_layer) return -1;
@@ -829,8 +957,8 @@ static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int k
     double *v = malloc(nn * KD * sizeof *v);   /* (n, n_head_kv, head_dim) */
     double *att = malloc(nn * QD * sizeof *att); /* (n, n_head, head_dim) attention output */
     double *p = malloc(nn * sizeof *p);        /* (n) scores / probabilities of one query */
-    double *g = malloc((size_t)F * sizeof *g); /* (n_ff) */
-    double *u = malloc((size_t)F * sizeof *u); /* (n_ff) */
+    double *g = malloc((size_t)F * sizeof *g); /* (max(n_ff, n_ff_exp)) */
+    double *u = malloc((size_t)F * sizeof *u); /* (max(n_ff, n_ff_exp)) */
     double *o = malloc((size_t)E * sizeof *o); /* (n_embd) */
     int rc = -1;
     if (!x || !h || !q || !k || !v || !att || !p || !g || !u || !o) goto done;
@@ -901,10 +1029,14 @@ static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int k
             if (y->post_attn_norm) rmsnorm(o, y->post_attn_norm, o, E, d->norm_eps);
             for (int i = 0; i < E; i++) xt[i] += o[i];
             rmsnorm(xt, y->ffn_norm, ht, E, d->norm_eps);
-            matvec(y->w_gate, NULL, ht, g, F, E);
-            matvec(y->w_up, NULL, ht, u, F, E);
-            for (int i = 0; i < F; i++) g[i] = (d->ffn_gelu ? gelu_tanh(g[i]) : silu(g[i])) * u[i];
-            matvec(y->w_down, NULL, g, o, E, F);
+            if (d->n_expert) {
+                if (moe_ffn(d, y, ht, g, u, o, m->route_gap ? m->route_gap + t : NULL)) goto done;
+            } else {
+                matvec(y->w_gate, NULL, ht, g, F, E);
+                matvec(y->w_up, NULL, ht, u, F, E);
+                for (int i = 0; i < F; i++) g[i] = (d->ffn_gelu ? gelu_tanh(g[i]) : silu(g[i])) * u[i];
+                matvec(y->w_down, NULL, g, o, E, F);
+            }
             if (y->post_ffw_norm) rmsnorm(o, y->post_ffw_norm, o, E, d->norm_eps);
             for (int i = 0; i < E; i++) xt[i] += o[i];
         }
@@ -926,6 +1058,15 @@ done:
     free(g);
     free(u);
     free(o);
+    return rc;
+}
+
+int ref_model_forward_gaps(ref_model *m, const int32_t *tokens, int n, double *logits, double *gaps) {
+    if (n < 1 || !gaps) return -1;
+    for (int t = 0; t < n; t++) gaps[t] = INFINITY;
+    m->route_gap = gaps;
+    const int rc = run(m, tokens, n, logits, -1, NULL, NULL, NULL);
+    m->route_gap = NULL;
     return rc;
 }
 

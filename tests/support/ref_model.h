@@ -1,5 +1,5 @@
 /* ref_model — the independent float64 reference implementation of every architecture the engines
- * run (llama, qwen2, qwen3, gemma3), used by tests as the oracle. It is deliberately plain: it reads GGUF
+ * run (llama, qwen2, qwen3, qwen3moe, gemma3), used by tests as the oracle. It is deliberately plain: it reads GGUF
  * metadata and tensor bytes through the GGUF reader only, dequantises every weight to double once
  * at load with its own block decoders written from ggml's layouts (F32, F16, BF16, Q8_0, Q4_0; no
  * call into quant/ or model/), and runs the causal forward pass with naive loops in double. It
@@ -14,7 +14,12 @@
  * attention.sliding_window_pattern says otherwise, and a query at position p attends keys k with
  * p - k < attention.sliding_window there; scores scaled by 1/sqrt(query_pre_attn_scalar) (head_dim;
  * n_embd/n_head for the 62-layer 27B); post-attention and post-FFN RMSNorms before each residual
- * add; GeGLU FFN with tanh-approximated GELU; the stored norm weights already hold Gemma's +1. */
+ * add; GeGLU FFN with tanh-approximated GELU; the stored norm weights already hold Gemma's +1.
+ * Qwen3-MoE (llama.cpp's build_moe_ffn with softmax gating, Hugging Face's Qwen3MoeSparseMoeBlock):
+ * qwen3's attention; the FFN is a router ffn_gate_inp (n_expert, n_embd), softmax over all experts,
+ * the expert_used_count largest probabilities (the lower index on a tie), divided by their sum
+ * unless expert_weights_norm is false; the output is their weighted sum of each chosen expert's
+ * SwiGLU FFN, expert x's rows being rows x*rows .. of ggml's stacked ffn_{gate,up,down}_exps. */
 #ifndef KVB_REF_MODEL_H
 #define KVB_REF_MODEL_H
 
@@ -22,7 +27,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef enum { REF_ARCH_LLAMA = 0, REF_ARCH_QWEN2, REF_ARCH_QWEN3, REF_ARCH_GEMMA3 } ref_arch;
+typedef enum { REF_ARCH_LLAMA = 0, REF_ARCH_QWEN2, REF_ARCH_QWEN3, REF_ARCH_GEMMA3, REF_ARCH_QWEN3MOE } ref_arch;
 
 #define REF_MAX_LAYERS 4096
 typedef enum {
@@ -58,6 +63,9 @@ typedef struct {
     int swa_window;           /* 0: no local layers */
     bool layer_local[REF_MAX_LAYERS]; /* (n_layer) local (sliding-window) layers */
     double rope_freq_base_local;      /* base of the local layers' RoPE (unscaled) */
+    /* qwen3moe (0 / false otherwise) */
+    int n_expert, n_expert_used, n_ff_exp;
+    bool expert_weights_norm;
 } ref_desc;
 
 typedef struct ref_model ref_model;
@@ -77,6 +85,11 @@ const double *ref_model_inv_freq_layer(const ref_model *m, int layer);
  * prediction after token t. Returns 0, or -1 for bad arguments (n < 1, token out of range) or
  * allocation failure. */
 int ref_model_forward(ref_model *m, const int32_t *tokens, int n, double *logits);
+/* ref_model_forward that also writes gaps (n): for each token the smallest, over layers, router-logit
+ * margin of its routing (the k-th largest logit minus the (k+1)-th); INFINITY for a dense model or
+ * when every expert is used. A computation that perturbs the router's input by more than a token's
+ * gap may route it differently, a discontinuity no logit tolerance covers. */
+int ref_model_forward_gaps(ref_model *m, const int32_t *tokens, int n, double *logits, double *gaps);
 
 /* The K and V that layer `layer` computes for tokens[0..n) (positions 0..n-1): K after bias,
  * k-norm and RoPE; V after bias; before any cache encoding. k, v: (n, n_head_kv, head_dim).

@@ -29,6 +29,15 @@ struct kvb_engine {
     uint32_t *tok_pos;          /* (B) each token's position in its sequence */
     uint32_t *seg_ones;         /* (B) a decode batch's segment lengths, all 1 */
     float **attn_scratch;       /* per worker */
+    /* mixture of experts (n_expert > 0; else NULL), K = n_expert_used, F = n_ff_exp */
+    float *moe_logits;          /* (B, n_expert) router logits, then probabilities */
+    uint32_t *moe_sel;          /* (B, K) each token's experts, largest probability first */
+    float *moe_w;               /* (B, K) their weights */
+    uint32_t *moe_off, *moe_fill; /* (n_expert + 1) each expert's first slot in moe_slot; a cursor */
+    uint32_t *moe_slot;         /* (B * K) slots (token * K + rank) grouped by expert */
+    float *moe_x;               /* (B, max(n_embd, F)) an expert's gathered inputs, then its outputs */
+    float *moe_g, *moe_u;       /* (B, F) */
+    float *moe_y;               /* (B * K, n_embd) each slot's expert output */
 };
 
 struct kvb_seq {
@@ -57,6 +66,10 @@ void kvb_cpu_rope(float *v, uint32_t n_rot, bool neox, const float *c, const flo
 /* GELU, tanh approximation (PyTorch's gelu(approximate="tanh"), Gemma's gelu_pytorch_tanh), in f32:
  * (0.5 x) (1 + tanh(0.7978845608 (x + 0.044715 x^3))), each operation rounded in this order. */
 float kvb_cpu_gelu_tanh(float x);
+
+/* h (nr, n_embd) := the mixture-of-experts MLP of the normed rows h (nr, n_embd) with layer w's
+ * router and experts; tok_pool splits per-token work (NULL for one row). */
+void kvb_cpu_moe(kvb_engine *e, const kvb_layer_weights *w, uint32_t nr, kvb_pool *tok_pool);
 
 /* Makes room for the sequence to reach new_len tokens (takes whole blocks from the pool). */
 kvb_status kvb_cpu_seq_reserve(kvb_seq *s, uint32_t new_len, kvb_err *err);

@@ -16,6 +16,25 @@ static kvb_status alloc_b(uint8_t **p, size_t n, kvb_err *err) {
     return *p ? KVB_OK : kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for engine scratch (%zu bytes)", n);
 }
 
+/* The mixture-of-experts scratch (see cpu_internal.h), B = max_batch tokens. */
+static kvb_status alloc_moe(kvb_engine *e, kvb_err *err) {
+    const kvb_model_desc *d = &e->m->d;
+    const size_t B = e->o.max_batch, K = d->n_expert_used, F = d->n_ff_exp, X = d->n_expert;
+    const size_t XW = d->n_embd > F ? d->n_embd : F;
+    kvb_status st;
+    if ((st = alloc_f(&e->moe_logits, B * X, err)) || (st = alloc_f(&e->moe_w, B * K, err)) ||
+        (st = alloc_f(&e->moe_x, B * XW, err)) || (st = alloc_f(&e->moe_g, B * F, err)) ||
+        (st = alloc_f(&e->moe_u, B * F, err)) || (st = alloc_f(&e->moe_y, B * K * d->n_embd, err)))
+        return st;
+    e->moe_sel = calloc(B * K, sizeof(uint32_t));
+    e->moe_slot = calloc(B * K, sizeof(uint32_t));
+    e->moe_off = calloc(X + 1, sizeof(uint32_t));
+    e->moe_fill = calloc(X + 1, sizeof(uint32_t));
+    if (!e->moe_sel || !e->moe_slot || !e->moe_off || !e->moe_fill)
+        return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the experts' scratch");
+    return KVB_OK;
+}
+
 kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *opts, kvb_engine **out, kvb_err *err) {
     *out = NULL;
     kvb_engine *e = calloc(1, sizeof *e);
@@ -51,6 +70,7 @@ kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *opts, kv
     const size_t B = o->max_batch, E = d->n_embd, Q = (size_t)d->n_head * d->head_dim, FF = d->n_ff;
     size_t widest = E > Q ? E : Q;
     widest = widest > FF ? widest : FF;
+    widest = widest > d->n_ff_exp ? widest : d->n_ff_exp;
     size_t act_row = kvb_row_bytes(KVB_TYPE_F32, (int64_t)widest); /* f32 activations are the widest form */
     if ((st = alloc_f(&e->x, B * E, err)) || (st = alloc_f(&e->h, B * E, err)) || (st = alloc_f(&e->q, B * Q, err)) ||
         (st = alloc_f(&e->att, B * Q, err)) || (st = alloc_f(&e->g, B * FF, err)) ||
@@ -70,6 +90,7 @@ kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *opts, kv
     }
     for (int i = 0; i < o->n_threads; i++)
         if ((st = alloc_f(&e->attn_scratch[i], kvb_cpu_attn_scratch_floats(e), err))) goto fail;
+    if (d->n_expert && (st = alloc_moe(e, err))) goto fail;
     *out = e;
     return KVB_OK;
 fail:
@@ -86,7 +107,12 @@ void kvb_engine_free(kvb_engine *e) {
     free(e->seg_ones);
     kvb_pool_destroy(e->pool);
     if (e->own_store) kvb_store_free(e->store);
-    float *fs[] = {e->x, e->h, e->q, e->att, e->g, e->u, e->logit_h};
+    free(e->moe_sel);
+    free(e->moe_slot);
+    free(e->moe_off);
+    free(e->moe_fill);
+    float *fs[] = {e->x, e->h, e->q, e->att, e->g, e->u, e->logit_h, e->moe_logits, e->moe_w, e->moe_x, e->moe_g,
+                   e->moe_u, e->moe_y};
     for (size_t i = 0; i < KVB_ARRAY_LEN(fs); i++) kvb_aligned_free(fs[i]);
     kvb_aligned_free(e->act);
     kvb_aligned_free(e->k_rows);

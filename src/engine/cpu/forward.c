@@ -2,7 +2,8 @@
  * sqrt(n_embd)), then per layer attention-norm -> K/V through kvb_kv_produce into the paged cache
  * -> Q (bias, q-norm, RoPE with the layer's own table) -> attention over the cache (a sliding
  * window on local layers) -> output projection (gemma3: post-attention norm) + residual ->
- * ffn-norm -> SwiGLU or (gemma3) GeGLU MLP (gemma3: post-MLP norm) + residual; then the final
+ * ffn-norm -> SwiGLU or (gemma3) GeGLU MLP (gemma3: post-MLP norm), or the mixture of experts
+ * (qwen3moe, moe.c) + residual; then the final
  * norm and the output head. Long inputs are split into max_batch chunks; prefill and
  * token-by-token decode run the same arithmetic. A chunk may hold segments of several sequences
  * (kvb_engine_forward_segments; a decode batch, kvb_engine_forward_batch, is one token of each):
@@ -230,10 +231,14 @@ static kvb_status forward_chunk(kvb_engine *e, chunk_seqs cs, const int32_t *tok
         tj.src = e->x;
         tj.dst = e->h;
         kvb_pool_parallel_for(tok_pool, (int)nr, norm_task, &tj);
-        kvb_cpu_matmul(e->pool, &w->w_gate, e->h, nr, e->g, e->act);
-        kvb_cpu_matmul(e->pool, &w->w_up, e->h, nr, e->u, e->act);
-        kvb_pool_parallel_for(tok_pool, (int)nr, glu_task, &tj);
-        kvb_cpu_matmul(e->pool, &w->w_down, e->g, nr, e->h, e->act); /* h := MLP output (nr, E) */
+        if (d->n_expert) {
+            kvb_cpu_moe(e, w, nr, tok_pool); /* h := the experts' output (nr, E) */
+        } else {
+            kvb_cpu_matmul(e->pool, &w->w_gate, e->h, nr, e->g, e->act);
+            kvb_cpu_matmul(e->pool, &w->w_up, e->h, nr, e->u, e->act);
+            kvb_pool_parallel_for(tok_pool, (int)nr, glu_task, &tj);
+            kvb_cpu_matmul(e->pool, &w->w_down, e->g, nr, e->h, e->act); /* h := MLP output (nr, E) */
+        }
         tj.src = e->h;
         tj.dst = e->x;
         tj.norm_w = w->post_ffw_norm;

@@ -711,6 +711,10 @@ static kvb_status opts_resolve(const kvb_model_desc *d, kvb_cuda_opts *o, kvb_er
         return kvb_err_set(err, KVB_ERR_INVALID, "block_tokens must be a power of two in [16, 1024], got %u",
                            o->block_tokens);
     if (!o->n_blocks) o->n_blocks = (o->max_ctx + o->block_tokens - 1) / o->block_tokens;
+    if (d->n_expert)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                           "the CUDA engine does not run mixtures of experts yet (%s: %u experts); use --device cpu",
+                           d->arch_name, d->n_expert);
     if (d->head_dim > 256 || d->head_dim % 8 || d->n_head % d->n_head_kv || d->n_rot > d->head_dim ||
         d->n_ff % 2 || d->n_embd % 8)
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
