@@ -6,8 +6,9 @@
 #
 #   A=DIR_OLD B=DIR_NEW tools/device/ab_check.sh
 #
-# Stages (STAGES, default "tests verify ladder"):
-#   tests   every test_cuda_* binary of each build (a test the other build lacks is listed as absent),
+# Stages (STAGES, default "tests verify ladder", run in the order given):
+#   tests   every test_cuda_* binary of each build in TEST_BUILDS (default "A B"; a test a build
+#           lacks is listed as absent),
 #           with the qwen3-0.6b and llama3.2-1b bf16 presets for the real-shape cases
 #   verify  kvbridge verify --device cuda on tiny .. llama3.2-1b (every row N/N), each build
 #   ladder  bench ladder --device cuda on the llama3.2-1b shape (Q8_0, f16 cache) at LENGTHS,
@@ -25,10 +26,10 @@ LENGTHS=${LENGTHS:-8192,32768,131072}
 SEEDS=${SEEDS:-2}
 ROUNDS=${ROUNDS:-2}
 DEADLINE=${DEADLINE:-570}
+TEST_BUILDS=${TEST_BUILDS:-"A B"}
 VERIFY_PRESETS=${VERIFY_PRESETS:-"tiny tiny-qwen2 tiny-qwen3 tiny-llama3 tiny-gemma3 qwen3-0.6b llama3.2-1b"}
 T0=$(date +%s)
 mkdir -p "$OUT" "$MD"
-want() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 left() { echo $((DEADLINE - ($(date +%s) - T0) - 5)); }
 say() { echo "[$(($(date +%s) - T0))s] $*"; }
 abs() { case $1 in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
@@ -52,11 +53,11 @@ gen() { # gen PRESET TYPE -> path (made by build B)
   [ -s "$f" ] || with "$B" "$B/kvbridge" gen-model --preset "$1" --type "$2" --out "$f" --quiet --threads "$(nproc)" >&2
   echo "$f"
 }
-if want tests; then
+stage_tests() {
   models="$(gen qwen3-0.6b bf16),$(gen llama3.2-1b bf16)"
   for t in $(cd "$B" && ls test_cuda_*; cd "$A" && ls test_cuda_*); do echo "$t"; done | sort -u >"$OUT/test_list"
   while read -r t; do
-    for w in A B; do
+    for w in $TEST_BUILDS; do
       d=${!w}
       if [ ! -x "$d/$t" ]; then echo "$w $t: absent in this build" | tee -a "$OUT/tests.txt"; continue; fi
       [ "$(left)" -gt 20 ] || { echo "$w $t: skipped (out of time)" | tee -a "$OUT/tests.txt"; continue; }
@@ -67,8 +68,8 @@ if want tests; then
   done <"$OUT/test_list"
   cat "$OUT"/A.test_cuda_*.log "$OUT"/B.test_cuda_*.log 2>/dev/null | grep -E 'rel-L2|FAILED|ERROR' | head -40 >>"$OUT/tests.txt"
   rm -f "$OUT"/A.test_cuda_*.log "$OUT"/B.test_cuda_*.log
-fi
-if want verify; then
+}
+stage_verify() {
   vp=""
   for p in $VERIFY_PRESETS; do vp="$vp --preset $p"; done
   for w in A B; do
@@ -81,8 +82,8 @@ if want verify; then
   done
   rm -f "$OUT"/A.verify "$OUT"/B.verify
   tail -60 "$OUT/verify.txt"
-fi
-if want ladder; then
+}
+stage_ladder() {
   f=$(gen llama3.2-1b q8_0)
   for r in $(seq 1 "$ROUNDS"); do
     for w in A B; do
@@ -97,5 +98,8 @@ if want ladder; then
   done
   rm -f "$OUT"/A.ladder "$OUT"/B.ladder
   cat "$OUT/ladder.txt"
-fi
+}
+for st in $STAGES; do
+  case $st in tests | verify | ladder) "stage_$st" ;; *) say "unknown stage $st" ;; esac
+done
 say "done"
