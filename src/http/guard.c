@@ -386,14 +386,20 @@ kvb_status http_guard_start(kvb_http_server *s, const struct sockaddr_storage *a
                 bind(g->listen_fd, (const struct sockaddr *)addr, len) != 0 || listen(g->listen_fd, 1024) != 0))
         st = kvb_err_set(err, KVB_ERR_IO, "http: cannot listen (%s)", strerror(errno));
     if (!st && pipe2(g->wake, O_CLOEXEC | O_NONBLOCK) != 0) st = kvb_err_set(err, KVB_ERR_IO, "http: pipe: %s", strerror(errno));
-    if (!st && pthread_create(&g->thread, NULL, guard_main, g) != 0)
-        st = kvb_err_set(err, KVB_ERR_INTERNAL, "http: cannot start the accepting thread");
-    g->thread_started = st == KVB_OK;
+    if (!st) { /* published before the thread starts: a connection it hands on reaches the server's
+                  callbacks at once, and they read *out (the server's guard) */
+        *out = g;
+        g->thread_started = true;
+        if (pthread_create(&g->thread, NULL, guard_main, g) != 0) {
+            *out = NULL;
+            g->thread_started = false;
+            st = kvb_err_set(err, KVB_ERR_INTERNAL, "http: cannot start the accepting thread");
+        }
+    }
     if (st) {
         http_guard_free(g);
         return st;
     }
-    *out = g;
     return KVB_OK;
 }
 
