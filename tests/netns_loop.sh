@@ -34,8 +34,9 @@ export KVB_PSK=netns-test-key-0123456789
 ip netns exec $P "$K" serve --role prefill --listen 10.213.7.1:7411 -m "$M" --threads 1 >"$WORK/p.log" 2>&1 &
 ip netns exec $D "$K" serve --role decode --http 127.0.0.1:7412 --peer 10.213.7.1:7411 -m "$M" --threads 1 \
   >"$WORK/d.log" 2>&1 &
-for i in $(seq 50); do
-  ip netns exec $D curl -s http://127.0.0.1:7412/health >/dev/null 2>&1 && break; sleep 0.2
+# up once its link to the prefill node is (the link dials on its own thread, with back-off)
+for i in $(seq 75); do
+  ip netns exec $D curl -s http://127.0.0.1:7412/health 2>/dev/null | grep -Eq '"peer": ?"up"' && break; sleep 0.2
 done
 doc=$(python3 -c "print('the granite left on the evening tide. ' * 30)")
 fail=0
