@@ -18,8 +18,8 @@
  *  - end to end on tiny-moe (bf16 weights, 77 tokens): CUDA logits vs the CPU engine's (F32 cache)
  *    within TOL_CPU 2e-2, the dense presets' limit in test_cuda_engine (the same bf16 roundings of
  *    GEMM operands, q/K/V and P, plus the router's input rounded to bf16), with both GEMM paths;
- *    a token whose float64 reference routing margin (ref_model_forward_gaps) is under the
- *    tolerance may take another expert on the GPU than on the CPU (a discontinuity no tolerance
+ *    a token whose float64 reference routing margin (ref_model_forward_gaps) is under twice the
+ *    tolerance (MOE_CLOSE_GAP) may take another expert on the GPU than on the CPU (a discontinuity no tolerance
  *    covers), so it is left out and counted, and the tokens after it are held to tol + 5e-2, as
  *    test_engine_vs_ref does for the CPU engine; at least half the tokens are checked. Chunked (7)
  *    vs one-shot on the GPU: 2e-3 (TOL_GPU_GPU of test_cuda_engine). Packed weights (Q8_0 and Q4_K
@@ -53,6 +53,12 @@
 #define TOL_CPU 2e-2
 #define TOL_GPU_GPU 2e-3
 #define MOE_FLIP_SPILL 5e-2
+/* router-logit margin per unit of logit tolerance under which a token may route differently: the
+ * GPU's router input is rounded to bf16 (2^-9 relative) after a residual stream that differs by
+ * ~0.3 % from the CPU engine's; with tiny-moe's router logits of std ~2 that moves a logit by
+ * ~0.01, half of 2 x TOL_CPU */
+#define MOE_CLOSE_GAP 2.0
+#define MOE_GPU_GAP 2e-2 /* chunked vs one-shot: attention tiles differ, so the same margin as above */
 #define BF16_NAN 0xFFC1u
 
 static uint64_t g_seed;
@@ -356,15 +362,16 @@ static float *gpu_logits(const kvb_model *m, kvb_cuda_weights weights, uint32_t 
     return l;
 }
 
-/* Worst per-token rel-L2 of got against ref; a token with gap < tol is left out (counted in
- * *close), those after one are held to tol + MOE_FLIP_SPILL. */
+/* Worst per-token rel-L2 of got against ref; a token whose routing margin is under gap_min, or
+ * under MOE_CLOSE_GAP x its tolerance, is left out (counted in *close), those after one are held
+ * to tol + MOE_FLIP_SPILL. */
 static double compare_moe(const float *got, const float *ref, const double *gaps, uint32_t n, uint32_t V, double tol,
-                          int *close, const char *what) {
+                          double gap_min, int *close, const char *what) {
     double worst = 0;
     *close = 0;
     for (uint32_t t = 0; t < n; t++) {
         const double tol_t = *close ? tol + MOE_FLIP_SPILL : tol;
-        if (gaps[t] < tol_t) {
+        if (gaps[t] < gap_min || gaps[t] < MOE_CLOSE_GAP * tol_t) {
             (*close)++;
             continue;
         }
@@ -405,11 +412,11 @@ static void test_tiny_moe_engine(void **state) {
         if (!one) fail_msg("CUDA engine (%s): %s", grouped ? "grouped" : "loop", err.msg);
         char what[128];
         snprintf(what, sizeof what, "tiny-moe, %s GEMMs: GPU vs CPU engine", grouped ? "grouped" : "per-expert");
-        compare_moe(one, cpu, gaps, N, V, TOL_CPU, &close, what);
+        compare_moe(one, cpu, gaps, N, V, TOL_CPU, 0.0, &close, what);
         float *chunked = gpu_logits(m, KVB_CUDA_WEIGHTS_BF16, 7, tok, N, &err);
         if (!chunked) fail_msg("CUDA engine, chunks of 7: %s", err.msg);
         snprintf(what, sizeof what, "tiny-moe, %s GEMMs: chunked (7) vs one-shot", grouped ? "grouped" : "per-expert");
-        compare_moe(chunked, one, gaps, N, V, TOL_GPU_GPU, &close, what);
+        compare_moe(chunked, one, gaps, N, V, TOL_GPU_GPU, MOE_GPU_GAP, &close, what);
         free(one), free(chunked);
     }
     unsetenv("KVB_CUDA_MOE_GEMM");
