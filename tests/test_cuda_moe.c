@@ -318,12 +318,6 @@ static void test_ffn(void **state) {
 
 /* ---- end to end on tiny-moe ------------------------------------------------------------------ */
 
-static void random_tokens(int32_t *t, uint32_t n, uint32_t V, uint64_t seed) {
-    kvb_rng r;
-    kvb_rng_seed(&r, seed);
-    for (uint32_t i = 0; i < n; i++) t[i] = (int32_t)(kvb_rng_u64(&r) % V);
-}
-
 static void cpu_logits(const kvb_model *m, const int32_t *tok, uint32_t n, float *logits) {
     kvb_engine_opts o = {0};
     o.cache_dtype = KVB_TYPE_F32;
@@ -400,7 +394,7 @@ static void test_tiny_moe_engine(void **state) {
     if (!rm) fail_msg("ref_model_load: %s", rerr);
     const uint32_t V = m->d.n_vocab;
     int32_t tok[N];
-    random_tokens(tok, N, V, g_seed ^ 0x6d6f65u);
+    kvbt_random_tokens(tok, N, V, g_seed ^ 0x6d6f65u);
     double *rl = xmalloc(sizeof(double) * N * V), gaps[N];
     assert_int_equal(ref_model_forward_gaps(rm, tok, N, rl, gaps), 0);
     float *cpu = xmalloc(sizeof(float) * N * V);
@@ -433,14 +427,11 @@ static void test_tiny_moe_packed(void **state) {
     const uint32_t types[] = {KVB_TYPE_Q8_0, KVB_TYPE_Q4_K};
     enum { N = 40 };
     for (size_t c = 0; c < KVB_ARRAY_LEN(types); c++) {
-        char path[600];
-        kvbt_tmp_path(path, sizeof path, "tiny-moe-packed.gguf");
-        kvb_gen_opts go = {.preset = "tiny-moe", .type = types[c], .seed = g_seed + c, .n_threads = 0};
         kvb_err err = {0};
-        kvb_model *m = NULL;
-        if (kvb_gen_model(&go, path, &err) || kvb_model_load(path, &m, &err)) fail_msg("tiny-moe: %s", err.msg);
+        kvb_model *m = kvbt_gen_load("tiny-moe-packed.gguf", "tiny-moe", types[c], g_seed + c);
+        if (!m) fail_msg("tiny-moe %s: cannot write or load it", kvb_type_name(types[c]));
         int32_t tok[N];
-        random_tokens(tok, N, m->d.n_vocab, g_seed + 7 * c);
+        kvbt_random_tokens(tok, N, m->d.n_vocab, g_seed + 7 * c);
         float *ref = gpu_logits(m, KVB_CUDA_WEIGHTS_BF16, 0, tok, N, &err);
         if (!ref) fail_msg("bf16 weights: %s", err.msg);
         float *got = gpu_logits(m, KVB_CUDA_WEIGHTS_PACKED, 0, tok, N, &err);

@@ -62,29 +62,41 @@ __global__ void moe_offsets_kernel(const int32_t *__restrict__ cnt, int X, int32
     off[X] = acc;
 }
 
+#define MOE_FILL_PER 8 /* consecutive slots a thread reads per tile */
+
 /* Block x writes expert x's slots in slot order: slot[off[x] + j] = its j-th slot s, inv[s] = that
- * position. A tile of blockDim slots at a time; each thread's rank in its tile from the warps'
- * ballots. */
+ * position. A tile of blockDim * MOE_FILL_PER slots at a time, thread i reading MOE_FILL_PER
+ * consecutive ones; its first position from a scan of the threads' counts (within the warp by
+ * shuffles, across warps through shared memory). */
 __global__ void moe_fill_kernel(const int32_t *__restrict__ sel, int n_slots, const int32_t *__restrict__ off,
                                 int32_t *__restrict__ slot, int32_t *__restrict__ inv) {
     __shared__ int warp_n[MOE_PERM_THREADS / 32];
     const int x = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     int base = off[x];
-    for (int t0 = 0; t0 < n_slots; t0 += blockDim.x) {
-        const int s = t0 + threadIdx.x;
-        const bool mine = s < n_slots && sel[s] == x;
-        const unsigned ballot = __ballot_sync(0xffffffffu, mine);
-        if (lane == 0) warp_n[warp] = __popc(ballot);
+    for (int t0 = 0; t0 < n_slots; t0 += blockDim.x * MOE_FILL_PER) {
+        const int s0 = t0 + threadIdx.x * MOE_FILL_PER;
+        int c = 0;
+        for (int j = 0; j < MOE_FILL_PER; j++) c += s0 + j < n_slots && sel[s0 + j] == x;
+        int incl = c; /* inclusive scan over the warp's lanes */
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        if (lane == 31) warp_n[warp] = incl;
         __syncthreads();
         int before = 0, total = 0;
         for (int i = 0; i < nw; i++) {
             before += i < warp ? warp_n[i] : 0;
             total += warp_n[i];
         }
-        if (mine) {
-            const int pos = base + before + __popc(ballot & ((1u << lane) - 1u));
-            slot[pos] = s;
-            inv[s] = pos;
+        int pos = base + before + incl - c;
+        for (int j = 0; j < MOE_FILL_PER && c; j++) {
+            const int s = s0 + j;
+            if (s < n_slots && sel[s] == x) {
+                slot[pos] = s;
+                inv[s] = pos;
+                pos++;
+            }
         }
         base += total;
         __syncthreads(); /* warp_n is rewritten by the next tile */
