@@ -23,7 +23,9 @@
  *    covers), so it is left out and counted, and the tokens after it are held to tol + 5e-2, as
  *    test_engine_vs_ref does for the CPU engine; at least half the tokens are checked. Chunked (7)
  *    vs one-shot on the GPU: 2e-3 (TOL_GPU_GPU of test_cuda_engine). Packed weights (Q8_0 and Q4_K
- *    files, the experts expanded before each layer) == bf16 weights bit for bit.
+ *    files, the experts expanded before each layer) == bf16 weights bit for bit;
+ *  - with KVB_CUDA_TEST_MOE_MODELS (its own ctest entry, needs_gpu_models): real shapes against the
+ *    CPU engine (test_moe_real_shapes says what is held and why).
  * Without a CUDA device the GPU tests skip with "no CUDA device". */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -444,6 +446,85 @@ static void test_tiny_moe_packed(void **state) {
     }
 }
 
+/* A real shape (KVB_CUDA_TEST_MOE_MODELS=a.gguf,..., e.g. gen-model --preset qwen3-30b-a3b): CUDA
+ * vs the CPU engine on every token of a 32-token prompt, both GEMM paths. No float64 reference
+ * tells the routing margins at this size (48 layers choosing 8 of 128 experts), so a token may
+ * take another expert somewhere; with 8 experts a token, such a flip swaps two experts of nearly
+ * equal (small) weight and moves that token's logits by far less than a wrong layout, routing or
+ * weight does (every token at 1e-1 .. 1). Held: the median token within TOL_CPU_REAL (3e-2,
+ * test_cuda_engine's real-shape limit), at least 3/4 of the tokens within it, and the top-1 equal
+ * wherever the CPU's top-2 margin is over 1; every token's figure is printed. */
+#define TOL_CPU_REAL 3e-2
+static int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int argmax_f(const float *x, uint32_t n) {
+    uint32_t b = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return (int)b;
+}
+
+/* Whether the top-1 of g equals c's wherever c's top-2 margin exceeds 1; fails otherwise. */
+static void check_top1(const float *g, const float *c, uint32_t V, const char *path, uint32_t t) {
+    const int best = argmax_f(c, V);
+    float second = -INFINITY;
+    for (uint32_t i = 0; i < V; i++)
+        if ((int)i != best && c[i] > second) second = c[i];
+    if (c[best] - second > 1.0f && argmax_f(g, V) != best)
+        fail_msg("%s token %u: GPU top-1 %d, CPU %d (margin %.3g)", path, t, argmax_f(g, V), best,
+                 (double)(c[best] - second));
+}
+
+static void real_shape(const char *path) {
+    enum { N = 32 };
+    kvb_err err = {0};
+    kvb_model *m = NULL;
+    if (kvb_model_load(path, &m, &err)) fail_msg("%s: %s", path, err.msg);
+    if (!m->d.n_expert) fail_msg("%s: not a mixture of experts", path);
+    const uint32_t V = m->d.n_vocab;
+    int32_t tok[N];
+    kvbt_random_tokens(tok, N, V, g_seed ^ 0x7265616cu);
+    float *cpu = xmalloc(sizeof(float) * N * V);
+    cpu_logits(m, tok, N, cpu);
+    for (int grouped = 0; grouped < 2; grouped++) {
+        setenv("KVB_CUDA_MOE_GEMM", grouped ? "grouped" : "loop", 1);
+        float *gpu = gpu_logits(m, KVB_CUDA_WEIGHTS_AUTO, 0, tok, N, &err);
+        if (!gpu) fail_msg("%s: CUDA engine: %s", path, err.msg);
+        double sorted[N];
+        int within = 0;
+        for (uint32_t t = 0; t < N; t++) {
+            sorted[t] = kvbt_rel_l2(gpu + (size_t)t * V, cpu + (size_t)t * V, V);
+            within += sorted[t] <= TOL_CPU_REAL;
+            check_top1(gpu + (size_t)t * V, cpu + (size_t)t * V, V, path, t);
+            print_message("  token %2u: rel-L2 %.4g\n", t, sorted[t]);
+        }
+        qsort(sorted, N, sizeof(double), cmp_double);
+        const double median = 0.5 * (sorted[N / 2 - 1] + sorted[N / 2]);
+        print_message("%s, %s GEMMs: GPU vs CPU engine median rel-L2 %.4g, worst %.4g, %d/%d within %.3g\n", path,
+                      grouped ? "grouped" : "per-expert", median, sorted[N - 1], within, N, TOL_CPU_REAL);
+        if (!(median <= TOL_CPU_REAL) || within * 4 < N * 3)
+            fail_msg("%s: median rel-L2 %.4g, %d/%d tokens within %.3g", path, median, within, N, TOL_CPU_REAL);
+        free(gpu);
+    }
+    unsetenv("KVB_CUDA_MOE_GEMM");
+    free(cpu);
+    kvb_model_free(m);
+}
+
+static void test_moe_real_shapes(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    const char *list = getenv("KVB_CUDA_TEST_MOE_MODELS");
+    if (!list || !*list) kvbt_skip("KVB_CUDA_TEST_MOE_MODELS is not set (qwen3moe GGUFs, e.g. the qwen3-30b-a3b preset)");
+    char *copy = strdup(list);
+    assert_non_null(copy);
+    for (char *save = NULL, *p = strtok_r(copy, ",", &save); p; p = strtok_r(NULL, ",", &save)) real_shape(p);
+    free(copy);
+}
+
 int main(void) {
     const char *s = getenv("KVB_TEST_SEED");
     g_seed = s ? strtoull(s, NULL, 0) : (uint64_t)time(NULL);
@@ -454,7 +535,7 @@ int main(void) {
         cmocka_unit_test(test_expf),          cmocka_unit_test(test_route),
         cmocka_unit_test(test_permute),       cmocka_unit_test(test_unpermute),
         cmocka_unit_test(test_ffn),           cmocka_unit_test(test_tiny_moe_engine),
-        cmocka_unit_test(test_tiny_moe_packed),
+        cmocka_unit_test(test_tiny_moe_packed), cmocka_unit_test(test_moe_real_shapes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
