@@ -7,11 +7,11 @@
 'use strict';
 
 const $ = (id) => document.getElementById(id);
-const page = { key: null, keyAsked: null, history: [], busy: false, model: 'default', last: null };
+const page = { key: null, keyAsked: null, keyDeclined: false, history: [], busy: false, model: 'default', last: null };
 
 // ---- the API key --------------------------------------------------------------------------------
 
-// Resolves once the user has entered a key (one dialog at a time, whoever asked).
+// Resolves once the dialog closes: true with a key entered (one dialog at a time, whoever asked).
 function askKey() {
   if (page.keyAsked) return page.keyAsked;
   page.keyAsked = new Promise((resolve) => {
@@ -23,7 +23,7 @@ function askKey() {
       $('key-input').value = '';
       page.keyAsked = null;
       if (v) { page.key = v; $('forget').hidden = false; }
-      resolve();
+      resolve(Boolean(v));
     });
     dlg.showModal();
     $('key-input').focus();
@@ -31,8 +31,9 @@ function askKey() {
   return page.keyAsked;
 }
 
-// fetch with the key when one is held; a 401 asks for it (again) and retries.
-async function api(path, init = {}) {
+// fetch with the key when one is held; a 401 asks for it (again) and retries. Once the dialog was
+// dismissed without a key, only a message the user sends asks again (the panel's polls do not).
+async function api(path, init = {}, interactive = false) {
   for (;;) {
     const headers = Object.assign({}, init.headers || {});
     if (page.key) headers.Authorization = 'Bearer ' + page.key;
@@ -40,7 +41,9 @@ async function api(path, init = {}) {
     if (resp.status !== 401) return resp;
     page.key = null;
     $('forget').hidden = true;
-    await askKey();
+    if (page.keyDeclined && !interactive) throw new Error('this node needs its API key (send a message to enter it)');
+    page.keyDeclined = !(await askKey());
+    if (page.keyDeclined) throw new Error('this node needs its API key');
   }
 }
 
@@ -141,7 +144,7 @@ async function send(text) {
     };
     const resp = await api('/v1/chat/completions', {
       method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify(body),
-    });
+    }, true);
     const verdict = resp.headers.get('X-KVBridge') || '';
     if (!resp.ok) {
       const err = await resp.json().catch(() => ({}));
