@@ -7,7 +7,9 @@
 'use strict';
 
 const $ = (id) => document.getElementById(id);
-const page = { key: null, keyAsked: null, keyDeclined: false, history: [], busy: false, model: 'default', last: null };
+const page = {
+  key: null, keyAsked: null, keyDeclined: false, keyPrompts: 0, history: [], busy: false, model: 'default', last: null,
+};
 
 // ---- the API key --------------------------------------------------------------------------------
 
@@ -26,6 +28,7 @@ function askKey() {
       resolve(Boolean(v));
     });
     dlg.showModal();
+    page.keyPrompts++;
     $('key-input').focus();
   });
   return page.keyAsked;

@@ -84,6 +84,18 @@ static void add_request_headers(const request_ctx *ctx, struct MHD_Response *res
     MHD_add_response_header(resp, "Access-Control-Expose-Headers", "X-KVBridge");
 }
 
+/* Queues resp (and drops this reference to it); the request has answered with status. */
+static enum MHD_Result queue_response(request_ctx *ctx, struct MHD_Connection *conn, unsigned status,
+                                      struct MHD_Response *resp) {
+    enum MHD_Result r = MHD_queue_response(conn, status, resp);
+    MHD_destroy_response(resp);
+    if (r == MHD_YES) {
+        ctx->responded = true;
+        ctx->status = status;
+    }
+    return r;
+}
+
 /* hdr_name/hdr_value: one more response header (Allow on a 405, WWW-Authenticate on a 401), or NULL. */
 static enum MHD_Result queue_body(request_ctx *ctx, struct MHD_Connection *conn, unsigned status,
                                   const char *content_type, const char *body, size_t len,
@@ -95,13 +107,7 @@ static enum MHD_Result queue_body(request_ctx *ctx, struct MHD_Connection *conn,
     if (verdict && verdict[0]) MHD_add_response_header(resp, "X-KVBridge", verdict);
     if (hdr_name && hdr_value) MHD_add_response_header(resp, hdr_name, hdr_value);
     add_request_headers(ctx, resp);
-    enum MHD_Result r = MHD_queue_response(conn, status, resp);
-    MHD_destroy_response(resp);
-    if (r == MHD_YES) {
-        ctx->responded = true;
-        ctx->status = status;
-    }
-    return r;
+    return queue_response(ctx, conn, status, resp);
 }
 
 static enum MHD_Result queue_json(request_ctx *ctx, struct MHD_Connection *conn, unsigned status,
@@ -205,13 +211,7 @@ static enum MHD_Result serve_page(request_ctx *ctx, struct MHD_Connection *conn)
     MHD_add_response_header(resp, "Referrer-Policy", "no-referrer");
     MHD_add_response_header(resp, "X-Frame-Options", "DENY");
     add_request_headers(ctx, resp);
-    enum MHD_Result r = MHD_queue_response(conn, 200, resp);
-    MHD_destroy_response(resp);
-    if (r == MHD_YES) {
-        ctx->responded = true;
-        ctx->status = 200;
-    }
-    return r;
+    return queue_response(ctx, conn, 200, resp);
 }
 
 /* GET /v1/kvbridge/status: the server's own fields, then the handler's (peer, bridges, link, cache).
@@ -374,13 +374,7 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
      * response (request_completed puts it back). */
     MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
     ctx->timeout_lifted = true;
-    enum MHD_Result r = MHD_queue_response(conn, 200, resp);
-    MHD_destroy_response(resp);
-    if (r == MHD_YES) {
-        ctx->responded = true;
-        ctx->status = 200;
-    }
-    return r;
+    return queue_response(ctx, conn, 200, resp);
 }
 
 /* ---- routing ------------------------------------------------------------------------------------ */
@@ -471,13 +465,7 @@ static enum MHD_Result queue_preflight(request_ctx *ctx, struct MHD_Connection *
         MHD_add_response_header(resp, "Access-Control-Allow-Headers", "Authorization, Content-Type");
         MHD_add_response_header(resp, "Access-Control-Max-Age", "600");
     }
-    enum MHD_Result r = MHD_queue_response(conn, 204, resp);
-    MHD_destroy_response(resp);
-    if (r == MHD_YES) {
-        ctx->responded = true;
-        ctx->status = 204;
-    }
-    return r;
+    return queue_response(ctx, conn, 204, resp);
 }
 
 /* First call for a request: headers are in. Returns MHD_YES to go on reading, or a queued

@@ -25,6 +25,14 @@
 #include "kvb_transport.h"
 #include "node_internal.h"
 
+/* The bridge in flight as the status snapshot sees it. */
+typedef struct {
+    kvb_bridge_receiver *rx;        /* NULL: none */
+    uint64_t id;                    /* the PREFILL's request id */
+    uint32_t prompt, cached, ship_to; /* the prompt's tokens; those cached; shipped up to here */
+    double t0;                      /* when the bridge began (kvb_now_s) */
+} live_bridge;
+
 struct kvb_decode_node {
     kvb_decode_config cfg;
     char *psk, *peer, *model_id;
@@ -69,10 +77,7 @@ struct kvb_decode_node {
     /* the bridge in flight (at most one: the prompt FIFO's holder runs it), for the status snapshot;
      * live_mu guards these and keeps the receiver alive while a snapshot reads it */
     pthread_mutex_t live_mu;
-    kvb_bridge_receiver *live_rx; /* NULL: none */
-    uint64_t live_id;
-    uint32_t live_prompt, live_cached, live_ship;
-    double live_t0;
+    live_bridge live;
 };
 
 /* ---- the bridge, decode side ----------------------------------------------------------------- */
@@ -137,15 +142,9 @@ static bool client_gone(void *ctx) { return kvb_completion_cancelled(ctx); }
 
 /* The bridge in flight as the status snapshot sees it, from its receiver's creation to
  * live_bridge_end (before the receiver is freed, so a snapshot never reads a freed one). */
-static void live_bridge_set(kvb_decode_node *n, kvb_bridge_receiver *r, uint64_t id, uint32_t prompt, uint32_t cached,
-                            uint32_t ship_to, double t0) {
+static void live_bridge_set(kvb_decode_node *n, live_bridge lb) {
     pthread_mutex_lock(&n->live_mu);
-    n->live_rx = r;
-    n->live_id = id;
-    n->live_prompt = prompt;
-    n->live_cached = cached;
-    n->live_ship = ship_to;
-    n->live_t0 = t0;
+    n->live = lb;
     pthread_mutex_unlock(&n->live_mu);
 }
 
@@ -153,7 +152,7 @@ static void live_bridge_set(kvb_decode_node *n, kvb_bridge_receiver *r, uint64_t
 static void live_bridge_end(kvb_decode_node *n, uint64_t bytes) {
     pthread_mutex_lock(&n->live_mu);
     kvb_metric_add(n->m_slab_bytes, NULL, (double)bytes);
-    n->live_rx = NULL;
+    n->live.rx = NULL;
     pthread_mutex_unlock(&n->live_mu);
 }
 
@@ -176,7 +175,8 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
                  st == KVB_ERR_RANGE ? "cache full" : "internal", err.msg);
     } else {
         kvb_trace_span("decode.bridge_setup", t0, kvb_now_s(), kvb_bridge_receiver_blocks(r)); /* keys, pages */
-        live_bridge_set(n, r, n->next_request_id + 1, n_tok, cached, ship + tail, t0);
+        live_bridge_set(n, (live_bridge){.rx = r, .id = n->next_request_id + 1, .prompt = n_tok, .cached = cached,
+                                         .ship_to = ship + tail, .t0 = t0});
         const kvb_msg_prefill p = {.request_id = ++n->next_request_id, .bridge_mode = n->hello.bridge_mode,
                                    .n_tokens = n_tok, .cached_tokens = cached, .ship_tokens = ship + tail,
                                    .last_cached_key = kvb_bridge_receiver_parent_key(r), .tokens = (int32_t *)toks};
@@ -923,16 +923,17 @@ static void handle_health(void *ctx, cJSON *body) {
 static cJSON *live_bridge_json(kvb_decode_node *n) {
     cJSON *arr = cJSON_CreateArray();
     pthread_mutex_lock(&n->live_mu);
-    kvb_bridge_receiver *r = n->live_rx;
+    const live_bridge *lb = &n->live;
+    kvb_bridge_receiver *r = lb->rx;
     cJSON *b = r && arr ? cJSON_CreateObject() : NULL;
     cJSON *layers = b ? cJSON_AddArrayToObject(b, "layers") : NULL;
     if (layers) {
-        const double elapsed = kvb_now_s() - n->live_t0;
+        const double elapsed = kvb_now_s() - lb->t0;
         const uint64_t bytes = kvb_bridge_receiver_bytes(r);
-        cJSON_AddNumberToObject(b, "request_id", (double)n->live_id);
-        cJSON_AddNumberToObject(b, "prompt_tokens", n->live_prompt);
-        cJSON_AddNumberToObject(b, "cached_tokens", n->live_cached);
-        cJSON_AddNumberToObject(b, "ship_tokens", n->live_ship - n->live_cached);
+        cJSON_AddNumberToObject(b, "request_id", (double)lb->id);
+        cJSON_AddNumberToObject(b, "prompt_tokens", lb->prompt);
+        cJSON_AddNumberToObject(b, "cached_tokens", lb->cached);
+        cJSON_AddNumberToObject(b, "ship_tokens", lb->ship_to - lb->cached);
         cJSON_AddNumberToObject(b, "elapsed_s", elapsed);
         cJSON_AddNumberToObject(b, "slabs", kvb_bridge_receiver_slabs(r));
         cJSON_AddNumberToObject(b, "bytes", (double)bytes);
@@ -972,7 +973,7 @@ static void handle_status(void *ctx, cJSON *body) {
     cJSON_AddItemToObject(body, "bridges", live_bridge_json(n));
     cJSON *link = cJSON_AddObjectToObject(body, "link");
     pthread_mutex_lock(&n->live_mu); /* the bytes of the finished bridges, then the one in flight */
-    const double bytes = kvb_metric_value(n->m_slab_bytes, NULL) + (n->live_rx ? kvb_bridge_receiver_bytes(n->live_rx) : 0);
+    const double bytes = kvb_metric_value(n->m_slab_bytes, NULL) + (n->live.rx ? kvb_bridge_receiver_bytes(n->live.rx) : 0);
     pthread_mutex_unlock(&n->live_mu);
     if (link) cJSON_AddNumberToObject(link, "bytes_total", bytes);
     kvb_store_stats st;
