@@ -246,7 +246,7 @@ async function poll() {
     $('status-error').textContent = String(e.message || e);
     $('status-error').hidden = false;
   }
-  setTimeout(poll, 1000);
+  setTimeout(poll, page.busy ? 250 : 1000); // closer while a reply (and maybe its bridge) is under way
 }
 
 // ---- wiring -------------------------------------------------------------------------------------
