@@ -198,7 +198,9 @@ static void misbehaving_peer(kvbt_peer_kind kind, const char *reason) {
     printf("kind %d: %d chunks streamed in %.2f s, longest gap %.1f ms while %u dial(s) began\n", (int)kind,
            atomic_load(&x->events), kvb_now_s() - t_stream, x->longest_gap_s * 1e3, dials);
     assert_true(dials >= 1);
-    assert_true(x->longest_gap_s < 0.1);
+    /* the fault this guards is a stream held for a dial's timeout (seconds); a loaded 2-core runner
+     * stretches a healthy gap to ~0.1 s, so the bound is 1 s */
+    assert_true(x->longest_gap_s < 1.0);
     /* prompts worth bridging while the stream goes on: each answered at once, natively, honestly */
     double slowest = 0, slowest_native = 0;
     for (int i = 0; i < 3; i++) {
