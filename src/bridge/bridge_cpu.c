@@ -34,6 +34,8 @@ kvb_status kvb_bridge_cpu_create(const kvb_model *decoder, const kvb_kvformat *f
     const kvb_model_desc *d = &decoder->d;
     if (fmt->n_layer != d->n_layer || fmt->n_head_kv != d->n_head_kv || fmt->head_dim != d->head_dim)
         return kvb_err_set(err, KVB_ERR_INVALID, "cache format geometry does not match the decoder's model");
+    if (d->mla)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "the CPU bridge does not compute a latent (MLA) cache yet");
     kvb_bridge_cpu *b = calloc(1, sizeof *b);
     if (!b) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory creating the bridge");
     b->m = decoder;

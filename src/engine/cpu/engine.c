@@ -43,13 +43,18 @@ kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *opts, kv
     e->o = opts ? *opts : (kvb_engine_opts){0};
     kvb_engine_opts *o = &e->o;
     const kvb_model_desc *d = &m->d;
+    kvb_status st = KVB_OK;
+    if (d->mla) { /* the description, presets and cache format exist; the forward pass does not yet */
+        st = kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: DeepSeek's latent attention (deepseek2) is not computed by "
+                                                   "the CPU engine yet", d->arch_name);
+        goto fail;
+    }
     if (o->n_threads <= 0) o->n_threads = kvb_cpu_count();
     if (!o->block_tokens) o->block_tokens = 32;
     if (!o->max_ctx) o->max_ctx = d->n_ctx_train < 8192 ? d->n_ctx_train : 8192;
     if (!o->max_batch) o->max_batch = 512;
     if (!o->n_blocks) o->n_blocks = (o->max_ctx + o->block_tokens - 1) / o->block_tokens;
-    kvb_status st = kvb_model_kvformat(d, o->cache_dtype, o->block_tokens, &e->fmt, err);
-    if (st) goto fail;
+    if ((st = kvb_model_kvformat(d, o->cache_dtype, o->block_tokens, &e->fmt, err))) goto fail;
     e->row_bytes = kvb_kvformat_row_bytes(&e->fmt);
     e->block_bytes = kvb_kvformat_block_bytes(&e->fmt);
     if ((st = kvb_pool_create(o->n_threads, &e->pool, err))) goto fail;
