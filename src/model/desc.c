@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "kvb_model.h"
+#include "kvb_quant.h"
 
 static kvb_status get_u32_key(const kvb_gguf *g, const char *arch, const char *suffix, bool required,
                               uint32_t dflt, uint32_t lo, uint32_t hi, uint32_t *out, kvb_err *err) {
@@ -346,6 +347,7 @@ bool kvb_model_has_local_layers(const kvb_model_desc *d) {
 
 kvb_status kvb_model_kvformat(const kvb_model_desc *d, uint32_t dtype, uint32_t block_tokens, kvb_kvformat *f,
                               kvb_err *err) {
+    if (d->mla) return kvb_kvformat_init_mla(f, dtype, block_tokens, d->n_layer, d->n_lora_kv, d->n_rot, err);
     kvb_status st = kvb_kvformat_init(f, dtype, block_tokens, d->n_layer, d->n_head_kv, d->head_dim, err);
     if (st || !kvb_model_has_local_layers(d)) return st;
     bool local[KVB_MAX_LAYERS];
@@ -376,6 +378,14 @@ static uint64_t n_params_with(const kvb_model_desc *d, uint64_t experts) {
     uint64_t mlp = d->n_expert ? experts * 3 * e * d->n_ff_exp + e * d->n_expert : 3 * e * d->n_ff;
     uint64_t per_layer = e * q + 2 * e * kv + q * e + mlp + (d->has_post_norms ? 4 : 2) * e;
     return per_layer * d->n_layer + e + (uint64_t)d->n_vocab * e; /* the output head is a matmul */
+}
+
+void kvb_model_cache_token_bytes(const kvb_model_desc *d, uint32_t dtype, uint64_t *cache, uint64_t *per_head) {
+    const uint32_t k = d->mla ? d->head_dim_k_mla : d->head_dim, v = d->mla ? d->head_dim_v_mla : d->head_dim;
+    const uint64_t heads = d->mla ? d->n_head : d->n_head_kv;
+    const uint64_t rows = (uint64_t)kvb_row_bytes(dtype, k) + kvb_row_bytes(dtype, v);
+    *per_head = (uint64_t)d->n_layer * heads * rows;
+    *cache = d->mla ? (uint64_t)d->n_layer * kvb_row_bytes(dtype, d->head_dim) : *per_head;
 }
 
 uint64_t kvb_model_n_params_nonembd(const kvb_model_desc *d) { return n_params_with(d, d->n_expert); }

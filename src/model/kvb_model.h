@@ -188,6 +188,11 @@ bool kvb_model_has_local_layers(const kvb_model_desc *d);
  * stores or ships this model's cache takes its format from here, so the fingerprints agree. */
 kvb_status kvb_model_kvformat(const kvb_model_desc *d, uint32_t dtype, uint32_t block_tokens, kvb_kvformat *f,
                               kvb_err *err);
+/* Cache bytes one token costs over all layers in dtype: *cache as the decoder's format holds it (the
+ * latent row for an MLA model), *per_head the same model's cache expanded to per-head K and V
+ * (MLA: n_head heads of key_length_mla and value_length_mla; equal to *cache for the others). A
+ * row length dtype cannot encode counts 0. */
+void kvb_model_cache_token_bytes(const kvb_model_desc *d, uint32_t dtype, uint64_t *cache, uint64_t *per_head);
 /* The RoPE table every engine and the bridge use (one table, computed on the host in double and
  * rounded to f32 once): for positions pos0 .. pos0+n_pos-1 and i < n_rot/2,
  *     cos_out[p * (n_rot/2) + i] = (float)cos(pos * inv_freq[i]), sin_out likewise.  */
