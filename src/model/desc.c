@@ -233,6 +233,9 @@ static kvb_status yarn_desc(const kvb_gguf *g, kvb_model_desc *d, float factor, 
                           &d->rope_orig_ctx, err)))
         return st;
     if ((st = get_f32_key(g, a, "rope.scaling.attn_factor", 1.0f, 0.0f, 1e3f, &d->rope_attn_factor, err))) return st;
+    if (d->rope_attn_factor != 1.0f)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: rope.scaling.attn_factor %g: only 1 is implemented",
+                           kvb_gguf_path(g), (double)d->rope_attn_factor);
     float lm = 0;
     if ((st = get_f32_key(g, a, "rope.scaling.yarn_log_multiplier", 0.0f, 0.0f, 1e3f, &lm, err))) return st;
     d->rope_yarn_log_mul = lm / 0.1f;

@@ -91,7 +91,9 @@ static int add_moe_tensors(gen_tensor *ts, int n, uint32_t l, const kvb_model_de
     const char *names[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
     char nm[64];
     snprintf(nm, sizeof nm, "blk.%u.ffn_gate_inp.weight", l);
-    n = add_t(ts, n, nm, E, d->n_expert, KVB_TYPE_F32, INIT_NORMAL, 4.0f * s_in);
+    /* sigmoid gating (deepseek2) saturates on logits of std 4: experts near probability 1 would tie */
+    const float s_router = d->expert_gating == KVB_GATING_SIGMOID ? s_in : 4.0f * s_in;
+    n = add_t(ts, n, nm, E, d->n_expert, KVB_TYPE_F32, INIT_NORMAL, s_router);
     for (int i = 0; i < 3; i++) {
         snprintf(nm, sizeof nm, "blk.%u.%s.weight", l, names[i]);
         n = add_t(ts, n, nm, i < 2 ? E : F, i < 2 ? F : E, type, INIT_NORMAL, i < 2 ? s_in : 2.0f * s_res * s_ff);
