@@ -131,12 +131,29 @@ static void test_mla_store_slabs(void **state) {
     kvb_store_free(s);
 }
 
+/* `kvbridge inspect --preset` prints a shape's cache bytes per token beside per-head K/V: V2-Lite's
+ * 27 x 576 f16 values (31,104 B) against 27 x 16 x (192 + 128) (276,480 B); V3's 61 layers against
+ * 128 heads (70,272 B against 4,997,120 B) — without writing the 671B file. */
+static void test_inspect_cache_cost(void **state) {
+    (void)state;
+    char cmd[1024], out[8192];
+    snprintf(cmd, sizeof cmd, "'%s' inspect --preset deepseek-v2-lite", kvbt_bin());
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 0);
+    assert_non_null(strstr(out, "F16        31104 bytes  per-head K/V     276480 bytes  (8.89x smaller)"));
+    snprintf(cmd, sizeof cmd, "'%s' inspect --preset deepseek-v3", kvbt_bin());
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 0);
+    assert_non_null(strstr(out, "F16        70272 bytes  per-head K/V    4997120 bytes  (71.11x smaller)"));
+    snprintf(cmd, sizeof cmd, "'%s' inspect --preset no-such-shape", kvbt_bin());
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_mla_geometry),
         cmocka_unit_test(test_mla_scatter),
         cmocka_unit_test(test_mla_model_format),
         cmocka_unit_test(test_mla_store_slabs),
+        cmocka_unit_test(test_inspect_cache_cost),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
