@@ -586,8 +586,9 @@ static const struct {
 static void decode_report(const bench_args *a, const kvb_model *m, int T, double tps, double batch_tps, double bw,
                           double peer) {
     const uint64_t wbytes = weight_bytes_per_token(m);
-    const size_t rb = kvb_row_bytes(a->cache_type, m->d.head_dim);
-    const double kv_avg = (double)m->d.n_layer * 2 * m->d.n_head_kv * rb * (a->n_ctx + a->n_gen / 2.0);
+    uint64_t tok_bytes, per_head; /* the cache format's bytes per token (a latent row for an MLA model) */
+    kvb_model_cache_token_bytes(&m->d, a->cache_type, &tok_bytes, &per_head);
+    const double kv_avg = (double)tok_bytes * (a->n_ctx + a->n_gen / 2.0);
     const double bytes = (double)wbytes + kv_avg, achieved = bytes * tps / 1e9;
     printf("decode     %lld steps after %lld tokens: %.2f tok/s (median of %lld)\n", a->n_gen, a->n_ctx, tps, a->reps);
     printf("bytes/tok  %.1f MB (weights %.1f MB%s + KV %.2f MB)\n", bytes / 1e6, wbytes / 1e6,

@@ -444,6 +444,25 @@ void ref_model_free(ref_model *m) {
     free(m);
 }
 
+/* YaRN as ggml's rope computes it (ext_factor 1): pair i's angle is theta/factor * (1 - r) + theta * r,
+ * r = 1 - clamp((i - lo) / max(0.001, hi - lo), 0, 1), lo = floor(c(32)), hi = ceil(c(1)) clamped to
+ * [0, n_rot - 1], c(beta) = n_rot ln(orig / (2 pi beta)) / (2 ln base); deepseek2's scores are then
+ * scaled by mscale^2, mscale = 1 + 0.1 mscale_all_dim ln(factor). */
+static void yarn_inv_freq(ref_model *m, double factor, double orig) {
+    ref_desc *d = &m->d;
+    const double nr = d->n_rot, base = d->rope_freq_base;
+    const double lo = fmax(0.0, floor(nr * log(orig / (2 * M_PI * 32.0)) / (2 * log(base))));
+    const double hi = fmin(nr - 1, ceil(nr * log(orig / (2 * M_PI * 1.0)) / (2 * log(base))));
+    for (int i = 0; i < d->n_rot / 2; i++) {
+        const double r = 1.0 - fmin(1.0, fmax(0.0, (i - lo) / fmax(0.001, hi - lo)));
+        m->inv_freq[i] = m->inv_freq[i] / factor * (1 - r) + m->inv_freq[i] * r;
+    }
+    d->yarn_factor = factor;
+    d->rope_scaling = REF_SCALING_NONE;
+    const double mscale = 1.0 + 0.1 * d->yarn_log_mul * log(factor);
+    d->attn_scale *= mscale * mscale;
+}
+
 /* Reads the rope.scaling.* keys and rope_freqs.weight and fills d->rope_* and m->inv_freq.
  * Policy (llama.cpp first):
  *  - rope_freqs.weight present: divide each inverse frequency by it (llama.cpp's ggml_rope_ext
@@ -454,7 +473,8 @@ void ref_model_free(ref_model *m) {
  *    high_freq_factor (default 4), original_context_length (default 8192).
  *  - else type absent or "linear" with factor != 0, 1: linear, inverse frequency / factor (what
  *    llama.cpp does: rope_freq_scale = 1/factor, and "linear" is its default type).
- *  - "none" or no factor: unscaled. Any other type (yarn, longrope, ...) is refused. */
+ *  - "yarn" for deepseek2 (yarn_inv_freq); "none" or no factor: unscaled. Any other type (longrope, ...)
+ *    is refused. */
 static int load_rope(loader *L, ref_model *m) {
     ref_desc *d = &m->d;
     const int half = d->n_rot / 2;
@@ -509,20 +529,7 @@ static int load_rope(loader *L, ref_model *m) {
         return 0;
     }
     if (have_type && strcmp(type, "yarn") == 0 && d->arch == REF_ARCH_DEEPSEEK2 && factor > 1) {
-        /* YaRN as ggml's rope computes it (ext_factor 1): pair i's angle is theta/factor * (1 - r) + theta * r,
-         * r = 1 - clamp((i - lo) / max(0.001, hi - lo), 0, 1), lo = floor(c(32)), hi = ceil(c(1)) clamped to
-         * [0, n_rot - 1], c(beta) = n_rot ln(orig / (2 pi beta)) / (2 ln base) */
-        const double nr = d->n_rot, base = d->rope_freq_base;
-        const double lo = fmax(0.0, floor(nr * log(orig / (2 * M_PI * 32.0)) / (2 * log(base))));
-        const double hi = fmin(nr - 1, ceil(nr * log(orig / (2 * M_PI * 1.0)) / (2 * log(base))));
-        for (int i = 0; i < half; i++) {
-            const double r = 1.0 - fmin(1.0, fmax(0.0, (i - lo) / fmax(0.001, hi - lo)));
-            m->inv_freq[i] = m->inv_freq[i] / factor * (1 - r) + m->inv_freq[i] * r;
-        }
-        d->yarn_factor = factor;
-        d->rope_scaling = REF_SCALING_NONE;
-        const double mscale = 1.0 + 0.1 * d->yarn_log_mul * log(factor);
-        d->attn_scale *= mscale * mscale;
+        yarn_inv_freq(m, factor, orig);
         return 0;
     }
     if (have_type && strcmp(type, "none") != 0 && strcmp(type, "linear") != 0 && strcmp(type, "llama3") != 0) {
