@@ -556,6 +556,34 @@ static void test_tiny_gemma3(void **state) {
 enum { MOE_MAX_CLOSE = G3_TOK / 2 }; /* at least half the tokens are checked */
 #define MOE_CLOSE_GAP 1.0   /* router-logit margin per unit of the logit tolerance */
 #define MOE_FLIP_SPILL 5e-2 /* added to the tolerance of the tokens after one too close to call */
+/* A mixture of experts' one-shot logits `one` against the reference's `ref` (G3_TOK, V) token by token
+ * within tol, leaving out (and counting) the tokens routed within MOE_CLOSE_GAP x tol of a tie (gaps)
+ * and holding the tokens after one to tol + MOE_FLIP_SPILL; at most MOE_MAX_CLOSE left out. Returns
+ * how many were; *worst: the worst rel-L2 checked; *top1: checked tokens whose argmax agrees. */
+static int moe_logits_check(const char *preset, uint32_t wt, uint32_t cache, double tol, const double *gaps,
+                            const double *ref, const float *one, int V, double *worst, int *top1) {
+    int close = 0;
+    *worst = 0;
+    *top1 = 0;
+    for (int t = 0; t < G3_TOK; t++) {
+        const double rel = ref_rel_l2(one + (size_t)t * V, ref + (size_t)t * V, (size_t)V);
+        const double tol_t = close ? tol + MOE_FLIP_SPILL : tol; /* downstream of a token too close */
+        if (gaps[t] < MOE_CLOSE_GAP * tol_t) { /* too close to call at this tolerance */
+            close++;
+            continue;
+        }
+        if (!(rel <= tol_t))
+            fail_msg("%s %s cache %s token %d: rel-L2 %.3g > %.3g", preset, kvb_type_name(wt), kvb_type_name(cache), t,
+                     rel, tol_t);
+        *worst = fmax(*worst, rel);
+        *top1 += ref_argmax_f32(one + (size_t)t * V, V) == ref_argmax(ref + (size_t)t * V, V);
+    }
+    if (close > MOE_MAX_CLOSE)
+        fail_msg("%s %s cache %s: %d of %d tokens route within %.2g of a tie", preset, kvb_type_name(wt),
+                 kvb_type_name(cache), close, G3_TOK, MOE_CLOSE_GAP * tol);
+    return close;
+}
+
 static void test_tiny_moe(void **state) {
     (void)state;
     const uint32_t wtypes[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0,
@@ -583,26 +611,10 @@ static void test_tiny_moe(void **state) {
         assert_int_equal(ref_model_forward_gaps(c.ref, toks, G3_TOK, ref, gaps), 0);
         for (size_t ci = 0; ci < KVB_ARRAY_LEN(caches); ci++) {
             const double tol = tol_weights(wtypes[w]) + tol_cache(caches[ci]);
-            double worst = 0;
-            int close = 0;
+            double worst;
+            int top1;
             gemma3_engine_run(c.model, toks, caches[ci], 2, MODE_PREFILL, one);
-            int top1 = 0;
-            for (int t = 0; t < G3_TOK; t++) {
-                const double rel = ref_rel_l2(one + (size_t)t * V, ref + (size_t)t * V, (size_t)V);
-                const double tol_t = close ? tol + MOE_FLIP_SPILL : tol; /* downstream of a token too close */
-                if (gaps[t] < MOE_CLOSE_GAP * tol_t) { /* too close to call at this tolerance */
-                    close++;
-                    continue;
-                }
-                if (!(rel <= tol_t))
-                    fail_msg("tiny-moe %s cache %s token %d: rel-L2 %.3g > %.3g", kvb_type_name(wtypes[w]),
-                             kvb_type_name(caches[ci]), t, rel, tol_t);
-                worst = fmax(worst, rel);
-                top1 += ref_argmax_f32(one + (size_t)t * V, V) == ref_argmax(ref + (size_t)t * V, V);
-            }
-            if (close > MOE_MAX_CLOSE)
-                fail_msg("tiny-moe %s cache %s: %d of %d tokens route within %.2g of a tie", kvb_type_name(wtypes[w]),
-                         kvb_type_name(caches[ci]), close, G3_TOK, MOE_CLOSE_GAP * tol);
+            const int close = moe_logits_check("tiny-moe", wtypes[w], caches[ci], tol, gaps, ref, one, V, &worst, &top1);
             argmax_and_modes(&c, "tiny-moe", wtypes[w], caches[ci], tol, toks, ref, one, l);
             print_message("  tiny-moe %-5s cache %-4s: worst rel-L2 %.2g (%d tokens too close to call), top-1 %d/%d, "
                           "chunked == decode == mixed == one-shot\n",
@@ -700,26 +712,11 @@ static void test_tiny_mla(void **state) {
             mla_rows_check(&c, toks, wtypes[w], row_caches[ci]);
         for (size_t ci = 0; ci < KVB_ARRAY_LEN(caches); ci++) {
             const double tol = tol_weights(wtypes[w]) + tol_cache(caches[ci]);
-            double worst = 0;
-            int close = 0, top1 = 0;
+            double worst;
+            int top1;
             const double worst_rows = mla_rows_check(&c, toks, wtypes[w], caches[ci]);
             gemma3_engine_run(c.model, toks, caches[ci], 2, MODE_PREFILL, one);
-            for (int t = 0; t < G3_TOK; t++) {
-                const double rel = ref_rel_l2(one + (size_t)t * V, ref + (size_t)t * V, (size_t)V);
-                const double tol_t = close ? tol + MOE_FLIP_SPILL : tol;
-                if (gaps[t] < MOE_CLOSE_GAP * tol_t) {
-                    close++;
-                    continue;
-                }
-                if (!(rel <= tol_t))
-                    fail_msg("tiny-mla %s cache %s token %d: rel-L2 %.3g > %.3g", kvb_type_name(wtypes[w]),
-                             kvb_type_name(caches[ci]), t, rel, tol_t);
-                worst = fmax(worst, rel);
-                top1 += ref_argmax_f32(one + (size_t)t * V, V) == ref_argmax(ref + (size_t)t * V, V);
-            }
-            if (close > MOE_MAX_CLOSE)
-                fail_msg("tiny-mla %s cache %s: %d of %d tokens route within %.2g of a tie", kvb_type_name(wtypes[w]),
-                         kvb_type_name(caches[ci]), close, G3_TOK, MOE_CLOSE_GAP * tol);
+            const int close = moe_logits_check("tiny-mla", wtypes[w], caches[ci], tol, gaps, ref, one, V, &worst, &top1);
             argmax_and_modes(&c, "tiny-mla", wtypes[w], caches[ci], tol, toks, ref, one, l);
             print_message("  tiny-mla %-5s cache %-4s: worst rel-L2 %.2g (%d too close to call), rows %.2g, top-1 %d/%d, "
                           "chunked == decode == mixed == one-shot\n",

@@ -1058,6 +1058,16 @@ static int moe_ffn(const ref_desc *d, const ref_layer *y, const double *h, doubl
     return 0;
 }
 
+/* logits (n, n_vocab) := output (rmsnorm(x) * output_norm) for the n rows of x; h (n, n_embd) scratch */
+static void output_head(const ref_model *m, const double *x, double *h, int n, double *logits) {
+    const int E = m->d.n_embd;
+    for (int t = 0; t < n; t++) {
+        double *ht = h + (size_t)t * E;
+        rmsnorm(x + (size_t)t * E, m->output_norm, ht, E, m->d.norm_eps);
+        matvec(m->output, NULL, ht, logits + (size_t)t * m->d.n_vocab, m->d.n_vocab, E);
+    }
+}
+
 /* ---- deepseek2 ---------------------------------------------------------------------------------- */
 
 /* The latent attention of layer l for the normed rows h (n, n_embd), expanded form: att (n, H * Vd)
@@ -1257,11 +1267,7 @@ static int run_mla(ref_model *m, const int32_t *tokens, int n, double *logits, i
             for (int i = 0; i < E; i++) xt[i] += o[i];
         }
     }
-    for (int t = 0; t < n; t++) {
-        double *ht = h + (size_t)t * E;
-        rmsnorm(x + (size_t)t * E, m->output_norm, ht, E, d->norm_eps);
-        matvec(m->output, NULL, ht, logits + (size_t)t * d->n_vocab, d->n_vocab, E);
-    }
+    output_head(m, x, h, n, logits);
     rc = 0;
 done:
     free(x), free(h), free(att), free(g), free(u), free(o);
@@ -1374,11 +1380,7 @@ static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int k
             for (int i = 0; i < E; i++) xt[i] += o[i];
         }
     }
-    for (int t = 0; t < n; t++) {
-        double *ht = h + (size_t)t * E;
-        rmsnorm(x + (size_t)t * E, m->output_norm, ht, E, d->norm_eps);
-        matvec(m->output, NULL, ht, logits + (size_t)t * d->n_vocab, d->n_vocab, E);
-    }
+    output_head(m, x, h, n, logits);
     rc = 0;
 done:
     free(x);
