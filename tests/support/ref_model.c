@@ -998,12 +998,46 @@ static double silu(double x) { return x / (1.0 + exp(-x)); }
 /* GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
 static double gelu_tanh(double x) { return 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x))); }
 
+/* sel (K) := the indices of the K largest scores (X), largest first, the lower index on a tie. */
+static void top_k(const double *score, int X, int K, int *sel) {
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        for (int x = 0; x < X; x++) {
+            bool taken = false;
+            for (int i = 0; i < k; i++) taken = taken || sel[i] == x;
+            if (!taken && (best < 0 || score[x] > score[best])) best = x;
+        }
+        sel[k] = best;
+    }
+}
+
+/* eo (n_embd) := expert x's SwiGLU FFN of h; g, u (n_ff_exp) scratch. */
+static void expert_swiglu(const ref_desc *d, const ref_layer *y, size_t x, const double *h, double *g, double *u,
+                          double *eo) {
+    const int E = d->n_embd, F = d->n_ff_exp;
+    matvec(y->gate_exps + x * F * E, NULL, h, g, F, E);
+    matvec(y->up_exps + x * F * E, NULL, h, u, F, E);
+    for (int i = 0; i < F; i++) g[i] = silu(g[i]) * u[i];
+    matvec(y->down_exps + x * E * F, NULL, g, eo, E, F);
+}
+
+/* The largest score not among sel (K); -inf when every index is. */
+static double best_unchosen(const double *score, int X, const int *sel, int K) {
+    double best = -INFINITY;
+    for (int x = 0; x < X; x++) {
+        bool taken = false;
+        for (int i = 0; i < K; i++) taken = taken || sel[i] == x;
+        if (!taken && score[x] > best) best = score[x];
+    }
+    return best;
+}
+
 /* o (n_embd) := the mixture-of-experts FFN of the normed row h (n_embd): softmax router, the top
  * n_expert_used (largest first, lower index on a tie), renormalised weights, the weighted sum of
  * those experts' SwiGLU outputs. g, u: (n_ff_exp) scratch. Returns 0 or -1 (allocation). */
 static int moe_ffn(const ref_desc *d, const ref_layer *y, const double *h, double *g, double *u, double *o,
                    double *gap) {
-    const int E = d->n_embd, F = d->n_ff_exp, X = d->n_expert, K = d->n_expert_used;
+    const int E = d->n_embd, X = d->n_expert, K = d->n_expert_used;
     double *p = malloc((size_t)X * sizeof *p);   /* (n_expert) */
     double *eo = malloc((size_t)E * sizeof *eo); /* (n_embd) one expert's output */
     int *sel = malloc((size_t)K * sizeof *sel);  /* (n_expert_used) */
@@ -1023,34 +1057,17 @@ static int moe_ffn(const ref_desc *d, const ref_layer *y, const double *h, doubl
     for (int x = 1; x < X; x++) mx = p[x] > mx ? p[x] : mx;
     for (int x = 0; x < X; x++) sum += (p[x] = exp(p[x] - mx));
     for (int x = 0; x < X; x++) p[x] /= sum;
-    for (int k = 0; k < K; k++) {
-        int best = -1;
-        for (int x = 0; x < X; x++) {
-            bool taken = false;
-            for (int i = 0; i < k; i++) taken = taken || sel[i] == x;
-            if (!taken && (best < 0 || p[x] > p[best])) best = x;
-        }
-        sel[k] = best;
-        wsum += (w[k] = p[best]);
-    }
+    top_k(p, X, K, sel);
+    for (int k = 0; k < K; k++) wsum += (w[k] = p[sel[k]]);
     if (gap && K < X) { /* the last chosen logit minus the best logit not chosen */
-        double best_out = -INFINITY;
-        for (int x = 0; x < X; x++) {
-            bool taken = false;
-            for (int i = 0; i < K; i++) taken = taken || sel[i] == x;
-            if (!taken && lg[x] > best_out) best_out = lg[x];
-        }
-        const double gk = lg[sel[K - 1]] - best_out;
+        const double gk = lg[sel[K - 1]] - best_unchosen(lg, X, sel, K);
         if (gk < *gap) *gap = gk;
     }
     free(lg);
     for (int i = 0; i < E; i++) o[i] = 0;
     for (int k = 0; k < K; k++) {
         const size_t x = (size_t)sel[k];
-        matvec(y->gate_exps + x * F * E, NULL, h, g, F, E);
-        matvec(y->up_exps + x * F * E, NULL, h, u, F, E);
-        for (int i = 0; i < F; i++) g[i] = silu(g[i]) * u[i];
-        matvec(y->down_exps + x * E * F, NULL, g, eo, E, F);
+        expert_swiglu(d, y, x, h, g, u, eo);
         const double wk = d->expert_weights_norm ? w[k] / wsum : w[k];
         for (int i = 0; i < E; i++) o[i] += wk * eo[i];
     }
@@ -1143,7 +1160,7 @@ done:
  * gap: the selection-score margin at the top-k boundary is folded in. Returns 0 or -1. */
 static int mla_moe(const ref_desc *d, const ref_layer *y, const double *h, double *g, double *u, double *o,
                    double *gap) {
-    const int E = d->n_embd, F = d->n_ff_exp, X = d->n_expert, K = d->n_expert_used,
+    const int E = d->n_embd, X = d->n_expert, K = d->n_expert_used,
               FS = d->n_ff_exp * d->n_expert_shared;
     double *pr = malloc((size_t)X * sizeof *pr), *sc = malloc((size_t)X * sizeof *sc),
            *eo = malloc((size_t)E * sizeof *eo);
@@ -1187,32 +1204,17 @@ static int mla_moe(const ref_desc *d, const ref_layer *y, const double *h, doubl
             if (!kept[gi])
                 for (int i = 0; i < per; i++) sc[gi * per + i] = -INFINITY;
     }
-    double wsum = 0, best_out = -INFINITY;
-    for (int k = 0; k < K; k++) {
-        int best = -1;
-        for (int x = 0; x < X; x++) {
-            bool taken = false;
-            for (int i = 0; i < k; i++) taken = taken || sel[i] == x;
-            if (!taken && (best < 0 || sc[x] > sc[best])) best = x;
-        }
-        sel[k] = best;
-        wsum += pr[best];
-    }
-    for (int x = 0; x < X; x++) {
-        bool taken = false;
-        for (int i = 0; i < K; i++) taken = taken || sel[i] == x;
-        if (!taken && sc[x] > best_out) best_out = sc[x];
-    }
+    double wsum = 0;
+    top_k(sc, X, K, sel);
+    for (int k = 0; k < K; k++) wsum += pr[sel[k]];
+    const double best_out = K < X ? best_unchosen(sc, X, sel, K) : -INFINITY;
     if (K < X && sc[sel[K - 1]] - best_out < margin) margin = sc[sel[K - 1]] - best_out;
     /* in router-logit units: a sigmoid probability moves at most a quarter of its logit's change */
     if (gap && (d->gating == 2 ? 4.0 * margin : margin) < *gap) *gap = d->gating == 2 ? 4.0 * margin : margin;
     for (int i = 0; i < E; i++) o[i] = 0;
     for (int k = 0; k < K; k++) {
         const size_t x = (size_t)sel[k];
-        matvec(y->gate_exps + x * F * E, NULL, h, g, F, E);
-        matvec(y->up_exps + x * F * E, NULL, h, u, F, E);
-        for (int i = 0; i < F; i++) g[i] = silu(g[i]) * u[i];
-        matvec(y->down_exps + x * E * F, NULL, g, eo, E, F);
+        expert_swiglu(d, y, x, h, g, u, eo);
         double wk = d->expert_weights_norm ? pr[x] / wsum : pr[x];
         if (d->expert_weights_scale != 0) wk *= d->expert_weights_scale;
         for (int i = 0; i < E; i++) o[i] += wk * eo[i];
