@@ -61,6 +61,9 @@ static uint64_t weight_bytes_per_token(const kvb_model *m) {
         const kvb_layer_weights *w = &m->layers[l];
         b += mat_bytes(&w->wq) + mat_bytes(&w->wk) + mat_bytes(&w->wv) + mat_bytes(&w->wo) + mat_bytes(&w->w_gate) +
              mat_bytes(&w->w_up) + mat_bytes(&w->w_down) + 2 * 4 * (uint64_t)m->d.n_embd;
+        /* deepseek2: the latent attention's projections and the shared experts (0 bytes elsewhere) */
+        b += mat_bytes(&w->wq_a) + mat_bytes(&w->wq_b) + mat_bytes(&w->wkv_a) + mat_bytes(&w->wk_b) +
+             mat_bytes(&w->wv_b) + mat_bytes(&w->shexp_gate) + mat_bytes(&w->shexp_up) + mat_bytes(&w->shexp_down);
         if (m->d.n_expert)
             b += mat_bytes(&w->ffn_gate_inp) +
                  (mat_bytes(&w->gate_exps) + mat_bytes(&w->up_exps) + mat_bytes(&w->down_exps)) / m->d.n_expert *
