@@ -22,7 +22,7 @@
 #include "kvb_quant.h"
 #include "kvbt.h"
 
-static char g_src[512], g_gemma[512], g_moe[512];
+static char g_src[512], g_gemma[512], g_moe[512], g_mla[512];
 
 static int setup(void **state) {
     (void)state;
@@ -31,10 +31,12 @@ static int setup(void **state) {
     kvb_gen_opts o = {.preset = "tiny", .type = KVB_TYPE_Q8_0, .seed = 2, .n_threads = 1};
     kvb_gen_opts og = {.preset = "tiny-gemma3", .type = KVB_TYPE_Q8_0, .seed = 3, .n_threads = 1};
     kvb_gen_opts om = {.preset = "tiny-moe", .type = KVB_TYPE_Q8_0, .seed = 4, .n_threads = 1};
+    kvb_gen_opts ol = {.preset = "tiny-mla", .type = KVB_TYPE_Q8_0, .seed = 5, .n_threads = 1};
     kvbt_tmp_path(g_moe, sizeof g_moe, "moe.gguf");
+    kvbt_tmp_path(g_mla, sizeof g_mla, "mla.gguf");
     kvb_err err = {0};
     return kvb_gen_model(&o, g_src, &err) == KVB_OK && kvb_gen_model(&og, g_gemma, &err) == KVB_OK &&
-                   kvb_gen_model(&om, g_moe, &err) == KVB_OK
+                   kvb_gen_model(&om, g_moe, &err) == KVB_OK && kvb_gen_model(&ol, g_mla, &err) == KVB_OK
                ? 0
                : -1;
 }
@@ -254,6 +256,119 @@ static void test_moe_preset_sizes(void **state) {
     }
 }
 
+/* ---- deepseek2 ------------------------------------------------------------------------------ */
+
+/* tiny-mla read back: every deepseek2 key in the description (the MLA form's cache row, the
+ * ranks, dense lead, shared experts, sigmoid gating with groups, scale, YaRN and the attention scale
+ * it implies), every latent-attention matrix bound with its shape, the stacks' rows per head. */
+static void test_mla_desc(void **state) {
+    (void)state;
+    kvb_model *m = load_ok(g_mla);
+    const kvb_model_desc *d = &m->d;
+    assert_int_equal(d->arch, KVB_ARCH_DEEPSEEK2);
+    assert_true(d->mla && !d->rope_neox && d->expert_weights_norm);
+    assert_int_equal(d->n_head_kv, 1);
+    assert_int_equal(d->head_dim, 96); /* the cache row: latent 64 + rope 32 */
+    assert_int_equal(d->n_lora_q, 128);
+    assert_int_equal(d->n_lora_kv, 64);
+    assert_int_equal(d->head_dim_k_mla, 64);
+    assert_int_equal(d->head_dim_v_mla, 32);
+    assert_int_equal(d->n_layer_dense_lead, 1);
+    assert_int_equal(d->n_expert_shared, 1);
+    assert_int_equal(d->expert_gating, KVB_GATING_SIGMOID);
+    assert_int_equal(d->n_expert_groups, 4);
+    assert_int_equal(d->n_group_used, 2);
+    assert_true(d->expert_weights_scale == 2.5f);
+    assert_true(d->rope_yarn_factor == 4.0f && d->rope_orig_ctx == 1024);
+    assert_true(fabsf(d->rope_yarn_log_mul - 1.0f) < 1e-6f); /* stored as 0.1, read back / 0.1 */
+    const float mscale = 1.0f + 0.1f * d->rope_yarn_log_mul * logf(4.0f);
+    assert_true(d->attn_scale == mscale * mscale / sqrtf(64.0f));
+    assert_true(kvb_layer_is_dense(d, 0) && !kvb_layer_is_dense(d, 1) && !kvb_layer_is_dense(d, 2));
+    for (uint32_t l = 0; l < d->n_layer; l++) {
+        const kvb_layer_weights *w = &m->layers[l];
+        assert_null(w->wq.data);
+        assert_null(w->wk.data);
+        assert_int_equal(w->wq_a.rows, 128);
+        assert_int_equal(w->wq_b.rows, 4 * 64);
+        assert_int_equal(w->wkv_a.rows, 64 + 32);
+        assert_int_equal(w->wk_b.rows, 4 * 64); /* (H * R, N) */
+        assert_int_equal(w->wk_b.cols, 32);
+        assert_int_equal(w->wv_b.rows, 4 * 32); /* (H * Vd, R) */
+        assert_int_equal(w->wv_b.cols, 64);
+        assert_int_equal(w->wo.cols, 4 * 32);
+        assert_non_null(w->kv_a_norm);
+        assert_non_null(w->q_a_norm);
+        if (l == 0) {
+            assert_non_null(w->w_gate.data);
+            assert_null(w->gate_exps.data);
+            continue;
+        }
+        assert_null(w->w_gate.data);
+        assert_int_equal(w->gate_exps.rows, 8 * 256);
+        assert_int_equal(w->shexp_gate.rows, 256);
+        assert_int_equal(w->shexp_down.cols, 256);
+        assert_non_null(w->exp_probs_b);
+    }
+    char desc[512];
+    kvb_model_describe(m, desc, sizeof desc);
+    assert_non_null(strstr(desc, "MLA latent 64 + rope 32, q_lora 128"));
+    kvb_model_free(m);
+}
+
+/* A deepseek2 file that is not the MLA form, disagrees with its latent shapes, asks for a gating we
+ * do not have or a YaRN magnitude factor other than 1 is refused, naming what. */
+static void test_mla_refusals(void **state) {
+    (void)state;
+    expect_refused_from(g_mla, EDIT_SET_U32, "deepseek2.attention.key_length", 192, "MLA form needs head_count_kv 1");
+    expect_refused_from(g_mla, EDIT_SET_U32, "deepseek2.expert_gating_func", 3, "expert_gating_func = 3");
+    expect_refused_from(g_mla, EDIT_SET_U32, "deepseek2.expert_group_used_count", 4, "inconsistent");
+    expect_refused_from(g_mla, EDIT_SET_U32, "deepseek2.attention.kv_lora_rank", 32, "MLA form needs");
+    expect_refused_from(g_mla, EDIT_DROP_TENSOR, "blk.1.attn_k_b.weight", 0, "'blk.1.attn_k_b.weight' is missing");
+    expect_refused_from(g_mla, EDIT_DROP_TENSOR, "blk.2.ffn_up_shexp.weight", 0, "ffn_up_shexp.weight' is missing");
+    expect_refused_from(g_mla, EDIT_SWAP_DIMS, "blk.0.attn_kv_a_mqa.weight", 0, "expected [256, 96]");
+    expect_refused_from(g_mla, EDIT_ADD_F32, "deepseek2.rope.scaling.attn_factor", 2, "only 1 is implemented");
+}
+
+/* The DeepSeek presets against their published sizes (model cards: V2-Lite 15.7B total, 2.4B
+ * activated; V3 671B total, 37B activated): totals with the embedding matrix, activated without it
+ * (DeepSeek counts the output head, not the embedding lookup: 2.45B for V2-Lite); and a layer subset of V3 as
+ * gen-model --layers writes it: its first layers (3 dense, then MoE), every other key the model's. */
+static void test_mla_preset_sizes(void **state) {
+    (void)state;
+    const struct {
+        const char *name;
+        double total, active;
+    } want[] = {{"deepseek-v2-lite", 15.7e9, 2.4e9}, {"deepseek-v3", 671e9, 37e9}};
+    for (size_t i = 0; i < 2; i++) {
+        const kvb_preset *p = kvb_preset_find(want[i].name);
+        assert_non_null(p);
+        const double emb = (double)p->d.n_vocab * p->d.n_embd;
+        const double total = (double)kvb_model_n_params_nonembd(&p->d) + emb;
+        const double active = (double)kvb_model_n_params_active(&p->d);
+        print_message("  %s: %.4g total, %.4g active\n", want[i].name, total, active);
+        if (fabs(total / want[i].total - 1) > 0.02 || fabs(active / want[i].active - 1) > 0.05)
+            fail_msg("%s: %.4g / %.4g parameters, published %.4g / %.4g", want[i].name, total, active, want[i].total,
+                     want[i].active);
+    }
+    char path[512];
+    kvbt_tmp_path(path, sizeof path, "v2lite-1.gguf");
+    kvb_gen_opts o = {.preset = "deepseek-v2-lite", .type = KVB_TYPE_Q8_0, .seed = 1, .n_layers = 1, .n_threads = 2};
+    kvb_err err = {0};
+    kvb_gen_opts big = o;
+    big.n_layers = 28;
+    assert_int_not_equal(kvb_gen_model(&big, path, &err), KVB_OK);
+    assert_non_null(strstr(err.msg, "--layers 28"));
+    assert_int_equal(kvb_gen_model(&o, path, &err), KVB_OK);
+    kvb_model *m = load_ok(path);
+    assert_int_equal(m->d.n_layer, 1);
+    assert_int_equal(m->d.n_lora_q, 0); /* V2-Lite: q projected directly, attn_q bound */
+    assert_int_equal(m->layers[0].wq.rows, 16 * 192);
+    assert_int_equal(m->d.head_dim, 576);
+    assert_true(m->d.rope_yarn_factor == 40.0f && fabsf(m->d.rope_yarn_log_mul - 0.707f) < 1e-5f);
+    kvb_model_free(m);
+    remove(path);
+}
+
 static void test_gemma3_desc(void **state) {
     (void)state;
     kvb_model *m = load_ok(g_gemma);
@@ -372,7 +487,8 @@ int main(void) {
         cmocka_unit_test(test_unsupported_type), cmocka_unit_test(test_gemma3_refusals),
         cmocka_unit_test(test_gemma3_desc),      cmocka_unit_test(test_gemma3_gguf_py),
         cmocka_unit_test(test_moe_desc),         cmocka_unit_test(test_moe_refusals),
-        cmocka_unit_test(test_moe_preset_sizes),
+        cmocka_unit_test(test_moe_preset_sizes), cmocka_unit_test(test_mla_desc),
+        cmocka_unit_test(test_mla_refusals),     cmocka_unit_test(test_mla_preset_sizes),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

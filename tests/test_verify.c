@@ -1,5 +1,6 @@
 /* tests/test_verify.c — the CPU rows of `kvbridge verify` hold N/N for every architecture
- * (tiny-gemma3's local layers, with their own RoPE base, included) and cache format; a perturbed
+ * (tiny-gemma3's local layers, with their own RoPE base, and tiny-mla's latent cache included) and
+ * cache format; a perturbed
  * bridge (one reordered addition in the K projection) makes rows short, so the check can fail; the
  * verify command exits non-zero when it does. And the one receiver the decode node, verify and
  * bench quality commit through: its range check, its commit (the bytes put are the bytes the
@@ -19,8 +20,10 @@
 #include "kvbt.h"
 
 /* tiny-moe: the bridge computes attention's cache; the mixture of experts between layers must
- * reach it bit for bit as the decoder's own forward computes it */
-static const char *k_presets[] = {"tiny", "tiny-qwen2", "tiny-qwen3", "tiny-llama3", "tiny-gemma3", "tiny-moe"};
+ * reach it bit for bit as the decoder's own forward computes it. tiny-mla: the cache is one latent
+ * row per token and layer (no V part): one array per layer */
+static const char *k_presets[] = {"tiny",        "tiny-qwen2", "tiny-qwen3", "tiny-llama3",
+                                  "tiny-gemma3", "tiny-moe",   "tiny-mla"};
 static const uint32_t k_formats[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0};
 
 static kvb_model *load_preset(const char *preset, uint32_t wtype) {
@@ -46,7 +49,7 @@ static void test_rows_full(void **state) {
                 kvb_verify_result r;
                 kvb_err err = {0};
                 assert_int_equal(kvb_verify_cpu(m, &o, &r, &err), KVB_OK);
-                assert_int_equal(r.arrays_total, 2 * m->d.n_layer);
+                assert_int_equal(r.arrays_total, (m->d.mla ? 1 : 2) * m->d.n_layer);
                 assert_int_equal(r.arrays_ok, r.arrays_total);
                 assert_int_equal(r.blocks_total, 4);
                 assert_int_equal(r.blocks_ok, 4);
@@ -92,6 +95,43 @@ static void test_cli_tiny_moe(void **state) {
     assert_non_null(strstr(out, "PASS: 0 short row(s)"));
     assert_null(strstr(out, "SHORT"));
     snprintf(cmd, sizeof cmd, "cd '%s' && '%s' verify --preset tiny-moe --threads 2 --bytes-at none --perturb",
+             kvbt_tmpdir(), kvbt_bin());
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 1);
+    assert_non_null(strstr(out, "SHORT"));
+}
+
+/* `kvbridge verify --preset tiny-mla` on the CPU: every row N/N; the slabs carry the latent rows
+ * alone (kv_lora_rank + rope dims per token and layer, what the format says a token costs); a
+ * perturbed bridge (one reordered addition in the latent's down-projection) makes rows short. */
+static void test_mla_rows(void **state) {
+    (void)state;
+    kvb_model *m = load_preset("tiny-mla", KVB_TYPE_Q8_0);
+    for (int perturb = 0; perturb < 2; perturb++) {
+        kvb_verify_opts o = {.cache_dtype = KVB_TYPE_F16, .block_tokens = 16, .prompt_tokens = 71, .seed = 3,
+                             .n_threads = 2, .perturb = perturb};
+        kvb_verify_result r;
+        kvb_err err = {0};
+        assert_int_equal(kvb_verify_cpu(m, &o, &r, &err), KVB_OK);
+        assert_int_equal(r.arrays_total, m->d.n_layer);
+        assert_int_equal(r.ship_tokens, 64);
+        /* 64 positions x 3 layers x (64 + 32) f16 values: no V part */
+        assert_int_equal(r.slab_bytes, (uint64_t)64 * m->d.n_layer * (m->d.n_lora_kv + m->d.n_rot) * 2);
+        if (perturb) {
+            assert_true(r.arrays_ok < r.arrays_total);
+            assert_true(r.blocks_ok < r.blocks_total);
+        } else {
+            assert_int_equal(r.arrays_ok, r.arrays_total);
+            assert_int_equal(r.blocks_ok, r.blocks_total);
+            assert_int_equal(r.chunked_ok, r.chunked_total);
+        }
+    }
+    kvb_model_free(m);
+    char cmd[1024], out[16384];
+    snprintf(cmd, sizeof cmd, "cd '%s' && '%s' verify --preset tiny-mla --threads 2 --bytes-at none", kvbt_tmpdir(),
+             kvbt_bin());
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 0);
+    assert_non_null(strstr(out, "PASS: 0 short row(s)"));
+    snprintf(cmd, sizeof cmd, "cd '%s' && '%s' verify --preset tiny-mla --threads 2 --bytes-at none --perturb",
              kvbt_tmpdir(), kvbt_bin());
     assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 1);
     assert_non_null(strstr(out, "SHORT"));
@@ -239,6 +279,7 @@ int main(void) {
         cmocka_unit_test(test_rows_full),
         cmocka_unit_test(test_perturbed_bridge_fails),
         cmocka_unit_test(test_cli_tiny_moe),
+        cmocka_unit_test(test_mla_rows),
         cmocka_unit_test(test_receiver_range_commit_done),
         cmocka_unit_test(test_receiver_done_with_blocks_missing),
         cmocka_unit_test(test_fault_kinds),

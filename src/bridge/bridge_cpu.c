@@ -113,6 +113,7 @@ kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uin
 static kvb_status emit_slabs(kvb_bridge_cpu *b, uint32_t layer, uint32_t pos0, uint32_t n, const uint8_t *k_rows,
                              const uint8_t *v_rows, kvb_err *err) {
     const size_t tok_bytes = (size_t)b->m->d.n_head_kv * kvb_kvformat_row_bytes(&b->fmt);
+    const bool has_v = kvb_kvformat_parts(&b->fmt) == 2; /* a latent (mla) format ships K rows only */
     const uint32_t bt = b->fmt.block_tokens;
     for (uint32_t t = 0; t < n;) {
         uint32_t p = pos0 + t, in_block = bt - p % bt, cnt = n - t < in_block ? n - t : in_block;
@@ -120,9 +121,9 @@ static kvb_status emit_slabs(kvb_bridge_cpu *b, uint32_t layer, uint32_t pos0, u
                       .pos0 = p,
                       .n = cnt,
                       .k = k_rows + (size_t)t * tok_bytes,
-                      .v = v_rows + (size_t)t * tok_bytes,
+                      .v = has_v ? v_rows + (size_t)t * tok_bytes : NULL,
                       .k_bytes = cnt * tok_bytes,
-                      .v_bytes = cnt * tok_bytes};
+                      .v_bytes = has_v ? cnt * tok_bytes : 0};
         if (!b->sink_checksums) s.checksum = kvb_slab_checksum(s.k, s.k_bytes, s.v, s.v_bytes);
         kvb_status st = b->sink(b->sink_ctx, &s, err);
         if (st) return st;
@@ -163,7 +164,7 @@ kvb_status kvb_bridge_cpu_rows(void *bridge, uint32_t layer, uint32_t pos0, uint
     if (src_dtype == b->fmt.dtype) return emit_slabs(b, layer, pos0, n, src[0], src[1], err);
     uint8_t *dst[2] = {b->k_rows, b->v_rows};
     float *tmp = b->scratch; /* (head_dim) */
-    for (int w = 0; w < 2; w++) {
+    for (uint32_t w = 0; w < kvb_kvformat_parts(&b->fmt); w++) {
         for (uint32_t r = 0; r < rows; r++) {
             kvb_row_to_f32(src_dtype, src[w] + (size_t)r * src_rb, tmp, hd);
             kvb_f32_to_row(b->fmt.dtype, tmp, dst[w] + (size_t)r * dst_rb, hd);

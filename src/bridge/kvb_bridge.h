@@ -289,7 +289,7 @@ typedef struct {
 } kvb_verify_opts;
 
 typedef struct {
-    uint32_t arrays_ok, arrays_total;   /* (layer x K/V) cache arrays bit-identical: bridge vs decoder */
+    uint32_t arrays_ok, arrays_total;   /* (layer x K/V, or layer for a latent format) cache arrays bit-identical: bridge vs decoder */
     uint32_t blocks_ok, blocks_total;   /* blocks committed via slabs vs blocks the decoder committed
                                            (the rows the receiving store keeps) */
     uint32_t chunked_ok, chunked_total; /* (layer x K/V) bridge output chunked (odd chunks) == one-shot */

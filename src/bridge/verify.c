@@ -28,7 +28,7 @@ static kvb_status collect_slab(void *ctx, const kvb_slab *s, kvb_err *err) {
         return kvb_err_set(err, KVB_ERR_INTERNAL, "bridge emitted a slab outside the shipped range");
     size_t off = ((size_t)s->layer * c->ship + s->pos0) * c->tok_bytes;
     memcpy(c->k + off, s->k, s->k_bytes);
-    memcpy(c->v + off, s->v, s->v_bytes);
+    if (s->v_bytes) memcpy(c->v + off, s->v, s->v_bytes); /* a latent (mla) format has no V part */
     c->bytes += s->k_bytes + s->v_bytes;
     if (kvb_kvformat_layer_local(c->fmt, s->layer)) c->local_bytes += s->k_bytes + s->v_bytes;
     c->slabs++;
@@ -54,9 +54,11 @@ static kvb_status check_range_refused(kvb_store *store, const int32_t *toks, con
     kvb_status st = kvb_bridge_receiver_create(store, toks, bt, nb * bt, &r, err);
     const uint32_t outside[2] = {0, nb * bt};
     const size_t n_bytes = (size_t)bt * one->tok_bytes; /* layer 0's first block of rows: real bytes */
+    const size_t v_bytes = kvb_kvformat_parts(one->fmt) == 2 ? n_bytes : 0;
     for (int i = 0; i < 2 && !st; i++) {
-        kvb_slab s = {.layer = 0, .pos0 = outside[i], .n = bt, .k = one->k, .v = one->v, .k_bytes = n_bytes,
-                      .v_bytes = n_bytes, .checksum = kvb_slab_checksum(one->k, n_bytes, one->v, n_bytes)};
+        kvb_slab s = {.layer = 0, .pos0 = outside[i], .n = bt, .k = one->k, .v = v_bytes ? one->v : NULL,
+                      .k_bytes = n_bytes, .v_bytes = v_bytes,
+                      .checksum = kvb_slab_checksum(one->k, n_bytes, v_bytes ? one->v : NULL, v_bytes)};
         kvb_err perr = {0};
         const kvb_status got = kvb_bridge_receiver_put(r, &s, &perr);
         if (got != KVB_ERR_FORMAT)
@@ -126,7 +128,7 @@ static void compare_arrays(const kvb_kvformat *fmt, const kvb_model_desc *d, kvb
     const size_t rb = kvb_kvformat_row_bytes(fmt), tok_bytes = one->tok_bytes;
     const uint32_t ship = one->ship, bt = fmt->block_tokens;
     for (uint32_t l = 0; l < d->n_layer; l++)
-        for (uint32_t w = 0; w < 2; w++) {
+        for (uint32_t w = 0; w < kvb_kvformat_parts(fmt); w++) { /* K and V, or a latent row alone */
             bool same = true;
             for (uint32_t p = kvb_kvformat_layer_local(fmt, l) ? keep : 0; p < ship && same; p++)
                 for (uint32_t h = 0; h < d->n_head_kv && same; h++) {
@@ -207,7 +209,7 @@ kvb_status kvb_verify_cpu(const kvb_model *m, const kvb_verify_opts *o, kvb_veri
             bool same = true; /* every row the receiving store keeps */
             for (uint32_t l = 0; l < d->n_layer && same; l++) {
                 const uint32_t lo = kvb_kvformat_layer_local(fmt, l) ? kvb_kvformat_block_local_lo(fmt, keep, b) : 0;
-                for (uint32_t w = 0; w < 2 && same; w++)
+                for (uint32_t w = 0; w < kvb_kvformat_parts(fmt) && same; w++)
                     for (uint32_t h = 0; h < d->n_head_kv && same; h++) {
                         const size_t off = kvb_kvformat_row_offset(fmt, l, w, h, lo);
                         same = memcmp(x + off, y + off, (size_t)(bt - lo) * rb) == 0;

@@ -61,6 +61,9 @@ static uint64_t weight_bytes_per_token(const kvb_model *m) {
         const kvb_layer_weights *w = &m->layers[l];
         b += mat_bytes(&w->wq) + mat_bytes(&w->wk) + mat_bytes(&w->wv) + mat_bytes(&w->wo) + mat_bytes(&w->w_gate) +
              mat_bytes(&w->w_up) + mat_bytes(&w->w_down) + 2 * 4 * (uint64_t)m->d.n_embd;
+        /* deepseek2: the latent attention's projections and the shared experts (0 bytes elsewhere) */
+        b += mat_bytes(&w->wq_a) + mat_bytes(&w->wq_b) + mat_bytes(&w->wkv_a) + mat_bytes(&w->wk_b) +
+             mat_bytes(&w->wv_b) + mat_bytes(&w->shexp_gate) + mat_bytes(&w->shexp_up) + mat_bytes(&w->shexp_down);
         if (m->d.n_expert)
             b += mat_bytes(&w->ffn_gate_inp) +
                  (mat_bytes(&w->gate_exps) + mat_bytes(&w->up_exps) + mat_bytes(&w->down_exps)) / m->d.n_expert *
@@ -586,8 +589,9 @@ static const struct {
 static void decode_report(const bench_args *a, const kvb_model *m, int T, double tps, double batch_tps, double bw,
                           double peer) {
     const uint64_t wbytes = weight_bytes_per_token(m);
-    const size_t rb = kvb_row_bytes(a->cache_type, m->d.head_dim);
-    const double kv_avg = (double)m->d.n_layer * 2 * m->d.n_head_kv * rb * (a->n_ctx + a->n_gen / 2.0);
+    uint64_t tok_bytes, per_head; /* the cache format's bytes per token (a latent row for an MLA model) */
+    kvb_model_cache_token_bytes(&m->d, a->cache_type, &tok_bytes, &per_head);
+    const double kv_avg = (double)tok_bytes * (a->n_ctx + a->n_gen / 2.0);
     const double bytes = (double)wbytes + kv_avg, achieved = bytes * tps / 1e9;
     printf("decode     %lld steps after %lld tokens: %.2f tok/s (median of %lld)\n", a->n_gen, a->n_ctx, tps, a->reps);
     printf("bytes/tok  %.1f MB (weights %.1f MB%s + KV %.2f MB)\n", bytes / 1e6, wbytes / 1e6,

@@ -392,7 +392,8 @@ static void ladder_print_floors(const ladder *L, const ladder_row *r, double mb,
     const uint32_t last = lf->n_layer - 1;
     const bool last_local = lf->n_local && ((lf->local_mask[last / 64] >> (last % 64)) & 1);
     const uint64_t last_bytes = last_local ? r->len_local / lf->n_local
-                                           : (uint64_t)(r->len - 1) * 2u * lf->n_head_kv * kvb_kvformat_row_bytes(lf);
+                                           : (uint64_t)(r->len - 1) * kvb_kvformat_parts(lf) * lf->n_head_kv *
+                                                 kvb_kvformat_row_bytes(lf);
     const double last_s = raw > 0 ? (double)last_bytes / raw / 1e9 : 0;
     const double cfloor = mp + last_s + tail_med;
     printf("          floor by construction: prefill alone %.3f s + the last layer's %.1f MB over that link "

@@ -10,6 +10,7 @@
 int kvb_cmd_gen_model(int argc, char **argv) {
     const char *out = NULL;
     long long threads = 0;
+    uint64_t layers = 0;
     bool quiet = false;
     kvb_gen_opts o = {.type = KVB_TYPE_Q8_0};
     const kvb_opt opts[] = {
@@ -23,6 +24,8 @@ int kvb_cmd_gen_model(int argc, char **argv) {
         KVB_CLI_STR("vocab", &o.vocab_path, "F",
                     "vocabulary: a GGUF with tokenizer.ggml.* keys, or a Hugging Face tokenizer.json (default: a "
                     "byte-level vocabulary, padded to the preset's real vocabulary size)"),
+        {.long_name = "layers", .kind = KVB_OPT_UINT, .dst = &layers, .meta = "N", .def = "0",
+         .help = "write only the first N layers of the preset (0: all; a layer subset of a model too large to write)"},
         KVB_CLI_OPT_THREADS(&threads, "generation threads (default: all CPUs)"),
         KVB_CLI_FLAG("quiet", &quiet, "no progress output"),
         {0},
@@ -33,13 +36,14 @@ int kvb_cmd_gen_model(int argc, char **argv) {
                                 kvb_preset_at(i)->summary);
     const kvb_cli_spec spec = {
         .name = "gen-model", .opts = opts, .epilog = presets,
-        .usage = "--preset NAME --out FILE [--type T] [--seed S] [--vocab F] [--threads N] [--quiet]",
+        .usage = "--preset NAME --out FILE [--type T] [--seed S] [--vocab F] [--layers N] [--threads N] [--quiet]",
         .about = "Writes a real GGUF file (llama.cpp tensor names and layouts) with the preset's architecture and "
                  "seeded random weights, scaled so activations stay sane and logits are not flat. The same (preset, "
                  "type, seed, vocab) always gives the same file, whatever the thread count."};
     int prc = kvb_cli_parse(&spec, argc, argv);
     if (prc != KVB_CLI_GO) return prc;
     o.n_threads = (int)threads;
+    o.n_layers = layers > UINT32_MAX ? UINT32_MAX : (uint32_t)layers;
     o.progress = !quiet;
     kvb_err err = {0};
     double t0 = kvb_now_s();

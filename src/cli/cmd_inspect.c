@@ -3,7 +3,10 @@
  * checked out) and prints the version, alignment, data offset and every KV pair. Strings are
  * printed quoted with control bytes escaped and, unless --kv-full, cut at 80 bytes (on a UTF-8
  * boundary); arrays show their element type, length and first 8 elements. --tensors lists every
- * tensor with its type, dims, offset and byte size. Exit status: 0 valid, 1 invalid or
+ * tensor with its type, dims, offset and byte size. A model file's cache cost per token is printed
+ * beside the same model's per-head K/V cost (for an MLA model, the latent row against K and V of
+ * every head); `--preset NAME` prints that line for a preset's shape without a file (DeepSeek-V3's
+ * 671B need not be written to be sized). Exit status: 0 valid, 1 invalid or
  * unreadable (the reader's message, which names the file, goes to stderr), 2 usage error. */
 #include <inttypes.h>
 #include <stdio.h>
@@ -11,6 +14,7 @@
 
 #include "kvb_cli.h"
 #include "kvb_gguf.h"
+#include "kvb_model.h"
 #include "kvb_quant.h"
 
 #define SHORT_STRING_BYTES 80
@@ -21,6 +25,7 @@ typedef struct {
     const char *path;
     bool tensors;
     bool kv_full;
+    const char *preset;
 } inspect_opts;
 
 /* Fills *o from argv; KVB_CLI_GO, or the code the command returns. */
@@ -34,17 +39,21 @@ static int parse_args(int argc, char **argv, inspect_opts *o) {
     const kvb_opt opts[] = {
         KVB_CLI_FLAG("tensors", &o->tensors, "also list every tensor: name, type, dims, offset and bytes"),
         KVB_CLI_FLAG("kv-full", &o->kv_full, kv_full_help),
+        KVB_CLI_STR("preset", &o->preset, "NAME",
+                    "instead of a FILE: print a gen-model preset's cache bytes per token (its format beside per-head "
+                    "K/V)"),
         {0},
     };
     const kvb_cli_spec spec = {
-        .name = "inspect", .usage = "FILE [--tensors] [--kv-full]", .opts = opts,
+        .name = "inspect", .usage = "FILE [--tensors] [--kv-full] | --preset NAME", .opts = opts,
         .about = "Validates a GGUF file (header, every KV pair, every tensor info and that each tensor's data lies "
                  "inside the file) and prints its version, alignment and metadata.",
         .epilog = "exit status: 0 the file is valid, 1 it is not (or cannot be read), 2 usage error",
         .max_operands = 1, .operands = &o->path, .n_operands = &n_files};
     int rc = kvb_cli_parse(&spec, argc, argv);
     if (rc != KVB_CLI_GO) return rc;
-    return n_files == 1 ? KVB_CLI_GO : kvb_cli_usage_error(&spec, "give the GGUF FILE to inspect");
+    if (o->preset && n_files) return kvb_cli_usage_error(&spec, "give a FILE or --preset, not both");
+    return n_files == 1 || o->preset ? KVB_CLI_GO : kvb_cli_usage_error(&spec, "give the GGUF FILE to inspect");
 }
 
 /* ---- value printing ------------------------------------------------------------------------- */
@@ -197,10 +206,35 @@ static void print_tensors(const kvb_gguf *g, bool list) {
     }
 }
 
+/* One line per cache dtype: bytes per token over all layers in the model's own cache format, and
+ * the same model's cache as per-head K and V. */
+static void print_cache_cost(const kvb_model_desc *d) {
+    const uint32_t types[] = {KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0};
+    printf("cache per token (%u layers, %s):\n", d->n_layer,
+           d->mla ? "latent row kv_lora_rank + rope dims, against K and V of every head" : "per-head K and V");
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        uint64_t cache, per_head;
+        kvb_model_cache_token_bytes(d, types[i], &cache, &per_head);
+        if (!cache || !per_head) continue; /* a row this dtype cannot encode */
+        printf("  %-5s %10llu bytes  per-head K/V %10llu bytes  (%.2fx smaller)\n", kvb_type_name(types[i]),
+               (unsigned long long)cache, (unsigned long long)per_head, (double)per_head / (double)cache);
+    }
+}
+
 int kvb_cmd_inspect(int argc, char **argv) {
     inspect_opts o = {0};
     int rc = parse_args(argc, argv, &o);
     if (rc != KVB_CLI_GO) return rc;
+    if (o.preset) {
+        const kvb_preset *p = kvb_preset_find(o.preset);
+        if (!p) {
+            fprintf(stderr, "kvbridge inspect: unknown preset '%s' (gen-model --help lists them)\n", o.preset);
+            return 1;
+        }
+        printf("preset %s: %s\n", p->name, p->summary);
+        print_cache_cost(&p->d);
+        return 0;
+    }
     kvb_gguf *g = NULL;
     kvb_err err = {0};
     if (kvb_gguf_open(o.path, &g, &err) != KVB_OK) {
@@ -212,6 +246,8 @@ int kvb_cmd_inspect(int argc, char **argv) {
            kvb_gguf_data_offset(g));
     print_kvs(g, o.kv_full);
     print_tensors(g, o.tensors);
+    kvb_model_desc d;
+    if (kvb_model_desc_from_gguf(g, &d, NULL) == KVB_OK) print_cache_cost(&d);
     kvb_gguf_close(g);
     return 0;
 }

@@ -1,7 +1,10 @@
 /* kvformat — the decoder's KV cache format: what one cache block holds and how its bytes are
  * laid out and encoded (dtype f32/f16/bf16/q8_0, tokens per block), serialisable and
  * fingerprinted so two nodes can prove they agree; plus the row encode/decode every engine uses
- * to write and read its cache. The cache-producing arithmetic itself (K/V projection, bias,
+ * to write and read its cache. Two kinds: per-head K/V (kind kv: a K row and a V row per kv head,
+ * token and layer) and DeepSeek's latent cache (kind mla: one row per token and layer, the
+ * normalised latent then the roped key part, as llama.cpp's deepseek2 cache holds it); every size
+ * and offset goes through this description, never through the architecture. The cache-producing arithmetic itself (K/V projection, bias,
  * k-norm, RoPE, encoding) is kvb_kv_produce in engine/cpu, and is specified there. */
 #ifndef KVB_KVFORMAT_H
 #define KVB_KVFORMAT_H
@@ -13,6 +16,9 @@
 
 #define KVB_KVFORMAT_VERSION 1
 #define KVB_KVFORMAT_MAX_LAYERS 1024 /* = KVB_MAX_LAYERS of the model module */
+
+#define KVB_KVFORMAT_KV 0u  /* per-head K and V rows */
+#define KVB_KVFORMAT_MLA 1u /* one latent row per token and layer: (latent_dim + rope_dim) values */
 
 typedef struct {
     uint32_t version;       /* KVB_KVFORMAT_VERSION */
@@ -30,15 +36,29 @@ typedef struct {
     uint32_t window;
     uint32_t n_local;                                 /* how many layers are local */
     uint64_t local_mask[KVB_KVFORMAT_MAX_LAYERS / 64]; /* bit l set: layer l is local */
+    /* The kind (kvb_kvformat_init_mla sets mla; a kv format's fields below are zero, its fingerprint
+     * and layout exactly those of a format without this extension). mla: n_head_kv 1, head_dim =
+     * latent_dim + rope_dim, and only the "K" part exists (kvb_kvformat_parts = 1). */
+    uint32_t kind;
+    uint32_t latent_dim;    /* mla: kv_lora_rank, the normalised latent's width (first in the row) */
+    uint32_t rope_dim;      /* mla: the roped key part's width (last in the row) */
 } kvb_kvformat;
 
 /* Block layout: (layer, k_or_v, kv_head, token, head_dim) with each (token, head_dim) row
+ * (mla: (layer, token, latent_dim + rope_dim), k_or_v 0 only)
  * encoded in dtype; one row = kvb_row_bytes(dtype, head_dim) bytes. With local layers the layer
  * order in a block is: the global layers, then the local layers (each group in model order), so
  * the local layers' rows are one contiguous tail of the block (kvb_kvformat_local_part); without
  * them the order is the model's, as it always was. */
 kvb_status kvb_kvformat_init(kvb_kvformat *f, uint32_t dtype, uint32_t block_tokens, uint32_t n_layer,
                              uint32_t n_head_kv, uint32_t head_dim, kvb_err *err);
+/* A latent (mla) format: per token and layer one row of latent_dim + rope_dim values in dtype
+ * (q8_0 needs the sum divisible by 32). */
+kvb_status kvb_kvformat_init_mla(kvb_kvformat *f, uint32_t dtype, uint32_t block_tokens, uint32_t n_layer,
+                                 uint32_t latent_dim, uint32_t rope_dim, kvb_err *err);
+/* Rows per (layer, kv head, token): 2 (K, V) for kind kv, 1 for mla (its V part does not exist:
+ * scatter_rows takes v_rows NULL, a slab's V bytes are 0). */
+uint32_t kvb_kvformat_parts(const kvb_kvformat *f);
 size_t kvb_kvformat_row_bytes(const kvb_kvformat *f);
 size_t kvb_kvformat_block_bytes(const kvb_kvformat *f);
 /* Byte offset of row (layer, kv, head, token) inside a block. kv: 0 = K, 1 = V. */
@@ -80,7 +100,8 @@ void kvb_kvformat_token_bytes(const kvb_kvformat *f, uint64_t *global_bytes, uin
 void kvb_kvformat_ship_bytes(const kvb_kvformat *f, uint32_t ship_from, uint32_t ship_to, uint64_t *global_bytes,
                              uint64_t *local_bytes);
 uint64_t kvb_kvformat_fingerprint(const kvb_kvformat *f);
-/* "q8_0/32tok/16L/8h/64d", with "/15local@512" appended when there are local layers */
+/* "q8_0/32tok/16L/8h/64d", with "/15local@512" appended when there are local layers; mla:
+ * "q8_0/32tok/27L/mla512+64" */
 void kvb_kvformat_describe(const kvb_kvformat *f, char *buf, size_t cap);
 
 #endif

@@ -1,4 +1,5 @@
-/* kvformat/kvformat.c — cache block geometry, description and fingerprint. */
+/* kvformat/kvformat.c — cache block geometry (per-head K/V or one latent row), description and
+ * fingerprint. */
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -29,10 +30,27 @@ kvb_status kvb_kvformat_init(kvb_kvformat *f, uint32_t dtype, uint32_t block_tok
     return KVB_OK;
 }
 
+kvb_status kvb_kvformat_init_mla(kvb_kvformat *f, uint32_t dtype, uint32_t block_tokens, uint32_t n_layer,
+                                 uint32_t latent_dim, uint32_t rope_dim, kvb_err *err) {
+    if (latent_dim == 0 || rope_dim == 0 || latent_dim > 65536 || rope_dim > 65536) {
+        memset(f, 0, sizeof *f);
+        return kvb_err_set(err, KVB_ERR_INVALID, "latent cache format: latent %u and rope %u dims out of range",
+                           latent_dim, rope_dim);
+    }
+    kvb_status st = kvb_kvformat_init(f, dtype, block_tokens, n_layer, 1, latent_dim + rope_dim, err);
+    if (st) return st;
+    f->kind = KVB_KVFORMAT_MLA;
+    f->latent_dim = latent_dim;
+    f->rope_dim = rope_dim;
+    return KVB_OK;
+}
+
+uint32_t kvb_kvformat_parts(const kvb_kvformat *f) { return f->kind == KVB_KVFORMAT_MLA ? 1 : 2; }
+
 size_t kvb_kvformat_row_bytes(const kvb_kvformat *f) { return kvb_row_bytes(f->dtype, f->head_dim); }
 
 size_t kvb_kvformat_block_bytes(const kvb_kvformat *f) {
-    return (size_t)f->n_layer * 2 * f->n_head_kv * f->block_tokens * kvb_kvformat_row_bytes(f);
+    return (size_t)f->n_layer * kvb_kvformat_parts(f) * f->n_head_kv * f->block_tokens * kvb_kvformat_row_bytes(f);
 }
 
 /* local layers strictly before `layer` */
@@ -53,12 +71,13 @@ static uint32_t layer_slot(const kvb_kvformat *f, uint32_t layer) {
 }
 
 size_t kvb_kvformat_row_offset(const kvb_kvformat *f, uint32_t layer, uint32_t kv, uint32_t head, uint32_t token) {
-    size_t rows = (((size_t)layer_slot(f, layer) * 2 + kv) * f->n_head_kv + head) * f->block_tokens + token;
+    size_t rows = (((size_t)layer_slot(f, layer) * kvb_kvformat_parts(f) + kv) * f->n_head_kv + head) * f->block_tokens +
+                  token;
     return rows * kvb_kvformat_row_bytes(f);
 }
 
 size_t kvb_kvformat_local_part(const kvb_kvformat *f, size_t *bytes) {
-    const size_t per_layer = (size_t)2 * f->n_head_kv * f->block_tokens * kvb_kvformat_row_bytes(f);
+    const size_t per_layer = (size_t)kvb_kvformat_parts(f) * f->n_head_kv * f->block_tokens * kvb_kvformat_row_bytes(f);
     *bytes = per_layer * f->n_local;
     return per_layer * (f->n_layer - f->n_local);
 }
@@ -80,24 +99,23 @@ static void scatter_rows(const kvb_kvformat *f, uint8_t *block, uint32_t layer, 
 #else
     stream = false;
 #endif
-    /* head by head: a head's rows of consecutive tokens are adjacent in the block, so the
-     * destination walks forward by one row (the offsets computed once per head) */
-    for (uint32_t h = 0; h < f->n_head_kv; h++) {
-        uint8_t *kd = block + kvb_kvformat_row_offset(f, layer, 0, h, token0);
-        uint8_t *vd = block + kvb_kvformat_row_offset(f, layer, 1, h, token0);
-        const uint8_t *ks = k_rows + (size_t)h * row, *vs = v_rows + (size_t)h * row;
-        for (uint32_t t = 0; t < n; t++, kd += row, vd += row, ks += tok_bytes, vs += tok_bytes) {
+    /* head by head, part by part (K, then V where the format has one): a head's rows of consecutive
+     * tokens are adjacent in the block, so the destination walks forward by one row */
+    const uint8_t *src[2] = {k_rows, v_rows};
+    for (uint32_t part = 0; part < kvb_kvformat_parts(f); part++)
+        for (uint32_t h = 0; h < f->n_head_kv; h++) {
+            uint8_t *dst = block + kvb_kvformat_row_offset(f, layer, part, h, token0);
+            const uint8_t *s = src[part] + (size_t)h * row;
+            for (uint32_t t = 0; t < n; t++, dst += row, s += tok_bytes) {
 #if defined(KVB_X86)
-            if (stream) {
-                copy_row_stream(kd, ks, row);
-                copy_row_stream(vd, vs, row);
-                continue;
-            }
+                if (stream) {
+                    copy_row_stream(dst, s, row);
+                    continue;
+                }
 #endif
-            memcpy(kd, ks, row);
-            memcpy(vd, vs, row);
+                memcpy(dst, s, row);
+            }
         }
-    }
 #if defined(KVB_X86)
     if (stream) _mm_sfence(); /* the rows are in memory before anyone is told they arrived */
 #endif
@@ -148,7 +166,7 @@ uint32_t kvb_kvformat_block_local_lo(const kvb_kvformat *f, uint32_t keep_from, 
 }
 
 void kvb_kvformat_token_bytes(const kvb_kvformat *f, uint64_t *global_bytes, uint64_t *local_bytes) {
-    const uint64_t per_layer = 2 * (uint64_t)f->n_head_kv * kvb_kvformat_row_bytes(f);
+    const uint64_t per_layer = (uint64_t)kvb_kvformat_parts(f) * f->n_head_kv * kvb_kvformat_row_bytes(f);
     *global_bytes = per_layer * (f->n_layer - f->n_local);
     *local_bytes = per_layer * f->n_local;
 }
@@ -167,6 +185,10 @@ void kvb_kvformat_ship_bytes(const kvb_kvformat *f, uint32_t ship_from, uint32_t
 uint64_t kvb_kvformat_fingerprint(const kvb_kvformat *f) {
     uint32_t v[6] = {f->version, f->dtype, f->block_tokens, f->n_layer, f->n_head_kv, f->head_dim};
     uint64_t h = kvb_hash64(v, sizeof v, 0x6b76622d6b76666dULL);
+    if (f->kind != KVB_KVFORMAT_KV) { /* a latent format: its kind and split are part of what must agree */
+        uint32_t k[3] = {f->kind, f->latent_dim, f->rope_dim};
+        h = kvb_hash64(k, sizeof k, h);
+    }
     if (!f->window) return h; /* a format without local layers: the fingerprint it always had */
     uint64_t w[2 + KVB_KVFORMAT_MAX_LAYERS / 64] = {f->window, f->n_local};
     memcpy(w + 2, f->local_mask, sizeof f->local_mask);
@@ -178,7 +200,9 @@ void kvb_kvformat_describe(const kvb_kvformat *f, char *buf, size_t cap) {
     snprintf(t, sizeof t, "%s", kvb_type_name(f->dtype));
     for (char *c = t; *c; c++)
         if (*c >= 'A' && *c <= 'Z') *c = (char)(*c - 'A' + 'a');
-    if (f->window)
+    if (f->kind == KVB_KVFORMAT_MLA)
+        snprintf(buf, cap, "%s/%utok/%uL/mla%u+%u", t, f->block_tokens, f->n_layer, f->latent_dim, f->rope_dim);
+    else if (f->window)
         snprintf(buf, cap, "%s/%utok/%uL/%uh/%ud/%ulocal@%u", t, f->block_tokens, f->n_layer, f->n_head_kv,
                  f->head_dim, f->n_local, f->window);
     else

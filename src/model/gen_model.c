@@ -91,7 +91,9 @@ static int add_moe_tensors(gen_tensor *ts, int n, uint32_t l, const kvb_model_de
     const char *names[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
     char nm[64];
     snprintf(nm, sizeof nm, "blk.%u.ffn_gate_inp.weight", l);
-    n = add_t(ts, n, nm, E, d->n_expert, KVB_TYPE_F32, INIT_NORMAL, 4.0f * s_in);
+    /* sigmoid gating (deepseek2) saturates on logits of std 4: experts near probability 1 would tie */
+    const float s_router = d->expert_gating == KVB_GATING_SIGMOID ? s_in : 4.0f * s_in;
+    n = add_t(ts, n, nm, E, d->n_expert, KVB_TYPE_F32, INIT_NORMAL, s_router);
     for (int i = 0; i < 3; i++) {
         snprintf(nm, sizeof nm, "blk.%u.%s.weight", l, names[i]);
         n = add_t(ts, n, nm, i < 2 ? E : F, i < 2 ? F : E, type, INIT_NORMAL, i < 2 ? s_in : 2.0f * s_res * s_ff);
@@ -117,6 +119,42 @@ static uint32_t llama_file_type(uint32_t t) {
     return 0;
 }
 
+/* deepseek2's keys as llama.cpp's converter writes them (gguf-py's Keys.Attention.*_LORA_RANK,
+ * *_LENGTH_MLA, Keys.LLM.LEADING_DENSE_BLOCK_COUNT, EXPERT_SHARED_COUNT, EXPERT_WEIGHTS_*,
+ * EXPERT_GATING_FUNC, EXPERT_GROUP_*, Keys.Rope.SCALING_*): q_lora_rank only when there is one, or
+ * when llama.cpp would not take the layer count for a "lite" model (27 or 26 layers) and so reads it;
+ * the YaRN log multiplier stored as 0.1 * mscale_all_dim, as the converter stores it. */
+static kvb_status write_mla_keys(kvb_gguf_writer *w, const kvb_model_desc *d, kvb_err *err) {
+    char key[128];
+    const char *a = d->arch_name;
+    kvb_status st = KVB_OK;
+#define KEY(sfx) (snprintf(key, sizeof key, "%s.%s", a, sfx), key)
+    const bool lite = d->n_layer == 27 || d->n_layer == 26;
+    if ((d->n_lora_q || !lite) && (st = kvb_gguf_writer_add_u32(w, KEY("attention.q_lora_rank"), d->n_lora_q, err)))
+        return st;
+    if ((st = kvb_gguf_writer_add_u32(w, KEY("attention.kv_lora_rank"), d->n_lora_kv, err)) ||
+        (st = kvb_gguf_writer_add_u32(w, KEY("attention.key_length_mla"), d->head_dim_k_mla, err)) ||
+        (st = kvb_gguf_writer_add_u32(w, KEY("attention.value_length_mla"), d->head_dim_v_mla, err)) ||
+        (st = kvb_gguf_writer_add_u32(w, KEY("leading_dense_block_count"), d->n_layer_dense_lead, err)) ||
+        (st = kvb_gguf_writer_add_u32(w, KEY("expert_shared_count"), d->n_expert_shared, err)) ||
+        (st = kvb_gguf_writer_add_f32(w, KEY("expert_weights_scale"), d->expert_weights_scale, err)) ||
+        (st = kvb_gguf_writer_add_bool(w, KEY("expert_weights_norm"), d->expert_weights_norm, err)) ||
+        (st = kvb_gguf_writer_add_u32(w, KEY("expert_gating_func"), d->expert_gating, err)))
+        return st;
+    if (d->n_expert_groups > 1 &&
+        ((st = kvb_gguf_writer_add_u32(w, KEY("expert_group_count"), d->n_expert_groups, err)) ||
+         (st = kvb_gguf_writer_add_u32(w, KEY("expert_group_used_count"), d->n_group_used, err))))
+        return st;
+    if (d->rope_yarn_factor > 1.0f &&
+        ((st = kvb_gguf_writer_add_str(w, KEY("rope.scaling.type"), "yarn", err)) ||
+         (st = kvb_gguf_writer_add_f32(w, KEY("rope.scaling.factor"), d->rope_yarn_factor, err)) ||
+         (st = kvb_gguf_writer_add_u32(w, KEY("rope.scaling.original_context_length"), d->rope_orig_ctx, err)) ||
+         (st = kvb_gguf_writer_add_f32(w, KEY("rope.scaling.yarn_log_multiplier"), 0.1f * d->rope_yarn_log_mul, err))))
+        return st;
+#undef KEY
+    return st;
+}
+
 static kvb_status write_keys(kvb_gguf_writer *w, const kvb_model_desc *d, const char *preset, uint32_t type,
                              kvb_err *err) {
     char key[128], name[128];
@@ -135,7 +173,8 @@ static kvb_status write_keys(kvb_gguf_writer *w, const kvb_model_desc *d, const 
     if ((st = kvb_gguf_writer_add_u32(w, KEY("attention.head_count"), d->n_head, err))) return st;
     if ((st = kvb_gguf_writer_add_u32(w, KEY("attention.head_count_kv"), d->n_head_kv, err))) return st;
     if ((st = kvb_gguf_writer_add_u32(w, KEY("attention.key_length"), d->head_dim, err))) return st;
-    if ((st = kvb_gguf_writer_add_u32(w, KEY("attention.value_length"), d->head_dim, err))) return st;
+    if ((st = kvb_gguf_writer_add_u32(w, KEY("attention.value_length"), d->mla ? d->n_lora_kv : d->head_dim, err)))
+        return st;
     if ((st = kvb_gguf_writer_add_u32(w, KEY("rope.dimension_count"), d->n_rot, err))) return st;
     if ((st = kvb_gguf_writer_add_f32(w, KEY("rope.freq_base"), d->rope_freq_base, err))) return st;
     if ((st = kvb_gguf_writer_add_f32(w, KEY("attention.layer_norm_rms_epsilon"), d->norm_eps, err))) return st;
@@ -147,6 +186,7 @@ static kvb_status write_keys(kvb_gguf_writer *w, const kvb_model_desc *d, const 
             (st = kvb_gguf_writer_add_u32(w, KEY("attention.sliding_window_pattern"), d->swa_pattern, err)))
             return st;
     }
+    if (d->mla && (st = write_mla_keys(w, d, err))) return st;
     if (d->n_expert) { /* as llama.cpp's converter writes qwen3moe (no expert_weights_norm key: renormalised) */
         if ((st = kvb_gguf_writer_add_u32(w, KEY("expert_count"), d->n_expert, err))) return st;
         if ((st = kvb_gguf_writer_add_u32(w, KEY("expert_used_count"), d->n_expert_used, err))) return st;
@@ -194,6 +234,59 @@ static kvb_status gen_vocab(kvb_gguf_writer *w, const char *vocab_path, kvb_mode
     return KVB_OK;
 }
 
+/* type, or f16 where a row of cols elements is not whole blocks of it (K-quants on the latent
+ * attention's 32- or 128-wide rows; llama.cpp's quantizer falls back likewise) */
+static uint32_t fit_type(uint32_t type, uint64_t cols) {
+    return kvb_row_bytes(type, (int64_t)cols) ? type : KVB_TYPE_F16;
+}
+
+/* Layer l's latent attention (deepseek2), llama.cpp's names and ggml's shapes (see model/load.c's
+ * bind_mla); each projection scaled by 1/sqrt(its input), the normed latent and q_a feeding k_b, v_b, q_b. */
+static int gen_mla_tensors(gen_tensor *ts, int n, const kvb_model_desc *d, uint32_t l, uint32_t type, float s_res) {
+    const uint64_t E = d->n_embd, H = d->n_head, K = d->head_dim_k_mla, R = d->n_lora_kv, P = d->n_rot;
+    const uint64_t N = K - P, Vd = d->head_dim_v_mla, QL = d->n_lora_q;
+    const float s_in = 1.0f / sqrtf((float)E), s_r = 1.0f / sqrtf((float)R);
+    char nm[64];
+#define NM(s) (snprintf(nm, sizeof nm, "blk.%u.%s", l, s), nm)
+    if (QL) {
+        n = add_t(ts, n, NM("attn_q_a.weight"), E, QL, fit_type(type, E), INIT_NORMAL, s_in);
+        n = add_t(ts, n, NM("attn_q_a_norm.weight"), QL, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+        n = add_t(ts, n, NM("attn_q_b.weight"), QL, H * K, fit_type(type, QL), INIT_NORMAL, 1.0f / sqrtf((float)QL));
+    } else {
+        n = add_t(ts, n, NM("attn_q.weight"), E, H * K, fit_type(type, E), INIT_NORMAL, s_in);
+    }
+    n = add_t(ts, n, NM("attn_kv_a_mqa.weight"), E, R + P, fit_type(type, E), INIT_NORMAL, s_in);
+    n = add_t(ts, n, NM("attn_kv_a_norm.weight"), R, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+    n = add_t(ts, n, NM("attn_k_b.weight"), N, R, fit_type(type, N), INIT_NORMAL, s_r);
+    ts[n - 1].n_dims = 3;
+    ts[n - 1].ne[2] = H;
+    n = add_t(ts, n, NM("attn_v_b.weight"), R, Vd, fit_type(type, R), INIT_NORMAL, s_r);
+    ts[n - 1].n_dims = 3;
+    ts[n - 1].ne[2] = H;
+    n = add_t(ts, n, NM("attn_output.weight"), H * Vd, E, fit_type(type, H * Vd), INIT_NORMAL,
+              s_res / sqrtf((float)(H * Vd)));
+#undef NM
+    return n;
+}
+
+/* deepseek2's MoE extras of layer l: the selection bias (sigmoid gating, as V3 has) and the shared experts
+ * (one SwiGLU of n_ff_exp * n_expert_shared, scaled like one expert). */
+static int gen_shexp_tensors(gen_tensor *ts, int n, const kvb_model_desc *d, uint32_t l, uint32_t type, float s_res) {
+    const uint64_t E = d->n_embd, FS = (uint64_t)d->n_ff_exp * d->n_expert_shared;
+    char nm[64];
+#define NM(s) (snprintf(nm, sizeof nm, "blk.%u.%s", l, s), nm)
+    if (d->expert_gating == KVB_GATING_SIGMOID)
+        n = add_t(ts, n, NM("exp_probs_b.bias"), d->n_expert, 1, KVB_TYPE_F32, INIT_BIAS, 0.05f);
+    if (FS) {
+        n = add_t(ts, n, NM("ffn_gate_shexp.weight"), E, FS, fit_type(type, E), INIT_NORMAL, 1.0f / sqrtf((float)E));
+        n = add_t(ts, n, NM("ffn_up_shexp.weight"), E, FS, fit_type(type, E), INIT_NORMAL, 1.0f / sqrtf((float)E));
+        n = add_t(ts, n, NM("ffn_down_shexp.weight"), FS, E, fit_type(type, FS), INIT_NORMAL,
+                  2.0f * s_res / sqrtf((float)FS));
+    }
+#undef NM
+    return n;
+}
+
 /* Adds layer l's tensors to ts from index n; returns the new count. */
 static int gen_layer_tensors(gen_tensor *ts, int n, const kvb_model_desc *d, uint32_t l, uint32_t type) {
     const uint64_t E = d->n_embd, Q = (uint64_t)d->n_head * d->head_dim, KV = (uint64_t)d->n_head_kv * d->head_dim;
@@ -202,6 +295,16 @@ static int gen_layer_tensors(gen_tensor *ts, int n, const kvb_model_desc *d, uin
     char nm[64];
 #define NM(s) (snprintf(nm, sizeof nm, "blk.%u.%s", l, s), nm)
     n = add_t(ts, n, NM("attn_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+    if (d->mla) {
+        n = gen_mla_tensors(ts, n, d, l, type, s_res);
+        n = add_t(ts, n, NM("ffn_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
+        if (!kvb_layer_is_dense(d, l))
+            return gen_shexp_tensors(ts, add_moe_tensors(ts, n, l, d, type, s_res), d, l, type, s_res);
+        n = add_t(ts, n, NM("ffn_gate.weight"), E, d->n_ff, type, INIT_NORMAL, s_in);
+        n = add_t(ts, n, NM("ffn_up.weight"), E, d->n_ff, type, INIT_NORMAL, s_in);
+        return add_t(ts, n, NM("ffn_down.weight"), d->n_ff, E, fit_type(type, d->n_ff), INIT_NORMAL,
+                     2.0f * s_res * s_ff);
+    }
     n = add_t(ts, n, NM("attn_q.weight"), E, Q, type, INIT_NORMAL, s_in);
     n = add_t(ts, n, NM("attn_k.weight"), E, KV, type, INIT_NORMAL, s_in);
     n = add_t(ts, n, NM("attn_v.weight"), E, KV, type, INIT_NORMAL, s_in);
@@ -236,7 +339,7 @@ static kvb_status gen_tensor_list(const kvb_model_desc *d, uint32_t type, gen_te
                                   float **rope_factors, kvb_err *err) {
     const uint64_t E = d->n_embd;
     const float s_in = 1.0f / sqrtf((float)E);
-    *ts = calloc(8 + (size_t)d->n_layer * 16, sizeof **ts);
+    *ts = calloc(8 + (size_t)d->n_layer * 24, sizeof **ts);
     if (!*ts) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
     gen_tensor *t = *ts;
     int k = 0;
@@ -336,6 +439,11 @@ kvb_status kvb_gen_model(const kvb_gen_opts *o, const char *out_path, kvb_err *e
     kvb_status st = gen_preset(o, &p, err);
     if (st) return st;
     kvb_model_desc d = p->d;
+    if (o->n_layers > d.n_layer)
+        return kvb_err_set(err, KVB_ERR_INVALID, "preset %s has %u layers: --layers %u is more", p->name, d.n_layer,
+                           o->n_layers);
+    if (o->n_layers) d.n_layer = o->n_layers;
+    if (d.n_layer_dense_lead > d.n_layer) d.n_layer_dense_lead = d.n_layer;
     kvb_gguf_writer *w = NULL;
     gen_tensor *ts = NULL;
     FILE *f = NULL;

@@ -21,6 +21,7 @@ typedef enum {
     KVB_ARCH_GEMMA3,    /* Gemma 3 (text): qwen3's q/k norms + embedding scale, post-attention and post-MLP
                            norms, GeGLU MLP (tanh GELU), local sliding-window layers with their own RoPE base */
     KVB_ARCH_QWEN3MOE,  /* qwen3's attention + a mixture-of-experts MLP (softmax router, top-k, SwiGLU experts) */
+    KVB_ARCH_DEEPSEEK2, /* DeepSeek V2/V3: latent attention (MLA) + leading dense layers, then MoE with shared experts */
 } kvb_arch;
 
 #define KVB_MAX_EXPERTS 1024 /* expert_count is refused above this */
@@ -72,7 +73,36 @@ typedef struct {
     uint32_t n_ff_exp;      /* {arch}.expert_feed_forward_length: one expert's inner size */
     bool expert_weights_norm; /* {arch}.expert_weights_norm: the top-k probabilities are divided by their sum
                                  (qwen3moe: true, llama.cpp's default for the architecture when the key is absent) */
+    /* ---- DeepSeek's latent attention and MoE (deepseek2; zero / false for the others) ----
+     * As llama.cpp's converter writes the MLA form: head_count_kv 1, key_length = kv_lora_rank + n_rot
+     * (head_dim above: the one cache row per token and layer, latent then roped key part), value_length =
+     * kv_lora_rank, and the per-head query/key and value sizes in the *_mla keys. */
+    bool mla;                  /* attention through a compressed latent (deepseek2) */
+    uint32_t n_lora_q;         /* attention.q_lora_rank: 0 = the query projected directly (attn_q; V2-Lite) */
+    uint32_t n_lora_kv;        /* attention.kv_lora_rank: the latent's width */
+    uint32_t head_dim_k_mla;   /* attention.key_length_mla: one query/key head, nope part + n_rot */
+    uint32_t head_dim_v_mla;   /* attention.value_length_mla: one value head */
+    uint32_t n_layer_dense_lead; /* leading_dense_block_count: the first layers have a dense MLP (n_ff) */
+    uint32_t n_expert_shared;  /* expert_shared_count: always-on experts, one SwiGLU of n_ff_exp * this */
+    float expert_weights_scale; /* expert_weights_scale: routed weights multiplied by this; 0 = 1 */
+    uint32_t expert_gating;    /* expert_gating_func: KVB_GATING_SOFTMAX or KVB_GATING_SIGMOID */
+    uint32_t n_expert_groups;  /* expert_group_count: routing picks groups first (0 or 1: no groups) */
+    uint32_t n_group_used;     /* expert_group_used_count: groups kept per token */
+    /* YaRN rope scaling (rope.scaling.type yarn); factor 0 = none. rope_orig_ctx above is its
+     * original_context_length. */
+    float rope_yarn_factor;    /* rope.scaling.factor */
+    float rope_yarn_log_mul;   /* rope.scaling.yarn_log_multiplier / 0.1 (llama.cpp's reading: the converter
+                                  stores 0.1 * mscale_all_dim) */
+    float rope_attn_factor;    /* rope.scaling.attn_factor (1 when absent) */
+    float yarn_beta_fast, yarn_beta_slow; /* llama.cpp's defaults 32 and 1 (no key read for deepseek2) */
 } kvb_model_desc;
+
+#define KVB_GATING_SOFTMAX 1u /* llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX */
+#define KVB_GATING_SIGMOID 2u /* ... _SIGMOID */
+
+/* Whether layer `layer` of a deepseek2 model has the dense MLP (a leading dense layer) rather than
+ * its experts; true for every layer of a dense model, false for every layer of qwen3moe. */
+bool kvb_layer_is_dense(const kvb_model_desc *d, uint32_t layer);
 
 /* A weight matrix: ne0 = columns (input dim, contiguous), ne1 = rows (output dim). */
 typedef struct {
@@ -99,6 +129,18 @@ typedef struct {
     kvb_mat ffn_gate_inp;        /* router (n_expert, n_embd) */
     kvb_mat gate_exps, up_exps;  /* (n_expert * n_ff_exp, n_embd) */
     kvb_mat down_exps;           /* (n_expert * n_embd, n_ff_exp) */
+    /* deepseek2 (mla; else data NULL). H = n_head, R = n_lora_kv, P = n_rot, N = head_dim_k_mla - P (nope),
+     * Vd = head_dim_v_mla. Without q_lora, wq above is attn_q (H * (N + P), n_embd); wo is (n_embd, H * Vd). */
+    kvb_mat wq_a;                /* attn_q_a (n_lora_q, n_embd) */
+    const float *q_a_norm;       /* attn_q_a_norm (n_lora_q) */
+    kvb_mat wq_b;                /* attn_q_b (H * (N + P), n_lora_q) */
+    kvb_mat wkv_a;               /* attn_kv_a_mqa (R + P, n_embd): the latent, then the key's rope part */
+    const float *kv_a_norm;      /* attn_kv_a_norm (R) */
+    kvb_mat wk_b;                /* attn_k_b, ggml [N, R, H]: (H * R, N), head h's rows h*R .. */
+    kvb_mat wv_b;                /* attn_v_b, ggml [R, Vd, H]: (H * Vd, R) */
+    kvb_mat shexp_gate, shexp_up; /* ffn_{gate,up}_shexp (n_ff_exp * n_expert_shared, n_embd) */
+    kvb_mat shexp_down;          /* ffn_down_shexp (n_embd, n_ff_exp * n_expert_shared) */
+    const float *exp_probs_b;    /* exp_probs_b.bias (n_expert): selection bias (V3), or NULL */
 } kvb_layer_weights;
 
 typedef struct kvb_model {
@@ -146,6 +188,11 @@ bool kvb_model_has_local_layers(const kvb_model_desc *d);
  * stores or ships this model's cache takes its format from here, so the fingerprints agree. */
 kvb_status kvb_model_kvformat(const kvb_model_desc *d, uint32_t dtype, uint32_t block_tokens, kvb_kvformat *f,
                               kvb_err *err);
+/* Cache bytes one token costs over all layers in dtype: *cache as the decoder's format holds it (the
+ * latent row for an MLA model), *per_head the same model's cache expanded to per-head K and V
+ * (MLA: n_head heads of key_length_mla and value_length_mla; equal to *cache for the others). A
+ * row length dtype cannot encode counts 0. */
+void kvb_model_cache_token_bytes(const kvb_model_desc *d, uint32_t dtype, uint64_t *cache, uint64_t *per_head);
 /* The RoPE table every engine and the bridge use (one table, computed on the host in double and
  * rounded to f32 once): for positions pos0 .. pos0+n_pos-1 and i < n_rot/2,
  *     cos_out[p * (n_rot/2) + i] = (float)cos(pos * inv_freq[i]), sin_out likewise.  */
@@ -201,6 +248,8 @@ typedef struct {
     uint64_t seed;
     const char *vocab_path; /* NULL: byte-level vocabulary; .gguf: copy its tokenizer.* keys;
                                .json: a Hugging Face tokenizer.json */
+    uint32_t n_layers;      /* 0: the preset's layers; else the first n_layers of them (a layer subset of a
+                               model too large to generate whole; at most the preset's) */
     int n_threads;          /* generation threads (0 = all CPUs) */
     bool progress;          /* print progress to stderr */
 } kvb_gen_opts;

@@ -118,6 +118,48 @@ static kvb_status bind_moe(binder *b, uint32_t l, kvb_layer_weights *w, kvb_err 
     return bind_stack(b, name, F, E, X, true, &w->down_exps, err);
 }
 
+/* Layer l's latent attention (deepseek2, MLA form) with llama.cpp's names and ggml's shapes:
+ * attn_q_a [E, q_lora] + attn_q_a_norm [q_lora] + attn_q_b [q_lora, H*K] (or attn_q [E, H*K] without
+ * q_lora), attn_kv_a_mqa [E, R+P], attn_kv_a_norm [R], the split up-projections attn_k_b [N, R, H]
+ * and attn_v_b [R, Vd, H], attn_output [H*Vd, E]; K = key_length_mla, N = K - P. */
+static kvb_status bind_mla(binder *b, uint32_t l, kvb_layer_weights *w, kvb_err *err) {
+    const kvb_model_desc *d = &b->m->d;
+    const uint64_t E = d->n_embd, H = d->n_head, K = d->head_dim_k_mla, R = d->n_lora_kv, P = d->n_rot;
+    const uint64_t N = K - P, Vd = d->head_dim_v_mla;
+    char name[96];
+    kvb_status st;
+#define L_NAME(fmt) (snprintf(name, sizeof name, "blk.%u." fmt, l), name)
+    if (d->n_lora_q) {
+        if ((st = bind_mat(b, L_NAME("attn_q_a.weight"), E, d->n_lora_q, true, &w->wq_a, err))) return st;
+        if ((st = bind_vec(b, L_NAME("attn_q_a_norm.weight"), d->n_lora_q, true, &w->q_a_norm, err))) return st;
+        if ((st = bind_mat(b, L_NAME("attn_q_b.weight"), d->n_lora_q, H * K, true, &w->wq_b, err))) return st;
+    } else if ((st = bind_mat(b, L_NAME("attn_q.weight"), E, H * K, true, &w->wq, err))) {
+        return st;
+    }
+    if ((st = bind_mat(b, L_NAME("attn_kv_a_mqa.weight"), E, R + P, true, &w->wkv_a, err))) return st;
+    if ((st = bind_vec(b, L_NAME("attn_kv_a_norm.weight"), R, true, &w->kv_a_norm, err))) return st;
+    if ((st = bind_stack(b, L_NAME("attn_k_b.weight"), N, R, H, true, &w->wk_b, err))) return st;
+    if ((st = bind_stack(b, L_NAME("attn_v_b.weight"), R, Vd, H, true, &w->wv_b, err))) return st;
+    return bind_mat(b, L_NAME("attn_output.weight"), H * Vd, E, true, &w->wo, err);
+}
+
+/* deepseek2's MoE extras of layer l: the shared experts ffn_{gate,up}_shexp [E, F*S],
+ * ffn_down_shexp [F*S, E], and the optional selection bias exp_probs_b.bias [n_expert] (V3). */
+static kvb_status bind_shexp(binder *b, uint32_t l, kvb_layer_weights *w, kvb_err *err) {
+    const kvb_model_desc *d = &b->m->d;
+    const uint64_t E = d->n_embd, FS = (uint64_t)d->n_ff_exp * d->n_expert_shared;
+    char name[96];
+    kvb_status st;
+    if ((st = bind_vec(b, L_NAME("exp_probs_b.bias"), d->n_expert, false, &w->exp_probs_b, err))) return st;
+    if (FS == 0) return KVB_OK;
+    if ((st = bind_mat(b, L_NAME("ffn_gate_shexp.weight"), E, FS, true, &w->shexp_gate, err))) return st;
+    if ((st = bind_mat(b, L_NAME("ffn_up_shexp.weight"), E, FS, true, &w->shexp_up, err))) return st;
+    return bind_mat(b, L_NAME("ffn_down_shexp.weight"), FS, E, true, &w->shexp_down, err);
+#undef L_NAME
+}
+
+static kvb_status bind_attn(binder *b, uint32_t l, kvb_layer_weights *w, kvb_err *err);
+
 static uint64_t fingerprint(const kvb_model *m) {
     const kvb_model_desc *d = &m->d; /* zeroed before it was filled: padding bytes hash as zeros */
     uint64_t h = kvb_hash64(d, sizeof *d, 0x6b76622d6d6f646cULL);
@@ -160,7 +202,8 @@ kvb_status kvb_model_load(const char *path, kvb_model **out, kvb_err *err) {
     const uint64_t E = d->n_embd, Q = (uint64_t)d->n_head * d->head_dim, KV = (uint64_t)d->n_head_kv * d->head_dim;
     /* per layer: attn/ffn norms (+ gemma3's two post norms), q/k/v biases, q/k norms; plus the output norm
      * and rope_freqs */
-    b.f32_cap = E * (4 * (size_t)d->n_layer + 1) + (size_t)d->n_layer * (Q + 2 * KV + 2 * d->head_dim) + d->n_rot;
+    b.f32_cap = E * (4 * (size_t)d->n_layer + 1) + (size_t)d->n_layer * (Q + 2 * KV + 2 * d->head_dim) + d->n_rot +
+                (size_t)d->n_layer * ((size_t)d->n_lora_q + d->n_lora_kv + d->n_expert); /* deepseek2's */
     m->owned_f32 = calloc(b.f32_cap, sizeof(float));
     m->layers = calloc(d->n_layer, sizeof *m->layers);
     if (!m->owned_f32 || !m->layers) {
@@ -179,26 +222,14 @@ kvb_status kvb_model_load(const char *path, kvb_model **out, kvb_err *err) {
     for (uint32_t l = 0; l < d->n_layer; l++) {
         kvb_layer_weights *w = &m->layers[l];
         if ((st = bind_vec(&b, L_NAME("attn_norm.weight"), E, true, &w->attn_norm, err))) goto fail;
-        if ((st = bind_mat(&b, L_NAME("attn_q.weight"), E, Q, true, &w->wq, err))) goto fail;
-        if ((st = bind_mat(&b, L_NAME("attn_k.weight"), E, KV, true, &w->wk, err))) goto fail;
-        if ((st = bind_mat(&b, L_NAME("attn_v.weight"), E, KV, true, &w->wv, err))) goto fail;
-        if ((st = bind_mat(&b, L_NAME("attn_output.weight"), Q, E, true, &w->wo, err))) goto fail;
-        if (d->has_qkv_bias) {
-            if ((st = bind_vec(&b, L_NAME("attn_q.bias"), Q, true, &w->bq, err))) goto fail;
-            if ((st = bind_vec(&b, L_NAME("attn_k.bias"), KV, true, &w->bk, err))) goto fail;
-            if ((st = bind_vec(&b, L_NAME("attn_v.bias"), KV, true, &w->bv, err))) goto fail;
-        }
-        if (d->has_qk_norm) {
-            if ((st = bind_vec(&b, L_NAME("attn_q_norm.weight"), d->head_dim, true, &w->q_norm, err))) goto fail;
-            if ((st = bind_vec(&b, L_NAME("attn_k_norm.weight"), d->head_dim, true, &w->k_norm, err))) goto fail;
-        }
-        if (d->has_post_norms) {
-            if ((st = bind_vec(&b, L_NAME("post_attention_norm.weight"), E, true, &w->post_attn_norm, err))) goto fail;
-            if ((st = bind_vec(&b, L_NAME("post_ffw_norm.weight"), E, true, &w->post_ffw_norm, err))) goto fail;
+        if (d->mla) {
+            if ((st = bind_mla(&b, l, w, err))) goto fail;
+        } else if ((st = bind_attn(&b, l, w, err))) {
+            goto fail;
         }
         if ((st = bind_vec(&b, L_NAME("ffn_norm.weight"), E, true, &w->ffn_norm, err))) goto fail;
-        if (d->n_expert) {
-            if ((st = bind_moe(&b, l, w, err))) goto fail;
+        if (!kvb_layer_is_dense(d, l)) {
+            if ((st = bind_moe(&b, l, w, err)) || (d->mla && (st = bind_shexp(&b, l, w, err)))) goto fail;
             continue;
         }
         if ((st = bind_mat(&b, L_NAME("ffn_gate.weight"), E, d->n_ff, true, &w->w_gate, err))) goto fail;
@@ -214,6 +245,35 @@ fail:
     return st;
 }
 
+/* Layer l's per-head attention (every architecture but deepseek2): q/k/v/output, qwen2's biases, the
+ * q/k norms, gemma3's post norms. */
+static kvb_status bind_attn(binder *b, uint32_t l, kvb_layer_weights *w, kvb_err *err) {
+    const kvb_model_desc *d = &b->m->d;
+    const uint64_t E = d->n_embd, Q = (uint64_t)d->n_head * d->head_dim, KV = (uint64_t)d->n_head_kv * d->head_dim;
+    char name[96];
+    kvb_status st;
+#define L_NAME(fmt) (snprintf(name, sizeof name, "blk.%u." fmt, l), name)
+    if ((st = bind_mat(b, L_NAME("attn_q.weight"), E, Q, true, &w->wq, err))) return st;
+    if ((st = bind_mat(b, L_NAME("attn_k.weight"), E, KV, true, &w->wk, err))) return st;
+    if ((st = bind_mat(b, L_NAME("attn_v.weight"), E, KV, true, &w->wv, err))) return st;
+    if ((st = bind_mat(b, L_NAME("attn_output.weight"), Q, E, true, &w->wo, err))) return st;
+    if (d->has_qkv_bias) {
+        if ((st = bind_vec(b, L_NAME("attn_q.bias"), Q, true, &w->bq, err))) return st;
+        if ((st = bind_vec(b, L_NAME("attn_k.bias"), KV, true, &w->bk, err))) return st;
+        if ((st = bind_vec(b, L_NAME("attn_v.bias"), KV, true, &w->bv, err))) return st;
+    }
+    if (d->has_qk_norm) {
+        if ((st = bind_vec(b, L_NAME("attn_q_norm.weight"), d->head_dim, true, &w->q_norm, err))) return st;
+        if ((st = bind_vec(b, L_NAME("attn_k_norm.weight"), d->head_dim, true, &w->k_norm, err))) return st;
+    }
+    if (d->has_post_norms) {
+        if ((st = bind_vec(b, L_NAME("post_attention_norm.weight"), E, true, &w->post_attn_norm, err))) return st;
+        if ((st = bind_vec(b, L_NAME("post_ffw_norm.weight"), E, true, &w->post_ffw_norm, err))) return st;
+    }
+#undef L_NAME
+    return KVB_OK;
+}
+
 void kvb_model_free(kvb_model *m) {
     if (!m) return;
     kvb_gguf_close(m->gguf);
@@ -226,7 +286,7 @@ void kvb_model_describe(const kvb_model *m, char *buf, size_t cap) {
     const kvb_model_desc *d = &m->d;
     /* non-embedding parameters count the output head; an untied model also has its embedding */
     uint64_t p = kvb_model_n_params_nonembd(d) + (d->tied_output ? 0 : (uint64_t)d->n_vocab * d->n_embd);
-    char local[96] = "";
+    char local[192] = "";
     uint32_t n_local = 0;
     for (uint32_t l = 0; l < d->n_layer; l++) n_local += kvb_layer_is_local(d, l);
     if (n_local)
@@ -235,8 +295,13 @@ void kvb_model_describe(const kvb_model *m, char *buf, size_t cap) {
     if (d->n_expert) /* ff is then the expert's, and the parameter count is every expert's */
         snprintf(local, sizeof local, ", %u experts (top %u%s, active %.3g M/token)", d->n_expert, d->n_expert_used,
                  d->expert_weights_norm ? ", renormalised" : "", kvb_model_n_params_active(d) / 1e6);
+    if (d->mla) { /* heads are then the query heads x the latent cache row */
+        size_t u = strlen(local);
+        snprintf(local + u, sizeof local - u, ", %u dense first, %u shared, MLA latent %u + rope %u, q_lora %u",
+                 d->n_layer_dense_lead, d->n_expert_shared, d->n_lora_kv, d->n_rot, d->n_lora_q);
+    }
     snprintf(buf, cap, "%s%s%s: %u layers%s, embd %u, heads %u/%u x %u, ff %u, vocab %u, %s weights, %.3g%s params",
              d->arch_name, d->name[0] ? " " : "", d->name, d->n_layer, local, d->n_embd, d->n_head, d->n_head_kv,
-             d->head_dim, d->n_expert ? d->n_ff_exp : d->n_ff, d->n_vocab, kvb_type_name(m->layers[0].wq.type), p >= 1000000000 ? p / 1e9 : p / 1e6,
+             d->head_dim, d->n_expert ? d->n_ff_exp : d->n_ff, d->n_vocab, kvb_type_name(m->layers[0].wo.type), p >= 1000000000 ? p / 1e9 : p / 1e6,
              p >= 1000000000 ? " B" : " M");
 }

@@ -1,5 +1,5 @@
 /* model/rope.c — the one RoPE table: inverse frequencies (with Llama-3 scaling or the file's
- * rope_freqs factors; per layer when local layers have their own base) and per-position cos/sin,
+ * rope_freqs factors, or YaRN; per layer when local layers have their own base) and per-position cos/sin,
  * computed on the host in double and rounded to f32 once, so the CPU engine, the CUDA engine and
  * the bridge rotate with identical numbers; and the per-layer-kind table set the CPU engine and
  * the CPU bridge fill per chunk. */
@@ -28,6 +28,23 @@ void kvb_llama3_rope_factors(const kvb_model_desc *d, float *out) {
     }
 }
 
+/* YaRN (deepseek2) as ggml's rope applies it with ext_factor 1: pair i's angle blends the
+ * interpolated (divided by the factor) and the original one, theta = theta / factor * (1 - r) +
+ * theta * r, with r = 1 - clamp((i - lo) / max(0.001, hi - lo), 0, 1) over the correction range
+ * lo = floor(c(beta_fast)), hi = ceil(c(beta_slow)) (clamped to 0 .. n_rot - 1), c(b) = n_rot *
+ * ln(orig_ctx / (2 pi b)) / (2 ln base); here as a factor on the inverse frequency, in double. The
+ * magnitude factor llama.cpp applies to cos/sin cancels to rope.scaling.attn_factor for deepseek2,
+ * which the description requires to be 1. */
+static double yarn_scale(const kvb_model_desc *d, uint32_t i) {
+    const double base = d->rope_freq_base, orig = d->rope_orig_ctx;
+    const double c_fast = d->n_rot * log(orig / (2.0 * M_PI * d->yarn_beta_fast)) / (2.0 * log(base));
+    const double c_slow = d->n_rot * log(orig / (2.0 * M_PI * d->yarn_beta_slow)) / (2.0 * log(base));
+    const double lo = fmax(0.0, floor(c_fast)), hi = fmin((double)d->n_rot - 1, ceil(c_slow));
+    const double y = ((double)i - lo) / fmax(0.001, hi - lo);
+    const double r = 1.0 - fmin(1.0, fmax(0.0, y));
+    return (1.0 - r) / d->rope_yarn_factor + r;
+}
+
 void kvb_rope_inv_freq(const kvb_model *m, double *out) {
     const kvb_model_desc *d = &m->d;
     const uint32_t half = d->n_rot / 2;
@@ -41,6 +58,7 @@ void kvb_rope_inv_freq(const kvb_model *m, double *out) {
         double f = pow((double)d->rope_freq_base, -2.0 * i / d->n_rot);
         if (fac) f = f / fac[i];
         if (d->rope_linear_factor > 0) f = f / d->rope_linear_factor;
+        if (d->rope_yarn_factor > 1.0f) f = f * yarn_scale(d, i);
         out[i] = f;
     }
 }

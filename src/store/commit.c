@@ -24,7 +24,7 @@ static void complete_local_locked(kvb_store *s, kvb_block_id existing, kvb_block
     const uint8_t *src = kvb_store_block_data(s, id);
     for (uint32_t l = 0; l < f->n_layer; l++) {
         if (!kvb_kvformat_layer_local(f, l)) continue;
-        for (uint32_t w = 0; w < 2; w++)
+        for (uint32_t w = 0; w < kvb_kvformat_parts(f); w++)
             for (uint32_t h = 0; h < f->n_head_kv; h++) {
                 const size_t off = kvb_kvformat_row_offset(f, l, w, h, local_lo);
                 memcpy(dst + off, src + off, (size_t)(have - local_lo) * row);

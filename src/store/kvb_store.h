@@ -161,7 +161,8 @@ kvb_status kvb_store_slab_begin(kvb_store *s, uint64_t key, uint64_t parent_key,
 
 /* Accepts one slab for tokens [token0, token0 + n_tokens) of `layer`. Rejected (KVB_ERR_FORMAT,
  * nothing written, counted in slabs_rejected) when: layer >= n_layer; n_tokens == 0 or the range
- * leaves the block; k_bytes or v_bytes != n_tokens * n_head_kv * row_bytes; k or v is NULL; any
+ * leaves the block; k_bytes or v_bytes != n_tokens * n_head_kv * row_bytes (v_bytes 0 and v unused for a
+ * latent (mla) format, which has no V part); k or v is NULL; any
  * (layer, token) of the range has already arrived or is being put by another thread right now
  * (duplicate or overlap; the message says "duplicate"); the checksum of K || V differs (the range
  * is free again for a retransmission); any slab once the block is complete (a duplicate).

@@ -174,13 +174,13 @@ static kvb_status claim_locked(kvb_slab_pending *p, uint32_t layer, uint32_t tok
     if (p->page == KVB_BLOCK_NONE)
         return reject(p, err, KVB_ERR_INVALID, "layer %u tokens %u+%u: the tail was already taken", layer, token0,
                       n_tokens);
-    const size_t want = (size_t)n_tokens * nkv * row;
-    if (k_bytes != want || v_bytes != want)
+    const size_t want = (size_t)n_tokens * nkv * row, want_v = kvb_kvformat_parts(f) == 2 ? want : 0;
+    if (k_bytes != want || v_bytes != want_v)
         return reject(p, err, KVB_ERR_FORMAT,
-                      "layer %u tokens %u+%u: K is %zu bytes and V is %zu bytes, expected %zu each "
+                      "layer %u tokens %u+%u: K is %zu bytes and V is %zu bytes, expected %zu and %zu "
                       "(%u tokens x %u kv heads x %zu row bytes)",
-                      layer, token0, n_tokens, k_bytes, v_bytes, want, n_tokens, nkv, row);
-    if (!k || !v) return reject(p, err, KVB_ERR_FORMAT, "layer %u tokens %u+%u: K or V bytes are missing", layer,
+                      layer, token0, n_tokens, k_bytes, v_bytes, want, want_v, n_tokens, nkv, row);
+    if (!k || (want_v && !v)) return reject(p, err, KVB_ERR_FORMAT, "layer %u tokens %u+%u: K or V bytes are missing", layer,
                                 token0, n_tokens);
     if (token0 < p->local_lo && kvb_kvformat_layer_local(f, layer))
         return reject(p, err, KVB_ERR_FORMAT,

@@ -248,6 +248,14 @@ typedef struct {
     double *gate_inp;         /* NULL or (n_expert, n_embd) router (qwen3moe) */
     double *gate_exps, *up_exps; /* NULL or (n_expert, n_ff_exp, n_embd) */
     double *down_exps;        /* NULL or (n_expert, n_embd, n_ff_exp) */
+    /* deepseek2 (NULL otherwise) */
+    double *wq_a, *q_a_norm, *wq_b; /* (q_lora, n_embd), (q_lora), (n_head * k_mla, q_lora) */
+    double *wkv_a, *kv_a_norm;  /* (R + P, n_embd), (R) */
+    double *wk_b;             /* (n_head, R, N): head h's key up-projection, k_nope = wk_b[h]^T latent */
+    double *wv_b;             /* (n_head, v_mla, R) */
+    double *sh_gate, *sh_up;  /* (n_ff_exp * n_expert_shared, n_embd) */
+    double *sh_down;          /* (n_embd, n_ff_exp * n_expert_shared) */
+    double *exp_probs_b;      /* NULL or (n_expert) */
 } ref_layer;
 
 struct ref_model {
@@ -421,7 +429,9 @@ void ref_model_free(ref_model *m) {
             ref_layer *y = &m->layers[l];
             double *ptrs[] = {y->attn_norm, y->wq, y->wk, y->wv, y->bq, y->bk, y->bv, y->q_norm, y->k_norm,
                               y->wo, y->bo, y->ffn_norm, y->w_gate, y->w_up, y->w_down, y->post_attn_norm,
-                              y->post_ffw_norm, y->gate_inp, y->gate_exps, y->up_exps, y->down_exps};
+                              y->post_ffw_norm, y->gate_inp, y->gate_exps, y->up_exps, y->down_exps,
+                              y->wq_a, y->q_a_norm, y->wq_b, y->wkv_a, y->kv_a_norm, y->wk_b, y->wv_b,
+                              y->sh_gate, y->sh_up, y->sh_down, y->exp_probs_b};
             for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) free(ptrs[i]);
         }
         free(m->layers);
@@ -434,6 +444,25 @@ void ref_model_free(ref_model *m) {
     free(m);
 }
 
+/* YaRN as ggml's rope computes it (ext_factor 1): pair i's angle is theta/factor * (1 - r) + theta * r,
+ * r = 1 - clamp((i - lo) / max(0.001, hi - lo), 0, 1), lo = floor(c(32)), hi = ceil(c(1)) clamped to
+ * [0, n_rot - 1], c(beta) = n_rot ln(orig / (2 pi beta)) / (2 ln base); deepseek2's scores are then
+ * scaled by mscale^2, mscale = 1 + 0.1 mscale_all_dim ln(factor). */
+static void yarn_inv_freq(ref_model *m, double factor, double orig) {
+    ref_desc *d = &m->d;
+    const double nr = d->n_rot, base = d->rope_freq_base;
+    const double lo = fmax(0.0, floor(nr * log(orig / (2 * M_PI * 32.0)) / (2 * log(base))));
+    const double hi = fmin(nr - 1, ceil(nr * log(orig / (2 * M_PI * 1.0)) / (2 * log(base))));
+    for (int i = 0; i < d->n_rot / 2; i++) {
+        const double r = 1.0 - fmin(1.0, fmax(0.0, (i - lo) / fmax(0.001, hi - lo)));
+        m->inv_freq[i] = m->inv_freq[i] / factor * (1 - r) + m->inv_freq[i] * r;
+    }
+    d->yarn_factor = factor;
+    d->rope_scaling = REF_SCALING_NONE;
+    const double mscale = 1.0 + 0.1 * d->yarn_log_mul * log(factor);
+    d->attn_scale *= mscale * mscale;
+}
+
 /* Reads the rope.scaling.* keys and rope_freqs.weight and fills d->rope_* and m->inv_freq.
  * Policy (llama.cpp first):
  *  - rope_freqs.weight present: divide each inverse frequency by it (llama.cpp's ggml_rope_ext
@@ -444,7 +473,8 @@ void ref_model_free(ref_model *m) {
  *    high_freq_factor (default 4), original_context_length (default 8192).
  *  - else type absent or "linear" with factor != 0, 1: linear, inverse frequency / factor (what
  *    llama.cpp does: rope_freq_scale = 1/factor, and "linear" is its default type).
- *  - "none" or no factor: unscaled. Any other type (yarn, longrope, ...) is refused. */
+ *  - "yarn" for deepseek2 (yarn_inv_freq); "none" or no factor: unscaled. Any other type (longrope, ...)
+ *    is refused. */
 static int load_rope(loader *L, ref_model *m) {
     ref_desc *d = &m->d;
     const int half = d->n_rot / 2;
@@ -496,6 +526,10 @@ static int load_rope(loader *L, ref_model *m) {
         }
         free(ff);
         d->rope_scaling = REF_SCALING_FREQS_TENSOR;
+        return 0;
+    }
+    if (have_type && strcmp(type, "yarn") == 0 && d->arch == REF_ARCH_DEEPSEEK2 && factor > 1) {
+        yarn_inv_freq(m, factor, orig);
         return 0;
     }
     if (have_type && strcmp(type, "none") != 0 && strcmp(type, "linear") != 0 && strcmp(type, "llama3") != 0) {
@@ -593,6 +627,7 @@ static int load_gemma3_desc(loader *L, ref_model *m) {
 }
 
 static int load_moe_desc(loader *L, ref_desc *d);
+static int load_mla_desc(loader *L, ref_desc *d, int vlen);
 
 static int load_desc(loader *L, ref_model *m) {
     ref_desc *d = &m->d;
@@ -610,7 +645,8 @@ static int load_desc(loader *L, ref_model *m) {
     if (meta_u32(L, "attention.key_length", false, embd / nh, &hd)) return -1;
     if (meta_u32(L, "attention.value_length", false, hd, &vlen)) return -1;
     if (meta_u32(L, "rope.dimension_count", false, hd, &nrot)) return -1;
-    if (hd == 0 || hd > 4096 || vlen != hd || nh % nhkv != 0 || nrot > hd || nrot % 2 != 0) {
+    const bool ds2 = d->arch == REF_ARCH_DEEPSEEK2; /* value_length is the latent: checked in load_mla_desc */
+    if (hd == 0 || hd > 4096 || (vlen != hd && !ds2) || nh % nhkv != 0 || nrot > hd || nrot % 2 != 0) {
         seterr(L->err, L->cap, "%s: bad attention shape: head_dim %u, value_length %u, heads %u/%u, n_rot %u "
                "(need value_length == key_length, n_head %% n_head_kv == 0, even n_rot <= head_dim)",
                L->path, hd, vlen, nh, nhkv, nrot);
@@ -633,10 +669,11 @@ static int load_desc(loader *L, ref_model *m) {
         seterr(L->err, L->cap, "%s: bad rope.freq_base %g or rms epsilon %g", L->path, d->rope_freq_base, d->norm_eps);
         return -1;
     }
-    d->rope_style = d->arch == REF_ARCH_LLAMA ? REF_ROPE_NORM : REF_ROPE_NEOX;
+    d->rope_style = d->arch == REF_ARCH_LLAMA || ds2 ? REF_ROPE_NORM : REF_ROPE_NEOX;
     d->embd_scale = 1.0;
     d->attn_scale = 1.0 / sqrt((double)d->head_dim);
     if (d->arch == REF_ARCH_QWEN3MOE) return load_moe_desc(L, d);
+    if (ds2) return load_mla_desc(L, d, (int)vlen);
     return d->arch == REF_ARCH_GEMMA3 ? load_gemma3_desc(L, m) : 0;
 }
 
@@ -702,6 +739,86 @@ static int load_moe_desc(loader *L, ref_desc *d) {
     return 0;
 }
 
+/* deepseek2's keys, read here independently of model/ (names as gguf-py's Keys spell them): the
+ * latent ranks and head sizes (the MLA form: head_count_kv 1, key_length R + P, value_length R),
+ * dense lead, expert counts, shared experts, gating, groups, weights scale and norm, YaRN. */
+static int load_mla_desc(loader *L, ref_desc *d, int vlen) {
+    uint32_t ql, r, km, vm, lead, x, k, f, sh, gate, ng, gu;
+    if (meta_u32(L, "attention.q_lora_rank", false, 0, &ql) || meta_u32(L, "attention.kv_lora_rank", true, 0, &r) ||
+        meta_u32(L, "attention.key_length_mla", true, 0, &km) ||
+        meta_u32(L, "attention.value_length_mla", true, 0, &vm) ||
+        meta_u32(L, "leading_dense_block_count", false, 0, &lead) || meta_u32(L, "expert_count", true, 0, &x) ||
+        meta_u32(L, "expert_used_count", true, 0, &k) || meta_u32(L, "expert_feed_forward_length", true, 0, &f) ||
+        meta_u32(L, "expert_shared_count", true, 0, &sh) || meta_u32(L, "expert_gating_func", false, 1, &gate) ||
+        meta_u32(L, "expert_group_count", false, 0, &ng) || meta_u32(L, "expert_group_used_count", false, 0, &gu))
+        return -1;
+    if (d->n_head_kv != 1 || d->head_dim != (int)r + d->n_rot || vlen != (int)r || km <= (uint32_t)d->n_rot ||
+        x == 0 || x > 4096 || k == 0 || k > x || (gate != 1 && gate != 2) || ng > 256 || (ng > 1 && (x % ng || gu == 0 || gu > ng))) {
+        seterr(L->err, L->cap, "%s: not a deepseek2 MLA shape the reference reads", L->path);
+        return -1;
+    }
+    d->mla = true;
+    d->attn_scale = 1.0 / sqrt((double)km); /* times mscale^2 under YaRN (load_rope) */
+    d->n_lora_q = (int)ql;
+    d->n_lora_kv = (int)r;
+    d->k_mla = (int)km;
+    d->v_mla = (int)vm;
+    d->n_dense_lead = (int)lead;
+    d->n_expert = (int)x;
+    d->n_expert_used = (int)k;
+    d->n_ff_exp = (int)f;
+    d->n_expert_shared = (int)sh;
+    d->gating = (int)gate;
+    d->n_groups = (int)ng;
+    d->n_group_used = (int)gu;
+    if (meta_f32(L, "expert_weights_scale", false, 0.0, &d->expert_weights_scale) < 0) return -1;
+    char key[96];
+    snprintf(key, sizeof key, "%s.expert_weights_norm", L->arch);
+    bool b = false;
+    if (kvb_gguf_find(L->g, key) && kvb_gguf_get_bool(L->g, key, &b, NULL) != KVB_OK) return -1;
+    d->expert_weights_norm = b;
+    double lm = 0;
+    if (meta_f32(L, "rope.scaling.yarn_log_multiplier", false, 0.0, &lm) < 0) return -1;
+    d->yarn_log_mul = lm / 0.1;
+    return 0;
+}
+
+/* Layer l of deepseek2: the latent attention's tensors, then the dense FFN or the experts with
+ * their shared experts and optional selection bias. */
+static int load_mla_layer(loader *L, int l, const ref_desc *d, ref_layer *y) {
+    const int64_t E = d->n_embd, H = d->n_head, R = d->n_lora_kv, P = d->n_rot, K = d->k_mla, N = K - P,
+                  Vd = d->v_mla, QL = d->n_lora_q, FS = (int64_t)d->n_ff_exp * d->n_expert_shared;
+    char name[128];
+    if (QL ? load_blk(L, l, "attn_q_a.weight", QL, E, true, &y->wq_a) ||
+                 load_blk(L, l, "attn_q_a_norm.weight", 0, QL, true, &y->q_a_norm) ||
+                 load_blk(L, l, "attn_q_b.weight", H * K, QL, true, &y->wq_b)
+           : load_blk(L, l, "attn_q.weight", H * K, E, true, &y->wq))
+        return -1;
+    if (load_blk(L, l, "attn_kv_a_mqa.weight", R + P, E, true, &y->wkv_a) ||
+        load_blk(L, l, "attn_kv_a_norm.weight", 0, R, true, &y->kv_a_norm) ||
+        load_blk(L, l, "attn_output.weight", E, H * Vd, true, &y->wo) ||
+        load_blk(L, l, "ffn_norm.weight", 0, E, true, &y->ffn_norm))
+        return -1;
+    snprintf(name, sizeof name, "blk.%d.attn_k_b.weight", l);
+    if (load_stack(L, name, R, N, H, true, &y->wk_b)) return -1;
+    snprintf(name, sizeof name, "blk.%d.attn_v_b.weight", l);
+    if (load_stack(L, name, Vd, R, H, true, &y->wv_b)) return -1;
+    if (l < d->n_dense_lead)
+        return load_blk(L, l, "ffn_gate.weight", d->n_ff, E, true, &y->w_gate) ||
+                       load_blk(L, l, "ffn_up.weight", d->n_ff, E, true, &y->w_up) ||
+                       load_blk(L, l, "ffn_down.weight", E, d->n_ff, true, &y->w_down)
+                   ? -1
+                   : 0;
+    if (load_experts(L, l, d, y) || load_blk(L, l, "exp_probs_b.bias", 0, d->n_expert, false, &y->exp_probs_b))
+        return -1;
+    if (FS == 0) return 0;
+    return load_blk(L, l, "ffn_gate_shexp.weight", FS, E, true, &y->sh_gate) ||
+                   load_blk(L, l, "ffn_up_shexp.weight", FS, E, true, &y->sh_up) ||
+                   load_blk(L, l, "ffn_down_shexp.weight", E, FS, true, &y->sh_down)
+               ? -1
+               : 0;
+}
+
 static int load_weights(loader *L, ref_model *m) {
     ref_desc *d = &m->d;
     const int64_t E = d->n_embd, F = d->n_ff, QD = (int64_t)d->n_head * d->head_dim,
@@ -733,6 +850,10 @@ static int load_weights(loader *L, ref_model *m) {
                gemma3 = d->arch == REF_ARCH_GEMMA3;
     for (int l = 0; l < d->n_layer; l++) {
         ref_layer *y = &m->layers[l];
+        if (d->mla) {
+            if (load_blk(L, l, "attn_norm.weight", 0, E, true, &y->attn_norm) || load_mla_layer(L, l, d, y)) return -1;
+            continue;
+        }
         if (load_blk(L, l, "attn_norm.weight", 0, E, true, &y->attn_norm) ||
             load_blk(L, l, "attn_q.weight", QD, E, true, &y->wq) || load_blk(L, l, "attn_k.weight", KD, E, true, &y->wk) ||
             load_blk(L, l, "attn_v.weight", KD, E, true, &y->wv) ||
@@ -795,6 +916,7 @@ ref_model *ref_model_load(const char *gguf_path, char *errbuf, size_t cap) {
     else if (strcmp(arch, "qwen3") == 0) m->d.arch = REF_ARCH_QWEN3;
     else if (strcmp(arch, "qwen3moe") == 0) m->d.arch = REF_ARCH_QWEN3MOE;
     else if (strcmp(arch, "gemma3") == 0) m->d.arch = REF_ARCH_GEMMA3;
+    else if (strcmp(arch, "deepseek2") == 0) m->d.arch = REF_ARCH_DEEPSEEK2;
     else {
         seterr(errbuf, cap,
                "%s: architecture \"%s\" is not one the reference implements (llama, qwen2, qwen3, qwen3moe, gemma3)",
@@ -876,12 +998,46 @@ static double silu(double x) { return x / (1.0 + exp(-x)); }
 /* GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
 static double gelu_tanh(double x) { return 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x))); }
 
+/* sel (K) := the indices of the K largest scores (X), largest first, the lower index on a tie. */
+static void top_k(const double *score, int X, int K, int *sel) {
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        for (int x = 0; x < X; x++) {
+            bool taken = false;
+            for (int i = 0; i < k; i++) taken = taken || sel[i] == x;
+            if (!taken && (best < 0 || score[x] > score[best])) best = x;
+        }
+        sel[k] = best;
+    }
+}
+
+/* eo (n_embd) := expert x's SwiGLU FFN of h; g, u (n_ff_exp) scratch. */
+static void expert_swiglu(const ref_desc *d, const ref_layer *y, size_t x, const double *h, double *g, double *u,
+                          double *eo) {
+    const int E = d->n_embd, F = d->n_ff_exp;
+    matvec(y->gate_exps + x * F * E, NULL, h, g, F, E);
+    matvec(y->up_exps + x * F * E, NULL, h, u, F, E);
+    for (int i = 0; i < F; i++) g[i] = silu(g[i]) * u[i];
+    matvec(y->down_exps + x * E * F, NULL, g, eo, E, F);
+}
+
+/* The largest score not among sel (K); -inf when every index is. */
+static double best_unchosen(const double *score, int X, const int *sel, int K) {
+    double best = -INFINITY;
+    for (int x = 0; x < X; x++) {
+        bool taken = false;
+        for (int i = 0; i < K; i++) taken = taken || sel[i] == x;
+        if (!taken && score[x] > best) best = score[x];
+    }
+    return best;
+}
+
 /* o (n_embd) := the mixture-of-experts FFN of the normed row h (n_embd): softmax router, the top
  * n_expert_used (largest first, lower index on a tie), renormalised weights, the weighted sum of
  * those experts' SwiGLU outputs. g, u: (n_ff_exp) scratch. Returns 0 or -1 (allocation). */
 static int moe_ffn(const ref_desc *d, const ref_layer *y, const double *h, double *g, double *u, double *o,
                    double *gap) {
-    const int E = d->n_embd, F = d->n_ff_exp, X = d->n_expert, K = d->n_expert_used;
+    const int E = d->n_embd, X = d->n_expert, K = d->n_expert_used;
     double *p = malloc((size_t)X * sizeof *p);   /* (n_expert) */
     double *eo = malloc((size_t)E * sizeof *eo); /* (n_embd) one expert's output */
     int *sel = malloc((size_t)K * sizeof *sel);  /* (n_expert_used) */
@@ -901,39 +1057,223 @@ static int moe_ffn(const ref_desc *d, const ref_layer *y, const double *h, doubl
     for (int x = 1; x < X; x++) mx = p[x] > mx ? p[x] : mx;
     for (int x = 0; x < X; x++) sum += (p[x] = exp(p[x] - mx));
     for (int x = 0; x < X; x++) p[x] /= sum;
-    for (int k = 0; k < K; k++) {
-        int best = -1;
-        for (int x = 0; x < X; x++) {
-            bool taken = false;
-            for (int i = 0; i < k; i++) taken = taken || sel[i] == x;
-            if (!taken && (best < 0 || p[x] > p[best])) best = x;
-        }
-        sel[k] = best;
-        wsum += (w[k] = p[best]);
-    }
+    top_k(p, X, K, sel);
+    for (int k = 0; k < K; k++) wsum += (w[k] = p[sel[k]]);
     if (gap && K < X) { /* the last chosen logit minus the best logit not chosen */
-        double best_out = -INFINITY;
-        for (int x = 0; x < X; x++) {
-            bool taken = false;
-            for (int i = 0; i < K; i++) taken = taken || sel[i] == x;
-            if (!taken && lg[x] > best_out) best_out = lg[x];
-        }
-        const double gk = lg[sel[K - 1]] - best_out;
+        const double gk = lg[sel[K - 1]] - best_unchosen(lg, X, sel, K);
         if (gk < *gap) *gap = gk;
     }
     free(lg);
     for (int i = 0; i < E; i++) o[i] = 0;
     for (int k = 0; k < K; k++) {
         const size_t x = (size_t)sel[k];
-        matvec(y->gate_exps + x * F * E, NULL, h, g, F, E);
-        matvec(y->up_exps + x * F * E, NULL, h, u, F, E);
-        for (int i = 0; i < F; i++) g[i] = silu(g[i]) * u[i];
-        matvec(y->down_exps + x * E * F, NULL, g, eo, E, F);
+        expert_swiglu(d, y, x, h, g, u, eo);
         const double wk = d->expert_weights_norm ? w[k] / wsum : w[k];
         for (int i = 0; i < E; i++) o[i] += wk * eo[i];
     }
     free(p), free(eo), free(sel), free(w);
     return 0;
+}
+
+/* logits (n, n_vocab) := output (rmsnorm(x) * output_norm) for the n rows of x; h (n, n_embd) scratch */
+static void output_head(const ref_model *m, const double *x, double *h, int n, double *logits) {
+    const int E = m->d.n_embd;
+    for (int t = 0; t < n; t++) {
+        double *ht = h + (size_t)t * E;
+        rmsnorm(x + (size_t)t * E, m->output_norm, ht, E, m->d.norm_eps);
+        matvec(m->output, NULL, ht, logits + (size_t)t * m->d.n_vocab, m->d.n_vocab, E);
+    }
+}
+
+/* ---- deepseek2 ---------------------------------------------------------------------------------- */
+
+/* The latent attention of layer l for the normed rows h (n, n_embd), expanded form: att (n, H * Vd)
+ * each head's softmax-weighted values; rows (n, R + P), when not NULL, the cache rows [latent, k_pe].
+ * Returns 0 or -1 (allocation). */
+static int mla_attention(const ref_model *m, int l, const double *h, int n, double *att, double *rows) {
+    const ref_desc *d = &m->d;
+    const ref_layer *y = &m->layers[l];
+    const int E = d->n_embd, H = d->n_head, R = d->n_lora_kv, P = d->n_rot, K = d->k_mla, N = K - P,
+              Vd = d->v_mla, QL = d->n_lora_q;
+    const size_t nn = (size_t)n;
+    double *c = malloc(nn * (R + P) * sizeof *c);      /* (n, R + P) latent, then k_pe */
+    double *q = malloc(nn * H * K * sizeof *q);        /* (n, H, K) */
+    double *kn = malloc(nn * H * N * sizeof *kn);      /* (n, H, N) expanded keys' non-rotated part */
+    double *v = malloc(nn * H * Vd * sizeof *v);       /* (n, H, Vd) */
+    double *qa = malloc((size_t)(QL > 0 ? QL : 1) * sizeof *qa);
+    double *p = malloc(nn * sizeof *p);
+    int rc = -1;
+    if (!c || !q || !kn || !v || !qa || !p) goto done;
+    for (int t = 0; t < n; t++) {
+        const double *ht = h + (size_t)t * E;
+        double *ct = c + (size_t)t * (R + P), *qt = q + (size_t)t * H * K;
+        matvec(y->wkv_a, NULL, ht, ct, R + P, E);
+        rmsnorm(ct, y->kv_a_norm, ct, R, d->norm_eps);
+        ref_rope(m, ct + R, t);
+        if (QL) {
+            matvec(y->wq_a, NULL, ht, qa, QL, E);
+            rmsnorm(qa, y->q_a_norm, qa, QL, d->norm_eps);
+            matvec(y->wq_b, NULL, qa, qt, H * K, QL);
+        } else {
+            matvec(y->wq, NULL, ht, qt, H * K, E);
+        }
+        for (int hh = 0; hh < H; hh++) {
+            ref_rope(m, qt + (size_t)hh * K + N, t);
+            const double *kb = y->wk_b + (size_t)hh * R * N; /* (R, N) */
+            double *kt = kn + ((size_t)t * H + hh) * N;
+            for (int i = 0; i < N; i++) {
+                double sum = 0;
+                for (int r = 0; r < R; r++) sum += kb[(size_t)r * N + i] * ct[r];
+                kt[i] = sum;
+            }
+            matvec(y->wv_b + (size_t)hh * Vd * R, NULL, ct, v + ((size_t)t * H + hh) * Vd, Vd, R);
+        }
+    }
+    if (rows) memcpy(rows, c, nn * (R + P) * sizeof *c);
+    for (int t = 0; t < n; t++)
+        for (int hh = 0; hh < H; hh++) {
+            const double *qh = q + ((size_t)t * H + hh) * K;
+            double mx = -INFINITY, sum = 0;
+            for (int j = 0; j <= t; j++) {
+                const double *kj = kn + ((size_t)j * H + hh) * N, *pe = c + (size_t)j * (R + P) + R;
+                double s = 0;
+                for (int i = 0; i < N; i++) s += qh[i] * kj[i];
+                for (int i = 0; i < P; i++) s += qh[N + i] * pe[i];
+                p[j] = s * d->attn_scale;
+                mx = p[j] > mx ? p[j] : mx;
+            }
+            for (int j = 0; j <= t; j++) sum += (p[j] = exp(p[j] - mx));
+            double *ah = att + ((size_t)t * H + hh) * Vd;
+            for (int i = 0; i < Vd; i++) ah[i] = 0;
+            for (int j = 0; j <= t; j++)
+                for (int i = 0; i < Vd; i++) ah[i] += p[j] / sum * v[((size_t)j * H + hh) * Vd + i];
+        }
+    rc = 0;
+done:
+    free(c), free(q), free(kn), free(v), free(qa), free(p);
+    return rc;
+}
+
+/* The experts of a deepseek2 MoE layer for the normed row h: probabilities (softmax or sigmoid),
+ * selection scores (+ the bias) over the best groups, top-k, weights (normalised, scaled), the
+ * routed sum plus the shared experts. o (n_embd); g, u (max(n_ff_exp * shared, n_ff_exp)) scratch;
+ * gap: the selection-score margin at the top-k boundary is folded in. Returns 0 or -1. */
+static int mla_moe(const ref_desc *d, const ref_layer *y, const double *h, double *g, double *u, double *o,
+                   double *gap) {
+    const int E = d->n_embd, X = d->n_expert, K = d->n_expert_used,
+              FS = d->n_ff_exp * d->n_expert_shared;
+    double *pr = malloc((size_t)X * sizeof *pr), *sc = malloc((size_t)X * sizeof *sc),
+           *eo = malloc((size_t)E * sizeof *eo);
+    int *sel = malloc((size_t)K * sizeof *sel);
+    if (!pr || !sc || !eo || !sel) {
+        free(pr), free(sc), free(eo), free(sel);
+        return -1;
+    }
+    matvec(y->gate_inp, NULL, h, pr, X, E);
+    double mx = pr[0], sum = 0;
+    for (int x = 1; x < X; x++) mx = pr[x] > mx ? pr[x] : mx;
+    for (int x = 0; x < X; x++) sum += d->gating == 2 ? 0 : exp(pr[x] - mx);
+    for (int x = 0; x < X; x++) pr[x] = d->gating == 2 ? 1.0 / (1.0 + exp(-pr[x])) : exp(pr[x] - mx) / sum;
+    for (int x = 0; x < X; x++) sc[x] = pr[x] + (y->exp_probs_b ? y->exp_probs_b[x] : 0.0);
+    double margin = INFINITY; /* the smallest selection-score margin of a routing decision */
+    if (d->n_groups > 1) { /* keep the n_group_used groups whose two best scores sum highest */
+        const int G = d->n_groups, per = X / G;
+        double gs[256];
+        bool kept[256] = {false};
+        for (int gi = 0; gi < G && gi < 256; gi++) {
+            double b1 = -INFINITY, b2 = -INFINITY;
+            for (int i = 0; i < per; i++) {
+                const double v = sc[gi * per + i];
+                if (v > b1) b2 = b1, b1 = v;
+                else if (v > b2) b2 = v;
+            }
+            gs[gi] = b1 + b2;
+        }
+        double last_kept = INFINITY, best_dropped = -INFINITY;
+        for (int k = 0; k < d->n_group_used; k++) {
+            int best = -1;
+            for (int gi = 0; gi < G; gi++)
+                if (!kept[gi] && (best < 0 || gs[gi] > gs[best])) best = gi;
+            kept[best] = true;
+            last_kept = gs[best];
+        }
+        for (int gi = 0; gi < G; gi++)
+            if (!kept[gi] && gs[gi] > best_dropped) best_dropped = gs[gi];
+        margin = last_kept - best_dropped; /* a group flip routes differently too */
+        for (int gi = 0; gi < G; gi++)
+            if (!kept[gi])
+                for (int i = 0; i < per; i++) sc[gi * per + i] = -INFINITY;
+    }
+    double wsum = 0;
+    top_k(sc, X, K, sel);
+    for (int k = 0; k < K; k++) wsum += pr[sel[k]];
+    const double best_out = K < X ? best_unchosen(sc, X, sel, K) : -INFINITY;
+    if (K < X && sc[sel[K - 1]] - best_out < margin) margin = sc[sel[K - 1]] - best_out;
+    /* in router-logit units: a sigmoid probability moves at most a quarter of its logit's change */
+    if (gap && (d->gating == 2 ? 4.0 * margin : margin) < *gap) *gap = d->gating == 2 ? 4.0 * margin : margin;
+    for (int i = 0; i < E; i++) o[i] = 0;
+    for (int k = 0; k < K; k++) {
+        const size_t x = (size_t)sel[k];
+        expert_swiglu(d, y, x, h, g, u, eo);
+        double wk = d->expert_weights_norm ? pr[x] / wsum : pr[x];
+        if (d->expert_weights_scale != 0) wk *= d->expert_weights_scale;
+        for (int i = 0; i < E; i++) o[i] += wk * eo[i];
+    }
+    if (FS) {
+        matvec(y->sh_gate, NULL, h, g, FS, E);
+        matvec(y->sh_up, NULL, h, u, FS, E);
+        for (int i = 0; i < FS; i++) g[i] = silu(g[i]) * u[i];
+        matvec(y->sh_down, NULL, g, eo, E, FS);
+        for (int i = 0; i < E; i++) o[i] += eo[i];
+    }
+    free(pr), free(sc), free(eo), free(sel);
+    return 0;
+}
+
+/* deepseek2's forward (run's contract; k_out receives the cache rows (n, 1, R + P), v_out is not
+ * written). */
+static int run_mla(ref_model *m, const int32_t *tokens, int n, double *logits, int kv_layer, double *h_out,
+                   double *k_out) {
+    const ref_desc *d = &m->d;
+    const int E = d->n_embd, HV = d->n_head * d->v_mla;
+    int F = d->n_ff > d->n_ff_exp * (d->n_expert_shared + 1) ? d->n_ff : d->n_ff_exp * (d->n_expert_shared + 1);
+    const size_t nn = (size_t)n;
+    double *x = malloc(nn * E * sizeof *x), *h = malloc(nn * E * sizeof *h), *att = malloc(nn * HV * sizeof *att);
+    double *g = malloc((size_t)F * sizeof *g), *u = malloc((size_t)F * sizeof *u), *o = malloc((size_t)E * sizeof *o);
+    int rc = -1;
+    if (!x || !h || !att || !g || !u || !o) goto done;
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < E; i++) x[(size_t)t * E + i] = m->tok_embd[(size_t)tokens[t] * E + i];
+    for (int l = 0; l < d->n_layer; l++) {
+        const ref_layer *y = &m->layers[l];
+        for (int t = 0; t < n; t++) rmsnorm(x + (size_t)t * E, y->attn_norm, h + (size_t)t * E, E, d->norm_eps);
+        if (l == kv_layer) {
+            if (h_out) memcpy(h_out, h, nn * E * sizeof *h);
+            rc = mla_attention(m, l, h, n, att, k_out);
+            goto done;
+        }
+        if (mla_attention(m, l, h, n, att, NULL)) goto done;
+        for (int t = 0; t < n; t++) {
+            double *xt = x + (size_t)t * E, *ht = h + (size_t)t * E;
+            matvec(y->wo, NULL, att + (size_t)t * HV, o, E, HV);
+            for (int i = 0; i < E; i++) xt[i] += o[i];
+            rmsnorm(xt, y->ffn_norm, ht, E, d->norm_eps);
+            if (l >= d->n_dense_lead) {
+                if (mla_moe(d, y, ht, g, u, o, m->route_gap ? m->route_gap + t : NULL)) goto done;
+            } else {
+                matvec(y->w_gate, NULL, ht, g, d->n_ff, E);
+                matvec(y->w_up, NULL, ht, u, d->n_ff, E);
+                for (int i = 0; i < d->n_ff; i++) g[i] = silu(g[i]) * u[i];
+                matvec(y->w_down, NULL, g, o, E, d->n_ff);
+            }
+            for (int i = 0; i < E; i++) xt[i] += o[i];
+        }
+    }
+    output_head(m, x, h, n, logits);
+    rc = 0;
+done:
+    free(x), free(h), free(att), free(g), free(u), free(o);
+    return rc;
 }
 
 /* The forward pass. With kv_layer >= 0 it stops at that layer after copying its attention input
@@ -948,6 +1288,7 @@ static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int k
     if (n < 1 || !tokens || (kv_layer < 0 && !logits) || kv_layer >= d->n_layer) return -1;
     for (int t = 0; t < n; t++)
         if (tokens[t] < 0 || tokens[t] >= d->n_vocab) return -1;
+    if (d->mla) return run_mla(m, tokens, n, logits, kv_layer, h_out, k_out);
 
     const size_t nn = (size_t)n;
     double *x = malloc(nn * E * sizeof *x);    /* (n, n_embd) residual stream */
@@ -1041,11 +1382,7 @@ static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int k
             for (int i = 0; i < E; i++) xt[i] += o[i];
         }
     }
-    for (int t = 0; t < n; t++) {
-        double *ht = h + (size_t)t * E;
-        rmsnorm(x + (size_t)t * E, m->output_norm, ht, E, d->norm_eps);
-        matvec(m->output, NULL, ht, logits + (size_t)t * d->n_vocab, d->n_vocab, E);
-    }
+    output_head(m, x, h, n, logits);
     rc = 0;
 done:
     free(x);
@@ -1076,7 +1413,7 @@ int ref_model_forward(ref_model *m, const int32_t *tokens, int n, double *logits
 }
 
 int ref_model_kv(ref_model *m, const int32_t *tokens, int n, int layer, double *k, double *v) {
-    if (!m || !k || !v || layer < 0) return -1;
+    if (!m || !k || (!v && !m->d.mla) || layer < 0) return -1; /* deepseek2: the latent row alone */
     return run(m, tokens, n, NULL, layer, NULL, k, v);
 }
 

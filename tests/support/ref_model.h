@@ -19,7 +19,20 @@
  * qwen3's attention; the FFN is a router ffn_gate_inp (n_expert, n_embd), softmax over all experts,
  * the expert_used_count largest probabilities (the lower index on a tie), divided by their sum
  * unless expert_weights_norm is false; the output is their weighted sum of each chosen expert's
- * SwiGLU FFN, expert x's rows being rows x*rows .. of ggml's stacked ffn_{gate,up,down}_exps. */
+ * SwiGLU FFN, expert x's rows being rows x*rows .. of ggml's stacked ffn_{gate,up,down}_exps.
+ * DeepSeek V2/V3 (deepseek2, the MLA form llama.cpp's converter writes; DeepSeek's modeling code):
+ * the query q_b(rmsnorm(q_a h)) (or attn_q h) split per head into a non-rotated part (N) and a
+ * rotated one (P); c = kv_a_mqa h, the latent rmsnorm(c[0:R]) * kv_a_norm, the shared key part
+ * rope(c[R:R+P]); attention in the EXPANDED form: each head's key [K_b[h]^T latent, k_pe] and
+ * value V_b[h] latent (attn_k_b [N, R, H], attn_v_b [R, Vd, H]), scores scaled by mscale^2 /
+ * sqrt(N + P) (mscale = 1 + 0.1 mscale_all_dim ln(factor) under YaRN, else 1); RoPE on pairs
+ * (2i, 2i+1) with YaRN's blend of interpolated and original frequencies over the correction range
+ * of beta_fast 32, beta_slow 1; the first leading_dense_block_count layers have the SwiGLU FFN, the
+ * others experts: softmax or sigmoid probabilities, selection by probability plus exp_probs_b.bias
+ * (when present) over the n_group_used best groups (a group's score: its two best experts' scores
+ * summed), weights the unbiased probabilities, divided by their sum when expert_weights_norm, times
+ * expert_weights_scale, plus the shared experts' SwiGLU (ffn_*_shexp). ref_model_kv gives the
+ * cache row [latent, k_pe] (n, 1, R + P) as K; V is not written. */
 #ifndef KVB_REF_MODEL_H
 #define KVB_REF_MODEL_H
 
@@ -27,7 +40,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef enum { REF_ARCH_LLAMA = 0, REF_ARCH_QWEN2, REF_ARCH_QWEN3, REF_ARCH_GEMMA3, REF_ARCH_QWEN3MOE } ref_arch;
+typedef enum {
+    REF_ARCH_LLAMA = 0,
+    REF_ARCH_QWEN2,
+    REF_ARCH_QWEN3,
+    REF_ARCH_GEMMA3,
+    REF_ARCH_QWEN3MOE,
+    REF_ARCH_DEEPSEEK2
+} ref_arch;
 
 #define REF_MAX_LAYERS 4096
 typedef enum {
@@ -66,6 +86,16 @@ typedef struct {
     /* qwen3moe (0 / false otherwise) */
     int n_expert, n_expert_used, n_ff_exp;
     bool expert_weights_norm;
+    /* deepseek2 (0 / false otherwise): the latent attention in its expanded form, see above */
+    bool mla;
+    int n_lora_q, n_lora_kv;  /* q_lora_rank (0: attn_q), kv_lora_rank R */
+    int k_mla, v_mla;         /* key_length_mla (N + P), value_length_mla */
+    int n_dense_lead;         /* leading_dense_block_count */
+    int n_expert_shared;      /* expert_shared_count */
+    double expert_weights_scale; /* 0: none */
+    int gating;               /* 1 softmax, 2 sigmoid */
+    int n_groups, n_group_used; /* expert groups (0/1: none) */
+    double yarn_factor, yarn_log_mul; /* YaRN: factor (0: none), mscale_all_dim (the key / 0.1) */
 } ref_desc;
 
 typedef struct ref_model ref_model;

@@ -6,7 +6,8 @@
  * (sliding-window) layer a query at position p reads keys lo(p) .. p only, lo(p) = max(0,
  * p - window + 1): blocks wholly before the tile's first window are never opened, rows before it
  * never decoded, and each token scores exactly its own window's keys, block by block in the same
- * order whatever the tile. */
+ * order whatever the tile. A latent (mla) cache's single row per token serves as key and value
+ * (deepseek2's absorbed attention: multi-query over the latent). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -85,8 +86,11 @@ static void attend_segment(const attn_job *j, uint32_t kvh, uint32_t t0, uint32_
     const bool local = kvb_layer_is_local(d, j->layer);
     const uint32_t W = d->swa_window;
     float *kbuf = wscratch;                      /* (bt, head_dim) */
-    float *vbuf = kbuf + (size_t)bt * hd;        /* (bt, head_dim) */
-    float *sc = vbuf + (size_t)bt * hd;          /* (group head, bt) raw scores */
+    /* a latent (mla) cache has one part: its rows are the keys and the values (the latent the
+     * caller takes of the output) alike, decoded once */
+    const bool shared_v = kvb_kvformat_parts(&e->fmt) == 1;
+    float *vbuf = shared_v ? kbuf : kbuf + (size_t)bt * hd; /* (bt, head_dim) */
+    float *sc = kbuf + 2 * (size_t)bt * hd;      /* (group head, bt) raw scores */
     const size_t st_stride = hd + 2;
     const uint32_t last_pos = j->pos0 + t1 - 1;
     const uint32_t tile_lo = WINDOW_LO(local, W, j->pos0 + t0); /* lo(p) grows with p: the tile's smallest */
@@ -98,12 +102,12 @@ static void attend_segment(const attn_job *j, uint32_t kvh, uint32_t t0, uint32_
         const uint32_t nj = j_end - j0;
         const uint32_t first_row = tile_lo > j0 ? tile_lo - j0 : 0; /* rows before it: outside every window */
         const uint8_t *krow = blk + kvb_kvformat_row_offset(&e->fmt, j->layer, 0, kvh, 0);
-        const uint8_t *vrow = blk + kvb_kvformat_row_offset(&e->fmt, j->layer, 1, kvh, 0);
+        const uint8_t *vrow = shared_v ? krow : blk + kvb_kvformat_row_offset(&e->fmt, j->layer, 1, kvh, 0);
         /* a head's rows of consecutive tokens are adjacent in the block, and the cache format makes
          * a row whole blocks of its dtype (kvb_kvformat_init), so they convert as one run */
         const int64_t cnt = (int64_t)(nj - first_row) * hd;
         kvb_row_to_f32(e->fmt.dtype, krow + first_row * e->row_bytes, kbuf + (size_t)first_row * hd, cnt);
-        kvb_row_to_f32(e->fmt.dtype, vrow + first_row * e->row_bytes, vbuf + (size_t)first_row * hd, cnt);
+        if (!shared_v) kvb_row_to_f32(e->fmt.dtype, vrow + first_row * e->row_bytes, vbuf + (size_t)first_row * hd, cnt);
         for (uint32_t t = t0; t < t1; t++) {
             const uint32_t p = j->pos0 + t, lo = WINDOW_LO(local, W, p);
             if (p < j0 || lo >= j_end) continue; /* block after the query, or wholly before its window */

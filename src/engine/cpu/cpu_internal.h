@@ -38,6 +38,12 @@ struct kvb_engine {
     float *moe_x;               /* (B, max(n_embd, F)) an expert's gathered inputs, then its outputs */
     float *moe_g, *moe_u;       /* (B, F) */
     float *moe_y;               /* (B * K, n_embd) each slot's expert output */
+    float *sh_g, *sh_u;         /* (B, n_ff_exp * n_expert_shared) the shared experts' (deepseek2) */
+    float *sh_y;                /* (B, n_embd) their output */
+    /* latent attention (deepseek2; else NULL). q holds (B, n_head, R + P) queries against the cache row */
+    float *mla_q;               /* (B, n_head, key_length_mla) the projected queries */
+    float *mla_t, *mla_u;       /* (B, max(n_lora_q, R, N, Vd)) one head's gathered rows; its projection */
+    float *mla_o;               /* (B, n_head * value_length_mla) the heads' values */
 };
 
 struct kvb_seq {
@@ -58,6 +64,10 @@ struct kvb_seq {
 };
 
 /* y (n_tok, W->rows) = W x for x (n_tok, W->cols) f32; act: scratch for quantised x. */
+/* Latent attention (mla.c): the queries of nr rows of e->h into e->q (nr, n_head, R + P); the
+ * attention's latent output (e->att) through V_b and W_o into e->h. */
+void kvb_cpu_mla_query(kvb_engine *e, uint32_t layer, uint32_t nr, const float *rope_cos, const float *rope_sin);
+void kvb_cpu_mla_output(kvb_engine *e, uint32_t layer, uint32_t nr);
 void kvb_cpu_matmul(kvb_pool *pool, const kvb_mat *W, const float *x, uint32_t n_tok, float *y, uint8_t *act);
 /* y = (x * (1/rms(x))) * w, canonical (see kvb_kv_produce). */
 void kvb_cpu_rmsnorm(const float *x, const float *w, uint32_t n, float eps, float *y);

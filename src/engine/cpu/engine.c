@@ -32,6 +32,23 @@ static kvb_status alloc_moe(kvb_engine *e, kvb_err *err) {
     e->moe_fill = calloc(X + 1, sizeof(uint32_t));
     if (!e->moe_sel || !e->moe_slot || !e->moe_off || !e->moe_fill)
         return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the experts' scratch");
+    const size_t FS = F * d->n_expert_shared;
+    if (FS && ((st = alloc_f(&e->sh_g, B * FS, err)) || (st = alloc_f(&e->sh_u, B * FS, err)) ||
+               (st = alloc_f(&e->sh_y, B * d->n_embd, err))))
+        return st;
+    return KVB_OK;
+}
+
+/* deepseek2's latent attention scratch: the projected queries, one head's gathered rows and their
+ * projection, the heads' values. */
+static kvb_status alloc_mla(kvb_engine *e, kvb_err *err) {
+    const kvb_model_desc *d = &e->m->d;
+    const size_t B = e->o.max_batch, H = d->n_head, N = d->head_dim_k_mla - d->n_rot;
+    const size_t T = KVB_MAX(KVB_MAX((size_t)d->n_lora_q, (size_t)d->n_lora_kv), KVB_MAX(N, (size_t)d->head_dim_v_mla));
+    kvb_status st;
+    if ((st = alloc_f(&e->mla_q, B * H * d->head_dim_k_mla, err)) || (st = alloc_f(&e->mla_t, B * T, err)) ||
+        (st = alloc_f(&e->mla_u, B * T, err)) || (st = alloc_f(&e->mla_o, B * H * d->head_dim_v_mla, err)))
+        return st;
     return KVB_OK;
 }
 
@@ -43,13 +60,13 @@ kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *opts, kv
     e->o = opts ? *opts : (kvb_engine_opts){0};
     kvb_engine_opts *o = &e->o;
     const kvb_model_desc *d = &m->d;
+    kvb_status st = KVB_OK;
     if (o->n_threads <= 0) o->n_threads = kvb_cpu_count();
     if (!o->block_tokens) o->block_tokens = 32;
     if (!o->max_ctx) o->max_ctx = d->n_ctx_train < 8192 ? d->n_ctx_train : 8192;
     if (!o->max_batch) o->max_batch = 512;
     if (!o->n_blocks) o->n_blocks = (o->max_ctx + o->block_tokens - 1) / o->block_tokens;
-    kvb_status st = kvb_model_kvformat(d, o->cache_dtype, o->block_tokens, &e->fmt, err);
-    if (st) goto fail;
+    if ((st = kvb_model_kvformat(d, o->cache_dtype, o->block_tokens, &e->fmt, err))) goto fail;
     e->row_bytes = kvb_kvformat_row_bytes(&e->fmt);
     e->block_bytes = kvb_kvformat_block_bytes(&e->fmt);
     if ((st = kvb_pool_create(o->n_threads, &e->pool, err))) goto fail;
@@ -69,6 +86,8 @@ kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *opts, kv
     }
     const size_t B = o->max_batch, E = d->n_embd, Q = (size_t)d->n_head * d->head_dim, FF = d->n_ff;
     size_t widest = E > Q ? E : Q;
+    widest = KVB_MAX(widest, KVB_MAX((size_t)d->n_lora_q, (size_t)d->n_head * d->head_dim_v_mla));
+    widest = KVB_MAX(widest, (size_t)d->n_ff_exp * d->n_expert_shared);
     widest = widest > FF ? widest : FF;
     widest = widest > d->n_ff_exp ? widest : d->n_ff_exp;
     size_t act_row = kvb_row_bytes(KVB_TYPE_F32, (int64_t)widest); /* f32 activations are the widest form */
@@ -91,6 +110,7 @@ kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *opts, kv
     for (int i = 0; i < o->n_threads; i++)
         if ((st = alloc_f(&e->attn_scratch[i], kvb_cpu_attn_scratch_floats(e), err))) goto fail;
     if (d->n_expert && (st = alloc_moe(e, err))) goto fail;
+    if (d->mla && (st = alloc_mla(e, err))) goto fail;
     *out = e;
     return KVB_OK;
 fail:
@@ -112,7 +132,7 @@ void kvb_engine_free(kvb_engine *e) {
     free(e->moe_off);
     free(e->moe_fill);
     float *fs[] = {e->x, e->h, e->q, e->att, e->g, e->u, e->logit_h, e->moe_logits, e->moe_w, e->moe_x, e->moe_g,
-                   e->moe_u, e->moe_y};
+                   e->moe_u, e->moe_y, e->sh_g, e->sh_u, e->sh_y, e->mla_q, e->mla_t, e->mla_u, e->mla_o};
     for (size_t i = 0; i < KVB_ARRAY_LEN(fs); i++) kvb_aligned_free(fs[i]);
     kvb_aligned_free(e->act);
     kvb_aligned_free(e->k_rows);

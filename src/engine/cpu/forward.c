@@ -3,7 +3,8 @@
  * -> Q (bias, q-norm, RoPE with the layer's own table) -> attention over the cache (a sliding
  * window on local layers) -> output projection (gemma3: post-attention norm) + residual ->
  * ffn-norm -> SwiGLU or (gemma3) GeGLU MLP (gemma3: post-MLP norm), or the mixture of experts
- * (qwen3moe, moe.c) + residual; then the final
+ * (qwen3moe, deepseek2's MoE layers; moe.c) + residual; deepseek2's latent attention replaces the
+ * Q projection and the output projection (mla.c) around the same attention over the cache; then the final
  * norm and the output head. Long inputs are split into max_batch chunks; prefill and
  * token-by-token decode run the same arithmetic. A chunk may hold segments of several sequences
  * (kvb_engine_forward_segments; a decode batch, kvb_engine_forward_batch, is one token of each):
@@ -213,15 +214,20 @@ static kvb_status forward_chunk(kvb_engine *e, chunk_seqs cs, const int32_t *tok
             kvb_rope_tables_layer(&e->rope, l, &tj.rope_cos, &tj.rope_sin);
         }
 
-        kvb_cpu_matmul(e->pool, &w->wq, e->h, nr, e->q, e->act);
-        kvb_pool_parallel_for(tok_pool, (int)nr, q_post_task, &tj);
+        if (d->mla) { /* latent attention: queries against the cache row (mla.c) */
+            kvb_cpu_mla_query(e, l, nr, tj.rope_cos, tj.rope_sin);
+        } else {
+            kvb_cpu_matmul(e->pool, &w->wq, e->h, nr, e->q, e->act);
+            kvb_pool_parallel_for(tok_pool, (int)nr, q_post_task, &tj);
+        }
         if (s && s->gate && (st = gate_keeping_state(e, s, l, last_rows ? pos0 + n - 1 : pos0, nr, err))) return st;
         for (uint32_t i = 0, t0 = 0; i < cs.n_seg; i++) { /* each segment's query rows */
             const uint32_t rows = last_rows ? 1 : cs.seg_n[i], qpos = cs.seqs[i]->len + cs.seg_n[i] - rows;
             kvb_cpu_attention(e, cs.seqs[i], l, qpos, rows, e->q + t0 * Q, e->att + t0 * Q);
             t0 += rows;
         }
-        kvb_cpu_matmul(e->pool, &w->wo, e->att, nr, e->h, e->act); /* h := attention output (nr, E) */
+        if (d->mla) kvb_cpu_mla_output(e, l, nr); /* h := attention output (nr, E), through V_b and W_o */
+        else kvb_cpu_matmul(e->pool, &w->wo, e->att, nr, e->h, e->act); /* h := attention output (nr, E) */
         tj.src = e->h;
         tj.dst = e->x;
         tj.norm_w = w->post_attn_norm;
@@ -231,7 +237,7 @@ static kvb_status forward_chunk(kvb_engine *e, chunk_seqs cs, const int32_t *tok
         tj.src = e->x;
         tj.dst = e->h;
         kvb_pool_parallel_for(tok_pool, (int)nr, norm_task, &tj);
-        if (d->n_expert) {
+        if (!kvb_layer_is_dense(d, l)) {
             kvb_cpu_moe(e, w, nr, tok_pool); /* h := the experts' output (nr, E) */
         } else {
             kvb_cpu_matmul(e->pool, &w->w_gate, e->h, nr, e->g, e->act);

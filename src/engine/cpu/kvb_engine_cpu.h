@@ -143,7 +143,12 @@ kvb_status kvb_engine_forward_segments(kvb_engine *e, kvb_seq *const *seqs, cons
  *                            hands out the right one); x0' = x0*c - x1*s; x1' = x0*s + x1*c,
  *                            products rounded, no fma
  *   encode                   kvb_f32_to_row(cache dtype, row, head_dim) per (token, kv head)
- * Output rows: k_rows, v_rows (n, n_head_kv, row_bytes) in the cache dtype. This is the one CPU
+ * Output rows: k_rows, v_rows (n, n_head_kv, row_bytes) in the cache dtype. deepseek2 (mla):
+ *   c = W_kv_a h             (R + P) f32, the engine's matmul
+ *   c[0:R] = rmsnorm(c[0:R]) * attn_kv_a_norm
+ *   c[R:R+P] = rope          pairs (2i, 2i+1), the layer's table (YaRN in its frequencies)
+ *   encode                   kvb_f32_to_row(cache dtype, c, R + P): k_rows (n, row_bytes); v_rows unused
+ * This is the one CPU
  * implementation: the CPU engine fills its own cache with it, and the bridge reproduces it. */
 typedef struct {
     const kvb_model *m;

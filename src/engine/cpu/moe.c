@@ -1,12 +1,15 @@
-/* engine/cpu/moe.c — the mixture-of-experts MLP (qwen3moe) of a chunk of tokens: the router's
- * logits (ffn_gate_inp . h), a softmax over every expert in f32, the top n_expert_used
- * (largest first, the lower expert index on a tie), their probabilities divided by their sum when
- * the model renormalises; then the tokens grouped by expert, so each routed expert's gate, up and
+/* engine/cpu/moe.c — the mixture-of-experts MLP (qwen3moe, deepseek2) of a chunk of tokens: the
+ * router's logits (ffn_gate_inp . h), a softmax (or deepseek2's sigmoid) over every expert in f32,
+ * the top n_expert_used by selection score (largest first, the lower expert index on a tie; the
+ * score is the probability plus V3's selection bias, over the best groups only where the model
+ * groups experts), their probabilities divided by their sum when the model renormalises and
+ * scaled when it says so; then the tokens grouped by expert, so each routed expert's gate, up and
  * down rows are read once per chunk (a decode step reads only its token's experts), each group
  * through the engine's matmul (every weight type it has) on views of the stacked expert tensors,
  * SwiGLU as the dense MLP computes it; last, each token's outputs summed in rank order, weighted.
  * Every token's arithmetic is its own (the matmul computes each row alone, the sum's order is the
- * token's ranks), so a chunk, a decode step and a decode batch give one token the same bits. */
+ * token's ranks), so a chunk, a decode step and a decode batch give one token the same bits.
+ * deepseek2's shared experts (one SwiGLU, always on) are added to the routed sum last. */
 #include <math.h>
 #include <string.h>
 
@@ -15,9 +18,43 @@
 typedef struct {
     kvb_engine *e;
     uint32_t nr;
+    const float *bias; /* (n_expert) the layer's selection bias (deepseek2 V3), or NULL */
+    bool shared;       /* sh_y holds the shared experts' output, added last */
 } moe_job;
 
-/* Token t's routing: probabilities over all experts, the top k, their weights. */
+/* The n_group_used groups of experts with the largest scores (each group's two best experts'
+ * scores summed, largest first, the lower group on a tie); every expert of the other groups gets
+ * -inf (llama.cpp's group-limited routing for deepseek2, DeepSeek-V3's). sel: (n_expert) scores. */
+static void keep_best_groups(const kvb_model_desc *d, float *sel) {
+    const uint32_t G = d->n_expert_groups, per = d->n_expert / G;
+    float gs[KVB_MAX_EXPERTS];
+    bool keep[KVB_MAX_EXPERTS];
+    for (uint32_t g = 0; g < G; g++) {
+        const float *s = sel + (size_t)g * per;
+        uint32_t a = 0, b = UINT32_MAX;
+        for (uint32_t i = 1; i < per; i++)
+            if (s[i] > s[a]) a = i;
+        for (uint32_t i = 0; i < per; i++)
+            if (i != a && (b == UINT32_MAX || s[i] > s[b])) b = i;
+        gs[g] = s[a] + s[b];
+        keep[g] = false;
+    }
+    for (uint32_t k = 0; k < d->n_group_used; k++) {
+        uint32_t best = UINT32_MAX;
+        for (uint32_t g = 0; g < G; g++)
+            if (!keep[g] && (best == UINT32_MAX || gs[g] > gs[best])) best = g;
+        keep[best] = true;
+    }
+    for (uint32_t g = 0; g < G; g++)
+        if (!keep[g])
+            for (uint32_t i = 0; i < per; i++) sel[(size_t)g * per + i] = -INFINITY;
+}
+
+/* Token t's routing: probabilities over all experts (softmax, or deepseek2's sigmoid), the top k by
+ * selection score (the probability plus the layer's selection bias when it has one, the best groups
+ * only when the model groups its experts), their unbiased probabilities as weights, divided by their
+ * sum (clamped below at 2^-14, as llama.cpp does) when the model renormalises, times the model's
+ * scale when it has one. */
 static void route_task(void *ctx, int t, int worker) {
     (void)worker;
     const moe_job *j = ctx;
@@ -25,14 +62,21 @@ static void route_task(void *ctx, int t, int worker) {
     const kvb_model_desc *d = &e->m->d;
     const uint32_t X = d->n_expert, K = d->n_expert_used;
     float *p = e->moe_logits + (size_t)t * X; /* (n_expert) logits, then probabilities */
-    float mx = p[0];
-    for (uint32_t x = 1; x < X; x++) mx = p[x] > mx ? p[x] : mx;
-    float sum = 0.0f;
-    for (uint32_t x = 0; x < X; x++) {
-        p[x] = expf(p[x] - mx);
-        sum += p[x];
+    if (d->expert_gating == KVB_GATING_SIGMOID) {
+        for (uint32_t x = 0; x < X; x++) p[x] = 1.0f / (1.0f + expf(-p[x]));
+    } else {
+        float mx = p[0];
+        for (uint32_t x = 1; x < X; x++) mx = p[x] > mx ? p[x] : mx;
+        float sum = 0.0f;
+        for (uint32_t x = 0; x < X; x++) {
+            p[x] = expf(p[x] - mx);
+            sum += p[x];
+        }
+        for (uint32_t x = 0; x < X; x++) p[x] = p[x] / sum;
     }
-    for (uint32_t x = 0; x < X; x++) p[x] = p[x] / sum;
+    float sc[KVB_MAX_EXPERTS]; /* selection scores */
+    for (uint32_t x = 0; x < X; x++) sc[x] = j->bias ? p[x] + j->bias[x] : p[x];
+    if (d->n_expert_groups > 1) keep_best_groups(d, sc);
     uint32_t *sel = e->moe_sel + (size_t)t * K;
     float *wt = e->moe_w + (size_t)t * K, wsum = 0.0f;
     for (uint32_t k = 0; k < K; k++) {
@@ -40,14 +84,18 @@ static void route_task(void *ctx, int t, int worker) {
         for (uint32_t x = 0; x < X; x++) {
             bool taken = false;
             for (uint32_t i = 0; i < k; i++) taken |= sel[i] == x;
-            if (!taken && (best == UINT32_MAX || p[x] > p[best])) best = x;
+            if (!taken && (best == UINT32_MAX || sc[x] > sc[best])) best = x;
         }
         sel[k] = best;
         wt[k] = p[best];
         wsum += wt[k];
     }
-    if (d->expert_weights_norm)
+    if (d->expert_weights_norm) {
+        if (wsum < 6.103515625e-5f) wsum = 6.103515625e-5f;
         for (uint32_t k = 0; k < K; k++) wt[k] = wt[k] / wsum;
+    }
+    if (d->expert_weights_scale != 0.0f && d->expert_weights_scale != 1.0f)
+        for (uint32_t k = 0; k < K; k++) wt[k] = wt[k] * d->expert_weights_scale;
 }
 
 /* Token t's output: the sum over its ranks k of w[k] * (expert sel[k]'s output), in rank order. */
@@ -64,6 +112,10 @@ static void combine_task(void *ctx, int t, int worker) {
             for (uint32_t i = 0; i < E; i++) out[i] = wt[0] * y[i];
         else
             for (uint32_t i = 0; i < E; i++) out[i] = out[i] + wt[k] * y[i];
+    }
+    if (j->shared) {
+        const float *sy = e->sh_y + (size_t)t * E;
+        for (uint32_t i = 0; i < E; i++) out[i] = out[i] + sy[i];
     }
 }
 
@@ -94,10 +146,24 @@ static void run_expert(kvb_engine *e, const kvb_layer_weights *w, uint32_t x, co
         memcpy(e->moe_y + (size_t)slots[i] * E, e->moe_x + (size_t)i * E, sizeof(float) * E);
 }
 
+/* deepseek2's shared experts on the chunk's nr rows of h: one SwiGLU of n_ff_exp * n_expert_shared,
+ * output into sh_y (nr, n_embd). */
+static void run_shared(kvb_engine *e, const kvb_layer_weights *w, uint32_t nr) {
+    const size_t FS = (size_t)e->m->d.n_ff_exp * e->m->d.n_expert_shared;
+    kvb_cpu_matmul(e->pool, &w->shexp_gate, e->h, nr, e->sh_g, e->act);
+    kvb_cpu_matmul(e->pool, &w->shexp_up, e->h, nr, e->sh_u, e->act);
+    for (size_t i = 0; i < (size_t)nr * FS; i++) {
+        const float a = e->sh_g[i];
+        e->sh_g[i] = (a / (1.0f + expf(-a))) * e->sh_u[i];
+    }
+    kvb_cpu_matmul(e->pool, &w->shexp_down, e->sh_g, nr, e->sh_y, e->act);
+}
+
 void kvb_cpu_moe(kvb_engine *e, const kvb_layer_weights *w, uint32_t nr, kvb_pool *tok_pool) {
     const kvb_model_desc *d = &e->m->d;
     const uint32_t X = d->n_expert, K = d->n_expert_used;
-    moe_job j = {e, nr};
+    moe_job j = {e, nr, w->exp_probs_b, w->shexp_gate.data != NULL};
+    if (j.shared) run_shared(e, w, nr); /* before the combine overwrites h */
     kvb_cpu_matmul(e->pool, &w->ffn_gate_inp, e->h, nr, e->moe_logits, e->act); /* (nr, n_expert) */
     kvb_pool_parallel_for(tok_pool, (int)nr, route_task, &j);
     /* group the (token, rank) slots by expert, tokens ascending: a counting sort */
