@@ -43,7 +43,7 @@ static pid_t start_server(const char *bin, const char *model, const char *slots,
         (void)f;
         dup2(2, 1);
         execl(bin, bin, "-m", model, "--host", "127.0.0.1", "--port", port_s, "-np", "1", "-c", "1024", "-t", "2",
-              "--slot-save-path", slots, "-fa", fa, "--no-webui", "--no-warmup", (char *)NULL);
+              "--slot-save-path", slots, "-fa", fa, "--cache-ram", "0", "--no-webui", "--no-warmup", (char *)NULL);
         _exit(127);
     }
     assert_true(pid > 0);

@@ -3,7 +3,8 @@
 # llama-server (tools/peer/build_llama_server.sh) computes the prompt and saves its slot, kvbridge
 # computes the same prompt in llama.cpp's state format, and the two are compared per layer and K/V;
 # with --restore kvbridge's file is restored into the slot and decoded. The server runs on one slot
-# (-np 1) with an f16 cache, on a free port, with its slot directory and log in a temp directory.
+# (-np 1) with an f16 cache and no host-memory prompt cache (--cache-ram 0: a restore or a fallback
+# must not be served from it), on a free port, with its slot directory and log in a temp directory.
 #
 # usage: tools/peer/verify_llama_server.sh MODEL [options] [-- extra verify options]
 #   --fa on|off        llama-server's flash attention (off: V transposed in the cache; default on)
@@ -37,7 +38,7 @@ done
 TMP="$(mktemp -d)"; mkdir -p "$TMP/slots"
 PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
 "$SERVER" -m "$MODEL" --host 127.0.0.1 --port "$PORT" -np 1 -c 4096 -t "$THREADS" -ctk f16 -ctv f16 \
-  --slot-save-path "$TMP/slots" -fa "$FA" --no-webui --no-warmup >"$TMP/server.log" 2>&1 &
+  --slot-save-path "$TMP/slots" -fa "$FA" --cache-ram 0 --no-webui --no-warmup >"$TMP/server.log" 2>&1 &
 SPID=$!
 trap 'kill $SPID 2>/dev/null; wait $SPID 2>/dev/null; rm -rf "$TMP"' EXIT
 for _ in $(seq 600); do
