@@ -145,21 +145,23 @@ static void free_mirror(kvb_llama_state *ours) {
     for (uint32_t c = 0; c < KVB_LLAMA_MAX_CACHES; c++) free(ours->cache[c].k), free(ours->cache[c].v);
 }
 
-/* One printed row: cells whose row is identical, and the largest |a - b| over all elements. */
+/* One printed row: cells whose row is identical, f16 elements that are, and the largest |a - b|. */
 static bool compare_rows(const char *what, uint32_t model_layer, const char *kind, const uint8_t *a,
                          const uint8_t *b, uint32_t n_cells, size_t row) {
     uint32_t same = 0;
+    uint64_t el_same = 0, el_all = (uint64_t)n_cells * (row / 2);
     double maxd = 0;
     for (uint32_t t = 0; t < n_cells; t++) {
         const uint8_t *x = a + (size_t)t * row, *y = b + (size_t)t * row;
         if (!memcmp(x, y, row)) {
             same++;
+            el_same += row / 2;
             continue;
         }
         for (size_t i = 0; i + 1 < row; i += 2) {
-            const float fx = kvb_fp16_to_f32((uint16_t)(x[i] | x[i + 1] << 8));
-            const float fy = kvb_fp16_to_f32((uint16_t)(y[i] | y[i + 1] << 8));
-            const double dd = fabs((double)fx - (double)fy);
+            const uint16_t hx = (uint16_t)(x[i] | x[i + 1] << 8), hy = (uint16_t)(y[i] | y[i + 1] << 8);
+            const double dd = fabs((double)kvb_fp16_to_f32(hx) - (double)kvb_fp16_to_f32(hy));
+            el_same += hx == hy;
             if (dd > maxd || isnan(dd)) maxd = isnan(dd) ? INFINITY : dd;
         }
     }
@@ -167,7 +169,7 @@ static bool compare_rows(const char *what, uint32_t model_layer, const char *kin
     if (same == n_cells)
         printf("  bytes identical\n");
     else
-        printf("  max |diff| %.6g\n", maxd);
+        printf("  %6.2f%% of elements identical, max |diff| %.6g\n", el_all ? 100.0 * el_same / el_all : 0, maxd);
     return same == n_cells;
 }
 
