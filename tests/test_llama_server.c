@@ -4,8 +4,8 @@
  * without flash attention (V row-major, V transposed): llama-server computes a prompt and saves
  * its slot, kvbridge computes the same prompt and writes llama.cpp's state file, `kvbridge verify
  * --target llama.cpp --restore` restores it into slot 0 and decodes: llama-server must compute only
- * the last prompt token, its greedy reply must equal llama-server's alone, and a truncated file
- * must be refused with llama-server then computing the whole prompt itself and replying the same. */
+ * the last prompt token, its greedy reply must equal llama-server's alone, and a file of another
+ * version must be refused with llama-server then computing the whole prompt itself and replying the same. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -93,7 +93,7 @@ static void bridged_prompt(const char *fa, int port) {
     assert_non_null(strstr(g_out, "prefix reused"));
     assert_null(strstr(g_out, "NOT REUSED"));
     assert_non_null(strstr(g_out, "restored vs llama-server alone: identical"));
-    assert_non_null(strstr(g_out, "refused restore (truncated file): refused"));
+    assert_non_null(strstr(g_out, "refused restore (file version 2): refused"));
     assert_non_null(strstr(g_out, "reply the same"));
 }
 

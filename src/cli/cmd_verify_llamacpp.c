@@ -261,7 +261,7 @@ static bool slot_action(const server_addr *a, const char *action, const char *fi
     return rep != NULL;
 }
 
-/* Restores kvbridge's file into slot 0 and decodes; then a refused restore (a truncated copy)
+/* Restores kvbridge's file into slot 0 and decodes; then a refused restore (a copy of another version)
  * must leave llama-server computing the prompt itself with the same reply. Failed checks. */
 static int restore_checks(const server_addr *a, const char *dir, const int32_t *ids, uint32_t n, uint32_t n_restored,
                           int n_predict) {
@@ -280,19 +280,23 @@ static int restore_checks(const server_addr *a, const char *dir, const int32_t *
     printf("  greedy %d tokens, restored vs llama-server alone: %s\n", n_predict,
            !strcmp(alone, bridged) ? "identical" : "DIFFER");
     failed += !reused + !!strcmp(alone, bridged);
-    /* a refused restore: a truncated file; llama-server must fall back to computing the prompt */
+    /* a refused restore: kvbridge's file claiming another version (a truncated file is no test: this
+     * llama-server build aborts on one, which is why kvb_llama_state_save renames a finished file) */
     snprintf(path, sizeof path, "%s/%s", dir, OURS_FILE);
-    snprintf(bad, sizeof bad, "%s/kvb-verify-truncated.bin", dir);
+    snprintf(bad, sizeof bad, "%s/kvb-verify-refused.bin", dir);
     FILE *in = fopen(path, "rb"), *out = fopen(bad, "wb");
-    char buf[4096];
+    char buf[65536];
     size_t got, total = 0;
-    while (in && out && (got = fread(buf, 1, sizeof buf, in)) > 0 && total < 1024) total += fwrite(buf, 1, got, out);
+    while (in && out && (got = fread(buf, 1, sizeof buf, in)) > 0) {
+        if (total == 0 && got >= 8) buf[4] = 2; /* the version word, little-endian: 3 -> 2 */
+        total += fwrite(buf, 1, got, out);
+    }
     if (in) fclose(in);
     if (out) fclose(out);
-    const bool refused = slot_action(a, "erase", NULL) && !slot_action(a, "restore", "kvb-verify-truncated.bin");
+    const bool refused = slot_action(a, "erase", NULL) && !slot_action(a, "restore", "kvb-verify-refused.bin");
     const bool fell_back = complete(a, ids, n, n_predict, &fallback, &pn_fallback) && pn_fallback == pn_alone &&
                            !strcmp(fallback, alone);
-    printf("  refused restore (truncated file): %s; llama-server computed %d tokens itself, reply %s\n",
+    printf("  refused restore (file version 2): %s; llama-server computed %d tokens itself, reply %s\n",
            refused ? "refused" : "NOT REFUSED", pn_fallback, fell_back ? "the same" : "DIFFERS");
     failed += !refused + !fell_back;
     free(alone), free(bridged), free(fallback);

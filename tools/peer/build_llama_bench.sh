@@ -19,6 +19,7 @@
 #                   under the repository root)
 #   --amx           also enable AMX-TILE/INT8/BF16 (Sapphire Rapids+). ggml only uses
 #                   AMX after a runtime check, but the default build leaves it off.
+#   --avx2          AVX2 baseline only, no AVX-512 (hosts without it, e.g. the development machine)
 #   --jobs N        parallel build jobs (default 2; the dev machine has 2 shared cores)
 #   --force         clean rebuild even if OUT_DIR already holds this exact build
 #

@@ -7,7 +7,7 @@
 # download): the server's HTTP API is all kvbridge uses. No Python is needed to run it.
 #
 # usage: tools/peer/build_llama_server.sh OUT_DIR [options]
-#   --version V, --sdist FILE, --work DIR, --amx, --jobs N, --force
+#   --version V, --sdist FILE, --work DIR, --amx, --avx2, --jobs N, --force
 #                   as in llama_peer_build.sh
 #
 # Result: OUT_DIR/llama-server, OUT_DIR/libgomp.so.1, OUT_DIR/BUILD_INFO.txt

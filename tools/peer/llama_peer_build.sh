@@ -18,6 +18,9 @@
 #   --work DIR      extract/build directory (default $PEER_WORK, else build-peer/llama.cpp
 #                   under the repository root)
 #   --amx           also enable AMX-TILE/INT8/BF16 (Sapphire Rapids+; ggml checks at run time)
+#   --avx2          AVX2 baseline only (AVX, AVX2, FMA, F16C, BMI2; no AVX-512): for hosts without
+#                   AVX-512 such as the 2-core development machine; same build tree (only ggml-cpu
+#                   is recompiled when switching)
 #   --jobs N        parallel build jobs (default 2; the dev machine has 2 shared cores)
 #   --force         clean rebuild even if OUT_DIR already holds this exact build
 
@@ -29,12 +32,19 @@ PEER_PORTABLE_FLAGS=(
   -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
 )
 
+PEER_AVX2_FLAGS=(
+  -DGGML_NATIVE=OFF
+  -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+  -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
+)
+
 peer_usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit "${1:-0}"; }
 
 # parse the common options into OUT_DIR VERSION SDIST WORK AMX JOBS FORCE
 peer_parse() {
   OUT_DIR=""; VERSION="$PEER_DEFAULT_VERSION"; SDIST=""
   WORK="${PEER_WORK:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/build-peer/llama.cpp}"; AMX=0; JOBS=2; FORCE=0
+  AVX2=0
   while [ $# -gt 0 ]; do
     case "$1" in
       -h|--help) peer_usage 0 ;;
@@ -42,6 +52,7 @@ peer_parse() {
       --sdist) SDIST="$2"; shift 2 ;;
       --work) WORK="$2"; shift 2 ;;
       --amx) AMX=1; shift ;;
+      --avx2) AVX2=1; shift ;;
       --jobs) JOBS="$2"; shift 2 ;;
       --force) FORCE=1; shift ;;
       -*) echo "unknown option $1" >&2; peer_usage 2 ;;
@@ -135,6 +146,7 @@ INFO
 peer_main() {
   peer_parse "$@"
   FLAGS=("${PEER_PORTABLE_FLAGS[@]}")
+  if [ "$AVX2" = 1 ]; then FLAGS=("${PEER_AVX2_FLAGS[@]}"); fi
   if [ "$AMX" = 1 ]; then FLAGS+=(-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON); fi
   FLAGS_STR="${FLAGS[*]}"
   mkdir -p "$OUT_DIR" "$WORK"
