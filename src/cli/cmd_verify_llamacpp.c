@@ -46,8 +46,9 @@ static bool parse_url(const char *url, server_addr *a) {
     return true;
 }
 
-/* POSTs json to path; the parsed reply (caller deletes), or NULL after printing why. */
-static cJSON *post_json(const server_addr *a, const char *path, const char *json) {
+/* POSTs json to path; the parsed reply (caller deletes), or NULL after printing why (unless quiet:
+ * a refusal the caller expects). */
+static cJSON *post_json_q(const server_addr *a, const char *path, const char *json, bool quiet) {
     kvb_http_reply r = {0};
     kvb_err err = {0};
     if (kvb_http_post(a->host, a->port, path, json, HTTP_TIMEOUT_MS, &r, &err)) {
@@ -55,9 +56,14 @@ static cJSON *post_json(const server_addr *a, const char *path, const char *json
         return NULL;
     }
     cJSON *j = r.status == 200 ? cJSON_Parse(r.body) : NULL;
-    if (!j) fprintf(stderr, "kvbridge verify: llama-server %s: HTTP %d: %.400s\n", path, r.status, r.body ? r.body : "");
+    if (!j && !quiet)
+        fprintf(stderr, "kvbridge verify: llama-server %s: HTTP %d: %.400s\n", path, r.status, r.body ? r.body : "");
     kvb_http_reply_free(&r);
     return j;
+}
+
+static cJSON *post_json(const server_addr *a, const char *path, const char *json) {
+    return post_json_q(a, path, json, false);
 }
 
 /* K and V rows kvbridge's CPU engine encodes, gathered per (layer, position). */
@@ -252,13 +258,17 @@ static bool complete(const server_addr *a, const int32_t *ids, uint32_t n, int n
 }
 
 /* POST /slots/0?action=ACTION; true when llama-server accepted it. */
-static bool slot_action(const server_addr *a, const char *action, const char *file) {
+static bool slot_action_q(const server_addr *a, const char *action, const char *file, bool quiet) {
     char path[64], body[512];
     snprintf(path, sizeof path, "/slots/0?action=%s", action);
     snprintf(body, sizeof body, file ? "{\"filename\":\"%s\"}" : "{}", file ? file : "");
-    cJSON *rep = post_json(a, path, body);
+    cJSON *rep = post_json_q(a, path, body, quiet);
     cJSON_Delete(rep);
     return rep != NULL;
+}
+
+static bool slot_action(const server_addr *a, const char *action, const char *file) {
+    return slot_action_q(a, action, file, false);
 }
 
 /* Restores kvbridge's file into slot 0 and decodes; then a refused restore (a copy of another version)
@@ -293,7 +303,7 @@ static int restore_checks(const server_addr *a, const char *dir, const int32_t *
     }
     if (in) fclose(in);
     if (out) fclose(out);
-    const bool refused = slot_action(a, "erase", NULL) && !slot_action(a, "restore", "kvb-verify-refused.bin");
+    const bool refused = slot_action(a, "erase", NULL) && !slot_action_q(a, "restore", "kvb-verify-refused.bin", true);
     const bool fell_back = complete(a, ids, n, n_predict, &fallback, &pn_fallback) && pn_fallback == pn_alone &&
                            !strcmp(fallback, alone);
     printf("  refused restore (file version 2): %s; llama-server computed %d tokens itself, reply %s\n",

@@ -13,12 +13,13 @@
 #   --server BIN       llama-server binary (default $KVB_LLAMA_SERVER or build-peer/llama-server-bin/llama-server)
 #   --kvbridge BIN     kvbridge binary (default build/kvbridge)
 #   --threads N        threads for both (default 2)
+#   --server-arg ARG   one more llama-server argument (repeatable), e.g. --swa-full
 set -euo pipefail
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit "${1:-0}"; }
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 MODEL=""; FA=on; PROMPT=""; RESTORE=(); THREADS=2
 SERVER="${KVB_LLAMA_SERVER:-$ROOT/build-peer/llama-server-bin/llama-server}"; KVB="$ROOT/build/kvbridge"
-EXTRA=()
+EXTRA=(); SARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage 0 ;;
@@ -28,6 +29,7 @@ while [ $# -gt 0 ]; do
     --server) SERVER="$2"; shift 2 ;;
     --kvbridge) KVB="$2"; shift 2 ;;
     --threads) THREADS="$2"; shift 2 ;;
+    --server-arg) SARGS+=("$2"); shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     -*) echo "unknown option $1" >&2; usage 2 ;;
     *) if [ -z "$MODEL" ]; then MODEL="$1"; shift; else echo "extra argument $1" >&2; usage 2; fi ;;
@@ -38,7 +40,7 @@ done
 TMP="$(mktemp -d)"; mkdir -p "$TMP/slots"
 PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
 "$SERVER" -m "$MODEL" --host 127.0.0.1 --port "$PORT" -np 1 -c 4096 -t "$THREADS" -ctk f16 -ctv f16 \
-  --slot-save-path "$TMP/slots" -fa "$FA" --cache-ram 0 --no-webui --no-warmup >"$TMP/server.log" 2>&1 &
+  --slot-save-path "$TMP/slots" -fa "$FA" --cache-ram 0 --no-webui --no-warmup "${SARGS[@]}" >"$TMP/server.log" 2>&1 &
 SPID=$!
 trap 'kill $SPID 2>/dev/null; wait $SPID 2>/dev/null; rm -rf "$TMP"' EXIT
 for _ in $(seq 600); do
