@@ -66,6 +66,15 @@ static cJSON *post_json(const server_addr *a, const char *path, const char *json
     return post_json_q(a, path, json, false);
 }
 
+/* post_json of a request object, which it deletes. */
+static cJSON *post_obj(const server_addr *a, const char *path, cJSON *req) {
+    char *body = cJSON_PrintUnformatted(req);
+    cJSON_Delete(req);
+    cJSON *rep = body ? post_json(a, path, body) : NULL;
+    free(body);
+    return rep;
+}
+
 /* K and V rows kvbridge's CPU engine encodes, gathered per (layer, position). */
 typedef struct {
     uint32_t n_layer, n_pos;
@@ -206,10 +215,7 @@ static bool server_tokens(const server_addr *a, const char *model_path, const ch
     cJSON *req = cJSON_CreateObject();
     cJSON_AddStringToObject(req, "content", prompt);
     cJSON_AddBoolToObject(req, "add_special", 1);
-    char *body = cJSON_PrintUnformatted(req);
-    cJSON_Delete(req);
-    cJSON *rep = post_json(a, "/tokenize", body);
-    free(body);
+    cJSON *rep = post_obj(a, "/tokenize", req);
     const cJSON *toks = rep ? cJSON_GetObjectItem(rep, "tokens") : NULL;
     const int nt = cJSON_IsArray(toks) ? cJSON_GetArraySize(toks) : 0;
     *n = 0;
@@ -244,10 +250,7 @@ static bool complete(const server_addr *a, const int32_t *ids, uint32_t n, int n
     cJSON_AddNumberToObject(req, "id_slot", 0);
     cJSON_AddBoolToObject(req, "cache_prompt", 1);
     cJSON_AddNumberToObject(req, "temperature", 0);
-    char *body = cJSON_PrintUnformatted(req);
-    cJSON_Delete(req);
-    cJSON *rep = post_json(a, "/completion", body);
-    free(body);
+    cJSON *rep = post_obj(a, "/completion", req);
     const cJSON *c = rep ? cJSON_GetObjectItem(rep, "content") : NULL;
     const cJSON *tm = rep ? cJSON_GetObjectItem(rep, "timings") : NULL;
     const cJSON *pn = tm ? cJSON_GetObjectItem(tm, "prompt_n") : NULL;
