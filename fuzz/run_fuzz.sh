@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # fuzz/run_fuzz.sh BUILD_DIR SECONDS — configures BUILD_DIR with clang and -DKVB_FUZZ=ON, builds
-# the fuzzers (GGUF reader, tokenizer, wire protocol, HTTP request path) and their seed
+# the fuzzers (GGUF reader, tokenizer, wire protocol, HTTP request path, llama.cpp state file) and their seed
 # generators, writes fresh seeds, and runs each with libFuzzer for SECONDS (default 60),
 # KVB_FUZZ_JOBS of them at once (default 2: each fuzzer is one process on one core, so on CI's two
 # cores two at a time give each its full SECONDS in half the wall time). Each fuzzer's output goes
@@ -21,7 +21,7 @@ jobs=${KVB_FUZZ_JOBS:-2}
 cmake -S "$src" -B "$build" -G Ninja -DCMAKE_C_COMPILER=clang -DKVB_FUZZ=ON -DKVB_CUDA=OFF \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build "$build" -j "$jobs" --target fuzz_gguf fuzz_gguf_seeds fuzz_tokenize fuzz_wire fuzz_wire_seeds \
-  fuzz_http_request fuzz_http_seeds
+  fuzz_http_request fuzz_http_seeds fuzz_llama_state fuzz_llama_state_seeds
 
 work=$build/fuzz
 mkdir -p "$work/artifacts"
@@ -33,7 +33,8 @@ fresh_seeds() { # fresh_seeds SEEDS_PROGRAM DIR: the seed writer's corpus, writt
 fresh_seeds fuzz_gguf_seeds "$work/seeds"
 fresh_seeds fuzz_wire_seeds "$work/wireseeds"
 fresh_seeds fuzz_http_seeds "$work/httpseeds"
-mkdir -p "$work/corpus" "$work/tokcorpus" "$work/wirecorpus" "$work/httpcorpus"
+fresh_seeds fuzz_llama_state_seeds "$work/llamaseeds"
+mkdir -p "$work/corpus" "$work/tokcorpus" "$work/wirecorpus" "$work/httpcorpus" "$work/llamacorpus"
 
 common=(-max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -artifact_prefix="$work/artifacts/"
   -print_final_stats=1)
@@ -46,6 +47,7 @@ fuzz_tokenize() {
 }
 fuzz_wire() { "$work/fuzz_wire" "${common[@]}" -max_len=8192 "$work/wirecorpus" "$work/wireseeds"; }
 fuzz_http_request() { "$work/fuzz_http_request" "${common[@]}" -max_len=8192 "$work/httpcorpus" "$work/httpseeds"; }
+fuzz_llama_state() { "$work/fuzz_llama_state" "${common[@]}" -max_len=4096 "$work/llamacorpus" "$work/llamaseeds"; }
 
 failed=0
 finish() { # finish NAME PID: waits for one fuzzer, prints its stats (its whole log if it failed)
@@ -60,7 +62,7 @@ finish() { # finish NAME PID: waits for one fuzzer, prints its stats (its whole 
 }
 names=()
 pids=()
-for name in fuzz_gguf fuzz_tokenize fuzz_wire fuzz_http_request; do
+for name in fuzz_gguf fuzz_tokenize fuzz_wire fuzz_http_request fuzz_llama_state; do
   echo "$name: running for $secs s (log $work/$name.log)"
   "$name" >"$work/$name.log" 2>&1 &
   names+=("$name")

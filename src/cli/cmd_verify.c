@@ -119,10 +119,29 @@ int kvb_cmd_verify(int argc, char **argv) {
     char *paths[16] = {0};
     int n_presets = 0, n_lens = 0, device_index = 0;
     uint32_t lens[8];
-    bool perturb = false;
-    long long gpus = 1, threads_arg = 0;
+    bool perturb = false, restore = false;
+    long long gpus = 1, threads_arg = 0, n_predict = 16;
     kvb_opt_list preset_list = {0};
+    static const char *const targets[] = {"kvbridge", "llama.cpp", NULL};
+    int target = 0;
+    const char *server = NULL, *slot_dir = NULL, *slot_file = NULL, *prompt = "The capital of France is";
     const kvb_opt opts[] = {
+        {.long_name = "target", .kind = KVB_OPT_ENUM, .dst = &target, .choices = targets, .def = "kvbridge",
+         .help = "the decoder whose cache is verified: kvbridge's own, or a stock llama-server (llama.cpp's "
+                 "state format; needs --model and --server or --slot-file)"},
+        {.long_name = "server", .kind = KVB_OPT_STRING, .dst = &server, .meta = "URL",
+         .help = "llama.cpp: http://HOST:PORT of a llama-server run with --slot-save-path DIR -np 1"},
+        {.long_name = "slot-dir", .kind = KVB_OPT_STRING, .dst = &slot_dir, .meta = "DIR",
+         .help = "llama.cpp: that server's --slot-save-path (kvbridge's file is written there too)"},
+        {.long_name = "slot-file", .kind = KVB_OPT_STRING, .dst = &slot_file, .meta = "FILE",
+         .help = "llama.cpp, without --server: a slot file llama-server saved"},
+        {.long_name = "prompt", .kind = KVB_OPT_STRING, .dst = &prompt, .meta = "TEXT",
+         .def = "The capital of France is", .help = "llama.cpp: the prompt llama-server computes"},
+        {.long_name = "restore", .kind = KVB_OPT_FLAG, .dst = &restore,
+         .help = "llama.cpp: restore kvbridge's file into slot 0, decode, compare with llama-server alone; "
+                 "then a refused restore must fall back to llama-server computing the prompt"},
+        {.long_name = "n-predict", .kind = KVB_OPT_INT, .dst = &n_predict, .meta = "N", .lo = 1, .hi = 4096,
+         .def = "16", .help = "llama.cpp with --restore: greedy tokens compared"},
         {.long_name = "preset", .kind = KVB_OPT_LIST, .dst = &preset_list, .meta = "NAME",
          .help = "generate (once, into models/) and verify this preset (default: tiny, tiny-qwen2, tiny-qwen3, "
                  "tiny-llama3, tiny-gemma3)"},
@@ -142,7 +161,9 @@ int kvb_cmd_verify(int argc, char **argv) {
     };
     const kvb_cli_spec spec = {
         .name = "verify", .opts = opts,
-        .usage = "[--preset NAME]... [--model FILE] [--device cpu|cuda [--gpus N]] [--threads T] [--perturb]",
+        .usage = "[--preset NAME]... [--model FILE] [--device cpu|cuda [--gpus N]] [--threads T] [--perturb]\n"
+                 "--target llama.cpp --model FILE (--server URL --slot-dir DIR [--restore] | --slot-file FILE) "
+                 "[--prompt TEXT]",
         .about = "Proves the bridge computes the decoder's own cache: for each model and each cache format (f32, "
                  "f16, bf16, q8_0) it compares, bit for bit,\n"
                  "  arrays   every layer's K and V written by the bridge vs by the decoder's own forward\n"
@@ -150,7 +171,9 @@ int kvb_cmd_verify(int argc, char **argv) {
                  "  chunked  bridge output computed in odd 5-token chunks vs in one shot\n"
                  "  bytes    the slab bytes shipped, by layer kind, equal the rule: global layers every position,\n"
                  "           local (sliding-window) layers only the positions the decoder keeps\n"
-                 "and exits 1 if any row is short."};
+                 "and exits 1 if any row is short. With --target llama.cpp it compares, per layer and K/V, the cache a "
+                 "stock llama-server saves for a prompt with the same cache kvbridge computes and writes in "
+                 "llama.cpp's state format (identical cells, or the largest absolute difference)."};
     int prc = kvb_cli_parse(&spec, argc, argv);
     if (prc != KVB_CLI_GO) return prc;
     if (preset_list.n > 16) return kvb_cli_usage_error(&spec, "at most 16 presets");
@@ -159,6 +182,26 @@ int kvb_cmd_verify(int argc, char **argv) {
             return kvb_cli_usage_error(&spec, "unknown preset '%s' (kvbridge gen-model --help lists them)",
                                        preset_list.v[i]);
         presets[n_presets++] = preset_list.v[i];
+    }
+    if (target == 1) {
+        if (!model || (!server == !slot_file) || (server && !slot_dir))
+            return kvb_cli_usage_error(&spec, "--target llama.cpp needs --model and either --server with "
+                                              "--slot-dir or --slot-file");
+        char dir[4096];
+        if (!slot_dir) { /* kvbridge's file goes beside the one given */
+            snprintf(dir, sizeof dir, "%s", slot_file);
+            char *slash = strrchr(dir, '/');
+            if (slash)
+                *slash = 0;
+            else
+                snprintf(dir, sizeof dir, ".");
+            slot_dir = dir;
+        }
+        const kvb_verify_llamacpp_opts lo = {.model = model, .prompt = prompt, .server = server,
+                                             .slot_dir = slot_dir, .slot_file = slot_file,
+                                             .threads = (int)threads_arg, .restore = restore,
+                                             .n_predict = (int)n_predict};
+        return kvb_verify_llamacpp(&lo);
     }
     if (!parse_bytes_at(bytes_at, lens, &n_lens)) return 2;
     const char *device = kvb_cli_device_names[device_index];

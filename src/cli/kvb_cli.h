@@ -19,6 +19,18 @@ int kvb_cmd_demo(int argc, char **argv);
 int kvb_cmd_tokenize(int argc, char **argv);
 int kvb_cmd_inspect(int argc, char **argv);
 int kvb_cmd_verify(int argc, char **argv);
+/* `verify --target llama.cpp` (cmd_verify_llamacpp.c): a stock llama-server's saved slot vs the
+ * same cache computed by kvbridge in llama.cpp's state format. */
+typedef struct {
+    const char *model, *prompt;
+    const char *server;    /* http://HOST:PORT of a llama-server run with --slot-save-path slot_dir; or NULL */
+    const char *slot_dir;  /* where llama-server saves slots (kvbridge's file goes there too) */
+    const char *slot_file; /* without a server: a slot file llama-server saved before */
+    int threads;
+    bool restore;          /* with a server: restore kvbridge's file and decode, and a refused restore */
+    int n_predict;
+} kvb_verify_llamacpp_opts;
+int kvb_verify_llamacpp(const kvb_verify_llamacpp_opts *o);
 int kvb_cmd_serve(int argc, char **argv);
 int kvb_cmd_doctor(int argc, char **argv);
 /* `kvbridge bench ladder` (cmd_bench_ladder.c), dispatched by kvb_cmd_bench, which hands each

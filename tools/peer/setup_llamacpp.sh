@@ -23,7 +23,7 @@
 #   --no-install        with --wheel-dir: only build the wheels, no venv
 set -euo pipefail
 
-# keep in sync with build_llama_bench.sh
+# keep in sync with llama_peer_build.sh (build_llama_bench.sh, build_llama_server.sh)
 DEFAULT_VERSION="${PEER_LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 PORTABLE_FLAGS="-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
 AMX_FLAGS="-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON"

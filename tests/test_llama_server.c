@@ -1,0 +1,116 @@
+/* tests/test_llama_server.c — kvbridge's cache restored into a stock llama-server (built by
+ * tools/peer/build_llama_server.sh; $KVB_LLAMA_SERVER, else build-peer/llama-server-bin/llama-server
+ * in the source tree; every case skips without it). For a generated tiny-llama3 model, with and
+ * without flash attention (V row-major, V transposed): llama-server computes a prompt and saves
+ * its slot, kvbridge computes the same prompt and writes llama.cpp's state file, `kvbridge verify
+ * --target llama.cpp --restore` restores it into slot 0 and decodes: llama-server must compute only
+ * the last prompt token, its greedy reply must equal llama-server's alone, and a file of another
+ * version must be refused with llama-server then computing the whole prompt itself and replying the same. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "kvb_core.h"
+#include "kvb_node.h"
+#include "kvbt.h"
+
+static char g_out[1 << 17];
+
+static const char *llama_server_path(char *buf, size_t cap) {
+    const char *env = getenv("KVB_LLAMA_SERVER"), *src = getenv("KVB_SOURCE_DIR");
+    if (env && *env) snprintf(buf, cap, "%s", env);
+    else snprintf(buf, cap, "%s/build-peer/llama-server-bin/llama-server", src ? src : ".");
+    return access(buf, X_OK) == 0 ? buf : NULL;
+}
+
+/* Starts llama-server on port with the model and slot dir; waits until it answers /tokenize. */
+static pid_t start_server(const char *bin, const char *model, const char *slots, int port, const char *fa) {
+    char port_s[16], log[512];
+    snprintf(port_s, sizeof port_s, "%d", port);
+    kvbt_tmp_path(log, sizeof log, "llama-server.log");
+    pid_t pid = fork();
+    if (pid == 0) {
+        FILE *f = freopen(log, "a", stderr);
+        (void)f;
+        dup2(2, 1);
+        execl(bin, bin, "-m", model, "--host", "127.0.0.1", "--port", port_s, "-np", "1", "-c", "1024", "-t", "2",
+              "--slot-save-path", slots, "-fa", fa, "--cache-ram", "0", "--no-webui", "--no-warmup", (char *)NULL);
+        _exit(127);
+    }
+    assert_true(pid > 0);
+    for (int i = 0; i < 600; i++) {
+        kvb_http_reply r = {0};
+        kvb_err err = {0};
+        if (!kvb_http_post("127.0.0.1", (uint16_t)port, "/tokenize", "{\"content\":\"a\"}", 2000, &r, &err) &&
+            r.status == 200) {
+            kvb_http_reply_free(&r);
+            return pid;
+        }
+        kvb_http_reply_free(&r);
+        if (waitpid(pid, NULL, WNOHANG) == pid) fail_msg("llama-server exited; its log: %s", log);
+        usleep(100000);
+    }
+    kill(pid, SIGTERM);
+    fail_msg("llama-server did not come up in 60 s; its log: %s", log);
+    return -1;
+}
+
+static void stop_server(pid_t pid) {
+    kill(pid, SIGTERM);
+    waitpid(pid, NULL, 0);
+}
+
+static void bridged_prompt(const char *fa, int port) {
+    char bin[1024], model[512], slots[512], cmd[4096];
+    if (!llama_server_path(bin, sizeof bin)) {
+        print_message("SKIP: no llama-server at %s (tools/peer/build_llama_server.sh build-peer/llama-server-bin, "
+                      "or set KVB_LLAMA_SERVER)\n", bin);
+        skip();
+    }
+    kvbt_tmp_path(model, sizeof model, "tiny-llama3-q8_0.gguf");
+    kvbt_tmp_path(slots, sizeof slots, fa);
+    mkdir(slots, 0755);
+    snprintf(cmd, sizeof cmd, "[ -f '%s' ] || '%s' gen-model --preset tiny-llama3 --type q8_0 --out '%s' --quiet",
+             model, kvbt_bin(), model);
+    assert_int_equal(kvbt_sh(cmd, g_out, sizeof g_out, 1), 0);
+    pid_t pid = start_server(bin, model, slots, port, fa);
+    snprintf(cmd, sizeof cmd, "'%s' verify --target llama.cpp --model '%s' --server http://127.0.0.1:%d "
+             "--slot-dir '%s' --restore --n-predict 24 --threads 2 --prompt 'Once upon a time there was a "
+             "prefill node and a decode node, and they shared one cache.' 2>&1", kvbt_bin(), model, port, slots);
+    kvbt_sh(cmd, g_out, sizeof g_out, 1);
+    stop_server(pid);
+    print_message("%s\n", g_out);
+    assert_non_null(strstr(g_out, !strcmp(fa, "on") ? "V row-major (flash attention)" : "V transposed"));
+    assert_non_null(strstr(g_out, "prefix reused"));
+    assert_null(strstr(g_out, "NOT REUSED"));
+    assert_non_null(strstr(g_out, "restored vs llama-server alone: identical"));
+    assert_non_null(strstr(g_out, "refused restore (file version 2): refused"));
+    assert_non_null(strstr(g_out, "reply the same"));
+}
+
+static void test_restore_flash_attention(void **state) {
+    (void)state;
+    bridged_prompt("on", 21000 + getpid() % 20000);
+}
+
+static void test_restore_v_transposed(void **state) {
+    (void)state;
+    bridged_prompt("off", 41000 + getpid() % 20000);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_restore_flash_attention),
+        cmocka_unit_test(test_restore_v_transposed),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
