@@ -453,6 +453,23 @@ static void test_fault_other_model(void **state) {
     check_fault(NULL, g_other, PSK, true, 10000, "declined: prefill node unavailable", 0, NULL);
 }
 
+/* The link faults with both nodes on the UCX backend, payloads of 4 KiB and more through the
+ * decode node's receive ring (KVB_UCX_TAG_MIN: the tiny model's slabs are 16 KiB): a corrupt slab
+ * and a killed peer resumed to complete, a stall, a wrong key; the same verdicts and answers as
+ * over TCP. */
+static void test_faults_over_ucx(void **state) {
+    (void)state;
+    kvb_err err = {0};
+    if (kvb_wire_backend_by_name("ucx", &g_backend, &err)) skip();
+    setenv("KVB_UCX_TAG_MIN", "4096", 1);
+    check_fault("corrupt:70x1", g_model, PSK, true, 10000, "complete", 2, FAULT_CORRUPT);
+    check_fault("die:70x1", g_model, PSK, true, 10000, "complete", 2, FAULT_LOST);
+    check_fault("stall:10", g_model, PSK, true, 400, "partial ", 1, "kvbridge_bridge_faults_total{kind=\"timeout\"} ");
+    check_fault(NULL, g_model, "another-key-0123456789", true, 10000, "declined: prefill node unavailable", 0, NULL);
+    unsetenv("KVB_UCX_TAG_MIN");
+    g_backend = NULL;
+}
+
 static void reference_engine(kvb_model **m, kvb_engine **e, kvb_seq **s);
 static void reference_engine_free(kvb_model *m, kvb_engine *e, kvb_seq *s);
 
@@ -1700,6 +1717,7 @@ int main(void) {
         cmocka_unit_test(test_multiturn_ships_only_increments),
         cmocka_unit_test(test_multiturn_one_lane),
         cmocka_unit_test(test_multiturn_over_ucx),
+        cmocka_unit_test(test_faults_over_ucx),
         cmocka_unit_test(test_multiturn_three_lanes),
         cmocka_unit_test(test_lane_group_on_the_wire),
         cmocka_unit_test(test_pipelined_tail_edges),
