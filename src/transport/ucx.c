@@ -32,6 +32,7 @@
  * the ring's bounds are enforced by the rkey only on RDMA. */
 #include <errno.h>
 #include <netdb.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
@@ -122,7 +123,7 @@ static void ctx_init(void) {
     g_ctx_status = ucp_config_read(NULL, NULL, &config);
     if (g_ctx_status != UCS_OK) return;
     ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
-                      .features = UCP_FEATURE_STREAM | UCP_FEATURE_TAG | UCP_FEATURE_RMA,
+                      .features = UCP_FEATURE_STREAM | UCP_FEATURE_TAG | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
                       .mt_workers_shared = 0};
     g_ctx_status = ucp_init(&p, config, &g_ctx);
     ucp_config_release(config);
@@ -144,8 +145,8 @@ static kvb_status new_worker(ucp_worker_h *out, const char *what, kvb_err *err) 
     return KVB_OK;
 }
 
-/* Backs off while nothing happens: spins first (a stream in full flow), then yields, then sleeps
- * up to 200 us (an idle connection waiting for its next request costs little CPU). */
+/* Backs off while nothing happens (the listener): spins first, then yields, then sleeps up to
+ * 200 us (waiting for a connection costs little CPU). */
 static void idle_backoff(unsigned *idle) {
     unsigned n = (*idle)++;
     if (n < 512) return;
@@ -162,6 +163,44 @@ static unsigned progress(ucx_link *u) {
     unsigned n = ucp_worker_progress(u->worker);
     if (u->dworker) n += ucp_worker_progress(u->dworker);
     return n;
+}
+
+/* Waits while nothing happens on the link: spins first (a stream in full flow), then yields, then
+ * sleeps in poll on the workers' event fds, armed so that any event on them (a fragment, a
+ * completion, a connection event) wakes it at once, at most WIRE_CANCEL_POLL_MS or until the
+ * deadline (the caller then looks at its cancel flag and the deadline again). Where a worker cannot
+ * be armed it sleeps as idle_backoff. UCX's TCP moves only when progressed: with fixed sleeps a
+ * tagged flow over TCP lanes on loopback ran at 0.13-0.18 GB/s, never sleeping 0.35 (all of a
+ * core), woken by the fds 0.17-0.19 (same load); over shared memory the two are level. */
+static void idle_wait(ucx_link *u, unsigned *idle, double deadline) {
+    unsigned n = (*idle)++;
+    if (n < 512) return;
+    if (n < 4096) {
+        sched_yield();
+        return;
+    }
+    struct pollfd fds[2];
+    nfds_t nf = 0;
+    ucs_status_t s = UCS_ERR_UNSUPPORTED;
+    pthread_mutex_lock(&u->lock);
+    if (!u->dead) {
+        ucp_worker_h w[2] = {u->worker, u->dworker};
+        s = UCS_OK;
+        for (int i = 0; i < 2 && w[i] && s == UCS_OK; i++) {
+            int fd = -1;
+            s = ucp_worker_get_efd(w[i], &fd);
+            if (s == UCS_OK) s = ucp_worker_arm(w[i]);
+            if (s == UCS_OK) fds[nf++] = (struct pollfd){.fd = fd, .events = POLLIN};
+        }
+    }
+    pthread_mutex_unlock(&u->lock);
+    if (s == UCS_ERR_BUSY) return; /* events are waiting: progress again */
+    if (s != UCS_OK) {
+        idle_backoff(idle);
+        return;
+    }
+    int ms = wire_ms_left(deadline);
+    poll(fds, nf, ms < WIRE_CANCEL_POLL_MS ? ms : WIRE_CANCEL_POLL_MS);
 }
 
 /* Why a wait must end now (KVB_OK: it may go on). */
@@ -225,7 +264,7 @@ static kvb_status wait_request(ucx_link *u, ucs_status_ptr_t req, bool is_send, 
         }
         pthread_mutex_unlock(&u->lock);
         if (n) idle = 0;
-        else idle_backoff(&idle);
+        else idle_wait(u, &idle, deadline);
     }
 }
 
@@ -544,7 +583,7 @@ static kvb_status ring_claim(ucx_link *u, uint64_t n, uint64_t *at, double deadl
                                 : wait_check(u, deadline, "send to", err);
         if (st) return kvb_err_prefix(err, "waiting for room in the peer's receive ring: ");
         if (k) idle = 0;
-        else idle_backoff(&idle);
+        else idle_wait(u, &idle, deadline);
     }
 }
 
@@ -656,7 +695,7 @@ static kvb_status recv_tagged(ucx_link *u, uint8_t *dst, size_t n, double deadli
             pthread_mutex_unlock(&u->lock);
             if (s != UCS_INPROGRESS || wait_check(u, deadline, "receive from", err) != KVB_OK) break;
             if (k) idle = 0;
-            else idle_backoff(&idle);
+            else idle_wait(u, &idle, deadline);
         }
     }
     kvb_status st = wait_request(u, req, false, deadline, "receive from", err);
@@ -714,7 +753,7 @@ static kvb_status recv_exact(ucx_link *u, uint8_t *dst, size_t n, double deadlin
             return st;
         }
         if (progressed) idle = 0;
-        else idle_backoff(&idle);
+        else idle_wait(u, &idle, deadline);
     }
     return KVB_OK;
 }
