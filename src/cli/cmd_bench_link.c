@@ -144,6 +144,21 @@ static void *raw_recv_main(void *arg) {
     return NULL;
 }
 
+/* A sender's end (st: how its sending went): PING, and the PONG as the acknowledgement; the time it
+ * came, whether all went well (a failed end shuts its connection down). */
+static void *ping_acked(stream_end *s, kvb_status st) {
+    kvb_msg pong;
+    if (!st) st = kvb_conn_send_ping(s->conn, 42, 10000, &s->err);
+    if (!st) st = kvb_conn_recv(s->conn, 60000, &pong, &s->err);
+    if (!st && pong.type != KVB_FRAME_PONG)
+        st = kvb_err_set(&s->err, KVB_ERR_FORMAT, "the listener answered PING with frame type %u, not PONG",
+                         (unsigned)pong.type);
+    s->done_s = kvb_now_s();
+    s->ok = st == KVB_OK;
+    if (!s->ok) kvb_conn_shutdown(s->conn);
+    return NULL;
+}
+
 /* The framed leg's sender: SLAB frames (each slab's checksum computed here), then PING; the PONG
  * is the acknowledgement. */
 static void *slab_send_main(void *arg) {
@@ -157,16 +172,7 @@ static void *slab_send_main(void *arg) {
         m.checksum = kvb_slab_checksum(m.k, m.k_bytes, m.v, m.v_bytes);
         st = kvb_conn_send_slab(s->conn, 1, &m, 60000, &s->err);
     }
-    kvb_msg pong;
-    if (!st) st = kvb_conn_send_ping(s->conn, 42, 10000, &s->err);
-    if (!st) st = kvb_conn_recv(s->conn, 60000, &pong, &s->err);
-    if (!st && pong.type != KVB_FRAME_PONG)
-        st = kvb_err_set(&s->err, KVB_ERR_FORMAT, "the listener answered PING with frame type %u, not PONG",
-                         (unsigned)pong.type);
-    s->done_s = kvb_now_s();
-    s->ok = st == KVB_OK;
-    if (!s->ok) kvb_conn_shutdown(s->conn);
-    return NULL;
+    return ping_acked(s, st);
 }
 
 /* The raw UCX leg's sender: UCX's own puts of the bytes into the peer's advertised receive ring
@@ -179,16 +185,7 @@ static void *raw_put_main(void *arg) {
         s->no_ring = true;
         st = KVB_OK;
     }
-    kvb_msg pong;
-    if (!st) st = kvb_conn_send_ping(s->conn, 42, 10000, &s->err);
-    if (!st) st = kvb_conn_recv(s->conn, 60000, &pong, &s->err);
-    if (!st && pong.type != KVB_FRAME_PONG)
-        st = kvb_err_set(&s->err, KVB_ERR_FORMAT, "the listener answered PING with frame type %u, not PONG",
-                         (unsigned)pong.type);
-    s->done_s = kvb_now_s();
-    s->ok = st == KVB_OK;
-    if (!s->ok) kvb_conn_shutdown(s->conn);
-    return NULL;
+    return ping_acked(s, st);
 }
 
 /* The framed leg's receiver: verifies every slab's checksum until PING, answers PONG. */
