@@ -4,8 +4,11 @@
  * the receiver verifies it, as the bridge and the store do), each way over one connection or over
  * --streams connections at once (N / streams bytes on each, one sending and one receiving thread
  * per connection, started together, as a decode node stripes a request's slabs over its lanes),
- * timed from the first byte to the last acknowledgement; alternated, medians of --reps. One side
- * listens, the other connects (two hosts, two namespaces, or one machine). */
+ * timed from the first byte to the last acknowledgement; alternated, medians of --reps. With
+ * --transport ucx the framed leg also runs over UCX, and UCX's own put bandwidth (ucp_put_nbx of
+ * the same bytes into the receive ring the listener registered and advertised, nothing framed or
+ * checked) is measured beside it as the ceiling. One side listens, the other connects (two hosts,
+ * two namespaces, or one machine). */
 #include <netdb.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -473,6 +476,26 @@ double kvb_bench_raw_remote_gbs(const char *addr, uint64_t bytes, size_t piece, 
     return gbs;
 }
 
+/* The UCX legs' medians beside kvbridge's TCP transport (mf) and the raw TCP link (mr). */
+static void print_ucx(double *over_ucx, double *ucx_put, int reps, double mf, double mr) {
+    double mu = kvb_median_sort(over_ucx, reps), mp = kvb_median_sort(ucx_put, reps);
+    char lanes[256];
+    kvb_ucx_last_lanes(lanes, sizeof lanes);
+    printf("over UCX   %.3f GB/s (the same frames over UCX: payloads of 64 KiB up to a quarter of the receiver's "
+           "registered ring put into it, headers on its stream API as the signal; tagged rendezvous messages when "
+           "larger, or when every lane is TCP; lanes: %s)\n",
+           mu, lanes);
+    if (mp > 0)
+        printf("raw UCX    %.3f GB/s (UCX's own ucp_put_nbx of the same bytes into the receiver's ring, nothing "
+               "checked)\nratio      %.2fx kvbridge's TCP transport, %.0f %% of UCX's raw put, %.0f %% of the raw "
+               "TCP link\n",
+               mp, mu / mf, 100.0 * mu / mp, 100.0 * mu / mr);
+    else
+        printf("raw UCX    no figure: the listener advertised no receive ring of a piece's size (KVB_UCX_RING)\n"
+               "ratio      %.2fx kvbridge's TCP transport, %.0f %% of the raw TCP link\n",
+               mu / mf, 100.0 * mu / mr);
+}
+
 static int measure(const char *addr, const char *psk, uint64_t bytes, size_t slab, int reps, uint32_t streams,
                    const kvb_wire_backend *ucx) {
     char host[128], port[16], tport[140], uport[140];
@@ -519,24 +542,7 @@ static int measure(const char *addr, const char *psk, uint64_t bytes, size_t sla
     printf("raw TCP    %.3f GB/s\nkvbridge   %.3f GB/s (SLAB frames: header and slab head hashed, the slab checksum of K || V computed and verified, authenticated link)\n"
            "ratio      %.0f %% of the raw link\n",
            mr, mf, 100.0 * mf / mr);
-    if (ucx) {
-        double mu = kvb_median_sort(over_ucx, reps), mp = kvb_median_sort(ucx_put, reps);
-        char lanes[256];
-        kvb_ucx_last_lanes(lanes, sizeof lanes);
-        printf("over UCX   %.3f GB/s (the same frames over UCX: payloads of 64 KiB up to a quarter of the receiver's "
-               "registered ring put into it, headers on its stream API as the signal, larger ones as tagged "
-               "rendezvous messages; lanes: %s)\n",
-               mu, lanes);
-        if (mp > 0)
-            printf("raw UCX    %.3f GB/s (UCX's own ucp_put_nbx of the same bytes into the receiver's ring, nothing "
-                   "checked)\nratio      %.2fx kvbridge's TCP transport, %.0f %% of UCX's raw put, %.0f %% of the raw "
-                   "TCP link\n",
-                   mp, mu / mf, 100.0 * mu / mp, 100.0 * mu / mr);
-        else
-            printf("raw UCX    no figure: the listener advertised no receive ring (KVB_UCX_RING=0)\n"
-                   "ratio      %.2fx kvbridge's TCP transport, %.0f %% of the raw TCP link\n",
-                   mu / mf, 100.0 * mu / mr);
-    }
+    if (ucx) print_ucx(over_ucx, ucx_put, reps, mf, mr);
     goto done;
 fail:
     fprintf(stderr, "kvbridge bench link: %s\n", err.msg);
@@ -555,8 +561,10 @@ int kvb_bench_link(int argc, char **argv) {
         KVB_CLI_STR("listen", &listen, "HOST:PORT", "serve: plain TCP on PORT and the transport on PORT+1"),
         KVB_CLI_STR("peer", &peer, "HOST:PORT", "measure against a listener there"),
         KVB_CLI_OPT_PSK(&psk, "pre-shared key, the same on both sides (or env KVB_PSK)"),
-        KVB_CLI_OPT_TRANSPORT(&transport, "ucx: each round's framed leg runs over kvbridge's TCP transport and then "
-                                          "over UCX (the listener serves UCX on PORT+2); both sides need the same"),
+        KVB_CLI_OPT_TRANSPORT(&transport, "ucx: each round's framed leg runs over kvbridge's TCP transport, then "
+                                          "over UCX (the listener serves UCX on PORT+2), then as UCX's own raw puts "
+                                          "of the same bytes into the listener's receive ring (the ceiling); both "
+                                          "sides need the same"),
         {.long_name = "bytes", .kind = KVB_OPT_SIZE, .dst = &bytes, .meta = "N", .def = "1G", .ulo = 1 << 20,
          .uhi = 1ULL << 40, .help = "bytes sent each way of sending, per round"},
         {.long_name = "slab-bytes", .kind = KVB_OPT_SIZE, .dst = &slab, .meta = "S", .def = "1M", .ulo = 4096,

@@ -337,7 +337,8 @@ kvb_status kvb_msg_lane_decode(const uint8_t *p, size_t n, kvb_msg_lane *m, kvb_
  * runs the same handshake over the ucp stream API, then (the `authenticated` hook) moves frames
  * onto an endpoint made from the peer's worker address so UCX may pick shared memory or RDMA. Each
  * side then registers a receive ring once and advertises its address and rkey: a payload of
- * 64 KiB up to a quarter of the ring is put one-sided into the peer's ring, and its 44-byte frame
+ * 64 KiB up to a quarter of the ring is put one-sided into the peer's ring (unless every lane is
+ * TCP, where UCX only emulates puts), and its 44-byte frame
  * header, sent on the stream after the put has landed, is the signal (both sides place payloads
  * in the ring the same way); the receiver copies it out, the frame's hashes and the slab checksum
  * are checked as over TCP, and credits (small tagged messages) give the room back. Larger payloads

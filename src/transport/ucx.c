@@ -14,8 +14,10 @@
  * landed), and its header on the stream is the signal: both sides place payloads in the ring by
  * the same rule, the receiver copies the payload into the caller's buffer, the frame hash and the
  * slab checksum are then checked exactly as over TCP, and every eighth of the ring consumed goes
- * back to the sender as a credit (a small tagged message). Larger payloads follow their header as
- * tagged messages (UCX's rendezvous). Why puts: a rendezvous completes only once the receiver has
+ * back to the sender as a credit (a small tagged message). Larger payloads, and every large payload
+ * when all lanes are TCP (UCX 1.13 emulates puts there, slower than its rendezvous), follow their
+ * header as tagged messages (UCX's rendezvous). Idle waits sleep in poll on the workers' armed
+ * event fds. Why puts: a rendezvous completes only once the receiver has
  * posted its receive and pulled the bytes, so a sender whose send must finish before it returns
  * (the backend contract: the caller's K and V are reusable after send_frame) has one slab in flight
  * and waits a round trip per slab; into the ring it has up to a ring of slabs in flight and never
