@@ -100,6 +100,13 @@ static void multiturn_ships_only_increments(uint32_t lanes) {
     kvb_decode_node *nat = start_decode(0, PSK, 10000);
     /* the lanes were connected at start, before any request */
     assert_true(kvbt_metric(kvb_decode_node_port(dn), "kvbridge_peer_up ") == 1);
+    /* what carries the link shows: tcp, or ucx and the lanes UCX selected */
+    char carried[320] = "kvbridge_peer_transport{carried_by=\"tcp\"} ", ucx_lanes[256];
+    if (g_backend) {
+        kvb_ucx_last_lanes(ucx_lanes, sizeof ucx_lanes);
+        snprintf(carried, sizeof carried, "kvbridge_peer_transport{carried_by=\"ucx %s\"} ", ucx_lanes);
+    }
+    if (kvbt_metric(kvb_decode_node_port(dn), carried) != 1) fail_msg("no sample %s1 in /metrics", carried);
     int32_t ids[1200];
     kvbt_prompt_ids(ids, 1200, 7);
     const int lens[] = {700, 900, 1200}; /* each turn extends the previous prompt */
