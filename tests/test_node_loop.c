@@ -100,6 +100,13 @@ static void multiturn_ships_only_increments(uint32_t lanes) {
     kvb_decode_node *nat = start_decode(0, PSK, 10000);
     /* the lanes were connected at start, before any request */
     assert_true(kvbt_metric(kvb_decode_node_port(dn), "kvbridge_peer_up ") == 1);
+    /* what carries the link shows: tcp, or ucx and the lanes UCX selected */
+    char carried[320] = "kvbridge_peer_transport{carried_by=\"tcp\"} ", ucx_lanes[256];
+    if (g_backend) {
+        kvb_ucx_last_lanes(ucx_lanes, sizeof ucx_lanes);
+        snprintf(carried, sizeof carried, "kvbridge_peer_transport{carried_by=\"ucx %s\"} ", ucx_lanes);
+    }
+    if (kvbt_metric(kvb_decode_node_port(dn), carried) != 1) fail_msg("no sample %s1 in /metrics", carried);
     int32_t ids[1200];
     kvbt_prompt_ids(ids, 1200, 7);
     const int lens[] = {700, 900, 1200}; /* each turn extends the previous prompt */
@@ -451,6 +458,23 @@ static void test_fault_wrong_key(void **state) {
 static void test_fault_other_model(void **state) {
     (void)state;
     check_fault(NULL, g_other, PSK, true, 10000, "declined: prefill node unavailable", 0, NULL);
+}
+
+/* The link faults with both nodes on the UCX backend, payloads of 4 KiB and more through the
+ * decode node's receive ring (KVB_UCX_TAG_MIN: the tiny model's slabs are 16 KiB): a corrupt slab
+ * and a killed peer resumed to complete, a stall, a wrong key; the same verdicts and answers as
+ * over TCP. */
+static void test_faults_over_ucx(void **state) {
+    (void)state;
+    kvb_err err = {0};
+    if (kvb_wire_backend_by_name("ucx", &g_backend, &err)) skip();
+    setenv("KVB_UCX_TAG_MIN", "4096", 1);
+    check_fault("corrupt:70x1", g_model, PSK, true, 10000, "complete", 2, FAULT_CORRUPT);
+    check_fault("die:70x1", g_model, PSK, true, 10000, "complete", 2, FAULT_LOST);
+    check_fault("stall:10", g_model, PSK, true, 400, "partial ", 1, "kvbridge_bridge_faults_total{kind=\"timeout\"} ");
+    check_fault(NULL, g_model, "another-key-0123456789", true, 10000, "declined: prefill node unavailable", 0, NULL);
+    unsetenv("KVB_UCX_TAG_MIN");
+    g_backend = NULL;
 }
 
 static void reference_engine(kvb_model **m, kvb_engine **e, kvb_seq **s);
@@ -1700,6 +1724,7 @@ int main(void) {
         cmocka_unit_test(test_multiturn_ships_only_increments),
         cmocka_unit_test(test_multiturn_one_lane),
         cmocka_unit_test(test_multiturn_over_ucx),
+        cmocka_unit_test(test_faults_over_ucx),
         cmocka_unit_test(test_multiturn_three_lanes),
         cmocka_unit_test(test_lane_group_on_the_wire),
         cmocka_unit_test(test_pipelined_tail_edges),

@@ -1,13 +1,20 @@
 /* tests/test_transport_ucx.c — the transport over the UCX backend on loopback (every case skips
  * when this build has no UCX). ctest runs it twice: with UCX's own choice (shared memory between
  * the endpoints) and with UCX_TLS=tcp; each run checks that the lanes UCX reports are the ones
- * that run allows. Cases: the handshake and a stream of PREFILL, SLABs of up to 24 MiB (bytes
- * intact, bit for bit), DONE and PING/PONG with matching counters; a wrong key refused on both
- * sides (KVB_ERR_AUTH); a corrupt payload (a frame whose bytes no longer match its hash) fails the
- * receive with KVB_ERR_CHECKSUM; a large payload shorter or longer than its header says is
- * KVB_ERR_FORMAT; a silent peer is a timeout within the deadline; a shutdown wakes a
- * blocked receive; a peer process killed mid-frame is KVB_ERR_PEER_GONE (the peer is this binary
- * run again, so it starts UCX afresh rather than inheriting the parent's state through fork). */
+ * that run allows; a third run sets KVB_UCX_RING=0 (no receive ring). Large payloads go through
+ * the ring only in the first: without a ring, or over TCP only, they go as tagged rendezvous
+ * messages. Cases: the handshake and a stream of PREFILL, SLABs of up to 24 MiB (bytes
+ * intact, bit for bit), DONE and PING/PONG with matching counters; 60 slabs of sizes around the
+ * ring path's bounds (64 KiB, a quarter of the ring and one byte more), laps of the ring and its
+ * credits, bit for bit; a wrong key refused on both sides (KVB_ERR_AUTH), and a SLAB sent in place
+ * of the handshake refused with nothing delivered; a corrupt payload (a frame whose bytes no
+ * longer match its hash) fails the receive with KVB_ERR_CHECKSUM, through the ring too, and a K
+ * corrupted after its slab checksum arrives as sent, so the consumer's check refuses it; a large
+ * payload shorter or longer than its header says is refused (KVB_ERR_FORMAT tagged, the ring's
+ * bytes where the header says do not hash: KVB_ERR_CHECKSUM); a silent peer is a timeout within
+ * the deadline; a shutdown wakes a blocked receive; a peer process killed mid-frame or between
+ * frames of a stream is KVB_ERR_PEER_GONE, not a hang (the peer is this binary run again, so it
+ * starts UCX afresh rather than inheriting the parent's state through fork). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -100,6 +107,13 @@ static void connect_pair(kvb_listener *l, kvb_conn **decode, kvb_conn **prefill)
     *prefill = j.conn;
 }
 
+/* Whether large payloads go through the receive ring in this run: not without one (KVB_UCX_RING=0),
+ * nor over TCP only (UCX_TLS=tcp), where they go tagged. */
+static bool ring_in_use(void) {
+    const char *ring = getenv("KVB_UCX_RING"), *tls = getenv("UCX_TLS");
+    return !(ring && !strcmp(ring, "0")) && !(tls && !strcmp(tls, "tcp"));
+}
+
 /* The lanes must be the ones this run allows: TCP only with UCX_TLS=tcp, else shared memory
  * (both ends are on this host) and no TCP. */
 static void check_lanes(kvb_conn *c) {
@@ -116,6 +130,8 @@ static void check_lanes(kvb_conn *c) {
         assert_non_null(strstr(d, "memory"));
         assert_null(strstr(d, "tcp/"));
     }
+    if (ring_in_use()) assert_non_null(strstr(d, "put into the peer's ring"));
+    else assert_null(strstr(d, "put into the peer's ring"));
     char last[256];
     kvb_ucx_last_lanes(last, sizeof last);
     assert_non_null(strstr(d, last));
@@ -214,6 +230,123 @@ static void test_handshake_and_stream(void **state) {
     kvb_listener_close(l);
 }
 
+/* A quarter of the receive ring (the largest payload it carries) as this run configures it. */
+static uint64_t ring_quarter(void) {
+    const char *e = getenv("KVB_UCX_RING");
+    uint64_t r = e && *e ? strtoull(e, NULL, 10) : 32u << 20;
+    return r ? r / 4 : 8u << 20;
+}
+
+/* Receives n SLABs and checks each, bit for bit, against what slab_of made for its index. */
+typedef struct {
+    kvb_conn *c;
+    int n;
+    const uint64_t *sizes; /* payload bytes, cycled */
+    int n_sizes;
+    const uint8_t *pool;
+    int got;
+    kvb_status st;
+    kvb_err err;
+} laps_job;
+
+/* Slab i of a stream: its payload is sizes[i % n] bytes; K and V are views into pool at offsets
+ * that depend on i, so every slab's bytes differ from its neighbours'. */
+static kvb_msg_slab slab_of(const laps_job *j, int i) {
+    const uint64_t kv = j->sizes[i % j->n_sizes] - KVB_SLAB_HEAD_BYTES, kb = kv / 2;
+    kvb_msg_slab sl = {.layer = (uint32_t)i, .pos0 = 0, .n = 1, .k = j->pool + i, .v = j->pool + 3 * i + 1,
+                       .k_bytes = kb, .v_bytes = kv - kb};
+    sl.checksum = XXH3_64bits(sl.k, kb) ^ XXH3_64bits(sl.v, kv - kb);
+    return sl;
+}
+
+static void *laps_main(void *arg) {
+    laps_job *j = arg;
+    for (; j->got < j->n; j->got++) {
+        kvb_msg m;
+        if ((j->st = kvb_conn_recv(j->c, IO_TIMEOUT_MS, &m, &j->err)) != KVB_OK) return NULL;
+        kvb_msg_slab want = slab_of(j, j->got);
+        if (m.type != KVB_FRAME_SLAB || m.u.slab.layer != want.layer || m.u.slab.k_bytes != want.k_bytes ||
+            m.u.slab.v_bytes != want.v_bytes || m.u.slab.checksum != want.checksum ||
+            memcmp(m.u.slab.k, want.k, want.k_bytes) != 0 || memcmp(m.u.slab.v, want.v, want.v_bytes) != 0) {
+            j->st = kvb_err_set(&j->err, KVB_ERR_FORMAT, "slab %d arrived different from what was sent", j->got);
+            return NULL;
+        }
+    }
+    return NULL;
+}
+
+/* 60 slabs of sizes around the ring path's bounds (below the threshold, at it, a quarter of the
+ * ring and one byte more, which goes tagged), several laps of the ring: every one bit for bit. */
+static void test_ring_laps(void **state) {
+    (void)state;
+    kvb_listener *l = listen_ucx();
+    kvb_conn *dc, *pc;
+    connect_pair(l, &dc, &pc);
+    const uint64_t q = ring_quarter();
+    const uint64_t sizes[] = {65536, q, (1u << 20) + 13, q + 1, 65535, (3u << 20) + 7};
+    uint8_t *pool = malloc(q + 256);
+    for (uint64_t i = 0; i < q + 256; i++) pool[i] = (uint8_t)(i * 2654435761u >> 13);
+    laps_job j = {.c = dc, .n = 60, .sizes = sizes, .n_sizes = 6, .pool = pool};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, laps_main, &j), 0);
+    kvb_err e = {0};
+    kvb_status st = KVB_OK;
+    for (int i = 0; i < j.n && !st; i++) {
+        kvb_msg_slab sl = slab_of(&j, i);
+        st = kvb_conn_send_slab(pc, 7, &sl, IO_TIMEOUT_MS, &e);
+    }
+    pthread_join(t, NULL);
+    if (st) fail_msg("send: %s", e.msg);
+    if (j.st) fail_msg("receive (after %d slabs): %s", j.got, j.err.msg);
+    assert_int_equal(j.got, j.n);
+    check_lanes(dc);
+    kvb_conn_stats ds, ps;
+    kvb_conn_get_stats(dc, &ds);
+    kvb_conn_get_stats(pc, &ps);
+    assert_int_equal(ds.bytes_received, ps.bytes_sent);
+    free(pool);
+    kvb_conn_close(dc);
+    kvb_conn_close(pc);
+    kvb_listener_close(l);
+}
+
+/* A SLAB (of a size the ring would carry) sent in place of the handshake: the accepting side
+ * refuses it and hands out no connection; nothing of it is delivered. */
+static void test_slab_before_handshake_refused(void **state) {
+    (void)state;
+    kvb_listener *l = listen_ucx();
+    accept_job j = {.l = l, .psk = PSK};
+    assert_int_equal(pthread_create(&j.thread, NULL, accept_main, &j), 0);
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", kvb_listener_port(l));
+    kvb_err e = {0};
+    double deadline;
+    assert_int_equal(wire_deadline(IO_TIMEOUT_MS, &deadline, &e), KVB_OK);
+    kvb_link *link = NULL;
+    assert_int_equal(UCX->connect(addr, deadline, &link, &e), KVB_OK);
+    const size_t n = 512 << 10;
+    uint8_t *p = calloc(1, n);
+    kvb_msg_slab sl = {.layer = 0, .pos0 = 0, .n = 1, .k = p + KVB_SLAB_HEAD_BYTES, .v = p + KVB_SLAB_HEAD_BYTES,
+                       .k_bytes = n - KVB_SLAB_HEAD_BYTES, .v_bytes = 0};
+    kvb_msg_slab_encode_head(&sl, p);
+    kvb_iov iov = {p, n};
+    kvb_frame_header h = {.type = KVB_FRAME_SLAB, .request_id = 1, .payload_len = n,
+                          .payload_hash = kvb_wire_frame_payload_hash(KVB_FRAME_SLAB, &iov, 1)};
+    uint8_t hdr[KVB_WIRE_HEADER_BYTES];
+    kvb_wire_header_encode(&h, hdr);
+    kvb_status sst = UCX->send_frame(link, hdr, &iov, 1, deadline, &e);
+    pthread_join(j.thread, NULL);
+    print_message("    accepting side: %s (the sender: %s)\n", j.err.msg, sst ? e.msg : "sent");
+    assert_int_not_equal(j.st, KVB_OK);
+    assert_null(j.conn);
+    kvb_listener_stats ls;
+    kvb_listener_get_stats(l, &ls);
+    assert_int_equal(ls.accepted, 0);
+    UCX->close(link);
+    free(p);
+    kvb_listener_close(l);
+}
+
 static void test_wrong_key_refused_both_sides(void **state) {
     (void)state;
     kvb_listener *l = listen_ucx();
@@ -229,40 +362,6 @@ static void test_wrong_key_refused_both_sides(void **state) {
     kvb_listener_get_stats(l, &ls);
     assert_int_equal(ls.failed[KVB_HANDSHAKE_AUTH], 1);
     assert_int_equal(ls.accepted, 0);
-    kvb_listener_close(l);
-}
-
-/* A SLAB whose head changes after its frame hash was taken (corrupted in flight): the receiver's
- * hash check fails the receive before the message is decoded. */
-static void test_corrupt_payload_is_checksum_error(void **state) {
-    (void)state;
-    kvb_listener *l = listen_ucx();
-    kvb_conn *dc, *pc;
-    connect_pair(l, &dc, &pc);
-    uint8_t head[KVB_SLAB_HEAD_BYTES], k[256], v[256];
-    for (int i = 0; i < 256; i++) k[i] = v[i] = (uint8_t)i;
-    kvb_msg_slab sl = {.layer = 1, .pos0 = 16, .n = 16, .k = k, .v = v, .k_bytes = 256, .v_bytes = 256,
-                       .checksum = XXH3_64bits(k, 256)};
-    kvb_msg_slab_encode_head(&sl, head);
-    kvb_iov iov[3] = {{head, sizeof head}, {k, 256}, {v, 256}};
-    kvb_frame_header h = {.type = KVB_FRAME_SLAB, .request_id = 7, .payload_len = sizeof head + 512,
-                          .payload_hash = kvb_wire_frame_payload_hash(KVB_FRAME_SLAB, iov, 3)};
-    uint8_t hdr[KVB_WIRE_HEADER_BYTES];
-    kvb_wire_header_encode(&h, hdr);
-    head[9] ^= 0x20; /* in flight */
-    kvb_err e = {0};
-    double deadline;
-    assert_int_equal(wire_deadline(IO_TIMEOUT_MS, &deadline, &e), KVB_OK);
-    assert_int_equal(pc->backend->send_frame(pc->link, hdr, iov, 3, deadline, &e), KVB_OK);
-    kvb_msg m;
-    assert_int_equal(kvb_conn_recv(dc, IO_TIMEOUT_MS, &m, &e), KVB_ERR_CHECKSUM);
-    print_message("    %s\n", e.msg);
-    assert_false(kvb_conn_usable(dc));
-    kvb_conn_stats ds;
-    kvb_conn_get_stats(dc, &ds);
-    assert_int_equal(ds.checksum_failures, 1);
-    kvb_conn_close(dc);
-    kvb_conn_close(pc);
     kvb_listener_close(l);
 }
 
@@ -284,9 +383,56 @@ static void *recv_main(void *arg) {
     return NULL;
 }
 
-/* An authenticated peer whose large payload (sent as a tagged message) is shorter or longer than
- * its frame header says: KVB_ERR_FORMAT, never bytes beyond what arrived. */
-static void payload_length_lies(uint64_t header_says, size_t sent) {
+/* A SLAB of kv bytes of K and of V whose head changes after its frame hash was taken (corrupted
+ * in flight): the receiver's hash check fails the receive before the message is decoded. */
+static void corrupt_payload(size_t kv) {
+    kvb_listener *l = listen_ucx();
+    kvb_conn *dc, *pc;
+    connect_pair(l, &dc, &pc);
+    uint8_t head[KVB_SLAB_HEAD_BYTES], *k = malloc(kv), *v = malloc(kv);
+    for (size_t i = 0; i < kv; i++) k[i] = v[i] = (uint8_t)i;
+    kvb_msg_slab sl = {.layer = 1, .pos0 = 16, .n = 16, .k = k, .v = v, .k_bytes = kv, .v_bytes = kv,
+                       .checksum = XXH3_64bits(k, kv)};
+    kvb_msg_slab_encode_head(&sl, head);
+    kvb_iov iov[3] = {{head, sizeof head}, {k, kv}, {v, kv}};
+    kvb_frame_header h = {.type = KVB_FRAME_SLAB, .request_id = 7, .payload_len = sizeof head + 2 * kv,
+                          .payload_hash = kvb_wire_frame_payload_hash(KVB_FRAME_SLAB, iov, 3)};
+    uint8_t hdr[KVB_WIRE_HEADER_BYTES];
+    kvb_wire_header_encode(&h, hdr);
+    head[9] ^= 0x20; /* in flight */
+    kvb_err e = {0};
+    double deadline;
+    assert_int_equal(wire_deadline(IO_TIMEOUT_MS, &deadline, &e), KVB_OK);
+    recv_job j = {.c = dc, .timeout_ms = IO_TIMEOUT_MS}; /* a rendezvous needs the receiver there */
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, recv_main, &j), 0);
+    assert_int_equal(pc->backend->send_frame(pc->link, hdr, iov, 3, deadline, &e), KVB_OK);
+    pthread_join(t, NULL);
+    assert_int_equal(j.st, KVB_ERR_CHECKSUM);
+    print_message("    %s\n", j.err.msg);
+    assert_false(kvb_conn_usable(dc));
+    kvb_conn_stats ds;
+    kvb_conn_get_stats(dc, &ds);
+    assert_int_equal(ds.checksum_failures, 1);
+    free(k);
+    free(v);
+    kvb_conn_close(dc);
+    kvb_conn_close(pc);
+    kvb_listener_close(l);
+}
+
+/* on the stream (256 bytes each), and through the ring (256 KiB each) */
+static void test_corrupt_payload_is_checksum_error(void **state) {
+    (void)state;
+    corrupt_payload(256);
+    corrupt_payload(256 << 10);
+}
+
+/* An authenticated peer whose large payload is shorter or longer than its frame header says:
+ * refused with `want`, never bytes beyond what arrived (tagged: KVB_ERR_FORMAT; through the ring
+ * the header says where the payload is and how long, and the bytes there do not hash:
+ * KVB_ERR_CHECKSUM). */
+static void payload_length_lies(uint64_t header_says, size_t sent, kvb_status want) {
     kvb_listener *l = listen_ucx();
     kvb_conn *dc, *pc;
     connect_pair(l, &dc, &pc);
@@ -305,7 +451,7 @@ static void payload_length_lies(uint64_t header_says, size_t sent) {
     pthread_join(t, NULL);
     print_message("    header %llu, sent %zu: %s (the sender: %s)\n", (unsigned long long)header_says, sent, j.err.msg,
                   sst ? e.msg : "sent");
-    assert_int_equal(j.st, KVB_ERR_FORMAT);
+    assert_int_equal(j.st, want);
     assert_false(kvb_conn_usable(dc));
     free(p);
     kvb_conn_close(dc);
@@ -315,8 +461,12 @@ static void payload_length_lies(uint64_t header_says, size_t sent) {
 
 static void test_large_payload_length_lies(void **state) {
     (void)state;
-    payload_length_lies(256 << 10, 100 << 10);
-    payload_length_lies(128 << 10, 300 << 10);
+    const uint64_t q = ring_quarter();
+    const kvb_status in_ring = ring_in_use() ? KVB_ERR_CHECKSUM : KVB_ERR_FORMAT;
+    payload_length_lies(q + (256 << 10), q + (100 << 10), KVB_ERR_FORMAT); /* tagged */
+    payload_length_lies(q + (128 << 10), q + (300 << 10), KVB_ERR_FORMAT);
+    payload_length_lies(256 << 10, 100 << 10, in_ring);
+    payload_length_lies(128 << 10, 300 << 10, in_ring);
 }
 
 static void test_silent_peer_times_out(void **state) {
@@ -369,9 +519,12 @@ static void test_shutdown_wakes_blocked_receive(void **state) {
     kvb_listener_close(l);
 }
 
-/* The child (this binary with KVB_UCX_CHILD_PORT set): connects as a decode node, sends a PREFILL
- * header that promises 1 MiB (a payload that large follows as a tagged message) and not the
- * payload, then kills itself. */
+#define CHILD_TOKENS 200000 /* a PREFILL of 800 KB: through the ring */
+
+/* The child (this binary with KVB_UCX_CHILD_PORT set): connects as a decode node; with
+ * KVB_UCX_CHILD_MODE=frame sends a PREFILL header that promises more than the ring carries (such a
+ * payload follows as a tagged message) and not the payload; with =stream two whole PREFILLs of
+ * CHILD_TOKENS tokens; then kills itself. */
 static int child_main(const char *port) {
     kvb_err e = {0};
     if (kvb_wire_backend_by_name("ucx", &UCX, &e)) return 2;
@@ -384,19 +537,31 @@ static int child_main(const char *port) {
         fprintf(stderr, "child: %s\n", e.msg);
         return 3;
     }
-    kvb_frame_header h = {.type = KVB_FRAME_PREFILL, .request_id = 1, .payload_len = 1 << 20};
-    uint8_t hdr[KVB_WIRE_HEADER_BYTES];
-    kvb_wire_header_encode(&h, hdr);
-    double deadline;
-    wire_deadline(IO_TIMEOUT_MS, &deadline, &e);
-    if (c->backend->send_frame(c->link, hdr, NULL, 0, deadline, &e)) return 4;
+    const char *mode = getenv("KVB_UCX_CHILD_MODE");
+    if (mode && !strcmp(mode, "stream")) {
+        int32_t *tokens = malloc(sizeof *tokens * CHILD_TOKENS);
+        for (int i = 0; i < CHILD_TOKENS; i++) tokens[i] = i % 32000;
+        for (uint64_t r = 1; r <= 2; r++) {
+            kvb_msg_prefill req = {.request_id = r, .bridge_mode = KVB_BRIDGE_MODE_DECODER, .n_tokens = CHILD_TOKENS,
+                                   .cached_tokens = 0, .ship_tokens = 16, .last_cached_key = 0x99, .tokens = tokens};
+            if (kvb_conn_send_prefill(c, &req, IO_TIMEOUT_MS, &e)) return 4;
+        }
+    } else {
+        kvb_frame_header h = {.type = KVB_FRAME_PREFILL, .request_id = 1, .payload_len = ring_quarter() + (1 << 20)};
+        uint8_t hdr[KVB_WIRE_HEADER_BYTES];
+        kvb_wire_header_encode(&h, hdr);
+        double deadline;
+        wire_deadline(IO_TIMEOUT_MS, &deadline, &e);
+        if (c->backend->send_frame(c->link, hdr, NULL, 0, deadline, &e)) return 4;
+    }
     usleep(200 * 1000); /* let it arrive */
     raise(SIGKILL);
     return 5;
 }
 
-static void test_peer_killed_mid_frame(void **state) {
-    (void)state;
+/* A child that kills itself (mode: child_main's); returns the status of the receive after the
+ * `whole` frames it sent whole, which are checked. */
+static void peer_killed(const char *mode, int whole, const char *where) {
     kvb_listener *l = listen_ucx();
     char port[16];
     snprintf(port, sizeof port, "%u", kvb_listener_port(l));
@@ -404,6 +569,7 @@ static void test_peer_killed_mid_frame(void **state) {
     assert_true(pid >= 0);
     if (pid == 0) {
         setenv("KVB_UCX_CHILD_PORT", port, 1);
+        setenv("KVB_UCX_CHILD_MODE", mode, 1);
         execl("/proc/self/exe", "test_transport_ucx", (char *)NULL);
         _exit(127);
     }
@@ -413,6 +579,15 @@ static void test_peer_killed_mid_frame(void **state) {
     kvb_err e = {0};
     if (kvb_transport_accept(l, &me, &cfg, 10000, &c, NULL, &e)) fail_msg("accept: %s", e.msg);
     kvb_msg m;
+    for (int r = 1; r <= whole; r++) {
+        if (kvb_conn_recv(c, 10000, &m, &e)) fail_msg("PREFILL %d: %s", r, e.msg);
+        assert_int_equal(m.type, KVB_FRAME_PREFILL);
+        assert_int_equal(m.request_id, r);
+        assert_int_equal(m.u.prefill.n_tokens, CHILD_TOKENS);
+        for (int i = 0; i < CHILD_TOKENS; i++)
+            if (m.u.prefill.tokens[i] != i % 32000) fail_msg("PREFILL %d: token %d is %d", r, i, m.u.prefill.tokens[i]);
+        kvb_msg_free(&m);
+    }
     double t0 = kvb_now_s();
     kvb_status st = kvb_conn_recv(c, 10000, &m, &e);
     double dt = kvb_now_s() - t0;
@@ -421,11 +596,21 @@ static void test_peer_killed_mid_frame(void **state) {
     print_message("    %s after %.3f s\n", e.msg, dt);
     assert_true(WIFSIGNALED(wst) && WTERMSIG(wst) == SIGKILL);
     assert_int_equal(st, KVB_ERR_PEER_GONE);
-    assert_non_null(strstr(e.msg, "PREFILL payload"));
+    assert_non_null(strstr(e.msg, where));
     assert_non_null(strstr(e.msg, "the peer is gone"));
     assert_true(dt < 9.0);
     kvb_conn_close(c);
     kvb_listener_close(l);
+}
+
+static void test_peer_killed_mid_frame(void **state) {
+    (void)state;
+    peer_killed("frame", 0, "PREFILL payload");
+}
+
+static void test_peer_killed_between_frames(void **state) {
+    (void)state;
+    peer_killed("stream", 2, "frame header");
 }
 
 int main(void) {
@@ -433,12 +618,15 @@ int main(void) {
     if (child_port) return child_main(child_port);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_handshake_and_stream),
+        cmocka_unit_test(test_ring_laps),
+        cmocka_unit_test(test_slab_before_handshake_refused),
         cmocka_unit_test(test_wrong_key_refused_both_sides),
         cmocka_unit_test(test_corrupt_payload_is_checksum_error),
         cmocka_unit_test(test_large_payload_length_lies),
         cmocka_unit_test(test_silent_peer_times_out),
         cmocka_unit_test(test_shutdown_wakes_blocked_receive),
         cmocka_unit_test(test_peer_killed_mid_frame),
+        cmocka_unit_test(test_peer_killed_between_frames),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

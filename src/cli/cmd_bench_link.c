@@ -4,8 +4,11 @@
  * the receiver verifies it, as the bridge and the store do), each way over one connection or over
  * --streams connections at once (N / streams bytes on each, one sending and one receiving thread
  * per connection, started together, as a decode node stripes a request's slabs over its lanes),
- * timed from the first byte to the last acknowledgement; alternated, medians of --reps. One side
- * listens, the other connects (two hosts, two namespaces, or one machine). */
+ * timed from the first byte to the last acknowledgement; alternated, medians of --reps. With
+ * --transport ucx the framed leg also runs over UCX, and UCX's own put bandwidth (ucp_put_nbx of
+ * the same bytes into the receive ring the listener registered and advertised, nothing framed or
+ * checked) is measured beside it as the ceiling. One side listens, the other connects (two hosts,
+ * two namespaces, or one machine). */
 #include <netdb.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -121,6 +124,7 @@ typedef struct {
     uint64_t bytes;        /* what this connection carries (raw receivers: what they expect) */
     start_gate *gate;      /* set by run_ends */
     bool ok;               /* set by the thread */
+    bool no_ring;          /* raw_put_main: the peer advertised no ring (KVB_UCX_RING=0): nothing put */
     double done_s;         /* senders: kvb_now_s() when the acknowledgement arrived */
     kvb_err err;           /* transport ends: what failed */
 } stream_end;
@@ -143,6 +147,21 @@ static void *raw_recv_main(void *arg) {
     return NULL;
 }
 
+/* A sender's end (st: how its sending went): PING, and the PONG as the acknowledgement; the time it
+ * came, whether all went well (a failed end shuts its connection down). */
+static void *ping_acked(stream_end *s, kvb_status st) {
+    kvb_msg pong;
+    if (!st) st = kvb_conn_send_ping(s->conn, 42, 10000, &s->err);
+    if (!st) st = kvb_conn_recv(s->conn, 60000, &pong, &s->err);
+    if (!st && pong.type != KVB_FRAME_PONG)
+        st = kvb_err_set(&s->err, KVB_ERR_FORMAT, "the listener answered PING with frame type %u, not PONG",
+                         (unsigned)pong.type);
+    s->done_s = kvb_now_s();
+    s->ok = st == KVB_OK;
+    if (!s->ok) kvb_conn_shutdown(s->conn);
+    return NULL;
+}
+
 /* The framed leg's sender: SLAB frames (each slab's checksum computed here), then PING; the PONG
  * is the acknowledgement. */
 static void *slab_send_main(void *arg) {
@@ -156,16 +175,20 @@ static void *slab_send_main(void *arg) {
         m.checksum = kvb_slab_checksum(m.k, m.k_bytes, m.v, m.v_bytes);
         st = kvb_conn_send_slab(s->conn, 1, &m, 60000, &s->err);
     }
-    kvb_msg pong;
-    if (!st) st = kvb_conn_send_ping(s->conn, 42, 10000, &s->err);
-    if (!st) st = kvb_conn_recv(s->conn, 60000, &pong, &s->err);
-    if (!st && pong.type != KVB_FRAME_PONG)
-        st = kvb_err_set(&s->err, KVB_ERR_FORMAT, "the listener answered PING with frame type %u, not PONG",
-                         (unsigned)pong.type);
-    s->done_s = kvb_now_s();
-    s->ok = st == KVB_OK;
-    if (!s->ok) kvb_conn_shutdown(s->conn);
-    return NULL;
+    return ping_acked(s, st);
+}
+
+/* The raw UCX leg's sender: UCX's own puts of the bytes into the peer's advertised receive ring
+ * (no frames, no checksums, no credits), then PING; the PONG is the acknowledgement. */
+static void *raw_put_main(void *arg) {
+    stream_end *s = arg;
+    if (!gate_pass(s->gate)) return NULL;
+    kvb_status st = kvb_conn_ucx_raw_put(s->conn, s->data, s->piece, s->bytes, 60000, &s->err);
+    if (st == KVB_ERR_UNSUPPORTED) { /* still PING, which the listener waits for */
+        s->no_ring = true;
+        st = KVB_OK;
+    }
+    return ping_acked(s, st);
 }
 
 /* The framed leg's receiver: verifies every slab's checksum until PING, answers PONG. */
@@ -300,7 +323,8 @@ static bool serve_framed(kvb_listener *l, const kvb_hello *me, const kvb_transpo
  * acknowledges each; then the connecting side opens as many transport connections and sends
  * SLAB frames and a PING on each, which the listener verifies and answers with PONG. A header
  * with a stream count of 0 ends the listener. With ucx (--transport ucx on both sides), each round's
- * framed leg runs twice: over kvbridge's TCP transport, then over UCX (listening on PORT+2). */
+ * framed leg runs twice: over kvbridge's TCP transport, then over UCX (listening on PORT+2); then
+ * UCX's raw puts run over as many UCX connections (the listener only answers their PING). */
 static int serve(const char *addr, const char *psk, const kvb_wire_backend *ucx) {
     char host[128], port[16], tport[140], uport[140];
     long p = split_addr(addr, host, sizeof host);
@@ -367,7 +391,8 @@ static int serve(const char *addr, const char *psk, const kvb_wire_backend *ucx)
             break;
         }
         if (raw_only) continue;
-        if (!serve_framed(l, &me, &cfg, streams) || (lu && !serve_framed(lu, &me, &cfg, streams))) {
+        if (!serve_framed(l, &me, &cfg, streams) ||
+            (lu && (!serve_framed(lu, &me, &cfg, streams) || !serve_framed(lu, &me, &cfg, streams)))) {
             rc = 1;
             break;
         }
@@ -403,14 +428,16 @@ static bool raw_leg(const char *host, const char *port, const uint8_t *data, siz
     return ok;
 }
 
-/* The connecting side's framed leg of one round; *gbs on success. */
+/* The connecting side's framed leg of one round (main: slab_send_main, or raw_put_main for UCX's
+ * raw puts); *gbs on success. */
 static bool framed_leg(const char *tport, const kvb_hello *me, const kvb_transport_config *cfg, const uint8_t *data,
-                       size_t slab, uint64_t bytes, uint32_t streams, double *gbs, kvb_err *err) {
+                       size_t slab, uint64_t bytes, uint32_t streams, void *(*main)(void *), double *gbs,
+                       kvb_err *err) {
     stream_end e[KVB_MAX_LANES];
     uint32_t n = 0;
     bool ok = true;
     for (; ok && n < streams; n++) {
-        e[n] = (stream_end){.main = slab_send_main, .fd = -1, .data = data, .piece = slab,
+        e[n] = (stream_end){.main = main, .fd = -1, .data = data, .piece = slab,
                             .bytes = stream_share(bytes, streams, n)};
         ok = kvb_transport_connect(tport, me, cfg, 10000, &e[n].conn, NULL, err) == KVB_OK;
     }
@@ -424,8 +451,11 @@ static bool framed_leg(const char *tport, const kvb_hello *me, const kvb_transpo
                 break;
             }
     }
-    for (uint32_t i = 0; i < n; i++) kvb_conn_close(e[i].conn); /* NULL where the connect failed */
-    if (ok) *gbs = (double)bytes / dt / 1e9;
+    for (uint32_t i = 0; i < n; i++) {
+        kvb_conn_close(e[i].conn); /* NULL where the connect failed */
+        if (e[i].no_ring) dt = 0;  /* no figure */
+    }
+    if (ok) *gbs = dt > 0 ? (double)bytes / dt / 1e9 : 0;
     return ok;
 }
 
@@ -446,6 +476,26 @@ double kvb_bench_raw_remote_gbs(const char *addr, uint64_t bytes, size_t piece, 
     return gbs;
 }
 
+/* The UCX legs' medians beside kvbridge's TCP transport (mf) and the raw TCP link (mr). */
+static void print_ucx(double *over_ucx, double *ucx_put, int reps, double mf, double mr) {
+    double mu = kvb_median_sort(over_ucx, reps), mp = kvb_median_sort(ucx_put, reps);
+    char lanes[256];
+    kvb_ucx_last_lanes(lanes, sizeof lanes);
+    printf("over UCX   %.3f GB/s (the same frames over UCX: payloads of 64 KiB up to a quarter of the receiver's "
+           "registered ring put into it, headers on its stream API as the signal; tagged rendezvous messages when "
+           "larger, or when every lane is TCP; lanes: %s)\n",
+           mu, lanes);
+    if (mp > 0)
+        printf("raw UCX    %.3f GB/s (UCX's own ucp_put_nbx of the same bytes into the receiver's ring, nothing "
+               "checked)\nratio      %.2fx kvbridge's TCP transport, %.0f %% of UCX's raw put, %.0f %% of the raw "
+               "TCP link\n",
+               mp, mu / mf, 100.0 * mu / mp, 100.0 * mu / mr);
+    else
+        printf("raw UCX    no figure: the listener advertised no receive ring of a piece's size (KVB_UCX_RING)\n"
+               "ratio      %.2fx kvbridge's TCP transport, %.0f %% of the raw TCP link\n",
+               mu / mf, 100.0 * mu / mr);
+}
+
 static int measure(const char *addr, const char *psk, uint64_t bytes, size_t slab, int reps, uint32_t streams,
                    const kvb_wire_backend *ucx) {
     char host[128], port[16], tport[140], uport[140];
@@ -463,16 +513,17 @@ static int measure(const char *addr, const char *psk, uint64_t bytes, size_t sla
     kvb_err err = {0};
     kvb_transport_config cfg = {.psk = (const uint8_t *)psk, .psk_len = strlen(psk)};
     kvb_transport_config ucfg = {.psk = (const uint8_t *)psk, .psk_len = strlen(psk), .backend = ucx};
-    double raw[100], framed[100], over_ucx[100];
+    double raw[100], framed[100], over_ucx[100], ucx_put[100];
     int rc = 0;
     if (make_hello(KVB_ROLE_PREFILL, &me, &err)) goto fail;
     for (int r = 0; r < reps; r++) {
         if (!raw_leg(host, port, data, slab, bytes, streams, false, &raw[r], &err) ||
-            !framed_leg(tport, &me, &cfg, data, slab, bytes, streams, &framed[r], &err) ||
-            (ucx && !framed_leg(uport, &me, &ucfg, data, slab, bytes, streams, &over_ucx[r], &err)))
+            !framed_leg(tport, &me, &cfg, data, slab, bytes, streams, slab_send_main, &framed[r], &err) ||
+            (ucx && (!framed_leg(uport, &me, &ucfg, data, slab, bytes, streams, slab_send_main, &over_ucx[r], &err) ||
+                     !framed_leg(uport, &me, &ucfg, data, slab, bytes, streams, raw_put_main, &ucx_put[r], &err))))
             goto fail;
         fprintf(stderr, "bench link: round %d: raw %.3f GB/s, kvbridge transport %.3f GB/s", r + 1, raw[r], framed[r]);
-        if (ucx) fprintf(stderr, ", over UCX %.3f GB/s", over_ucx[r]);
+        if (ucx) fprintf(stderr, ", over UCX %.3f GB/s, UCX's raw put %.3f GB/s", over_ucx[r], ucx_put[r]);
         fputc('\n', stderr);
     }
     {
@@ -491,14 +542,7 @@ static int measure(const char *addr, const char *psk, uint64_t bytes, size_t sla
     printf("raw TCP    %.3f GB/s\nkvbridge   %.3f GB/s (SLAB frames: header and slab head hashed, the slab checksum of K || V computed and verified, authenticated link)\n"
            "ratio      %.0f %% of the raw link\n",
            mr, mf, 100.0 * mf / mr);
-    if (ucx) {
-        double mu = kvb_median_sort(over_ucx, reps);
-        char lanes[256];
-        kvb_ucx_last_lanes(lanes, sizeof lanes);
-        printf("over UCX   %.3f GB/s (the same frames over UCX: headers on its stream API, payloads of 64 KiB or more as tagged rendezvous messages; lanes: %s)\n"
-               "ratio      %.2fx kvbridge's TCP transport, %.0f %% of the raw link\n",
-               mu, lanes, mu / mf, 100.0 * mu / mr);
-    }
+    if (ucx) print_ucx(over_ucx, ucx_put, reps, mf, mr);
     goto done;
 fail:
     fprintf(stderr, "kvbridge bench link: %s\n", err.msg);
@@ -517,8 +561,10 @@ int kvb_bench_link(int argc, char **argv) {
         KVB_CLI_STR("listen", &listen, "HOST:PORT", "serve: plain TCP on PORT and the transport on PORT+1"),
         KVB_CLI_STR("peer", &peer, "HOST:PORT", "measure against a listener there"),
         KVB_CLI_OPT_PSK(&psk, "pre-shared key, the same on both sides (or env KVB_PSK)"),
-        KVB_CLI_OPT_TRANSPORT(&transport, "ucx: each round's framed leg runs over kvbridge's TCP transport and then "
-                                          "over UCX (the listener serves UCX on PORT+2); both sides need the same"),
+        KVB_CLI_OPT_TRANSPORT(&transport, "ucx: each round's framed leg runs over kvbridge's TCP transport, then "
+                                          "over UCX (the listener serves UCX on PORT+2), then as UCX's own raw puts "
+                                          "of the same bytes into the listener's receive ring (the ceiling); both "
+                                          "sides need the same"),
         {.long_name = "bytes", .kind = KVB_OPT_SIZE, .dst = &bytes, .meta = "N", .def = "1G", .ulo = 1 << 20,
          .uhi = 1ULL << 40, .help = "bytes sent each way of sending, per round"},
         {.long_name = "slab-bytes", .kind = KVB_OPT_SIZE, .dst = &slab, .meta = "S", .def = "1M", .ulo = 4096,

@@ -68,6 +68,8 @@ struct kvb_decode_node {
     /* metrics */
     kvb_metric *m_requests, *m_tokens, *m_faults, *m_resumes, *m_slab_bytes, *m_peer_up, *m_queue;
     kvb_metric *m_peer_refused; /* the link's failed attempts, by reason */
+    kvb_metric *m_transport;    /* kvbridge_peer_transport{carried_by}: 1 for what carries the link now */
+    char transport_now[288];    /* its label: "tcp", "ucx sysv/memory.0 cma/memory.0" (the link's thread) */
     kvb_metric *m_phase; /* kvbridge_request_phase_seconds{phase} */
     kvb_metric *m_batches, *m_steps, *m_in_prompts;
     kvb_metric *m_reserved, *m_cache_waits; /* admission by cache blocks */
@@ -126,8 +128,17 @@ static void on_peer_state(void *ctx, kvb_peer_state state, kvb_status code, cons
     if (state == KVB_PEER_DOWN) {
         kvb_metric_add(n->m_peer_refused, KVB_LABELS(kvb_handshake_reason_name(kvb_handshake_reason_of(code))), 1);
         kvb_log(KVB_LOG_INFO, "decode: prefill node %s unavailable: %s", n->peer, why);
-    } else if (state == KVB_PEER_UP) {
-        kvb_log(KVB_LOG_INFO, "decode: prefill node %s connected", n->peer);
+    } else if (state == KVB_PEER_UP) { /* what UCX selected shows, so a fallback to TCP does */
+        char now[sizeof n->transport_now] = "tcp", lanes[256];
+        if (n->tcfg.backend && strcmp(n->tcfg.backend->name, "tcp") != 0) {
+            kvb_ucx_last_lanes(lanes, sizeof lanes);
+            snprintf(now, sizeof now, "%s %s", n->tcfg.backend->name, lanes);
+        }
+        if (n->transport_now[0] && strcmp(now, n->transport_now) != 0)
+            kvb_metric_set(n->m_transport, KVB_LABELS(n->transport_now), 0);
+        snprintf(n->transport_now, sizeof n->transport_now, "%s", now);
+        kvb_metric_set(n->m_transport, KVB_LABELS(now), 1);
+        kvb_log(KVB_LOG_INFO, "decode: prefill node %s connected over %s", n->peer, now);
     }
 }
 
@@ -1064,6 +1075,10 @@ static const node_metric k_node_metrics[] = {
      "(another model, cache format or version), timeout (it said nothing in time), protocol (not "
      "kvbridge), refused (it said no), gone (nobody answered, or it closed), other",
      "reason", offsetof(kvb_decode_node, m_peer_refused)},
+    {KVB_METRIC_GAUGE, "kvbridge_peer_transport",
+     "1 for what carries the prefill node link since it last came up: tcp, or ucx and the transports "
+     "UCX selected (a fallback to TCP shows as tcp/...)",
+     "carried_by", offsetof(kvb_decode_node, m_transport)},
     {KVB_METRIC_GAUGE, "kvbridge_queue_depth",
      "Completions waiting for their turn or being served (at most --parallel at once)",
      NULL, offsetof(kvb_decode_node, m_queue)},

@@ -33,6 +33,12 @@ kvb_status kvb_wire_backend_by_name(const char *name, const kvb_wire_backend **o
 
 #ifndef KVB_HAVE_UCX
 void kvb_ucx_last_lanes(char *buf, size_t cap) { snprintf(buf, cap, "not built"); }
+
+kvb_status kvb_conn_ucx_raw_put(kvb_conn *c, const uint8_t *data, size_t piece, uint64_t bytes, int timeout_ms,
+                                kvb_err *err) {
+    (void)c, (void)data, (void)piece, (void)bytes, (void)timeout_ms;
+    return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "raw put: this build has no UCX");
+}
 #endif
 
 void kvb_conn_describe(const kvb_conn *c, char *buf, size_t cap) {

@@ -335,20 +335,15 @@ kvb_status kvb_msg_lane_decode(const uint8_t *p, size_t n, kvb_msg_lane *m, kvb_
  *
  * UCX (kvb_wire_backend_ucx, ucx.c): connects with a socket address (UCX's connection manager),
  * runs the same handshake over the ucp stream API, then (the `authenticated` hook) moves frames
- * onto an endpoint made from the peer's worker address so UCX may pick shared memory or RDMA;
- * payloads of 64 KiB and more follow their header as tagged messages (UCX's rendezvous). The lanes
- * it picked are logged and reported (kvb_conn_describe, kvb_ucx_last_lanes).
- *
- * How one-sided RDMA would map (the shape, not implemented): at connect time each side registers a
- * receive region (for the decode node: a window of the store's pending-block pages, or a staging
- * ring) and sends its rkey and address in an extension of HELLO; the receiver pre-allocates the
- * blocks a PREFILL asks for and advertises them as (block index -> remote address) credits; the
- * prefill node's send_frame of a SLAB becomes an RDMA WRITE of K and V from its registered staging
- * ring straight into the advertised block slot, followed by a small control message carrying the
- * 44-byte header and the 40-byte SLAB head (so recv_frame delivers the same kvb_frame, with K and V
- * pointing into the registered region instead of a socket buffer); credits returned by the
- * receiver are the back-pressure, exactly as a full socket buffer is for TCP. Handshake, framing,
- * checksums and every message decode stay as they are. */
+ * onto an endpoint made from the peer's worker address so UCX may pick shared memory or RDMA. Each
+ * side then registers a receive ring once and advertises its address and rkey: a payload of
+ * 64 KiB up to a quarter of the ring is put one-sided into the peer's ring (unless every lane is
+ * TCP, where UCX only emulates puts), and its 44-byte frame
+ * header, sent on the stream after the put has landed, is the signal (both sides place payloads
+ * in the ring the same way); the receiver copies it out, the frame's hashes and the slab checksum
+ * are checked as over TCP, and credits (small tagged messages) give the room back. Larger payloads
+ * follow their header as tagged messages (UCX's rendezvous). The lanes it picked are logged and
+ * reported (kvb_conn_describe, kvb_ucx_last_lanes). */
 
 typedef struct kvb_wire_backend kvb_wire_backend;
 typedef struct kvb_link {
@@ -407,6 +402,13 @@ bool kvb_wire_have_ucx(void);
 /* The transports (lanes) UCX selected for the most recent connection made or accepted in this
  * process ("posix/memory cma/memory", "tcp/lo"), "none yet", or "not built" without UCX. */
 void kvb_ucx_last_lanes(char *buf, size_t cap);
+/* UCX's own put bandwidth, the ceiling of the slab path (bench link): `bytes` put in pieces of
+ * `piece` bytes from data into the receive ring the peer advertised (wrapping; nothing signalled,
+ * nothing checked), then flushed; the peer only has to be receiving. KVB_ERR_UNSUPPORTED for a
+ * connection not over UCX, a build without it, or a peer whose ring is smaller than a piece. */
+struct kvb_conn;
+kvb_status kvb_conn_ucx_raw_put(struct kvb_conn *c, const uint8_t *data, size_t piece, uint64_t bytes, int timeout_ms,
+                                kvb_err *err);
 
 /* ==== connections ============================================================================
  * Failures are typed, so a caller decides on the code, never on the message:
