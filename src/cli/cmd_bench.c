@@ -64,14 +64,18 @@ static double expected_experts(const kvb_model_desc *d, uint32_t B) {
 }
 
 /* Bytes of weights one decode step of B tokens reads: every dense matrix once, the output head, B
- * embedding rows; of a mixture of experts the router and `experts` of each layer's expert slices
- * (the stacks being n_expert equal slices): the active parameters, for one token its k experts. */
+ * embedding rows; of a mixture of experts the router, a shared expert (qwen2moe) and `experts` of each
+ * layer's expert slices (the stacks being n_expert equal slices): the active parameters, for one
+ * token its k experts. */
 static double weight_bytes_per_step(const kvb_model *m, uint32_t B, double experts) {
     double b = (double)mat_bytes(&m->output) + (double)B * m->tok_embd.row_bytes;
     for (uint32_t l = 0; l < m->d.n_layer; l++) {
         const kvb_layer_weights *w = &m->layers[l];
         b += (double)(mat_bytes(&w->wq) + mat_bytes(&w->wk) + mat_bytes(&w->wv) + mat_bytes(&w->wo) +
                       mat_bytes(&w->w_gate) + mat_bytes(&w->w_up) + mat_bytes(&w->w_down) + 2 * 4 * (uint64_t)m->d.n_embd);
+        if (m->d.n_ff_shexp) /* qwen2moe's shared expert and its gate: every token reads them */
+            b += (double)(mat_bytes(&w->gate_inp_shexp) + mat_bytes(&w->gate_shexp) + mat_bytes(&w->up_shexp) +
+                          mat_bytes(&w->down_shexp));
         if (m->d.n_expert)
             b += (double)mat_bytes(&w->ffn_gate_inp) +
                  (double)(mat_bytes(&w->gate_exps) + mat_bytes(&w->up_exps) + mat_bytes(&w->down_exps)) /
@@ -635,7 +639,10 @@ static void decode_report(const bench_args *a, const kvb_model *m, int T, double
     cJSON_AddNumberToObject(j, "experts_per_layer", expected_experts(&m->d, 1));
     printf("decode     %lld steps after %lld tokens: %.2f tok/s (median of %lld)\n", a->n_gen, a->n_ctx, tps, a->reps);
     printf("bytes/tok  %.1f MB (weights %.1f MB%s + KV %.2f MB)\n", bytes / 1e6, wbytes / 1e6,
-           m->d.n_expert ? ", active: the routed experts only" : "", kv_avg / 1e6);
+           m->d.n_ff_shexp ? ", active: the routed and the shared experts"
+           : m->d.n_expert ? ", active: the routed experts only"
+                           : "",
+           kv_avg / 1e6);
     printf("bandwidth  %.1f GB/s achieved = %.0f%% of %.1f GB/s measured read bandwidth (same run, %d threads)\n",
            achieved, 100.0 * achieved / bw, bw, T);
     if (a->batch > 1) decode_batch_report(a, m, kv_avg, tps, batch_tps, bw, j);

@@ -131,7 +131,10 @@ static kvb_status gemma3_desc(const kvb_gguf *g, kvb_model_desc *d, kvb_err *err
  * falls back to feed_forward_length / expert_used_count as llama.cpp's loader does;
  * expert_weights_norm (absent in converted Qwen3-MoE files) defaults to true, the top-k
  * renormalisation llama.cpp applies to qwen3moe (HF norm_topk_prob); expert_gating_func, when
- * present, must be softmax (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX = 1). */
+ * present, must be softmax (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX = 1). qwen2moe (Qwen1.5-MoE,
+ * Qwen2-57B-A14B): the same keys, the top-k not renormalised (llama.cpp's graph passes norm_w = false;
+ * HF norm_topk_prob false), and expert_shared_feed_forward_length, the shared expert's inner size
+ * (else feed_forward_length, llama.cpp's fallback). */
 static kvb_status moe_desc(const kvb_gguf *g, kvb_model_desc *d, kvb_err *err) {
     const char *a = d->arch_name;
     kvb_status st;
@@ -145,11 +148,15 @@ static kvb_status moe_desc(const kvb_gguf *g, kvb_model_desc *d, kvb_err *err) {
     if (gating != 1)
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: %s.expert_gating_func = %u: only softmax (1) is supported",
                            kvb_gguf_path(g), a, gating);
+    const bool qwen2moe = d->arch == KVB_ARCH_QWEN2MOE;
+    if (qwen2moe && (st = get_u32_key(g, a, "expert_shared_feed_forward_length", false, d->n_ff, 1, 1u << 18,
+                                      &d->n_ff_shexp, err)))
+        return st;
     char key[128];
     snprintf(key, sizeof key, "%s.expert_weights_norm", a);
     kvb_err e2 = {0};
     st = kvb_gguf_get_bool(g, key, &d->expert_weights_norm, &e2);
-    if (st == KVB_ERR_NOT_FOUND) d->expert_weights_norm = true;
+    if (st == KVB_ERR_NOT_FOUND) d->expert_weights_norm = !qwen2moe;
     else if (st) return kvb_err_set(err, st, "%s: %s", kvb_gguf_path(g), e2.msg);
     return KVB_OK;
 }
@@ -164,9 +171,11 @@ kvb_status kvb_model_desc_from_gguf(const kvb_gguf *g, kvb_model_desc *d, kvb_er
     else if (strcmp(a, "qwen3") == 0) d->arch = KVB_ARCH_QWEN3;
     else if (strcmp(a, "gemma3") == 0) d->arch = KVB_ARCH_GEMMA3;
     else if (strcmp(a, "qwen3moe") == 0) d->arch = KVB_ARCH_QWEN3MOE;
+    else if (strcmp(a, "qwen2moe") == 0) d->arch = KVB_ARCH_QWEN2MOE;
     else
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
-                           "%s: architecture '%s' is not supported (supported: llama, qwen2, qwen3, qwen3moe, gemma3)",
+                           "%s: architecture '%s' is not supported (supported: llama, qwen2, qwen3, qwen3moe, qwen2moe, "
+                           "gemma3)",
                            kvb_gguf_path(g), a);
     if (kvb_gguf_get_str(g, "general.name", d->name, sizeof d->name, NULL) != KVB_OK) d->name[0] = 0;
 
@@ -228,11 +237,11 @@ kvb_status kvb_model_desc_from_gguf(const kvb_gguf *g, kvb_model_desc *d, kvb_er
     }
 
     d->rope_neox = d->arch != KVB_ARCH_LLAMA;
-    d->has_qkv_bias = d->arch == KVB_ARCH_QWEN2;
+    d->has_qkv_bias = d->arch == KVB_ARCH_QWEN2 || d->arch == KVB_ARCH_QWEN2MOE;
     d->has_qk_norm = d->arch == KVB_ARCH_QWEN3 || d->arch == KVB_ARCH_GEMMA3 || d->arch == KVB_ARCH_QWEN3MOE;
     d->attn_scale = 1.0f / sqrtf((float)d->head_dim);
     if (d->arch == KVB_ARCH_GEMMA3) return gemma3_desc(g, d, err);
-    if (d->arch == KVB_ARCH_QWEN3MOE) return moe_desc(g, d, err);
+    if (d->arch == KVB_ARCH_QWEN3MOE || d->arch == KVB_ARCH_QWEN2MOE) return moe_desc(g, d, err);
     return KVB_OK;
 }
 
@@ -261,6 +270,7 @@ kvb_status kvb_model_kvformat(const kvb_model_desc *d, uint32_t dtype, uint32_t 
 static uint64_t n_params_with(const kvb_model_desc *d, uint64_t experts) {
     uint64_t e = d->n_embd, q = (uint64_t)d->n_head * d->head_dim, kv = (uint64_t)d->n_head_kv * d->head_dim;
     uint64_t mlp = d->n_expert ? experts * 3 * e * d->n_ff_exp + e * d->n_expert : 3 * e * d->n_ff;
+    if (d->n_ff_shexp) mlp += 3 * e * d->n_ff_shexp + e; /* the shared expert and its gate */
     uint64_t per_layer = e * q + 2 * e * kv + q * e + mlp + (d->has_post_norms ? 4 : 2) * e;
     return per_layer * d->n_layer + e + (uint64_t)d->n_vocab * e; /* the output head is a matmul */
 }

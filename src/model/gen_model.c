@@ -98,6 +98,19 @@ static int add_moe_tensors(gen_tensor *ts, int n, uint32_t l, const kvb_model_de
         ts[n - 1].n_dims = 3;
         ts[n - 1].ne[2] = d->n_expert;
     }
+    if (!d->n_ff_shexp) return n;
+    /* qwen2moe's shared expert: its sigmoid gate ffn_gate_inp_shexp [n_embd] in f32 (a vector: llama.cpp
+     * quantises no 1-D tensor), logits of std ~2 (gates spread over (0, 1)); the expert scaled like a
+     * dense MLP of n_ff_shexp */
+    const uint64_t S = d->n_ff_shexp;
+    snprintf(nm, sizeof nm, "blk.%u.ffn_gate_inp_shexp.weight", l);
+    n = add_t(ts, n, nm, E, 1, KVB_TYPE_F32, INIT_NORMAL, 2.0f * s_in);
+    const char *shexp[3] = {"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"};
+    for (int i = 0; i < 3; i++) {
+        snprintf(nm, sizeof nm, "blk.%u.%s.weight", l, shexp[i]);
+        n = add_t(ts, n, nm, i < 2 ? E : S, i < 2 ? S : E, type, INIT_NORMAL,
+                  i < 2 ? s_in : 2.0f * s_res / sqrtf((float)S));
+    }
     return n;
 }
 
@@ -151,6 +164,9 @@ static kvb_status write_keys(kvb_gguf_writer *w, const kvb_model_desc *d, const 
         if ((st = kvb_gguf_writer_add_u32(w, KEY("expert_count"), d->n_expert, err))) return st;
         if ((st = kvb_gguf_writer_add_u32(w, KEY("expert_used_count"), d->n_expert_used, err))) return st;
         if ((st = kvb_gguf_writer_add_u32(w, KEY("expert_feed_forward_length"), d->n_ff_exp, err))) return st;
+        if (d->n_ff_shexp && /* qwen2moe, as llama.cpp's converter writes it */
+            (st = kvb_gguf_writer_add_u32(w, KEY("expert_shared_feed_forward_length"), d->n_ff_shexp, err)))
+            return st;
     }
 #undef KEY
     return KVB_OK;
@@ -236,7 +252,7 @@ static kvb_status gen_tensor_list(const kvb_model_desc *d, uint32_t type, gen_te
                                   float **rope_factors, kvb_err *err) {
     const uint64_t E = d->n_embd;
     const float s_in = 1.0f / sqrtf((float)E);
-    *ts = calloc(8 + (size_t)d->n_layer * 16, sizeof **ts);
+    *ts = calloc(8 + (size_t)d->n_layer * 20, sizeof **ts);
     if (!*ts) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
     gen_tensor *t = *ts;
     int k = 0;

@@ -1,5 +1,5 @@
 /* model — what a transformer is, read from GGUF metadata: the architecture description
- * (llama, qwen2, qwen3, qwen3moe, gemma3; GQA, mixture-of-experts MLPs, RoPE with Llama-3 scaling, per-layer RoPE bases and
+ * (llama, qwen2, qwen3, qwen3moe, qwen2moe, gemma3; GQA, mixture-of-experts MLPs, RoPE with Llama-3 scaling, per-layer RoPE bases and
  * sliding-window (local) layers, RMSNorm eps, tied output), the weights
  * bound to views into the mapped file with every shape checked against the description, and
  * the synthetic model generator behind `kvbridge gen-model` (real architectures, real GGUF
@@ -21,6 +21,8 @@ typedef enum {
     KVB_ARCH_GEMMA3,    /* Gemma 3 (text): qwen3's q/k norms + embedding scale, post-attention and post-MLP
                            norms, GeGLU MLP (tanh GELU), local sliding-window layers with their own RoPE base */
     KVB_ARCH_QWEN3MOE,  /* qwen3's attention + a mixture-of-experts MLP (softmax router, top-k, SwiGLU experts) */
+    KVB_ARCH_QWEN2MOE,  /* qwen2's attention (q/k/v bias) + qwen3moe's experts (top-k not renormalised) + a
+                           shared SwiGLU expert every token runs, scaled by a sigmoid gate */
 } kvb_arch;
 
 #define KVB_MAX_EXPERTS 1024 /* expert_count is refused above this */
@@ -72,6 +74,8 @@ typedef struct {
     uint32_t n_ff_exp;      /* {arch}.expert_feed_forward_length: one expert's inner size */
     bool expert_weights_norm; /* {arch}.expert_weights_norm: the top-k probabilities are divided by their sum
                                  (qwen3moe: true, llama.cpp's default for the architecture when the key is absent) */
+    uint32_t n_ff_shexp;    /* {arch}.expert_shared_feed_forward_length: the shared expert's inner size (qwen2moe);
+                               0 = no shared expert */
 } kvb_model_desc;
 
 /* A weight matrix: ne0 = columns (input dim, contiguous), ne1 = rows (output dim). */
@@ -99,6 +103,10 @@ typedef struct {
     kvb_mat ffn_gate_inp;        /* router (n_expert, n_embd) */
     kvb_mat gate_exps, up_exps;  /* (n_expert * n_ff_exp, n_embd) */
     kvb_mat down_exps;           /* (n_expert * n_embd, n_ff_exp) */
+    /* the shared expert (n_ff_shexp > 0, else data NULL): out += sigmoid(gate_inp_shexp . x) * SwiGLU(x) */
+    kvb_mat gate_inp_shexp;            /* (1, n_embd) */
+    kvb_mat gate_shexp, up_shexp;      /* (n_ff_shexp, n_embd) */
+    kvb_mat down_shexp;                /* (n_embd, n_ff_shexp) */
 } kvb_layer_weights;
 
 typedef struct kvb_model {

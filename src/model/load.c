@@ -115,7 +115,18 @@ static kvb_status bind_moe(binder *b, uint32_t l, kvb_layer_weights *w, kvb_err 
     snprintf(name, sizeof name, "blk.%u.ffn_up_exps.weight", l);
     if ((st = bind_stack(b, name, E, F, X, true, &w->up_exps, err))) return st;
     snprintf(name, sizeof name, "blk.%u.ffn_down_exps.weight", l);
-    return bind_stack(b, name, F, E, X, true, &w->down_exps, err);
+    if ((st = bind_stack(b, name, F, E, X, true, &w->down_exps, err)) || !d->n_ff_shexp) return st;
+    /* qwen2moe's shared expert: its gate ffn_gate_inp_shexp [n_embd] (one row), ffn_gate_shexp /
+     * ffn_up_shexp [n_embd, n_ff_shexp], ffn_down_shexp [n_ff_shexp, n_embd] */
+    const uint64_t S = d->n_ff_shexp;
+    snprintf(name, sizeof name, "blk.%u.ffn_gate_inp_shexp.weight", l);
+    if ((st = bind_mat(b, name, E, 1, true, &w->gate_inp_shexp, err))) return st;
+    snprintf(name, sizeof name, "blk.%u.ffn_gate_shexp.weight", l);
+    if ((st = bind_mat(b, name, E, S, true, &w->gate_shexp, err))) return st;
+    snprintf(name, sizeof name, "blk.%u.ffn_up_shexp.weight", l);
+    if ((st = bind_mat(b, name, E, S, true, &w->up_shexp, err))) return st;
+    snprintf(name, sizeof name, "blk.%u.ffn_down_shexp.weight", l);
+    return bind_mat(b, name, S, E, true, &w->down_shexp, err);
 }
 
 static uint64_t fingerprint(const kvb_model *m) {
@@ -233,8 +244,9 @@ void kvb_model_describe(const kvb_model *m, char *buf, size_t cap) {
         snprintf(local, sizeof local, " (%u local: window %u, rope base %g)", n_local, d->swa_window,
                  (double)d->rope_freq_base_local);
     if (d->n_expert) /* ff is then the expert's, and the parameter count is every expert's */
-        snprintf(local, sizeof local, ", %u experts (top %u%s, active %.3g M/token)", d->n_expert, d->n_expert_used,
-                 d->expert_weights_norm ? ", renormalised" : "", kvb_model_n_params_active(d) / 1e6);
+        snprintf(local, sizeof local, ", %u experts (top %u%s%s, active %.3g M/token)", d->n_expert, d->n_expert_used,
+                 d->expert_weights_norm ? ", renormalised" : "", d->n_ff_shexp ? ", + a shared expert" : "",
+                 kvb_model_n_params_active(d) / 1e6);
     snprintf(buf, cap, "%s%s%s: %u layers%s, embd %u, heads %u/%u x %u, ff %u, vocab %u, %s weights, %.3g%s params",
              d->arch_name, d->name[0] ? " " : "", d->name, d->n_layer, local, d->n_embd, d->n_head, d->n_head_kv,
              d->head_dim, d->n_expert ? d->n_ff_exp : d->n_ff, d->n_vocab, kvb_type_name(m->layers[0].wq.type), p >= 1000000000 ? p / 1e9 : p / 1e6,

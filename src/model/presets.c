@@ -41,6 +41,13 @@ static const kvb_preset k_presets[] = {
       .n_ff = 512, .n_head = 4, .n_head_kv = 2, .head_dim = 64, .n_rot = 64, .rope_freq_base = 1000000.0f,
       .norm_eps = 1e-6f, .rope_neox = true, .has_qk_norm = true, .n_expert = 8, .n_expert_used = 2,
       .n_ff_exp = 256, .expert_weights_norm = true}},
+    /* qwen2moe as Qwen1.5-MoE-A2.7B is built (q/k/v bias, top-k not renormalised, a shared expert behind
+     * a sigmoid gate, an untied output head llama.cpp requires), at tiny-moe's size */
+    {"tiny-qwen2moe", "qwen2moe, 3 layers, embd 256, 4/2 heads x 64, 8 experts top-2 x ff 256 + shared ff 512 (CI)",
+     {.arch = KVB_ARCH_QWEN2MOE, .arch_name = "qwen2moe", .n_ctx_train = 4096, .n_embd = 256, .n_layer = 3,
+      .n_ff = 512, .n_head = 4, .n_head_kv = 2, .head_dim = 64, .n_rot = 64, .rope_freq_base = 1000000.0f,
+      .norm_eps = 1e-6f, .rope_neox = true, .has_qkv_bias = true, .n_expert = 8, .n_expert_used = 2,
+      .n_ff_exp = 256, .n_ff_shexp = 512}},
     {"qwen3-0.6b", "Qwen3-0.6B shape: 28 layers, embd 1024, 16/8 heads x 128, ff 3072, vocab 151936",
      {.arch = KVB_ARCH_QWEN3, .arch_name = "qwen3", .n_vocab = 151936, .n_ctx_train = 40960, .n_embd = 1024,
       .n_layer = 28, .n_ff = 3072, .n_head = 16, .n_head_kv = 8, .head_dim = 128, .n_rot = 128,

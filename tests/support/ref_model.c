@@ -248,6 +248,9 @@ typedef struct {
     double *gate_inp;         /* NULL or (n_expert, n_embd) router (qwen3moe) */
     double *gate_exps, *up_exps; /* NULL or (n_expert, n_ff_exp, n_embd) */
     double *down_exps;        /* NULL or (n_expert, n_embd, n_ff_exp) */
+    double *gate_inp_shexp;   /* NULL or (n_embd) the shared expert's gate (qwen2moe) */
+    double *gate_shexp, *up_shexp; /* NULL or (n_ff_shexp, n_embd) */
+    double *down_shexp;       /* NULL or (n_embd, n_ff_shexp) */
 } ref_layer;
 
 struct ref_model {
@@ -421,7 +424,8 @@ void ref_model_free(ref_model *m) {
             ref_layer *y = &m->layers[l];
             double *ptrs[] = {y->attn_norm, y->wq, y->wk, y->wv, y->bq, y->bk, y->bv, y->q_norm, y->k_norm,
                               y->wo, y->bo, y->ffn_norm, y->w_gate, y->w_up, y->w_down, y->post_attn_norm,
-                              y->post_ffw_norm, y->gate_inp, y->gate_exps, y->up_exps, y->down_exps};
+                              y->post_ffw_norm, y->gate_inp, y->gate_exps, y->up_exps, y->down_exps,
+                              y->gate_inp_shexp, y->gate_shexp, y->up_shexp, y->down_shexp};
             for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) free(ptrs[i]);
         }
         free(m->layers);
@@ -636,7 +640,7 @@ static int load_desc(loader *L, ref_model *m) {
     d->rope_style = d->arch == REF_ARCH_LLAMA ? REF_ROPE_NORM : REF_ROPE_NEOX;
     d->embd_scale = 1.0;
     d->attn_scale = 1.0 / sqrt((double)d->head_dim);
-    if (d->arch == REF_ARCH_QWEN3MOE) return load_moe_desc(L, d);
+    if (d->arch == REF_ARCH_QWEN3MOE || d->arch == REF_ARCH_QWEN2MOE) return load_moe_desc(L, d);
     return d->arch == REF_ARCH_GEMMA3 ? load_gemma3_desc(L, m) : 0;
 }
 
@@ -665,12 +669,21 @@ static int load_experts(loader *L, int l, const ref_desc *d, ref_layer *y) {
     snprintf(name, sizeof name, "blk.%d.ffn_up_exps.weight", l);
     if (load_stack(L, name, F, E, X, true, &y->up_exps)) return -1;
     snprintf(name, sizeof name, "blk.%d.ffn_down_exps.weight", l);
-    return load_stack(L, name, E, F, X, true, &y->down_exps);
+    if (load_stack(L, name, E, F, X, true, &y->down_exps)) return -1;
+    if (!d->n_ff_shexp) return 0;
+    const int64_t S = d->n_ff_shexp; /* qwen2moe's shared expert and its gate vector */
+    return load_blk(L, l, "ffn_gate_inp_shexp.weight", 0, E, true, &y->gate_inp_shexp) ||
+                   load_blk(L, l, "ffn_gate_shexp.weight", S, E, true, &y->gate_shexp) ||
+                   load_blk(L, l, "ffn_up_shexp.weight", S, E, true, &y->up_shexp) ||
+                   load_blk(L, l, "ffn_down_shexp.weight", E, S, true, &y->down_shexp)
+               ? -1
+               : 0;
 }
 
-/* qwen3moe's keys: expert_count, expert_used_count (required), expert_feed_forward_length (else
- * feed_forward_length / expert_used_count, llama.cpp's fallback), expert_weights_norm (bool,
- * default true: llama.cpp renormalises qwen3moe's top-k). */
+/* qwen3moe's and qwen2moe's keys: expert_count, expert_used_count (required), expert_feed_forward_length
+ * (else feed_forward_length / expert_used_count, llama.cpp's fallback), expert_weights_norm (bool,
+ * default true for qwen3moe, false for qwen2moe: llama.cpp's graphs), qwen2moe's
+ * expert_shared_feed_forward_length. */
 static int load_moe_desc(loader *L, ref_desc *d) {
     uint32_t x, k, f;
     if (meta_u32(L, "expert_count", true, 0, &x) || meta_u32(L, "expert_used_count", true, 0, &k)) return -1;
@@ -686,10 +699,20 @@ static int load_moe_desc(loader *L, ref_desc *d) {
     d->n_expert = (int)x;
     d->n_expert_used = (int)k;
     d->n_ff_exp = (int)f;
+    const bool qwen2moe = d->arch == REF_ARCH_QWEN2MOE;
+    if (qwen2moe) { /* the shared expert's size, else feed_forward_length (llama.cpp's fallback) */
+        uint32_t s;
+        if (meta_u32(L, "expert_shared_feed_forward_length", false, (uint32_t)d->n_ff, &s)) return -1;
+        if (s == 0 || s > (1u << 22)) {
+            seterr(L->err, L->cap, "%s: bad expert_shared_feed_forward_length %u", L->path, s);
+            return -1;
+        }
+        d->n_ff_shexp = (int)s;
+    }
     char key[96];
     snprintf(key, sizeof key, "%s.expert_weights_norm", L->arch);
     const kvb_gguf_kv *kv = kvb_gguf_find(L->g, key);
-    d->expert_weights_norm = true;
+    d->expert_weights_norm = !qwen2moe; /* llama.cpp: qwen3moe renormalises, qwen2moe does not */
     if (kv) {
         if (kv->type != KVB_GGUF_BOOL) {
             seterr(L->err, L->cap, "%s: %s is not a bool", L->path, key);
@@ -729,7 +752,7 @@ static int load_weights(loader *L, ref_model *m) {
         seterr(L->err, L->cap, "%s: out of memory", L->path);
         return -1;
     }
-    const bool qwen2 = d->arch == REF_ARCH_QWEN2, qwen3 = d->arch == REF_ARCH_QWEN3, llama = d->arch == REF_ARCH_LLAMA,
+    const bool qwen2 = d->arch == REF_ARCH_QWEN2 || d->arch == REF_ARCH_QWEN2MOE, qwen3 = d->arch == REF_ARCH_QWEN3, llama = d->arch == REF_ARCH_LLAMA,
                gemma3 = d->arch == REF_ARCH_GEMMA3;
     for (int l = 0; l < d->n_layer; l++) {
         ref_layer *y = &m->layers[l];
@@ -794,10 +817,12 @@ ref_model *ref_model_load(const char *gguf_path, char *errbuf, size_t cap) {
     else if (strcmp(arch, "qwen2") == 0) m->d.arch = REF_ARCH_QWEN2;
     else if (strcmp(arch, "qwen3") == 0) m->d.arch = REF_ARCH_QWEN3;
     else if (strcmp(arch, "qwen3moe") == 0) m->d.arch = REF_ARCH_QWEN3MOE;
+    else if (strcmp(arch, "qwen2moe") == 0) m->d.arch = REF_ARCH_QWEN2MOE;
     else if (strcmp(arch, "gemma3") == 0) m->d.arch = REF_ARCH_GEMMA3;
     else {
         seterr(errbuf, cap,
-               "%s: architecture \"%s\" is not one the reference implements (llama, qwen2, qwen3, qwen3moe, gemma3)",
+               "%s: architecture \"%s\" is not one the reference implements (llama, qwen2, qwen3, qwen3moe, qwen2moe, "
+               "gemma3)",
                gguf_path, arch);
         goto fail;
     }
@@ -878,7 +903,8 @@ static double gelu_tanh(double x) { return 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI
 
 /* o (n_embd) := the mixture-of-experts FFN of the normed row h (n_embd): softmax router, the top
  * n_expert_used (largest first, lower index on a tie), renormalised weights, the weighted sum of
- * those experts' SwiGLU outputs. g, u: (n_ff_exp) scratch. Returns 0 or -1 (allocation). */
+ * those experts' SwiGLU outputs; qwen2moe: + the gated shared expert's. g, u: (max(n_ff_exp,
+ * n_ff_shexp)) scratch. Returns 0 or -1 (allocation). */
 static int moe_ffn(const ref_desc *d, const ref_layer *y, const double *h, double *g, double *u, double *o,
                    double *gap) {
     const int E = d->n_embd, F = d->n_ff_exp, X = d->n_expert, K = d->n_expert_used;
@@ -932,6 +958,17 @@ static int moe_ffn(const ref_desc *d, const ref_layer *y, const double *h, doubl
         const double wk = d->expert_weights_norm ? w[k] / wsum : w[k];
         for (int i = 0; i < E; i++) o[i] += wk * eo[i];
     }
+    if (d->n_ff_shexp) { /* qwen2moe: + sigmoid(gate . h) * the shared expert's SwiGLU output */
+        const int S = d->n_ff_shexp;
+        double gl;
+        matvec(y->gate_inp_shexp, NULL, h, &gl, 1, E);
+        matvec(y->gate_shexp, NULL, h, g, S, E);
+        matvec(y->up_shexp, NULL, h, u, S, E);
+        for (int i = 0; i < S; i++) g[i] = silu(g[i]) * u[i];
+        matvec(y->down_shexp, NULL, g, eo, E, S);
+        const double gate = 1.0 / (1.0 + exp(-gl));
+        for (int i = 0; i < E; i++) o[i] += gate * eo[i];
+    }
     free(p), free(eo), free(sel), free(w);
     return 0;
 }
@@ -942,7 +979,8 @@ static int moe_ffn(const ref_desc *d, const ref_layer *y, const double *h, doubl
 static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int kv_layer, double *h_out,
                double *k_out, double *v_out) {
     const ref_desc *d = &m->d;
-    const int E = d->n_embd, F = d->n_ff > d->n_ff_exp ? d->n_ff : d->n_ff_exp, H = d->n_head, HKV = d->n_head_kv, D = d->head_dim;
+    const int F0 = d->n_ff > d->n_ff_exp ? d->n_ff : d->n_ff_exp; /* g, u: the largest FFN's inner size */
+    const int E = d->n_embd, F = F0 > d->n_ff_shexp ? F0 : d->n_ff_shexp, H = d->n_head, HKV = d->n_head_kv, D = d->head_dim;
     const int QD = H * D, KD = HKV * D, group = H / HKV;
     const double scale = d->attn_scale;
     if (n < 1 || !tokens || (kv_layer < 0 && !logits) || kv_layer >= d->n_layer) return -1;
@@ -957,8 +995,8 @@ static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int k
     double *v = malloc(nn * KD * sizeof *v);   /* (n, n_head_kv, head_dim) */
     double *att = malloc(nn * QD * sizeof *att); /* (n, n_head, head_dim) attention output */
     double *p = malloc(nn * sizeof *p);        /* (n) scores / probabilities of one query */
-    double *g = malloc((size_t)F * sizeof *g); /* (max(n_ff, n_ff_exp)) */
-    double *u = malloc((size_t)F * sizeof *u); /* (max(n_ff, n_ff_exp)) */
+    double *g = malloc((size_t)F * sizeof *g); /* (max(n_ff, n_ff_exp, n_ff_shexp)) */
+    double *u = malloc((size_t)F * sizeof *u); /* (max(n_ff, n_ff_exp, n_ff_shexp)) */
     double *o = malloc((size_t)E * sizeof *o); /* (n_embd) */
     int rc = -1;
     if (!x || !h || !q || !k || !v || !att || !p || !g || !u || !o) goto done;

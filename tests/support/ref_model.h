@@ -19,7 +19,11 @@
  * qwen3's attention; the FFN is a router ffn_gate_inp (n_expert, n_embd), softmax over all experts,
  * the expert_used_count largest probabilities (the lower index on a tie), divided by their sum
  * unless expert_weights_norm is false; the output is their weighted sum of each chosen expert's
- * SwiGLU FFN, expert x's rows being rows x*rows .. of ggml's stacked ffn_{gate,up,down}_exps. */
+ * SwiGLU FFN, expert x's rows being rows x*rows .. of ggml's stacked ffn_{gate,up,down}_exps.
+ * Qwen2-MoE (llama.cpp's qwen2moe graph, Hugging Face's Qwen2MoeSparseMoeBlock): qwen2's attention
+ * (q/k/v biases); the same routed experts, not renormalised unless expert_weights_norm says so;
+ * plus a shared SwiGLU expert ffn_{gate,up,down}_shexp every token runs, multiplied by
+ * sigmoid(ffn_gate_inp_shexp . h) and added to the routed experts' sum. */
 #ifndef KVB_REF_MODEL_H
 #define KVB_REF_MODEL_H
 
@@ -27,7 +31,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef enum { REF_ARCH_LLAMA = 0, REF_ARCH_QWEN2, REF_ARCH_QWEN3, REF_ARCH_GEMMA3, REF_ARCH_QWEN3MOE } ref_arch;
+typedef enum {
+    REF_ARCH_LLAMA = 0,
+    REF_ARCH_QWEN2,
+    REF_ARCH_QWEN3,
+    REF_ARCH_GEMMA3,
+    REF_ARCH_QWEN3MOE,
+    REF_ARCH_QWEN2MOE,
+} ref_arch;
 
 #define REF_MAX_LAYERS 4096
 typedef enum {
@@ -63,9 +74,10 @@ typedef struct {
     int swa_window;           /* 0: no local layers */
     bool layer_local[REF_MAX_LAYERS]; /* (n_layer) local (sliding-window) layers */
     double rope_freq_base_local;      /* base of the local layers' RoPE (unscaled) */
-    /* qwen3moe (0 / false otherwise) */
+    /* qwen3moe, qwen2moe (0 / false otherwise) */
     int n_expert, n_expert_used, n_ff_exp;
     bool expert_weights_norm;
+    int n_ff_shexp;           /* qwen2moe's shared expert's inner size (0: none) */
 } ref_desc;
 
 typedef struct ref_model ref_model;

@@ -35,8 +35,9 @@ struct kvb_engine {
     float *moe_w;               /* (B, K) their weights */
     uint32_t *moe_off, *moe_fill; /* (n_expert + 1) each expert's first slot in moe_slot; a cursor */
     uint32_t *moe_slot;         /* (B * K) slots (token * K + rank) grouped by expert */
-    float *moe_x;               /* (B, max(n_embd, F)) an expert's gathered inputs, then its outputs */
-    float *moe_g, *moe_u;       /* (B, F) */
+    float *moe_x;               /* (B, max(n_embd, F)) an expert's gathered inputs, then its outputs; last,
+                                   the shared expert's outputs (B, n_embd) */
+    float *moe_g, *moe_u;       /* (B, max(F, n_ff_shexp)) */
     float *moe_y;               /* (B * K, n_embd) each slot's expert output */
 };
 

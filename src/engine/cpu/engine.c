@@ -20,11 +20,11 @@ static kvb_status alloc_b(uint8_t **p, size_t n, kvb_err *err) {
 static kvb_status alloc_moe(kvb_engine *e, kvb_err *err) {
     const kvb_model_desc *d = &e->m->d;
     const size_t B = e->o.max_batch, K = d->n_expert_used, F = d->n_ff_exp, X = d->n_expert;
-    const size_t XW = d->n_embd > F ? d->n_embd : F;
+    const size_t XW = d->n_embd > F ? d->n_embd : F, FS = F > d->n_ff_shexp ? F : d->n_ff_shexp;
     kvb_status st;
     if ((st = alloc_f(&e->moe_logits, B * X, err)) || (st = alloc_f(&e->moe_w, B * K, err)) ||
-        (st = alloc_f(&e->moe_x, B * XW, err)) || (st = alloc_f(&e->moe_g, B * F, err)) ||
-        (st = alloc_f(&e->moe_u, B * F, err)) || (st = alloc_f(&e->moe_y, B * K * d->n_embd, err)))
+        (st = alloc_f(&e->moe_x, B * XW, err)) || (st = alloc_f(&e->moe_g, B * FS, err)) ||
+        (st = alloc_f(&e->moe_u, B * FS, err)) || (st = alloc_f(&e->moe_y, B * K * d->n_embd, err)))
         return st;
     e->moe_sel = calloc(B * K, sizeof(uint32_t));
     e->moe_slot = calloc(B * K, sizeof(uint32_t));

@@ -1,4 +1,4 @@
-/* engine/cpu/moe.c — the mixture-of-experts MLP (qwen3moe) of a chunk of tokens: the router's
+/* engine/cpu/moe.c — the mixture-of-experts MLP (qwen3moe, qwen2moe) of a chunk of tokens: the router's
  * logits (ffn_gate_inp . h), a softmax over every expert in f32, the top n_expert_used
  * (largest first, the lower expert index on a tie), their probabilities divided by their sum when
  * the model renormalises; then the tokens grouped by expert, so each routed expert's gate, up and
@@ -6,7 +6,9 @@
  * through the engine's matmul (every weight type it has) on views of the stacked expert tensors,
  * SwiGLU as the dense MLP computes it; last, each token's outputs summed in rank order, weighted.
  * Every token's arithmetic is its own (the matmul computes each row alone, the sum's order is the
- * token's ranks), so a chunk, a decode step and a decode batch give one token the same bits. */
+ * token's ranks), so a chunk, a decode step and a decode batch give one token the same bits. qwen2moe
+ * adds a shared expert every token runs (a SwiGLU MLP of n_ff_shexp), scaled by the sigmoid of its own
+ * gate's logit, after the routed experts' sum. */
 #include <math.h>
 #include <string.h>
 
@@ -50,7 +52,8 @@ static void route_task(void *ctx, int t, int worker) {
         for (uint32_t k = 0; k < K; k++) wt[k] = wt[k] / wsum;
 }
 
-/* Token t's output: the sum over its ranks k of w[k] * (expert sel[k]'s output), in rank order. */
+/* Token t's output: the sum over its ranks k of w[k] * (expert sel[k]'s output), in rank order; then,
+ * with a shared expert (qwen2moe), + sigmoid(its gate logit) * its output. */
 static void combine_task(void *ctx, int t, int worker) {
     (void)worker;
     const moe_job *j = ctx;
@@ -65,6 +68,23 @@ static void combine_task(void *ctx, int t, int worker) {
         else
             for (uint32_t i = 0; i < E; i++) out[i] = out[i] + wt[k] * y[i];
     }
+    if (!e->m->d.n_ff_shexp) return;
+    const float gate = 1.0f / (1.0f + expf(-e->moe_logits[t])), *sh = e->moe_x + (size_t)t * E;
+    for (uint32_t i = 0; i < E; i++) out[i] = out[i] + gate * sh[i];
+}
+
+/* qwen2moe's shared expert on all nr tokens of h: its SwiGLU MLP's outputs into moe_x (nr, n_embd), its
+ * gate's logits into moe_logits (nr) (the routing has read them by then). */
+static void run_shared_expert(kvb_engine *e, const kvb_layer_weights *w, uint32_t nr) {
+    const size_t n = (size_t)nr * e->m->d.n_ff_shexp;
+    kvb_cpu_matmul(e->pool, &w->gate_inp_shexp, e->h, nr, e->moe_logits, e->act); /* (nr, 1) */
+    kvb_cpu_matmul(e->pool, &w->gate_shexp, e->h, nr, e->moe_g, e->act);          /* (nr, S) */
+    kvb_cpu_matmul(e->pool, &w->up_shexp, e->h, nr, e->moe_u, e->act);
+    for (size_t i = 0; i < n; i++) {
+        const float a = e->moe_g[i];
+        e->moe_g[i] = (a / (1.0f + expf(-a))) * e->moe_u[i];
+    }
+    kvb_cpu_matmul(e->pool, &w->down_shexp, e->moe_g, nr, e->moe_x, e->act); /* (nr, E) */
 }
 
 /* Rows [expert * rows, (expert + 1) * rows) of a stacked expert tensor as one matrix. */
@@ -109,5 +129,6 @@ void kvb_cpu_moe(kvb_engine *e, const kvb_layer_weights *w, uint32_t nr, kvb_poo
     for (uint32_t s = 0; s < nr * K; s++) e->moe_slot[e->moe_fill[e->moe_sel[s]]++] = s;
     for (uint32_t x = 0; x < X; x++)
         if (off[x + 1] > off[x]) run_expert(e, w, x, e->moe_slot + off[x], off[x + 1] - off[x]);
+    if (d->n_ff_shexp) run_shared_expert(e, w, nr);
     kvb_pool_parallel_for(tok_pool, (int)nr, combine_task, &j);
 }
