@@ -130,18 +130,6 @@ static void test_bench_batched_decode_runs(void **state) {
     assert_non_null(strstr(out, "reply      {"));
 }
 
-static float *read_f32(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long bytes = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    float *v = bytes > 0 ? malloc((size_t)bytes) : NULL;
-    *n = v && fread(v, 1, (size_t)bytes, f) == (size_t)bytes ? (size_t)bytes / sizeof(float) : 0;
-    fclose(f);
-    return v;
-}
-
 /* "a,b,c": the first n of ids. */
 static void join_ids(char *buf, size_t cap, const int *ids, int n) {
     buf[0] = 0;
@@ -166,19 +154,19 @@ static void test_run_logits_all(void **state) {
              kvbt_bin(), moe, list, all);
     assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 0);
     size_t n_all = 0, n_one = 0;
-    float *a = read_f32(all, &n_all); // (position, vocab)
+    float *a = kvbt_read_file(all, &n_all); // (position, vocab)
     assert_non_null(a);
-    assert_int_equal(n_all % n_ids, 0);
-    const size_t V = n_all / n_ids;
+    assert_int_equal(n_all % (n_ids * sizeof(float)), 0);
+    const size_t V = n_all / sizeof(float) / n_ids;
     for (size_t k = 0; k < sizeof prefixes / sizeof prefixes[0]; k++) {
         const int p = prefixes[k];
         join_ids(list, sizeof list, ids, p);
         snprintf(cmd, sizeof cmd, "'%s' run -m '%s' --tokens %s -n 0 --output ids --logits-out '%s'", kvbt_bin(), moe,
                  list, one);
         assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 0);
-        float *o = read_f32(one, &n_one); // (vocab)
+        float *o = kvbt_read_file(one, &n_one); // (vocab)
         assert_non_null(o);
-        assert_int_equal(n_one, V);
+        assert_int_equal(n_one, V * sizeof(float));
         assert_memory_equal(o, a + (size_t)(p - 1) * V, V * sizeof(float));
         free(o);
     }
