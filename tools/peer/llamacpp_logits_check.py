@@ -14,8 +14,10 @@ both sides by default (--cache-type f16 for both: llama.cpp's default).
 Usage (in the peer venv, tools/peer/setup_llamacpp.sh):
   .venv-peer/bin/python tools/peer/llamacpp_logits_check.py --kvbridge build/kvbridge \\
       --preset tiny-moe --types f32,bf16,f16,q8_0 [--max-abs TOL] [--json OUT]
-Exit 0 when every prompt's top-1 is equal at every position (and, with --max-abs, every max abs
-difference is within TOL), 1 otherwise, 77 (skip) without llama_cpp or numpy.
+Exit 0 when every prompt's top-1 is equal at every position (with --near-ties: or differs only where
+llama.cpp's own margin is below twice the prompt's max abs difference) and, with --max-abs, every max
+abs difference is within TOL; 1 otherwise; 77 (skip) without llama_cpp or numpy, or with a llama.cpp
+built for instructions this CPU lacks.
 """
 import argparse
 import json
@@ -40,6 +42,10 @@ def parse_args():
     p.add_argument("--cache-type", default="f32", choices=["f32", "f16"], help="KV cache type of both")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-abs", type=float, default=0.0, help="also fail a max abs difference above this (0: off)")
+    p.add_argument("--near-ties", action="store_true",
+                   help="pass a top-1 mismatch where llama.cpp's own margin between the two tokens is below twice "
+                        "the prompt's max abs difference (a near-tie that the stated arithmetic difference can flip; "
+                        "--max-abs still bounds that difference)")
     p.add_argument("--json", help="write the per-prompt figures to this file")
     return p.parse_args()
 
@@ -160,7 +166,15 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    bad = [r for r in results if not r["top1_all_equal"] or (args.max_abs and r["max_abs"] > args.max_abs)]
+    def top1_ok(r):
+        if r["top1_all_equal"]:
+            return True
+        return args.near_ties and all(m < 2 * r["max_abs"] for m in r["mismatch_margins"])
+
+    bad = [r for r in results if not top1_ok(r) or (args.max_abs and r["max_abs"] > args.max_abs)]
+    ties = sum(len(r["mismatch_margins"]) for r in results if r not in bad)
+    if ties:
+        print(f"llamacpp_logits_check: {ties} top-1 mismatch(es) passed as near-ties (--near-ties)")
     for r in bad:
         print(f"llamacpp_logits_check: FAIL: {r['model']} {r['prompt']}: top-1 agreement "
               f"{100 * r['agreement']:.2f}%, max abs {r['max_abs']:.3e}")
