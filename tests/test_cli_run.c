@@ -217,7 +217,9 @@ static void test_serve_drains_on_sigterm(void **state) {
 }
 
 /* `serve --role prefill` stops gracefully too: SIGTERM while it ships a prompt (paused 2 s at its
- * 3rd slab) lets that prompt finish (the decoder's verdict is `complete`), then it exits 0. */
+ * 3rd slab) lets that prompt finish (the decoder's verdict is `complete`), then it exits 0. The
+ * signal goes when the prefill node says it paused (a fixed delay raced the request on a loaded
+ * machine: the signal then found nothing in flight). */
 static void test_serve_prefill_drains_on_sigterm(void **state) {
     (void)state;
     char dir[512], cmd[4096], out[8192];
@@ -235,7 +237,7 @@ static void test_serve_prefill_drains_on_sigterm(void **state) {
              "DP=$(sed -n 's/.*OpenAI API on port \\([0-9]*\\).*/\\1/p' d.out)\n"
              "curl -s -D h.txt -H 'Content-Type: application/json' -d \"{\\\"model\\\":\\\"m\\\",\\\"prompt\\\":[$(seq 600 | awk '{printf \"%%s%%d\", (NR > 1 ? \",\" : \"\"), $1 %% 250 + 3}')],"
              "\\\"max_tokens\\\":4}\" http://127.0.0.1:$DP/v1/completions > reply.json & C=$!\n"
-             "sleep 0.6; kill -TERM $P\n"
+             "for i in $(seq 600); do grep -q 'pausing 2 s' p.err && break; sleep 0.05; done; kill -TERM $P\n"
              "wait $C; wait $P; echo exit=$?\n"
              "echo verdict=$(grep -i '^x-kvbridge:' h.txt | tr -d '\\r' | cut -d' ' -f2-)\n"
              "grep -o 'draining [0-9]* request' p.err\n"

@@ -4,6 +4,7 @@
  * listed; a verdict on every row. Both nodes run in this process on loopback unless --peer names
  * a running prefill node. */
 #include <cJSON.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +13,7 @@
 #include "kvb_model.h"
 #include "kvb_node.h"
 #include "kvb_quant.h"
+#include "svg_chart.h"
 
 typedef struct {
     double ttft;
@@ -64,7 +66,7 @@ static int one_leg(uint16_t port, int len, uint64_t seed, uint32_t n_vocab, leg 
 
 /* What the command line asks of the ladder. */
 typedef struct {
-    const char *model, *lengths, *peer, *psk, *raw_peer;
+    const char *model, *lengths, *peer, *psk, *raw_peer, *svg;
     long long seeds, threads, chunk, alone_max, pa_max, warmup, block, lanes; /* lanes 0: the decode node's */
     int device;                                                               /* kvb_cli_device_names */
     bool cuda, filler;
@@ -159,6 +161,9 @@ static int ladder_parse(ladder_args *a, int argc, char **argv) {
                     "length's first prompt runs on the engine's kernel, the second gets cuDNN's plans for its "
                     "shapes; 0 on cpu). The in-process CUDA prefill node also warms up at start, as serve --role "
                     "prefill does"),
+        KVB_CLI_STR("svg", &a->svg, "FILE",
+                    "also write the table as a chart: time to first token by prompt length, the decoder alone, "
+                    "bridged and the prefill node alone (the GPU's with --device cuda), medians, log scales (SVG)"),
         KVB_CLI_FLAG("slab-path-only", &a->filler,
                      "the in-process prefill node ships filler rows without computing them: the time and GB/s of "
                      "the slab path alone (cutting, staging, transport, the decoder's verification and commit) — "
@@ -431,12 +436,50 @@ static void ladder_print_header(const ladder *L) {
            "ratio", "prefill alone", "vs alone", "+bridge", "vs +bridge", "bytes/tok", "GB/s", "verdicts (bridged)");
 }
 
+/* The medians of each row as a chart (--svg): time to first token by prompt length. (row) arrays. */
+typedef struct {
+    double x[32], alone[32], bridged[32], prefill[32];
+    int n;
+} ladder_chart;
+
+static void ladder_chart_add(ladder_chart *ch, const ladder_args *a, ladder_row *r, double mb, double mp) {
+    ch->x[ch->n] = r->len;
+    ch->alone[ch->n] = r->run_alone ? kvb_median_sort(r->a, (int)a->seeds) : NAN;
+    ch->bridged[ch->n] = mb;
+    ch->prefill[ch->n] = r->ran_pa ? mp : NAN;
+    ch->n++;
+}
+
+static int ladder_chart_write(const ladder *L, const ladder_chart *ch) {
+    const ladder_args *a = L->a;
+    char note[256];
+    snprintf(note, sizeof note, "%s; prefill node %s; decoder %lld threads, cache %s; medians of %lld prompt%s each",
+             a->model, !L->pn ? "remote" : a->filler ? "filler rows (slab path only)" : a->cuda ? "CUDA" : "CPU",
+             a->threads, kvb_type_name(a->cache_type), a->seeds, a->seeds == 1 ? "" : "s");
+    const kvb_svg_series series[] = {
+        {"decoder alone", ch->alone},
+        {"bridged", ch->bridged},
+        {a->cuda ? "GPU prefill alone" : "prefill node alone", ch->prefill},
+    };
+    const kvb_svg_chart c = {.title = "kvbridge bench ladder: time to first token by prompt length", .note = note,
+                             .x_label = "prompt tokens (cold cache)", .y_label = "time to first token",
+                             .x = ch->x, .n = (size_t)ch->n, .series = series, .n_series = 3};
+    kvb_err err = {0};
+    if (kvb_svg_chart_write(&c, a->svg, &err)) {
+        fprintf(stderr, "kvbridge bench ladder: %s\n", err.msg);
+        return -1;
+    }
+    printf("chart      %s\n", a->svg);
+    return 0;
+}
+
 int kvb_bench_ladder(int argc, char **argv) {
     ladder_args a = {.psk = getenv("KVB_PSK"), .warmup = -1};
     int rc = ladder_parse(&a, argc, argv);
     if (rc != KVB_CLI_GO) return rc;
     ladder L = {.a = &a};
     ladder_row r; /* one row at a time */
+    ladder_chart chart = {.n = 0};
     kvb_err err = {0};
     rc = 1;
     if (ladder_start(&L, &err)) {
@@ -448,6 +491,7 @@ int kvb_bench_ladder(int argc, char **argv) {
         double mb, mg, mp;
         if (ladder_run_row(&L, a.lens[li], &r)) goto done;
         ladder_print_row(&L, &r, &mb, &mg, &mp);
+        ladder_chart_add(&chart, &a, &r, mb, mp);
         const double tail_med = ladder_print_phases(&L, &r);
         if (a.filler) ladder_print_raw(&L, &r, mg);
         else if (L.pn && mp > 0) ladder_print_floors(&L, &r, mb, mp, tail_med);
@@ -457,7 +501,7 @@ int kvb_bench_ladder(int argc, char **argv) {
     if (L.pn)
         printf("capture    peak staging memory on the prefill node: %.1f KiB (a fixed ring%s)\n",
                kvb_prefill_node_peak_capture_bytes(L.pn) / 1024.0, a.cuda ? " + the CUDA bridge's pinned row slots" : "");
-    rc = 0;
+    rc = a.svg && ladder_chart_write(&L, &chart) ? 1 : 0;
 done:
     kvb_decode_node_stop(L.alone);
     kvb_decode_node_stop(L.dn);

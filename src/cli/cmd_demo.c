@@ -19,6 +19,7 @@
 #include "kvb_node.h"
 #include "kvb_quant.h"
 #include "kvb_prefill_engine.h"
+#include "svg_chart.h"
 
 static const char *k_document =
     "The harbour at Kestrel Point was built in 1887 to ship granite from the quarries on the ridge. "
@@ -66,7 +67,7 @@ static const char *k_visitor_questions[] = {
 
 typedef struct {
     int prompt, cached, bridged, native, completion;
-    double prefill_s, transfer_s, reply_s;
+    double prefill_s, transfer_s, reply_s, decode_s; /* decode_s: usage.kvbridge's decoding phase */
     char verdict[160];
     char *content;
 } turn_result;
@@ -105,6 +106,7 @@ static int post_turn(uint16_t port, const char *path, cJSON *req, turn_result *r
     r->native = (int)NUM(kb, "native_tokens");
     r->prefill_s = NUM(kb, "prefill_s");
     r->transfer_s = NUM(kb, "transfer_s");
+    r->decode_s = NUM(kb, "decode_s");
 #undef NUM
     snprintf(r->verdict, sizeof r->verdict, "%s", rep.verdict);
     r->content = strdup(content->valuestring);
@@ -188,6 +190,7 @@ static const char *const k_demo_devices[] = {"auto", "cpu", "cuda", NULL};
 typedef struct {
     const char *model;
     long long threads, turns, gpus;
+    const char *svg; /* --svg FILE */
     int device; /* k_demo_devices */
     bool tp_one_device;
 } demo_args;
@@ -213,6 +216,9 @@ static int demo_parse(demo_args *a, int argc, char **argv) {
          .hi = KVB_CLI_MAX_GPUS, .help = "cuda: tensor-parallel prefill over GPUs 0..N-1 (NCCL)"},
         {.long_name = "tp-one-device", .kind = KVB_OPT_FLAG, .dst = &a->tp_one_device,
          .help = "cuda, --gpus N: every rank on one GPU (tests the split)"},
+        KVB_CLI_STR("svg", &a->svg, "FILE",
+                    "also write a chart: each turn's time to first token (its reply time less the decoding phase "
+                    "usage.kvbridge reports) by the turn's prompt length, bridged and on the decode node alone (SVG)"),
         {0},
     };
     const kvb_cli_spec spec = {
@@ -351,6 +357,31 @@ static int demo_table(const turn_result *br, const turn_result *nat, int turns, 
     return same;
 }
 
+/* --svg: each turn's time to first token (reply time less decoding) by its prompt length. */
+static int demo_chart(const char *path, const turn_result *br, const turn_result *nat, int turns, const char *model,
+                      bool cuda) {
+    double x[6], yb[6], yn[6];
+    for (int t = 0; t < turns; t++) {
+        x[t] = br[t].prompt;
+        yb[t] = br[t].reply_s - br[t].decode_s;
+        yn[t] = nat[t].reply_s - nat[t].decode_s;
+    }
+    char note[1536];
+    snprintf(note, sizeof note, "%s; %d turns of one conversation (each prompt holds the turns before it); prefill "
+             "node on the %s", model, turns, cuda ? "GPU" : "CPU");
+    const kvb_svg_series series[] = {{"decoder alone", yn}, {"bridged", yb}};
+    const kvb_svg_chart c = {.title = "kvbridge demo: time to first token by prompt length", .note = note,
+                             .x_label = "prompt tokens of the turn", .y_label = "time to first token",
+                             .x = x, .n = (size_t)turns, .series = series, .n_series = 2};
+    kvb_err err = {0};
+    if (kvb_svg_chart_write(&c, path, &err)) {
+        fprintf(stderr, "kvbridge demo: %s\n", err.msg);
+        return -1;
+    }
+    printf("demo: chart written to %s\n", path);
+    return 0;
+}
+
 /* The three nodes of the demo: the prefill node, the decode node it feeds, the native baseline. */
 typedef struct {
     kvb_prefill_node *pn;
@@ -424,6 +455,7 @@ int kvb_cmd_demo(int argc, char **argv) {
     for (int t = 0; t < turns; t++) complete += !strcmp(br[t].verdict, "complete");
     explain(br, same, complete, turns, cuda, n.block_tokens, kvb_prefill_node_peak_capture_bytes(n.pn));
     rc = (cuda ? complete == turns : same == turns) ? 0 : 1;
+    if (a.svg && demo_chart(a.svg, br, nat, turns, model, cuda)) rc = 1;
     goto done;
 fail:
     fprintf(stderr, "kvbridge demo: %s\n", err.msg);

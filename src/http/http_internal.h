@@ -102,6 +102,26 @@ void http_sse_chunk(http_buf *b, const http_completion_meta *m, const char *delt
 void http_sse_error(http_buf *b, const kvb_http_error *e);
 #define HTTP_SSE_DONE "data: [DONE]\n\n"
 
+/* ---- the chat page (web.c; its bytes are web/'s files, compiled in by web/embed.cmake) ------- */
+
+typedef struct {
+    const char *name;          /* the file's name under web/ ("index.html", "app.js") */
+    const unsigned char *data; /* (len) the file's bytes, NUL-terminated */
+    size_t len;
+} http_web_asset;
+extern const http_web_asset http_web_assets[]; /* sorted by name (generated) */
+extern const size_t http_web_n_assets;
+
+/* The asset a GET of url serves ("/" is index.html, "/NAME" a file of web/), or NULL. */
+const http_web_asset *http_web_find(const char *url);
+/* Its Content-Type by the name's extension (text types in UTF-8); application/octet-stream else. */
+const char *http_web_content_type(const char *name);
+/* The page's Content-Security-Policy: its own scripts, styles and API only; no inline script,
+ * no other origin, no framing. */
+#define HTTP_WEB_CSP                                                                                   \
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "  \
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+
 /* ---- server and one completion in flight (server.c, completion.c) -------------------------- */
 
 #include <pthread.h>
@@ -185,6 +205,7 @@ struct kvb_http_server {
     unsigned idle_timeout_s;
     uint16_t port;
     int64_t started_unix;
+    double started_s; /* kvb_now_s() at start: the status snapshot's uptime */
     atomic_bool stopping;
     atomic_bool draining;               /* kvb_http_server_quiesce: new API requests get 503 */
     atomic_uint completions_in_flight;  /* completions begun and not yet answered */

@@ -1,6 +1,7 @@
 /* http — the decode node's front door: an OpenAI-compatible HTTP server (libmicrohttpd, one
  * thread per connection) with POST /v1/chat/completions and /v1/completions (JSON or SSE
- * streaming), GET /v1/models[/ID], /health and /metrics, plus the metrics registry /metrics
+ * streaming), GET /v1/models[/ID], /health and /metrics, the chat page at / (web/'s files, compiled
+ * in) and its live snapshot GET /v1/kvbridge/status, plus the metrics registry /metrics
  * renders (counters, gauges, histograms with labels, Prometheus text format 0.0.4, thread-safe).
  * This module parses and validates request bytes (hostile: wrong types and out-of-range values
  * are 400s that name the param, in OpenAI's error shape) into a kvb_completion_req and formats
@@ -252,6 +253,10 @@ typedef struct {
     int (*tokenize)(void *ctx, const kvb_completion_req *req, int32_t **ids, size_t *n_ids, uint32_t *max_model_len,
                     kvb_http_error *err);
     int (*detokenize)(void *ctx, const kvb_completion_req *req, char **text, kvb_http_error *err);
+    /* Optional: adds the node's live state to GET /v1/kvbridge/status (the chat page's panel polls
+     * it): the server fills "object", "model", "status", "now_s", "uptime_s" and "in_flight", this
+     * the rest (peer, bridges in flight, link bytes, cache use). Any thread, concurrently; quick. */
+    void (*status)(void *ctx, cJSON *body);
 } kvb_http_handlers;
 
 typedef struct {
@@ -274,8 +279,8 @@ typedef struct {
     unsigned idle_timeout_s;   /* keep-alive idle limit; 0 = 120 (never cuts a slow handler) */
     kvb_metrics *metrics;      /* NULL: the server creates (and frees) its own */
     const char *api_key;       /* NULL or "": none; else every /v1/ route requires "Authorization:
-                                  Bearer KEY" (else 401 invalid_api_key); /health and /metrics stay
-                                  open. >= 8 bytes of printable ASCII without spaces; the server
+                                  Bearer KEY" (else 401 invalid_api_key; /v1/kvbridge/status too);
+                                  /health, /metrics and the page's files stay open. >= 8 bytes of printable ASCII without spaces; the server
                                   keeps only its SHA-256 and compares in constant time */
     const char *allow_origins; /* NULL or "": no CORS; else the browser origins ("https://ui.example",
                                   comma-separated, or "*" for any) whose pages may call the API:

@@ -1,6 +1,7 @@
 /* server.c — the libmicrohttpd daemon (one thread per connection, poll; the connections come from
  * the guard in guard.c, which listens, answers framing errors and keeps the deadlines), routing, body limits,
- * the non-completion routes (/v1/models, /health, /metrics) and the glue that turns a
+ * the non-completion routes (/v1/models, /health, /metrics, the chat page at / and its live status
+ * snapshot /v1/kvbridge/status) and the glue that turns a
  * kvb_completion_out into a response: non-streaming completions run the handler on the connection
  * thread and answer once it returns; streaming ones run it on a worker thread and answer (200,
  * text/event-stream, X-KVBridge) once the first delta or the finish is there. Early refusals (404,
@@ -41,15 +42,19 @@ typedef enum {
     ROUTE_METRICS,
     ROUTE_TOKENIZE,
     ROUTE_DETOKENIZE,
+    ROUTE_PAGE,   /* the chat page: "/" and its files (web.c) */
+    ROUTE_STATUS, /* the page's live panel: GET /v1/kvbridge/status */
 } route_id;
 
 static const char *const route_labels[] = {"other", "/v1/chat/completions", "/v1/completions",
                                            "/v1/models", "/v1/models/{id}", "/health", "/metrics",
-                                           "/tokenize", "/detokenize"};
+                                           "/tokenize", "/detokenize", "/ (page)",
+                                           "/v1/kvbridge/status"};
 
 typedef struct {
     kvb_http_server *server;
     route_id route;
+    const http_web_asset *asset; /* ROUTE_PAGE: the file */
     double t_start;
     http_buf body;
     bool body_too_large;
@@ -79,6 +84,18 @@ static void add_request_headers(const request_ctx *ctx, struct MHD_Response *res
     MHD_add_response_header(resp, "Access-Control-Expose-Headers", "X-KVBridge");
 }
 
+/* Queues resp (and drops this reference to it); the request has answered with status. */
+static enum MHD_Result queue_response(request_ctx *ctx, struct MHD_Connection *conn, unsigned status,
+                                      struct MHD_Response *resp) {
+    enum MHD_Result r = MHD_queue_response(conn, status, resp);
+    MHD_destroy_response(resp);
+    if (r == MHD_YES) {
+        ctx->responded = true;
+        ctx->status = status;
+    }
+    return r;
+}
+
 /* hdr_name/hdr_value: one more response header (Allow on a 405, WWW-Authenticate on a 401), or NULL. */
 static enum MHD_Result queue_body(request_ctx *ctx, struct MHD_Connection *conn, unsigned status,
                                   const char *content_type, const char *body, size_t len,
@@ -90,13 +107,7 @@ static enum MHD_Result queue_body(request_ctx *ctx, struct MHD_Connection *conn,
     if (verdict && verdict[0]) MHD_add_response_header(resp, "X-KVBridge", verdict);
     if (hdr_name && hdr_value) MHD_add_response_header(resp, hdr_name, hdr_value);
     add_request_headers(ctx, resp);
-    enum MHD_Result r = MHD_queue_response(conn, status, resp);
-    MHD_destroy_response(resp);
-    if (r == MHD_YES) {
-        ctx->responded = true;
-        ctx->status = status;
-    }
-    return r;
+    return queue_response(ctx, conn, status, resp);
 }
 
 static enum MHD_Result queue_json(request_ctx *ctx, struct MHD_Connection *conn, unsigned status,
@@ -182,6 +193,47 @@ static enum MHD_Result serve_metrics(request_ctx *ctx, struct MHD_Connection *co
         return refuse(ctx, conn, 500, NULL, "%s", err.msg);
     enum MHD_Result r = queue_body(ctx, conn, 200, KVB_METRICS_CONTENT_TYPE, text, len, NULL, NULL, NULL);
     free(text);
+    return r;
+}
+
+/* The chat page's files: static bytes compiled in, revalidated on every load (a new binary's page
+ * shows at once), under a strict Content-Security-Policy (its own script and styles only, no
+ * inline script, its own API only, never framed). Open: the page holds no data; the API it calls
+ * asks for the key. */
+static enum MHD_Result serve_page(request_ctx *ctx, struct MHD_Connection *conn) {
+    const http_web_asset *a = ctx->asset;
+    struct MHD_Response *resp = MHD_create_response_from_buffer(a->len, (void *)a->data, MHD_RESPMEM_PERSISTENT);
+    if (!resp) return MHD_NO;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, http_web_content_type(a->name));
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    MHD_add_response_header(resp, "Content-Security-Policy", HTTP_WEB_CSP);
+    MHD_add_response_header(resp, "X-Content-Type-Options", "nosniff");
+    MHD_add_response_header(resp, "Referrer-Policy", "no-referrer");
+    MHD_add_response_header(resp, "X-Frame-Options", "DENY");
+    add_request_headers(ctx, resp);
+    return queue_response(ctx, conn, 200, resp);
+}
+
+/* GET /v1/kvbridge/status: the server's own fields, then the handler's (peer, bridges, link, cache).
+ * A /v1/ route: with --api-key it needs the key (it tells the node's load and what is in flight). */
+static enum MHD_Result serve_status(request_ctx *ctx, struct MHD_Connection *conn) {
+    kvb_http_server *s = ctx->server;
+    cJSON *root = cJSON_CreateObject();
+    if (!root) return MHD_NO;
+    cJSON_AddStringToObject(root, "object", "kvbridge.status");
+    cJSON_AddStringToObject(root, "model", s->model_id);
+    cJSON_AddStringToObject(root, "status", atomic_load(&s->draining) ? "draining" : "ok");
+    const double now = kvb_now_s();
+    cJSON_AddNumberToObject(root, "now_s", now); /* monotonic: rates from two snapshots */
+    cJSON_AddNumberToObject(root, "uptime_s", now - s->started_s);
+    cJSON_AddNumberToObject(root, "in_flight", atomic_load(&s->completions_in_flight));
+    if (s->handlers.status) s->handlers.status(s->handlers.ctx, root);
+    char *text = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    if (!text) return MHD_NO;
+    enum MHD_Result r = queue_body(ctx, conn, 200, "application/json", text, strlen(text), NULL,
+                                   MHD_HTTP_HEADER_CACHE_CONTROL, "no-store"); /* a snapshot */
+    cJSON_free(text);
     return r;
 }
 
@@ -322,13 +374,7 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
      * response (request_completed puts it back). */
     MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
     ctx->timeout_lifted = true;
-    enum MHD_Result r = MHD_queue_response(conn, 200, resp);
-    MHD_destroy_response(resp);
-    if (r == MHD_YES) {
-        ctx->responded = true;
-        ctx->status = 200;
-    }
-    return r;
+    return queue_response(ctx, conn, 200, resp);
 }
 
 /* ---- routing ------------------------------------------------------------------------------------ */
@@ -342,6 +388,8 @@ static route_id route_of(const kvb_http_server *s, const char *url) {
     if (strcmp(url, "/metrics") == 0) return ROUTE_METRICS;
     if (strcmp(url, "/tokenize") == 0 && s->handlers.tokenize) return ROUTE_TOKENIZE;
     if (strcmp(url, "/detokenize") == 0 && s->handlers.detokenize) return ROUTE_DETOKENIZE;
+    if (strcmp(url, "/v1/kvbridge/status") == 0) return ROUTE_STATUS;
+    if (http_web_find(url)) return ROUTE_PAGE;
     return ROUTE_UNKNOWN;
 }
 
@@ -356,8 +404,11 @@ static bool sha256(const void *bytes, size_t n, unsigned char out[HTTP_API_KEY_D
     return EVP_Digest(bytes, n, out, &len, EVP_sha256(), NULL) == 1 && len == HTTP_API_KEY_DIGEST_LEN;
 }
 
-/* The /v1/ routes and (de)tokenizing; /health and /metrics stay open (probes and scrapers carry no key). */
-static bool route_needs_key(route_id r) { return r != ROUTE_HEALTH && r != ROUTE_METRICS && r != ROUTE_UNKNOWN; }
+/* The /v1/ routes (the status snapshot too) and (de)tokenizing; /health and /metrics stay open (probes
+ * and scrapers carry no key), and so does the page (static files: it asks for the key on a 401). */
+static bool route_needs_key(route_id r) {
+    return r != ROUTE_HEALTH && r != ROUTE_METRICS && r != ROUTE_PAGE && r != ROUTE_UNKNOWN;
+}
 
 /* NULL when the request carries the key; else the 401's message. The token's digest is compared
  * with the key's in constant time, whatever the token's length. */
@@ -414,13 +465,7 @@ static enum MHD_Result queue_preflight(request_ctx *ctx, struct MHD_Connection *
         MHD_add_response_header(resp, "Access-Control-Allow-Headers", "Authorization, Content-Type");
         MHD_add_response_header(resp, "Access-Control-Max-Age", "600");
     }
-    enum MHD_Result r = MHD_queue_response(conn, 204, resp);
-    MHD_destroy_response(resp);
-    if (r == MHD_YES) {
-        ctx->responded = true;
-        ctx->status = 204;
-    }
-    return r;
+    return queue_response(ctx, conn, 204, resp);
 }
 
 /* First call for a request: headers are in. Returns MHD_YES to go on reading, or a queued
@@ -429,6 +474,7 @@ static enum MHD_Result on_headers(request_ctx *ctx, struct MHD_Connection *conn,
                                   const char *method) {
     kvb_http_server *s = ctx->server;
     ctx->route = route_of(s, url);
+    if (ctx->route == ROUTE_PAGE) ctx->asset = http_web_find(url);
     bool get = strcmp(method, MHD_HTTP_METHOD_GET) == 0 || strcmp(method, MHD_HTTP_METHOD_HEAD) == 0;
     bool post = strcmp(method, MHD_HTTP_METHOD_POST) == 0;
     const char *rid = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "X-Request-Id");
@@ -533,6 +579,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     case ROUTE_MODEL_ONE: return serve_model_one(ctx, conn, url + 11);
     case ROUTE_HEALTH: return serve_health(ctx, conn);
     case ROUTE_METRICS: return serve_metrics(ctx, conn);
+    case ROUTE_PAGE: return serve_page(ctx, conn);
+    case ROUTE_STATUS: return serve_status(ctx, conn);
     case ROUTE_TOKENIZE:
     case ROUTE_DETOKENIZE: return serve_tokenizer(ctx, conn);
     default: return MHD_NO;
@@ -556,7 +604,7 @@ static void log_request(const request_ctx *ctx, double seconds) {
     const unsigned status = ctx->responded ? ctx->status : 0u;
     if (!out) { /* refused before a completion began, or another route */
         const bool probe = ctx->route == ROUTE_HEALTH || ctx->route == ROUTE_METRICS || ctx->route == ROUTE_MODELS ||
-                           ctx->route == ROUTE_MODEL_ONE;
+                           ctx->route == ROUTE_MODEL_ONE || ctx->route == ROUTE_PAGE || ctx->route == ROUTE_STATUS;
         kvb_log(probe ? KVB_LOG_DEBUG : KVB_LOG_INFO, "http: %s %s %u %.3fs%s%s", method, route, status, seconds,
                 ctx->request_id[0] ? " req=" : "", ctx->request_id);
         return;
@@ -815,6 +863,7 @@ kvb_status kvb_http_server_start(const kvb_http_config *cfg, const kvb_http_hand
     s->max_body_bytes = cfg->max_body_bytes ? cfg->max_body_bytes : (size_t)32 << 20;
     s->idle_timeout_s = cfg->idle_timeout_s ? cfg->idle_timeout_s : 120;
     s->started_unix = (int64_t)time(NULL);
+    s->started_s = kvb_now_s();
     atomic_init(&s->stopping, false);
     atomic_init(&s->draining, false);
     atomic_init(&s->completions_in_flight, 0);

@@ -25,6 +25,14 @@
 #include "kvb_transport.h"
 #include "node_internal.h"
 
+/* The bridge in flight as the status snapshot sees it. */
+typedef struct {
+    kvb_bridge_receiver *rx;        /* NULL: none */
+    uint64_t id;                    /* the PREFILL's request id */
+    uint32_t prompt, cached, ship_to; /* the prompt's tokens; those cached; shipped up to here */
+    double t0;                      /* when the bridge began (kvb_now_s) */
+} live_bridge;
+
 struct kvb_decode_node {
     kvb_decode_config cfg;
     char *psk, *peer, *model_id;
@@ -66,6 +74,10 @@ struct kvb_decode_node {
     kvb_metric *m_abandoned; /* requests whose client went away before their prompt was in */
     kvb_metrics *metrics; /* the registry /metrics renders (the server's families too) */
     double last_reader_wait_s, last_consumer_wait_s; /* the last bridge's receiving stages */
+    /* the bridge in flight (at most one: the prompt FIFO's holder runs it), for the status snapshot;
+     * live_mu guards these and keeps the receiver alive while a snapshot reads it */
+    pthread_mutex_t live_mu;
+    live_bridge live;
 };
 
 /* ---- the bridge, decode side ----------------------------------------------------------------- */
@@ -128,6 +140,22 @@ static void batch_lend(void *ctx) { kvb_decode_batch_exec_lend(ctx); }
 static void batch_reclaim(void *ctx) { kvb_decode_batch_exec_reclaim(ctx); }
 static bool client_gone(void *ctx) { return kvb_completion_cancelled(ctx); }
 
+/* The bridge in flight as the status snapshot sees it, from its receiver's creation to
+ * live_bridge_end (before the receiver is freed, so a snapshot never reads a freed one). */
+static void live_bridge_set(kvb_decode_node *n, live_bridge lb) {
+    pthread_mutex_lock(&n->live_mu);
+    n->live = lb;
+    pthread_mutex_unlock(&n->live_mu);
+}
+
+/* The bridge's bytes join the link's total as it leaves the snapshot (one step: the total never dips). */
+static void live_bridge_end(kvb_decode_node *n, uint64_t bytes) {
+    pthread_mutex_lock(&n->live_mu);
+    kvb_metric_add(n->m_slab_bytes, NULL, (double)bytes);
+    n->live.rx = NULL;
+    pthread_mutex_unlock(&n->live_mu);
+}
+
 /* Asks the peer for blocks [cached, ship) and the tail [ship, ship + tail) (the partial block
  * before the last prompt token) and commits what arrives through the bridge's receiver; the store
  * keeps any block that completed and verified, lookups see only the contiguous committed chain.
@@ -147,6 +175,8 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
                  st == KVB_ERR_RANGE ? "cache full" : "internal", err.msg);
     } else {
         kvb_trace_span("decode.bridge_setup", t0, kvb_now_s(), kvb_bridge_receiver_blocks(r)); /* keys, pages */
+        live_bridge_set(n, (live_bridge){.rx = r, .id = n->next_request_id + 1, .prompt = n_tok, .cached = cached,
+                                         .ship_to = ship + tail, .t0 = t0});
         const kvb_msg_prefill p = {.request_id = ++n->next_request_id, .bridge_mode = n->hello.bridge_mode,
                                    .n_tokens = n_tok, .cached_tokens = cached, .ship_tokens = ship + tail,
                                    .last_cached_key = kvb_bridge_receiver_parent_key(r), .tokens = (int32_t *)toks};
@@ -170,9 +200,9 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
         if (o->rx.drop_link) drop_peer(n);
     }
     o->transfer_s = (o->rx.t_end > 0 ? o->rx.t_end : kvb_now_s()) - t0;
+    live_bridge_end(n, o->rx.bytes);
     kvb_bridge_receiver_free(r); /* uncommitted pages go back */
     if (o->rx.fault) kvb_metric_add(n->m_faults, KVB_LABELS(kvb_bridge_fault_name(o->rx.fault)), 1);
-    kvb_metric_add(n->m_slab_bytes, NULL, (double)o->rx.bytes);
 }
 
 /* Appends "; " (unless buf is empty), then label and text, to the faults list in buf (cut at cap). */
@@ -887,6 +917,92 @@ static void handle_health(void *ctx, cJSON *body) {
     cJSON_AddNumberToObject(body, "requests_waiting", (double)waiting);
 }
 
+/* The bridge in flight, if any, as {"request_id", "prompt_tokens", "cached_tokens", "ship_tokens",
+ * "elapsed_s", "slabs", "bytes", "bytes_per_s", "layers": [share of the shipped tokens arrived, one
+ * per layer], "layers_complete"}: what the page draws as progress by layer. */
+static cJSON *live_bridge_json(kvb_decode_node *n) {
+    cJSON *arr = cJSON_CreateArray();
+    pthread_mutex_lock(&n->live_mu);
+    const live_bridge *lb = &n->live;
+    kvb_bridge_receiver *r = lb->rx;
+    cJSON *b = r && arr ? cJSON_CreateObject() : NULL;
+    cJSON *layers = b ? cJSON_AddArrayToObject(b, "layers") : NULL;
+    if (layers) {
+        const double elapsed = kvb_now_s() - lb->t0;
+        const uint64_t bytes = kvb_bridge_receiver_bytes(r);
+        cJSON_AddNumberToObject(b, "request_id", (double)lb->id);
+        cJSON_AddNumberToObject(b, "prompt_tokens", lb->prompt);
+        cJSON_AddNumberToObject(b, "cached_tokens", lb->cached);
+        cJSON_AddNumberToObject(b, "ship_tokens", lb->ship_to - lb->cached);
+        cJSON_AddNumberToObject(b, "elapsed_s", elapsed);
+        cJSON_AddNumberToObject(b, "slabs", kvb_bridge_receiver_slabs(r));
+        cJSON_AddNumberToObject(b, "bytes", (double)bytes);
+        cJSON_AddNumberToObject(b, "bytes_per_s", elapsed > 0 ? (double)bytes / elapsed : 0);
+        uint32_t n_p = 0, complete = 0;
+        kvb_slab_pending *const *p = kvb_bridge_receiver_pending(r, &n_p);
+        const uint32_t nb = kvb_bridge_receiver_blocks(r), bt = n->cfg.block_tokens;
+        const double total = (double)nb * bt + kvb_bridge_receiver_tail_tokens(r);
+        for (uint32_t l = 0; l < n->m->d.n_layer; l++) { /* (layer): tokens arrived / shipped */
+            double missing = 0;
+            for (uint32_t i = 0; i < n_p; i++) missing += kvb_store_slab_layer_missing(p[i], l);
+            complete += missing == 0;
+            cJSON_AddItemToArray(layers, cJSON_CreateNumber(total > 0 ? (total - missing) / total : 1));
+        }
+        cJSON_AddNumberToObject(b, "layers_complete", complete);
+        cJSON_AddItemToArray(arr, b);
+    } else {
+        cJSON_Delete(b);
+    }
+    pthread_mutex_unlock(&n->live_mu);
+    return arr;
+}
+
+/* GET /v1/kvbridge/status: the peer, the bridge in flight, the link's bytes, the cache, the queue
+ * and the prompt tokens by source so far: what /health and /metrics tell, as one object. */
+static void handle_status(void *ctx, cJSON *body) {
+    kvb_decode_node *n = ctx;
+    char why[sizeof(((kvb_err *)0)->msg) + 64] = "";
+    const kvb_peer_state ps = n->link ? kvb_peer_link_state(n->link, why, sizeof why) : KVB_PEER_DOWN;
+    cJSON *peer = cJSON_AddObjectToObject(body, "peer");
+    if (peer) {
+        cJSON_AddStringToObject(peer, "addr", n->peer ? n->peer : "");
+        cJSON_AddStringToObject(peer, "state", n->link ? kvb_peer_state_name(ps) : "none");
+        cJSON_AddStringToObject(peer, "reason", why);
+        cJSON_AddNumberToObject(peer, "lanes", n->cfg.lanes);
+    }
+    cJSON_AddItemToObject(body, "bridges", live_bridge_json(n));
+    cJSON *link = cJSON_AddObjectToObject(body, "link");
+    pthread_mutex_lock(&n->live_mu); /* the bytes of the finished bridges, then the one in flight */
+    const double bytes = kvb_metric_value(n->m_slab_bytes, NULL) + (n->live.rx ? kvb_bridge_receiver_bytes(n->live.rx) : 0);
+    pthread_mutex_unlock(&n->live_mu);
+    if (link) cJSON_AddNumberToObject(link, "bytes_total", bytes);
+    kvb_store_stats st;
+    kvb_store_get_stats(n->store, &st);
+    pthread_mutex_lock(&n->mu);
+    const uint64_t served = n->n_served, waiting = n->slot_next - n->slot_admit, reserved = n->blocks_reserved;
+    pthread_mutex_unlock(&n->mu);
+    cJSON *cache = cJSON_AddObjectToObject(body, "cache");
+    if (cache) {
+        cJSON_AddNumberToObject(cache, "blocks", st.n_blocks);
+        cJSON_AddNumberToObject(cache, "block_tokens", n->cfg.block_tokens);
+        cJSON_AddNumberToObject(cache, "committed", st.committed);
+        cJSON_AddNumberToObject(cache, "in_use", st.referenced + st.writing);
+        cJSON_AddNumberToObject(cache, "free", st.free);
+        cJSON_AddNumberToObject(cache, "reserved", (double)reserved);
+    }
+    cJSON *req = cJSON_AddObjectToObject(body, "requests");
+    if (req) {
+        cJSON_AddNumberToObject(req, "served", (double)served);
+        cJSON_AddNumberToObject(req, "waiting", (double)waiting);
+        cJSON_AddNumberToObject(req, "parallel", n->cfg.parallel);
+    }
+    cJSON *tok = cJSON_AddObjectToObject(body, "prompt_tokens");
+    for (int i = 0; tok && i < 3; i++) {
+        static const char *const src[] = {"cached", "bridged", "native"};
+        cJSON_AddNumberToObject(tok, src[i], kvb_metric_value(n->m_tokens, KVB_LABELS(src[i])));
+    }
+}
+
 /* The tokenizer's end-of-generation tokens that are rows of the logits (min_tokens bars them). */
 static kvb_status collect_eog(kvb_decode_node *n, kvb_err *err) {
     size_t k = 0;
@@ -999,6 +1115,7 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
     kvb_decode_config *c = &n->cfg;
     pthread_mutex_init(&n->mu, NULL);
     pthread_cond_init(&n->cv, NULL);
+    pthread_mutex_init(&n->live_mu, NULL);
     kvb_status st = kvb_model_load(cfg->model_path, &n->m, err);
     /* the engine reads the weights in place: every page now, not on the first request */
     if (!st) st = kvb_gguf_prefault(n->m->gguf, err);
@@ -1064,7 +1181,7 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
     kvb_http_config hc = {.listen = cfg->http_listen, .model_id = n->model_id, .accept_any_model = true,
                           .metrics = n->metrics, .api_key = cfg->api_key, .max_model_len = c->max_ctx,
                           .allow_origins = cfg->allow_origins};
-    kvb_http_handlers hh = {.ctx = n, .completion = handle_completion, .health = handle_health,
+    kvb_http_handlers hh = {.ctx = n, .completion = handle_completion, .health = handle_health, .status = handle_status,
                             .tokenize = handle_tokenize, .detokenize = handle_detokenize};
     if (n->peer) { /* the link's thread dials now, before a request can ask for it */
         kvb_peer_link_config lc = {.addr = n->peer, .hello = &n->hello, .tcfg = &n->tcfg, .lanes = c->lanes,
@@ -1110,6 +1227,7 @@ void kvb_decode_node_stop(kvb_decode_node *n) {
     kvb_model_free(n->m);
     pthread_mutex_destroy(&n->mu);
     pthread_cond_destroy(&n->cv);
+    pthread_mutex_destroy(&n->live_mu);
     free(n->psk);
     free(n->peer);
     free(n->model_id);

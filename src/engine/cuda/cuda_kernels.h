@@ -55,6 +55,23 @@ cudaError_t kvb_cu_qkv_post(const kvb_cu_qkv_post_args *a, cudaStream_t st);
  * GeGLU, the CPU engine's formula), gu (n, 2 FF) bf16 rows [g | u]. */
 cudaError_t kvb_cu_glu(const void *gu, int n, int FF, int gelu, void *out, cudaStream_t st);
 
+/* Mixtures of experts (moe.cu). The router: for each token t < n, logits (n, X) f32 row t is
+ * replaced by its softmax, sel (n, K) gets the K most probable experts (largest first, the lower
+ * index on a tie) and w (n, K) their probabilities, divided by their sum when norm (moe_math.h's
+ * arithmetic, the CPU engine's order). */
+cudaError_t kvb_cu_moe_route(float *logits, int n, int X, int K, int norm, int32_t *sel, float *w, cudaStream_t st);
+/* The (token, rank) slots s = t*K + k of sel (n, K) grouped by expert, slot order kept: cnt (X) the
+ * slots of each expert, off (X + 1) their exclusive prefix sum, slot (n K) the slots in grouped
+ * order (expert x's at [off[x], off[x+1])), inv (n K) each slot's position in it. */
+cudaError_t kvb_cu_moe_permute(const int32_t *sel, int n, int K, int X, int32_t *cnt, int32_t *off, int32_t *slot,
+                               int32_t *inv, cudaStream_t st);
+/* xp (n_slots, E) bf16 row p = h (n, E) bf16 row slot[p] / K; E % 8 == 0, both 16-byte aligned. */
+cudaError_t kvb_cu_moe_gather(const void *h, const int32_t *slot, int n_slots, int K, int E, void *xp, cudaStream_t st);
+/* x (n, E) f32 += sum over k in rank order of w[t,k] * y[inv[t*K + k]] (y (n K, E), f32 or bf16 when
+ * y_bf16), each product and sum rounded once: the CPU engine's combine and residual add. */
+cudaError_t kvb_cu_moe_unpermute(const void *y, int y_bf16, const int32_t *inv, const float *w, int n, int K, int E,
+                                 float *x, cudaStream_t st);
+
 /* The tensor-parallel all-reduce's sum (tp_comm.c): out (count) f32 = ((in[0] + in[1]) + in[2]) ...
  * over in[0 .. n_in), n_in in 1..8, one rounded f32 add at a time in that order, so the result is
  * the same bits wherever it runs. in: a HOST array of n_in device pointers (count f32 each; they

@@ -84,4 +84,33 @@ kvb_status kvb_cuda_test_gather_kv(const kvb_cuda_test_cache *cache, uint32_t la
 kvb_status kvb_cuda_test_expand_bf16(uint32_t type, const void *src, size_t src_row_bytes, uint32_t rows,
                                      uint32_t cols, uint16_t *out, kvb_err *err);
 
+/* ---- mixtures of experts ------------------------------------------------------------------- */
+
+/* The router kernel: logits (n, X) f32 replaced by each row's softmax; sel (n, K) the top K experts
+ * (largest first, the lower index on a tie), w (n, K) their probabilities, divided by their sum when
+ * norm. */
+kvb_status kvb_cuda_test_moe_route(float *logits, uint32_t n, uint32_t X, uint32_t K, bool norm, int32_t *sel,
+                                   float *w, kvb_err *err);
+/* The permutation and gather: off (X + 1) each expert's first position in the grouped order, slot
+ * (n K) the (token, rank) slots t*K + k in that order (slot order within an expert), inv (n K) each
+ * slot's position, xp (n K, E) bf16 row p = h (n, E) bf16 row slot[p] / K; E % 8 == 0. */
+kvb_status kvb_cuda_test_moe_permute(const int32_t *sel, uint32_t n, uint32_t K, uint32_t X, const uint16_t *h,
+                                     uint32_t E, int32_t *off, int32_t *slot, int32_t *inv, uint16_t *xp, kvb_err *err);
+/* The weighted un-permute: x (n, E) f32 += sum over k in rank order of w[t,k] y[inv[t K + k]], y
+ * (n K, E) f32, or bf16 (raw bits) when y_bf16. */
+kvb_status kvb_cuda_test_moe_unpermute(const void *y, bool y_bf16, const int32_t *inv, const float *w, uint32_t n,
+                                       uint32_t K, uint32_t E, float *x, kvb_err *err);
+/* One layer's experts in bf16 (raw bits): router (X, E); gu (X 2F, E), expert x's gate rows then its
+ * up rows at x 2F; down (X E, F). */
+typedef struct {
+    const uint16_t *router, *gu, *down;
+    uint32_t X, K, F, E;
+    bool norm;
+} kvb_cuda_test_moe_w;
+/* The engine's whole MoE MLP (kvb_cu_moe_ffn): x (n, E) f32 += the routed experts' weighted outputs
+ * of h (n, E) bf16, the expert GEMMs looped per expert or grouped; sel, wts (n, K) the routing it
+ * used. */
+kvb_status kvb_cuda_test_moe_ffn(const kvb_cuda_test_moe_w *w, const uint16_t *h, uint32_t n, bool grouped, float *x,
+                                 int32_t *sel, float *wts, kvb_err *err);
+
 #endif

@@ -240,12 +240,14 @@ typedef struct {
 } cu_packed;
 
 /* A layer's matrices as the packed form holds them, and where each expands to in the bf16 set:
- * Q, K, V into qkv, gate and up into gu. */
-enum { PK_Q, PK_K, PK_V, PK_O, PK_GATE, PK_UP, PK_DOWN, PK_COUNT };
+ * Q, K, V into qkv, gate and up into gu (a mixture of experts: the whole stacks, each expert's
+ * gate and up rows expanded next to each other), the router (MoE only) into router. */
+enum { PK_Q, PK_K, PK_V, PK_O, PK_GATE, PK_UP, PK_DOWN, PK_ROUTER, PK_COUNT };
 
 /* One layer's GEMM operands in bf16: qkv (S, E), o (E, Q), gu (2 FF, E), down (E, FF), this
- * rank's shard (bf16_set_alloc). */
-enum { BF_QKV, BF_O, BF_GU, BF_DOWN, BF_COUNT };
+ * rank's shard (bf16_set_alloc); a mixture of experts (kvb_cu_moe_weights' layout): gu (X 2F, E)
+ * expert by expert [gate_x; up_x], down (X E, F), router (X, E), empty for a dense model. */
+enum { BF_QKV, BF_O, BF_GU, BF_DOWN, BF_ROUTER, BF_COUNT };
 typedef struct {
     void *m[BF_COUNT];
 } cu_bf16_set;
@@ -319,6 +321,10 @@ struct kvb_cuda_engine {
     cudaEvent_t gate_ev[2];
     double last_gated_gpu_s;
     double last_forward_s, last_enqueue_s;
+    /* mixture of experts (qwen3moe): the MLP's scratch and how its expert GEMMs run */
+    bool moe;
+    kvb_cu_moe_scratch moe_s;
+    kvb_cu_moe_gemm moe_gemm;
 };
 
 struct kvb_cuda_seq {
@@ -417,6 +423,13 @@ static void bf16_set_elems(const kvb_cuda_engine *e, size_t elems[BF_COUNT]) {
     elems[BF_O] = E * Q;
     elems[BF_GU] = 2 * FF * E;
     elems[BF_DOWN] = E * FF;
+    elems[BF_ROUTER] = 0;
+    if (e->moe) {
+        const size_t X = e->m->d.n_expert, F = e->m->d.n_ff_exp;
+        elems[BF_GU] = X * 2 * F * E;
+        elems[BF_DOWN] = X * E * F;
+        elems[BF_ROUTER] = X * E;
+    }
 }
 
 /* Allocates a cu_bf16_set on the device, its bytes added to *acct. */
@@ -472,8 +485,19 @@ static kvb_status expand_layer(kvb_cuda_engine *e, const cu_layer *L, kvb_err *e
     dst[PK_GATE] = e->xw.m[BF_GU];
     dst[PK_UP] = (uint16_t *)dst[PK_GATE] + (size_t)pk[PK_GATE].rows * pk[PK_GATE].cols;
     dst[PK_DOWN] = e->xw.m[BF_DOWN];
-    for (int i = 0; i < PK_COUNT; i++)
+    dst[PK_ROUTER] = e->xw.m[BF_ROUTER];
+    for (int i = 0; i < PK_COUNT; i++) {
+        if (!pk[i].d || (e->moe && (i == PK_GATE || i == PK_UP))) continue;
         KVB_CU(kvb_cu_expand_bf16(pk[i].type, pk[i].d, pk[i].row_bytes, pk[i].rows, pk[i].cols, dst[i], e->st));
+    }
+    if (e->moe) { /* expert x's gate rows, then its up rows, at x 2F of gu (kvb_cu_moe_weights) */
+        const int64_t X = e->m->d.n_expert, F = e->m->d.n_ff_exp, E = e->m->d.n_embd;
+        for (int64_t x = 0; x < X; x++)
+            for (int i = PK_GATE; i <= PK_UP; i++)
+                KVB_CU(kvb_cu_expand_bf16(pk[i].type, pk[i].d + (size_t)(x * F) * pk[i].row_bytes, pk[i].row_bytes,
+                                          F, pk[i].cols,
+                                          (uint16_t *)e->xw.m[BF_GU] + (size_t)(x * 2 + (i == PK_UP)) * F * E, e->st));
+    }
     return KVB_OK;
 }
 
@@ -481,6 +505,29 @@ static kvb_status upload_f32(const float *src, size_t n, float **dst, size_t *ac
     kvb_status st = dev_alloc(NULL, (void **)dst, n * sizeof(float), acct, what, err);
     if (st) return st;
     KVB_CU(cudaMemcpy(*dst, src, n * sizeof(float), cudaMemcpyHostToDevice));
+    return KVB_OK;
+}
+
+/* A mixture of experts' layer in bf16 (kvb_cu_moe_weights' layout): the router, each expert's gate
+ * and up rows next to each other, the down stack as it is (expert x's rows already at x E). */
+static kvb_status upload_experts(kvb_cuda_engine *e, uploader *u, const kvb_layer_weights *w, cu_bf16_set *set,
+                                 kvb_err *err) {
+    const int64_t X = e->m->d.n_expert, F = e->m->d.n_ff_exp, E = e->m->d.n_embd;
+    kvb_status st;
+    if (w->gate_exps.rows != X * F || w->up_exps.rows != X * F || w->down_exps.rows != X * E ||
+        w->ffn_gate_inp.rows != X)
+        return kvb_err_set(err, KVB_ERR_INTERNAL, "expert stacks of %lld/%lld/%lld rows for %lld experts",
+                           (long long)w->gate_exps.rows, (long long)w->up_exps.rows, (long long)w->down_exps.rows,
+                           (long long)X);
+    if ((st = upload_mat(u, &w->ffn_gate_inp, 0, 0, 0, 0, set->m[BF_ROUTER], "ffn_gate_inp", err)) ||
+        (st = upload_mat(u, &w->down_exps, 0, 0, 0, 0, set->m[BF_DOWN], "ffn_down_exps", err)))
+        return st;
+    for (int64_t x = 0; x < X; x++) {
+        uint16_t *gu = (uint16_t *)set->m[BF_GU] + (size_t)(x * 2 * F * E);
+        if ((st = upload_mat(u, &w->gate_exps, x * F, F, 0, 0, gu, "ffn_gate_exps", err)) ||
+            (st = upload_mat(u, &w->up_exps, x * F, F, 0, 0, gu + (size_t)(F * E), "ffn_up_exps", err)))
+            return st;
+    }
     return KVB_OK;
 }
 
@@ -495,6 +542,7 @@ static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *er
     uploader u = {pool, NULL, (size_t)32 << 20, NULL, kvb_pool_size(pool)};
     size_t max_cols = E > (size_t)d->n_head * D ? E : (size_t)d->n_head * D; /* whole rows are converted */
     if (d->n_ff > max_cols) max_cols = d->n_ff;
+    if (d->n_ff_exp > max_cols) max_cols = d->n_ff_exp;
     u.stage = malloc(u.stage_elems * sizeof(uint16_t));
     u.tmp = calloc((size_t)u.n_tmp, sizeof(float *));
     if (!u.stage || !u.tmp) {
@@ -533,23 +581,35 @@ static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *er
             if ((st = upload_packed(e, &w->wq, q0, (int64_t)Q, 0, 0, &L->pk[PK_Q], "attn_q", err)) ||
                 (st = upload_packed(e, &w->wk, kv0, (int64_t)KV, 0, 0, &L->pk[PK_K], "attn_k", err)) ||
                 (st = upload_packed(e, &w->wv, kv0, (int64_t)KV, 0, 0, &L->pk[PK_V], "attn_v", err)) ||
-                (st = upload_packed(e, &w->wo, 0, 0, q0, (int64_t)Q, &L->pk[PK_O], "attn_output", err)) ||
-                (st = upload_packed(e, &w->w_gate, f0, (int64_t)FF, 0, 0, &L->pk[PK_GATE], "ffn_gate", err)) ||
-                (st = upload_packed(e, &w->w_up, f0, (int64_t)FF, 0, 0, &L->pk[PK_UP], "ffn_up", err)) ||
-                (st = upload_packed(e, &w->w_down, 0, 0, f0, (int64_t)FF, &L->pk[PK_DOWN], "ffn_down", err)))
+                (st = upload_packed(e, &w->wo, 0, 0, q0, (int64_t)Q, &L->pk[PK_O], "attn_output", err)))
                 break;
-        } else if ((st = bf16_set_alloc(e, &L->w, &e->weight_bytes, nm, err)) ||
-                   (st = upload_mat(&u, &w->wq, q0, (int64_t)Q, 0, 0, L->w.m[BF_QKV], "attn_q", err)) ||
-                   (st = upload_mat(&u, &w->wk, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w.m[BF_QKV] + Q * E,
-                                    "attn_k", err)) ||
-                   (st = upload_mat(&u, &w->wv, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w.m[BF_QKV] + (Q + KV) * E,
-                                    "attn_v", err)) ||
-                   (st = upload_mat(&u, &w->wo, 0, 0, q0, (int64_t)Q, L->w.m[BF_O], "attn_output", err)) ||
-                   (st = upload_mat(&u, &w->w_gate, f0, (int64_t)FF, 0, 0, L->w.m[BF_GU], "ffn_gate", err)) ||
-                   (st = upload_mat(&u, &w->w_up, f0, (int64_t)FF, 0, 0, (uint16_t *)L->w.m[BF_GU] + FF * E,
-                                    "ffn_up", err)) ||
-                   (st = upload_mat(&u, &w->w_down, 0, 0, f0, (int64_t)FF, L->w.m[BF_DOWN], "ffn_down", err)))
-            break;
+            if (e->moe) {
+                if ((st = upload_packed(e, &w->ffn_gate_inp, 0, 0, 0, 0, &L->pk[PK_ROUTER], "ffn_gate_inp", err)) ||
+                    (st = upload_packed(e, &w->gate_exps, 0, 0, 0, 0, &L->pk[PK_GATE], "ffn_gate_exps", err)) ||
+                    (st = upload_packed(e, &w->up_exps, 0, 0, 0, 0, &L->pk[PK_UP], "ffn_up_exps", err)) ||
+                    (st = upload_packed(e, &w->down_exps, 0, 0, 0, 0, &L->pk[PK_DOWN], "ffn_down_exps", err)))
+                    break;
+            } else if ((st = upload_packed(e, &w->w_gate, f0, (int64_t)FF, 0, 0, &L->pk[PK_GATE], "ffn_gate", err)) ||
+                       (st = upload_packed(e, &w->w_up, f0, (int64_t)FF, 0, 0, &L->pk[PK_UP], "ffn_up", err)) ||
+                       (st = upload_packed(e, &w->w_down, 0, 0, f0, (int64_t)FF, &L->pk[PK_DOWN], "ffn_down", err)))
+                break;
+        } else {
+            if ((st = bf16_set_alloc(e, &L->w, &e->weight_bytes, nm, err)) ||
+                (st = upload_mat(&u, &w->wq, q0, (int64_t)Q, 0, 0, L->w.m[BF_QKV], "attn_q", err)) ||
+                (st = upload_mat(&u, &w->wk, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w.m[BF_QKV] + Q * E, "attn_k",
+                                 err)) ||
+                (st = upload_mat(&u, &w->wv, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w.m[BF_QKV] + (Q + KV) * E,
+                                 "attn_v", err)) ||
+                (st = upload_mat(&u, &w->wo, 0, 0, q0, (int64_t)Q, L->w.m[BF_O], "attn_output", err)))
+                break;
+            if (e->moe) {
+                if ((st = upload_experts(e, &u, w, &L->w, err))) break;
+            } else if ((st = upload_mat(&u, &w->w_gate, f0, (int64_t)FF, 0, 0, L->w.m[BF_GU], "ffn_gate", err)) ||
+                       (st = upload_mat(&u, &w->w_up, f0, (int64_t)FF, 0, 0, (uint16_t *)L->w.m[BF_GU] + FF * E,
+                                        "ffn_up", err)) ||
+                       (st = upload_mat(&u, &w->w_down, 0, 0, f0, (int64_t)FF, L->w.m[BF_DOWN], "ffn_down", err)))
+                break;
+        }
         if ((st = upload_f32(w->attn_norm, E, &L->attn_norm, &e->weight_bytes, "attn_norm", err)) ||
             (st = upload_f32(w->ffn_norm, E, &L->ffn_norm, &e->weight_bytes, "ffn_norm", err)))
             break;
@@ -711,10 +771,12 @@ static kvb_status opts_resolve(const kvb_model_desc *d, kvb_cuda_opts *o, kvb_er
         return kvb_err_set(err, KVB_ERR_INVALID, "block_tokens must be a power of two in [16, 1024], got %u",
                            o->block_tokens);
     if (!o->n_blocks) o->n_blocks = (o->max_ctx + o->block_tokens - 1) / o->block_tokens;
-    if (d->n_expert)
+    if (d->n_expert && (o->n_gpus > 1 || d->has_post_norms || d->mlp_gelu || d->n_expert_used > d->n_expert ||
+                        !d->n_expert_used || !d->n_ff_exp))
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
-                           "the CUDA engine does not run mixtures of experts yet (%s: %u experts); use --device cpu",
-                           d->arch_name, d->n_expert);
+                           "the CUDA engine runs a mixture of experts (%s: %u experts top-%u) on one GPU, with SwiGLU "
+                           "experts and no post norms (asked: %d GPUs)",
+                           d->arch_name, d->n_expert, d->n_expert_used, o->n_gpus);
     if (d->head_dim > 256 || d->head_dim % 8 || d->n_head % d->n_head_kv || d->n_rot > d->head_dim ||
         d->n_ff % 2 || d->n_embd % 8)
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
@@ -782,6 +844,8 @@ static void plan_bytes(const kvb_cuda_engine *e, size_t *mats_bf16, size_t *one_
     *rest = V * E * 2 * (own_output ? 2 : 1) + e->block_bytes * e->o.n_blocks +
             B * (E * 4 * 3 + E * 2 + S * 4 + Q * 2 * 2 + FF * 2 * 3) + (size_t)e->o.max_ctx * 4 +
             (size_t)64 * V * 4 + ((size_t)32 << 20);
+    if (e->moe)
+        *rest += kvb_cu_moe_scratch_bytes((int)B, (int)d->n_expert, (int)d->n_expert_used, (int)d->n_ff_exp, (int)E);
 }
 
 /* Resolves o.weights (AUTO: bf16 when everything fits the free memory with room to spare). */
@@ -873,6 +937,9 @@ static kvb_status alloc_cache_and_activations(kvb_cuda_engine *e, kvb_err *err) 
         (st = dev_alloc(e, (void **)&e->logits_d, (size_t)e->logit_rows * d->n_vocab * 4, &e->act_bytes, "logits",
                         err)))
         return st;
+    if (e->moe)
+        return kvb_cu_moe_scratch_alloc(&e->moe_s, (int)o->max_batch, (int)d->n_expert, (int)d->n_expert_used,
+                                        (int)d->n_ff_exp, (int)E, &e->act_bytes, err);
     return KVB_OK;
 }
 
@@ -893,7 +960,9 @@ kvb_status kvb_cu_engine_create_rank(const kvb_model *m, const kvb_cuda_opts *op
     e->nh = d->n_head / (uint32_t)size;
     e->nkv = d->n_head_kv >= (uint32_t)size ? d->n_head_kv / (uint32_t)size : 1; /* replicated when fewer */
     e->kv_first = (uint32_t)((uint64_t)rank * d->n_head_kv / (uint32_t)size);
-    e->nff = d->n_ff / (uint32_t)size;
+    e->moe = d->n_expert > 0;
+    e->nff = e->moe ? 0 : d->n_ff / (uint32_t)size; /* a mixture of experts has no dense MLP */
+    if (e->moe && (st = kvb_cu_moe_gemm_from_env(&e->moe_gemm, err))) goto fail;
     if (rank != 0 && !o->hook_every_rank) o->layer_hook = NULL, o->layer_hook_ctx = NULL; /* rank 0's */
     while ((1u << e->bt_shift) < o->block_tokens) e->bt_shift++;
     if ((st = kvb_kvformat_init(&e->fmt, KVB_TYPE_BF16, o->block_tokens, d->n_layer, e->nkv, d->head_dim, err)))
@@ -945,6 +1014,7 @@ void kvb_cuda_engine_free(kvb_cuda_engine *e) {
                   e->cublas_ws};
     for (size_t i = 0; i < KVB_ARRAY_LEN(ps); i++) cudaFree(ps[i]);
     for (int i = 0; i < BF_COUNT; i++) cudaFree(e->xw.m[i]);
+    if (e->moe) kvb_cu_moe_scratch_free(&e->moe_s);
     kvb_cudnn_attn_free(e->dnn);
     if (e->gate_host) {
         cudaFreeHost((void *)e->gate_host);
@@ -979,12 +1049,16 @@ void kvb_cuda_engine_describe(const kvb_cuda_engine *e, char *buf, size_t cap) {
         snprintf(wd, sizeof wd, "packed in the file's types (%s), a layer expanded to bf16 at a time (%.2f GiB)",
                  e->L ? kvb_type_name(e->L[0].pk[PK_GATE].type) : "?", e->xw_bytes / 1073741824.0);
     else snprintf(wd, sizeof wd, "bf16");
+    char moe[160] = "";
+    if (e->moe)
+        snprintf(moe, sizeof moe, "; %u experts top-%u, %s (KVB_CUDA_MOE_GEMM)", e->m->d.n_expert,
+                 e->m->d.n_expert_used, kvb_cu_moe_gemm_name(e->moe_gemm));
     snprintf(buf, cap,
              "%s (sm_%d%d, %d SMs, %.1f GiB); weights %.2f GiB %s, KV cache %.2f GiB (%u blocks of %u tokens), "
-             "activations %.2f GiB (chunks of %u tokens)",
+             "activations %.2f GiB (chunks of %u tokens)%s",
              e->dev_name, e->cc_major, e->cc_minor, e->n_sm, e->dev_total / 1073741824.0,
              e->weight_bytes / 1073741824.0, wd, e->kv_bytes / 1073741824.0, e->o.n_blocks, e->o.block_tokens,
-             e->act_bytes / 1073741824.0, e->o.max_batch);
+             e->act_bytes / 1073741824.0, e->o.max_batch, moe);
 }
 
 void kvb_cuda_engine_stats(kvb_cuda_engine *e, kvb_cuda_stats *out) {
@@ -1266,6 +1340,13 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
         /* x += W_o att: in the GEMM's epilogue, or (gemma3) through the post-attention norm */
         if ((rs = residual_branch(e, W->m[BF_O], E, Q, e->att, n, L->post_attn_norm, err))) return rs;
         KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->ffn_norm, eps, e->h, (size_t)E, NULL, st));
+        if (e->moe) { /* x += the routed experts' weighted outputs */
+            const kvb_cu_moe_weights mw = {W->m[BF_ROUTER], W->m[BF_GU], W->m[BF_DOWN]};
+            if ((rs = kvb_cu_moe_ffn(e->cublas, st, &mw, d->expert_weights_norm, e->h, n, e->x, &e->moe_s,
+                                     e->moe_gemm, err)))
+                return rs;
+            continue;
+        }
         if ((rs = kvb_cu_gemm(e->cublas, W->m[BF_GU], 2 * FF, E, e->h, n, 0.0f, e->gu, true, err))) return rs;
         KVB_CU(kvb_cu_glu(e->gu, n, FF, d->mlp_gelu ? 1 : 0, e->act, st));
         if ((rs = residual_branch(e, W->m[BF_DOWN], E, FF, e->act, n, L->post_ffw_norm, err))) return rs;

@@ -6,7 +6,9 @@
  * SwiGLU or GeGLU; the residual add rides on the GEMM epilogue, or on gemma3's post norms) and
  * a causal flash-attention kernel (tensor cores, online softmax; a sliding window on gemma3's
  * local layers) over a paged bf16 KV cache that may already hold a prefix. Architectures: llama,
- * qwen2, qwen3, gemma3 (as the CPU engine reads them: kvb_model_desc). Long prompts run in chunks of max_batch tokens, so activation memory
+ * qwen2, qwen3, gemma3, and qwen3moe on one GPU (as the CPU engine reads them: kvb_model_desc; a
+ * mixture of experts' MLP is moe_ffn.c's: router, tokens permuted by expert, a cuBLAS GEMM per
+ * expert or one grouped GEMM, KVB_CUDA_MOE_GEMM=loop|grouped, weighted un-permute). Long prompts run in chunks of max_batch tokens, so activation memory
  * is fixed at creation, whatever the prompt length. Filled blocks are indexed under their chain
  * keys (the store module's kvb_chain_root / kvb_chain_next, rooted in the model and cache-format
  * fingerprints), so a prompt that extends a cached prefix computes only the new part.
@@ -34,6 +36,10 @@
  *   g|u = W_gu h         bf16 out; a = silu(g) * u (gemma3: gelu_tanh(g) * u, the CPU engine's
  *                        formula) in f32, rounded to bf16; x += W_down a (f32; gemma3 through the
  *                        post-MLP norm like the attention branch)
+ *   qwen3moe's MLP       router logits = W_r h (f32 out); softmax, top-k, renormalised in f32
+ *                        (moe_math.h, the CPU engine's order); per routed expert g|u and a as
+ *                        above, y = W_down a in f32 (grouped GEMMs: rounded to bf16); x += the
+ *                        k weighted y summed in rank order, each product and sum rounded once
  *   logits = W_out rmsnorm(x)   f32 out (W_out = the embedding table when the file ties them) */
 #ifndef KVB_ENGINE_CUDA_H
 #define KVB_ENGINE_CUDA_H

@@ -8,7 +8,7 @@
 #include "cuda_testapi.h"
 #include "cudnn_attention.h"
 
-#define NBUF 8
+#define NBUF 12
 
 typedef struct {
     void *p[NBUF];
@@ -309,6 +309,103 @@ kvb_status kvb_cuda_test_expand_bf16(uint32_t type, const void *src, size_t src_
     if (!(st = dput(&b, &dsrc, src, (size_t)rows * src_row_bytes, err)) && !(st = dput(&b, &dout, out, ob, err)))
         st = fetch(kvb_cu_expand_bf16(type, dsrc, src_row_bytes, rows, cols, dout, 0), "kvb_cu_expand_bf16", out, dout,
                    ob, err);
+    dbufs_free(&b);
+    return st;
+}
+
+/* ---- mixtures of experts (moe.cu, moe_ffn.c) ------------------------------------------------ */
+
+kvb_status kvb_cuda_test_moe_route(float *logits, uint32_t n, uint32_t X, uint32_t K, bool norm, int32_t *sel,
+                                   float *w, kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    dbufs b = {{0}, 0};
+    void *dl, *ds, *dw;
+    const size_t lb = (size_t)n * X * 4, kb = (size_t)n * K * 4;
+    if ((st = dput(&b, &dl, logits, lb, err)) || (st = dput(&b, &ds, sel, kb, err)) || (st = dput(&b, &dw, w, kb, err)))
+        goto done;
+    if ((st = fetch(kvb_cu_moe_route(dl, (int)n, (int)X, (int)K, norm ? 1 : 0, ds, dw, 0), "kvb_cu_moe_route", logits,
+                    dl, lb, err)) ||
+        (st = fetch(cudaSuccess, "kvb_cu_moe_route", sel, ds, kb, err)))
+        goto done;
+    st = fetch(cudaSuccess, "kvb_cu_moe_route", w, dw, kb, err);
+done:
+    dbufs_free(&b);
+    return st;
+}
+
+kvb_status kvb_cuda_test_moe_permute(const int32_t *sel, uint32_t n, uint32_t K, uint32_t X, const uint16_t *h,
+                                     uint32_t E, int32_t *off, int32_t *slot, int32_t *inv, uint16_t *xp, kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    dbufs b = {{0}, 0};
+    void *dsel, *dh, *dcnt, *doff, *dslot, *dinv, *dxp;
+    const size_t sb = (size_t)n * K * 4;
+    if ((st = dput(&b, &dsel, sel, sb, err)) || (st = dput(&b, &dh, h, (size_t)n * E * 2, err)) ||
+        (st = dput(&b, &dcnt, NULL, (size_t)X * 4, err)) || (st = dput(&b, &doff, off, ((size_t)X + 1) * 4, err)) ||
+        (st = dput(&b, &dslot, slot, sb, err)) || (st = dput(&b, &dinv, inv, sb, err)) ||
+        (st = dput(&b, &dxp, xp, sb * E / 2, err)))
+        goto done;
+    cudaError_t ce = kvb_cu_moe_permute(dsel, (int)n, (int)K, (int)X, dcnt, doff, dslot, dinv, 0);
+    if (ce == cudaSuccess) ce = kvb_cu_moe_gather(dh, dslot, (int)(n * K), (int)K, (int)E, dxp, 0);
+    if ((st = fetch(ce, "kvb_cu_moe_permute/gather", off, doff, ((size_t)X + 1) * 4, err)) ||
+        (st = fetch(cudaSuccess, "kvb_cu_moe_permute", slot, dslot, sb, err)) ||
+        (st = fetch(cudaSuccess, "kvb_cu_moe_permute", inv, dinv, sb, err)))
+        goto done;
+    st = fetch(cudaSuccess, "kvb_cu_moe_gather", xp, dxp, sb * E / 2, err);
+done:
+    dbufs_free(&b);
+    return st;
+}
+
+kvb_status kvb_cuda_test_moe_unpermute(const void *y, bool y_bf16, const int32_t *inv, const float *w, uint32_t n,
+                                       uint32_t K, uint32_t E, float *x, kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    dbufs b = {{0}, 0};
+    void *dy, *dinv, *dw, *dx;
+    const size_t kb = (size_t)n * K * 4;
+    if ((st = dput(&b, &dy, y, (size_t)n * K * E * (y_bf16 ? 2 : 4), err)) || (st = dput(&b, &dinv, inv, kb, err)) ||
+        (st = dput(&b, &dw, w, kb, err)) || (st = dput(&b, &dx, x, (size_t)n * E * 4, err)))
+        goto done;
+    st = fetch(kvb_cu_moe_unpermute(dy, y_bf16 ? 1 : 0, dinv, dw, (int)n, (int)K, (int)E, dx, 0), "kvb_cu_moe_unpermute",
+               x, dx, (size_t)n * E * 4, err);
+done:
+    dbufs_free(&b);
+    return st;
+}
+
+kvb_status kvb_cuda_test_moe_ffn(const kvb_cuda_test_moe_w *w, const uint16_t *h, uint32_t n, bool grouped, float *x,
+                                 int32_t *sel, float *wts, kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    const size_t X = w->X, K = w->K, F = w->F, E = w->E;
+    dbufs b = {{0}, 0};
+    void *dr, *dgu, *ddown, *dh, *dx;
+    cublasHandle_t hd = NULL;
+    kvb_cu_moe_scratch s = {0};
+    if ((st = dput(&b, &dr, w->router, X * E * 2, err)) || (st = dput(&b, &dgu, w->gu, X * 2 * F * E * 2, err)) ||
+        (st = dput(&b, &ddown, w->down, X * E * F * 2, err)) || (st = dput(&b, &dh, h, (size_t)n * E * 2, err)) ||
+        (st = dput(&b, &dx, x, (size_t)n * E * 4, err)))
+        goto done;
+    if ((st = kvb_cu_moe_scratch_alloc(&s, (int)n, (int)X, (int)K, (int)F, (int)E, NULL, err))) goto done;
+    cublasStatus_t cs = cublasCreate(&hd);
+    if (cs != CUBLAS_STATUS_SUCCESS) {
+        hd = NULL;
+        st = kvb_cublas_fail(err, cs, "cublasCreate", __FILE__, __LINE__);
+        goto done;
+    }
+    const kvb_cu_moe_weights mw = {dr, dgu, ddown};
+    if ((st = kvb_cu_moe_ffn(hd, 0, &mw, w->norm, dh, (int)n, dx, &s, grouped ? KVB_CU_MOE_GROUPED : KVB_CU_MOE_LOOP,
+                             err)) ||
+        (st = fetch(cudaSuccess, "kvb_cu_moe_ffn", x, dx, (size_t)n * E * 4, err)) ||
+        (st = fetch(cudaSuccess, "kvb_cu_moe_ffn", sel, s.sel, (size_t)n * K * 4, err)))
+        goto done;
+    st = fetch(cudaSuccess, "kvb_cu_moe_ffn", wts, s.w, (size_t)n * K * 4, err);
+done:
+    if (hd) cublasDestroy(hd);
+    cudaDeviceSynchronize();
+    kvb_cu_moe_scratch_free(&s);
     dbufs_free(&b);
     return st;
 }

@@ -1,0 +1,557 @@
+/* test_cuda_moe — the CUDA engine's mixture-of-experts MLP (qwen3moe) against CPU twins, on fresh
+ * random inputs each run (seed printed; KVB_TEST_SEED repeats one), outputs poisoned before each
+ * launch so an element a kernel forgets to write fails:
+ *  - moe_math.h's exp against exp() in double over [-87, 0] (host only: runs without a GPU too);
+ *  - the router kernel (softmax, top-k, renormalisation) == its twin, bit for bit: probabilities,
+ *    experts and weights, with rows holding exact ties (the lower expert index wins);
+ *  - the permutation and gather == the CPU engine's counting sort (offsets, slots in slot order,
+ *    each slot's position) and the gathered rows, bit for bit, with empty experts;
+ *  - the weighted un-permute (f32 and bf16 expert outputs) == the same f32 products and sums in
+ *    rank order on the host, bit for bit;
+ *  - the whole MoE MLP, expert GEMMs looped per expert and grouped: routing equal to the twin's
+ *    wherever the twin's top-k margin exceeds 1e-4 (router logits computed in f32 by cuBLAS and in
+ *    double by the twin differ by ~1e-6), and the MLP's output within relative L2 3e-3 of a twin
+ *    in double with the GPU's bf16 roundings (gate|up out, SwiGLU out; the grouped path's expert
+ *    outputs too) on the GPU's routing: the GPU accumulates in f32 (~1e-6 relative over E = 256
+ *    terms), which moves a bf16 rounding of gate|up or SwiGLU by one ulp (2^-8) only for the few
+ *    elements within 1e-6 of a rounding boundary; measured values are printed;
+ *  - end to end on tiny-moe (bf16 weights, 77 tokens): CUDA logits vs the CPU engine's (F32 cache)
+ *    within TOL_CPU 2e-2, the dense presets' limit in test_cuda_engine (the same bf16 roundings of
+ *    GEMM operands, q/K/V and P, plus the router's input rounded to bf16), with both GEMM paths;
+ *    a token whose float64 reference routing margin (ref_model_forward_gaps) is under twice the
+ *    tolerance (MOE_CLOSE_GAP) may take another expert on the GPU than on the CPU (a discontinuity no tolerance
+ *    covers), so it is left out and counted, and the tokens after it are held to tol + 5e-2, as
+ *    test_engine_vs_ref does for the CPU engine; at least half the tokens are checked. Chunked (7)
+ *    vs one-shot on the GPU: 2e-3 (TOL_GPU_GPU of test_cuda_engine). Packed weights (Q8_0 and Q4_K
+ *    files, the experts expanded before each layer) == bf16 weights bit for bit;
+ *  - with KVB_CUDA_TEST_MOE_MODELS (its own ctest entry, needs_gpu_models): real shapes against the
+ *    CPU engine (test_moe_real_shapes says what is held and why).
+ * Without a CUDA device the GPU tests skip with "no CUDA device". */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvb_core.h"
+#include "kvb_quant.h"
+
+#ifdef KVB_HAVE_CUDA
+#include "cuda_testapi.h"
+#include "kvb_engine_cpu.h"
+#include "kvb_engine_cuda.h"
+#include "kvb_model.h"
+#include "kvbt.h"
+#include "moe_math.h"
+#include "ref_model.h"
+
+#define TOL_FFN 3e-3
+#define TOL_CPU 2e-2
+#define TOL_GPU_GPU 2e-3
+#define MOE_FLIP_SPILL 5e-2
+/* router-logit margin per unit of logit tolerance under which a token may route differently: the
+ * GPU's router input is rounded to bf16 (2^-9 relative) after a residual stream that differs by
+ * ~0.3 % from the CPU engine's; with tiny-moe's router logits of std ~2 that moves a logit by
+ * ~0.01, half of 2 x TOL_CPU */
+#define MOE_CLOSE_GAP 2.0
+#define MOE_GPU_GAP 2e-2 /* chunked vs one-shot: attention tiles differ, so the same margin as above */
+#define BF16_NAN 0xFFC1u
+
+static uint64_t g_seed;
+static kvb_rng g_rng;
+
+static float rnd_normal(void) { return kvb_rng_normal(&g_rng); }
+static uint16_t to_bf(float f) { return kvb_f32_to_bf16(f); }
+static float bf(uint16_t h) { return kvb_bf16_to_f32(h); }
+
+static void *xmalloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    assert_non_null(p);
+    return p;
+}
+
+static void test_expf(void **state) {
+    (void)state;
+    double worst = 0;
+    for (int i = 0; i <= 200000; i++) {
+        const float x = -87.0f * (float)i / 200000.0f;
+        const double ref = exp((double)x), got = kvb_moe_expf(x);
+        const double rel = fabs(got - ref) / ref;
+        if (rel > worst) worst = rel;
+    }
+    assert_true(kvb_moe_expf(0.0f) == 1.0f);
+    assert_true(kvb_moe_expf(-100.0f) == 0.0f);
+    print_message("kvb_moe_expf: worst relative error %.3g over [-87, 0] (limit 3 ulp = 3.6e-7)\n", worst);
+    assert_true(worst <= 3.6e-7);
+}
+
+/* Router rows: normal logits times 2; every fifth row with its values copied in pairs (ties). */
+static void test_route(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    const uint32_t shapes[][3] = {{8, 2, 1}, {128, 8, 1}, {16, 4, 0}, {5, 5, 1}};
+    for (size_t c = 0; c < KVB_ARRAY_LEN(shapes); c++) {
+        const uint32_t X = shapes[c][0], K = shapes[c][1], n = 301;
+        const bool norm = shapes[c][2];
+        float *lg = xmalloc(sizeof(float) * n * X), *p = xmalloc(sizeof(float) * n * X);
+        float *w = xmalloc(sizeof(float) * n * K), *rw = xmalloc(sizeof(float) * n * K);
+        int32_t *sel = xmalloc(sizeof(int32_t) * n * K), *rsel = xmalloc(sizeof(int32_t) * n * K);
+        for (uint32_t t = 0; t < n; t++)
+            for (uint32_t x = 0; x < X; x++)
+                lg[t * X + x] = t % 5 == 0 && x % 2 ? lg[t * X + x - 1] : 2.0f * rnd_normal();
+        memcpy(p, lg, sizeof(float) * n * X);
+        memset(sel, 0xFF, sizeof(int32_t) * n * K);
+        memset(w, 0xFF, sizeof(float) * n * K);
+        kvb_err err = {0};
+        if (kvb_cuda_test_moe_route(p, n, X, K, norm, sel, w, &err)) fail_msg("%s", err.msg);
+        for (uint32_t t = 0; t < n; t++) {
+            kvb_moe_route_one(lg + (size_t)t * X, (int)X, (int)K, norm, rsel + (size_t)t * K, rw + (size_t)t * K);
+            for (uint32_t k = 1; k < K; k++) /* the twin's own order, spelled out */
+                assert_true(lg[t * X + rsel[t * K + k - 1]] > lg[t * X + rsel[t * K + k]] ||
+                            (lg[t * X + rsel[t * K + k - 1]] == lg[t * X + rsel[t * K + k]] &&
+                             rsel[t * K + k - 1] < rsel[t * K + k]));
+        }
+        if (memcmp(p, lg, sizeof(float) * n * X)) fail_msg("X %u K %u: probabilities differ from the twin", X, K);
+        if (memcmp(sel, rsel, sizeof(int32_t) * n * K)) fail_msg("X %u K %u: experts differ from the twin", X, K);
+        if (memcmp(w, rw, sizeof(float) * n * K)) fail_msg("X %u K %u: weights differ from the twin", X, K);
+        print_message("router X %u top-%u%s: %u tokens bit for bit\n", X, K, norm ? " renormalised" : "", n);
+        free(lg), free(p), free(w), free(rw), free(sel), free(rsel);
+    }
+}
+
+/* K distinct experts per token drawn from the first X - 2 (the last two stay empty). */
+static void random_routing(int32_t *sel, uint32_t n, uint32_t K, uint32_t X) {
+    for (uint32_t t = 0; t < n; t++)
+        for (uint32_t k = 0; k < K; k++) {
+            int32_t x;
+            bool dup;
+            do {
+                x = (int32_t)(kvb_rng_u64(&g_rng) % (X - 2));
+                dup = false;
+                for (uint32_t i = 0; i < k; i++) dup |= sel[t * K + i] == x;
+            } while (dup);
+            sel[t * K + k] = x;
+        }
+}
+
+static void test_permute(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    const uint32_t n = 517, K = 4, X = 12, E = 40, S = n * K;
+    int32_t *sel = xmalloc(4 * S), *off = xmalloc(4 * (X + 1)), *slot = xmalloc(4 * S), *inv = xmalloc(4 * S);
+    int32_t *roff = xmalloc(4 * (X + 2)), *rslot = xmalloc(4 * S), *fill = xmalloc(4 * (X + 1));
+    uint16_t *h = xmalloc(2 * (size_t)n * E), *xp = xmalloc(2 * (size_t)S * E);
+    random_routing(sel, n, K, X);
+    for (size_t i = 0; i < (size_t)n * E; i++) h[i] = to_bf(rnd_normal());
+    memset(off, 0xFF, 4 * (X + 1)), memset(slot, 0xFF, 4 * S), memset(inv, 0xFF, 4 * S);
+    for (size_t i = 0; i < (size_t)S * E; i++) xp[i] = BF16_NAN;
+    kvb_err err = {0};
+    if (kvb_cuda_test_moe_permute(sel, n, K, X, h, E, off, slot, inv, xp, &err)) fail_msg("%s", err.msg);
+    /* the CPU engine's counting sort (engine/cpu/moe.c) */
+    memset(roff, 0, 4 * (X + 2));
+    for (uint32_t s = 0; s < S; s++) roff[sel[s] + 1]++;
+    for (uint32_t x = 0; x < X; x++) roff[x + 1] += roff[x];
+    memcpy(fill, roff, 4 * (X + 1));
+    for (uint32_t s = 0; s < S; s++) rslot[fill[sel[s]]++] = (int32_t)s;
+    if (memcmp(off, roff, 4 * (X + 1))) fail_msg("expert offsets differ from the counting sort");
+    assert_int_equal(off[X - 1], off[X]); /* an empty expert */
+    for (uint32_t p = 0; p < S; p++) {
+        if (slot[p] != rslot[p]) fail_msg("position %u: slot %d, counting sort %d", p, slot[p], rslot[p]);
+        if (inv[slot[p]] != (int32_t)p) fail_msg("slot %d: inverse %d, expected %u", slot[p], inv[slot[p]], p);
+        if (memcmp(xp + (size_t)p * E, h + (size_t)(slot[p] / K) * E, 2 * E))
+            fail_msg("gathered row %u is not token %d's", p, slot[p] / (int)K);
+    }
+    print_message("permutation: %u slots over %u experts, gather of %u-wide rows, bit for bit\n", S, X, E);
+    free(sel), free(off), free(slot), free(inv), free(roff), free(rslot), free(fill), free(h), free(xp);
+}
+
+/* A random permutation of 0 .. n-1 (Fisher-Yates). */
+static void random_perm(int32_t *p, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) p[i] = (int32_t)i;
+    for (uint32_t i = n; i > 1; i--) {
+        uint32_t j = (uint32_t)(kvb_rng_u64(&g_rng) % i);
+        int32_t t = p[i - 1];
+        p[i - 1] = p[j], p[j] = t;
+    }
+}
+
+static void test_unpermute(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    const uint32_t n = 333, K = 8, E = 72, S = n * K;
+    int32_t *inv = xmalloc(4 * S);
+    float *w = xmalloc(4 * S), *y = xmalloc(4 * (size_t)S * E), *x0 = xmalloc(4 * (size_t)n * E);
+    float *x = xmalloc(4 * (size_t)n * E), *rx = xmalloc(4 * (size_t)n * E);
+    uint16_t *yb = xmalloc(2 * (size_t)S * E);
+    random_perm(inv, S);
+    for (uint32_t i = 0; i < S; i++) w[i] = fabsf(rnd_normal()) / (float)K;
+    for (size_t i = 0; i < (size_t)S * E; i++) y[i] = rnd_normal(), yb[i] = to_bf(y[i]);
+    for (size_t i = 0; i < (size_t)n * E; i++) x0[i] = 4.0f * rnd_normal();
+    for (int b = 0; b < 2; b++) {
+        memcpy(x, x0, 4 * (size_t)n * E);
+        kvb_err err = {0};
+        if (kvb_cuda_test_moe_unpermute(b ? (const void *)yb : (const void *)y, b, inv, w, n, K, E, x, &err))
+            fail_msg("%s", err.msg);
+        for (uint32_t t = 0; t < n; t++)
+            for (uint32_t i = 0; i < E; i++) {
+                float acc = 0.0f;
+                for (uint32_t k = 0; k < K; k++) {
+                    const size_t at = (size_t)inv[t * K + k] * E + i;
+                    const float v = w[t * K + k] * (b ? bf(yb[at]) : y[at]);
+                    acc = k ? acc + v : v;
+                }
+                rx[(size_t)t * E + i] = x0[(size_t)t * E + i] + acc;
+            }
+        if (memcmp(x, rx, 4 * (size_t)n * E)) fail_msg("un-permute (%s outputs) differs from its twin", b ? "bf16" : "f32");
+        print_message("un-permute, %s expert outputs: %u tokens x top-%u bit for bit\n", b ? "bf16" : "f32", n, K);
+    }
+    free(inv), free(w), free(y), free(x0), free(x), free(rx), free(yb);
+}
+
+/* The twin of the MLP on the GPU's routing: x += sum_k w_k down_k(bf16(silu(g) u)), g|u = bf16(gu_k h),
+ * in double; the expert output rounded to bf16 when y_bf16 (the grouped path). */
+static void ffn_twin(const kvb_cuda_test_moe_w *mw, const uint16_t *h, uint32_t n, const int32_t *sel, const float *wts,
+                     bool y_bf16, double *out) {
+    const uint32_t K = mw->K, F = mw->F, E = mw->E;
+    double *gu = xmalloc(sizeof(double) * 2 * F), *y = xmalloc(sizeof(double) * E);
+    float *act = xmalloc(sizeof(float) * F);
+    for (uint32_t t = 0; t < n; t++)
+        for (uint32_t k = 0; k < K; k++) {
+            const uint32_t x = (uint32_t)sel[t * K + k];
+            for (uint32_t r = 0; r < 2 * F; r++) {
+                double acc = 0;
+                for (uint32_t c = 0; c < E; c++)
+                    acc += (double)bf(mw->gu[((size_t)x * 2 * F + r) * E + c]) * bf(h[(size_t)t * E + c]);
+                gu[r] = bf(to_bf((float)acc));
+            }
+            for (uint32_t i = 0; i < F; i++)
+                act[i] = bf(to_bf((float)(gu[i] / (1.0 + exp(-gu[i])) * gu[F + i])));
+            for (uint32_t r = 0; r < E; r++) {
+                double acc = 0;
+                for (uint32_t c = 0; c < F; c++) acc += (double)bf(mw->down[((size_t)x * E + r) * F + c]) * act[c];
+                y[r] = y_bf16 ? bf(to_bf((float)acc)) : (double)(float)acc;
+            }
+            for (uint32_t i = 0; i < E; i++) out[(size_t)t * E + i] += (double)wts[t * K + k] * y[i];
+        }
+    free(gu), free(y), free(act);
+}
+
+/* The twin's router on the same bf16 inputs: logits in double rounded to f32, then moe_math.h; its
+ * margin (k-th minus (k+1)-th probability) per token into gap. */
+static void route_twin(const kvb_cuda_test_moe_w *mw, const uint16_t *h, uint32_t n, int32_t *sel, float *wts,
+                       double *gap) {
+    const uint32_t X = mw->X, K = mw->K, E = mw->E;
+    float *p = xmalloc(sizeof(float) * X);
+    for (uint32_t t = 0; t < n; t++) {
+        for (uint32_t x = 0; x < X; x++) {
+            double acc = 0;
+            for (uint32_t c = 0; c < E; c++) acc += (double)bf(mw->router[(size_t)x * E + c]) * bf(h[(size_t)t * E + c]);
+            p[x] = (float)acc;
+        }
+        kvb_moe_route_one(p, (int)X, (int)K, mw->norm, sel + (size_t)t * K, wts + (size_t)t * K);
+        double next = -1;
+        for (uint32_t x = 0; x < X; x++) {
+            bool taken = false;
+            for (uint32_t k = 0; k < K; k++) taken |= sel[t * K + k] == (int32_t)x;
+            if (!taken && p[x] > next) next = p[x];
+        }
+        gap[t] = K < X ? p[sel[t * K + K - 1]] - next : 1.0;
+    }
+    free(p);
+}
+
+static void test_ffn(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    const uint32_t X = 16, K = 4, F = 64, E = 256, n = 97;
+    uint16_t *router = xmalloc(2 * (size_t)X * E), *gu = xmalloc(2 * (size_t)X * 2 * F * E);
+    uint16_t *down = xmalloc(2 * (size_t)X * E * F), *h = xmalloc(2 * (size_t)n * E);
+    for (size_t i = 0; i < (size_t)X * E; i++) router[i] = to_bf(rnd_normal() / 8.0f);
+    for (size_t i = 0; i < (size_t)X * 2 * F * E; i++) gu[i] = to_bf(rnd_normal() / 8.0f);
+    for (size_t i = 0; i < (size_t)X * E * F; i++) down[i] = to_bf(rnd_normal() / 4.0f);
+    for (size_t i = 0; i < (size_t)n * E; i++) h[i] = to_bf(rnd_normal());
+    const kvb_cuda_test_moe_w mw = {router, gu, down, X, K, F, E, true};
+    int32_t *sel = xmalloc(4 * n * K), *rsel = xmalloc(4 * n * K);
+    float *wts = xmalloc(4 * n * K), *rw = xmalloc(4 * n * K), *x = xmalloc(4 * (size_t)n * E);
+    double *gap = xmalloc(sizeof(double) * n), *ref = xmalloc(sizeof(double) * n * E);
+    route_twin(&mw, h, n, rsel, rw, gap);
+    for (int grouped = 0; grouped < 2; grouped++) {
+        for (size_t i = 0; i < (size_t)n * E; i++) x[i] = 0.5f * rnd_normal();
+        for (size_t i = 0; i < (size_t)n * E; i++) ref[i] = x[i];
+        kvb_err err = {0};
+        if (kvb_cuda_test_moe_ffn(&mw, h, n, grouped, x, sel, wts, &err))
+            fail_msg("MoE MLP (%s): %s", grouped ? "grouped" : "loop", err.msg);
+        int clear = 0;
+        for (uint32_t t = 0; t < n; t++) {
+            if (gap[t] <= 1e-4) continue;
+            clear++;
+            for (uint32_t k = 0; k < K; k++) {
+                if (sel[t * K + k] != rsel[t * K + k])
+                    fail_msg("token %u rank %u: expert %d, twin %d (margin %.3g)", t, k, sel[t * K + k],
+                             rsel[t * K + k], gap[t]);
+                if (!(fabsf(wts[t * K + k] - rw[t * K + k]) <= 1e-4f * rw[t * K + k] + 1e-6f))
+                    fail_msg("token %u rank %u: weight %.9g, twin %.9g", t, k, wts[t * K + k], rw[t * K + k]);
+            }
+        }
+        assert_true(clear >= (int)n / 2);
+        ffn_twin(&mw, h, n, sel, wts, grouped, ref);
+        double num = 0; /* on the MLP's contribution: x against ref, over the size of the MLP's output */
+        for (size_t i = 0; i < (size_t)n * E; i++) num += ((double)x[i] - ref[i]) * ((double)x[i] - ref[i]);
+        double mag = 0; /* the MLP output alone */
+        double *only = xmalloc(sizeof(double) * n * E);
+        memset(only, 0, sizeof(double) * n * E);
+        ffn_twin(&mw, h, n, sel, wts, grouped, only);
+        for (size_t i = 0; i < (size_t)n * E; i++) mag += only[i] * only[i];
+        free(only);
+        const double rel = sqrt(num / mag);
+        print_message("MoE MLP, %s: %d/%u tokens' routing checked against the twin, output rel-L2 %.3g (limit %.3g)\n",
+                      grouped ? "grouped GEMMs" : "a GEMM per expert", clear, n, rel, TOL_FFN);
+        if (!(rel <= TOL_FFN)) fail_msg("MoE MLP (%s): rel-L2 %.4g > %.3g", grouped ? "grouped" : "loop", rel, TOL_FFN);
+    }
+    free(router), free(gu), free(down), free(h), free(sel), free(rsel), free(wts), free(rw), free(x), free(gap);
+    free(ref);
+}
+
+/* ---- end to end on tiny-moe ------------------------------------------------------------------ */
+
+static void cpu_logits(const kvb_model *m, const int32_t *tok, uint32_t n, float *logits) {
+    kvb_engine_opts o = {0};
+    o.cache_dtype = KVB_TYPE_F32;
+    o.block_tokens = 16;
+    o.max_ctx = n + 16;
+    kvb_engine *e = NULL;
+    kvb_seq *s = NULL;
+    kvb_err err = {0};
+    if (kvb_engine_create(m, &o, &e, &err) || kvb_seq_create(e, &s, &err) ||
+        kvb_engine_forward(e, s, tok, n, logits, true, &err))
+        fail_msg("CPU engine: %s", err.msg);
+    kvb_seq_free(s);
+    kvb_engine_free(e);
+}
+
+/* Every token's logits from a CUDA engine (weights, chunks of max_batch), or NULL with err set. */
+static float *gpu_logits(const kvb_model *m, kvb_cuda_weights weights, uint32_t max_batch, const int32_t *tok,
+                         uint32_t n, kvb_err *err) {
+    kvb_cuda_opts o = {.max_ctx = 4 * n, .max_batch = max_batch, .block_tokens = 16, .weights = weights,
+                       .attention = KVB_CUDA_ATTN_OWN};
+    kvb_cuda_engine *e = NULL;
+    kvb_cuda_seq *s = NULL;
+    float *l = xmalloc(sizeof(float) * n * m->d.n_vocab);
+    for (size_t i = 0; i < (size_t)n * m->d.n_vocab; i++) l[i] = NAN;
+    if (kvb_cuda_engine_create(m, &o, &e, err) || kvb_cuda_seq_create(e, &s, err) ||
+        kvb_cuda_forward(e, s, tok, n, l, true, err)) {
+        free(l);
+        l = NULL;
+    } else {
+        char desc[600];
+        kvb_cuda_engine_describe(e, desc, sizeof desc);
+        print_message("  engine: %s\n", desc);
+    }
+    kvb_cuda_seq_free(s);
+    kvb_cuda_engine_free(e);
+    return l;
+}
+
+/* Worst per-token rel-L2 of got against ref; a token whose routing margin is under gap_min, or
+ * under MOE_CLOSE_GAP x its tolerance, is left out (counted in *close), those after one are held
+ * to tol + MOE_FLIP_SPILL. */
+static double compare_moe(const float *got, const float *ref, const double *gaps, uint32_t n, uint32_t V, double tol,
+                          double gap_min, int *close, const char *what) {
+    double worst = 0;
+    *close = 0;
+    for (uint32_t t = 0; t < n; t++) {
+        const double tol_t = *close ? tol + MOE_FLIP_SPILL : tol;
+        if (gaps[t] < gap_min || gaps[t] < MOE_CLOSE_GAP * tol_t) {
+            (*close)++;
+            continue;
+        }
+        const double rel = kvbt_rel_l2(got + (size_t)t * V, ref + (size_t)t * V, V);
+        if (!(rel <= tol_t)) fail_msg("%s: token %u: rel-L2 %.4g > %.3g (routing margin %.3g)", what, t, rel, tol_t, gaps[t]);
+        if (rel > worst) worst = rel;
+    }
+    print_message("%s: worst rel-L2 %.4g (limit %.3g), %d/%u tokens too close to call left out\n", what, worst, tol,
+                  *close, n);
+    if (*close > (int)n / 2) fail_msg("%s: %d of %u tokens too close to call", what, *close, n);
+    return worst;
+}
+
+static void test_tiny_moe_engine(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    enum { N = 77 };
+    char path[600];
+    kvbt_tmp_path(path, sizeof path, "tiny-moe.gguf");
+    kvb_gen_opts go = {.preset = "tiny-moe", .type = KVB_TYPE_BF16, .seed = g_seed, .n_threads = 0};
+    kvb_err err = {0};
+    kvb_model *m = NULL;
+    if (kvb_gen_model(&go, path, &err) || kvb_model_load(path, &m, &err)) fail_msg("tiny-moe: %s", err.msg);
+    char rerr[512];
+    ref_model *rm = ref_model_load(path, rerr, sizeof rerr);
+    if (!rm) fail_msg("ref_model_load: %s", rerr);
+    const uint32_t V = m->d.n_vocab;
+    int32_t tok[N];
+    kvbt_random_tokens(tok, N, V, g_seed ^ 0x6d6f65u);
+    double *rl = xmalloc(sizeof(double) * N * V), gaps[N];
+    assert_int_equal(ref_model_forward_gaps(rm, tok, N, rl, gaps), 0);
+    float *cpu = xmalloc(sizeof(float) * N * V);
+    cpu_logits(m, tok, N, cpu);
+    int close;
+    for (int grouped = 0; grouped < 2; grouped++) {
+        setenv("KVB_CUDA_MOE_GEMM", grouped ? "grouped" : "loop", 1);
+        float *one = gpu_logits(m, KVB_CUDA_WEIGHTS_BF16, 0, tok, N, &err);
+        if (!one) fail_msg("CUDA engine (%s): %s", grouped ? "grouped" : "loop", err.msg);
+        char what[128];
+        snprintf(what, sizeof what, "tiny-moe, %s GEMMs: GPU vs CPU engine", grouped ? "grouped" : "per-expert");
+        compare_moe(one, cpu, gaps, N, V, TOL_CPU, 0.0, &close, what);
+        float *chunked = gpu_logits(m, KVB_CUDA_WEIGHTS_BF16, 7, tok, N, &err);
+        if (!chunked) fail_msg("CUDA engine, chunks of 7: %s", err.msg);
+        snprintf(what, sizeof what, "tiny-moe, %s GEMMs: chunked (7) vs one-shot", grouped ? "grouped" : "per-expert");
+        compare_moe(chunked, one, gaps, N, V, TOL_GPU_GPU, MOE_GPU_GAP, &close, what);
+        free(one), free(chunked);
+    }
+    unsetenv("KVB_CUDA_MOE_GEMM");
+    ref_model_free(rm);
+    kvb_model_free(m);
+    free(rl), free(cpu);
+}
+
+/* Packed weights (the file's blocks on the GPU, a layer's experts expanded before it runs) ==
+ * the same file converted to bf16 at load, bit for bit. */
+static void test_tiny_moe_packed(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    const uint32_t types[] = {KVB_TYPE_Q8_0, KVB_TYPE_Q4_K};
+    enum { N = 40 };
+    for (size_t c = 0; c < KVB_ARRAY_LEN(types); c++) {
+        kvb_err err = {0};
+        kvb_model *m = kvbt_gen_load("tiny-moe-packed.gguf", "tiny-moe", types[c], g_seed + c);
+        if (!m) fail_msg("tiny-moe %s: cannot write or load it", kvb_type_name(types[c]));
+        int32_t tok[N];
+        kvbt_random_tokens(tok, N, m->d.n_vocab, g_seed + 7 * c);
+        float *ref = gpu_logits(m, KVB_CUDA_WEIGHTS_BF16, 0, tok, N, &err);
+        if (!ref) fail_msg("bf16 weights: %s", err.msg);
+        float *got = gpu_logits(m, KVB_CUDA_WEIGHTS_PACKED, 0, tok, N, &err);
+        if (!got) fail_msg("packed weights: %s", err.msg);
+        if (memcmp(got, ref, sizeof(float) * N * m->d.n_vocab))
+            fail_msg("tiny-moe %s: packed logits differ from bf16 weights'", kvb_type_name(types[c]));
+        print_message("tiny-moe %s: packed == bf16 weights, %d tokens bit for bit\n", kvb_type_name(types[c]), N);
+        free(ref), free(got);
+        kvb_model_free(m);
+    }
+}
+
+/* A real shape (KVB_CUDA_TEST_MOE_MODELS=a.gguf,..., e.g. gen-model --preset qwen3-30b-a3b): CUDA
+ * vs the CPU engine on every token of a 32-token prompt, both GEMM paths. No float64 reference
+ * tells the routing margins at this size (48 layers choosing 8 of 128 experts), so a token may
+ * take another expert somewhere; with 8 experts a token, such a flip swaps two experts of nearly
+ * equal (small) weight and moves that token's logits by far less than a wrong layout, routing or
+ * weight does (every token at 1e-1 .. 1). Held: the median token within TOL_CPU_REAL (3e-2,
+ * test_cuda_engine's real-shape limit), at least 3/4 of the tokens within it, and the top-1 equal
+ * wherever the CPU's top-2 margin is over 1; every token's figure is printed. */
+#define TOL_CPU_REAL 3e-2
+static int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int argmax_f(const float *x, uint32_t n) {
+    uint32_t b = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return (int)b;
+}
+
+/* Whether the top-1 of g equals c's wherever c's top-2 margin exceeds 1; fails otherwise. */
+static void check_top1(const float *g, const float *c, uint32_t V, const char *path, uint32_t t) {
+    const int best = argmax_f(c, V);
+    float second = -INFINITY;
+    for (uint32_t i = 0; i < V; i++)
+        if ((int)i != best && c[i] > second) second = c[i];
+    if (c[best] - second > 1.0f && argmax_f(g, V) != best)
+        fail_msg("%s token %u: GPU top-1 %d, CPU %d (margin %.3g)", path, t, argmax_f(g, V), best,
+                 (double)(c[best] - second));
+}
+
+static void real_shape(const char *path) {
+    enum { N = 32 };
+    kvb_err err = {0};
+    kvb_model *m = NULL;
+    if (kvb_model_load(path, &m, &err)) fail_msg("%s: %s", path, err.msg);
+    if (!m->d.n_expert) fail_msg("%s: not a mixture of experts", path);
+    const uint32_t V = m->d.n_vocab;
+    int32_t tok[N];
+    kvbt_random_tokens(tok, N, V, g_seed ^ 0x7265616cu);
+    float *cpu = xmalloc(sizeof(float) * N * V);
+    cpu_logits(m, tok, N, cpu);
+    for (int grouped = 0; grouped < 2; grouped++) {
+        setenv("KVB_CUDA_MOE_GEMM", grouped ? "grouped" : "loop", 1);
+        float *gpu = gpu_logits(m, KVB_CUDA_WEIGHTS_AUTO, 0, tok, N, &err);
+        if (!gpu) fail_msg("%s: CUDA engine: %s", path, err.msg);
+        double sorted[N];
+        int within = 0;
+        for (uint32_t t = 0; t < N; t++) {
+            sorted[t] = kvbt_rel_l2(gpu + (size_t)t * V, cpu + (size_t)t * V, V);
+            within += sorted[t] <= TOL_CPU_REAL;
+            check_top1(gpu + (size_t)t * V, cpu + (size_t)t * V, V, path, t);
+            print_message("  token %2u: rel-L2 %.4g\n", t, sorted[t]);
+        }
+        qsort(sorted, N, sizeof(double), cmp_double);
+        const double median = 0.5 * (sorted[N / 2 - 1] + sorted[N / 2]);
+        print_message("%s, %s GEMMs: GPU vs CPU engine median rel-L2 %.4g, worst %.4g, %d/%d within %.3g\n", path,
+                      grouped ? "grouped" : "per-expert", median, sorted[N - 1], within, N, TOL_CPU_REAL);
+        if (!(median <= TOL_CPU_REAL) || within * 4 < N * 3)
+            fail_msg("%s: median rel-L2 %.4g, %d/%d tokens within %.3g", path, median, within, N, TOL_CPU_REAL);
+        free(gpu);
+    }
+    unsetenv("KVB_CUDA_MOE_GEMM");
+    free(cpu);
+    kvb_model_free(m);
+}
+
+static void test_moe_real_shapes(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    const char *list = getenv("KVB_CUDA_TEST_MOE_MODELS");
+    if (!list || !*list) kvbt_skip("KVB_CUDA_TEST_MOE_MODELS is not set (qwen3moe GGUFs, e.g. the qwen3-30b-a3b preset)");
+    char *copy = strdup(list);
+    assert_non_null(copy);
+    for (char *save = NULL, *p = strtok_r(copy, ",", &save); p; p = strtok_r(NULL, ",", &save)) real_shape(p);
+    free(copy);
+}
+
+int main(void) {
+    const char *s = getenv("KVB_TEST_SEED");
+    g_seed = s ? strtoull(s, NULL, 0) : (uint64_t)time(NULL);
+    kvb_rng_seed(&g_rng, g_seed);
+    printf("test_cuda_moe: seed %llu (KVB_TEST_SEED=%llu repeats this run)\n", (unsigned long long)g_seed,
+           (unsigned long long)g_seed);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_expf),          cmocka_unit_test(test_route),
+        cmocka_unit_test(test_permute),       cmocka_unit_test(test_unpermute),
+        cmocka_unit_test(test_ffn),           cmocka_unit_test(test_tiny_moe_engine),
+        cmocka_unit_test(test_tiny_moe_packed), cmocka_unit_test(test_moe_real_shapes),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
+
+#else /* built without CUDA */
+
+#include "kvbt.h"
+
+static void test_no_cuda(void **state) {
+    (void)state;
+    kvbt_require_gpu(); /* skips, saying why: this build has no CUDA engine */
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_no_cuda)};
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
+
+#endif

@@ -1,0 +1,23 @@
+# Compiles web/'s files into a C table (cmake -DDIR=web -DOUT=FILE -P web/embed.cmake): each file a
+# NUL-terminated byte array and its length, the table sorted by name, as src/http/web.c reads it
+# (http_web_asset). No runtime files: the page is part of the binary.
+file(GLOB names RELATIVE ${DIR} ${DIR}/*.html ${DIR}/*.js ${DIR}/*.css ${DIR}/*.svg)
+list(SORT names)
+set(body "/* generated from web/ by web/embed.cmake: do not edit */\n#include \"http_internal.h\"\n\n")
+set(table "const http_web_asset http_web_assets[] = {\n")
+set(i 0)
+foreach(name ${names})
+  file(READ ${DIR}/${name} hex HEX)
+  string(LENGTH "${hex}" hex_len)
+  math(EXPR len "${hex_len} / 2")
+  string(REGEX REPLACE "([0-9a-f][0-9a-f])" "0x\\1," bytes "${hex}")
+  string(REGEX REPLACE "((0x..,){24})" "\\1\n" bytes "${bytes}")
+  string(APPEND body "static const unsigned char asset_${i}[] = {\n${bytes}0x00};\n")
+  string(APPEND table "    {\"${name}\", asset_${i}, ${len}},\n")
+  math(EXPR i "${i} + 1")
+endforeach()
+if(i EQUAL 0)
+  message(FATAL_ERROR "embed.cmake: no files in ${DIR}")
+endif()
+string(APPEND table "};\nconst size_t http_web_n_assets = ${i};\n")
+file(WRITE ${OUT} "${body}\n${table}")
