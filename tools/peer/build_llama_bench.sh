@@ -19,8 +19,11 @@
 #                   AMX after a runtime check, but the default build leaves it off.
 #   --jobs N        parallel build jobs (default 2; the dev machine has 2 shared cores)
 #   --force         clean rebuild even if OUT_DIR already holds this exact build
+#   --batched       also build llama-batched-bench (B sequences decoded together: the peer of
+#                   `kvbridge bench decode --batch B`; same libraries, one more small target)
 #
-# Result: OUT_DIR/llama-bench, OUT_DIR/libgomp.so.1, OUT_DIR/BUILD_INFO.txt
+# Result: OUT_DIR/llama-bench (and with --batched OUT_DIR/llama-batched-bench), OUT_DIR/libgomp.so.1,
+# OUT_DIR/BUILD_INFO.txt
 # Copy the whole OUT_DIR to the benchmark host.
 set -euo pipefail
 
@@ -35,7 +38,7 @@ PORTABLE_FLAGS=(
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit "${1:-0}"; }
 
 OUT_DIR=""; VERSION="$DEFAULT_VERSION"; SDIST=""; WORK="/work/main/build-peer/llama.cpp"
-AMX=0; JOBS=2; FORCE=0
+AMX=0; JOBS=2; FORCE=0; BATCHED=0
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage 0 ;;
@@ -45,6 +48,7 @@ while [ $# -gt 0 ]; do
     --amx) AMX=1; shift ;;
     --jobs) JOBS="$2"; shift 2 ;;
     --force) FORCE=1; shift ;;
+    --batched) BATCHED=1; shift ;;
     -*) echo "unknown option $1" >&2; usage 2 ;;
     *) if [ -z "$OUT_DIR" ]; then OUT_DIR="$1"; shift; else echo "extra argument $1" >&2; usage 2; fi ;;
   esac
@@ -59,7 +63,8 @@ mkdir -p "$OUT_DIR" "$WORK"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"; WORK="$(cd "$WORK" && pwd)"
 STAMP="llama-cpp-python=$VERSION flags=$FLAGS_STR"
 if [ "$FORCE" = 0 ] && [ -x "$OUT_DIR/llama-bench" ] && [ -f "$OUT_DIR/BUILD_INFO.txt" ] \
-   && grep -qxF "stamp: $STAMP" "$OUT_DIR/BUILD_INFO.txt"; then
+   && grep -qxF "stamp: $STAMP" "$OUT_DIR/BUILD_INFO.txt" \
+   && { [ "$BATCHED" = 0 ] || [ -x "$OUT_DIR/llama-batched-bench" ]; }; then
   echo "llama-bench already built in $OUT_DIR ($STAMP); use --force to rebuild"
   exit 0
 fi
@@ -106,13 +111,19 @@ cmake -S "$LLAMA_SRC" -B "$BUILD" "${GEN[@]}" \
   "${FLAGS[@]}"
 T0=$(date +%s)
 [ "$FORCE" = 1 ] && cmake --build "$BUILD" --target clean >/dev/null
-CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" cmake --build "$BUILD" --target llama-bench -j "$JOBS"
+TARGETS=(llama-bench); [ "$BATCHED" = 1 ] && TARGETS+=(llama-batched-bench)
+CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" cmake --build "$BUILD" --target "${TARGETS[@]}" -j "$JOBS"
 T1=$(date +%s)
 
 # 3. collect the binary + libgomp, check that nothing else non-system is needed
 BIN="$(find "$BUILD" -type f -name llama-bench -perm -u+x | head -1)"
 [ -n "$BIN" ] || { echo "llama-bench not produced" >&2; exit 1; }
 install -m 0755 "$BIN" "$OUT_DIR/llama-bench"
+if [ "$BATCHED" = 1 ]; then
+  BBIN="$(find "$BUILD" -type f -name llama-batched-bench -perm -u+x | head -1)"
+  [ -n "$BBIN" ] || { echo "llama-batched-bench not produced" >&2; exit 1; }
+  install -m 0755 "$BBIN" "$OUT_DIR/llama-batched-bench"
+fi
 GOMP="$(ldd "$BIN" | awk '$1=="libgomp.so.1"{print $3}')"
 if [ -n "$GOMP" ]; then install -m 0644 "$(readlink -f "$GOMP")" "$OUT_DIR/libgomp.so.1"; fi
 RUNPATH="$(readelf -d "$OUT_DIR/llama-bench" | grep -E 'RUNPATH|RPATH' || true)"
@@ -136,5 +147,6 @@ echo "== built in $((T1 - T0)) s"
 cat "$OUT_DIR/BUILD_INFO.txt"
 # sanity: the binary starts and resolves libgomp from $ORIGIN
 env -u LD_LIBRARY_PATH "$OUT_DIR/llama-bench" --help >/dev/null
+[ "$BATCHED" = 0 ] || env -u LD_LIBRARY_PATH "$OUT_DIR/llama-batched-bench" --help >/dev/null
 ldd "$OUT_DIR/llama-bench"
 echo "OK: $OUT_DIR/llama-bench"
