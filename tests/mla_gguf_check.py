@@ -56,6 +56,10 @@ def check_file(gguf, path, want, n_layer_want, fail):
     # the MLA form: one latent cache row per token (head_count_kv 1, key = latent + rope, value = latent)
     if (key(A.HEAD_COUNT_KV), key(A.KEY_LENGTH), key(A.VALUE_LENGTH)) != (1, R + P, R):
         fail(f"{tag}: head_count_kv/key_length/value_length not the MLA form")
+    # llama.cpp sizes deepseek2's shared experts n_ff_exp * expert_shared_count: its converter writes no
+    # expert_shared_feed_forward_length (qwen2moe's key) for this architecture
+    if r.fields.get(L.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=arch)) is not None:
+        fail(f"{tag}: {L.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=arch)} written (not a deepseek2 key)")
     if key(Keys.Rope.SCALING_TYPE, "none") != "yarn" or key(Keys.Rope.SCALING_YARN_LOG_MUL, -1.0) <= 0:
         fail(f"{tag}: YaRN keys missing")
     allowed = {TENSOR_NAMES[t] for t in MODEL_TENSORS[MODEL_ARCH.DEEPSEEK2]}

@@ -130,6 +130,56 @@ static void test_bench_batched_decode_runs(void **state) {
     assert_non_null(strstr(out, "reply      {"));
 }
 
+/* "a,b,c": the first n of ids. */
+static void join_ids(char *buf, size_t cap, const int *ids, int n) {
+    buf[0] = 0;
+    for (int i = 0; i < n; i++) snprintf(buf + strlen(buf), cap - strlen(buf), "%s%d", i ? "," : "", ids[i]);
+}
+
+/* `run --logits-out F --logits-all` on a mixture of experts (tiny-moe): one row per prompt position,
+ * and row i bit for bit the last-token logits of a run over the first i + 1 tokens (what llama.cpp's
+ * logits_all is compared with). `bench decode --batch` prints the experts a batch's step reads. */
+static void test_run_logits_all(void **state) {
+    (void)state;
+    static const int ids[] = {3, 17, 99, 5, 250, 7, 61, 128, 33, 2, 200, 45};
+    const int n_ids = (int)(sizeof ids / sizeof ids[0]), prefixes[] = {1, 6, n_ids};
+    char moe[512], all[512], one[512], cmd[2048], out[8192], list[256];
+    kvbt_tmp_path(moe, sizeof moe, "moe.gguf");
+    kvbt_tmp_path(all, sizeof all, "logits_all.bin");
+    kvbt_tmp_path(one, sizeof one, "logits_one.bin");
+    snprintf(cmd, sizeof cmd, "'%s' gen-model --preset tiny-moe --type q8_0 --out '%s' --quiet", kvbt_bin(), moe);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 0);
+    join_ids(list, sizeof list, ids, n_ids);
+    snprintf(cmd, sizeof cmd, "'%s' run -m '%s' --tokens %s -n 0 --output ids --logits-out '%s' --logits-all",
+             kvbt_bin(), moe, list, all);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 0);
+    size_t n_all = 0, n_one = 0;
+    float *a = kvbt_read_file(all, &n_all); // (position, vocab)
+    assert_non_null(a);
+    assert_int_equal(n_all % (n_ids * sizeof(float)), 0);
+    const size_t V = n_all / sizeof(float) / n_ids;
+    for (size_t k = 0; k < sizeof prefixes / sizeof prefixes[0]; k++) {
+        const int p = prefixes[k];
+        join_ids(list, sizeof list, ids, p);
+        snprintf(cmd, sizeof cmd, "'%s' run -m '%s' --tokens %s -n 0 --output ids --logits-out '%s'", kvbt_bin(), moe,
+                 list, one);
+        assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 0);
+        float *o = kvbt_read_file(one, &n_one); // (vocab)
+        assert_non_null(o);
+        assert_int_equal(n_one, V * sizeof(float));
+        assert_memory_equal(o, a + (size_t)(p - 1) * V, V * sizeof(float));
+        free(o);
+    }
+    free(a);
+    snprintf(cmd, sizeof cmd, "'%s' run -m '%s' --tokens 1,2 -n 0 --logits-all", kvbt_bin(), moe);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 2);
+    assert_non_null(strstr(out, "--logits-out"));
+    snprintf(cmd, sizeof cmd, "'%s' bench decode -m '%s' --ctx 8 --gen 4 --reps 1 --batch 4 --threads 2", kvbt_bin(),
+             moe);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 0), 0);
+    assert_non_null(strstr(out, "expected 5.47 of 8 experts per layer")); /* 8 * (1 - (1 - 2/8)^4) */
+}
+
 /* `serve` stops gracefully: on SIGTERM a stream in flight runs to its end, a request that comes
  * meanwhile gets a 503, and the process then exits 0. The stream must still run 0.3 s after the
  * signal: 6,000 tokens take seconds in a release build; under ASan a token takes ~25 ms, so 800
@@ -207,6 +257,7 @@ int main(void) {
         cmocka_unit_test(test_run_bad_options),
         cmocka_unit_test(test_run_text_prompt),
         cmocka_unit_test(test_bench_batched_decode_runs),
+        cmocka_unit_test(test_run_logits_all),
         cmocka_unit_test(test_serve_drains_on_sigterm),
         cmocka_unit_test(test_serve_prefill_drains_on_sigterm),
     };

@@ -5,8 +5,9 @@
  * the weight path is measured alone; then each cache dtype (F16, BF16, Q8_0) on F32 and Q8_0
  * weights; then the cache-producing arithmetic (kvb_kv_produce) against the reference's K and V
  * for the same attention inputs; then the tiny-gemma3 preset on a prompt longer than its sliding
- * window (test_tiny_gemma3), the tiny-moe preset's mixture of experts (test_tiny_moe), and the
- * tiny-mla preset's latent attention and DeepSeek MoE (test_tiny_mla). Logits are compared by relative L2 over each token's row (the
+ * window (test_tiny_gemma3), the tiny-moe preset's mixture of experts (test_tiny_moe), tiny-qwen2moe's
+ * with its shared expert (test_tiny_qwen2moe) and the tiny-mla preset's latent attention and DeepSeek MoE
+ * (test_tiny_mla). Logits are compared by relative L2 over each token's row (the
  * worst row must pass), and greedy argmax must agree where the weights are exact. Results for 1
  * and 2 threads must be bit-identical, as kvb_engine_cpu.h promises. Tolerances are stated and
  * justified next to tol_weights() and tol_cache(). The seed is fixed for reproducibility and can
@@ -584,22 +585,26 @@ static int moe_logits_check(const char *preset, uint32_t wt, uint32_t cache, dou
     return close;
 }
 
-static void test_tiny_moe(void **state) {
-    (void)state;
+/* One mixture-of-experts preset (arch / rarch: the engine's and the reference's architecture, norm:
+ * whether the top-k is renormalised, shexp: the shared expert's inner size, 0 = none) in every
+ * weight type and both caches, as test_tiny_moe describes. */
+static void check_moe_preset(const char *preset, kvb_arch arch, ref_arch rarch, bool norm, uint32_t shexp) {
     const uint32_t wtypes[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0,
                                KVB_TYPE_Q4_0, KVB_TYPE_Q4_K, KVB_TYPE_Q6_K};
     const uint32_t caches[] = {KVB_TYPE_F32, KVB_TYPE_F16};
     for (size_t w = 0; w < KVB_ARRAY_LEN(wtypes); w++) {
         case_t c;
-        preset_case("tiny-moe", wtypes[w], g_seed + 31 * w, &c);
+        preset_case(preset, wtypes[w], g_seed + 31 * w, &c);
         const kvb_model_desc *d = &c.model->d;
         const ref_desc *r = ref_model_desc(c.ref);
-        assert_int_equal(d->arch, KVB_ARCH_QWEN3MOE);
-        assert_int_equal(r->arch, REF_ARCH_QWEN3MOE);
+        assert_int_equal(d->arch, arch);
+        assert_int_equal(r->arch, rarch);
         assert_int_equal(d->n_expert, 8);
         assert_int_equal(d->n_expert_used, 2);
         assert_int_equal(d->n_ff_exp, 256);
-        assert_true(d->expert_weights_norm && r->expert_weights_norm);
+        assert_true(d->expert_weights_norm == norm && r->expert_weights_norm == norm);
+        assert_int_equal(d->n_ff_shexp, shexp);
+        assert_int_equal((int)d->n_ff_shexp, r->n_ff_shexp);
         assert_int_equal((int)d->n_expert, r->n_expert);
         assert_int_equal((int)d->n_expert_used, r->n_expert_used);
         assert_int_equal((int)d->n_ff_exp, r->n_ff_exp);
@@ -614,14 +619,26 @@ static void test_tiny_moe(void **state) {
             double worst;
             int top1;
             gemma3_engine_run(c.model, toks, caches[ci], 2, MODE_PREFILL, one);
-            const int close = moe_logits_check("tiny-moe", wtypes[w], caches[ci], tol, gaps, ref, one, V, &worst, &top1);
-            argmax_and_modes(&c, "tiny-moe", wtypes[w], caches[ci], tol, toks, ref, one, l);
-            print_message("  tiny-moe %-5s cache %-4s: worst rel-L2 %.2g (%d tokens too close to call), top-1 %d/%d, "
+            const int close = moe_logits_check(preset, wtypes[w], caches[ci], tol, gaps, ref, one, V, &worst, &top1);
+            argmax_and_modes(&c, preset, wtypes[w], caches[ci], tol, toks, ref, one, l);
+            print_message("  %s %-5s cache %-4s: worst rel-L2 %.2g (%d tokens too close to call), top-1 %d/%d, "
                           "chunked == decode == mixed == one-shot\n",
-                          kvb_type_name(wtypes[w]), kvb_type_name(caches[ci]), worst, close, top1, G3_TOK);
+                          preset, kvb_type_name(wtypes[w]), kvb_type_name(caches[ci]), worst, close, top1, G3_TOK);
         }
         free_case(&c, ref, one, l);
     }
+}
+
+static void test_tiny_moe(void **state) {
+    (void)state;
+    check_moe_preset("tiny-moe", KVB_ARCH_QWEN3MOE, REF_ARCH_QWEN3MOE, true, 0);
+}
+
+/* tiny-qwen2moe (qwen2moe: q/k/v biases, the top-k not renormalised, a shared expert of 512 behind a
+ * sigmoid gate added to the routed experts' sum) held to the same checks. */
+static void test_tiny_qwen2moe(void **state) {
+    (void)state;
+    check_moe_preset("tiny-qwen2moe", KVB_ARCH_QWEN2MOE, REF_ARCH_QWEN2MOE, false, 512);
 }
 
 /* Layer `layer`'s cache rows from kvb_kv_produce (the latent row: normed latent, roped key part) for
@@ -748,6 +765,7 @@ int main(void) {
         cmocka_unit_test(test_rope_scaling_and_tied),
         cmocka_unit_test(test_tiny_gemma3),
         cmocka_unit_test(test_tiny_moe),
+        cmocka_unit_test(test_tiny_qwen2moe),
         cmocka_unit_test(test_tiny_mla),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

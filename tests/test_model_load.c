@@ -305,8 +305,8 @@ static void test_mla_desc(void **state) {
         }
         assert_null(w->w_gate.data);
         assert_int_equal(w->gate_exps.rows, 8 * 256);
-        assert_int_equal(w->shexp_gate.rows, 256);
-        assert_int_equal(w->shexp_down.cols, 256);
+        assert_int_equal(w->gate_shexp.rows, 256);
+        assert_int_equal(w->down_shexp.cols, 256);
         assert_non_null(w->exp_probs_b);
     }
     char desc[512];

@@ -19,11 +19,12 @@
 #include "kvb_store.h"
 #include "kvbt.h"
 
-/* tiny-moe: the bridge computes attention's cache; the mixture of experts between layers must
- * reach it bit for bit as the decoder's own forward computes it. tiny-mla: the cache is one latent
- * row per token and layer (no V part): one array per layer */
-static const char *k_presets[] = {"tiny",        "tiny-qwen2", "tiny-qwen3", "tiny-llama3",
-                                  "tiny-gemma3", "tiny-moe",   "tiny-mla"};
+/* tiny-moe, tiny-qwen2moe: the bridge computes attention's cache; the mixture of experts between
+ * layers (qwen2moe's shared expert too) must reach it bit for bit as the decoder's own forward
+ * computes it. tiny-mla: the cache is one latent row per token and layer (no V part): one array per
+ * layer */
+static const char *k_presets[] = {"tiny",        "tiny-qwen2", "tiny-qwen3",    "tiny-llama3",
+                                  "tiny-gemma3", "tiny-moe",   "tiny-qwen2moe", "tiny-mla"};
 static const uint32_t k_formats[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0};
 
 static kvb_model *load_preset(const char *preset, uint32_t wtype) {

@@ -4,6 +4,7 @@
  * machine's measured memory bandwidth (same run, same threads); with --llama-bench, llama.cpp's
  * llama-bench on the same file with the same threads. Benchmarks print; they never assert. */
 #include <cJSON.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,22 +53,36 @@ static kvb_status bench_decode_batch(kvb_engine *e, uint32_t V, const int32_t *t
 
 static uint64_t mat_bytes(const kvb_mat *w) { return (uint64_t)w->rows * w->row_bytes; }
 
-/* Bytes of weights one decode step reads: every matrix once, the output head, the embedding row;
- * of a mixture of experts the router and the n_expert_used routed experts' rows (the active
- * parameters), the expert stacks being n_expert equal slices. */
-static uint64_t weight_bytes_per_token(const kvb_model *m) {
-    uint64_t b = mat_bytes(&m->output) + m->tok_embd.row_bytes;
+/* Expected distinct experts of one layer that a step of B tokens reads: n_expert for B tokens
+ * routed uniformly and independently (each token's top-k a uniform k-subset, so a given expert is
+ * missed by one token with probability 1 - k/E) is E * (1 - (1 - k/E)^B); k for one token, 0 for a
+ * dense model. */
+static double expected_experts(const kvb_model_desc *d, uint32_t B) {
+    if (!d->n_expert) return 0;
+    const double E = d->n_expert, k = d->n_expert_used;
+    return B == 1 ? k : E * (1.0 - pow(1.0 - k / E, (double)B));
+}
+
+/* Bytes of weights one decode step of B tokens reads: every dense matrix once, the output head, B
+ * embedding rows; of a mixture of experts the router, the shared expert (qwen2moe, deepseek2) and
+ * `experts` of each layer's expert slices (the stacks being n_expert equal slices): the active
+ * parameters, for one token its k experts. */
+static double weight_bytes_per_step(const kvb_model *m, uint32_t B, double experts) {
+    double b = (double)mat_bytes(&m->output) + (double)B * m->tok_embd.row_bytes;
     for (uint32_t l = 0; l < m->d.n_layer; l++) {
         const kvb_layer_weights *w = &m->layers[l];
-        b += mat_bytes(&w->wq) + mat_bytes(&w->wk) + mat_bytes(&w->wv) + mat_bytes(&w->wo) + mat_bytes(&w->w_gate) +
-             mat_bytes(&w->w_up) + mat_bytes(&w->w_down) + 2 * 4 * (uint64_t)m->d.n_embd;
-        /* deepseek2: the latent attention's projections and the shared experts (0 bytes elsewhere) */
-        b += mat_bytes(&w->wq_a) + mat_bytes(&w->wq_b) + mat_bytes(&w->wkv_a) + mat_bytes(&w->wk_b) +
-             mat_bytes(&w->wv_b) + mat_bytes(&w->shexp_gate) + mat_bytes(&w->shexp_up) + mat_bytes(&w->shexp_down);
+        b += (double)(mat_bytes(&w->wq) + mat_bytes(&w->wk) + mat_bytes(&w->wv) + mat_bytes(&w->wo) +
+                      mat_bytes(&w->w_gate) + mat_bytes(&w->w_up) + mat_bytes(&w->w_down) + 2 * 4 * (uint64_t)m->d.n_embd);
+        /* deepseek2's latent attention projections; the shared expert and its gate where present (qwen2moe,
+         * deepseek2): every token reads them (0 bytes elsewhere) */
+        b += (double)(mat_bytes(&w->wq_a) + mat_bytes(&w->wq_b) + mat_bytes(&w->wkv_a) + mat_bytes(&w->wk_b) +
+                      mat_bytes(&w->wv_b));
+        b += (double)(mat_bytes(&w->gate_inp_shexp) + mat_bytes(&w->gate_shexp) + mat_bytes(&w->up_shexp) +
+                      mat_bytes(&w->down_shexp));
         if (m->d.n_expert)
-            b += mat_bytes(&w->ffn_gate_inp) +
-                 (mat_bytes(&w->gate_exps) + mat_bytes(&w->up_exps) + mat_bytes(&w->down_exps)) / m->d.n_expert *
-                     m->d.n_expert_used;
+            b += (double)mat_bytes(&w->ffn_gate_inp) +
+                 (double)(mat_bytes(&w->gate_exps) + mat_bytes(&w->up_exps) + mat_bytes(&w->down_exps)) /
+                     m->d.n_expert * experts;
     }
     return b;
 }
@@ -584,24 +599,57 @@ static const struct {
     {"json", kvb_bench_json},
 };
 
+/* The batch's line and the bytes a step of B sequences reads: the weights once (of a mixture of
+ * experts the expected union of the experts its B tokens route to), B embedding rows, B caches. */
+static void decode_batch_report(const bench_args *a, const kvb_model *m, double kv_avg, double tps, double batch_tps,
+                                double bw, cJSON *j) {
+    const uint32_t B = (uint32_t)a->batch;
+    const double x = expected_experts(&m->d, B), w = weight_bytes_per_step(m, B, x), step = w + B * kv_avg;
+    const double achieved = step * batch_tps / B / 1e9;
+    printf("batch      %u sequences stepped together: %.2f tok/s in all, %.2f per sequence = %.2fx one "
+           "sequence's %.2f tok/s\n",
+           B, batch_tps, batch_tps / B, batch_tps / tps, tps);
+    if (m->d.n_expert)
+        printf("batch read a step reads %.1f MB (weights %.1f MB: expected %.2f of %u experts per layer, the union of "
+               "%u tokens' top-%u under uniform routing, E(1-(1-k/E)^B); + KV %.2f MB) = %.1f MB per token\n",
+               step / 1e6, w / 1e6, x, m->d.n_expert, B, m->d.n_expert_used, B * kv_avg / 1e6, step / B / 1e6);
+    else
+        printf("batch read a step reads %.1f MB (weights %.1f MB once + KV %.2f MB) = %.1f MB per token\n", step / 1e6,
+               w / 1e6, B * kv_avg / 1e6, step / B / 1e6);
+    printf("batch bw   %.1f GB/s achieved = %.0f%% of %.1f GB/s measured read bandwidth\n", achieved,
+           100.0 * achieved / bw, bw);
+    cJSON_AddNumberToObject(j, "batch", B);
+    cJSON_AddNumberToObject(j, "batch_tok_s", batch_tps);
+    cJSON_AddNumberToObject(j, "batch_step_weight_bytes", w);
+    cJSON_AddNumberToObject(j, "batch_experts_per_layer", x);
+}
+
 /* `bench decode` on the CPU engine: the figures beside the median tok/s (bytes per token, bandwidth,
  * the batch, the peer), and --json. */
 static void decode_report(const bench_args *a, const kvb_model *m, int T, double tps, double batch_tps, double bw,
                           double peer) {
-    const uint64_t wbytes = weight_bytes_per_token(m);
+    const double wbytes = weight_bytes_per_step(m, 1, expected_experts(&m->d, 1));
     uint64_t tok_bytes, per_head; /* the cache format's bytes per token (a latent row for an MLA model) */
     kvb_model_cache_token_bytes(&m->d, a->cache_type, &tok_bytes, &per_head);
     const double kv_avg = (double)tok_bytes * (a->n_ctx + a->n_gen / 2.0);
-    const double bytes = (double)wbytes + kv_avg, achieved = bytes * tps / 1e9;
+    const double bytes = wbytes + kv_avg, achieved = bytes * tps / 1e9;
+    cJSON *j = cJSON_CreateObject(); /* --json: these, the batch's figures, the peer's */
+    cJSON_AddStringToObject(j, "bench", "decode");
+    cJSON_AddStringToObject(j, "model", a->model_path);
+    cJSON_AddNumberToObject(j, "threads", T);
+    cJSON_AddNumberToObject(j, "tok_s", tps);
+    cJSON_AddNumberToObject(j, "read_bw_gbs", bw);
+    cJSON_AddNumberToObject(j, "weight_bytes", wbytes);
+    cJSON_AddNumberToObject(j, "experts_per_layer", expected_experts(&m->d, 1));
     printf("decode     %lld steps after %lld tokens: %.2f tok/s (median of %lld)\n", a->n_gen, a->n_ctx, tps, a->reps);
     printf("bytes/tok  %.1f MB (weights %.1f MB%s + KV %.2f MB)\n", bytes / 1e6, wbytes / 1e6,
-           m->d.n_expert ? ", active: the routed experts only" : "", kv_avg / 1e6);
+           m->d.n_ff_shexp ? ", active: the routed and the shared experts"
+           : m->d.n_expert ? ", active: the routed experts only"
+                           : "",
+           kv_avg / 1e6);
     printf("bandwidth  %.1f GB/s achieved = %.0f%% of %.1f GB/s measured read bandwidth (same run, %d threads)\n",
            achieved, 100.0 * achieved / bw, bw, T);
-    if (a->batch > 1)
-        printf("batch      %lld sequences stepped together: %.2f tok/s in all, %.2f per sequence = %.2fx one "
-               "sequence's %.2f tok/s\n",
-               a->batch, batch_tps, batch_tps / a->batch, batch_tps / tps, tps);
+    if (a->batch > 1) decode_batch_report(a, m, kv_avg, tps, batch_tps, bw, j);
     if (a->llama_bench) {
         if (peer > 0)
             printf("peer       llama.cpp llama-bench tg: %.2f tok/s -> kvbridge/llama.cpp = %.2fx\n", peer, tps / peer);
@@ -609,12 +657,13 @@ static void decode_report(const bench_args *a, const kvb_model *m, int T, double
     }
     FILE *f = a->json_path ? fopen(a->json_path, "w") : NULL;
     if (f) {
-        fprintf(f,
-                "{\"bench\":\"decode\",\"model\":\"%s\",\"threads\":%d,\"tok_s\":%.4f,\"read_bw_gbs\":%.3f,"
-                "\"weight_bytes\":%llu,\"peer_tok_s\":%.4f}\n",
-                a->model_path, T, tps, bw, (unsigned long long)wbytes, peer);
+        cJSON_AddNumberToObject(j, "peer_tok_s", peer);
+        char *txt = cJSON_PrintUnformatted(j);
+        if (txt) fprintf(f, "%s\n", txt);
+        free(txt);
         fclose(f);
     }
+    cJSON_Delete(j);
 }
 
 /* `bench decode`: --gen single-token steps on the CPU engine after a --ctx prompt (like llama-bench

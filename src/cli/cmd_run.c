@@ -68,7 +68,7 @@ typedef struct {
     long long n_gen, threads, ctx;
     int device, output; /* kvb_cli_device_names, k_outputs */
     kvb_cli_gpu gpu;
-    bool ignore_eos, verbose, chat;
+    bool ignore_eos, verbose, chat, logits_all;
     uint64_t seed;
     double temp, top_p;
     long long top_k;
@@ -81,7 +81,8 @@ static const char *const k_outputs[] = {"text", "ids", NULL};
 static int run_parse(run_args *a, int argc, char **argv) {
     const kvb_opt opts[] = {
         KVB_CLI_OPT_MODEL(&a->model_path,
-                          "GGUF model (llama, qwen2, qwen3, gemma3; F32/F16/BF16/Q8_0/Q4_0/Q5_0/Q4_K/Q5_K/Q6_K)", true),
+                          "GGUF model (llama, qwen2, qwen3, gemma3, qwen3moe, qwen2moe, deepseek2; F32/F16/BF16/Q8_0/"
+                          "Q4_0/Q5_0/Q4_K/Q5_K/Q6_K)", true),
         {.long_name = "tokens", .kind = KVB_OPT_STRING, .dst = &a->tokens_arg, .meta = "LIST",
          .help = "prompt as comma-separated token ids"},
         {.long_name = "prompt", .short_name = 'p', .kind = KVB_OPT_STRING, .dst = &a->prompt, .meta = "TEXT",
@@ -115,6 +116,9 @@ static int run_parse(run_args *a, int argc, char **argv) {
         {.long_name = "logits-out", .kind = KVB_OPT_STRING, .dst = &a->logits_out, .meta = "FILE",
          .help = "write the last prompt token's logits (n_vocab little-endian f32) to FILE, for comparison with "
                  "another implementation"},
+        {.long_name = "logits-all", .kind = KVB_OPT_FLAG, .dst = &a->logits_all,
+         .help = "with --logits-out: write every prompt position's logits ((n_prompt, n_vocab) little-endian f32, "
+                 "one forward with all logits), as llama.cpp's logits_all gives them"},
         {0},
     };
     const kvb_cli_spec spec = {
@@ -125,6 +129,7 @@ static int run_parse(run_args *a, int argc, char **argv) {
     if (rc != KVB_CLI_GO) return rc;
     a->chat = a->chat || a->tmpl_name;
     if (!a->tokens_arg == !a->prompt) return kvb_cli_usage_error(&spec, "give exactly one of --tokens or -p");
+    if (a->logits_all && !a->logits_out) return kvb_cli_usage_error(&spec, "--logits-all needs --logits-out FILE");
     const bool cuda = a->device == 1;
     char why[256];
     if (cuda && !kvb_prefill_device_available(KVB_DEVICE_CUDA, why, sizeof why)) {
@@ -134,10 +139,13 @@ static int run_parse(run_args *a, int argc, char **argv) {
     return kvb_cli_gpu_ok("run", &a->gpu, cuda) ? KVB_CLI_GO : 2;
 }
 
-/* --logits-out FILE: the last prompt token's n_vocab logits, little-endian f32. */
-static kvb_status write_logits(const char *path, const float *logits, uint32_t n_vocab, kvb_err *err) {
+/* --logits-out FILE: n_rows rows of n_vocab logits, little-endian f32 (the last prompt token's, or
+ * with --logits-all every prompt position's). */
+static kvb_status write_logits(const char *path, const float *logits, size_t n_rows, uint32_t n_vocab,
+                               kvb_err *err) {
     FILE *lf = fopen(path, "wb");
-    bool ok = lf && fwrite(logits, sizeof(float), n_vocab, lf) == n_vocab;
+    const size_t n = n_rows * n_vocab;
+    bool ok = lf && fwrite(logits, sizeof(float), n, lf) == n;
     if (lf && fclose(lf) != 0) ok = false;
     return ok ? KVB_OK : kvb_err_set(err, KVB_ERR_IO, "cannot write the logits to %s", path);
 }
@@ -204,6 +212,23 @@ static bool run_max_ctx(const run_args *a, const kvb_model *m, uint32_t n_ids, u
     return false;
 }
 
+/* Prefills ids[0..n) into logits (n_vocab: the last token's) and writes --logits-out: the last
+ * row, or with --logits-all every row of one forward that returns them all. */
+static kvb_status run_prefill(run_engine *re, const run_args *a, const int32_t *ids, uint32_t n, uint32_t n_vocab,
+                              float *logits, kvb_err *err) {
+    if (!a->logits_all) {
+        if (re_forward(re, ids, n, logits, err) != KVB_OK) return err->code;
+        return a->logits_out ? write_logits(a->logits_out, logits, 1, n_vocab, err) : KVB_OK;
+    }
+    float *all = malloc(sizeof(float) * (size_t)n * n_vocab); // (position, vocab)
+    if (!all) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for %u x %u logits", n, n_vocab);
+    kvb_status st = kvb_prefill_forward(re->e, re->s, ids, n, all, true, err);
+    if (st == KVB_OK) st = write_logits(a->logits_out, all, n, n_vocab, err);
+    if (st == KVB_OK) memcpy(logits, all + (size_t)(n - 1) * n_vocab, sizeof(float) * n_vocab);
+    free(all);
+    return st;
+}
+
 /* Samples up to -n tokens from logits (the prompt's last), a forward per token, into out_ids
  * (*n_out of them), streaming the text unless --output ids, stopping at end-of-generation unless
  * --ignore-eos; then prints the ids, or the text's last piece. */
@@ -239,7 +264,7 @@ int kvb_cmd_run(int argc, char **argv) {
     run_args a = {0};
     int prc = run_parse(&a, argc, argv);
     if (prc != KVB_CLI_GO) return prc;
-    const char *model_path = a.model_path, *logits_out = a.logits_out;
+    const char *model_path = a.model_path;
     const long long n_gen = a.n_gen, threads = a.threads, gpus = a.gpu.gpus;
     const int gpu_weights = a.gpu.gpu_weights;
     const bool ids_out = a.output == 1, verbose = a.verbose, cuda = a.device == 1,
@@ -298,9 +323,8 @@ int kvb_cmd_run(int argc, char **argv) {
     }
 
     double t0 = kvb_now_s();
-    if (re_forward(&re, ids, n_ids, logits, &err) != KVB_OK) goto fail;
+    if (run_prefill(&re, &a, ids, n_ids, m->d.n_vocab, logits, &err) != KVB_OK) goto fail;
     double t1 = kvb_now_s();
-    if (logits_out && write_logits(logits_out, logits, m->d.n_vocab, &err)) goto fail;
     uint32_t n_out = 0;
     if (run_decode(&re, &smp, tok, &a, logits, out_ids, &n_out, &err)) goto fail;
     double t2 = kvb_now_s();

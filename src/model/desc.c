@@ -134,7 +134,10 @@ static kvb_status gemma3_desc(const kvb_gguf *g, kvb_model_desc *d, kvb_err *err
  * falls back to feed_forward_length / expert_used_count as llama.cpp's loader does;
  * expert_weights_norm (absent in converted Qwen3-MoE files) defaults to true, the top-k
  * renormalisation llama.cpp applies to qwen3moe (HF norm_topk_prob); expert_gating_func, when
- * present, must be softmax (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX = 1). */
+ * present, must be softmax (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX = 1). qwen2moe (Qwen1.5-MoE,
+ * Qwen2-57B-A14B): the same keys, the top-k not renormalised (llama.cpp's graph passes norm_w = false;
+ * HF norm_topk_prob false), and expert_shared_feed_forward_length, the shared expert's inner size
+ * (else feed_forward_length, llama.cpp's fallback). */
 static kvb_status moe_desc(const kvb_gguf *g, kvb_model_desc *d, kvb_err *err) {
     const char *a = d->arch_name;
     kvb_status st;
@@ -148,11 +151,15 @@ static kvb_status moe_desc(const kvb_gguf *g, kvb_model_desc *d, kvb_err *err) {
     if (gating != 1)
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: %s.expert_gating_func = %u: only softmax (1) is supported",
                            kvb_gguf_path(g), a, gating);
+    const bool qwen2moe = d->arch == KVB_ARCH_QWEN2MOE;
+    if (qwen2moe && (st = get_u32_key(g, a, "expert_shared_feed_forward_length", false, d->n_ff, 1, 1u << 18,
+                                      &d->n_ff_shexp, err)))
+        return st;
     char key[128];
     snprintf(key, sizeof key, "%s.expert_weights_norm", a);
     kvb_err e2 = {0};
     st = kvb_gguf_get_bool(g, key, &d->expert_weights_norm, &e2);
-    if (st == KVB_ERR_NOT_FOUND) d->expert_weights_norm = true;
+    if (st == KVB_ERR_NOT_FOUND) d->expert_weights_norm = !qwen2moe;
     else if (st) return kvb_err_set(err, st, "%s: %s", kvb_gguf_path(g), e2.msg);
     return KVB_OK;
 }
@@ -194,6 +201,7 @@ static kvb_status deepseek2_desc(const kvb_gguf *g, kvb_model_desc *d, uint32_t 
     if ((st = get_u32_key(g, a, "expert_used_count", true, 0, 1, d->n_expert, &d->n_expert_used, err))) return st;
     if ((st = get_u32_key(g, a, "expert_feed_forward_length", true, 0, 1, 1u << 18, &d->n_ff_exp, err))) return st;
     if ((st = get_u32_key(g, a, "expert_shared_count", true, 0, 0, 64, &d->n_expert_shared, err))) return st;
+    d->n_ff_shexp = d->n_ff_exp * d->n_expert_shared; /* llama.cpp's width of ffn_*_shexp; no key for it here */
     if ((st = get_f32_key(g, a, "expert_weights_scale", 0.0f, 0.0f, 1e6f, &d->expert_weights_scale, err))) return st;
     if ((st = get_u32_key(g, a, "expert_gating_func", false, KVB_GATING_SOFTMAX, KVB_GATING_SOFTMAX,
                           KVB_GATING_SIGMOID, &d->expert_gating, err)))
@@ -254,11 +262,12 @@ kvb_status kvb_model_desc_from_gguf(const kvb_gguf *g, kvb_model_desc *d, kvb_er
     else if (strcmp(a, "qwen3") == 0) d->arch = KVB_ARCH_QWEN3;
     else if (strcmp(a, "gemma3") == 0) d->arch = KVB_ARCH_GEMMA3;
     else if (strcmp(a, "qwen3moe") == 0) d->arch = KVB_ARCH_QWEN3MOE;
+    else if (strcmp(a, "qwen2moe") == 0) d->arch = KVB_ARCH_QWEN2MOE;
     else if (strcmp(a, "deepseek2") == 0) d->arch = KVB_ARCH_DEEPSEEK2;
     else
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
-                           "%s: architecture '%s' is not supported (supported: llama, qwen2, qwen3, qwen3moe, gemma3, "
-                           "deepseek2)",
+                           "%s: architecture '%s' is not supported (supported: llama, qwen2, qwen3, qwen3moe, qwen2moe, "
+                           "gemma3, deepseek2)",
                            kvb_gguf_path(g), a);
     if (kvb_gguf_get_str(g, "general.name", d->name, sizeof d->name, NULL) != KVB_OK) d->name[0] = 0;
 
@@ -323,11 +332,11 @@ kvb_status kvb_model_desc_from_gguf(const kvb_gguf *g, kvb_model_desc *d, kvb_er
     }
 
     d->rope_neox = d->arch != KVB_ARCH_LLAMA;
-    d->has_qkv_bias = d->arch == KVB_ARCH_QWEN2;
+    d->has_qkv_bias = d->arch == KVB_ARCH_QWEN2 || d->arch == KVB_ARCH_QWEN2MOE;
     d->has_qk_norm = d->arch == KVB_ARCH_QWEN3 || d->arch == KVB_ARCH_GEMMA3 || d->arch == KVB_ARCH_QWEN3MOE;
     d->attn_scale = 1.0f / sqrtf((float)d->head_dim);
     if (d->arch == KVB_ARCH_GEMMA3) return gemma3_desc(g, d, err);
-    if (d->arch == KVB_ARCH_QWEN3MOE) return moe_desc(g, d, err);
+    if (d->arch == KVB_ARCH_QWEN3MOE || d->arch == KVB_ARCH_QWEN2MOE) return moe_desc(g, d, err);
     if (d->arch == KVB_ARCH_DEEPSEEK2) return deepseek2_desc(g, d, vlen, err);
     return KVB_OK;
 }
@@ -365,10 +374,18 @@ static uint64_t mla_attn_params(const kvb_model_desc *d) {
     return q + e * (r + p) + r + h * r * (qk - p) + h * d->head_dim_v_mla * r + h * d->head_dim_v_mla * e;
 }
 
+/* One MoE layer's MLP with `experts` experts counted: the routed experts, the router, the shared expert
+ * and its gate where present (qwen2moe's ffn_gate_inp_shexp). */
+static uint64_t n_params_moe_mlp(const kvb_model_desc *d, uint64_t experts) {
+    const uint64_t e = d->n_embd;
+    uint64_t n = experts * 3 * e * d->n_ff_exp + e * d->n_expert + 3 * e * d->n_ff_shexp;
+    return n + (d->arch == KVB_ARCH_QWEN2MOE ? e : 0);
+}
+
 /* deepseek2: dense leading layers, then MoE layers with shared experts. */
 static uint64_t n_params_deepseek2(const kvb_model_desc *d, uint64_t experts) {
-    const uint64_t e = d->n_embd, f = d->n_ff_exp;
-    const uint64_t dense = 3 * e * d->n_ff, moe = (experts + d->n_expert_shared) * 3 * e * f + e * d->n_expert;
+    const uint64_t e = d->n_embd;
+    const uint64_t dense = 3 * e * d->n_ff, moe = n_params_moe_mlp(d, experts);
     uint64_t n = 0;
     for (uint32_t l = 0; l < d->n_layer; l++) n += mla_attn_params(d) + 2 * e + (kvb_layer_is_dense(d, l) ? dense : moe);
     return n + e + (uint64_t)d->n_vocab * e;
@@ -378,7 +395,7 @@ static uint64_t n_params_deepseek2(const kvb_model_desc *d, uint64_t experts) {
 static uint64_t n_params_with(const kvb_model_desc *d, uint64_t experts) {
     if (d->arch == KVB_ARCH_DEEPSEEK2) return n_params_deepseek2(d, experts);
     uint64_t e = d->n_embd, q = (uint64_t)d->n_head * d->head_dim, kv = (uint64_t)d->n_head_kv * d->head_dim;
-    uint64_t mlp = d->n_expert ? experts * 3 * e * d->n_ff_exp + e * d->n_expert : 3 * e * d->n_ff;
+    uint64_t mlp = d->n_expert ? n_params_moe_mlp(d, experts) : 3 * e * d->n_ff;
     uint64_t per_layer = e * q + 2 * e * kv + q * e + mlp + (d->has_post_norms ? 4 : 2) * e;
     return per_layer * d->n_layer + e + (uint64_t)d->n_vocab * e; /* the output head is a matmul */
 }

@@ -79,6 +79,35 @@ static int add_t(gen_tensor *ts, int n, const char *name, uint64_t ne0, uint64_t
     return n + 1;
 }
 
+/* type, or f16 where a row of cols elements is not whole blocks of it (K-quants on the latent
+ * attention's 32- or 128-wide rows; llama.cpp's quantizer falls back likewise) */
+static uint32_t fit_type(uint32_t type, uint64_t cols) {
+    return kvb_row_bytes(type, (int64_t)cols) ? type : KVB_TYPE_F16;
+}
+
+/* Layer l's shared expert (n_ff_shexp > 0: qwen2moe, deepseek2), llama.cpp's names and ggml's shapes:
+ * qwen2moe's sigmoid gate ffn_gate_inp_shexp [n_embd] in f32 (a vector: llama.cpp quantises no 1-D
+ * tensor), logits of std ~2 (gates spread over (0, 1)); ffn_gate_shexp, ffn_up_shexp [n_embd, S],
+ * ffn_down_shexp [S, n_embd], scaled like a dense MLP of S = n_ff_shexp. */
+static int add_shexp_tensors(gen_tensor *ts, int n, uint32_t l, const kvb_model_desc *d, uint32_t type,
+                             float s_res) {
+    if (!d->n_ff_shexp) return n;
+    const uint64_t E = d->n_embd, S = d->n_ff_shexp;
+    const float s_in = 1.0f / sqrtf((float)E);
+    char nm[64];
+    if (d->arch == KVB_ARCH_QWEN2MOE) {
+        snprintf(nm, sizeof nm, "blk.%u.ffn_gate_inp_shexp.weight", l);
+        n = add_t(ts, n, nm, E, 1, KVB_TYPE_F32, INIT_NORMAL, 2.0f * s_in);
+    }
+    const char *shexp[3] = {"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"};
+    for (int i = 0; i < 3; i++) {
+        snprintf(nm, sizeof nm, "blk.%u.%s.weight", l, shexp[i]);
+        n = add_t(ts, n, nm, i < 2 ? E : S, i < 2 ? S : E, fit_type(type, i < 2 ? E : S), INIT_NORMAL,
+                  i < 2 ? s_in : 2.0f * s_res / sqrtf((float)S));
+    }
+    return n;
+}
+
 /* Layer l's mixture of experts with llama.cpp's names and ggml's shapes: the router
  * ffn_gate_inp [n_embd, n_expert] in f32 (llama.cpp keeps it f32 in every quantisation), and the
  * expert stacks ffn_gate_exps, ffn_up_exps [n_embd, n_ff_exp, n_expert] and ffn_down_exps
@@ -100,7 +129,11 @@ static int add_moe_tensors(gen_tensor *ts, int n, uint32_t l, const kvb_model_de
         ts[n - 1].n_dims = 3;
         ts[n - 1].ne[2] = d->n_expert;
     }
-    return n;
+    if (d->expert_gating == KVB_GATING_SIGMOID) { /* V3's selection bias */
+        snprintf(nm, sizeof nm, "blk.%u.exp_probs_b.bias", l);
+        n = add_t(ts, n, nm, d->n_expert, 1, KVB_TYPE_F32, INIT_BIAS, 0.05f);
+    }
+    return add_shexp_tensors(ts, n, l, d, type, s_res);
 }
 
 /* llama.cpp's general.file_type (LLAMA_FTYPE_MOSTLY_*) for a file whose matrices are all of type t */
@@ -191,6 +224,10 @@ static kvb_status write_keys(kvb_gguf_writer *w, const kvb_model_desc *d, const 
         if ((st = kvb_gguf_writer_add_u32(w, KEY("expert_count"), d->n_expert, err))) return st;
         if ((st = kvb_gguf_writer_add_u32(w, KEY("expert_used_count"), d->n_expert_used, err))) return st;
         if ((st = kvb_gguf_writer_add_u32(w, KEY("expert_feed_forward_length"), d->n_ff_exp, err))) return st;
+        /* qwen2moe, as llama.cpp's converter writes it; deepseek2 has no such key (n_ff_exp * expert_shared_count) */
+        if (d->arch == KVB_ARCH_QWEN2MOE &&
+            (st = kvb_gguf_writer_add_u32(w, KEY("expert_shared_feed_forward_length"), d->n_ff_shexp, err)))
+            return st;
     }
 #undef KEY
     return KVB_OK;
@@ -234,12 +271,6 @@ static kvb_status gen_vocab(kvb_gguf_writer *w, const char *vocab_path, kvb_mode
     return KVB_OK;
 }
 
-/* type, or f16 where a row of cols elements is not whole blocks of it (K-quants on the latent
- * attention's 32- or 128-wide rows; llama.cpp's quantizer falls back likewise) */
-static uint32_t fit_type(uint32_t type, uint64_t cols) {
-    return kvb_row_bytes(type, (int64_t)cols) ? type : KVB_TYPE_F16;
-}
-
 /* Layer l's latent attention (deepseek2), llama.cpp's names and ggml's shapes (see model/load.c's
  * bind_mla); each projection scaled by 1/sqrt(its input), the normed latent and q_a feeding k_b, v_b, q_b. */
 static int gen_mla_tensors(gen_tensor *ts, int n, const kvb_model_desc *d, uint32_t l, uint32_t type, float s_res) {
@@ -269,24 +300,6 @@ static int gen_mla_tensors(gen_tensor *ts, int n, const kvb_model_desc *d, uint3
     return n;
 }
 
-/* deepseek2's MoE extras of layer l: the selection bias (sigmoid gating, as V3 has) and the shared experts
- * (one SwiGLU of n_ff_exp * n_expert_shared, scaled like one expert). */
-static int gen_shexp_tensors(gen_tensor *ts, int n, const kvb_model_desc *d, uint32_t l, uint32_t type, float s_res) {
-    const uint64_t E = d->n_embd, FS = (uint64_t)d->n_ff_exp * d->n_expert_shared;
-    char nm[64];
-#define NM(s) (snprintf(nm, sizeof nm, "blk.%u.%s", l, s), nm)
-    if (d->expert_gating == KVB_GATING_SIGMOID)
-        n = add_t(ts, n, NM("exp_probs_b.bias"), d->n_expert, 1, KVB_TYPE_F32, INIT_BIAS, 0.05f);
-    if (FS) {
-        n = add_t(ts, n, NM("ffn_gate_shexp.weight"), E, FS, fit_type(type, E), INIT_NORMAL, 1.0f / sqrtf((float)E));
-        n = add_t(ts, n, NM("ffn_up_shexp.weight"), E, FS, fit_type(type, E), INIT_NORMAL, 1.0f / sqrtf((float)E));
-        n = add_t(ts, n, NM("ffn_down_shexp.weight"), FS, E, fit_type(type, FS), INIT_NORMAL,
-                  2.0f * s_res / sqrtf((float)FS));
-    }
-#undef NM
-    return n;
-}
-
 /* Adds layer l's tensors to ts from index n; returns the new count. */
 static int gen_layer_tensors(gen_tensor *ts, int n, const kvb_model_desc *d, uint32_t l, uint32_t type) {
     const uint64_t E = d->n_embd, Q = (uint64_t)d->n_head * d->head_dim, KV = (uint64_t)d->n_head_kv * d->head_dim;
@@ -299,7 +312,7 @@ static int gen_layer_tensors(gen_tensor *ts, int n, const kvb_model_desc *d, uin
         n = gen_mla_tensors(ts, n, d, l, type, s_res);
         n = add_t(ts, n, NM("ffn_norm.weight"), E, 1, KVB_TYPE_F32, INIT_ONE_PLUS, 0.05f);
         if (!kvb_layer_is_dense(d, l))
-            return gen_shexp_tensors(ts, add_moe_tensors(ts, n, l, d, type, s_res), d, l, type, s_res);
+            return add_moe_tensors(ts, n, l, d, type, s_res);
         n = add_t(ts, n, NM("ffn_gate.weight"), E, d->n_ff, type, INIT_NORMAL, s_in);
         n = add_t(ts, n, NM("ffn_up.weight"), E, d->n_ff, type, INIT_NORMAL, s_in);
         return add_t(ts, n, NM("ffn_down.weight"), d->n_ff, E, fit_type(type, d->n_ff), INIT_NORMAL,

@@ -1,5 +1,6 @@
 /* model — what a transformer is, read from GGUF metadata: the architecture description
- * (llama, qwen2, qwen3, qwen3moe, gemma3; GQA, mixture-of-experts MLPs, RoPE with Llama-3 scaling, per-layer RoPE bases and
+ * (llama, qwen2, qwen3, qwen3moe, qwen2moe, gemma3, deepseek2; GQA, latent attention, mixture-of-experts
+ * MLPs with an optional shared expert, RoPE with Llama-3 scaling or YaRN, per-layer RoPE bases and
  * sliding-window (local) layers, RMSNorm eps, tied output), the weights
  * bound to views into the mapped file with every shape checked against the description, and
  * the synthetic model generator behind `kvbridge gen-model` (real architectures, real GGUF
@@ -22,6 +23,8 @@ typedef enum {
                            norms, GeGLU MLP (tanh GELU), local sliding-window layers with their own RoPE base */
     KVB_ARCH_QWEN3MOE,  /* qwen3's attention + a mixture-of-experts MLP (softmax router, top-k, SwiGLU experts) */
     KVB_ARCH_DEEPSEEK2, /* DeepSeek V2/V3: latent attention (MLA) + leading dense layers, then MoE with shared experts */
+    KVB_ARCH_QWEN2MOE,  /* qwen2's attention (q/k/v bias) + qwen3moe's experts (top-k not renormalised) + a
+                           shared SwiGLU expert every token runs, scaled by a sigmoid gate */
 } kvb_arch;
 
 #define KVB_MAX_EXPERTS 1024 /* expert_count is refused above this */
@@ -73,6 +76,10 @@ typedef struct {
     uint32_t n_ff_exp;      /* {arch}.expert_feed_forward_length: one expert's inner size */
     bool expert_weights_norm; /* {arch}.expert_weights_norm: the top-k probabilities are divided by their sum
                                  (qwen3moe: true, llama.cpp's default for the architecture when the key is absent) */
+    /* The shared expert (qwen2moe, deepseek2; 0 = none): one SwiGLU every token runs beside the routed ones.
+     * qwen2moe reads its width from {arch}.expert_shared_feed_forward_length; deepseek2 has no such key and
+     * llama.cpp sizes its ffn_*_shexp tensors n_ff_exp * n_expert_shared (its experts concatenated). */
+    uint32_t n_ff_shexp;    /* the shared expert's inner size */
     /* ---- DeepSeek's latent attention and MoE (deepseek2; zero / false for the others) ----
      * As llama.cpp's converter writes the MLA form: head_count_kv 1, key_length = kv_lora_rank + n_rot
      * (head_dim above: the one cache row per token and layer, latent then roped key part), value_length =
@@ -83,7 +90,7 @@ typedef struct {
     uint32_t head_dim_k_mla;   /* attention.key_length_mla: one query/key head, nope part + n_rot */
     uint32_t head_dim_v_mla;   /* attention.value_length_mla: one value head */
     uint32_t n_layer_dense_lead; /* leading_dense_block_count: the first layers have a dense MLP (n_ff) */
-    uint32_t n_expert_shared;  /* expert_shared_count: always-on experts, one SwiGLU of n_ff_exp * this */
+    uint32_t n_expert_shared;  /* expert_shared_count: always-on experts; n_ff_shexp = n_ff_exp * this */
     float expert_weights_scale; /* expert_weights_scale: routed weights multiplied by this; 0 = 1 */
     uint32_t expert_gating;    /* expert_gating_func: KVB_GATING_SOFTMAX or KVB_GATING_SIGMOID */
     uint32_t n_expert_groups;  /* expert_group_count: routing picks groups first (0 or 1: no groups) */
@@ -138,9 +145,12 @@ typedef struct {
     const float *kv_a_norm;      /* attn_kv_a_norm (R) */
     kvb_mat wk_b;                /* attn_k_b, ggml [N, R, H]: (H * R, N), head h's rows h*R .. */
     kvb_mat wv_b;                /* attn_v_b, ggml [R, Vd, H]: (H * Vd, R) */
-    kvb_mat shexp_gate, shexp_up; /* ffn_{gate,up}_shexp (n_ff_exp * n_expert_shared, n_embd) */
-    kvb_mat shexp_down;          /* ffn_down_shexp (n_embd, n_ff_exp * n_expert_shared) */
     const float *exp_probs_b;    /* exp_probs_b.bias (n_expert): selection bias (V3), or NULL */
+    /* the shared expert (n_ff_shexp > 0 and an MoE layer, else data NULL): out += g * SwiGLU(x), where
+     * g = sigmoid(gate_inp_shexp . x) when the gate is present (qwen2moe), else 1 (deepseek2) */
+    kvb_mat gate_inp_shexp;      /* ffn_gate_inp_shexp (1, n_embd), or data NULL */
+    kvb_mat gate_shexp, up_shexp; /* ffn_{gate,up}_shexp (n_ff_shexp, n_embd) */
+    kvb_mat down_shexp;          /* ffn_down_shexp (n_embd, n_ff_shexp) */
 } kvb_layer_weights;
 
 typedef struct kvb_model {

@@ -100,9 +100,29 @@ static kvb_status bind_vec(binder *b, const char *name, uint64_t n, bool require
     return KVB_OK;
 }
 
+/* Layer l's shared expert (n_ff_shexp > 0: qwen2moe, deepseek2), llama.cpp's names and ggml's shapes:
+ * ffn_gate_shexp / ffn_up_shexp [n_embd, S], ffn_down_shexp [S, n_embd], S = n_ff_shexp; qwen2moe's
+ * sigmoid gate ffn_gate_inp_shexp [n_embd] (one row; deepseek2 has none). */
+static kvb_status bind_shexp(binder *b, uint32_t l, kvb_layer_weights *w, kvb_err *err) {
+    const kvb_model_desc *d = &b->m->d;
+    const uint64_t E = d->n_embd, S = d->n_ff_shexp;
+    char name[96];
+    kvb_status st;
+    if (S == 0) return KVB_OK;
+#define L_NAME(fmt) (snprintf(name, sizeof name, "blk.%u." fmt, l), name)
+    if (d->arch == KVB_ARCH_QWEN2MOE &&
+        (st = bind_mat(b, L_NAME("ffn_gate_inp_shexp.weight"), E, 1, true, &w->gate_inp_shexp, err)))
+        return st;
+    if ((st = bind_mat(b, L_NAME("ffn_gate_shexp.weight"), E, S, true, &w->gate_shexp, err))) return st;
+    if ((st = bind_mat(b, L_NAME("ffn_up_shexp.weight"), E, S, true, &w->up_shexp, err))) return st;
+    return bind_mat(b, L_NAME("ffn_down_shexp.weight"), S, E, true, &w->down_shexp, err);
+#undef L_NAME
+}
+
 /* Layer l's mixture of experts, with llama.cpp's names and ggml's shapes: the router
  * ffn_gate_inp [n_embd, n_expert] and the stacks ffn_gate_exps / ffn_up_exps
- * [n_embd, n_ff_exp, n_expert] and ffn_down_exps [n_ff_exp, n_embd, n_expert]. */
+ * [n_embd, n_ff_exp, n_expert] and ffn_down_exps [n_ff_exp, n_embd, n_expert]; deepseek2's optional
+ * selection bias exp_probs_b.bias [n_expert]; the shared expert (bind_shexp). */
 static kvb_status bind_moe(binder *b, uint32_t l, kvb_layer_weights *w, kvb_err *err) {
     const kvb_model_desc *d = &b->m->d;
     const uint64_t E = d->n_embd, F = d->n_ff_exp, X = d->n_expert;
@@ -115,7 +135,10 @@ static kvb_status bind_moe(binder *b, uint32_t l, kvb_layer_weights *w, kvb_err 
     snprintf(name, sizeof name, "blk.%u.ffn_up_exps.weight", l);
     if ((st = bind_stack(b, name, E, F, X, true, &w->up_exps, err))) return st;
     snprintf(name, sizeof name, "blk.%u.ffn_down_exps.weight", l);
-    return bind_stack(b, name, F, E, X, true, &w->down_exps, err);
+    if ((st = bind_stack(b, name, F, E, X, true, &w->down_exps, err))) return st;
+    snprintf(name, sizeof name, "blk.%u.exp_probs_b.bias", l); /* deepseek2's selection bias (V3), optional */
+    if (d->arch == KVB_ARCH_DEEPSEEK2 && (st = bind_vec(b, name, X, false, &w->exp_probs_b, err))) return st;
+    return bind_shexp(b, l, w, err);
 }
 
 /* Layer l's latent attention (deepseek2, MLA form) with llama.cpp's names and ggml's shapes:
@@ -141,20 +164,6 @@ static kvb_status bind_mla(binder *b, uint32_t l, kvb_layer_weights *w, kvb_err 
     if ((st = bind_stack(b, L_NAME("attn_k_b.weight"), N, R, H, true, &w->wk_b, err))) return st;
     if ((st = bind_stack(b, L_NAME("attn_v_b.weight"), R, Vd, H, true, &w->wv_b, err))) return st;
     return bind_mat(b, L_NAME("attn_output.weight"), H * Vd, E, true, &w->wo, err);
-}
-
-/* deepseek2's MoE extras of layer l: the shared experts ffn_{gate,up}_shexp [E, F*S],
- * ffn_down_shexp [F*S, E], and the optional selection bias exp_probs_b.bias [n_expert] (V3). */
-static kvb_status bind_shexp(binder *b, uint32_t l, kvb_layer_weights *w, kvb_err *err) {
-    const kvb_model_desc *d = &b->m->d;
-    const uint64_t E = d->n_embd, FS = (uint64_t)d->n_ff_exp * d->n_expert_shared;
-    char name[96];
-    kvb_status st;
-    if ((st = bind_vec(b, L_NAME("exp_probs_b.bias"), d->n_expert, false, &w->exp_probs_b, err))) return st;
-    if (FS == 0) return KVB_OK;
-    if ((st = bind_mat(b, L_NAME("ffn_gate_shexp.weight"), E, FS, true, &w->shexp_gate, err))) return st;
-    if ((st = bind_mat(b, L_NAME("ffn_up_shexp.weight"), E, FS, true, &w->shexp_up, err))) return st;
-    return bind_mat(b, L_NAME("ffn_down_shexp.weight"), FS, E, true, &w->shexp_down, err);
 #undef L_NAME
 }
 
@@ -229,7 +238,7 @@ kvb_status kvb_model_load(const char *path, kvb_model **out, kvb_err *err) {
         }
         if ((st = bind_vec(&b, L_NAME("ffn_norm.weight"), E, true, &w->ffn_norm, err))) goto fail;
         if (!kvb_layer_is_dense(d, l)) {
-            if ((st = bind_moe(&b, l, w, err)) || (d->mla && (st = bind_shexp(&b, l, w, err)))) goto fail;
+            if ((st = bind_moe(&b, l, w, err))) goto fail;
             continue;
         }
         if ((st = bind_mat(&b, L_NAME("ffn_gate.weight"), E, d->n_ff, true, &w->w_gate, err))) goto fail;
@@ -293,8 +302,9 @@ void kvb_model_describe(const kvb_model *m, char *buf, size_t cap) {
         snprintf(local, sizeof local, " (%u local: window %u, rope base %g)", n_local, d->swa_window,
                  (double)d->rope_freq_base_local);
     if (d->n_expert) /* ff is then the expert's, and the parameter count is every expert's */
-        snprintf(local, sizeof local, ", %u experts (top %u%s, active %.3g M/token)", d->n_expert, d->n_expert_used,
-                 d->expert_weights_norm ? ", renormalised" : "", kvb_model_n_params_active(d) / 1e6);
+        snprintf(local, sizeof local, ", %u experts (top %u%s%s, active %.3g M/token)", d->n_expert, d->n_expert_used,
+                 d->expert_weights_norm ? ", renormalised" : "",
+                 d->arch == KVB_ARCH_QWEN2MOE ? ", + a shared expert" : "", kvb_model_n_params_active(d) / 1e6);
     if (d->mla) { /* heads are then the query heads x the latent cache row */
         size_t u = strlen(local);
         snprintf(local + u, sizeof local - u, ", %u dense first, %u shared, MLA latent %u + rope %u, q_lora %u",

@@ -44,14 +44,16 @@ static const kvb_preset k_presets[] = {
       .n_ff_exp = 256, .expert_weights_norm = true}},
     /* deepseek2 for CI: q_lora present, 1 leading dense layer then 2 MoE layers, 8 experts top-2 in 4 groups
      * (2 kept), 1 shared expert, sigmoid gating with V3's selection bias, weights renormalised and scaled, YaRN;
-     * the cache row is latent 64 + rope 32 = 96 values (q8_0 blocks fit) */
+     * the cache row is latent 64 + rope 32 = 96 values (q8_0 blocks fit); every deepseek2 preset has
+     * n_ff_shexp = n_ff_exp * n_expert_shared, the width llama.cpp gives its ffn_*_shexp */
     {"tiny-mla", "deepseek2 (MLA latent 64 + rope 32, q_lora 128), 3 layers (1 dense), embd 256, 4 heads x (32+32 / "
                  "v 32), 8 experts top-2 in 4 groups + 1 shared x ff 256, sigmoid, YaRN (CI)",
      {.arch = KVB_ARCH_DEEPSEEK2, .arch_name = "deepseek2", .n_ctx_train = 4096, .n_embd = 256, .n_layer = 3,
       .n_ff = 512, .n_head = 4, .n_head_kv = 1, .head_dim = 96, .n_rot = 32, .rope_freq_base = 10000.0f,
       .norm_eps = 1e-6f, .mla = true, .n_lora_q = 128, .n_lora_kv = 64, .head_dim_k_mla = 64, .head_dim_v_mla = 32,
       .n_layer_dense_lead = 1, .n_expert = 8, .n_expert_used = 2, .n_ff_exp = 256, .n_expert_shared = 1,
-      .expert_weights_norm = true, .expert_weights_scale = 2.5f, .expert_gating = KVB_GATING_SIGMOID,
+      .n_ff_shexp = 256, .expert_weights_norm = true, .expert_weights_scale = 2.5f,
+      .expert_gating = KVB_GATING_SIGMOID,
       .n_expert_groups = 4, .n_group_used = 2, .rope_yarn_factor = 4.0f, .rope_orig_ctx = 1024,
       .rope_yarn_log_mul = 1.0f, .rope_attn_factor = 1.0f, .yarn_beta_fast = 32.0f, .yarn_beta_slow = 1.0f}},
     /* deepseek-ai/DeepSeek-V2-Lite config.json: hidden_size 2048, num_hidden_layers 27, num_attention_heads 16,
@@ -66,9 +68,10 @@ static const kvb_preset k_presets[] = {
       .n_embd = 2048, .n_layer = 27, .n_ff = 10944, .n_head = 16, .n_head_kv = 1, .head_dim = 576, .n_rot = 64,
       .rope_freq_base = 10000.0f, .norm_eps = 1e-6f, .mla = true, .n_lora_q = 0, .n_lora_kv = 512,
       .head_dim_k_mla = 192, .head_dim_v_mla = 128, .n_layer_dense_lead = 1, .n_expert = 64, .n_expert_used = 6,
-      .n_ff_exp = 1408, .n_expert_shared = 2, .expert_weights_norm = false, .expert_weights_scale = 1.0f,
-      .expert_gating = KVB_GATING_SOFTMAX, .rope_yarn_factor = 40.0f, .rope_orig_ctx = 4096,
-      .rope_yarn_log_mul = 0.707f, .rope_attn_factor = 1.0f, .yarn_beta_fast = 32.0f, .yarn_beta_slow = 1.0f}},
+      .n_ff_exp = 1408, .n_expert_shared = 2, .n_ff_shexp = 2816, .expert_weights_norm = false,
+      .expert_weights_scale = 1.0f, .expert_gating = KVB_GATING_SOFTMAX, .rope_yarn_factor = 40.0f,
+      .rope_orig_ctx = 4096, .rope_yarn_log_mul = 0.707f, .rope_attn_factor = 1.0f, .yarn_beta_fast = 32.0f,
+      .yarn_beta_slow = 1.0f}},
     /* deepseek-ai/DeepSeek-V3 config.json: hidden_size 7168, num_hidden_layers 61, num_attention_heads 128,
      * q_lora_rank 1536, kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128,
      * n_routed_experts 256, num_experts_per_tok 8, n_shared_experts 1, first_k_dense_replace 3,
@@ -83,10 +86,17 @@ static const kvb_preset k_presets[] = {
       .n_embd = 7168, .n_layer = 61, .n_ff = 18432, .n_head = 128, .n_head_kv = 1, .head_dim = 576, .n_rot = 64,
       .rope_freq_base = 10000.0f, .norm_eps = 1e-6f, .mla = true, .n_lora_q = 1536, .n_lora_kv = 512,
       .head_dim_k_mla = 192, .head_dim_v_mla = 128, .n_layer_dense_lead = 3, .n_expert = 256, .n_expert_used = 8,
-      .n_ff_exp = 2048, .n_expert_shared = 1, .expert_weights_norm = true, .expert_weights_scale = 2.5f,
-      .expert_gating = KVB_GATING_SIGMOID, .n_expert_groups = 8, .n_group_used = 4, .rope_yarn_factor = 40.0f,
-      .rope_orig_ctx = 4096, .rope_yarn_log_mul = 1.0f, .rope_attn_factor = 1.0f, .yarn_beta_fast = 32.0f,
-      .yarn_beta_slow = 1.0f}},
+      .n_ff_exp = 2048, .n_expert_shared = 1, .n_ff_shexp = 2048, .expert_weights_norm = true,
+      .expert_weights_scale = 2.5f, .expert_gating = KVB_GATING_SIGMOID, .n_expert_groups = 8, .n_group_used = 4,
+      .rope_yarn_factor = 40.0f, .rope_orig_ctx = 4096, .rope_yarn_log_mul = 1.0f, .rope_attn_factor = 1.0f,
+      .yarn_beta_fast = 32.0f, .yarn_beta_slow = 1.0f}},
+    /* qwen2moe as Qwen1.5-MoE-A2.7B is built (q/k/v bias, top-k not renormalised, a shared expert behind
+     * a sigmoid gate, an untied output head llama.cpp requires), at tiny-moe's size */
+    {"tiny-qwen2moe", "qwen2moe, 3 layers, embd 256, 4/2 heads x 64, 8 experts top-2 x ff 256 + shared ff 512 (CI)",
+     {.arch = KVB_ARCH_QWEN2MOE, .arch_name = "qwen2moe", .n_ctx_train = 4096, .n_embd = 256, .n_layer = 3,
+      .n_ff = 512, .n_head = 4, .n_head_kv = 2, .head_dim = 64, .n_rot = 64, .rope_freq_base = 1000000.0f,
+      .norm_eps = 1e-6f, .rope_neox = true, .has_qkv_bias = true, .n_expert = 8, .n_expert_used = 2,
+      .n_ff_exp = 256, .n_ff_shexp = 512}},
     {"qwen3-0.6b", "Qwen3-0.6B shape: 28 layers, embd 1024, 16/8 heads x 128, ff 3072, vocab 151936",
      {.arch = KVB_ARCH_QWEN3, .arch_name = "qwen3", .n_vocab = 151936, .n_ctx_train = 40960, .n_embd = 1024,
       .n_layer = 28, .n_ff = 3072, .n_head = 16, .n_head_kv = 8, .head_dim = 128, .n_rot = 128,

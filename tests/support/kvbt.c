@@ -61,6 +61,21 @@ int kvbt_sh(const char *cmdline, char *out, size_t cap, int merge_stderr) {
 
 const char *kvbt_bin(void) { return getenv("KVB_BIN") ? getenv("KVB_BIN") : "kvbridge"; }
 
+void *kvbt_read_file(const char *path, size_t *n) {
+    *n = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    void *buf = NULL;
+    if (fseek(f, 0, SEEK_END) == 0) {
+        const long bytes = ftell(f);
+        buf = bytes > 0 && fseek(f, 0, SEEK_SET) == 0 ? malloc((size_t)bytes) : NULL;
+        if (buf && fread(buf, 1, (size_t)bytes, f) == (size_t)bytes) *n = (size_t)bytes;
+        else free(buf), buf = NULL;
+    }
+    fclose(f);
+    return buf;
+}
+
 /* The cache the fetch scripts fill (tools/fetch_common.sh): ${KVB_CACHE_DIR:-$HOME/.cache/kvbridge}. */
 static void cache_path(char *buf, size_t cap, const char *name) {
     const char *cache = getenv("KVB_CACHE_DIR"), *home = getenv("HOME");

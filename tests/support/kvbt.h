@@ -18,6 +18,8 @@ void kvbt_tmp_path(char *buf, size_t cap, const char *name);
 int kvbt_sh(const char *cmdline, char *out, size_t cap, int merge_stderr);
 /* The kvbridge binary under test (KVB_BIN), or "kvbridge". */
 const char *kvbt_bin(void);
+/* The whole file at path, malloc'd (*n: its bytes); NULL when it cannot be read or is empty. */
+void *kvbt_read_file(const char *path, size_t *n);
 /* The tokenizer test vocabularies (llama.cpp's vocab-only GGUFs and their .inp/.out vectors, Qwen's
  * tokenizer.json) are in $KVB_VOCAB_DIR, else $KVB_SHARED_DIR/vocab, else
  * ${KVB_CACHE_DIR:-$HOME/.cache/kvbridge}/vocab, where tools/fetch_vocab.sh puts them.

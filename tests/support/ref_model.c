@@ -248,13 +248,14 @@ typedef struct {
     double *gate_inp;         /* NULL or (n_expert, n_embd) router (qwen3moe) */
     double *gate_exps, *up_exps; /* NULL or (n_expert, n_ff_exp, n_embd) */
     double *down_exps;        /* NULL or (n_expert, n_embd, n_ff_exp) */
+    double *gate_inp_shexp;   /* NULL or (n_embd) the shared expert's gate (qwen2moe) */
+    double *gate_shexp, *up_shexp; /* NULL or (n_ff_shexp, n_embd) the shared expert (qwen2moe, deepseek2) */
+    double *down_shexp;       /* NULL or (n_embd, n_ff_shexp) */
     /* deepseek2 (NULL otherwise) */
     double *wq_a, *q_a_norm, *wq_b; /* (q_lora, n_embd), (q_lora), (n_head * k_mla, q_lora) */
     double *wkv_a, *kv_a_norm;  /* (R + P, n_embd), (R) */
     double *wk_b;             /* (n_head, R, N): head h's key up-projection, k_nope = wk_b[h]^T latent */
     double *wv_b;             /* (n_head, v_mla, R) */
-    double *sh_gate, *sh_up;  /* (n_ff_exp * n_expert_shared, n_embd) */
-    double *sh_down;          /* (n_embd, n_ff_exp * n_expert_shared) */
     double *exp_probs_b;      /* NULL or (n_expert) */
 } ref_layer;
 
@@ -430,8 +431,8 @@ void ref_model_free(ref_model *m) {
             double *ptrs[] = {y->attn_norm, y->wq, y->wk, y->wv, y->bq, y->bk, y->bv, y->q_norm, y->k_norm,
                               y->wo, y->bo, y->ffn_norm, y->w_gate, y->w_up, y->w_down, y->post_attn_norm,
                               y->post_ffw_norm, y->gate_inp, y->gate_exps, y->up_exps, y->down_exps,
-                              y->wq_a, y->q_a_norm, y->wq_b, y->wkv_a, y->kv_a_norm, y->wk_b, y->wv_b,
-                              y->sh_gate, y->sh_up, y->sh_down, y->exp_probs_b};
+                              y->gate_inp_shexp, y->gate_shexp, y->up_shexp, y->down_shexp, y->wq_a,
+                              y->q_a_norm, y->wq_b, y->wkv_a, y->kv_a_norm, y->wk_b, y->wv_b, y->exp_probs_b};
             for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) free(ptrs[i]);
         }
         free(m->layers);
@@ -672,7 +673,7 @@ static int load_desc(loader *L, ref_model *m) {
     d->rope_style = d->arch == REF_ARCH_LLAMA || ds2 ? REF_ROPE_NORM : REF_ROPE_NEOX;
     d->embd_scale = 1.0;
     d->attn_scale = 1.0 / sqrt((double)d->head_dim);
-    if (d->arch == REF_ARCH_QWEN3MOE) return load_moe_desc(L, d);
+    if (d->arch == REF_ARCH_QWEN3MOE || d->arch == REF_ARCH_QWEN2MOE) return load_moe_desc(L, d);
     if (ds2) return load_mla_desc(L, d, (int)vlen);
     return d->arch == REF_ARCH_GEMMA3 ? load_gemma3_desc(L, m) : 0;
 }
@@ -691,7 +692,8 @@ static int load_local_rope(loader *L, ref_model *m) {
     return 0;
 }
 
-/* Layer l's router and stacked experts (qwen3moe), by llama.cpp's names. */
+/* Layer l's router and stacked experts, by llama.cpp's names; the shared expert where the model has one
+ * (qwen2moe's behind its gate vector, deepseek2's ungated). */
 static int load_experts(loader *L, int l, const ref_desc *d, ref_layer *y) {
     char name[128];
     const int64_t E = d->n_embd, F = d->n_ff_exp, X = d->n_expert;
@@ -702,12 +704,21 @@ static int load_experts(loader *L, int l, const ref_desc *d, ref_layer *y) {
     snprintf(name, sizeof name, "blk.%d.ffn_up_exps.weight", l);
     if (load_stack(L, name, F, E, X, true, &y->up_exps)) return -1;
     snprintf(name, sizeof name, "blk.%d.ffn_down_exps.weight", l);
-    return load_stack(L, name, E, F, X, true, &y->down_exps);
+    if (load_stack(L, name, E, F, X, true, &y->down_exps)) return -1;
+    if (!d->n_ff_shexp) return 0;
+    const int64_t S = d->n_ff_shexp;
+    return (d->arch == REF_ARCH_QWEN2MOE && load_blk(L, l, "ffn_gate_inp_shexp.weight", 0, E, true, &y->gate_inp_shexp)) ||
+                   load_blk(L, l, "ffn_gate_shexp.weight", S, E, true, &y->gate_shexp) ||
+                   load_blk(L, l, "ffn_up_shexp.weight", S, E, true, &y->up_shexp) ||
+                   load_blk(L, l, "ffn_down_shexp.weight", E, S, true, &y->down_shexp)
+               ? -1
+               : 0;
 }
 
-/* qwen3moe's keys: expert_count, expert_used_count (required), expert_feed_forward_length (else
- * feed_forward_length / expert_used_count, llama.cpp's fallback), expert_weights_norm (bool,
- * default true: llama.cpp renormalises qwen3moe's top-k). */
+/* qwen3moe's and qwen2moe's keys: expert_count, expert_used_count (required), expert_feed_forward_length
+ * (else feed_forward_length / expert_used_count, llama.cpp's fallback), expert_weights_norm (bool,
+ * default true for qwen3moe, false for qwen2moe: llama.cpp's graphs), qwen2moe's
+ * expert_shared_feed_forward_length. */
 static int load_moe_desc(loader *L, ref_desc *d) {
     uint32_t x, k, f;
     if (meta_u32(L, "expert_count", true, 0, &x) || meta_u32(L, "expert_used_count", true, 0, &k)) return -1;
@@ -723,10 +734,20 @@ static int load_moe_desc(loader *L, ref_desc *d) {
     d->n_expert = (int)x;
     d->n_expert_used = (int)k;
     d->n_ff_exp = (int)f;
+    const bool qwen2moe = d->arch == REF_ARCH_QWEN2MOE;
+    if (qwen2moe) { /* the shared expert's size, else feed_forward_length (llama.cpp's fallback) */
+        uint32_t s;
+        if (meta_u32(L, "expert_shared_feed_forward_length", false, (uint32_t)d->n_ff, &s)) return -1;
+        if (s == 0 || s > (1u << 22)) {
+            seterr(L->err, L->cap, "%s: bad expert_shared_feed_forward_length %u", L->path, s);
+            return -1;
+        }
+        d->n_ff_shexp = (int)s;
+    }
     char key[96];
     snprintf(key, sizeof key, "%s.expert_weights_norm", L->arch);
     const kvb_gguf_kv *kv = kvb_gguf_find(L->g, key);
-    d->expert_weights_norm = true;
+    d->expert_weights_norm = !qwen2moe; /* llama.cpp: qwen3moe renormalises, qwen2moe does not */
     if (kv) {
         if (kv->type != KVB_GGUF_BOOL) {
             seterr(L->err, L->cap, "%s: %s is not a bool", L->path, key);
@@ -767,7 +788,7 @@ static int load_mla_desc(loader *L, ref_desc *d, int vlen) {
     d->n_expert = (int)x;
     d->n_expert_used = (int)k;
     d->n_ff_exp = (int)f;
-    d->n_expert_shared = (int)sh;
+    d->n_ff_shexp = (int)(f * sh); /* llama.cpp's ffn_*_shexp width: the shared experts side by side */
     d->gating = (int)gate;
     d->n_groups = (int)ng;
     d->n_group_used = (int)gu;
@@ -787,7 +808,7 @@ static int load_mla_desc(loader *L, ref_desc *d, int vlen) {
  * their shared experts and optional selection bias. */
 static int load_mla_layer(loader *L, int l, const ref_desc *d, ref_layer *y) {
     const int64_t E = d->n_embd, H = d->n_head, R = d->n_lora_kv, P = d->n_rot, K = d->k_mla, N = K - P,
-                  Vd = d->v_mla, QL = d->n_lora_q, FS = (int64_t)d->n_ff_exp * d->n_expert_shared;
+                  Vd = d->v_mla, QL = d->n_lora_q;
     char name[128];
     if (QL ? load_blk(L, l, "attn_q_a.weight", QL, E, true, &y->wq_a) ||
                  load_blk(L, l, "attn_q_a_norm.weight", 0, QL, true, &y->q_a_norm) ||
@@ -809,12 +830,7 @@ static int load_mla_layer(loader *L, int l, const ref_desc *d, ref_layer *y) {
                        load_blk(L, l, "ffn_down.weight", E, d->n_ff, true, &y->w_down)
                    ? -1
                    : 0;
-    if (load_experts(L, l, d, y) || load_blk(L, l, "exp_probs_b.bias", 0, d->n_expert, false, &y->exp_probs_b))
-        return -1;
-    if (FS == 0) return 0;
-    return load_blk(L, l, "ffn_gate_shexp.weight", FS, E, true, &y->sh_gate) ||
-                   load_blk(L, l, "ffn_up_shexp.weight", FS, E, true, &y->sh_up) ||
-                   load_blk(L, l, "ffn_down_shexp.weight", E, FS, true, &y->sh_down)
+    return load_experts(L, l, d, y) || load_blk(L, l, "exp_probs_b.bias", 0, d->n_expert, false, &y->exp_probs_b)
                ? -1
                : 0;
 }
@@ -846,7 +862,7 @@ static int load_weights(loader *L, ref_model *m) {
         seterr(L->err, L->cap, "%s: out of memory", L->path);
         return -1;
     }
-    const bool qwen2 = d->arch == REF_ARCH_QWEN2, qwen3 = d->arch == REF_ARCH_QWEN3, llama = d->arch == REF_ARCH_LLAMA,
+    const bool qwen2 = d->arch == REF_ARCH_QWEN2 || d->arch == REF_ARCH_QWEN2MOE, qwen3 = d->arch == REF_ARCH_QWEN3, llama = d->arch == REF_ARCH_LLAMA,
                gemma3 = d->arch == REF_ARCH_GEMMA3;
     for (int l = 0; l < d->n_layer; l++) {
         ref_layer *y = &m->layers[l];
@@ -915,11 +931,13 @@ ref_model *ref_model_load(const char *gguf_path, char *errbuf, size_t cap) {
     else if (strcmp(arch, "qwen2") == 0) m->d.arch = REF_ARCH_QWEN2;
     else if (strcmp(arch, "qwen3") == 0) m->d.arch = REF_ARCH_QWEN3;
     else if (strcmp(arch, "qwen3moe") == 0) m->d.arch = REF_ARCH_QWEN3MOE;
+    else if (strcmp(arch, "qwen2moe") == 0) m->d.arch = REF_ARCH_QWEN2MOE;
     else if (strcmp(arch, "gemma3") == 0) m->d.arch = REF_ARCH_GEMMA3;
     else if (strcmp(arch, "deepseek2") == 0) m->d.arch = REF_ARCH_DEEPSEEK2;
     else {
         seterr(errbuf, cap,
-               "%s: architecture \"%s\" is not one the reference implements (llama, qwen2, qwen3, qwen3moe, gemma3)",
+               "%s: architecture \"%s\" is not one the reference implements (llama, qwen2, qwen3, qwen3moe, qwen2moe, "
+               "gemma3, deepseek2)",
                gguf_path, arch);
         goto fail;
     }
@@ -1021,6 +1039,26 @@ static void expert_swiglu(const ref_desc *d, const ref_layer *y, size_t x, const
     matvec(y->down_exps + x * E * F, NULL, g, eo, E, F);
 }
 
+/* o (n_embd) += the shared expert's SwiGLU output for h (n_ff_shexp > 0; else nothing), times
+ * sigmoid(gate_inp_shexp . h) where the layer has that gate (qwen2moe); g, u (n_ff_shexp), eo
+ * (n_embd) scratch. */
+static void shared_expert_add(const ref_desc *d, const ref_layer *y, const double *h, double *g, double *u,
+                              double *eo, double *o) {
+    const int E = d->n_embd, S = d->n_ff_shexp;
+    if (!S) return;
+    double gate = 1.0;
+    if (y->gate_inp_shexp) {
+        double gl;
+        matvec(y->gate_inp_shexp, NULL, h, &gl, 1, E);
+        gate = 1.0 / (1.0 + exp(-gl));
+    }
+    matvec(y->gate_shexp, NULL, h, g, S, E);
+    matvec(y->up_shexp, NULL, h, u, S, E);
+    for (int i = 0; i < S; i++) g[i] = silu(g[i]) * u[i];
+    matvec(y->down_shexp, NULL, g, eo, E, S);
+    for (int i = 0; i < E; i++) o[i] += gate * eo[i];
+}
+
 /* The largest score not among sel (K); -inf when every index is. */
 static double best_unchosen(const double *score, int X, const int *sel, int K) {
     double best = -INFINITY;
@@ -1034,7 +1072,8 @@ static double best_unchosen(const double *score, int X, const int *sel, int K) {
 
 /* o (n_embd) := the mixture-of-experts FFN of the normed row h (n_embd): softmax router, the top
  * n_expert_used (largest first, lower index on a tie), renormalised weights, the weighted sum of
- * those experts' SwiGLU outputs. g, u: (n_ff_exp) scratch. Returns 0 or -1 (allocation). */
+ * those experts' SwiGLU outputs; qwen2moe: + the gated shared expert's. g, u: (max(n_ff_exp,
+ * n_ff_shexp)) scratch. Returns 0 or -1 (allocation). */
 static int moe_ffn(const ref_desc *d, const ref_layer *y, const double *h, double *g, double *u, double *o,
                    double *gap) {
     const int E = d->n_embd, X = d->n_expert, K = d->n_expert_used;
@@ -1071,6 +1110,7 @@ static int moe_ffn(const ref_desc *d, const ref_layer *y, const double *h, doubl
         const double wk = d->expert_weights_norm ? w[k] / wsum : w[k];
         for (int i = 0; i < E; i++) o[i] += wk * eo[i];
     }
+    shared_expert_add(d, y, h, g, u, eo, o);
     free(p), free(eo), free(sel), free(w);
     return 0;
 }
@@ -1156,12 +1196,11 @@ done:
 
 /* The experts of a deepseek2 MoE layer for the normed row h: probabilities (softmax or sigmoid),
  * selection scores (+ the bias) over the best groups, top-k, weights (normalised, scaled), the
- * routed sum plus the shared experts. o (n_embd); g, u (max(n_ff_exp * shared, n_ff_exp)) scratch;
+ * routed sum plus the shared experts. o (n_embd); g, u (max(n_ff_exp, n_ff_shexp)) scratch;
  * gap: the selection-score margin at the top-k boundary is folded in. Returns 0 or -1. */
 static int mla_moe(const ref_desc *d, const ref_layer *y, const double *h, double *g, double *u, double *o,
                    double *gap) {
-    const int E = d->n_embd, X = d->n_expert, K = d->n_expert_used,
-              FS = d->n_ff_exp * d->n_expert_shared;
+    const int E = d->n_embd, X = d->n_expert, K = d->n_expert_used;
     double *pr = malloc((size_t)X * sizeof *pr), *sc = malloc((size_t)X * sizeof *sc),
            *eo = malloc((size_t)E * sizeof *eo);
     int *sel = malloc((size_t)K * sizeof *sel);
@@ -1219,13 +1258,7 @@ static int mla_moe(const ref_desc *d, const ref_layer *y, const double *h, doubl
         if (d->expert_weights_scale != 0) wk *= d->expert_weights_scale;
         for (int i = 0; i < E; i++) o[i] += wk * eo[i];
     }
-    if (FS) {
-        matvec(y->sh_gate, NULL, h, g, FS, E);
-        matvec(y->sh_up, NULL, h, u, FS, E);
-        for (int i = 0; i < FS; i++) g[i] = silu(g[i]) * u[i];
-        matvec(y->sh_down, NULL, g, eo, E, FS);
-        for (int i = 0; i < E; i++) o[i] += eo[i];
-    }
+    shared_expert_add(d, y, h, g, u, eo, o);
     free(pr), free(sc), free(eo), free(sel);
     return 0;
 }
@@ -1236,7 +1269,7 @@ static int run_mla(ref_model *m, const int32_t *tokens, int n, double *logits, i
                    double *k_out) {
     const ref_desc *d = &m->d;
     const int E = d->n_embd, HV = d->n_head * d->v_mla;
-    int F = d->n_ff > d->n_ff_exp * (d->n_expert_shared + 1) ? d->n_ff : d->n_ff_exp * (d->n_expert_shared + 1);
+    const int F0 = d->n_ff > d->n_ff_exp ? d->n_ff : d->n_ff_exp, F = F0 > d->n_ff_shexp ? F0 : d->n_ff_shexp;
     const size_t nn = (size_t)n;
     double *x = malloc(nn * E * sizeof *x), *h = malloc(nn * E * sizeof *h), *att = malloc(nn * HV * sizeof *att);
     double *g = malloc((size_t)F * sizeof *g), *u = malloc((size_t)F * sizeof *u), *o = malloc((size_t)E * sizeof *o);
@@ -1282,7 +1315,8 @@ done:
 static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int kv_layer, double *h_out,
                double *k_out, double *v_out) {
     const ref_desc *d = &m->d;
-    const int E = d->n_embd, F = d->n_ff > d->n_ff_exp ? d->n_ff : d->n_ff_exp, H = d->n_head, HKV = d->n_head_kv, D = d->head_dim;
+    const int F0 = d->n_ff > d->n_ff_exp ? d->n_ff : d->n_ff_exp; /* g, u: the largest FFN's inner size */
+    const int E = d->n_embd, F = F0 > d->n_ff_shexp ? F0 : d->n_ff_shexp, H = d->n_head, HKV = d->n_head_kv, D = d->head_dim;
     const int QD = H * D, KD = HKV * D, group = H / HKV;
     const double scale = d->attn_scale;
     if (n < 1 || !tokens || (kv_layer < 0 && !logits) || kv_layer >= d->n_layer) return -1;
@@ -1298,8 +1332,8 @@ static int run(ref_model *m, const int32_t *tokens, int n, double *logits, int k
     double *v = malloc(nn * KD * sizeof *v);   /* (n, n_head_kv, head_dim) */
     double *att = malloc(nn * QD * sizeof *att); /* (n, n_head, head_dim) attention output */
     double *p = malloc(nn * sizeof *p);        /* (n) scores / probabilities of one query */
-    double *g = malloc((size_t)F * sizeof *g); /* (max(n_ff, n_ff_exp)) */
-    double *u = malloc((size_t)F * sizeof *u); /* (max(n_ff, n_ff_exp)) */
+    double *g = malloc((size_t)F * sizeof *g); /* (max(n_ff, n_ff_exp, n_ff_shexp)) */
+    double *u = malloc((size_t)F * sizeof *u); /* (max(n_ff, n_ff_exp, n_ff_shexp)) */
     double *o = malloc((size_t)E * sizeof *o); /* (n_embd) */
     int rc = -1;
     if (!x || !h || !q || !k || !v || !att || !p || !g || !u || !o) goto done;

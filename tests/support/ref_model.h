@@ -31,8 +31,12 @@
  * others experts: softmax or sigmoid probabilities, selection by probability plus exp_probs_b.bias
  * (when present) over the n_group_used best groups (a group's score: its two best experts' scores
  * summed), weights the unbiased probabilities, divided by their sum when expert_weights_norm, times
- * expert_weights_scale, plus the shared experts' SwiGLU (ffn_*_shexp). ref_model_kv gives the
- * cache row [latent, k_pe] (n, 1, R + P) as K; V is not written. */
+ * expert_weights_scale, plus the shared experts' SwiGLU (ffn_*_shexp, n_ff_exp * expert_shared_count
+ * wide, ungated). ref_model_kv gives the cache row [latent, k_pe] (n, 1, R + P) as K; V is not written.
+ * Qwen2-MoE (llama.cpp's qwen2moe graph, Hugging Face's Qwen2MoeSparseMoeBlock): qwen2's attention
+ * (q/k/v biases); the same routed experts, not renormalised unless expert_weights_norm says so;
+ * plus a shared SwiGLU expert ffn_{gate,up,down}_shexp every token runs, multiplied by
+ * sigmoid(ffn_gate_inp_shexp . h) and added to the routed experts' sum. */
 #ifndef KVB_REF_MODEL_H
 #define KVB_REF_MODEL_H
 
@@ -46,7 +50,8 @@ typedef enum {
     REF_ARCH_QWEN3,
     REF_ARCH_GEMMA3,
     REF_ARCH_QWEN3MOE,
-    REF_ARCH_DEEPSEEK2
+    REF_ARCH_DEEPSEEK2,
+    REF_ARCH_QWEN2MOE,
 } ref_arch;
 
 #define REF_MAX_LAYERS 4096
@@ -83,15 +88,15 @@ typedef struct {
     int swa_window;           /* 0: no local layers */
     bool layer_local[REF_MAX_LAYERS]; /* (n_layer) local (sliding-window) layers */
     double rope_freq_base_local;      /* base of the local layers' RoPE (unscaled) */
-    /* qwen3moe (0 / false otherwise) */
+    /* qwen3moe, qwen2moe, deepseek2 (0 / false otherwise) */
     int n_expert, n_expert_used, n_ff_exp;
     bool expert_weights_norm;
+    int n_ff_shexp;           /* the shared expert's inner size (qwen2moe, deepseek2; 0: none) */
     /* deepseek2 (0 / false otherwise): the latent attention in its expanded form, see above */
     bool mla;
     int n_lora_q, n_lora_kv;  /* q_lora_rank (0: attn_q), kv_lora_rank R */
     int k_mla, v_mla;         /* key_length_mla (N + P), value_length_mla */
     int n_dense_lead;         /* leading_dense_block_count */
-    int n_expert_shared;      /* expert_shared_count */
     double expert_weights_scale; /* 0: none */
     int gating;               /* 1 softmax, 2 sigmoid */
     int n_groups, n_group_used; /* expert groups (0/1: none) */

@@ -22,12 +22,20 @@
 #   --avx2          AVX2 baseline only, no AVX-512 (hosts without it, e.g. the development machine)
 #   --jobs N        parallel build jobs (default 2; the dev machine has 2 shared cores)
 #   --force         clean rebuild even if OUT_DIR already holds this exact build
+#   --batched       also build llama-batched-bench (B sequences decoded together: the peer of
+#                   `kvbridge bench decode --batch B`; same libraries, one more small target)
 #
-# Result: OUT_DIR/llama-bench, OUT_DIR/libgomp.so.1, OUT_DIR/BUILD_INFO.txt
+# Result: OUT_DIR/llama-bench (and with --batched OUT_DIR/llama-batched-bench), OUT_DIR/libgomp.so.1,
+# OUT_DIR/BUILD_INFO.txt
 # Copy the whole OUT_DIR to the benchmark host.
 set -euo pipefail
 # shellcheck source=llama_peer_build.sh
 . "$(dirname "$0")/llama_peer_build.sh"
 PEER_TARGET=llama-bench
+PEER_ALSO=()
 PEER_EXTRA_CMAKE=(-DLLAMA_BUILD_SERVER=OFF)
-peer_main "$@"
+args=()
+for a in "$@"; do
+  if [ "$a" = --batched ]; then PEER_ALSO=(llama-batched-bench); else args+=("$a"); fi
+done
+peer_main "${args[@]}"

@@ -15,6 +15,7 @@ set -euo pipefail
 # shellcheck source=llama_peer_build.sh
 . "$(dirname "$0")/llama_peer_build.sh"
 PEER_TARGET=llama-server
+PEER_ALSO=()
 PEER_EXTRA_CMAKE=(-DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
                   -DLLAMA_USE_PREBUILT_UI=OFF)
 peer_main "$@"

@@ -7,8 +7,8 @@
 # and Sapphire Rapids+), links llama/ggml and libstdc++/libgcc statically, copies the
 # only other runtime dependency (libgomp.so.1) next to the binary (RUNPATH=$ORIGIN) and
 # records what was built in OUT_DIR/BUILD_INFO.txt. The caller sets PEER_TARGET (the
-# CMake target and binary name) and PEER_EXTRA_CMAKE (an array of extra -D flags),
-# then calls peer_main "$@".
+# CMake target and binary name), PEER_ALSO (an array of further targets built and copied beside
+# it; may be empty) and PEER_EXTRA_CMAKE (an array of extra -D flags), then calls peer_main "$@".
 #
 # options understood by every caller:
 #   --version V     llama-cpp-python version whose vendored llama.cpp is built
@@ -107,7 +107,7 @@ peer_build() {
     "${FLAGS[@]}" "${PEER_EXTRA_CMAKE[@]}"
   T0=$(date +%s)
   [ "$FORCE" = 1 ] && cmake --build "$BUILD" --target clean >/dev/null
-  CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" cmake --build "$BUILD" --target "$PEER_TARGET" -j "$JOBS"
+  CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" cmake --build "$BUILD" --target "$PEER_TARGET" "${PEER_ALSO[@]}" -j "$JOBS"
   T1=$(date +%s)
 }
 
@@ -117,6 +117,12 @@ peer_collect() {
   bin="$(find "$BUILD" -type f -name "$PEER_TARGET" -perm -u+x | head -1)"
   [ -n "$bin" ] || { echo "$PEER_TARGET not produced" >&2; exit 1; }
   install -m 0755 "$bin" "$OUT_DIR/$PEER_TARGET"
+  local t tb
+  for t in "${PEER_ALSO[@]}"; do
+    tb="$(find "$BUILD" -type f -name "$t" -perm -u+x | head -1)"
+    [ -n "$tb" ] || { echo "$t not produced" >&2; exit 1; }
+    install -m 0755 "$tb" "$OUT_DIR/$t"
+  done
   gomp="$(ldd "$bin" | awk '$1=="libgomp.so.1"{print $3}')"
   if [ -n "$gomp" ]; then install -m 0644 "$(readlink -f "$gomp")" "$OUT_DIR/libgomp.so.1"; fi
   runpath="$(readelf -d "$OUT_DIR/$PEER_TARGET" | grep -E 'RUNPATH|RPATH' || true)"
@@ -151,7 +157,7 @@ peer_main() {
   FLAGS_STR="${FLAGS[*]}"
   mkdir -p "$OUT_DIR" "$WORK"
   OUT_DIR="$(cd "$OUT_DIR" && pwd)"; WORK="$(cd "$WORK" && pwd)"
-  STAMP="$PEER_TARGET llama-cpp-python=$VERSION flags=$FLAGS_STR"
+  STAMP="$PEER_TARGET ${PEER_ALSO[*]} llama-cpp-python=$VERSION flags=$FLAGS_STR"
   if [ "$FORCE" = 0 ] && [ -x "$OUT_DIR/$PEER_TARGET" ] && [ -f "$OUT_DIR/BUILD_INFO.txt" ] \
      && grep -qxF "stamp: $STAMP" "$OUT_DIR/BUILD_INFO.txt"; then
     echo "$PEER_TARGET already built in $OUT_DIR ($STAMP); use --force to rebuild"

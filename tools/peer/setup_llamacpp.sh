@@ -11,6 +11,9 @@
 #   --version V         llama-cpp-python version (default $PEER_LLAMA_CPP_PYTHON_VERSION or 0.3.36)
 #   --python PY         interpreter for the venv (default python3)
 #   --amx               also enable AMX-TILE/INT8/BF16 (Sapphire Rapids+; off by default)
+#   --native            build for THIS machine's CPU instead (GGML_NATIVE=ON): the portable
+#                       build above dies of SIGILL on a CPU without AVX-512 (an AVX2-only
+#                       development machine); not for carrying to another host
 #   --force             reinstall even if already installed at that version/flags
 #   --wheel-dir DIR     also build a wheel to carry to the (offline) benchmark host:
 #                       DIR gets llama_cpp_python-V-py3-none-linux_x86_64.whl (the package
@@ -34,7 +37,7 @@ DEPS_312=(numpy diskcache jinja2 typing-extensions)   # llama-cpp-python's runti
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit "${1:-0}"; }
 
-VENV=""; VERSION="$DEFAULT_VERSION"; PY="python3"; AMX=0; FORCE=0
+VENV=""; VERSION="$DEFAULT_VERSION"; PY="python3"; AMX=0; NATIVE=0; FORCE=0
 WHEEL_DIR=""; WHEEL_PY=""; INSTALL=1
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -42,6 +45,7 @@ while [ $# -gt 0 ]; do
     --version) VERSION="$2"; shift 2 ;;
     --python) PY="$2"; shift 2 ;;
     --amx) AMX=1; shift ;;
+    --native) NATIVE=1; shift ;;
     --force) FORCE=1; shift ;;
     --wheel-dir) WHEEL_DIR="$2"; shift 2 ;;
     --wheel-python) WHEEL_PY="$2"; shift 2 ;;
@@ -52,6 +56,8 @@ while [ $# -gt 0 ]; do
 done
 VENV="${VENV:-/work/main/.venv-peer}"
 FLAGS="$PORTABLE_FLAGS"; [ "$AMX" = 1 ] && FLAGS="$FLAGS $AMX_FLAGS"
+[ "$NATIVE" = 1 ] && FLAGS="-DGGML_NATIVE=ON"
+[ "$NATIVE" = 1 ] && [ -n "$WHEEL_DIR" ] && { echo "--native builds for this CPU: not for a wheel to carry" >&2; exit 2; }
 export CMAKE_ARGS="$FLAGS $EXTRA_FLAGS"
 export CMAKE_BUILD_PARALLEL_LEVEL=2
 export FORCE_CMAKE=1

@@ -38,8 +38,10 @@ struct kvb_engine {
     float *moe_x;               /* (B, max(n_embd, F)) an expert's gathered inputs, then its outputs */
     float *moe_g, *moe_u;       /* (B, F) */
     float *moe_y;               /* (B * K, n_embd) each slot's expert output */
-    float *sh_g, *sh_u;         /* (B, n_ff_exp * n_expert_shared) the shared experts' (deepseek2) */
-    float *sh_y;                /* (B, n_embd) their output */
+    /* the shared expert (n_ff_shexp > 0; else NULL) */
+    float *sh_g, *sh_u;         /* (B, n_ff_shexp) its gate and up projections, then SwiGLU */
+    float *sh_y;                /* (B, n_embd) its output */
+    float *sh_gate;             /* (B) its gate's logit (qwen2moe's ffn_gate_inp_shexp) */
     /* latent attention (deepseek2; else NULL). q holds (B, n_head, R + P) queries against the cache row */
     float *mla_q;               /* (B, n_head, key_length_mla) the projected queries */
     float *mla_t, *mla_u;       /* (B, max(n_lora_q, R, N, Vd)) one head's gathered rows; its projection */

@@ -32,9 +32,9 @@ static kvb_status alloc_moe(kvb_engine *e, kvb_err *err) {
     e->moe_fill = calloc(X + 1, sizeof(uint32_t));
     if (!e->moe_sel || !e->moe_slot || !e->moe_off || !e->moe_fill)
         return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the experts' scratch");
-    const size_t FS = F * d->n_expert_shared;
+    const size_t FS = d->n_ff_shexp;
     if (FS && ((st = alloc_f(&e->sh_g, B * FS, err)) || (st = alloc_f(&e->sh_u, B * FS, err)) ||
-               (st = alloc_f(&e->sh_y, B * d->n_embd, err))))
+               (st = alloc_f(&e->sh_y, B * d->n_embd, err)) || (st = alloc_f(&e->sh_gate, B, err))))
         return st;
     return KVB_OK;
 }
@@ -87,7 +87,7 @@ kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *opts, kv
     const size_t B = o->max_batch, E = d->n_embd, Q = (size_t)d->n_head * d->head_dim, FF = d->n_ff;
     size_t widest = E > Q ? E : Q;
     widest = KVB_MAX(widest, KVB_MAX((size_t)d->n_lora_q, (size_t)d->n_head * d->head_dim_v_mla));
-    widest = KVB_MAX(widest, (size_t)d->n_ff_exp * d->n_expert_shared);
+    widest = KVB_MAX(widest, (size_t)d->n_ff_shexp);
     widest = widest > FF ? widest : FF;
     widest = widest > d->n_ff_exp ? widest : d->n_ff_exp;
     size_t act_row = kvb_row_bytes(KVB_TYPE_F32, (int64_t)widest); /* f32 activations are the widest form */
@@ -132,7 +132,7 @@ void kvb_engine_free(kvb_engine *e) {
     free(e->moe_off);
     free(e->moe_fill);
     float *fs[] = {e->x, e->h, e->q, e->att, e->g, e->u, e->logit_h, e->moe_logits, e->moe_w, e->moe_x, e->moe_g,
-                   e->moe_u, e->moe_y, e->sh_g, e->sh_u, e->sh_y, e->mla_q, e->mla_t, e->mla_u, e->mla_o};
+                   e->moe_u, e->moe_y, e->sh_g, e->sh_u, e->sh_y, e->sh_gate, e->mla_q, e->mla_t, e->mla_u, e->mla_o};
     for (size_t i = 0; i < KVB_ARRAY_LEN(fs); i++) kvb_aligned_free(fs[i]);
     kvb_aligned_free(e->act);
     kvb_aligned_free(e->k_rows);

@@ -3,7 +3,7 @@
  * -> Q (bias, q-norm, RoPE with the layer's own table) -> attention over the cache (a sliding
  * window on local layers) -> output projection (gemma3: post-attention norm) + residual ->
  * ffn-norm -> SwiGLU or (gemma3) GeGLU MLP (gemma3: post-MLP norm), or the mixture of experts
- * (qwen3moe, deepseek2's MoE layers; moe.c) + residual; deepseek2's latent attention replaces the
+ * (qwen3moe, qwen2moe, deepseek2's MoE layers; moe.c) + residual; deepseek2's latent attention replaces the
  * Q projection and the output projection (mla.c) around the same attention over the cache; then the final
  * norm and the output head. Long inputs are split into max_batch chunks; prefill and
  * token-by-token decode run the same arithmetic. A chunk may hold segments of several sequences

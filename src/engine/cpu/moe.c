@@ -1,5 +1,5 @@
-/* engine/cpu/moe.c — the mixture-of-experts MLP (qwen3moe, deepseek2) of a chunk of tokens: the
- * router's logits (ffn_gate_inp . h), a softmax (or deepseek2's sigmoid) over every expert in f32,
+/* engine/cpu/moe.c — the mixture-of-experts MLP (qwen3moe, qwen2moe, deepseek2) of a chunk of tokens:
+ * the router's logits (ffn_gate_inp . h), a softmax (or deepseek2's sigmoid) over every expert in f32,
  * the top n_expert_used by selection score (largest first, the lower expert index on a tie; the
  * score is the probability plus V3's selection bias, over the best groups only where the model
  * groups experts), their probabilities divided by their sum when the model renormalises and
@@ -9,7 +9,8 @@
  * SwiGLU as the dense MLP computes it; last, each token's outputs summed in rank order, weighted.
  * Every token's arithmetic is its own (the matmul computes each row alone, the sum's order is the
  * token's ranks), so a chunk, a decode step and a decode batch give one token the same bits.
- * deepseek2's shared experts (one SwiGLU, always on) are added to the routed sum last. */
+ * The shared expert (qwen2moe, deepseek2: one SwiGLU of n_ff_shexp every token runs) is added to the
+ * routed sum last, scaled by the sigmoid of its gate's logit where the layer has that gate (qwen2moe). */
 #include <math.h>
 #include <string.h>
 
@@ -19,7 +20,8 @@ typedef struct {
     kvb_engine *e;
     uint32_t nr;
     const float *bias; /* (n_expert) the layer's selection bias (deepseek2 V3), or NULL */
-    bool shared;       /* sh_y holds the shared experts' output, added last */
+    bool shared;       /* sh_y holds the shared expert's output, added last */
+    bool gated;        /* ... scaled by sigmoid(sh_gate) (qwen2moe) */
 } moe_job;
 
 /* The n_group_used groups of experts with the largest scores (each group's two best experts'
@@ -98,7 +100,8 @@ static void route_task(void *ctx, int t, int worker) {
         for (uint32_t k = 0; k < K; k++) wt[k] = wt[k] * d->expert_weights_scale;
 }
 
-/* Token t's output: the sum over its ranks k of w[k] * (expert sel[k]'s output), in rank order. */
+/* Token t's output: the sum over its ranks k of w[k] * (expert sel[k]'s output), in rank order; then,
+ * with a shared expert, + its output (times sigmoid(its gate logit) where it has a gate). */
 static void combine_task(void *ctx, int t, int worker) {
     (void)worker;
     const moe_job *j = ctx;
@@ -113,9 +116,17 @@ static void combine_task(void *ctx, int t, int worker) {
         else
             for (uint32_t i = 0; i < E; i++) out[i] = out[i] + wt[k] * y[i];
     }
-    if (j->shared) {
-        const float *sy = e->sh_y + (size_t)t * E;
-        for (uint32_t i = 0; i < E; i++) out[i] = out[i] + sy[i];
+    if (!j->shared) return;
+    const float *sy = e->sh_y + (size_t)t * E;
+    const float gate = j->gated ? 1.0f / (1.0f + expf(-e->sh_gate[t])) : 1.0f; /* 1 * y is y, bit for bit */
+    for (uint32_t i = 0; i < E; i++) out[i] = out[i] + gate * sy[i];
+}
+
+/* g := SiLU(g) * u over n values, as the dense MLP computes it. */
+static void swiglu(float *g, const float *u, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        const float a = g[i];
+        g[i] = (a / (1.0f + expf(-a))) * u[i];
     }
 }
 
@@ -137,32 +148,27 @@ static void run_expert(kvb_engine *e, const kvb_layer_weights *w, uint32_t x, co
                   down = expert_view(&w->down_exps, x, E);
     kvb_cpu_matmul(e->pool, &gate, e->moe_x, n, e->moe_g, e->act); /* (n, F) */
     kvb_cpu_matmul(e->pool, &up, e->moe_x, n, e->moe_u, e->act);
-    for (size_t i = 0; i < (size_t)n * F; i++) {
-        const float a = e->moe_g[i];
-        e->moe_g[i] = (a / (1.0f + expf(-a))) * e->moe_u[i];
-    }
+    swiglu(e->moe_g, e->moe_u, (size_t)n * F);
     kvb_cpu_matmul(e->pool, &down, e->moe_g, n, e->moe_x, e->act); /* moe_x := (n, E) expert output */
     for (uint32_t i = 0; i < n; i++)
         memcpy(e->moe_y + (size_t)slots[i] * E, e->moe_x + (size_t)i * E, sizeof(float) * E);
 }
 
-/* deepseek2's shared experts on the chunk's nr rows of h: one SwiGLU of n_ff_exp * n_expert_shared,
- * output into sh_y (nr, n_embd). */
+/* The shared expert on the chunk's nr rows of h: one SwiGLU of n_ff_shexp, output into sh_y (nr, n_embd);
+ * its gate's logits (qwen2moe) into sh_gate (nr). */
 static void run_shared(kvb_engine *e, const kvb_layer_weights *w, uint32_t nr) {
-    const size_t FS = (size_t)e->m->d.n_ff_exp * e->m->d.n_expert_shared;
-    kvb_cpu_matmul(e->pool, &w->shexp_gate, e->h, nr, e->sh_g, e->act);
-    kvb_cpu_matmul(e->pool, &w->shexp_up, e->h, nr, e->sh_u, e->act);
-    for (size_t i = 0; i < (size_t)nr * FS; i++) {
-        const float a = e->sh_g[i];
-        e->sh_g[i] = (a / (1.0f + expf(-a))) * e->sh_u[i];
-    }
-    kvb_cpu_matmul(e->pool, &w->shexp_down, e->sh_g, nr, e->sh_y, e->act);
+    const size_t FS = e->m->d.n_ff_shexp;
+    if (w->gate_inp_shexp.data) kvb_cpu_matmul(e->pool, &w->gate_inp_shexp, e->h, nr, e->sh_gate, e->act); /* (nr, 1) */
+    kvb_cpu_matmul(e->pool, &w->gate_shexp, e->h, nr, e->sh_g, e->act);
+    kvb_cpu_matmul(e->pool, &w->up_shexp, e->h, nr, e->sh_u, e->act);
+    swiglu(e->sh_g, e->sh_u, (size_t)nr * FS);
+    kvb_cpu_matmul(e->pool, &w->down_shexp, e->sh_g, nr, e->sh_y, e->act);
 }
 
 void kvb_cpu_moe(kvb_engine *e, const kvb_layer_weights *w, uint32_t nr, kvb_pool *tok_pool) {
     const kvb_model_desc *d = &e->m->d;
     const uint32_t X = d->n_expert, K = d->n_expert_used;
-    moe_job j = {e, nr, w->exp_probs_b, w->shexp_gate.data != NULL};
+    moe_job j = {e, nr, w->exp_probs_b, w->gate_shexp.data != NULL, w->gate_inp_shexp.data != NULL};
     if (j.shared) run_shared(e, w, nr); /* before the combine overwrites h */
     kvb_cpu_matmul(e->pool, &w->ffn_gate_inp, e->h, nr, e->moe_logits, e->act); /* (nr, n_expert) */
     kvb_pool_parallel_for(tok_pool, (int)nr, route_task, &j);

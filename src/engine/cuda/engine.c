@@ -771,6 +771,13 @@ static kvb_status opts_resolve(const kvb_model_desc *d, kvb_cuda_opts *o, kvb_er
         return kvb_err_set(err, KVB_ERR_INVALID, "block_tokens must be a power of two in [16, 1024], got %u",
                            o->block_tokens);
     if (!o->n_blocks) o->n_blocks = (o->max_ctx + o->block_tokens - 1) / o->block_tokens;
+    if (d->mla) /* deepseek2: the CPU engine runs the latent attention, this engine does not yet */
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                           "the CUDA engine does not run latent attention (MLA) yet (%s); use --device cpu", d->arch_name);
+    if (d->n_ff_shexp) /* qwen2moe's shared expert: the CPU engine runs it, this engine's experts do not yet */
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                           "the CUDA engine does not run a shared expert yet (%s: shared expert of %u); use --device cpu",
+                           d->arch_name, d->n_ff_shexp);
     if (d->n_expert && (o->n_gpus > 1 || d->has_post_norms || d->mlp_gelu || d->n_expert_used > d->n_expert ||
                         !d->n_expert_used || !d->n_ff_exp))
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
