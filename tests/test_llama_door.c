@@ -1,0 +1,218 @@
+/* tests/test_llama_door.c — the front door for a stock llama-server (node/kvb_llama_door.h), end to
+ * end on loopback: a real llama-server (built by tools/peer/build_llama_server.sh; $KVB_LLAMA_SERVER,
+ * else build-peer/llama-server-bin/llama-server in the source tree; the case skips without it) with
+ * two slots, a CPU prefill node and the door in front, for a generated tiny-llama3 (q8_0). A
+ * conversation of three turns: each turn is `complete`, the prefill node ships only the turn's new
+ * whole blocks (usage.kvbridge: cached = what the slot held, bridged = the rest up to the last
+ * block before the last prompt token, native = llama-server's timings.prompt_n = the tail), and
+ * every greedy reply equals llama-server's own for the same prompt computed from nothing. A second
+ * conversation takes the other slot and leaves the first one's rows alone; then the prefill node
+ * stops, and the next turn is `declined` with llama-server computing the prompt and the same reply. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <cJSON.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "kvb_core.h"
+#include "kvb_llama_door.h"
+#include "kvb_node.h"
+#include "kvb_quant.h"
+#include "kvbt.h"
+
+#define PSK "llama-door-test-key-0123"
+#define BT 32
+#define N_PREDICT 12
+
+static char g_out[1 << 16];
+
+static const char *llama_server_path(char *buf, size_t cap) {
+    const char *env = getenv("KVB_LLAMA_SERVER"), *src = getenv("KVB_SOURCE_DIR");
+    if (env && *env) snprintf(buf, cap, "%s", env);
+    else snprintf(buf, cap, "%s/build-peer/llama-server-bin/llama-server", src ? src : ".");
+    return access(buf, X_OK) == 0 ? buf : NULL;
+}
+
+/* llama-server with two slots on port, V transposed (no flash attention); waits for /tokenize. */
+static pid_t start_server(const char *bin, const char *model, const char *slots, int port) {
+    char port_s[16], log[512];
+    snprintf(port_s, sizeof port_s, "%d", port);
+    kvbt_tmp_path(log, sizeof log, "llama-door-server.log");
+    pid_t pid = fork();
+    if (pid == 0) {
+        FILE *f = freopen(log, "a", stderr);
+        (void)f;
+        dup2(2, 1);
+        execl(bin, bin, "-m", model, "--host", "127.0.0.1", "--port", port_s, "-np", "2", "-c", "2048", "-t", "2",
+              "--slot-save-path", slots, "-fa", "off", "--cache-ram", "0", "--no-webui", "--no-warmup", (char *)NULL);
+        _exit(127);
+    }
+    assert_true(pid > 0);
+    for (int i = 0; i < 600; i++) {
+        kvb_http_reply r = {0};
+        kvb_err err = {0};
+        const bool up = !kvb_http_post("127.0.0.1", (uint16_t)port, "/tokenize", "{\"content\":\"a\"}", 2000, &r, &err) &&
+                        r.status == 200;
+        kvb_http_reply_free(&r);
+        if (up) return pid;
+        if (waitpid(pid, NULL, WNOHANG) == pid) fail_msg("llama-server exited; its log: %s", log);
+        usleep(100000);
+    }
+    kill(pid, SIGTERM);
+    fail_msg("llama-server did not come up in 60 s; its log: %s", log);
+    return -1;
+}
+
+/* One turn through the door and the same prompt through llama-server alone. */
+typedef struct {
+    char verdict[160];
+    char text[4096], alone[4096];
+    long long prompt, cached, bridged, native;
+} turn;
+
+static const char *json_str(const cJSON *o, const char *k) {
+    const cJSON *v = cJSON_GetObjectItem(o, k);
+    return cJSON_IsString(v) ? v->valuestring : "";
+}
+
+static long long json_int(const cJSON *o, const char *k) {
+    const cJSON *v = cJSON_GetObjectItem(o, k);
+    return cJSON_IsNumber(v) ? (long long)v->valuedouble : -1;
+}
+
+static void run_turn(int door_port, int server_port, const char *prompt, turn *t) {
+    cJSON *q = cJSON_CreateObject();
+    cJSON_AddStringToObject(q, "model", "tiny");
+    cJSON_AddStringToObject(q, "prompt", prompt);
+    cJSON_AddNumberToObject(q, "max_tokens", N_PREDICT);
+    cJSON_AddNumberToObject(q, "temperature", 0);
+    char *body = cJSON_PrintUnformatted(q);
+    kvb_http_reply r = {0};
+    kvb_err err = {0};
+    assert_int_equal(kvb_http_post("127.0.0.1", (uint16_t)door_port, "/v1/completions", body, 120000, &r, &err), KVB_OK);
+    if (r.status != 200) fail_msg("the door answered %d: %s", r.status, r.body);
+    cJSON *j = cJSON_Parse(r.body);
+    assert_non_null(j);
+    snprintf(t->verdict, sizeof t->verdict, "%s", r.verdict);
+    const cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "choices"), 0);
+    const cJSON *u = cJSON_GetObjectItem(j, "usage"), *kb = cJSON_GetObjectItem(u, "kvbridge");
+    snprintf(t->text, sizeof t->text, "%s", json_str(ch, "text"));
+    t->prompt = json_int(u, "prompt_tokens");
+    t->cached = json_int(kb, "cached_tokens");
+    t->bridged = json_int(kb, "bridged_tokens");
+    t->native = json_int(kb, "native_tokens");
+    assert_string_equal(json_str(kb, "verdict"), t->verdict);
+    cJSON_Delete(j);
+    kvb_http_reply_free(&r);
+    free(body);
+    /* llama-server alone: a fresh computation of the whole prompt */
+    cJSON *a = cJSON_CreateObject();
+    cJSON_AddStringToObject(a, "prompt", prompt);
+    cJSON_AddNumberToObject(a, "n_predict", N_PREDICT);
+    cJSON_AddNumberToObject(a, "temperature", 0);
+    cJSON_AddBoolToObject(a, "cache_prompt", 0);
+    body = cJSON_PrintUnformatted(a);
+    assert_int_equal(kvb_http_post("127.0.0.1", (uint16_t)server_port, "/completion", body, 120000, &r, &err), KVB_OK);
+    assert_int_equal(r.status, 200);
+    j = cJSON_Parse(r.body);
+    assert_non_null(j);
+    snprintf(t->alone, sizeof t->alone, "%s", json_str(j, "content"));
+    assert_int_equal(json_int(cJSON_GetObjectItem(j, "timings"), "prompt_n"), t->prompt);
+    cJSON_Delete(j);
+    cJSON_Delete(a);
+    cJSON_Delete(q);
+    kvb_http_reply_free(&r);
+    free(body);
+    print_message("  %-60s prompt %lld: cached %lld, bridged %lld, native %lld; reply %s\n", t->verdict, t->prompt,
+                  t->cached, t->bridged, t->native, strcmp(t->text, t->alone) ? "DIFFERS" : "the same");
+}
+
+/* A bridged turn: complete, the slot's rows (held) reused, only the new whole blocks shipped. */
+static void expect_complete(const turn *t, long long held) {
+    const long long target = (t->prompt - 1) / BT * BT;
+    assert_string_equal(t->verdict, "complete");
+    assert_int_equal(t->cached, held);
+    assert_int_equal(t->bridged, target - held);
+    assert_true(t->bridged > 0);
+    assert_int_equal(t->native, t->prompt - target);
+    assert_string_equal(t->text, t->alone);
+}
+
+static void append(char *buf, size_t cap, const char *a, const char *b) {
+    const size_t n = strlen(buf);
+    snprintf(buf + n, cap - n, "%s%s", a, b);
+}
+
+static void test_conversation_bridged_then_declined(void **state) {
+    (void)state;
+    char bin[1024], model[512], slots[512], cmd[2048];
+    if (!llama_server_path(bin, sizeof bin)) {
+        print_message("SKIP: no llama-server at %s (tools/peer/build_llama_server.sh build-peer/llama-server-bin, "
+                      "or set KVB_LLAMA_SERVER)\n", bin);
+        skip();
+    }
+    kvbt_tmp_path(model, sizeof model, "tiny-llama3-door-q8_0.gguf");
+    kvbt_tmp_path(slots, sizeof slots, "llama-door-slots");
+    mkdir(slots, 0755);
+    snprintf(cmd, sizeof cmd, "[ -f '%s' ] || '%s' gen-model --preset tiny-llama3 --type q8_0 --out '%s' --quiet",
+             model, kvbt_bin(), model);
+    assert_int_equal(kvbt_sh(cmd, g_out, sizeof g_out, 1), 0);
+    const int server_port = 22000 + getpid() % 20000;
+    pid_t pid = start_server(bin, model, slots, server_port);
+    kvb_err err = {0};
+    kvb_prefill_node *pn = NULL;
+    kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = PSK, .n_threads = 2,
+                             .cache_dtype = KVB_TYPE_F16, .block_tokens = BT, .max_ctx = 2048};
+    assert_int_equal(kvb_prefill_node_start(&pc, &pn, &err), KVB_OK);
+    char peer[64], url[64];
+    snprintf(peer, sizeof peer, "127.0.0.1:%u", kvb_prefill_node_port(pn));
+    snprintf(url, sizeof url, "http://127.0.0.1:%d", server_port);
+    kvb_llama_door *d = NULL;
+    kvb_llama_door_config dc = {.http_listen = "127.0.0.1:0", .server_url = url, .slot_dir = slots, .peer = peer,
+                                .psk = PSK, .model_path = model, .slots = 2, .block_tokens = BT, .max_ctx = 2048};
+    if (kvb_llama_door_start(&dc, &d, &err)) fail_msg("the door did not start: %s", err.msg);
+    const int door_port = kvb_llama_door_port(d);
+    static char conv[8192], other[2048];
+    snprintf(conv, sizeof conv, "Once upon a time there was a prefill node and a decode node, and they shared one "
+             "cache. The prefill node computed the long prompts and the decoder only read them back.");
+    turn t[6];
+    long long held = 0;
+    for (int i = 0; i < 3; i++) { /* three turns: each ships only its increment */
+        run_turn(door_port, server_port, conv, &t[i]);
+        expect_complete(&t[i], held);
+        held = t[i].cached + t[i].bridged;
+        append(conv, sizeof conv, t[i].text, " And then the user asked about the next chapter of the story, which "
+               "was about slots and rows and the files that carry them.");
+    }
+    snprintf(other, sizeof other, "A different conversation entirely: a recipe for bread with flour, water, salt and "
+             "yeast, kneaded for ten minutes and left to rise overnight in a cool kitchen.");
+    run_turn(door_port, server_port, other, &t[3]); /* the other slot, from nothing */
+    expect_complete(&t[3], 0);
+    run_turn(door_port, server_port, conv, &t[4]); /* the first conversation's slot kept its rows */
+    expect_complete(&t[4], held);
+    append(conv, sizeof conv, t[4].text, " One more question, after the prefill node went away.");
+    kvb_prefill_node_stop(pn);
+    run_turn(door_port, server_port, conv, &t[5]);
+    assert_non_null(strstr(t[5].verdict, "declined: "));
+    assert_int_equal(t[5].bridged, 0);
+    assert_int_equal(t[5].cached + t[5].native, t[5].prompt);
+    assert_string_equal(t[5].text, t[5].alone);
+    kvb_llama_door_stop(d);
+    kill(pid, SIGTERM);
+    waitpid(pid, NULL, 0);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_conversation_bridged_then_declined),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
