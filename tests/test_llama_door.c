@@ -5,7 +5,10 @@
  * conversation of three turns: each turn is `complete`, the prefill node ships only the turn's new
  * whole blocks (usage.kvbridge: cached = what the slot held, bridged = the rest up to the last
  * block before the last prompt token, native = llama-server's timings.prompt_n = the tail), and
- * every greedy reply equals llama-server's own for the same prompt computed from nothing. A second
+ * every greedy reply equals llama-server's own for the same prompt computed from nothing, and the
+ * slot file it restored holds, bit for bit, the rows kvbridge's own engine computes for those tokens
+ * (the increments appended at their positions; the random model's greedy replies alone would
+ * hardly tell a wrong row). A second
  * conversation takes the other slot and leaves the first one's rows alone; then the prefill node
  * stops, and the next turn is `declined` with llama-server computing the prompt and the same reply. */
 #include <setjmp.h>
@@ -23,7 +26,10 @@
 #include <unistd.h>
 
 #include "kvb_core.h"
+#include "kvb_engine_cpu.h"
+#include "kvb_foreign.h"
 #include "kvb_llama_door.h"
+#include "kvb_model.h"
 #include "kvb_node.h"
 #include "kvb_quant.h"
 #include "kvbt.h"
@@ -146,6 +152,69 @@ static void expect_complete(const turn *t, long long held) {
     assert_string_equal(t->text, t->alone);
 }
 
+
+/* K/V rows kvbridge's own CPU engine computes for the file's tokens, (layer, position, row) f16. */
+typedef struct {
+    uint32_t n_pos;
+    size_t row;
+    uint8_t *k, *v;
+} engine_rows;
+
+static kvb_status gather(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const uint8_t *k, const uint8_t *v,
+                         uint32_t dtype, kvb_err *err) {
+    engine_rows *e = ctx;
+    (void)err;
+    assert_int_equal(dtype, KVB_TYPE_F16);
+    memcpy(e->k + ((size_t)layer * e->n_pos + pos0) * e->row, k, n * e->row);
+    memcpy(e->v + ((size_t)layer * e->n_pos + pos0) * e->row, v, n * e->row);
+    return KVB_OK;
+}
+
+/* The slot file the door restored holds `rows` cells, positions 0.., of the prompt's tokens, every
+ * row bit for bit what kvbridge's own engine computes for them (the bridged increments appended). */
+static void expect_slot_file(const char *slots, int slot, const char *model, long long rows) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/kvb-door-slot%d.bin", slots, slot);
+    kvb_llama_state s;
+    kvb_err err = {0};
+    assert_int_equal(kvb_llama_state_load(path, &s, &err), KVB_OK);
+    assert_int_equal(s.n_tokens, rows);
+    assert_int_equal(s.n_cache, 1);
+    const kvb_llama_cache *c = &s.cache[0];
+    assert_int_equal(c->n_cells, rows);
+    assert_int_equal(c->seq_id, slot);
+    kvb_model *m = NULL;
+    assert_int_equal(kvb_model_load(model, &m, &err), KVB_OK);
+    engine_rows e = {.n_pos = s.n_tokens, .row = (size_t)m->d.n_head_kv * m->d.head_dim * 2};
+    e.k = malloc((size_t)m->d.n_layer * e.n_pos * e.row);
+    e.v = malloc((size_t)m->d.n_layer * e.n_pos * e.row);
+    kvb_engine_opts o = {.n_threads = 2, .cache_dtype = KVB_TYPE_F16, .block_tokens = BT, .max_ctx = 2048,
+                         .rows_hook = gather, .rows_hook_ctx = &e};
+    kvb_engine *eng = NULL;
+    kvb_seq *q = NULL;
+    assert_int_equal(kvb_engine_create(m, &o, &eng, &err), KVB_OK);
+    assert_int_equal(kvb_seq_create(eng, &q, &err), KVB_OK);
+    assert_int_equal(kvb_engine_forward(eng, q, s.tokens, s.n_tokens, NULL, false, &err), KVB_OK);
+    assert_int_equal(c->n_layer, m->d.n_layer);
+    assert_int_equal(c->k_row_bytes, e.row);
+    uint32_t differ = 0;
+    for (uint32_t l = 0; l < c->n_layer; l++)
+        for (uint32_t t = 0; t < c->n_cells; t++) {
+            assert_int_equal(c->pos[t], t);
+            const size_t at = ((size_t)l * e.n_pos + t) * e.row;
+            differ += memcmp(kvb_llama_k_row(c, l, t), e.k + at, e.row) != 0;
+            differ += memcmp(kvb_llama_v_row(c, l, t), e.v + at, e.row) != 0;
+        }
+    print_message("  slot %d's file: %u cells x %u layers, %u K/V rows differ from kvbridge's own engine\n", slot,
+                  c->n_cells, c->n_layer, differ);
+    assert_int_equal(differ, 0);
+    kvb_seq_free(q);
+    kvb_engine_free(eng);
+    kvb_model_free(m);
+    free(e.k), free(e.v);
+    kvb_llama_state_free(&s);
+}
+
 static void append(char *buf, size_t cap, const char *a, const char *b) {
     const size_t n = strlen(buf);
     snprintf(buf + n, cap - n, "%s%s", a, b);
@@ -189,6 +258,7 @@ static void test_conversation_bridged_then_declined(void **state) {
         run_turn(door_port, server_port, conv, &t[i]);
         expect_complete(&t[i], held);
         held = t[i].cached + t[i].bridged;
+        expect_slot_file(slots, 0, model, held);
         append(conv, sizeof conv, t[i].text, " And then the user asked about the next chapter of the story, which "
                "was about slots and rows and the files that carry them.");
     }
@@ -196,8 +266,10 @@ static void test_conversation_bridged_then_declined(void **state) {
              "yeast, kneaded for ten minutes and left to rise overnight in a cool kitchen.");
     run_turn(door_port, server_port, other, &t[3]); /* the other slot, from nothing */
     expect_complete(&t[3], 0);
+    expect_slot_file(slots, 1, model, t[3].bridged);
     run_turn(door_port, server_port, conv, &t[4]); /* the first conversation's slot kept its rows */
     expect_complete(&t[4], held);
+    expect_slot_file(slots, 0, model, t[4].cached + t[4].bridged);
     append(conv, sizeof conv, t[4].text, " One more question, after the prefill node went away.");
     kvb_prefill_node_stop(pn);
     run_turn(door_port, server_port, conv, &t[5]);
