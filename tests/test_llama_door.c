@@ -1,14 +1,12 @@
 /* tests/test_llama_door.c — the front door for a stock llama-server (node/kvb_llama_door.h), end to
- * end on loopback: a real llama-server (built by tools/peer/build_llama_server.sh; $KVB_LLAMA_SERVER,
- * else build-peer/llama-server-bin/llama-server in the source tree; the case skips without it) with
+ * end on loopback: a real llama-server (kvbt_require_llama_server; the case skips without it) with
  * two slots, a CPU prefill node and the door in front, for a generated tiny-llama3 (q8_0). A
  * conversation of three turns: each turn is `complete`, the prefill node ships only the turn's new
  * whole blocks (usage.kvbridge: cached = what the slot held, bridged = the rest up to the last
- * block before the last prompt token, native = llama-server's timings.prompt_n = the tail), and
- * every greedy reply equals llama-server's own for the same prompt computed from nothing, and the
- * slot file it restored holds, bit for bit, the rows kvbridge's own engine computes for those tokens
- * (the increments appended at their positions; the random model's greedy replies alone would
- * hardly tell a wrong row). A second
+ * block before the last prompt token, native = llama-server's timings.prompt_n = the tail), every
+ * greedy reply equals llama-server's own for the same prompt computed from nothing, and the slot
+ * file the door restored holds, bit for bit, the rows kvbridge's own engine computes for those
+ * tokens (the random model's greedy replies alone would hardly tell a wrong row). A second
  * conversation takes the other slot and leaves the first one's rows alone; then the prefill node
  * stops, and the next turn is `declined` with llama-server computing the prompt and the same reply. */
 #include <setjmp.h>
@@ -39,43 +37,6 @@
 #define N_PREDICT 12
 
 static char g_out[1 << 16];
-
-static const char *llama_server_path(char *buf, size_t cap) {
-    const char *env = getenv("KVB_LLAMA_SERVER"), *src = getenv("KVB_SOURCE_DIR");
-    if (env && *env) snprintf(buf, cap, "%s", env);
-    else snprintf(buf, cap, "%s/build-peer/llama-server-bin/llama-server", src ? src : ".");
-    return access(buf, X_OK) == 0 ? buf : NULL;
-}
-
-/* llama-server with two slots on port, V transposed (no flash attention); waits for /tokenize. */
-static pid_t start_server(const char *bin, const char *model, const char *slots, int port) {
-    char port_s[16], log[512];
-    snprintf(port_s, sizeof port_s, "%d", port);
-    kvbt_tmp_path(log, sizeof log, "llama-door-server.log");
-    pid_t pid = fork();
-    if (pid == 0) {
-        FILE *f = freopen(log, "a", stderr);
-        (void)f;
-        dup2(2, 1);
-        execl(bin, bin, "-m", model, "--host", "127.0.0.1", "--port", port_s, "-np", "2", "-c", "2048", "-t", "2",
-              "--slot-save-path", slots, "-fa", "off", "--cache-ram", "0", "--no-webui", "--no-warmup", (char *)NULL);
-        _exit(127);
-    }
-    assert_true(pid > 0);
-    for (int i = 0; i < 600; i++) {
-        kvb_http_reply r = {0};
-        kvb_err err = {0};
-        const bool up = !kvb_http_post("127.0.0.1", (uint16_t)port, "/tokenize", "{\"content\":\"a\"}", 2000, &r, &err) &&
-                        r.status == 200;
-        kvb_http_reply_free(&r);
-        if (up) return pid;
-        if (waitpid(pid, NULL, WNOHANG) == pid) fail_msg("llama-server exited; its log: %s", log);
-        usleep(100000);
-    }
-    kill(pid, SIGTERM);
-    fail_msg("llama-server did not come up in 60 s; its log: %s", log);
-    return -1;
-}
 
 /* One turn through the door and the same prompt through llama-server alone. */
 typedef struct {
@@ -223,11 +184,7 @@ static void append(char *buf, size_t cap, const char *a, const char *b) {
 static void test_conversation_bridged_then_declined(void **state) {
     (void)state;
     char bin[1024], model[512], slots[512], cmd[2048];
-    if (!llama_server_path(bin, sizeof bin)) {
-        print_message("SKIP: no llama-server at %s (tools/peer/build_llama_server.sh build-peer/llama-server-bin, "
-                      "or set KVB_LLAMA_SERVER)\n", bin);
-        skip();
-    }
+    kvbt_require_llama_server(bin, sizeof bin);
     kvbt_tmp_path(model, sizeof model, "tiny-llama3-door-q8_0.gguf");
     kvbt_tmp_path(slots, sizeof slots, "llama-door-slots");
     mkdir(slots, 0755);
@@ -235,7 +192,7 @@ static void test_conversation_bridged_then_declined(void **state) {
              model, kvbt_bin(), model);
     assert_int_equal(kvbt_sh(cmd, g_out, sizeof g_out, 1), 0);
     const int server_port = 22000 + getpid() % 20000;
-    pid_t pid = start_server(bin, model, slots, server_port);
+    pid_t pid = kvbt_llama_server_start(bin, model, slots, server_port, 2, "off");
     kvb_err err = {0};
     kvb_prefill_node *pn = NULL;
     kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = PSK, .n_threads = 2,
