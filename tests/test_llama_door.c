@@ -6,7 +6,8 @@
  * block before the last prompt token, native = llama-server's timings.prompt_n = the tail), every
  * greedy reply equals llama-server's own for the same prompt computed from nothing, and the slot
  * file the door restored holds, bit for bit, the rows kvbridge's own engine computes for those
- * tokens (the random model's greedy replies alone would hardly tell a wrong row). A second
+ * tokens (the random model's greedy replies alone would hardly tell a wrong row). A door for another
+ * model of the same shapes refuses to start. A second
  * conversation takes the other slot and leaves the first one's rows alone; then the prefill node
  * stops, and the next turn is `declined` with llama-server computing the prompt and the same reply. */
 #include <setjmp.h>
@@ -202,8 +203,17 @@ static void test_conversation_bridged_then_declined(void **state) {
     snprintf(peer, sizeof peer, "127.0.0.1:%u", kvb_prefill_node_port(pn));
     snprintf(url, sizeof url, "http://127.0.0.1:%d", server_port);
     kvb_llama_door *d = NULL;
+    char other_model[512];
+    kvbt_tmp_path(other_model, sizeof other_model, "tiny-llama3-door-seed7.gguf");
+    snprintf(cmd, sizeof cmd, "'%s' gen-model --preset tiny-llama3 --type q8_0 --seed 7 --out '%s' --quiet",
+             kvbt_bin(), other_model);
+    assert_int_equal(kvbt_sh(cmd, g_out, sizeof g_out, 1), 0);
     kvb_llama_door_config dc = {.http_listen = "127.0.0.1:0", .server_url = url, .slot_dir = slots, .peer = peer,
-                                .psk = PSK, .model_path = model, .slots = 2, .block_tokens = BT, .max_ctx = 2048};
+                                .psk = PSK, .model_path = other_model, .slots = 2, .block_tokens = BT, .max_ctx = 2048};
+    /* a door for another model (same shapes, other weights) refuses to start: it would restore wrong rows */
+    assert_int_equal(kvb_llama_door_start(&dc, &d, &err), KVB_ERR_MISMATCH);
+    print_message("  another model: %s\n", err.msg);
+    dc.model_path = model;
     if (kvb_llama_door_start(&dc, &d, &err)) fail_msg("the door did not start: %s", err.msg);
     const int door_port = kvb_llama_door_port(d);
     static char conv[8192], other[2048];

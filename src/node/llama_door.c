@@ -5,12 +5,14 @@
  * rows are kept here per slot as (token, layer, n_head_kv * head_dim f16) and appended each turn,
  * so a turn ships only its new blocks over the link; restoring costs a local file write and read. */
 #include <cJSON.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kvb_bridge.h"
+#include "kvb_engine_cpu.h"
 #include "kvb_foreign.h"
 #include "kvb_http.h"
 #include "kvb_llama_door.h"
@@ -421,6 +423,60 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
 
 /* ---- start and stop ---------------------------------------------------------------------------------- */
 
+/* Layer 0's K rows (cell, row) of the probe, as kvbridge's engine computes them (rows_hook). */
+typedef struct {
+    uint32_t n;
+    size_t row;
+    uint8_t *k; /* (cell, row) f16 */
+} layer0_rows;
+
+static kvb_status keep_layer0(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const uint8_t *k_rows,
+                              const uint8_t *v_rows, uint32_t dtype, kvb_err *err) {
+    layer0_rows *l0 = ctx;
+    (void)v_rows;
+    if (dtype != KVB_TYPE_F16 || pos0 + n > l0->n)
+        return kvb_err_set(err, KVB_ERR_INTERNAL, "rows hook: positions %u+%u of %u", pos0, n, l0->n);
+    if (layer == 0) memcpy(l0->k + (size_t)pos0 * l0->row, k_rows, n * l0->row);
+    return KVB_OK;
+}
+
+/* llama-server runs the model this door bridges for: the K rows its probe computed in layer 0
+ * against kvbridge's for the same tokens (relative L2 under 5e-2; equal bits need f32 weights, as
+ * ggml rounds activations; another model's rows are about 1.4 apart). */
+static kvb_status same_model(kvb_llama_door *d, const kvb_llama_state *s, kvb_err *err) {
+    const kvb_llama_cache *c = &s->cache[0];
+    layer0_rows l0 = {.n = c->n_cells, .row = d->row, .k = malloc((size_t)c->n_cells * d->row)};
+    kvb_engine_opts o = {.n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = d->fmt.block_tokens,
+                         .max_ctx = (c->n_cells / d->fmt.block_tokens + 2) * d->fmt.block_tokens,
+                         .rows_hook = keep_layer0, .rows_hook_ctx = &l0};
+    kvb_engine *e = NULL;
+    kvb_seq *q = NULL;
+    kvb_status st = l0.k ? KVB_OK : kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    for (uint32_t t = 0; !st && t < c->n_cells; t++)
+        if (c->pos[t] != (int32_t)t || t >= s->n_tokens) st = kvb_err_set(err, KVB_ERR_FORMAT, "probe cell %u", t);
+    if (!st) st = kvb_engine_create(d->m, &o, &e, err);
+    if (!st) st = kvb_seq_create(e, &q, err);
+    if (!st) st = kvb_engine_forward(e, q, s->tokens, c->n_cells, NULL, false, err);
+    double num = 0, den = 0;
+    for (uint32_t t = 0; !st && t < c->n_cells; t++)
+        for (size_t i = 0; i + 1 < d->row; i += 2) {
+            const uint8_t *a = kvb_llama_k_row(c, 0, t) + i, *b = l0.k + (size_t)t * d->row + i;
+            const double x = kvb_fp16_to_f32((uint16_t)(a[0] | a[1] << 8)), y = kvb_fp16_to_f32((uint16_t)(b[0] | b[1] << 8));
+            num += (x - y) * (x - y), den += y * y;
+        }
+    const double rel = den > 0 ? sqrt(num / den) : sqrt(num);
+    if (!st && !(rel < 5e-2))
+        st = kvb_err_set(err, KVB_ERR_MISMATCH, "llama-server runs another model than %s: its layer-0 keys for a "
+                         "probe are %.3g (relative L2) from kvbridge's; start it on the same GGUF",
+                         d->cfg.model_path, rel);
+    if (!st) kvb_log(KVB_LOG_INFO, "llama door: llama-server's layer-0 keys for a probe of %u tokens are %.3g "
+                     "(relative L2) from kvbridge's: the same model", c->n_cells, rel);
+    kvb_seq_free(q);
+    kvb_engine_free(e);
+    free(l0.k);
+    return st;
+}
+
 /* llama-server's own slot file for a short prompt in slot 0: the layout this door's files copy. */
 static kvb_status probe_layout(kvb_llama_door *d, kvb_err *err) {
     int32_t *ids = NULL;
@@ -452,6 +508,7 @@ static kvb_status probe_layout(kvb_llama_door *d, kvb_err *err) {
                          "model %s; run llama-server on the same GGUF with -ctk f16 -ctv f16, no sliding window)",
                          s.n_cache, c->n_layer, kvb_type_name(c->k_type), kvb_type_name(c->v_type),
                          (unsigned long long)c->k_row_bytes, d->m->d.n_layer, d->row, d->cfg.model_path);
+    if (!st) st = same_model(d, &s, err);
     d->probe = (kvb_llama_cache){.n_stream = c->n_stream, .v_trans = c->v_trans, .n_layer = c->n_layer,
                                  .k_type = c->k_type, .v_type = c->v_type, .k_row_bytes = c->k_row_bytes,
                                  .v_row_bytes = c->v_row_bytes};
