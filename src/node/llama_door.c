@@ -274,9 +274,9 @@ static kvb_status slot_restore(kvb_llama_door *d, uint32_t s, kvb_err *err) {
 /* ---- the increment over the peer link ------------------------------------------------------------ */
 
 /* Asks the prefill node for tokens [sl->n, to) and appends them to the slot; "" in why when they
- * all arrived and verified, else why not (the slot is unchanged). */
+ * all arrived and verified, else why not (the slot is unchanged); *asked once a PREFILL went out. */
 static void bridge_increment(kvb_llama_door *d, door_slot *sl, const int32_t *ids, uint32_t n, uint32_t to,
-                             char *why, size_t cap) {
+                             bool *asked, char *why, size_t cap) {
     kvb_err err = {0};
     kvb_conn *const *lanes = NULL;
     uint32_t n_lanes = 0;
@@ -302,6 +302,7 @@ static void bridge_increment(kvb_llama_door *d, door_slot *sl, const int32_t *id
                                    .lane_timeout_ms = d->cfg.peer_timeout_ms * (int)n_lanes, .toks = ids, .n_tok = n,
                                    .cached = sl->n};
     kvb_bridge_rx_outcome o = {0};
+    *asked = true;
     kvb_bridge_rx_run(r, &ro, &o);
     if (o.drop_link) kvb_peer_link_drop(d->link, NULL);
     if (o.fault) snprintf(why, cap, "%s", o.fault_msg[0] ? o.fault_msg : kvb_bridge_fault_name(o.fault));
@@ -331,7 +332,7 @@ static kvb_status forward(kvb_llama_door *d, const kvb_completion_req *req, cons
     if (req->has_seed) cJSON_AddNumberToObject(q, "seed", (double)req->seed);
     if (req->ignore_eos) cJSON_AddBoolToObject(q, "ignore_eos", 1);
     cJSON *stop = cJSON_AddArrayToObject(q, "stop");
-    for (size_t i = 0; i < KVB_HTTP_MAX_STOP && req->stop[i]; i++) cJSON_AddItemToArray(stop, cJSON_CreateString(req->stop[i]));
+    for (size_t i = 0; i < req->n_stop; i++) cJSON_AddItemToArray(stop, cJSON_CreateString(req->stop[i]));
     cJSON_AddNumberToObject(q, "id_slot", s);
     cJSON_AddBoolToObject(q, "cache_prompt", 1);
     cJSON *rep = server_post(d, "/completion", q, err);
@@ -356,7 +357,7 @@ static kvb_status forward(kvb_llama_door *d, const kvb_completion_req *req, cons
 /* Bridges what the slot lacks and restores it; the verdict's reason when it was not (then llama-server
  * computes the prompt itself), "" when the slot holds *restored rows in llama-server. */
 static void bridge_and_restore(kvb_llama_door *d, uint32_t s, const int32_t *ids, uint32_t n, uint32_t target,
-                               uint32_t *restored, char *why, size_t cap) {
+                               uint32_t *restored, bool *asked, char *why, size_t cap) {
     kvb_err err = {0};
     door_slot *sl = &d->slot[s];
     *restored = 0;
@@ -364,7 +365,7 @@ static void bridge_and_restore(kvb_llama_door *d, uint32_t s, const int32_t *ids
         snprintf(why, cap, "a prompt of %u tokens is under one block", n);
         return;
     }
-    if (sl->n < target) bridge_increment(d, sl, ids, n, target, why, cap);
+    if (sl->n < target) bridge_increment(d, sl, ids, n, target, asked, why, cap);
     if (why[0]) return;
     if (slot_restore(d, s, &err)) {
         snprintf(why, cap, "llama-server refused the restore: %s", err.msg);
@@ -375,9 +376,10 @@ static void bridge_and_restore(kvb_llama_door *d, uint32_t s, const int32_t *ids
 
 static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_completion_out *out) {
     kvb_llama_door *d = ctx;
-    if (req->n != 1 || req->logprobs || req->echo || req->json_object || req->json_schema || req->n_logit_bias) {
+    if (req->n != 1 || req->logprobs || req->echo || req->json_object || req->json_schema || req->n_logit_bias ||
+        req->n_stop_token_ids || req->min_tokens > 0) {
         kvb_completion_fail(out, 400, "unsupported", NULL, "the llama-server front door forwards n = 1 completions "
-                            "without logprobs, echo, response_format or logit_bias");
+                            "without logprobs, echo, response_format, logit_bias, stop_token_ids or min_tokens");
         return;
     }
     kvb_http_error e = {0};
@@ -396,7 +398,8 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     uint32_t held = 0, restored = 0;
     const uint32_t s = slot_pick(d, ids, n, target, &held);
     char why[1024] = "", verdict[KVB_VERDICT_MAX];
-    bridge_and_restore(d, s, ids, n, target, &restored, why, sizeof why);
+    bool asked = false;
+    bridge_and_restore(d, s, ids, n, target, &restored, &asked, why, sizeof why);
     const double t_bridge = kvb_now_s();
     door_reply rep = {0};
     kvb_err err = {0};
@@ -416,7 +419,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
                    .cached_tokens = restored ? held : (int64_t)n - rep.prompt_n,
                    .bridged_tokens = restored ? restored - held : 0, .tokenize_s = t_tok - t0,
                    .transfer_s = t_bridge - t_tok, .decode_s = kvb_now_s() - t_bridge,
-                   .bridge_attempts = restored > held || (why[0] && held < target && d->link) ? 1 : 0};
+                   .bridge_attempts = asked, .bridge_faults = asked && why[0] ? why : NULL};
     if (kvb_completion_emit(out, rep.content) == KVB_OK) kvb_completion_finish(out, rep.finish, &u);
     free(rep.content);
 }
