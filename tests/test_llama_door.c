@@ -7,9 +7,10 @@
  * greedy reply equals llama-server's own for the same prompt computed from nothing, and the slot
  * file the door restored holds, bit for bit, the rows kvbridge's own engine computes for those
  * tokens (the random model's greedy replies alone would hardly tell a wrong row). A door for another
- * model of the same shapes refuses to start. A second
- * conversation takes the other slot and leaves the first one's rows alone; then the prefill node
- * stops, and the next turn is `declined` with llama-server computing the prompt and the same reply. */
+ * model of the same shapes refuses to start. A second conversation takes the other slot and leaves
+ * the first one's rows alone. llama-server restarted with flash attention refuses the door's file
+ * (V transposed): that turn is `declined`, the reply the same. Then the prefill node stops, and the
+ * next turn is `declined` with the same reply. More slots than llama-server's -np are refused. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -214,12 +215,16 @@ static void test_conversation_bridged_then_declined(void **state) {
     assert_int_equal(kvb_llama_door_start(&dc, &d, &err), KVB_ERR_MISMATCH);
     print_message("  another model: %s\n", err.msg);
     dc.model_path = model;
+    dc.slots = 3; /* more slots than llama-server's -np: refused (it would restore into a slot it lacks) */
+    assert_int_equal(kvb_llama_door_start(&dc, &d, &err), KVB_ERR_INVALID);
+    print_message("  three slots: %s\n", err.msg);
+    dc.slots = 2;
     if (kvb_llama_door_start(&dc, &d, &err)) fail_msg("the door did not start: %s", err.msg);
     const int door_port = kvb_llama_door_port(d);
     static char conv[8192], other[2048];
     snprintf(conv, sizeof conv, "Once upon a time there was a prefill node and a decode node, and they shared one "
              "cache. The prefill node computed the long prompts and the decoder only read them back.");
-    turn t[6];
+    turn t[7];
     long long held = 0;
     for (int i = 0; i < 3; i++) { /* three turns: each ships only its increment */
         run_turn(door_port, server_port, conv, &t[i]);
@@ -237,13 +242,24 @@ static void test_conversation_bridged_then_declined(void **state) {
     run_turn(door_port, server_port, conv, &t[4]); /* the first conversation's slot kept its rows */
     expect_complete(&t[4], held);
     expect_slot_file(slots, 0, model, t[4].cached + t[4].bridged);
-    append(conv, sizeof conv, t[4].text, " One more question, after the prefill node went away.");
-    kvb_prefill_node_stop(pn);
+    /* llama-server restarted with flash attention (V row-major) behind the door's back: the increment
+     * arrives, llama-server refuses the door's file (V transposed), and it computes the prompt itself */
+    kill(pid, SIGTERM);
+    waitpid(pid, NULL, 0);
+    pid = kvbt_llama_server_start(bin, model, slots, server_port, 2, "on");
+    append(conv, sizeof conv, t[4].text, " And what did the server say after it came back?");
     run_turn(door_port, server_port, conv, &t[5]);
-    assert_non_null(strstr(t[5].verdict, "declined: "));
+    assert_non_null(strstr(t[5].verdict, "declined: llama-server refused the restore"));
     assert_int_equal(t[5].bridged, 0);
     assert_int_equal(t[5].cached + t[5].native, t[5].prompt);
     assert_string_equal(t[5].text, t[5].alone);
+    append(conv, sizeof conv, t[5].text, " One more question, after the prefill node went away.");
+    kvb_prefill_node_stop(pn);
+    run_turn(door_port, server_port, conv, &t[6]);
+    assert_non_null(strstr(t[6].verdict, "declined: "));
+    assert_int_equal(t[6].bridged, 0);
+    assert_int_equal(t[6].cached + t[6].native, t[6].prompt);
+    assert_string_equal(t[6].text, t[6].alone);
     kvb_llama_door_stop(d);
     kill(pid, SIGTERM);
     waitpid(pid, NULL, 0);

@@ -426,6 +426,29 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
 
 /* ---- start and stop ---------------------------------------------------------------------------------- */
 
+/* llama-server's /props: it must have at least the slots this door maps conversations to (this
+ * build restores a file into a slot id past its -np without a word) and its slot endpoints on. */
+static kvb_status check_props(kvb_llama_door *d, kvb_err *err) {
+    kvb_http_reply r = {0};
+    kvb_status st = kvb_http_get(d->host, d->port, "/props", DOOR_HTTP_TIMEOUT_MS, &r, err);
+    cJSON *j = !st && r.status == 200 ? cJSON_Parse(r.body) : NULL;
+    const cJSON *ns = j ? cJSON_GetObjectItem(j, "total_slots") : NULL, *ep = j ? cJSON_GetObjectItem(j, "endpoint_slots") : NULL;
+    const cJSON *bi = j ? cJSON_GetObjectItem(j, "build_info") : NULL;
+    if (!st && !cJSON_IsNumber(ns))
+        st = kvb_err_set(err, KVB_ERR_UNSUPPORTED, "llama-server %s:%u: /props (HTTP %d) has no total_slots; "
+                         "supported: %s", d->host, d->port, r.status, KVB_LLAMA_SUPPORTED_BUILD);
+    else if (!st && ns->valuedouble < d->cfg.slots)
+        st = kvb_err_set(err, KVB_ERR_INVALID, "--slots %u, but llama-server runs %g (its -np)", d->cfg.slots,
+                         ns->valuedouble);
+    else if (!st && cJSON_IsBool(ep) && !cJSON_IsTrue(ep))
+        st = kvb_err_set(err, KVB_ERR_INVALID, "llama-server's slot endpoints are off (it needs --slot-save-path)");
+    if (!st) kvb_log(KVB_LOG_INFO, "llama door: llama-server build %s, %g slots", cJSON_IsString(bi) ? bi->valuestring : "?",
+                     ns->valuedouble);
+    cJSON_Delete(j);
+    kvb_http_reply_free(&r);
+    return st;
+}
+
 /* Layer 0's K rows (cell, row) of the probe, as kvbridge's engine computes them (rows_hook). */
 typedef struct {
     uint32_t n;
@@ -578,7 +601,7 @@ kvb_status kvb_llama_door_start(const kvb_llama_door_config *cfg, kvb_llama_door
         goto fail;
     }
     if ((st = kvb_store_create(&d->fmt, d->m->fingerprint, c->max_ctx / c->block_tokens + 1, &d->store, err))) goto fail;
-    if ((st = probe_layout(d, err))) goto fail;
+    if ((st = check_props(d, err)) || (st = probe_layout(d, err))) goto fail;
     if (c->peer && (st = door_link(d, err))) goto fail;
     kvb_http_config hc = {.listen = c->http_listen, .model_id = d->model_id, .accept_any_model = true,
                           .max_model_len = c->max_ctx};
