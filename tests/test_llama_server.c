@@ -25,45 +25,6 @@
 
 static char g_out[1 << 17];
 
-static const char *llama_server_path(char *buf, size_t cap) {
-    const char *env = getenv("KVB_LLAMA_SERVER"), *src = getenv("KVB_SOURCE_DIR");
-    if (env && *env) snprintf(buf, cap, "%s", env);
-    else snprintf(buf, cap, "%s/build-peer/llama-server-bin/llama-server", src ? src : ".");
-    return access(buf, X_OK) == 0 ? buf : NULL;
-}
-
-/* Starts llama-server on port with the model and slot dir; waits until it answers /tokenize. */
-static pid_t start_server(const char *bin, const char *model, const char *slots, int port, const char *fa) {
-    char port_s[16], log[512];
-    snprintf(port_s, sizeof port_s, "%d", port);
-    kvbt_tmp_path(log, sizeof log, "llama-server.log");
-    pid_t pid = fork();
-    if (pid == 0) {
-        FILE *f = freopen(log, "a", stderr);
-        (void)f;
-        dup2(2, 1);
-        execl(bin, bin, "-m", model, "--host", "127.0.0.1", "--port", port_s, "-np", "1", "-c", "1024", "-t", "2",
-              "--slot-save-path", slots, "-fa", fa, "--cache-ram", "0", "--no-webui", "--no-warmup", (char *)NULL);
-        _exit(127);
-    }
-    assert_true(pid > 0);
-    for (int i = 0; i < 600; i++) {
-        kvb_http_reply r = {0};
-        kvb_err err = {0};
-        if (!kvb_http_post("127.0.0.1", (uint16_t)port, "/tokenize", "{\"content\":\"a\"}", 2000, &r, &err) &&
-            r.status == 200) {
-            kvb_http_reply_free(&r);
-            return pid;
-        }
-        kvb_http_reply_free(&r);
-        if (waitpid(pid, NULL, WNOHANG) == pid) fail_msg("llama-server exited; its log: %s", log);
-        usleep(100000);
-    }
-    kill(pid, SIGTERM);
-    fail_msg("llama-server did not come up in 60 s; its log: %s", log);
-    return -1;
-}
-
 static void stop_server(pid_t pid) {
     kill(pid, SIGTERM);
     waitpid(pid, NULL, 0);
@@ -71,18 +32,14 @@ static void stop_server(pid_t pid) {
 
 static void bridged_prompt(const char *fa, int port) {
     char bin[1024], model[512], slots[512], cmd[4096];
-    if (!llama_server_path(bin, sizeof bin)) {
-        print_message("SKIP: no llama-server at %s (tools/peer/build_llama_server.sh build-peer/llama-server-bin, "
-                      "or set KVB_LLAMA_SERVER)\n", bin);
-        skip();
-    }
+    kvbt_require_llama_server(bin, sizeof bin);
     kvbt_tmp_path(model, sizeof model, "tiny-llama3-q8_0.gguf");
     kvbt_tmp_path(slots, sizeof slots, fa);
     mkdir(slots, 0755);
     snprintf(cmd, sizeof cmd, "[ -f '%s' ] || '%s' gen-model --preset tiny-llama3 --type q8_0 --out '%s' --quiet",
              model, kvbt_bin(), model);
     assert_int_equal(kvbt_sh(cmd, g_out, sizeof g_out, 1), 0);
-    pid_t pid = start_server(bin, model, slots, port, fa);
+    pid_t pid = kvbt_llama_server_start(bin, model, slots, port, 1, fa);
     snprintf(cmd, sizeof cmd, "'%s' verify --target llama.cpp --model '%s' --server http://127.0.0.1:%d "
              "--slot-dir '%s' --restore --n-predict 24 --threads 2 --prompt 'Once upon a time there was a "
              "prefill node and a decode node, and they shared one cache.' 2>&1", kvbt_bin(), model, port, slots);

@@ -6,13 +6,15 @@
 #include <unistd.h>
 
 #include "kvb_cli.h"
+#include "kvb_llama_door.h"
 #include "kvb_node.h"
 #include "kvb_quant.h"
 #include "kvb_transport.h"
 
-/* Requests the node in this process has in flight (the role it runs). */
+/* Requests the node in this process has in flight (the role it runs; the llama-server front door
+ * does not count its own: a stop waits for the one it serves). */
 static unsigned in_flight(kvb_decode_node *dn, kvb_prefill_node *pn) {
-    return dn ? kvb_decode_node_in_flight(dn) : kvb_prefill_node_in_flight(pn);
+    return dn ? kvb_decode_node_in_flight(dn) : pn ? kvb_prefill_node_in_flight(pn) : 0;
 }
 
 static volatile sig_atomic_t g_stop; /* signals received: the first drains, the second stops */
@@ -23,9 +25,9 @@ static void on_signal(int sig) {
 
 /* What the command line asks of a node. */
 typedef struct {
-    const char *model, *listen, *http, *peer, *psk, *tmpl, *model_id, *fault, *api_key, *allow_origin;
+    const char *model, *listen, *http, *peer, *psk, *tmpl, *model_id, *fault, *api_key, *allow_origin, *decoder, *slot_dir;
     long long threads, bt, ctx, bridge_min, max_tokens, chunk, cache_blocks, lanes, warmup, resumes, parallel,
-        drain_s;
+        drain_s, slots;
     int role, mode, device, transport; /* k_roles, kvb_cli_{bridge_mode,device,transport}_names */
     kvb_cli_gpu gpu;
     bool tail_after, filler, quiet, verbose;
@@ -49,6 +51,8 @@ static int serve_check(const kvb_cli_spec *spec, serve_args *a) {
                                          "node's link is authenticated by --psk");
     if (!prefill && !a->api_key) a->api_key = getenv("KVB_API_KEY");
     if (!kvb_cli_gpu_ok("serve", &a->gpu, cuda)) return 2;
+    if (a->decoder && (prefill || strncmp(a->decoder, "llama-server=", 13) || !a->slot_dir))
+        return kvb_cli_usage_error(spec, "--decoder llama-server=URL is for --role decode and needs --slot-dir DIR");
     if (prefill ? !a->listen : !a->http)
         return kvb_cli_usage_error(spec, "--role %s needs %s HOST:PORT", k_roles[a->role],
                                    prefill ? "--listen" : "--http");
@@ -64,6 +68,12 @@ static int serve_parse(serve_args *a, int argc, char **argv) {
         KVB_CLI_STR("listen", &a->listen, "HOST:PORT", "prefill: where decode nodes connect"),
         KVB_CLI_STR("http", &a->http, "HOST:PORT",
                   "decode: the HTTP API address; prefill (optional): /health and /metrics for probes and scrapers"),
+        KVB_CLI_STR("decoder", &a->decoder, "llama-server=URL",
+                  "decode: front a stock llama-server (http://HOST:PORT, run with --slot-save-path) instead of "
+                  "decoding here: prompts are bridged into its slots through its slot API"),
+        KVB_CLI_STR("slot-dir", &a->slot_dir, "DIR", "decode, --decoder: llama-server's --slot-save-path (same host)"),
+        KVB_CLI_INT("slots", &a->slots, "N", 1, KVB_DOOR_MAX_SLOTS, NULL,
+                  "decode, --decoder: llama-server's slots (its -np; default 1)"),
         KVB_CLI_STR("peer", &a->peer, "HOST:PORT", "decode: the prefill node (omit to always compute natively)"),
         KVB_CLI_OPT_PSK(&a->psk, "pre-shared key, >= 16 bytes (or env KVB_PSK); both nodes need the same"),
         KVB_CLI_OPT_TRANSPORT(&a->transport, "the link between the nodes: tcp (kvbridge's own) or ucx (UCX: shared "
@@ -168,6 +178,7 @@ int kvb_cmd_serve(int argc, char **argv) {
     }
     kvb_prefill_node *pn = NULL;
     kvb_decode_node *dn = NULL;
+    kvb_llama_door *door = NULL;
     if (prefill) {
         kvb_prefill_config c = {.listen = listen, .http_listen = http, .model_path = model, .psk = psk, .backend = backend,
                                 .n_threads = (int)threads, .cache_dtype = cache_type, .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
@@ -184,6 +195,15 @@ int kvb_cmd_serve(int argc, char **argv) {
         if (filler) printf("; FILLER ROWS, bench only: only a decoder started for filler accepts this node");
         if (kvb_prefill_node_http_port(pn)) printf("; /health and /metrics on port %u", kvb_prefill_node_http_port(pn));
         printf(")\n");
+    } else if (a.decoder) {
+        kvb_llama_door_config c = {.http_listen = http, .server_url = a.decoder + 13, .slot_dir = a.slot_dir,
+                                   .peer = peer, .psk = psk, .backend = backend, .model_path = model,
+                                   .model_id = model_id, .slots = (uint32_t)a.slots, .block_tokens = (uint32_t)bt,
+                                   .max_ctx = (uint32_t)ctx, .default_max_tokens = (uint32_t)max_tokens,
+                                   .lanes = (uint32_t)lanes};
+        if (kvb_llama_door_start(&c, &door, &err)) goto fail;
+        printf("kvbridge decode node: OpenAI API on port %u in front of llama-server %s, prefill node %s\n",
+               kvb_llama_door_port(door), a.decoder + 13, peer ? peer : "none (llama-server computes every prompt)");
     } else {
         kvb_decode_config c = {.http_listen = http, .peer = peer, .model_path = model, .model_id = model_id,
                                .psk = psk, .backend = backend, .chat_template = tmpl, .n_threads = (int)threads, .cache_dtype = cache_type,
@@ -211,6 +231,7 @@ int kvb_cmd_serve(int argc, char **argv) {
     }
     kvb_prefill_node_stop(pn);
     kvb_decode_node_stop(dn);
+    kvb_llama_door_stop(door);
     return 0;
 fail:
     fprintf(stderr, "kvbridge serve: %s\n", err.msg);

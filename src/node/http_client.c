@@ -1,7 +1,8 @@
 /* node/http_client.c — a minimal blocking HTTP/1.1 client for kvbridge's own tools (the demo,
- * the ladder benchmark, tests): one POST with Connection: close, the reply read with a deadline
- * until its Content-Length is in (as a keep-alive client has it; without one, until the server
- * closes), status line, X-KVBridge header and body returned. Not a general-purpose client. */
+ * the ladder benchmark, tests, the llama-server front door): one POST (or GET) with Connection:
+ * close, the reply read with a deadline until its Content-Length is in (as a keep-alive client has
+ * it; without one, until the server closes), status line, X-KVBridge header and body returned. Not
+ * a general-purpose client. */
 #include <errno.h>
 #include <netdb.h>
 #include <poll.h>
@@ -51,21 +52,26 @@ int kvb_tcp_dial(const char *host, const char *port) {
     return fd;
 }
 
-kvb_status kvb_http_post(const char *host, uint16_t port, const char *path, const char *json, int timeout_ms,
-                         kvb_http_reply *out, kvb_err *err) {
+/* One request: POST with the JSON body, or GET when json is NULL. */
+static kvb_status http_call(const char *host, uint16_t port, const char *path, const char *json, int timeout_ms,
+                            kvb_http_reply *out, kvb_err *err) {
     memset(out, 0, sizeof *out);
     double deadline = kvb_now_s() + timeout_ms / 1000.0;
     char portstr[8];
     snprintf(portstr, sizeof portstr, "%u", port);
     int fd = kvb_tcp_dial(host, portstr);
     if (fd < 0) return kvb_err_set(err, KVB_ERR_IO, "cannot connect to %s:%u: %s", host, port, strerror(errno));
-    size_t jl = strlen(json), hl;
+    size_t jl = json ? strlen(json) : 0, hl;
     char head[512];
-    hl = (size_t)snprintf(head, sizeof head,
-                          "POST %s HTTP/1.1\r\nHost: %s:%u\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
-                          "Connection: close\r\n\r\n",
-                          path, host, port, jl);
-    const char *parts[2] = {head, json};
+    if (json)
+        hl = (size_t)snprintf(head, sizeof head,
+                              "POST %s HTTP/1.1\r\nHost: %s:%u\r\nContent-Type: application/json\r\nContent-Length: "
+                              "%zu\r\nConnection: close\r\n\r\n",
+                              path, host, port, jl);
+    else
+        hl = (size_t)snprintf(head, sizeof head, "GET %s HTTP/1.1\r\nHost: %s:%u\r\nConnection: close\r\n\r\n", path,
+                              host, port);
+    const char *parts[2] = {head, json ? json : ""};
     size_t lens[2] = {hl, jl};
     for (int i = 0; i < 2; i++)
         for (size_t off = 0; off < lens[i];) {
@@ -127,4 +133,14 @@ kvb_status kvb_http_post(const char *host, uint16_t port, const char *path, cons
 timeout:
     close(fd);
     return kvb_err_set(err, KVB_ERR_IO, "no reply from %s:%u within %d ms", host, port, timeout_ms);
+}
+
+kvb_status kvb_http_post(const char *host, uint16_t port, const char *path, const char *json, int timeout_ms,
+                         kvb_http_reply *out, kvb_err *err) {
+    return http_call(host, port, path, json, timeout_ms, out, err);
+}
+
+kvb_status kvb_http_get(const char *host, uint16_t port, const char *path, int timeout_ms, kvb_http_reply *out,
+                        kvb_err *err) {
+    return http_call(host, port, path, NULL, timeout_ms, out, err);
 }

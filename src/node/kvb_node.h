@@ -179,6 +179,9 @@ int kvb_tcp_dial(const char *host, const char *port);
  * close-delimited). timeout_ms bounds the call. */
 kvb_status kvb_http_post(const char *host, uint16_t port, const char *path, const char *json, int timeout_ms,
                          kvb_http_reply *out, kvb_err *err);
+/* The same with GET and no body. */
+kvb_status kvb_http_get(const char *host, uint16_t port, const char *path, int timeout_ms, kvb_http_reply *out,
+                        kvb_err *err);
 void kvb_http_reply_free(kvb_http_reply *r);
 
 #endif

@@ -9,6 +9,8 @@
 #include <cmocka.h>
 
 #include <math.h>
+#include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -127,6 +129,7 @@ double kvbt_rel_l2(const float *a, const float *ref, size_t n) {
 
 #include "kvb_core.h"
 #include "kvb_model.h"
+#include "kvb_node.h"
 
 struct kvb_model *kvbt_gen_load(const char *name, const char *preset, uint32_t type, uint64_t seed) {
     char path[512];
@@ -139,6 +142,47 @@ struct kvb_model *kvbt_gen_load(const char *name, const char *preset, uint32_t t
         return NULL;
     }
     return m;
+}
+
+const char *kvbt_require_llama_server(char *buf, size_t cap) {
+    const char *env = getenv("KVB_LLAMA_SERVER"), *src = getenv("KVB_SOURCE_DIR");
+    if (env && *env) snprintf(buf, cap, "%s", env);
+    else snprintf(buf, cap, "%s/build-peer/llama-server-bin/llama-server", src ? src : ".");
+    if (access(buf, X_OK) != 0)
+        kvbt_skip("no llama-server at %s (tools/peer/build_llama_server.sh build-peer/llama-server-bin, or set "
+                  "KVB_LLAMA_SERVER)", buf);
+    return buf;
+}
+
+int kvbt_llama_server_start(const char *bin, const char *model, const char *slots, int port, int n_slots,
+                            const char *fa) {
+    char port_s[16], np[16], log[512];
+    snprintf(port_s, sizeof port_s, "%d", port);
+    snprintf(np, sizeof np, "%d", n_slots);
+    kvbt_tmp_path(log, sizeof log, "llama-server.log");
+    const pid_t pid = fork();
+    if (pid == 0) {
+        FILE *f = freopen(log, "a", stderr);
+        (void)f;
+        dup2(2, 1);
+        execl(bin, bin, "-m", model, "--host", "127.0.0.1", "--port", port_s, "-np", np, "-c", "2048", "-t", "2",
+              "--slot-save-path", slots, "-fa", fa, "--cache-ram", "0", "--no-webui", "--no-warmup", (char *)NULL);
+        _exit(127);
+    }
+    assert_true(pid > 0);
+    for (int i = 0; i < 600; i++) {
+        kvb_http_reply r = {0};
+        kvb_err err = {0};
+        const bool up = !kvb_http_post("127.0.0.1", (uint16_t)port, "/tokenize", "{\"content\":\"a\"}", 2000, &r, &err) &&
+                        r.status == 200;
+        kvb_http_reply_free(&r);
+        if (up) return pid;
+        if (waitpid(pid, NULL, WNOHANG) == pid) fail_msg("llama-server exited; its log: %s", log);
+        usleep(100000);
+    }
+    kill(pid, SIGTERM);
+    fail_msg("llama-server did not come up in 60 s; its log: %s", log);
+    return -1;
 }
 
 void kvbt_random_tokens(int32_t *tokens, uint32_t n, uint32_t n_vocab, uint64_t seed) {

@@ -45,6 +45,16 @@ void kvbt_random_tokens(int32_t *tokens, uint32_t n, uint32_t n_vocab, uint64_t 
  * without the CUDA engine). */
 void kvbt_require_gpu(void);
 
+/* In a cmocka test: the llama-server binary ($KVB_LLAMA_SERVER, else
+ * build-peer/llama-server-bin/llama-server in $KVB_SOURCE_DIR, where tools/peer/build_llama_server.sh
+ * puts it) in buf, or skips the case saying how to get it. */
+const char *kvbt_require_llama_server(char *buf, size_t cap);
+/* In a cmocka test: starts it on 127.0.0.1:port with the model, n_slots slots (-np), 2 threads,
+ * `--slot-save-path slots` and `-fa fa` ("on", "off"), its log in the temp dir; waits (up to 60 s)
+ * until it answers /tokenize, else fails the case. Stop it with kill(SIGTERM) and waitpid. */
+int kvbt_llama_server_start(const char *bin, const char *model, const char *slots, int port, int n_slots,
+                            const char *fa);
+
 /* In a cmocka test: skips the running case with a printf-style reason, which the binary's closing
  * summary repeats ("kvbt: skipped CASE: REASON"). Does not return. */
 #define kvbt_skip(...) kvbt_skip_at(__FILE__, __LINE__, __VA_ARGS__)

@@ -1,0 +1,273 @@
+/* tests/test_llama_door.c — the front door for a stock llama-server (node/kvb_llama_door.h), end to
+ * end on loopback: a real llama-server (kvbt_require_llama_server; the case skips without it) with
+ * two slots, a CPU prefill node and the door in front, for a generated tiny-llama3 (q8_0). A
+ * conversation of three turns: each turn is `complete`, the prefill node ships only the turn's new
+ * whole blocks (usage.kvbridge: cached = what the slot held, bridged = the rest up to the last
+ * block before the last prompt token, native = llama-server's timings.prompt_n = the tail), every
+ * greedy reply equals llama-server's own for the same prompt computed from nothing, and the slot
+ * file the door restored holds, bit for bit, the rows kvbridge's own engine computes for those
+ * tokens (the random model's greedy replies alone would hardly tell a wrong row). A door for another
+ * model of the same shapes refuses to start. A second conversation takes the other slot and leaves
+ * the first one's rows alone. llama-server restarted with flash attention refuses the door's file
+ * (V transposed): that turn is `declined`, the reply the same. Then the prefill node stops, and the
+ * next turn is `declined` with the same reply. More slots than llama-server's -np are refused. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <cJSON.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "kvb_core.h"
+#include "kvb_engine_cpu.h"
+#include "kvb_foreign.h"
+#include "kvb_llama_door.h"
+#include "kvb_model.h"
+#include "kvb_node.h"
+#include "kvb_quant.h"
+#include "kvbt.h"
+
+#define PSK "llama-door-test-key-0123"
+#define BT 32
+#define N_PREDICT 12
+
+static char g_out[1 << 16];
+
+/* One turn through the door and the same prompt through llama-server alone. */
+typedef struct {
+    char verdict[160];
+    char text[4096], alone[4096];
+    long long prompt, cached, bridged, native;
+} turn;
+
+static const char *json_str(const cJSON *o, const char *k) {
+    const cJSON *v = cJSON_GetObjectItem(o, k);
+    return cJSON_IsString(v) ? v->valuestring : "";
+}
+
+static long long json_int(const cJSON *o, const char *k) {
+    const cJSON *v = cJSON_GetObjectItem(o, k);
+    return cJSON_IsNumber(v) ? (long long)v->valuedouble : -1;
+}
+
+static void run_turn(int door_port, int server_port, const char *prompt, turn *t) {
+    cJSON *q = cJSON_CreateObject();
+    cJSON_AddStringToObject(q, "model", "tiny");
+    cJSON_AddStringToObject(q, "prompt", prompt);
+    cJSON_AddNumberToObject(q, "max_tokens", N_PREDICT);
+    cJSON_AddNumberToObject(q, "temperature", 0);
+    char *body = cJSON_PrintUnformatted(q);
+    kvb_http_reply r = {0};
+    kvb_err err = {0};
+    assert_int_equal(kvb_http_post("127.0.0.1", (uint16_t)door_port, "/v1/completions", body, 120000, &r, &err), KVB_OK);
+    if (r.status != 200) fail_msg("the door answered %d: %s", r.status, r.body);
+    cJSON *j = cJSON_Parse(r.body);
+    assert_non_null(j);
+    snprintf(t->verdict, sizeof t->verdict, "%s", r.verdict);
+    const cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "choices"), 0);
+    const cJSON *u = cJSON_GetObjectItem(j, "usage"), *kb = cJSON_GetObjectItem(u, "kvbridge");
+    snprintf(t->text, sizeof t->text, "%s", json_str(ch, "text"));
+    t->prompt = json_int(u, "prompt_tokens");
+    t->cached = json_int(kb, "cached_tokens");
+    t->bridged = json_int(kb, "bridged_tokens");
+    t->native = json_int(kb, "native_tokens");
+    assert_string_equal(json_str(kb, "verdict"), t->verdict);
+    cJSON_Delete(j);
+    kvb_http_reply_free(&r);
+    free(body);
+    /* llama-server alone: a fresh computation of the whole prompt */
+    cJSON *a = cJSON_CreateObject();
+    cJSON_AddStringToObject(a, "prompt", prompt);
+    cJSON_AddNumberToObject(a, "n_predict", N_PREDICT);
+    cJSON_AddNumberToObject(a, "temperature", 0);
+    cJSON_AddBoolToObject(a, "cache_prompt", 0);
+    body = cJSON_PrintUnformatted(a);
+    assert_int_equal(kvb_http_post("127.0.0.1", (uint16_t)server_port, "/completion", body, 120000, &r, &err), KVB_OK);
+    assert_int_equal(r.status, 200);
+    j = cJSON_Parse(r.body);
+    assert_non_null(j);
+    snprintf(t->alone, sizeof t->alone, "%s", json_str(j, "content"));
+    assert_int_equal(json_int(cJSON_GetObjectItem(j, "timings"), "prompt_n"), t->prompt);
+    cJSON_Delete(j);
+    cJSON_Delete(a);
+    cJSON_Delete(q);
+    kvb_http_reply_free(&r);
+    free(body);
+    print_message("  %-60s prompt %lld: cached %lld, bridged %lld, native %lld; reply %s\n", t->verdict, t->prompt,
+                  t->cached, t->bridged, t->native, strcmp(t->text, t->alone) ? "DIFFERS" : "the same");
+}
+
+/* A bridged turn: complete, the slot's rows (held) reused, only the new whole blocks shipped. */
+static void expect_complete(const turn *t, long long held) {
+    const long long target = (t->prompt - 1) / BT * BT;
+    assert_string_equal(t->verdict, "complete");
+    assert_int_equal(t->cached, held);
+    assert_int_equal(t->bridged, target - held);
+    assert_true(t->bridged > 0);
+    assert_int_equal(t->native, t->prompt - target);
+    assert_string_equal(t->text, t->alone);
+}
+
+
+/* K/V rows kvbridge's own CPU engine computes for the file's tokens, (layer, position, row) f16. */
+typedef struct {
+    uint32_t n_pos;
+    size_t row;
+    uint8_t *k, *v;
+} engine_rows;
+
+static kvb_status gather(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, const uint8_t *k, const uint8_t *v,
+                         uint32_t dtype, kvb_err *err) {
+    engine_rows *e = ctx;
+    (void)err;
+    assert_int_equal(dtype, KVB_TYPE_F16);
+    memcpy(e->k + ((size_t)layer * e->n_pos + pos0) * e->row, k, n * e->row);
+    memcpy(e->v + ((size_t)layer * e->n_pos + pos0) * e->row, v, n * e->row);
+    return KVB_OK;
+}
+
+/* The slot file the door restored holds `rows` cells, positions 0.., of the prompt's tokens, every
+ * row bit for bit what kvbridge's own engine computes for them (the bridged increments appended). */
+static void expect_slot_file(const char *slots, int slot, const char *model, long long rows) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/kvb-door-slot%d.bin", slots, slot);
+    kvb_llama_state s;
+    kvb_err err = {0};
+    assert_int_equal(kvb_llama_state_load(path, &s, &err), KVB_OK);
+    assert_int_equal(s.n_tokens, rows);
+    assert_int_equal(s.n_cache, 1);
+    const kvb_llama_cache *c = &s.cache[0];
+    assert_int_equal(c->n_cells, rows);
+    assert_int_equal(c->seq_id, slot);
+    kvb_model *m = NULL;
+    assert_int_equal(kvb_model_load(model, &m, &err), KVB_OK);
+    engine_rows e = {.n_pos = s.n_tokens, .row = (size_t)m->d.n_head_kv * m->d.head_dim * 2};
+    e.k = malloc((size_t)m->d.n_layer * e.n_pos * e.row);
+    e.v = malloc((size_t)m->d.n_layer * e.n_pos * e.row);
+    kvb_engine_opts o = {.n_threads = 2, .cache_dtype = KVB_TYPE_F16, .block_tokens = BT, .max_ctx = 2048,
+                         .rows_hook = gather, .rows_hook_ctx = &e};
+    kvb_engine *eng = NULL;
+    kvb_seq *q = NULL;
+    assert_int_equal(kvb_engine_create(m, &o, &eng, &err), KVB_OK);
+    assert_int_equal(kvb_seq_create(eng, &q, &err), KVB_OK);
+    assert_int_equal(kvb_engine_forward(eng, q, s.tokens, s.n_tokens, NULL, false, &err), KVB_OK);
+    assert_int_equal(c->n_layer, m->d.n_layer);
+    assert_int_equal(c->k_row_bytes, e.row);
+    uint32_t differ = 0;
+    for (uint32_t l = 0; l < c->n_layer; l++)
+        for (uint32_t t = 0; t < c->n_cells; t++) {
+            assert_int_equal(c->pos[t], t);
+            const size_t at = ((size_t)l * e.n_pos + t) * e.row;
+            differ += memcmp(kvb_llama_k_row(c, l, t), e.k + at, e.row) != 0;
+            differ += memcmp(kvb_llama_v_row(c, l, t), e.v + at, e.row) != 0;
+        }
+    print_message("  slot %d's file: %u cells x %u layers, %u K/V rows differ from kvbridge's own engine\n", slot,
+                  c->n_cells, c->n_layer, differ);
+    assert_int_equal(differ, 0);
+    kvb_seq_free(q);
+    kvb_engine_free(eng);
+    kvb_model_free(m);
+    free(e.k), free(e.v);
+    kvb_llama_state_free(&s);
+}
+
+static void append(char *buf, size_t cap, const char *a, const char *b) {
+    const size_t n = strlen(buf);
+    snprintf(buf + n, cap - n, "%s%s", a, b);
+}
+
+static void test_conversation_bridged_then_declined(void **state) {
+    (void)state;
+    char bin[1024], model[512], slots[512], cmd[2048];
+    kvbt_require_llama_server(bin, sizeof bin);
+    kvbt_tmp_path(model, sizeof model, "tiny-llama3-door-q8_0.gguf");
+    kvbt_tmp_path(slots, sizeof slots, "llama-door-slots");
+    mkdir(slots, 0755);
+    snprintf(cmd, sizeof cmd, "[ -f '%s' ] || '%s' gen-model --preset tiny-llama3 --type q8_0 --out '%s' --quiet",
+             model, kvbt_bin(), model);
+    assert_int_equal(kvbt_sh(cmd, g_out, sizeof g_out, 1), 0);
+    const int server_port = 22000 + getpid() % 20000;
+    pid_t pid = kvbt_llama_server_start(bin, model, slots, server_port, 2, "off");
+    kvb_err err = {0};
+    kvb_prefill_node *pn = NULL;
+    kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = PSK, .n_threads = 2,
+                             .cache_dtype = KVB_TYPE_F16, .block_tokens = BT, .max_ctx = 2048};
+    assert_int_equal(kvb_prefill_node_start(&pc, &pn, &err), KVB_OK);
+    char peer[64], url[64];
+    snprintf(peer, sizeof peer, "127.0.0.1:%u", kvb_prefill_node_port(pn));
+    snprintf(url, sizeof url, "http://127.0.0.1:%d", server_port);
+    kvb_llama_door *d = NULL;
+    char other_model[512];
+    kvbt_tmp_path(other_model, sizeof other_model, "tiny-llama3-door-seed7.gguf");
+    snprintf(cmd, sizeof cmd, "'%s' gen-model --preset tiny-llama3 --type q8_0 --seed 7 --out '%s' --quiet",
+             kvbt_bin(), other_model);
+    assert_int_equal(kvbt_sh(cmd, g_out, sizeof g_out, 1), 0);
+    kvb_llama_door_config dc = {.http_listen = "127.0.0.1:0", .server_url = url, .slot_dir = slots, .peer = peer,
+                                .psk = PSK, .model_path = other_model, .slots = 2, .block_tokens = BT, .max_ctx = 2048};
+    /* a door for another model (same shapes, other weights) refuses to start: it would restore wrong rows */
+    assert_int_equal(kvb_llama_door_start(&dc, &d, &err), KVB_ERR_MISMATCH);
+    print_message("  another model: %s\n", err.msg);
+    dc.model_path = model;
+    dc.slots = 3; /* more slots than llama-server's -np: refused (it would restore into a slot it lacks) */
+    assert_int_equal(kvb_llama_door_start(&dc, &d, &err), KVB_ERR_INVALID);
+    print_message("  three slots: %s\n", err.msg);
+    dc.slots = 2;
+    if (kvb_llama_door_start(&dc, &d, &err)) fail_msg("the door did not start: %s", err.msg);
+    const int door_port = kvb_llama_door_port(d);
+    static char conv[8192], other[2048];
+    snprintf(conv, sizeof conv, "Once upon a time there was a prefill node and a decode node, and they shared one "
+             "cache. The prefill node computed the long prompts and the decoder only read them back.");
+    turn t[7];
+    long long held = 0;
+    for (int i = 0; i < 3; i++) { /* three turns: each ships only its increment */
+        run_turn(door_port, server_port, conv, &t[i]);
+        expect_complete(&t[i], held);
+        held = t[i].cached + t[i].bridged;
+        expect_slot_file(slots, 0, model, held);
+        append(conv, sizeof conv, t[i].text, " And then the user asked about the next chapter of the story, which "
+               "was about slots and rows and the files that carry them.");
+    }
+    snprintf(other, sizeof other, "A different conversation entirely: a recipe for bread with flour, water, salt and "
+             "yeast, kneaded for ten minutes and left to rise overnight in a cool kitchen.");
+    run_turn(door_port, server_port, other, &t[3]); /* the other slot, from nothing */
+    expect_complete(&t[3], 0);
+    expect_slot_file(slots, 1, model, t[3].bridged);
+    run_turn(door_port, server_port, conv, &t[4]); /* the first conversation's slot kept its rows */
+    expect_complete(&t[4], held);
+    expect_slot_file(slots, 0, model, t[4].cached + t[4].bridged);
+    /* llama-server restarted with flash attention (V row-major) behind the door's back: the increment
+     * arrives, llama-server refuses the door's file (V transposed), and it computes the prompt itself */
+    kill(pid, SIGTERM);
+    waitpid(pid, NULL, 0);
+    pid = kvbt_llama_server_start(bin, model, slots, server_port, 2, "on");
+    append(conv, sizeof conv, t[4].text, " And what did the server say after it came back?");
+    run_turn(door_port, server_port, conv, &t[5]);
+    assert_non_null(strstr(t[5].verdict, "declined: llama-server refused the restore"));
+    assert_int_equal(t[5].bridged, 0);
+    assert_int_equal(t[5].cached + t[5].native, t[5].prompt);
+    assert_string_equal(t[5].text, t[5].alone);
+    append(conv, sizeof conv, t[5].text, " One more question, after the prefill node went away.");
+    kvb_prefill_node_stop(pn);
+    run_turn(door_port, server_port, conv, &t[6]);
+    assert_non_null(strstr(t[6].verdict, "declined: "));
+    assert_int_equal(t[6].bridged, 0);
+    assert_int_equal(t[6].cached + t[6].native, t[6].prompt);
+    assert_string_equal(t[6].text, t[6].alone);
+    kvb_llama_door_stop(d);
+    kill(pid, SIGTERM);
+    waitpid(pid, NULL, 0);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_conversation_bridged_then_declined),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
