@@ -632,7 +632,10 @@ static void peer_killed(const char *mode, int whole, const char *where) {
     assert_int_equal(st, KVB_ERR_PEER_GONE);
     assert_non_null(strstr(e.msg, where));
     assert_non_null(strstr(e.msg, "the peer is gone"));
-    assert_true(dt < 9.0);
+    /* the child dies 0.2 s after its last send, and the kernel closes its sockets with it: the
+     * connection manager's endpoint fails at once (about 0.21 s measured), well before any
+     * keepalive round */
+    assert_true(dt < 2.0);
     kvb_conn_close(c);
     kvb_listener_close(l);
 }

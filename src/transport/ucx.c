@@ -26,7 +26,9 @@
  * What bounds it there is CPU, not UCX: a put over shared memory is one memcpy by the sender, and a
  * slab costs four passes over its bytes (checksum and put on the sender, copy-out and verify on
  * the receiver) where UCX's raw put costs one. Endpoints use peer error handling on the connection
- * manager's endpoint, kept open, so a peer that dies or closes is KVB_ERR_PEER_GONE. The listener
+ * manager's endpoint, kept open, so a peer that dies or closes is KVB_ERR_PEER_GONE: a killed
+ * process at once (the kernel closes its sockets), a vanished host through UCX's keepalive (a
+ * round every UCX_KEEPALIVE) and TCP's; a shutdown also sends a notice on the data endpoint. The listener
  * is a ucp_listener on its own worker; each accepted connection request gets a fresh worker. Which
  * transports (lanes) an endpoint actually selected is logged at connect/accept and kept for
  * /metrics and doctor (kvb_ucx_last_lanes): a silent fallback to TCP is visible. A trusted peer on
