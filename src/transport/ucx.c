@@ -26,7 +26,9 @@
  * What bounds it there is CPU, not UCX: a put over shared memory is one memcpy by the sender, and a
  * slab costs four passes over its bytes (checksum and put on the sender, copy-out and verify on
  * the receiver) where UCX's raw put costs one. Endpoints use peer error handling on the connection
- * manager's endpoint, kept open, so a peer that dies or closes is KVB_ERR_PEER_GONE. The listener
+ * manager's endpoint, kept open, so a peer that dies or closes is KVB_ERR_PEER_GONE: a killed
+ * process at once (the kernel closes its sockets), a vanished host through UCX's keepalive (a
+ * round every UCX_KEEPALIVE) and TCP's; a shutdown also sends a notice on the data endpoint. The listener
  * is a ucp_listener on its own worker; each accepted connection request gets a fresh worker. Which
  * transports (lanes) an endpoint actually selected is logged at connect/accept and kept for
  * /metrics and doctor (kvb_ucx_last_lanes): a silent fallback to TCP is visible. A trusted peer on
@@ -62,6 +64,12 @@
 #define UCX_RING_BYTES (32u << 20)
 #define UCX_RING_MAX (1u << 30)
 #define UCX_CREDIT_TAG (1ull << 63) /* the tag of credit messages (payload tags count up from 0) */
+#define UCX_BYE_TAG (UCX_CREDIT_TAG | 1) /* the tag of the 8-byte notice "this side shut the link" */
+#define UCX_BYE_WAIT_S 0.2 /* how long ucx_shutdown progresses its workers for its notice and close */
+/* Between keepalive rounds on the connection manager's endpoint (UCX's default is 20 s): a peer
+ * whose host vanished without closing its sockets is UCS_ERR_ENDPOINT_TIMEOUT within a few rounds
+ * rather than after a bridge's whole receive timeout. UCX_KEEPALIVE_INTERVAL set overrides it. */
+#define UCX_KEEPALIVE "1s"
 #define UCX_RKEY_MAX 65536
 
 typedef struct {
@@ -99,6 +107,9 @@ typedef struct {
                               the data endpoint (not when puts would go over TCP, see ucx_authenticated) */
     ucs_status_ptr_t credit_req; /* the posted receive of the next credit (into credit_in) */
     uint8_t credit_in[8];
+    ucs_status_ptr_t bye_req;    /* the posted receive of the peer's shutdown notice (into bye_in) */
+    uint8_t bye_in[8], bye_out[8];
+    atomic_bool peer_shut;       /* that notice arrived: the peer shut the link down */
     char lanes[256];
 } ucx_link;
 
@@ -124,6 +135,9 @@ static void ctx_init(void) {
     ucp_config_t *config = NULL;
     g_ctx_status = ucp_config_read(NULL, NULL, &config);
     if (g_ctx_status != UCS_OK) return;
+    const char *ka = getenv("UCX_KEEPALIVE_INTERVAL");
+    if ((!ka || !*ka) && ucp_config_modify(config, "KEEPALIVE_INTERVAL", UCX_KEEPALIVE) != UCS_OK)
+        kvb_log(KVB_LOG_WARN, "ucx: this UCX has no KEEPALIVE_INTERVAL: a vanished peer is found by its default");
     ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
                       .features = UCP_FEATURE_STREAM | UCP_FEATURE_TAG | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
                       .mt_workers_shared = 0};
@@ -213,6 +227,8 @@ static kvb_status wait_check(ucx_link *u, double deadline, const char *what, kvb
     if (atomic_load(&u->failed))
         return kvb_err_set(err, KVB_ERR_PEER_GONE, "%s %s: the peer is gone (%s)", what, u->base.peer_addr,
                            ucs_status_string(u->fail_status));
+    if (atomic_load(&u->peer_shut))
+        return kvb_err_set(err, KVB_ERR_PEER_GONE, "%s %s: the peer shut the connection down", what, u->base.peer_addr);
     if (cancel && atomic_load(cancel)) return kvb_err_set(err, KVB_ERR_CANCELLED, "%s %s: cancelled", what, u->base.peer_addr);
     if (wire_ms_left(deadline) == 0) return kvb_err_set(err, KVB_ERR_TIMEOUT, "%s %s: timed out", what, u->base.peer_addr);
     return KVB_OK;
@@ -535,6 +551,23 @@ static void credit_post(ucx_link *u) {
     ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL};
     u->credit_req = ucp_tag_recv_nbx(u->dworker, u->credit_in, sizeof u->credit_in, UCX_CREDIT_TAG, UINT64_MAX, &rp);
     if (UCS_PTR_IS_ERR(u->credit_req)) u->credit_req = NULL;
+}
+
+/* The peer's shutdown notice arrived (run inside ucp_worker_progress, under the link's lock). */
+static void bye_cb(void *req, ucs_status_t status, const ucp_tag_recv_info_t *info, void *arg) {
+    (void)req;
+    (void)info;
+    if (status == UCS_OK) atomic_store(&((ucx_link *)arg)->peer_shut, true);
+}
+
+/* Posts the receive of the peer's shutdown notice, once (the caller holds the lock). */
+static void bye_post(ucx_link *u) {
+    ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL | UCP_OP_ATTR_FIELD_CALLBACK |
+                                              UCP_OP_ATTR_FIELD_USER_DATA,
+                              .cb.recv = bye_cb,
+                              .user_data = u};
+    u->bye_req = ucp_tag_recv_nbx(u->dworker, u->bye_in, sizeof u->bye_in, UCX_BYE_TAG, UINT64_MAX, &rp);
+    if (UCS_PTR_IS_ERR(u->bye_req)) u->bye_req = NULL;
 }
 
 /* Takes in the credits that have arrived (the caller holds the lock): the peer's consumed mark,
@@ -911,6 +944,7 @@ static kvb_status data_ep_create(ucx_link *u, const uint8_t *addr, const uint8_t
         u->ep = data;
         if (rkey_len) s = ucp_ep_rkey_unpack(u->ep, rkey, &u->peer_rkey);
         if (s == UCS_OK && rkey_len) credit_post(u);
+        if (s == UCS_OK) bye_post(u);
     }
     pthread_mutex_unlock(&u->lock);
     if (s != UCS_OK) {
@@ -995,21 +1029,40 @@ static kvb_status ucx_authenticated(kvb_link *base, double deadline, kvb_err *er
     return st;
 }
 
-/* Every wait ends; and the connection manager's endpoint is closed now, which tells the peer at
- * once (as a TCP shutdown's FIN does) rather than when this side gets round to closing the link or
- * the peer's keepalive finds out seconds later. */
+static bool req_pending(ucs_status_ptr_t req) {
+    return req && !UCS_PTR_IS_ERR(req) && ucp_request_check_status(req) == UCS_INPROGRESS;
+}
+
+/* Every wait ends, and the peer is told at once, as a TCP shutdown's FIN does, rather than when
+ * this side gets round to closing the link (its workers destroyed, its sockets closed) or the
+ * peer's keepalive finds out: an 8-byte notice goes on the data endpoint (UCX_BYE_TAG; the peer's
+ * pending receives end with KVB_ERR_PEER_GONE), and the connection manager's endpoint is closed.
+ * Both need this side's progress: a forced close only hands the endpoint to the worker, which
+ * tears it down (and so closes its socket, which is what the peer's connection manager sees) in a
+ * later ucp_worker_progress, and after a shutdown nothing here may progress that worker again
+ * before the link is closed, seconds later. Relying on the close alone, the peer sometimes waited
+ * out its whole receive timeout under load. So the workers are progressed here until the notice
+ * is sent and the close done, and a few rounds more, bounded by UCX_BYE_WAIT_S. */
 static void ucx_shutdown(kvb_link *base) {
     ucx_link *u = (ucx_link *)base;
     atomic_store(&u->shut, true);
     pthread_mutex_lock(&u->lock);
     if (u->cm_ep && !u->cm_closed && !u->dead) {
+        ucs_status_ptr_t bye = NULL;
+        if (!atomic_load(&u->failed) && !atomic_load(&u->peer_shut)) {
+            wire_put_u64(u->bye_out, 0);
+            ucp_request_param_t bp = {.op_attr_mask = 0};
+            bye = ucp_tag_send_nbx(u->ep, u->bye_out, sizeof u->bye_out, UCX_BYE_TAG, &bp);
+        }
         ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = UCP_EP_CLOSE_FLAG_FORCE};
         u->cm_close = ucp_ep_close_nbx(u->cm_ep, &rp);
         u->cm_closed = true;
-        double until = kvb_now_s() + 0.2; /* progressed until the close is done: the peer is told now */
-        while (u->cm_close && !UCS_PTR_IS_ERR(u->cm_close) && ucp_request_check_status(u->cm_close) == UCS_INPROGRESS &&
-               kvb_now_s() < until)
+        const double until = kvb_now_s() + UCX_BYE_WAIT_S;
+        for (int round = 0; kvb_now_s() < until; round++) {
             progress(u);
+            if (round >= 64 && !req_pending(bye) && !req_pending(u->cm_close)) break;
+        }
+        if (bye && !UCS_PTR_IS_ERR(bye)) ucp_request_free(bye); /* bye_out lives until ucx_close */
     }
     pthread_mutex_unlock(&u->lock);
 }
@@ -1033,6 +1086,11 @@ static void ucx_close(kvb_link *base) {
         ucp_request_cancel(u->dworker, u->credit_req);
         ucp_request_free(u->credit_req);
         u->credit_req = NULL;
+    }
+    if (u->bye_req) { /* the posted receive of the peer's notice: likewise */
+        ucp_request_cancel(u->dworker, u->bye_req);
+        ucp_request_free(u->bye_req);
+        u->bye_req = NULL;
     }
     if (u->peer_rkey) ucp_rkey_destroy(u->peer_rkey);
     ucp_ep_h eps[2] = {u->ep, u->cm_closed ? NULL : u->cm_ep};
