@@ -110,7 +110,7 @@ kvb_status kvb_ring_push(kvb_ring *r, const kvb_slab *s, kvb_err *err) {
     /* the slot is ours until count says otherwise: copy without the lock */
     uint8_t *dst = r->buf + (size_t)slot * r->slot_bytes;
     memcpy(dst, s->k, s->k_bytes);
-    memcpy(dst + s->k_bytes, s->v, s->v_bytes);
+    if (s->v_bytes) memcpy(dst + s->k_bytes, s->v, s->v_bytes); /* a latent (mla) slab has no V part */
     r->meta[slot] = *s;
     r->meta[slot].k = dst;
     r->meta[slot].v = dst + s->k_bytes;
