@@ -391,9 +391,29 @@ kvb_status kvb_msg_ping_encode(const kvb_msg_ping *m, uint8_t *buf, size_t cap, 
 }
 
 kvb_status kvb_msg_ping_decode(const uint8_t *p, size_t n, kvb_msg_ping *m, kvb_err *err) {
-    kvb_status st = exact_size("PING/PONG", n, 8, err);
+    kvb_status st = exact_size("PING", n, 8, err);
     if (st) return st;
-    m->token = wire_get_u64(p);
+    *m = (kvb_msg_ping){.token = wire_get_u64(p)};
+    return KVB_OK;
+}
+
+kvb_status kvb_msg_pong_encode(const kvb_msg_ping *m, uint8_t *buf, size_t cap, size_t *len, kvb_err *err) {
+    if (m->waiting > m->in_flight)
+        return kvb_err_set(err, KVB_ERR_INVALID, "pong encode: %u waiting of %u in flight", m->waiting, m->in_flight);
+    kvb_status st = need_cap("pong", KVB_PONG_BYTES, cap, len, err);
+    if (st) return st;
+    wire_put_u64(buf, m->token);
+    wire_put_u32(buf + 8, m->in_flight);
+    wire_put_u32(buf + 12, m->waiting);
+    return KVB_OK;
+}
+
+kvb_status kvb_msg_pong_decode(const uint8_t *p, size_t n, kvb_msg_ping *m, kvb_err *err) {
+    kvb_status st = exact_size("PONG", n, KVB_PONG_BYTES, err);
+    if (st) return st;
+    *m = (kvb_msg_ping){.token = wire_get_u64(p), .in_flight = wire_get_u32(p + 8), .waiting = wire_get_u32(p + 12)};
+    if (m->waiting > m->in_flight)
+        return kvb_err_set(err, KVB_ERR_FORMAT, "PONG: %u waiting of %u in flight", m->waiting, m->in_flight);
     return KVB_OK;
 }
 
