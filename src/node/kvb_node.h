@@ -107,6 +107,7 @@ void kvb_prefill_node_stop(kvb_prefill_node *n);
 /* ---- decode node ------------------------------------------------------------------------------ */
 
 #define KVB_MAX_LANES 8
+#define KVB_MAX_PEERS 16 /* prefill nodes of one decode node */
 #define KVB_DEFAULT_LANES 4
 
 typedef struct {
@@ -117,7 +118,7 @@ typedef struct {
     uint32_t n_peers;
     uint32_t peer_max_queue;   /* several peers: a conversation's next turn goes to the peer that produced
                                   its longest cached prefix unless that one's queue is above this
-                                  (default 2), or it is down; then to the least-loaded peer that is up */
+                                  (0: 2), or it is down; then to the least-loaded peer that is up */
     const char *model_path;
     const char *model_id;      /* name in the API (default: the file's base name) */
     const char *psk;

@@ -87,7 +87,6 @@ void kvb_prefill_ops_stop(kvb_prefill_ops *o);
 
 /* ---- a decode node's prefill peers (decode_peers.c) ------------------------------------------- */
 
-#define KVB_MAX_PEERS 16
 typedef struct kvb_peer_set kvb_peer_set;
 typedef struct {
     const char *const *peers;  /* (n_peers) "HOST:PORT" or "NAME=HOST:PORT" (the name in verdicts and metrics) */
