@@ -7,6 +7,7 @@
  * request goes there unless that peer is not up or its queue is above max_queue; otherwise to the
  * least-loaded peer that is up (ties: the one given fewest requests, so new conversations spread).
  * Only the prompt FIFO's holder places, records, borrows and gives back lanes: one at a time. */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,38 +66,44 @@ static void on_peer_state(void *ctx, kvb_peer_state state, kvb_status code, cons
     }
 }
 
+/* The peers' metric families: type, name, help, label names, and the field that holds it. */
+static const struct {
+    kvb_metric_type type;
+    const char *name, *help, *labels;
+    size_t field; /* offsetof(kvb_peer_set, its kvb_metric *) */
+} k_peer_metrics[] = {
+    {KVB_METRIC_GAUGE, "kvbridge_peer_up", "1 while the link to a prefill node is up", "peer",
+     offsetof(kvb_peer_set, m_up)},
+    {KVB_METRIC_COUNTER, "kvbridge_peer_handshakes_refused_total",
+     "Attempts to connect to a prefill node that failed, by reason: auth (another key), mismatch (another model, "
+     "cache format or version), timeout (it said nothing in time), protocol (not kvbridge), refused (it said no), "
+     "gone (nobody answered, or it closed), other",
+     "peer,reason", offsetof(kvb_peer_set, m_refused)},
+    {KVB_METRIC_GAUGE, "kvbridge_peer_transport",
+     "1 for what carries a prefill node's link since it last came up: tcp, or ucx and the transports UCX selected "
+     "(a fallback to TCP shows as tcp/...)",
+     "peer,carried_by", offsetof(kvb_peer_set, m_transport)},
+    {KVB_METRIC_GAUGE, "kvbridge_peer_queue",
+     "A prefill node's PREFILLs in flight (from every decode node), as its last PONG reported at placement", "peer",
+     offsetof(kvb_peer_set, m_queue)},
+    {KVB_METRIC_COUNTER, "kvbridge_peer_slab_bytes_total", "Cache bytes received as slabs, by the prefill node that "
+     "sent them", "peer", offsetof(kvb_peer_set, m_bytes)},
+    {KVB_METRIC_COUNTER, "kvbridge_peer_requests_total",
+     "Bridged completions by prefill node and verdict (a request resumed on another node counts for both)",
+     "peer,verdict", offsetof(kvb_peer_set, m_requests)},
+    {KVB_METRIC_COUNTER, "kvbridge_placements_total",
+     "Bridged requests by placement: history (on the prefill node that produced the longest cached prefix of the "
+     "prompt), new (no node did), moved (that node was down or its queue above --peer-max-queue)",
+     "result", offsetof(kvb_peer_set, m_placements)},
+};
+
 static kvb_status register_metrics(kvb_peer_set *s, kvb_metrics *mx, kvb_err *err) {
-    kvb_status st;
-    if ((st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_peer_up", "1 while the link to a prefill node is up",
-                                   "peer", NULL, 0, &s->m_up, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_peer_handshakes_refused_total",
-                                   "Attempts to connect to a prefill node that failed, by reason: auth (another key), "
-                                   "mismatch (another model, cache format or version), timeout (it said nothing in "
-                                   "time), protocol (not kvbridge), refused (it said no), gone (nobody answered, or it "
-                                   "closed), other",
-                                   "peer,reason", NULL, 0, &s->m_refused, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_peer_transport",
-                                   "1 for what carries a prefill node's link since it last came up: tcp, or ucx and "
-                                   "the transports UCX selected (a fallback to TCP shows as tcp/...)",
-                                   "peer,carried_by", NULL, 0, &s->m_transport, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_GAUGE, "kvbridge_peer_queue",
-                                   "A prefill node's PREFILLs in flight (from every decode node), as its last PONG "
-                                   "reported at placement",
-                                   "peer", NULL, 0, &s->m_queue, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_peer_slab_bytes_total",
-                                   "Cache bytes received as slabs, by the prefill node that sent them", "peer", NULL,
-                                   0, &s->m_bytes, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_peer_requests_total",
-                                   "Bridged completions by prefill node and verdict (a request resumed on another "
-                                   "node counts for both)",
-                                   "peer,verdict", NULL, 0, &s->m_requests, err)) ||
-        (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_placements_total",
-                                   "Bridged requests by placement: history (on the prefill node that produced the "
-                                   "longest cached prefix of the prompt), new (no node did), moved (that node was "
-                                   "down or its queue above --peer-max-queue)",
-                                   "result", NULL, 0, &s->m_placements, err)))
-        return st;
-    return KVB_OK;
+    kvb_status st = KVB_OK;
+    for (size_t i = 0; !st && i < KVB_ARRAY_LEN(k_peer_metrics); i++)
+        st = kvb_metrics_register(mx, k_peer_metrics[i].type, k_peer_metrics[i].name, k_peer_metrics[i].help,
+                                  k_peer_metrics[i].labels, NULL, 0,
+                                  (kvb_metric **)((char *)s + k_peer_metrics[i].field), err);
+    return st;
 }
 
 kvb_status kvb_peer_set_start(const kvb_peer_set_config *cfg, kvb_peer_set **out, kvb_err *err) {
@@ -120,6 +127,7 @@ kvb_status kvb_peer_set_start(const kvb_peer_set_config *cfg, kvb_peer_set **out
             st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
             break;
         }
+        s->n = i + 1; /* kvb_peer_set_stop frees it from here on */
         char *eq = strchr(p->spec, '=');
         if (eq) *eq = 0;
         p->name = p->spec;
@@ -131,7 +139,6 @@ kvb_status kvb_peer_set_start(const kvb_peer_set_config *cfg, kvb_peer_set **out
         for (uint32_t j = 0; j < i; j++)
             if (!strcmp(s->peers[j].name, p->name))
                 st = kvb_err_set(err, KVB_ERR_INVALID, "--peer '%s': the name %s is given twice", cfg->peers[i], p->name);
-        s->n = i + 1;
         kvb_metric_set(s->m_up, KVB_LABELS(p->name), 0);
     }
     for (uint32_t i = 0; !st && i < s->n; i++) { /* each link's thread dials now */

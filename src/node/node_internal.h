@@ -121,8 +121,8 @@ const char *kvb_peer_set_addr(const kvb_peer_set *s, int peer); /* "HOST:PORT"; 
 /* Places a request whose prompt's whole blocks have chain keys keys[0 .. n_keys): the peer that
  * produced its longest prefix unless it is not up or its queue is above max_queue, else the
  * least-loaded peer that is up; the chosen peer's lanes are lent (release or drop them). Never
- * waits for a connect. KVB_ERR_PEER_GONE (or the link's code with one peer) when none is up, with
- * every peer's reason in err. */
+ * waits for a connect. KVB_ERR_PEER_GONE when none is up, with every peer's reason in err (one
+ * peer: its link's own words, as kvb_peer_link_lanes gives them). */
 kvb_status kvb_peer_set_place(kvb_peer_set *s, const uint64_t *keys, uint32_t n_keys, kvb_placement *pl,
                               kvb_conn *const **lanes, uint32_t *n_lanes, kvb_err *err);
 /* After a fault on not_peer's lanes: the least-loaded other peer that is up, its lanes lent; -1: none. */
