@@ -8,10 +8,11 @@
  * thread — KVB_DECODE_PIPELINED_TAIL=0 runs it after the transfer instead), native fill (the
  * rest), decode and emit; the verdict, printed from the decision and the outcome, says what
  * actually happened. Up to cfg.parallel requests are served at once, admitted in arrival order:
- * prompts take their turn in a FIFO (whose holder borrows the peer link's lanes; the link's own
- * thread dials them, src/transport/peer_link.c), and the decode steps of all
- * of them run as batches whenever no prompt computes, before each prompt and between its slices
- * (decode_batch.c), the weights read once per step for every request. */
+ * prompts take their turn in a FIFO (whose holder borrows a peer link's lanes; each link's own
+ * thread dials them, src/transport/peer_link.c; with several prefill peers, decode_peers.c places
+ * the request on the one holding its history, and a resume may go to another), and the decode
+ * steps of all of them run as batches whenever no prompt computes, before each prompt and between
+ * its slices (decode_batch.c), the weights read once per step for every request. */
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
