@@ -57,7 +57,8 @@ static int serve_check(const kvb_cli_spec *spec, serve_args *a) {
     if (a->decoder && a->peers.n > 1)
         return kvb_cli_usage_error(spec, "--decoder llama-server=URL takes one --peer");
     if (a->peers.n > KVB_MAX_PEERS)
-        return kvb_cli_usage_error(spec, "--peer is given %d times: at most %d prefill nodes", a->peers.n, KVB_MAX_PEERS);
+        return kvb_cli_usage_error(spec, "--peer is given %d times: at most %d prefill nodes", a->peers.n,
+                                   KVB_MAX_PEERS);
     if (prefill ? !a->listen : !a->http)
         return kvb_cli_usage_error(spec, "--role %s needs %s HOST:PORT", k_roles[a->role],
                                    prefill ? "--listen" : "--http");
@@ -155,8 +156,8 @@ static int serve_parse(serve_args *a, int argc, char **argv) {
     };
     const kvb_cli_spec spec = {
         .name = "serve", .opts = opts,
-        .usage = "--role prefill --listen ADDR -m MODEL [options]\n--role decode --http ADDR -m MODEL [--peer ADDR ...] "
-                 "[options]",
+        .usage = "--role prefill --listen ADDR -m MODEL [options]\n--role decode --http ADDR -m MODEL "
+                 "[--peer ADDR ...] [options]",
         .about = "prefill  computes the decode node's own KV cache for the prompts it is sent and streams it\n"
                  "decode   the front door: an OpenAI-compatible API (/v1/chat/completions, /v1/completions,\n"
                  "         /v1/models, /health, /metrics) that bridges long prompts through the prefill node"};
@@ -168,7 +169,8 @@ int kvb_cmd_serve(int argc, char **argv) {
     serve_args a = {.psk = getenv("KVB_PSK"), .warmup = -1, .resumes = -1};
     int prc = serve_parse(&a, argc, argv);
     if (prc != KVB_CLI_GO) return prc;
-    const char *model = a.model, *listen = a.listen, *http = a.http, *peer = a.peers.n ? a.peers.v[0] : NULL, *psk = a.psk, *tmpl = a.tmpl,
+    const char *peer = a.peers.n ? a.peers.v[0] : NULL; /* the first; the llama-server door takes one */
+    const char *model = a.model, *listen = a.listen, *http = a.http, *psk = a.psk, *tmpl = a.tmpl,
                *model_id = a.model_id, *fault = a.fault, *api_key = a.api_key, *allow_origin = a.allow_origin;
     const long long threads = a.threads, bt = a.bt, ctx = a.ctx, bridge_min = a.bridge_min,
                     max_tokens = a.max_tokens, chunk = a.chunk, cache_blocks = a.cache_blocks, lanes = a.lanes,

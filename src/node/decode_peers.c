@@ -138,7 +138,8 @@ kvb_status kvb_peer_set_start(const kvb_peer_set_config *cfg, kvb_peer_set **out
         }
         for (uint32_t j = 0; j < i; j++)
             if (!strcmp(s->peers[j].name, p->name))
-                st = kvb_err_set(err, KVB_ERR_INVALID, "--peer '%s': the name %s is given twice", cfg->peers[i], p->name);
+                st = kvb_err_set(err, KVB_ERR_INVALID, "--peer '%s': the name %s is given twice", cfg->peers[i],
+                                 p->name);
         kvb_metric_set(s->m_up, KVB_LABELS(p->name), 0);
     }
     for (uint32_t i = 0; !st && i < s->n; i++) { /* each link's thread dials now */

@@ -605,8 +605,9 @@ typedef struct {
 kvb_status kvb_peer_link_start(const kvb_peer_link_config *cfg, kvb_peer_link **out, kvb_err *err);
 /* Stops the thread (an attempt under way is cut short) and closes the lanes. NULL is fine. */
 void kvb_peer_link_stop(kvb_peer_link *l);
-/* Never blocks (but for a heartbeat on the lanes, kvb_peer_link_release): KVB_OK with the lanes (*n of them) when the link is up and every lane usable;
- * else KVB_ERR_PEER_GONE while connecting, or the last attempt's code while down (KVB_ERR_AUTH,
+/* Never blocks (but for a heartbeat on the lanes, see kvb_peer_link_release): KVB_OK with the
+ * lanes (*n of them), lent to the caller, when the link is up and every lane usable; else
+ * KVB_ERR_PEER_GONE while connecting, or the last attempt's code while down (KVB_ERR_AUTH,
  * _MISMATCH, _TIMEOUT, _REFUSED, _PEER_GONE, ...), with a short message in whole words that fits
  * a verdict ("connecting (an attempt is under way)", "down (the pre-shared keys differ), next
  * attempt in 1.5 s"); kvb_peer_link_state has the whole story. A lane found unusable drops the
