@@ -2,7 +2,7 @@
  * nodes in this process, talking through the real transport and HTTP API. Multi-turn: each turn
  * ships only its increment (bridged tokens and slab bytes asserted); replies equal the native
  * ones; every fault (corrupt slab, peer killed mid-stream, stalled peer, peer down, wrong key,
- * other model) still yields the native answer with an honest verdict and a counted fault — with
+ * other model, a slab before or past the range asked for, a DONE for blocks never sent) still yields the native answer with an honest verdict and a counted fault — with
  * the slabs striped over the default 4 lanes; one lane and 3 lanes carry the multi-turn run too,
  * and a lane group is checked on the wire (slabs spread over every lane, each lane's DONE counting
  * its own, an incomplete group refused); the official openai client streams a chat completion
@@ -20,6 +20,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "kvb_bridge.h"
 #include "kvb_engine_cpu.h"
 #include "kvb_grammar.h"
 #include "kvb_model.h"
@@ -423,6 +424,7 @@ static void check_fault(const char *fault, const char *model, const char *psk_pr
 
 #define FAULT_CORRUPT "kvbridge_bridge_faults_total{kind=\"corrupt_slab\"} "
 #define FAULT_LOST "kvbridge_bridge_faults_total{kind=\"peer_lost\"} "
+#define FAULT_DONE "kvbridge_bridge_faults_total{kind=\"done_mismatch\"} "
 
 static void test_fault_corrupt_slab(void **state) { /* resumes off: what arrived stays, the rest is native */
     (void)state;
@@ -494,6 +496,9 @@ typedef struct {
     kvb_transport_config tc;
     size_t slab_bytes; /* K (and V) of one block of one layer */
     int prefills;      /* PREFILLs answered */
+    const kvb_store *done_store; /* non-NULL: answer with no slab and a DONE that is right in every
+                                    field but the blocks it claims were never sent */
+    bool past_end;               /* the slab is for the block just past the range asked for */
 } stray_peer;
 
 static void *stray_peer_main(void *arg) {
@@ -504,11 +509,18 @@ static void *stray_peer_main(void *arg) {
     uint8_t *k = calloc(1, p->slab_bytes), *v = calloc(1, p->slab_bytes);
     kvb_msg m = {0};
     while (k && v && !kvb_conn_recv(c, 60000, &m, &err)) { /* until the decode node closes the lane */
-        if (m.type == KVB_FRAME_PREFILL) {
-            kvb_msg_slab sl = {.layer = 0, .pos0 = 0, .n = 32, .k = k, .v = v, .k_bytes = p->slab_bytes,
-                               .v_bytes = p->slab_bytes};
+        if (m.type == KVB_FRAME_PREFILL && p->done_store) {
+            const kvb_msg_prefill *q = &m.u.prefill;
+            kvb_msg_done d;
+            p->prefills++;
+            if (!kvb_bridge_done_for(p->done_store, q->tokens, q->cached_tokens, q->ship_tokens, 0, &d, &err))
+                kvb_conn_send_done(c, m.request_id, &d, 5000, &err);
+        } else if (m.type == KVB_FRAME_PREFILL) {
+            kvb_msg_slab sl = {.layer = 0, .pos0 = p->past_end ? m.u.prefill.ship_tokens : 0, .n = 32, .k = k,
+                               .v = v, .k_bytes = p->slab_bytes, .v_bytes = p->slab_bytes};
             sl.checksum = kvb_slab_checksum(k, p->slab_bytes, v, p->slab_bytes);
-            p->prefills += m.u.prefill.cached_tokens > 0; /* position 0 is then outside what was asked */
+            /* position 0 is outside what was asked once a prefix is cached; past the end always */
+            p->prefills += p->past_end || m.u.prefill.cached_tokens > 0;
             kvb_conn_send_slab(c, m.request_id, &sl, 5000, &err);
         } else if (m.type == KVB_FRAME_PING) { /* the link's heartbeat: alive, only its slabs are wrong */
             kvb_conn_send_pong(c, m.u.ping.token, 5000, &err);
@@ -565,6 +577,75 @@ static void test_fault_slab_outside_range(void **state) {
     kvb_decode_node_stop(dn); /* closes the lane: the peer's thread ends */
     pthread_join(th, NULL);
     kvb_listener_close(p.l);
+    reference_engine_free(m, e, s);
+}
+
+/* Runs prompts of 385 tokens (12 whole blocks shipped, no tail: the last token is the decoder's
+ * own) and, with n_prompts 2, 400 (12 blocks and a 15-token tail) against the stray peer p, which
+ * serves one connection: nothing bridged, verdict partial, the native answer, one more fault of
+ * kind `fault` each, and the receiver's own reason (`why`) in the reply's bridge faults. */
+static void stray_peer_run(stray_peer *p, const kvb_model *m, const kvb_kvformat *f, const char *fault,
+                           const char *why, int n_prompts) {
+    kvb_err err = {0};
+    p->tc = (kvb_transport_config){.psk = (const uint8_t *)PSK, .psk_len = strlen(PSK)};
+    p->slab_bytes = 32 * (size_t)m->d.n_head_kv * kvb_kvformat_row_bytes(f);
+    assert_int_equal(kvb_hello_init(&p->hello, KVB_ROLE_PREFILL, KVB_BRIDGE_MODE_DECODER, "stray", m->fingerprint, f,
+                                    &err), KVB_OK);
+    assert_int_equal(kvb_transport_listen("127.0.0.1:0", NULL, &p->l, &err), KVB_OK);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, stray_peer_main, p), 0);
+    g_lanes = 1;
+    g_resumes = -1;
+    kvb_decode_node *dn = start_decode(kvb_listener_port(p->l), PSK, 10000);
+    kvb_decode_node *nat = start_decode(0, PSK, 10000);
+    g_lanes = 0;
+    g_resumes = 0;
+    const int lens[2] = {385, 400};
+    for (int i = 0; i < n_prompts; i++) {
+        int32_t ids[400];
+        kvbt_prompt_ids(ids, lens[i], 4343 + i);
+        kvbt_reply b, n;
+        kvbt_complete_ids(kvb_decode_node_port(dn), ids, lens[i], &b);
+        kvbt_complete_ids(kvb_decode_node_port(nat), ids, lens[i], &n);
+        if (strncmp(b.verdict, "partial 0/", 10)) fail_msg("%d tokens: verdict '%s'", lens[i], b.verdict);
+        assert_int_equal(b.bridged, 0);
+        assert_string_equal(b.content, n.content);
+        assert_int_equal(p->prefills, i + 1);
+        assert_true(kvbt_metric(kvb_decode_node_port(dn), fault) == i + 1);
+        if (!strstr(b.faults, why)) fail_msg("%d tokens: faults '%s' lack '%s'", lens[i], b.faults, why);
+        free(b.content);
+        free(n.content);
+    }
+    kvb_decode_node_stop(nat);
+    kvb_decode_node_stop(dn);
+    pthread_join(th, NULL);
+    kvb_listener_close(p->l);
+}
+
+/* A peer whose DONE is right in every field (tokens covered, blocks, chain digest, its slab
+ * count) but that never sent the blocks it claims: the receiver counts what was committed, not
+ * what DONE says, and refuses that DONE (a done_mismatch fault), whole blocks and a tail alike. */
+static void test_fault_done_without_blocks(void **state) {
+    (void)state;
+    kvb_model *m;
+    kvb_engine *e;
+    kvb_seq *s;
+    reference_engine(&m, &e, &s);
+    stray_peer p = {.done_store = kvb_engine_store(e)};
+    stray_peer_run(&p, m, kvb_engine_kvformat(e), FAULT_DONE, "DONE does not match what arrived", 2);
+    reference_engine_free(m, e, s);
+}
+
+/* A slab for the block just past the range asked for (12 whole blocks, no tail) is refused by the
+ * receiver's range check like one before it (the link is then dropped: one prompt). */
+static void test_fault_slab_past_range(void **state) {
+    (void)state;
+    kvb_model *m;
+    kvb_engine *e;
+    kvb_seq *s;
+    reference_engine(&m, &e, &s);
+    stray_peer p = {.past_end = true};
+    stray_peer_run(&p, m, kvb_engine_kvformat(e), FAULT_CORRUPT, "outside the shipped range", 1);
     reference_engine_free(m, e, s);
 }
 
@@ -1747,6 +1828,8 @@ int main(void) {
         cmocka_unit_test(test_fault_wrong_key),
         cmocka_unit_test(test_fault_other_model),
         cmocka_unit_test(test_fault_slab_outside_range),
+        cmocka_unit_test(test_fault_done_without_blocks),
+        cmocka_unit_test(test_fault_slab_past_range),
         cmocka_unit_test(test_ingest_without_decoding),
         cmocka_unit_test(test_concurrent_requests_batch_exactly),
         cmocka_unit_test(test_concurrent_decode_during_bridge),
