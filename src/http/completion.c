@@ -351,10 +351,10 @@ kvb_status kvb_completion_relay_end(kvb_completion_out *out) {
 
 /* ---- running the handler ---------------------------------------------------------------------- */
 
-static void fail_unfinished(kvb_completion_out *out, const char *fmt, ...) {
+static void fail_unfinished(kvb_completion_out *out, int status, const char *code, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    fail_locked(out, 500, NULL, NULL, fmt, ap);
+    fail_locked(out, status, code, NULL, fmt, ap);
     va_end(ap);
 }
 
@@ -364,7 +364,11 @@ static void mark_handler_returned(kvb_completion_out *out) {
     if (!out->ended) {
         if (!out->cancelled)
             kvb_log(KVB_LOG_WARN, "http: the completion handler returned without finish or fail");
-        fail_unfinished(out, "The completion handler returned without finishing the response.");
+        if (out->cancelled) /* the server is stopping (or the client gone): a balancer may send it elsewhere */
+            fail_unfinished(out, 503, "server_shutting_down", "This server stopped before the reply was done; send "
+                            "the request to another one.");
+        else
+            fail_unfinished(out, 500, NULL, "The completion handler returned without finishing the response.");
     }
     pthread_cond_broadcast(&out->cv);
     pthread_mutex_unlock(&out->mu);

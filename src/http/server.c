@@ -344,6 +344,12 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
         kvb_trace_span("http.completion", t_run, kvb_now_s(), 0);
         if (out->client_gone) return MHD_NO; /* nobody to answer */
         if (out->failed) return queue_completion_error(ctx, conn);
+        if (out->cancelled) { /* the server stopped it: what was decoded is cut short, never a 200 */
+            kvb_http_error e;
+            http_error_set(&e, 503, "server_shutting_down", NULL, "This server stopped before the reply was done; "
+                           "send the request to another one.");
+            return queue_error(ctx, conn, &e, NULL, MHD_HTTP_HEADER_CONNECTION, "close");
+        }
         /* the last choice joins the body's (the others joined at kvb_completion_next_choice) */
         char *body = NULL;
         if (http_completion_close_choice(out, out->finish_reason)) {
