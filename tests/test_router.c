@@ -7,7 +7,7 @@
  * sent + retries); a backend that dies after its first SSE event (a stream ended by an error event,
  * never retried); a backend that accepts and stays silent (the request moves on after the
  * first-byte timeout, 1 s here); hostile input answered by the router without reaching a backend;
- * /health 503 once no backend is up; the LRU table and rendezvous order on their own. */
+ * /health 503 once no backend is up; the official openai client through the router; the LRU table and rendezvous order on their own. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -593,9 +593,18 @@ static void test_hostile_input_never_reaches_a_backend(void **state) {
     assert_string_equal(via.backend, names[0]);
     free(via.body.p);
     assert_true(metric(ports[0], "kvb_http_requests_total{route=\"/v1/completions\",code=\"200\"} ") == 1);
+    /* the model listing comes from the backend; an odd model id is its 404, no fault of the backend's */
+    char cmd[256], health[2048] = "";
+    snprintf(cmd, sizeof cmd, "curl -s -w ' %%{http_code}' -H '%s' http://127.0.0.1:%u/v1/models", auth, rp);
+    assert_int_equal(kvbt_sh(cmd, health, sizeof health, 0), 0);
+    if (!strstr(health, "\"object\":\"list\"") || !strstr(health, "} 200")) fail_msg("/v1/models: %s", health);
+    snprintf(cmd, sizeof cmd, "curl -s -w ' %%{http_code}' -H '%s' 'http://127.0.0.1:%u/v1/models/a%%20b%%0d%%0a'", auth, rp);
+    assert_int_equal(kvbt_sh(cmd, health, sizeof health, 0), 0);
+    if (!strstr(health, "model_not_found") || !strstr(health, "} 404")) fail_msg("/v1/models/ID: %s", health);
+    assert_true(metric(rp, "kvbridge_router_backend_up{backend=\"%s\"} ", names[0]) == 1);
     /* its only backend gone: /health says so (503), a request is the router's 503 */
     kvb_decode_node_stop(node);
-    char cmd[128], health[2048] = "";
+    health[0] = 0;
     snprintf(cmd, sizeof cmd, "curl -s -w ' %%{http_code}' http://127.0.0.1:%u/health", rp);
     for (int i = 0; i < 100 && !strstr(health, "no_backend_up"); i++) {
         usleep(20000);
@@ -609,6 +618,42 @@ static void test_hostile_input_never_reaches_a_backend(void **state) {
     assert_non_null(strstr(via.body.p, "no_backend_available"));
     free(via.body.p);
     kvb_router_stop(r);
+}
+
+/* ---- the official openai client through the router ------------------------------------------------ */
+
+/* tests/openai_node_check.py (streaming with usage, logprobs, JSON mode, structured outputs) against
+ * the router in front of a decode node bridged to a prefill node: the verdicts, headers and usage
+ * it checks come through untouched. */
+static void test_openai_client_through_router(void **state) {
+    (void)state;
+    const char *src = getenv("KVB_SOURCE_DIR");
+    if (!src) src = ".";
+    char py[600];
+    snprintf(py, sizeof py, "%s/.venv/bin/python", src);
+    if (access(py, X_OK) != 0) kvbt_skip("no %s (tools/install.sh makes the venv)", py);
+    kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = g_model, .psk = "router-test-psk-0123456789",
+                             .n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 4096};
+    kvb_prefill_node *pn = NULL;
+    kvb_err err = {0};
+    if (kvb_prefill_node_start(&pc, &pn, &err)) fail_msg("prefill node: %s", err.msg);
+    char peer[32];
+    snprintf(peer, sizeof peer, "127.0.0.1:%u", kvb_prefill_node_port(pn));
+    kvb_decode_config dc = {.http_listen = "127.0.0.1:0", .peer = peer, .psk = pc.psk, .model_path = g_model,
+                            .n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 4096};
+    kvb_decode_node *dn = NULL;
+    if (kvb_decode_node_start(&dc, &dn, &err)) fail_msg("decode node: %s", err.msg);
+    uint16_t ports[1] = {kvb_decode_node_port(dn)};
+    char names[1][32], cmd[1400], out[8192];
+    kvb_router *r = start_router(ports, 1, (kvb_router_config){0}, names);
+    snprintf(cmd, sizeof cmd, "'%s' '%s/tests/openai_node_check.py' %u", py, src, kvb_router_port(r));
+    const int rc = kvbt_sh(cmd, out, sizeof out, 1);
+    printf("%s", out);
+    kvb_router_stop(r);
+    kvb_decode_node_stop(dn);
+    kvb_prefill_node_stop(pn);
+    if (rc == 77) kvbt_skip("the venv has no openai package");
+    assert_int_equal(rc, 0);
 }
 
 /* ---- the table and the order on their own -------------------------------------------------------- */
@@ -654,6 +699,7 @@ int main(void) {
         cmocka_unit_test(test_backend_stopped_mid_run),
         cmocka_unit_test(test_stream_cut_after_first_event_is_not_retried),
         cmocka_unit_test(test_silent_backend_is_passed_over),
+        cmocka_unit_test(test_openai_client_through_router),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

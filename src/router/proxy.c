@@ -8,6 +8,7 @@
  * breaking) sends the same request to the next backend, up to `retries` times; after it, a failure
  * ends the client's stream with an SSE error event and is never retried. A client that leaves
  * aborts the upstream request (the backend stops decoding). */
+#include <ctype.h>
 #include <curl/curl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -123,9 +124,20 @@ static int on_progress(void *ud, curl_off_t dl_total, curl_off_t dl_now, curl_of
 
 /* ---- one attempt ------------------------------------------------------------------------------ */
 
+/* base + path with every byte outside [A-Za-z0-9/-._~:@+] percent-encoded (the server hands the
+ * path over decoded: "/v1/models/a b" must not become a malformed URL, which is no backend's fault). */
+static void build_url(char *url, size_t cap, const char *base, const char *path) {
+    size_t n = (size_t)snprintf(url, cap, "%s", base);
+    for (const unsigned char *p = (const unsigned char *)path; *p && n + 4 < cap; p++) {
+        if (isalnum(*p) || strchr("/-._~:@+", *p)) url[n++] = (char)*p;
+        else n += (size_t)snprintf(url + n, cap - n, "%%%02X", *p);
+    }
+    url[n] = 0;
+}
+
 static void set_options(kvb_router *r, CURL *easy, const kvb_relay_req *rr, upstream_call *c, struct curl_slist *hdrs,
                         char *url, size_t url_cap) {
-    snprintf(url, url_cap, "%s%s", r->backends[c->backend].base_url, rr->path);
+    build_url(url, url_cap, r->backends[c->backend].base_url, rr->path);
     curl_easy_reset(easy);
     curl_easy_setopt(easy, CURLOPT_URL, url);
     curl_easy_setopt(easy, CURLOPT_SHARE, r->share);
@@ -194,7 +206,7 @@ static attempt_result attempt(kvb_router *r, CURL *easy, const kvb_relay_req *rr
     const char *lines[] = {"Content-Type: application/json", "Expect:", rr->request_id[0] ? rid : NULL};
     for (size_t i = 0; i < KVB_ARRAY_LEN(lines); i++)
         if (lines[i] && (more = curl_slist_append(hdrs, lines[i]))) hdrs = more;
-    char url[8448];
+    char url[3 * 8192 + 192]; /* a path of up to HTTP_TARGET_MAX bytes, each escaped */
     set_options(r, easy, rr, c, hdrs, url, sizeof url);
     router_backend *b = &r->backends[c->backend];
     kvb_metric_add(r->m.requests, KVB_LABELS(b->name), 1);
