@@ -419,7 +419,8 @@ static enum MHD_Result queue_relayed(request_ctx *ctx, struct MHD_Connection *co
 }
 
 /* A completion (validated first: a bad request is our 4xx and reaches no backend) or a model
- * listing, handed to the relay on a thread of its own; answered once its reply's head is known. */
+ * listing, handed to the relay: a stream's on a thread of its own, answered once its reply's head
+ * is known; any other on this thread, answered once whole. */
 static enum MHD_Result serve_relay(request_ctx *ctx, struct MHD_Connection *conn, const char *url) {
     kvb_http_server *s = ctx->server;
     if (ctx->route == ROUTE_CHAT || ctx->route == ROUTE_COMPLETIONS) {
@@ -437,6 +438,12 @@ static enum MHD_Result serve_relay(request_ctx *ctx, struct MHD_Connection *conn
     if (!ctx->out) return refuse(ctx, conn, 503, NULL, "Out of memory starting the request.");
     atomic_fetch_add(&s->completions_in_flight, 1);
     ctx->out->relay = &ctx->relay;
+    if (!ctx->out->streaming) { /* as a non-streamed completion: on this thread, answered whole */
+        http_completion_run_inline(ctx->out);
+        if (ctx->out->client_gone) return MHD_NO;
+        if (!ctx->out->stream_started) return queue_completion_error(ctx, conn);
+        return queue_relayed(ctx, conn);
+    }
     if (!http_completion_start_worker(ctx->out))
         return refuse(ctx, conn, 503, NULL, "Could not start a thread for the request.");
     const int begun = http_completion_wait_begun(ctx->out);
@@ -722,7 +729,8 @@ static void request_completed(void *cls, struct MHD_Connection *conn, void **con
         bool delivered = toe == MHD_REQUEST_TERMINATED_COMPLETED_OK;
         if (out->client_gone || (!delivered && toe != MHD_REQUEST_TERMINATED_DAEMON_SHUTDOWN))
             kvb_metric_add(s->m_disconnects, KVB_LABELS(api), 1);
-        if (out->emitted) kvb_metric_observe(s->m_ttft, KVB_LABELS(api), out->t_first_token - out->t_start);
+        if (out->emitted && (!out->relay || out->req)) /* a relayed model listing has no first token */
+            kvb_metric_observe(s->m_ttft, KVB_LABELS(api), out->t_first_token - out->t_start);
         if (out->ended && !out->failed && !out->relay) {
             kvb_metric_add(s->m_prompt_tokens, KVB_LABELS(api), (double)out->usage.prompt_tokens);
             kvb_metric_add(s->m_generated_tokens, KVB_LABELS(api), (double)out->usage.completion_tokens);
