@@ -5,6 +5,7 @@
  *   1..8   one message decoder directly on the bytes (HELLO, AUTH, PREFILL, SLAB, DONE, ERROR,
  *          CANCEL, PING), skipping the hash so the fuzzer reaches the field checks;
  *   9      44 bytes to kvb_wire_header_decode.
+ *   10     a PONG payload (a PONG frame also arrives through mode 0).
  * libFuzzer's buffer is exactly sized, so ASan sees any over-read. Every decode that succeeds must
  * keep its promises (views inside the payload, counts consistent, strings terminated) and must
  * re-encode to exactly the input bytes: decode accepts only canonical encodings, and encode never
@@ -116,13 +117,20 @@ static void decode_payload(uint16_t type, const uint8_t *p, size_t n) {
         check_reencoded(buf, len, p, n, "cancel round trip");
         return;
     }
-    case KVB_FRAME_PING:
-    case KVB_FRAME_PONG: {
+    case KVB_FRAME_PING: {
         kvb_msg_ping g;
         if (kvb_msg_ping_decode(p, n, &g, &err) != KVB_OK) return;
         uint8_t buf[8];
         check(kvb_msg_ping_encode(&g, buf, sizeof buf, &len, &err) == KVB_OK, "ping re-encodes");
         check_reencoded(buf, len, p, n, "ping round trip");
+        return;
+    }
+    case KVB_FRAME_PONG: {
+        kvb_msg_ping g;
+        if (kvb_msg_pong_decode(p, n, &g, &err) != KVB_OK) return;
+        uint8_t buf[KVB_PONG_BYTES];
+        check(kvb_msg_pong_encode(&g, buf, sizeof buf, &len, &err) == KVB_OK, "pong re-encodes");
+        check_reencoded(buf, len, p, n, "pong round trip");
         return;
     }
     case KVB_FRAME_LANE: {
@@ -167,7 +175,7 @@ static const uint16_t g_mode_type[] = {0, KVB_FRAME_HELLO, KVB_FRAME_AUTH, KVB_F
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 1) return 0;
-    uint8_t mode = data[0] % 10;
+    uint8_t mode = data[0] % 11;
     const uint8_t *p = data + 1;
     size_t n = size - 1;
     if (mode == 0) {
@@ -181,6 +189,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             kvb_wire_header_encode(&h, again);
             check(memcmp(again, p, KVB_WIRE_HEADER_BYTES) == 0, "header round trip");
         }
+    } else if (mode == 10) {
+        decode_payload(KVB_FRAME_PONG, p, n);
     } else {
         decode_payload(g_mode_type[mode], p, n);
     }
@@ -263,9 +273,12 @@ int main(int argc, char **argv) {
     kvb_msg_cancel c = {3};
     kvb_msg_cancel_encode(&c, buf, sizeof buf, &n, &err);
     seed(dir, "cancel", 7, KVB_FRAME_CANCEL, 3, buf, n);
-    kvb_msg_ping g = {11};
+    kvb_msg_ping g = {.token = 11};
     kvb_msg_ping_encode(&g, buf, sizeof buf, &n, &err);
     seed(dir, "ping", 8, KVB_FRAME_PING, 0, buf, n);
+    kvb_msg_ping q = {.token = 11, .in_flight = 2, .waiting = 1};
+    kvb_msg_pong_encode(&q, buf, sizeof buf, &n, &err);
+    seed(dir, "pong", 10, KVB_FRAME_PONG, 0, buf, n);
     return 0;
 }
 #endif

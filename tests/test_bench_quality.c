@@ -85,7 +85,7 @@ static void test_table(void **state) {
     assert_int_equal(rc, 0);
     /* one progress line per prompt */
     for (int i = 1; i <= 3; i++) {
-        char p[16];
+        char p[24];
         snprintf(p, sizeof p, "[%d/3] ", i);
         assert_non_null(strstr(g_out, p));
     }

@@ -752,7 +752,10 @@ static int prom_check(const char *text) {
                      (!strcmp(name + fl, "_bucket") || !strcmp(name + fl, "_sum") || !strcmp(name + fl, "_count")))
                 fam = &fams[i];
         }
-        if (!fam) fail_msg("sample before (or without) its TYPE: %s", l);
+        if (!fam) {
+            fail_msg("sample before (or without) its TYPE: %s", l);
+            return -1;
+        }
         if (strcmp(fam->type, "histogram") == 0) {
             size_t fl = strlen(fam->name);
             if (!strcmp(name + fl, "_bucket")) {
@@ -1115,7 +1118,7 @@ static void test_choices(void **state) {
     cJSON *j = parse_body(&r);
     assert_int_equal(cJSON_GetArraySize(jitem(j, "choices")), 3);
     for (int c = 0; c < 3; c++) {
-        char path[64], want[16];
+        char path[64], want[24];
         snprintf(want, sizeof want, "#%d x y", c);
         snprintf(path, sizeof path, "choices.%d.message.content", c);
         assert_string_equal(jstr(j, path), want);

@@ -93,19 +93,25 @@ static kvb_decode_node *start_decode(uint16_t peer_port, const char *psk, int ti
     return start_decode_mode(peer_port, psk, timeout_ms, false);
 }
 
+/* kvbridge_peer_up of the decode node's one peer, 127.0.0.1:peer_port. */
+static double peer_up(kvb_decode_node *dn, uint16_t peer_port) {
+    char series[96];
+    snprintf(series, sizeof series, "kvbridge_peer_up{peer=\"127.0.0.1:%u\"} ", peer_port);
+    return kvbt_metric(kvb_decode_node_port(dn), series);
+}
+
 static void multiturn_ships_only_increments(uint32_t lanes) {
     g_lanes = lanes;
     kvb_prefill_node *pn = start_prefill(g_model, PSK, NULL);
     kvb_decode_node *dn = start_decode(kvb_prefill_node_port(pn), PSK, 10000);
     kvb_decode_node *nat = start_decode(0, PSK, 10000);
     /* the lanes were connected at start, before any request */
-    assert_true(kvbt_metric(kvb_decode_node_port(dn), "kvbridge_peer_up ") == 1);
+    assert_true(peer_up(dn, kvb_prefill_node_port(pn)) == 1);
     /* what carries the link shows: tcp, or ucx and the lanes UCX selected */
-    char carried[320] = "kvbridge_peer_transport{carried_by=\"tcp\"} ", ucx_lanes[256];
-    if (g_backend) {
-        kvb_ucx_last_lanes(ucx_lanes, sizeof ucx_lanes);
-        snprintf(carried, sizeof carried, "kvbridge_peer_transport{carried_by=\"ucx %s\"} ", ucx_lanes);
-    }
+    char carried[320], ucx_lanes[256] = "";
+    if (g_backend) kvb_ucx_last_lanes(ucx_lanes, sizeof ucx_lanes);
+    snprintf(carried, sizeof carried, "kvbridge_peer_transport{peer=\"127.0.0.1:%u\",carried_by=\"%s%s\"} ",
+             kvb_prefill_node_port(pn), g_backend ? "ucx " : "tcp", ucx_lanes);
     if (kvbt_metric(kvb_decode_node_port(dn), carried) != 1) fail_msg("no sample %s1 in /metrics", carried);
     int32_t ids[1200];
     kvbt_prompt_ids(ids, 1200, 7);
@@ -381,7 +387,7 @@ static void check_fault(const char *fault, const char *model, const char *psk_pr
     /* a peer that refused the lanes at start (down, wrong key, other model) is not dialled by the
      * request below: the link's own thread dials it with back-off, and the verdict says why */
     if (!start_peer || strcmp(psk_prefill, PSK) || model != g_model)
-        assert_true(kvbt_metric(kvb_decode_node_port(dn), "kvbridge_peer_up ") == 0);
+        assert_true(peer_up(dn, port) == 0);
     int32_t ids[600];
     kvbt_prompt_ids(ids, 600, 99);
     kvbt_reply b, n;
@@ -504,6 +510,8 @@ static void *stray_peer_main(void *arg) {
             sl.checksum = kvb_slab_checksum(k, p->slab_bytes, v, p->slab_bytes);
             p->prefills += m.u.prefill.cached_tokens > 0; /* position 0 is then outside what was asked */
             kvb_conn_send_slab(c, m.request_id, &sl, 5000, &err);
+        } else if (m.type == KVB_FRAME_PING) { /* the link's heartbeat: alive, only its slabs are wrong */
+            kvb_conn_send_pong(c, m.u.ping.token, 5000, &err);
         }
         kvb_msg_free(&m);
     }
@@ -1537,7 +1545,7 @@ static void test_prefill_node_drains(void **state) {
     kvb_decode_node *db = start_decode(kvb_prefill_node_port(pn), PSK, 10000); /* connects, groups its lanes */
     const double connect_s = kvb_now_s() - t_connect;
     printf("a decode node connected in %.3f s while a prompt was in flight\n", connect_s);
-    assert_true(kvbt_metric(kvb_decode_node_port(db), "kvbridge_peer_up ") == 1);
+    assert_true(peer_up(db, kvb_prefill_node_port(pn)) == 1);
     assert_int_equal(kvb_prefill_node_in_flight(pn), 1); /* before a's prompt ended */
     b.port = kvb_decode_node_port(db);
     kvb_prefill_node_quiesce(pn);

@@ -246,9 +246,11 @@ static void misbehaving_peer(kvbt_peer_kind kind, const char *reason) {
     free(ref);
     /* /metrics and /health say the link is down and why */
     char series[128];
-    snprintf(series, sizeof series, "kvbridge_peer_handshakes_refused_total{reason=\"%s\"} ", reason);
+    snprintf(series, sizeof series, "kvbridge_peer_handshakes_refused_total{peer=\"127.0.0.1:%u\",reason=\"%s\"} ",
+             kvbt_fake_peer_port(p), reason);
     assert_true(kvbt_metric(dp, series) >= 1);
-    assert_true(kvbt_metric(dp, "kvbridge_peer_up ") == 0);
+    snprintf(series, sizeof series, "kvbridge_peer_up{peer=\"127.0.0.1:%u\"} ", kvbt_fake_peer_port(p));
+    assert_true(kvbt_metric(dp, series) == 0);
     assert_true(kvbt_metric(dp, "kvbridge_bridge_faults_total{kind=\"peer_down\"} ") == 3);
     char cmd[128], health[2048];
     snprintf(cmd, sizeof cmd, "curl -s http://127.0.0.1:%u/health", dp);
@@ -310,7 +312,8 @@ static void refused(const char *model, const char *psk, const char *reason, cons
         fail_msg("verdict '%s'", b.verdict);
     free(b.content);
     char series[128];
-    snprintf(series, sizeof series, "kvbridge_peer_handshakes_refused_total{reason=\"%s\"} ", reason);
+    snprintf(series, sizeof series, "kvbridge_peer_handshakes_refused_total{peer=\"127.0.0.1:%u\",reason=\"%s\"} ",
+             kvb_prefill_node_port(pn), reason);
     assert_true(kvbt_metric(dp, series) >= 1);
     snprintf(series, sizeof series, "kvbridge_prefill_handshakes_refused_total{reason=\"%s\"} ", reason);
     assert_true(await_metric(pp, series) >= 1);

@@ -5,7 +5,8 @@
  * peer that is not there (gone), stays silent or trickles (timeout), speaks garbage (protocol),
  * refuses (refused), holds another key (auth) or another model (mismatch); in every state
  * kvb_peer_link_lanes answers at once (< 10 ms), a failed peer is dialled with exponential
- * back-off rather than in a loop, and stopping the link cuts an attempt under way short. */
+ * back-off rather than in a loop, and stopping the link cuts an attempt under way short; the
+ * heartbeat reports the peer's queue, leaves lent lanes alone and finds a peer gone silent. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -50,12 +51,19 @@ typedef struct {
     atomic_uint lanes_seen; /* LANE frames received */
 } server;
 
+static atomic_bool g_mute;   /* the listener's connections stop answering PINGs (alive, but silent) */
+static atomic_uint g_pings;  /* PINGs they received */
+
 static void *serve_conn(void *arg) {
     kvb_conn *c = arg;
     for (;;) {
         kvb_msg m;
         if (kvb_conn_recv(c, 60 * 1000, &m, NULL)) return NULL; /* closed, or shut down by the test */
-        if (m.type == KVB_FRAME_PING) kvb_conn_send_pong(c, m.u.ping.token, 1000, NULL);
+        if (m.type == KVB_FRAME_PING) atomic_fetch_add(&g_pings, 1);
+        if (m.type == KVB_FRAME_PING && !atomic_load(&g_mute)) { /* the answer carries a queue of 3, 2 waiting */
+            const kvb_msg_ping pong = {.token = m.u.ping.token, .in_flight = 3, .waiting = 2};
+            kvb_conn_send_pong_load(c, &pong, 1000, NULL);
+        }
         kvb_msg_free(&m);
     }
 }
@@ -110,18 +118,23 @@ static void on_state(void *ctx, kvb_peer_state state, kvb_status code, const cha
     }
 }
 
-static kvb_peer_link *link_start(uint16_t port, const char *psk, uint32_t lanes, int timeout_ms, observed *o) {
+static kvb_peer_link *link_start_hb(uint16_t port, const char *psk, uint32_t lanes, int timeout_ms, int heartbeat_ms,
+                                    observed *o) {
     char addr[32];
     snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
     kvb_hello me = make_hello(KVB_ROLE_DECODE, "decoder-a", MODEL_FP);
     kvb_transport_config cfg = {.psk = (const uint8_t *)psk, .psk_len = strlen(psk)};
     kvb_peer_link_config lc = {.addr = addr, .hello = &me, .tcfg = &cfg, .lanes = lanes,
                                .connect_timeout_ms = timeout_ms, .backoff_min_s = 0.05, .backoff_max_s = 0.2,
-                               .on_state = on_state, .on_state_ctx = o};
+                               .on_state = on_state, .on_state_ctx = o, .heartbeat_ms = heartbeat_ms};
     kvb_peer_link *l = NULL;
     kvb_err e = {0};
     if (kvb_peer_link_start(&lc, &l, &e)) fail_msg("link: %s", e.msg);
     return l; /* everything in lc was copied: the locals may go */
+}
+
+static kvb_peer_link *link_start(uint16_t port, const char *psk, uint32_t lanes, int timeout_ms, observed *o) {
+    return link_start_hb(port, psk, lanes, timeout_ms, 0, o);
 }
 
 /* Calls kvb_peer_link_lanes every millisecond for `seconds`: the slowest call's seconds, and the
@@ -237,6 +250,42 @@ static void refused_by_listener(const char *server_psk, uint64_t server_fp, kvb_
     server_stop(&s);
 }
 
+/* The heartbeat: the grouping's PONG reports the peer's queue; lanes an owner holds are never
+ * pinged, idle ones are; a peer that stays connected but stops answering is found (the link leaves
+ * up and, its redial unanswered too, is down) within the interval plus KVB_HEARTBEAT_TIMEOUT_MS. */
+static void test_heartbeat_load_and_silent_peer(void **state) {
+    (void)state;
+    atomic_store(&g_mute, false);
+    server s;
+    server_start(&s, PSK, MODEL_FP);
+    observed o = {0};
+    kvb_peer_link *l = link_start_hb(kvb_listener_port(s.l), PSK, 2, 1000, 100, &o);
+    kvb_conn *const *lanes = NULL;
+    uint32_t n = 0, in_flight = 0, waiting = 0;
+    kvb_err e = {0};
+    if (kvb_peer_link_wait_lanes(l, 5000, &lanes, &n, &e)) fail_msg("not up: %s", e.msg);
+    assert_true(kvb_peer_link_load(l, &in_flight, &waiting));
+    assert_int_equal(in_flight, 3);
+    assert_int_equal(waiting, 2);
+    const unsigned lent_pings = atomic_load(&g_pings); /* the lanes are lent: no heartbeat on them */
+    usleep(400 * 1000);
+    assert_int_equal(atomic_load(&g_pings), lent_pings);
+    kvb_peer_link_release(l);
+    for (int i = 0; i < 200 && atomic_load(&g_pings) == lent_pings; i++) usleep(10 * 1000);
+    assert_true(atomic_load(&g_pings) > lent_pings);
+    assert_int_equal(kvb_peer_link_state(l, NULL, 0), KVB_PEER_UP);
+    atomic_store(&g_mute, true);
+    const double t0 = kvb_now_s();
+    while (atomic_load(&o.downs) == 0 && kvb_now_s() - t0 < 6) usleep(10 * 1000);
+    printf("a silent peer was found down in %.2f s\n", kvb_now_s() - t0);
+    assert_true(atomic_load(&o.downs) >= 1);
+    assert_true(kvb_now_s() - t0 < 0.1 + KVB_HEARTBEAT_TIMEOUT_MS / 1000.0 + 1.0 + 1.0); /* + the redial's timeout */
+    assert_false(kvb_peer_link_load(l, &in_flight, &waiting));
+    kvb_peer_link_stop(l);
+    server_stop(&s);
+    atomic_store(&g_mute, false);
+}
+
 static void test_wrong_key_is_auth(void **state) {
     (void)state;
     refused_by_listener(OTHER_PSK, MODEL_FP, KVB_ERR_AUTH, KVB_HANDSHAKE_AUTH, "keys differ");
@@ -340,6 +389,7 @@ static void test_bad_config(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_up_grouped_and_redialled_after_drop),
+        cmocka_unit_test(test_heartbeat_load_and_silent_peer),
         cmocka_unit_test(test_wrong_key_is_auth),
         cmocka_unit_test(test_other_model_is_mismatch),
         cmocka_unit_test(test_silent_peer),

@@ -27,9 +27,10 @@ static void on_signal(int sig) {
 
 /* What the command line asks of a node. */
 typedef struct {
-    const char *model, *listen, *http, *peer, *psk, *tmpl, *model_id, *fault, *api_key, *allow_origin, *decoder, *slot_dir;
+    const char *model, *listen, *http, *psk, *tmpl, *model_id, *fault, *api_key, *allow_origin, *decoder, *slot_dir;
     long long threads, bt, ctx, bridge_min, max_tokens, chunk, cache_blocks, lanes, warmup, resumes, parallel,
-        drain_s, slots, max_inflight, health_ms, retries, connect_ms, first_byte_ms;
+        drain_s, slots, peer_max_queue, max_inflight, health_ms, retries, connect_ms, first_byte_ms;
+    kvb_opt_list peers;    /* --peer, repeatable */
     kvb_opt_list backends; /* router: the decode nodes */
     int role, mode, device, transport; /* k_roles, kvb_cli_{bridge_mode,device,transport}_names */
     kvb_cli_gpu gpu;
@@ -59,8 +60,16 @@ static int serve_check(const kvb_cli_spec *spec, serve_args *a) {
         return kvb_cli_usage_error(spec, a->role == ROLE_ROUTER ? "--role router needs --backend HOST:PORT (one per "
                                    "decode node) and loads no model (no -m)" : "--role %s needs -m MODEL; --backend "
                                    "is for --role router", k_roles[a->role]);
+    if (a->role == ROLE_ROUTER && (a->peers.n || a->listen || a->decoder))
+        return kvb_cli_usage_error(spec, "--role router takes --http and --backend; --peer, --listen and --decoder "
+                                         "are the nodes'");
     if (a->decoder && (prefill || strncmp(a->decoder, "llama-server=", 13) || !a->slot_dir))
         return kvb_cli_usage_error(spec, "--decoder llama-server=URL is for --role decode and needs --slot-dir DIR");
+    if (a->decoder && a->peers.n > 1)
+        return kvb_cli_usage_error(spec, "--decoder llama-server=URL takes one --peer");
+    if (a->peers.n > KVB_MAX_PEERS)
+        return kvb_cli_usage_error(spec, "--peer is given %d times: at most %d prefill nodes", a->peers.n,
+                                   KVB_MAX_PEERS);
     if (prefill ? !a->listen : !a->http)
         return kvb_cli_usage_error(spec, "--role %s needs %s HOST:PORT", k_roles[a->role],
                                    prefill ? "--listen" : "--http");
@@ -92,7 +101,13 @@ static int serve_parse(serve_args *a, int argc, char **argv) {
         KVB_CLI_STR("slot-dir", &a->slot_dir, "DIR", "decode, --decoder: llama-server's --slot-save-path (same host)"),
         KVB_CLI_INT("slots", &a->slots, "N", 1, KVB_DOOR_MAX_SLOTS, NULL,
                   "decode, --decoder: llama-server's slots (its -np; default 1)"),
-        KVB_CLI_STR("peer", &a->peer, "HOST:PORT", "decode: the prefill node (omit to always compute natively)"),
+        {.long_name = "peer", .kind = KVB_OPT_LIST, .dst = &a->peers, .meta = "[NAME=]HOST:PORT",
+         .help = "decode: a prefill node (omit to always compute natively); several: each conversation's next turn "
+                 "goes to the one holding its history, else to the least loaded (NAME: its name in verdicts and "
+                 "metrics; default HOST:PORT)"},
+        KVB_CLI_INT("peer-max-queue", &a->peer_max_queue, "N", 1, 1 << 20, "2",
+                    "decode, several peers: pass over the peer holding a conversation's history when its queue "
+                    "(PREFILLs in flight, from every decode node) is above N"),
         KVB_CLI_OPT_PSK(&a->psk, "pre-shared key, >= 16 bytes (or env KVB_PSK); both nodes need the same"),
         KVB_CLI_OPT_TRANSPORT(&a->transport, "the link between the nodes: tcp (kvbridge's own) or ucx (UCX: shared "
                                              "memory, TCP or RDMA as it selects; the log names its lanes); both "
@@ -162,8 +177,8 @@ static int serve_parse(serve_args *a, int argc, char **argv) {
     };
     const kvb_cli_spec spec = {
         .name = "serve", .opts = opts,
-        .usage = "--role prefill --listen ADDR -m MODEL [options]\n--role decode --http ADDR -m MODEL [--peer ADDR] "
-                 "[options]\n--role router --http ADDR --backend ADDR [--backend ADDR ...] [options]",
+        .usage = "--role prefill --listen ADDR -m MODEL [options]\n--role decode --http ADDR -m MODEL "
+                 "[--peer ADDR ...] [options]\n--role router --http ADDR --backend ADDR [--backend ADDR ...] [options]",
         .about = "prefill  computes the decode node's own KV cache for the prompts it is sent and streams it\n"
                  "decode   the front door: an OpenAI-compatible API (/v1/chat/completions, /v1/completions,\n"
                  "         /v1/models, /health, /metrics) that bridges long prompts through the prefill node\n"
@@ -206,7 +221,8 @@ int kvb_cmd_serve(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
     kvb_log_set_level(a.verbose ? KVB_LOG_DEBUG : a.quiet ? KVB_LOG_WARN : KVB_LOG_INFO);
     if (a.role == ROLE_ROUTER) return serve_router(&a);
-    const char *model = a.model, *listen = a.listen, *http = a.http, *peer = a.peer, *psk = a.psk, *tmpl = a.tmpl,
+    const char *peer = a.peers.n ? a.peers.v[0] : NULL; /* the first; the llama-server door takes one */
+    const char *model = a.model, *listen = a.listen, *http = a.http, *psk = a.psk, *tmpl = a.tmpl,
                *model_id = a.model_id, *fault = a.fault, *api_key = a.api_key, *allow_origin = a.allow_origin;
     const long long threads = a.threads, bt = a.bt, ctx = a.ctx, bridge_min = a.bridge_min,
                     max_tokens = a.max_tokens, chunk = a.chunk, cache_blocks = a.cache_blocks, lanes = a.lanes,
@@ -251,7 +267,8 @@ int kvb_cmd_serve(int argc, char **argv) {
         printf("kvbridge decode node: OpenAI API on port %u in front of llama-server %s, prefill node %s\n",
                kvb_llama_door_port(door), a.decoder + 13, peer ? peer : "none (llama-server computes every prompt)");
     } else {
-        kvb_decode_config c = {.http_listen = http, .peer = peer, .model_path = model, .model_id = model_id,
+        kvb_decode_config c = {.http_listen = http, .peers = a.peers.v, .n_peers = (uint32_t)a.peers.n,
+                               .peer_max_queue = (uint32_t)a.peer_max_queue, .model_path = model, .model_id = model_id,
                                .psk = psk, .backend = backend, .chat_template = tmpl, .n_threads = (int)threads, .cache_dtype = cache_type,
                                .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
                                .bridge_min_tokens = (uint32_t)bridge_min, .default_max_tokens = (uint32_t)max_tokens,
@@ -261,8 +278,10 @@ int kvb_cmd_serve(int argc, char **argv) {
                                .parallel = (uint32_t)parallel, .api_key = api_key,
                                .allow_origins = allow_origin};
         if (kvb_decode_node_start(&c, &dn, &err)) goto fail;
-        printf("kvbridge decode node: OpenAI API on port %u, prefill node %s\n", kvb_decode_node_port(dn),
-               peer ? peer : "none (native only)");
+        printf("kvbridge decode node: OpenAI API on port %u, prefill node%s %s", kvb_decode_node_port(dn),
+               a.peers.n > 1 ? "s" : "", peer ? peer : "none (native only)");
+        for (int i = 1; i < a.peers.n; i++) printf(", %s", a.peers.v[i]);
+        printf("\n");
     }
     fflush(stdout);
     while (!g_stop) usleep(100000);

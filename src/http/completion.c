@@ -238,6 +238,9 @@ kvb_status kvb_completion_finish(kvb_completion_out *out, kvb_finish_reason reas
     out->usage.verdict = out->final_verdict;
     http_printable_copy(out->final_faults, sizeof out->final_faults, usage ? usage->bridge_faults : NULL);
     out->usage.bridge_faults = out->final_faults;
+    http_printable_copy(out->final_peer, sizeof out->final_peer, usage ? usage->peer : NULL);
+    out->usage.peer = out->final_peer;
+    if (!out->usage.placement) out->usage.placement = ""; /* a static name, or none */
     out->finish_reason = reason;
     out->ended = true;
     if (out->streaming && !out->cancelled) {

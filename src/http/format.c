@@ -2,7 +2,8 @@
  * chunks (chat.completion.chunk / text_completion) as SSE lines, and the usage object with our
  * usage.kvbridge block: {"verdict", "cached_tokens", "bridged_tokens", "native_tokens",
  * "tokenize_s", "queue_s", "lookup_s", "prefill_s", "transfer_s", "native_s", "decode_s",
- * "native_pipelined"}. The OpenAI-standard
+ * "native_pipelined", "bridge_attempts", "bridge_faults", "peer" (the prefill node(s) that bridged),
+ * "placement" (history, new or moved)}. The OpenAI-standard
  * usage.prompt_tokens_details.cached_tokens carries the cached count too. */
 #include <stdlib.h>
 #include <string.h>
@@ -41,6 +42,9 @@ cJSON *http_usage_json(const kvb_usage *u, const char *verdict) {
         char faults[3 * KVB_VERDICT_MAX];
         http_printable_copy(faults, sizeof faults, u->bridge_faults);
         cJSON_AddStringToObject(kb, "bridge_faults", faults);
+        http_printable_copy(faults, sizeof faults, u->peer);
+        cJSON_AddStringToObject(kb, "peer", faults);
+        cJSON_AddStringToObject(kb, "placement", u->placement ? u->placement : "");
     }
     if (!details || !kb) { cJSON_Delete(usage); return NULL; }
     return usage;

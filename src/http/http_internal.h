@@ -247,6 +247,7 @@ struct kvb_completion_out {
     char final_verdict[KVB_VERDICT_MAX]; /* the body's (usage.kvbridge.verdict) */
     char final_faults[3 * KVB_VERDICT_MAX]; /* usage.kvbridge.bridge_faults, copied: the handler's
                                                buffer is gone when a non-streamed body is made */
+    char final_peer[KVB_VERDICT_MAX];       /* usage.kvbridge.peer, copied likewise */
     bool handler_returned;
     bool cancelled;                     /* client gone or server stopping */
     bool client_gone;

@@ -195,6 +195,8 @@ typedef struct {
     int32_t bridge_attempts;   /* PREFILLs sent for this request: 0 when not bridged, > 1 when an
                                   attempt that stopped short was resumed */
     const char *bridge_faults; /* the attempts' faults, "; "-separated (NULL or "": none); finish copies it */
+    const char *peer;          /* the prefill node(s) that bridged, "A" or "A then B" (NULL or "": none); copied */
+    const char *placement;     /* how that node was chosen: "history", "new", "moved" (NULL or "": not bridged) */
 } kvb_usage;
 
 /* The verdict ("complete", "partial 3/8", "declined: peer down"): required before the first

@@ -8,10 +8,11 @@
  * thread — KVB_DECODE_PIPELINED_TAIL=0 runs it after the transfer instead), native fill (the
  * rest), decode and emit; the verdict, printed from the decision and the outcome, says what
  * actually happened. Up to cfg.parallel requests are served at once, admitted in arrival order:
- * prompts take their turn in a FIFO (whose holder borrows the peer link's lanes; the link's own
- * thread dials them, src/transport/peer_link.c), and the decode steps of all
- * of them run as batches whenever no prompt computes, before each prompt and between its slices
- * (decode_batch.c), the weights read once per step for every request. */
+ * prompts take their turn in a FIFO (whose holder borrows a peer link's lanes; each link's own
+ * thread dials them, src/transport/peer_link.c; with several prefill peers, decode_peers.c places
+ * the request on the one holding its history, and a resume may go to another), and the decode
+ * steps of all of them run as batches whenever no prompt computes, before each prompt and between
+ * its slices (decode_batch.c), the weights read once per step for every request. */
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,7 +36,7 @@ typedef struct {
 
 struct kvb_decode_node {
     kvb_decode_config cfg;
-    char *psk, *peer, *model_id;
+    char *psk, *model_id;
     kvb_model *m;
     kvb_tokenizer *tok;
     kvb_vocab_bytes *vocab_bytes; /* every token's bytes, for response_format's JSON mode */
@@ -57,19 +58,20 @@ struct kvb_decode_node {
     uint32_t n_served;              /* admitted, not yet done */
     uint64_t blocks_reserved;       /* by them */
     kvb_decode_batch *batch;
-    /* the peer link, dialled and kept up by its own thread; the lanes it lent to the prompt FIFO's
-     * holder (n_lanes of them, valid while it holds the FIFO): lane 0 carries PREFILL and CANCEL */
-    kvb_peer_link *link;
+    /* the prefill peers, each link dialled and kept up by its own thread; the lanes one of them
+     * (lanes_peer, -1: none) lent to the prompt FIFO's holder (n_lanes of them, valid while it
+     * holds the FIFO): lane 0 carries PREFILL and CANCEL */
+    kvb_peer_set *peers;
+    uint32_t n_peers;
+    int lanes_peer;
     kvb_conn *const *lanes;
     uint32_t n_lanes;
+    uint64_t chain_root; /* the chain keys' root (placement looks up the prompt's block keys) */
     kvb_hello hello;
     kvb_transport_config tcfg;
     uint64_t next_request_id;
     /* metrics */
-    kvb_metric *m_requests, *m_tokens, *m_faults, *m_resumes, *m_slab_bytes, *m_peer_up, *m_queue;
-    kvb_metric *m_peer_refused; /* the link's failed attempts, by reason */
-    kvb_metric *m_transport;    /* kvbridge_peer_transport{carried_by}: 1 for what carries the link now */
-    char transport_now[288];    /* its label: "tcp", "ucx sysv/memory.0 cma/memory.0" (the link's thread) */
+    kvb_metric *m_requests, *m_tokens, *m_faults, *m_resumes, *m_slab_bytes, *m_queue;
     kvb_metric *m_phase; /* kvbridge_request_phase_seconds{phase} */
     kvb_metric *m_batches, *m_steps, *m_in_prompts;
     kvb_metric *m_reserved, *m_cache_waits; /* admission by cache blocks */
@@ -93,6 +95,9 @@ typedef struct {
 /* One whole dial of the peer link (connect, handshake and grouping of every lane); also how long
  * the node's start, and a resume after a dropped lane, wait for the link. */
 #define PEER_DIAL_TIMEOUT_MS 5000
+/* An idle link's lanes are pinged this often: a silent peer is found within about two of these
+ * plus KVB_HEARTBEAT_TIMEOUT_MS, and each PONG reports the peer's queue for placement. */
+#define PEER_HEARTBEAT_MS 1000
 
 static bool pipelined_tail_on(const kvb_decode_node *n) {
     const char *v = getenv("KVB_DECODE_PIPELINED_TAIL");
@@ -101,45 +106,28 @@ static bool pipelined_tail_on(const kvb_decode_node *n) {
 
 /* The lanes can no longer be trusted: the link closes them and dials again. */
 static void drop_peer(kvb_decode_node *n) {
-    kvb_peer_link_drop(n->link, NULL);
+    kvb_peer_set_drop(n->peers, n->lanes_peer);
     n->lanes = NULL;
     n->n_lanes = 0;
+    n->lanes_peer = -1;
 }
 
-/* The link's lanes for this request, at once, or why not (never waits: the link's own thread
- * connects). Holding the prompt FIFO. */
-static kvb_status peer_lanes(kvb_decode_node *n, kvb_err *err) {
-    return kvb_peer_link_lanes(n->link, &n->lanes, &n->n_lanes, err);
+/* The lanes go back to their link (they stay up; its heartbeat may use them again). */
+static void release_peer(kvb_decode_node *n) {
+    kvb_peer_set_release(n->peers, n->lanes_peer);
+    n->lanes = NULL;
+    n->n_lanes = 0;
+    n->lanes_peer = -1;
 }
 
-/* After a fault mid-stream: the link dials again; waits a bounded time for it with the engine
- * lent to the decode batches, so other requests' streams go on meanwhile. */
-static kvb_status peer_lanes_again(kvb_decode_node *n, kvb_err *err) {
+/* After a fault mid-stream on `peer`'s lanes: the link dials again; waits a bounded time for it
+ * with the engine lent to the decode batches, so other requests' streams go on meanwhile. */
+static kvb_status peer_lanes_again(kvb_decode_node *n, int peer, kvb_err *err) {
     kvb_decode_batch_exec_lend(n->batch);
-    const kvb_status st = kvb_peer_link_wait_lanes(n->link, PEER_DIAL_TIMEOUT_MS, &n->lanes, &n->n_lanes, err);
+    const kvb_status st = kvb_peer_set_lanes_again(n->peers, peer, PEER_DIAL_TIMEOUT_MS, &n->lanes, &n->n_lanes, err);
     kvb_decode_batch_exec_reclaim(n->batch);
+    if (!st) n->lanes_peer = peer;
     return st;
-}
-
-/* The link's thread on every change: the gauge, the failed attempts by reason, and a log line. */
-static void on_peer_state(void *ctx, kvb_peer_state state, kvb_status code, const char *why) {
-    kvb_decode_node *n = ctx;
-    kvb_metric_set(n->m_peer_up, NULL, state == KVB_PEER_UP);
-    if (state == KVB_PEER_DOWN) {
-        kvb_metric_add(n->m_peer_refused, KVB_LABELS(kvb_handshake_reason_name(kvb_handshake_reason_of(code))), 1);
-        kvb_log(KVB_LOG_INFO, "decode: prefill node %s unavailable: %s", n->peer, why);
-    } else if (state == KVB_PEER_UP) { /* what UCX selected shows, so a fallback to TCP does */
-        char now[sizeof n->transport_now] = "tcp", lanes[256];
-        if (n->tcfg.backend && strcmp(n->tcfg.backend->name, "tcp") != 0) {
-            kvb_ucx_last_lanes(lanes, sizeof lanes);
-            snprintf(now, sizeof now, "%s %s", n->tcfg.backend->name, lanes);
-        }
-        if (n->transport_now[0] && strcmp(now, n->transport_now) != 0)
-            kvb_metric_set(n->m_transport, KVB_LABELS(n->transport_now), 0);
-        snprintf(n->transport_now, sizeof n->transport_now, "%s", now);
-        kvb_metric_set(n->m_transport, KVB_LABELS(now), 1);
-        kvb_log(KVB_LOG_INFO, "decode: prefill node %s connected over %s", n->peer, now);
-    }
 }
 
 /* ---- the bridge, through the bridge's receiver over the peer's lanes --------------------------- */
@@ -208,6 +196,7 @@ static void bridge_blocks(kvb_decode_node *n, const int32_t *toks, uint32_t n_to
         kvb_bridge_rx_run(r, &ro, &o->rx);
         n->last_reader_wait_s = o->rx.reader_wait_s;
         n->last_consumer_wait_s = o->rx.consumer_wait_s;
+        kvb_peer_set_count_bytes(n->peers, n->lanes_peer, o->rx.bytes);
         if (o->rx.drop_link) drop_peer(n);
     }
     o->transfer_s = (o->rx.t_end > 0 ? o->rx.t_end : kvb_now_s()) - t0;
@@ -535,7 +524,12 @@ typedef struct {
     char fault_msg[160];
     uint32_t got, blocks_total; /* whole blocks bridged, of those asked for */
     bool tail_ok;            /* the bridged tail continues the sequence */
-    char peer_msg[160];      /* DECIDE_PEER_DOWN: why, as the link says it (its kind first, whole words) */
+    char peer_msg[160];      /* DECIDE_PEER_DOWN: why, as the links say it (their kind first, whole words) */
+    uint64_t *keys;          /* (ship / block_tokens) chain keys of the prompt's whole blocks (placement) */
+    kvb_placement place;     /* DECIDE_BRIDGE: the peer chosen and why */
+    int via[4];              /* the peers that bridged, in order (a resume may go to another) */
+    uint32_t n_via;
+    char peers_text[96];     /* their names, "A" or "A then B": usage.kvbridge.peer */
     char faults[3 * KVB_VERDICT_MAX]; /* the bridge attempts' faults, "; "-separated */
     kvb_err err;
 } decode_request;
@@ -562,15 +556,20 @@ static void request_verdict(const decode_request *rq, char *verdict, const char 
         return;
     case DECIDE_BRIDGE: break;
     }
+    /* with several peers the verdict names the one(s) that bridged and why that one */
+    char via[160] = "";
+    if (rq->n->n_peers > 1)
+        snprintf(via, sizeof via, " (via %s%s: %s)", rq->peers_text, rq->n_via > 1 ? ", resumed" : "",
+                 rq->place.why);
     if (rq->got == rq->blocks_total && (rq->tail == 0 || rq->tail_ok) && !rq->fault) {
         *kind = "complete";
-        kvb_verdict_format(verdict, "complete");
+        kvb_verdict_format(verdict, "complete%s", via);
     } else if (rq->got == 0 && !rq->tail_ok && rq->fault == KVB_BRIDGE_FAULT_PEER_ERROR) {
         /* the prefill node said no (draining, a prompt past its context, ...): nothing was bridged */
-        kvb_verdict_format(verdict, "declined: %s", rq->fault_msg);
+        kvb_verdict_format(verdict, "declined%s: %s", via, rq->fault_msg);
     } else {
         *kind = "partial";
-        kvb_verdict_format(verdict, "partial %u/%u: %s", rq->got, rq->blocks_total,
+        kvb_verdict_format(verdict, "partial %u/%u%s: %s", rq->got, rq->blocks_total, via,
                        rq->fault ? rq->fault_msg : "blocks missing");
     }
 }
@@ -669,16 +668,25 @@ static decode_decision request_decide(decode_request *rq) {
     kvb_decode_node *n = rq->n;
     if (rq->prompt_lp) return DECIDE_PROMPT_LOGPROBS;
     if (rq->req->bridge == KVB_BRIDGE_OFF) return DECIDE_TURNED_OFF;
-    if (!n->peer) return DECIDE_NO_PEER;
+    if (!n->n_peers) return DECIDE_NO_PEER;
     if (rq->ship <= rq->cached) return DECIDE_NOTHING_TO_SHIP;
     if (rq->ship - rq->cached < n->cfg.bridge_min_tokens && rq->req->bridge != KVB_BRIDGE_FORCE)
         return DECIDE_BELOW_THRESHOLD;
     kvb_err perr = {0};
-    if (peer_lanes(n, &perr)) {
+    const uint32_t bt = n->cfg.block_tokens, nb = rq->ship / bt;
+    rq->keys = malloc(sizeof(uint64_t) * (nb ? nb : 1));
+    if (!rq->keys) {
+        snprintf(rq->peer_msg, sizeof rq->peer_msg, "out of memory placing the request");
+        return DECIDE_PEER_DOWN;
+    }
+    uint64_t key = n->chain_root;
+    for (uint32_t b = 0; b < nb; b++) rq->keys[b] = key = kvb_chain_next(key, rq->toks + (size_t)b * bt, bt);
+    if (kvb_peer_set_place(n->peers, rq->keys, nb, &rq->place, &n->lanes, &n->n_lanes, &perr)) {
         snprintf(rq->peer_msg, sizeof rq->peer_msg, "%.150s", perr.msg);
         kvb_metric_add(n->m_faults, KVB_LABELS(kvb_bridge_fault_name(KVB_BRIDGE_FAULT_PEER_DOWN)), 1);
         return DECIDE_PEER_DOWN;
     }
+    n->lanes_peer = rq->place.peer;
     return DECIDE_BRIDGE;
 }
 
@@ -709,8 +717,39 @@ static void request_adopt_tail(decode_request *rq, const bridge_outcome *o, kvb_
     }
 }
 
+/* A peer joins the request's list of those that bridged (its names: "A", "A then B"). */
+static void via_add(decode_request *rq, int peer) {
+    if (peer < 0 || (rq->n_via && rq->via[rq->n_via - 1] == peer) || rq->n_via >= KVB_ARRAY_LEN(rq->via)) return;
+    rq->via[rq->n_via++] = peer;
+    const size_t len = strlen(rq->peers_text);
+    snprintf(rq->peers_text + len, sizeof rq->peers_text - len, "%s%s", len ? " then " : "",
+             kvb_peer_set_name(rq->n->peers, peer));
+}
+
+/* The lanes for a resumed attempt after a fault on `failed`'s: when its link was dropped, another
+ * peer that is up (any prefill node computes the missing blocks; the first may be gone); else the
+ * same peer once it has dialled again. False (the fault noted) when there is none. */
+static bool resume_lanes(decode_request *rq, int failed, bool dropped) {
+    kvb_decode_node *n = rq->n;
+    if (dropped && n->n_peers > 1) {
+        const int other = kvb_peer_set_other(n->peers, failed, &n->lanes, &n->n_lanes);
+        if (other >= 0) {
+            n->lanes_peer = other;
+            return true;
+        }
+    }
+    kvb_err perr = {0};
+    if (peer_lanes_again(n, failed, &perr)) { /* the peer is gone: the verdict keeps the attempt's fault */
+        kvb_metric_add(n->m_faults, KVB_LABELS(kvb_bridge_fault_name(KVB_BRIDGE_FAULT_PEER_DOWN)), 1);
+        faults_append(rq->faults, sizeof rq->faults, "not resumed: ", perr.msg);
+        return false;
+    }
+    return true;
+}
+
 /* Bridge: attempts until the blocks are in or a fault is not worth resuming (a resumed attempt
- * asks only for the blocks still missing), then the sequence adopts what arrived. */
+ * asks only for the blocks still missing, of another peer when the first dropped), then the
+ * sequence adopts what arrived, and the peer that produced its last block is remembered. */
 static kvb_status request_bridge(decode_request *rq) {
     kvb_decode_node *n = rq->n;
     const uint32_t bt = n->cfg.block_tokens;
@@ -719,7 +758,11 @@ static kvb_status request_bridge(decode_request *rq) {
     rq->blocks_total = (rq->ship - rq->cached) / bt;
     bridge_outcome o;
     kvb_status st;
+    int producer = -1; /* the peer whose attempt last added blocks */
     for (;;) {
+        const int peer = n->lanes_peer;
+        const uint32_t before = rq->adopted;
+        via_add(rq, peer);
         const double t_br = kvb_now_s();
         bridge_blocks(n, rq->toks, (uint32_t)rq->n_tok, rq->adopted, rq->ship, rq->tail, rq->logits, rq->out, &o);
         kvb_trace_span("decode.bridge", t_br, kvb_now_s(), rq->ship - rq->adopted);
@@ -727,21 +770,23 @@ static kvb_status request_bridge(decode_request *rq) {
         rq->u.transfer_s += o.transfer_s;
         rq->u.prefill_s += o.rx.prefill_s;
         rq->tail_wait_s = o.rx.tail_wait_s;
-        if (o.rx.fault) faults_append(rq->faults, sizeof rq->faults, "", o.rx.fault_msg); /* for usage.kvbridge */
+        if (o.rx.fault) { /* for usage.kvbridge, named by peer when there are several */
+            char label[80] = "";
+            if (n->n_peers > 1) snprintf(label, sizeof label, "%.70s: ", kvb_peer_set_name(n->peers, peer));
+            faults_append(rq->faults, sizeof rq->faults, label, o.rx.fault_msg);
+        }
         st = kvb_seq_create(n->e, &rq->s, &rq->err);
         if (!st) st = kvb_seq_attach_cached(rq->s, rq->toks, (uint32_t)rq->n_tok, &rq->adopted, &rq->err);
-        if (st || !resume_worth_it(rq, &o)) break;
-        kvb_err perr = {0};
-        if (peer_lanes_again(n, &perr)) { /* the peer is gone: the verdict keeps the attempt's fault */
-            kvb_metric_add(n->m_faults, KVB_LABELS(kvb_bridge_fault_name(KVB_BRIDGE_FAULT_PEER_DOWN)), 1);
-            faults_append(rq->faults, sizeof rq->faults, "not resumed: ", perr.msg);
-            break;
-        }
+        if (!st && rq->adopted > before) producer = peer;
+        if (st || !resume_worth_it(rq, &o) || !resume_lanes(rq, peer, o.rx.drop_link)) break;
         kvb_seq_free(rq->s); /* adopted again after the next attempt */
         rq->s = NULL;
         kvb_metric_add(n->m_resumes, NULL, 1);
     }
+    release_peer(n); /* the lanes a fault did not drop */
     rq->got = rq->adopted > rq->cached ? (rq->adopted - rq->cached) / bt : 0;
+    if (producer >= 0 && rq->adopted / bt > rq->cached / bt && rq->adopted / bt <= rq->ship / bt)
+        kvb_peer_set_record(n->peers, rq->keys[rq->adopted / bt - 1], producer);
     request_adopt_tail(rq, &o, st);
     rq->fault = o.rx.fault;
     snprintf(rq->fault_msg, sizeof rq->fault_msg, "%s", o.rx.fault_msg);
@@ -822,6 +867,9 @@ static kvb_status request_prompt(decode_request *rq) {
     request_verdict(rq, verdict, &kind);
     kvb_completion_set_verdict(rq->out, verdict);
     kvb_metric_add(n->m_requests, KVB_LABELS(kind), 1);
+    for (uint32_t i = 0; i < rq->n_via; i++) kvb_peer_set_count_request(n->peers, rq->via[i], kind);
+    rq->u.peer = rq->peers_text;
+    rq->u.placement = rq->decision == DECIDE_BRIDGE ? kvb_placement_names[rq->place.result] : "";
     kvb_metric_add(n->m_tokens, KVB_LABELS("cached"), (double)rq->u.cached_tokens);
     kvb_metric_add(n->m_tokens, KVB_LABELS("bridged"), (double)rq->u.bridged_tokens);
     kvb_metric_add(n->m_tokens, KVB_LABELS("native"), (double)rq->u.native_tokens);
@@ -863,6 +911,7 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     kvb_seq_free(rq.s); /* its blocks stay cached for the next turn */
     slot_release(n, rq.need);
     free(rq.logits);
+    free(rq.keys);
     free(rq.toks);
 }
 
@@ -912,9 +961,10 @@ static int handle_detokenize(void *ctx, const kvb_completion_req *req, char **te
 static void handle_health(void *ctx, cJSON *body) {
     kvb_decode_node *n = ctx;
     char why[sizeof(((kvb_err *)0)->msg) + 64] = ""; /* the link's whole story, while not up */
-    const kvb_peer_state ps = n->link ? kvb_peer_link_state(n->link, why, sizeof why) : KVB_PEER_DOWN;
-    cJSON_AddStringToObject(body, "peer", n->link ? kvb_peer_state_name(ps) : "none");
+    const kvb_peer_state ps = kvb_peer_set_summary(n->peers, why, sizeof why);
+    cJSON_AddStringToObject(body, "peer", n->n_peers ? kvb_peer_state_name(ps) : "none");
     if (why[0]) cJSON_AddStringToObject(body, "peer_reason", why);
+    if (n->n_peers > 1) cJSON_AddItemToObject(body, "peers", kvb_peer_set_json(n->peers));
     kvb_store_stats st;
     kvb_store_get_stats(n->store, &st);
     cJSON_AddNumberToObject(body, "cache_blocks_committed", st.committed);
@@ -973,14 +1023,15 @@ static cJSON *live_bridge_json(kvb_decode_node *n) {
 static void handle_status(void *ctx, cJSON *body) {
     kvb_decode_node *n = ctx;
     char why[sizeof(((kvb_err *)0)->msg) + 64] = "";
-    const kvb_peer_state ps = n->link ? kvb_peer_link_state(n->link, why, sizeof why) : KVB_PEER_DOWN;
-    cJSON *peer = cJSON_AddObjectToObject(body, "peer");
+    const kvb_peer_state ps = kvb_peer_set_summary(n->peers, why, sizeof why);
+    cJSON *peer = cJSON_AddObjectToObject(body, "peer"); /* the first peer, or the summary of several */
     if (peer) {
-        cJSON_AddStringToObject(peer, "addr", n->peer ? n->peer : "");
-        cJSON_AddStringToObject(peer, "state", n->link ? kvb_peer_state_name(ps) : "none");
+        cJSON_AddStringToObject(peer, "addr", n->n_peers ? kvb_peer_set_addr(n->peers, 0) : "");
+        cJSON_AddStringToObject(peer, "state", n->n_peers ? kvb_peer_state_name(ps) : "none");
         cJSON_AddStringToObject(peer, "reason", why);
         cJSON_AddNumberToObject(peer, "lanes", n->cfg.lanes);
     }
+    cJSON_AddItemToObject(body, "peers", kvb_peer_set_json(n->peers));
     cJSON_AddItemToObject(body, "bridges", live_bridge_json(n));
     cJSON *link = cJSON_AddObjectToObject(body, "link");
     pthread_mutex_lock(&n->live_mu); /* the bytes of the finished bridges, then the one in flight */
@@ -1067,18 +1118,6 @@ static const node_metric k_node_metrics[] = {
     {KVB_METRIC_COUNTER, "kvbridge_slab_bytes_total",
      "Cache bytes received as slabs",
      NULL, offsetof(kvb_decode_node, m_slab_bytes)},
-    {KVB_METRIC_GAUGE, "kvbridge_peer_up",
-     "1 while the prefill node link is up",
-     NULL, offsetof(kvb_decode_node, m_peer_up)},
-    {KVB_METRIC_COUNTER, "kvbridge_peer_handshakes_refused_total",
-     "Attempts to connect to the prefill node that failed, by reason: auth (another key), mismatch "
-     "(another model, cache format or version), timeout (it said nothing in time), protocol (not "
-     "kvbridge), refused (it said no), gone (nobody answered, or it closed), other",
-     "reason", offsetof(kvb_decode_node, m_peer_refused)},
-    {KVB_METRIC_GAUGE, "kvbridge_peer_transport",
-     "1 for what carries the prefill node link since it last came up: tcp, or ucx and the transports "
-     "UCX selected (a fallback to TCP shows as tcp/...)",
-     "carried_by", offsetof(kvb_decode_node, m_transport)},
     {KVB_METRIC_GAUGE, "kvbridge_queue_depth",
      "Completions waiting for their turn or being served (at most --parallel at once)",
      NULL, offsetof(kvb_decode_node, m_queue)},
@@ -1152,7 +1191,14 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                          KVB_MAX_LANES);
         goto fail;
     }
-    n->peer = cfg->peer ? strdup(cfg->peer) : NULL;
+    n->lanes_peer = -1;
+    if (cfg->peer) n->n_peers = 1; /* the one-peer case, then the list */
+    n->n_peers += cfg->n_peers;
+    if (n->n_peers > KVB_MAX_PEERS) {
+        st = kvb_err_set(err, KVB_ERR_INVALID, "%u prefill peers: at most %d", n->n_peers, KVB_MAX_PEERS);
+        goto fail;
+    }
+    if (!c->peer_max_queue) c->peer_max_queue = 2;
     const char *base = strrchr(cfg->model_path, '/');
     n->model_id = strdup(cfg->model_id ? cfg->model_id : base ? base + 1 : cfg->model_path);
     if (!n->model_id) {
@@ -1173,7 +1219,8 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
     }
 
     kvb_store_prefault(n->store); /* page faults at start, not while the first prompts arrive */
-    if (n->peer) {
+    n->chain_root = kvb_chain_root(n->m->fingerprint, kvb_kvformat_fingerprint(kvb_engine_kvformat(n->e)));
+    if (n->n_peers) {
         if (!cfg->psk || strlen(cfg->psk) < KVB_WIRE_PSK_MIN) {
             st = kvb_err_set(err, KVB_ERR_INVALID, "--peer needs a pre-shared key of at least %d bytes (--psk)",
                              KVB_WIRE_PSK_MIN);
@@ -1198,19 +1245,21 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
                           .allow_origins = cfg->allow_origins};
     kvb_http_handlers hh = {.ctx = n, .completion = handle_completion, .health = handle_health, .status = handle_status,
                             .tokenize = handle_tokenize, .detokenize = handle_detokenize};
-    if (n->peer) { /* the link's thread dials now, before a request can ask for it */
-        kvb_peer_link_config lc = {.addr = n->peer, .hello = &n->hello, .tcfg = &n->tcfg, .lanes = c->lanes,
-                                   .connect_timeout_ms = PEER_DIAL_TIMEOUT_MS, .on_state = on_peer_state,
-                                   .on_state_ctx = n};
-        if ((st = kvb_peer_link_start(&lc, &n->link, err))) goto fail;
+    { /* every link's thread dials now, before a request can ask for it */
+        const char *specs[KVB_MAX_PEERS];
+        uint32_t k = 0;
+        if (cfg->peer) specs[k++] = cfg->peer;
+        for (uint32_t i = 0; i < cfg->n_peers; i++) specs[k++] = cfg->peers[i];
+        kvb_peer_set_config pc = {.peers = specs, .n_peers = k, .hello = &n->hello, .tcfg = &n->tcfg,
+                                  .lanes = c->lanes, .connect_timeout_ms = PEER_DIAL_TIMEOUT_MS,
+                                  .heartbeat_ms = PEER_HEARTBEAT_MS, .max_queue = c->peer_max_queue,
+                                  .metrics = n->metrics};
+        if ((st = kvb_peer_set_start(&pc, &n->peers, err))) goto fail;
     }
     if ((st = kvb_http_server_start(&hc, &hh, &n->http, err))) goto fail;
-    if (n->link) { /* the first attempt's outcome is waited for here, not by a request (a peer not up by
-                      then is declined at once, with the reason, and dialled again with back-off) */
-        kvb_conn *const *lanes;
-        uint32_t n_up;
-        kvb_peer_link_wait_lanes(n->link, PEER_DIAL_TIMEOUT_MS + 1000, &lanes, &n_up, NULL);
-    }
+    /* the first attempts' outcomes are waited for here, not by a request (a peer not up by then is
+     * passed over, or declined at once with the reason, and dialled again with back-off) */
+    kvb_peer_set_wait_first(n->peers, PEER_DIAL_TIMEOUT_MS + 1000);
     *out = n;
     return KVB_OK;
 fail:
@@ -1232,7 +1281,7 @@ void kvb_decode_node_last_receive_waits(kvb_decode_node *n, double *reader_s, do
 void kvb_decode_node_stop(kvb_decode_node *n) {
     if (!n) return;
     kvb_http_server_stop(n->http);
-    kvb_peer_link_stop(n->link); /* before the metrics its thread updates */
+    kvb_peer_set_stop(n->peers); /* before the metrics their threads update */
     kvb_decode_batch_free(n->batch);
     kvb_metrics_free(n->metrics); /* after the server, whose families live in it */
     kvb_engine_free(n->e);
@@ -1244,7 +1293,6 @@ void kvb_decode_node_stop(kvb_decode_node *n) {
     pthread_cond_destroy(&n->cv);
     pthread_mutex_destroy(&n->live_mu);
     free(n->psk);
-    free(n->peer);
     free(n->model_id);
     free(n);
 }

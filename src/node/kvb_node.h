@@ -107,11 +107,18 @@ void kvb_prefill_node_stop(kvb_prefill_node *n);
 /* ---- decode node ------------------------------------------------------------------------------ */
 
 #define KVB_MAX_LANES 8
+#define KVB_MAX_PEERS 16 /* prefill nodes of one decode node */
 #define KVB_DEFAULT_LANES 4
 
 typedef struct {
     const char *http_listen;   /* "HOST:PORT" for the OpenAI API (port 0 = ephemeral) */
-    const char *peer;          /* prefill node "HOST:PORT", or NULL: always native */
+    const char *peer;          /* a prefill node "HOST:PORT" (or "NAME=HOST:PORT": its name in verdicts and
+                                  metrics), or NULL; with peers: the first of them */
+    const char *const *peers;  /* (n_peers) more prefill nodes; none at all: always native */
+    uint32_t n_peers;
+    uint32_t peer_max_queue;   /* several peers: a conversation's next turn goes to the peer that produced
+                                  its longest cached prefix unless that one's queue is above this
+                                  (0: 2), or it is down; then to the least-loaded peer that is up */
     const char *model_path;
     const char *model_id;      /* name in the API (default: the file's base name) */
     const char *psk;

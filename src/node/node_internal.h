@@ -85,6 +85,62 @@ kvb_status kvb_prefill_ops_start(kvb_prefill_ops *o, const char *http_listen, co
 void kvb_prefill_ops_quiesce(kvb_prefill_ops *o);
 void kvb_prefill_ops_stop(kvb_prefill_ops *o);
 
+/* ---- a decode node's prefill peers (decode_peers.c) ------------------------------------------- */
+
+typedef struct kvb_peer_set kvb_peer_set;
+typedef struct {
+    const char *const *peers;  /* (n_peers) "HOST:PORT" or "NAME=HOST:PORT" (the name in verdicts and metrics) */
+    uint32_t n_peers;
+    const kvb_hello *hello;    /* this node's HELLO, and the transport (key, backend): copied by each link */
+    const kvb_transport_config *tcfg; /* kept: its backend names the transport in metrics */
+    uint32_t lanes;
+    int connect_timeout_ms;
+    int heartbeat_ms;          /* kvb_peer_link_config.heartbeat_ms */
+    uint32_t max_queue;        /* a history peer whose queue is above this is passed over */
+    kvb_metrics *metrics;      /* the node's registry: the peers' families go in it */
+} kvb_peer_set_config;
+
+typedef enum { KVB_PLACED_HISTORY = 0, KVB_PLACED_NEW, KVB_PLACED_MOVED } kvb_placement_result;
+extern const char *const kvb_placement_names[]; /* "history", "new", "moved" */
+typedef struct {
+    int peer;                   /* the chosen peer */
+    int history;                /* the peer that produced the longest prefix of the prompt, or -1 */
+    uint32_t history_blocks;    /* that prefix's blocks */
+    kvb_placement_result result;
+    char why[112];              /* "history", "new", "history on A, A down", ... */
+} kvb_placement;
+
+/* Starts every peer's link (each dials at once) and registers the peers' metric families. */
+kvb_status kvb_peer_set_start(const kvb_peer_set_config *cfg, kvb_peer_set **out, kvb_err *err);
+/* Waits up to timeout_ms for each link's first attempt to end (up or down). */
+void kvb_peer_set_wait_first(kvb_peer_set *s, int timeout_ms);
+void kvb_peer_set_stop(kvb_peer_set *s); /* NULL is fine */
+uint32_t kvb_peer_set_count(const kvb_peer_set *s);
+const char *kvb_peer_set_name(const kvb_peer_set *s, int peer); /* "" for -1 */
+const char *kvb_peer_set_addr(const kvb_peer_set *s, int peer); /* "HOST:PORT"; "" for -1 */
+/* Places a request whose prompt's whole blocks have chain keys keys[0 .. n_keys): the peer that
+ * produced its longest prefix unless it is not up or its queue is above max_queue, else the
+ * least-loaded peer that is up; the chosen peer's lanes are lent (release or drop them). Never
+ * waits for a connect. KVB_ERR_PEER_GONE when none is up, with every peer's reason in err (one
+ * peer: its link's own words, as kvb_peer_link_lanes gives them). */
+kvb_status kvb_peer_set_place(kvb_peer_set *s, const uint64_t *keys, uint32_t n_keys, kvb_placement *pl,
+                              kvb_conn *const **lanes, uint32_t *n_lanes, kvb_err *err);
+/* After a fault on not_peer's lanes: the least-loaded other peer that is up, its lanes lent; -1: none. */
+int kvb_peer_set_other(kvb_peer_set *s, int not_peer, kvb_conn *const **lanes, uint32_t *n_lanes);
+/* The same peer's lanes again after a fault (waits up to timeout_ms while it redials). */
+kvb_status kvb_peer_set_lanes_again(kvb_peer_set *s, int peer, int timeout_ms, kvb_conn *const **lanes,
+                                    uint32_t *n_lanes, kvb_err *err);
+void kvb_peer_set_release(kvb_peer_set *s, int peer); /* the lanes go back (they stay up); -1: no-op */
+void kvb_peer_set_drop(kvb_peer_set *s, int peer);    /* the lanes are closed and dialled again */
+/* peer produced the prompt prefix whose last block has this chain key (a bridged request's). */
+void kvb_peer_set_record(kvb_peer_set *s, uint64_t key, int peer);
+void kvb_peer_set_count_bytes(kvb_peer_set *s, int peer, uint64_t bytes);
+void kvb_peer_set_count_request(kvb_peer_set *s, int peer, const char *verdict_kind);
+/* One peer: its link's state and why; several: up when any is, else the first's. */
+kvb_peer_state kvb_peer_set_summary(kvb_peer_set *s, char *why, size_t cap);
+/* [{"name", "addr", "state", "reason", "in_flight", "waiting", "placed"}], one per peer. */
+cJSON *kvb_peer_set_json(kvb_peer_set *s);
+
 /* The verdict (verdict: KVB_VERDICT_MAX bytes) from fmt: a text that does not fit is cut at the
  * last word that leaves room for "...", never inside a word (verdict.c). */
 void kvb_verdict_format(char *verdict, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

@@ -56,6 +56,7 @@ struct kvb_prefill_node {
     atomic_bool stop; /* read by the accept and connection threads */
     atomic_bool draining;  /* kvb_prefill_node_quiesce: new PREFILLs are refused */
     atomic_uint in_flight; /* PREFILLs accepted and not yet answered (computing, or waiting their turn) */
+    atomic_uint computing; /* of those, holding the engine (0 or 1): a PONG reports the rest as waiting */
     kvb_prefill_ops ops;   /* metrics, and /health and /metrics with cfg.http_listen */
     pthread_mutex_t mu; /* the engine: one request at a time */
     /* the connection table, guarded by conns_mu (taken before lanes_mu, never after it): a slot is
@@ -327,7 +328,9 @@ static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
                        "this prefill node is draining (shutting down); compute natively");
     } else {
         pthread_mutex_lock(&n->mu);
+        atomic_store(&n->computing, 1);
         outcome = serve_prefill_locked(n, lanes, n_lanes, p, t0);
+        atomic_store(&n->computing, 0);
         pthread_mutex_unlock(&n->mu);
     }
     if (n_lanes) release_lanes(n, lane_slots, n_lanes);
@@ -469,7 +472,12 @@ static void *conn_main(void *arg) {
             pthread_mutex_lock(&n->lanes_mu);
             n->lane[slot] = m.u.lane;
             pthread_mutex_unlock(&n->lanes_mu);
-        } else if (m.type == KVB_FRAME_PING) kvb_conn_send_pong(c, m.u.ping.token, 10000, NULL);
+        } else if (m.type == KVB_FRAME_PING) { /* a decode node's heartbeat: the answer carries our queue */
+            const unsigned in_flight = atomic_load(&n->in_flight), busy = atomic_load(&n->computing);
+            const kvb_msg_ping pong = {.token = m.u.ping.token, .in_flight = in_flight,
+                                       .waiting = in_flight > busy ? in_flight - busy : 0};
+            kvb_conn_send_pong_load(c, &pong, 10000, NULL);
+        }
         else if (m.type == KVB_FRAME_ERROR) kvb_log(KVB_LOG_WARN, "prefill: peer error: %s", m.u.error.msg);
         kvb_msg_free(&m);
     }

@@ -161,8 +161,8 @@ kvb_status kvb_msg_decode(const kvb_frame *f, kvb_msg *out, kvb_err *err) {
     case KVB_FRAME_SLAB: return kvb_msg_slab_decode(p, n, &out->u.slab, err);
     case KVB_FRAME_DONE: return kvb_msg_done_decode(p, n, &out->u.done, err);
     case KVB_FRAME_ERROR: return kvb_msg_error_decode(p, n, &out->u.error, err);
-    case KVB_FRAME_PING:
-    case KVB_FRAME_PONG: return kvb_msg_ping_decode(p, n, &out->u.ping, err);
+    case KVB_FRAME_PING: return kvb_msg_ping_decode(p, n, &out->u.ping, err);
+    case KVB_FRAME_PONG: return kvb_msg_pong_decode(p, n, &out->u.ping, err);
     case KVB_FRAME_LANE: return kvb_msg_lane_decode(p, n, &out->u.lane, err);
     default:
         return kvb_err_set(err, KVB_ERR_FORMAT, "%s frame is not a message after the handshake",
@@ -276,20 +276,24 @@ kvb_status kvb_conn_send_cancel(kvb_conn *c, uint64_t request_id, int timeout_ms
     return send_small(c, KVB_FRAME_CANCEL, request_id, buf, len, timeout_ms, err);
 }
 
-static kvb_status send_ping_pong(kvb_conn *c, uint16_t type, uint64_t token, int timeout_ms, kvb_err *err) {
-    kvb_msg_ping m = {token};
+kvb_status kvb_conn_send_ping(kvb_conn *c, uint64_t token, int timeout_ms, kvb_err *err) {
+    const kvb_msg_ping m = {.token = token};
     uint8_t buf[8];
     size_t len;
     kvb_msg_ping_encode(&m, buf, sizeof buf, &len, NULL);
-    return send_small(c, type, 0, buf, len, timeout_ms, err);
+    return send_small(c, KVB_FRAME_PING, 0, buf, len, timeout_ms, err);
 }
 
-kvb_status kvb_conn_send_ping(kvb_conn *c, uint64_t token, int timeout_ms, kvb_err *err) {
-    return send_ping_pong(c, KVB_FRAME_PING, token, timeout_ms, err);
+kvb_status kvb_conn_send_pong_load(kvb_conn *c, const kvb_msg_ping *m, int timeout_ms, kvb_err *err) {
+    uint8_t buf[KVB_PONG_BYTES];
+    size_t len;
+    kvb_status st = kvb_msg_pong_encode(m, buf, sizeof buf, &len, err);
+    return st ? st : send_small(c, KVB_FRAME_PONG, 0, buf, len, timeout_ms, err);
 }
 
 kvb_status kvb_conn_send_pong(kvb_conn *c, uint64_t token, int timeout_ms, kvb_err *err) {
-    return send_ping_pong(c, KVB_FRAME_PONG, token, timeout_ms, err);
+    const kvb_msg_ping m = {.token = token};
+    return kvb_conn_send_pong_load(c, &m, timeout_ms, err);
 }
 
 kvb_status kvb_conn_send_lane(kvb_conn *c, const kvb_msg_lane *m, int timeout_ms, kvb_err *err) {

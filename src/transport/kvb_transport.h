@@ -47,10 +47,11 @@
  * once the payload is in, payload_hash. */
 
 #define KVB_WIRE_MAGIC "KVB1"
-#define KVB_WIRE_VERSION 3 /* 2: PREFILL may ship a partial last block (the tail); a SLAB's frame hash
+#define KVB_WIRE_VERSION 4 /* 2: PREFILL may ship a partial last block (the tail); a SLAB's frame hash
                               covers its head, its K || V the slab checksum in that head.
                               3: LANE groups several connections so one request's slabs are
-                              striped over all of them */
+                              striped over all of them. 4: a PONG carries the prefill node's
+                              queue (a decode node with several peers places by it) */
 #define KVB_WIRE_HEADER_BYTES 44
 #define KVB_WIRE_DEFAULT_MAX_PAYLOAD (64ull << 20) /* per frame, after the handshake */
 #define KVB_WIRE_MAX_PAYLOAD_LIMIT (1ull << 30)    /* the largest limit a caller may configure */
@@ -297,12 +298,20 @@ typedef struct {
 kvb_status kvb_msg_cancel_encode(const kvb_msg_cancel *m, uint8_t *buf, size_t cap, size_t *len, kvb_err *err);
 kvb_status kvb_msg_cancel_decode(const uint8_t *p, size_t n, kvb_msg_cancel *m, kvb_err *err);
 
-/* PING and PONG, 8 bytes: 0 8 token u64 (PONG echoes the PING's token). */
+/* PING, 8 bytes: 0 8 token u64. PONG (version 4), 16 bytes: 0 8 token u64 (the PING's, echoed),
+ * 8 4 in_flight u32 (PREFILLs the answering node accepted and has not answered yet, from every
+ * decode node: computing or waiting for its engine), 12 4 waiting u32 (of those, waiting; <=
+ * in_flight). A decode node pings its idle lanes (the heartbeat) and reads the queue from the
+ * answer; the node that answers a PING it was sent by a peer that is not a decode node says 0, 0. */
 typedef struct {
     uint64_t token;
+    uint32_t in_flight, waiting; /* PONG only */
 } kvb_msg_ping;
+#define KVB_PONG_BYTES 16
 kvb_status kvb_msg_ping_encode(const kvb_msg_ping *m, uint8_t *buf, size_t cap, size_t *len, kvb_err *err);
 kvb_status kvb_msg_ping_decode(const uint8_t *p, size_t n, kvb_msg_ping *m, kvb_err *err);
+kvb_status kvb_msg_pong_encode(const kvb_msg_ping *m, uint8_t *buf, size_t cap, size_t *len, kvb_err *err);
+kvb_status kvb_msg_pong_decode(const uint8_t *p, size_t n, kvb_msg_ping *m, kvb_err *err);
 
 /* LANE, 16 bytes (decode -> prefill, request id 0; sent once, right after the handshake, on each
  * connection of a lane group):
@@ -536,7 +545,9 @@ kvb_status kvb_conn_send_error(kvb_conn *c, uint64_t request_id, uint32_t code, 
                                kvb_err *err);
 kvb_status kvb_conn_send_cancel(kvb_conn *c, uint64_t request_id, int timeout_ms, kvb_err *err);
 kvb_status kvb_conn_send_ping(kvb_conn *c, uint64_t token, int timeout_ms, kvb_err *err);
-kvb_status kvb_conn_send_pong(kvb_conn *c, uint64_t token, int timeout_ms, kvb_err *err);
+kvb_status kvb_conn_send_pong(kvb_conn *c, uint64_t token, int timeout_ms, kvb_err *err); /* queue 0, 0 */
+/* A PONG that reports this node's queue (kvb_msg_ping's in_flight and waiting). */
+kvb_status kvb_conn_send_pong_load(kvb_conn *c, const kvb_msg_ping *m, int timeout_ms, kvb_err *err);
 kvb_status kvb_conn_send_lane(kvb_conn *c, const kvb_msg_lane *m, int timeout_ms, kvb_err *err);
 
 /* Counters (for /metrics), all since the TCP connection opened, handshake included. */
@@ -583,15 +594,20 @@ typedef struct {
      * when up or connecting, else the failure (kvb_handshake_reason_of gives the reason). */
     void (*on_state)(void *ctx, kvb_peer_state state, kvb_status code, const char *why);
     void *on_state_ctx;
+    /* ping the lanes after this long idle (no owner holds them); a missing PONG (within
+     * KVB_HEARTBEAT_TIMEOUT_MS) makes the link dial again; 0: no heartbeat */
+    int heartbeat_ms;
 } kvb_peer_link_config;
+#define KVB_HEARTBEAT_TIMEOUT_MS 2000
 
 /* Starts the link's thread, which dials at once (a copy of everything in cfg is kept, the key
  * included). */
 kvb_status kvb_peer_link_start(const kvb_peer_link_config *cfg, kvb_peer_link **out, kvb_err *err);
 /* Stops the thread (an attempt under way is cut short) and closes the lanes. NULL is fine. */
 void kvb_peer_link_stop(kvb_peer_link *l);
-/* Never blocks: KVB_OK with the lanes (*n of them) when the link is up and every lane usable;
- * else KVB_ERR_PEER_GONE while connecting, or the last attempt's code while down (KVB_ERR_AUTH,
+/* Never blocks (but for a heartbeat on the lanes, see kvb_peer_link_release): KVB_OK with the
+ * lanes (*n of them), lent to the caller, when the link is up and every lane usable; else
+ * KVB_ERR_PEER_GONE while connecting, or the last attempt's code while down (KVB_ERR_AUTH,
  * _MISMATCH, _TIMEOUT, _REFUSED, _PEER_GONE, ...), with a short message in whole words that fits
  * a verdict ("connecting (an attempt is under way)", "down (the pre-shared keys differ), next
  * attempt in 1.5 s"); kvb_peer_link_state has the whole story. A lane found unusable drops the
@@ -600,6 +616,14 @@ kvb_status kvb_peer_link_lanes(kvb_peer_link *l, kvb_conn *const **lanes, uint32
 /* The lanes can no longer be trusted (a fault mid-stream): closed now; the thread dials again
  * without waiting out a back-off (the link was up). */
 void kvb_peer_link_drop(kvb_peer_link *l, const kvb_err *why);
+/* The owner is done with the lanes it got (they stay up): the heartbeat may use them again. A
+ * kvb_peer_link_lanes that finds a heartbeat on them waits for it (at most
+ * KVB_HEARTBEAT_TIMEOUT_MS, on a peer that stopped answering). */
+void kvb_peer_link_release(kvb_peer_link *l);
+/* The peer's queue as its last PONG reported it (grouping the lanes, or a heartbeat since the link
+ * came up): PREFILLs in flight and, of those, waiting for its engine. False (0, 0) when unknown or
+ * not up. */
+bool kvb_peer_link_load(kvb_peer_link *l, uint32_t *in_flight, uint32_t *waiting);
 /* Waits up to timeout_ms while the link is connecting (at start, or a resume after a dropped lane),
  * then answers as kvb_peer_link_lanes: at once when it is up or down (a down link is not waited
  * through its back-off). */

@@ -391,19 +391,40 @@ kvb_status kvb_msg_ping_encode(const kvb_msg_ping *m, uint8_t *buf, size_t cap, 
 }
 
 kvb_status kvb_msg_ping_decode(const uint8_t *p, size_t n, kvb_msg_ping *m, kvb_err *err) {
-    kvb_status st = exact_size("PING/PONG", n, 8, err);
+    kvb_status st = exact_size("PING", n, 8, err);
     if (st) return st;
-    m->token = wire_get_u64(p);
+    *m = (kvb_msg_ping){.token = wire_get_u64(p)};
+    return KVB_OK;
+}
+
+/* The 16-byte layout PONG and LANE share: u64, u32, u32. */
+static kvb_status encode_u64_u32_u32(const char *what, uint64_t a, uint32_t b, uint32_t c, uint8_t *buf, size_t cap,
+                                     size_t *len, kvb_err *err) {
+    kvb_status st = need_cap(what, 16, cap, len, err);
+    if (st) return st;
+    wire_put_u64(buf, a);
+    wire_put_u32(buf + 8, b);
+    wire_put_u32(buf + 12, c);
+    return KVB_OK;
+}
+
+kvb_status kvb_msg_pong_encode(const kvb_msg_ping *m, uint8_t *buf, size_t cap, size_t *len, kvb_err *err) {
+    if (m->waiting > m->in_flight)
+        return kvb_err_set(err, KVB_ERR_INVALID, "pong encode: %u waiting of %u in flight", m->waiting, m->in_flight);
+    return encode_u64_u32_u32("pong", m->token, m->in_flight, m->waiting, buf, cap, len, err);
+}
+
+kvb_status kvb_msg_pong_decode(const uint8_t *p, size_t n, kvb_msg_ping *m, kvb_err *err) {
+    kvb_status st = exact_size("PONG", n, KVB_PONG_BYTES, err);
+    if (st) return st;
+    *m = (kvb_msg_ping){.token = wire_get_u64(p), .in_flight = wire_get_u32(p + 8), .waiting = wire_get_u32(p + 12)};
+    if (m->waiting > m->in_flight)
+        return kvb_err_set(err, KVB_ERR_FORMAT, "PONG: %u waiting of %u in flight", m->waiting, m->in_flight);
     return KVB_OK;
 }
 
 kvb_status kvb_msg_lane_encode(const kvb_msg_lane *m, uint8_t *buf, size_t cap, size_t *len, kvb_err *err) {
-    kvb_status st = need_cap("lane", KVB_LANE_BYTES, cap, len, err);
-    if (st) return st;
-    wire_put_u64(buf, m->group);
-    wire_put_u32(buf + 8, m->lane);
-    wire_put_u32(buf + 12, m->lanes);
-    return KVB_OK;
+    return encode_u64_u32_u32("lane", m->group, m->lane, m->lanes, buf, cap, len, err);
 }
 
 kvb_status kvb_msg_lane_decode(const uint8_t *p, size_t n, kvb_msg_lane *m, kvb_err *err) {

@@ -54,6 +54,8 @@ static void complete_ids(uint16_t port, const int32_t *ids, int n, int max_token
     r->pipelined = cJSON_IsTrue(cJSON_GetObjectItem(kb, "native_pipelined"));
     r->attempts = (int)cJSON_GetObjectItem(kb, "bridge_attempts")->valuedouble;
     snprintf(r->faults, sizeof r->faults, "%s", cJSON_GetStringValue(cJSON_GetObjectItem(kb, "bridge_faults")));
+    snprintf(r->peer, sizeof r->peer, "%s", cJSON_GetStringValue(cJSON_GetObjectItem(kb, "peer")));
+    snprintf(r->placement, sizeof r->placement, "%s", cJSON_GetStringValue(cJSON_GetObjectItem(kb, "placement")));
     cJSON *text = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(root, "choices"), 0), "text");
     r->completion = (int)cJSON_GetObjectItem(cJSON_GetObjectItem(root, "usage"), "completion_tokens")->valuedouble;
     r->content = strdup(text->valuestring);

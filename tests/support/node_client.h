@@ -17,6 +17,8 @@ typedef struct {
     bool pipelined; /* usage.kvbridge.native_pipelined */
     int attempts;   /* usage.kvbridge.bridge_attempts */
     char faults[400]; /* usage.kvbridge.bridge_faults */
+    char peer[128];   /* usage.kvbridge.peer: the prefill node(s) that bridged ("A", "A then B") */
+    char placement[16]; /* usage.kvbridge.placement: history, new, moved, or "" */
     char *content;  /* the completion's text (malloc'd: the caller frees it) */
 } kvbt_reply;
 
