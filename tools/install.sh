@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 # chromium: the chat page's check in a real browser (tests/browser_check.py, headless)
-PKGS="curl build-essential cmake ninja-build pkg-config libcmocka-dev libxxhash-dev libcjson-dev libssl-dev libmicrohttpd-dev libucx-dev \
+PKGS="curl build-essential cmake ninja-build pkg-config libcmocka-dev libxxhash-dev libcjson-dev libssl-dev libmicrohttpd-dev libcurl4-openssl-dev libucx-dev \
       clang libclang-rt-14-dev python3 python3-venv python3-pip iproute2 chromium"
 missing=""
 for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done

@@ -1,4 +1,5 @@
-/* cli/cmd_serve.c — `kvbridge serve --role prefill|decode`: runs one node until SIGINT/SIGTERM. */
+/* cli/cmd_serve.c — `kvbridge serve --role prefill|decode|router`: runs one node (or the router in front of
+ * several decode nodes) until SIGINT/SIGTERM. */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,6 +10,7 @@
 #include "kvb_llama_door.h"
 #include "kvb_node.h"
 #include "kvb_quant.h"
+#include "kvb_router.h"
 #include "kvb_transport.h"
 
 /* Requests the node in this process has in flight (the role it runs; the llama-server front door
@@ -27,15 +29,17 @@ static void on_signal(int sig) {
 typedef struct {
     const char *model, *listen, *http, *psk, *tmpl, *model_id, *fault, *api_key, *allow_origin, *decoder, *slot_dir;
     long long threads, bt, ctx, bridge_min, max_tokens, chunk, cache_blocks, lanes, warmup, resumes, parallel,
-        drain_s, slots, peer_max_queue;
-    kvb_opt_list peers; /* --peer, repeatable */
+        drain_s, slots, peer_max_queue, max_inflight, health_ms, retries, connect_ms, first_byte_ms;
+    kvb_opt_list peers;    /* --peer, repeatable */
+    kvb_opt_list backends; /* router: the decode nodes */
     int role, mode, device, transport; /* k_roles, kvb_cli_{bridge_mode,device,transport}_names */
     kvb_cli_gpu gpu;
     bool tail_after, filler, quiet, verbose;
     uint32_t cache_type, engine_type;
 } serve_args;
 
-static const char *const k_roles[] = {"prefill", "decode", NULL};
+static const char *const k_roles[] = {"prefill", "decode", "router", NULL};
+enum { ROLE_ROUTER = 2 };
 
 /* Checks that span several options; 2 after a message, else KVB_CLI_GO. */
 static int serve_check(const kvb_cli_spec *spec, serve_args *a) {
@@ -52,6 +56,13 @@ static int serve_check(const kvb_cli_spec *spec, serve_args *a) {
                                          "node's link is authenticated by --psk");
     if (!prefill && !a->api_key) a->api_key = getenv("KVB_API_KEY");
     if (!kvb_cli_gpu_ok("serve", &a->gpu, cuda)) return 2;
+    if ((a->role == ROLE_ROUTER) != (a->backends.n > 0) || (a->role == ROLE_ROUTER) == (a->model != NULL))
+        return kvb_cli_usage_error(spec, a->role == ROLE_ROUTER ? "--role router needs --backend HOST:PORT (one per "
+                                   "decode node) and loads no model (no -m)" : "--role %s needs -m MODEL; --backend "
+                                   "is for --role router", k_roles[a->role]);
+    if (a->role == ROLE_ROUTER && (a->peers.n || a->listen || a->decoder))
+        return kvb_cli_usage_error(spec, "--role router takes --http and --backend; --peer, --listen and --decoder "
+                                         "are the nodes'");
     if (a->decoder && (prefill || strncmp(a->decoder, "llama-server=", 13) || !a->slot_dir))
         return kvb_cli_usage_error(spec, "--decoder llama-server=URL is for --role decode and needs --slot-dir DIR");
     if (a->decoder && a->peers.n > 1)
@@ -70,7 +81,17 @@ static int serve_parse(serve_args *a, int argc, char **argv) {
     const kvb_opt opts[] = {
         {.long_name = "role", .kind = KVB_OPT_ENUM, .dst = &a->role, .choices = k_roles, .required = true,
          .help = "the node this process runs (above)"},
-        KVB_CLI_OPT_MODEL(&a->model, "the decoder's GGUF (both roles load the same file)", true),
+        KVB_CLI_OPT_MODEL(&a->model, "prefill, decode: the decoder's GGUF (both roles load the same file)", false),
+        {.long_name = "backend", .kind = KVB_OPT_LIST, .dst = &a->backends, .meta = "HOST:PORT",
+         .help = "router: a decode node's HTTP API"},
+        KVB_CLI_INT("backend-max-inflight", &a->max_inflight, "N", 1, 1 << 20, "8",
+                  "router: a backend with N requests in flight takes no more conversations"),
+        KVB_CLI_INT("health-interval-ms", &a->health_ms, "MS", 10, 3600000, "1000", "router: /health polls"),
+        KVB_CLI_INT("retries", &a->retries, "N", 0, KVB_ROUTER_MAX_BACKENDS, "2",
+                  "router: other backends tried when one fails before a byte of its reply went out"),
+        KVB_CLI_INT("connect-timeout-ms", &a->connect_ms, "MS", 1, 600000, "1000", "router: connect to a backend"),
+        KVB_CLI_INT("first-byte-timeout-ms", &a->first_byte_ms, "MS", 1, 86400000, "60000",
+                  "router: a backend's reply head must come this soon (a non-streamed reply's comes at its end)"),
         KVB_CLI_STR("listen", &a->listen, "HOST:PORT", "prefill: where decode nodes connect"),
         KVB_CLI_STR("http", &a->http, "HOST:PORT",
                   "decode: the HTTP API address; prefill (optional): /health and /metrics for probes and scrapers"),
@@ -157,18 +178,49 @@ static int serve_parse(serve_args *a, int argc, char **argv) {
     const kvb_cli_spec spec = {
         .name = "serve", .opts = opts,
         .usage = "--role prefill --listen ADDR -m MODEL [options]\n--role decode --http ADDR -m MODEL "
-                 "[--peer ADDR ...] [options]",
+                 "[--peer ADDR ...] [options]\n--role router --http ADDR --backend ADDR [--backend ADDR ...] [options]",
         .about = "prefill  computes the decode node's own KV cache for the prompts it is sent and streams it\n"
                  "decode   the front door: an OpenAI-compatible API (/v1/chat/completions, /v1/completions,\n"
-                 "         /v1/models, /health, /metrics) that bridges long prompts through the prefill node"};
+                 "         /v1/models, /health, /metrics) that bridges long prompts through the prefill node\n"
+                 "router   the same API in front of several decode nodes (loads no model): keeps each conversation\n"
+                 "         on the node that holds its prefix, retries elsewhere only before a byte went out"};
     int rc = kvb_cli_parse(&spec, argc, argv);
     return rc != KVB_CLI_GO ? rc : serve_check(&spec, a);
+}
+
+/* --role router: serves until a signal; the first lets the replies in flight end (--drain-seconds). */
+static int serve_router(const serve_args *a) {
+    kvb_err err = {0};
+    const kvb_router_config c = {.http_listen = a->http, .backends = a->backends.v, .n_backends = (size_t)a->backends.n,
+                                 .api_key = a->api_key, .allow_origins = a->allow_origin,
+                                 .backend_max_inflight = (uint32_t)a->max_inflight,
+                                 .health_interval_ms = (uint32_t)a->health_ms, .retries = a->retries ? (int)a->retries : -1,
+                                 .connect_timeout_ms = (uint32_t)a->connect_ms,
+                                 .first_byte_timeout_ms = (uint32_t)a->first_byte_ms};
+    kvb_router *r = NULL;
+    if (kvb_router_start(&c, &r, &err)) {
+        fprintf(stderr, "kvbridge serve: %s\n", err.msg);
+        return 1;
+    }
+    printf("kvbridge router: OpenAI API on port %u in front of %d decode node(s)\n", kvb_router_port(r), a->backends.n);
+    fflush(stdout);
+    while (!g_stop) usleep(100000);
+    const double t0 = kvb_now_s();
+    kvb_router_quiesce(r);
+    while (g_stop == 1 && kvb_router_in_flight(r) > 0 && kvb_now_s() - t0 < (double)a->drain_s) usleep(50000);
+    kvb_router_stop(r);
+    return 0;
 }
 
 int kvb_cmd_serve(int argc, char **argv) {
     serve_args a = {.psk = getenv("KVB_PSK"), .warmup = -1, .resumes = -1};
     int prc = serve_parse(&a, argc, argv);
     if (prc != KVB_CLI_GO) return prc;
+    signal(SIGINT, on_signal);
+    signal(SIGTERM, on_signal);
+    signal(SIGPIPE, SIG_IGN);
+    kvb_log_set_level(a.verbose ? KVB_LOG_DEBUG : a.quiet ? KVB_LOG_WARN : KVB_LOG_INFO);
+    if (a.role == ROLE_ROUTER) return serve_router(&a);
     const char *peer = a.peers.n ? a.peers.v[0] : NULL; /* the first; the llama-server door takes one */
     const char *model = a.model, *listen = a.listen, *http = a.http, *psk = a.psk, *tmpl = a.tmpl,
                *model_id = a.model_id, *fault = a.fault, *api_key = a.api_key, *allow_origin = a.allow_origin;
@@ -180,9 +232,6 @@ int kvb_cmd_serve(int argc, char **argv) {
     const kvb_log_level log_level = a.verbose ? KVB_LOG_DEBUG : a.quiet ? KVB_LOG_WARN : KVB_LOG_INFO;
     const uint32_t cache_type = a.cache_type, engine_type = a.engine_type;
     kvb_log_set_level(log_level);
-    signal(SIGINT, on_signal);
-    signal(SIGTERM, on_signal);
-    signal(SIGPIPE, SIG_IGN);
     kvb_err err = {0};
     const kvb_wire_backend *backend = NULL;
     if (kvb_wire_backend_by_name(kvb_cli_transport_names[a.transport], &backend, &err)) {

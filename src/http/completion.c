@@ -5,7 +5,9 @@
  * X-KVBridge) only once the first delta or the finish arrived, so the verdict header is real and a
  * failure before any output is a real 4xx/5xx. Every wait is sliced (HTTP_WAIT_SLICE_MS) and looks
  * at the server's stop flag and the client's socket (poll POLLRDHUP), so a client that hangs up is
- * seen within a slice even while the handler is computing, and emit then returns KVB_ERR_IO. */
+ * seen within a slice even while the handler is computing, and emit then returns KVB_ERR_IO. A
+ * relayed completion (handlers.relay, the router) fills `pending` with another server's reply bytes
+ * as they are, after a status and headers of its own (relay_begin), through the same hand-off. */
 #include <errno.h>
 #include <microhttpd.h>
 #include <poll.h>
@@ -39,16 +41,16 @@ kvb_completion_out *http_completion_new(kvb_http_server *s, const kvb_completion
     out->server = s;
     out->req = req;
     out->fd = fd;
-    out->streaming = req->stream;
-    out->meta.api = req->api;
+    out->streaming = req && req->stream; /* req NULL: a relayed GET */
+    out->meta.api = req ? req->api : KVB_API_CHAT_COMPLETIONS;
     out->meta.created = (int64_t)time(NULL);
     out->meta.model = s->model_id;
-    out->meta.include_usage = req->stream && req->include_usage;
-    out->logprobs.api = req->api;
+    out->meta.include_usage = req && req->stream && req->include_usage;
+    out->logprobs.api = out->meta.api;
     uint64_t n = atomic_fetch_add(&s->next_id, 1);
     uint64_t a = kvb_splitmix64(s->id_salt ^ n), b = kvb_splitmix64(a + n);
     snprintf(out->meta.id, sizeof out->meta.id, "%s-%016llx%08llx",
-             req->api == KVB_API_CHAT_COMPLETIONS ? "chatcmpl" : "cmpl", (unsigned long long)a,
+             out->meta.api == KVB_API_CHAT_COMPLETIONS ? "chatcmpl" : "cmpl", (unsigned long long)a,
              (unsigned long long)(b >> 32));
     out->t_start = kvb_now_s();
     return out;
@@ -59,6 +61,7 @@ void http_completion_free(kvb_completion_out *out) {
     http_buf_free(&out->text);
     cJSON_Delete(out->done_choices);
     http_buf_free(&out->pending);
+    http_buf_free(&out->relay_headers);
     http_logprobs_free(&out->logprobs);
     pthread_mutex_destroy(&out->mu);
     pthread_cond_destroy(&out->cv);
@@ -161,7 +164,7 @@ kvb_status kvb_completion_emit(kvb_completion_out *out, const char *delta) {
 
 kvb_status kvb_completion_add_logprobs(kvb_completion_out *out, const kvb_token_logprob *token,
                                        const kvb_token_logprob *top, size_t n_top) {
-    if (!out || !token || (n_top && !top) || !out->req->logprobs || n_top > out->req->top_logprobs)
+    if (!out || !token || (n_top && !top) || !out->req || !out->req->logprobs || n_top > out->req->top_logprobs)
         return KVB_ERR_INVALID;
     pthread_mutex_lock(&out->mu);
     kvb_status st = KVB_OK;
@@ -191,7 +194,7 @@ kvb_status kvb_completion_next_choice(kvb_completion_out *out, kvb_finish_reason
     if (!out || (reason != KVB_FINISH_STOP && reason != KVB_FINISH_LENGTH)) return KVB_ERR_INVALID;
     pthread_mutex_lock(&out->mu);
     kvb_status st = KVB_OK;
-    if (out->ended || out->meta.index + 1 >= out->req->n) {
+    if (out->ended || !out->req || out->meta.index + 1 >= out->req->n) {
         st = KVB_ERR_INVALID;
     } else if (!out->has_verdict) {
         kvb_log(KVB_LOG_WARN, "http: next_choice before kvb_completion_set_verdict");
@@ -287,12 +290,74 @@ bool kvb_completion_cancelled(kvb_completion_out *out) {
     return c;
 }
 
+/* ---- relaying another server's reply ------------------------------------------------------------ */
+
+kvb_status kvb_completion_relay_begin(kvb_completion_out *out, int status, const char *const *headers,
+                                      size_t n_headers) {
+    if (!out || !out->relay || status < 100 || status > 599 || n_headers > KVB_RELAY_MAX_HEADERS ||
+        (n_headers && !headers))
+        return KVB_ERR_INVALID;
+    pthread_mutex_lock(&out->mu);
+    kvb_status st = KVB_OK;
+    if (out->ended || out->stream_started) {
+        st = KVB_ERR_INVALID;
+    } else {
+        for (size_t i = 0; i < 2 * n_headers; i++) {
+            char clean[512];
+            http_printable_copy(clean, sizeof clean, headers[i] ? headers[i] : "");
+            http_buf_append(&out->relay_headers, clean, strlen(clean) + 1);
+        }
+        out->relay_n_headers = n_headers;
+        out->relay_status = status;
+        out->has_verdict = true; /* the relayed reply carries its own */
+        out->stream_started = true;
+        if (out->relay_headers.oom) st = KVB_ERR_NOMEM;
+        pthread_cond_broadcast(&out->cv);
+    }
+    pthread_mutex_unlock(&out->mu);
+    return st;
+}
+
+kvb_status kvb_completion_relay_write(kvb_completion_out *out, const void *bytes, size_t n) {
+    if (!out || !out->relay || (n && !bytes)) return KVB_ERR_INVALID;
+    pthread_mutex_lock(&out->mu);
+    kvb_status st = KVB_OK;
+    if (out->ended || !out->stream_started) {
+        st = KVB_ERR_INVALID;
+    } else if (n > 0) {
+        while (out->pending.len - out->pending_off > HTTP_STREAM_BACKLOG_MAX && !check_cancel_locked(out))
+            wait_slice(out);
+        if (check_cancel_locked(out)) {
+            st = KVB_ERR_IO;
+        } else {
+            if (!out->emitted) out->t_first_token = kvb_now_s();
+            out->emitted = true;
+            http_buf_append(&out->pending, bytes, n);
+            if (out->pending.oom) st = KVB_ERR_NOMEM;
+            pthread_cond_broadcast(&out->cv);
+        }
+    }
+    pthread_mutex_unlock(&out->mu);
+    return st;
+}
+
+kvb_status kvb_completion_relay_end(kvb_completion_out *out) {
+    if (!out || !out->relay) return KVB_ERR_INVALID;
+    pthread_mutex_lock(&out->mu);
+    kvb_status st = KVB_OK;
+    if (out->ended || !out->stream_started) st = KVB_ERR_INVALID;
+    else out->ended = true;
+    pthread_cond_broadcast(&out->cv);
+    pthread_mutex_unlock(&out->mu);
+    return st;
+}
+
 /* ---- running the handler ---------------------------------------------------------------------- */
 
-static void fail_unfinished(kvb_completion_out *out, const char *fmt, ...) {
+static void fail_unfinished(kvb_completion_out *out, int status, const char *code, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    fail_locked(out, 500, NULL, NULL, fmt, ap);
+    fail_locked(out, status, code, NULL, fmt, ap);
     va_end(ap);
 }
 
@@ -302,14 +367,19 @@ static void mark_handler_returned(kvb_completion_out *out) {
     if (!out->ended) {
         if (!out->cancelled)
             kvb_log(KVB_LOG_WARN, "http: the completion handler returned without finish or fail");
-        fail_unfinished(out, "The completion handler returned without finishing the response.");
+        if (out->cancelled) /* the server is stopping (or the client gone): a balancer may send it elsewhere */
+            fail_unfinished(out, 503, "server_shutting_down", "This server stopped before the reply was done; send "
+                            "the request to another one.");
+        else
+            fail_unfinished(out, 500, NULL, "The completion handler returned without finishing the response.");
     }
     pthread_cond_broadcast(&out->cv);
     pthread_mutex_unlock(&out->mu);
 }
 
 void http_completion_run_inline(kvb_completion_out *out) {
-    out->server->handlers.completion(out->server->handlers.ctx, out->req, out);
+    if (out->relay) out->server->handlers.relay(out->server->handlers.ctx, out->relay, out);
+    else out->server->handlers.completion(out->server->handlers.ctx, out->req, out);
     mark_handler_returned(out);
 }
 

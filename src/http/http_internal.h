@@ -259,6 +259,11 @@ struct kvb_completion_out {
     bool emitted;                       /* a non-empty delta went out */
     double t_start, t_first_token;
     double t_last_emit; /* the last non-empty delta's time (the stream's gaps) */
+    /* relaying (handlers.relay): the reply's status and headers ("name\0value\0" pairs) */
+    const kvb_relay_req *relay;         /* non-NULL: this completion relays another server's reply */
+    int relay_status;
+    http_buf relay_headers;
+    size_t relay_n_headers;
     /* worker thread (streaming) */
     bool thread_started;
     pthread_t thread;

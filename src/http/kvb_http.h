@@ -238,6 +238,31 @@ kvb_status kvb_completion_fail(kvb_completion_out *out, int http_status, const c
 /* True once the client disconnected or the server is stopping. Cheap (one poll(2)). */
 bool kvb_completion_cancelled(kvb_completion_out *out);
 
+/* ---- relaying another server's reply (a router in front of decode nodes) ------------------- */
+
+/* What a relay handler is given: the route, and for a POST the body exactly as the client sent it
+ * (validated: it parsed as `req`) to pass on byte for byte. */
+typedef struct {
+    const char *path;              /* "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/ID" */
+    const char *body;              /* (body_len) POST: the client's body; GET: NULL */
+    size_t body_len;
+    const kvb_completion_req *req; /* POST: the parsed request; GET: NULL */
+    const char *request_id;        /* the client's X-Request-Id, or "" */
+} kvb_relay_req;
+
+#define KVB_RELAY_MAX_HEADERS 16
+/* Begins the relayed reply: its status (100..599) and n_headers (name, value) pairs
+ * (headers[2 i], headers[2 i + 1]; Content-Type among them; values made printable ASCII). Once,
+ * before any write; KVB_ERR_INVALID otherwise or after fail. */
+kvb_status kvb_completion_relay_begin(kvb_completion_out *out, int status, const char *const *headers,
+                                      size_t n_headers);
+/* Appends reply bytes, as they are (a request with "stream": true sends them at once; blocks while
+ * the client is more than 1 MiB behind). KVB_ERR_IO when the client is gone or the server stops. */
+kvb_status kvb_completion_relay_write(kvb_completion_out *out, const void *bytes, size_t n);
+/* Ends the relayed reply (after begin). A failure after begin is kvb_completion_fail: on a stream
+ * it adds an SSE error event and ends the stream. */
+kvb_status kvb_completion_relay_end(kvb_completion_out *out);
+
 /* ---- server ------------------------------------------------------------------------------ */
 
 typedef struct {
@@ -259,6 +284,12 @@ typedef struct {
      * it): the server fills "object", "model", "status", "now_s", "uptime_s" and "in_flight", this
      * the rest (peer, bridges in flight, link bytes, cache use). Any thread, concurrently; quick. */
     void (*status)(void *ctx, cJSON *body);
+    /* Optional: a relay (the router). When set, the completion routes (after validation) and GET
+     * /v1/models[/ID] call it instead, on a thread of their own; it answers with relay_begin,
+     * relay_write and relay_end (or kvb_completion_fail before begin: the server's own error).
+     * `completion` may then be NULL. A health handler that sets "status" to anything but "ok"
+     * makes /health a 503. */
+    void (*relay)(void *ctx, const kvb_relay_req *rr, kvb_completion_out *out);
 } kvb_http_handlers;
 
 typedef struct {

@@ -15,7 +15,9 @@
  * and lets the completions in flight finish. (It keeps accepting connections: MHD_quiesce_daemon
  * under thread-per-connection cut responses in flight now and then.) With allowed
  * origins (CORS), a response to a request from one of them names it in Access-Control-Allow-Origin,
- * and an OPTIONS preflight gets a 204 before any key is asked for (browsers send none there). */
+ * and an OPTIONS preflight gets a 204 before any key is asked for (browsers send none there). With a
+ * relay handler (the router), the completion routes, once validated, and the model listing pass
+ * another server's reply on as it comes (status, headers and bytes the relay gives). */
 #include <arpa/inet.h>
 #include <microhttpd.h>
 #include <netdb.h>
@@ -67,6 +69,7 @@ typedef struct {
     kvb_completion_out *out;
     char origin[256];      /* the request's Origin when it is an allowed one (CORS), else "" */
     char request_id[129];  /* the client's X-Request-Id (printable ASCII, <= 128 bytes), else "" */
+    kvb_relay_req relay;   /* handlers.relay: what the relay is given (path malloc'd) */
     bool body_watched;     /* the guard keeps the body's deadline */
     http_body_watch body_watch;
 } request_ctx;
@@ -182,7 +185,9 @@ static enum MHD_Result serve_health(request_ctx *ctx, struct MHD_Connection *con
     cJSON_AddStringToObject(root, "status", draining ? "draining" : "ok"); /* a balancer stops sending */
     cJSON_AddStringToObject(root, "model", ctx->server->model_id);
     if (ctx->server->handlers.health) ctx->server->handlers.health(ctx->server->handlers.ctx, root);
-    return queue_json(ctx, conn, draining ? 503 : 200, root, NULL);
+    const cJSON *st = cJSON_GetObjectItemCaseSensitive(root, "status"); /* a handler may say not ok */
+    const bool ok = cJSON_IsString(st) && strcmp(st->valuestring, "ok") == 0;
+    return queue_json(ctx, conn, ok ? 200 : 503, root, NULL);
 }
 
 static enum MHD_Result serve_metrics(request_ctx *ctx, struct MHD_Connection *conn) {
@@ -339,6 +344,12 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
         kvb_trace_span("http.completion", t_run, kvb_now_s(), 0);
         if (out->client_gone) return MHD_NO; /* nobody to answer */
         if (out->failed) return queue_completion_error(ctx, conn);
+        if (out->cancelled) { /* the server stopped it: what was decoded is cut short, never a 200 */
+            kvb_http_error e;
+            http_error_set(&e, 503, "server_shutting_down", NULL, "This server stopped before the reply was done; "
+                           "send the request to another one.");
+            return queue_error(ctx, conn, &e, NULL, MHD_HTTP_HEADER_CONNECTION, "close");
+        }
         /* the last choice joins the body's (the others joined at kvb_completion_next_choice) */
         char *body = NULL;
         if (http_completion_close_choice(out, out->finish_reason)) {
@@ -375,6 +386,70 @@ static enum MHD_Result serve_completion(request_ctx *ctx, struct MHD_Connection 
     MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
     ctx->timeout_lifted = true;
     return queue_response(ctx, conn, 200, resp);
+}
+
+/* ---- relaying (handlers.relay: the router) ---------------------------------------------------------- */
+
+/* The relayed reply's head: its status, its headers, ours (X-Request-Id, CORS). A reply already
+ * whole goes out with a Content-Length; one still coming is read from `pending` as it arrives. */
+static enum MHD_Result queue_relayed(request_ctx *ctx, struct MHD_Connection *conn) {
+    kvb_completion_out *out = ctx->out;
+    pthread_mutex_lock(&out->mu);
+    const bool whole = out->ended && !out->failed;
+    struct MHD_Response *resp =
+        whole ? MHD_create_response_from_buffer(out->pending.len - out->pending_off,
+                                                out->pending.data ? out->pending.data + out->pending_off : (void *)"",
+                                                MHD_RESPMEM_MUST_COPY)
+              : MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, http_completion_stream_read, out, NULL);
+    const int status = out->relay_status;
+    const char *h = out->relay_headers.data;
+    for (size_t i = 0; resp && i < out->relay_n_headers; i++) {
+        const char *value = h + strlen(h) + 1;
+        MHD_add_response_header(resp, h, value);
+        h = value + strlen(value) + 1;
+    }
+    pthread_mutex_unlock(&out->mu);
+    if (!resp) return MHD_NO;
+    add_request_headers(ctx, resp);
+    if (!whole) { /* a stream: its gaps may exceed the idle timeout (request_completed puts it back) */
+        MHD_set_connection_option(conn, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+        ctx->timeout_lifted = true;
+    }
+    return queue_response(ctx, conn, (unsigned)status, resp);
+}
+
+/* A completion (validated first: a bad request is our 4xx and reaches no backend) or a model
+ * listing, handed to the relay: a stream's on a thread of its own, answered once its reply's head
+ * is known; any other on this thread, answered once whole. */
+static enum MHD_Result serve_relay(request_ctx *ctx, struct MHD_Connection *conn, const char *url) {
+    kvb_http_server *s = ctx->server;
+    if (ctx->route == ROUTE_CHAT || ctx->route == ROUTE_COMPLETIONS) {
+        kvb_http_error e;
+        const kvb_api api = ctx->route == ROUTE_CHAT ? KVB_API_CHAT_COMPLETIONS : KVB_API_COMPLETIONS;
+        if (kvb_completion_req_parse(api, ctx->body.data, ctx->body.len, &ctx->req, &e) != KVB_OK)
+            return queue_error(ctx, conn, &e, NULL, NULL, NULL);
+        ctx->relay.body = ctx->body.data ? ctx->body.data : "";
+        ctx->relay.body_len = ctx->body.len;
+        ctx->relay.req = ctx->req;
+    }
+    ctx->relay.path = strdup(url);
+    ctx->relay.request_id = ctx->request_id;
+    ctx->out = ctx->relay.path ? http_completion_new(s, ctx->req, connection_fd(conn)) : NULL;
+    if (!ctx->out) return refuse(ctx, conn, 503, NULL, "Out of memory starting the request.");
+    atomic_fetch_add(&s->completions_in_flight, 1);
+    ctx->out->relay = &ctx->relay;
+    if (!ctx->out->streaming) { /* as a non-streamed completion: on this thread, answered whole */
+        http_completion_run_inline(ctx->out);
+        if (ctx->out->client_gone) return MHD_NO;
+        if (!ctx->out->stream_started) return queue_completion_error(ctx, conn);
+        return queue_relayed(ctx, conn);
+    }
+    if (!http_completion_start_worker(ctx->out))
+        return refuse(ctx, conn, 503, NULL, "Could not start a thread for the request.");
+    const int begun = http_completion_wait_begun(ctx->out);
+    if (begun < 0) return MHD_NO; /* client gone or server stopping: the completed callback joins */
+    if (begun == 0) return queue_completion_error(ctx, conn);
+    return queue_relayed(ctx, conn);
 }
 
 /* ---- routing ------------------------------------------------------------------------------------ */
@@ -572,6 +647,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     }
     if (ctx->body_too_large)
         return refuse(ctx, conn, 413, NULL, "Request body is over the limit of %zu bytes.", s->max_body_bytes);
+    if (s->handlers.relay && (ctx->route == ROUTE_CHAT || ctx->route == ROUTE_COMPLETIONS ||
+                              ctx->route == ROUTE_MODELS || ctx->route == ROUTE_MODEL_ONE))
+        return serve_relay(ctx, conn, url);
     switch (ctx->route) {
     case ROUTE_CHAT:
     case ROUTE_COMPLETIONS: return serve_completion(ctx, conn);
@@ -610,6 +688,14 @@ static void log_request(const request_ctx *ctx, double seconds) {
         return;
     }
     if (kvb_log_get_level() < KVB_LOG_INFO) return;
+    if (out->relay) { /* another server's reply: its own log has the tokens and the verdict */
+        char ttfb[32] = "-";
+        if (out->emitted) snprintf(ttfb, sizeof ttfb, "%.3fs", out->t_first_token - out->t_start);
+        kvb_log(KVB_LOG_INFO, "http: %s %s %u relayed%s%s %.3fs%s first byte %s%s", method, route, status,
+                ctx->request_id[0] ? " req=" : "", ctx->request_id, seconds, out->streaming ? " stream" : "", ttfb,
+                out->failed ? " (cut)" : out->client_gone ? " (client gone)" : "");
+        return;
+    }
     const kvb_usage *u = &out->usage;
     char ttft[32] = "-";
     if (out->emitted) snprintf(ttft, sizeof ttft, "%.3fs", out->t_first_token - out->t_start);
@@ -643,8 +729,9 @@ static void request_completed(void *cls, struct MHD_Connection *conn, void **con
         bool delivered = toe == MHD_REQUEST_TERMINATED_COMPLETED_OK;
         if (out->client_gone || (!delivered && toe != MHD_REQUEST_TERMINATED_DAEMON_SHUTDOWN))
             kvb_metric_add(s->m_disconnects, KVB_LABELS(api), 1);
-        if (out->emitted) kvb_metric_observe(s->m_ttft, KVB_LABELS(api), out->t_first_token - out->t_start);
-        if (out->ended && !out->failed) {
+        if (out->emitted && (!out->relay || out->req)) /* a relayed model listing has no first token */
+            kvb_metric_observe(s->m_ttft, KVB_LABELS(api), out->t_first_token - out->t_start);
+        if (out->ended && !out->failed && !out->relay) {
             kvb_metric_add(s->m_prompt_tokens, KVB_LABELS(api), (double)out->usage.prompt_tokens);
             kvb_metric_add(s->m_generated_tokens, KVB_LABELS(api), (double)out->usage.completion_tokens);
             kvb_metric_add(s->m_verdicts, KVB_LABELS(verdict_class(out->final_verdict)), 1);
@@ -664,6 +751,7 @@ static void request_completed(void *cls, struct MHD_Connection *conn, void **con
     kvb_metric_add(s->m_in_flight, NULL, -1);
     kvb_completion_req_free(ctx->req);
     http_buf_free(&ctx->body);
+    free((char *)ctx->relay.path);
     free(ctx);
 }
 
@@ -791,8 +879,8 @@ static kvb_status register_metrics(kvb_http_server *s, kvb_err *err) {
 /* The config's checks: a completion handler, a model id, an API key of printable ASCII and at
  * least HTTP_API_KEY_MIN bytes, origins without spaces or control bytes. */
 static kvb_status check_config(const kvb_http_config *cfg, const kvb_http_handlers *h, kvb_err *err) {
-    if (!cfg || !h || !h->completion)
-        return kvb_err_set(err, KVB_ERR_INVALID, "http: a config and a completion handler are required");
+    if (!cfg || !h || (!h->completion && !h->relay))
+        return kvb_err_set(err, KVB_ERR_INVALID, "http: a config and a completion (or relay) handler are required");
     if (!cfg->model_id || !cfg->model_id[0])
         return kvb_err_set(err, KVB_ERR_INVALID, "http: model_id is required");
     const size_t key_len = cfg->api_key ? strlen(cfg->api_key) : 0;
