@@ -109,7 +109,7 @@ static void multiturn_ships_only_increments(uint32_t lanes) {
     /* the lanes were connected at start, before any request */
     assert_true(peer_up(dn, kvb_prefill_node_port(pn)) == 1);
     /* what carries the link shows: tcp, or ucx and the lanes UCX selected */
-    char carried[320], ucx_lanes[256] = "";
+    char carried[400], ucx_lanes[256] = "";
     if (g_backend) kvb_ucx_last_lanes(ucx_lanes, sizeof ucx_lanes);
     snprintf(carried, sizeof carried, "kvbridge_peer_transport{peer=\"127.0.0.1:%u\",carried_by=\"%s%s\"} ",
              kvb_prefill_node_port(pn), g_backend ? "ucx " : "tcp", ucx_lanes);

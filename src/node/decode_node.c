@@ -557,7 +557,7 @@ static void request_verdict(const decode_request *rq, char *verdict, const char 
     case DECIDE_BRIDGE: break;
     }
     /* with several peers the verdict names the one(s) that bridged and why that one */
-    char via[160] = "";
+    char via[240] = ""; /* " (via " + peers (100) + ", resumed" + ": " + why (112) */
     if (rq->n->n_peers > 1)
         snprintf(via, sizeof via, " (via %s%s: %s)", rq->peers_text, rq->n_via > 1 ? ", resumed" : "",
                  rq->place.why);
