@@ -105,13 +105,18 @@ static void run_turn(int door_port, int server_port, const char *prompt, turn *t
 }
 
 /* A bridged turn: complete, the slot's rows (held) reused, only the new whole blocks shipped. */
-static void expect_complete(const turn *t, long long held) {
+static void expect_bridged(const turn *t, long long held) {
     const long long target = (t->prompt - 1) / BT * BT;
     assert_string_equal(t->verdict, "complete");
     assert_int_equal(t->cached, held);
     assert_int_equal(t->bridged, target - held);
     assert_true(t->bridged > 0);
     assert_int_equal(t->native, t->prompt - target);
+}
+
+/* ... and its greedy reply is llama-server's own. */
+static void expect_complete(const turn *t, long long held) {
+    expect_bridged(t, held);
     assert_string_equal(t->text, t->alone);
 }
 
@@ -133,8 +138,19 @@ static kvb_status gather(void *ctx, uint32_t layer, uint32_t pos0, uint32_t n, c
     return KVB_OK;
 }
 
-/* The slot file the door restored holds `rows` cells, positions 0.., of the prompt's tokens, every
- * row bit for bit what kvbridge's own engine computes for them (the bridged increments appended). */
+/* Whether a row is all zero bytes. */
+static bool zero_row(const uint8_t *r, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (r[i]) return false;
+    return true;
+}
+
+/* The slot file the door restored holds the prompt's first `rows` tokens and, every row bit for bit,
+ * what kvbridge's own engine computes for them (the bridged increments appended). One cache of every
+ * cell; or, with sliding-window layers, the global layers' every cell, then the local layers' last
+ * window + 1 cells, of which those the next query reads (the last window - 1) are kvbridge's and the
+ * older ones kvbridge's or zero (no later position attends them). The random model's greedy replies
+ * alone would hardly tell a wrong row. */
 static void expect_slot_file(const char *slots, int slot, const char *model, long long rows) {
     char path[1024];
     snprintf(path, sizeof path, "%s/kvb-door-slot%d.bin", slots, slot);
@@ -142,12 +158,10 @@ static void expect_slot_file(const char *slots, int slot, const char *model, lon
     kvb_err err = {0};
     assert_int_equal(kvb_llama_state_load(path, &s, &err), KVB_OK);
     assert_int_equal(s.n_tokens, rows);
-    assert_int_equal(s.n_cache, 1);
-    const kvb_llama_cache *c = &s.cache[0];
-    assert_int_equal(c->n_cells, rows);
-    assert_int_equal(c->seq_id, slot);
     kvb_model *m = NULL;
     assert_int_equal(kvb_model_load(model, &m, &err), KVB_OK);
+    const uint32_t window = m->d.swa_window;
+    assert_int_equal(s.n_cache, kvb_model_has_local_layers(&m->d) ? 2 : 1);
     engine_rows e = {.n_pos = s.n_tokens, .row = (size_t)m->d.n_head_kv * m->d.head_dim * 2};
     e.k = malloc((size_t)m->d.n_layer * e.n_pos * e.row);
     e.v = malloc((size_t)m->d.n_layer * e.n_pos * e.row);
@@ -158,18 +172,36 @@ static void expect_slot_file(const char *slots, int slot, const char *model, lon
     assert_int_equal(kvb_engine_create(m, &o, &eng, &err), KVB_OK);
     assert_int_equal(kvb_seq_create(eng, &q, &err), KVB_OK);
     assert_int_equal(kvb_engine_forward(eng, q, s.tokens, s.n_tokens, NULL, false, &err), KVB_OK);
-    assert_int_equal(c->n_layer, m->d.n_layer);
-    assert_int_equal(c->k_row_bytes, e.row);
-    uint32_t differ = 0;
-    for (uint32_t l = 0; l < c->n_layer; l++)
-        for (uint32_t t = 0; t < c->n_cells; t++) {
-            assert_int_equal(c->pos[t], t);
-            const size_t at = ((size_t)l * e.n_pos + t) * e.row;
-            differ += memcmp(kvb_llama_k_row(c, l, t), e.k + at, e.row) != 0;
-            differ += memcmp(kvb_llama_v_row(c, l, t), e.v + at, e.row) != 0;
+    uint32_t differ = 0, zero = 0;
+    for (uint32_t ci = 0; ci < s.n_cache; ci++) {
+        const kvb_llama_cache *c = &s.cache[ci];
+        const uint32_t first = ci == 1 && rows > window + 1 ? (uint32_t)rows - window - 1 : 0;
+        const uint32_t keep = ci == 1 && rows > window - 1 ? (uint32_t)rows - (window - 1) : 0;
+        assert_int_equal(c->seq_id, slot);
+        assert_int_equal(c->n_cells, rows - first);
+        assert_int_equal(c->k_row_bytes, e.row);
+        uint32_t li = 0;
+        for (uint32_t l = 0; l < m->d.n_layer; l++) {
+            if (s.n_cache == 2 && kvb_layer_is_local(&m->d, l) != (ci == 1)) continue;
+            for (uint32_t t = 0; t < c->n_cells; t++) {
+                const uint32_t p = first + t;
+                assert_int_equal(c->pos[t], p);
+                const size_t at = ((size_t)l * e.n_pos + p) * e.row;
+                const bool k_same = !memcmp(kvb_llama_k_row(c, li, t), e.k + at, e.row);
+                const bool v_same = !memcmp(kvb_llama_v_row(c, li, t), e.v + at, e.row);
+                if (p < keep && !k_same && zero_row(kvb_llama_k_row(c, li, t), e.row) &&
+                    zero_row(kvb_llama_v_row(c, li, t), e.row)) {
+                    zero++;
+                    continue;
+                }
+                differ += !k_same + !v_same;
+            }
+            li++;
         }
-    print_message("  slot %d's file: %u cells x %u layers, %u K/V rows differ from kvbridge's own engine\n", slot,
-                  c->n_cells, c->n_layer, differ);
+        assert_int_equal(li, c->n_layer);
+    }
+    print_message("  slot %d's file: %u tokens in %u cache(s), %u K/V rows differ from kvbridge's own engine, "
+                  "%u unread local cells zero\n", slot, s.n_tokens, s.n_cache, differ, zero);
     assert_int_equal(differ, 0);
     kvb_seq_free(q);
     kvb_engine_free(eng);
@@ -194,7 +226,7 @@ static void test_conversation_bridged_then_declined(void **state) {
              model, kvbt_bin(), model);
     assert_int_equal(kvbt_sh(cmd, g_out, sizeof g_out, 1), 0);
     const int server_port = 22000 + getpid() % 20000;
-    pid_t pid = kvbt_llama_server_start(bin, model, slots, server_port, 2, "off");
+    pid_t pid = kvbt_llama_server_start(bin, model, slots, server_port, 2, "off", NULL);
     kvb_err err = {0};
     kvb_prefill_node *pn = NULL;
     kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = PSK, .n_threads = 2,
@@ -246,7 +278,7 @@ static void test_conversation_bridged_then_declined(void **state) {
      * arrives, llama-server refuses the door's file (V transposed), and it computes the prompt itself */
     kill(pid, SIGTERM);
     waitpid(pid, NULL, 0);
-    pid = kvbt_llama_server_start(bin, model, slots, server_port, 2, "on");
+    pid = kvbt_llama_server_start(bin, model, slots, server_port, 2, "on", NULL);
     append(conv, sizeof conv, t[4].text, " And what did the server say after it came back?");
     run_turn(door_port, server_port, conv, &t[5]);
     assert_non_null(strstr(t[5].verdict, "declined: llama-server refused the restore"));
@@ -265,9 +297,177 @@ static void test_conversation_bridged_then_declined(void **state) {
     waitpid(pid, NULL, 0);
 }
 
+/* POSTs a JSON body to llama-server; the parsed 200 reply (caller deletes). */
+static cJSON *server_json(int port, const char *path, const char *body) {
+    kvb_http_reply r = {0};
+    kvb_err err = {0};
+    assert_int_equal(kvb_http_post("127.0.0.1", (uint16_t)port, path, body, 120000, &r, &err), KVB_OK);
+    if (r.status != 200) fail_msg("llama-server %s answered %d: %s", path, r.status, r.body);
+    cJSON *j = cJSON_Parse(r.body);
+    assert_non_null(j);
+    kvb_http_reply_free(&r);
+    return j;
+}
+
+/* A /completion in slot 0 with prompt caching: ids (n of them) or text, greedy; its content in out. */
+static long long slot0_complete(int port, const int32_t *ids, uint32_t n, const char *text, int n_predict,
+                                char *out, size_t cap) {
+    cJSON *q = cJSON_CreateObject();
+    if (text) cJSON_AddStringToObject(q, "prompt", text);
+    else {
+        cJSON *arr = cJSON_AddArrayToObject(q, "prompt");
+        for (uint32_t i = 0; i < n; i++) cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
+    }
+    cJSON_AddNumberToObject(q, "n_predict", n_predict);
+    cJSON_AddNumberToObject(q, "temperature", 0);
+    cJSON_AddNumberToObject(q, "id_slot", 0);
+    cJSON_AddBoolToObject(q, "cache_prompt", 1);
+    char *body = cJSON_PrintUnformatted(q);
+    cJSON *j = server_json(port, "/completion", body);
+    if (out) snprintf(out, cap, "%s", json_str(j, "content"));
+    const long long pn = json_int(cJSON_GetObjectItem(j, "timings"), "prompt_n");
+    cJSON_Delete(j), cJSON_Delete(q);
+    free(body);
+    return pn;
+}
+
+/* The control for the door's sliding-window layout, in slot 0 of llama-server: it computes the prefix
+ * the door restored (its own rows) and saves it, then the whole prompt with that prefix cached in
+ * memory: `split`, its reply when the prompt is split where the door splits it. Its saved file, one
+ * zero local cell added below its window cells as the door writes, restored: llama-server computes
+ * only the tail again and replies `split` again, so the layout and the unread zero cell are exact. */
+static void own_rows_split(const char *slots, int port, const char *prompt, const turn *t, uint32_t window,
+                           char *split, size_t cap) {
+    char path[1024], text[4096];
+    kvb_llama_state door, own;
+    kvb_err err = {0};
+    snprintf(path, sizeof path, "%s/kvb-door-slot0.bin", slots);
+    assert_int_equal(kvb_llama_state_load(path, &door, &err), KVB_OK);
+    cJSON_Delete(server_json(port, "/slots/0?action=erase", "{}"));
+    slot0_complete(port, door.tokens, door.n_tokens, NULL, 1, NULL, 0);
+    cJSON_Delete(server_json(port, "/slots/0?action=save", "{\"filename\":\"own.bin\"}"));
+    const long long pn_mem = slot0_complete(port, NULL, 0, prompt, N_PREDICT, split, cap);
+    snprintf(path, sizeof path, "%s/own.bin", slots);
+    assert_int_equal(kvb_llama_state_load(path, &own, &err), KVB_OK);
+    kvb_llama_cache *c = &own.cache[1];
+    assert_int_equal(own.n_cache, 2);
+    assert_int_equal(c->n_cells, window); /* llama.cpp's own: positions n - window .. n - 1 */
+    assert_int_equal(c->pos[0], (int32_t)(door.n_tokens - window));
+    const size_t cells = c->n_cells + 1ull;
+    int32_t *pos = malloc(cells * sizeof *pos);
+    uint8_t *k = calloc(c->n_layer * cells, c->k_row_bytes), *v = calloc(c->n_layer * cells, c->v_row_bytes);
+    pos[0] = c->pos[0] - 1;
+    memcpy(pos + 1, c->pos, c->n_cells * sizeof *pos);
+    for (uint32_t l = 0; l < c->n_layer; l++) { /* (layer, cell, row): a zero cell first in each layer */
+        memcpy(k + (l * cells + 1) * c->k_row_bytes, kvb_llama_k_row(c, l, 0), c->n_cells * c->k_row_bytes);
+        memcpy(v + (l * cells + 1) * c->v_row_bytes, kvb_llama_v_row(c, l, 0), c->n_cells * c->v_row_bytes);
+    }
+    free(c->pos), free(c->k), free(c->v);
+    c->pos = pos, c->k = k, c->v = v, c->n_cells = (uint32_t)cells;
+    snprintf(path, sizeof path, "%s/own-door-layout.bin", slots);
+    assert_int_equal(kvb_llama_state_save(&own, path, &err), KVB_OK);
+    cJSON_Delete(server_json(port, "/slots/0?action=erase", "{}"));
+    cJSON_Delete(server_json(port, "/slots/0?action=restore", "{\"filename\":\"own-door-layout.bin\"}"));
+    const long long pn = slot0_complete(port, NULL, 0, prompt, N_PREDICT, text, sizeof text);
+    print_message("  llama-server split at %u: in memory it computed %lld prompt tokens, restored in the door's "
+                  "layout %lld; replies %s; vs alone %s\n", door.n_tokens, pn_mem, pn,
+                  strcmp(text, split) ? "DIFFER" : "the same", strcmp(split, t->alone) ? "DIFFERS" : "the same");
+    assert_int_equal(pn_mem, t->prompt - door.n_tokens);
+    assert_int_equal(pn, t->prompt - door.n_tokens);
+    assert_string_equal(text, split);
+    kvb_llama_state_free(&own);
+    kvb_llama_state_free(&door);
+}
+
+/* The number of leading bytes two replies share. */
+static size_t common_chars(const char *a, const char *b) {
+    size_t i = 0;
+    while (a[i] && a[i] == b[i]) i++;
+    return i;
+}
+
+/* The real Gemma 3 270M (sliding-window layers: two caches in llama.cpp's file) through the door,
+ * llama-server as it runs by default (no --swa-full). A first turn shorter than the window is
+ * declined before anything is asked (llama-server would recompute such a restored prefix); the
+ * conversation then grows past the window and each turn ships only its increment, the file holding
+ * the global layers' every cell and the local layers' last window + 1; then llama-server restarted
+ * with flash attention refuses the door's file and the prefill node stops: both `declined`. Every
+ * reply is compared with llama-server alone on the same prompt. */
+static void test_gemma3_conversation(void **state) {
+    (void)state;
+    char bin[1024], slots[512];
+    kvbt_require_llama_server(bin, sizeof bin);
+    const char *model = kvbt_require_gemma3();
+    kvbt_tmp_path(slots, sizeof slots, "llama-door-gemma3-slots");
+    mkdir(slots, 0755);
+    const int server_port = 23000 + getpid() % 20000;
+    pid_t pid = kvbt_llama_server_start(bin, model, slots, server_port, 1, "off", NULL);
+    kvb_err err = {0};
+    kvb_prefill_node *pn = NULL;
+    kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = PSK, .n_threads = 2,
+                             .cache_dtype = KVB_TYPE_F16, .block_tokens = BT, .max_ctx = 2048};
+    assert_int_equal(kvb_prefill_node_start(&pc, &pn, &err), KVB_OK);
+    char peer[64], url[64];
+    snprintf(peer, sizeof peer, "127.0.0.1:%u", kvb_prefill_node_port(pn));
+    snprintf(url, sizeof url, "http://127.0.0.1:%d", server_port);
+    kvb_llama_door *d = NULL;
+    kvb_llama_door_config dc = {.http_listen = "127.0.0.1:0", .server_url = url, .slot_dir = slots, .peer = peer,
+                                .psk = PSK, .model_path = model, .slots = 1, .block_tokens = BT, .max_ctx = 2048};
+    if (kvb_llama_door_start(&dc, &d, &err)) fail_msg("the door did not start: %s", err.msg);
+    const int door_port = kvb_llama_door_port(d);
+    static char conv[16384];
+    static const char *const chapter[] = {
+        "The prefill node sat in a rack full of graphics cards and computed long prompts for anyone who asked. ",
+        "The decode node lived on a small machine in an office and wrote the answers one word at a time. ",
+        "Between them ran a cable, and over that cable went the rows of a cache, block after block, checked twice. ",
+        "Every block had a key made from the tokens before it, so the decoder always knew where it belonged. ",
+    };
+    snprintf(conv, sizeof conv, "Here is a story about two computers. ");
+    for (int i = 0; i < 2; i++) append(conv, sizeof conv, chapter[i % 4], "");
+    turn t[6];
+    run_turn(door_port, server_port, conv, &t[0]); /* under the window: declined, nothing asked */
+    assert_non_null(strstr(t[0].verdict, "declined: llama-server recomputes a restored prefix of 32 tokens"));
+    assert_int_equal(t[0].bridged, 0);
+    assert_string_equal(t[0].text, t[0].alone);
+    for (int i = 0; i < 30; i++) append(conv, sizeof conv, chapter[i % 4], "");
+    long long held = 0;
+    for (int i = 1; i < 4; i++) { /* past the window: each turn ships only its increment */
+        run_turn(door_port, server_port, conv, &t[i]);
+        assert_true(t[i].prompt > 545);
+        expect_bridged(&t[i], held);
+        held = t[i].cached + t[i].bridged;
+        expect_slot_file(slots, 0, model, held);
+        char split[4096];
+        own_rows_split(slots, server_port, conv, &t[i], 512, split, sizeof split);
+        print_message("  bridged reply: %zu of %zu characters as llama-server alone's, %zu of %zu as its split one's\n",
+                      common_chars(t[i].text, t[i].alone), strlen(t[i].alone), common_chars(t[i].text, split),
+                      strlen(split));
+        append(conv, sizeof conv, t[i].text, " Then the user asked what happened next, and the story went on. ");
+        append(conv, sizeof conv, chapter[i % 4], chapter[(i + 1) % 4]);
+    }
+    kill(pid, SIGTERM); /* flash attention: V row-major, the door's file (V transposed) is refused */
+    waitpid(pid, NULL, 0);
+    pid = kvbt_llama_server_start(bin, model, slots, server_port, 1, "on", NULL);
+    run_turn(door_port, server_port, conv, &t[4]);
+    assert_non_null(strstr(t[4].verdict, "declined: llama-server refused the restore"));
+    assert_int_equal(t[4].bridged, 0);
+    assert_string_equal(t[4].text, t[4].alone);
+    append(conv, sizeof conv, t[4].text, " One more question, after the prefill node went away.");
+    kvb_prefill_node_stop(pn);
+    run_turn(door_port, server_port, conv, &t[5]);
+    assert_non_null(strstr(t[5].verdict, "declined: "));
+    assert_int_equal(t[5].bridged, 0);
+    assert_int_equal(t[5].cached + t[5].native, t[5].prompt);
+    assert_string_equal(t[5].text, t[5].alone);
+    kvb_llama_door_stop(d);
+    kill(pid, SIGTERM);
+    waitpid(pid, NULL, 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_conversation_bridged_then_declined),
+        cmocka_unit_test(test_gemma3_conversation),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -39,7 +39,7 @@ static void bridged_prompt(const char *fa, int port) {
     snprintf(cmd, sizeof cmd, "[ -f '%s' ] || '%s' gen-model --preset tiny-llama3 --type q8_0 --out '%s' --quiet",
              model, kvbt_bin(), model);
     assert_int_equal(kvbt_sh(cmd, g_out, sizeof g_out, 1), 0);
-    pid_t pid = kvbt_llama_server_start(bin, model, slots, port, 1, fa);
+    pid_t pid = kvbt_llama_server_start(bin, model, slots, port, 1, fa, NULL);
     snprintf(cmd, sizeof cmd, "'%s' verify --target llama.cpp --model '%s' --server http://127.0.0.1:%d "
              "--slot-dir '%s' --restore --n-predict 24 --threads 2 --prompt 'Once upon a time there was a "
              "prefill node and a decode node, and they shared one cache.' 2>&1", kvbt_bin(), model, port, slots);
