@@ -231,6 +231,45 @@ static void append(char *buf, size_t cap, const char *a, const char *b) {
     snprintf(buf + n, cap - n, "%s%s", a, b);
 }
 
+/* llama-server (n_slots, -fa off, one more flag extra or NULL) on model with its slots in `slots`,
+ * and a CPU prefill node for the same model, both on loopback. */
+typedef struct {
+    pid_t server;
+    int server_port;
+    kvb_prefill_node *pn;
+    char peer[64], url[64];
+} rig;
+
+static void rig_start(rig *r, const char *bin, const char *model, const char *slots, int port, int n_slots,
+                      const char *extra) {
+    r->server_port = port;
+    r->server = kvbt_llama_server_start(bin, model, slots, port, n_slots, "off", extra);
+    kvb_err err = {0};
+    kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = PSK, .n_threads = 2,
+                             .cache_dtype = KVB_TYPE_F16, .block_tokens = BT, .max_ctx = 2048};
+    r->pn = NULL;
+    assert_int_equal(kvb_prefill_node_start(&pc, &r->pn, &err), KVB_OK);
+    snprintf(r->peer, sizeof r->peer, "127.0.0.1:%u", kvb_prefill_node_port(r->pn));
+    snprintf(r->url, sizeof r->url, "http://127.0.0.1:%d", port);
+}
+
+/* llama-server (pid) restarted with flash attention (V row-major) behind the door's back: the next
+ * turn (the reply `last` and a question appended to conv) arrives, llama-server refuses the door's
+ * file (V transposed) and computes the prompt itself: `declined`, its reply. The new pid. */
+static pid_t refused_turn(pid_t pid, const char *bin, const char *model, const char *slots, int n_slots,
+                          int door_port, int server_port, char *conv, size_t cap, const char *last, turn *t) {
+    kill(pid, SIGTERM);
+    waitpid(pid, NULL, 0);
+    pid = kvbt_llama_server_start(bin, model, slots, server_port, n_slots, "on", NULL);
+    append(conv, cap, last, " And what did the server say after it came back?");
+    run_turn(door_port, server_port, conv, t);
+    assert_non_null(strstr(t->verdict, "declined: llama-server refused the restore"));
+    assert_int_equal(t->bridged, 0);
+    assert_int_equal(t->cached + t->native, t->prompt);
+    assert_string_equal(t->text, t->alone);
+    return pid;
+}
+
 static void test_conversation_bridged_then_declined(void **state) {
     (void)state;
     char bin[1024], model[512], slots[512], cmd[2048];
@@ -241,24 +280,21 @@ static void test_conversation_bridged_then_declined(void **state) {
     snprintf(cmd, sizeof cmd, "[ -f '%s' ] || '%s' gen-model --preset tiny-llama3 --type q8_0 --out '%s' --quiet",
              model, kvbt_bin(), model);
     assert_int_equal(kvbt_sh(cmd, g_out, sizeof g_out, 1), 0);
-    const int server_port = 22000 + getpid() % 20000;
-    pid_t pid = kvbt_llama_server_start(bin, model, slots, server_port, 2, "off", NULL);
+    rig r;
+    rig_start(&r, bin, model, slots, 22000 + getpid() % 20000, 2, NULL);
+    const int server_port = r.server_port;
+    pid_t pid = r.server;
+    kvb_prefill_node *pn = r.pn;
     kvb_err err = {0};
-    kvb_prefill_node *pn = NULL;
-    kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = PSK, .n_threads = 2,
-                             .cache_dtype = KVB_TYPE_F16, .block_tokens = BT, .max_ctx = 2048};
-    assert_int_equal(kvb_prefill_node_start(&pc, &pn, &err), KVB_OK);
-    char peer[64], url[64];
-    snprintf(peer, sizeof peer, "127.0.0.1:%u", kvb_prefill_node_port(pn));
-    snprintf(url, sizeof url, "http://127.0.0.1:%d", server_port);
     kvb_llama_door *d = NULL;
     char other_model[512];
     kvbt_tmp_path(other_model, sizeof other_model, "tiny-llama3-door-seed7.gguf");
     snprintf(cmd, sizeof cmd, "'%s' gen-model --preset tiny-llama3 --type q8_0 --seed 7 --out '%s' --quiet",
              kvbt_bin(), other_model);
     assert_int_equal(kvbt_sh(cmd, g_out, sizeof g_out, 1), 0);
-    kvb_llama_door_config dc = {.http_listen = "127.0.0.1:0", .server_url = url, .slot_dir = slots, .peer = peer,
-                                .psk = PSK, .model_path = other_model, .slots = 2, .block_tokens = BT, .max_ctx = 2048};
+    kvb_llama_door_config dc = {.http_listen = "127.0.0.1:0", .server_url = r.url, .slot_dir = slots,
+                                .peer = r.peer, .psk = PSK, .model_path = other_model, .slots = 2,
+                                .block_tokens = BT, .max_ctx = 2048};
     /* a door for another model (same shapes, other weights) refuses to start: it would restore wrong rows */
     assert_int_equal(kvb_llama_door_start(&dc, &d, &err), KVB_ERR_MISMATCH);
     print_message("  another model: %s\n", err.msg);
@@ -290,17 +326,7 @@ static void test_conversation_bridged_then_declined(void **state) {
     run_turn(door_port, server_port, conv, &t[4]); /* the first conversation's slot kept its rows */
     expect_complete(&t[4], held);
     expect_slot_file(slots, 0, model, t[4].cached + t[4].bridged);
-    /* llama-server restarted with flash attention (V row-major) behind the door's back: the increment
-     * arrives, llama-server refuses the door's file (V transposed), and it computes the prompt itself */
-    kill(pid, SIGTERM);
-    waitpid(pid, NULL, 0);
-    pid = kvbt_llama_server_start(bin, model, slots, server_port, 2, "on", NULL);
-    append(conv, sizeof conv, t[4].text, " And what did the server say after it came back?");
-    run_turn(door_port, server_port, conv, &t[5]);
-    assert_non_null(strstr(t[5].verdict, "declined: llama-server refused the restore"));
-    assert_int_equal(t[5].bridged, 0);
-    assert_int_equal(t[5].cached + t[5].native, t[5].prompt);
-    assert_string_equal(t[5].text, t[5].alone);
+    pid = refused_turn(pid, bin, model, slots, 2, door_port, server_port, conv, sizeof conv, t[4].text, &t[5]);
     append(conv, sizeof conv, t[5].text, " One more question, after the prefill node went away.");
     kvb_prefill_node_stop(pn);
     run_turn(door_port, server_port, conv, &t[6]);
@@ -424,19 +450,15 @@ static void test_gemma3_conversation(void **state) {
     const char *model = kvbt_require_gemma3();
     kvbt_tmp_path(slots, sizeof slots, "llama-door-gemma3-slots");
     mkdir(slots, 0755);
-    const int server_port = 23000 + getpid() % 20000;
-    pid_t pid = kvbt_llama_server_start(bin, model, slots, server_port, 1, "off", NULL);
+    rig r;
+    rig_start(&r, bin, model, slots, 23000 + getpid() % 20000, 1, NULL);
+    const int server_port = r.server_port;
+    pid_t pid = r.server;
     kvb_err err = {0};
-    kvb_prefill_node *pn = NULL;
-    kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = model, .psk = PSK, .n_threads = 2,
-                             .cache_dtype = KVB_TYPE_F16, .block_tokens = BT, .max_ctx = 2048};
-    assert_int_equal(kvb_prefill_node_start(&pc, &pn, &err), KVB_OK);
-    char peer[64], url[64];
-    snprintf(peer, sizeof peer, "127.0.0.1:%u", kvb_prefill_node_port(pn));
-    snprintf(url, sizeof url, "http://127.0.0.1:%d", server_port);
     kvb_llama_door *d = NULL;
-    kvb_llama_door_config dc = {.http_listen = "127.0.0.1:0", .server_url = url, .slot_dir = slots, .peer = peer,
-                                .psk = PSK, .model_path = model, .slots = 1, .block_tokens = BT, .max_ctx = 2048};
+    kvb_llama_door_config dc = {.http_listen = "127.0.0.1:0", .server_url = r.url, .slot_dir = slots,
+                                .peer = r.peer, .psk = PSK, .model_path = model, .slots = 1, .block_tokens = BT,
+                                .max_ctx = 2048};
     if (kvb_llama_door_start(&dc, &d, &err)) fail_msg("the door did not start: %s", err.msg);
     const int door_port = kvb_llama_door_port(d);
     static char conv[16384];
@@ -476,14 +498,7 @@ static void test_gemma3_conversation(void **state) {
     kvb_model_free(m);
     free(e.k), free(e.v);
     kvb_llama_state_free(&first), kvb_llama_state_free(&second);
-    kill(pid, SIGTERM); /* flash attention: V row-major, the door's file (V transposed) is refused */
-    waitpid(pid, NULL, 0);
-    pid = kvbt_llama_server_start(bin, model, slots, server_port, 1, "on", NULL);
-    append(conv, sizeof conv, t[2].text, " And what did the server say after it came back?");
-    run_turn(door_port, server_port, conv, &t[3]);
-    assert_non_null(strstr(t[3].verdict, "declined: llama-server refused the restore"));
-    assert_int_equal(t[3].bridged, 0);
-    assert_string_equal(t[3].text, t[3].alone);
+    pid = refused_turn(pid, bin, model, slots, 1, door_port, server_port, conv, sizeof conv, t[2].text, &t[3]);
     kvb_llama_door_stop(d);
     kill(pid, SIGTERM); /* --swa-full: the door's probe finds a short restored prefix reused, and bridges it */
     waitpid(pid, NULL, 0);
@@ -497,7 +512,7 @@ static void test_gemma3_conversation(void **state) {
                   "%zu/%zu/%zu of %zu\n", common_chars(t[0].text, own), common_chars(t[0].text, t[0].alone),
                   common_chars(t[0].text, split), strlen(t[0].text));
     kvb_llama_door_stop(d);
-    kvb_prefill_node_stop(pn);
+    kvb_prefill_node_stop(r.pn);
     kill(pid, SIGTERM);
     waitpid(pid, NULL, 0);
 }

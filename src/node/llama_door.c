@@ -513,7 +513,7 @@ static kvb_status keep_layer0(void *ctx, uint32_t layer, uint32_t pos0, uint32_t
  * against kvbridge's for the same tokens (relative L2 under 5e-2; equal bits need f32 weights, as
  * ggml rounds activations; another model's rows are about 1.4 apart). */
 static kvb_status same_model(kvb_llama_door *d, const kvb_llama_state *s, kvb_err *err) {
-    const kvb_llama_cache *c = &s->cache[d->layers[0][0] == 0 ? 0 : 1]; /* the cache holding layer 0, first */
+    const kvb_llama_cache *c = &s->cache[d->n_layers[0] && d->layers[0][0] == 0 ? 0 : 1]; /* layer 0's, first */
     layer0_rows l0 = {.n = c->n_cells, .row = d->row, .k = malloc((size_t)c->n_cells * d->row)};
     kvb_engine_opts o = {.n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = d->fmt.block_tokens,
                          .max_ctx = (c->n_cells / d->fmt.block_tokens + 2) * d->fmt.block_tokens,
