@@ -4,7 +4,9 @@
  * the writer to exactly the input's bytes: the format stores nothing the parsed state does not
  * hold, so parse and write are inverse, and the writer never produces a file the parser rejects.
  * Built with FUZZ_LLAMA_STATE_WRITE_SEEDS=1 it writes valid files (one cache and two, V
- * transposed and not, packed tokens and plain) into the directory named by its argument. */
+ * transposed and not, packed tokens and plain, and Gemma 3's iSWA shape: caches of different layer
+ * counts, the sliding-window one holding only the last cells) into the directory named by its
+ * argument. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,6 +72,13 @@ int main(int argc, char **argv) {
     s.cache[1] = s.cache[0];
     s.cache[1].n_stream = 2, s.cache[1].stream = 1, s.cache[1].n_cells = 3, s.cache[1].pos = pos + 3;
     rc |= write_seed(argv[1], "two_caches_plain_tokens", &s);
+    /* Gemma 3's shape as llama-server saves it: packed tokens, the global cache of 1 layer with every
+     * cell, the sliding-window cache of 2 layers (its own count) with the last 4 cells only */
+    s.server_packed = true;
+    s.cache[0].n_layer = 1;
+    s.cache[1] = s.cache[0];
+    s.cache[1].n_layer = 2, s.cache[1].n_cells = 4, s.cache[1].pos = pos + 2;
+    rc |= write_seed(argv[1], "iswa_window_cells", &s);
     return rc;
 }
 #endif

@@ -2,7 +2,9 @@
  * is written and compared with bytes laid out here by hand from the pinned llama.cpp source (magic,
  * version, llama-server's packed token list, n_stream, cell count, (pos, 1, seq) per cell, v_trans,
  * n_layer, K type / row size / rows, V transposed element by element), and the same state with V
- * row-major; a larger two-cache state (the interleaved-SWA shape, one cache in stream 1 of 2)
+ * row-major; a minimal two-cache (iSWA) file, global cells then the sliding-window layers' last
+ * cells, also against bytes by hand, with its cuts, caches of two sequences and a third cache; a
+ * larger two-cache state (the interleaved-SWA shape, one cache in stream 1 of 2)
  * survives write, parse and save/load bit for bit; and hostile files are refused with the right
  * code: another magic or version (UNSUPPORTED, naming the supported build), a truncation at every
  * byte, a trailing byte, a bad packed-token version, media chunks, a cell with two sequence ids,
@@ -179,6 +181,95 @@ static void test_two_caches_round_trip(void **state) {
     free_big(&s);
 }
 
+/* A minimal iSWA file: 3 tokens; cache 0 (global) 1 layer, cells 0..2, rows of 1 f16, V row-major;
+ * cache 1 (sliding window of 2) 2 layers, cells 1..2 only, rows of 2 f16, V transposed. */
+static const uint8_t s_gk[6] = {1, 2, 3, 4, 5, 6}, s_gv[6] = {7, 8, 9, 10, 11, 12};
+static const uint8_t s_lk[16] = {20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35};
+static const uint8_t s_lv[16] = {40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55};
+static int32_t s_tok[3] = {2, 9, 77}, s_pos[3] = {0, 1, 2};
+
+static kvb_llama_state swa_state(void) {
+    kvb_llama_state s = {.n_tokens = 3, .tokens = s_tok, .server_packed = true, .n_cache = 2};
+    s.cache[0] = (kvb_llama_cache){.n_stream = 1, .n_cells = 3, .seq_id = 1, .pos = s_pos, .n_layer = 1,
+                                   .k_type = KVB_TYPE_F16, .v_type = KVB_TYPE_F16, .k_row_bytes = 2,
+                                   .v_row_bytes = 2, .k = (uint8_t *)s_gk, .v = (uint8_t *)s_gv};
+    s.cache[1] = (kvb_llama_cache){.n_stream = 1, .n_cells = 2, .seq_id = 1, .pos = s_pos + 1, .v_trans = true,
+                                   .n_layer = 2, .k_type = KVB_TYPE_F16, .v_type = KVB_TYPE_F16,
+                                   .k_row_bytes = 4, .v_row_bytes = 4, .k = (uint8_t *)s_lk, .v = (uint8_t *)s_lv};
+    return s;
+}
+
+/* Its bytes by hand; *cache1 = where the second cache's section begins. */
+static size_t swa_bytes(uint8_t *b, size_t *cache1) {
+    size_t o = 0;
+    const uint32_t head[] = {0x67677371u, 3, 7, 0xffffffffu, 1, 3, 2, 9, 77, 0, /* packed tokens */
+                             1, 3, 0, 1, 1, 1, 1, 1, 2, 1, 1, /* cache 0: 1 stream, 3 cells (pos, 1, seq 1) */
+                             0, 1, 1, 2, 0};                  /* row-major, 1 layer, K f16, row 2 (u64) */
+    for (size_t i = 0; i < sizeof head / 4; i++) o = put32(b, o, head[i]);
+    memcpy(b + o, s_gk, 6), o += 6;
+    o = put32(b, o, 1), o = put32(b, o, 2), o = put32(b, o, 0); /* V f16, row 2 */
+    memcpy(b + o, s_gv, 6), o += 6;
+    *cache1 = o;
+    const uint32_t mid[] = {1, 2, 1, 1, 1, 2, 1, 1, /* cache 1: 1 stream, cells at 1 and 2 */
+                            1, 2};                  /* V transposed, 2 layers */
+    for (size_t i = 0; i < sizeof mid / 4; i++) o = put32(b, o, mid[i]);
+    for (int l = 0; l < 2; l++) {
+        o = put32(b, o, 1), o = put32(b, o, 4), o = put32(b, o, 0);
+        memcpy(b + o, s_lk + 8 * l, 8), o += 8;
+    }
+    for (int l = 0; l < 2; l++) { /* element 0 of both cells, then element 1 */
+        o = put32(b, o, 1), o = put32(b, o, 2), o = put32(b, o, 2);
+        const uint8_t *v = s_lv + 8 * l;
+        const uint8_t t[8] = {v[0], v[1], v[4], v[5], v[2], v[3], v[6], v[7]};
+        memcpy(b + o, t, 8), o += 8;
+    }
+    return o;
+}
+
+static void test_swa_file_matches_hand_layout(void **state) {
+    (void)state;
+    uint8_t want[512], got[512];
+    size_t cache1, n_got = 0;
+    const size_t n_want = swa_bytes(want, &cache1);
+    kvb_llama_state s = swa_state(), p;
+    kvb_err err = {0};
+    assert_int_equal(kvb_llama_state_write(&s, got, sizeof got, &n_got, &err), KVB_OK);
+    assert_int_equal(n_got, n_want);
+    assert_memory_equal(got, want, n_want);
+    assert_int_equal(kvb_llama_state_parse(want, n_want, &p, &err), KVB_OK);
+    assert_int_equal(p.n_cache, 2);
+    assert_int_equal(p.cache[0].n_layer, 1);
+    assert_int_equal(p.cache[1].n_layer, 2);
+    assert_int_equal(p.cache[1].n_cells, 2);
+    assert_int_equal(p.cache[1].pos[0], 1);
+    assert_memory_equal(p.cache[1].v, s_lv, 16);
+    kvb_llama_state_free(&p);
+    /* cut at the boundary, the file is a valid one-cache file (the door and verify check the count
+     * against the model); every other cut is malformed */
+    for (size_t cut = 8; cut < n_want; cut++) {
+        kvb_status st = kvb_llama_state_parse(want, cut, &p, &err);
+        if (cut == cache1) {
+            assert_int_equal(st, KVB_OK);
+            assert_int_equal(p.n_cache, 1);
+            kvb_llama_state_free(&p);
+        } else if (st != KVB_ERR_FORMAT) {
+            fail_msg("cut at %zu of %zu: %s", cut, n_want, kvb_status_name(st));
+        }
+    }
+    /* the caches of two sequences: refused both ways */
+    s.cache[1].seq_id = 0;
+    assert_int_equal(kvb_llama_state_write(&s, got, sizeof got, &n_got, &err), KVB_ERR_INVALID);
+    uint8_t bad[512];
+    memcpy(bad, want, n_want);
+    put32(bad, cache1 + 16, 0), put32(bad, cache1 + 28, 0); /* both cells' sequence id */
+    assert_int_equal(kvb_llama_state_parse(bad, n_want, &p, &err), KVB_ERR_FORMAT);
+    assert_non_null(strstr(err.msg, "sequences 1 and 0"));
+    /* a third cache: the file ends after two */
+    memcpy(bad, want, n_want);
+    memcpy(bad + n_want, want + cache1, n_want - cache1);
+    assert_int_equal(kvb_llama_state_parse(bad, n_want + (n_want - cache1), &p, &err), KVB_ERR_FORMAT);
+}
+
 static kvb_status parse_code(const uint8_t *b, size_t n, kvb_err *err) {
     kvb_llama_state p;
     kvb_status st = kvb_llama_state_parse(b, n, &p, err);
@@ -250,6 +341,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tiny_file_matches_hand_layout),
         cmocka_unit_test(test_two_caches_round_trip),
+        cmocka_unit_test(test_swa_file_matches_hand_layout),
         cmocka_unit_test(test_hostile_files_refused),
         cmocka_unit_test(test_layers_must_agree),
     };

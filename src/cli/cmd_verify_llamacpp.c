@@ -277,7 +277,7 @@ static bool slot_action(const server_addr *a, const char *action, const char *fi
 /* Restores kvbridge's file into slot 0 and decodes; then a refused restore (a copy of another version)
  * must leave llama-server computing the prompt itself with the same reply. Failed checks. */
 static int restore_checks(const server_addr *a, const char *dir, const int32_t *ids, uint32_t n, uint32_t n_restored,
-                          int n_predict) {
+                          int n_predict, bool swa) {
     char *alone = NULL, *bridged = NULL, *fallback = NULL, path[4096], bad[4096];
     int pn_alone = -1, pn_bridged = -1, pn_fallback = -1, failed = 0;
     if (!slot_action(a, "erase", NULL) || !complete(a, ids, n, n_predict, &alone, &pn_alone)) return 1;
@@ -290,6 +290,9 @@ static int restore_checks(const server_addr *a, const char *dir, const int32_t *
     const bool reused = pn_bridged >= 1 && (uint32_t)pn_bridged == n - (n_restored < n ? n_restored : n - 1);
     printf("  restore: llama-server computed %d of %u prompt tokens after restoring %u (alone: %d): %s\n", pn_bridged,
            n, n_restored, pn_alone, reused ? "prefix reused" : "NOT REUSED");
+    if (!reused && swa)
+        printf("  (a sliding-window cache: this llama-server build recomputes a restored prefix unless its lowest "
+               "sliding-window cell lies below n - window, which its own file's never does; run it with --swa-full)\n");
     printf("  greedy %d tokens, restored vs llama-server alone: %s\n", n_predict,
            !strcmp(alone, bridged) ? "identical" : "DIFFER");
     failed += !reused + !!strcmp(alone, bridged);
@@ -388,7 +391,7 @@ int kvb_verify_llamacpp(const kvb_verify_llamacpp_opts *o) {
         st = kvb_llama_state_save(&ours, our_path, &err);
         if (!st) printf("  kvbridge's file: %s\n", our_path);
         if (!st && o->server && o->restore)
-            failed = restore_checks(&a, o->slot_dir, ids, n_ids, cells_end(&ours), o->n_predict);
+            failed = restore_checks(&a, o->slot_dir, ids, n_ids, cells_end(&ours), o->n_predict, srv.n_cache == 2);
         free_mirror(&ours);
     }
     if (st) fprintf(stderr, "kvbridge verify: %s\n", err.msg);

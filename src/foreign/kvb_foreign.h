@@ -1,11 +1,14 @@
 /* foreign — other engines' own cache formats, written from K/V rows kvbridge computed and read
  * back from their files. llama.cpp: the sequence state file `llama_state_seq_save_file` writes and
  * llama-server's slot API saves and restores (`--slot-save-path DIR`, `POST /slots/ID?action=
- * save|restore`), for the build vendored in llama-cpp-python 0.3.36 (state-seq file version 3,
+ * save|restore`), for llama.cpp 0c1e57098 as vendored in llama-cpp-python 0.3.36 (state-seq file version 3,
  * llama-server's packed token list version 1). The file is: magic 'ggsq', version, the token
  * count and tokens (llama-server packs them as [-1, 1, n, tokens, 0 media]), then per KV cache of
- * the model (one; two for interleaved sliding-window models such as Gemma 3: the global layers'
- * cache, then the sliding-window layers') n_stream and per stream a cell count, the cells' (pos,
+ * the model (one; two for interleaved sliding-window models such as Gemma 3, llama.cpp's "iSWA"
+ * cache: the global layers' cache, then the sliding-window layers', each with its own layer count;
+ * llama_kv_cache::state_write skips a cell masked for the sequence's last position, so the second
+ * holds only the last window cells, positions pos_max - window + 1 .. pos_max, and both hold the
+ * same one sequence) n_stream and per stream a cell count, the cells' (pos,
  * 1, seq id) and, when it has cells, v_trans, n_layer, every layer's K (type, row bytes, rows) and
  * every layer's V: rows, or when v_trans (llama.cpp without flash attention) the element size,
  * the row width and the rows transposed (element j of every cell, then j+1 ...). All integers are
@@ -26,7 +29,7 @@
 #define KVB_LLAMA_STATE_SEQ_VERSION 3u
 #define KVB_LLAMA_SERVER_TOKENS_VERSION 1u
 #define KVB_LLAMA_SUPPORTED_BUILD \
-    "llama.cpp as vendored in llama-cpp-python 0.3.36 (sequence state file v3, llama-server token state v1)"
+    "llama.cpp 0c1e57098 as vendored in llama-cpp-python 0.3.36 (sequence state file v3, llama-server token state v1)"
 #define KVB_LLAMA_MAX_CACHES 2u   /* a model's KV caches in the file: 1, or 2 for interleaved SWA */
 #define KVB_LLAMA_MAX_STREAMS 256u
 

@@ -120,6 +120,9 @@ static kvb_status write_all(const kvb_llama_state *s, wcur *w, kvb_err *err) {
         kvb_status st = check_cache(&s->cache[i], i, err);
         if (st) return st;
     }
+    if (s->n_cache == 2 && s->cache[0].n_cells && s->cache[1].n_cells && s->cache[0].seq_id != s->cache[1].seq_id)
+        return kvb_err_set(err, KVB_ERR_INVALID, "llama.cpp state: caches of sequences %d and %d (a sequence "
+                           "file holds one)", s->cache[0].seq_id, s->cache[1].seq_id);
     w_u32(w, KVB_LLAMA_STATE_SEQ_MAGIC);
     w_u32(w, KVB_LLAMA_STATE_SEQ_VERSION);
     if (s->server_packed) { /* [-1, version, n, tokens, 0 media chunks] */
@@ -395,6 +398,10 @@ kvb_status kvb_llama_state_parse(const uint8_t *buf, size_t len, kvb_llama_state
         st = parse_cache(&r, &out->cache[out->n_cache++], err);
     }
     if (!st && out->n_cache == 0) st = kvb_err_set(err, KVB_ERR_FORMAT, "llama.cpp state: no KV cache section");
+    if (!st && out->n_cache == 2 && out->cache[0].n_cells && out->cache[1].n_cells &&
+        out->cache[0].seq_id != out->cache[1].seq_id)
+        st = kvb_err_set(err, KVB_ERR_FORMAT, "llama.cpp state: caches of sequences %d and %d (a sequence file "
+                         "holds one)", out->cache[0].seq_id, out->cache[1].seq_id);
     if (st) kvb_llama_state_free(out);
     return st;
 }

@@ -8,7 +8,8 @@
  * restores it (POST /slots/ID?action=restore) and forwards the completion with id_slot and
  * cache_prompt. The verdict says what happened: complete (llama-server computed only the tokens
  * past the restored rows), partial (it computed more), declined: reason (no restore; llama-server
- * computed the prompt itself). Requests are served one at a time. */
+ * computed the prompt itself). A sliding-window model (Gemma 3): see llama_door.c for the cells of
+ * its second cache and the prefixes it declines. Requests are served one at a time. */
 #ifndef KVB_LLAMA_DOOR_H
 #define KVB_LLAMA_DOOR_H
 
@@ -37,9 +38,11 @@ typedef struct {
 } kvb_llama_door_config;
 
 typedef struct kvb_llama_door kvb_llama_door;
-/* Loads the model's description, probes llama-server's slot file (a one-token prompt computed in
- * slot 0 and saved: its version, caches, streams, V layout and dtypes must be what this build
- * writes: one f16 cache), dials the prefill node and starts the API. */
+/* Loads the model's description, probes llama-server's slot file (a short prompt computed in slot 0
+ * and saved: its version, caches, streams, V layout and dtypes must be what this build writes: f16,
+ * one cache, or the global and the sliding-window layers' for a model with local layers, whose probe
+ * file is then restored to learn whether llama-server reuses a prefix under its window, as with
+ * --swa-full), dials the prefill node and starts the API. */
 kvb_status kvb_llama_door_start(const kvb_llama_door_config *cfg, kvb_llama_door **out, kvb_err *err);
 uint16_t kvb_llama_door_port(const kvb_llama_door *d);
 void kvb_llama_door_stop(kvb_llama_door *d);

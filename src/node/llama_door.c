@@ -3,7 +3,17 @@
  * store, the slot's rows restored into llama-server as its own slot file, the completion forwarded
  * and its reply passed back through the http module with the verdict and usage.kvbridge. The slot
  * rows are kept here per slot as (token, layer, n_head_kv * head_dim f16) and appended each turn,
- * so a turn ships only its new blocks over the link; restoring costs a local file write and read. */
+ * so a turn ships only its new blocks over the link; restoring costs a local file write and read.
+ * A model with sliding-window layers (Gemma 3) is two caches in llama.cpp's file: the global
+ * layers' every cell, then the local layers' last cells. The bridge ships local rows only for the
+ * window - 1 positions the next query reads (kvb_kvformat_local_keep_from), so each slot tracks
+ * from where its local rows are real (local_lo). llama.cpp's own file keeps window cells there
+ * (positions past pos_max - window); this build's server reuses a restored slot only when its
+ * lowest sliding-window cell lies below n - window (else it recomputes the prompt, having no
+ * checkpoint), so the door writes window + 1 cells: the ones below local_lo are zero rows, which
+ * no later position attends (a query at p >= n reads keys past p - window only). A prefix of at
+ * most window tokens cannot meet that rule; unless the probe finds llama-server reusing such a
+ * restored prefix (--swa-full), such a turn is declined without asking the prefill node. */
 #include <cJSON.h>
 #include <math.h>
 #include <pthread.h>
@@ -33,6 +43,7 @@ typedef struct {
     uint8_t *k, *v; /* (cap, layer, row) */
     uint32_t n, cap;
     uint64_t used;  /* the request count when it last served (least recently used is reused first) */
+    uint32_t local_lo; /* local (sliding-window) layers: rows are kvbridge's from this position on */
 } door_slot;
 
 struct kvb_llama_door {
@@ -44,7 +55,11 @@ struct kvb_llama_door {
     kvb_kvformat fmt;  /* the model's format in f16: the prefill node's HELLO must match it */
     kvb_store *store;  /* where the receiver commits the increment before it is copied to a slot */
     size_t row;        /* bytes of one token's row in one layer: n_head_kv * head_dim f16 */
-    kvb_llama_cache probe; /* the layout llama-server's own slot file has (no rows) */
+    uint32_t n_cache;  /* llama.cpp's caches in the file: 1, or 2 (global, local) with local layers */
+    uint32_t n_layers[KVB_LLAMA_MAX_CACHES], *layers[KVB_LLAMA_MAX_CACHES]; /* each cache's model layers */
+    uint32_t window;   /* local layers' window (0: none) */
+    bool short_reuse;  /* llama-server reuses a restored prefix of at most window tokens (--swa-full) */
+    kvb_llama_cache probe[KVB_LLAMA_MAX_CACHES]; /* the layout llama-server's own slot file has (no rows) */
     kvb_peer_link *link;
     kvb_hello hello;
     kvb_transport_config tcfg;
@@ -192,6 +207,8 @@ static uint32_t slot_pick(kvb_llama_door *d, const int32_t *ids, uint32_t n, uin
     const uint32_t bt = d->fmt.block_tokens;
     if (best_len < bt) best = empty != UINT32_MAX ? empty : lru, best_len = 0;
     *held = best_len / bt * bt < cap ? best_len / bt * bt : cap;
+    /* local layers: the rows the next query reads (the bridge's rule) must be real, else start over */
+    if (d->window && *held && d->slot[best].local_lo > kvb_kvformat_local_keep_from(&d->fmt, *held)) *held = 0;
     d->slot[best].n = *held;
     d->slot[best].used = ++d->requests;
     return best;
@@ -219,6 +236,8 @@ static kvb_status slot_append(kvb_llama_door *d, door_slot *sl, const kvb_bridge
     const uint32_t bt = d->fmt.block_tokens, nl = d->m->d.n_layer, nh = d->fmt.n_head_kv;
     const size_t hb = kvb_row_bytes(KVB_TYPE_F16, d->fmt.head_dim);
     kvb_status st = slot_reserve(d, sl, to, err);
+    const uint32_t keep = kvb_kvformat_local_keep_from(&d->fmt, to); /* local rows shipped from here on */
+    if (sl->n == 0 || keep > sl->n) sl->local_lo = keep;
     for (uint32_t b = 0; !st && b < np; b++) {
         if (!kvb_store_slab_committed(p[b])) return kvb_err_set(err, KVB_ERR_INTERNAL, "block %u not committed", b);
         const uint8_t *blk = kvb_store_block_data(d->store, kvb_store_slab_block(p[b]));
@@ -236,37 +255,56 @@ static kvb_status slot_append(kvb_llama_door *d, door_slot *sl, const kvb_bridge
     return st;
 }
 
+/* The first cell the file holds in cache c for a prefix of n tokens: 0 for global layers; for local
+ * ones the window + 1 last positions (see the file comment: llama-server's reuse rule). */
+static uint32_t cache_first_cell(const kvb_llama_door *d, uint32_t c, uint32_t n) {
+    return c == 1 && n > d->window + 1 ? n - d->window - 1 : 0;
+}
+
+/* Cache c of the slot's file: the probed layout, cells [cache_first_cell, n) of its layers, rows
+ * (token, layer, row) -> (layer, cell, row); local rows below the slot's local_lo are zero. */
+static kvb_status fill_cache(const kvb_llama_door *d, uint32_t s, uint32_t c, kvb_llama_cache *out, kvb_err *err) {
+    const door_slot *sl = &d->slot[s];
+    const uint32_t nl = d->m->d.n_layer, first = cache_first_cell(d, c, sl->n), cells = sl->n - first;
+    const uint32_t lo = c == 1 ? sl->local_lo : 0, n_cl = d->n_layers[c];
+    *out = d->probe[c];
+    out->stream = out->n_stream > 1 && s < out->n_stream ? s : 0;
+    out->n_cells = cells;
+    out->seq_id = (int32_t)s;
+    out->pos = malloc(cells * sizeof *out->pos);
+    out->k = calloc((size_t)n_cl * cells, d->row);
+    out->v = calloc((size_t)n_cl * cells, d->row);
+    if (!out->pos || !out->k || !out->v) return kvb_err_set(err, KVB_ERR_NOMEM, "slot file of %u tokens", sl->n);
+    for (uint32_t i = 0; i < cells; i++) {
+        const uint32_t t = first + i;
+        out->pos[i] = (int32_t)t;
+        if (t < lo) continue;
+        for (uint32_t j = 0; j < n_cl; j++) {
+            const size_t src = ((size_t)t * nl + d->layers[c][j]) * d->row, dst = ((size_t)j * cells + i) * d->row;
+            memcpy(out->k + dst, sl->k + src, d->row);
+            memcpy(out->v + dst, sl->v + src, d->row);
+        }
+    }
+    return KVB_OK;
+}
+
 /* Writes the slot's rows as llama-server's slot file (the layout its own file has) and restores it. */
 static kvb_status slot_restore(kvb_llama_door *d, uint32_t s, kvb_err *err) {
     const door_slot *sl = &d->slot[s];
-    const uint32_t nl = d->m->d.n_layer, n = sl->n;
-    kvb_llama_state st = {.n_tokens = n, .tokens = sl->toks, .server_packed = true, .n_cache = 1};
-    kvb_llama_cache *c = &st.cache[0];
-    *c = d->probe;
-    c->stream = c->n_stream > 1 && s < c->n_stream ? s : 0;
-    c->n_cells = n;
-    c->seq_id = (int32_t)s;
-    c->pos = malloc(n * sizeof *c->pos);
-    c->k = malloc((size_t)nl * n * d->row);
-    c->v = malloc((size_t)nl * n * d->row);
-    kvb_status rc = c->pos && c->k && c->v ? KVB_OK : kvb_err_set(err, KVB_ERR_NOMEM, "slot file of %u tokens", n);
-    for (uint32_t t = 0; !rc && t < n; t++) { /* (token, layer, row) -> (layer, cell, row) */
-        c->pos[t] = (int32_t)t;
-        for (uint32_t l = 0; l < nl; l++) {
-            memcpy(c->k + ((size_t)l * n + t) * d->row, sl->k + ((size_t)t * nl + l) * d->row, d->row);
-            memcpy(c->v + ((size_t)l * n + t) * d->row, sl->v + ((size_t)t * nl + l) * d->row, d->row);
-        }
-    }
+    kvb_llama_state st = {.n_tokens = sl->n, .tokens = sl->toks, .server_packed = true, .n_cache = d->n_cache};
+    kvb_status rc = KVB_OK;
+    for (uint32_t c = 0; !rc && c < d->n_cache; c++) rc = fill_cache(d, s, c, &st.cache[c], err);
     char file[64], path[4096];
     snprintf(file, sizeof file, "kvb-door-slot%u.bin", s);
     snprintf(path, sizeof path, "%s/%s", d->cfg.slot_dir, file);
     if (!rc) rc = kvb_llama_state_save(&st, path, err);
-    free(c->pos), free(c->k), free(c->v);
+    for (uint32_t c = 0; c < d->n_cache; c++) free(st.cache[c].pos), free(st.cache[c].k), free(st.cache[c].v);
     cJSON *rep = NULL;
     if (!rc) rc = slot_action(d, s, "restore", file, &rep, err);
     const cJSON *nr = rep ? cJSON_GetObjectItem(rep, "n_restored") : NULL;
-    if (!rc && (!cJSON_IsNumber(nr) || nr->valuedouble != n))
-        rc = kvb_err_set(err, KVB_ERR_REFUSED, "llama-server restored %g of %u tokens", nr ? nr->valuedouble : -1.0, n);
+    if (!rc && (!cJSON_IsNumber(nr) || nr->valuedouble != sl->n))
+        rc = kvb_err_set(err, KVB_ERR_REFUSED, "llama-server restored %g of %u tokens", nr ? nr->valuedouble : -1.0,
+                         sl->n);
     cJSON_Delete(rep);
     return rc;
 }
@@ -363,6 +401,11 @@ static void bridge_and_restore(kvb_llama_door *d, uint32_t s, const int32_t *ids
     *restored = 0;
     if (target == 0) {
         snprintf(why, cap, "a prompt of %u tokens is under one block", n);
+        return;
+    }
+    if (d->window && !d->short_reuse && target <= d->window) {
+        snprintf(why, cap, "llama-server recomputes a restored prefix of %u tokens, not over its sliding "
+                 "window of %u (without --swa-full)", target, d->window);
         return;
     }
     if (sl->n < target) bridge_increment(d, sl, ids, n, target, asked, why, cap);
@@ -470,7 +513,7 @@ static kvb_status keep_layer0(void *ctx, uint32_t layer, uint32_t pos0, uint32_t
  * against kvbridge's for the same tokens (relative L2 under 5e-2; equal bits need f32 weights, as
  * ggml rounds activations; another model's rows are about 1.4 apart). */
 static kvb_status same_model(kvb_llama_door *d, const kvb_llama_state *s, kvb_err *err) {
-    const kvb_llama_cache *c = &s->cache[0];
+    const kvb_llama_cache *c = &s->cache[d->n_layers[0] && d->layers[0][0] == 0 ? 0 : 1]; /* layer 0's, first */
     layer0_rows l0 = {.n = c->n_cells, .row = d->row, .k = malloc((size_t)c->n_cells * d->row)};
     kvb_engine_opts o = {.n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = d->fmt.block_tokens,
                          .max_ctx = (c->n_cells / d->fmt.block_tokens + 2) * d->fmt.block_tokens,
@@ -503,42 +546,77 @@ static kvb_status same_model(kvb_llama_door *d, const kvb_llama_state *s, kvb_er
     return st;
 }
 
-/* llama-server's own slot file for a short prompt in slot 0: the layout this door's files copy. */
+/* A completion of ids in slot 0 with prompt caching, one token predicted: llama-server's prompt_n. */
+static kvb_status probe_complete(kvb_llama_door *d, const int32_t *ids, uint32_t n, int *prompt_n, kvb_err *err) {
+    cJSON *q = cJSON_CreateObject(), *arr = cJSON_AddArrayToObject(q, "prompt");
+    for (uint32_t i = 0; i < n; i++) cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
+    cJSON_AddNumberToObject(q, "n_predict", 1);
+    cJSON_AddNumberToObject(q, "id_slot", 0);
+    cJSON_AddBoolToObject(q, "cache_prompt", 1);
+    cJSON *rep = server_post(d, "/completion", q, err);
+    const cJSON *pn = cJSON_GetObjectItem(cJSON_GetObjectItem(rep, "timings"), "prompt_n");
+    kvb_status st = rep ? KVB_OK : err->code;
+    if (!st && !cJSON_IsNumber(pn)) st = kvb_err_set(err, KVB_ERR_FORMAT, "llama-server's reply has no prompt_n");
+    if (!st) *prompt_n = pn->valueint;
+    cJSON_Delete(rep);
+    return st;
+}
+
+/* Each cache of llama-server's probe file holds the layers this door writes there, f16 rows. */
+static kvb_status check_layout(kvb_llama_door *d, const kvb_llama_state *s, kvb_err *err) {
+    for (uint32_t c = 0; c < KVB_LLAMA_MAX_CACHES; c++) {
+        const kvb_llama_cache *k = &s->cache[c];
+        if (s->n_cache == d->n_cache && (c >= d->n_cache ||
+            (k->n_cells && k->n_layer == d->n_layers[c] && k->k_type == KVB_TYPE_F16 &&
+             k->v_type == KVB_TYPE_F16 && k->k_row_bytes == d->row && k->v_row_bytes == d->row)))
+            continue;
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "llama-server's slot file has %u cache(s), cache %u: %u layers "
+                           "of %s/%s rows of %llu B; this front door writes %u (global then sliding-window layers), "
+                           "cache %u: %u layers of f16 rows of %zu B (the model %s; run llama-server on the same "
+                           "GGUF with -ctk f16 -ctv f16)", s->n_cache, c, k->n_layer, kvb_type_name(k->k_type),
+                           kvb_type_name(k->v_type), (unsigned long long)k->k_row_bytes, d->n_cache, c,
+                           c < d->n_cache ? d->n_layers[c] : 0, d->row, d->cfg.model_path);
+    }
+    return KVB_OK;
+}
+
+/* llama-server's own slot file for a short prompt in slot 0: the layout this door's files copy. For
+ * a sliding-window model, that file restored and one token more asked: whether llama-server reuses a
+ * restored prefix shorter than its window (only with --swa-full) or computes it all again. */
 static kvb_status probe_layout(kvb_llama_door *d, kvb_err *err) {
     int32_t *ids = NULL;
     uint32_t n = 0;
+    int pn = 0;
     kvb_status st = server_tokenize(d, "Hello", &ids, &n, err);
     if (!st) st = slot_action(d, 0, "erase", NULL, NULL, err);
-    if (!st) {
-        cJSON *q = cJSON_CreateObject(), *arr = cJSON_AddArrayToObject(q, "prompt");
-        for (uint32_t i = 0; i < n; i++) cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
-        cJSON_AddNumberToObject(q, "n_predict", 1);
-        cJSON_AddNumberToObject(q, "id_slot", 0);
-        cJSON_AddBoolToObject(q, "cache_prompt", 1);
-        cJSON *rep = server_post(d, "/completion", q, err);
-        st = rep ? KVB_OK : err->code;
-        cJSON_Delete(rep);
-    }
-    free(ids);
+    if (!st) st = probe_complete(d, ids, n, &pn, err);
     if (!st) st = slot_action(d, 0, "save", PROBE_FILE, NULL, err);
     char path[4096];
     snprintf(path, sizeof path, "%s/%s", d->cfg.slot_dir, PROBE_FILE);
     kvb_llama_state s = {0};
     if (!st) st = kvb_llama_state_load(path, &s, err);
-    if (st) return st;
-    const kvb_llama_cache *c = &s.cache[0];
-    if (s.n_cache != 1 || !c->n_cells || c->n_layer != d->m->d.n_layer || c->k_type != KVB_TYPE_F16 ||
-        c->v_type != KVB_TYPE_F16 || c->k_row_bytes != d->row || c->v_row_bytes != d->row)
-        st = kvb_err_set(err, KVB_ERR_UNSUPPORTED, "llama-server's slot file has %u cache(s) of %u layers, %s/%s "
-                         "rows of %llu B; this front door writes one cache of %u layers of f16 rows of %zu B (the "
-                         "model %s; run llama-server on the same GGUF with -ctk f16 -ctv f16, no sliding window)",
-                         s.n_cache, c->n_layer, kvb_type_name(c->k_type), kvb_type_name(c->v_type),
-                         (unsigned long long)c->k_row_bytes, d->m->d.n_layer, d->row, d->cfg.model_path);
+    if (!st) st = check_layout(d, &s, err);
     if (!st) st = same_model(d, &s, err);
-    d->probe = (kvb_llama_cache){.n_stream = c->n_stream, .v_trans = c->v_trans, .n_layer = c->n_layer,
-                                 .k_type = c->k_type, .v_type = c->v_type, .k_row_bytes = c->k_row_bytes,
-                                 .v_row_bytes = c->v_row_bytes};
+    for (uint32_t c = 0; !st && c < d->n_cache; c++) {
+        const kvb_llama_cache *k = &s.cache[c];
+        d->probe[c] = (kvb_llama_cache){.n_stream = k->n_stream, .v_trans = k->v_trans, .n_layer = k->n_layer,
+                                        .k_type = k->k_type, .v_type = k->v_type, .k_row_bytes = k->k_row_bytes,
+                                        .v_row_bytes = k->v_row_bytes};
+    }
     kvb_llama_state_free(&s);
+    if (!st && d->window) {
+        int32_t *more = realloc(ids, (n + 1) * sizeof *ids);
+        if (more) ids = more, ids[n] = ids[n - 1];
+        if (!more) st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+        if (!st) st = slot_action(d, 0, "erase", NULL, NULL, err);
+        if (!st) st = slot_action(d, 0, "restore", PROBE_FILE, NULL, err);
+        if (!st) st = probe_complete(d, ids, n + 1, &pn, err);
+        d->short_reuse = !st && pn == 1;
+        if (!st) kvb_log(KVB_LOG_INFO, "llama door: llama-server %s a restored prefix of %u tokens (window %u): "
+                         "%s", d->short_reuse ? "reuses" : "recomputes", n, d->window, d->short_reuse ?
+                         "every restore is reused" : "only prefixes over the window are bridged (--swa-full for all)");
+    }
+    free(ids);
     remove(path);
     if (!st) st = slot_action(d, 0, "erase", NULL, NULL, err);
     return st;
@@ -570,6 +648,20 @@ static kvb_status door_link(kvb_llama_door *d, kvb_err *err) {
     return st;
 }
 
+/* llama.cpp's caches for the model: one of every layer, or the global layers' then the local ones'. */
+static kvb_status cache_layers(kvb_llama_door *d, kvb_err *err) {
+    d->window = d->fmt.window;
+    d->n_cache = d->window ? 2 : 1;
+    for (uint32_t c = 0; c < d->n_cache; c++)
+        if (!(d->layers[c] = malloc(d->m->d.n_layer * sizeof *d->layers[c])))
+            return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    for (uint32_t l = 0; l < d->m->d.n_layer; l++) {
+        const uint32_t c = d->window && kvb_kvformat_layer_local(&d->fmt, l) ? 1 : 0;
+        d->layers[c][d->n_layers[c]++] = l;
+    }
+    return KVB_OK;
+}
+
 kvb_status kvb_llama_door_start(const kvb_llama_door_config *cfg, kvb_llama_door **out, kvb_err *err) {
     *out = NULL;
     kvb_llama_door *d = calloc(1, sizeof *d);
@@ -588,10 +680,8 @@ kvb_status kvb_llama_door_start(const kvb_llama_door_config *cfg, kvb_llama_door
         st = kvb_err_set(err, KVB_ERR_INVALID, "llama-server front door: expected llama-server=http://HOST:PORT, "
                          "--slot-dir, at most %d slots and %d lanes", KVB_DOOR_MAX_SLOTS, KVB_MAX_LANES);
     if (!st) st = kvb_model_load(c->model_path, &d->m, err);
-    if (!st && kvb_model_has_local_layers(&d->m->d))
-        st = kvb_err_set(err, KVB_ERR_UNSUPPORTED, "the llama-server front door writes one KV cache; %s has "
-                         "sliding-window layers (two caches in llama.cpp's file)", c->model_path);
     if (!st) st = kvb_model_kvformat(&d->m->d, KVB_TYPE_F16, c->block_tokens, &d->fmt, err);
+    if (!st) st = cache_layers(d, err);
     if (st) goto fail;
     if (!c->max_ctx) c->max_ctx = d->m->d.n_ctx_train < 32768 ? d->m->d.n_ctx_train : 32768;
     d->row = (size_t)d->fmt.n_head_kv * kvb_row_bytes(KVB_TYPE_F16, d->fmt.head_dim);
@@ -623,6 +713,7 @@ void kvb_llama_door_stop(kvb_llama_door *d) {
     for (uint32_t s = 0; s < KVB_DOOR_MAX_SLOTS; s++) free(d->slot[s].toks), free(d->slot[s].k), free(d->slot[s].v);
     kvb_store_free(d->store);
     kvb_model_free(d->m);
+    for (uint32_t c = 0; c < KVB_LLAMA_MAX_CACHES; c++) free(d->layers[c]);
     pthread_mutex_destroy(&d->mu);
     free(d->model_id), free(d->psk), free(d->peer);
     free(d);

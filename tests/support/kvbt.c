@@ -154,8 +154,14 @@ const char *kvbt_require_llama_server(char *buf, size_t cap) {
     return buf;
 }
 
+const char *kvbt_require_gemma3(void) {
+    const char *path = kvbt_gemma3_path();
+    if (!path) kvbt_skip("no Gemma 3 270M file (KVB_GEMMA3_GGUF; tools/fetch_gemma3.sh fetches it into the cache)");
+    return path;
+}
+
 int kvbt_llama_server_start(const char *bin, const char *model, const char *slots, int port, int n_slots,
-                            const char *fa) {
+                            const char *fa, const char *extra) {
     char port_s[16], np[16], log[512];
     snprintf(port_s, sizeof port_s, "%d", port);
     snprintf(np, sizeof np, "%d", n_slots);
@@ -166,7 +172,7 @@ int kvbt_llama_server_start(const char *bin, const char *model, const char *slot
         (void)f;
         dup2(2, 1);
         execl(bin, bin, "-m", model, "--host", "127.0.0.1", "--port", port_s, "-np", np, "-c", "2048", "-t", "2",
-              "--slot-save-path", slots, "-fa", fa, "--cache-ram", "0", "--no-webui", "--no-warmup", (char *)NULL);
+              "--slot-save-path", slots, "-fa", fa, "--cache-ram", "0", "--no-webui", "--no-warmup", extra, (char *)NULL);
         _exit(127);
     }
     assert_true(pid > 0);

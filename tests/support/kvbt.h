@@ -50,10 +50,14 @@ void kvbt_require_gpu(void);
  * puts it) in buf, or skips the case saying how to get it. */
 const char *kvbt_require_llama_server(char *buf, size_t cap);
 /* In a cmocka test: starts it on 127.0.0.1:port with the model, n_slots slots (-np), 2 threads,
- * `--slot-save-path slots` and `-fa fa` ("on", "off"), its log in the temp dir; waits (up to 60 s)
- * until it answers /tokenize, else fails the case. Stop it with kill(SIGTERM) and waitpid. */
+ * `--slot-save-path slots`, `-fa fa` ("on", "off") and one more flag `extra` (NULL: none; e.g.
+ * "--swa-full"), its log in the temp dir; waits (up to 60 s) until it answers /tokenize, else fails
+ * the case. Stop it with kill(SIGTERM) and waitpid. */
 int kvbt_llama_server_start(const char *bin, const char *model, const char *slots, int port, int n_slots,
-                            const char *fa);
+                            const char *fa, const char *extra);
+/* In a cmocka test: the real Gemma 3 270M file (kvbt_gemma3_path), or skips the case saying how to
+ * get it. */
+const char *kvbt_require_gemma3(void);
 
 /* In a cmocka test: skips the running case with a printf-style reason, which the binary's closing
  * summary repeats ("kvbt: skipped CASE: REASON"). Does not return. */
