@@ -262,7 +262,7 @@ static void test_receiver_done_with_blocks_missing(void **state) {
 static void test_fault_kinds(void **state) {
     (void)state;
     static const char *const want[] = {"none", "timeout", "peer_lost", "corrupt_slab", "peer_error", "done_mismatch",
-                                       "cache_full", "client_gone", "peer_down", "internal"};
+                                       "cache_full", "client_gone", "peer_down", "internal", "peer_busy"};
     assert_int_equal(sizeof want / sizeof want[0], KVB_BRIDGE_FAULT_COUNT);
     for (int f = 0; f < KVB_BRIDGE_FAULT_COUNT; f++)
         assert_string_equal(kvb_bridge_fault_name((kvb_bridge_fault)f), want[f]);

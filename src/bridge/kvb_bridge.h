@@ -142,6 +142,7 @@ typedef enum {
     KVB_BRIDGE_FAULT_CLIENT_GONE,   /* the client went away during the transfer */
     KVB_BRIDGE_FAULT_PEER_DOWN,     /* no usable link to the peer */
     KVB_BRIDGE_FAULT_INTERNAL,      /* a resource or invariant failure on this side */
+    KVB_BRIDGE_FAULT_PEER_BUSY,     /* the peer refused the request at once: its queue is full (ERROR BUSY) */
     KVB_BRIDGE_FAULT_COUNT
 } kvb_bridge_fault;
 

@@ -167,6 +167,7 @@ const char *kvb_bridge_fault_name(kvb_bridge_fault f) {
         [KVB_BRIDGE_FAULT_CLIENT_GONE] = "client_gone",
         [KVB_BRIDGE_FAULT_PEER_DOWN] = "peer_down",
         [KVB_BRIDGE_FAULT_INTERNAL] = "internal",
+        [KVB_BRIDGE_FAULT_PEER_BUSY] = "peer_busy",
     };
     return (unsigned)f < KVB_BRIDGE_FAULT_COUNT ? names[f] : "internal";
 }

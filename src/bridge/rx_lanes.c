@@ -102,6 +102,9 @@ static void *lane_main(void *arg) {
         } else if (m.type == KVB_FRAME_DONE) {
             ln->done = m.u.done;
             break;
+        } else if (m.type == KVB_FRAME_ERROR && m.u.error.code == KVB_WIRE_ERR_BUSY) {
+            rx_fault(rx, KVB_BRIDGE_FAULT_PEER_BUSY, false, "prefill node busy (%.130s)", m.u.error.msg);
+            break;
         } else if (m.type == KVB_FRAME_ERROR) {
             rx_fault(rx, KVB_BRIDGE_FAULT_PEER_ERROR, false, "peer refused: %.130s", m.u.error.msg);
             break;

@@ -29,7 +29,8 @@ static void on_signal(int sig) {
 typedef struct {
     const char *model, *listen, *http, *psk, *tmpl, *model_id, *fault, *api_key, *allow_origin, *decoder, *slot_dir;
     long long threads, bt, ctx, bridge_min, max_tokens, chunk, cache_blocks, lanes, warmup, resumes, parallel,
-        drain_s, slots, peer_max_queue, max_inflight, health_ms, retries, connect_ms, first_byte_ms;
+        drain_s, slots, peer_max_queue, max_inflight, health_ms, retries, connect_ms, first_byte_ms, max_queue,
+        max_queue_dec;
     kvb_opt_list peers;    /* --peer, repeatable */
     kvb_opt_list backends; /* router: the decode nodes */
     int role, mode, device, transport; /* k_roles, kvb_cli_{bridge_mode,device,transport}_names */
@@ -142,7 +143,14 @@ static int serve_parse(serve_args *a, int argc, char **argv) {
                   "dropped) so the first request does not pay for loading the GPU kernels and libraries and "
                   "cuDNN's plan for a full first chunk (default: one chunk and 64 tokens; 0 = none)"),
         KVB_CLI_INT("cache-blocks", &a->cache_blocks, "N", 16, 1LL << 31, NULL,
-                  "decode: prefix-cache size in blocks (default: 4 contexts' worth)"),
+                  "prefix-cache size in blocks (decode: default 4 contexts' worth; prefill, cpu: its own, default "
+                  "2 contexts' worth, at least one; full: the least recently used conversations' blocks evicted)"),
+        KVB_CLI_INT("max-queue", &a->max_queue, "N", 1, 1 << 20, "8",
+                    "prefill: PREFILLs that may wait for the engine (served round robin between decode nodes, in "
+                    "arrival order within one); beyond N one is refused at once as BUSY (the decoder tries its "
+                    "next prefill node, or computes the prompt itself)"),
+        KVB_CLI_INT("max-queue-per-decoder", &a->max_queue_dec, "N", 1, 1 << 20, "4",
+                    "prefill: of those, at most N from one decode node (its HELLO name and host); beyond, BUSY"),
         {.long_name = "tail-after-transfer", .kind = KVB_OPT_FLAG, .dst = &a->tail_after,
          .help = "decode: compute the prompt's last token after the bridged cache has arrived, not layer by "
                  "layer while it arrives (the default, same answer)"},
@@ -248,7 +256,8 @@ int kvb_cmd_serve(int argc, char **argv) {
                                 .cuda = cuda, .chunk_tokens = (uint32_t)chunk,
                                 .gpus = (int)a.gpu.gpus, .tp_one_device = a.gpu.tp_one_device, .gpu_weights = a.gpu.gpu_weights,
                                 .warmup_tokens = (uint32_t)(warmup >= 0 ? warmup : (chunk ? chunk : 8192) + 64),
-                                .bench_filler_rows = filler};
+                                .bench_filler_rows = filler, .cache_blocks = (uint32_t)cache_blocks,
+                                .max_queue = (uint32_t)a.max_queue, .max_queue_per_decoder = (uint32_t)a.max_queue_dec};
         if (kvb_prefill_node_start(&c, &pn, &err)) goto fail;
         double wu_s = 0;
         const uint32_t wu = kvb_prefill_node_warmup(pn, &wu_s);

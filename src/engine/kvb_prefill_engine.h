@@ -87,6 +87,7 @@ typedef struct {
     double last_forward_s;        /* wall time of the last kvb_prefill_forward (the bridge's last rows included) */
     double last_gated_gpu_s;      /* after kvb_prefill_engine_gate_next's forward: the device's time */
     int host_threads;             /* threads computing on the host (the CPU engine's; 0 on a device) */
+    uint64_t cache_evictions;     /* CPU: blocks the engine's prefix cache evicted to make room */
 } kvb_prefill_stats;
 
 typedef struct kvb_prefill_engine kvb_prefill_engine;

@@ -9,6 +9,7 @@
 #include "kvb_engine_cpu.h"
 #include "kvb_gguf.h"
 #include "kvb_quant.h"
+#include "kvb_store.h"
 #include "prefill_engine_internal.h"
 
 typedef struct {
@@ -34,6 +35,9 @@ static void cpu_attention_describe(const kvb_prefill_engine *e, char *buf, size_
 
 static void cpu_stats(kvb_prefill_engine *e, kvb_prefill_stats *out) {
     out->host_threads = kvb_engine_threads(engine_of(e)); /* no device: the rest stays 0 */
+    kvb_store_stats ss;
+    kvb_store_get_stats(kvb_engine_store(engine_of(e)), &ss);
+    out->cache_evictions = ss.evictions;
 }
 
 static kvb_pool *cpu_pool(kvb_prefill_engine *e) { return kvb_engine_pool(engine_of(e)); }

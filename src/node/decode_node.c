@@ -558,14 +558,15 @@ static void request_verdict(const decode_request *rq, char *verdict, const char 
     }
     /* with several peers the verdict names the one(s) that bridged and why that one */
     char via[240] = ""; /* " (via " + peers (100) + ", resumed" + ": " + why (112) */
-    if (rq->n->n_peers > 1)
+    if (rq->n->n_peers > 1 && rq->n_via)
         snprintf(via, sizeof via, " (via %s%s: %s)", rq->peers_text, rq->n_via > 1 ? ", resumed" : "",
                  rq->place.why);
     if (rq->got == rq->blocks_total && (rq->tail == 0 || rq->tail_ok) && !rq->fault) {
         *kind = "complete";
         kvb_verdict_format(verdict, "complete%s", via);
-    } else if (rq->got == 0 && !rq->tail_ok && rq->fault == KVB_BRIDGE_FAULT_PEER_ERROR) {
-        /* the prefill node said no (draining, a prompt past its context, ...): nothing was bridged */
+    } else if (rq->got == 0 && !rq->tail_ok &&
+               (rq->fault == KVB_BRIDGE_FAULT_PEER_ERROR || rq->fault == KVB_BRIDGE_FAULT_PEER_BUSY)) {
+        /* the prefill node said no (busy, draining, a prompt past its context, ...): nothing was bridged */
         kvb_verdict_format(verdict, "declined%s: %s", via, rq->fault_msg);
     } else {
         *kind = "partial";
@@ -747,6 +748,22 @@ static bool resume_lanes(decode_request *rq, int failed, bool dropped) {
     return true;
 }
 
+/* A peer refused the request as busy (nothing was sent): with several peers, the next one by
+ * placement that has not refused it yet, its lanes lent, and the placement's reason names the busy
+ * one. False when there is none (the lanes of one taken stay lent until the caller releases them). */
+static bool busy_elsewhere(decode_request *rq, int busy, uint32_t *refused) {
+    kvb_decode_node *n = rq->n;
+    *refused |= 1u << busy;
+    if (n->n_peers < 2) return false;
+    release_peer(n);
+    const int other = kvb_peer_set_other(n->peers, busy, &n->lanes, &n->n_lanes);
+    if (other < 0) return false;
+    n->lanes_peer = other;
+    if (*refused & (1u << other)) return false;
+    snprintf(rq->place.why, sizeof rq->place.why, "%.90s busy", kvb_peer_set_name(n->peers, busy));
+    return true;
+}
+
 /* Bridge: attempts until the blocks are in or a fault is not worth resuming (a resumed attempt
  * asks only for the blocks still missing, of another peer when the first dropped), then the
  * sequence adopts what arrived, and the peer that produced its last block is remembered. */
@@ -759,10 +776,10 @@ static kvb_status request_bridge(decode_request *rq) {
     bridge_outcome o;
     kvb_status st;
     int producer = -1; /* the peer whose attempt last added blocks */
+    uint32_t refused_busy = 0; /* peers that refused it as busy */
     for (;;) {
         const int peer = n->lanes_peer;
         const uint32_t before = rq->adopted;
-        via_add(rq, peer);
         const double t_br = kvb_now_s();
         bridge_blocks(n, rq->toks, (uint32_t)rq->n_tok, rq->adopted, rq->ship, rq->tail, rq->logits, rq->out, &o);
         kvb_trace_span("decode.bridge", t_br, kvb_now_s(), rq->ship - rq->adopted);
@@ -777,6 +794,12 @@ static kvb_status request_bridge(decode_request *rq) {
         }
         st = kvb_seq_create(n->e, &rq->s, &rq->err);
         if (!st) st = kvb_seq_attach_cached(rq->s, rq->toks, (uint32_t)rq->n_tok, &rq->adopted, &rq->err);
+        if (!st && o.rx.fault == KVB_BRIDGE_FAULT_PEER_BUSY && busy_elsewhere(rq, peer, &refused_busy)) {
+            kvb_seq_free(rq->s); /* nothing arrived: the next peer by placement is asked */
+            rq->s = NULL;
+            continue;
+        }
+        if (o.rx.fault != KVB_BRIDGE_FAULT_PEER_BUSY) via_add(rq, peer);
         if (!st && rq->adopted > before) producer = peer;
         if (st || !resume_worth_it(rq, &o) || !resume_lanes(rq, peer, o.rx.drop_link)) break;
         kvb_seq_free(rq->s); /* adopted again after the next attempt */

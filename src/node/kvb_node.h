@@ -58,6 +58,14 @@ typedef struct {
      * announces a model fingerprint of its own (kvb_filler_fingerprint): a decode node refuses it
      * as another model unless it set bench_filler_peer. */
     bool bench_filler_rows;
+    /* Admission: PREFILLs wait for the engine in a queue served round robin between decode nodes
+     * (HELLO name @ host), in arrival order within one; beyond max_queue waiting in all (default 8)
+     * or max_queue_per_decoder from one decode node (default 4) a PREFILL is refused at once with an
+     * ERROR of code BUSY saying which bound and the queue's length. */
+    uint32_t max_queue, max_queue_per_decoder;
+    /* CPU engine: blocks of this node's own prefix cache (default 2 contexts' worth; at least one
+     * context's); when full, the least recently used conversations' blocks are evicted */
+    uint32_t cache_blocks;
 } kvb_prefill_config;
 
 /* The model fingerprint a bench_filler_rows prefill node (and a bench_filler_peer decode node)
@@ -102,6 +110,9 @@ void kvb_prefill_node_quiesce(kvb_prefill_node *n);
 /* The port of /health and /metrics (kvb_prefill_config.http_listen), 0 without. */
 uint16_t kvb_prefill_node_http_port(const kvb_prefill_node *n);
 unsigned kvb_prefill_node_in_flight(kvb_prefill_node *n);
+/* The decode nodes ("NAME@HOST") the engine was given to, oldest first (the last 128), separated by
+ * spaces, into buf; returns the text's length. */
+size_t kvb_prefill_node_served(kvb_prefill_node *n, char *buf, size_t cap);
 void kvb_prefill_node_stop(kvb_prefill_node *n);
 
 /* ---- decode node ------------------------------------------------------------------------------ */

@@ -85,6 +85,36 @@ kvb_status kvb_prefill_ops_start(kvb_prefill_ops *o, const char *http_listen, co
 void kvb_prefill_ops_quiesce(kvb_prefill_ops *o);
 void kvb_prefill_ops_stop(kvb_prefill_ops *o);
 
+/* ---- a prefill node's admission (prefill_admission.c) ------------------------------------------ */
+
+/* Who computes on the engine next: a bounded queue served round robin between decode nodes (FIFO
+ * within one). A decode node is "NAME@HOST": its HELLO name and the host it connects from. */
+typedef struct kvb_admission kvb_admission;
+typedef struct kvb_admission_waiter kvb_admission_waiter;
+#define KVB_ADMISSION_WHO_MAX 136
+typedef enum {
+    KVB_ADMITTED = 0,           /* the caller holds the engine until kvb_admission_leave */
+    KVB_ADMISSION_BUSY_QUEUE,   /* max_queue requests were waiting: refuse with BUSY */
+    KVB_ADMISSION_BUSY_DECODER, /* max_per_decoder of this decode node's were waiting: refuse with BUSY */
+    KVB_ADMISSION_STOPPING,     /* the node stops */
+} kvb_admission_verdict;
+/* Registers its families (kvbridge_prefill_decoder_requests_total, _queue, _queue_wait_seconds) in mx. */
+kvb_status kvb_admission_create(uint32_t max_queue, uint32_t max_per_decoder, kvb_metrics *mx, kvb_admission **out,
+                                kvb_err *err);
+void kvb_admission_free(kvb_admission *a); /* NULL is a no-op; nobody may be inside */
+/* who (cap >= KVB_ADMISSION_WHO_MAX): "NAME@HOST" from a HELLO's name and "HOST:PORT". */
+void kvb_admission_who(const char *name, const char *peer_addr, char *who, size_t cap);
+/* Takes the engine, at once or after waiting its turn; otherwise why says which bound and the
+ * queue's length (a BUSY refusal, counted) or that the node stops. */
+kvb_admission_verdict kvb_admission_enter(kvb_admission *a, const char *who, char *why, size_t cap);
+void kvb_admission_leave(kvb_admission *a); /* the engine to the next by round robin */
+/* A request's outcome in kvbridge_prefill_decoder_requests_total (served, failed, refused). */
+void kvb_admission_count(kvb_admission *a, const char *who, const char *outcome);
+uint32_t kvb_admission_waiting(kvb_admission *a);
+void kvb_admission_stop(kvb_admission *a); /* waiters leave refused, and so do later requests */
+/* The decode nodes given the engine, oldest first (the last 128), space-separated; its length. */
+size_t kvb_admission_served(kvb_admission *a, char *buf, size_t cap);
+
 /* ---- a decode node's prefill peers (decode_peers.c) ------------------------------------------- */
 
 typedef struct kvb_peer_set kvb_peer_set;

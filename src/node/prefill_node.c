@@ -56,9 +56,11 @@ struct kvb_prefill_node {
     atomic_bool stop; /* read by the accept and connection threads */
     atomic_bool draining;  /* kvb_prefill_node_quiesce: new PREFILLs are refused */
     atomic_uint in_flight; /* PREFILLs accepted and not yet answered (computing, or waiting their turn) */
-    atomic_uint computing; /* of those, holding the engine (0 or 1): a PONG reports the rest as waiting */
     kvb_prefill_ops ops;   /* metrics, and /health and /metrics with cfg.http_listen */
-    pthread_mutex_t mu; /* the engine: one request at a time */
+    pthread_mutex_t mu; /* the engine: held by the request admission gave it to, and by helpers */
+    kvb_admission *adm; /* who computes next: a bounded queue, round robin between decode nodes */
+    kvb_metric *m_evictions; /* the engine's prefix cache: blocks evicted (least recently used) */
+    uint64_t evictions_counted;
     /* the connection table, guarded by conns_mu (taken before lanes_mu, never after it): a slot is
      * used from its registration until the accept thread reaps it, which it does only once the
      * slot's thread ended (conn_done) and no request holds it as a lane (conn_busy) */
@@ -69,6 +71,7 @@ struct kvb_prefill_node {
     uint32_t conn_busy[MAX_CONNS]; /* requests (served or refused now) using the slot's connection */
     pthread_mutex_t lanes_mu;     /* the lane fields (a LANE frame may arrive while a request runs) */
     kvb_msg_lane lane[MAX_CONNS]; /* each connection's lane (group 0: it sent none) */
+    char who[MAX_CONNS][KVB_ADMISSION_WHO_MAX]; /* each connection's decode node: "NAME@HOST" */
     atomic_uint slab_seq;         /* slabs sent for the request in flight, over all lanes (faults) */
     kvb_ring ring;
     uint8_t *filler_k, *filler_v; /* bench_filler_rows: (chunk, n_head_kv, row_bytes) each, made at start */
@@ -311,29 +314,46 @@ static void send_error_all(kvb_conn *const *lanes, uint32_t n_lanes, uint64_t re
 static const char *serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *lanes, uint32_t n_lanes,
                                         kvb_msg_prefill *p, double t0);
 
-/* One PREFILL that arrived on connection `slot`: refused at once while draining, else served when
- * the engine is free (one request at a time). */
+/* The engine's prefix-cache evictions since the last look, into their counter. Caller holds mu. */
+static void count_evictions(kvb_prefill_node *n) {
+    if (!n->pe) return;
+    kvb_prefill_stats ps;
+    kvb_prefill_engine_stats(n->pe, &ps);
+    if (ps.cache_evictions > n->evictions_counted)
+        kvb_metric_add(n->m_evictions, NULL, (double)(ps.cache_evictions - n->evictions_counted));
+    n->evictions_counted = ps.cache_evictions;
+}
+
+/* One PREFILL that arrived on connection `slot`: refused at once while draining or when the queue
+ * is full (BUSY), else served when admission gives it the engine (round robin between decode
+ * nodes, in arrival order within one). */
 static void serve_prefill(kvb_prefill_node *n, int slot, kvb_msg_prefill *p) {
     const double t0 = kvb_now_s();
     kvb_metric_set(n->ops.m_in_flight, NULL, atomic_fetch_add(&n->in_flight, 1) + 1.0);
     const char *outcome = "refused";
     kvb_conn *lanes[KVB_WIRE_MAX_LANES];
     int lane_slots[KVB_WIRE_MAX_LANES];
-    char why[160];
+    char why[256];
     const uint32_t n_lanes = gather_lanes(n, slot, lanes, lane_slots, why, sizeof why);
+    kvb_admission_verdict v = KVB_ADMISSION_STOPPING;
     if (!n_lanes) {
         kvb_conn_send_error(n->conns[slot], p->request_id, KVB_WIRE_ERR_REQUEST, why, 10000, NULL);
     } else if (atomic_load(&n->draining)) { /* stopping: the decoder computes this prompt itself */
         send_error_all(lanes, n_lanes, p->request_id, KVB_WIRE_ERR_REQUEST,
                        "this prefill node is draining (shutting down); compute natively");
+    } else if ((v = kvb_admission_enter(n->adm, n->who[slot], why, sizeof why)) != KVB_ADMITTED) {
+        const bool busy = v != KVB_ADMISSION_STOPPING; /* the decoder goes elsewhere, or computes it */
+        send_error_all(lanes, n_lanes, p->request_id, busy ? KVB_WIRE_ERR_BUSY : KVB_WIRE_ERR_REQUEST, why);
+        if (busy) outcome = "busy";
     } else {
         pthread_mutex_lock(&n->mu);
-        atomic_store(&n->computing, 1);
         outcome = serve_prefill_locked(n, lanes, n_lanes, p, t0);
-        atomic_store(&n->computing, 0);
+        count_evictions(n);
         pthread_mutex_unlock(&n->mu);
+        kvb_admission_leave(n->adm);
     }
     if (n_lanes) release_lanes(n, lane_slots, n_lanes);
+    if (strcmp(outcome, "busy")) kvb_admission_count(n->adm, n->who[slot], outcome); /* busy: counted by reason */
     kvb_metric_add(n->ops.m_requests, KVB_LABELS(outcome), 1);
     kvb_metric_set(n->ops.m_in_flight, NULL, atomic_fetch_sub(&n->in_flight, 1) - 1.0);
 }
@@ -445,6 +465,7 @@ static const char *serve_prefill_locked(kvb_prefill_node *n, kvb_conn *const *la
     kvb_trace_span("prefill.send_done", t_done, kvb_now_s(), n_lanes);
     kvb_metric_add(n->ops.m_tokens, KVB_LABELS("shipped"), (double)(p->ship_tokens - p->cached_tokens));
     kvb_metric_add(n->ops.m_tokens, KVB_LABELS("computed"), (double)computed);
+    kvb_metric_add(n->ops.m_tokens, KVB_LABELS("cached"), (double)adopted); /* this node's prefix cache's hits */
     kvb_metric_observe(n->ops.m_seconds, NULL, kvb_now_s() - t0);
     return "served";
 }
@@ -473,9 +494,9 @@ static void *conn_main(void *arg) {
             n->lane[slot] = m.u.lane;
             pthread_mutex_unlock(&n->lanes_mu);
         } else if (m.type == KVB_FRAME_PING) { /* a decode node's heartbeat: the answer carries our queue */
-            const unsigned in_flight = atomic_load(&n->in_flight), busy = atomic_load(&n->computing);
+            const unsigned in_flight = atomic_load(&n->in_flight);
             const kvb_msg_ping pong = {.token = m.u.ping.token, .in_flight = in_flight,
-                                       .waiting = in_flight > busy ? in_flight - busy : 0};
+                                       .waiting = kvb_admission_waiting(n->adm)};
             kvb_conn_send_pong_load(c, &pong, 10000, NULL);
         }
         else if (m.type == KVB_FRAME_ERROR) kvb_log(KVB_LOG_WARN, "prefill: peer error: %s", m.u.error.msg);
@@ -533,6 +554,7 @@ static void *accept_main(void *arg) {
         }
         *ca = (conn_arg){n, slot};
         n->conns[slot] = c;
+        kvb_admission_who(peer.name, kvb_conn_peer_addr(c), n->who[slot], sizeof n->who[slot]);
         pthread_mutex_lock(&n->lanes_mu);
         n->lane[slot] = (kvb_msg_lane){0}; /* a group of one until it says otherwise */
         pthread_mutex_unlock(&n->lanes_mu);
@@ -543,7 +565,7 @@ static void *accept_main(void *arg) {
         }
         kvb_metric_set(n->ops.m_conns, NULL, conns_open_locked(n));
         pthread_mutex_unlock(&n->conns_mu);
-        kvb_log(KVB_LOG_INFO, "prefill: decode node '%s' connected", peer.name);
+        kvb_log(KVB_LOG_INFO, "prefill: decode node %s connected", n->who[slot]);
     }
     return NULL;
 }
@@ -564,7 +586,7 @@ static kvb_status engine_create(kvb_prefill_node *n, kvb_err *err) {
         .block_tokens = bt,
         .max_ctx = cfg->max_ctx,
         .max_batch = cfg->chunk_tokens,
-        .n_blocks = 2 * ((cfg->max_ctx + bt - 1) / bt),
+        .n_blocks = cfg->cache_blocks ? cfg->cache_blocks : 2 * ((cfg->max_ctx + bt - 1) / bt),
         .prefault = true, /* every weight page now, not on the first request */
         .gpus = cfg->gpus > 1 ? cfg->gpus : 1,
         .tp_one_device = cfg->tp_one_device,
@@ -624,12 +646,19 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
     if (!n->cfg.chunk_tokens) n->cfg.chunk_tokens = cfg->cuda || cfg->bench_filler_rows ? 8192 : 512;
     if (n->cfg.chunk_tokens > n->cfg.max_ctx) n->cfg.chunk_tokens = n->cfg.max_ctx;
     if (!n->cfg.ring_slots) n->cfg.ring_slots = 16;
+    if (!n->cfg.max_queue) n->cfg.max_queue = 8;
+    if (!n->cfg.max_queue_per_decoder) n->cfg.max_queue_per_decoder = 4;
     pthread_mutex_init(&n->mu, NULL);
     pthread_mutex_init(&n->conns_mu, NULL);
     pthread_mutex_init(&n->lanes_mu, NULL);
     pthread_mutex_init(&n->crew_mu, NULL);
     pthread_cond_init(&n->crew_cv, NULL);
     kvb_status st = parse_fault(n, cfg->fault, err);
+    const uint32_t ctx_blocks = (n->cfg.max_ctx + n->cfg.block_tokens - 1) / n->cfg.block_tokens;
+    if (!st && cfg->cache_blocks && cfg->cache_blocks < ctx_blocks)
+        st = kvb_err_set(err, KVB_ERR_INVALID, "a prefix cache of %u blocks cannot hold one prompt of the context "
+                         "limit (%u tokens: %u blocks of %u)", cfg->cache_blocks, n->cfg.max_ctx, ctx_blocks,
+                         n->cfg.block_tokens);
     if (!st && (!cfg->psk || strlen(cfg->psk) < KVB_WIRE_PSK_MIN))
         st = kvb_err_set(err, KVB_ERR_INVALID, "a pre-shared key of at least %d bytes is required (--psk)",
                          KVB_WIRE_PSK_MIN);
@@ -671,6 +700,12 @@ kvb_status kvb_prefill_node_start(const kvb_prefill_config *cfg, kvb_prefill_nod
                                   "(another key), mismatch (another model, cache format or version), timeout (it "
                                   "said nothing in time), protocol (not kvbridge), gone (it closed), refused, other",
                                   "reason", NULL, 0, &n->m_refused, err);
+    if (!st)
+        st = kvb_metrics_register(n->ops.metrics, KVB_METRIC_COUNTER, "kvbridge_prefill_cache_evictions_total",
+                                  "Blocks of this node's own prefix cache evicted to make room (least recently used "
+                                  "conversations' first; --cache-blocks bounds it)", NULL, NULL, 0, &n->m_evictions,
+                                  err);
+    if (!st) st = kvb_admission_create(n->cfg.max_queue, n->cfg.max_queue_per_decoder, n->ops.metrics, &n->adm, err);
     if (!st) st = kvb_transport_listen(cfg->listen, cfg->backend, &n->l, err);
     if (!st) {
         n->accept_started = pthread_create(&n->accept_thread, NULL, accept_main, n) == 0;
@@ -783,6 +818,10 @@ uint16_t kvb_prefill_node_http_port(const kvb_prefill_node *n) {
 
 unsigned kvb_prefill_node_in_flight(kvb_prefill_node *n) { return n ? atomic_load(&n->in_flight) : 0; }
 
+size_t kvb_prefill_node_served(kvb_prefill_node *n, char *buf, size_t cap) {
+    return kvb_admission_served(n->adm, buf, cap);
+}
+
 void kvb_prefill_node_stop(kvb_prefill_node *n) {
     if (!n) return;
     n->stop = true;
@@ -791,6 +830,7 @@ void kvb_prefill_node_stop(kvb_prefill_node *n) {
         poke_listener(n);
         pthread_join(n->accept_thread, NULL);
     }
+    kvb_admission_stop(n->adm); /* the requests waiting are refused */
     for (int i = 0; i < MAX_CONNS; i++)
         if (n->conn_used[i]) kvb_conn_shutdown(n->conns[i]);
     for (int i = 0; i < MAX_CONNS; i++)
@@ -811,6 +851,7 @@ void kvb_prefill_node_stop(kvb_prefill_node *n) {
     free(n->filler_v);
     kvb_bridge_cpu_free(n->br);
     kvb_model_free(n->m);
+    kvb_admission_free(n->adm);
     kvb_prefill_ops_stop(&n->ops);
     pthread_mutex_destroy(&n->mu);
     pthread_mutex_destroy(&n->conns_mu);

@@ -22,12 +22,13 @@ kvb_status kvb_prefill_ops_start(kvb_prefill_ops *o, const char *http_listen, co
     kvb_metrics *mx = o->metrics;
     if ((st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_prefill_requests_total",
                                    "PREFILL requests by outcome: served (DONE sent), refused (draining, an "
-                                   "incomplete lane group, a request this node cannot serve), failed (the link or "
-                                   "the computation)",
+                                   "incomplete lane group, a request this node cannot serve), busy (the queue was "
+                                   "full: refused with BUSY), failed (the link or the computation)",
                                    "outcome", NULL, 0, &o->m_requests, err)) ||
         (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_prefill_tokens_total",
                                    "Prompt tokens by what this node did with them: computed (its engine ran them), "
-                                   "shipped (their cache went to the decoder)",
+                                   "shipped (their cache went to the decoder), cached (taken from its own prefix "
+                                   "cache, not computed)",
                                    "kind", NULL, 0, &o->m_tokens, err)) ||
         (st = kvb_metrics_register(mx, KVB_METRIC_COUNTER, "kvbridge_prefill_slab_bytes_total",
                                    "Cache bytes sent as slabs (K and V, without frame headers)", NULL, NULL, 0,

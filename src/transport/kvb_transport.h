@@ -279,6 +279,8 @@ typedef enum {
     KVB_WIRE_ERR_REQUEST = 9,      /* a request could not be served (bad PREFILL, busy, failure) */
     KVB_WIRE_ERR_CANCELLED = 10,
     KVB_WIRE_ERR_INTERNAL = 11,
+    KVB_WIRE_ERR_BUSY = 12,        /* a PREFILL refused at once: the prefill node's queue is full (the
+                                      message says which bound and the queue's length); go elsewhere */
 } kvb_wire_error_code;
 const char *kvb_wire_error_name(uint32_t code); /* "auth", ...; "unknown" */
 typedef struct {

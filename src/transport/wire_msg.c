@@ -37,6 +37,7 @@ const char *kvb_wire_error_name(uint32_t code) {
     case KVB_WIRE_ERR_REQUEST: return "request";
     case KVB_WIRE_ERR_CANCELLED: return "cancelled";
     case KVB_WIRE_ERR_INTERNAL: return "internal";
+    case KVB_WIRE_ERR_BUSY: return "busy";
     }
     return "unknown";
 }
