@@ -27,7 +27,8 @@ static void on_signal(int sig) {
 
 /* What the command line asks of a node. */
 typedef struct {
-    const char *model, *listen, *http, *psk, *tmpl, *model_id, *fault, *api_key, *allow_origin, *decoder, *slot_dir;
+    const char *model, *listen, *http, *psk, *tmpl, *model_id, *fault, *api_key, *allow_origin, *decoder, *slot_dir,
+        *name;
     long long threads, bt, ctx, bridge_min, max_tokens, chunk, cache_blocks, lanes, warmup, resumes, parallel,
         drain_s, slots, peer_max_queue, max_inflight, health_ms, retries, connect_ms, first_byte_ms, max_queue,
         max_queue_dec;
@@ -109,6 +110,10 @@ static int serve_parse(serve_args *a, int argc, char **argv) {
         KVB_CLI_INT("peer-max-queue", &a->peer_max_queue, "N", 1, 1 << 20, "2",
                     "decode, several peers: pass over the peer holding a conversation's history when its queue "
                     "(PREFILLs in flight, from every decode node) is above N"),
+        KVB_CLI_STR("name", &a->name, "NAME",
+                  "this node's name in the handshake (default: its role): a prefill node tells decode nodes apart "
+                  "by name and the host they connect from (fair turns, per-decoder metrics), so give two decode "
+                  "nodes on one host different names"),
         KVB_CLI_OPT_PSK(&a->psk, "pre-shared key, >= 16 bytes (or env KVB_PSK); both nodes need the same"),
         KVB_CLI_OPT_TRANSPORT(&a->transport, "the link between the nodes: tcp (kvbridge's own) or ucx (UCX: shared "
                                              "memory, TCP or RDMA as it selects; the log names its lanes); both "
@@ -256,7 +261,7 @@ int kvb_cmd_serve(int argc, char **argv) {
                                 .cuda = cuda, .chunk_tokens = (uint32_t)chunk,
                                 .gpus = (int)a.gpu.gpus, .tp_one_device = a.gpu.tp_one_device, .gpu_weights = a.gpu.gpu_weights,
                                 .warmup_tokens = (uint32_t)(warmup >= 0 ? warmup : (chunk ? chunk : 8192) + 64),
-                                .bench_filler_rows = filler, .cache_blocks = (uint32_t)cache_blocks,
+                                .bench_filler_rows = filler, .name = a.name, .cache_blocks = (uint32_t)cache_blocks,
                                 .max_queue = (uint32_t)a.max_queue, .max_queue_per_decoder = (uint32_t)a.max_queue_dec};
         if (kvb_prefill_node_start(&c, &pn, &err)) goto fail;
         double wu_s = 0;
@@ -277,7 +282,7 @@ int kvb_cmd_serve(int argc, char **argv) {
                kvb_llama_door_port(door), a.decoder + 13, peer ? peer : "none (llama-server computes every prompt)");
     } else {
         kvb_decode_config c = {.http_listen = http, .peers = a.peers.v, .n_peers = (uint32_t)a.peers.n,
-                               .peer_max_queue = (uint32_t)a.peer_max_queue, .model_path = model, .model_id = model_id,
+                               .peer_max_queue = (uint32_t)a.peer_max_queue, .name = a.name, .model_path = model, .model_id = model_id,
                                .psk = psk, .backend = backend, .chat_template = tmpl, .n_threads = (int)threads, .cache_dtype = cache_type,
                                .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
                                .bridge_min_tokens = (uint32_t)bridge_min, .default_max_tokens = (uint32_t)max_tokens,

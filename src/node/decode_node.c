@@ -1253,7 +1253,8 @@ kvb_status kvb_decode_node_start(const kvb_decode_config *cfg, kvb_decode_node *
         n->tcfg = (kvb_transport_config){.psk = (const uint8_t *)n->psk, .psk_len = strlen(n->psk),
                                          .backend = cfg->backend};
         if ((st = kvb_hello_init(&n->hello, KVB_ROLE_DECODE,
-                                 cfg->prefill_mode ? KVB_BRIDGE_MODE_PREFILL : KVB_BRIDGE_MODE_DECODER, "decode",
+                                 cfg->prefill_mode ? KVB_BRIDGE_MODE_PREFILL : KVB_BRIDGE_MODE_DECODER,
+                                 cfg->name && *cfg->name ? cfg->name : "decode",
                                  cfg->bench_filler_peer ? kvb_filler_fingerprint(n->m->fingerprint) : n->m->fingerprint,
                                  kvb_engine_kvformat(n->e), err)))
             goto fail;

@@ -127,6 +127,8 @@ typedef struct {
                                   metrics), or NULL; with peers: the first of them */
     const char *const *peers;  /* (n_peers) more prefill nodes; none at all: always native */
     uint32_t n_peers;
+    const char *name;          /* this node's name in its HELLO (default "decode"): a prefill node tells
+                                  decode nodes apart by name and host, for fair turns and its metrics */
     uint32_t peer_max_queue;   /* several peers: a conversation's next turn goes to the peer that produced
                                   its longest cached prefix unless that one's queue is above this
                                   (0: 2), or it is down; then to the least-loaded peer that is up */

@@ -125,11 +125,11 @@ kvb_admission_verdict kvb_admission_enter(kvb_admission *a, const char *who, cha
         kvb_metric_observe(a->m_wait, NULL, 0);
     } else if (a->waiting >= a->max_queue) {
         v = KVB_ADMISSION_BUSY_QUEUE;
-        snprintf(why, cap, "prefill queue full: %u request(s) waiting, --max-queue %u", a->waiting, a->max_queue);
+        snprintf(why, cap, "queue full: %u waiting, --max-queue %u", a->waiting, a->max_queue);
     } else if (a->dec[d].waiting >= a->max_per_decoder) {
         v = KVB_ADMISSION_BUSY_DECODER;
-        snprintf(why, cap, "this decode node's share of the queue is full: %u of its request(s) waiting (%u in all), "
-                 "--max-queue-per-decoder %u", a->dec[d].waiting, a->waiting, a->max_per_decoder);
+        snprintf(why, cap, "this decoder's share full: %u of %u waiting, --max-queue-per-decoder %u",
+                 a->dec[d].waiting, a->waiting, a->max_per_decoder);
     } else {
         const double t0 = kvb_now_s();
         kvb_admission_waiter w = {.dec = d};
