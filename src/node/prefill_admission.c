@@ -107,6 +107,19 @@ static int decoder_of(kvb_admission *a, const char *who) {
     return d;
 }
 
+/* Takes the waiter *pp out of the queue. Caller holds mu. */
+static void unlink_locked(kvb_admission *a, kvb_admission_waiter **pp) {
+    kvb_admission_waiter *w = *pp;
+    *pp = w->next;
+    if (a->tail == w) {
+        a->tail = NULL;
+        for (kvb_admission_waiter *x = a->head; x; x = x->next) a->tail = x;
+    }
+    a->waiting--;
+    a->dec[w->dec].waiting--;
+    kvb_metric_set(a->m_queue, NULL, a->waiting);
+}
+
 static void served_locked(kvb_admission *a, int d) {
     a->rr = d;
     a->log[a->n_log++ % ADM_LOG] = d;
@@ -143,18 +156,11 @@ kvb_admission_verdict kvb_admission_enter(kvb_admission *a, const char *who, cha
         if (!w.go) { /* stopping: out of the queue, refused */
             kvb_admission_waiter **pp = &a->head;
             while (*pp != &w) pp = &(*pp)->next;
-            *pp = w.next;
-            if (a->tail == &w) {
-                a->tail = NULL;
-                for (kvb_admission_waiter *x = a->head; x; x = x->next) a->tail = x;
-            }
-            a->waiting--;
-            a->dec[d].waiting--;
+            unlink_locked(a, pp);
             v = KVB_ADMISSION_STOPPING;
         } else {
             kvb_metric_observe(a->m_wait, NULL, kvb_now_s() - t0);
         }
-        kvb_metric_set(a->m_queue, NULL, a->waiting);
     }
     if (v == KVB_ADMISSION_STOPPING) snprintf(why, cap, "this prefill node is stopping; compute natively");
     if (v == KVB_ADMISSION_BUSY_QUEUE && d < 0) snprintf(why, cap, "too many decode nodes waiting");
@@ -175,16 +181,9 @@ void kvb_admission_leave(kvb_admission *a) {
             if ((*pp)->dec == d) next = *pp, at = pp;
     }
     if (next) {
-        *at = next->next;
-        if (a->tail == next) {
-            a->tail = NULL;
-            for (kvb_admission_waiter *x = a->head; x; x = x->next) a->tail = x;
-        }
-        a->waiting--;
-        a->dec[next->dec].waiting--;
+        unlink_locked(a, at);
         next->go = true; /* the engine goes to it: busy stays */
         served_locked(a, next->dec);
-        kvb_metric_set(a->m_queue, NULL, a->waiting);
         pthread_cond_broadcast(&a->cv);
     } else {
         a->busy = false;
