@@ -55,17 +55,8 @@ static kvb_prefill_node *start_prefill(const char *fault) {
 
 /* A decode node with peers A and B (a_port 0: none at all, the native reference). */
 static kvb_decode_node *start_decode(uint16_t a_port, uint16_t b_port) {
-    char a[48], b[48];
-    snprintf(a, sizeof a, "A=127.0.0.1:%u", a_port);
-    snprintf(b, sizeof b, "B=127.0.0.1:%u", b_port);
-    const char *peers[] = {a, b};
-    kvb_decode_config c = {.http_listen = "127.0.0.1:0", .peers = peers, .n_peers = a_port ? 2 : 0,
-                           .model_path = g_model, .psk = PSK, .n_threads = 1, .cache_dtype = KVB_TYPE_F16,
-                           .block_tokens = 32, .max_ctx = 4096, .peer_timeout_ms = 10000};
-    kvb_decode_node *n = NULL;
-    kvb_err err = {0};
-    if (kvb_decode_node_start(&c, &n, &err)) fail_msg("decode node: %s", err.msg);
-    return n;
+    const uint16_t ports[2] = {a_port, b_port};
+    return kvbt_start_decode(g_model, PSK, ports, a_port ? 2 : 0, NULL, 0);
 }
 
 /* One turn's outcome, recorded by a client thread and checked by the test's own. */

@@ -29,16 +29,18 @@
 #define PSK "admission-key-0123456789abcdef"
 
 static char g_model[512];
+static kvb_model *g_m; /* the same file, for the tests' own PREFILLs */
 
 static int setup(void **state) {
     (void)state;
-    kvb_err err = {0};
     kvbt_tmp_path(g_model, sizeof g_model, "admission.gguf");
-    kvb_gen_opts o = {.preset = "tiny", .type = KVB_TYPE_Q8_0, .seed = 37, .n_threads = 2};
-    if (kvb_gen_model(&o, g_model, &err)) {
-        fprintf(stderr, "setup: %s\n", err.msg);
-        return -1;
-    }
+    g_m = kvbt_gen_load("admission.gguf", "tiny", KVB_TYPE_Q8_0, 37);
+    return g_m ? 0 : -1;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    kvb_model_free(g_m);
     return 0;
 }
 
@@ -57,20 +59,8 @@ static kvb_prefill_node *start_prefill(const char *fault, uint32_t max_queue, ui
 /* A decode node named `name` with n_peers of the prefill nodes on ports[] (named A, B; none: the
  * native reference). */
 static kvb_decode_node *start_decode(const char *name, const uint16_t *ports, uint32_t n_peers) {
-    char spec[2][48];
-    const char *peers[2];
-    for (uint32_t i = 0; i < n_peers; i++) {
-        snprintf(spec[i], sizeof spec[i], "%c=127.0.0.1:%u", 'A' + i, ports[i]);
-        peers[i] = spec[i];
-    }
-    kvb_decode_config c = {.http_listen = "127.0.0.1:0", .peers = peers, .n_peers = n_peers, .name = name,
-                           .peer_max_queue = 100, /* a busy history peer is asked anyway: it answers BUSY */
-                           .model_path = g_model, .psk = PSK, .n_threads = 1, .cache_dtype = KVB_TYPE_F16,
-                           .block_tokens = 32, .max_ctx = 4096, .peer_timeout_ms = 10000};
-    kvb_decode_node *n = NULL;
-    kvb_err err = {0};
-    if (kvb_decode_node_start(&c, &n, &err)) fail_msg("decode node: %s", err.msg);
-    return n;
+    /* a busy history peer is asked anyway (its queue of 2 is below 100): it answers BUSY */
+    return kvbt_start_decode(g_model, PSK, ports, n_peers, name, 100);
 }
 
 static double pmetric(kvb_prefill_node *pn, const char *series) {
@@ -143,9 +133,7 @@ static void raw_start(raw_decoder *d) { assert_int_equal(pthread_create(&d->th, 
 static void test_round_robin_between_decode_nodes(void **state) {
     (void)state;
     kvb_prefill_node *pn = start_prefill("pause:1x1", 0, 0, 4096);
-    kvb_model *m = NULL;
-    kvb_err err = {0};
-    assert_int_equal(kvb_model_load(g_model, &m, &err), KVB_OK);
+    const kvb_model *m = g_m;
     const uint16_t port = kvb_prefill_node_port(pn);
     raw_decoder a[3], b = {.port = port, .name = "B", .requests = 2, .seed = 900, .m = m};
     for (int k = 0; k < 3; k++) a[k] = (raw_decoder){.port = port, .name = "A", .requests = 2, .seed = 100 * (uint64_t)k, .m = m};
@@ -179,7 +167,6 @@ static void test_round_robin_between_decode_nodes(void **state) {
     assert_true(pmetric(pn, "kvbridge_prefill_decoder_requests_total{decoder=\"B@127.0.0.1\",outcome=\"served\"} ") == 2);
     assert_true(pmetric(pn, "kvbridge_prefill_queue_wait_seconds_count ") == 8);
     assert_true(pmetric(pn, "kvbridge_prefill_queue ") == 0);
-    kvb_model_free(m);
     kvb_prefill_node_stop(pn);
 }
 
@@ -210,9 +197,7 @@ static void test_full_queue_refuses_busy(void **state) {
     assert_string_equal(f.peer, "A");
     free(f.content);
 
-    kvb_model *m = NULL;
-    kvb_err err = {0};
-    assert_int_equal(kvb_model_load(g_model, &m, &err), KVB_OK);
+    const kvb_model *m = g_m;
     raw_decoder x = {.port = ports[0], .name = "X", .requests = 1, .seed = 5, .m = m};
     raw_decoder y = {.port = ports[0], .name = "Y", .requests = 1, .seed = 6, .m = m};
     raw_start(&x);
@@ -244,7 +229,6 @@ static void test_full_queue_refuses_busy(void **state) {
     kvb_prefill_node_stop(pa); /* ends X's stall; Y, waiting, is refused */
     pthread_join(x.th, NULL);
     pthread_join(y.th, NULL);
-    kvb_model_free(m);
     kvb_decode_node_stop(one);
     kvb_decode_node_stop(two);
     kvb_decode_node_stop(nat);
@@ -298,5 +282,5 @@ int main(void) {
         cmocka_unit_test(test_full_queue_refuses_busy),
         cmocka_unit_test(test_prefix_cache_budget_evicts),
     };
-    return cmocka_run_group_tests(tests, setup, NULL);
+    return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -12,7 +12,26 @@
 
 #include "kvb_core.h"
 #include "kvb_node.h"
+#include "kvb_quant.h"
 #include "kvbt.h"
+
+kvb_decode_node *kvbt_start_decode(const char *model_path, const char *psk, const uint16_t *ports, uint32_t n_ports,
+                                   const char *name, uint32_t peer_max_queue) {
+    char spec[KVB_MAX_PEERS][48];
+    const char *peers[KVB_MAX_PEERS];
+    for (uint32_t i = 0; i < n_ports && i < KVB_MAX_PEERS; i++) {
+        snprintf(spec[i], sizeof spec[i], "%c=127.0.0.1:%u", 'A' + (int)i, ports[i]);
+        peers[i] = spec[i];
+    }
+    kvb_decode_config c = {.http_listen = "127.0.0.1:0", .peers = peers, .n_peers = n_ports, .name = name,
+                           .peer_max_queue = peer_max_queue, .model_path = model_path, .psk = psk, .n_threads = 1,
+                           .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 4096,
+                           .peer_timeout_ms = 10000};
+    kvb_decode_node *n = NULL;
+    kvb_err err = {0};
+    if (kvb_decode_node_start(&c, &n, &err)) fail_msg("decode node: %s", err.msg);
+    return n;
+}
 
 void kvbt_complete_ids(uint16_t port, const int32_t *ids, int n, kvbt_reply *r) {
     kvbt_complete_ids_n(port, ids, n, 8, r);

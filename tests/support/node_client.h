@@ -34,6 +34,11 @@ void kvbt_complete_ids_all(uint16_t port, const int32_t *ids, int n, int tokens,
 char *kvbt_completion_json(const int32_t *ids, int n, int max_tokens, bool ignore_eos);
 /* The same request (greedy), any answer: the reply as it came (free it with kvb_http_reply_free). */
 void kvbt_post_ids(uint16_t port, const int32_t *ids, int n, int max_tokens, bool ignore_eos, kvb_http_reply *h);
+/* A decode node on loopback for the fleet tests: model_path, key psk, prefill nodes A, B, ... on
+ * ports[0 .. n_ports) (none: the native reference), one CPU thread, an f16 cache of 32-token blocks,
+ * 4096 tokens of context; name and peer_max_queue as in kvb_decode_config (NULL, 0: the defaults). */
+kvb_decode_node *kvbt_start_decode(const char *model_path, const char *psk, const uint16_t *ports, uint32_t n_ports,
+                                   const char *name, uint32_t peer_max_queue);
 /* ids[0 .. n) = token ids 3 .. 252 from seed. */
 void kvbt_prompt_ids(int32_t *ids, int n, uint64_t seed);
 /* The value of the sample line of /metrics that starts with series ("name{labels} "), 0 when
