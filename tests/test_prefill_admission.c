@@ -44,12 +44,12 @@ static int teardown(void **state) {
     return 0;
 }
 
-static kvb_prefill_node *start_prefill(const char *fault, uint32_t max_queue, uint32_t cache_blocks,
-                                       uint32_t max_ctx) {
+static kvb_prefill_node *start_prefill(const char *fault, uint32_t max_queue, uint32_t per_decoder,
+                                       uint32_t cache_blocks, uint32_t max_ctx) {
     kvb_prefill_config c = {.listen = "127.0.0.1:0", .http_listen = "127.0.0.1:0", .model_path = g_model,
                             .psk = PSK, .n_threads = 1, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32,
                             .max_ctx = max_ctx, .fault = fault, .max_queue = max_queue,
-                            .cache_blocks = cache_blocks};
+                            .max_queue_per_decoder = per_decoder, .cache_blocks = cache_blocks};
     kvb_prefill_node *n = NULL;
     kvb_err err = {0};
     if (kvb_prefill_node_start(&c, &n, &err)) fail_msg("prefill node: %s", err.msg);
@@ -81,6 +81,7 @@ typedef struct {
     uint64_t seed;
     const kvb_model *m;
     int done, refused; /* DONEs, and ERRORs of code BUSY */
+    char why[160];     /* the last BUSY's message */
     pthread_t th;
 } raw_decoder;
 
@@ -114,7 +115,10 @@ static void *raw_main(void *arg) {
             kvb_msg r;
             if (kvb_conn_recv(c, 60000, &r, &err)) goto out;
             const int type = r.type;
-            d->refused += type == KVB_FRAME_ERROR && r.u.error.code == KVB_WIRE_ERR_BUSY;
+            if (type == KVB_FRAME_ERROR && r.u.error.code == KVB_WIRE_ERR_BUSY) {
+                d->refused++;
+                snprintf(d->why, sizeof d->why, "%.150s", r.u.error.msg);
+            }
             kvb_msg_free(&r);
             if (type == KVB_FRAME_DONE) d->done++;
             if (type == KVB_FRAME_DONE || type == KVB_FRAME_ERROR) break;
@@ -132,7 +136,7 @@ static void raw_start(raw_decoder *d) { assert_int_equal(pthread_create(&d->th, 
  * B's second before A's last. The first request pauses 2 s, so the others queue meanwhile. */
 static void test_round_robin_between_decode_nodes(void **state) {
     (void)state;
-    kvb_prefill_node *pn = start_prefill("pause:1x1", 0, 0, 4096);
+    kvb_prefill_node *pn = start_prefill("pause:1x1", 0, 0, 0, 4096);
     const kvb_model *m = g_m;
     const uint16_t port = kvb_prefill_node_port(pn);
     raw_decoder a[3], b = {.port = port, .name = "B", .requests = 2, .seed = 900, .m = m};
@@ -170,6 +174,33 @@ static void test_round_robin_between_decode_nodes(void **state) {
     kvb_prefill_node_stop(pn);
 }
 
+/* --max-queue-per-decoder 1: with one of A's requests computing and one waiting, A's third is
+ * refused at once as BUSY naming that bound, while B's, from another decode node, still waits its
+ * turn and is served. */
+static void test_per_decoder_bound(void **state) {
+    (void)state;
+    kvb_prefill_node *pn = start_prefill("pause:1x1", 0, 1, 0, 4096);
+    const uint16_t port = kvb_prefill_node_port(pn);
+    raw_decoder a[3], b = {.port = port, .name = "B", .requests = 1, .seed = 900, .m = g_m};
+    for (int k = 0; k < 3; k++) a[k] = (raw_decoder){.port = port, .name = "A", .requests = 1, .seed = 10 * (uint64_t)k, .m = g_m};
+    raw_start(&a[0]);
+    wait_in_flight(pn, 1);
+    raw_start(&a[1]);
+    wait_in_flight(pn, 2);
+    raw_start(&a[2]);
+    pthread_join(a[2].th, NULL); /* answered at once, while the first still pauses */
+    assert_int_equal(a[2].refused, 1);
+    assert_string_equal(a[2].why, "this decoder's share full: 1 of 1 waiting, --max-queue-per-decoder 1");
+    raw_start(&b);
+    wait_in_flight(pn, 3);
+    for (int k = 0; k < 2; k++) pthread_join(a[k].th, NULL);
+    pthread_join(b.th, NULL);
+    assert_int_equal(a[0].done + a[1].done + b.done, 3);
+    assert_true(pmetric(pn, "kvbridge_prefill_decoder_requests_total{decoder=\"A@127.0.0.1\",outcome=\"busy_decoder\"} ") == 1);
+    assert_true(pmetric(pn, "kvbridge_prefill_decoder_requests_total{decoder=\"B@127.0.0.1\",outcome=\"served\"} ") == 1);
+    kvb_prefill_node_stop(pn);
+}
+
 static void same_as_native(uint16_t dp, uint16_t np, const int32_t *ids, int n, kvbt_reply *f) {
     kvbt_reply r;
     kvbt_complete_ids(dp, ids, n, f);
@@ -184,7 +215,7 @@ static void same_as_native(uint16_t dp, uint16_t np, const int32_t *ids, int n, 
  * conversation's history A holds, is refused by A and bridged by B. */
 static void test_full_queue_refuses_busy(void **state) {
     (void)state;
-    kvb_prefill_node *pa = start_prefill("stall:60x1", 1, 0, 4096), *pb = start_prefill(NULL, 0, 0, 4096);
+    kvb_prefill_node *pa = start_prefill("stall:60x1", 1, 0, 0, 4096), *pb = start_prefill(NULL, 0, 0, 0, 4096);
     const uint16_t ports[2] = {kvb_prefill_node_port(pa), kvb_prefill_node_port(pb)};
     kvb_decode_node *one = start_decode("one", ports, 1), *two = start_decode("two", ports, 2);
     kvb_decode_node *nat = start_decode(NULL, NULL, 0);
@@ -243,7 +274,7 @@ static void test_full_queue_refuses_busy(void **state) {
  * turn still complete and equal to native. */
 static void test_prefix_cache_budget_evicts(void **state) {
     (void)state;
-    kvb_prefill_node *pn = start_prefill(NULL, 0, 24, 512);
+    kvb_prefill_node *pn = start_prefill(NULL, 0, 0, 24, 512);
     const uint16_t port = kvb_prefill_node_port(pn);
     kvb_decode_node *dn = start_decode("d", &port, 1), *nat = start_decode(NULL, NULL, 0);
     const uint16_t dp = kvb_decode_node_port(dn), np = kvb_decode_node_port(nat);
@@ -279,6 +310,7 @@ static void test_prefix_cache_budget_evicts(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_round_robin_between_decode_nodes),
+        cmocka_unit_test(test_per_decoder_bound),
         cmocka_unit_test(test_full_queue_refuses_busy),
         cmocka_unit_test(test_prefix_cache_budget_evicts),
     };
