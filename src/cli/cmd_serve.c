@@ -111,9 +111,9 @@ static int serve_parse(serve_args *a, int argc, char **argv) {
                     "decode, several peers: pass over the peer holding a conversation's history when its queue "
                     "(PREFILLs in flight, from every decode node) is above N"),
         KVB_CLI_STR("name", &a->name, "NAME",
-                  "this node's name in the handshake (default: its role): a prefill node tells decode nodes apart "
-                  "by name and the host they connect from (fair turns, per-decoder metrics), so give two decode "
-                  "nodes on one host different names"),
+                  "prefill, decode: this node's name in the handshake (default: its role); a prefill node tells decode "
+                  "nodes apart by name and the host they connect from (fair turns, per-decoder metrics), so give two "
+                  "decode nodes on one host different names"),
         KVB_CLI_OPT_PSK(&a->psk, "pre-shared key, >= 16 bytes (or env KVB_PSK); both nodes need the same"),
         KVB_CLI_OPT_TRANSPORT(&a->transport, "the link between the nodes: tcp (kvbridge's own) or ucx (UCX: shared "
                                              "memory, TCP or RDMA as it selects; the log names its lanes); both "
