@@ -37,7 +37,7 @@ check() { # the options of one run
   grep -Eq '^result +PASS' "$WORK/out" || bad "no PASS"
   case "$*" in *--kill*)
     grep -q 'SIGKILL p0' "$WORK/err" && grep -q 'SIGKILL d0' "$WORK/err" || bad "a kill did not happen"
-    local p; p=$(awk '/^            (before any kill|after the)/ { s += $(NF - 11) } END { print s }' "$WORK/out")
+    local p; p=$(awk '/^            (before any kill|after the)/ { s += $(NF - 12) } END { print s }' "$WORK/out")
     [ "$p" = "$n" ] || bad "the fault table's phases add up to '$p', not $n"
     [ "$(grep -c '^            after the' "$WORK/out")" = 2 ] || bad "not two phases after kills";;
   esac

@@ -595,24 +595,28 @@ static long long fleet_doubled(const fleet *f) {
 
 static bool starts(const char *s, const char *prefix) { return !strncmp(s, prefix, strlen(prefix)); }
 
-/* The cost of each fault: one line per phase (before the kills, after each). */
+/* The cost of each fault: one line per phase (requests by the kills seen when they started): how
+ * many were in flight at a kill, sent again by their client, moved on either side, the prefill
+ * side's history share among later bridged turns (recovering after a kill), verdicts, TTFT. */
 static void print_phases(const fleet *f) {
-    printf("faults      phase                          reqs  in-flight  client-retry  moved(dec)  moved(pre)  partial  declined  TTFT med   p95   extra\n");
+    printf("faults      phase                          reqs  in-flight  client-retry  moved(dec)  moved(pre)  history(pre)  partial  declined  TTFT med   p95   extra\n");
     double base = 0, p95;
     for (int ph = 0; ph <= f->phase; ph++) {
-        int n = 0, hit = 0, retry = 0, mdec = 0, mpre = 0, part = 0, decl = 0;
+        int n = 0, hit = 0, retry = 0, mdec = 0, mpre = 0, hist = 0, later = 0, part = 0, decl = 0;
         for (long long i = 0; i < f->C * f->T; i++) {
             const fleet_req *r = &f->reqs[i];
             if (!r->body || r->phase != ph) continue;
             n++, hit += r->in_flight_at_kill, retry += r->tries > 1;
             mdec += !strcmp(r->rplace, "moved"), mpre += !strcmp(r->pplace, "moved");
+            hist += r->turn > 0 && !strcmp(r->pplace, "history"), later += r->turn > 0 && r->pplace[0];
             part += starts(r->verdict, "partial"), decl += starts(r->verdict, "declined");
         }
         double med;
         ttft_stats(f, ph, &med, &p95);
         if (!ph) base = med;
-        printf("            %-30s %5d  %9d  %12d  %10d  %10d  %7d  %8d  %7.3f s %5.3f %+6.3f s\n",
-               ph ? f->phase_name[ph] : "before any kill", n, hit, retry, mdec, mpre, part, decl, med, p95, med - base);
+        printf("            %-30s %5d  %9d  %12d  %10d  %10d  %11.1f%%  %7d  %8d  %7.3f s %5.3f %+6.3f s\n",
+               ph ? f->phase_name[ph] : "before any kill", n, hit, retry, mdec, mpre, later ? 100.0 * hist / later : 0,
+               part, decl, med, p95, med - base);
     }
 }
 
