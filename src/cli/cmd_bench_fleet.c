@@ -186,14 +186,13 @@ static bool fleet_wait_ready(fleet *f) {
 
 /* Node i's namespace, its address 10.213.9.(i+1) on a bridge in this namespace (10.213.9.254),
  * joined by a veth pair shaped to 10 Gbit/s both ways. */
-static bool netns_add(fleet *f, fleet_proc *p, int i) {
+static bool netns_add(fleet_proc *p, int i) {
     const int id = (int)getpid() % 100000;
     snprintf(p->ns, sizeof p->ns, "kvbf%d-%d", id, i);
     snprintf(p->host, sizeof p->host, "10.213.9.%d", i + 1);
     char a[32], b[32]; /* under 16 bytes: id < 100000, i < 17 */
     snprintf(a, sizeof a, "kf%da%d", id, i);
     snprintf(b, sizeof b, "kf%db%d", id, i);
-    (void)f;
     return !sh("ip netns add %s && ip link add %s type veth peer name %s && ip link set %s netns %s && "
                "ip link set %s master kvbf%d && ip link set %s up && ip -n %s addr add %s/24 dev %s && "
                "ip -n %s link set %s up && ip -n %s link set lo up && "
@@ -202,11 +201,10 @@ static bool netns_add(fleet *f, fleet_proc *p, int i) {
                p->ns, a, b, a, p->ns, b, id, b, p->ns, p->host, a, p->ns, a, p->ns, p->ns, a, b);
 }
 
-static void netns_cleanup(fleet *f) {
+static void netns_cleanup(void) {
     const int id = (int)getpid() % 100000;
     sh("for n in $(ip netns list | grep -o '^kvbf%d-[0-9]*'); do ip netns del $n; done; ip link del kvbf%d "
        "2>/dev/null; true", id, id);
-    (void)f;
 }
 
 static bool netns_setup(fleet *f) {
@@ -222,10 +220,10 @@ static bool netns_setup(fleet *f) {
     }
     int i = 0;
     for (int k = 0; k < f->P; k++)
-        if (!netns_add(f, &f->prefill[k], i++)) goto fail;
+        if (!netns_add(&f->prefill[k], i++)) goto fail;
     for (int k = 0; k < f->D; k++)
-        if (!netns_add(f, &f->decode[k], i++)) goto fail;
-    if (!netns_add(f, &f->router, i)) goto fail;
+        if (!netns_add(&f->decode[k], i++)) goto fail;
+    if (!netns_add(&f->router, i)) goto fail;
     return true;
 fail:
     fprintf(stderr, "kvbridge bench fleet: --netns: cannot make the namespaces and shaped veth links\n");
@@ -288,7 +286,7 @@ static void fleet_stop(fleet *f) {
     for (int k = 0; k < f->P; k++) proc_stop(&f->prefill[k]);
     kvb_decode_node_stop(f->native);
     f->native = NULL;
-    if (f->netns) netns_cleanup(f);
+    if (f->netns) netns_cleanup();
 }
 
 /* SIGKILLs p (a decode node's served count read first: what it computed is still counted). */
