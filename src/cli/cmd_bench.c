@@ -520,7 +520,8 @@ static const char *const k_bench_usage =
     "slab [options]              (see kvbridge bench slab --help)\n"
     "tokenize -m MODEL [options] (see kvbridge bench tokenize --help)\n"
     "parallel -m MODEL [options] (see kvbridge bench parallel --help)\n"
-    "json -m MODEL [options]     (see kvbridge bench json --help)";
+    "json -m MODEL [options]     (see kvbridge bench json --help)\n"
+    "fleet [options]             (see kvbridge bench fleet --help)";
 
 /* Fills *a from argv (argv[0]: prefill or decode); KVB_CLI_GO, or the code the command returns. */
 static int bench_parse(bench_args *a, int argc, char **argv) {
@@ -596,7 +597,7 @@ static const struct {
 } k_bench_kinds[] = {
     {"ladder", kvb_bench_ladder}, {"link", kvb_bench_link},         {"quality", kvb_bench_quality},
     {"slab", kvb_bench_slab},     {"tokenize", kvb_bench_tokenize}, {"parallel", kvb_bench_parallel},
-    {"json", kvb_bench_json},
+    {"json", kvb_bench_json},     {"fleet", kvb_bench_fleet},
 };
 
 /* The batch's line and the bytes a step of B sequences reads: the weights once (of a mixture of
@@ -733,7 +734,7 @@ static int bench_decode(const bench_args *a) {
 int kvb_cmd_bench(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "kvbridge bench: name a benchmark: prefill, decode, ladder, link, quality, slab, tokenize, "
-                        "parallel or json (see kvbridge bench --help)\n");
+                        "parallel, json or fleet (see kvbridge bench --help)\n");
         return 2;
     }
     if (kvb_arg_is_help(argv[1])) {
@@ -745,7 +746,7 @@ int kvb_cmd_bench(int argc, char **argv) {
         if (!strcmp(what, k_bench_kinds[k].name)) return k_bench_kinds[k].fn(argc - 1, argv + 1);
     bool prefill = !strcmp(what, "prefill");
     if (!prefill && strcmp(what, "decode")) {
-        fprintf(stderr, "kvbridge bench: unknown benchmark '%s' (prefill, decode, ladder, link, slab, tokenize, parallel, json or quality; see kvbridge bench --help)\n", what);
+        fprintf(stderr, "kvbridge bench: unknown benchmark '%s' (prefill, decode, ladder, link, slab, tokenize, parallel, json, fleet or quality; see kvbridge bench --help)\n", what);
         return 2;
     }
     bench_args a = {0};

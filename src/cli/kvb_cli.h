@@ -56,6 +56,8 @@ int kvb_bench_tokenize(int argc, char **argv);
 int kvb_bench_parallel(int argc, char **argv);
 /* `kvbridge bench json` (cmd_bench_json.c). */
 int kvb_bench_json(int argc, char **argv);
+/* `kvbridge bench fleet` (cmd_bench_fleet.c). */
+int kvb_bench_fleet(int argc, char **argv);
 /* `kvbridge bench quality` (cmd_bench_quality.c). */
 int kvb_bench_quality(int argc, char **argv);
 
