@@ -249,9 +249,10 @@ static bool fleet_start(fleet *f) {
     for (int k = 0; k < f->D; k++) {
         fleet_proc *p = &f->decode[k];
         snprintf(listen, sizeof listen, "%s:0", p->host);
+        /* a name of its own: a prefill node's round robin tells decode nodes apart by name and host */
         const char *args[48] = {"--role", "decode", "--http", listen, "-m", f->model, "--psk", FLEET_PSK,
-                                "--threads", thr, "--ctx", ctx};
-        int n = 12;
+                                "--threads", thr, "--ctx", ctx, "--name", p->name};
+        int n = 14;
         for (int j = 0; j < f->P; j++) args[n++] = "--peer", args[n++] = peers[j];
         args[n] = NULL;
         if (!proc_start(f, p, args)) return false;
