@@ -48,14 +48,16 @@ static int setup(void **state) {
     return 0;
 }
 
-static kvb_decode_node *start_decode(void) {
+static kvb_decode_node *start_decode_key(const char *api_key) {
     kvb_decode_config c = {.http_listen = "127.0.0.1:0", .model_path = g_model, .n_threads = 1,
-                           .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 4096};
+                           .cache_dtype = KVB_TYPE_F16, .block_tokens = 32, .max_ctx = 4096, .api_key = api_key};
     kvb_decode_node *n = NULL;
     kvb_err err = {0};
     if (kvb_decode_node_start(&c, &n, &err)) fail_msg("decode node: %s", err.msg);
     return n;
 }
+
+static kvb_decode_node *start_decode(void) { return start_decode_key(NULL); }
 
 /* A router in front of ports[0 .. n) (cfg's other fields as given). */
 static kvb_router *start_router(const uint16_t *ports, size_t n, kvb_router_config cfg, char names[][32]) {
@@ -554,6 +556,38 @@ static void test_silent_backend_is_passed_over(void **state) {
 
 /* ---- hostile input, the API key ------------------------------------------------------------------ */
 
+/* Decode nodes run with their own --api-key: a router given it (--backend-api-key) relays with
+ * it; one without it passes the node's 401 on (a client error, not a backend failure: no retry,
+ * the node stays up); a key that would break the header line is refused at start. */
+static void test_backend_api_key(void **state) {
+    (void)state;
+    kvb_decode_node *node = start_decode_key("node-key-0123");
+    uint16_t ports[1] = {kvb_decode_node_port(node)};
+    char names[1][32];
+    const char *ok = "{\"model\":\"m\",\"prompt\":\"hello\",\"max_tokens\":2,\"temperature\":0}";
+    kvb_router *with = start_router(ports, 1, (kvb_router_config){.backend_api_key = "node-key-0123"}, names);
+    reply via;
+    post(kvb_router_port(with), "/v1/completions", ok, strlen(ok), NULL, &via);
+    if (via.status != 200) fail_msg("with the key: %ld %s", via.status, via.body.p);
+    free(via.body.p);
+    kvb_router *without = start_router(ports, 1, (kvb_router_config){0}, names);
+    post(kvb_router_port(without), "/v1/completions", ok, strlen(ok), NULL, &via);
+    assert_int_equal(via.status, 401);
+    free(via.body.p);
+    assert_true(metric(kvb_router_port(without), "kvbridge_router_retries_total ") == 0);
+    assert_true(metric(kvb_router_port(without), "kvbridge_router_backend_up{backend=\"%s\"} ", names[0]) == 1);
+    kvb_router_stop(without);
+    kvb_router_stop(with);
+    const char *list[1] = {names[0]};
+    kvb_router_config bad = {.http_listen = "127.0.0.1:0", .backends = list, .n_backends = 1,
+                             .backend_api_key = "key\r\nX-Injected: 1"};
+    kvb_router *r = NULL;
+    kvb_err err = {0};
+    assert_int_equal(kvb_router_start(&bad, &r, &err), KVB_ERR_INVALID);
+    assert_null(r);
+    kvb_decode_node_stop(node);
+}
+
 static void test_hostile_input_never_reaches_a_backend(void **state) {
     (void)state;
     kvb_decode_node *node = start_decode();
@@ -695,6 +729,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_history_is_a_bounded_lru),
         cmocka_unit_test(test_hostile_input_never_reaches_a_backend),
+        cmocka_unit_test(test_backend_api_key),
         cmocka_unit_test(test_conversations_stay_on_their_backend),
         cmocka_unit_test(test_backend_stopped_mid_run),
         cmocka_unit_test(test_stream_cut_after_first_event_is_not_retried),

@@ -28,7 +28,7 @@ static void on_signal(int sig) {
 /* What the command line asks of a node. */
 typedef struct {
     const char *model, *listen, *http, *psk, *tmpl, *model_id, *fault, *api_key, *allow_origin, *decoder, *slot_dir,
-        *name;
+        *name, *backend_key;
     long long threads, bt, ctx, bridge_min, max_tokens, chunk, cache_blocks, lanes, warmup, resumes, parallel,
         drain_s, slots, peer_max_queue, max_inflight, health_ms, retries, connect_ms, first_byte_ms, max_queue,
         max_queue_dec;
@@ -86,6 +86,8 @@ static int serve_parse(serve_args *a, int argc, char **argv) {
         KVB_CLI_OPT_MODEL(&a->model, "prefill, decode: the decoder's GGUF (both roles load the same file)", false),
         {.long_name = "backend", .kind = KVB_OPT_LIST, .dst = &a->backends, .meta = "HOST:PORT",
          .help = "router: a decode node's HTTP API"},
+        KVB_CLI_STR("backend-api-key", &a->backend_key, "KEY",
+                  "router: the decode nodes' --api-key, sent with every relayed request (or env KVB_BACKEND_API_KEY)"),
         KVB_CLI_INT("backend-max-inflight", &a->max_inflight, "N", 1, 1 << 20, "8",
                   "router: a backend with N requests in flight takes no more conversations"),
         KVB_CLI_INT("health-interval-ms", &a->health_ms, "MS", 10, 3600000, "1000", "router: /health polls"),
@@ -206,6 +208,7 @@ static int serve_router(const serve_args *a) {
     kvb_err err = {0};
     const kvb_router_config c = {.http_listen = a->http, .backends = a->backends.v, .n_backends = (size_t)a->backends.n,
                                  .api_key = a->api_key, .allow_origins = a->allow_origin,
+                                 .backend_api_key = a->backend_key ? a->backend_key : getenv("KVB_BACKEND_API_KEY"),
                                  .backend_max_inflight = (uint32_t)a->max_inflight,
                                  .health_interval_ms = (uint32_t)a->health_ms, .retries = a->retries ? (int)a->retries : -1,
                                  .connect_timeout_ms = (uint32_t)a->connect_ms,

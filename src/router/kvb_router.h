@@ -31,6 +31,7 @@
 #include "kvb_http.h"
 
 #define KVB_ROUTER_MAX_BACKENDS 64
+#define KVB_ROUTER_KEY_MAX 256 /* the longest --backend-api-key */
 
 typedef struct {
     const char *http_listen;            /* "HOST:PORT" (port 0 = ephemeral) */
@@ -38,6 +39,8 @@ typedef struct {
     size_t n_backends;                  /* 1 .. KVB_ROUTER_MAX_BACKENDS */
     const char *api_key;                /* NULL or "": open; else /v1/ needs it (as a decode node) */
     const char *allow_origins;          /* CORS, as kvb_http_config.allow_origins */
+    const char *backend_api_key;        /* NULL or "": none; else every relayed request carries
+                                           'Authorization: Bearer KEY' (decode nodes run --api-key) */
     uint32_t backend_max_inflight;      /* a backend with this many in flight is full (default 8) */
     uint32_t health_interval_ms;        /* /health polls (default 1000; each bounded by it) */
     int retries;                        /* other backends tried after a failure with no byte passed

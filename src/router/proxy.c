@@ -201,9 +201,12 @@ static attempt_result settle(upstream_call *c, CURLcode res, char *why, size_t w
 static attempt_result attempt(kvb_router *r, CURL *easy, const kvb_relay_req *rr, upstream_call *c, char *why,
                               size_t why_cap) {
     struct curl_slist *hdrs = NULL, *more;
-    char rid[160];
+    char rid[160], auth[KVB_ROUTER_KEY_MAX + 32];
     snprintf(rid, sizeof rid, "X-Request-Id: %s", rr->request_id);
-    const char *lines[] = {"Content-Type: application/json", "Expect:", rr->request_id[0] ? rid : NULL};
+    const char *key = r->cfg.backend_api_key;
+    if (key && *key) snprintf(auth, sizeof auth, "Authorization: Bearer %s", key);
+    const char *lines[] = {"Content-Type: application/json", "Expect:", rr->request_id[0] ? rid : NULL,
+                           key && *key ? auth : NULL};
     for (size_t i = 0; i < KVB_ARRAY_LEN(lines); i++)
         if (lines[i] && (more = curl_slist_append(hdrs, lines[i]))) hdrs = more;
     char url[3 * 8192 + 192]; /* a path of up to HTTP_TARGET_MAX bytes, each escaped */

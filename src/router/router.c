@@ -66,6 +66,15 @@ static kvb_status check_config(const kvb_router_config *c, kvb_err *err) {
         for (size_t j = 0; j < i; j++)
             if (strcmp(b, c->backends[j]) == 0) return kvb_err_set(err, KVB_ERR_INVALID, "router: backend '%s' given twice", b);
     }
+    const char *k = c->backend_api_key; /* goes into a header line: visible ASCII only, bounded */
+    if (k && *k) {
+        const size_t n = strlen(k);
+        bool visible = n <= KVB_ROUTER_KEY_MAX;
+        for (size_t i = 0; visible && i < n; i++) visible = k[i] > 0x20 && k[i] < 0x7f;
+        if (!visible)
+            return kvb_err_set(err, KVB_ERR_INVALID, "router: --backend-api-key must be 1 to %d visible ASCII characters",
+                               KVB_ROUTER_KEY_MAX);
+    }
     return KVB_OK;
 }
 
