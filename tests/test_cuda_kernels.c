@@ -5,7 +5,7 @@
  * post norm added into the f32 residual stream, SwiGLU and GeGLU (tanh GELU), the GEMM call
  * (layout, beta accumulation, bf16 out), the fused QKV epilogue (bias, q/k-norm, RoPE both
  * pairings, partial rotary, cache write; cache bytes it must not touch stay poisoned), and causal
- * attention over a paged cache holding a prefix (tensor-core kernel for D = 64/128 with 64 and 128
+ * attention over a paged cache holding a prefix (tensor-core kernel for D = 64/128/192 with 64 and 128
  * query rows per CTA, and the generic kernel, D up to 256), with and without a sliding window and
  * with scales other than 1/sqrt(D); cache rows past the visible range — and, with a window, every
  * row before the window of the chunk's first query — are NaN, so a kernel that reads them fails.
@@ -510,6 +510,9 @@ static void test_attention(void **state) {
         {32, 8, 2, 40, 20, 16, 0, 0, 0},    {80, 4, 2, 30, 10, 16, 1, 0, 0},   {128, 8, 2, 70, 45, 16, 1, 0, 0},
         {64, 2, 1, 129, 63, 1024, 0, 0, 0}, {128, 8, 2, 130, 77, 16, 2, 0, 0}, {64, 4, 1, 200, 33, 32, 2, 0, 0},
         {128, 4, 1, 300, 1000, 64, 3, 0, 0}, {64, 8, 8, 257, 0, 64, 3, 0, 0}, {128, 4, 2, 1, 0, 16, 3, 0, 0},
+        /* DeepSeek's latent attention expanded: keys of 128 + 64, one kv head per query head */
+        {192, 16, 16, 130, 77, 16, 0, 0, 0.05f}, {192, 4, 4, 300, 1000, 64, 2, 0, 0},
+        {192, 8, 8, 257, 0, 64, 3, 0, 0},        {192, 4, 4, 70, 45, 16, 1, 0, 0},
     };
     for (size_t i = 0; i < KVB_ARRAY_LEN(cfgs); i++) run_att_case(&cfgs[i]);
 }

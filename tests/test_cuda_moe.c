@@ -1,6 +1,6 @@
-/* test_cuda_moe — the CUDA engine's mixture-of-experts MLP (qwen3moe) against CPU twins, on fresh
- * random inputs each run (seed printed; KVB_TEST_SEED repeats one), outputs poisoned before each
- * launch so an element a kernel forgets to write fails:
+/* test_cuda_moe — the CUDA engine's mixture-of-experts MLP (qwen3moe, deepseek2) and DeepSeek's
+ * latent attention against CPU twins, on fresh random inputs each run (seed printed; KVB_TEST_SEED
+ * repeats one), outputs poisoned before each launch so an element a kernel forgets to write fails:
  *  - moe_math.h's exp against exp() in double over [-87, 0] (host only: runs without a GPU too);
  *  - the router kernel (softmax, top-k, renormalisation) == its twin, bit for bit: probabilities,
  *    experts and weights, with rows holding exact ties (the lower expert index wins);
@@ -24,8 +24,26 @@
  *    test_engine_vs_ref does for the CPU engine; at least half the tokens are checked. Chunked (7)
  *    vs one-shot on the GPU: 2e-3 (TOL_GPU_GPU of test_cuda_engine). Packed weights (Q8_0 and Q4_K
  *    files, the experts expanded before each layer) == bf16 weights bit for bit;
+ *  - DeepSeek's routing (test_route_deepseek): sigmoid with the selection bias in groups (tiny-mla's and
+ *    DeepSeek-V3's shapes), softmax without (V2-Lite's): the kernel == moe_math.h's twin bit for bit,
+ *    and the twin against the routing spelled out in double (probabilities, biased scores, best
+ *    groups by their two best scores, top k, weights normalised and scaled): the same experts
+ *    wherever the double scores' margins (top-k boundary, kept-group boundary) exceed 1e-5, weights
+ *    within 1e-5 relative (the twin's exp is within 3 ulp; a softmax's f32 sum over 64 terms may
+ *    lose up to 64 half-ulps, 3.8e-6; then a division, the renormalising sum and division, the scale);
+ *  - the latent attention's kernels (test_mla_kernels): the cache row store (normed latent as given,
+ *    rope part rotated in pairs with the engine's products), the queries' rope, the gather of latent
+ *    rows and the assembly of per-head K [k_nope, k_pe] and V [v, zeros] == twins bit for bit;
+ *  - end to end on tiny-mla (test_tiny_mla_engine: deepseek2 with q_lora, a leading dense layer, 8
+ *    experts top-2 in 4 groups, sigmoid, bias, a shared expert, YaRN): CUDA logits vs the CPU engine's
+ *    (F32 cache) within TOL_CPU rel-L2 per token (the dense presets' limit: the GPU rounds to bf16 the
+ *    GEMM operands, the latent cache row, the queries and the expanded K and V, as the dense path
+ *    rounds q, K, V and P), a max-abs difference within 4 x TOL_CPU x the token's logit RMS, and the
+ *    top-1 equal wherever the CPU's top-2 margin exceeds twice that bound; tokens whose float64
+ *    routing margin is too close to call are left out as for tiny-moe. Chunked (7) vs one-shot on
+ *    the GPU: TOL_GPU_GPU;
  *  - with KVB_CUDA_TEST_MOE_MODELS (its own ctest entry, needs_gpu_models): real shapes against the
- *    CPU engine (test_moe_real_shapes says what is held and why).
+ *    CPU engine (test_moe_real_shapes says what is held and why; qwen3moe and deepseek2 files).
  * Without a CUDA device the GPU tests skip with "no CUDA device". */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -525,6 +543,322 @@ static void test_moe_real_shapes(void **state) {
     free(copy);
 }
 
+/* ---- DeepSeek's routing ---------------------------------------------------------------------- */
+
+/* The routing of one token spelled out in double: probabilities, scores (plus bias), the kept groups,
+ * the top k; sel (K) its experts, w (K) their weights; *margin the smallest of the top-k boundary's
+ * score margin and the kept groups' boundary margin. */
+static void route_double(const float *logit, const float *bias, int X, int K, const kvb_moe_route_cfg *c, int32_t *sel,
+                         double *w, double *margin) {
+    double p[1024], sc[1024], gs[64];
+    bool keep[64];
+    for (int x = 0; x < X; x++) p[x] = c->gating == 2 ? 1.0 / (1.0 + exp(-(double)logit[x])) : (double)logit[x];
+    if (c->gating != 2) {
+        double mx = p[0], sum = 0;
+        for (int x = 1; x < X; x++) mx = p[x] > mx ? p[x] : mx;
+        for (int x = 0; x < X; x++) sum += (p[x] = exp(p[x] - mx));
+        for (int x = 0; x < X; x++) p[x] /= sum;
+    }
+    for (int x = 0; x < X; x++) sc[x] = p[x] + (bias ? (double)bias[x] : 0.0);
+    *margin = INFINITY;
+    if (c->n_groups > 1) {
+        const int G = c->n_groups, per = X / G;
+        for (int g = 0; g < G; g++) { /* the two best scores of the group */
+            double a = -INFINITY, b = -INFINITY;
+            for (int i = 0; i < per; i++) {
+                const double v = sc[g * per + i];
+                if (v > a) b = a, a = v;
+                else if (v > b) b = v;
+            }
+            gs[g] = a + b;
+            keep[g] = false;
+        }
+        for (int k = 0; k < c->n_groups_used; k++) {
+            int best = -1;
+            for (int g = 0; g < G; g++)
+                if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
+            keep[best] = true;
+        }
+        double lo = INFINITY, hi = -INFINITY; /* the weakest kept group, the strongest dropped one */
+        for (int g = 0; g < G; g++) {
+            if (keep[g] && gs[g] < lo) lo = gs[g];
+            if (!keep[g] && gs[g] > hi) hi = gs[g];
+        }
+        if (lo - hi < *margin) *margin = lo - hi;
+        for (int g = 0; g < G; g++)
+            if (!keep[g])
+                for (int i = 0; i < per; i++) sc[g * per + i] = -INFINITY;
+    }
+    double wsum = 0;
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        for (int x = 0; x < X; x++) {
+            bool taken = false;
+            for (int i = 0; i < k; i++) taken |= sel[i] == x;
+            if (!taken && (best < 0 || sc[x] > sc[best])) best = x;
+        }
+        sel[k] = best;
+        wsum += (w[k] = p[best]);
+    }
+    double next = -INFINITY;
+    for (int x = 0; x < X; x++) {
+        bool taken = false;
+        for (int i = 0; i < K; i++) taken |= sel[i] == x;
+        if (!taken && sc[x] > next) next = sc[x];
+    }
+    if (K < X && sc[sel[K - 1]] - next < *margin) *margin = sc[sel[K - 1]] - next;
+    for (int k = 0; k < K; k++) {
+        if (c->norm) w[k] /= wsum;
+        if (c->scale != 0.0f) w[k] *= c->scale;
+    }
+}
+
+static void test_route_deepseek(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    const struct {
+        const char *what;
+        uint32_t X, K;
+        kvb_moe_route_cfg cfg;
+        bool bias;
+    } cases[] = {
+        {"tiny-mla (sigmoid, bias, 4 groups keep 2, norm, x2.5)", 8, 2, {2, 1, 2.5f, 4, 2}, true},
+        {"DeepSeek-V3 (sigmoid, bias, 8 groups keep 4, norm, x2.5)", 256, 8, {2, 1, 2.5f, 8, 4}, true},
+        {"DeepSeek-V2-Lite (softmax, no norm, x1)", 64, 6, {1, 0, 1.0f, 0, 0}, false},
+        {"sigmoid, no bias, 8 groups keep 3", 64, 4, {2, 0, 0.0f, 8, 3}, false},
+    };
+    for (size_t c = 0; c < KVB_ARRAY_LEN(cases); c++) {
+        const uint32_t X = cases[c].X, K = cases[c].K, n = 257;
+        const kvb_moe_route_cfg *cfg = &cases[c].cfg;
+        float *lg = xmalloc(sizeof(float) * n * X), *p = xmalloc(sizeof(float) * n * X), *bias = NULL;
+        float *sc = xmalloc(sizeof(float) * X);
+        float *w = xmalloc(sizeof(float) * n * K), *rw = xmalloc(sizeof(float) * n * K);
+        int32_t *sel = xmalloc(sizeof(int32_t) * n * K), *rsel = xmalloc(sizeof(int32_t) * n * K);
+        if (cases[c].bias) {
+            bias = xmalloc(sizeof(float) * X);
+            for (uint32_t x = 0; x < X; x++) bias[x] = 0.1f * rnd_normal();
+        }
+        for (size_t i = 0; i < (size_t)n * X; i++) lg[i] = 2.0f * rnd_normal();
+        memcpy(p, lg, sizeof(float) * n * X);
+        memset(sel, 0xFF, sizeof(int32_t) * n * K);
+        memset(w, 0xFF, sizeof(float) * n * K);
+        kvb_err err = {0};
+        if (kvb_cuda_test_moe_route_cfg(p, bias, n, X, K, cfg, sel, w, &err)) fail_msg("%s: %s", cases[c].what, err.msg);
+        float *rp = xmalloc(sizeof(float) * n * X);
+        memcpy(rp, lg, sizeof(float) * n * X);
+        int checked = 0;
+        double worst_w = 0;
+        for (uint32_t t = 0; t < n; t++) {
+            float *pt = rp + (size_t)t * X;
+            kvb_moe_route_one_cfg(pt, bias || cfg->n_groups > 1 ? sc : pt, bias, (int)X, (int)K, cfg,
+                                  rsel + (size_t)t * K, rw + (size_t)t * K);
+            int32_t dsel[16];
+            double dw[16], margin;
+            route_double(lg + (size_t)t * X, bias, (int)X, (int)K, cfg, dsel, dw, &margin);
+            if (margin <= 1e-5) continue;
+            checked++;
+            for (uint32_t k = 0; k < K; k++) {
+                if (rsel[t * K + k] != dsel[k])
+                    fail_msg("%s token %u rank %u: twin expert %d, double %d (margin %.3g)", cases[c].what, t, k,
+                             rsel[t * K + k], dsel[k], margin);
+                const double rel = fabs(rw[t * K + k] - dw[k]) / fabs(dw[k]);
+                if (rel > worst_w) worst_w = rel;
+                if (!(rel <= 1e-5))
+                    fail_msg("%s token %u rank %u: twin weight %.9g, double %.9g", cases[c].what, t, k,
+                             rw[t * K + k], dw[k]);
+            }
+        }
+        if (memcmp(p, rp, sizeof(float) * n * X)) fail_msg("%s: probabilities differ from the twin", cases[c].what);
+        if (memcmp(sel, rsel, sizeof(int32_t) * n * K)) fail_msg("%s: experts differ from the twin", cases[c].what);
+        if (memcmp(w, rw, sizeof(float) * n * K)) fail_msg("%s: weights differ from the twin", cases[c].what);
+        assert_true(checked >= (int)n / 2);
+        print_message("router %s: %u tokens bit for bit with the twin; twin vs double on %d: same experts, weights "
+                      "within %.3g relative (limit 1e-5)\n",
+                      cases[c].what, n, checked, worst_w);
+        free(lg), free(p), free(rp), free(bias), free(sc), free(w), free(rw), free(sel), free(rsel);
+    }
+}
+
+/* ---- latent attention kernels ---------------------------------------------------------------- */
+
+/* x (P) rotated as pairs (2i, 2i+1) with c, s (P/2): each product and sum rounded once, as the
+ * kernels and the CPU engine's kvb_cpu_rope (this file builds with -ffp-contract=off). */
+static void rope_pairs_twin(const float *x, uint32_t P, const float *c, const float *s, float *out) {
+    for (uint32_t i = 0; i < P / 2; i++) {
+        const float x0 = x[2 * i], x1 = x[2 * i + 1];
+        const float a = x0 * c[i], b = x1 * s[i], e = x0 * s[i], f = x1 * c[i];
+        out[2 * i] = a - b;
+        out[2 * i + 1] = e + f;
+    }
+}
+
+static void test_mla_kernels(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    const uint32_t R = 64, P = 32, RP = R + P, H = 3, N = 32, Vd = 24, bt = 16, n_layer = 3, layer = 1;
+    const uint32_t pos0 = 37, n = 45, n_pos = pos0 + n, n_table = (n_pos + bt - 1) / bt, n_pool = n_table + 2;
+    const size_t block_bytes = (size_t)n_layer * bt * RP * 2;
+    /* the engine's RoPE table for a YaRN-like spread of frequencies */
+    double inv_freq[16];
+    for (uint32_t i = 0; i < P / 2; i++) inv_freq[i] = pow(10000.0, -2.0 * i / P) / (i % 3 == 0 ? 40.0 : 1.0);
+    float *cs = xmalloc(sizeof(float) * n_pos * P / 2), *sn = xmalloc(sizeof(float) * n_pos * P / 2);
+    kvb_rope_table(inv_freq, P, 0, n_pos, cs, sn);
+    /* a shuffled block table over a pool with spare blocks */
+    int32_t *table = xmalloc(4 * n_table), perm[64];
+    random_perm(perm, n_pool);
+    for (uint32_t i = 0; i < n_table; i++) table[i] = perm[i];
+    uint8_t *pool = xmalloc(block_bytes * n_pool), *pool0 = xmalloc(block_bytes * n_pool);
+    for (size_t i = 0; i < block_bytes * n_pool / 2; i++) ((uint16_t *)pool)[i] = to_bf(rnd_normal());
+    memcpy(pool0, pool, block_bytes * n_pool);
+    kvb_cuda_test_mla_cache cache = {pool, n_pool, table, n_table, bt, n_layer, R, P};
+    /* the cache rows of positions pos0 .. pos0 + n - 1 */
+    float *c = xmalloc(sizeof(float) * n * RP);
+    uint16_t *lat = xmalloc(2 * (size_t)n * RP);
+    for (size_t i = 0; i < (size_t)n * RP; i++) c[i] = rnd_normal(), lat[i] = to_bf(rnd_normal());
+    kvb_err err = {0};
+    if (kvb_cuda_test_mla_kv_store(c, lat, n, pos0, cs, sn, layer, &cache, &err)) fail_msg("kv_store: %s", err.msg);
+    float pe[64];
+    for (uint32_t p = 0; p < n_pos; p++)
+        for (uint32_t l = 0; l < n_layer; l++) {
+            const uint16_t *row = (const uint16_t *)(pool + (size_t)table[p / bt] * block_bytes) + ((size_t)l * bt + p % bt) * RP;
+            const uint16_t *was = (const uint16_t *)(pool0 + (size_t)table[p / bt] * block_bytes) + ((size_t)l * bt + p % bt) * RP;
+            if (l != layer || p < pos0) {
+                if (memcmp(row, was, 2 * RP)) fail_msg("kv_store wrote row (layer %u, pos %u) it does not own", l, p);
+                continue;
+            }
+            const uint32_t t = p - pos0;
+            if (memcmp(row, lat + (size_t)t * RP, 2 * R)) fail_msg("kv_store: latent of pos %u differs", p);
+            rope_pairs_twin(c + (size_t)t * RP + R, P, cs + (size_t)p * P / 2, sn + (size_t)p * P / 2, pe);
+            for (uint32_t i = 0; i < P; i++)
+                if (row[R + i] != to_bf(pe[i]))
+                    fail_msg("kv_store: pos %u rope element %u: %04x, twin %04x", p, i, row[R + i], to_bf(pe[i]));
+        }
+    print_message("latent cache rows: %u tokens at %u into layer %u of a paged cache, bit for bit\n", n, pos0, layer);
+    /* the queries' rope */
+    const uint32_t K = N + P;
+    float *q = xmalloc(sizeof(float) * n * H * K);
+    uint16_t *qo = xmalloc(2 * (size_t)n * H * K);
+    for (size_t i = 0; i < (size_t)n * H * K; i++) q[i] = rnd_normal(), qo[i] = BF16_NAN;
+    if (kvb_cuda_test_mla_q_rope(q, n, H, N, P, pos0, cs, sn, qo, &err)) fail_msg("q_rope: %s", err.msg);
+    for (uint32_t t = 0; t < n; t++)
+        for (uint32_t h = 0; h < H; h++) {
+            const float *src = q + ((size_t)t * H + h) * K;
+            const uint16_t *got = qo + ((size_t)t * H + h) * K;
+            rope_pairs_twin(src + N, P, cs + (size_t)(pos0 + t) * P / 2, sn + (size_t)(pos0 + t) * P / 2, pe);
+            for (uint32_t i = 0; i < K; i++)
+                if (got[i] != to_bf(i < N ? src[i] : pe[i - N]))
+                    fail_msg("q_rope: token %u head %u element %u differs from the twin", t, h, i);
+        }
+    print_message("query rope: %u tokens x %u heads of %u+%u, bit for bit\n", n, H, N, P);
+    /* the expansion: gather the rows of positions 0 .. n_pos-1, assemble K and V */
+    const uint32_t D = N + P;
+    uint16_t *up = xmalloc(2 * (size_t)n_pos * H * (N + Vd)), *glat = xmalloc(2 * (size_t)n_pos * RP);
+    uint16_t *ko = xmalloc(2 * (size_t)H * n_pos * D), *vo = xmalloc(2 * (size_t)H * n_pos * D);
+    for (size_t i = 0; i < (size_t)n_pos * H * (N + Vd); i++) up[i] = to_bf(rnd_normal());
+    for (size_t i = 0; i < (size_t)n_pos * RP; i++) glat[i] = BF16_NAN;
+    for (size_t i = 0; i < (size_t)H * n_pos * D; i++) ko[i] = vo[i] = BF16_NAN;
+    if (kvb_cuda_test_mla_expand(&cache, layer, n_pos, up, H, N, Vd, glat, ko, vo, &err)) fail_msg("expand: %s", err.msg);
+    for (uint32_t p = 0; p < n_pos; p++) {
+        const uint16_t *row = (const uint16_t *)(pool + (size_t)table[p / bt] * block_bytes) + ((size_t)layer * bt + p % bt) * RP;
+        if (memcmp(glat + (size_t)p * RP, row, 2 * RP)) fail_msg("gather: position %u differs from the cache row", p);
+        for (uint32_t h = 0; h < H; h++) {
+            const uint16_t *k = ko + ((size_t)h * n_pos + p) * D, *v = vo + ((size_t)h * n_pos + p) * D;
+            const uint16_t *u = up + (size_t)p * H * (N + Vd);
+            for (uint32_t i = 0; i < D; i++) {
+                const uint16_t ke = i < N ? u[h * N + i] : row[R + i - N];
+                const uint16_t ve = i < Vd ? u[H * N + h * Vd + i] : to_bf(0.0f);
+                if (k[i] != ke || v[i] != ve) fail_msg("assemble: position %u head %u element %u differs", p, h, i);
+            }
+        }
+    }
+    print_message("expansion: %u positions' latent rows gathered, %u heads' K (%u+%u) and V (%u padded to %u) "
+                  "assembled, bit for bit\n", n_pos, H, N, P, Vd, D);
+    free(cs), free(sn), free(table), free(pool), free(pool0), free(c), free(lat), free(q), free(qo), free(up);
+    free(glat), free(ko), free(vo);
+}
+
+/* ---- end to end on tiny-mla ------------------------------------------------------------------ */
+
+/* Max-abs and top-1 of every token checked by compare_moe's rule: |got - cpu| <= 4 TOL_CPU x the
+ * token's logit RMS, and the top-1 equal wherever the CPU's top-2 margin exceeds twice that. */
+static void check_abs_top1(const float *got, const float *cpu, const double *gaps, uint32_t n, uint32_t V,
+                           const char *what) {
+    double worst = 0; /* in units of the token's RMS */
+    int top1 = 0, top1_checked = 0, close = 0;
+    for (uint32_t t = 0; t < n; t++) {
+        if (gaps[t] < MOE_CLOSE_GAP * (close ? TOL_CPU + MOE_FLIP_SPILL : TOL_CPU)) {
+            close++;
+            continue;
+        }
+        const float *g = got + (size_t)t * V, *c = cpu + (size_t)t * V;
+        double rms = 0, mx = 0;
+        for (uint32_t i = 0; i < V; i++) rms += (double)c[i] * c[i];
+        rms = sqrt(rms / V);
+        for (uint32_t i = 0; i < V; i++) mx = fmax(mx, fabs((double)g[i] - c[i]));
+        const double bound = 4.0 * (close ? TOL_CPU + MOE_FLIP_SPILL : TOL_CPU) * rms;
+        if (!(mx <= bound)) fail_msg("%s token %u: max abs %.4g > %.4g", what, t, mx, bound);
+        if (mx / rms > worst) worst = mx / rms;
+        const int best = argmax_f(c, V);
+        float second = -INFINITY;
+        for (uint32_t i = 0; i < V; i++)
+            if ((int)i != best && c[i] > second) second = c[i];
+        top1 += argmax_f(g, V) == best;
+        if (c[best] - second > 2.0 * bound) {
+            top1_checked++;
+            if (argmax_f(g, V) != best) fail_msg("%s token %u: top-1 %d, CPU %d", what, t, argmax_f(g, V), best);
+        }
+    }
+    print_message("%s: max abs %.4g x the logit RMS (limit %.3g); top-1 equal on %d of %u tokens, required on the "
+                  "%d with a clear margin\n",
+                  what, worst, 4.0 * TOL_CPU, top1, n - close, top1_checked);
+}
+
+static void test_tiny_mla_engine(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    enum { N = 77 };
+    char path[600];
+    kvbt_tmp_path(path, sizeof path, "tiny-mla.gguf");
+    kvb_gen_opts go = {.preset = "tiny-mla", .type = KVB_TYPE_BF16, .seed = g_seed, .n_threads = 0};
+    kvb_err err = {0};
+    kvb_model *m = NULL;
+    if (kvb_gen_model(&go, path, &err) || kvb_model_load(path, &m, &err)) fail_msg("tiny-mla: %s", err.msg);
+    char rerr[512];
+    ref_model *rm = ref_model_load(path, rerr, sizeof rerr);
+    if (!rm) fail_msg("ref_model_load: %s", rerr);
+    const uint32_t V = m->d.n_vocab;
+    int32_t tok[N];
+    kvbt_random_tokens(tok, N, V, g_seed ^ 0x6d6c61u);
+    double *rl = xmalloc(sizeof(double) * N * V), gaps[N];
+    assert_int_equal(ref_model_forward_gaps(rm, tok, N, rl, gaps), 0);
+    float *cpu = xmalloc(sizeof(float) * N * V);
+    cpu_logits(m, tok, N, cpu);
+    int close;
+    for (int grouped = 0; grouped < 2; grouped++) {
+        setenv("KVB_CUDA_MOE_GEMM", grouped ? "grouped" : "loop", 1);
+        float *one = gpu_logits(m, KVB_CUDA_WEIGHTS_AUTO, 0, tok, N, &err);
+        if (!one) fail_msg("CUDA engine (%s): %s", grouped ? "grouped" : "loop", err.msg);
+        char what[128];
+        snprintf(what, sizeof what, "tiny-mla, %s GEMMs: GPU vs CPU engine", grouped ? "grouped" : "per-expert");
+        compare_moe(one, cpu, gaps, N, V, TOL_CPU, 0.0, &close, what);
+        check_abs_top1(one, cpu, gaps, N, V, what);
+        float *chunked = gpu_logits(m, KVB_CUDA_WEIGHTS_AUTO, 7, tok, N, &err);
+        if (!chunked) fail_msg("CUDA engine, chunks of 7: %s", err.msg);
+        snprintf(what, sizeof what, "tiny-mla, %s GEMMs: chunked (7) vs one-shot", grouped ? "grouped" : "per-expert");
+        compare_moe(chunked, one, gaps, N, V, TOL_GPU_GPU, MOE_GPU_GAP, &close, what);
+        free(one), free(chunked);
+    }
+    unsetenv("KVB_CUDA_MOE_GEMM");
+    /* packed weights are refused for latent attention, saying so */
+    kvb_cuda_opts o = {.max_ctx = 4 * N, .weights = KVB_CUDA_WEIGHTS_PACKED};
+    kvb_cuda_engine *e = NULL;
+    assert_int_equal(kvb_cuda_engine_create(m, &o, &e, &err), KVB_ERR_UNSUPPORTED);
+    print_message("packed weights: refused (%s)\n", err.msg);
+    ref_model_free(rm);
+    kvb_model_free(m);
+    free(rl), free(cpu);
+}
+
 int main(void) {
     const char *s = getenv("KVB_TEST_SEED");
     g_seed = s ? strtoull(s, NULL, 0) : (uint64_t)time(NULL);
@@ -535,7 +869,9 @@ int main(void) {
         cmocka_unit_test(test_expf),          cmocka_unit_test(test_route),
         cmocka_unit_test(test_permute),       cmocka_unit_test(test_unpermute),
         cmocka_unit_test(test_ffn),           cmocka_unit_test(test_tiny_moe_engine),
-        cmocka_unit_test(test_tiny_moe_packed), cmocka_unit_test(test_moe_real_shapes),
+        cmocka_unit_test(test_tiny_moe_packed), cmocka_unit_test(test_route_deepseek),
+        cmocka_unit_test(test_mla_kernels),     cmocka_unit_test(test_tiny_mla_engine),
+        cmocka_unit_test(test_moe_real_shapes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

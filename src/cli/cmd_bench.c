@@ -164,12 +164,18 @@ static cJSON *read_json(const char *path) {
     return root;
 }
 
+/* The head size attention's FLOPs count: head_dim, or for latent attention the mean of the
+ * expanded key and value heads (QK^T over key_length_mla, PV over value_length_mla). */
+static double attn_head_dim(const kvb_model_desc *d) {
+    return d->mla ? 0.5 * (d->head_dim_k_mla + d->head_dim_v_mla) : (double)d->head_dim;
+}
+
 /* Effective FLOPs of a prefill of n tokens: 2 x parameters (non-embedding, without the output head:
  * the head runs for the last token only, and the peer runs no head) x n, plus causal attention
- * (QK^T and PV over the causal triangle) 2 x layers x heads x head_dim x n^2. */
+ * (QK^T and PV over the causal triangle) 2 x layers x heads x head size x n^2. */
 static double prefill_flops(const kvb_model_desc *d, double n) {
     double p = (double)kvb_model_n_params_active(d) - (double)d->n_vocab * d->n_embd; /* MoE: routed experts */
-    return 2.0 * p * n + 2.0 * d->n_layer * (double)d->n_head * d->head_dim * n * n;
+    return 2.0 * p * n + 2.0 * d->n_layer * (double)d->n_head * attn_head_dim(d) * n * n;
 }
 
 #define PB_MAX_SIZES 16
@@ -371,9 +377,9 @@ static void prefill_print_table(const prefill_bench *b, cJSON *arr) {
     if (b->read_bw > 0)
         printf("bandwidth  %.1f GB/s measured read bandwidth (same run, %d threads)\n", b->read_bw, b->host_threads);
     const kvb_model_desc *d = &b->m->d;
-    printf("flops      2 x %.3g params (non-embedding, no output head%s) x n + 2 x %u layers x %u heads x %u x n^2\n",
+    printf("flops      2 x %.3g params (non-embedding, no output head%s) x n + 2 x %u layers x %u heads x %g x n^2\n",
            (double)kvb_model_n_params_active(d) - (double)d->n_vocab * d->n_embd,
-           d->n_expert ? ", the routed experts only" : "", d->n_layer, d->n_head, d->head_dim);
+           d->n_expert ? ", the routed experts only" : "", d->n_layer, d->n_head, attn_head_dim(d));
     if (b->peer_root) {
         const cJSON *pn = cJSON_GetObjectItem(b->peer_root, "peer");
         printf("peer       %s\n", cJSON_IsString(pn) ? pn->valuestring : b->peer_json);

@@ -52,9 +52,6 @@ kvb_status kvb_prefill_engine_create(const kvb_model *m, const kvb_prefill_opts 
     kvb_status (*open)(const kvb_model *, const kvb_prefill_opts *, kvb_prefill_engine **, kvb_err *) = NULL;
     kvb_status st = pick_engine(o, &open, err);
     if (st) return st;
-    if (o->device != KVB_DEVICE_CPU && m->d.mla)
-        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "%s: DeepSeek's latent attention runs on the CPU engine only so "
-                                                     "far; use --device cpu", m->d.arch_name);
     if (o->bridge && !o->bridge_fmt)
         return kvb_err_set(err, KVB_ERR_INVALID, "a bridge needs the decoder's cache format");
     kvb_prefill_engine *e = NULL;

@@ -3,7 +3,7 @@
  * layer a query at p reads only keys k with p - k < window (lo(p) = max(0, p - window + 1) .. p,
  * the CPU engine's convention).
  *
- * fa_kernel<D, BR> (D = 64 or 128): flash attention in the FlashAttention-2 style on the tensor
+ * fa_kernel<D, BR> (D = 64, 128, or 192: DeepSeek's latent attention expanded, keys of 128 + 64): flash attention in the FlashAttention-2 style on the tensor
  * cores (mma.sync m16n8k16 bf16 -> f32). One CTA = BR/16 warps = BR query rows of one query head
  * (BR = 128 by default, K/V tiles then serve twice the rows; 64 with KVB_CUDA_FA_BR=64); each
  * warp owns 16 rows, keeps its Q fragments in registers and its output accumulator in f32
@@ -345,7 +345,11 @@ extern "C" cudaError_t kvb_cu_attention_init(void) {
         (e = cudaFuncSetAttribute(fa_kernel<128, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   fa_smem_bytes<128, 64>())) != cudaSuccess ||
         (e = cudaFuncSetAttribute(fa_kernel<64, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  fa_smem_bytes<64, 64>())) != cudaSuccess)
+                                  fa_smem_bytes<64, 64>())) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(fa_kernel<192, 128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  fa_smem_bytes<192, 128>())) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(fa_kernel<192, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  fa_smem_bytes<192, 64>())) != cudaSuccess)
         return e;
     return cudaSuccess;
 }
@@ -378,10 +382,11 @@ extern "C" cudaError_t kvb_cu_attention(const kvb_cu_attn_args *args, int varian
     kvb_cu_attn_args a = *args;
     if (a.window == 0) a.window = FA_NO_WINDOW;
     const float scale = a.scale > 0.0f ? a.scale : 1.0f / sqrtf((float)a.D);
-    if (variant != 1 && (a.D == 64 || a.D == 128)) {
+    if (variant != 1 && (a.D == 64 || a.D == 128 || a.D == 192)) {
         const int br = variant == 2 ? 64 : variant == 3 ? 128 : fa_br();
         if ((a.n + br - 1) / br > 65535) return cudaErrorInvalidValue;
-        if (a.D == 128) br == 128 ? fa_launch<128, 128>(&a, scale, st) : fa_launch<128, 64>(&a, scale, st);
+        if (a.D == 192) br == 128 ? fa_launch<192, 128>(&a, scale, st) : fa_launch<192, 64>(&a, scale, st);
+        else if (a.D == 128) br == 128 ? fa_launch<128, 128>(&a, scale, st) : fa_launch<128, 64>(&a, scale, st);
         else br == 128 ? fa_launch<64, 128>(&a, scale, st) : fa_launch<64, 64>(&a, scale, st);
         return cudaGetLastError();
     }

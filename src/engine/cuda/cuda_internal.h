@@ -35,6 +35,9 @@ kvb_status kvb_cublas_fail(kvb_err *err, cublasStatus_t s, const char *what, con
  * cuBLAS column-major "TN" with f32 compute; Y is f32, or bf16 when y_bf16 (beta must be 0). */
 kvb_status kvb_cu_gemm(cublasHandle_t h, const void *W, int rows, int cols, const void *X, int n, float beta, void *Y,
                        bool y_bf16, kvb_err *err);
+/* The same with X's rows ldx elements apart (ldx >= cols): X's first cols columns. */
+kvb_status kvb_cu_gemm_ldx(cublasHandle_t h, const void *W, int rows, int cols, const void *X, int ldx, int n, float beta,
+                           void *Y, bool y_bf16, kvb_err *err);
 
 /* ---- mixtures of experts (moe_ffn.c) ---------------------------------------------------------- */
 
@@ -52,12 +55,14 @@ const char *kvb_cu_moe_gemm_name(kvb_cu_moe_gemm g);
  * down (X * E, F), expert x's rows at [x E, (x + 1) E). */
 typedef struct {
     const void *router, *gu, *down;
+    const float *bias; /* (X) f32 the selection bias (exp_probs_b, DeepSeek-V3), or NULL */
 } kvb_cu_moe_weights;
 
 /* The scratch of the MoE MLP for chunks of up to max_n tokens (device unless said). */
 typedef struct {
     int X, K, F, E, max_n;
     float *logits;                /* (max_n, X) router logits, then probabilities */
+    float *score;                 /* (max_n, X) selection scores (bias, groups) */
     float *w;                     /* (max_n, K) routing weights */
     int32_t *sel, *slot, *inv;    /* (max_n K) */
     int32_t *cnt, *off;           /* (X), (X + 1) */
@@ -82,9 +87,69 @@ void kvb_cu_moe_scratch_free(kvb_cu_moe_scratch *s);
 size_t kvb_cu_moe_scratch_bytes(int max_n, int X, int K, int F, int E);
 
 /* The MoE MLP of n <= max_n tokens, queued on st (cuBLAS handle h bound to st): x (n, E) f32 +=
- * sum over each token's K routed experts of weight * down(silu(gate h) * up h), h (n, E) bf16 the
- * normed rows. The host waits once on st, for the expert offsets the GEMMs' sizes come from. */
-kvb_status kvb_cu_moe_ffn(cublasHandle_t h, cudaStream_t st, const kvb_cu_moe_weights *w, bool norm, const void *hin,
-                          int n, float *x, kvb_cu_moe_scratch *s, kvb_cu_moe_gemm path, kvb_err *err);
+ * sum over each token's K routed experts (routed as route says) of weight * down(silu(gate h) *
+ * up h), h (n, E) bf16 the normed rows. The host waits once on st, for the expert offsets the
+ * GEMMs' sizes come from. */
+kvb_status kvb_cu_moe_ffn(cublasHandle_t h, cudaStream_t st, const kvb_cu_moe_weights *w, const kvb_moe_route_cfg *route,
+                          const void *hin, int n, float *x, kvb_cu_moe_scratch *s, kvb_cu_moe_gemm path, kvb_err *err);
+/* How model d routes its tokens (moe_math.h), from its description. */
+kvb_moe_route_cfg kvb_cu_moe_route_cfg_of(const kvb_model_desc *d);
+
+/* ---- DeepSeek's latent attention (mla.c) ------------------------------------------------------
+ * H = n_head, R = n_lora_kv, P = n_rot, K = head_dim_k_mla (N = K - P nope), Vd = head_dim_v_mla,
+ * QL = n_lora_q, E = n_embd; the attention runs with head size D = K for keys and (zero-padded)
+ * values alike. */
+
+/* One layer's attention weights on the device (bf16 unless said). */
+typedef struct {
+    void *wq_a;       /* (QL, E) attn_q_a, or NULL without a query latent (V2-Lite) */
+    float *q_a_norm;  /* (QL) f32, or NULL likewise */
+    void *wq;         /* (H K, QL) attn_q_b, or (H K, E) attn_q without a query latent */
+    void *wkv_a;      /* (R + P, E) attn_kv_a_mqa */
+    float *kv_a_norm; /* (R) f32 */
+    void *wkv_b;      /* (H (N + Vd), R): row h N + j = column j of head h's attn_k_b (R, N) (its key
+                         up-projection transposed), then row H N + h Vd + i = attn_v_b's row h Vd + i */
+    void *wo;         /* (E, H D): attn_output's columns h Vd .. h Vd + Vd - 1 at h D, zeros after */
+} kvb_cu_mla_weights;
+
+/* The latent attention's scratch for chunks of max_n tokens and contexts of max_ctx (device). */
+typedef struct {
+    int max_n, max_ctx;
+    float *qa;     /* (max_n, QL) f32 query latent (q_lora only) */
+    void *qa_h;    /* (max_n, QL) normed */
+    float *q;      /* (max_n, H K) f32 queries */
+    void *qr;      /* (max_n, H D) roped queries */
+    float *c;      /* (max_n, R + P) f32 kv_a projection */
+    void *cn;      /* (max_n, R + P) its normed latent in the first R */
+    void *lat;     /* (max_ctx, R + P) latent rows of positions 0 .. */
+    void *up;      /* (max_ctx, H (N + Vd)) keys' nope parts, then values */
+    void *att;     /* (max_n, H D) attention output */
+    kvb_cu_cache kv; /* one layer of expanded K/V, (2, H, max_ctx, D) in blocks; its own identity table */
+} kvb_cu_mla_scratch;
+
+/* Device bytes of one layer's kvb_cu_mla_weights, and of the scratch for these sizes. */
+size_t kvb_cu_mla_weight_bytes(const kvb_model_desc *d);
+size_t kvb_cu_mla_scratch_bytes(const kvb_model_desc *d, int max_n, int max_ctx, int block_tokens);
+/* Allocates s, its device bytes added to *acct; kvb_cu_mla_scratch_free releases what was allocated. */
+kvb_status kvb_cu_mla_scratch_alloc(kvb_cu_mla_scratch *s, const kvb_model_desc *d, int max_n, int max_ctx,
+                                    int block_tokens, size_t *acct, kvb_err *err);
+void kvb_cu_mla_scratch_free(kvb_cu_mla_scratch *s);
+void kvb_cu_mla_weights_free(kvb_cu_mla_weights *w);
+/* Whether the engine can run model d's latent attention; err says why not. */
+kvb_status kvb_cu_mla_check(const kvb_model_desc *d, kvb_err *err);
+
+/* The cache rows of n tokens at pos0 (h (n, E) bf16, the normed attention inputs) into `layer` of
+ * the latent cache: c = W_kv_a h, the latent RMS-normed (bf16), the rope part rotated. */
+kvb_status kvb_cu_mla_cache_rows(cublasHandle_t cb, cudaStream_t st, const kvb_model_desc *d,
+                                 const kvb_cu_mla_weights *w, const void *h, int n, int pos0, const float *rope_cos,
+                                 const float *rope_sin, kvb_cu_mla_cache cache, int layer, kvb_cu_mla_scratch *s,
+                                 kvb_err *err);
+/* The attention of the same n tokens over positions 0 .. pos0 + n - 1 of `layer` (rows already in
+ * the cache): x (n, E) f32 += W_o attention. skip_attention leaves the attention kernel out
+ * (diagnostics: KVB_CUDA_DEBUG_SKIP_ATTENTION). */
+kvb_status kvb_cu_mla_attend(cublasHandle_t cb, cudaStream_t st, const kvb_model_desc *d, const kvb_cu_mla_weights *w,
+                             const void *h, int n, int pos0, const float *rope_cos, const float *rope_sin,
+                             kvb_cu_mla_cache cache, int layer, bool skip_attention, float *x, kvb_cu_mla_scratch *s,
+                             kvb_err *err);
 
 #endif

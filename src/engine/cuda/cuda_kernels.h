@@ -10,6 +10,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "moe_math.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -60,6 +62,12 @@ cudaError_t kvb_cu_glu(const void *gu, int n, int FF, int gelu, void *out, cudaS
  * index on a tie) and w (n, K) their probabilities, divided by their sum when norm (moe_math.h's
  * arithmetic, the CPU engine's order). */
 cudaError_t kvb_cu_moe_route(float *logits, int n, int X, int K, int norm, int32_t *sel, float *w, cudaStream_t st);
+/* The router of any model (moe_math.h's kvb_moe_route_cfg: softmax or sigmoid, selection bias,
+ * group-limited top-k, renormalisation, scale): logits (n, X) f32 replaced by the probabilities,
+ * score (n, X) f32 the selection scores (required with a bias or groups, else may be NULL), bias
+ * (X) f32 or NULL, sel and w (n, K) as above. kvb_cu_moe_route is this with softmax alone. */
+cudaError_t kvb_cu_moe_route_cfg(float *logits, float *score, const float *bias, int n, int X, int K,
+                                 const kvb_moe_route_cfg *cfg, int32_t *sel, float *w, cudaStream_t st);
 /* The (token, rank) slots s = t*K + k of sel (n, K) grouped by expert, slot order kept: cnt (X) the
  * slots of each expert, off (X + 1) their exclusive prefix sum, slot (n K) the slots in grouped
  * order (expert x's at [off[x], off[x+1])), inv (n K) each slot's position in it. */
@@ -71,6 +79,34 @@ cudaError_t kvb_cu_moe_gather(const void *h, const int32_t *slot, int n_slots, i
  * y_bf16), each product and sum rounded once: the CPU engine's combine and residual add. */
 cudaError_t kvb_cu_moe_unpermute(const void *y, int y_bf16, const int32_t *inv, const float *w, int n, int K, int E,
                                  float *x, cudaStream_t st);
+
+/* DeepSeek's latent attention (mla.cu). The latent cache as kernels address it (kvformat's mla
+ * layout): row (layer, pos) of R + P bf16 lives in block blocks[pos >> bt_shift] at row index
+ * layer * bt + (pos & (bt - 1)). */
+typedef struct {
+    uint8_t *pool;
+    size_t block_bytes;
+    const int32_t *blocks; /* device: the sequence's block table */
+    int bt_shift;
+    int R, P; /* the latent's width (kv_lora_rank), the roped key part's (n_rot) */
+} kvb_cu_mla_cache;
+/* For t < n: the cache row (layer, pos0 + t) = [lat[t][0 : R], bf16(rope(c[t][R : R + P]))], lat (n,
+ * R + P) bf16 (its first R: the normed latent), c (n, R + P) f32 (the kv_a projection); RoPE on pairs
+ * (2i, 2i+1) with rope_cos/sin rows of absolute positions (P/2 columns). */
+cudaError_t kvb_cu_mla_kv_store(const float *c, const void *lat, int n, int pos0, const float *rope_cos,
+                                const float *rope_sin, kvb_cu_mla_cache cache, int layer, cudaStream_t st);
+/* out (n, H, N + P) bf16 = per head [bf16(q_nope), bf16(rope(q_pe))] of q (n, H, N + P) f32, token t
+ * at position pos0 + t (pairs, as above). */
+cudaError_t kvb_cu_mla_q_rope(const float *q, int n, int H, int N, int P, int pos0, const float *rope_cos,
+                              const float *rope_sin, void *out, cudaStream_t st);
+/* lat (n_pos, R + P) bf16 = the cache rows of `layer` for positions 0 .. n_pos-1. */
+cudaError_t kvb_cu_mla_gather(kvb_cu_mla_cache cache, int layer, int n_pos, void *lat, cudaStream_t st);
+/* The expanded keys and values of positions p < n_pos into layer 0 of kv (n_head_kv H, head_dim
+ * N + P): head h's K row [up[p][h N : h N + N], lat[p][R : R + P]] and V row [up[p][H N + h Vd :
+ * + Vd], zeros to N + P]; up (n_pos, H (N + Vd)) bf16 (keys' nope parts, then values), lat (n_pos,
+ * R + P) bf16. */
+cudaError_t kvb_cu_mla_assemble(const void *up, const void *lat, int n_pos, int H, int N, int Vd, int R, int P,
+                                kvb_cu_cache kv, cudaStream_t st);
 
 /* The tensor-parallel all-reduce's sum (tp_comm.c): out (count) f32 = ((in[0] + in[1]) + in[2]) ...
  * over in[0 .. n_in), n_in in 1..8, one rounded f32 add at a time in that order, so the result is
@@ -88,7 +124,7 @@ typedef struct {
                       engine's convention); 0: every key up to p */
     float scale;   /* scores are (q . k) * scale; 0 = 1/sqrtf(D) */
 } kvb_cu_attn_args;
-/* variant 0: tensor-core flash attention when D is 64 or 128 (128 query rows per CTA, or 64 with
+/* variant 0: tensor-core flash attention when D is 64, 128 or 192 (128 query rows per CTA, or 64 with
  * KVB_CUDA_FA_BR=64), else generic; 1: generic; 2 / 3: tensor-core with 64 / 128 rows per CTA.
  * Keys before the window of the chunk's first query are never read (neither their cache rows nor
  * their block-table entries). */

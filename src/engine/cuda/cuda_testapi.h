@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "kvb_core.h"
+#include "moe_math.h"
 
 /* ---- kernel entry points for tests --------------------------------------------------------
  * Each copies its host inputs AND the current contents of its host outputs (so poison set by the
@@ -91,6 +92,10 @@ kvb_status kvb_cuda_test_expand_bf16(uint32_t type, const void *src, size_t src_
  * norm. */
 kvb_status kvb_cuda_test_moe_route(float *logits, uint32_t n, uint32_t X, uint32_t K, bool norm, int32_t *sel,
                                    float *w, kvb_err *err);
+/* The router kernel as cfg routes (moe_math.h): logits (n, X) replaced by the probabilities, bias (X)
+ * the selection bias or NULL, sel and w (n, K) as above. */
+kvb_status kvb_cuda_test_moe_route_cfg(float *logits, const float *bias, uint32_t n, uint32_t X, uint32_t K,
+                                       const kvb_moe_route_cfg *cfg, int32_t *sel, float *w, kvb_err *err);
 /* The permutation and gather: off (X + 1) each expert's first position in the grouped order, slot
  * (n K) the (token, rank) slots t*K + k in that order (slot order within an expert), inv (n K) each
  * slot's position, xp (n K, E) bf16 row p = h (n, E) bf16 row slot[p] / K; E % 8 == 0. */
@@ -112,5 +117,32 @@ typedef struct {
  * used. */
 kvb_status kvb_cuda_test_moe_ffn(const kvb_cuda_test_moe_w *w, const uint16_t *h, uint32_t n, bool grouped, float *x,
                                  int32_t *sel, float *wts, kvb_err *err);
+
+/* ---- latent attention (mla.cu) -------------------------------------------------------------- */
+
+/* The latent cache as tests see it: n_pool_blocks blocks of the mla kvformat layout (BF16), each
+ * n_layer * block_tokens rows of R + P. */
+typedef struct {
+    uint8_t *pool;           /* host copy (n_pool_blocks * block bytes) */
+    uint32_t n_pool_blocks;
+    const int32_t *blocks;   /* the sequence's block table */
+    uint32_t n_table;
+    uint32_t block_tokens;   /* power of two */
+    uint32_t n_layer, R, P;
+} kvb_cuda_test_mla_cache;
+/* The cache rows (layer, pos0 + t), t < n, = [lat[t][0 : R], bf16(rope(c[t][R : R + P]))] (c (n,
+ * R + P) f32, lat (n, R + P) bf16; rope_cos/sin (pos0 + n, P/2)); pool updated in place. */
+kvb_status kvb_cuda_test_mla_kv_store(const float *c, const uint16_t *lat, uint32_t n, uint32_t pos0,
+                                      const float *rope_cos, const float *rope_sin, uint32_t layer,
+                                      kvb_cuda_test_mla_cache *cache, kvb_err *err);
+/* out (n, H, N + P) bf16 = per head [bf16(q_nope), bf16(rope(q_pe))] of q (n, H, N + P) f32. */
+kvb_status kvb_cuda_test_mla_q_rope(const float *q, uint32_t n, uint32_t H, uint32_t N, uint32_t P, uint32_t pos0,
+                                    const float *rope_cos, const float *rope_sin, uint16_t *out, kvb_err *err);
+/* The expansion's copies: lat (n_pos, R + P) = the cache rows of `layer` for positions 0 .. n_pos-1
+ * (the gather), then the assembled K and V read back as k_out, v_out (H, n_pos, N + P) bf16 from up
+ * (n_pos, H (N + Vd)) bf16 and lat (kvb_cu_mla_assemble's layout). */
+kvb_status kvb_cuda_test_mla_expand(const kvb_cuda_test_mla_cache *cache, uint32_t layer, uint32_t n_pos,
+                                    const uint16_t *up, uint32_t H, uint32_t N, uint32_t Vd, uint16_t *lat,
+                                    uint16_t *k_out, uint16_t *v_out, kvb_err *err);
 
 #endif

@@ -39,11 +39,11 @@ kvb_status kvb_cublas_fail(kvb_err *err, cublasStatus_t s, const char *what, con
                        "cuBLAS: %s failed: %s at %s:%d", what, cublasGetStatusString(s), base ? base + 1 : file, line);
 }
 
-kvb_status kvb_cu_gemm(cublasHandle_t h, const void *W, int rows, int cols, const void *X, int n, float beta, void *Y,
-                       bool y_bf16, kvb_err *err) {
+kvb_status kvb_cu_gemm_ldx(cublasHandle_t h, const void *W, int rows, int cols, const void *X, int ldx, int n, float beta,
+                           void *Y, bool y_bf16, kvb_err *err) {
     const float alpha = 1.0f;
     cublasStatus_t s = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, W, CUDA_R_16BF, cols, X,
-                                    CUDA_R_16BF, cols, &beta, Y, y_bf16 ? CUDA_R_16BF : CUDA_R_32F, rows,
+                                    CUDA_R_16BF, ldx, &beta, Y, y_bf16 ? CUDA_R_16BF : CUDA_R_32F, rows,
                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (s != CUBLAS_STATUS_SUCCESS) {
         char what[96];
@@ -51,6 +51,11 @@ kvb_status kvb_cu_gemm(cublasHandle_t h, const void *W, int rows, int cols, cons
         return kvb_cublas_fail(err, s, what, __FILE__, __LINE__);
     }
     return KVB_OK;
+}
+
+kvb_status kvb_cu_gemm(cublasHandle_t h, const void *W, int rows, int cols, const void *X, int n, float beta, void *Y,
+                       bool y_bf16, kvb_err *err) {
+    return kvb_cu_gemm_ldx(h, W, rows, cols, X, cols, n, beta, Y, y_bf16, err);
 }
 
 bool kvb_cuda_device_available(char *why, size_t cap) {
@@ -245,9 +250,11 @@ typedef struct {
 enum { PK_Q, PK_K, PK_V, PK_O, PK_GATE, PK_UP, PK_DOWN, PK_ROUTER, PK_COUNT };
 
 /* One layer's GEMM operands in bf16: qkv (S, E), o (E, Q), gu (2 FF, E), down (E, FF), this
- * rank's shard (bf16_set_alloc); a mixture of experts (kvb_cu_moe_weights' layout): gu (X 2F, E)
- * expert by expert [gate_x; up_x], down (X E, F), router (X, E), empty for a dense model. */
-enum { BF_QKV, BF_O, BF_GU, BF_DOWN, BF_ROUTER, BF_COUNT };
+ * rank's shard (bf16_set_alloc); a mixture of experts' layer (kvb_cu_moe_weights' layout): gu (X 2F,
+ * E) expert by expert [gate_x; up_x], down (X E, F), router (X, E), empty for a dense layer; its
+ * shared expert (deepseek2): sh_gu (2 FS, E) [gate; up], sh_down (E, FS), else empty. A latent
+ * attention (deepseek2) layer has no qkv and o: its attention weights are kvb_cu_mla_weights. */
+enum { BF_QKV, BF_O, BF_GU, BF_DOWN, BF_ROUTER, BF_SH_GU, BF_SH_DOWN, BF_COUNT };
 typedef struct {
     void *m[BF_COUNT];
 } cu_bf16_set;
@@ -259,6 +266,9 @@ typedef struct {
     float *post_attn_norm, *post_ffw_norm; /* gemma3, else NULL */
     uint32_t rope_kind; /* which RoPE table (kvb_rope_tables_kind) */
     int window;         /* local layer: its sliding window; 0 = global */
+    kvb_cu_mla_weights mla; /* deepseek2's attention weights, else all NULL */
+    float *exp_probs_b;     /* (n_expert) f32 the router's selection bias (DeepSeek-V3), or NULL */
+    bool moe;               /* the layer's MLP is its experts (false: the dense MLP, nff wide) */
 } cu_layer;
 
 struct kvb_cuda_engine {
@@ -321,10 +331,16 @@ struct kvb_cuda_engine {
     cudaEvent_t gate_ev[2];
     double last_gated_gpu_s;
     double last_forward_s, last_enqueue_s;
-    /* mixture of experts (qwen3moe): the MLP's scratch and how its expert GEMMs run */
+    /* mixture of experts (qwen3moe, deepseek2): the MLP's scratch, how its expert GEMMs run, how its
+     * router routes */
     bool moe;
     kvb_cu_moe_scratch moe_s;
     kvb_cu_moe_gemm moe_gemm;
+    kvb_moe_route_cfg moe_route;
+    uint32_t nff_act; /* width of the gu/act buffers: the dense MLP's or the shared expert's, the wider */
+    /* latent attention (deepseek2): its scratch */
+    bool mla;
+    kvb_cu_mla_scratch mla_s;
 };
 
 struct kvb_cuda_seq {
@@ -415,27 +431,34 @@ static kvb_status upload_mat(uploader *u, const kvb_mat *w, int64_t row0, int64_
     return KVB_OK;
 }
 
-/* Elements of each matrix of this rank's cu_bf16_set. */
-static void bf16_set_elems(const kvb_cuda_engine *e, size_t elems[BF_COUNT]) {
-    const size_t E = e->m->d.n_embd, D = e->m->d.head_dim, Q = (size_t)e->nh * D, S = Q + 2 * (size_t)e->nkv * D;
+/* Elements of each matrix of this rank's cu_bf16_set for `layer`. */
+static void bf16_set_elems(const kvb_cuda_engine *e, uint32_t layer, size_t elems[BF_COUNT]) {
+    const kvb_model_desc *d = &e->m->d;
+    const size_t E = d->n_embd, D = d->head_dim, Q = (size_t)e->nh * D, S = Q + 2 * (size_t)e->nkv * D;
     const size_t FF = e->nff;
-    elems[BF_QKV] = S * E;
-    elems[BF_O] = E * Q;
-    elems[BF_GU] = 2 * FF * E;
-    elems[BF_DOWN] = E * FF;
-    elems[BF_ROUTER] = 0;
-    if (e->moe) {
-        const size_t X = e->m->d.n_expert, F = e->m->d.n_ff_exp;
-        elems[BF_GU] = X * 2 * F * E;
-        elems[BF_DOWN] = X * E * F;
-        elems[BF_ROUTER] = X * E;
+    memset(elems, 0, sizeof(size_t) * BF_COUNT);
+    if (!e->mla) {
+        elems[BF_QKV] = S * E;
+        elems[BF_O] = E * Q;
     }
+    if (kvb_layer_is_dense(d, layer)) {
+        elems[BF_GU] = 2 * FF * E;
+        elems[BF_DOWN] = E * FF;
+        return;
+    }
+    const size_t X = d->n_expert, F = d->n_ff_exp, FS = d->n_ff_shexp;
+    elems[BF_GU] = X * 2 * F * E;
+    elems[BF_DOWN] = X * E * F;
+    elems[BF_ROUTER] = X * E;
+    elems[BF_SH_GU] = 2 * FS * E;
+    elems[BF_SH_DOWN] = E * FS;
 }
 
-/* Allocates a cu_bf16_set on the device, its bytes added to *acct. */
-static kvb_status bf16_set_alloc(kvb_cuda_engine *e, cu_bf16_set *w, size_t *acct, const char *what, kvb_err *err) {
+/* Allocates a cu_bf16_set for `layer` on the device, its bytes added to *acct. */
+static kvb_status bf16_set_alloc(kvb_cuda_engine *e, uint32_t layer, cu_bf16_set *w, size_t *acct, const char *what,
+                                 kvb_err *err) {
     size_t elems[BF_COUNT];
-    bf16_set_elems(e, elems);
+    bf16_set_elems(e, layer, elems);
     for (int i = 0; i < BF_COUNT; i++) {
         kvb_status st = dev_alloc(e, &w->m[i], elems[i] * 2, acct, what, err);
         if (st) return st;
@@ -531,6 +554,77 @@ static kvb_status upload_experts(kvb_cuda_engine *e, uploader *u, const kvb_laye
     return KVB_OK;
 }
 
+/* A host bf16 matrix (rows, cols) copied to a new device buffer, its bytes added to e->weight_bytes. */
+static kvb_status upload_host_bf16(kvb_cuda_engine *e, const uint16_t *src, size_t rows, size_t cols, void **dst,
+                                   const char *what, kvb_err *err) {
+    kvb_status st = dev_alloc(e, dst, rows * cols * 2, &e->weight_bytes, what, err);
+    if (st) return st;
+    KVB_CU(cudaMemcpy(*dst, src, rows * cols * 2, cudaMemcpyHostToDevice));
+    return KVB_OK;
+}
+
+/* deepseek2's attention weights of one layer in bf16, kvb_cu_mla_weights' layout: the query and
+ * kv_a matrices as they are; attn_k_b transposed head by head above attn_v_b (wkv_b); attn_output
+ * with each head's Vd columns at a stride of K, zeros between (wo). Each element is converted as
+ * upload_mat converts it (kvb_row_to_f32, then kvb_f32_to_bf16). */
+static kvb_status upload_mla(kvb_cuda_engine *e, uploader *u, const kvb_layer_weights *w, kvb_cu_mla_weights *mw,
+                             kvb_err *err) {
+    const kvb_model_desc *d = &e->m->d;
+    const size_t H = d->n_head, K = d->head_dim_k_mla, P = d->n_rot, N = K - P, R = d->n_lora_kv,
+                 Vd = d->head_dim_v_mla, E = d->n_embd, QL = d->n_lora_q;
+    kvb_status st;
+    if (w->wk_b.rows != (int64_t)(H * R) || w->wk_b.cols != (int64_t)N || w->wv_b.rows != (int64_t)(H * Vd) ||
+        w->wv_b.cols != (int64_t)R || w->wo.rows != (int64_t)E || w->wo.cols != (int64_t)(H * Vd))
+        return kvb_err_set(err, KVB_ERR_INTERNAL, "latent attention weights of unexpected shapes");
+    if (QL) {
+        if ((st = dev_alloc(e, &mw->wq_a, QL * E * 2, &e->weight_bytes, "attn_q_a", err)) ||
+            (st = upload_mat(u, &w->wq_a, 0, 0, 0, 0, mw->wq_a, "attn_q_a", err)) ||
+            (st = upload_f32(w->q_a_norm, QL, &mw->q_a_norm, &e->weight_bytes, "attn_q_a_norm", err)) ||
+            (st = dev_alloc(e, &mw->wq, H * K * QL * 2, &e->weight_bytes, "attn_q_b", err)) ||
+            (st = upload_mat(u, &w->wq_b, 0, 0, 0, 0, mw->wq, "attn_q_b", err)))
+            return st;
+    } else if ((st = dev_alloc(e, &mw->wq, H * K * E * 2, &e->weight_bytes, "attn_q", err)) ||
+               (st = upload_mat(u, &w->wq, 0, 0, 0, 0, mw->wq, "attn_q", err))) {
+        return st;
+    }
+    if ((st = dev_alloc(e, &mw->wkv_a, (R + P) * E * 2, &e->weight_bytes, "attn_kv_a_mqa", err)) ||
+        (st = upload_mat(u, &w->wkv_a, 0, 0, 0, 0, mw->wkv_a, "attn_kv_a_mqa", err)) ||
+        (st = upload_f32(w->kv_a_norm, R, &mw->kv_a_norm, &e->weight_bytes, "attn_kv_a_norm", err)))
+        return st;
+    const size_t widest = KVB_MAX(KVB_MAX(N, R), H * Vd);
+    const size_t big = KVB_MAX(H * (N + Vd) * R, E * H * K);
+    float *row = malloc(widest * sizeof(float));
+    uint16_t *host = calloc(big, sizeof(uint16_t));
+    if (!row || !host) {
+        free(row);
+        free(host);
+        return kvb_err_set(err, KVB_ERR_NOMEM, "out of host memory for the latent attention weights");
+    }
+    for (size_t h = 0; h < H; h++) /* wkv_b: head h's key up-projection (R, N) transposed, at rows h N */
+        for (size_t r = 0; r < R; r++) {
+            kvb_row_to_f32(w->wk_b.type, (const uint8_t *)w->wk_b.data + (h * R + r) * w->wk_b.row_bytes, row,
+                           (int64_t)N);
+            for (size_t j = 0; j < N; j++) host[(h * N + j) * R + r] = kvb_f32_to_bf16(row[j]);
+        }
+    for (size_t i = 0; i < H * Vd; i++) { /* then the value up-projections as they are */
+        kvb_row_to_f32(w->wv_b.type, (const uint8_t *)w->wv_b.data + i * w->wv_b.row_bytes, row, (int64_t)R);
+        for (size_t c = 0; c < R; c++) host[(H * N + i) * R + c] = kvb_f32_to_bf16(row[c]);
+    }
+    st = upload_host_bf16(e, host, H * (N + Vd), R, &mw->wkv_b, "attn_k_b|attn_v_b", err);
+    if (!st) {
+        memset(host, 0, E * H * K * sizeof(uint16_t)); /* bf16 zeros where the values are padded */
+        for (size_t r = 0; r < E; r++) {
+            kvb_row_to_f32(w->wo.type, (const uint8_t *)w->wo.data + r * w->wo.row_bytes, row, (int64_t)(H * Vd));
+            for (size_t h = 0; h < H; h++)
+                for (size_t i = 0; i < Vd; i++) host[r * H * K + h * K + i] = kvb_f32_to_bf16(row[h * Vd + i]);
+        }
+        st = upload_host_bf16(e, host, E, H * K, &mw->wo, "attn_output", err);
+    }
+    free(row);
+    free(host);
+    return st;
+}
+
 static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *err) {
     const kvb_model *m = e->m;
     const kvb_model_desc *d = &m->d;
@@ -543,6 +637,8 @@ static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *er
     size_t max_cols = E > (size_t)d->n_head * D ? E : (size_t)d->n_head * D; /* whole rows are converted */
     if (d->n_ff > max_cols) max_cols = d->n_ff;
     if (d->n_ff_exp > max_cols) max_cols = d->n_ff_exp;
+    if (d->n_ff_shexp > max_cols) max_cols = d->n_ff_shexp;
+    if (d->mla) max_cols = KVB_MAX(max_cols, KVB_MAX((size_t)d->n_lora_q, (size_t)d->n_head * d->head_dim_v_mla));
     u.stage = malloc(u.stage_elems * sizeof(uint16_t));
     u.tmp = calloc((size_t)u.n_tmp, sizeof(float *));
     if (!u.stage || !u.tmp) {
@@ -577,6 +673,7 @@ static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *er
         cu_layer *L = &e->L[l];
         char nm[64];
         snprintf(nm, sizeof nm, "layer %u weights", l);
+        L->moe = !kvb_layer_is_dense(d, l);
         if (e->packed) {
             if ((st = upload_packed(e, &w->wq, q0, (int64_t)Q, 0, 0, &L->pk[PK_Q], "attn_q", err)) ||
                 (st = upload_packed(e, &w->wk, kv0, (int64_t)KV, 0, 0, &L->pk[PK_K], "attn_k", err)) ||
@@ -594,16 +691,27 @@ static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *er
                        (st = upload_packed(e, &w->w_down, 0, 0, f0, (int64_t)FF, &L->pk[PK_DOWN], "ffn_down", err)))
                 break;
         } else {
-            if ((st = bf16_set_alloc(e, &L->w, &e->weight_bytes, nm, err)) ||
-                (st = upload_mat(&u, &w->wq, q0, (int64_t)Q, 0, 0, L->w.m[BF_QKV], "attn_q", err)) ||
+            if ((st = bf16_set_alloc(e, l, &L->w, &e->weight_bytes, nm, err))) break;
+            if (e->mla) {
+                if ((st = upload_mla(e, &u, w, &L->mla, err))) break;
+            } else if ((st = upload_mat(&u, &w->wq, q0, (int64_t)Q, 0, 0, L->w.m[BF_QKV], "attn_q", err)) ||
                 (st = upload_mat(&u, &w->wk, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w.m[BF_QKV] + Q * E, "attn_k",
                                  err)) ||
                 (st = upload_mat(&u, &w->wv, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w.m[BF_QKV] + (Q + KV) * E,
                                  "attn_v", err)) ||
                 (st = upload_mat(&u, &w->wo, 0, 0, q0, (int64_t)Q, L->w.m[BF_O], "attn_output", err)))
                 break;
-            if (e->moe) {
+            if (L->moe) {
                 if ((st = upload_experts(e, &u, w, &L->w, err))) break;
+                if (w->exp_probs_b &&
+                    (st = upload_f32(w->exp_probs_b, d->n_expert, &L->exp_probs_b, &e->weight_bytes, "exp_probs_b", err)))
+                    break;
+                if (d->n_ff_shexp && /* the shared expert, [gate; up] then down */
+                    ((st = upload_mat(&u, &w->gate_shexp, 0, 0, 0, 0, L->w.m[BF_SH_GU], "ffn_gate_shexp", err)) ||
+                     (st = upload_mat(&u, &w->up_shexp, 0, 0, 0, 0,
+                                      (uint16_t *)L->w.m[BF_SH_GU] + (size_t)d->n_ff_shexp * E, "ffn_up_shexp", err)) ||
+                     (st = upload_mat(&u, &w->down_shexp, 0, 0, 0, 0, L->w.m[BF_SH_DOWN], "ffn_down_shexp", err))))
+                    break;
             } else if ((st = upload_mat(&u, &w->w_gate, f0, (int64_t)FF, 0, 0, L->w.m[BF_GU], "ffn_gate", err)) ||
                        (st = upload_mat(&u, &w->w_up, f0, (int64_t)FF, 0, 0, (uint16_t *)L->w.m[BF_GU] + FF * E,
                                         "ffn_up", err)) ||
@@ -699,6 +807,12 @@ static kvb_status attention_setup(kvb_cuda_engine *e, kvb_err *err) {
         snprintf(e->dnn_why, sizeof e->dnn_why, "not asked for");
         return KVB_OK;
     }
+    if (e->mla) { /* expanded keys of N + P and values padded to it: the engine's kernel */
+        if (want == KVB_CUDA_ATTN_CUDNN)
+            return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "latent attention runs the engine's own attention kernel");
+        snprintf(e->dnn_why, sizeof e->dnn_why, "latent attention (expanded keys and values) runs the own kernel");
+        return KVB_OK;
+    }
     const kvb_model_desc *d = &e->m->d;
     if (d->head_dim != 64 && d->head_dim != 128) { /* what test_cuda_kernels checks cuDNN on */
         if (want == KVB_CUDA_ATTN_CUDNN)
@@ -771,12 +885,27 @@ static kvb_status opts_resolve(const kvb_model_desc *d, kvb_cuda_opts *o, kvb_er
         return kvb_err_set(err, KVB_ERR_INVALID, "block_tokens must be a power of two in [16, 1024], got %u",
                            o->block_tokens);
     if (!o->n_blocks) o->n_blocks = (o->max_ctx + o->block_tokens - 1) / o->block_tokens;
-    if (d->mla) /* deepseek2: the CPU engine runs the latent attention, this engine does not yet */
+    if (d->mla) { /* deepseek2: latent attention on one GPU, weights in bf16 (mla.c) */
+        kvb_status st = kvb_cu_mla_check(d, err);
+        if (st) return st;
+        if (o->n_gpus > 1 || o->weights == KVB_CUDA_WEIGHTS_PACKED || o->attention == KVB_CUDA_ATTN_CUDNN)
+            return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                               "the CUDA engine runs latent attention (%s) on one GPU, with bf16 weights and its own "
+                               "attention kernel (asked: %d GPUs%s%s)",
+                               d->arch_name, o->n_gpus, o->weights == KVB_CUDA_WEIGHTS_PACKED ? ", packed weights" : "",
+                               o->attention == KVB_CUDA_ATTN_CUDNN ? ", cuDNN attention" : "");
+        if (d->n_expert && d->n_expert_groups > 1 &&
+            (d->n_expert_groups > KVB_MOE_MAX_GROUPS || d->n_expert % d->n_expert_groups ||
+             d->n_expert / d->n_expert_groups < 2 || !d->n_group_used || d->n_group_used > d->n_expert_groups))
+            return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
+                               "the CUDA router takes up to %d expert groups of 2 experts or more (model: %u experts "
+                               "in %u groups, %u used)",
+                               KVB_MOE_MAX_GROUPS, d->n_expert, d->n_expert_groups, d->n_group_used);
+    }
+    if (d->n_ff_shexp && d->arch != KVB_ARCH_DEEPSEEK2) /* qwen2moe's gated shared expert: the CPU engine's only */
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
-                           "the CUDA engine does not run latent attention (MLA) yet (%s); use --device cpu", d->arch_name);
-    if (d->n_ff_shexp) /* qwen2moe's shared expert: the CPU engine runs it, this engine's experts do not yet */
-        return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
-                           "the CUDA engine does not run a shared expert yet (%s: shared expert of %u); use --device cpu",
+                           "the CUDA engine does not run a gated shared expert yet (%s: shared expert of %u); use "
+                           "--device cpu",
                            d->arch_name, d->n_ff_shexp);
     if (d->n_expert && (o->n_gpus > 1 || d->has_post_norms || d->mlp_gelu || d->n_expert_used > d->n_expert ||
                         !d->n_expert_used || !d->n_ff_exp))
@@ -784,7 +913,7 @@ static kvb_status opts_resolve(const kvb_model_desc *d, kvb_cuda_opts *o, kvb_er
                            "the CUDA engine runs a mixture of experts (%s: %u experts top-%u) on one GPU, with SwiGLU "
                            "experts and no post norms (asked: %d GPUs)",
                            d->arch_name, d->n_expert, d->n_expert_used, o->n_gpus);
-    if (d->head_dim > 256 || d->head_dim % 8 || d->n_head % d->n_head_kv || d->n_rot > d->head_dim ||
+    if ((!d->mla && (d->head_dim > 256 || d->head_dim % 8)) || d->n_head % d->n_head_kv || d->n_rot > d->head_dim ||
         d->n_ff % 2 || d->n_embd % 8)
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
                            "the CUDA engine needs head_dim <= 256 and a multiple of 8, n_ff even, n_embd a multiple "
@@ -840,19 +969,23 @@ kvb_status kvb_cuda_engine_create(const kvb_model *m, const kvb_cuda_opts *opts,
  * bf16 either way), for the cache, and for the activations created below (a close estimate). */
 static void plan_bytes(const kvb_cuda_engine *e, size_t *mats_bf16, size_t *one_layer_bf16, size_t *rest) {
     const kvb_model_desc *d = &e->m->d;
-    const size_t E = d->n_embd, D = d->head_dim, Q = (size_t)e->nh * D, S = Q + 2 * (size_t)e->nkv * D, FF = e->nff;
-    const size_t B = e->o.max_batch, V = d->n_vocab;
-    size_t elems[BF_COUNT];
-    bf16_set_elems(e, elems);
-    *one_layer_bf16 = 0;
-    for (int i = 0; i < BF_COUNT; i++) *one_layer_bf16 += elems[i] * 2;
-    *mats_bf16 = *one_layer_bf16 * d->n_layer;
+    const size_t E = d->n_embd, D = e->mla ? 0 : d->head_dim, Q = (size_t)e->nh * D, S = Q + 2 * (size_t)e->nkv * D;
+    const size_t FF = e->nff_act, B = e->o.max_batch, V = d->n_vocab;
+    *one_layer_bf16 = *mats_bf16 = 0;
+    for (uint32_t l = 0; l < d->n_layer; l++) {
+        size_t elems[BF_COUNT], layer = e->mla ? kvb_cu_mla_weight_bytes(d) : 0;
+        bf16_set_elems(e, l, elems);
+        for (int i = 0; i < BF_COUNT; i++) layer += elems[i] * 2;
+        *one_layer_bf16 = KVB_MAX(*one_layer_bf16, layer);
+        *mats_bf16 += layer;
+    }
     const bool own_output = !(e->m->output.data == e->m->tok_embd.data) && e->tp_rank == 0;
     *rest = V * E * 2 * (own_output ? 2 : 1) + e->block_bytes * e->o.n_blocks +
             B * (E * 4 * 3 + E * 2 + S * 4 + Q * 2 * 2 + FF * 2 * 3) + (size_t)e->o.max_ctx * 4 +
             (size_t)64 * V * 4 + ((size_t)32 << 20);
     if (e->moe)
         *rest += kvb_cu_moe_scratch_bytes((int)B, (int)d->n_expert, (int)d->n_expert_used, (int)d->n_ff_exp, (int)E);
+    if (e->mla) *rest += kvb_cu_mla_scratch_bytes(d, (int)B, (int)e->o.max_ctx, (int)e->o.block_tokens);
 }
 
 /* Resolves o.weights (AUTO: bf16 when everything fits the free memory with room to spare). */
@@ -865,6 +998,13 @@ static kvb_status choose_weights(kvb_cuda_engine *e, kvb_err *err) {
         if (e->o.tp_one_device && e->tp_size > 1) fr /= (size_t)e->tp_size, tot /= (size_t)e->tp_size;
         const size_t spare = tot / 20 > ((size_t)2 << 30) ? tot / 20 : (size_t)2 << 30;
         e->o.weights = mats + rest + spare <= fr ? KVB_CUDA_WEIGHTS_BF16 : KVB_CUDA_WEIGHTS_PACKED;
+        if (e->mla && e->o.weights == KVB_CUDA_WEIGHTS_PACKED) /* latent attention: bf16 weights only */
+            return kvb_err_set(err, KVB_ERR_NOMEM,
+                               "the weights in bf16 (%.2f GiB) with the cache and activations (%.2f GiB) do not fit the "
+                               "%.2f GiB free on device %d, and latent attention (%s) runs with bf16 weights only: "
+                               "generate a layer subset (gen-model --layers N) or lower --max-ctx",
+                               mats / 1073741824.0, rest / 1073741824.0, fr / 1073741824.0, e->o.device,
+                               e->m->d.arch_name);
         if (e->o.weights == KVB_CUDA_WEIGHTS_PACKED)
             kvb_log(KVB_LOG_INFO,
                     "CUDA engine: the weights in bf16 (%.2f GiB) with the cache and activations (%.2f GiB) would not "
@@ -874,7 +1014,9 @@ static kvb_status choose_weights(kvb_cuda_engine *e, kvb_err *err) {
     }
     e->packed = e->o.weights == KVB_CUDA_WEIGHTS_PACKED;
     if (!e->packed) return KVB_OK;
-    kvb_status st = bf16_set_alloc(e, &e->xw, &e->xw_bytes, "a layer's expanded weights", err);
+    /* every layer of a model with packed weights has one shape (latent attention, whose leading dense
+     * layers differ, is refused packed weights) */
+    kvb_status st = bf16_set_alloc(e, 0, &e->xw, &e->xw_bytes, "a layer's expanded weights", err);
     if (st) return st;
     e->act_bytes += e->xw_bytes;
     return KVB_OK;
@@ -928,8 +1070,9 @@ static kvb_status alloc_cache_and_activations(kvb_cuda_engine *e, kvb_err *err) 
     if ((st = dev_alloc(e, (void **)&e->kv_pool, kvb, &e->kv_bytes, "the KV cache", err))) return st;
     if ((st = bm_init(&e->bm, o->n_blocks, err))) return st;
     e->chain_root = kvb_chain_root(e->m->fingerprint, kvb_kvformat_fingerprint(&e->fmt));
-    const size_t B = o->max_batch, E = d->n_embd, D = d->head_dim, Q = (size_t)e->nh * D;
-    const size_t S = Q + 2 * (size_t)e->nkv * D, FF = e->nff;
+    /* latent attention has its own scratch (kvb_cu_mla_scratch) in place of qkv, q and att */
+    const size_t B = o->max_batch, E = d->n_embd, D = e->mla ? 0 : d->head_dim, Q = (size_t)e->nh * D;
+    const size_t S = Q + 2 * (size_t)e->nkv * D, FF = e->nff_act;
     e->logit_rows = o->max_batch < 64 ? o->max_batch : 64;
     if ((st = dev_alloc(e, (void **)&e->x, B * E * 4, &e->act_bytes, "activations", err)) ||
         (st = dev_alloc(e, &e->h, B * E * 2, &e->act_bytes, "activations", err)) ||
@@ -944,9 +1087,12 @@ static kvb_status alloc_cache_and_activations(kvb_cuda_engine *e, kvb_err *err) 
         (st = dev_alloc(e, (void **)&e->logits_d, (size_t)e->logit_rows * d->n_vocab * 4, &e->act_bytes, "logits",
                         err)))
         return st;
-    if (e->moe)
-        return kvb_cu_moe_scratch_alloc(&e->moe_s, (int)o->max_batch, (int)d->n_expert, (int)d->n_expert_used,
-                                        (int)d->n_ff_exp, (int)E, &e->act_bytes, err);
+    if (e->moe && (st = kvb_cu_moe_scratch_alloc(&e->moe_s, (int)o->max_batch, (int)d->n_expert, (int)d->n_expert_used,
+                                                 (int)d->n_ff_exp, (int)E, &e->act_bytes, err)))
+        return st;
+    if (e->mla)
+        return kvb_cu_mla_scratch_alloc(&e->mla_s, d, (int)o->max_batch, (int)o->max_ctx, (int)o->block_tokens,
+                                        &e->act_bytes, err);
     return KVB_OK;
 }
 
@@ -968,11 +1114,17 @@ kvb_status kvb_cu_engine_create_rank(const kvb_model *m, const kvb_cuda_opts *op
     e->nkv = d->n_head_kv >= (uint32_t)size ? d->n_head_kv / (uint32_t)size : 1; /* replicated when fewer */
     e->kv_first = (uint32_t)((uint64_t)rank * d->n_head_kv / (uint32_t)size);
     e->moe = d->n_expert > 0;
-    e->nff = e->moe ? 0 : d->n_ff / (uint32_t)size; /* a mixture of experts has no dense MLP */
+    e->mla = d->mla;
+    /* a mixture of experts has no dense MLP, but deepseek2's leading dense layers */
+    e->nff = e->moe && d->arch != KVB_ARCH_DEEPSEEK2 ? 0 : d->n_ff / (uint32_t)size;
+    e->nff_act = KVB_MAX(e->nff, e->moe ? d->n_ff_shexp : 0);
+    e->moe_route = kvb_cu_moe_route_cfg_of(d);
     if (e->moe && (st = kvb_cu_moe_gemm_from_env(&e->moe_gemm, err))) goto fail;
     if (rank != 0 && !o->hook_every_rank) o->layer_hook = NULL, o->layer_hook_ctx = NULL; /* rank 0's */
     while ((1u << e->bt_shift) < o->block_tokens) e->bt_shift++;
-    if ((st = kvb_kvformat_init(&e->fmt, KVB_TYPE_BF16, o->block_tokens, d->n_layer, e->nkv, d->head_dim, err)))
+    if ((st = d->mla ? kvb_kvformat_init_mla(&e->fmt, KVB_TYPE_BF16, o->block_tokens, d->n_layer, d->n_lora_kv,
+                                             d->n_rot, err)
+                     : kvb_kvformat_init(&e->fmt, KVB_TYPE_BF16, o->block_tokens, d->n_layer, e->nkv, d->head_dim, err)))
         goto fail;
     e->block_bytes = kvb_kvformat_block_bytes(&e->fmt);
     if ((st = device_setup(e, err))) goto fail;
@@ -1009,6 +1161,8 @@ void kvb_cuda_engine_free(kvb_cuda_engine *e) {
             void *ps[] = {L->attn_norm, L->ffn_norm, L->b_qkv,         L->q_norm,
                           L->k_norm,    L->post_attn_norm, L->post_ffw_norm};
             for (size_t i = 0; i < KVB_ARRAY_LEN(ps); i++) cudaFree(ps[i]);
+            cudaFree(L->exp_probs_b);
+            kvb_cu_mla_weights_free(&L->mla);
             for (int i = 0; i < BF_COUNT; i++) cudaFree(L->w.m[i]);
             for (int i = 0; i < PK_COUNT; i++) cudaFree(L->pk[i].d);
         }
@@ -1022,6 +1176,7 @@ void kvb_cuda_engine_free(kvb_cuda_engine *e) {
     for (size_t i = 0; i < KVB_ARRAY_LEN(ps); i++) cudaFree(ps[i]);
     for (int i = 0; i < BF_COUNT; i++) cudaFree(e->xw.m[i]);
     if (e->moe) kvb_cu_moe_scratch_free(&e->moe_s);
+    if (e->mla) kvb_cu_mla_scratch_free(&e->mla_s);
     kvb_cudnn_attn_free(e->dnn);
     if (e->gate_host) {
         cudaFreeHost((void *)e->gate_host);
@@ -1056,10 +1211,14 @@ void kvb_cuda_engine_describe(const kvb_cuda_engine *e, char *buf, size_t cap) {
         snprintf(wd, sizeof wd, "packed in the file's types (%s), a layer expanded to bf16 at a time (%.2f GiB)",
                  e->L ? kvb_type_name(e->L[0].pk[PK_GATE].type) : "?", e->xw_bytes / 1073741824.0);
     else snprintf(wd, sizeof wd, "bf16");
-    char moe[160] = "";
+    char moe[256] = "";
     if (e->moe)
         snprintf(moe, sizeof moe, "; %u experts top-%u, %s (KVB_CUDA_MOE_GEMM)", e->m->d.n_expert,
                  e->m->d.n_expert_used, kvb_cu_moe_gemm_name(e->moe_gemm));
+    if (e->mla) /* appended: latent attention's form */
+        snprintf(moe + strlen(moe), sizeof moe - strlen(moe),
+                 "; latent attention expanded per chunk (keys %u, values %u padded to %u)", e->m->d.head_dim_k_mla,
+                 e->m->d.head_dim_v_mla, e->m->d.head_dim_k_mla);
     snprintf(buf, cap,
              "%s (sm_%d%d, %d SMs, %.1f GiB); weights %.2f GiB %s, KV cache %.2f GiB (%u blocks of %u tokens), "
              "activations %.2f GiB (chunks of %u tokens)%s",
@@ -1314,6 +1473,8 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
 
     KVB_CU(kvb_cu_embed(e->tok_embd, e->d_tok + pos0, n, E, d->embd_scale, e->x, st)); /* embd_scale 0: none */
     const kvb_cu_cache cache = {e->kv_pool, e->block_bytes, s->d_blocks, e->bt_shift, Hkv, D};
+    const kvb_cu_mla_cache mcache = {e->kv_pool, e->block_bytes, s->d_blocks, e->bt_shift, (int)d->n_lora_kv,
+                                     (int)d->n_rot};
     /* cuDNN for this chunk's global layers, or (a new shape whose plan would cost more than it
      * saves here) the engine's kernel for all of them */
     bool dnn = false;
@@ -1336,22 +1497,37 @@ static kvb_status forward_chunk(kvb_cuda_engine *e, kvb_cuda_seq *s, uint32_t po
             e->hook_st = rs; /* tensor parallel: the ranks stay in lockstep; returned at the end */
             e->hook_err = *err;
         }
-        if ((rs = kvb_cu_gemm(e->cublas, W->m[BF_QKV], S, E, e->h, n, 0.0f, e->qkv, false, err))) return rs;
-        kvb_cu_qkv_post_args qa = {e->qkv, n, H, Hkv, D, (int)d->n_rot, d->rope_neox ? 1 : 0, L->b_qkv, L->q_norm,
-                                   L->k_norm, eps, e->rope_cos[L->rope_kind], e->rope_sin[L->rope_kind], (int)pos0,
-                                   e->q, cache, (int)l};
-        KVB_CU(kvb_cu_qkv_post(&qa, st));
-        if (l + 1 == d->n_layer && !last_layer_out) break; /* its K and V are in the cache */
-        kvb_cu_attn_args aa = {e->q, e->att, cache, (int)l, H, Hkv, D, n, (int)pos0, L->window, d->attn_scale};
-        if (!skip_attention() && (rs = run_attention(e, L, &aa, dnn, err))) return rs;
-        /* x += W_o att: in the GEMM's epilogue, or (gemma3) through the post-attention norm */
-        if ((rs = residual_branch(e, W->m[BF_O], E, Q, e->att, n, L->post_attn_norm, err))) return rs;
-        KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->ffn_norm, eps, e->h, (size_t)E, NULL, st));
-        if (e->moe) { /* x += the routed experts' weighted outputs */
-            const kvb_cu_moe_weights mw = {W->m[BF_ROUTER], W->m[BF_GU], W->m[BF_DOWN]};
-            if ((rs = kvb_cu_moe_ffn(e->cublas, st, &mw, d->expert_weights_norm, e->h, n, e->x, &e->moe_s,
-                                     e->moe_gemm, err)))
+        const float *rcos = e->rope_cos[L->rope_kind], *rsin = e->rope_sin[L->rope_kind];
+        if (e->mla) { /* latent attention (mla.c): the chunk's latent rows into the cache, then the attention */
+            if ((rs = kvb_cu_mla_cache_rows(e->cublas, st, d, &L->mla, e->h, n, (int)pos0, rcos, rsin, mcache, (int)l,
+                                            &e->mla_s, err)))
                 return rs;
+            if (l + 1 == d->n_layer && !last_layer_out) break; /* its rows are in the cache */
+            if ((rs = kvb_cu_mla_attend(e->cublas, st, d, &L->mla, e->h, n, (int)pos0, rcos, rsin, mcache, (int)l,
+                                        skip_attention(), e->x, &e->mla_s, err)))
+                return rs;
+        } else {
+            if ((rs = kvb_cu_gemm(e->cublas, W->m[BF_QKV], S, E, e->h, n, 0.0f, e->qkv, false, err))) return rs;
+            kvb_cu_qkv_post_args qa = {e->qkv, n,    H,    Hkv,          D,   (int)d->n_rot, d->rope_neox ? 1 : 0,
+                                       L->b_qkv, L->q_norm, L->k_norm, eps, rcos, rsin, (int)pos0,
+                                       e->q,     cache, (int)l};
+            KVB_CU(kvb_cu_qkv_post(&qa, st));
+            if (l + 1 == d->n_layer && !last_layer_out) break; /* its K and V are in the cache */
+            kvb_cu_attn_args aa = {e->q, e->att, cache, (int)l, H, Hkv, D, n, (int)pos0, L->window, d->attn_scale};
+            if (!skip_attention() && (rs = run_attention(e, L, &aa, dnn, err))) return rs;
+            /* x += W_o att: in the GEMM's epilogue, or (gemma3) through the post-attention norm */
+            if ((rs = residual_branch(e, W->m[BF_O], E, Q, e->att, n, L->post_attn_norm, err))) return rs;
+        }
+        KVB_CU(kvb_cu_rmsnorm(e->x, (size_t)E, n, E, L->ffn_norm, eps, e->h, (size_t)E, NULL, st));
+        if (L->moe) { /* x += the routed experts' weighted outputs; then the shared expert's (deepseek2) */
+            const kvb_cu_moe_weights mw = {W->m[BF_ROUTER], W->m[BF_GU], W->m[BF_DOWN], L->exp_probs_b};
+            if ((rs = kvb_cu_moe_ffn(e->cublas, st, &mw, &e->moe_route, e->h, n, e->x, &e->moe_s, e->moe_gemm, err)))
+                return rs;
+            const int FS = (int)d->n_ff_shexp;
+            if (!FS) continue;
+            if ((rs = kvb_cu_gemm(e->cublas, W->m[BF_SH_GU], 2 * FS, E, e->h, n, 0.0f, e->gu, true, err))) return rs;
+            KVB_CU(kvb_cu_glu(e->gu, n, FS, 0, e->act, st));
+            if ((rs = kvb_cu_gemm(e->cublas, W->m[BF_SH_DOWN], E, FS, e->act, n, 1.0f, e->x, false, err))) return rs;
             continue;
         }
         if ((rs = kvb_cu_gemm(e->cublas, W->m[BF_GU], 2 * FF, E, e->h, n, 0.0f, e->gu, true, err))) return rs;

@@ -1,6 +1,6 @@
-/* engine/cuda/moe.cu — the mixture-of-experts kernels of the CUDA forward pass (qwen3moe): the
- * router's softmax / top-k / renormalisation (one thread a token, moe_math.h's arithmetic, the CPU
- * engine's order), the permutation of the (token, rank) slots by expert (counts, offsets, and a
+/* engine/cuda/moe.cu — the mixture-of-experts kernels of the CUDA forward pass (qwen3moe, deepseek2):
+ * the router's softmax or sigmoid / selection bias / group-limited top-k / renormalisation and scale
+ * (one thread a token, moe_math.h's arithmetic, the CPU engine's order), the permutation of the (token, rank) slots by expert (counts, offsets, and a
  * stable compaction that keeps each expert's slots in slot order, tokens ascending, as the CPU
  * engine's counting sort does), the gather of the normed rows into that order, and the weighted
  * un-permute that adds each token's k expert outputs into the residual stream in rank order (one
@@ -16,18 +16,32 @@ typedef __nv_bfloat16 bf16;
 
 /* ---- router ------------------------------------------------------------------------------- */
 
-__global__ void moe_route_kernel(float *__restrict__ logits, int n, int X, int K, int norm, int32_t *__restrict__ sel,
+__global__ void moe_route_kernel(float *__restrict__ logits, float *__restrict__ score, const float *__restrict__ bias,
+                                 int n, int X, int K, kvb_moe_route_cfg cfg, int32_t *__restrict__ sel,
                                  float *__restrict__ w) {
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n) return;
-    kvb_moe_route_one(logits + (size_t)t * X, X, K, norm, sel + (size_t)t * K, w + (size_t)t * K);
+    float *p = logits + (size_t)t * X;
+    kvb_moe_route_one_cfg(p, score ? score + (size_t)t * X : p, bias, X, K, &cfg, sel + (size_t)t * K,
+                          w + (size_t)t * K);
 }
 
 extern "C" cudaError_t kvb_cu_moe_route(float *logits, int n, int X, int K, int norm, int32_t *sel, float *w,
                                         cudaStream_t st) {
+    const kvb_moe_route_cfg cfg = {1, norm, 0.0f, 0, 0};
+    return kvb_cu_moe_route_cfg(logits, NULL, NULL, n, X, K, &cfg, sel, w, st);
+}
+
+extern "C" cudaError_t kvb_cu_moe_route_cfg(float *logits, float *score, const float *bias, int n, int X, int K,
+                                            const kvb_moe_route_cfg *cfg, int32_t *sel, float *w, cudaStream_t st) {
     if (n <= 0) return cudaSuccess;
     if (X <= 0 || K <= 0 || K > X) return cudaErrorInvalidValue;
-    moe_route_kernel<<<(n + 127) / 128, 128, 0, st>>>(logits, n, X, K, norm, sel, w);
+    const bool groups = cfg->n_groups > 1;
+    if ((bias || groups) && !score) return cudaErrorInvalidValue; /* the scores need their own buffer */
+    if (groups && (cfg->n_groups > KVB_MOE_MAX_GROUPS || X % cfg->n_groups || X / cfg->n_groups < 2 ||
+                   cfg->n_groups_used < 1 || cfg->n_groups_used > cfg->n_groups))
+        return cudaErrorInvalidValue;
+    moe_route_kernel<<<(n + 127) / 128, 128, 0, st>>>(logits, bias || groups ? score : NULL, bias, n, X, K, *cfg, sel, w);
     return cudaGetLastError();
 }
 

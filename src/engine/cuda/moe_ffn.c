@@ -1,5 +1,6 @@
 /* engine/cuda/moe_ffn.c — the mixture-of-experts MLP of the CUDA engine (qwen3moe), host side:
- * router logits through the engine's cuBLAS GEMM (f32), the router kernel, the permutation of the
+ * router logits through the engine's cuBLAS GEMM (f32), the router kernel (the model's gating, selection
+ * bias and groups), the permutation of the
  * (token, rank) slots by expert and the gather of their rows (moe.cu), one wait for the experts'
  * offsets (the GEMMs' sizes live on the host), then the experts' gate|up GEMMs (bf16 out), one
  * SwiGLU over every slot, the down GEMMs, and the weighted un-permute into the residual stream.
@@ -27,10 +28,10 @@ const char *kvb_cu_moe_gemm_name(kvb_cu_moe_gemm g) {
 }
 
 /* Byte sizes of the device buffers, in kvb_cu_moe_scratch's order from logits to d_ptrs. */
-enum { SB_LOGITS, SB_W, SB_SEL, SB_SLOT, SB_INV, SB_CNT, SB_OFF, SB_XP, SB_GUP, SB_ACTP, SB_YP, SB_PTRS, SB_COUNT };
+enum { SB_LOGITS, SB_SCORE, SB_W, SB_SEL, SB_SLOT, SB_INV, SB_CNT, SB_OFF, SB_XP, SB_GUP, SB_ACTP, SB_YP, SB_PTRS, SB_COUNT };
 static void scratch_sizes(int max_n, int X, int K, int F, int E, size_t b[SB_COUNT]) {
     const size_t n = (size_t)max_n, slots = n * (size_t)K;
-    b[SB_LOGITS] = n * (size_t)X * 4;
+    b[SB_LOGITS] = b[SB_SCORE] = n * (size_t)X * 4;
     b[SB_W] = slots * 4;
     b[SB_SEL] = b[SB_SLOT] = b[SB_INV] = slots * 4;
     b[SB_CNT] = (size_t)X * 4;
@@ -58,7 +59,7 @@ kvb_status kvb_cu_moe_scratch_alloc(kvb_cu_moe_scratch *s, int max_n, int X, int
     *s = (kvb_cu_moe_scratch){.X = X, .K = K, .F = F, .E = E, .max_n = max_n};
     size_t b[SB_COUNT];
     scratch_sizes(max_n, X, K, F, E, b);
-    void **dst[SB_COUNT] = {(void **)&s->logits, (void **)&s->w,    (void **)&s->sel,  (void **)&s->slot,
+    void **dst[SB_COUNT] = {(void **)&s->logits, (void **)&s->score, (void **)&s->w,    (void **)&s->sel,  (void **)&s->slot,
                             (void **)&s->inv,    (void **)&s->cnt,  (void **)&s->off,  &s->xp,
                             &s->gup,             &s->actp,          &s->yp,            (void **)&s->d_ptrs};
     for (int i = 0; i < SB_COUNT; i++) {
@@ -90,7 +91,7 @@ kvb_status kvb_cu_moe_scratch_alloc(kvb_cu_moe_scratch *s, int max_n, int X, int
 }
 
 void kvb_cu_moe_scratch_free(kvb_cu_moe_scratch *s) {
-    void *d[] = {s->logits, s->w, s->sel, s->slot, s->inv, s->cnt, s->off, s->xp, s->gup, s->actp, s->yp, s->d_ptrs};
+    void *d[] = {s->logits, s->score, s->w, s->sel, s->slot, s->inv, s->cnt, s->off, s->xp, s->gup, s->actp, s->yp, s->d_ptrs};
     for (size_t i = 0; i < sizeof d / sizeof d[0]; i++) cudaFree(d[i]);
     if (s->h_off) cudaFreeHost(s->h_off);
     if (s->h_ptrs) cudaFreeHost(s->h_ptrs);
@@ -185,7 +186,8 @@ static kvb_status experts_grouped(cublasHandle_t h, cudaStream_t st, const kvb_c
     return rs;
 }
 
-kvb_status kvb_cu_moe_ffn(cublasHandle_t h, cudaStream_t st, const kvb_cu_moe_weights *w, bool norm, const void *hin,
+kvb_status kvb_cu_moe_ffn(cublasHandle_t h, cudaStream_t st, const kvb_cu_moe_weights *w, const kvb_moe_route_cfg *route,
+                          const void *hin,
                           int n, float *x, kvb_cu_moe_scratch *s, kvb_cu_moe_gemm path, kvb_err *err) {
     if (n <= 0) return KVB_OK;
     if (n > s->max_n)
@@ -193,7 +195,7 @@ kvb_status kvb_cu_moe_ffn(cublasHandle_t h, cudaStream_t st, const kvb_cu_moe_we
     const int X = s->X, K = s->K, E = s->E, n_slots = n * K;
     kvb_status rs = kvb_cu_gemm(h, w->router, X, E, hin, n, 0.0f, s->logits, false, err); /* (n, X) */
     if (rs) return rs;
-    KVB_CU(kvb_cu_moe_route(s->logits, n, X, K, norm ? 1 : 0, s->sel, s->w, st));
+    KVB_CU(kvb_cu_moe_route_cfg(s->logits, s->score, w->bias, n, X, K, route, s->sel, s->w, st));
     KVB_CU(kvb_cu_moe_permute(s->sel, n, K, X, s->cnt, s->off, s->slot, s->inv, st));
     KVB_CU(cudaMemcpyAsync(s->h_off, s->off, ((size_t)X + 1) * 4, cudaMemcpyDeviceToHost, st));
     KVB_CU(kvb_cu_moe_gather(hin, s->slot, n_slots, K, E, s->xp, st));
@@ -208,4 +210,11 @@ kvb_status kvb_cu_moe_ffn(cublasHandle_t h, cudaStream_t st, const kvb_cu_moe_we
     if (rs) return rs;
     KVB_CU(kvb_cu_moe_unpermute(s->yp, path == KVB_CU_MOE_GROUPED, s->inv, s->w, n, K, E, x, st));
     return KVB_OK;
+}
+
+kvb_moe_route_cfg kvb_cu_moe_route_cfg_of(const kvb_model_desc *d) {
+    const kvb_moe_route_cfg c = {d->expert_gating == KVB_GATING_SIGMOID ? 2 : 1, d->expert_weights_norm ? 1 : 0,
+                                 d->expert_weights_scale, d->n_expert_groups > 1 ? (int)d->n_expert_groups : 0,
+                                 d->n_expert_groups > 1 ? (int)d->n_group_used : 0};
+    return c;
 }

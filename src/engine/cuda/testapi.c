@@ -317,15 +317,22 @@ kvb_status kvb_cuda_test_expand_bf16(uint32_t type, const void *src, size_t src_
 
 kvb_status kvb_cuda_test_moe_route(float *logits, uint32_t n, uint32_t X, uint32_t K, bool norm, int32_t *sel,
                                    float *w, kvb_err *err) {
+    const kvb_moe_route_cfg cfg = {1, norm ? 1 : 0, 0.0f, 0, 0};
+    return kvb_cuda_test_moe_route_cfg(logits, NULL, n, X, K, &cfg, sel, w, err);
+}
+
+kvb_status kvb_cuda_test_moe_route_cfg(float *logits, const float *bias, uint32_t n, uint32_t X, uint32_t K,
+                                       const kvb_moe_route_cfg *cfg, int32_t *sel, float *w, kvb_err *err) {
     kvb_status st = need_device(err);
     if (st) return st;
     dbufs b = {{0}, 0};
-    void *dl, *ds, *dw;
+    void *dl, *ds, *dw, *dsc, *db = NULL;
     const size_t lb = (size_t)n * X * 4, kb = (size_t)n * K * 4;
-    if ((st = dput(&b, &dl, logits, lb, err)) || (st = dput(&b, &ds, sel, kb, err)) || (st = dput(&b, &dw, w, kb, err)))
+    if ((st = dput(&b, &dl, logits, lb, err)) || (st = dput(&b, &ds, sel, kb, err)) || (st = dput(&b, &dw, w, kb, err)) ||
+        (st = dput(&b, &dsc, NULL, lb, err)) || (bias && (st = dput(&b, &db, bias, (size_t)X * 4, err))))
         goto done;
-    if ((st = fetch(kvb_cu_moe_route(dl, (int)n, (int)X, (int)K, norm ? 1 : 0, ds, dw, 0), "kvb_cu_moe_route", logits,
-                    dl, lb, err)) ||
+    if ((st = fetch(kvb_cu_moe_route_cfg(dl, dsc, db, (int)n, (int)X, (int)K, cfg, ds, dw, 0), "kvb_cu_moe_route",
+                    logits, dl, lb, err)) ||
         (st = fetch(cudaSuccess, "kvb_cu_moe_route", sel, ds, kb, err)))
         goto done;
     st = fetch(cudaSuccess, "kvb_cu_moe_route", w, dw, kb, err);
@@ -395,8 +402,9 @@ kvb_status kvb_cuda_test_moe_ffn(const kvb_cuda_test_moe_w *w, const uint16_t *h
         st = kvb_cublas_fail(err, cs, "cublasCreate", __FILE__, __LINE__);
         goto done;
     }
-    const kvb_cu_moe_weights mw = {dr, dgu, ddown};
-    if ((st = kvb_cu_moe_ffn(hd, 0, &mw, w->norm, dh, (int)n, dx, &s, grouped ? KVB_CU_MOE_GROUPED : KVB_CU_MOE_LOOP,
+    const kvb_cu_moe_weights mw = {dr, dgu, ddown, NULL};
+    const kvb_moe_route_cfg route = {1, w->norm ? 1 : 0, 0.0f, 0, 0};
+    if ((st = kvb_cu_moe_ffn(hd, 0, &mw, &route, dh, (int)n, dx, &s, grouped ? KVB_CU_MOE_GROUPED : KVB_CU_MOE_LOOP,
                              err)) ||
         (st = fetch(cudaSuccess, "kvb_cu_moe_ffn", x, dx, (size_t)n * E * 4, err)) ||
         (st = fetch(cudaSuccess, "kvb_cu_moe_ffn", sel, s.sel, (size_t)n * K * 4, err)))
@@ -406,6 +414,97 @@ done:
     if (hd) cublasDestroy(hd);
     cudaDeviceSynchronize();
     kvb_cu_moe_scratch_free(&s);
+    dbufs_free(&b);
+    return st;
+}
+
+/* ---- latent attention (mla.cu) ------------------------------------------------------------ */
+
+static kvb_cu_mla_cache mla_cache_of(const kvb_cuda_test_mla_cache *c, void *pool, void *blocks) {
+    int shift = 0;
+    while ((1u << shift) < c->block_tokens) shift++;
+    const kvb_cu_mla_cache mc = {pool, (size_t)c->n_layer * c->block_tokens * (c->R + c->P) * 2, blocks, shift,
+                                 (int)c->R, (int)c->P};
+    return mc;
+}
+
+kvb_status kvb_cuda_test_mla_kv_store(const float *c, const uint16_t *lat, uint32_t n, uint32_t pos0,
+                                      const float *rope_cos, const float *rope_sin, uint32_t layer,
+                                      kvb_cuda_test_mla_cache *cache, kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    const size_t RP = (size_t)cache->R + cache->P, half = cache->P / 2;
+    dbufs b = {{0}, 0};
+    void *dc, *dlat, *dcos, *dsin, *dpool, *dblk;
+    const kvb_cu_mla_cache probe = mla_cache_of(cache, NULL, NULL);
+    const size_t pool_bytes = probe.block_bytes * cache->n_pool_blocks;
+    if ((st = dput(&b, &dc, c, (size_t)n * RP * 4, err)) || (st = dput(&b, &dlat, lat, (size_t)n * RP * 2, err)) ||
+        (st = dput(&b, &dcos, rope_cos, (pos0 + n) * half * 4, err)) ||
+        (st = dput(&b, &dsin, rope_sin, (pos0 + n) * half * 4, err)) ||
+        (st = dput(&b, &dpool, cache->pool, pool_bytes, err)) ||
+        (st = dput(&b, &dblk, cache->blocks, (size_t)cache->n_table * 4, err)))
+        goto done;
+    st = fetch(kvb_cu_mla_kv_store(dc, dlat, (int)n, (int)pos0, dcos, dsin, mla_cache_of(cache, dpool, dblk), (int)layer,
+                                   0),
+               "kvb_cu_mla_kv_store", cache->pool, dpool, pool_bytes, err);
+done:
+    dbufs_free(&b);
+    return st;
+}
+
+kvb_status kvb_cuda_test_mla_q_rope(const float *q, uint32_t n, uint32_t H, uint32_t N, uint32_t P, uint32_t pos0,
+                                    const float *rope_cos, const float *rope_sin, uint16_t *out, kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    const size_t K = (size_t)N + P, half = P / 2;
+    dbufs b = {{0}, 0};
+    void *dq, *dcos, *dsin, *dout;
+    if ((st = dput(&b, &dq, q, (size_t)n * H * K * 4, err)) ||
+        (st = dput(&b, &dcos, rope_cos, (pos0 + n) * half * 4, err)) ||
+        (st = dput(&b, &dsin, rope_sin, (pos0 + n) * half * 4, err)) ||
+        (st = dput(&b, &dout, out, (size_t)n * H * K * 2, err)))
+        goto done;
+    st = fetch(kvb_cu_mla_q_rope(dq, (int)n, (int)H, (int)N, (int)P, (int)pos0, dcos, dsin, dout, 0),
+               "kvb_cu_mla_q_rope", out, dout, (size_t)n * H * K * 2, err);
+done:
+    dbufs_free(&b);
+    return st;
+}
+
+kvb_status kvb_cuda_test_mla_expand(const kvb_cuda_test_mla_cache *cache, uint32_t layer, uint32_t n_pos,
+                                    const uint16_t *up, uint32_t H, uint32_t N, uint32_t Vd, uint16_t *lat,
+                                    uint16_t *k_out, uint16_t *v_out, kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    const size_t RP = (size_t)cache->R + cache->P, D = (size_t)N + cache->P, bt = cache->block_tokens;
+    const size_t n_blk = (n_pos + bt - 1) / bt, kv_block = 2 * (size_t)H * bt * D * 2;
+    dbufs b = {{0}, 0};
+    void *dpool, *dblk, *dup, *dlat, *dkv, *dident, *dk, *dv;
+    int32_t *ident = malloc(n_blk * 4);
+    if (!ident) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; i < n_blk; i++) ident[i] = (int32_t)i;
+    const kvb_cu_mla_cache probe = mla_cache_of(cache, NULL, NULL);
+    if ((st = dput(&b, &dpool, cache->pool, probe.block_bytes * cache->n_pool_blocks, err)) ||
+        (st = dput(&b, &dblk, cache->blocks, (size_t)cache->n_table * 4, err)) ||
+        (st = dput(&b, &dup, up, (size_t)n_pos * H * (N + Vd) * 2, err)) ||
+        (st = dput(&b, &dlat, lat, (size_t)n_pos * RP * 2, err)) || (st = dput(&b, &dkv, NULL, n_blk * kv_block, err)) ||
+        (st = dput(&b, &dident, ident, n_blk * 4, err)) || (st = dput(&b, &dk, k_out, (size_t)H * n_pos * D * 2, err)) ||
+        (st = dput(&b, &dv, v_out, (size_t)H * n_pos * D * 2, err)))
+        goto done;
+    int shift = 0;
+    while ((1u << shift) < bt) shift++;
+    const kvb_cu_cache kv = {dkv, kv_block, dident, shift, (int)H, (int)D};
+    cudaError_t ce = cudaMemset(dkv, 0xFF, n_blk * kv_block); /* poison: every element left out shows */
+    if (ce == cudaSuccess) ce = kvb_cu_mla_gather(mla_cache_of(cache, dpool, dblk), (int)layer, (int)n_pos, dlat, 0);
+    if (ce == cudaSuccess)
+        ce = kvb_cu_mla_assemble(dup, dlat, (int)n_pos, (int)H, (int)N, (int)Vd, (int)cache->R, (int)cache->P, kv, 0);
+    if (ce == cudaSuccess) ce = kvb_cu_gather_kv(&kv, 0, (int)n_pos, dk, dv, 0);
+    if ((st = fetch(ce, "kvb_cu_mla_gather/assemble", lat, dlat, (size_t)n_pos * RP * 2, err)) ||
+        (st = fetch(cudaSuccess, "kvb_cu_gather_kv", k_out, dk, (size_t)H * n_pos * D * 2, err)))
+        goto done;
+    st = fetch(cudaSuccess, "kvb_cu_gather_kv", v_out, dv, (size_t)H * n_pos * D * 2, err);
+done:
+    free(ident);
     dbufs_free(&b);
     return st;
 }
