@@ -135,6 +135,11 @@ kvb_status kvb_cu_mla_scratch_alloc(kvb_cu_mla_scratch *s, const kvb_model_desc 
                                     int block_tokens, size_t *acct, kvb_err *err);
 void kvb_cu_mla_scratch_free(kvb_cu_mla_scratch *s);
 void kvb_cu_mla_weights_free(kvb_cu_mla_weights *w);
+/* Layer weights w of model d converted to bf16 (as the engine converts every weight: kvb_row_to_f32,
+ * then kvb_f32_to_bf16; rows split over pool, which may be NULL) and uploaded in mw's layout, the
+ * device bytes added to *acct; on failure mw holds nothing. */
+kvb_status kvb_cu_mla_weights_upload(const kvb_model_desc *d, const kvb_layer_weights *w, kvb_pool *pool,
+                                     kvb_cu_mla_weights *mw, size_t *acct, kvb_err *err);
 /* Whether the engine can run model d's latent attention; err says why not. */
 kvb_status kvb_cu_mla_check(const kvb_model_desc *d, kvb_err *err);
 

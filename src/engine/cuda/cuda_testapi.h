@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "kvb_core.h"
+#include "kvb_model.h"
 #include "moe_math.h"
 
 /* ---- kernel entry points for tests --------------------------------------------------------
@@ -144,5 +145,11 @@ kvb_status kvb_cuda_test_mla_q_rope(const float *q, uint32_t n, uint32_t H, uint
 kvb_status kvb_cuda_test_mla_expand(const kvb_cuda_test_mla_cache *cache, uint32_t layer, uint32_t n_pos,
                                     const uint16_t *up, uint32_t H, uint32_t N, uint32_t Vd, uint16_t *lat,
                                     uint16_t *k_out, uint16_t *v_out, kvb_err *err);
+/* One latent attention layer as the engine runs it (weights through kvb_cu_mla_weights_upload, the
+ * cache rows, then the attention, mla.c), over n tokens at positions 0 .. n-1 fed in chunks of
+ * `chunk`: h (n, E) bf16 the normed attention inputs; x (n, E) f32 += the attention's output; rows
+ * (n, R + P) bf16 the latent cache rows it wrote. */
+kvb_status kvb_cuda_test_mla_layer(const kvb_model *m, uint32_t layer, const uint16_t *h, uint32_t n, uint32_t chunk,
+                                   float *x, uint16_t *rows, kvb_err *err);
 
 #endif

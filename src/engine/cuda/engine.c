@@ -554,77 +554,6 @@ static kvb_status upload_experts(kvb_cuda_engine *e, uploader *u, const kvb_laye
     return KVB_OK;
 }
 
-/* A host bf16 matrix (rows, cols) copied to a new device buffer, its bytes added to e->weight_bytes. */
-static kvb_status upload_host_bf16(kvb_cuda_engine *e, const uint16_t *src, size_t rows, size_t cols, void **dst,
-                                   const char *what, kvb_err *err) {
-    kvb_status st = dev_alloc(e, dst, rows * cols * 2, &e->weight_bytes, what, err);
-    if (st) return st;
-    KVB_CU(cudaMemcpy(*dst, src, rows * cols * 2, cudaMemcpyHostToDevice));
-    return KVB_OK;
-}
-
-/* deepseek2's attention weights of one layer in bf16, kvb_cu_mla_weights' layout: the query and
- * kv_a matrices as they are; attn_k_b transposed head by head above attn_v_b (wkv_b); attn_output
- * with each head's Vd columns at a stride of K, zeros between (wo). Each element is converted as
- * upload_mat converts it (kvb_row_to_f32, then kvb_f32_to_bf16). */
-static kvb_status upload_mla(kvb_cuda_engine *e, uploader *u, const kvb_layer_weights *w, kvb_cu_mla_weights *mw,
-                             kvb_err *err) {
-    const kvb_model_desc *d = &e->m->d;
-    const size_t H = d->n_head, K = d->head_dim_k_mla, P = d->n_rot, N = K - P, R = d->n_lora_kv,
-                 Vd = d->head_dim_v_mla, E = d->n_embd, QL = d->n_lora_q;
-    kvb_status st;
-    if (w->wk_b.rows != (int64_t)(H * R) || w->wk_b.cols != (int64_t)N || w->wv_b.rows != (int64_t)(H * Vd) ||
-        w->wv_b.cols != (int64_t)R || w->wo.rows != (int64_t)E || w->wo.cols != (int64_t)(H * Vd))
-        return kvb_err_set(err, KVB_ERR_INTERNAL, "latent attention weights of unexpected shapes");
-    if (QL) {
-        if ((st = dev_alloc(e, &mw->wq_a, QL * E * 2, &e->weight_bytes, "attn_q_a", err)) ||
-            (st = upload_mat(u, &w->wq_a, 0, 0, 0, 0, mw->wq_a, "attn_q_a", err)) ||
-            (st = upload_f32(w->q_a_norm, QL, &mw->q_a_norm, &e->weight_bytes, "attn_q_a_norm", err)) ||
-            (st = dev_alloc(e, &mw->wq, H * K * QL * 2, &e->weight_bytes, "attn_q_b", err)) ||
-            (st = upload_mat(u, &w->wq_b, 0, 0, 0, 0, mw->wq, "attn_q_b", err)))
-            return st;
-    } else if ((st = dev_alloc(e, &mw->wq, H * K * E * 2, &e->weight_bytes, "attn_q", err)) ||
-               (st = upload_mat(u, &w->wq, 0, 0, 0, 0, mw->wq, "attn_q", err))) {
-        return st;
-    }
-    if ((st = dev_alloc(e, &mw->wkv_a, (R + P) * E * 2, &e->weight_bytes, "attn_kv_a_mqa", err)) ||
-        (st = upload_mat(u, &w->wkv_a, 0, 0, 0, 0, mw->wkv_a, "attn_kv_a_mqa", err)) ||
-        (st = upload_f32(w->kv_a_norm, R, &mw->kv_a_norm, &e->weight_bytes, "attn_kv_a_norm", err)))
-        return st;
-    const size_t widest = KVB_MAX(KVB_MAX(N, R), H * Vd);
-    const size_t big = KVB_MAX(H * (N + Vd) * R, E * H * K);
-    float *row = malloc(widest * sizeof(float));
-    uint16_t *host = calloc(big, sizeof(uint16_t));
-    if (!row || !host) {
-        free(row);
-        free(host);
-        return kvb_err_set(err, KVB_ERR_NOMEM, "out of host memory for the latent attention weights");
-    }
-    for (size_t h = 0; h < H; h++) /* wkv_b: head h's key up-projection (R, N) transposed, at rows h N */
-        for (size_t r = 0; r < R; r++) {
-            kvb_row_to_f32(w->wk_b.type, (const uint8_t *)w->wk_b.data + (h * R + r) * w->wk_b.row_bytes, row,
-                           (int64_t)N);
-            for (size_t j = 0; j < N; j++) host[(h * N + j) * R + r] = kvb_f32_to_bf16(row[j]);
-        }
-    for (size_t i = 0; i < H * Vd; i++) { /* then the value up-projections as they are */
-        kvb_row_to_f32(w->wv_b.type, (const uint8_t *)w->wv_b.data + i * w->wv_b.row_bytes, row, (int64_t)R);
-        for (size_t c = 0; c < R; c++) host[(H * N + i) * R + c] = kvb_f32_to_bf16(row[c]);
-    }
-    st = upload_host_bf16(e, host, H * (N + Vd), R, &mw->wkv_b, "attn_k_b|attn_v_b", err);
-    if (!st) {
-        memset(host, 0, E * H * K * sizeof(uint16_t)); /* bf16 zeros where the values are padded */
-        for (size_t r = 0; r < E; r++) {
-            kvb_row_to_f32(w->wo.type, (const uint8_t *)w->wo.data + r * w->wo.row_bytes, row, (int64_t)(H * Vd));
-            for (size_t h = 0; h < H; h++)
-                for (size_t i = 0; i < Vd; i++) host[r * H * K + h * K + i] = kvb_f32_to_bf16(row[h * Vd + i]);
-        }
-        st = upload_host_bf16(e, host, E, H * K, &mw->wo, "attn_output", err);
-    }
-    free(row);
-    free(host);
-    return st;
-}
-
 static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *err) {
     const kvb_model *m = e->m;
     const kvb_model_desc *d = &m->d;
@@ -638,7 +567,6 @@ static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *er
     if (d->n_ff > max_cols) max_cols = d->n_ff;
     if (d->n_ff_exp > max_cols) max_cols = d->n_ff_exp;
     if (d->n_ff_shexp > max_cols) max_cols = d->n_ff_shexp;
-    if (d->mla) max_cols = KVB_MAX(max_cols, KVB_MAX((size_t)d->n_lora_q, (size_t)d->n_head * d->head_dim_v_mla));
     u.stage = malloc(u.stage_elems * sizeof(uint16_t));
     u.tmp = calloc((size_t)u.n_tmp, sizeof(float *));
     if (!u.stage || !u.tmp) {
@@ -693,7 +621,7 @@ static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *er
         } else {
             if ((st = bf16_set_alloc(e, l, &L->w, &e->weight_bytes, nm, err))) break;
             if (e->mla) {
-                if ((st = upload_mla(e, &u, w, &L->mla, err))) break;
+                if ((st = kvb_cu_mla_weights_upload(d, w, pool, &L->mla, &e->weight_bytes, err))) break;
             } else if ((st = upload_mat(&u, &w->wq, q0, (int64_t)Q, 0, 0, L->w.m[BF_QKV], "attn_q", err)) ||
                 (st = upload_mat(&u, &w->wk, kv0, (int64_t)KV, 0, 0, (uint16_t *)L->w.m[BF_QKV] + Q * E, "attn_k",
                                  err)) ||

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "cuda_internal.h"
+#include "kvb_quant.h"
 
 typedef struct {
     uint32_t H, R, P, K, N, Vd, QL, E, D;
@@ -132,6 +133,124 @@ void kvb_cu_mla_weights_free(kvb_cu_mla_weights *w) {
     void *p[] = {w->wq_a, w->q_a_norm, w->wq, w->wkv_a, w->kv_a_norm, w->wkv_b, w->wo};
     for (size_t i = 0; i < KVB_ARRAY_LEN(p); i++) cudaFree(p[i]);
     memset(w, 0, sizeof *w);
+}
+
+/* Rows of one matrix converted as the engine converts weights (kvb_row_to_f32, then
+ * kvb_f32_to_bf16) into a host bf16 layout: PLAIN (rows, cols) as it is; K_T, attn_k_b (H R, N)
+ * with head h's (R, N) block transposed to rows h N + j; O_PAD, attn_output (E, H Vd) with head h's
+ * Vd columns at h K (the padding stays as the caller zeroed it). */
+enum { LAYOUT_PLAIN, LAYOUT_K_T, LAYOUT_O_PAD };
+typedef struct {
+    const kvb_mat *w;
+    int layout;
+    mla_dims m;
+    uint16_t *dst;
+    float **tmp; /* per worker (cols floats) */
+} conv_job;
+
+static void conv_row(void *ctx, int task, int worker) {
+    const conv_job *j = ctx;
+    const kvb_mat *w = j->w;
+    const size_t r = (size_t)task, cols = (size_t)w->cols;
+    float *t = j->tmp[worker];
+    kvb_row_to_f32(w->type, (const uint8_t *)w->data + r * w->row_bytes, t, w->cols);
+    if (j->layout == LAYOUT_PLAIN) {
+        for (size_t c = 0; c < cols; c++) j->dst[r * cols + c] = kvb_f32_to_bf16(t[c]);
+    } else if (j->layout == LAYOUT_K_T) { /* row r = h R + i of attn_k_b: column i of rows h N .. */
+        const size_t h = r / j->m.R, i = r % j->m.R;
+        for (size_t c = 0; c < cols; c++) j->dst[(h * j->m.N + c) * j->m.R + i] = kvb_f32_to_bf16(t[c]);
+    } else {
+        const size_t HK = (size_t)j->m.H * j->m.K;
+        for (size_t h = 0; h < j->m.H; h++)
+            for (size_t i = 0; i < j->m.Vd; i++) j->dst[r * HK + h * j->m.K + i] = kvb_f32_to_bf16(t[h * j->m.Vd + i]);
+    }
+}
+
+/* Matrix w into the host buffer dst (zeroed by the caller where the layout pads) in `layout`. */
+static void convert(kvb_pool *pool, const kvb_mat *w, int layout, mla_dims m, uint16_t *dst, float **tmp) {
+    conv_job j = {w, layout, m, dst, tmp};
+    kvb_pool_parallel_for(pool, (int)w->rows, conv_row, &j);
+}
+
+kvb_status kvb_cu_mla_weights_upload(const kvb_model_desc *d, const kvb_layer_weights *w, kvb_pool *pool,
+                                     kvb_cu_mla_weights *mw, size_t *acct, kvb_err *err) {
+    const mla_dims m = dims_of(d);
+    const size_t H = m.H, K = m.K, N = m.N, R = m.R, P = m.P, Vd = m.Vd, E = m.E, QL = m.QL;
+    memset(mw, 0, sizeof *mw);
+    const kvb_mat *wq = QL ? &w->wq_b : &w->wq;
+    if (w->wk_b.rows != (int64_t)(H * R) || w->wk_b.cols != (int64_t)N || w->wv_b.rows != (int64_t)(H * Vd) ||
+        w->wv_b.cols != (int64_t)R || w->wo.rows != (int64_t)E || w->wo.cols != (int64_t)(H * Vd) ||
+        w->wkv_a.rows != (int64_t)(R + P) || w->wkv_a.cols != (int64_t)E || wq->rows != (int64_t)(H * K) ||
+        wq->cols != (int64_t)(QL ? QL : E) || (QL && (w->wq_a.rows != (int64_t)QL || w->wq_a.cols != (int64_t)E)))
+        return kvb_err_set(err, KVB_ERR_INTERNAL, "latent attention weights of unexpected shapes");
+    /* (matrix, layout, rows, cols, destination) in kvb_cu_mla_weights' order; wkv_b from two matrices */
+    const struct {
+        const kvb_mat *w;
+        int layout;
+        size_t rows, cols, at; /* the device matrix's shape; `at`: first element written */
+        void **dst;
+    } mats[] = {
+        {&w->wq_a, LAYOUT_PLAIN, QL, E, 0, &mw->wq_a},
+        {wq, LAYOUT_PLAIN, H * K, QL ? QL : E, 0, &mw->wq},
+        {&w->wkv_a, LAYOUT_PLAIN, R + P, E, 0, &mw->wkv_a},
+        {&w->wk_b, LAYOUT_K_T, H * (N + Vd), R, 0, &mw->wkv_b},
+        {&w->wv_b, LAYOUT_PLAIN, H * (N + Vd), R, H * N * R, &mw->wkv_b},
+        {&w->wo, LAYOUT_O_PAD, E, H * K, 0, &mw->wo},
+    };
+    size_t big = 0, widest = 0;
+    for (size_t i = 0; i < KVB_ARRAY_LEN(mats); i++) {
+        big = KVB_MAX(big, mats[i].rows * mats[i].cols);
+        widest = KVB_MAX(widest, (size_t)mats[i].w->cols);
+    }
+    const int workers = pool ? kvb_pool_size(pool) : 1;
+    uint16_t *host = malloc(big * sizeof(uint16_t));
+    float **tmp = calloc((size_t)workers, sizeof(float *));
+    kvb_status st = host && tmp ? KVB_OK : kvb_err_set(err, KVB_ERR_NOMEM, "out of host memory for MLA weights");
+    for (int i = 0; !st && i < workers; i++)
+        if (!(tmp[i] = malloc(widest * sizeof(float))))
+            st = kvb_err_set(err, KVB_ERR_NOMEM, "out of host memory for MLA weights");
+    for (size_t i = 0; !st && i < KVB_ARRAY_LEN(mats); i++) {
+        if (!QL && mats[i].dst == &mw->wq_a) continue; /* no query latent */
+        const bool second = i > 0 && mats[i].dst == mats[i - 1].dst; /* wv_b after wk_b: one upload */
+        if (!second) memset(host, 0, mats[i].rows * mats[i].cols * sizeof(uint16_t));
+        convert(pool, mats[i].w, mats[i].layout, m, host + mats[i].at, tmp);
+        const bool last = i + 1 == KVB_ARRAY_LEN(mats) || mats[i + 1].dst != mats[i].dst;
+        if (!last) continue;
+        const size_t bytes = mats[i].rows * mats[i].cols * 2;
+        cudaError_t ce = cudaMalloc(mats[i].dst, bytes);
+        if (ce != cudaSuccess) {
+            *mats[i].dst = NULL;
+            cudaGetLastError();
+            st = kvb_err_set(err, KVB_ERR_NOMEM, "GPU memory: cannot allocate %.3f GiB for latent attention weights: %s",
+                             bytes / 1073741824.0, cudaGetErrorString(ce));
+        } else if ((ce = cudaMemcpy(*mats[i].dst, host, bytes, cudaMemcpyHostToDevice)) != cudaSuccess) {
+            st = kvb_cu_fail(err, ce, "cudaMemcpy (latent attention weights)", __FILE__, __LINE__);
+        } else if (acct) {
+            *acct += bytes;
+        }
+    }
+    if (tmp)
+        for (int i = 0; i < workers; i++) free(tmp[i]);
+    free(tmp);
+    free(host);
+    const struct {
+        const float *src;
+        size_t n;
+        float **dst;
+    } vecs[] = {{w->q_a_norm, QL, &mw->q_a_norm}, {w->kv_a_norm, R, &mw->kv_a_norm}};
+    for (size_t i = 0; !st && i < KVB_ARRAY_LEN(vecs); i++) {
+        if (!vecs[i].n) continue;
+        cudaError_t ce = cudaMalloc((void **)vecs[i].dst, vecs[i].n * 4);
+        if (ce == cudaSuccess) ce = cudaMemcpy(*vecs[i].dst, vecs[i].src, vecs[i].n * 4, cudaMemcpyHostToDevice);
+        if (ce != cudaSuccess) {
+            cudaGetLastError();
+            st = kvb_cu_fail(err, ce, "latent attention norm weights", __FILE__, __LINE__);
+        } else if (acct) {
+            *acct += vecs[i].n * 4;
+        }
+    }
+    if (st) kvb_cu_mla_weights_free(mw);
+    return st;
 }
 
 kvb_status kvb_cu_mla_cache_rows(cublasHandle_t cb, cudaStream_t st, const kvb_model_desc *d,

@@ -508,3 +508,63 @@ done:
     dbufs_free(&b);
     return st;
 }
+
+kvb_status kvb_cuda_test_mla_layer(const kvb_model *m, uint32_t layer, const uint16_t *h, uint32_t n, uint32_t chunk,
+                                   float *x, uint16_t *rows, kvb_err *err) {
+    kvb_status st = need_device(err);
+    if (st) return st;
+    const kvb_model_desc *d = &m->d;
+    if (!d->mla || layer >= d->n_layer || !n || !chunk)
+        return kvb_err_set(err, KVB_ERR_INVALID, "kvb_cuda_test_mla_layer: a latent attention layer and tokens");
+    const uint32_t E = d->n_embd, RP = d->n_lora_kv + d->n_rot, half = d->n_rot / 2, bt = 16;
+    const uint32_t n_blk = (n + bt - 1) / bt;
+    dbufs b = {{0}, 0};
+    kvb_cu_mla_weights mw = {0};
+    kvb_cu_mla_scratch s = {0};
+    kvb_rope_tables rt = {0};
+    cublasHandle_t hd = NULL;
+    void *dh, *dx, *dcos, *dsin, *dpool, *dblk;
+    int32_t *ident = malloc(sizeof(int32_t) * n_blk);
+    if (!ident) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    for (uint32_t i = 0; i < n_blk; i++) ident[i] = (int32_t)i;
+    const size_t block_bytes = (size_t)d->n_layer * bt * RP * 2;
+    if ((st = kvb_rope_tables_init(&rt, m, n, err))) goto done;
+    kvb_rope_tables_fill(&rt, 0, n);
+    const float *cs, *sn;
+    kvb_rope_tables_layer(&rt, layer, &cs, &sn);
+    if ((st = dput(&b, &dh, h, (size_t)n * E * 2, err)) || (st = dput(&b, &dx, x, (size_t)n * E * 4, err)) ||
+        (st = dput(&b, &dcos, cs, (size_t)n * half * 4, err)) || (st = dput(&b, &dsin, sn, (size_t)n * half * 4, err)) ||
+        (st = dput(&b, &dpool, NULL, block_bytes * n_blk, err)) || (st = dput(&b, &dblk, ident, (size_t)n_blk * 4, err)))
+        goto done;
+    if ((st = kvb_cu_mla_weights_upload(d, &m->layers[layer], NULL, &mw, NULL, err)) ||
+        (st = kvb_cu_mla_scratch_alloc(&s, d, (int)chunk, (int)n, (int)bt, NULL, err)))
+        goto done;
+    cublasStatus_t cst = cublasCreate(&hd);
+    if (cst != CUBLAS_STATUS_SUCCESS) {
+        hd = NULL;
+        st = kvb_cublas_fail(err, cst, "cublasCreate", __FILE__, __LINE__);
+        goto done;
+    }
+    const kvb_cu_mla_cache mc = {dpool, block_bytes, dblk, 4, (int)d->n_lora_kv, (int)d->n_rot};
+    for (uint32_t c0 = 0; c0 < n && !st; c0 += chunk) {
+        const uint32_t c = n - c0 < chunk ? n - c0 : chunk;
+        const uint16_t *hc = (const uint16_t *)dh + (size_t)c0 * E;
+        if (!(st = kvb_cu_mla_cache_rows(hd, 0, d, &mw, hc, (int)c, (int)c0, dcos, dsin, mc, (int)layer, &s, err)))
+            st = kvb_cu_mla_attend(hd, 0, d, &mw, hc, (int)c, (int)c0, dcos, dsin, mc, (int)layer, false,
+                                   (float *)dx + (size_t)c0 * E, &s, err);
+    }
+    if (st) goto done;
+    if ((st = fetch(kvb_cu_mla_gather(mc, (int)layer, (int)n, s.lat, 0), "kvb_cu_mla_gather", rows, s.lat,
+                    (size_t)n * RP * 2, err)))
+        goto done;
+    st = fetch(cudaSuccess, "kvb_cu_mla_attend", x, dx, (size_t)n * E * 4, err);
+done:
+    if (hd) cublasDestroy(hd);
+    cudaDeviceSynchronize();
+    kvb_cu_mla_scratch_free(&s);
+    kvb_cu_mla_weights_free(&mw);
+    kvb_rope_tables_free(&rt);
+    free(ident);
+    dbufs_free(&b);
+    return st;
+}
