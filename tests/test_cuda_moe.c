@@ -409,22 +409,66 @@ static double compare_moe(const float *got, const float *ref, const double *gaps
     return worst;
 }
 
-static void test_tiny_moe_engine(void **state) {
-    (void)state;
-    kvbt_require_gpu();
+static int argmax_f(const float *x, uint32_t n) {
+    uint32_t b = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return (int)b;
+}
+
+/* Max-abs and top-1 of every token checked by compare_moe's rule: |got - cpu| <= 4 TOL_CPU x the
+ * token's logit RMS, and the top-1 equal wherever the CPU's top-2 margin exceeds twice that. */
+static void check_abs_top1(const float *got, const float *cpu, const double *gaps, uint32_t n, uint32_t V,
+                           const char *what) {
+    double worst = 0; /* in units of the token's RMS */
+    int top1 = 0, top1_checked = 0, close = 0;
+    for (uint32_t t = 0; t < n; t++) {
+        if (gaps[t] < MOE_CLOSE_GAP * TOL_CPU) {
+            close++;
+            continue;
+        }
+        const float *g = got + (size_t)t * V, *c = cpu + (size_t)t * V;
+        double rms = 0, mx = 0;
+        for (uint32_t i = 0; i < V; i++) rms += (double)c[i] * c[i];
+        rms = sqrt(rms / V);
+        for (uint32_t i = 0; i < V; i++) mx = fmax(mx, fabs((double)g[i] - c[i]));
+        const double bound = 4.0 * (close ? TOL_CPU + MOE_FLIP_SPILL : TOL_CPU) * rms;
+        if (!(mx <= bound)) fail_msg("%s token %u: max abs %.4g > %.4g", what, t, mx, bound);
+        if (mx / rms > worst) worst = mx / rms;
+        const int best = argmax_f(c, V);
+        float second = -INFINITY;
+        for (uint32_t i = 0; i < V; i++)
+            if ((int)i != best && c[i] > second) second = c[i];
+        top1 += argmax_f(g, V) == best;
+        if (c[best] - second > 2.0 * bound) {
+            top1_checked++;
+            if (argmax_f(g, V) != best) fail_msg("%s token %u: top-1 %d, CPU %d", what, t, argmax_f(g, V), best);
+        }
+    }
+    print_message("%s: max abs %.4g x the logit RMS (limit %.3g); top-1 equal on %d of %u tokens, required on the "
+                  "%d with a clear margin\n",
+                  what, worst, 4.0 * TOL_CPU, top1, n - close, top1_checked);
+}
+
+/* A tiny preset end to end: every token's CUDA logits (bf16 weights, both expert-GEMM paths) against
+ * the CPU engine's (compare_moe), chunks of 7 against one shot; tok_salt picks the prompt. mla
+ * (tiny-mla): the routing margin is not raised after a close token, and each token's max-abs
+ * difference and top-1 are checked too (check_abs_top1). */
+static void tiny_engine_vs_cpu(const char *preset, uint64_t tok_salt, bool mla) {
     enum { N = 77 };
-    char path[600];
-    kvbt_tmp_path(path, sizeof path, "tiny-moe.gguf");
-    kvb_gen_opts go = {.preset = "tiny-moe", .type = KVB_TYPE_BF16, .seed = g_seed, .n_threads = 0};
+    char path[600], name[64];
+    snprintf(name, sizeof name, "%s.gguf", preset);
+    kvbt_tmp_path(path, sizeof path, name);
+    kvb_gen_opts go = {.preset = preset, .type = KVB_TYPE_BF16, .seed = g_seed, .n_threads = 0};
     kvb_err err = {0};
     kvb_model *m = NULL;
-    if (kvb_gen_model(&go, path, &err) || kvb_model_load(path, &m, &err)) fail_msg("tiny-moe: %s", err.msg);
+    if (kvb_gen_model(&go, path, &err) || kvb_model_load(path, &m, &err)) fail_msg("%s: %s", preset, err.msg);
     char rerr[512];
     ref_model *rm = ref_model_load(path, rerr, sizeof rerr);
     if (!rm) fail_msg("ref_model_load: %s", rerr);
     const uint32_t V = m->d.n_vocab;
     int32_t tok[N];
-    kvbt_random_tokens(tok, N, V, g_seed ^ 0x6d6f65u);
+    kvbt_random_tokens(tok, N, V, g_seed ^ tok_salt);
     double *rl = xmalloc(sizeof(double) * N * V), gaps[N];
     assert_int_equal(ref_model_forward_gaps(rm, tok, N, rl, gaps), 0);
     float *cpu = xmalloc(sizeof(float) * N * V);
@@ -435,18 +479,31 @@ static void test_tiny_moe_engine(void **state) {
         float *one = gpu_logits(m, KVB_CUDA_WEIGHTS_BF16, 0, tok, N, &err);
         if (!one) fail_msg("CUDA engine (%s): %s", grouped ? "grouped" : "loop", err.msg);
         char what[128];
-        snprintf(what, sizeof what, "tiny-moe, %s GEMMs: GPU vs CPU engine", grouped ? "grouped" : "per-expert");
-        compare_moe(one, cpu, gaps, N, V, TOL_CPU, 0.0, true, &close, what);
+        snprintf(what, sizeof what, "%s, %s GEMMs: GPU vs CPU engine", preset, grouped ? "grouped" : "per-expert");
+        compare_moe(one, cpu, gaps, N, V, TOL_CPU, 0.0, !mla, &close, what);
+        if (mla) check_abs_top1(one, cpu, gaps, N, V, what);
         float *chunked = gpu_logits(m, KVB_CUDA_WEIGHTS_BF16, 7, tok, N, &err);
         if (!chunked) fail_msg("CUDA engine, chunks of 7: %s", err.msg);
-        snprintf(what, sizeof what, "tiny-moe, %s GEMMs: chunked (7) vs one-shot", grouped ? "grouped" : "per-expert");
-        compare_moe(chunked, one, gaps, N, V, TOL_GPU_GPU, MOE_GPU_GAP, true, &close, what);
+        snprintf(what, sizeof what, "%s, %s GEMMs: chunked (7) vs one-shot", preset, grouped ? "grouped" : "per-expert");
+        compare_moe(chunked, one, gaps, N, V, TOL_GPU_GPU, MOE_GPU_GAP, !mla, &close, what);
         free(one), free(chunked);
     }
     unsetenv("KVB_CUDA_MOE_GEMM");
+    if (mla) { /* packed weights are refused for latent attention, saying so */
+        kvb_cuda_opts o = {.max_ctx = 4 * N, .weights = KVB_CUDA_WEIGHTS_PACKED};
+        kvb_cuda_engine *e = NULL;
+        assert_int_equal(kvb_cuda_engine_create(m, &o, &e, &err), KVB_ERR_UNSUPPORTED);
+        print_message("packed weights: refused (%s)\n", err.msg);
+    }
     ref_model_free(rm);
     kvb_model_free(m);
     free(rl), free(cpu);
+}
+
+static void test_tiny_moe_engine(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    tiny_engine_vs_cpu("tiny-moe", 0x6d6f65u, false);
 }
 
 /* Packed weights (the file's blocks on the GPU, a layer's experts expanded before it runs) ==
@@ -486,13 +543,6 @@ static void test_tiny_moe_packed(void **state) {
 static int cmp_double(const void *a, const void *b) {
     const double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
-}
-
-static int argmax_f(const float *x, uint32_t n) {
-    uint32_t b = 0;
-    for (uint32_t i = 1; i < n; i++)
-        if (x[i] > x[b]) b = i;
-    return (int)b;
 }
 
 /* Whether the top-1 of g equals c's wherever c's top-2 margin exceeds 1; fails otherwise. */
@@ -966,84 +1016,10 @@ static void test_mla_layer(void **state) {
 
 /* ---- end to end on tiny-mla ------------------------------------------------------------------ */
 
-/* Max-abs and top-1 of every token checked by compare_moe's rule: |got - cpu| <= 4 TOL_CPU x the
- * token's logit RMS, and the top-1 equal wherever the CPU's top-2 margin exceeds twice that. */
-static void check_abs_top1(const float *got, const float *cpu, const double *gaps, uint32_t n, uint32_t V,
-                           const char *what) {
-    double worst = 0; /* in units of the token's RMS */
-    int top1 = 0, top1_checked = 0, close = 0;
-    for (uint32_t t = 0; t < n; t++) {
-        if (gaps[t] < MOE_CLOSE_GAP * TOL_CPU) {
-            close++;
-            continue;
-        }
-        const float *g = got + (size_t)t * V, *c = cpu + (size_t)t * V;
-        double rms = 0, mx = 0;
-        for (uint32_t i = 0; i < V; i++) rms += (double)c[i] * c[i];
-        rms = sqrt(rms / V);
-        for (uint32_t i = 0; i < V; i++) mx = fmax(mx, fabs((double)g[i] - c[i]));
-        const double bound = 4.0 * (close ? TOL_CPU + MOE_FLIP_SPILL : TOL_CPU) * rms;
-        if (!(mx <= bound)) fail_msg("%s token %u: max abs %.4g > %.4g", what, t, mx, bound);
-        if (mx / rms > worst) worst = mx / rms;
-        const int best = argmax_f(c, V);
-        float second = -INFINITY;
-        for (uint32_t i = 0; i < V; i++)
-            if ((int)i != best && c[i] > second) second = c[i];
-        top1 += argmax_f(g, V) == best;
-        if (c[best] - second > 2.0 * bound) {
-            top1_checked++;
-            if (argmax_f(g, V) != best) fail_msg("%s token %u: top-1 %d, CPU %d", what, t, argmax_f(g, V), best);
-        }
-    }
-    print_message("%s: max abs %.4g x the logit RMS (limit %.3g); top-1 equal on %d of %u tokens, required on the "
-                  "%d with a clear margin\n",
-                  what, worst, 4.0 * TOL_CPU, top1, n - close, top1_checked);
-}
-
 static void test_tiny_mla_engine(void **state) {
     (void)state;
     kvbt_require_gpu();
-    enum { N = 77 };
-    char path[600];
-    kvbt_tmp_path(path, sizeof path, "tiny-mla.gguf");
-    kvb_gen_opts go = {.preset = "tiny-mla", .type = KVB_TYPE_BF16, .seed = g_seed, .n_threads = 0};
-    kvb_err err = {0};
-    kvb_model *m = NULL;
-    if (kvb_gen_model(&go, path, &err) || kvb_model_load(path, &m, &err)) fail_msg("tiny-mla: %s", err.msg);
-    char rerr[512];
-    ref_model *rm = ref_model_load(path, rerr, sizeof rerr);
-    if (!rm) fail_msg("ref_model_load: %s", rerr);
-    const uint32_t V = m->d.n_vocab;
-    int32_t tok[N];
-    kvbt_random_tokens(tok, N, V, g_seed ^ 0x6d6c61u);
-    double *rl = xmalloc(sizeof(double) * N * V), gaps[N];
-    assert_int_equal(ref_model_forward_gaps(rm, tok, N, rl, gaps), 0);
-    float *cpu = xmalloc(sizeof(float) * N * V);
-    cpu_logits(m, tok, N, cpu);
-    int close;
-    for (int grouped = 0; grouped < 2; grouped++) {
-        setenv("KVB_CUDA_MOE_GEMM", grouped ? "grouped" : "loop", 1);
-        float *one = gpu_logits(m, KVB_CUDA_WEIGHTS_AUTO, 0, tok, N, &err);
-        if (!one) fail_msg("CUDA engine (%s): %s", grouped ? "grouped" : "loop", err.msg);
-        char what[128];
-        snprintf(what, sizeof what, "tiny-mla, %s GEMMs: GPU vs CPU engine", grouped ? "grouped" : "per-expert");
-        compare_moe(one, cpu, gaps, N, V, TOL_CPU, 0.0, false, &close, what);
-        check_abs_top1(one, cpu, gaps, N, V, what);
-        float *chunked = gpu_logits(m, KVB_CUDA_WEIGHTS_AUTO, 7, tok, N, &err);
-        if (!chunked) fail_msg("CUDA engine, chunks of 7: %s", err.msg);
-        snprintf(what, sizeof what, "tiny-mla, %s GEMMs: chunked (7) vs one-shot", grouped ? "grouped" : "per-expert");
-        compare_moe(chunked, one, gaps, N, V, TOL_GPU_GPU, MOE_GPU_GAP, false, &close, what);
-        free(one), free(chunked);
-    }
-    unsetenv("KVB_CUDA_MOE_GEMM");
-    /* packed weights are refused for latent attention, saying so */
-    kvb_cuda_opts o = {.max_ctx = 4 * N, .weights = KVB_CUDA_WEIGHTS_PACKED};
-    kvb_cuda_engine *e = NULL;
-    assert_int_equal(kvb_cuda_engine_create(m, &o, &e, &err), KVB_ERR_UNSUPPORTED);
-    print_message("packed weights: refused (%s)\n", err.msg);
-    ref_model_free(rm);
-    kvb_model_free(m);
-    free(rl), free(cpu);
+    tiny_engine_vs_cpu("tiny-mla", 0x6d6c61u, true);
 }
 
 int main(void) {
