@@ -536,6 +536,11 @@ kvb_status kvb_cuda_test_mla_layer(const kvb_model *m, uint32_t layer, const uin
         (st = dput(&b, &dcos, cs, (size_t)n * half * 4, err)) || (st = dput(&b, &dsin, sn, (size_t)n * half * 4, err)) ||
         (st = dput(&b, &dpool, NULL, block_bytes * n_blk, err)) || (st = dput(&b, &dblk, ident, (size_t)n_blk * 4, err)))
         goto done;
+    cudaError_t ie = kvb_cu_attention_init(); /* the tensor-core kernel's shared memory, as the engine sets it */
+    if (ie != cudaSuccess) {
+        st = kvb_cu_fail(err, ie, "kvb_cu_attention_init", __FILE__, __LINE__);
+        goto done;
+    }
     if ((st = kvb_cu_mla_weights_upload(d, &m->layers[layer], NULL, &mw, NULL, err)) ||
         (st = kvb_cu_mla_scratch_alloc(&s, d, (int)chunk, (int)n, (int)bt, NULL, err)))
         goto done;
