@@ -484,7 +484,8 @@ static void tiny_engine_vs_cpu(const char *preset, uint64_t tok_salt, bool mla) 
         if (mla) check_abs_top1(one, cpu, gaps, N, V, what);
         float *chunked = gpu_logits(m, KVB_CUDA_WEIGHTS_BF16, 7, tok, N, &err);
         if (!chunked) fail_msg("CUDA engine, chunks of 7: %s", err.msg);
-        snprintf(what, sizeof what, "%s, %s GEMMs: chunked (7) vs one-shot", preset, grouped ? "grouped" : "per-expert");
+        snprintf(what, sizeof what, "%s, %s GEMMs: chunked (7) vs one-shot", preset,
+                 grouped ? "grouped" : "per-expert");
         compare_moe(chunked, one, gaps, N, V, TOL_GPU_GPU, MOE_GPU_GAP, !mla, &close, what);
         free(one), free(chunked);
     }
@@ -703,7 +704,8 @@ static void test_route_deepseek(void **state) {
         memset(sel, 0xFF, sizeof(int32_t) * n * K);
         memset(w, 0xFF, sizeof(float) * n * K);
         kvb_err err = {0};
-        if (kvb_cuda_test_moe_route_cfg(p, bias, n, X, K, cfg, sel, w, &err)) fail_msg("%s: %s", cases[c].what, err.msg);
+        if (kvb_cuda_test_moe_route_cfg(p, bias, n, X, K, cfg, sel, w, &err))
+            fail_msg("%s: %s", cases[c].what, err.msg);
         float *rp = xmalloc(sizeof(float) * n * X);
         memcpy(rp, lg, sizeof(float) * n * X);
         int checked = 0;
@@ -780,8 +782,8 @@ static void test_mla_kernels(void **state) {
     float pe[64];
     for (uint32_t p = 0; p < n_pos; p++)
         for (uint32_t l = 0; l < n_layer; l++) {
-            const uint16_t *row = (const uint16_t *)(pool + (size_t)table[p / bt] * block_bytes) + ((size_t)l * bt + p % bt) * RP;
-            const uint16_t *was = (const uint16_t *)(pool0 + (size_t)table[p / bt] * block_bytes) + ((size_t)l * bt + p % bt) * RP;
+            const size_t at = (size_t)table[p / bt] * block_bytes + ((size_t)l * bt + p % bt) * RP * 2;
+            const uint16_t *row = (const uint16_t *)(pool + at), *was = (const uint16_t *)(pool0 + at);
             if (l != layer || p < pos0) {
                 if (memcmp(row, was, 2 * RP)) fail_msg("kv_store wrote row (layer %u, pos %u) it does not own", l, p);
                 continue;
@@ -817,9 +819,11 @@ static void test_mla_kernels(void **state) {
     for (size_t i = 0; i < (size_t)n_pos * H * (N + Vd); i++) up[i] = to_bf(rnd_normal());
     for (size_t i = 0; i < (size_t)n_pos * RP; i++) glat[i] = BF16_NAN;
     for (size_t i = 0; i < (size_t)H * n_pos * D; i++) ko[i] = vo[i] = BF16_NAN;
-    if (kvb_cuda_test_mla_expand(&cache, layer, n_pos, up, H, N, Vd, glat, ko, vo, &err)) fail_msg("expand: %s", err.msg);
+    if (kvb_cuda_test_mla_expand(&cache, layer, n_pos, up, H, N, Vd, glat, ko, vo, &err))
+        fail_msg("expand: %s", err.msg);
     for (uint32_t p = 0; p < n_pos; p++) {
-        const uint16_t *row = (const uint16_t *)(pool + (size_t)table[p / bt] * block_bytes) + ((size_t)layer * bt + p % bt) * RP;
+        const uint16_t *row =
+            (const uint16_t *)(pool + (size_t)table[p / bt] * block_bytes + ((size_t)layer * bt + p % bt) * RP * 2);
         if (memcmp(glat + (size_t)p * RP, row, 2 * RP)) fail_msg("gather: position %u differs from the cache row", p);
         for (uint32_t h = 0; h < H; h++) {
             const uint16_t *k = ko + ((size_t)h * n_pos + p) * D, *v = vo + ((size_t)h * n_pos + p) * D;
@@ -953,7 +957,8 @@ static void test_mla_layer(void **state) {
     const uint32_t E = d->n_embd, RP = d->n_lora_kv + d->n_rot;
     uint16_t *h = xmalloc(2 * (size_t)N_TOK * E), *rows = xmalloc(2 * (size_t)N_TOK * RP);
     uint16_t *rows7 = xmalloc(2 * (size_t)N_TOK * RP);
-    float *x0 = xmalloc(4 * (size_t)N_TOK * E), *x = xmalloc(4 * (size_t)N_TOK * E), *x7 = xmalloc(4 * (size_t)N_TOK * E);
+    float *x0 = xmalloc(4 * (size_t)N_TOK * E), *x = xmalloc(4 * (size_t)N_TOK * E);
+    float *x7 = xmalloc(4 * (size_t)N_TOK * E);
     float *hf = xmalloc(4 * (size_t)N_TOK * E);
     double *ref = xmalloc(sizeof(double) * N_TOK * E);
     kvb_rope_tables rt;
@@ -1006,7 +1011,8 @@ static void test_mla_layer(void **state) {
                       layer, kvb_layer_is_dense(d, layer) ? "dense" : "MoE", worst_row, TOL_MLA_ROWS, same,
                       (unsigned)(N_TOK * RP), rel, TOL_MLA_LAYER, rel7, TOL_GPU_GPU);
         if (!(rel <= TOL_MLA_LAYER)) fail_msg("layer %u: output rel-L2 %.4g > %.3g", layer, rel, TOL_MLA_LAYER);
-        if (!(rel7 <= TOL_GPU_GPU)) fail_msg("layer %u: chunked vs one shot rel-L2 %.4g > %.3g", layer, rel7, TOL_GPU_GPU);
+        if (!(rel7 <= TOL_GPU_GPU))
+            fail_msg("layer %u: chunked vs one shot rel-L2 %.4g > %.3g", layer, rel7, TOL_GPU_GPU);
         free(scratch), free(crow), free(gr), free(cr);
     }
     kvb_rope_tables_free(&rt);

@@ -3,11 +3,11 @@
  * layer a query at p reads only keys k with p - k < window (lo(p) = max(0, p - window + 1) .. p,
  * the CPU engine's convention).
  *
- * fa_kernel<D, BR> (D = 64, 128, or 192: DeepSeek's latent attention expanded, keys of 128 + 64): flash attention in the FlashAttention-2 style on the tensor
- * cores (mma.sync m16n8k16 bf16 -> f32). One CTA = BR/16 warps = BR query rows of one query head
- * (BR = 128 by default, K/V tiles then serve twice the rows; 64 with KVB_CUDA_FA_BR=64); each
- * warp owns 16 rows, keeps its Q fragments in registers and its output accumulator in f32
- * registers.
+ * fa_kernel<D, BR> (D = 64, 128, or 192: DeepSeek's expanded latent attention, keys of 128 + 64):
+ * flash attention in the FlashAttention-2 style on the tensor cores (mma.sync m16n8k16 bf16 ->
+ * f32). One CTA = BR/16 warps = BR query rows of one query head (BR = 128 by default, K/V tiles
+ * then serve twice the rows; 64 with KVB_CUDA_FA_BR=64); each warp owns 16 rows, keeps its Q
+ * fragments in registers and its output accumulator in f32 registers.
  * K/V tiles of 64 keys are gathered row by row through the block table with cp.async (two stages,
  * so the next tile loads while this one is used) into XOR-swizzled shared memory (conflict-free
  * ldmatrix). Scores are scaled by log2(e) x scale (1/sqrt(D) unless the model says otherwise) and

@@ -36,8 +36,8 @@ kvb_status kvb_cublas_fail(kvb_err *err, cublasStatus_t s, const char *what, con
 kvb_status kvb_cu_gemm(cublasHandle_t h, const void *W, int rows, int cols, const void *X, int n, float beta, void *Y,
                        bool y_bf16, kvb_err *err);
 /* The same with X's rows ldx elements apart (ldx >= cols): X's first cols columns. */
-kvb_status kvb_cu_gemm_ldx(cublasHandle_t h, const void *W, int rows, int cols, const void *X, int ldx, int n, float beta,
-                           void *Y, bool y_bf16, kvb_err *err);
+kvb_status kvb_cu_gemm_ldx(cublasHandle_t h, const void *W, int rows, int cols, const void *X, int ldx, int n,
+                           float beta, void *Y, bool y_bf16, kvb_err *err);
 
 /* ---- mixtures of experts (moe_ffn.c) ---------------------------------------------------------- */
 
@@ -90,8 +90,9 @@ size_t kvb_cu_moe_scratch_bytes(int max_n, int X, int K, int F, int E);
  * sum over each token's K routed experts (routed as route says) of weight * down(silu(gate h) *
  * up h), h (n, E) bf16 the normed rows. The host waits once on st, for the expert offsets the
  * GEMMs' sizes come from. */
-kvb_status kvb_cu_moe_ffn(cublasHandle_t h, cudaStream_t st, const kvb_cu_moe_weights *w, const kvb_moe_route_cfg *route,
-                          const void *hin, int n, float *x, kvb_cu_moe_scratch *s, kvb_cu_moe_gemm path, kvb_err *err);
+kvb_status kvb_cu_moe_ffn(cublasHandle_t h, cudaStream_t st, const kvb_cu_moe_weights *w,
+                          const kvb_moe_route_cfg *route, const void *hin, int n, float *x, kvb_cu_moe_scratch *s,
+                          kvb_cu_moe_gemm path, kvb_err *err);
 /* How model d routes its tokens (moe_math.h), from its description. */
 kvb_moe_route_cfg kvb_cu_moe_route_cfg_of(const kvb_model_desc *d);
 

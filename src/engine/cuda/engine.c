@@ -39,8 +39,8 @@ kvb_status kvb_cublas_fail(kvb_err *err, cublasStatus_t s, const char *what, con
                        "cuBLAS: %s failed: %s at %s:%d", what, cublasGetStatusString(s), base ? base + 1 : file, line);
 }
 
-kvb_status kvb_cu_gemm_ldx(cublasHandle_t h, const void *W, int rows, int cols, const void *X, int ldx, int n, float beta,
-                           void *Y, bool y_bf16, kvb_err *err) {
+kvb_status kvb_cu_gemm_ldx(cublasHandle_t h, const void *W, int rows, int cols, const void *X, int ldx, int n,
+                           float beta, void *Y, bool y_bf16, kvb_err *err) {
     const float alpha = 1.0f;
     cublasStatus_t s = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, W, CUDA_R_16BF, cols, X,
                                     CUDA_R_16BF, ldx, &beta, Y, y_bf16 ? CUDA_R_16BF : CUDA_R_32F, rows,
@@ -631,8 +631,8 @@ static kvb_status upload_weights(kvb_cuda_engine *e, kvb_pool *pool, kvb_err *er
                 break;
             if (L->moe) {
                 if ((st = upload_experts(e, &u, w, &L->w, err))) break;
-                if (w->exp_probs_b &&
-                    (st = upload_f32(w->exp_probs_b, d->n_expert, &L->exp_probs_b, &e->weight_bytes, "exp_probs_b", err)))
+                if (w->exp_probs_b && (st = upload_f32(w->exp_probs_b, d->n_expert, &L->exp_probs_b,
+                                                       &e->weight_bytes, "exp_probs_b", err)))
                     break;
                 if (d->n_ff_shexp && /* the shared expert, [gate; up] then down */
                     ((st = upload_mat(&u, &w->gate_shexp, 0, 0, 0, 0, L->w.m[BF_SH_GU], "ffn_gate_shexp", err)) ||
@@ -928,8 +928,8 @@ static kvb_status choose_weights(kvb_cuda_engine *e, kvb_err *err) {
         e->o.weights = mats + rest + spare <= fr ? KVB_CUDA_WEIGHTS_BF16 : KVB_CUDA_WEIGHTS_PACKED;
         if (e->mla && e->o.weights == KVB_CUDA_WEIGHTS_PACKED) /* latent attention: bf16 weights only */
             return kvb_err_set(err, KVB_ERR_NOMEM,
-                               "the weights in bf16 (%.2f GiB) with the cache and activations (%.2f GiB) do not fit the "
-                               "%.2f GiB free on device %d, and latent attention (%s) runs with bf16 weights only: "
+                               "the weights in bf16 (%.2f GiB) with the cache and activations (%.2f GiB) do not fit "
+                               "the %.2f GiB free on device %d, and latent attention (%s) runs with bf16 weights only: "
                                "generate a layer subset (gen-model --layers N) or lower --max-ctx",
                                mats / 1073741824.0, rest / 1073741824.0, fr / 1073741824.0, e->o.device,
                                e->m->d.arch_name);
@@ -1050,10 +1050,10 @@ kvb_status kvb_cu_engine_create_rank(const kvb_model *m, const kvb_cuda_opts *op
     if (e->moe && (st = kvb_cu_moe_gemm_from_env(&e->moe_gemm, err))) goto fail;
     if (rank != 0 && !o->hook_every_rank) o->layer_hook = NULL, o->layer_hook_ctx = NULL; /* rank 0's */
     while ((1u << e->bt_shift) < o->block_tokens) e->bt_shift++;
-    if ((st = d->mla ? kvb_kvformat_init_mla(&e->fmt, KVB_TYPE_BF16, o->block_tokens, d->n_layer, d->n_lora_kv,
-                                             d->n_rot, err)
-                     : kvb_kvformat_init(&e->fmt, KVB_TYPE_BF16, o->block_tokens, d->n_layer, e->nkv, d->head_dim, err)))
-        goto fail;
+    st = d->mla ? kvb_kvformat_init_mla(&e->fmt, KVB_TYPE_BF16, o->block_tokens, d->n_layer, d->n_lora_kv, d->n_rot,
+                                        err)
+                : kvb_kvformat_init(&e->fmt, KVB_TYPE_BF16, o->block_tokens, d->n_layer, e->nkv, d->head_dim, err);
+    if (st) goto fail;
     e->block_bytes = kvb_kvformat_block_bytes(&e->fmt);
     if ((st = device_setup(e, err))) goto fail;
     KVB_CU_GOTO(kvb_cu_attention_init());

@@ -221,7 +221,8 @@ kvb_status kvb_cu_mla_weights_upload(const kvb_model_desc *d, const kvb_layer_we
         if (ce != cudaSuccess) {
             *mats[i].dst = NULL;
             cudaGetLastError();
-            st = kvb_err_set(err, KVB_ERR_NOMEM, "GPU memory: cannot allocate %.3f GiB for latent attention weights: %s",
+            st = kvb_err_set(err, KVB_ERR_NOMEM,
+                             "GPU memory: cannot allocate %.3f GiB for latent attention weights: %s",
                              bytes / 1073741824.0, cudaGetErrorString(ce));
         } else if ((ce = cudaMemcpy(*mats[i].dst, host, bytes, cudaMemcpyHostToDevice)) != cudaSuccess) {
             st = kvb_cu_fail(err, ce, "cudaMemcpy (latent attention weights)", __FILE__, __LINE__);
@@ -260,7 +261,8 @@ kvb_status kvb_cu_mla_cache_rows(cublasHandle_t cb, cudaStream_t st, const kvb_m
     const mla_dims m = dims_of(d);
     const int RP = (int)(m.R + m.P);
     if (n > s->max_n)
-        return kvb_err_set(err, KVB_ERR_INTERNAL, "latent attention: %d tokens in a chunk, scratch for %d", n, s->max_n);
+        return kvb_err_set(err, KVB_ERR_INTERNAL, "latent attention: %d tokens in a chunk, scratch for %d", n,
+                           s->max_n);
     kvb_status rs = kvb_cu_gemm(cb, w->wkv_a, RP, (int)m.E, h, n, 0.0f, s->c, false, err); /* (n, R + P) f32 */
     if (rs) return rs;
     KVB_CU(kvb_cu_rmsnorm(s->c, (size_t)RP, n, (int)m.R, w->kv_a_norm, d->norm_eps, s->cn, (size_t)RP, NULL, st));

@@ -1,11 +1,12 @@
 /* engine/cuda/moe.cu — the mixture-of-experts kernels of the CUDA forward pass (qwen3moe, deepseek2):
- * the router's softmax or sigmoid / selection bias / group-limited top-k / renormalisation and scale
- * (one thread a token, moe_math.h's arithmetic, the CPU engine's order), the permutation of the (token, rank) slots by expert (counts, offsets, and a
- * stable compaction that keeps each expert's slots in slot order, tokens ascending, as the CPU
- * engine's counting sort does), the gather of the normed rows into that order, and the weighted
- * un-permute that adds each token's k expert outputs into the residual stream in rank order (one
- * thread an element: no atomics, the same bits every run). The expert GEMMs between them are
- * cuBLAS's (moe_ffn.c). Each kernel has a CPU twin in tests/test_cuda_moe.c. */
+ * the router's softmax or sigmoid / selection bias / group-limited top-k / renormalisation and
+ * scale (one thread a token, moe_math.h's arithmetic, the CPU engine's order), the permutation of
+ * the (token, rank) slots by expert (counts, offsets, and a stable compaction that keeps each
+ * expert's slots in slot order, tokens ascending, as the CPU engine's counting sort does), the
+ * gather of the normed rows into that order, and the weighted un-permute that adds each token's k
+ * expert outputs into the residual stream in rank order (one thread an element: no atomics, the
+ * same bits every run). The expert GEMMs between them are cuBLAS's (moe_ffn.c). Each kernel has a
+ * CPU twin in tests/test_cuda_moe.c. */
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -41,7 +42,8 @@ extern "C" cudaError_t kvb_cu_moe_route_cfg(float *logits, float *score, const f
     if (groups && (cfg->n_groups > KVB_MOE_MAX_GROUPS || X % cfg->n_groups || X / cfg->n_groups < 2 ||
                    cfg->n_groups_used < 1 || cfg->n_groups_used > cfg->n_groups))
         return cudaErrorInvalidValue;
-    moe_route_kernel<<<(n + 127) / 128, 128, 0, st>>>(logits, bias || groups ? score : NULL, bias, n, X, K, *cfg, sel, w);
+    float *sc = bias || groups ? score : NULL;
+    moe_route_kernel<<<(n + 127) / 128, 128, 0, st>>>(logits, sc, bias, n, X, K, *cfg, sel, w);
     return cudaGetLastError();
 }
 

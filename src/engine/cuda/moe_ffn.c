@@ -28,7 +28,9 @@ const char *kvb_cu_moe_gemm_name(kvb_cu_moe_gemm g) {
 }
 
 /* Byte sizes of the device buffers, in kvb_cu_moe_scratch's order from logits to d_ptrs. */
-enum { SB_LOGITS, SB_SCORE, SB_W, SB_SEL, SB_SLOT, SB_INV, SB_CNT, SB_OFF, SB_XP, SB_GUP, SB_ACTP, SB_YP, SB_PTRS, SB_COUNT };
+enum {
+    SB_LOGITS, SB_SCORE, SB_W, SB_SEL, SB_SLOT, SB_INV, SB_CNT, SB_OFF, SB_XP, SB_GUP, SB_ACTP, SB_YP, SB_PTRS, SB_COUNT
+};
 static void scratch_sizes(int max_n, int X, int K, int F, int E, size_t b[SB_COUNT]) {
     const size_t n = (size_t)max_n, slots = n * (size_t)K;
     b[SB_LOGITS] = b[SB_SCORE] = n * (size_t)X * 4;
@@ -59,9 +61,10 @@ kvb_status kvb_cu_moe_scratch_alloc(kvb_cu_moe_scratch *s, int max_n, int X, int
     *s = (kvb_cu_moe_scratch){.X = X, .K = K, .F = F, .E = E, .max_n = max_n};
     size_t b[SB_COUNT];
     scratch_sizes(max_n, X, K, F, E, b);
-    void **dst[SB_COUNT] = {(void **)&s->logits, (void **)&s->score, (void **)&s->w,    (void **)&s->sel,  (void **)&s->slot,
-                            (void **)&s->inv,    (void **)&s->cnt,  (void **)&s->off,  &s->xp,
-                            &s->gup,             &s->actp,          &s->yp,            (void **)&s->d_ptrs};
+    void **dst[SB_COUNT] = {(void **)&s->logits, (void **)&s->score, (void **)&s->w,   (void **)&s->sel,
+                            (void **)&s->slot,   (void **)&s->inv,   (void **)&s->cnt, (void **)&s->off,
+                            &s->xp,              &s->gup,            &s->actp,         &s->yp,
+                            (void **)&s->d_ptrs};
     for (int i = 0; i < SB_COUNT; i++) {
         cudaError_t ce = cudaMalloc(dst[i], b[i]);
         if (ce != cudaSuccess) {
@@ -91,7 +94,8 @@ kvb_status kvb_cu_moe_scratch_alloc(kvb_cu_moe_scratch *s, int max_n, int X, int
 }
 
 void kvb_cu_moe_scratch_free(kvb_cu_moe_scratch *s) {
-    void *d[] = {s->logits, s->score, s->w, s->sel, s->slot, s->inv, s->cnt, s->off, s->xp, s->gup, s->actp, s->yp, s->d_ptrs};
+    void *d[] = {s->logits, s->score, s->w,  s->sel, s->slot, s->inv,   s->cnt,
+                 s->off,    s->xp,    s->gup, s->actp, s->yp, s->d_ptrs};
     for (size_t i = 0; i < sizeof d / sizeof d[0]; i++) cudaFree(d[i]);
     if (s->h_off) cudaFreeHost(s->h_off);
     if (s->h_ptrs) cudaFreeHost(s->h_ptrs);
@@ -186,8 +190,8 @@ static kvb_status experts_grouped(cublasHandle_t h, cudaStream_t st, const kvb_c
     return rs;
 }
 
-kvb_status kvb_cu_moe_ffn(cublasHandle_t h, cudaStream_t st, const kvb_cu_moe_weights *w, const kvb_moe_route_cfg *route,
-                          const void *hin,
+kvb_status kvb_cu_moe_ffn(cublasHandle_t h, cudaStream_t st, const kvb_cu_moe_weights *w,
+                          const kvb_moe_route_cfg *route, const void *hin,
                           int n, float *x, kvb_cu_moe_scratch *s, kvb_cu_moe_gemm path, kvb_err *err) {
     if (n <= 0) return KVB_OK;
     if (n > s->max_n)

@@ -328,8 +328,9 @@ kvb_status kvb_cuda_test_moe_route_cfg(float *logits, const float *bias, uint32_
     dbufs b = {{0}, 0};
     void *dl, *ds, *dw, *dsc, *db = NULL;
     const size_t lb = (size_t)n * X * 4, kb = (size_t)n * K * 4;
-    if ((st = dput(&b, &dl, logits, lb, err)) || (st = dput(&b, &ds, sel, kb, err)) || (st = dput(&b, &dw, w, kb, err)) ||
-        (st = dput(&b, &dsc, NULL, lb, err)) || (bias && (st = dput(&b, &db, bias, (size_t)X * 4, err))))
+    if ((st = dput(&b, &dl, logits, lb, err)) || (st = dput(&b, &ds, sel, kb, err)) ||
+        (st = dput(&b, &dw, w, kb, err)) || (st = dput(&b, &dsc, NULL, lb, err)) ||
+        (bias && (st = dput(&b, &db, bias, (size_t)X * 4, err))))
         goto done;
     if ((st = fetch(kvb_cu_moe_route_cfg(dl, dsc, db, (int)n, (int)X, (int)K, cfg, ds, dw, 0), "kvb_cu_moe_route",
                     logits, dl, lb, err)) ||
@@ -444,9 +445,9 @@ kvb_status kvb_cuda_test_mla_kv_store(const float *c, const uint16_t *lat, uint3
         (st = dput(&b, &dpool, cache->pool, pool_bytes, err)) ||
         (st = dput(&b, &dblk, cache->blocks, (size_t)cache->n_table * 4, err)))
         goto done;
-    st = fetch(kvb_cu_mla_kv_store(dc, dlat, (int)n, (int)pos0, dcos, dsin, mla_cache_of(cache, dpool, dblk), (int)layer,
-                                   0),
-               "kvb_cu_mla_kv_store", cache->pool, dpool, pool_bytes, err);
+    const kvb_cu_mla_cache mc = mla_cache_of(cache, dpool, dblk);
+    st = fetch(kvb_cu_mla_kv_store(dc, dlat, (int)n, (int)pos0, dcos, dsin, mc, (int)layer, 0), "kvb_cu_mla_kv_store",
+               cache->pool, dpool, pool_bytes, err);
 done:
     dbufs_free(&b);
     return st;
@@ -487,8 +488,9 @@ kvb_status kvb_cuda_test_mla_expand(const kvb_cuda_test_mla_cache *cache, uint32
     if ((st = dput(&b, &dpool, cache->pool, probe.block_bytes * cache->n_pool_blocks, err)) ||
         (st = dput(&b, &dblk, cache->blocks, (size_t)cache->n_table * 4, err)) ||
         (st = dput(&b, &dup, up, (size_t)n_pos * H * (N + Vd) * 2, err)) ||
-        (st = dput(&b, &dlat, lat, (size_t)n_pos * RP * 2, err)) || (st = dput(&b, &dkv, NULL, n_blk * kv_block, err)) ||
-        (st = dput(&b, &dident, ident, n_blk * 4, err)) || (st = dput(&b, &dk, k_out, (size_t)H * n_pos * D * 2, err)) ||
+        (st = dput(&b, &dlat, lat, (size_t)n_pos * RP * 2, err)) ||
+        (st = dput(&b, &dkv, NULL, n_blk * kv_block, err)) || (st = dput(&b, &dident, ident, n_blk * 4, err)) ||
+        (st = dput(&b, &dk, k_out, (size_t)H * n_pos * D * 2, err)) ||
         (st = dput(&b, &dv, v_out, (size_t)H * n_pos * D * 2, err)))
         goto done;
     int shift = 0;
@@ -533,8 +535,10 @@ kvb_status kvb_cuda_test_mla_layer(const kvb_model *m, uint32_t layer, const uin
     const float *cs, *sn;
     kvb_rope_tables_layer(&rt, layer, &cs, &sn);
     if ((st = dput(&b, &dh, h, (size_t)n * E * 2, err)) || (st = dput(&b, &dx, x, (size_t)n * E * 4, err)) ||
-        (st = dput(&b, &dcos, cs, (size_t)n * half * 4, err)) || (st = dput(&b, &dsin, sn, (size_t)n * half * 4, err)) ||
-        (st = dput(&b, &dpool, NULL, block_bytes * n_blk, err)) || (st = dput(&b, &dblk, ident, (size_t)n_blk * 4, err)))
+        (st = dput(&b, &dcos, cs, (size_t)n * half * 4, err)) ||
+        (st = dput(&b, &dsin, sn, (size_t)n * half * 4, err)) ||
+        (st = dput(&b, &dpool, NULL, block_bytes * n_blk, err)) ||
+        (st = dput(&b, &dblk, ident, (size_t)n_blk * 4, err)))
         goto done;
     cudaError_t ie = kvb_cu_attention_init(); /* the tensor-core kernel's shared memory, as the engine sets it */
     if (ie != cudaSuccess) {
