@@ -26,8 +26,7 @@
  *    files, the experts expanded before each layer) == bf16 weights bit for bit;
  *  - DeepSeek's routing (test_route_deepseek): sigmoid with the selection bias in groups (tiny-mla's and
  *    DeepSeek-V3's shapes), softmax without (V2-Lite's): the kernel == moe_math.h's twin bit for bit,
- *    and the twin against the routing spelled out in double (probabilities, biased scores, best
- *    groups by their two best scores, top k, weights normalised and scaled): the same experts
+ *    and the twin against the float64 reference's routing (ref_route_deepseek): the same experts
  *    wherever the double scores' margins (top-k boundary, kept-group boundary) exceed 1e-5, weights
  *    within 1e-5 relative (the twin's exp is within 3 ulp; a softmax's f32 sum over 64 terms may
  *    lose up to 64 half-ulps, 3.8e-6; then a division, the renormalising sum and division, the scale);
@@ -606,72 +605,19 @@ static void test_moe_real_shapes(void **state) {
 
 /* ---- DeepSeek's routing ---------------------------------------------------------------------- */
 
-/* The routing of one token spelled out in double: probabilities, scores (plus bias), the kept groups,
- * the top k; sel (K) its experts, w (K) their weights; *margin the smallest of the top-k boundary's
- * score margin and the kept groups' boundary margin. */
+/* The routing of one token in float64 by the reference's ref_route_deepseek: sel (K) its experts, w
+ * (K) their weights, *margin the smallest score margin of a decision (top-k and kept-group boundaries). */
 static void route_double(const float *logit, const float *bias, int X, int K, const kvb_moe_route_cfg *c, int32_t *sel,
                          double *w, double *margin) {
-    double p[1024], sc[1024], gs[64];
-    bool keep[64];
-    for (int x = 0; x < X; x++) p[x] = c->gating == 2 ? 1.0 / (1.0 + exp(-(double)logit[x])) : (double)logit[x];
-    if (c->gating != 2) {
-        double mx = p[0], sum = 0;
-        for (int x = 1; x < X; x++) mx = p[x] > mx ? p[x] : mx;
-        for (int x = 0; x < X; x++) sum += (p[x] = exp(p[x] - mx));
-        for (int x = 0; x < X; x++) p[x] /= sum;
-    }
-    for (int x = 0; x < X; x++) sc[x] = p[x] + (bias ? (double)bias[x] : 0.0);
-    *margin = INFINITY;
-    if (c->n_groups > 1) {
-        const int G = c->n_groups, per = X / G;
-        for (int g = 0; g < G; g++) { /* the two best scores of the group */
-            double a = -INFINITY, b = -INFINITY;
-            for (int i = 0; i < per; i++) {
-                const double v = sc[g * per + i];
-                if (v > a) b = a, a = v;
-                else if (v > b) b = v;
-            }
-            gs[g] = a + b;
-            keep[g] = false;
-        }
-        for (int k = 0; k < c->n_groups_used; k++) {
-            int best = -1;
-            for (int g = 0; g < G; g++)
-                if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
-            keep[best] = true;
-        }
-        double lo = INFINITY, hi = -INFINITY; /* the weakest kept group, the strongest dropped one */
-        for (int g = 0; g < G; g++) {
-            if (keep[g] && gs[g] < lo) lo = gs[g];
-            if (!keep[g] && gs[g] > hi) hi = gs[g];
-        }
-        if (lo - hi < *margin) *margin = lo - hi;
-        for (int g = 0; g < G; g++)
-            if (!keep[g])
-                for (int i = 0; i < per; i++) sc[g * per + i] = -INFINITY;
-    }
-    double wsum = 0;
-    for (int k = 0; k < K; k++) {
-        int best = -1;
-        for (int x = 0; x < X; x++) {
-            bool taken = false;
-            for (int i = 0; i < k; i++) taken |= sel[i] == x;
-            if (!taken && (best < 0 || sc[x] > sc[best])) best = x;
-        }
-        sel[k] = best;
-        wsum += (w[k] = p[best]);
-    }
-    double next = -INFINITY;
-    for (int x = 0; x < X; x++) {
-        bool taken = false;
-        for (int i = 0; i < K; i++) taken |= sel[i] == x;
-        if (!taken && sc[x] > next) next = sc[x];
-    }
-    if (K < X && sc[sel[K - 1]] - next < *margin) *margin = sc[sel[K - 1]] - next;
-    for (int k = 0; k < K; k++) {
-        if (c->norm) w[k] /= wsum;
-        if (c->scale != 0.0f) w[k] *= c->scale;
-    }
+    ref_desc d;
+    memset(&d, 0, sizeof d);
+    d.n_expert = X, d.n_expert_used = K, d.gating = c->gating, d.n_groups = c->n_groups;
+    d.n_group_used = c->n_groups_used, d.expert_weights_norm = c->norm, d.expert_weights_scale = c->scale;
+    double p[1024], b[1024];
+    int s[16];
+    for (int x = 0; x < X; x++) p[x] = logit[x], b[x] = bias ? bias[x] : 0.0;
+    assert_int_equal(ref_route_deepseek(&d, p, bias ? b : NULL, s, w, margin), 0);
+    for (int k = 0; k < K; k++) sel[k] = s[k];
 }
 
 static void test_route_deepseek(void **state) {

@@ -1194,32 +1194,24 @@ done:
     return rc;
 }
 
-/* The experts of a deepseek2 MoE layer for the normed row h: probabilities (softmax or sigmoid),
- * selection scores (+ the bias) over the best groups, top-k, weights (normalised, scaled), the
- * routed sum plus the shared experts. o (n_embd); g, u (max(n_ff_exp, n_ff_shexp)) scratch;
- * gap: the selection-score margin at the top-k boundary is folded in. Returns 0 or -1. */
-static int mla_moe(const ref_desc *d, const ref_layer *y, const double *h, double *g, double *u, double *o,
-                   double *gap) {
-    const int E = d->n_embd, X = d->n_expert, K = d->n_expert_used;
-    double *pr = malloc((size_t)X * sizeof *pr), *sc = malloc((size_t)X * sizeof *sc),
-           *eo = malloc((size_t)E * sizeof *eo);
-    int *sel = malloc((size_t)K * sizeof *sel);
-    if (!pr || !sc || !eo || !sel) {
-        free(pr), free(sc), free(eo), free(sel);
+int ref_route_deepseek(const ref_desc *d, double *pr, const double *bias, int *sel, double *w, double *margin) {
+    const int X = d->n_expert, K = d->n_expert_used;
+    double *sc = malloc((size_t)X * sizeof *sc);
+    if (!sc || X < 1 || K < 1 || K > X || (d->n_groups > 1 && (d->n_groups > 256 || X % d->n_groups))) {
+        free(sc);
         return -1;
     }
-    matvec(y->gate_inp, NULL, h, pr, X, E);
     double mx = pr[0], sum = 0;
     for (int x = 1; x < X; x++) mx = pr[x] > mx ? pr[x] : mx;
     for (int x = 0; x < X; x++) sum += d->gating == 2 ? 0 : exp(pr[x] - mx);
     for (int x = 0; x < X; x++) pr[x] = d->gating == 2 ? 1.0 / (1.0 + exp(-pr[x])) : exp(pr[x] - mx) / sum;
-    for (int x = 0; x < X; x++) sc[x] = pr[x] + (y->exp_probs_b ? y->exp_probs_b[x] : 0.0);
-    double margin = INFINITY; /* the smallest selection-score margin of a routing decision */
+    for (int x = 0; x < X; x++) sc[x] = pr[x] + (bias ? bias[x] : 0.0);
+    *margin = INFINITY; /* the smallest selection-score margin of a routing decision */
     if (d->n_groups > 1) { /* keep the n_group_used groups whose two best scores sum highest */
         const int G = d->n_groups, per = X / G;
         double gs[256];
         bool kept[256] = {false};
-        for (int gi = 0; gi < G && gi < 256; gi++) {
+        for (int gi = 0; gi < G; gi++) {
             double b1 = -INFINITY, b2 = -INFINITY;
             for (int i = 0; i < per; i++) {
                 const double v = sc[gi * per + i];
@@ -1238,7 +1230,7 @@ static int mla_moe(const ref_desc *d, const ref_layer *y, const double *h, doubl
         }
         for (int gi = 0; gi < G; gi++)
             if (!kept[gi] && gs[gi] > best_dropped) best_dropped = gs[gi];
-        margin = last_kept - best_dropped; /* a group flip routes differently too */
+        *margin = last_kept - best_dropped; /* a group flip routes differently too */
         for (int gi = 0; gi < G; gi++)
             if (!kept[gi])
                 for (int i = 0; i < per; i++) sc[gi * per + i] = -INFINITY;
@@ -1247,19 +1239,42 @@ static int mla_moe(const ref_desc *d, const ref_layer *y, const double *h, doubl
     top_k(sc, X, K, sel);
     for (int k = 0; k < K; k++) wsum += pr[sel[k]];
     const double best_out = K < X ? best_unchosen(sc, X, sel, K) : -INFINITY;
-    if (K < X && sc[sel[K - 1]] - best_out < margin) margin = sc[sel[K - 1]] - best_out;
+    if (K < X && sc[sel[K - 1]] - best_out < *margin) *margin = sc[sel[K - 1]] - best_out;
+    for (int k = 0; k < K; k++) {
+        w[k] = d->expert_weights_norm ? pr[sel[k]] / wsum : pr[sel[k]];
+        if (d->expert_weights_scale != 0) w[k] *= d->expert_weights_scale;
+    }
+    free(sc);
+    return 0;
+}
+
+/* The experts of a deepseek2 MoE layer for the normed row h: the routing (ref_route_deepseek), the
+ * routed sum plus the shared experts. o (n_embd); g, u (max(n_ff_exp, n_ff_shexp)) scratch; gap: the
+ * selection-score margin of the routing is folded in (in router-logit units). Returns 0 or -1. */
+static int mla_moe(const ref_desc *d, const ref_layer *y, const double *h, double *g, double *u, double *o,
+                   double *gap) {
+    const int E = d->n_embd, X = d->n_expert, K = d->n_expert_used;
+    double *pr = malloc((size_t)X * sizeof *pr), *eo = malloc((size_t)E * sizeof *eo), *w = malloc((size_t)K * sizeof *w);
+    int *sel = malloc((size_t)K * sizeof *sel);
+    double margin;
+    if (!pr || !eo || !w || !sel) {
+        free(pr), free(eo), free(w), free(sel);
+        return -1;
+    }
+    matvec(y->gate_inp, NULL, h, pr, X, E);
+    if (ref_route_deepseek(d, pr, y->exp_probs_b, sel, w, &margin)) {
+        free(pr), free(eo), free(w), free(sel);
+        return -1;
+    }
     /* in router-logit units: a sigmoid probability moves at most a quarter of its logit's change */
     if (gap && (d->gating == 2 ? 4.0 * margin : margin) < *gap) *gap = d->gating == 2 ? 4.0 * margin : margin;
     for (int i = 0; i < E; i++) o[i] = 0;
     for (int k = 0; k < K; k++) {
-        const size_t x = (size_t)sel[k];
-        expert_swiglu(d, y, x, h, g, u, eo);
-        double wk = d->expert_weights_norm ? pr[x] / wsum : pr[x];
-        if (d->expert_weights_scale != 0) wk *= d->expert_weights_scale;
-        for (int i = 0; i < E; i++) o[i] += wk * eo[i];
+        expert_swiglu(d, y, (size_t)sel[k], h, g, u, eo);
+        for (int i = 0; i < E; i++) o[i] += w[k] * eo[i];
     }
     shared_expert_add(d, y, h, g, u, eo, o);
-    free(pr), free(sc), free(eo), free(sel);
+    free(pr), free(eo), free(w), free(sel);
     return 0;
 }
 

@@ -126,6 +126,14 @@ int ref_model_forward(ref_model *m, const int32_t *tokens, int n, double *logits
  * gap may route it differently, a discontinuity no logit tolerance covers. */
 int ref_model_forward_gaps(ref_model *m, const int32_t *tokens, int n, double *logits, double *gaps);
 
+/* deepseek2's routing of one token (d's expert fields) in float64: pr (n_expert) holds its router
+ * logits and receives the probabilities (softmax or sigmoid); the selection scores (plus bias, NULL
+ * or (n_expert)) over the n_group_used best groups (each scored by its two best) when d has groups;
+ * sel (n_expert_used) the top experts (largest first, lower index on a tie), w their weights
+ * (normalised when d says so, times its scale); *margin the smallest selection-score margin of a
+ * decision (the top-k boundary, the kept groups' boundary). Returns 0, or -1 for bad sizes. */
+int ref_route_deepseek(const ref_desc *d, double *pr, const double *bias, int *sel, double *w, double *margin);
+
 /* The K and V that layer `layer` computes for tokens[0..n) (positions 0..n-1): K after bias,
  * k-norm and RoPE; V after bias; before any cache encoding. k, v: (n, n_head_kv, head_dim).
  * Returns 0 or -1 as ref_model_forward. */
