@@ -26,9 +26,10 @@
  *    files, the experts expanded before each layer) == bf16 weights bit for bit;
  *  - DeepSeek's routing (test_route_deepseek): sigmoid with the selection bias in groups (tiny-mla's and
  *    DeepSeek-V3's shapes), softmax without (V2-Lite's): the kernel == moe_math.h's twin bit for bit,
- *    and the twin against the float64 reference's routing (ref_route_deepseek): the same experts
- *    wherever the double scores' margins (top-k boundary, kept-group boundary) exceed 1e-5, weights
- *    within 1e-5 relative (the twin's exp is within 3 ulp; a softmax's f32 sum over 64 terms may
+ *    and (host only: test_route_deepseek_twin runs without a GPU too) the twin against the float64
+ *    reference's routing (ref_route_deepseek): the same set of experts (two whose f32 scores tie may
+ *    swap ranks) wherever the double scores' margins (top-k boundary, kept-group boundary) exceed
+ *    1e-5, weights within 1e-5 relative (the twin's exp is within 3 ulp; a softmax's f32 sum over 64 terms may
  *    lose up to 64 half-ulps, 3.8e-6; then a division, the renormalising sum and division, the scale);
  *  - the latent attention's kernels (test_mla_kernels): the cache row store (normed latent as given,
  *    rope part rotated in pairs with the engine's products), the queries' rope, the gather of latent
@@ -620,71 +621,87 @@ static void route_double(const float *logit, const float *bias, int X, int K, co
     for (int k = 0; k < K; k++) sel[k] = s[k];
 }
 
-static void test_route_deepseek(void **state) {
-    (void)state;
-    kvbt_require_gpu();
-    const struct {
-        const char *what;
-        uint32_t X, K;
-        kvb_moe_route_cfg cfg;
-        bool bias;
-    } cases[] = {
-        {"tiny-mla (sigmoid, bias, 4 groups keep 2, norm, x2.5)", 8, 2, {2, 1, 2.5f, 4, 2}, true},
-        {"DeepSeek-V3 (sigmoid, bias, 8 groups keep 4, norm, x2.5)", 256, 8, {2, 1, 2.5f, 8, 4}, true},
-        {"DeepSeek-V2-Lite (softmax, no norm, x1)", 64, 6, {1, 0, 1.0f, 0, 0}, false},
-        {"sigmoid, no bias, 8 groups keep 3", 64, 4, {2, 0, 0.0f, 8, 3}, false},
-    };
-    for (size_t c = 0; c < KVB_ARRAY_LEN(cases); c++) {
-        const uint32_t X = cases[c].X, K = cases[c].K, n = 257;
-        const kvb_moe_route_cfg *cfg = &cases[c].cfg;
-        float *lg = xmalloc(sizeof(float) * n * X), *p = xmalloc(sizeof(float) * n * X), *bias = NULL;
-        float *sc = xmalloc(sizeof(float) * X);
-        float *w = xmalloc(sizeof(float) * n * K), *rw = xmalloc(sizeof(float) * n * K);
-        int32_t *sel = xmalloc(sizeof(int32_t) * n * K), *rsel = xmalloc(sizeof(int32_t) * n * K);
-        if (cases[c].bias) {
-            bias = xmalloc(sizeof(float) * X);
-            for (uint32_t x = 0; x < X; x++) bias[x] = 0.1f * rnd_normal();
+/* DeepSeek's routing shapes: tiny-mla's and V3's sigmoid with bias in groups, V2-Lite's softmax. */
+static const struct {
+    const char *what;
+    uint32_t X, K;
+    kvb_moe_route_cfg cfg;
+    bool bias;
+} ds_cases[] = {
+    {"tiny-mla (sigmoid, bias, 4 groups keep 2, norm, x2.5)", 8, 2, {2, 1, 2.5f, 4, 2}, true},
+    {"DeepSeek-V3 (sigmoid, bias, 8 groups keep 4, norm, x2.5)", 256, 8, {2, 1, 2.5f, 8, 4}, true},
+    {"DeepSeek-V2-Lite (softmax, no norm, x1)", 64, 6, {1, 0, 1.0f, 0, 0}, false},
+    {"sigmoid, no bias, 8 groups keep 3", 64, 4, {2, 0, 0.0f, 8, 3}, false},
+};
+
+/* ds_cases[c] on fresh random logits: the twin against the float64 reference's routing, and with
+ * on_gpu the kernel against the twin bit for bit. */
+static void route_deepseek_case(size_t c, bool on_gpu) {
+    const uint32_t X = ds_cases[c].X, K = ds_cases[c].K, n = 257;
+    const kvb_moe_route_cfg *cfg = &ds_cases[c].cfg;
+    const char *what = ds_cases[c].what;
+    float *lg = xmalloc(sizeof(float) * n * X), *p = xmalloc(sizeof(float) * n * X), *bias = NULL;
+    float *sc = xmalloc(sizeof(float) * X), *rp = xmalloc(sizeof(float) * n * X);
+    float *w = xmalloc(sizeof(float) * n * K), *rw = xmalloc(sizeof(float) * n * K);
+    int32_t *sel = xmalloc(sizeof(int32_t) * n * K), *rsel = xmalloc(sizeof(int32_t) * n * K);
+    if (ds_cases[c].bias) {
+        bias = xmalloc(sizeof(float) * X);
+        for (uint32_t x = 0; x < X; x++) bias[x] = 0.1f * rnd_normal();
+    }
+    for (size_t i = 0; i < (size_t)n * X; i++) lg[i] = 2.0f * rnd_normal();
+    memcpy(rp, lg, sizeof(float) * n * X);
+    int checked = 0;
+    double worst_w = 0;
+    for (uint32_t t = 0; t < n; t++) {
+        float *pt = rp + (size_t)t * X;
+        kvb_moe_route_one_cfg(pt, bias || cfg->n_groups > 1 ? sc : pt, bias, (int)X, (int)K, cfg, rsel + (size_t)t * K,
+                              rw + (size_t)t * K);
+        int32_t dsel[16];
+        double dw[16], margin;
+        route_double(lg + (size_t)t * X, bias, (int)X, (int)K, cfg, dsel, dw, &margin);
+        if (margin <= 1e-5) continue;
+        checked++;
+        for (uint32_t k = 0; k < K; k++) { /* the same set of experts (two whose f32 scores tie may swap ranks) */
+            uint32_t j = 0;
+            while (j < K && dsel[j] != rsel[t * K + k]) j++;
+            if (j == K)
+                fail_msg("%s token %u rank %u: twin expert %d, not among the double's (margin %.3g)", what, t, k,
+                         rsel[t * K + k], margin);
+            const double rel = fabs(rw[t * K + k] - dw[j]) / fabs(dw[j]);
+            if (rel > worst_w) worst_w = rel;
+            if (!(rel <= 1e-5))
+                fail_msg("%s token %u expert %d: twin weight %.9g, double %.9g", what, t, rsel[t * K + k],
+                         rw[t * K + k], dw[j]);
         }
-        for (size_t i = 0; i < (size_t)n * X; i++) lg[i] = 2.0f * rnd_normal();
+    }
+    assert_true(checked >= (int)n / 2);
+    print_message("router %s: twin vs float64 on %d of %u tokens: same experts, weights within %.3g relative (limit "
+                  "1e-5)\n",
+                  what, checked, n, worst_w);
+    if (on_gpu) {
         memcpy(p, lg, sizeof(float) * n * X);
         memset(sel, 0xFF, sizeof(int32_t) * n * K);
         memset(w, 0xFF, sizeof(float) * n * K);
         kvb_err err = {0};
-        if (kvb_cuda_test_moe_route_cfg(p, bias, n, X, K, cfg, sel, w, &err))
-            fail_msg("%s: %s", cases[c].what, err.msg);
-        float *rp = xmalloc(sizeof(float) * n * X);
-        memcpy(rp, lg, sizeof(float) * n * X);
-        int checked = 0;
-        double worst_w = 0;
-        for (uint32_t t = 0; t < n; t++) {
-            float *pt = rp + (size_t)t * X;
-            kvb_moe_route_one_cfg(pt, bias || cfg->n_groups > 1 ? sc : pt, bias, (int)X, (int)K, cfg,
-                                  rsel + (size_t)t * K, rw + (size_t)t * K);
-            int32_t dsel[16];
-            double dw[16], margin;
-            route_double(lg + (size_t)t * X, bias, (int)X, (int)K, cfg, dsel, dw, &margin);
-            if (margin <= 1e-5) continue;
-            checked++;
-            for (uint32_t k = 0; k < K; k++) {
-                if (rsel[t * K + k] != dsel[k])
-                    fail_msg("%s token %u rank %u: twin expert %d, double %d (margin %.3g)", cases[c].what, t, k,
-                             rsel[t * K + k], dsel[k], margin);
-                const double rel = fabs(rw[t * K + k] - dw[k]) / fabs(dw[k]);
-                if (rel > worst_w) worst_w = rel;
-                if (!(rel <= 1e-5))
-                    fail_msg("%s token %u rank %u: twin weight %.9g, double %.9g", cases[c].what, t, k,
-                             rw[t * K + k], dw[k]);
-            }
-        }
-        if (memcmp(p, rp, sizeof(float) * n * X)) fail_msg("%s: probabilities differ from the twin", cases[c].what);
-        if (memcmp(sel, rsel, sizeof(int32_t) * n * K)) fail_msg("%s: experts differ from the twin", cases[c].what);
-        if (memcmp(w, rw, sizeof(float) * n * K)) fail_msg("%s: weights differ from the twin", cases[c].what);
-        assert_true(checked >= (int)n / 2);
-        print_message("router %s: %u tokens bit for bit with the twin; twin vs double on %d: same experts, weights "
-                      "within %.3g relative (limit 1e-5)\n",
-                      cases[c].what, n, checked, worst_w);
-        free(lg), free(p), free(rp), free(bias), free(sc), free(w), free(rw), free(sel), free(rsel);
+        if (kvb_cuda_test_moe_route_cfg(p, bias, n, X, K, cfg, sel, w, &err)) fail_msg("%s: %s", what, err.msg);
+        if (memcmp(p, rp, sizeof(float) * n * X)) fail_msg("%s: probabilities differ from the twin", what);
+        if (memcmp(sel, rsel, sizeof(int32_t) * n * K)) fail_msg("%s: experts differ from the twin", what);
+        if (memcmp(w, rw, sizeof(float) * n * K)) fail_msg("%s: weights differ from the twin", what);
+        print_message("router %s: the kernel == the twin on %u tokens, bit for bit\n", what, n);
     }
+    free(lg), free(p), free(rp), free(bias), free(sc), free(w), free(rw), free(sel), free(rsel);
+}
+
+/* Host only (runs without a GPU too): moe_math.h's routing against the float64 reference's. */
+static void test_route_deepseek_twin(void **state) {
+    (void)state;
+    for (size_t c = 0; c < KVB_ARRAY_LEN(ds_cases); c++) route_deepseek_case(c, false);
+}
+
+static void test_route_deepseek(void **state) {
+    (void)state;
+    kvbt_require_gpu();
+    for (size_t c = 0; c < KVB_ARRAY_LEN(ds_cases); c++) route_deepseek_case(c, true);
 }
 
 /* ---- latent attention kernels ---------------------------------------------------------------- */
@@ -984,7 +1001,8 @@ int main(void) {
         cmocka_unit_test(test_expf),          cmocka_unit_test(test_route),
         cmocka_unit_test(test_permute),       cmocka_unit_test(test_unpermute),
         cmocka_unit_test(test_ffn),           cmocka_unit_test(test_tiny_moe_engine),
-        cmocka_unit_test(test_tiny_moe_packed), cmocka_unit_test(test_route_deepseek),
+        cmocka_unit_test(test_tiny_moe_packed), cmocka_unit_test(test_route_deepseek_twin),
+        cmocka_unit_test(test_route_deepseek),
         cmocka_unit_test(test_mla_kernels),     cmocka_unit_test(test_mla_layer),
         cmocka_unit_test(test_tiny_mla_engine),
         cmocka_unit_test(test_moe_real_shapes),
