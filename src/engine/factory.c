@@ -54,6 +54,8 @@ kvb_status kvb_prefill_engine_create(const kvb_model *m, const kvb_prefill_opts 
     if (st) return st;
     if (o->bridge && !o->bridge_fmt)
         return kvb_err_set(err, KVB_ERR_INVALID, "a bridge needs the decoder's cache format");
+    if (o->device != KVB_DEVICE_CPU && o->bridge && m->d.mla) /* the engine runs MLA; its bridge kernel not yet */
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "the CUDA bridge does not compute a latent (MLA) cache yet");
     kvb_prefill_engine *e = NULL;
     if ((st = open(m, o, &e, err))) return st;
     e->o = *o;
