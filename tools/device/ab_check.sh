@@ -36,15 +36,7 @@ abs() { case $1 in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
 A=$(abs "$A")
 B=$(abs "$B")
 # cuBLAS 13 from the toolkit or PyTorch's wheels, cuDNN for the fused attention (dlopen)
-for d in /usr/local/cuda/lib64 $(python3 -c 'import importlib,os
-for m in ("nvidia.cu13","nvidia.cublas","nvidia"):
-    try:
-        for p in importlib.import_module(m).__path__:
-            for r,_,f in os.walk(p):
-                if "libcublas.so.13" in f: print(r)
-    except Exception: pass' 2>/dev/null); do
-  if [ -e "$d/libcublas.so.13" ]; then export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; break; fi
-done
+. "$(dirname "$0")/cublas_env.sh"
 . "$(dirname "$0")/cudnn_env.sh"
 with() { LD_LIBRARY_PATH="$1/lib:$LD_LIBRARY_PATH" "${@:2}"; } # with BUILD CMD...: its own libraries
 say "ab_check on $(hostname): $(nproc) CPUs; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)"

@@ -27,15 +27,7 @@ LOG=$OUT/moe.txt
 left() { echo $((DEADLINE - ($(date +%s) - T0) - 5)); }
 say() { echo "[$(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
 case $B in /*) ;; *) B=$PWD/$B ;; esac
-for d in /usr/local/cuda/lib64 $(python3 -c 'import importlib,os
-for m in ("nvidia.cu13","nvidia.cublas","nvidia"):
-    try:
-        for p in importlib.import_module(m).__path__:
-            for r,_,f in os.walk(p):
-                if "libcublas.so.13" in f: print(r)
-    except Exception: pass' 2>/dev/null); do
-  if [ -e "$d/libcublas.so.13" ]; then export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; break; fi
-done
+. "$(dirname "$0")/cublas_env.sh"
 . "$(dirname "$0")/cudnn_env.sh"
 export LD_LIBRARY_PATH="$B/lib:$LD_LIBRARY_PATH"
 want() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
