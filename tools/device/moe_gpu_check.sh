@@ -9,7 +9,7 @@
 #
 #   B=DIR tools/device/moe_gpu_check.sh
 #
-# STAGES (default "tests verify bench peer real"; "verify30" adds `kvbridge verify --device cuda -m` on the
+# GEMMS (default "loop grouped": the bench stage's MoE GEMM ways), STAGES (default "tests verify bench peer real"; "verify30" adds `kvbridge verify --device cuda -m` on the
 # 30B file: the CUDA bridge's rows against the CPU decoder's on the real shape), SIZES (default 8192,32768), TYPE of the 30B file
 # (default q8_0: 32 GB on disk, expanded to bf16 on the GPU), DEADLINE (seconds, default 570).
 # Logs under $OUT (default /tmp/kvb-moe-check): moe.txt is the summary.
@@ -59,7 +59,7 @@ if [ -n "$GEN" ]; then
   say "30B file: $(du -h "$BIG" | cut -f1)"
 fi
 if want bench && [ -s "$BIG" ]; then
-  for g in loop grouped; do
+  for g in ${GEMMS:-loop grouped}; do
     [ "$(left)" -gt 60 ] || { say "bench $g: skipped (out of time)"; continue; }
     say "bench prefill --device cuda, qwen3-30b-a3b $TYPE at $SIZES, KVB_CUDA_MOE_GEMM=$g"
     KVB_CUDA_MOE_GEMM=$g timeout "$(left)" "$B/kvbridge" bench prefill --device cuda -m "$BIG" --tokens "$SIZES" \
