@@ -2,9 +2,12 @@
  * bit-identical to the CPU's kvb_kv_produce (the decoder's own arithmetic, fed each layer's own
  * RoPE table exactly as the CPU engine feeds it: kvb_rope_tables) on fresh random attention
  * inputs, for every architecture (llama, qwen2 bias, qwen3 k-norm, llama3 rope scaling, gemma3
- * k-norm with local layers rotating with their own base), every weight type (Q8_0, Q4_0, Q5_0,
- * F16, BF16, F32) and every cache dtype (f32, f16, bf16, q8_0), every layer. The test-only
- * perturbation is reproduced bit for bit too and changes the f32 rows, so the comparison can fail.
+ * k-norm with local layers rotating with their own base, deepseek2's latent row: attn_kv_a_mqa,
+ * the latent normed with attn_kv_a_norm, the rope part rotated in pairs with YaRN frequencies, no
+ * V), every weight type (Q8_0, Q4_0, Q5_0, F16, BF16, F32) and every cache dtype (f32, f16, bf16,
+ * q8_0), every layer, over two chunks in a row at positions past 0 (the second reusing the
+ * bridge's buffers with a new RoPE table). The test-only perturbation is reproduced bit for bit
+ * too and changes the f32 rows, so the comparison can fail.
  * K/V weights of a type the kernels do not reproduce (the K-quants) are refused at creation (that
  * check needs no device). Label `gpu`; the others skip without a device. */
 #include <setjmp.h>
@@ -32,37 +35,49 @@ static void need_device(void) {
     }
 }
 
-/* Compares CPU kv_produce and the CUDA bridge on every layer; returns identical (layer x K/V) rows
- * sets, and *total. */
+/* Compares CPU kv_produce and the CUDA bridge on every layer of two chunks (37 tokens from 5, 21
+ * from 42); returns identical (chunk x layer x K/V) row sets (K alone for a latent cache), and
+ * *total. */
 static int compare(kvb_model *m, uint32_t dtype, bool perturb, uint64_t seed, int *total) {
-    const uint32_t n = 37, pos0 = 5, E = m->d.n_embd;
-    const size_t rows = (size_t)n * m->d.n_head_kv * kvb_row_bytes(dtype, m->d.head_dim);
-    float *h = malloc(sizeof(float) * n * E);
+    const uint32_t n_max = 37, chunks[2][2] = {{5, 37}, {42, 21}}, E = m->d.n_embd; /* (pos0, n) */
+    const size_t rows = (size_t)n_max * m->d.n_head_kv * kvb_row_bytes(dtype, m->d.head_dim);
+    float *h = malloc(sizeof(float) * n_max * E);
     uint8_t *ck = malloc(rows), *cv = malloc(rows), *gk = malloc(rows), *gv = malloc(rows);
-    void *scratch = kvb_aligned_alloc(64, kvb_kv_produce_scratch_bytes(m, n));
+    void *scratch = kvb_aligned_alloc(64, kvb_kv_produce_scratch_bytes(m, n_max));
     kvb_rng r;
     kvb_rng_seed(&r, seed);
-    for (size_t i = 0; i < (size_t)n * E; i++) h[i] = kvb_rng_normal(&r);
     kvb_err err = {0};
     kvb_rope_tables rope; /* the CPU engine's per-layer-kind tables, filled as its forward fills them */
-    if (kvb_rope_tables_init(&rope, m, n, &err)) fail_msg("%s", err.msg);
-    kvb_rope_tables_fill(&rope, pos0, n);
+    if (kvb_rope_tables_init(&rope, m, n_max, &err)) fail_msg("%s", err.msg);
     kvb_bridge_cuda *b = NULL;
-    if (kvb_bridge_cuda_create(m, dtype, n, &b, &err)) fail_msg("%s", err.msg);
+    if (kvb_bridge_cuda_create(m, dtype, n_max, &b, &err)) fail_msg("%s", err.msg);
     kvb_bridge_cuda_set_perturbed(b, perturb);
     int same = 0;
     *total = 0;
-    for (uint32_t l = 0; l < m->d.n_layer; l++) {
-        const float *cs, *sn;
-        kvb_rope_tables_layer(&rope, l, &cs, &sn);
-        kvb_kv_produce_args a = {m, l, dtype, NULL, cs, sn, perturb};
-        kvb_kv_produce(&a, h, n, scratch, ck, cv);
-        memset(gk, 0xA5, rows); /* poisoned: an unwritten byte fails */
-        memset(gv, 0xA5, rows);
-        if (kvb_bridge_cuda_layer(b, l, pos0, n, h, gk, gv, &err)) fail_msg("%s", err.msg);
-        same += memcmp(ck, gk, rows) == 0;
-        same += memcmp(cv, gv, rows) == 0;
-        *total += 2;
+    for (int c = 0; c < 2; c++) {
+        const uint32_t pos0 = chunks[c][0], n = chunks[c][1];
+        const size_t rows_c = (size_t)n * m->d.n_head_kv * kvb_row_bytes(dtype, m->d.head_dim);
+        for (size_t i = 0; i < (size_t)n * E; i++) h[i] = kvb_rng_normal(&r);
+        kvb_rope_tables_fill(&rope, pos0, n);
+        for (uint32_t l = 0; l < m->d.n_layer; l++) {
+            const float *cs, *sn;
+            kvb_rope_tables_layer(&rope, l, &cs, &sn);
+            kvb_kv_produce_args a = {m, l, dtype, NULL, cs, sn, perturb};
+            kvb_kv_produce(&a, h, n, scratch, ck, cv);
+            memset(gk, 0xA5, rows); /* poisoned: an unwritten byte fails */
+            memset(gv, 0xA5, rows);
+            if (kvb_bridge_cuda_layer(b, l, pos0, n, h, gk, gv, &err)) fail_msg("%s", err.msg);
+            same += memcmp(ck, gk, rows_c) == 0;
+            *total += 1;
+            if (m->d.mla) { /* a latent row has no V: nothing may be written there */
+                bool untouched = true;
+                for (size_t i = 0; i < rows; i++) untouched &= gv[i] == 0xA5;
+                same += untouched;
+            } else {
+                same += memcmp(cv, gv, rows_c) == 0;
+            }
+            *total += 1;
+        }
     }
     kvb_bridge_cuda_free(b);
     free(h);
@@ -89,7 +104,7 @@ static kvb_model *gen_load(const char *preset, uint32_t wtype, uint64_t seed, co
 static void test_bridge_bit_exact(void **state) {
     (void)state;
     need_device();
-    const char *presets[] = {"tiny", "tiny-qwen2", "tiny-qwen3", "tiny-llama3", "tiny-gemma3"};
+    const char *presets[] = {"tiny", "tiny-qwen2", "tiny-qwen3", "tiny-llama3", "tiny-gemma3", "tiny-mla"};
     const uint32_t wtypes[] = {KVB_TYPE_Q8_0, KVB_TYPE_Q4_0, KVB_TYPE_Q5_0, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_F32};
     const uint32_t dtypes[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0};
     uint64_t seed = (uint64_t)time(NULL);
@@ -112,7 +127,7 @@ static void test_bridge_bit_exact(void **state) {
             for (size_t c = 0; c < 4; c++) {
                 int total, same = compare(m, dtypes[c], false, seed + 100 * p + 10 * w + c, &total);
                 if (same != total)
-                    print_error("%s %s weights, %s cache: %d/%d (layer x K/V) identical (seed %llu)\n", presets[p],
+                    print_error("%s %s weights, %s cache: %d/%d (chunk x layer x K/V) identical (seed %llu)\n", presets[p],
                                 kvb_type_name(wtypes[w]), kvb_type_name(dtypes[c]), same, total,
                                 (unsigned long long)seed);
                 rows += total;
@@ -120,20 +135,25 @@ static void test_bridge_bit_exact(void **state) {
             }
             kvb_model_free(m);
         }
-    print_message("cuda bridge vs cpu kv_produce: %d/%d (layer x K/V) row sets bit-identical\n", ok, rows);
+    print_message("cuda bridge vs cpu kv_produce: %d/%d (chunk x layer x K/V) row sets bit-identical\n", ok, rows);
     assert_int_equal(ok, rows);
 }
 
 static void test_bridge_perturbation(void **state) {
     (void)state;
     need_device();
-    kvb_model *m = gen_load("tiny", KVB_TYPE_F16, 3, "pert.gguf");
-    int total = 0;
-    /* the perturbed GPU kernel equals the perturbed CPU arithmetic... */
-    const int same = compare(m, KVB_TYPE_F32, true, 9, &total);
-    assert_true(total > 0);
-    assert_int_equal(same, total);
-    kvb_model_free(m);
+    const char *presets[] = {"tiny", "tiny-mla"};
+    for (size_t p = 0; p < KVB_ARRAY_LEN(presets); p++) {
+        char file[64];
+        snprintf(file, sizeof file, "pert-%s.gguf", presets[p]);
+        kvb_model *m = gen_load(presets[p], KVB_TYPE_F16, 3, file);
+        int total = 0;
+        /* the perturbed GPU kernel equals the perturbed CPU arithmetic... */
+        const int same = compare(m, KVB_TYPE_F32, true, 9, &total);
+        assert_true(total > 0);
+        assert_int_equal(same, total);
+        kvb_model_free(m);
+    }
 }
 /* K-quant K/V weights: refused with a message at creation (the kernels would not reproduce them) */
 static void test_bridge_refuses_kquants(void **state) {

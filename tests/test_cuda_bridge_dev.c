@@ -4,11 +4,11 @@
  * last stage, weight-row counts and token counts that are not multiples of the 32 x 32 tile —
  * for every quantised weight type it takes; (2) the prefill node's device-input path
  * (kvb_bridge_cuda_enqueue/flush: attention inputs already on the GPU, rows shipped one layer
- * late from pinned slots), checking every shipped row set and the order they arrive in, on qwen3
- * and on gemma3 (each layer rotates with its own kind's RoPE table: local layers have their own
- * base); (3) the tensor-core path's activation quantiser against kvb_quantize_act, with zero,
+ * late from pinned slots), checking every shipped row set and the order they arrive in, on qwen3,
+ * on gemma3 (each layer rotates with its own kind's RoPE table: local layers have their own
+ * base) and on deepseek2 (latent rows, no V); (3) the tensor-core path's activation quantiser against kvb_quantize_act, with zero,
  * NaN, infinite, subnormal and clamping blocks; (4) the post kernel's 16-lanes-per-row form against
- * its one-thread-per-row form. Output buffers are poisoned, so an unwritten byte fails. Label
+ * its one-thread-per-row form; (5) deepseek2's latent rows on the V2-Lite shape (576 values). Output buffers are poisoned, so an unwritten byte fails. Label
  * `gpu`; skips without a device. */
 #include <math.h>
 #include <setjmp.h>
@@ -156,6 +156,80 @@ static void test_mma_wide_shapes(void **state) {
     assert_int_equal(ok, total);
 }
 
+/* deepseek2's latent row on DeepSeek-V2-Lite's (and V3's) shape, E 2048, R 512 + P 64 with V2-Lite's
+ * YaRN (factor 40 over 4,096 positions): one layer in memory, attn_kv_a_mqa (576, E) of wtype and
+ * attn_kv_a_norm, against kvb_kv_produce's mla_produce. 576 values take the post kernel's
+ * one-thread-per-row form (the f32 row, 295 KB of shared memory per CTA with a V part, fits
+ * without one) and the tensor-core projection 72 weight tiles of 8 rows. */
+static void test_mla_wide_rows(void **state) {
+    (void)state;
+    need_device();
+    const uint32_t E = 2048, R = 512, P = 64, RP = R + P;
+    const uint32_t wtypes[] = {KVB_TYPE_Q8_0, KVB_TYPE_BF16};
+    const uint32_t dtypes[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0};
+    const uint32_t ns[] = {1, 37, 100}, pos0s[] = {0, 4000, 70000}; /* the last past the YaRN context */
+    uint64_t seed = (uint64_t)time(NULL);
+    kvb_rng r;
+    kvb_rng_seed(&r, seed);
+    int ok = 0, total = 0;
+    for (size_t w = 0; w < 2; w++) {
+        kvb_model m;
+        kvb_layer_weights L;
+        memset(&m, 0, sizeof m);
+        memset(&L, 0, sizeof L);
+        kvb_model_desc *d = &m.d;
+        d->arch = KVB_ARCH_DEEPSEEK2;
+        d->mla = true;
+        d->n_embd = E, d->n_layer = 1, d->n_head = 16, d->n_head_kv = 1, d->head_dim = RP, d->n_rot = P;
+        d->n_lora_kv = R, d->head_dim_k_mla = 192, d->head_dim_v_mla = 128, d->n_vocab = 32;
+        d->rope_freq_base = 10000.0f, d->norm_eps = 1e-6f;
+        d->rope_yarn_factor = 40.0f, d->rope_orig_ctx = 4096, d->rope_yarn_log_mul = 0.707f;
+        d->rope_attn_factor = 1.0f, d->yarn_beta_fast = 32.0f, d->yarn_beta_slow = 1.0f;
+        const size_t rb = kvb_row_bytes(wtypes[w], E);
+        uint8_t *wkv = malloc(RP * rb);
+        float *tmp = malloc(sizeof(float) * E), *norm = malloc(sizeof(float) * R);
+        for (uint32_t i = 0; i < RP; i++) {
+            for (uint32_t j = 0; j < E; j++) tmp[j] = 0.03f * kvb_rng_normal(&r);
+            kvb_f32_to_row(wtypes[w], tmp, wkv + i * rb, E);
+        }
+        for (uint32_t i = 0; i < R; i++) norm[i] = 1.0f + 0.05f * kvb_rng_normal(&r);
+        L.wkv_a = (kvb_mat){.data = wkv, .type = wtypes[w], .cols = E, .rows = RP, .row_bytes = rb};
+        L.kv_a_norm = norm;
+        m.layers = &L;
+        for (size_t c = 0; c < 4; c++) {
+            kvb_bridge_cuda *b = NULL;
+            kvb_err err = {0};
+            if (kvb_bridge_cuda_create(&m, dtypes[c], 100, &b, &err)) fail_msg("%s", err.msg);
+            for (size_t k = 0; k < 3; k++) {
+                const uint32_t n = ns[k], pos0 = pos0s[k];
+                const size_t rows = (size_t)n * kvb_row_bytes(dtypes[c], RP);
+                float *h = malloc(sizeof(float) * n * E);
+                uint8_t *ck = malloc(rows), *cv = malloc(rows), *gk = malloc(rows), *gv = malloc(rows);
+                for (size_t i = 0; i < (size_t)n * E; i++) h[i] = kvb_rng_normal(&r);
+                cpu_rows(&m, 0, dtypes[c], pos0, n, h, ck, cv);
+                memset(gk, 0xA5, rows);
+                memset(gv, 0x5A, rows);
+                if (kvb_bridge_cuda_layer(b, 0, pos0, n, h, gk, gv, &err)) fail_msg("%s", err.msg);
+                bool v_untouched = true;
+                for (size_t i = 0; i < rows; i++) v_untouched &= gv[i] == 0x5A;
+                const int same = (memcmp(ck, gk, rows) == 0) + v_untouched;
+                if (same != 2)
+                    print_error("latent rows, %s weights, %s cache, %u tokens from %u: %s%s (seed %llu)\n",
+                                kvb_type_name(wtypes[w]), kvb_type_name(dtypes[c]), n, pos0,
+                                memcmp(ck, gk, rows) ? "rows differ" : "rows identical",
+                                v_untouched ? "" : ", V rows written", (unsigned long long)seed);
+                ok += same;
+                total += 2;
+                free(h), free(ck), free(cv), free(gk), free(gv);
+            }
+            kvb_bridge_cuda_free(b);
+        }
+        free(wkv), free(tmp), free(norm);
+    }
+    print_message("latent rows on the V2-Lite shape vs cpu kv_produce: %d/%d checks bit-identical\n", ok, total);
+    assert_int_equal(ok, total);
+}
+
 /* What the ship callback saw. deferred: it returns tickets, and the rows are checked when the
  * bridge says they were sent, so a slot handed back (and refilled) too early shows as wrong rows. */
 #define SHIP_LOG_MAX 256
@@ -174,7 +248,7 @@ static void check_rows(ship_log *s, uint32_t i, const uint8_t *k, const uint8_t 
     const size_t rows = (size_t)n * s->m->d.n_head_kv * kvb_row_bytes(s->dtype, s->m->d.head_dim);
     uint8_t *ck = malloc(rows), *cv = malloc(rows);
     cpu_rows(s->m, i % L, s->dtype, (i / L) * n, n, s->h_all + (size_t)i * n * s->m->d.n_embd, ck, cv);
-    if (memcmp(ck, k, rows) || memcmp(cv, v, rows)) s->bad_rows++;
+    if (memcmp(ck, k, rows) || (!s->m->d.mla && memcmp(cv, v, rows))) s->bad_rows++; /* a latent row: K alone */
     free(ck);
     free(cv);
 }
@@ -264,6 +338,7 @@ static void test_enqueue_path(void **state) {
         print_message("shipping %s\n", shipper ? "on the bridge's thread (KVB_BRIDGE_SHIPPER=1)" : "inline");
         enqueue_path("tiny-qwen3", false, shipper);
         enqueue_path("tiny-gemma3", false, shipper); /* 5 local + 1 global layers: two RoPE tables */
+        enqueue_path("tiny-mla", false, shipper);    /* deepseek2: latent rows, no V */
         enqueue_path("tiny-qwen3", true, shipper);   /* the slot held until its rows were sent */
     }
     unsetenv("KVB_BRIDGE_SHIPPER");
@@ -336,15 +411,20 @@ static void test_quantize_act_i8(void **state) {
 
 /* The post kernel's two forms (kvb_bk_post: 16 lanes per row, and one thread per row with serial
  * set) byte for byte, on shapes both take — neox and interleaved RoPE, partial rotary, with and
- * without k-norm and biases, every cache type — with NaNs, infinities and large values among the
- * inputs, a row count that leaves half a CTA idle, and outputs poisoned differently each time. */
+ * without k-norm and biases, every cache type; the norm over a leading part of the row and the
+ * rotation of a later part, with and without V (deepseek2's latent row: norm over R, rotation of
+ * the last P, no V) — with NaNs, infinities and large values among the inputs, a row count that
+ * leaves half a CTA idle, and outputs poisoned differently each time. */
 static void test_post_paths(void **state) {
     (void)state;
     need_device();
     const struct {
-        int hd, n_rot, neox, knorm, bias;
-    } shapes[] = {{64, 64, 1, 1, 1}, {64, 64, 0, 0, 0}, {128, 128, 0, 1, 1},
-                  {80, 32, 1, 0, 1}, {256, 256, 1, 1, 0}, {96, 64, 0, 1, 1}};
+        int hd, n_rot, neox, knorm, bias, norm_dim, rot0, no_v;
+    } shapes[] = {{64, 64, 1, 1, 1, 64, 0, 0},    {64, 64, 0, 0, 0, 64, 0, 0},   {128, 128, 0, 1, 1, 128, 0, 0},
+                  {80, 32, 1, 0, 1, 80, 0, 0},    {256, 256, 1, 1, 0, 256, 0, 0}, {96, 64, 0, 1, 1, 96, 0, 0},
+                  {96, 32, 0, 1, 0, 64, 64, 1},   /* tiny-mla's latent row: R 64 normed, P 32 roped, no V */
+                  {96, 32, 1, 1, 1, 64, 64, 0},   /* the same split, neox pairs, with V and biases */
+                  {128, 64, 0, 1, 0, 40, 64, 1}}; /* a norm that ends inside the lanes' third runs */
     const uint32_t dtypes[] = {KVB_TYPE_F32, KVB_TYPE_F16, KVB_TYPE_BF16, KVB_TYPE_Q8_0};
     const int n = 37, nkv = 3;
     kvb_rng r;
@@ -383,15 +463,17 @@ static void test_post_paths(void **state) {
             assert_int_equal(cudaMalloc(&dko, ob), 0);
             assert_int_equal(cudaMalloc(&dvo, ob), 0);
             uint8_t *out[2][2]; /* (form, K/V) */
+            const int no_v = shapes[si].no_v;
             for (int form = 0; form < 2; form++) { /* 0: 16 lanes, 1: serial; k, v fresh (modified in place) */
                 assert_int_equal(cudaMemcpy(dk, k, sizeof(float) * nv, cudaMemcpyHostToDevice), 0);
                 assert_int_equal(cudaMemcpy(dv, v, sizeof(float) * nv, cudaMemcpyHostToDevice), 0);
                 assert_int_equal(cudaMemset(dko, form ? 0xA5 : 0x5A, ob), 0);
-                assert_int_equal(cudaMemset(dvo, form ? 0xA5 : 0x5A, ob), 0);
-                assert_int_equal(kvb_bk_post(dk, dv, n, nkv, hd, shapes[si].bias ? dbk : NULL,
-                                             shapes[si].bias ? dbv : NULL, shapes[si].knorm ? dkn : NULL, 1e-6f,
-                                             shapes[si].n_rot, shapes[si].neox, dcs, dsn, dtypes[di], dko, dvo, rb,
-                                             form, NULL),
+                assert_int_equal(cudaMemset(dvo, form ? 0xA5 : 0x5A, ob), 0); /* without V: stays as poisoned */
+                assert_int_equal(kvb_bk_post(dk, no_v ? NULL : dv, n, nkv, hd, shapes[si].bias ? dbk : NULL,
+                                             shapes[si].bias ? dbv : NULL, shapes[si].knorm ? dkn : NULL,
+                                             shapes[si].norm_dim, 1e-6f, shapes[si].n_rot, shapes[si].rot0,
+                                             shapes[si].neox, dcs, dsn, dtypes[di], dko, no_v ? NULL : dvo, rb, form,
+                                             NULL),
                                  0);
                 assert_int_equal(cudaDeviceSynchronize(), 0);
                 out[form][0] = malloc(ob);
@@ -399,14 +481,21 @@ static void test_post_paths(void **state) {
                 assert_int_equal(cudaMemcpy(out[form][0], dko, ob, cudaMemcpyDeviceToHost), 0);
                 assert_int_equal(cudaMemcpy(out[form][1], dvo, ob, cudaMemcpyDeviceToHost), 0);
             }
-            for (int kv = 0; kv < 2; kv++) {
+            for (int kv = 0; kv < 2 - no_v; kv++) {
                 const bool same = memcmp(out[0][kv], out[1][kv], ob) == 0;
                 compared++;
                 if (!same && differ++ < 5)
-                    print_message("post: hd %d n_rot %d neox %d knorm %d bias %d %s %s: the two forms differ\n", hd,
-                                  shapes[si].n_rot, shapes[si].neox, shapes[si].knorm, shapes[si].bias,
-                                  kvb_type_name(dtypes[di]), kv ? "V" : "K");
+                    print_message("post: hd %d n_rot %d at %d neox %d knorm %d over %d bias %d %s %s: the two forms "
+                                  "differ\n", hd, shapes[si].n_rot, shapes[si].rot0, shapes[si].neox, shapes[si].knorm,
+                                  shapes[si].norm_dim, shapes[si].bias, kvb_type_name(dtypes[di]), kv ? "V" : "K");
             }
+            if (no_v) /* nothing written where V would go */
+                for (int form = 0; form < 2; form++) {
+                    bool poisoned = true;
+                    for (size_t i = 0; i < ob; i++) poisoned &= out[form][1][i] == (form ? 0xA5 : 0x5A);
+                    compared++;
+                    if (!poisoned && differ++ < 5) print_message("post without V: V rows written (form %d)\n", form);
+                }
             for (int form = 0; form < 2; form++) free(out[form][0]), free(out[form][1]);
             cudaFree(dko);
             cudaFree(dvo);
@@ -425,6 +514,7 @@ static void test_mma_wide_shapes(void **state) {
     kvbt_require_gpu(); /* skips, saying why: this build has no CUDA engine */
 }
 static void test_enqueue_path(void **state) { test_mma_wide_shapes(state); }
+static void test_mla_wide_rows(void **state) { test_mma_wide_shapes(state); }
 static void test_quantize_act_i8(void **state) { test_mma_wide_shapes(state); }
 static void test_post_paths(void **state) { test_mma_wide_shapes(state); }
 #endif
@@ -432,6 +522,7 @@ static void test_post_paths(void **state) { test_mma_wide_shapes(state); }
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_mma_wide_shapes),
+        cmocka_unit_test(test_mla_wide_rows),
         cmocka_unit_test(test_enqueue_path),
         cmocka_unit_test(test_quantize_act_i8),
         cmocka_unit_test(test_post_paths),

@@ -54,8 +54,6 @@ kvb_status kvb_prefill_engine_create(const kvb_model *m, const kvb_prefill_opts 
     if (st) return st;
     if (o->bridge && !o->bridge_fmt)
         return kvb_err_set(err, KVB_ERR_INVALID, "a bridge needs the decoder's cache format");
-    if (o->device != KVB_DEVICE_CPU && o->bridge && m->d.mla) /* the engine runs MLA; its bridge kernel not yet */
-        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "the CUDA bridge does not compute a latent (MLA) cache yet");
     kvb_prefill_engine *e = NULL;
     if ((st = open(m, o, &e, err))) return st;
     e->o = *o;
@@ -173,8 +171,6 @@ kvb_status kvb_device_bridge_attach(kvb_device device, const kvb_model *decoder,
         return kvb_err_set(err, KVB_ERR_INVALID, "--gpus %d: 1 to %d", ranks, KVB_PREFILL_MAX_GPUS);
     if (device != KVB_DEVICE_CUDA)
         return kvb_err_set(err, KVB_ERR_INVALID, "a device bridge runs on a GPU (the CPU bridge is the cutter's own)");
-    if (decoder->d.mla)
-        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "the CUDA bridge does not compute a latent (MLA) cache yet");
 #ifdef KVB_HAVE_CUDA
     return kvb_device_bridge_cuda_attach(decoder, fmt, max_chunk, ranks, perturbed, cutter, out, err);
 #else

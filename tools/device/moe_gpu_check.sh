@@ -9,7 +9,8 @@
 #
 #   B=DIR tools/device/moe_gpu_check.sh
 #
-# STAGES (default "tests verify bench peer real"), SIZES (default 8192,32768), TYPE of the 30B file
+# GEMMS (default "loop grouped": the bench stage's MoE GEMM ways), STAGES (default "tests verify bench peer real"; "verify30" adds `kvbridge verify --device cuda -m` on the
+# 30B file: the CUDA bridge's rows against the CPU decoder's on the real shape), SIZES (default 8192,32768), TYPE of the 30B file
 # (default q8_0: 32 GB on disk, expanded to bf16 on the GPU), DEADLINE (seconds, default 570).
 # Logs under $OUT (default /tmp/kvb-moe-check): moe.txt is the summary.
 set -u
@@ -33,7 +34,7 @@ want() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 say "moe_gpu_check on $(hostname): $(nproc) CPUs; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)"
 BIG=$MD/qwen3-30b-a3b-$TYPE.gguf
 GEN=""
-if want bench || want real; then # the 30B file is written meanwhile (all cores)
+if want bench || want real || want verify30; then # the 30B file is written meanwhile (all cores)
   if [ ! -s "$BIG" ]; then
     "$B/kvbridge" gen-model --preset qwen3-30b-a3b --type "$TYPE" --out "$BIG" --quiet --threads "$(nproc)" \
       >"$OUT/gen.log" 2>&1 &
@@ -58,7 +59,7 @@ if [ -n "$GEN" ]; then
   say "30B file: $(du -h "$BIG" | cut -f1)"
 fi
 if want bench && [ -s "$BIG" ]; then
-  for g in loop grouped; do
+  for g in ${GEMMS:-loop grouped}; do
     [ "$(left)" -gt 60 ] || { say "bench $g: skipped (out of time)"; continue; }
     say "bench prefill --device cuda, qwen3-30b-a3b $TYPE at $SIZES, KVB_CUDA_MOE_GEMM=$g"
     KVB_CUDA_MOE_GEMM=$g timeout "$(left)" "$B/kvbridge" bench prefill --device cuda -m "$BIG" --tokens "$SIZES" \
@@ -81,5 +82,11 @@ if want real && [ -s "$BIG" ] && [ "$(left)" -gt 60 ]; then
     "$B/test_cuda_moe" >"$OUT/real.log" 2>&1
   say "real shapes: exit $?"
   grep -E 'rel|median|top-1|FAILED|ERROR|PASSED' "$OUT/real.log" | head -20 >>"$LOG"
+fi
+if want verify30 && [ -s "$BIG" ] && [ "$(left)" -gt 60 ]; then
+  say "verify --device cuda -m $BIG (--bytes-at none)"
+  (cd "$MD" && timeout "$(left)" "$B/kvbridge" verify --device cuda -m "$BIG" --bytes-at none) >"$OUT/verify30.log" 2>&1
+  say "verify30: exit $?"
+  grep -vE '^\s*$' "$OUT/verify30.log" | tail -15 >>"$LOG"
 fi
 say "done"

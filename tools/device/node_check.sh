@@ -8,7 +8,8 @@
 #   cost    bench prefill --device cuda --bridge f16 on the Llama-3.1-8B shape (Q8_0 file: a CPU
 #           decoder's weights) at COST_SIZES: the bridge kernel's cost as a fraction of prefill time
 #   ladder  bench ladder --device cuda on the llama3.2-1b shape (CUDA prefill node -> CPU decode
-#           node on loopback) at LADDER_LENGTHS, decoder alone up to ALONE_MAX tokens
+#           node on loopback) at LADDER_LENGTHS, decoder alone up to ALONE_MAX tokens (another model:
+#           LADDER_PRESET, default llama3.2-1b, of LADDER_TYPE, default q8_0)
 #   million one bridged 1,048,576-token prompt on the 1B shape (bench ladder, decoder alone not run)
 #   trace   the CUDA ladder at each of LADDER_LENGTHS (decoder alone not run) with KVB_TRACE, and
 #           tools/trace_report.py's sums of its last two bridged prompts (trace*.txt; the timelines
@@ -83,8 +84,8 @@ if want cost; then
   tail -3 "$OUT/cost.err"
 fi
 if want ladder; then
-  say "== ladder, 1B shape, CUDA prefill -> CPU decode"
-  f=$(gen llama3.2-1b q8_0)
+  say "== ladder, ${LADDER_PRESET:-llama3.2-1b} ${LADDER_TYPE:-q8_0}, CUDA prefill -> CPU decode"
+  f=$(gen "${LADDER_PRESET:-llama3.2-1b}" "${LADDER_TYPE:-q8_0}")
   timeout "$(left)" $K bench ladder --device cuda -m "$f" --lengths "$LADDER_LENGTHS" --seeds "$LADDER_SEEDS" \
     --alone-max "$ALONE_MAX" --cache-type "$CACHE" $LADDER_EXTRA 2>"$OUT/ladder.err" | tee "$OUT/ladder.txt"
   tail -5 "$OUT/ladder.err"

@@ -132,61 +132,65 @@ __device__ static void encode_row(uint32_t dtype, const float *x, int hd, uint8_
     }
 }
 
-// One (token t, kv head h) row: bias, k-norm, RoPE, then K and V encoded into kdst / vdst. kh, vh
-// (hd) are modified in place; they and the destinations may be global or shared memory.
+// One (token t, kv head h) row: bias, k-norm of elements [0, norm_dim), RoPE of elements [rot0,
+// rot0 + n_rot), then K and V encoded into kdst / vdst (vdst NULL: no V, vh unused). kh, vh (hd)
+// are modified in place; they and the destinations may be global or shared memory.
 __device__ static void post_row(float *kh, float *vh, int t, int h, int hd, const float *bk, const float *bv,
-                                const float *knorm, float eps, int n_rot, int neox, const float *cos_t,
-                                const float *sin_t, uint32_t dtype, uint8_t *kdst, uint8_t *vdst) {
+                                const float *knorm, int norm_dim, float eps, int n_rot, int rot0, int neox,
+                                const float *cos_t, const float *sin_t, uint32_t dtype, uint8_t *kdst,
+                                uint8_t *vdst) {
     const int half = n_rot / 2;
     if (bk)
         for (int i = 0; i < hd; i++) kh[i] = __fadd_rn(kh[i], bk[(size_t)h * hd + i]);
-    if (bv)
+    if (bv && vdst)
         for (int i = 0; i < hd; i++) vh[i] = __fadd_rn(vh[i], bv[(size_t)h * hd + i]);
     if (knorm) {
         float acc[16];
         for (int i = 0; i < 16; i++) acc[i] = 0.0f;
-        for (int i = 0; i < hd; i++) acc[i & 15] = __fmaf_rn(kh[i], kh[i], acc[i & 15]);
+        for (int i = 0; i < norm_dim; i++) acc[i & 15] = __fmaf_rn(kh[i], kh[i], acc[i & 15]);
         const float ss = tree16(acc);
-        const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)hd), eps)));
-        for (int i = 0; i < hd; i++) kh[i] = __fmul_rn(__fmul_rn(kh[i], r), knorm[i]);
+        const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)norm_dim), eps)));
+        for (int i = 0; i < norm_dim; i++) kh[i] = __fmul_rn(__fmul_rn(kh[i], r), knorm[i]);
     }
     const float *c = cos_t + (size_t)t * half, *s = sin_t + (size_t)t * half;
     for (int i = 0; i < half; i++) {
-        const int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+        const int i0 = rot0 + (neox ? i : 2 * i), i1 = rot0 + (neox ? i + half : 2 * i + 1);
         const float x0 = kh[i0], x1 = kh[i1];
         const float a = __fmul_rn(x0, c[i]), b = __fmul_rn(x1, s[i]), e = __fmul_rn(x0, s[i]), f = __fmul_rn(x1, c[i]);
         kh[i0] = __fsub_rn(a, b);
         kh[i1] = __fadd_rn(e, f);
     }
     encode_row(dtype, kh, hd, kdst);
-    encode_row(dtype, vh, hd, vdst);
+    if (vdst) encode_row(dtype, vh, hd, vdst);
 }
 
 // POST_ROWS consecutive (token, kv head) rows per CTA, one per thread, staged through shared
 // memory: the rows come in and the encoded rows go out in coalesced runs, and each thread works on
 // its own padded shared row (no bank conflicts). With each thread on its own global row the loads
 // were a row (256 bytes) apart and the kernel took 337 us per 8K-token layer of the 1B shape
-// (H200, ncu), 29 % of the bridge's GPU time. Same arithmetic (post_row), same bytes.
+// (H200, ncu), 29 % of the bridge's GPU time. Same arithmetic (post_row), same bytes. Without V
+// (v, v_rows NULL: a latent row) its shared rows are not there.
 #define POST_ROWS 32
 __global__ static void __launch_bounds__(POST_ROWS)
-k_post(float *k, float *v, int n, int nkv, int hd, const float *bk, const float *bv, const float *knorm, float eps,
-       int n_rot, int neox, const float *cos_t, const float *sin_t, uint32_t dtype, uint8_t *k_rows,
-       uint8_t *v_rows, int row_bytes) {
+k_post(float *k, float *v, int n, int nkv, int hd, const float *bk, const float *bv, const float *knorm, int norm_dim,
+       float eps, int n_rot, int rot0, int neox, const float *cos_t, const float *sin_t, uint32_t dtype,
+       uint8_t *k_rows, uint8_t *v_rows, int row_bytes) {
     extern __shared__ __align__(16) unsigned char post_smem[];
-    const int fstride = hd + 1, bstride = row_bytes + 4; // padded: row r starts r banks further on
-    float *sk = (float *)post_smem, *sv = sk + POST_ROWS * fstride;                  // (POST_ROWS, hd + 1)
-    uint8_t *ok = (uint8_t *)(sv + POST_ROWS * fstride), *ov = ok + POST_ROWS * bstride; // (POST_ROWS, row_bytes + 4)
+    const int fstride = hd + 1, bstride = row_bytes + 4, parts = v ? 2 : 1; // padded: row r starts r banks further on
+    float *sk = (float *)post_smem, *sv = sk + POST_ROWS * fstride;                          // (POST_ROWS, hd + 1) each
+    uint8_t *ok = (uint8_t *)(sk + parts * POST_ROWS * fstride), *ov = ok + POST_ROWS * bstride; // (POST_ROWS, row_bytes + 4)
     const long long row0 = (long long)blockIdx.x * POST_ROWS, total = (long long)n * nkv;
     const int rows = (int)(total - row0 < POST_ROWS ? total - row0 : POST_ROWS), tid = (int)threadIdx.x;
     for (int i = tid; i < rows * hd; i += POST_ROWS) {
         sk[(i / hd) * fstride + i % hd] = k[row0 * hd + i];
-        sv[(i / hd) * fstride + i % hd] = v[row0 * hd + i];
+        if (v) sv[(i / hd) * fstride + i % hd] = v[row0 * hd + i];
     }
     __syncthreads();
     if (tid < rows) {
         const long long idx = row0 + tid;
-        post_row(sk + tid * fstride, sv + tid * fstride, (int)(idx / nkv), (int)(idx % nkv), hd, bk, bv, knorm, eps,
-                 n_rot, neox, cos_t, sin_t, dtype, ok + tid * bstride, ov + tid * bstride);
+        post_row(sk + tid * fstride, sv + tid * fstride, (int)(idx / nkv), (int)(idx % nkv), hd, bk, bv, knorm,
+                 norm_dim, eps, n_rot, rot0, neox, cos_t, sin_t, dtype, ok + tid * bstride,
+                 v ? ov + tid * bstride : NULL);
     }
     __syncthreads();
     if (row_bytes % 4 == 0) { // 4-byte pieces (row0 * row_bytes is then a multiple of 4 too)
@@ -194,13 +198,13 @@ k_post(float *k, float *v, int n, int nkv, int hd, const float *bk, const float 
         for (int i = tid; i < rows * words; i += POST_ROWS) {
             const int r = i / words, o = (i % words) * 4;
             ((uint32_t *)(k_rows + row0 * row_bytes))[i] = *(const uint32_t *)(ok + r * bstride + o);
-            ((uint32_t *)(v_rows + row0 * row_bytes))[i] = *(const uint32_t *)(ov + r * bstride + o);
+            if (v_rows) ((uint32_t *)(v_rows + row0 * row_bytes))[i] = *(const uint32_t *)(ov + r * bstride + o);
         }
     } else {
         for (int i = tid; i < rows * row_bytes; i += POST_ROWS) {
             const int r = i / row_bytes, o = i % row_bytes;
             k_rows[row0 * row_bytes + i] = ok[r * bstride + o];
-            v_rows[row0 * row_bytes + i] = ov[r * bstride + o];
+            if (v_rows) v_rows[row0 * row_bytes + i] = ov[r * bstride + o];
         }
     }
 }
@@ -210,15 +214,16 @@ k_post(float *k, float *v, int n, int nkv, int hd, const float *bk, const float 
 // 50 us per 8K-token layer of the 1B shape (H200, ncu, 29 % of issue slots used). Here 16 lanes
 // share a row, lane l holding elements l, l + 16, ... (slot j: element l + 16 j) in registers,
 // and each step is the serial one's, value for value:
-//   k-norm   acc[i & 15] is lane l's own chain over its elements in order; the tree's pairs
-//            (acc[i] + acc[i + h]) are a shuffle down by h within the 16
+//   k-norm   acc[i & 15] is lane l's own chain over its elements (those below norm_dim) in order;
+//            the tree's pairs (acc[i] + acc[i + h]) are a shuffle down by h within the 16
 //   RoPE     each element's pair partner is read before any is written: the same lane (neox,
-//            half % 16 == 0) or the neighbour lane (interleaved pairs)
+//            half % 16 == 0) or the neighbour lane (interleaved pairs); the rotated elements start
+//            at rot0, a multiple of 16, so a pair's partner is where it is at rot0 0
 //   Q8_0     amax as the serial loop computes it, NaNs included: `amax > a ? amax : a` restarts at
 //            the element after the block's last NaN (and is NaN when that NaN is the last
 //            element); a maximum of non-negative numbers is the same in any order
 // Rows whose shape this does not cover (hd not a multiple of 16 or above 256, neox with half not
-// a multiple of 16) take k_post.
+// a multiple of 16, rot0 not a multiple of 16) take k_post. Without V (v, v_rows NULL) only K.
 #define P16_ROWS 8 // rows per CTA: 128 threads
 #define P16_FULL 0xffffffffu
 
@@ -266,8 +271,8 @@ __device__ static inline void p16_encode(uint32_t dtype, const float *x, int l, 
 template <int J>
 __global__ static void __launch_bounds__(16 * P16_ROWS)
 k_post16(const float *k, const float *v, int n, int nkv, const float *bk, const float *bv, const float *knorm,
-         float eps, int n_rot, int neox, const float *cos_t, const float *sin_t, uint32_t dtype, uint8_t *k_rows,
-         uint8_t *v_rows, int row_bytes) {
+         int norm_dim, float eps, int n_rot, int rot0, int neox, const float *cos_t, const float *sin_t,
+         uint32_t dtype, uint8_t *k_rows, uint8_t *v_rows, int row_bytes) {
     const int hd = 16 * J, l = (int)(threadIdx.x & 15u);
     const long long total = (long long)n * nkv, row = (long long)blockIdx.x * P16_ROWS + (threadIdx.x >> 4);
     const bool live = row < total;
@@ -278,30 +283,33 @@ k_post16(const float *k, const float *v, int n, int nkv, const float *bk, const 
     for (int j = 0; j < J; j++) {
         const int e = l + 16 * j;
         kx[j] = k[rr * hd + e];
-        vx[j] = v[rr * hd + e];
+        vx[j] = v ? v[rr * hd + e] : 0.0f;
         if (bk) kx[j] = __fadd_rn(kx[j], bk[(size_t)h * hd + e]);
-        if (bv) vx[j] = __fadd_rn(vx[j], bv[(size_t)h * hd + e]);
+        if (bv && v) vx[j] = __fadd_rn(vx[j], bv[(size_t)h * hd + e]);
     }
     if (knorm) {
         float acc = 0.0f;
 #pragma unroll
-        for (int j = 0; j < J; j++) acc = __fmaf_rn(kx[j], kx[j], acc);
+        for (int j = 0; j < J; j++)
+            if (l + 16 * j < norm_dim) acc = __fmaf_rn(kx[j], kx[j], acc);
 #pragma unroll
         for (int o = 8; o > 0; o >>= 1) acc = __fadd_rn(acc, __shfl_down_sync(P16_FULL, acc, o, 16));
         const float ss = __shfl_sync(P16_FULL, acc, 0, 16);
-        const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)hd), eps)));
+        const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)norm_dim), eps)));
 #pragma unroll
-        for (int j = 0; j < J; j++) kx[j] = __fmul_rn(__fmul_rn(kx[j], r), knorm[l + 16 * j]);
+        for (int j = 0; j < J; j++)
+            if (l + 16 * j < norm_dim) kx[j] = __fmul_rn(__fmul_rn(kx[j], r), knorm[l + 16 * j]);
     }
-    const int half = n_rot / 2, hs = half / 16; // neox: element e < half pairs with e + half, slot j + hs
-    float px[J];                                 // each slot's pair partner, before any is rotated
+    // neox: rotated element e (e - rot0 < half) pairs with e + half, slot j + hs
+    const int half = n_rot / 2, hs = half / 16, js = rot0 / 16;
+    float px[J]; // each slot's pair partner, before any is rotated
 #pragma unroll
     for (int j = 0; j < J; j++) {
         if (neox) {
             px[j] = 0.0f;
 #pragma unroll
             for (int j2 = 0; j2 < J; j2++)
-                if (j2 == (j < hs ? j + hs : j - hs)) px[j] = kx[j2];
+                if (j2 == (j - js < hs ? j + hs : j - hs)) px[j] = kx[j2];
         } else {
             px[j] = __shfl_xor_sync(P16_FULL, kx[j], 1, 16);
         }
@@ -309,8 +317,8 @@ k_post16(const float *k, const float *v, int n, int nkv, const float *bk, const 
     const float *c = cos_t + (size_t)t * half, *s = sin_t + (size_t)t * half;
 #pragma unroll
     for (int j = 0; j < J; j++) {
-        const int e = l + 16 * j;
-        if (e >= n_rot) continue;
+        const int e = l + 16 * j - rot0; // its place among the rotated elements
+        if (e < 0 || e >= n_rot) continue;
         const bool first = neox ? e < half : !(e & 1); // x0 of its pair (i0), else x1 (i1)
         const int i = neox ? (first ? e : e - half) : e >> 1;
         const float x0 = first ? kx[j] : px[j], x1 = first ? px[j] : kx[j];
@@ -318,7 +326,7 @@ k_post16(const float *k, const float *v, int n, int nkv, const float *bk, const 
                       : __fadd_rn(__fmul_rn(x0, s[i]), __fmul_rn(x1, c[i]));
     }
     p16_encode<J>(dtype, kx, l, live, k_rows + rr * row_bytes);
-    p16_encode<J>(dtype, vx, l, live, v_rows + rr * row_bytes);
+    if (v_rows) p16_encode<J>(dtype, vx, l, live, v_rows + rr * row_bytes);
 }
 
 static int grid(long long threads) { return (int)((threads + 127) / 128); }
@@ -340,15 +348,17 @@ extern "C" int kvb_bk_project(uint32_t wtype, const uint8_t *w, size_t w_row_byt
 
 #define P16_CASE(J)                                                                                            \
     case J:                                                                                                    \
-        k_post16<J><<<blocks, 16 * P16_ROWS, 0, st>>>(k, v, n, nkv, bk, bv, knorm, eps, n_rot, neox, cos_t, sin_t,  \
-                                                      dtype, k_rows, v_rows, (int)row_bytes);                  \
+        k_post16<J><<<blocks, 16 * P16_ROWS, 0, st>>>(k, v, n, nkv, bk, bv, knorm, norm_dim, eps, n_rot, rot0, neox, \
+                                                      cos_t, sin_t, dtype, k_rows, v_rows, (int)row_bytes);    \
         break;
 
 extern "C" int kvb_bk_post(float *k, float *v, int n, int nkv, int hd, const float *bk, const float *bv,
-                           const float *knorm, float eps, int n_rot, int neox, const float *cos_t, const float *sin_t,
-                           uint32_t dtype, uint8_t *k_rows, uint8_t *v_rows, size_t row_bytes, int serial,
-                           void *stream) {
-    const bool lanes16 = !serial && hd % 16 == 0 && hd <= 256 && (!neox || (n_rot / 2) % 16 == 0) &&
+                           const float *knorm, int norm_dim, float eps, int n_rot, int rot0, int neox,
+                           const float *cos_t, const float *sin_t, uint32_t dtype, uint8_t *k_rows, uint8_t *v_rows,
+                           size_t row_bytes, int serial, void *stream) {
+    if (!v != !v_rows || norm_dim < 1 || norm_dim > hd || rot0 < 0 || n_rot < 0 || rot0 + n_rot > hd)
+        return (int)cudaErrorInvalidValue;
+    const bool lanes16 = !serial && hd % 16 == 0 && hd <= 256 && (!neox || (n_rot / 2) % 16 == 0) && rot0 % 16 == 0 &&
                          (dtype != T_Q8_0 || hd % 32 == 0);
     if (lanes16) {
         cudaStream_t st = (cudaStream_t)stream;
@@ -359,13 +369,14 @@ extern "C" int kvb_bk_post(float *k, float *v, int n, int nkv, int hd, const flo
         }
         return (int)cudaGetLastError();
     }
-    const size_t smem = (size_t)POST_ROWS * (2 * (hd + 1) * sizeof(float) + 2 * (row_bytes + 4));
+    const size_t parts = v ? 2 : 1, smem = (size_t)POST_ROWS * parts * ((hd + 1) * sizeof(float) + row_bytes + 4);
     if (smem > 48 * 1024) { // large heads in f32: opt in to more shared memory
         const cudaError_t e = cudaFuncSetAttribute(k_post, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (e != cudaSuccess) return (int)e;
     }
     const long long rows = (long long)n * nkv;
     k_post<<<(unsigned)((rows + POST_ROWS - 1) / POST_ROWS), POST_ROWS, smem, (cudaStream_t)stream>>>(
-        k, v, n, nkv, hd, bk, bv, knorm, eps, n_rot, neox, cos_t, sin_t, dtype, k_rows, v_rows, (int)row_bytes);
+        k, v, n, nkv, hd, bk, bv, knorm, norm_dim, eps, n_rot, rot0, neox, cos_t, sin_t, dtype, k_rows, v_rows,
+        (int)row_bytes);
     return (int)cudaGetLastError();
 }

@@ -6,7 +6,10 @@
  * of the layer's kind — gemma3's local layers have their own base — as the CPU's kvb_rope_tables
  * gives kvb_kv_produce); it is computed and uploaded once per (chunk, kind), not per layer: double
  * cos/sin for 8,192 positions take ~5 ms of host time, which on the engine's thread starved the GPU
- * (H200, 1B shape: the prefill node took 0.47 s for a 32K prompt the GPU alone does in 0.28 s). */
+ * (H200, 1B shape: the prefill node took 0.47 s for a 32K prompt the GPU alone does in 0.28 s).
+ * deepseek2 (latent attention) takes the same path with one "KV head" of R + P values: K is the
+ * projection through attn_kv_a_mqa, post norms its first R values with attn_kv_a_norm and rotates
+ * the last P (pairs), and there is no V (kv_produce.c's mla_produce, step for step). */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,9 +20,10 @@
 #include "kvb_quant.h"
 
 typedef struct {
-    kvb_mat wk_m, wv_m;        /* this bridge's rows of the file's K/V weights (its KV heads) */
-    uint8_t *wk, *wv;          /* raw file bytes (rows, row_bytes) */
-    float *bk, *bv, *knorm;    /* or NULL */
+    kvb_mat wk_m, wv_m;        /* this bridge's rows of the file's K/V weights (its KV heads); deepseek2:
+                                * attn_kv_a_mqa (R + P rows) as K, no V (wv_m.rows 0) */
+    uint8_t *wk, *wv;          /* raw file bytes (rows, row_bytes); wv NULL without V */
+    float *bk, *bv, *knorm;    /* or NULL; deepseek2: knorm is attn_kv_a_norm (R) */
     int8_t *wk_q, *wv_q;       /* tensor-core path: int8 weights in fragment order (bridge_kernels.h), or NULL */
     float *wk_s, *wv_s;        /* their f32 block scales, fragment order */
 } bridge_layer;
@@ -128,11 +132,16 @@ static kvb_status upload(void **dst, const void *src, size_t bytes, kvb_err *err
     return KVB_OK;
 }
 
+/* Layer l's weights that make its K row: attn_k, or deepseek2's attn_kv_a_mqa (latent + rope part). */
+static const kvb_mat *k_weights(const kvb_model *m, uint32_t l) {
+    return m->d.mla ? &m->layers[l].wkv_a : &m->layers[l].wk;
+}
+
 /* Whether the CUDA bridge reproduces m's K/V weights and writes a cache of dtype. */
 static kvb_status shard_check(const kvb_model *m, uint32_t dtype, kvb_err *err) {
     for (uint32_t l = 0; l < m->d.n_layer; l++) {
-        const kvb_mat *ws[2] = {&m->layers[l].wk, &m->layers[l].wv};
-        for (int i = 0; i < 2; i++)
+        const kvb_mat *ws[2] = {k_weights(m, l), &m->layers[l].wv};
+        for (int i = 0; i < (m->d.mla ? 1 : 2); i++) /* a latent row has no V */
             if (!bridge_weight_type(ws[i]->type))
                 return kvb_err_set(err, KVB_ERR_UNSUPPORTED,
                                    "layer %u: the CUDA bridge does not reproduce %s K/V weights (it takes F32, F16, "
@@ -167,32 +176,35 @@ static kvb_status shard_weights(kvb_bridge_cuda *b, size_t r0, size_t KV, bool *
     kvb_status st = KVB_OK;
     for (uint32_t l = 0; l < d->n_layer && !st; l++) {
         const kvb_layer_weights *w = &m->layers[l];
+        const kvb_mat *wk = k_weights(m, l);
         bridge_layer *bl = &b->layers[l];
-        bl->wk_m = w->wk; /* this bridge's heads: rows r0 .. r0 + KV of each */
-        bl->wk_m.data = (const uint8_t *)w->wk.data + r0 * w->wk.row_bytes;
+        bl->wk_m = *wk; /* this bridge's heads: rows r0 .. r0 + KV of each */
+        bl->wk_m.data = (const uint8_t *)wk->data + r0 * wk->row_bytes;
         bl->wk_m.rows = (int64_t)KV;
-        bl->wv_m = w->wv;
-        bl->wv_m.data = (const uint8_t *)w->wv.data + r0 * w->wv.row_bytes;
-        bl->wv_m.rows = (int64_t)KV;
+        if (!d->mla) {
+            bl->wv_m = w->wv;
+            bl->wv_m.data = (const uint8_t *)w->wv.data + r0 * w->wv.row_bytes;
+            bl->wv_m.rows = (int64_t)KV;
+        }
         if (!KV) continue; /* a rank with no KV head of its own */
-        if (!st) st = upload((void **)&bl->wk, bl->wk_m.data, KV * w->wk.row_bytes, err);
-        if (!st) st = upload((void **)&bl->wv, bl->wv_m.data, KV * w->wv.row_bytes, err);
+        if (!st) st = upload((void **)&bl->wk, bl->wk_m.data, KV * wk->row_bytes, err);
+        if (!st && !d->mla) st = upload((void **)&bl->wv, bl->wv_m.data, KV * w->wv.row_bytes, err);
         if (!st) st = upload((void **)&bl->bk, w->bk ? w->bk + r0 : NULL, KV * sizeof(float), err);
         if (!st) st = upload((void **)&bl->bv, w->bv ? w->bv + r0 : NULL, KV * sizeof(float), err);
-        if (!st) st = upload((void **)&bl->knorm, w->k_norm, d->head_dim * sizeof(float), err);
+        if (!st && d->mla) st = upload((void **)&bl->knorm, w->kv_a_norm, d->n_lora_kv * sizeof(float), err);
+        else if (!st) st = upload((void **)&bl->knorm, w->k_norm, d->head_dim * sizeof(float), err);
     }
     if (st) return st;
     const char *nv = getenv("KVB_BRIDGE_NAIVE");
     b->naive = nv && *nv && *nv != '0';
     *any_i8 = false;
     for (uint32_t l = 0; l < d->n_layer && !st; l++) {
-        const kvb_layer_weights *w = &m->layers[l];
         bridge_layer *bl = &b->layers[l];
-        if (!st && tensor_core_type(w->wk.type) && d->n_embd % 32 == 0 && b->nh) {
+        if (!st && tensor_core_type(bl->wk_m.type) && d->n_embd % 32 == 0 && b->nh) {
             st = unpack(&bl->wk_m, bl->wk, &bl->wk_q, &bl->wk_s, err);
             *any_i8 = true;
         }
-        if (!st && tensor_core_type(w->wv.type) && d->n_embd % 32 == 0 && b->nh) {
+        if (!st && bl->wv && tensor_core_type(bl->wv_m.type) && d->n_embd % 32 == 0 && b->nh) {
             st = unpack(&bl->wv_m, bl->wv, &bl->wv_q, &bl->wv_s, err);
             *any_i8 = true;
         }
@@ -255,8 +267,8 @@ static kvb_status create_shard(const kvb_model *m, uint32_t dtype, uint32_t max_
     }
     b->row_bytes = kvb_row_bytes(dtype, d->head_dim);
     const size_t E = d->n_embd, KV = (size_t)nh * d->head_dim, half = d->n_rot / 2, r0 = (size_t)h0 * d->head_dim;
-    const uint32_t at = kvb_act_type(m->layers[0].wk.type);
-    b->act_stride = kvb_row_bytes(at == KVB_TYPE_Q8_0 || kvb_act_type(m->layers[0].wv.type) == KVB_TYPE_Q8_0
+    const uint32_t at = kvb_act_type(k_weights(m, 0)->type);
+    b->act_stride = kvb_row_bytes(at == KVB_TYPE_Q8_0 || (!d->mla && kvb_act_type(m->layers[0].wv.type) == KVB_TYPE_Q8_0)
                                       ? KVB_TYPE_F32 : at, (int64_t)E); /* f32 is the widest activation row */
     if ((st = kvb_rope_tables_init(&b->rope, m, 0, err))) {
         free(b);
@@ -407,9 +419,10 @@ static kvb_status project_naive(kvb_bridge_cuda *b, const kvb_mat *W, const uint
     return KVB_OK;
 }
 
-/* A layer's K and V projections of d_h (n, n_embd) into d_k, d_v (n, rows) f32. On the tensor
- * cores from the unpacked weights where the bridge has them (the activations quantised once for
- * both; K and V in one launch when both go there), else per thread. */
+/* A layer's K and V projections of d_h (n, n_embd) into d_k, d_v (n, rows) f32 (K alone when the
+ * layer has no V weights: a latent row). On the tensor cores from the unpacked weights where the
+ * bridge has them (the activations quantised once for both; K and V in one launch when both go
+ * there), else per thread. */
 static kvb_status project_kv(kvb_bridge_cuda *b, const bridge_layer *bl, const float *d_h, uint32_t n, int split,
                              cudaStream_t stream, kvb_err *err) {
     const int E = (int)b->m->d.n_embd;
@@ -425,7 +438,7 @@ static kvb_status project_kv(kvb_bridge_cuda *b, const bridge_layer *bl, const f
         BK(kvb_bk_project_i8(bl->wk_q, bl->wk_s, b->d_k, NULL, NULL, NULL, (int)bl->wk_m.rows, b->d_aq, b->d_asc,
                              (int)n, E, stream));
     else st = project_naive(b, &bl->wk_m, bl->wk, d_h, n, b->d_k, split, stream, err);
-    if (st) return st;
+    if (st || !bl->wv) return st;
     if (v_i8)
         BK(kvb_bk_project_i8(bl->wv_q, bl->wv_s, b->d_v, NULL, NULL, NULL, (int)bl->wv_m.rows, b->d_aq, b->d_asc,
                              (int)n, E, stream));
@@ -470,9 +483,9 @@ static kvb_status ensure_rope_table(kvb_bridge_cuda *b, uint32_t layer, uint32_t
 /* Enqueues one layer's rows of this bridge's KV heads on `stream`: the RoPE table of its kind
  * (ensure_rope_table, with cos_t/sin_t as host scratch), the projections of d_h (n, n_embd) f32
  * device memory, post into device slot `slot` (n, nh, row_bytes). Then the rows go down into
- * their heads' columns of k_rows, v_rows (n, n_head_kv, row_bytes) host memory: on `stream`
- * when copy_done is NULL, else on the copy stream after the post, recording copy_done there.
- * Nothing waits here. */
+ * their heads' columns of k_rows, v_rows (n, n_head_kv, row_bytes) host memory (deepseek2: the
+ * latent rows into k_rows, v_rows untouched): on `stream` when copy_done is NULL, else on the
+ * copy stream after the post, recording copy_done there. Nothing waits here. */
 static kvb_status enqueue_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t n, const float *d_h, uint32_t pos0,
                                 float *cos_t, float *sin_t, cudaStream_t stream, int slot, uint8_t *k_rows,
                                 uint8_t *v_rows, cudaEvent_t copy_done, kvb_err *err) {
@@ -486,9 +499,12 @@ static kvb_status enqueue_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t n, 
         /* the perturbation splits at the middle block, like the CPU's */
         int split = b->perturbed ? (int)(bl->wk_m.cols / 2 / 32 * 32) : 0;
         if ((st = project_kv(b, bl, d_h, n, split, stream, err))) return st;
-        BK(kvb_bk_post(b->d_k, b->d_v, (int)n, (int)b->nh, (int)d->head_dim, bl->bk, bl->bv, bl->knorm, d->norm_eps,
-                       (int)d->n_rot, d->rope_neox, b->d_cos[kind], b->d_sin[kind], b->dtype, b->d_krows[slot],
-                       b->d_vrows[slot], b->row_bytes, 0, stream));
+        /* deepseek2: the latent c[0:R] normed, c[R:R+P] rotated in pairs (kvb_kv_produce's mla_produce) */
+        const int R = (int)d->n_lora_kv, has_v = bl->wv != NULL;
+        BK(kvb_bk_post(b->d_k, has_v ? b->d_v : NULL, (int)n, (int)b->nh, (int)d->head_dim, bl->bk, bl->bv, bl->knorm,
+                       d->mla ? R : (int)d->head_dim, d->norm_eps, (int)d->n_rot, d->mla ? R : 0,
+                       d->mla ? 0 : d->rope_neox, b->d_cos[kind], b->d_sin[kind], b->dtype, b->d_krows[slot],
+                       has_v ? b->d_vrows[slot] : NULL, b->row_bytes, 0, stream));
         if (copy_done) { /* the post above is what the copy stream must wait for */
             KVB_CU(cudaEventRecord(b->post_ev[slot], stream));
             KVB_CU(cudaStreamWaitEvent(b->copy_st, b->post_ev[slot], 0));
@@ -496,7 +512,8 @@ static kvb_status enqueue_layer(kvb_bridge_cuda *b, uint32_t layer, uint32_t n, 
         const size_t w = (size_t)b->nh * b->row_bytes, off = (size_t)b->h0 * b->row_bytes;
         const size_t pitch = (size_t)d->n_head_kv * b->row_bytes; /* a whole cache row */
         KVB_CU(cudaMemcpy2DAsync(k_rows + off, pitch, b->d_krows[slot], w, w, n, cudaMemcpyDeviceToHost, cs));
-        KVB_CU(cudaMemcpy2DAsync(v_rows + off, pitch, b->d_vrows[slot], w, w, n, cudaMemcpyDeviceToHost, cs));
+        if (has_v)
+            KVB_CU(cudaMemcpy2DAsync(v_rows + off, pitch, b->d_vrows[slot], w, w, n, cudaMemcpyDeviceToHost, cs));
     }
     if (copy_done) KVB_CU(cudaEventRecord(copy_done, cs));
     return KVB_OK;

@@ -74,13 +74,17 @@ int kvb_bk_project_i8_init(void);
  * launch (a layer's K and V: one grid instead of two). */
 int kvb_bk_project_i8(const int8_t *wq, const float *wsc, float *y, const int8_t *wq2, const float *wsc2, float *y2,
                       int rows, const int8_t *aq, const float *asc, int n, int E, void *stream);
-/* Per (token, kv head): bias, k-norm, RoPE (cos/sin (n, n_rot/2)), encode K and V rows into
+/* Per (token, kv head): bias, k-norm (RMS over elements [0, norm_dim) with knorm (norm_dim)),
+ * RoPE of elements [rot0, rot0 + n_rot) (cos/sin (n, n_rot/2)), encode K and V rows into
  * k_rows / v_rows (n, nkv, row_bytes) of dtype. k, v (n, nkv*hd) f32 may be modified in place.
- * 16 lanes per row where the shape allows (bridge.cu), one thread per row when serial (to test
- * the one against the other) or where it does not; the same bytes either way. */
+ * A head's k-norm: norm_dim = hd, rot0 = 0. deepseek2's latent row (nkv 1, hd = R + P): v and
+ * v_rows NULL (no V), norm_dim R (attn_kv_a_norm), rot0 R. 16 lanes per row where the shape
+ * allows (bridge.cu), one thread per row when serial (to test the one against the other) or
+ * where it does not; the same bytes either way. cudaErrorInvalidValue, nothing launched, for a
+ * norm or rotation outside the row or v without v_rows (or the reverse). */
 int kvb_bk_post(float *k, float *v, int n, int nkv, int hd, const float *bk, const float *bv, const float *knorm,
-                float eps, int n_rot, int neox, const float *cos_t, const float *sin_t, uint32_t dtype,
-                uint8_t *k_rows, uint8_t *v_rows, size_t row_bytes, int serial, void *stream);
+                int norm_dim, float eps, int n_rot, int rot0, int neox, const float *cos_t, const float *sin_t,
+                uint32_t dtype, uint8_t *k_rows, uint8_t *v_rows, size_t row_bytes, int serial, void *stream);
 
 #ifdef __cplusplus
 }

@@ -2,8 +2,10 @@
  * arithmetic (kvb_kv_produce, specified in engine/cpu/kvb_engine_cpu.h) with the DECODER's K/V
  * weights in their own file type (Q8_0 weights against Q8_0-quantised activations, integer block
  * sums), reproduced bit for bit on the device. Attention inputs (n, n_embd) f32 go in; K and V
- * rows (n, n_head_kv, row_bytes) in the decoder's cache dtype come out. Plain C; every CUDA call
- * checked. */
+ * rows (n, n_head_kv, row_bytes) in the decoder's cache dtype come out — for deepseek2 (latent
+ * attention) one latent row per token (n, 1, row_bytes of R + P values: the normed latent and
+ * the roped key part) as the K rows, and no V rows (v_rows is never written; it may be NULL).
+ * Plain C; every CUDA call checked. */
 #ifndef KVB_BRIDGE_CUDA_H
 #define KVB_BRIDGE_CUDA_H
 
@@ -15,7 +17,8 @@
 
 typedef struct kvb_bridge_cuda kvb_bridge_cuda;
 
-/* Uploads every layer's K/V weights, biases and k-norm of `decoder`; buffers for max_tokens
+/* Uploads every layer's K/V weights, biases and k-norm (deepseek2: attn_kv_a_mqa and
+ * attn_kv_a_norm) of `decoder`; buffers for max_tokens
  * positions per call. cache_dtype: F32, F16, BF16 or Q8_0. */
 kvb_status kvb_bridge_cuda_create(const kvb_model *decoder, uint32_t cache_dtype, uint32_t max_tokens,
                                   kvb_bridge_cuda **out, kvb_err *err);

@@ -35,8 +35,10 @@ struct kvb_engine {
     float *moe_w;               /* (B, K) their weights */
     uint32_t *moe_off, *moe_fill; /* (n_expert + 1) each expert's first slot in moe_slot; a cursor */
     uint32_t *moe_slot;         /* (B * K) slots (token * K + rank) grouped by expert */
-    float *moe_x;               /* (B, max(n_embd, F)) an expert's gathered inputs, then its outputs */
-    float *moe_g, *moe_u;       /* (B, F) */
+    uint32_t *moe_active;       /* (n_expert) the experts a chunk routes to */
+    uint8_t *moe_act;           /* (B * K, act row of max(n_embd, F)) the experts' quantised inputs, grouped order */
+    float *moe_x;               /* (B * K, n_embd) the experts' outputs, grouped order */
+    float *moe_g, *moe_u;       /* (B * K, F) gate and up outputs, grouped order */
     float *moe_y;               /* (B * K, n_embd) each slot's expert output */
     /* the shared expert (n_ff_shexp > 0; else NULL) */
     float *sh_g, *sh_u;         /* (B, n_ff_shexp) its gate and up projections, then SwiGLU */

@@ -21,16 +21,20 @@ static kvb_status alloc_moe(kvb_engine *e, kvb_err *err) {
     const kvb_model_desc *d = &e->m->d;
     const size_t B = e->o.max_batch, K = d->n_expert_used, F = d->n_ff_exp, X = d->n_expert;
     const size_t XW = d->n_embd > F ? d->n_embd : F;
+    /* the widest activation row any expert matrix takes (f32 activations are the widest) */
+    const size_t act_row = kvb_row_bytes(KVB_TYPE_F32, (int64_t)XW);
     kvb_status st;
     if ((st = alloc_f(&e->moe_logits, B * X, err)) || (st = alloc_f(&e->moe_w, B * K, err)) ||
-        (st = alloc_f(&e->moe_x, B * XW, err)) || (st = alloc_f(&e->moe_g, B * F, err)) ||
-        (st = alloc_f(&e->moe_u, B * F, err)) || (st = alloc_f(&e->moe_y, B * K * d->n_embd, err)))
+        (st = alloc_f(&e->moe_x, B * K * d->n_embd, err)) || (st = alloc_f(&e->moe_g, B * K * F, err)) ||
+        (st = alloc_f(&e->moe_u, B * K * F, err)) || (st = alloc_f(&e->moe_y, B * K * d->n_embd, err)) ||
+        (st = alloc_b(&e->moe_act, B * K * act_row, err)))
         return st;
     e->moe_sel = calloc(B * K, sizeof(uint32_t));
     e->moe_slot = calloc(B * K, sizeof(uint32_t));
     e->moe_off = calloc(X + 1, sizeof(uint32_t));
     e->moe_fill = calloc(X + 1, sizeof(uint32_t));
-    if (!e->moe_sel || !e->moe_slot || !e->moe_off || !e->moe_fill)
+    e->moe_active = calloc(X, sizeof(uint32_t));
+    if (!e->moe_sel || !e->moe_slot || !e->moe_off || !e->moe_fill || !e->moe_active)
         return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for the experts' scratch");
     const size_t FS = d->n_ff_shexp;
     if (FS && ((st = alloc_f(&e->sh_g, B * FS, err)) || (st = alloc_f(&e->sh_u, B * FS, err)) ||
@@ -131,6 +135,8 @@ void kvb_engine_free(kvb_engine *e) {
     free(e->moe_slot);
     free(e->moe_off);
     free(e->moe_fill);
+    free(e->moe_active);
+    kvb_aligned_free(e->moe_act);
     float *fs[] = {e->x, e->h, e->q, e->att, e->g, e->u, e->logit_h, e->moe_logits, e->moe_w, e->moe_x, e->moe_g,
                    e->moe_u, e->moe_y, e->sh_g, e->sh_u, e->sh_y, e->sh_gate, e->mla_q, e->mla_t, e->mla_u, e->mla_o};
     for (size_t i = 0; i < KVB_ARRAY_LEN(fs); i++) kvb_aligned_free(fs[i]);

@@ -4,9 +4,11 @@
  * score is the probability plus V3's selection bias, over the best groups only where the model
  * groups experts), their probabilities divided by their sum when the model renormalises and
  * scaled when it says so; then the tokens grouped by expert, so each routed expert's gate, up and
- * down rows are read once per chunk (a decode step reads only its token's experts), each group
- * through the engine's matmul (every weight type it has) on views of the stacked expert tensors,
- * SwiGLU as the dense MLP computes it; last, each token's outputs summed in rank order, weighted.
+ * down rows are read once per chunk (a decode step reads only its token's experts), every active
+ * expert's tiles in one parallel pass for gate and up and one for down (a decode step is two
+ * hand-offs to the pool, not three per expert), through the engine's tile kernel (every weight type
+ * it has) on views of the stacked expert tensors, SwiGLU as the dense MLP computes it; last, each
+ * token's outputs summed in rank order, weighted.
  * Every token's arithmetic is its own (the matmul computes each row alone, the sum's order is the
  * token's ranks), so a chunk, a decode step and a decode batch give one token the same bits.
  * The shared expert (qwen2moe, deepseek2: one SwiGLU of n_ff_shexp every token runs) is added to the
@@ -138,20 +140,101 @@ static kvb_mat expert_view(const kvb_mat *stack, uint32_t expert, int64_t rows) 
     return v;
 }
 
-/* Expert x's SwiGLU MLP on its n tokens' slots (token * K + rank), outputs into moe_y by slot. */
-static void run_expert(kvb_engine *e, const kvb_layer_weights *w, uint32_t x, const uint32_t *slots, uint32_t n) {
+/* Every routed expert of the chunk in two parallel passes instead of three matmuls per expert: the
+ * gate and up tiles of all active experts at once, then (after SwiGLU) their down tiles. A task is
+ * one tile: (active expert, matrix, rows [r0, r0 + rpt)) over all of that expert's tokens, whose
+ * quantised inputs lie contiguous in moe_act in grouped slot order. Each output is kvb_matmul_tile's
+ * (kvb_dot per row and token), so the bits do not depend on the tiling. */
+typedef struct {
+    kvb_engine *e;
+    const kvb_layer_weights *w;
+    uint32_t n_active;
+    const uint32_t *active;    /* (n_active) the experts with tokens */
+    uint32_t rpt, tiles;       /* rows per task; tiles per (expert, matrix) */
+    uint32_t mat0, mats;       /* the pass's matrices: mat0 .. mat0 + mats - 1 of gate (0), up (1), down (2) */
+} experts_job;
+
+static void experts_task(void *ctx, int task, int worker) {
+    (void)worker;
+    const experts_job *j = ctx;
+    kvb_engine *e = j->e;
     const kvb_model_desc *d = &e->m->d;
-    const uint32_t E = d->n_embd, F = d->n_ff_exp, K = d->n_expert_used;
-    for (uint32_t i = 0; i < n; i++) /* gather: moe_x (n, E) */
-        memcpy(e->moe_x + (size_t)i * E, e->h + (size_t)(slots[i] / K) * E, sizeof(float) * E);
-    const kvb_mat gate = expert_view(&w->gate_exps, x, F), up = expert_view(&w->up_exps, x, F),
-                  down = expert_view(&w->down_exps, x, E);
-    kvb_cpu_matmul(e->pool, &gate, e->moe_x, n, e->moe_g, e->act); /* (n, F) */
-    kvb_cpu_matmul(e->pool, &up, e->moe_x, n, e->moe_u, e->act);
-    swiglu(e->moe_g, e->moe_u, (size_t)n * F);
-    kvb_cpu_matmul(e->pool, &down, e->moe_g, n, e->moe_x, e->act); /* moe_x := (n, E) expert output */
-    for (uint32_t i = 0; i < n; i++)
-        memcpy(e->moe_y + (size_t)slots[i] * E, e->moe_x + (size_t)i * E, sizeof(float) * E);
+    const uint32_t E = d->n_embd, F = d->n_ff_exp;
+    const uint32_t tile = (uint32_t)task % j->tiles, mat = j->mat0 + ((uint32_t)task / j->tiles) % j->mats;
+    const uint32_t x = j->active[(uint32_t)task / j->tiles / j->mats];
+    const uint32_t s0 = e->moe_off[x], n = e->moe_off[x + 1] - s0; /* the expert's slots in grouped order */
+    const kvb_mat *stack = mat == 2 ? &j->w->down_exps : mat ? &j->w->up_exps : &j->w->gate_exps;
+    const uint32_t rows = mat == 2 ? E : F, cols = mat == 2 ? F : E, r0 = tile * j->rpt;
+    if (r0 >= rows) return;
+    const int nr = (int)(rows - r0 < j->rpt ? rows - r0 : j->rpt);
+    const kvb_mat W = expert_view(stack, x, rows);
+    float *y = mat == 2 ? e->moe_x : mat ? e->moe_u : e->moe_g; /* (slots, rows) grouped order */
+    const size_t act_stride = kvb_row_bytes(kvb_act_type(W.type), cols);
+    kvb_matmul_tile(W.type, (const uint8_t *)W.data + (size_t)r0 * W.row_bytes, W.row_bytes, nr,
+                    e->moe_act + (size_t)s0 * act_stride, act_stride, (int)n, y + (size_t)s0 * rows + r0, rows, cols);
+}
+
+typedef struct {
+    kvb_engine *e;
+    uint32_t type, cols;
+    const float *src;          /* (slots, cols) rows to quantise, or NULL: h's row of each slot's token */
+} experts_quant_job;
+
+/* Slot s (grouped order) of the pass's activations: its row of src, or its token's row of h. */
+static void experts_quant_task(void *ctx, int s, int worker) {
+    (void)worker;
+    const experts_quant_job *j = ctx;
+    kvb_engine *e = j->e;
+    const uint32_t K = e->m->d.n_expert_used;
+    const float *x = j->src ? j->src + (size_t)s * j->cols : e->h + (size_t)(e->moe_slot[s] / K) * j->cols;
+    kvb_quantize_act(j->type, x, e->moe_act + (size_t)s * kvb_row_bytes(kvb_act_type(j->type), j->cols), j->cols);
+}
+
+/* SwiGLU of slot s's gate and up rows (grouped order), as the dense MLP computes it. */
+static void experts_glu_task(void *ctx, int s, int worker) {
+    (void)worker;
+    kvb_engine *e = ctx;
+    const size_t F = e->m->d.n_ff_exp;
+    swiglu(e->moe_g + (size_t)s * F, e->moe_u + (size_t)s * F, F);
+}
+
+/* Rows per task: multiples of 16 (the kernels' tile), ~8 tasks per thread over all tiles. */
+static uint32_t experts_rows_per_task(const kvb_engine *e, uint32_t n_active, uint32_t mats, uint32_t rows) {
+    const uint64_t want = (uint64_t)kvb_pool_size(e->pool) * 8, total = (uint64_t)n_active * mats * rows;
+    uint64_t rpt = (total + want - 1) / want;
+    rpt = (rpt + 15) & ~(uint64_t)15;
+    if (rpt < 16) rpt = 16;
+    if (rpt > rows) rpt = ((uint64_t)rows + 15) & ~(uint64_t)15;
+    return (uint32_t)rpt;
+}
+
+/* The routed experts of nr tokens whose slots are grouped by expert (moe_off, moe_slot): outputs into
+ * moe_y by slot. */
+static void run_experts(kvb_engine *e, const kvb_layer_weights *w, uint32_t nr) {
+    const kvb_model_desc *d = &e->m->d;
+    const uint32_t E = d->n_embd, F = d->n_ff_exp, X = d->n_expert, slots = nr * d->n_expert_used;
+    uint32_t n_active = 0;
+    for (uint32_t x = 0; x < X; x++)
+        if (e->moe_off[x + 1] > e->moe_off[x]) e->moe_active[n_active++] = x;
+    kvb_pool *qp = slots > 1 ? e->pool : NULL;
+    /* gate and up in one pass when they take the same activations (else one pass each) */
+    const bool same_act = kvb_act_type(w->gate_exps.type) == kvb_act_type(w->up_exps.type);
+    for (uint32_t mat0 = 0; mat0 < 2; mat0 += same_act ? 2 : 1) {
+        experts_quant_job qj = {e, mat0 ? w->up_exps.type : w->gate_exps.type, E, NULL};
+        kvb_pool_parallel_for(qp, (int)slots, experts_quant_task, &qj);
+        const uint32_t mats = same_act ? 2 : 1;
+        experts_job j = {e, w, n_active, e->moe_active, experts_rows_per_task(e, n_active, mats, F), 0, mat0, mats};
+        j.tiles = (F + j.rpt - 1) / j.rpt;
+        kvb_pool_parallel_for(e->pool, (int)(n_active * mats * j.tiles), experts_task, &j);
+    }
+    kvb_pool_parallel_for(qp, (int)slots, experts_glu_task, e);
+    experts_quant_job qj = {e, w->down_exps.type, F, e->moe_g};
+    kvb_pool_parallel_for(qp, (int)slots, experts_quant_task, &qj);
+    experts_job j = {e, w, n_active, e->moe_active, experts_rows_per_task(e, n_active, 1, E), 0, 2, 1};
+    j.tiles = (E + j.rpt - 1) / j.rpt;
+    kvb_pool_parallel_for(e->pool, (int)(n_active * j.tiles), experts_task, &j);
+    for (uint32_t s = 0; s < slots; s++) /* grouped order -> by slot */
+        memcpy(e->moe_y + (size_t)e->moe_slot[s] * E, e->moe_x + (size_t)s * E, sizeof(float) * E);
 }
 
 /* The shared expert on the chunk's nr rows of h: one SwiGLU of n_ff_shexp, output into sh_y (nr, n_embd);
@@ -179,7 +262,6 @@ void kvb_cpu_moe(kvb_engine *e, const kvb_layer_weights *w, uint32_t nr, kvb_poo
     for (uint32_t x = 0; x < X; x++) off[x + 1] += off[x];
     for (uint32_t x = 0; x <= X; x++) e->moe_fill[x] = off[x];
     for (uint32_t s = 0; s < nr * K; s++) e->moe_slot[e->moe_fill[e->moe_sel[s]]++] = s;
-    for (uint32_t x = 0; x < X; x++)
-        if (off[x + 1] > off[x]) run_expert(e, w, x, e->moe_slot + off[x], off[x + 1] - off[x]);
+    run_experts(e, w, nr);
     kvb_pool_parallel_for(tok_pool, (int)nr, combine_task, &j);
 }
