@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # tools/device/mla_gpu_check.sh — DeepSeek's latent attention and routing in the CUDA engine on the
-# GPU host, in one call: test_cuda_moe (DeepSeek's router kernel against its twin and a float64
-# spelling, the MLA kernels against their twins, tiny-mla end to end against the CPU engine and
+# GPU host, in one call: test_cuda_moe (DeepSeek's router kernel against its twin, the twin against
+# the float64 reference's routing, the MLA kernels against their twins, one MLA layer against a
+# float64 twin, tiny-mla end to end against the CPU engine and
 # chunked == one-shot; the qwen3moe cases too, since the router kernel is shared) and
 # test_cuda_kernels' attention cases (the tensor-core kernel at head size 192, which the expanded
-# latent attention runs on); then the deepseek-v2-lite shape (gen-model --type TYPE, written
-# meanwhile on all cores): `bench prefill --device cuda` at SIZES, printing tok/s; then, while time
+# latent attention runs on); `kvbridge demo --device cuda` on tiny-mla (a CUDA prefill node on this
+# engine, the CUDA bridge's latent rows, a CPU decode node; its replies against the native ones are
+# reported, not held: the decoder's rows come from the GPU's attention inputs); then the
+# deepseek-v2-lite shape (gen-model --type TYPE, written meanwhile on all cores): `bench prefill
+# --device cuda` at SIZES, printing tok/s; then, while time
 # is left, a DeepSeek-V3 layer subset (gen-model --layers V3_LAYERS: 3 dense + 1 MoE layer with the
 # defaults) at V3_SIZES, and the real-shape case of test_cuda_moe on the V2-Lite file (32 tokens,
 # GPU vs CPU engine). From the repo root there, with a build packed here by
@@ -13,14 +17,14 @@
 #
 #   B=DIR tools/device/mla_gpu_check.sh
 #
-# STAGES (default "tests bench v3 real"), SIZES (default 8192,32768), TYPE (default q8_0),
+# STAGES (default "tests demo bench v3 real"), SIZES (default 8192,32768), TYPE (default q8_0),
 # V3_LAYERS (default 4), V3_SIZES (default 8192), DEADLINE (seconds, default 420). Logs under $OUT
 # (default /tmp/kvb-mla-check): mla.txt is the summary.
 set -u
 B=${B:?set B to the packed build}
 OUT=${OUT:-/tmp/kvb-mla-check}
 MD=${MODELS_DIR:-/tmp/kvb-models}
-STAGES=${STAGES:-"tests bench v3 real"}
+STAGES=${STAGES:-"tests demo bench v3 real"}
 SIZES=${SIZES:-8192,32768}
 TYPE=${TYPE:-q8_0}
 V3_LAYERS=${V3_LAYERS:-4}
@@ -61,6 +65,12 @@ if want tests; then
   KVB_TEST_FILTER=test_attention timeout "$(left)" "$B/test_cuda_kernels" >"$OUT/test_cuda_kernels.log" 2>&1
   say "test_cuda_kernels: exit $?; $(grep -E '^kvbt:' "$OUT/test_cuda_kernels.log" | tr '\n' ' ')"
   grep -E 'D192|FAILED|ERROR|failed' "$OUT/test_cuda_kernels.log" | head -10 >>"$LOG"
+fi
+if want demo; then
+  say "demo --device cuda on tiny-mla (CUDA prefill node -> CPU decode node)"
+  ( cd "$OUT" && "$B/kvbridge" gen-model --preset tiny-mla --type q8_0 --out tiny-mla-q8_0.gguf --quiet &&
+    timeout "$(left)" "$B/kvbridge" demo --device cuda -m tiny-mla-q8_0.gguf --turns 3 ) >"$OUT/demo.log" 2>&1
+  say "demo: exit $?; $(grep -E 'replies identical|Error|error' "$OUT/demo.log" | head -3 | tr '\n' ' ')"
 fi
 bench() { # FILE SIZES TAG
   say "bench prefill --device cuda, $3 at $2"
