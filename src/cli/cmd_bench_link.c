@@ -191,15 +191,20 @@ static void *raw_put_main(void *arg) {
     return ping_acked(s, st);
 }
 
-/* The framed leg's receiver: verifies every slab's checksum until PING, answers PONG. */
+/* The framed leg's receiver: verifies every slab's checksum until PING, answers PONG. Payloads are
+ * taken as the bridge's receiver takes them (kvb_conn_recv_lend: UCX lends them out of its ring). */
 static void *slab_recv_main(void *arg) {
     stream_end *s = arg;
     if (!gate_pass(s->gate)) return NULL;
+    kvb_wire_buf buf = {0};
     for (;;) {
         kvb_msg m;
-        if (kvb_conn_recv(s->conn, 60000, &m, &s->err)) break;
-        if (m.type == KVB_FRAME_SLAB &&
-            kvb_slab_checksum(m.u.slab.k, m.u.slab.k_bytes, m.u.slab.v, m.u.slab.v_bytes) != m.u.slab.checksum) {
+        kvb_wire_loan loan;
+        if (kvb_conn_recv_lend(s->conn, 60000, &buf, &loan, &m, &s->err)) break;
+        const bool corrupt = m.type == KVB_FRAME_SLAB && kvb_slab_checksum(m.u.slab.k, m.u.slab.k_bytes, m.u.slab.v,
+                                                                           m.u.slab.v_bytes) != m.u.slab.checksum;
+        kvb_wire_loan_return(&loan);
+        if (corrupt) {
             kvb_err_set(&s->err, KVB_ERR_FORMAT, "a slab arrived corrupt (its checksum does not match)");
             kvb_msg_free(&m);
             break;
@@ -209,6 +214,7 @@ static void *slab_recv_main(void *arg) {
             break;
         }
     }
+    free(buf.data);
     if (!s->ok) kvb_conn_shutdown(s->conn);
     return NULL;
 }
