@@ -378,7 +378,10 @@ kvb_status kvb_wire_buf_reserve(kvb_wire_buf *buf, size_t n, kvb_err *err);
  * receive ring the peer put it into). The view stays valid, and its room in the ring is withheld
  * from the sender, until the loan is returned; it outlives a failed, shut or closed connection
  * (the ring is freed with the last loan back), so a dead peer or a timeout never leaves it
- * dangling. Return each loan exactly once (kvb_wire_loan_return; an empty loan is fine). */
+ * dangling. Return each loan exactly once (kvb_wire_loan_return; an empty loan is fine), as its
+ * message is consumed: the sender cannot put past a loan still out once its ring comes round to
+ * it, so a receiver that keeps a loan while it waits for later frames of the connection stalls
+ * the sender (which times out). */
 typedef struct kvb_wire_loan {
     const uint8_t *data; /* the lent payload; NULL: nothing lent (the payload is in the buffer) */
     void (*give_back)(void *owner, uint64_t id);

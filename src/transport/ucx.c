@@ -744,17 +744,15 @@ static kvb_status send_ring(ucx_link *u, const ucp_dt_iov_t *v, size_t nv, uint6
 }
 
 /* The payload of a header just received, out of this side's ring: lent (a view into the ring, its
- * room held back until the loan is returned) when the caller takes loans, fewer than UCX_LOANS are
- * out and the ring from the consumed mark to this payload's end is at most a quarter of it (so a
- * receiver that holds its loans while it waits for the next frame never starves the sender: with
- * credits owed below an eighth and the next payload and its skip below a half, the next one
- * always has room); else copied into buf, its slot free at once. */
+ * room and everything after it held back from the sender until the loan is returned) when the
+ * caller takes loans and fewer than UCX_LOANS are out; else copied into buf, its slot free once
+ * the loans before it are back. */
 static kvb_status recv_ring(ucx_link *u, uint64_t n, kvb_wire_buf *buf, kvb_wire_loan *loan, kvb_err *err) {
     ucx_ring *r = u->rx;
     pthread_mutex_lock(&r->mu);
     const uint64_t at = ring_place(&r->head, r->bytes, n), end = r->head;
     const uint8_t *src = r->base + at % r->bytes;
-    if (loan && r->out_n < UCX_LOANS && end - atomic_load(&r->freed) <= r->bytes / 4) {
+    if (loan && r->out_n < UCX_LOANS) {
         const uint64_t id = ++r->next_id;
         r->out[(r->out_first + r->out_n++) % UCX_LOANS] = (ucx_loan){.id = id, .end = end};
         r->refs++;
