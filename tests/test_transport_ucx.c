@@ -215,6 +215,7 @@ static void test_handshake_and_stream(void **state) {
     assert_int_equal(rj.msg[NS].type, KVB_FRAME_DONE);
     m = rj.msg[NS];
     assert_int_equal(m.u.done.slabs, NS);
+    free(rj.buf[NS].data);
     /* both directions at once: PING from decode, PONG back */
     assert_int_equal(kvb_conn_send_ping(dc, 0xabcdef, IO_TIMEOUT_MS, &e), KVB_OK);
     assert_int_equal(kvb_conn_recv(pc, IO_TIMEOUT_MS, &m, &e), KVB_OK);

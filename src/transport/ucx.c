@@ -1216,8 +1216,10 @@ static void ucx_close(kvb_link *base) {
     ucp_ep_h eps[2] = {u->ep, u->cm_closed ? NULL : u->cm_ep};
     for (int i = 0; i < 2; i++) {
         ucs_status_ptr_t req = eps[i] ? ucp_ep_close_nbx(eps[i], &rp) : i == 1 ? u->cm_close : NULL;
+        unsigned idle = 0; /* backing off: a close the peer never answers costs no core for its wait */
         while (req && !UCS_PTR_IS_ERR(req) && !u->dead) {
-            progress(u);
+            if (progress(u)) idle = 0;
+            else idle_backoff(&idle);
             if (ucp_request_check_status(req) != UCS_INPROGRESS || kvb_now_s() > until) {
                 ucp_request_free(req);
                 break;
