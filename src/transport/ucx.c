@@ -709,28 +709,31 @@ static kvb_status ring_claim(ucx_link *u, uint64_t n, uint64_t *at, double deadl
     }
 }
 
-/* Puts the pieces back to back at byte off of the peer's ring, waits until each may be reused,
- * and with flush, until all of them have landed (what the header sent after them promises). */
+/* Puts the pieces back to back at byte off of the peer's ring and waits until each may be reused;
+ * with flush, the flush is posted with them and waited for first (one wait while they are all in
+ * flight): then all of them have landed, which the header sent after them promises. */
 static kvb_status ring_put(ucx_link *u, const ucp_dt_iov_t *v, size_t nv, uint64_t off, bool flush, double deadline,
                            kvb_err *err) {
-    ucs_status_ptr_t req[4];
+    ucs_status_ptr_t req[4], f = NULL;
     ucp_request_param_t rp = {.op_attr_mask = 0};
     if (nv > 4) return kvb_err_set(err, KVB_ERR_INVALID, "put: %zu pieces (at most 4)", nv);
     pthread_mutex_lock(&u->lock);
     for (size_t i = 0; i < nv; off += v[i].length, i++)
         req[i] = u->dead ? UCS_STATUS_PTR(UCS_ERR_CANCELED)
                          : ucp_put_nbx(u->ep, v[i].buffer, v[i].length, u->peer_ring_addr + off, u->peer_rkey, &rp);
+    if (flush) f = u->dead ? UCS_STATUS_PTR(UCS_ERR_CANCELED) : ucp_ep_flush_nbx(u->ep, &rp);
     pthread_mutex_unlock(&u->lock);
-    kvb_status st = KVB_OK;
+    kvb_status st = wait_request(u, f, true, deadline, "put to", err);
     for (size_t i = 0; i < nv; i++) {
         if (!st) st = wait_request(u, req[i], true, deadline, "put to", err);
-        else if (req[i] && !UCS_PTR_IS_ERR(req[i])) ucp_request_free(req[i]); /* the link is dead */
+        else if (req[i] && !UCS_PTR_IS_ERR(req[i])) { /* it may still read the caller's memory */
+            pthread_mutex_lock(&u->lock);
+            u->dead = true;
+            ucp_request_free(req[i]);
+            pthread_mutex_unlock(&u->lock);
+        }
     }
-    if (st || !flush) return st;
-    pthread_mutex_lock(&u->lock);
-    ucs_status_ptr_t f = u->dead ? UCS_STATUS_PTR(UCS_ERR_CANCELED) : ucp_ep_flush_nbx(u->ep, &rp);
-    pthread_mutex_unlock(&u->lock);
-    return wait_request(u, f, true, deadline, "put to", err);
+    return st;
 }
 
 /* A payload through the peer's ring: claimed room, the pieces put and flushed, then the header
