@@ -241,7 +241,7 @@ static void test_handshake_and_stream(void **state) {
 /* A quarter of the receive ring (the largest payload it carries) as this run configures it. */
 static uint64_t ring_quarter(void) {
     const char *e = getenv("KVB_UCX_RING");
-    uint64_t r = e && *e ? strtoull(e, NULL, 10) : 32u << 20;
+    uint64_t r = e && *e ? strtoull(e, NULL, 10) : 8u << 20;
     return r ? r / 4 : 8u << 20;
 }
 

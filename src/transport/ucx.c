@@ -60,8 +60,12 @@
 #define UCX_TAG_MIN_PAYLOAD (64u << 10)
 /* The receive ring each side registers (once, at the switch to the data endpoint) and advertises
  * with its rkey: KVB_UCX_RING bytes (0: none, every large payload goes tagged), this by default.
- * Payloads from the tag threshold up to a quarter of the peer's ring are put into it. */
-#define UCX_RING_BYTES (32u << 20)
+ * Payloads from the tag threshold up to a quarter of the peer's ring are put into it. A ring that
+ * stays in the caches is what makes both the put and the verification fast over shared memory:
+ * bench link, 1 MiB slabs, same box and load, medians of 3: 4.4-5.1 GB/s with 8 MiB, 3.8-5.6 with
+ * 16, 3.2-3.8 with 32 (UCX's raw put into it: 10-20, 8-12, 7-9); with 4 MiB a 1 MiB slab and
+ * its head no longer fit a quarter and go tagged. */
+#define UCX_RING_BYTES (8u << 20)
 #define UCX_RING_MAX (1u << 30)
 #define UCX_CREDIT_TAG (1ull << 63) /* the tag of credit messages (payload tags count up from 0) */
 #define UCX_BYE_TAG (UCX_CREDIT_TAG | 1) /* the tag of the 8-byte notice "this side shut the link" */
