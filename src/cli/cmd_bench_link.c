@@ -162,19 +162,76 @@ static void *ping_acked(stream_end *s, kvb_status st) {
     return NULL;
 }
 
-/* The framed leg's sender: SLAB frames (each slab's checksum computed here), then PING; the PONG
- * is the acknowledgement. */
+/* The slabs' checksums, computed on a thread of their own at most SUMS_AHEAD slabs ahead of the
+ * sender, as the bridge's staging ring has its producer checksum slabs before a lane's sender
+ * takes them: a slab's checksum is computed while the one before it is sent. */
+#define SUMS_AHEAD 4
+typedef struct {
+    const uint8_t *data;
+    size_t piece;
+    uint64_t bytes;
+    uint64_t sum[SUMS_AHEAD]; /* slab i's at i % SUMS_AHEAD */
+    uint64_t made, taken;     /* slabs checksummed, and taken by the sender */
+    bool stop;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+} sums_ahead;
+
+/* Slab i of a stream of `bytes` in slabs of `piece` bytes: K the first half of data, V the rest. */
+static kvb_msg_slab bench_slab(const uint8_t *data, size_t piece, uint64_t bytes, uint64_t i) {
+    const size_t n = (size_t)KVB_MIN(bytes - i * piece, piece);
+    return (kvb_msg_slab){.layer = 0, .pos0 = 0, .n = 1, .k = data, .v = data + n / 2, .k_bytes = n / 2,
+                          .v_bytes = n - n / 2};
+}
+
+static void *sums_main(void *arg) {
+    sums_ahead *q = arg;
+    for (uint64_t i = 0; i * q->piece < q->bytes; i++) {
+        const kvb_msg_slab m = bench_slab(q->data, q->piece, q->bytes, i);
+        const uint64_t c = kvb_slab_checksum(m.k, m.k_bytes, m.v, m.v_bytes);
+        pthread_mutex_lock(&q->mu);
+        while (q->made - q->taken == SUMS_AHEAD && !q->stop) pthread_cond_wait(&q->cv, &q->mu);
+        const bool stop = q->stop;
+        if (!stop) q->sum[q->made++ % SUMS_AHEAD] = c;
+        pthread_cond_broadcast(&q->cv);
+        pthread_mutex_unlock(&q->mu);
+        if (stop) break;
+    }
+    return NULL;
+}
+
+/* The framed leg's sender: SLAB frames (their checksums from sums_main), then PING; the PONG is
+ * the acknowledgement. */
 static void *slab_send_main(void *arg) {
     stream_end *s = arg;
     if (!gate_pass(s->gate)) return NULL;
-    kvb_status st = KVB_OK;
-    for (uint64_t sent = 0; !st && sent < s->bytes; sent += s->piece) {
-        size_t piece = (size_t)(s->bytes - sent < s->piece ? s->bytes - sent : s->piece);
-        kvb_msg_slab m = {.layer = 0, .pos0 = 0, .n = 1, .k = s->data, .v = s->data + piece / 2,
-                          .k_bytes = piece / 2, .v_bytes = piece - piece / 2};
-        m.checksum = kvb_slab_checksum(m.k, m.k_bytes, m.v, m.v_bytes);
+    sums_ahead q = {.data = s->data, .piece = s->piece, .bytes = s->bytes};
+    pthread_mutex_init(&q.mu, NULL);
+    pthread_cond_init(&q.cv, NULL);
+    pthread_t th;
+    kvb_status st = pthread_create(&th, NULL, sums_main, &q) != 0
+                        ? kvb_err_set(&s->err, KVB_ERR_INTERNAL, "could not start the checksum thread")
+                        : KVB_OK;
+    const bool started = st == KVB_OK;
+    for (uint64_t i = 0; !st && i * s->piece < s->bytes; i++) {
+        kvb_msg_slab m = bench_slab(s->data, s->piece, s->bytes, i);
+        pthread_mutex_lock(&q.mu);
+        while (q.made == i) pthread_cond_wait(&q.cv, &q.mu);
+        m.checksum = q.sum[i % SUMS_AHEAD];
+        q.taken++;
+        pthread_cond_broadcast(&q.cv);
+        pthread_mutex_unlock(&q.mu);
         st = kvb_conn_send_slab(s->conn, 1, &m, 60000, &s->err);
     }
+    if (started) {
+        pthread_mutex_lock(&q.mu);
+        q.stop = true;
+        pthread_cond_broadcast(&q.cv);
+        pthread_mutex_unlock(&q.mu);
+        pthread_join(th, NULL);
+    }
+    pthread_cond_destroy(&q.cv);
+    pthread_mutex_destroy(&q.mu);
     return ping_acked(s, st);
 }
 
