@@ -1,7 +1,8 @@
 /* cli/cmd_bench_link.c — `kvbridge bench link`: the transport's throughput beside the raw link,
  * measured the same way in the same run: N bytes as plain TCP sends of S bytes, then N bytes as
- * authenticated, checksummed SLAB frames of S bytes (the sender computes each slab's checksum and
- * the receiver verifies it, as the bridge and the store do), each way over one connection or over
+ * authenticated, checksummed SLAB frames of S bytes (each slab's checksum computed a few slabs ahead
+ * of the sender on a thread of its own, as the bridge's staging ring does, and verified by the
+ * receiver as the store does, on the payload UCX lends it), each way over one connection or over
  * --streams connections at once (N / streams bytes on each, one sending and one receiving thread
  * per connection, started together, as a decode node stripes a request's slabs over its lanes),
  * timed from the first byte to the last acknowledgement; alternated, medians of --reps. With
@@ -545,8 +546,8 @@ static void print_ucx(double *over_ucx, double *ucx_put, int reps, double mf, do
     char lanes[256];
     kvb_ucx_last_lanes(lanes, sizeof lanes);
     printf("over UCX   %.3f GB/s (the same frames over UCX: payloads of 64 KiB up to a quarter of the receiver's "
-           "registered ring put into it, headers on its stream API as the signal; tagged rendezvous messages when "
-           "larger, or when every lane is TCP; lanes: %s)\n",
+           "registered ring put into it, headers on its stream API as the signal, verified on a view into the ring; "
+           "tagged rendezvous messages when larger, or when every lane is TCP; lanes: %s)\n",
            mu, lanes);
     if (mp > 0)
         printf("raw UCX    %.3f GB/s (UCX's own ucp_put_nbx of the same bytes into the receiver's ring, nothing "
@@ -602,7 +603,7 @@ static int measure(const char *addr, const char *psk, uint64_t bytes, size_t sla
     if (streams > 1) snprintf(over, sizeof over, ", each leg over %u connections at once", streams);
     printf("link       %s, %.2f GiB per leg in %zu-byte pieces%s, %d rounds (medians)\n", addr,
            bytes / 1073741824.0, slab, over, reps);
-    printf("raw TCP    %.3f GB/s\nkvbridge   %.3f GB/s (SLAB frames: header and slab head hashed, the slab checksum of K || V computed and verified, authenticated link)\n"
+    printf("raw TCP    %.3f GB/s\nkvbridge   %.3f GB/s (SLAB frames: header and slab head hashed, the slab checksum of K || V computed beside the sender and verified, authenticated link)\n"
            "ratio      %.0f %% of the raw link\n",
            mr, mf, 100.0 * mf / mr);
     if (ucx) print_ucx(over_ucx, ucx_put, reps, mf, mr);

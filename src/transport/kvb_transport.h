@@ -347,14 +347,15 @@ kvb_status kvb_msg_lane_decode(const uint8_t *p, size_t n, kvb_msg_lane *m, kvb_
  * UCX (kvb_wire_backend_ucx, ucx.c): connects with a socket address (UCX's connection manager),
  * runs the same handshake over the ucp stream API, then (the `authenticated` hook) moves frames
  * onto an endpoint made from the peer's worker address so UCX may pick shared memory or RDMA. Each
- * side then registers a receive ring once and advertises its address and rkey: a payload of
- * 64 KiB up to a quarter of the ring is put one-sided into the peer's ring (unless every lane is
- * TCP, where UCX only emulates puts), and its 44-byte frame
+ * side then registers a receive ring once (8 MiB) and advertises its address and rkey: a payload
+ * of 64 KiB up to a quarter of the ring is put one-sided into the peer's ring (unless every lane
+ * is TCP, where UCX only emulates puts), and its 44-byte frame
  * header, sent on the stream after the put has landed, is the signal (both sides place payloads
- * in the ring the same way); the receiver copies it out, the frame's hashes and the slab checksum
- * are checked as over TCP, and credits (small tagged messages) give the room back. Larger payloads
- * follow their header as tagged messages (UCX's rendezvous). The lanes it picked are logged and
- * reported (kvb_conn_describe, kvb_ucx_last_lanes). */
+ * in the ring the same way); the receiver borrows it (a kvb_wire_loan: the frame's hashes and the
+ * slab checksum are checked on the view, as over TCP) or copies it out, and credits (small tagged
+ * messages) give the room back once it is returned. Larger payloads follow their header as tagged
+ * messages (UCX's rendezvous). The lanes it picked are logged and reported (kvb_conn_describe,
+ * kvb_ucx_last_lanes). */
 
 typedef struct kvb_wire_backend kvb_wire_backend;
 typedef struct kvb_link {

@@ -10,22 +10,24 @@
  * peer's worker address. Frame headers and small payloads go as IOV stream sends (no copy) and are
  * received with ucp_stream_recv_data_nb (copied once out of UCX's buffer; no receive request is
  * ever left pointing into a caller's buffer when a deadline passes). A payload from 64 KiB up to a
- * quarter of the peer's ring is put one-sided into the ring (ucp_put_nbx, then a flush: it has
- * landed), and its header on the stream is the signal: both sides place payloads in the ring by
- * the same rule, the receiver copies the payload into the caller's buffer, the frame hash and the
- * slab checksum are then checked exactly as over TCP, and every eighth of the ring consumed goes
- * back to the sender as a credit (a small tagged message). Larger payloads, and every large payload
- * when all lanes are TCP (UCX 1.13 emulates puts there, slower than its rendezvous), follow their
- * header as tagged messages (UCX's rendezvous). Idle waits sleep in poll on the workers' armed
- * event fds. Why puts: a rendezvous completes only once the receiver has
- * posted its receive and pulled the bytes, so a sender whose send must finish before it returns
- * (the backend contract: the caller's K and V are reusable after send_frame) has one slab in flight
- * and waits a round trip per slab; into the ring it has up to a ring of slabs in flight and never
- * waits for the receiver while there is room. Measured with bench link on one shared 2-core host
- * (1 MiB slabs, medians of 5, same load): 1.40 GB/s through the ring against 0.45 GB/s tagged.
- * What bounds it there is CPU, not UCX: a put over shared memory is one memcpy by the sender, and a
- * slab costs four passes over its bytes (checksum and put on the sender, copy-out and verify on
- * the receiver) where UCX's raw put costs one. Endpoints use peer error handling on the connection
+ * quarter of the peer's ring is put one-sided into the ring (ucp_put_nbx and a flush, posted
+ * together: it has landed), and its header on the stream is the signal: both sides place payloads
+ * in the ring by the same rule. A receiver that takes loans (kvb_conn_recv_lend) gets a view into
+ * the ring, verified and committed from there, else a copy; the ring's room up to the oldest loan
+ * still out goes back to the sender in credits (small tagged messages, every eighth of the ring,
+ * sent without waiting by whichever thread progresses the link). Larger payloads, and every large
+ * payload when all lanes are TCP (UCX 1.13 emulates puts there, slower than its rendezvous),
+ * follow their header as tagged messages (UCX's rendezvous). Idle waits sleep in poll on the
+ * workers' armed event fds. Why puts: a rendezvous completes only once the receiver has posted its
+ * receive and pulled the bytes, so a sender whose send must finish before it returns (the backend
+ * contract: the caller's K and V are reusable after send_frame) has one slab in flight and waits a
+ * round trip per slab; into the ring it has up to a ring of slabs in flight and never waits for the
+ * receiver while there is room. bench link on the shared 2-core box, 1 MiB slabs, alternated runs:
+ * 22.9-23.3 GB/s through the ring against 20.6-22.0 tagged (over shared memory the rendezvous is
+ * the receiver's own cma copy, so the two are close; over RDMA the ring saves the round trips).
+ * What bounds it there is CPU: a put over shared memory is the sender's memcpy, and the receiver
+ * must read every byte to verify it, which UCX's raw put (the ceiling bench link prints) never
+ * does. Endpoints use peer error handling on the connection
  * manager's endpoint, kept open, so a peer that dies or closes is KVB_ERR_PEER_GONE: a killed
  * process at once (the kernel closes its sockets), a vanished host through UCX's keepalive (a
  * round every UCX_KEEPALIVE) and TCP's; a shutdown also sends a notice on the data endpoint. The listener
@@ -33,7 +35,9 @@
  * transports (lanes) an endpoint actually selected is logged at connect/accept and kept for
  * /metrics and doctor (kvb_ucx_last_lanes): a silent fallback to TCP is visible. A trusted peer on
  * the same host could write anywhere in this process through cma (as it could through ptrace):
- * the ring's bounds are enforced by the rkey only on RDMA. */
+ * the ring's bounds are enforced by the rkey only on RDMA; for the same reason a lent view is
+ * verified and committed in two reads of memory the peer could write between them (it never does
+ * while the loan is out: its credits stop short of it). */
 #include <errno.h>
 #include <netdb.h>
 #include <poll.h>
@@ -62,9 +66,9 @@
  * with its rkey: KVB_UCX_RING bytes (0: none, every large payload goes tagged), this by default.
  * Payloads from the tag threshold up to a quarter of the peer's ring are put into it. A ring that
  * stays in the caches is what makes both the put and the verification fast over shared memory:
- * bench link, 1 MiB slabs, same box and load, medians of 3: 4.4-5.1 GB/s with 8 MiB, 3.8-5.6 with
- * 16, 3.2-3.8 with 32 (UCX's raw put into it: 10-20, 8-12, 7-9); with 4 MiB a 1 MiB slab and
- * its head no longer fit a quarter and go tagged. */
+ * bench link, 1 MiB slabs, the shared 2-core box under load, two runs of 3 rounds each (medians):
+ * 4.5-5.1 GB/s with 8 MiB, 3.8-5.6 with 16, 2.4-3.8 with 32 (UCX's raw put into it: 10.8-13.6,
+ * 8.4-11.6, 6.2-8.8); with 4 MiB a 1 MiB slab and its head exceed a quarter and go tagged. */
 #define UCX_RING_BYTES (8u << 20)
 #define UCX_RING_MAX (1u << 30)
 #define UCX_CREDIT_TAG (1ull << 63) /* the tag of credit messages (payload tags count up from 0) */
@@ -226,7 +230,12 @@ static unsigned progress(ucx_link *u) {
  * deadline (the caller then looks at its cancel flag and the deadline again). Where a worker cannot
  * be armed it sleeps as idle_backoff. UCX's TCP moves only when progressed: with fixed sleeps a
  * tagged flow over TCP lanes on loopback ran at 0.13-0.18 GB/s, never sleeping 0.35 (all of a
- * core), woken by the fds 0.17-0.19 (same load); over shared memory the two are level. */
+ * core), woken by the fds 0.17-0.19 (same load); over shared memory the two are level. The first
+ * UCX_SHORT_SLEEPS sleeps of a wait last at most 1 ms: UCX 1.13's shared-memory transports wake a
+ * sleeping peer through an abstract UNIX socket, which does not reach a peer in another network
+ * namespace (sendto: ECONNREFUSED, seen between two namespaces sharing /dev/shm), where only the
+ * timeout ends a sleep: with 20 ms sleeps some bench link rounds there fell from 20 GB/s to 0.4. */
+#define UCX_SHORT_SLEEPS 1000
 static void idle_wait(ucx_link *u, unsigned *idle, double deadline) {
     unsigned n = (*idle)++;
     if (n < 512) return;
@@ -254,8 +263,8 @@ static void idle_wait(ucx_link *u, unsigned *idle, double deadline) {
         idle_backoff(idle);
         return;
     }
-    int ms = wire_ms_left(deadline);
-    poll(fds, nf, ms < WIRE_CANCEL_POLL_MS ? ms : WIRE_CANCEL_POLL_MS);
+    const int cap = n < 4096 + UCX_SHORT_SLEEPS ? 1 : WIRE_CANCEL_POLL_MS, ms = wire_ms_left(deadline);
+    poll(fds, nf, ms < cap ? ms : cap);
 }
 
 /* Why a wait must end now (KVB_OK: it may go on). */
