@@ -721,10 +721,43 @@ static kvb_msg recv_lent(kvb_conn *c, const laps_job *j, int i, kvb_wire_buf *bu
     return m;
 }
 
-static uint8_t *filled_pool(size_t n) {
-    uint8_t *pool = malloc(n);
-    for (size_t i = 0; i < n; i++) pool[i] = (uint8_t)(i * 2654435761u >> 13);
-    return pool;
+/* A connected pair and n slabs of `size` bytes each (slab_of's: views into a pool made for them)
+ * sent from the prefill side on a thread (send_main). */
+typedef struct {
+    kvb_conn *dc, *pc;
+    uint64_t size;
+    laps_job what;
+    send_job sj;
+    pthread_t t;
+} lent_stream;
+
+static void stream_start(lent_stream *s, kvb_listener *l, uint64_t size, int n, bool corrupt_first, bool shut) {
+    connect_pair(l, &s->dc, &s->pc);
+    s->size = size;
+    const size_t pool_bytes = size + 4 * (size_t)n;
+    uint8_t *pool = malloc(pool_bytes);
+    for (size_t i = 0; i < pool_bytes; i++) pool[i] = (uint8_t)(i * 2654435761u >> 13);
+    s->what = (laps_job){.n = n, .sizes = &s->size, .n_sizes = 1, .pool = pool};
+    s->sj = (send_job){.c = s->pc, .what = &s->what, .corrupt_first = corrupt_first, .shut = shut};
+    assert_int_equal(pthread_create(&s->t, NULL, send_main, &s->sj), 0);
+}
+
+/* Waits for the sender, which must have sent everything; closes its end (the test closes dc). */
+static void stream_end(lent_stream *s) {
+    pthread_join(s->t, NULL);
+    if (s->sj.st) fail_msg("send: %s", s->sj.err.msg);
+    assert_int_equal(atomic_load(&s->sj.sent), s->what.n);
+    kvb_conn_close(s->pc);
+    free((uint8_t *)s->what.pool);
+}
+
+/* Receives slabs from..n-1 of the stream, each lent, checked and returned at once. */
+static void recv_rest(lent_stream *s, int from, kvb_wire_buf *buf) {
+    kvb_wire_loan loan;
+    for (int i = from; i < s->what.n; i++) {
+        recv_lent(s->dc, &s->what, i, buf, &loan);
+        kvb_wire_loan_return(&loan);
+    }
 }
 
 /* A lent slot is never put into again while its loan is out: slab 0 is kept lent while the next
@@ -734,42 +767,29 @@ static uint8_t *filled_pool(size_t n) {
 static void test_lent_slot_never_reused(void **state) {
     (void)state;
     kvb_listener *l = listen_ucx();
-    kvb_conn *dc, *pc;
-    connect_pair(l, &dc, &pc);
-    const uint64_t size = (1u << 20) + 13; /* laps end with a skip */
-    laps_job what = {.n = 48, .sizes = &size, .n_sizes = 1};
-    uint8_t *pool = filled_pool(size + 4 * (size_t)what.n);
-    what.pool = pool;
-    send_job sj = {.c = pc, .what = &what};
-    pthread_t t;
-    assert_int_equal(pthread_create(&t, NULL, send_main, &sj), 0);
+    lent_stream s;
+    stream_start(&s, l, (1u << 20) + 13, 48, false, false); /* laps end with a skip */
     kvb_wire_buf buf = {0}, held_buf = {0};
     kvb_wire_loan held, loan;
-    kvb_msg first = recv_lent(dc, &what, 0, &held_buf, &held);
-    const int fit = (int)(4 * ring_quarter() / size); /* slabs in the first lap: slab `fit` needs slab 0's room */
+    kvb_msg first = recv_lent(s.dc, &s.what, 0, &held_buf, &held);
+    const int fit = (int)(4 * ring_quarter() / s.size); /* slabs in the first lap: slab `fit` needs slab 0's room */
     for (int i = 1; i < fit; i++) {
-        recv_lent(dc, &what, i, &buf, &loan);
+        recv_lent(s.dc, &s.what, i, &buf, &loan);
         kvb_wire_loan_return(&loan);
     }
     usleep(300 * 1000);
     if (ring_in_use()) {
-        print_message("    %d slabs sent while slab 0 is lent (%d fit in a lap)\n", atomic_load(&sj.sent), fit);
-        assert_int_equal(atomic_load(&sj.sent), fit);
+        print_message("    %d slabs sent while slab 0 is lent (%d fit in a lap)\n", atomic_load(&s.sj.sent), fit);
+        assert_int_equal(atomic_load(&s.sj.sent), fit);
     }
-    check_slab(&first.u.slab, &what, 0);
+    check_slab(&first.u.slab, &s.what, 0);
     kvb_wire_loan_return(&held);
-    for (int i = fit; i < what.n; i++) {
-        recv_lent(dc, &what, i, &buf, &loan);
-        kvb_wire_loan_return(&loan);
-    }
-    pthread_join(t, NULL);
-    if (sj.st) fail_msg("send: %s", sj.err.msg);
-    assert_true(kvb_conn_usable(dc));
+    recv_rest(&s, fit, &buf);
+    stream_end(&s);
+    assert_true(kvb_conn_usable(s.dc));
+    kvb_conn_close(s.dc);
     free(buf.data);
     free(held_buf.data);
-    free(pool);
-    kvb_conn_close(dc);
-    kvb_conn_close(pc);
     kvb_listener_close(l);
 }
 
@@ -780,47 +800,32 @@ static void test_lent_slot_never_reused(void **state) {
 static void test_loans_outlive_peer_and_close(void **state) {
     (void)state;
     kvb_listener *l = listen_ucx();
-    kvb_conn *dc, *pc;
-    connect_pair(l, &dc, &pc);
-    const uint64_t size = 256 << 10;
-    laps_job what = {.n = 2, .sizes = &size, .n_sizes = 1};
-    uint8_t *pool = filled_pool(size + 8);
-    what.pool = pool;
-    send_job sj = {.c = pc, .what = &what, .shut = true};
-    pthread_t t;
-    assert_int_equal(pthread_create(&t, NULL, send_main, &sj), 0);
+    lent_stream s;
+    stream_start(&s, l, 256 << 10, 2, false, true);
     kvb_wire_buf buf[2] = {{0}, {0}};
     kvb_wire_loan loan[2];
-    kvb_msg m[2];
-    for (int i = 0; i < 2; i++) m[i] = recv_lent(dc, &what, i, &buf[i], &loan[i]);
-    pthread_join(t, NULL);
-    if (sj.st) fail_msg("send: %s", sj.err.msg);
-    kvb_msg after;
+    kvb_msg m[2], after;
+    for (int i = 0; i < 2; i++) m[i] = recv_lent(s.dc, &s.what, i, &buf[i], &loan[i]);
     kvb_err e = {0};
-    assert_int_equal(kvb_conn_recv(dc, IO_TIMEOUT_MS, &after, &e), KVB_ERR_PEER_GONE);
+    assert_int_equal(kvb_conn_recv(s.dc, IO_TIMEOUT_MS, &after, &e), KVB_ERR_PEER_GONE);
     print_message("    %s\n", e.msg);
-    check_slab(&m[0].u.slab, &what, 0);
+    check_slab(&m[0].u.slab, &s.what, 0);
     kvb_wire_loan_return(&loan[0]);
-    kvb_conn_close(dc);
-    check_slab(&m[1].u.slab, &what, 1);
+    kvb_conn_close(s.dc);
+    check_slab(&m[1].u.slab, &s.what, 1);
     kvb_wire_loan_return(&loan[1]);
     kvb_wire_loan_return(&loan[1]); /* emptied: a second return does nothing */
-    kvb_conn_close(pc);
+    stream_end(&s);
 
-    connect_pair(l, &dc, &pc);
-    what.n = 1;
-    sj = (send_job){.c = pc, .what = &what};
-    assert_int_equal(pthread_create(&t, NULL, send_main, &sj), 0);
-    m[0] = recv_lent(dc, &what, 0, &buf[0], &loan[0]);
-    pthread_join(t, NULL);
-    assert_int_equal(kvb_conn_recv(dc, 300, &after, &e), KVB_ERR_TIMEOUT);
-    check_slab(&m[0].u.slab, &what, 0);
+    stream_start(&s, l, 256 << 10, 1, false, false);
+    m[0] = recv_lent(s.dc, &s.what, 0, &buf[0], &loan[0]);
+    assert_int_equal(kvb_conn_recv(s.dc, 300, &after, &e), KVB_ERR_TIMEOUT);
+    check_slab(&m[0].u.slab, &s.what, 0);
     kvb_wire_loan_return(&loan[0]);
-    kvb_conn_close(dc);
-    kvb_conn_close(pc);
+    kvb_conn_close(s.dc);
+    stream_end(&s);
     free(buf[0].data);
     free(buf[1].data);
-    free(pool);
     kvb_listener_close(l);
 }
 
@@ -830,38 +835,25 @@ static void test_loans_outlive_peer_and_close(void **state) {
 static void test_lent_slab_checksum_refused(void **state) {
     (void)state;
     kvb_listener *l = listen_ucx();
-    kvb_conn *dc, *pc;
-    connect_pair(l, &dc, &pc);
-    const uint64_t size = 256 << 10;
-    laps_job what = {.n = 200, .sizes = &size, .n_sizes = 1};
-    uint8_t *pool = filled_pool(size + 4 * (size_t)what.n);
-    what.pool = pool;
-    send_job sj = {.c = pc, .what = &what, .corrupt_first = true};
-    pthread_t t;
-    assert_int_equal(pthread_create(&t, NULL, send_main, &sj), 0);
+    lent_stream s;
+    stream_start(&s, l, 256 << 10, 200, true, false);
     kvb_wire_buf buf = {0};
     kvb_wire_loan loan;
     kvb_msg m;
     kvb_err e = {0};
-    if (kvb_conn_recv_lend(dc, IO_TIMEOUT_MS, &buf, &loan, &m, &e)) fail_msg("slab 0: %s", e.msg);
+    if (kvb_conn_recv_lend(s.dc, IO_TIMEOUT_MS, &buf, &loan, &m, &e)) fail_msg("slab 0: %s", e.msg);
     assert_int_equal(m.type, KVB_FRAME_SLAB);
     assert_true(ring_in_use() ? loan.data != NULL : loan.data == NULL);
-    const kvb_msg_slab sent = slab_of(&what, 0);
+    const kvb_msg_slab sent = slab_of(&s.what, 0);
     assert_memory_equal(m.u.slab.k, sent.k, sent.k_bytes); /* the bytes as sent, */
     assert_int_not_equal(XXH3_64bits(m.u.slab.k, m.u.slab.k_bytes) ^ XXH3_64bits(m.u.slab.v, m.u.slab.v_bytes),
                          m.u.slab.checksum); /* which do not match the checksum it carries */
     kvb_wire_loan_return(&loan);
-    for (int i = 1; i < what.n; i++) {
-        recv_lent(dc, &what, i, &buf, &loan);
-        kvb_wire_loan_return(&loan);
-    }
-    pthread_join(t, NULL);
-    if (sj.st) fail_msg("send: %s", sj.err.msg);
-    assert_true(kvb_conn_usable(dc));
+    recv_rest(&s, 1, &buf);
+    stream_end(&s);
+    assert_true(kvb_conn_usable(s.dc));
+    kvb_conn_close(s.dc);
     free(buf.data);
-    free(pool);
-    kvb_conn_close(dc);
-    kvb_conn_close(pc);
     kvb_listener_close(l);
 }
 
