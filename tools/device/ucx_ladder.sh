@@ -4,7 +4,7 @@
 # and bench link's four figures (raw TCP, our TCP, our UCX, UCX's raw put) on the host's loopback.
 # Uses binaries from a build with UCX, packed here with
 #   cmake -S . -B build-gpu-ucx -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVB_CUDA=ON -DKVB_UCX=ON
-#   cmake --build build-gpu-ucx --target kvbridge
+#   cmake --build build-gpu-ucx          (everything: --pack copies the test_cuda_* binaries too)
 #   tools/device/gpu_check.sh --pack build-gpu-ucx .devcarry-gpu-ucx
 # (the pack carries UCX's transport plugins in lib/ucx; this script points UCX_MODULE_DIR there)
 # and carried as .devcarry-gpu-ucx. Stages (STAGES, default "link ladder"):
