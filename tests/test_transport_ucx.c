@@ -15,8 +15,14 @@
  * the deadline; a shutdown wakes a blocked receive, and the other end of a lane shut down but
  * left open ends its pending receive with KVB_ERR_PEER_GONE at once; a peer process killed mid-frame or between
  * frames of a stream is KVB_ERR_PEER_GONE, not a hang (the peer is this binary run again, so it
- * starts UCX afresh rather than inheriting the parent's state through fork). */
+ * starts UCX afresh rather than inheriting the parent's state through fork). Payloads lent out of
+ * the ring (kvb_conn_recv_lend; nothing is lent in the other two runs): a lent slot is never put
+ * into again while lent (the sender waits at it) and the stream goes on once it is returned;
+ * loans stay valid after the peer shut down, after a timeout and after the connection closed; a
+ * frame whose hash fails returns its loan; a lent slab whose checksum does not match is refused by
+ * the consumer on the view and the stream after it arrives intact. */
 #include <setjmp.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -209,6 +215,7 @@ static void test_handshake_and_stream(void **state) {
     assert_int_equal(rj.msg[NS].type, KVB_FRAME_DONE);
     m = rj.msg[NS];
     assert_int_equal(m.u.done.slabs, NS);
+    free(rj.buf[NS].data);
     /* both directions at once: PING from decode, PONG back */
     assert_int_equal(kvb_conn_send_ping(dc, 0xabcdef, IO_TIMEOUT_MS, &e), KVB_OK);
     assert_int_equal(kvb_conn_recv(pc, IO_TIMEOUT_MS, &m, &e), KVB_OK);
@@ -234,7 +241,7 @@ static void test_handshake_and_stream(void **state) {
 /* A quarter of the receive ring (the largest payload it carries) as this run configures it. */
 static uint64_t ring_quarter(void) {
     const char *e = getenv("KVB_UCX_RING");
-    uint64_t r = e && *e ? strtoull(e, NULL, 10) : 32u << 20;
+    uint64_t r = e && *e ? strtoull(e, NULL, 10) : 8u << 20;
     return r ? r / 4 : 8u << 20;
 }
 
@@ -366,27 +373,36 @@ static void test_wrong_key_refused_both_sides(void **state) {
     kvb_listener_close(l);
 }
 
-/* One receive on its own thread, timed. */
+/* One receive on its own thread, timed; with lend, as kvb_conn_recv_lend (the loan is returned). */
 typedef struct {
     kvb_conn *c;
     kvb_status st;
     kvb_err err;
     double seconds;
     int timeout_ms;
+    bool lend;
+    bool lent; /* the backend set the loan (it must be empty after a failure) */
 } recv_job;
 
 static void *recv_main(void *arg) {
     recv_job *j = arg;
     kvb_msg m;
+    kvb_wire_buf buf = {0};
+    kvb_wire_loan loan = {0};
     double t0 = kvb_now_s();
-    j->st = kvb_conn_recv(j->c, j->timeout_ms, &m, &j->err);
+    j->st = j->lend ? kvb_conn_recv_lend(j->c, j->timeout_ms, &buf, &loan, &m, &j->err)
+                    : kvb_conn_recv(j->c, j->timeout_ms, &m, &j->err);
     j->seconds = kvb_now_s() - t0;
+    j->lent = loan.data != NULL || loan.give_back != NULL;
+    kvb_wire_loan_return(&loan);
+    free(buf.data);
     return NULL;
 }
 
 /* A SLAB of kv bytes of K and of V whose head changes after its frame hash was taken (corrupted
- * in flight): the receiver's hash check fails the receive before the message is decoded. */
-static void corrupt_payload(size_t kv) {
+ * in flight): the receiver's hash check fails the receive before the message is decoded; a
+ * payload lent out of the ring (lend) is returned by then. */
+static void corrupt_payload(size_t kv, bool lend) {
     kvb_listener *l = listen_ucx();
     kvb_conn *dc, *pc;
     connect_pair(l, &dc, &pc);
@@ -404,12 +420,13 @@ static void corrupt_payload(size_t kv) {
     kvb_err e = {0};
     double deadline;
     assert_int_equal(wire_deadline(IO_TIMEOUT_MS, &deadline, &e), KVB_OK);
-    recv_job j = {.c = dc, .timeout_ms = IO_TIMEOUT_MS}; /* a rendezvous needs the receiver there */
+    recv_job j = {.c = dc, .timeout_ms = IO_TIMEOUT_MS, .lend = lend}; /* a rendezvous needs the receiver there */
     pthread_t t;
     assert_int_equal(pthread_create(&t, NULL, recv_main, &j), 0);
     assert_int_equal(pc->backend->send_frame(pc->link, hdr, iov, 3, deadline, &e), KVB_OK);
     pthread_join(t, NULL);
     assert_int_equal(j.st, KVB_ERR_CHECKSUM);
+    assert_false(j.lent);
     print_message("    %s\n", j.err.msg);
     assert_false(kvb_conn_usable(dc));
     kvb_conn_stats ds;
@@ -425,8 +442,9 @@ static void corrupt_payload(size_t kv) {
 /* on the stream (256 bytes each), and through the ring (256 KiB each) */
 static void test_corrupt_payload_is_checksum_error(void **state) {
     (void)state;
-    corrupt_payload(256);
-    corrupt_payload(256 << 10);
+    corrupt_payload(256, false);
+    corrupt_payload(256 << 10, false);
+    corrupt_payload(256 << 10, true);
 }
 
 /* An authenticated peer whose large payload is shorter or longer than its frame header says:
@@ -650,6 +668,196 @@ static void test_peer_killed_between_frames(void **state) {
     peer_killed("stream", 2, "frame header");
 }
 
+/* ---- payloads lent out of the receive ring (kvb_conn_recv_lend) ---- */
+
+/* Sends the n slabs of slab_of(what, i) on its own thread, counting those sent (with
+ * corrupt_first, slab 0 carries a checksum its bytes do not match); with shut, then shuts its
+ * connection down (the peer's pending receive ends at once). */
+typedef struct {
+    kvb_conn *c;
+    const laps_job *what;
+    bool corrupt_first, shut;
+    atomic_int sent;
+    kvb_status st;
+    kvb_err err;
+} send_job;
+
+static void *send_main(void *arg) {
+    send_job *j = arg;
+    for (int i = 0; i < j->what->n && !j->st; i++) {
+        kvb_msg_slab sl = slab_of(j->what, i);
+        if (i == 0 && j->corrupt_first) sl.checksum ^= 1;
+        if (!(j->st = kvb_conn_send_slab(j->c, 7, &sl, 20000, &j->err))) atomic_fetch_add(&j->sent, 1);
+    }
+    if (j->shut) kvb_conn_shutdown(j->c);
+    return NULL;
+}
+
+/* The slab as slab_of made slab i, bit for bit. */
+static void check_slab(const kvb_msg_slab *got, const laps_job *j, int i) {
+    kvb_msg_slab want = slab_of(j, i);
+    assert_int_equal(got->layer, want.layer);
+    assert_int_equal(got->k_bytes, want.k_bytes);
+    assert_int_equal(got->v_bytes, want.v_bytes);
+    assert_int_equal(got->checksum, want.checksum);
+    if (memcmp(got->k, want.k, want.k_bytes) != 0 || memcmp(got->v, want.v, want.v_bytes) != 0)
+        fail_msg("slab %d: its bytes differ from what was sent", i);
+}
+
+/* Receives slab i with a loan (lent out of the ring when this run uses one: K is then a view into
+ * the loan's payload, right after the slab's head; else nothing lent) and checks it. */
+static kvb_msg recv_lent(kvb_conn *c, const laps_job *j, int i, kvb_wire_buf *buf, kvb_wire_loan *loan) {
+    kvb_msg m;
+    kvb_err e = {0};
+    if (kvb_conn_recv_lend(c, IO_TIMEOUT_MS, buf, loan, &m, &e)) fail_msg("slab %d: %s", i, e.msg);
+    assert_int_equal(m.type, KVB_FRAME_SLAB);
+    if (ring_in_use()) {
+        assert_non_null(loan->data);
+        assert_ptr_equal(m.u.slab.k, loan->data + KVB_SLAB_HEAD_BYTES);
+    } else {
+        assert_null(loan->data);
+    }
+    check_slab(&m.u.slab, j, i);
+    return m;
+}
+
+/* A connected pair and n slabs of `size` bytes each (slab_of's: views into a pool made for them)
+ * sent from the prefill side on a thread (send_main). */
+typedef struct {
+    kvb_conn *dc, *pc;
+    uint64_t size;
+    laps_job what;
+    send_job sj;
+    pthread_t t;
+} lent_stream;
+
+static void stream_start(lent_stream *s, kvb_listener *l, uint64_t size, int n, bool corrupt_first, bool shut) {
+    connect_pair(l, &s->dc, &s->pc);
+    s->size = size;
+    const size_t pool_bytes = size + 4 * (size_t)n;
+    uint8_t *pool = malloc(pool_bytes);
+    for (size_t i = 0; i < pool_bytes; i++) pool[i] = (uint8_t)(i * 2654435761u >> 13);
+    s->what = (laps_job){.n = n, .sizes = &s->size, .n_sizes = 1, .pool = pool};
+    s->sj = (send_job){.c = s->pc, .what = &s->what, .corrupt_first = corrupt_first, .shut = shut};
+    assert_int_equal(pthread_create(&s->t, NULL, send_main, &s->sj), 0);
+}
+
+/* Waits for the sender, which must have sent everything; closes its end (the test closes dc). */
+static void stream_end(lent_stream *s) {
+    pthread_join(s->t, NULL);
+    if (s->sj.st) fail_msg("send: %s", s->sj.err.msg);
+    assert_int_equal(atomic_load(&s->sj.sent), s->what.n);
+    kvb_conn_close(s->pc);
+    free((uint8_t *)s->what.pool);
+}
+
+/* Receives slabs from..n-1 of the stream, each lent, checked and returned at once. */
+static void recv_rest(lent_stream *s, int from, kvb_wire_buf *buf) {
+    kvb_wire_loan loan;
+    for (int i = from; i < s->what.n; i++) {
+        recv_lent(s->dc, &s->what, i, buf, &loan);
+        kvb_wire_loan_return(&loan);
+    }
+}
+
+/* A lent slot is never put into again while its loan is out: slab 0 is kept lent while the next
+ * ones arrive (each returned at once); the sender fills the ring up to slab 0's room and waits
+ * there; slab 0 is then still as sent; once it is returned, the rest of the stream follows, bit
+ * for bit (laps of the ring). */
+static void test_lent_slot_never_reused(void **state) {
+    (void)state;
+    kvb_listener *l = listen_ucx();
+    lent_stream s;
+    stream_start(&s, l, (1u << 20) + 13, 48, false, false); /* laps end with a skip */
+    kvb_wire_buf buf = {0}, held_buf = {0};
+    kvb_wire_loan held, loan;
+    kvb_msg first = recv_lent(s.dc, &s.what, 0, &held_buf, &held);
+    const int fit = (int)(4 * ring_quarter() / s.size); /* slabs in the first lap: slab `fit` needs slab 0's room */
+    for (int i = 1; i < fit; i++) {
+        recv_lent(s.dc, &s.what, i, &buf, &loan);
+        kvb_wire_loan_return(&loan);
+    }
+    if (ring_in_use()) { /* the sender gets as far as slab 0's room (however loaded the host), no further */
+        for (int ms = 0; ms < IO_TIMEOUT_MS && atomic_load(&s.sj.sent) < fit; ms += 10) usleep(10 * 1000);
+        usleep(200 * 1000);
+        print_message("    %d slabs sent while slab 0 is lent (%d fit in a lap)\n", atomic_load(&s.sj.sent), fit);
+        assert_int_equal(atomic_load(&s.sj.sent), fit);
+    }
+    check_slab(&first.u.slab, &s.what, 0);
+    kvb_wire_loan_return(&held);
+    recv_rest(&s, fit, &buf);
+    stream_end(&s);
+    assert_true(kvb_conn_usable(s.dc));
+    kvb_conn_close(s.dc);
+    free(buf.data);
+    free(held_buf.data);
+    kvb_listener_close(l);
+}
+
+/* Loans outlive the peer and the connection: two slabs lent, the peer shuts down, the next
+ * receive is KVB_ERR_PEER_GONE; both views are still as sent, one is returned before the
+ * connection is closed and one after (the ring goes with the last; ASan watches). A receive that
+ * times out leaves its connection's loans as valid. */
+static void test_loans_outlive_peer_and_close(void **state) {
+    (void)state;
+    kvb_listener *l = listen_ucx();
+    lent_stream s;
+    stream_start(&s, l, 256 << 10, 2, false, true);
+    kvb_wire_buf buf[2] = {{0}, {0}};
+    kvb_wire_loan loan[2];
+    kvb_msg m[2], after;
+    for (int i = 0; i < 2; i++) m[i] = recv_lent(s.dc, &s.what, i, &buf[i], &loan[i]);
+    kvb_err e = {0};
+    assert_int_equal(kvb_conn_recv(s.dc, IO_TIMEOUT_MS, &after, &e), KVB_ERR_PEER_GONE);
+    print_message("    %s\n", e.msg);
+    check_slab(&m[0].u.slab, &s.what, 0);
+    kvb_wire_loan_return(&loan[0]);
+    kvb_conn_close(s.dc);
+    check_slab(&m[1].u.slab, &s.what, 1);
+    kvb_wire_loan_return(&loan[1]);
+    kvb_wire_loan_return(&loan[1]); /* emptied: a second return does nothing */
+    stream_end(&s);
+
+    stream_start(&s, l, 256 << 10, 1, false, false);
+    m[0] = recv_lent(s.dc, &s.what, 0, &buf[0], &loan[0]);
+    assert_int_equal(kvb_conn_recv(s.dc, 300, &after, &e), KVB_ERR_TIMEOUT);
+    check_slab(&m[0].u.slab, &s.what, 0);
+    kvb_wire_loan_return(&loan[0]);
+    kvb_conn_close(s.dc);
+    stream_end(&s);
+    free(buf[0].data);
+    free(buf[1].data);
+    kvb_listener_close(l);
+}
+
+/* A lent slab whose K no longer matches its checksum (changed after the checksum was taken; the
+ * frame's hash covers only the head) arrives, and the consumer's check refuses it on the view;
+ * returned, the ring's room goes back and the slabs after it (laps of the ring) arrive intact. */
+static void test_lent_slab_checksum_refused(void **state) {
+    (void)state;
+    kvb_listener *l = listen_ucx();
+    lent_stream s;
+    stream_start(&s, l, 256 << 10, 200, true, false);
+    kvb_wire_buf buf = {0};
+    kvb_wire_loan loan;
+    kvb_msg m;
+    kvb_err e = {0};
+    if (kvb_conn_recv_lend(s.dc, IO_TIMEOUT_MS, &buf, &loan, &m, &e)) fail_msg("slab 0: %s", e.msg);
+    assert_int_equal(m.type, KVB_FRAME_SLAB);
+    assert_true(ring_in_use() ? loan.data != NULL : loan.data == NULL);
+    const kvb_msg_slab sent = slab_of(&s.what, 0);
+    assert_memory_equal(m.u.slab.k, sent.k, sent.k_bytes); /* the bytes as sent, */
+    assert_int_not_equal(XXH3_64bits(m.u.slab.k, m.u.slab.k_bytes) ^ XXH3_64bits(m.u.slab.v, m.u.slab.v_bytes),
+                         m.u.slab.checksum); /* which do not match the checksum it carries */
+    kvb_wire_loan_return(&loan);
+    recv_rest(&s, 1, &buf);
+    stream_end(&s);
+    assert_true(kvb_conn_usable(s.dc));
+    kvb_conn_close(s.dc);
+    free(buf.data);
+    kvb_listener_close(l);
+}
+
 int main(void) {
     const char *child_port = getenv("KVB_UCX_CHILD_PORT");
     if (child_port) return child_main(child_port);
@@ -665,6 +873,9 @@ int main(void) {
         cmocka_unit_test(test_shutdown_tells_open_peer),
         cmocka_unit_test(test_peer_killed_mid_frame),
         cmocka_unit_test(test_peer_killed_between_frames),
+        cmocka_unit_test(test_lent_slot_never_reused),
+        cmocka_unit_test(test_loans_outlive_peer_and_close),
+        cmocka_unit_test(test_lent_slab_checksum_refused),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

@@ -1,8 +1,10 @@
 /* bridge/recv_pipe.c — one lane's receiving thread for one bridged request: it reads frames
- * into a small ring of its own payload buffers (kvb_conn_recv_into) while the request's thread
- * verifies and commits the slabs that already arrived, so the socket copy overlaps the checksum
- * and the scatter into blocks. Messages come out in arrival order; a message's views stay valid
- * until it is released. The thread ends by itself after its request's DONE or ERROR, or on the
+ * into a small ring of its own payload buffers while the request's thread verifies and commits
+ * the slabs that already arrived, so the socket copy overlaps the checksum and the scatter into
+ * blocks; where the backend lends payloads (UCX's receive ring, kvb_conn_recv_lend) nothing is
+ * copied: the slab is verified and committed straight from the ring, returned on release.
+ * Messages come out in arrival order; a message's views stay valid until it is released. The
+ * thread ends by itself after its request's DONE or ERROR, or on the
  * first receive failure (passed on as the last item); stopping it early shuts the connection down
  * (the conn is no longer trustworthy when the consumer gives up mid-stream). */
 #include <stdlib.h>
@@ -14,7 +16,8 @@
 
 typedef struct {
     kvb_msg m;
-    kvb_status st; /* the receive's status: a failure is the last item */
+    kvb_wire_loan loan; /* the payload, when the backend lent it (m's views point into it) */
+    kvb_status st;      /* the receive's status: a failure is the last item */
     kvb_err err;
 } pipe_item;
 
@@ -49,7 +52,7 @@ static void *reader_main(void *arg) {
         pipe_item *it = &p->items[slot];
         memset(&it->err, 0, sizeof it->err);
         const double t_recv = kvb_now_s();
-        it->st = kvb_conn_recv_into(p->c, p->timeout_ms, &p->bufs[slot], &it->m, &it->err);
+        it->st = kvb_conn_recv_lend(p->c, p->timeout_ms, &p->bufs[slot], &it->loan, &it->m, &it->err);
         kvb_trace_span("decode.recv_frame", t_recv, kvb_now_s(), it->st ? 0 : it->m.type);
         const bool last = it->st || ((it->m.type == KVB_FRAME_DONE || it->m.type == KVB_FRAME_ERROR) &&
                                      it->m.request_id == p->request_id);
@@ -108,6 +111,7 @@ void kvb_recv_pipe_release(kvb_recv_pipe *p) {
     pthread_mutex_lock(&p->mu);
     if (p->count) {
         kvb_msg_free(&p->items[p->head].m);
+        kvb_wire_loan_return(&p->items[p->head].loan);
         p->head = (p->head + 1) % PIPE_SLOTS;
         p->count--;
         pthread_cond_broadcast(&p->cv);

@@ -13,6 +13,7 @@
 #include "kvb_model.h"
 #include "kvb_node.h"
 #include "kvb_quant.h"
+#include "kvb_transport.h"
 #include "svg_chart.h"
 
 typedef struct {
@@ -69,6 +70,7 @@ typedef struct {
     const char *model, *lengths, *peer, *psk, *raw_peer, *svg;
     long long seeds, threads, chunk, alone_max, pa_max, warmup, block, lanes; /* lanes 0: the decode node's */
     int device;                                                               /* kvb_cli_device_names */
+    int transport;                                                            /* kvb_cli_transport_names */
     bool cuda, filler;
     kvb_cli_gpu gpu;
     uint32_t cache_type;
@@ -138,6 +140,8 @@ static int ladder_parse(ladder_args *a, int argc, char **argv) {
                            "the in-process prefill node's engine; with cuda the column 'prefill alone' is the GPU "
                            "prefilling the same length with the bridge idle, up to the last token's logits (the "
                            "GPU's own time to a first token), and 'vs alone' is bridged TTFT / that time"),
+        KVB_CLI_OPT_TRANSPORT(&a->transport, "the link between the decode node and the prefill node (both, in "
+                                             "process; with --peer, the remote one must serve the same)"),
         KVB_CLI_OPT_BLOCK_TOKENS(&a->block, "the decoder's cache block in tokens: a slab carries one block's rows "
                                             "of one layer, so this sets how many slabs a prompt takes"),
         KVB_CLI_INT("lanes", &a->lanes, "N", 1, KVB_MAX_LANES, NULL,
@@ -203,9 +207,11 @@ static kvb_status ladder_start(ladder *L, kvb_err *err) {
     const ladder_args *a = L->a;
     const uint32_t ctx = (uint32_t)a->max_len + 64;
     L->peer = a->peer;
+    const kvb_wire_backend *backend = NULL;
+    if (kvb_wire_backend_by_name(kvb_cli_transport_names[a->transport], &backend, err)) return err->code;
     if (kvb_model_load(a->model, &L->m, err)) return err->code;
     if (!L->peer) {
-        kvb_prefill_config pc = {.listen = "127.0.0.1:0", .model_path = a->model, .psk = a->psk,
+        kvb_prefill_config pc = {.listen = "127.0.0.1:0", .backend = backend, .model_path = a->model, .psk = a->psk,
                                  .n_threads = (int)a->threads, .cache_dtype = a->cache_type, .max_ctx = ctx,
                                  .cuda = a->cuda, .chunk_tokens = (uint32_t)a->chunk, .bench_filler_rows = a->filler,
                                  .block_tokens = (uint32_t)a->block, .gpus = (int)a->gpu.gpus,
@@ -215,7 +221,8 @@ static kvb_status ladder_start(ladder *L, kvb_err *err) {
         snprintf(L->peer_addr, sizeof L->peer_addr, "127.0.0.1:%u", kvb_prefill_node_port(L->pn));
         L->peer = L->peer_addr;
     }
-    kvb_decode_config dc = {.http_listen = "127.0.0.1:0", .peer = L->peer, .model_path = a->model, .psk = a->psk,
+    kvb_decode_config dc = {.http_listen = "127.0.0.1:0", .peer = L->peer, .backend = backend,
+                            .model_path = a->model, .psk = a->psk,
                             .n_threads = (int)a->threads, .cache_dtype = a->cache_type, .max_ctx = ctx,
                             .peer_timeout_ms = 600000, .block_tokens = (uint32_t)a->block,
                             .lanes = (uint32_t)a->lanes,
@@ -227,6 +234,7 @@ static kvb_status ladder_start(ladder *L, kvb_err *err) {
     L->lanes_used = a->lanes ? (uint32_t)a->lanes : KVB_DEFAULT_LANES;
     kvb_decode_config ac = dc;
     ac.peer = NULL;
+    ac.backend = NULL;
     if (kvb_decode_node_start(&ac, &L->alone, err)) return err->code;
     /* what a leg ships: global layers' rows for every shipped position, local (sliding-window)
      * layers' rows only where the decoder keeps them (the decode node's blocks) */
@@ -421,13 +429,13 @@ static void ladder_print_node(const ladder *L) {
 /* The header lines and the table's column names. */
 static void ladder_print_header(const ladder *L) {
     const ladder_args *a = L->a;
-    printf("ladder: %s, %lld decoder threads, prefill node %s (%s), decoder cache %s, %u lanes\n", a->model,
-           a->threads, L->peer,
+    printf("ladder: %s, %lld decoder threads, prefill node %s (%s), decoder cache %s, %u lanes over %s\n",
+           a->model, a->threads, L->peer,
            !L->pn      ? "remote"
            : a->filler ? "filler rows, in process: the slab path alone"
            : a->cuda   ? "CUDA engine, in process"
                        : "CPU engine, in process",
-           kvb_type_name(a->cache_type), L->lanes_used);
+           kvb_type_name(a->cache_type), L->lanes_used, kvb_cli_transport_names[a->transport]);
     if (a->warmup)
         printf("warm-up    %lld untimed bridged prompt(s) of each length first (fresh tokens, no cache hits): the "
                "prefill node's\n           per-shape state (cuDNN execution plans) is then built, as on a server "
@@ -497,6 +505,11 @@ int kvb_bench_ladder(int argc, char **argv) {
         if (a.filler) ladder_print_raw(&L, &r, mg);
         else if (L.pn && mp > 0) ladder_print_floors(&L, &r, mb, mp, tail_med);
         if (L.pn) ladder_print_node(&L);
+        if (strcmp(kvb_cli_transport_names[a.transport], "tcp") != 0) {
+            char lanes[256];
+            kvb_ucx_last_lanes(lanes, sizeof lanes);
+            printf("          UCX's lanes (the last connection made): %s\n", lanes);
+        }
         fflush(stdout);
     }
     if (L.pn)

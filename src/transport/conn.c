@@ -106,19 +106,21 @@ static const char *allowed_list(uint32_t allowed, char *buf, size_t cap) {
 }
 
 kvb_status wire_conn_recv(kvb_conn *c, uint32_t allowed, uint64_t max_payload, double deadline, kvb_wire_buf *buf,
-                          kvb_frame *out, kvb_err *err) {
+                          kvb_wire_loan *loan, kvb_frame *out, kvb_err *err) {
+    if (loan) *loan = (kvb_wire_loan){0};
     if (atomic_load(&c->broken)) return fail_fast(c, err);
     if (!buf) buf = &c->rbuf;
     kvb_frame_header h;
-    kvb_status st = c->backend->recv_frame(c->link, max_payload, &h, buf, deadline, err);
+    kvb_status st = c->backend->recv_frame(c->link, max_payload, &h, buf, loan, deadline, err);
     if (st) return fail(c, st, err);
-    const uint8_t *payload = h.payload_len ? buf->data : (const uint8_t *)"";
+    const uint8_t *payload = !h.payload_len ? (const uint8_t *)"" : loan && loan->data ? loan->data : buf->data;
     uint64_t got = kvb_xxh3(payload, (size_t)kvb_wire_hashed_len(h.type, h.payload_len));
     if (got != h.payload_hash) {
         kvb_err_set(err, KVB_ERR_CHECKSUM,
                     "%s payload from %s: checksum mismatch (header says %016llx, %llu bytes hash to %016llx)",
                     kvb_frame_type_name(h.type), c->link->peer_addr, (unsigned long long)h.payload_hash,
                     (unsigned long long)kvb_wire_hashed_len(h.type, h.payload_len), (unsigned long long)got);
+        kvb_wire_loan_return(loan);
         return fail(c, KVB_ERR_CHECKSUM, err);
     }
     atomic_fetch_add_explicit(&c->bytes_received, KVB_WIRE_HEADER_BYTES + h.payload_len, memory_order_relaxed);
@@ -127,6 +129,7 @@ kvb_status wire_conn_recv(kvb_conn *c, uint32_t allowed, uint64_t max_payload, d
         char list[128];
         kvb_err_set(err, KVB_ERR_FORMAT, "unexpected %s frame from %s (expected %s)", kvb_frame_type_name(h.type),
                     c->link->peer_addr, allowed_list(allowed, list, sizeof list));
+        kvb_wire_loan_return(loan);
         return fail(c, KVB_ERR_FORMAT, err);
     }
     out->type = h.type;
@@ -183,20 +186,33 @@ kvb_status kvb_conn_recv(kvb_conn *c, int timeout_ms, kvb_msg *out, kvb_err *err
 }
 
 kvb_status kvb_conn_recv_into(kvb_conn *c, int timeout_ms, kvb_wire_buf *buf, kvb_msg *out, kvb_err *err) {
+    return kvb_conn_recv_lend(c, timeout_ms, buf, NULL, out, err);
+}
+
+kvb_status kvb_conn_recv_lend(kvb_conn *c, int timeout_ms, kvb_wire_buf *buf, kvb_wire_loan *loan, kvb_msg *out,
+                              kvb_err *err) {
     memset(out, 0, sizeof *out);
+    if (loan) *loan = (kvb_wire_loan){0};
     if (!c || !c->authenticated) return kvb_err_set(err, KVB_ERR_INVALID, "receive: no authenticated connection");
     double deadline;
     kvb_status st = wire_deadline(timeout_ms, &deadline, err);
     if (st) return st;
     kvb_frame f;
-    st = wire_conn_recv(c, c->recv_allowed, c->max_payload, deadline, buf, &f, err);
+    st = wire_conn_recv(c, c->recv_allowed, c->max_payload, deadline, buf, loan, &f, err);
     if (st) return st;
     st = kvb_msg_decode(&f, out, err);
     if (st) {
+        kvb_wire_loan_return(loan);
         kvb_err_prefix(err, "from %s: ", c->link->peer_addr);
         return fail(c, st, err);
     }
     return KVB_OK;
+}
+
+void kvb_wire_loan_return(kvb_wire_loan *loan) {
+    if (!loan || !loan->give_back) return;
+    loan->give_back(loan->owner, loan->id);
+    *loan = (kvb_wire_loan){0};
 }
 
 /* ---- typed senders ---------------------------------------------------------------------------- */

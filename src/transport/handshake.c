@@ -256,7 +256,7 @@ static kvb_status recv_handshake(kvb_conn *c, uint16_t want, double deadline, kv
     uint32_t allowed = BIT(KVB_FRAME_HELLO) | BIT(KVB_FRAME_AUTH) | BIT(KVB_FRAME_AUTH_OK) | BIT(KVB_FRAME_ERROR) |
                        BIT(KVB_FRAME_PREFILL) | BIT(KVB_FRAME_SLAB) | BIT(KVB_FRAME_DONE) | BIT(KVB_FRAME_CANCEL) |
                        BIT(KVB_FRAME_PING) | BIT(KVB_FRAME_PONG) | BIT(KVB_FRAME_LANE);
-    kvb_status st = wire_conn_recv(c, allowed, KVB_WIRE_HANDSHAKE_MAX_PAYLOAD, deadline, NULL, f, err);
+    kvb_status st = wire_conn_recv(c, allowed, KVB_WIRE_HANDSHAKE_MAX_PAYLOAD, deadline, NULL, NULL, f, err);
     if (st) {
         /* A frame we could not accept (wrong version, corrupt, too large) is answered; a timeout or a
          * closed connection is not. */

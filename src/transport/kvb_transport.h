@@ -347,14 +347,15 @@ kvb_status kvb_msg_lane_decode(const uint8_t *p, size_t n, kvb_msg_lane *m, kvb_
  * UCX (kvb_wire_backend_ucx, ucx.c): connects with a socket address (UCX's connection manager),
  * runs the same handshake over the ucp stream API, then (the `authenticated` hook) moves frames
  * onto an endpoint made from the peer's worker address so UCX may pick shared memory or RDMA. Each
- * side then registers a receive ring once and advertises its address and rkey: a payload of
- * 64 KiB up to a quarter of the ring is put one-sided into the peer's ring (unless every lane is
- * TCP, where UCX only emulates puts), and its 44-byte frame
+ * side then registers a receive ring once (8 MiB) and advertises its address and rkey: a payload
+ * of 64 KiB up to a quarter of the ring is put one-sided into the peer's ring (unless every lane
+ * is TCP, where UCX only emulates puts), and its 44-byte frame
  * header, sent on the stream after the put has landed, is the signal (both sides place payloads
- * in the ring the same way); the receiver copies it out, the frame's hashes and the slab checksum
- * are checked as over TCP, and credits (small tagged messages) give the room back. Larger payloads
- * follow their header as tagged messages (UCX's rendezvous). The lanes it picked are logged and
- * reported (kvb_conn_describe, kvb_ucx_last_lanes). */
+ * in the ring the same way); the receiver borrows it (a kvb_wire_loan: the frame's hashes and the
+ * slab checksum are checked on the view, as over TCP) or copies it out, and credits (small tagged
+ * messages) give the room back once it is returned. Larger payloads follow their header as tagged
+ * messages (UCX's rendezvous). The lanes it picked are logged and reported (kvb_conn_describe,
+ * kvb_ucx_last_lanes). */
 
 typedef struct kvb_wire_backend kvb_wire_backend;
 typedef struct kvb_link {
@@ -374,6 +375,23 @@ typedef struct {
 /* Grows buf to at least n bytes (contents not kept). */
 kvb_status kvb_wire_buf_reserve(kvb_wire_buf *buf, size_t n, kvb_err *err);
 
+/* A received payload the backend lends instead of copying it into a buffer (UCX: a view into the
+ * receive ring the peer put it into). The view stays valid, and its room in the ring is withheld
+ * from the sender, until the loan is returned; it outlives a failed, shut or closed connection
+ * (the ring is freed with the last loan back), so a dead peer or a timeout never leaves it
+ * dangling. Return each loan exactly once (kvb_wire_loan_return; an empty loan is fine), as its
+ * message is consumed: the sender cannot put past a loan still out once its ring comes round to
+ * it, so a receiver that keeps a loan while it waits for later frames of the connection stalls
+ * the sender (which times out). */
+typedef struct kvb_wire_loan {
+    const uint8_t *data; /* the lent payload; NULL: nothing lent (the payload is in the buffer) */
+    void (*give_back)(void *owner, uint64_t id);
+    void *owner;
+    uint64_t id;
+} kvb_wire_loan;
+/* Gives a loan's room back (the backend may then tell the sender) and empties it. */
+void kvb_wire_loan_return(kvb_wire_loan *loan);
+
 struct kvb_wire_backend {
     const char *name;
     /* addr "HOST:PORT" ("[v6]:PORT"; HOST empty or "*" = every interface; PORT 0 = ephemeral). */
@@ -385,9 +403,10 @@ struct kvb_wire_backend {
     kvb_status (*send_frame)(kvb_link *link, const uint8_t header[KVB_WIRE_HEADER_BYTES], const kvb_iov *iov,
                              int n_iov, double deadline, kvb_err *err);
     /* Receives one frame: header validated against max_payload (kvb_wire_header_decode), payload
-     * into buf (payload hash NOT yet checked: the caller does). */
+     * into buf (payload hash NOT yet checked: the caller does). loan (NULL: always copy; else
+     * empty on entry): the backend may lend the payload instead (sets *loan, leaves buf alone). */
     kvb_status (*recv_frame)(kvb_link *link, uint64_t max_payload, kvb_frame_header *hdr, kvb_wire_buf *buf,
-                             double deadline, kvb_err *err);
+                             kvb_wire_loan *loan, double deadline, kvb_err *err);
     /* Stops both directions now (wakes a thread blocked in send or receive); close still needed. */
     void (*shutdown)(kvb_link *link);
     void (*close)(kvb_link *link);
@@ -535,6 +554,14 @@ kvb_status kvb_conn_recv(kvb_conn *c, int timeout_ms, kvb_msg *out, kvb_err *err
  * receiving thread per connection; one other thread may send meanwhile (the directions share
  * nothing but the broken flag). */
 kvb_status kvb_conn_recv_into(kvb_conn *c, int timeout_ms, kvb_wire_buf *buf, kvb_msg *out, kvb_err *err);
+/* As kvb_conn_recv_into, but where the backend can (UCX, a payload that came through its receive
+ * ring) the payload is lent rather than copied into buf: *loan is then set and the message's
+ * views (a SLAB's K and V) point into the ring until kvb_wire_loan_return, which the caller
+ * must call (also after a failed slab check, and it may after the connection closed); the
+ * backend holds back the ring's room, so nothing overwrites a view while it is lent. Otherwise
+ * (TCP, small frames) *loan is empty and the views point into buf. On failure *loan is empty. */
+kvb_status kvb_conn_recv_lend(kvb_conn *c, int timeout_ms, kvb_wire_buf *buf, kvb_wire_loan *loan, kvb_msg *out,
+                              kvb_err *err);
 
 /* Typed senders (timeout_ms >= 1 bounds the call; a peer that stops reading makes it time out).
  * Each refuses a frame this node's role may not send (decode: PREFILL, CANCEL, ERROR, PING, PONG, LANE;

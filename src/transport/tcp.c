@@ -334,7 +334,8 @@ static kvb_status recv_exact(tcp_link *t, uint8_t *dst, size_t n, bool read_ahea
 }
 
 static kvb_status tcp_recv_frame(kvb_link *base, uint64_t max_payload, kvb_frame_header *hdr, kvb_wire_buf *buf,
-                                 double deadline, kvb_err *err) {
+                                 kvb_wire_loan *loan, double deadline, kvb_err *err) {
+    (void)loan; /* nothing is lent: payloads are read into buf */
     tcp_link *t = (tcp_link *)base;
     uint8_t h[KVB_WIRE_HEADER_BYTES];
     const size_t had = t->ahead_n; /* read with the last payload */

@@ -75,9 +75,10 @@ kvb_status wire_conn_new(const kvb_wire_backend *backend, kvb_link *link, kvb_co
 kvb_status wire_conn_send(kvb_conn *c, uint16_t type, uint64_t request_id, const kvb_iov *iov, int n_iov,
                           double deadline, kvb_err *err);
 /* Receives one frame whose type is in `allowed` (bits), payload <= max_payload, into buf (NULL:
- * the connection's own); marks the connection broken (and counts) on any failure. */
+ * the connection's own) or, with loan (NULL: never), lent by the backend (kvb_conn_recv_lend);
+ * marks the connection broken (and counts) on any failure, a loan then returned. */
 kvb_status wire_conn_recv(kvb_conn *c, uint32_t allowed, uint64_t max_payload, double deadline, kvb_wire_buf *buf,
-                          kvb_frame *out, kvb_err *err);
+                          kvb_wire_loan *loan, kvb_frame *out, kvb_err *err);
 /* Records the first failure; later calls fail fast with it. */
 void wire_conn_break(kvb_conn *c, const kvb_err *why);
 void wire_count_failure(kvb_conn *c, const kvb_err *e);

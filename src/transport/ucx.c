@@ -10,22 +10,24 @@
  * peer's worker address. Frame headers and small payloads go as IOV stream sends (no copy) and are
  * received with ucp_stream_recv_data_nb (copied once out of UCX's buffer; no receive request is
  * ever left pointing into a caller's buffer when a deadline passes). A payload from 64 KiB up to a
- * quarter of the peer's ring is put one-sided into the ring (ucp_put_nbx, then a flush: it has
- * landed), and its header on the stream is the signal: both sides place payloads in the ring by
- * the same rule, the receiver copies the payload into the caller's buffer, the frame hash and the
- * slab checksum are then checked exactly as over TCP, and every eighth of the ring consumed goes
- * back to the sender as a credit (a small tagged message). Larger payloads, and every large payload
- * when all lanes are TCP (UCX 1.13 emulates puts there, slower than its rendezvous), follow their
- * header as tagged messages (UCX's rendezvous). Idle waits sleep in poll on the workers' armed
- * event fds. Why puts: a rendezvous completes only once the receiver has
- * posted its receive and pulled the bytes, so a sender whose send must finish before it returns
- * (the backend contract: the caller's K and V are reusable after send_frame) has one slab in flight
- * and waits a round trip per slab; into the ring it has up to a ring of slabs in flight and never
- * waits for the receiver while there is room. Measured with bench link on one shared 2-core host
- * (1 MiB slabs, medians of 5, same load): 1.40 GB/s through the ring against 0.45 GB/s tagged.
- * What bounds it there is CPU, not UCX: a put over shared memory is one memcpy by the sender, and a
- * slab costs four passes over its bytes (checksum and put on the sender, copy-out and verify on
- * the receiver) where UCX's raw put costs one. Endpoints use peer error handling on the connection
+ * quarter of the peer's ring is put one-sided into the ring (ucp_put_nbx and a flush, posted
+ * together: it has landed), and its header on the stream is the signal: both sides place payloads
+ * in the ring by the same rule. A receiver that takes loans (kvb_conn_recv_lend) gets a view into
+ * the ring, verified and committed from there, else a copy; the ring's room up to the oldest loan
+ * still out goes back to the sender in credits (small tagged messages, every eighth of the ring,
+ * sent without waiting by whichever thread progresses the link). Larger payloads, and every large
+ * payload when all lanes are TCP (UCX 1.13 emulates puts there, slower than its rendezvous),
+ * follow their header as tagged messages (UCX's rendezvous). Idle waits sleep in poll on the
+ * workers' armed event fds. Why puts: a rendezvous completes only once the receiver has posted its
+ * receive and pulled the bytes, so a sender whose send must finish before it returns (the backend
+ * contract: the caller's K and V are reusable after send_frame) has one slab in flight and waits a
+ * round trip per slab; into the ring it has up to a ring of slabs in flight and never waits for the
+ * receiver while there is room. bench link on the shared 2-core box, 1 MiB slabs, alternated runs:
+ * 22.9-23.3 GB/s through the ring against 20.6-22.0 tagged (over shared memory the rendezvous is
+ * the receiver's own cma copy, so the two are close; over RDMA the ring saves the round trips).
+ * What bounds it there is CPU: a put over shared memory is the sender's memcpy, and the receiver
+ * must read every byte to verify it, which UCX's raw put (the ceiling bench link prints) never
+ * does. Endpoints use peer error handling on the connection
  * manager's endpoint, kept open, so a peer that dies or closes is KVB_ERR_PEER_GONE: a killed
  * process at once (the kernel closes its sockets), a vanished host through UCX's keepalive (a
  * round every UCX_KEEPALIVE) and TCP's; a shutdown also sends a notice on the data endpoint. The listener
@@ -33,7 +35,9 @@
  * transports (lanes) an endpoint actually selected is logged at connect/accept and kept for
  * /metrics and doctor (kvb_ucx_last_lanes): a silent fallback to TCP is visible. A trusted peer on
  * the same host could write anywhere in this process through cma (as it could through ptrace):
- * the ring's bounds are enforced by the rkey only on RDMA. */
+ * the ring's bounds are enforced by the rkey only on RDMA; for the same reason a lent view is
+ * verified and committed in two reads of memory the peer could write between them (it never does
+ * while the loan is out: its credits stop short of it). */
 #include <errno.h>
 #include <netdb.h>
 #include <poll.h>
@@ -60,8 +64,12 @@
 #define UCX_TAG_MIN_PAYLOAD (64u << 10)
 /* The receive ring each side registers (once, at the switch to the data endpoint) and advertises
  * with its rkey: KVB_UCX_RING bytes (0: none, every large payload goes tagged), this by default.
- * Payloads from the tag threshold up to a quarter of the peer's ring are put into it. */
-#define UCX_RING_BYTES (32u << 20)
+ * Payloads from the tag threshold up to a quarter of the peer's ring are put into it. A ring that
+ * stays in the caches is what makes both the put and the verification fast over shared memory:
+ * bench link, 1 MiB slabs, the shared 2-core box under load, two runs of 3 rounds each (medians):
+ * 4.5-5.1 GB/s with 8 MiB, 3.8-5.6 with 16, 2.4-3.8 with 32 (UCX's raw put into it: 10.8-13.6,
+ * 8.4-11.6, 6.2-8.8); with 4 MiB a 1 MiB slab and its head exceed a quarter and go tagged. */
+#define UCX_RING_BYTES (8u << 20)
 #define UCX_RING_MAX (1u << 30)
 #define UCX_CREDIT_TAG (1ull << 63) /* the tag of credit messages (payload tags count up from 0) */
 #define UCX_BYE_TAG (UCX_CREDIT_TAG | 1) /* the tag of the 8-byte notice "this side shut the link" */
@@ -71,8 +79,37 @@
  * rather than after a bridge's whole receive timeout. UCX_KEEPALIVE_INTERVAL set overrides it. */
 #define UCX_KEEPALIVE "1s"
 #define UCX_RKEY_MAX 65536
+#define UCX_CM_PROGRESS_EVERY 64 /* see progress() */
 
+/* Payloads lent out of one ring at once (kvb_conn_recv_lend); a receive past that copies. */
+#define UCX_LOANS 64
+
+typedef struct ucx_link ucx_link;
 typedef struct {
+    uint64_t id, end; /* the loan's id, and the ring's head just past its payload */
+    bool back;        /* returned (it stays queued behind older loans still out) */
+} ucx_loan;
+
+/* This side's receive ring (allocated and registered by UCX: shared-memory transports can map it
+ * into the peer, whose put is then one memcpy), shared by its link and the payloads lent out of
+ * it, and freed when the link closed and the last loan came back: a view never dangles. Payloads
+ * are placed in order (ring_place); `freed` passes a payload once it and every one before it were
+ * copied out or given back, and the room up to `freed` goes back to the peer in credits. */
+typedef struct {
+    pthread_mutex_t mu;   /* all but freed's reads; taken before a link's lock, never after it */
+    ucx_link *link;       /* NULL once the link closed */
+    unsigned refs;        /* the link, and each loan out */
+    ucp_mem_h mem;
+    uint8_t *base;        // (bytes) bytes, written by the peer's puts
+    uint64_t bytes;
+    uint64_t head;        /* bytes of the ring's laps used so far (offsets mirror the sender's) */
+    _Atomic uint64_t freed; /* of head, consumed: the figure the credits carry */
+    ucx_loan out[UCX_LOANS];     /* the loans out, oldest first (a ring of out_n from out_first) */
+    unsigned out_first, out_n;
+    uint64_t next_id;
+} ucx_ring;
+
+struct ucx_link {
     kvb_link base;
     pthread_mutex_t lock; /* every ucp call on worker / ep */
     ucp_worker_h worker;    /* the connection manager's endpoint's */
@@ -82,6 +119,8 @@ typedef struct {
     ucp_ep_h cm_ep;         /* the connection manager's, kept open after the switch: it reports a peer
                                that dies or closes at once */
     bool cm_closed;               /* cm_ep closed by ucx_shutdown (its request: cm_close) */
+    bool closing;                 /* ucx_close began: no more credits go out */
+    unsigned cm_turn;             /* progress() calls, for progressing worker only now and then */
     ucs_status_ptr_t cm_close;
     atomic_bool failed;     /* the endpoint's error callback ran */
     ucs_status_t fail_status;
@@ -91,13 +130,10 @@ typedef struct {
     size_t chunk_len, chunk_off;
     uint64_t send_tag, recv_tag; /* large payloads sent / received so far (their tags) */
     uint64_t tag_min;            /* payloads of this many bytes or more go tagged (UINT64_MAX: none) */
-    /* this side's receive ring, registered once and advertised: the peer puts payloads into it */
-    ucp_mem_h ring_mem;
-    uint8_t *ring;         // (ring_bytes) bytes, written by the peer's puts
-    uint64_t ring_bytes;   /* 0: none */
-    uint64_t rx_head;      /* bytes of the ring's laps used so far (offsets mirror the sender's) */
-    uint64_t rx_credited;  /* rx_head as last reported to the peer */
-    uint8_t credit_out[8]; /* the credit message being sent: rx_head, u64 */
+    ucx_ring *rx;          /* this side's receive ring, advertised: the peer puts payloads into it (NULL: none) */
+    uint64_t rx_credited;  /* rx->freed as last reported to the peer */
+    uint8_t credit_out[8]; /* the credit message in flight (credit_send): rx->freed, u64 */
+    ucs_status_ptr_t credit_send;
     /* the peer's ring, this side's puts go there */
     ucp_rkey_h peer_rkey;
     uint64_t peer_ring_addr, peer_ring_bytes; /* peer_ring_bytes 0: none */
@@ -111,7 +147,7 @@ typedef struct {
     uint8_t bye_in[8], bye_out[8];
     atomic_bool peer_shut;       /* that notice arrived: the peer shut the link down */
     char lanes[256];
-} ucx_link;
+};
 
 typedef struct {
     kvb_link_listener base;
@@ -174,10 +210,17 @@ static void idle_backoff(unsigned *idle) {
     nanosleep(&ts, NULL);
 }
 
-/* Progresses the link's workers (the caller holds the lock). */
+/* Progresses the link's workers (the caller holds the lock). Once frames moved to the data
+ * endpoint, the connection manager's worker only watches for a peer that dies or closes: it is
+ * progressed every UCX_CM_PROGRESS_EVERY-th time. Its TCP interface makes each progress an
+ * epoll_wait system call: progressed every time it took about 40 % of both sides' CPU time in the
+ * slab stream (perf, 1 MiB slabs over shared memory). */
+static void credit_maybe(ucx_link *u);
 static unsigned progress(ucx_link *u) {
-    unsigned n = ucp_worker_progress(u->worker);
+    unsigned n = 0;
+    if (!u->cm_ep || u->cm_turn++ % UCX_CM_PROGRESS_EVERY == 0) n += ucp_worker_progress(u->worker);
     if (u->dworker) n += ucp_worker_progress(u->dworker);
+    credit_maybe(u);
     return n;
 }
 
@@ -187,7 +230,12 @@ static unsigned progress(ucx_link *u) {
  * deadline (the caller then looks at its cancel flag and the deadline again). Where a worker cannot
  * be armed it sleeps as idle_backoff. UCX's TCP moves only when progressed: with fixed sleeps a
  * tagged flow over TCP lanes on loopback ran at 0.13-0.18 GB/s, never sleeping 0.35 (all of a
- * core), woken by the fds 0.17-0.19 (same load); over shared memory the two are level. */
+ * core), woken by the fds 0.17-0.19 (same load); over shared memory the two are level. The first
+ * UCX_SHORT_SLEEPS sleeps of a wait last at most 1 ms: UCX 1.13's shared-memory transports wake a
+ * sleeping peer through an abstract UNIX socket, which does not reach a peer in another network
+ * namespace (sendto: ECONNREFUSED, seen between two namespaces sharing /dev/shm), where only the
+ * timeout ends a sleep: with 20 ms sleeps some bench link rounds there fell from 20 GB/s to 0.4. */
+#define UCX_SHORT_SLEEPS 1000
 static void idle_wait(ucx_link *u, unsigned *idle, double deadline) {
     unsigned n = (*idle)++;
     if (n < 512) return;
@@ -215,8 +263,8 @@ static void idle_wait(ucx_link *u, unsigned *idle, double deadline) {
         idle_backoff(idle);
         return;
     }
-    int ms = wire_ms_left(deadline);
-    poll(fds, nf, ms < WIRE_CANCEL_POLL_MS ? ms : WIRE_CANCEL_POLL_MS);
+    const int cap = n < 4096 + UCX_SHORT_SLEEPS ? 1 : WIRE_CANCEL_POLL_MS, ms = wire_ms_left(deadline);
+    poll(fds, nf, ms < cap ? ms : cap);
 }
 
 /* Why a wait must end now (KVB_OK: it may go on). */
@@ -585,17 +633,69 @@ static void credit_poll(ucx_link *u) {
     }
 }
 
-/* Tells the peer how far this side has consumed its ring (the receiving thread). */
-static kvb_status credit_send(ucx_link *u, double deadline, kvb_err *err) {
-    wire_put_u64(u->credit_out, u->rx_head);
+/* Tells the peer how far this side has consumed its ring, once an eighth of it was consumed since
+ * the last credit and the last credit's send is done (the caller holds the lock). A credit owed
+ * while the last one is still on its way goes with a later call: every progress() makes one. */
+static void credit_maybe(ucx_link *u) {
+    if (!u->rx || !u->ring_rx || !u->cm_ep || u->dead || u->closing) return;
+    if (u->credit_send) {
+        if (ucp_request_check_status(u->credit_send) == UCS_INPROGRESS) return;
+        ucp_request_free(u->credit_send);
+        u->credit_send = NULL;
+    }
+    const uint64_t freed = atomic_load(&u->rx->freed);
+    if (freed - u->rx_credited < u->rx->bytes / 8) return;
+    wire_put_u64(u->credit_out, freed);
     ucp_request_param_t rp = {.op_attr_mask = 0};
+    ucs_status_ptr_t req = ucp_tag_send_nbx(u->ep, u->credit_out, sizeof u->credit_out, UCX_CREDIT_TAG, &rp);
+    if (UCS_PTR_IS_ERR(req)) return; /* the endpoint failed: every wait says so */
+    u->rx_credited = freed;
+    u->credit_send = req;
+}
+
+/* The ring's consumed mark moved (the caller holds r->mu): a credit when one is due, and a wake-up
+ * for a thread sleeping on the link when it could not go yet. */
+static void ring_credit(ucx_ring *r) {
+    ucx_link *u = r->link;
+    if (!u) return;
     pthread_mutex_lock(&u->lock);
-    ucs_status_ptr_t req = u->dead ? UCS_STATUS_PTR(UCS_ERR_CANCELED)
-                                   : ucp_tag_send_nbx(u->ep, u->credit_out, sizeof u->credit_out, UCX_CREDIT_TAG, &rp);
+    credit_maybe(u);
+    if (u->credit_send && u->dworker && !u->dead) ucp_worker_signal(u->dworker);
     pthread_mutex_unlock(&u->lock);
-    kvb_status st = wait_request(u, req, true, deadline, "credit to", err);
-    if (!st) u->rx_credited = u->rx_head;
-    return st;
+}
+
+/* Drops a reference (the caller holds r->mu, released here); the last one unmaps the ring. */
+static void ring_unref(ucx_ring *r) {
+    const bool last = --r->refs == 0;
+    pthread_mutex_unlock(&r->mu);
+    if (!last) return;
+    ucp_mem_unmap(g_ctx, r->mem);
+    pthread_mutex_destroy(&r->mu);
+    free(r);
+}
+
+/* A payload of the ring up to head `end` is consumed (the caller holds r->mu): behind the loans
+ * still out, it is freed with the last of them; else at once. */
+static void ring_consumed(ucx_ring *r, uint64_t end) {
+    if (r->out_n) r->out[(r->out_first + r->out_n - 1) % UCX_LOANS].end = end;
+    else atomic_store(&r->freed, end);
+}
+
+/* kvb_wire_loan's give_back: the loan's payload is consumed; the ring's room goes back to the
+ * sender once every earlier payload is consumed too. */
+static void ring_give_back(void *owner, uint64_t id) {
+    ucx_ring *r = owner;
+    pthread_mutex_lock(&r->mu);
+    for (unsigned i = 0; i < r->out_n; i++)
+        if (r->out[(r->out_first + i) % UCX_LOANS].id == id) r->out[(r->out_first + i) % UCX_LOANS].back = true;
+    const uint64_t was = atomic_load(&r->freed);
+    while (r->out_n && r->out[r->out_first].back) {
+        atomic_store(&r->freed, r->out[r->out_first].end);
+        r->out_first = (r->out_first + 1) % UCX_LOANS;
+        r->out_n--;
+    }
+    if (atomic_load(&r->freed) != was) ring_credit(r);
+    ring_unref(r);
 }
 
 /* Waits for room for n bytes in the peer's ring and claims it: *at, counted over all laps. */
@@ -622,28 +722,31 @@ static kvb_status ring_claim(ucx_link *u, uint64_t n, uint64_t *at, double deadl
     }
 }
 
-/* Puts the pieces back to back at byte off of the peer's ring, waits until each may be reused,
- * and with flush, until all of them have landed (what the header sent after them promises). */
+/* Puts the pieces back to back at byte off of the peer's ring and waits until each may be reused;
+ * with flush, the flush is posted with them and waited for first (one wait while they are all in
+ * flight): then all of them have landed, which the header sent after them promises. */
 static kvb_status ring_put(ucx_link *u, const ucp_dt_iov_t *v, size_t nv, uint64_t off, bool flush, double deadline,
                            kvb_err *err) {
-    ucs_status_ptr_t req[4];
+    ucs_status_ptr_t req[4], f = NULL;
     ucp_request_param_t rp = {.op_attr_mask = 0};
     if (nv > 4) return kvb_err_set(err, KVB_ERR_INVALID, "put: %zu pieces (at most 4)", nv);
     pthread_mutex_lock(&u->lock);
     for (size_t i = 0; i < nv; off += v[i].length, i++)
         req[i] = u->dead ? UCS_STATUS_PTR(UCS_ERR_CANCELED)
                          : ucp_put_nbx(u->ep, v[i].buffer, v[i].length, u->peer_ring_addr + off, u->peer_rkey, &rp);
+    if (flush) f = u->dead ? UCS_STATUS_PTR(UCS_ERR_CANCELED) : ucp_ep_flush_nbx(u->ep, &rp);
     pthread_mutex_unlock(&u->lock);
-    kvb_status st = KVB_OK;
+    kvb_status st = wait_request(u, f, true, deadline, "put to", err);
     for (size_t i = 0; i < nv; i++) {
         if (!st) st = wait_request(u, req[i], true, deadline, "put to", err);
-        else if (req[i] && !UCS_PTR_IS_ERR(req[i])) ucp_request_free(req[i]); /* the link is dead */
+        else if (req[i] && !UCS_PTR_IS_ERR(req[i])) { /* it may still read the caller's memory */
+            pthread_mutex_lock(&u->lock);
+            u->dead = true;
+            ucp_request_free(req[i]);
+            pthread_mutex_unlock(&u->lock);
+        }
     }
-    if (st || !flush) return st;
-    pthread_mutex_lock(&u->lock);
-    ucs_status_ptr_t f = u->dead ? UCS_STATUS_PTR(UCS_ERR_CANCELED) : ucp_ep_flush_nbx(u->ep, &rp);
-    pthread_mutex_unlock(&u->lock);
-    return wait_request(u, f, true, deadline, "put to", err);
+    return st;
 }
 
 /* A payload through the peer's ring: claimed room, the pieces put and flushed, then the header
@@ -656,14 +759,31 @@ static kvb_status send_ring(ucx_link *u, const ucp_dt_iov_t *v, size_t nv, uint6
     return st ? st : send_iov(u, (ucp_dt_iov_t *)v, 1, deadline, err);
 }
 
-/* The payload of a header just received, out of this side's ring (one copy, into the caller's
- * buffer, which the ring's slot is then free for); a credit when an eighth of the ring was used
- * since the last one. */
-static kvb_status recv_ring(ucx_link *u, uint8_t *dst, uint64_t n, double deadline, kvb_err *err) {
-    uint64_t at = ring_place(&u->rx_head, u->ring_bytes, n);
-    memcpy(dst, u->ring + at % u->ring_bytes, n);
-    if (u->rx_head - u->rx_credited >= u->ring_bytes / 8) return credit_send(u, deadline, err);
-    return KVB_OK;
+/* The payload of a header just received, out of this side's ring: lent (a view into the ring, its
+ * room and everything after it held back from the sender until the loan is returned) when the
+ * caller takes loans and fewer than UCX_LOANS are out; else copied into buf, its slot free once
+ * the loans before it are back. */
+static kvb_status recv_ring(ucx_link *u, uint64_t n, kvb_wire_buf *buf, kvb_wire_loan *loan, kvb_err *err) {
+    ucx_ring *r = u->rx;
+    pthread_mutex_lock(&r->mu);
+    const uint64_t at = ring_place(&r->head, r->bytes, n), end = r->head;
+    const uint8_t *src = r->base + at % r->bytes;
+    if (loan && r->out_n < UCX_LOANS) {
+        const uint64_t id = ++r->next_id;
+        r->out[(r->out_first + r->out_n++) % UCX_LOANS] = (ucx_loan){.id = id, .end = end};
+        r->refs++;
+        *loan = (kvb_wire_loan){.data = src, .give_back = ring_give_back, .owner = r, .id = id};
+        pthread_mutex_unlock(&r->mu);
+        return KVB_OK;
+    }
+    pthread_mutex_unlock(&r->mu); /* only this thread places payloads: the slot is this call's */
+    kvb_status st = kvb_wire_buf_reserve(buf, (size_t)n, err);
+    if (!st) memcpy(buf->data, src, n);
+    pthread_mutex_lock(&r->mu);
+    ring_consumed(r, end);
+    ring_credit(r);
+    pthread_mutex_unlock(&r->mu);
+    return st;
 }
 
 kvb_status kvb_conn_ucx_raw_put(kvb_conn *c, const uint8_t *data, size_t piece, uint64_t bytes, int timeout_ms,
@@ -794,7 +914,7 @@ static kvb_status recv_exact(ucx_link *u, uint8_t *dst, size_t n, double deadlin
 }
 
 static kvb_status ucx_recv_frame(kvb_link *base, uint64_t max_payload, kvb_frame_header *hdr, kvb_wire_buf *buf,
-                                 double deadline, kvb_err *err) {
+                                 kvb_wire_loan *loan, double deadline, kvb_err *err) {
     ucx_link *u = (ucx_link *)base;
     uint8_t h[KVB_WIRE_HEADER_BYTES];
     kvb_status st = recv_exact(u, h, sizeof h, deadline, "frame header", err);
@@ -802,10 +922,10 @@ static kvb_status ucx_recv_frame(kvb_link *base, uint64_t max_payload, kvb_frame
     st = kvb_wire_header_decode(h, max_payload, hdr, err);
     if (st) return st;
     if (hdr->payload_len > SIZE_MAX) return kvb_err_set(err, KVB_ERR_RANGE, "payload does not fit in memory");
+    if (u->cm_ep && ring_carries(u->ring_rx ? u->rx->bytes : 0, u->tag_min, hdr->payload_len))
+        return recv_ring(u, hdr->payload_len, buf, loan, err);
     st = kvb_wire_buf_reserve(buf, (size_t)hdr->payload_len, err); /* only after the length passed the limit */
     if (st) return st;
-    if (u->cm_ep && ring_carries(u->ring_rx ? u->ring_bytes : 0, u->tag_min, hdr->payload_len))
-        return recv_ring(u, buf->data, hdr->payload_len, deadline, err);
     if (u->cm_ep && hdr->payload_len >= u->tag_min)
         return recv_tagged(u, buf->data, (size_t)hdr->payload_len, deadline, kvb_frame_type_name(hdr->type), err);
     return recv_exact(u, buf->data, (size_t)hdr->payload_len, deadline, kvb_frame_type_name(hdr->type), err);
@@ -836,26 +956,33 @@ static kvb_status ring_setup(ucx_link *u, void **rkey, size_t *rkey_len, kvb_err
     *rkey_len = 0;
     const uint64_t want = env_bytes("KVB_UCX_RING", UCX_RING_BYTES, UCX_RING_MAX);
     if (!want) return KVB_OK;
+    ucx_ring *r = calloc(1, sizeof *r);
+    if (!r) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
     ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                                              UCP_MEM_MAP_PARAM_FIELD_FLAGS,
                                .address = NULL, .length = want, .flags = UCP_MEM_MAP_ALLOCATE};
-    ucs_status_t s = ucp_mem_map(g_ctx, &mp, &u->ring_mem);
+    ucs_status_t s = ucp_mem_map(g_ctx, &mp, &r->mem);
     if (s != UCS_OK) {
-        u->ring_mem = NULL;
+        free(r);
         return kvb_err_set(err, KVB_ERR_NOMEM, "ucp_mem_map of a %llu-byte receive ring: %s", (unsigned long long)want,
                            ucs_status_string(s));
     }
     ucp_mem_attr_t ma = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH};
-    s = ucp_mem_query(u->ring_mem, &ma);
+    s = ucp_mem_query(r->mem, &ma);
     if (s == UCS_OK && ma.length < want) s = UCS_ERR_NO_MEMORY;
-    if (s == UCS_OK) s = ucp_rkey_pack(g_ctx, u->ring_mem, rkey, rkey_len);
+    if (s == UCS_OK) s = ucp_rkey_pack(g_ctx, r->mem, rkey, rkey_len);
     if (s != UCS_OK) {
-        ucp_mem_unmap(g_ctx, u->ring_mem);
-        u->ring_mem = NULL;
+        ucp_mem_unmap(g_ctx, r->mem);
+        free(r);
         return kvb_err_set(err, KVB_ERR_IO, "the receive ring's key: %s", ucs_status_string(s));
     }
-    u->ring = ma.address;
-    u->ring_bytes = want;
+    pthread_mutex_init(&r->mu, NULL);
+    r->link = u;
+    r->refs = 1;
+    r->base = ma.address;
+    r->bytes = want;
+    atomic_init(&r->freed, 0);
+    u->rx = r;
     return KVB_OK;
 }
 
@@ -880,8 +1007,8 @@ static kvb_status intro_send(ucx_link *u, double deadline, kvb_err *err) {
     memcpy(head, UCX_ADDR_MAGIC, 8);
     wire_put_u32(head + 8, (uint32_t)mine_len);
     wire_put_u32(head + 12, (uint32_t)env_bytes("KVB_UCX_TAG_MIN", UCX_TAG_MIN_PAYLOAD, UINT32_MAX));
-    wire_put_u64(head + 16, (uint64_t)(uintptr_t)u->ring);
-    wire_put_u32(head + 24, (uint32_t)u->ring_bytes);
+    wire_put_u64(head + 16, u->rx ? (uint64_t)(uintptr_t)u->rx->base : 0);
+    wire_put_u32(head + 24, u->rx ? (uint32_t)u->rx->bytes : 0);
     wire_put_u32(head + 28, (uint32_t)rkey_len);
     ucp_dt_iov_t v[3] = {{head, sizeof head}, {mine, mine_len}, {rkey, rkey_len}};
     if (!st) st = send_iov(u, v, rkey_len ? 3 : 2, deadline, err);
@@ -992,9 +1119,10 @@ static kvb_status data_ep_check(ucx_link *u, double deadline, kvb_err *err) {
     if (!st) st = recv_exact(u, token, sizeof token, deadline, "UCX ring agreement", err);
     if (st) return st;
     const uint32_t puts = wire_get_u32(token);
-    if (puts > 1 || (puts && !u->ring_bytes) || wire_get_u32(token + 4))
+    if (puts > 1 || (puts && !u->rx) || wire_get_u32(token + 4))
         return kvb_err_set(err, KVB_ERR_FORMAT, "%s: a ring agreement of %u, %u (this side's ring: %llu bytes)",
-                           u->base.peer_addr, puts, wire_get_u32(token + 4), (unsigned long long)u->ring_bytes);
+                           u->base.peer_addr, puts, wire_get_u32(token + 4),
+                           (unsigned long long)(u->rx ? u->rx->bytes : 0));
     u->ring_rx = puts == 1;
     return KVB_OK;
 }
@@ -1072,16 +1200,20 @@ static void ucx_shutdown(kvb_link *base) {
 static void ucx_close(kvb_link *base) {
     if (!base) return;
     ucx_link *u = (ucx_link *)base;
+    if (u->rx) { /* loans still out keep the ring; their return no longer touches this link */
+        pthread_mutex_lock(&u->rx->mu);
+        u->rx->link = NULL;
+        pthread_mutex_unlock(&u->rx->mu);
+    }
     pthread_mutex_lock(&u->lock);
+    u->closing = true;
     if (u->chunk) ucp_stream_data_release(u->ep, u->chunk);
     u->chunk = NULL;
     bool force = u->dead || atomic_load(&u->failed) || atomic_load(&u->shut);
     ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0};
     double until = kvb_now_s() + UCX_CLOSE_WAIT_S;
-    if (u->credit_req && !u->dead) { /* credits that arrived are taken, none left unmatched */
-        progress(u);
-        credit_poll(u);
-    }
+    if (u->credit_req && !u->dead) /* credits that arrived are taken, none left unmatched */
+        for (int round = 0; round < 64 && progress(u); round++) credit_poll(u);
     if (u->credit_req) { /* the posted receive of a credit: cancelled, so it writes nothing more */
         ucp_request_cancel(u->dworker, u->credit_req);
         ucp_request_free(u->credit_req);
@@ -1092,12 +1224,18 @@ static void ucx_close(kvb_link *base) {
         ucp_request_free(u->bye_req);
         u->bye_req = NULL;
     }
+    if (u->credit_send) { /* released by UCX once done; credit_out lives until the workers are gone */
+        ucp_request_free(u->credit_send);
+        u->credit_send = NULL;
+    }
     if (u->peer_rkey) ucp_rkey_destroy(u->peer_rkey);
     ucp_ep_h eps[2] = {u->ep, u->cm_closed ? NULL : u->cm_ep};
     for (int i = 0; i < 2; i++) {
         ucs_status_ptr_t req = eps[i] ? ucp_ep_close_nbx(eps[i], &rp) : i == 1 ? u->cm_close : NULL;
+        unsigned idle = 0; /* backing off: a close the peer never answers costs no core for its wait */
         while (req && !UCS_PTR_IS_ERR(req) && !u->dead) {
-            progress(u);
+            if (progress(u)) idle = 0;
+            else idle_backoff(&idle);
             if (ucp_request_check_status(req) != UCS_INPROGRESS || kvb_now_s() > until) {
                 ucp_request_free(req);
                 break;
@@ -1107,7 +1245,10 @@ static void ucx_close(kvb_link *base) {
     pthread_mutex_unlock(&u->lock);
     if (u->dworker) ucp_worker_destroy(u->dworker);
     ucp_worker_destroy(u->worker);
-    if (u->ring_mem) ucp_mem_unmap(g_ctx, u->ring_mem);
+    if (u->rx) {
+        pthread_mutex_lock(&u->rx->mu);
+        ring_unref(u->rx);
+    }
     pthread_mutex_destroy(&u->lock);
     free(u);
 }

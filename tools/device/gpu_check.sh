@@ -34,6 +34,16 @@ if [ "${1:-}" = "--pack" ]; then # --pack BUILD_DIR DIR: binaries + every non-sy
   for f in "$3"/kvbridge "$3"/test_cuda_*; do ldd "$f"; done | awk '/=> \//{print $3}' | sort -u |
     grep -vE '/(libc|libm|libpthread|libdl|librt|libgcc_s|libstdc\+\+|libcublas|libcublasLt|libcuda)\.so' |
     while read -r l; do cp -L "$l" "$3/lib/"; done
+  # a UCX build (-DKVB_UCX=ON) loads UCX's transport plugins at run time from its module directory:
+  # carried in lib/ucx with what they link; the scripts set UCX_MODULE_DIR=DIR/lib/ucx
+  ucxmod=/usr/lib/x86_64-linux-gnu/ucx
+  if ldd "$3/kvbridge" | grep -q libucp && [ -d "$ucxmod" ]; then
+    mkdir -p "$3/lib/ucx" && cp -L "$ucxmod"/libuct_*.so.0 "$3/lib/ucx/" || exit 1
+    for f in "$3"/lib/ucx/*; do ldd "$f"; done | awk '/=> \//{print $3}' | sort -u |
+      grep -vE '/(libc|libm|libpthread|libdl|librt|libgcc_s)\.so|/libu(cs|ct|cp|cm)\.so' |
+      while read -r l; do cp -L "$l" "$3/lib/"; done
+    echo "UCX plugins packed into $3/lib/ucx: $(ls "$3/lib/ucx" | tr '\n' ' ')"
+  fi
   echo "packed into $3: $(ls "$3" | tr '\n' ' ')"; ls "$3/lib"
   exit 0
 fi
