@@ -1,8 +1,8 @@
 /* tests/test_cli_run.c — the foundation's command-line acceptance: gen-model writes the same
  * file for any thread count; `run --output ids` prints N ids, identical on every run and every
  * thread count; bad options fail with exit 2 and a message that says what to do; the batched
- * decode benchmarks and the structured-output benchmark run and pass their own checks; `serve`
- * drains on SIGTERM. */
+ * decode benchmarks and the structured-output benchmark run and pass their own checks; `tokenize
+ * --jsonl` gives each text the ids a run of its own gives; `serve` drains on SIGTERM. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -106,6 +106,27 @@ static void test_run_text_prompt(void **state) {
     snprintf(cmd, sizeof cmd, "'%s' run -m '%s' -p 'Hello there' -n 8 --seed 1", kvbt_bin(), g_model);
     assert_int_equal(kvbt_sh(cmd, out, sizeof out, 0), 0);
     assert_true(strlen(out) > 0);
+}
+
+/* `tokenize --jsonl`: one line of ids per JSON-string line, each what `tokenize` gives that text alone
+ * (escapes decoded: a newline, a multi-byte character; the empty text); a line that is not a JSON
+ * string stops it with exit 2 and its line number. */
+static void test_tokenize_jsonl(void **state) {
+    (void)state;
+    char cmd[2048], out[4096], one[1024], want[4096] = "";
+    const char *texts[] = {"Hello there", "a\nb \xc3\xa9", ""};
+    for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) {
+        snprintf(cmd, sizeof cmd, "printf '%%s' '%s' | '%s' tokenize -m '%s'", texts[i], kvbt_bin(), g_model);
+        assert_int_equal(kvbt_sh(cmd, one, sizeof one, 0), 0);
+        strcat(want, one);
+    }
+    snprintf(cmd, sizeof cmd, "printf '\"Hello there\"\\n\"a\\\\nb \\\\u00e9\"\\n\"\"\\n' | '%s' tokenize -m '%s' --jsonl",
+             kvbt_bin(), g_model);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 0), 0);
+    assert_string_equal(out, want);
+    snprintf(cmd, sizeof cmd, "printf '\"x\"\\n5\\n' | '%s' tokenize -m '%s' --jsonl", kvbt_bin(), g_model);
+    assert_int_equal(kvbt_sh(cmd, out, sizeof out, 1), 2);
+    assert_non_null(strstr(out, "line 2"));
 }
 
 /* The batched-decode benchmarks run and keep their own checks (not timed: the figures are theirs). */
@@ -256,6 +277,7 @@ int main(void) {
         cmocka_unit_test(test_run_ids_deterministic),
         cmocka_unit_test(test_run_bad_options),
         cmocka_unit_test(test_run_text_prompt),
+        cmocka_unit_test(test_tokenize_jsonl),
         cmocka_unit_test(test_bench_batched_decode_runs),
         cmocka_unit_test(test_run_logits_all),
         cmocka_unit_test(test_serve_drains_on_sigterm),

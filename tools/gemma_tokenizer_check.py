@@ -38,6 +38,7 @@ agree, 1 otherwise, 77 (skip) when the model or the Python packages are absent.
 """
 import argparse
 import concurrent.futures
+import json
 import os
 import random
 import shutil
@@ -322,18 +323,26 @@ def main():
     assert not any(SEPARATOR in s for s in strings)
     sep_id = toks.index(SEPARATOR)
 
-    def encode_both(text):
-        data = text.encode("utf-8")
-        return ids_of(kvb(a.kvbridge, model, [], data)), ids_of(kvb(a.kvbridge, model, ["--no-special"], data))
+    # every string in one call per mode: `tokenize --jsonl` reads one JSON string a line and prints one
+    # line of ids for each (the vocabulary is loaded once, not once per string); a string holding a NUL
+    # (which ends a --jsonl text) is encoded alone from its raw bytes
+    batch = [s for s in strings if "\0" not in s]
+    jsonl = "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in batch).encode("utf-8")
+
+    def encode_all(args):
+        lines = kvb(a.kvbridge, model, ["--jsonl"] + args, jsonl).decode().split("\n")
+        if len(lines) != len(batch) + 1 or lines[-1]:
+            raise RuntimeError("kvbridge tokenize --jsonl printed %d lines for %d strings" % (len(lines) - 1, len(batch)))
+        got = dict(zip(batch, (ids_of(x) for x in lines[:-1])))
+        return [got[s] if s in got else ids_of(kvb(a.kvbridge, model, args, s.encode("utf-8"))) for s in strings]
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as ex:
-        got = list(ex.map(encode_both, strings))
-    sp_all = [g[0] for g in got]
-    ns_all = [g[1] for g in got]
+        sp_f, ns_f = ex.submit(encode_all, []), ex.submit(encode_all, ["--no-special"])
+        sp_all, ns_all = sp_f.result(), ns_f.result()
     dec_ns = kvb_decode_all(a.kvbridge, model, ["--no-special"], ns_all, sep_id)
     dec_sp = kvb_decode_all(a.kvbridge, model, [], sp_all, sep_id)
     t2 = time.time()
-    print("kvbridge: %d strings, %d calls, %.1f s (%d jobs)" % (len(strings), 2 * len(strings) + 2, t2 - t1, a.jobs))
+    print("kvbridge: %d strings, %d calls, %.1f s" % (len(strings), 4 + 2 * (len(strings) - len(batch)), t2 - t1))
 
     def pieces(ids):
         return [toks[i] if 0 <= i < len(toks) else "?%d" % i for i in ids]

@@ -1,6 +1,9 @@
-/* cli/cmd_tokenize.c — `kvbridge tokenize -m MODEL [--no-special] [--decode]`: reads stdin and
- * prints the token ids (space-separated, one line), or with --decode reads ids and prints the
- * text. Uses the vocabulary inside the GGUF (tokenizer.ggml.*); works on vocab-only files. */
+/* cli/cmd_tokenize.c — `kvbridge tokenize -m MODEL [--no-special] [--decode | --jsonl]`: reads
+ * stdin and prints the token ids (space-separated, one line), or with --decode reads ids and prints
+ * the text, or with --jsonl encodes many texts in one run (one JSON string per input line, one line
+ * of ids per text). Uses the vocabulary inside the GGUF (tokenizer.ggml.*); works on vocab-only
+ * files. */
+#include <cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,19 +12,12 @@
 #include "kvb_gguf.h"
 #include "kvb_tokenizer.h"
 
-static int encode(const kvb_tokenizer *t, bool special) {
-    size_t n = 0;
-    char *text = kvb_cli_read_all(stdin, &n);
-    if (!text) {
-        fprintf(stderr, "kvbridge tokenize: cannot read stdin\n");
-        return 1;
-    }
+/* Prints the ids of text[0:n] on one line; 0, or 1 with the tokenizer's error on stderr. */
+static int encode_one(const kvb_tokenizer *t, const char *text, size_t n, bool special) {
     int32_t *ids = NULL;
     size_t n_ids = 0;
     kvb_err err = {0};
-    kvb_status st = kvb_tokenize(t, text, n, special, special, &ids, &n_ids, &err);
-    free(text);
-    if (st) {
+    if (kvb_tokenize(t, text, n, special, special, &ids, &n_ids, &err)) {
         fprintf(stderr, "kvbridge tokenize: %s\n", err.msg);
         return 1;
     }
@@ -29,6 +25,47 @@ static int encode(const kvb_tokenizer *t, bool special) {
     printf("\n");
     free(ids);
     return 0;
+}
+
+static int encode(const kvb_tokenizer *t, bool special) {
+    size_t n = 0;
+    char *text = kvb_cli_read_all(stdin, &n);
+    if (!text) {
+        fprintf(stderr, "kvbridge tokenize: cannot read stdin\n");
+        return 1;
+    }
+    int rc = encode_one(t, text, n, special);
+    free(text);
+    return rc;
+}
+
+/* --jsonl: each stdin line is a JSON string (its bytes may be any, \u escapes included); each gives one
+ * output line of ids. A line that is not a JSON string stops the run with its line number (exit 2). */
+static int encode_jsonl(const kvb_tokenizer *t, bool special) {
+    size_t n = 0;
+    char *all = kvb_cli_read_all(stdin, &n);
+    if (!all) {
+        fprintf(stderr, "kvbridge tokenize: cannot read stdin\n");
+        return 1;
+    }
+    int rc = 0;
+    size_t line_no = 0;
+    for (size_t i = 0; i < n && !rc;) {
+        size_t e = i;
+        while (e < n && all[e] != '\n') e++;
+        line_no++;
+        cJSON *v = cJSON_ParseWithLength(all + i, e - i);
+        if (!cJSON_IsString(v) || !v->valuestring) {
+            fprintf(stderr, "kvbridge tokenize: --jsonl: line %zu is not a JSON string\n", line_no);
+            rc = 2;
+        } else {
+            rc = encode_one(t, v->valuestring, strlen(v->valuestring), special);
+        }
+        cJSON_Delete(v);
+        i = e + 1;
+    }
+    free(all);
+    return rc;
 }
 
 static int decode(const kvb_tokenizer *t, bool special) {
@@ -89,7 +126,7 @@ static int decode(const kvb_tokenizer *t, bool special) {
 
 int kvb_cmd_tokenize(int argc, char **argv) {
     const char *model = NULL;
-    bool no_special = false, dec = false;
+    bool no_special = false, dec = false, jsonl = false;
     const kvb_opt opts[] = {
         KVB_CLI_OPT_MODEL(&model, "the GGUF file", true),
         KVB_CLI_FLAG("no-special", &no_special,
@@ -98,18 +135,26 @@ int kvb_cmd_tokenize(int argc, char **argv) {
         KVB_CLI_FLAG("decode", &dec,
                      "the other way: read token ids (separated by spaces, commas or newlines) and print the text "
                      "they decode to; special tokens are printed as their text unless --no-special"),
+        KVB_CLI_FLAG("jsonl", &jsonl,
+                     "many texts in one run: each stdin line a JSON string, each printed as one line of ids (a "
+                     "text holding a NUL, \\u0000, ends there)"),
         {0},
     };
     const kvb_cli_spec spec = {
-        .name = "tokenize", .usage = "-m MODEL [--no-special] [--decode]", .opts = opts,
+        .name = "tokenize", .usage = "-m MODEL [--no-special] [--decode | --jsonl]", .opts = opts,
         .about = "Encodes the UTF-8 text on stdin with the vocabulary stored in MODEL (a GGUF file, a vocab-only "
                  "one is fine) and prints the token ids, space-separated, on one line. The input is taken byte for "
                  "byte: a trailing newline is part of the text (use printf '%s').",
         .epilog = "examples:\n"
                   "  printf 'Hello world' | kvbridge tokenize -m model.gguf\n"
-                  "  echo '9707 1879' | kvbridge tokenize -m model.gguf --decode"};
+                  "  echo '9707 1879' | kvbridge tokenize -m model.gguf --decode\n"
+                  "  printf '\"Hello\"\\n\"world\"\\n' | kvbridge tokenize -m model.gguf --jsonl"};
     int prc = kvb_cli_parse(&spec, argc, argv);
     if (prc != KVB_CLI_GO) return prc;
+    if (dec && jsonl) {
+        fprintf(stderr, "kvbridge tokenize: --decode and --jsonl go one at a time\n");
+        return 2;
+    }
     const bool special = !no_special;
     kvb_err err = {0};
     kvb_gguf *g = NULL;
@@ -119,7 +164,7 @@ int kvb_cmd_tokenize(int argc, char **argv) {
         kvb_gguf_close(g);
         return 1;
     }
-    int rc = dec ? decode(t, special) : encode(t, special);
+    int rc = dec ? decode(t, special) : jsonl ? encode_jsonl(t, special) : encode(t, special);
     kvb_tokenizer_free(t);
     kvb_gguf_close(g);
     return rc;
