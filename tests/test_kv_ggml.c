@@ -3,7 +3,7 @@
  * 1/(amax/127): equal but for values next to a rounding tie, about one in 10^5 of random
  * activations, which must exist and differ by one), ggml's dot against an
  * independently written evaluation of its order (eight lanes of four, hsum_float_8's pairing) and
- * against float64; and the cache rows of both levels from kvb_kv_produce on the same inputs: Q8_0
+ * against float64; the SIMD tile against those portable loops bit for bit; and the cache rows of both levels from kvb_kv_produce on the same inputs: Q8_0
  * weights give other K and V rows, F32 weights the same V rows (both levels take the canonical
  * dot for float weights) and the same K rows at position 0 (RoPE there is the identity in both)
  * but other K rows past it (ggml's f32 angle recurrence and contracted rotation). An engine for
@@ -142,6 +142,38 @@ static void test_dot_order(void **state) {
     assert_false(kvb_ggml_dot_type(KVB_TYPE_Q4_K));
 }
 
+/* kvb_matmul_tile_ggml (the AVX2 tile where the dispatch chose SIMD kernels) against kvb_dot_ggml
+ * (the portable loops) per output, bit for bit: 13 rows x 11 tokens (a partial token group) of
+ * 640 values, padded strides. */
+static void test_tile_matches_scalar(void **state) {
+    (void)state;
+    enum { ROWS = 13, TOK = 11, N = 640, NB = N / 32 };
+    const size_t w_stride = sizeof(kvb_block_q8_0) * NB + 6, a_stride = sizeof(kvb_block_q8_0) * NB + 10;
+    uint8_t *w = malloc(w_stride * ROWS), *act = malloc(a_stride * TOK);
+    float x[N], y[TOK * (ROWS + 3)];
+    print_message("  dispatch: %s\n", kvb_simd_name());
+    for (int c = 0; c < 2; c++) {
+        const uint32_t type = c ? KVB_TYPE_Q5_0 : KVB_TYPE_Q8_0;
+        for (int r = 0; r < ROWS; r++) {
+            random_row(x, N);
+            kvb_f32_to_row(type, x, w + r * w_stride, N);
+        }
+        for (int t = 0; t < TOK; t++) {
+            random_row(x, N);
+            kvb_quantize_act_ggml(x, act + t * a_stride, N);
+        }
+        kvb_matmul_tile_ggml(type, w, w_stride, ROWS, act, a_stride, TOK, y, ROWS + 3, N);
+        for (int t = 0; t < TOK; t++)
+            for (int r = 0; r < ROWS; r++) {
+                const float want = kvb_dot_ggml(type, w + r * w_stride, act + t * a_stride, N);
+                if (memcmp(&want, &y[t * (ROWS + 3) + r], 4))
+                    fail_msg("%s row %d token %d: tile %.9g, portable %.9g", kvb_type_name(type), r, t,
+                             y[t * (ROWS + 3) + r], want);
+            }
+    }
+    free(w), free(act);
+}
+
 /* The rows of one layer at both levels for n tokens at positions 0, 997, 2 * 997 ... of random
  * attention inputs: K and V (n, n_head_kv, head_dim) f32 (the cache dtype that hides no difference). */
 static void rows_both_levels(const kvb_model *m, uint32_t n, uint8_t *k[2], uint8_t *v[2]) {
@@ -213,6 +245,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_quantizer_scales_equal_rounding_differs),
         cmocka_unit_test(test_dot_order),
+        cmocka_unit_test(test_tile_matches_scalar),
         cmocka_unit_test(test_rows_of_the_two_levels),
         cmocka_unit_test(test_latent_attention_refused),
     };

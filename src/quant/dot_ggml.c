@@ -1,12 +1,14 @@
 /* quant/dot_ggml.c — ggml's own dot of a Q8_0 or Q5_0 weight row with a Q8_0 activation row, as
  * its x86 CPU backend computes it (kvb_quant.h, "ggml's arithmetic"): eight f32 lanes, lane k
  * taking the integer sum of elements 4k..4k+3 of every 32-element block through one fmaf with the
- * block's scale product, then hsum_float_8's fixed pairing. Plain loops; only the llama.cpp
- * fidelity level of the K/V projections uses it, so it is not vectorised. */
+ * block's scale product, then hsum_float_8's fixed pairing. The plain loops here are the
+ * reference; where the dispatch chose AVX2 or AVX-512 kernels the tile runs dot_ggml_avx2.c,
+ * bit for bit the same. */
 #include <math.h>
 #include <string.h>
 
 #include "kvb_quant.h"
+#include "quant_impl.h"
 
 int kvb_ggml_dot_type(uint32_t weight_type) {
     return weight_type == KVB_TYPE_Q8_0 || weight_type == KVB_TYPE_Q5_0;
@@ -49,6 +51,13 @@ float kvb_dot_ggml(uint32_t type, const void *w_row, const void *act_row, int64_
 
 void kvb_matmul_tile_ggml(uint32_t type, const void *w, size_t w_stride, int n_rows, const void *act,
                           size_t act_stride, int n_tok, float *y, size_t y_stride, int64_t n) {
+#if defined(KVB_X86)
+    /* any kernel set but the scalar one means AVX2, FMA and F16C are there */
+    if (kvb_ggml_dot_type(type) && n >= 0 && n % 32 == 0 && kvb_quant_active() != &kvb_quant_kernels_scalar) {
+        kvb_matmul_tile_ggml_avx2(type, w, w_stride, n_rows, act, act_stride, n_tok, y, y_stride, n);
+        return;
+    }
+#endif
     for (int t = 0; t < n_tok; t++)
         for (int r = 0; r < n_rows; r++)
             y[(size_t)t * y_stride + r] = kvb_dot_ggml(type, (const uint8_t *)w + (size_t)r * w_stride,

@@ -16,6 +16,10 @@ offsets; nothing is downloaded) three runs on the same llama-server (-np 1, f16 
           the same /completion as `alone` but with cache_prompt true and id_slot 0: llama-server
           reuses the restored rows and the tail it computed (timings.prompt_n says how many it
           computed again; a reply with more than a block recomputed is marked `not_reused`).
+  split   the control, without kvbridge: llama-server computes the door's prefix (every whole
+          block before the last token) itself, then the whole prompt with cache_prompt true: its
+          own rows with the same split, which shows how much llama-server's reply moves with how
+          its cache came about alone.
 Recorded per prompt and level (one JSON line each in --out, appended; a rerun skips what is there):
 the tokens equal to alone's up to the first divergence (of --n-predict), whether all are equal,
 and the next-token KL(alone || bridged) at the first generated position.
@@ -131,7 +135,8 @@ def make_prompts(args, server_url):
 
 
 def completion(server_url, ids, args, reuse):
-    body = {"prompt": ids, "n_predict": args.n_predict, "temperature": 0, "top_k": 1, "n_probs": args.top_k,
+    args = args if isinstance(args, dict) else vars(args)
+    body = {"prompt": ids, "n_predict": args["n_predict"], "temperature": 0, "top_k": 1, "n_probs": args["top_k"],
             "ignore_eos": True, "cache_prompt": reuse, "id_slot": 0, "return_tokens": True, "seed": 0}
     r = post(server_url + "/completion", body)[0]
     probs = r.get("completion_probabilities") or []
@@ -186,6 +191,8 @@ class Rig:
         wait_health(self.server_url, self.procs[-1], "llama-server")
         self.doors = {}
         for level in args.levels:
+            if level == "split":
+                continue
             peer = f"127.0.0.1:{free_port()}"
             self.start([args.kvbridge, "serve", "--role", "prefill", "-m", args.model, "--listen", peer, "--psk", PSK,
                         "--threads", str(args.threads), "--ctx", str(ctx), "--kv-arith", level, "--name", "pf-" + level],
@@ -239,9 +246,14 @@ def run(args):
                 if (p["i"], level) in done:
                     continue
                 t0 = time.time()
-                r, hdr = post(rig.doors[level] + "/v1/completions",
-                              {"model": "m", "prompt": p["text"], "max_tokens": 1, "temperature": 0})
-                kb = r.get("usage", {}).get("kvbridge", {})
+                if level == "split":  # the control: llama-server's own rows for the door's prefix
+                    cut = (len(ids) - 1) // 32 * 32
+                    completion(rig.server_url, ids[:cut], dict(vars(args), n_predict=1, top_k=0), False)
+                    r, kb = {}, {"verdict": "complete", "bridged_tokens": cut, "native_tokens": len(ids) - cut}
+                else:
+                    r, hdr = post(rig.doors[level] + "/v1/completions",
+                                  {"model": "m", "prompt": p["text"], "max_tokens": 1, "temperature": 0})
+                    kb = r.get("usage", {}).get("kvbridge", {})
                 br = completion(rig.server_url, ids, args, True)
                 eq, all_eq = agreement(alone["tokens"], br["tokens"], args.n_predict)
                 kl, p_rest = kl_topk(alone["top"], br["top"])
@@ -288,7 +300,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--n-predict", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=20, help="n_probs: top tokens llama-server reports")
-    ap.add_argument("--levels", default="engine,ggml")
+    ap.add_argument("--levels", default="split,engine,ggml",
+                    help="engine, ggml: through the door at that --kv-arith; split: the control (no door)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=35)
     ap.add_argument("--out", default="llama_study.jsonl")
