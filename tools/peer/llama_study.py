@@ -28,10 +28,11 @@ KL from top-k: llama-server returns the K most probable tokens with their log-pr
 (softmax over the whole vocabulary, before sampling). With P = alone's, Q = bridged's:
   KL ~= sum over P's top K of p_i log(p_i / q_i) + p_rest log(p_rest / q_rest)
 where q_i is Q's probability when i is in Q's top K, else Q's K-th probability (an upper bound
-of q_i, so that term is a lower bound), p_rest = 1 - sum of P's top K and q_rest = 1 - the sum of
-the q_i used (clamped at 1e-12): the tail lumped into one bin, which by the log-sum inequality
-also only lowers the estimate. So the figure is a lower bound, tight when P's top K holds nearly
-all its mass (it reports p_rest too).
+of q_i), p_rest = 1 - sum of P's top K and q_rest = 1 - the sum of the q_i used (clamped at
+1e-12): the tail lumped into one bin. Where Q's top K holds every token of P's this is KL over a
+coarser partition, so by the log-sum inequality a lower bound of the true KL, tight when P's top K
+holds nearly all its mass (each record has p_rest); a token of P's top K absent from Q's makes it
+an estimate only.
 
 usage: tools/peer/llama_study.py --server BIN --kvbridge BIN --model GGUF [--prompts 100]
        [--min-tokens 1024] [--max-tokens 16384] [--levels engine,ggml] [--threads 2] [--out FILE]
