@@ -62,7 +62,7 @@ static int compare(kvb_model *m, uint32_t dtype, bool perturb, uint64_t seed, in
         for (uint32_t l = 0; l < m->d.n_layer; l++) {
             const float *cs, *sn;
             kvb_rope_tables_layer(&rope, l, &cs, &sn);
-            kvb_kv_produce_args a = {m, l, dtype, NULL, cs, sn, perturb};
+            kvb_kv_produce_args a = {m, l, dtype, NULL, cs, sn, perturb, false};
             kvb_kv_produce(&a, h, n, scratch, ck, cv);
             memset(gk, 0xA5, rows); /* poisoned: an unwritten byte fails */
             memset(gv, 0xA5, rows);

@@ -92,7 +92,7 @@ static void cpu_rows(const kvb_model *m, uint32_t l, uint32_t dtype, uint32_t po
     const float *cs, *sn;
     kvb_rope_tables_layer(&rope, l, &cs, &sn);
     void *scratch = kvb_aligned_alloc(64, kvb_kv_produce_scratch_bytes(m, n));
-    kvb_kv_produce_args a = {m, l, dtype, NULL, cs, sn, false};
+    kvb_kv_produce_args a = {m, l, dtype, NULL, cs, sn, false, false};
     kvb_kv_produce(&a, h, n, scratch, k, v);
     kvb_aligned_free(scratch);
     kvb_rope_tables_free(&rope);

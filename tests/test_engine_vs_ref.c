@@ -660,7 +660,7 @@ static double mla_rows_rel(const case_t *c, const int32_t *toks, uint32_t layer,
     kvb_err err = {0};
     assert_int_equal(kvb_rope_tables_init(&t, c->model, G3_TOK, &err), KVB_OK);
     kvb_rope_tables_fill(&t, 0, G3_TOK);
-    kvb_kv_produce_args a = {c->model, layer, cache, NULL, NULL, NULL, false};
+    kvb_kv_produce_args a = {c->model, layer, cache, NULL, NULL, NULL, false, false};
     kvb_rope_tables_layer(&t, layer, &a.rope_cos, &a.rope_sin);
     kvb_kv_produce(&a, hf, G3_TOK, scratch, rows, NULL);
     double worst = 0;

@@ -23,6 +23,7 @@ struct kvb_bridge_cpu {
     kvb_slab_sink sink;
     void *sink_ctx;
     bool perturbed;
+    bool ggml;                  /* the llama.cpp fidelity level (kvb_bridge_cpu_set_ggml) */
     kvb_rows_producer producer; /* NULL: kvb_kv_produce here */
     void *producer_ctx;
     bool sink_checksums;        /* slabs leave with checksum 0: the sink computes it */
@@ -77,6 +78,14 @@ void kvb_bridge_cpu_begin(kvb_bridge_cpu *b, uint32_t ship_from, uint32_t ship_t
 
 void kvb_bridge_cpu_set_perturbed(kvb_bridge_cpu *b, bool perturbed) { b->perturbed = perturbed; }
 
+kvb_status kvb_bridge_cpu_set_ggml(kvb_bridge_cpu *b, kvb_err *err) {
+    if (b->m->d.mla)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "ggml's arithmetic is not reproduced for latent attention");
+    kvb_status st = kvb_rope_tables_set_ggml(&b->rope, err);
+    if (!st) b->ggml = true;
+    return st;
+}
+
 void kvb_bridge_cpu_sink_checksums(kvb_bridge_cpu *b, bool on) { b->sink_checksums = on; }
 
 void kvb_bridge_cpu_set_producer(kvb_bridge_cpu *b, kvb_rows_producer fn, void *ctx) {
@@ -102,7 +111,7 @@ kvb_status kvb_bridge_cpu_layer(void *bridge, uint32_t layer, uint32_t pos0, uin
     } else {
         /* an engine calls every layer of a chunk in turn: the tables are filled once per chunk */
         if (b->rope.n == 0 || pos0 != b->rope.pos0 || n != b->rope.n) kvb_rope_tables_fill(&b->rope, pos0, n);
-        kvb_kv_produce_args a = {b->m, layer, b->fmt.dtype, b->pool, NULL, NULL, b->perturbed};
+        kvb_kv_produce_args a = {b->m, layer, b->fmt.dtype, b->pool, NULL, NULL, b->perturbed, b->ggml};
         kvb_rope_tables_layer(&b->rope, layer, &a.rope_cos, &a.rope_sin);
         kvb_kv_produce(&a, h, n, b->scratch, b->k_rows, b->v_rows);
     }

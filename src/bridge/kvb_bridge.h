@@ -71,6 +71,10 @@ void kvb_bridge_cpu_sink_checksums(kvb_bridge_cpu *b, bool on);
 /* Test-only: perturb the bridge's arithmetic by one reordered addition (the K bias is added to the
  * projection in a different association), so `kvbridge verify` can prove it detects a change. */
 void kvb_bridge_cpu_set_perturbed(kvb_bridge_cpu *b, bool perturbed);
+/* The llama.cpp fidelity level: rows from here on through kvb_kv_produce with ggml's arithmetic
+ * (kvb_kv_produce_args.ggml) and ggml-mode RoPE tables. KVB_ERR_UNSUPPORTED for a latent (mla) or
+ * YaRN model. */
+kvb_status kvb_bridge_cpu_set_ggml(kvb_bridge_cpu *b, kvb_err *err);
 
 /* ---- the receiver: slabs into a store, the one way every caller commits them -----------------
  * One pending block (kvb_store_slab_begin) per full block of tokens [ship_from, ship_to) under its

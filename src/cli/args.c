@@ -17,6 +17,7 @@
 
 const char *const kvb_cli_device_names[] = {"cpu", "cuda", NULL};
 const char *const kvb_cli_bridge_mode_names[] = {"decoder", "prefill", NULL}; /* index 1: prefill mode */
+const char *const kvb_cli_kv_arith_names[] = {"engine", "ggml", NULL};      /* index 1: ggml's arithmetic */
 const char *const kvb_cli_transport_names[] = {"tcp", "ucx", NULL};          /* index 1: UCX */
 const char *const kvb_cli_gpu_weights_names[] = {"auto", "bf16", "packed", NULL}; /* kvb_cuda_weights' order */
 

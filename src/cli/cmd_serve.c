@@ -35,6 +35,7 @@ typedef struct {
     kvb_opt_list peers;    /* --peer, repeatable */
     kvb_opt_list backends; /* router: the decode nodes */
     int role, mode, device, transport; /* k_roles, kvb_cli_{bridge_mode,device,transport}_names */
+    int kv_arith;                      /* kvb_cli_kv_arith_names */
     kvb_cli_gpu gpu;
     bool tail_after, filler, quiet, verbose;
     uint32_t cache_type, engine_type;
@@ -137,6 +138,9 @@ static int serve_parse(serve_args *a, int argc, char **argv) {
         KVB_CLI_STR("chat-template", &a->tmpl, "NAME", "decode: override the chat template family"),
         KVB_CLI_STR("model-id", &a->model_id, "NAME", "decode: the model name the API reports"),
         KVB_CLI_OPT_BRIDGE_MODE(&a->mode),
+        KVB_CLI_OPT_KV_ARITH(&a->kv_arith, "prefill, cpu: engine (its own arithmetic) or ggml (every RMSNorm, RoPE and "
+                                           "the K/V projections as llama.cpp's CPU backend computes them: the closer "
+                                           "fidelity level for a llama-server decoder)"),
         {.long_name = "engine-cache-type", .kind = KVB_OPT_CUSTOM, .dst = &a->engine_type, .meta = "T",
          .parse = kvb_opt_parse_type,
          .help = "prefill, bridge mode prefill: this node's own cache dtype (default: the decoder's)"},
@@ -261,6 +265,7 @@ int kvb_cmd_serve(int argc, char **argv) {
         kvb_prefill_config c = {.listen = listen, .http_listen = http, .model_path = model, .psk = psk, .backend = backend,
                                 .n_threads = (int)threads, .cache_dtype = cache_type, .block_tokens = (uint32_t)bt, .max_ctx = (uint32_t)ctx,
                                 .fault = fault, .prefill_mode = prefill_mode, .engine_cache_dtype = engine_type,
+                                .kv_ggml = a.kv_arith == 1,
                                 .cuda = cuda, .chunk_tokens = (uint32_t)chunk,
                                 .gpus = (int)a.gpu.gpus, .tp_one_device = a.gpu.tp_one_device, .gpu_weights = a.gpu.gpu_weights,
                                 .warmup_tokens = (uint32_t)(warmup >= 0 ? warmup : (chunk ? chunk : 8192) + 64),

@@ -123,7 +123,7 @@ int kvb_cmd_verify(int argc, char **argv) {
     long long gpus = 1, threads_arg = 0, n_predict = 16;
     kvb_opt_list preset_list = {0};
     static const char *const targets[] = {"kvbridge", "llama.cpp", NULL};
-    int target = 0;
+    int target = 0, kv_arith = 0;
     const char *server = NULL, *slot_dir = NULL, *slot_file = NULL, *prompt = "The capital of France is";
     const kvb_opt opts[] = {
         {.long_name = "target", .kind = KVB_OPT_ENUM, .dst = &target, .choices = targets, .def = "kvbridge",
@@ -152,6 +152,8 @@ int kvb_cmd_verify(int argc, char **argv) {
          .help = "with cuda: N tensor-parallel rank bridges, each computing its share of the KV heads into the "
                  "same rows (GPUs 0..N-1 when the host has them, else all on GPU 0)"},
         KVB_CLI_OPT_THREADS(&threads_arg, "CPU threads (default: all)"),
+        KVB_CLI_OPT_KV_ARITH(&kv_arith, "--target llama.cpp: kvbridge's rows in its engine's arithmetic or in ggml's "
+                                        "(every RMSNorm, RoPE and the K/V projections as llama.cpp's CPU backend)"),
         {.long_name = "perturb", .kind = KVB_OPT_FLAG, .dst = &perturb,
          .help = "test-only: perturb the bridge by one reordered addition; every row must fail"},
         {.long_name = "bytes-at", .kind = KVB_OPT_STRING, .dst = &bytes_at, .meta = "LIST",
@@ -200,7 +202,7 @@ int kvb_cmd_verify(int argc, char **argv) {
         const kvb_verify_llamacpp_opts lo = {.model = model, .prompt = prompt, .server = server,
                                              .slot_dir = slot_dir, .slot_file = slot_file,
                                              .threads = (int)threads_arg, .restore = restore,
-                                             .n_predict = (int)n_predict};
+                                             .n_predict = (int)n_predict, .kv_ggml = kv_arith == 1};
         return kvb_verify_llamacpp(&lo);
     }
     if (!parse_bytes_at(bytes_at, lens, &n_lens)) return 2;

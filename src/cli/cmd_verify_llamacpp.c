@@ -95,15 +95,16 @@ static kvb_status gather_rows(void *ctx, uint32_t layer, uint32_t pos0, uint32_t
     return KVB_OK;
 }
 
-static kvb_status compute_rows(const kvb_model *m, const int32_t *tokens, uint32_t n, int threads, kv_rows *kv,
-                               kvb_err *err) {
+static kvb_status compute_rows(const kvb_model *m, const int32_t *tokens, uint32_t n, int threads, bool ggml,
+                               kv_rows *kv, kvb_err *err) {
     const kvb_model_desc *d = &m->d;
     *kv = (kv_rows){.n_layer = d->n_layer, .n_pos = n, .row = (size_t)d->n_head_kv * d->head_dim * 2};
     kv->k = malloc((size_t)d->n_layer * n * kv->row);
     kv->v = malloc((size_t)d->n_layer * n * kv->row);
     if (!kv->k || !kv->v) return kvb_err_set(err, KVB_ERR_NOMEM, "K/V rows of %u tokens", n);
     kvb_engine_opts o = {.n_threads = threads, .cache_dtype = KVB_TYPE_F16, .block_tokens = 32,
-                         .max_ctx = (n + 31) / 32 * 32 + 32, .rows_hook = gather_rows, .rows_hook_ctx = kv};
+                         .max_ctx = (n + 31) / 32 * 32 + 32, .rows_hook = gather_rows, .rows_hook_ctx = kv,
+                         .ggml_arith = ggml};
     kvb_engine *e = NULL;
     kvb_seq *s = NULL;
     kvb_status st = kvb_engine_create(m, &o, &e, err);
@@ -359,6 +360,7 @@ int kvb_verify_llamacpp(const kvb_verify_llamacpp_opts *o) {
     }
     printf("kvbridge verify --target llama.cpp: llama-server's own cache vs kvbridge's, per layer and K/V\n");
     printf("  model %s; supported: %s\n", o->model, KVB_LLAMA_SUPPORTED_BUILD);
+    printf("  kvbridge's rows: %s\n", o->kv_ggml ? "ggml's arithmetic (--kv-arith ggml)" : "its engine's arithmetic");
     if (o->server) {
         snprintf(srv_path, sizeof srv_path, "%s/%s", o->slot_dir, SERVER_FILE);
         if (!server_tokens(&a, o->model, o->prompt, &ids, &n_ids) || !slot_action(&a, "erase", NULL)) goto fail;
@@ -380,7 +382,7 @@ int kvb_verify_llamacpp(const kvb_verify_llamacpp_opts *o) {
            srv.n_cache, end);
     kv_rows kv = {0};
     kvb_status st = end > srv.n_tokens ? kvb_err_set(&err, KVB_ERR_FORMAT, "cells past the file's tokens")
-                                       : compute_rows(m, srv.tokens, end, o->threads, &kv, &err);
+                                       : compute_rows(m, srv.tokens, end, o->threads, o->kv_ggml, &kv, &err);
     if (!st) st = mirror_state(&srv, &m->d, &kv, &ours, &err);
     uint32_t short_rows = 0;
     int failed = 0;

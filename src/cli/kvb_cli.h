@@ -29,6 +29,7 @@ typedef struct {
     int threads;
     bool restore;          /* with a server: restore kvbridge's file and decode, and a refused restore */
     int n_predict;
+    bool kv_ggml;          /* kvbridge's rows at the ggml fidelity level (kvb_engine_opts.ggml_arith) */
 } kvb_verify_llamacpp_opts;
 int kvb_verify_llamacpp(const kvb_verify_llamacpp_opts *o);
 int kvb_cmd_serve(int argc, char **argv);
@@ -192,6 +193,12 @@ extern const char *const kvb_cli_bridge_mode_names[];
      .choices = kvb_cli_bridge_mode_names,                                                                   \
      .help = "decoder (the decoder's own arithmetic, exact) or prefill (the prefill engine's own K/V "        \
              "re-encoded: cheaper, not exact); both nodes must agree"}
+/* --kv-arith engine|ggml into an int (1 = ggml), default engine: the fidelity level of the K/V a
+ * llama.cpp decoder gets (kvb_engine_opts.ggml_arith). */
+extern const char *const kvb_cli_kv_arith_names[];
+#define KVB_CLI_OPT_KV_ARITH(dst_, help_)                                                                     \
+    {.long_name = "kv-arith", .kind = KVB_OPT_ENUM, .dst = (dst_), .meta = "A", .def = "engine",              \
+     .choices = kvb_cli_kv_arith_names, .help = (help_)}
 /* --transport tcp|ucx into an int (1 = ucx), default tcp; kvb_wire_backend_by_name of
  * kvb_cli_transport_names[i] gives the backend (a build without UCX refuses ucx, saying why). */
 extern const char *const kvb_cli_transport_names[];

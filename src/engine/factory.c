@@ -35,6 +35,9 @@ static kvb_status pick_engine(const kvb_prefill_opts *o,
         return KVB_OK;
     }
     if (o->device != KVB_DEVICE_CUDA) return kvb_err_set(err, KVB_ERR_INVALID, "unknown device %d", (int)o->device);
+    if (o->ggml_arith)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "--kv-arith ggml (llama.cpp's CPU arithmetic) runs on the CPU engine "
+                                                     "only");
 #ifdef KVB_HAVE_CUDA
     if (o->bridge && o->bridge_engine_rows)
         return kvb_err_set(err, KVB_ERR_UNSUPPORTED,

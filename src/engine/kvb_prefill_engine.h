@@ -76,6 +76,8 @@ typedef struct {
     kvb_bridge_cpu *bridge;
     const kvb_kvformat *bridge_fmt; /* with bridge: the decoder's cache format (copied) */
     bool bridge_engine_rows; /* CPU only: re-encode the engine's own rows (bridge mode `prefill`) */
+    bool ggml_arith;         /* CPU only: the llama.cpp fidelity level (kvb_engine_opts.ggml_arith), the
+                                bridge's rows too (kvb_bridge_cpu_set_ggml) */
     kvb_rows_release release; /* with bridge, where rows stay put */
 } kvb_prefill_opts;
 

@@ -75,7 +75,8 @@ kvb_status kvb_prefill_cpu_open(const kvb_model *m, const kvb_prefill_opts *o, k
                                 kvb_err *err) {
     *out = NULL;
     kvb_engine_opts eo = {.n_threads = o->n_threads, .cache_dtype = o->cache_dtype, .block_tokens = o->block_tokens,
-                          .max_ctx = o->max_ctx, .max_batch = o->max_batch, .n_blocks = o->n_blocks};
+                          .max_ctx = o->max_ctx, .max_batch = o->max_batch, .n_blocks = o->n_blocks,
+                          .ggml_arith = o->ggml_arith};
     if (o->bridge && o->bridge_engine_rows) {
         eo.rows_hook = kvb_bridge_cpu_rows;
         eo.rows_hook_ctx = o->bridge;
@@ -85,6 +86,7 @@ kvb_status kvb_prefill_cpu_open(const kvb_model *m, const kvb_prefill_opts *o, k
     }
     /* the engine reads the weights in place: every page now, when asked, not on the first forward */
     kvb_status st = o->prefault ? kvb_gguf_prefault(m->gguf, err) : KVB_OK;
+    if (!st && o->bridge && o->ggml_arith) st = kvb_bridge_cpu_set_ggml(o->bridge, err);
     prefill_cpu *pc = st ? NULL : calloc(1, sizeof *pc);
     if (!st && !pc) st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
     if (!st) st = kvb_engine_create(m, &eo, &pc->e, err);

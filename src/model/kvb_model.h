@@ -226,8 +226,16 @@ typedef struct {
     double *inv_freq;         /* (n_kinds, half) */
     float *cos, *sin;         /* (n_kinds, cap, half) for positions pos0 .. pos0 + n - 1 */
     uint32_t pos0, n;         /* the span last filled (n = 0: none yet) */
+    bool ggml;                /* filled as ggml's rope does (kvb_rope_tables_set_ggml) */
+    float ggml_theta_scale[2], ggml_freq_scale[2]; /* per kind: powf(base, -2.0f/n_rot); 1/linear factor */
+    float *ggml_factors;      /* (half) the global kind's frequency divisors, or NULL */
 } kvb_rope_tables;
 kvb_status kvb_rope_tables_init(kvb_rope_tables *t, const kvb_model *m, uint32_t cap, kvb_err *err);
+/* From the next fill on, cos/sin as ggml's CPU rope computes them (ggml_rope_cache_init, f32):
+ * theta = (float)pos, then per pair i: c = cosf(freq_scale * (theta / factor_i)), s = sinf(...),
+ * theta *= powf(base, -2.0f / n_rot); the local kind with its own base, unscaled. A YaRN model
+ * (rope_yarn_factor > 1) keeps the double-precision table: KVB_ERR_UNSUPPORTED. */
+kvb_status kvb_rope_tables_set_ggml(kvb_rope_tables *t, kvb_err *err);
 void kvb_rope_tables_free(kvb_rope_tables *t);
 /* Fills every kind's table for positions pos0 .. pos0 + n - 1 (n <= cap) with kvb_rope_table. */
 void kvb_rope_tables_fill(kvb_rope_tables *t, uint32_t pos0, uint32_t n);

@@ -97,7 +97,40 @@ kvb_status kvb_rope_tables_init(kvb_rope_tables *t, const kvb_model *m, uint32_t
     return KVB_OK;
 }
 
+kvb_status kvb_rope_tables_set_ggml(kvb_rope_tables *t, kvb_err *err) {
+    const kvb_model *m = t->m;
+    const kvb_model_desc *d = &m->d;
+    if (d->rope_yarn_factor > 1.0f)
+        return kvb_err_set(err, KVB_ERR_UNSUPPORTED, "ggml's RoPE arithmetic is not reproduced for YaRN models");
+    if (!t->ggml_factors && (m->rope_freqs || d->rope_scale_factor > 0)) {
+        if (!(t->ggml_factors = malloc(sizeof(float) * (t->half ? t->half : 1))))
+            return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory for RoPE factors");
+        if (m->rope_freqs) memcpy(t->ggml_factors, m->rope_freqs, sizeof(float) * t->half);
+        else kvb_llama3_rope_factors(d, t->ggml_factors);
+    }
+    t->ggml_theta_scale[0] = powf(d->rope_freq_base, -2.0f / (float)d->n_rot);
+    t->ggml_freq_scale[0] = d->rope_linear_factor > 0 ? 1.0f / d->rope_linear_factor : 1.0f;
+    t->ggml_theta_scale[1] = powf(d->rope_freq_base_local, -2.0f / (float)d->n_rot);
+    t->ggml_freq_scale[1] = 1.0f;
+    t->ggml = true;
+    t->n = 0;
+    return KVB_OK;
+}
+
+/* Row (half) of kind k's table at position pos, as ggml_rope_cache_init computes it. */
+static void rope_row_ggml(const kvb_rope_tables *t, uint32_t k, uint32_t pos, float *c, float *s) {
+    const float *ff = k == 0 ? t->ggml_factors : NULL;
+    float theta = (float)pos;
+    for (uint32_t i = 0; i < t->half; i++) {
+        const float th = t->ggml_freq_scale[k] * (ff ? theta / ff[i] : theta);
+        c[i] = cosf(th);
+        s[i] = sinf(th);
+        theta = theta * t->ggml_theta_scale[k];
+    }
+}
+
 void kvb_rope_tables_free(kvb_rope_tables *t) {
+    free(t->ggml_factors);
     free(t->inv_freq);
     free(t->cos);
     free(t->sin);
@@ -107,7 +140,12 @@ void kvb_rope_tables_free(kvb_rope_tables *t) {
 void kvb_rope_tables_fill(kvb_rope_tables *t, uint32_t pos0, uint32_t n) {
     const size_t per_kind = (size_t)t->cap * t->half;
     for (uint32_t k = 0; k < t->n_kinds; k++)
-        kvb_rope_table(t->inv_freq + (size_t)k * t->half, 2 * t->half, pos0, n, t->cos + k * per_kind,
+        if (t->ggml)
+            for (uint32_t p = 0; p < n; p++)
+                rope_row_ggml(t, k, pos0 + p, t->cos + k * per_kind + (size_t)p * t->half,
+                              t->sin + k * per_kind + (size_t)p * t->half);
+        else
+            kvb_rope_table(t->inv_freq + (size_t)k * t->half, 2 * t->half, pos0, n, t->cos + k * per_kind,
                        t->sin + k * per_kind);
     t->pos0 = pos0;
     t->n = n;
@@ -116,9 +154,11 @@ void kvb_rope_tables_fill(kvb_rope_tables *t, uint32_t pos0, uint32_t n) {
 void kvb_rope_tables_fill_at(kvb_rope_tables *t, const uint32_t *pos, uint32_t n) {
     const size_t per_kind = (size_t)t->cap * t->half;
     for (uint32_t k = 0; k < t->n_kinds; k++)
-        for (uint32_t i = 0; i < n; i++)
-            kvb_rope_table(t->inv_freq + (size_t)k * t->half, 2 * t->half, pos[i], 1,
-                           t->cos + k * per_kind + (size_t)i * t->half, t->sin + k * per_kind + (size_t)i * t->half);
+        for (uint32_t i = 0; i < n; i++) {
+            float *c = t->cos + k * per_kind + (size_t)i * t->half, *s = t->sin + k * per_kind + (size_t)i * t->half;
+            if (t->ggml) rope_row_ggml(t, k, pos[i], c, s);
+            else kvb_rope_table(t->inv_freq + (size_t)k * t->half, 2 * t->half, pos[i], 1, c, s);
+        }
     t->pos0 = UINT32_MAX; /* not one span */
     t->n = n;
 }

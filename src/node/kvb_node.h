@@ -39,6 +39,8 @@ typedef struct {
     bool prefill_mode;         /* bridge mode `prefill`: ship this engine's own K/V re-encoded (cheaper,
                                   not exact) instead of the decoder's arithmetic (mode `decoder`) */
     uint32_t engine_cache_dtype; /* this node's own cache dtype in prefill mode (0 = the decoder's) */
+    bool kv_ggml;              /* CPU: the K/V (and every RMSNorm and RoPE) in ggml's CPU arithmetic, the
+                                  fidelity level for a llama.cpp decoder (kvb_prefill_opts.ggml_arith) */
     /* cuda: before listening, prefill this many random tokens twice with the bridge computing and
      * its rows dropped (at most max_ctx - 1), so the first request does not pay for loading the
      * kernels, initialising the GPU libraries (~0.2 s on the H200) and cuDNN's plans for these

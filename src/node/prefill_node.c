@@ -594,6 +594,7 @@ static kvb_status engine_create(kvb_prefill_node *n, kvb_err *err) {
         .bridge = n->br,
         .bridge_fmt = &n->fmt,
         .bridge_engine_rows = cfg->prefill_mode,
+        .ggml_arith = cfg->kv_ggml,
         .release = {.mark = ring_mark, .wait_sent = ring_wait_sent, .ctx = n},
     };
     kvb_status st = kvb_prefill_engine_create(n->m, &po, &n->pe, err);

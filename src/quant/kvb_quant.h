@@ -243,6 +243,31 @@ void kvb_matmul_tile(uint32_t weight_type, const void *w, size_t w_stride, int n
                      const void *act, size_t act_stride, int n_tok, float *y, size_t y_stride,
                      int64_t n);
 
+/* ---- ggml's arithmetic (the llama.cpp fidelity level) -------------------------------------
+ *
+ * What ggml's x86 CPU backend (llama.cpp 0c1e57098, builds with AVX2 or AVX-512) computes for a
+ * matrix product with a Q8_0 or Q5_0 weight, written as plain loops: llama.cpp's own cache can
+ * then be reproduced bit for bit where its inputs are the same. Its activation quantiser
+ * (quantize_row_q8_0) differs from kvb_quantize_act only in the inverse scale:
+ *   d = amax / 127.0f (stored fp16),  id = amax != 0 ? 127.0f / amax : 0,  q = round-half-even(x*id)
+ * Its dot (ggml_vec_dot_q8_0_q8_0 / _q5_0_q8_0 and llamafile's tinyBLAS_Q0_AVX, which agree per
+ * element) keeps eight f32 lanes; lane k takes the exact integer sum of elements 4k..4k+3 of each
+ * 32-element block b in turn:  lane[k] = fmaf(fp16(w.d) * fp16(x.d), (float)s_bk, lane[k]); the
+ * result is ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) (hsum_float_8). Q5_0's values are
+ * (5-bit q) - 16 as in the canonical dot. Other weight types are not covered: F16/F32 take tinyBLAS
+ * with a vector width that depends on the build, Q4_0 and the K-quants are repacked or take Q8_K
+ * activations (per 256 values) on x86; kvb_ggml_dot_type says which are. NaN inputs: as
+ * kvb_quantize_act (ggml leaves them undefined). */
+int kvb_ggml_dot_type(uint32_t weight_type); /* 1 for Q8_0 and Q5_0 */
+/* x (n f32, n a multiple of 32) -> n/32 kvb_block_q8_0 with ggml's quantiser (above). */
+void kvb_quantize_act_ggml(const float *x, void *dst, int64_t n);
+/* ggml's dot of one Q8_0 / Q5_0 weight row and one activation row from kvb_quantize_act_ggml
+ * (NaN for any other weight type or an n that is not a multiple of 32). */
+float kvb_dot_ggml(uint32_t weight_type, const void *w_row, const void *act_row, int64_t n);
+/* kvb_matmul_tile's contract with kvb_dot_ggml in place of kvb_dot. */
+void kvb_matmul_tile_ggml(uint32_t weight_type, const void *w, size_t w_stride, int n_rows, const void *act,
+                          size_t act_stride, int n_tok, float *y, size_t y_stride, int64_t n);
+
 /* Which SIMD implementation the run-time dispatch chose ("avx512-vnni", "avx2", "neon",
  * "scalar"), and a switch to force one (for tests and benchmarks): returns KVB_ERR_UNSUPPORTED
  * if the CPU cannot run it. "auto" restores the best. */

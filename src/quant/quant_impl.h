@@ -44,6 +44,12 @@ extern const kvb_quant_kernels kvb_quant_kernels_neon;
 /* The kernels chosen by dispatch (never NULL; initialises dispatch on first use). */
 const kvb_quant_kernels *kvb_quant_active(void);
 
+#if defined(KVB_X86)
+/* kvb_matmul_tile_ggml with AVX2 + FMA + F16C (dot_ggml_avx2.c); types already validated. */
+void kvb_matmul_tile_ggml_avx2(uint32_t weight_type, const void *w, size_t w_stride, int n_rows, const void *act,
+                               size_t act_stride, int n_tok, float *y, size_t y_stride, int64_t n);
+#endif
+
 /* Portable reference implementations (dot_scalar.c / types.c). */
 float kvb_dot_scalar(uint32_t weight_type, const void *w_row, const void *act_row, int64_t n);
 void kvb_quantize_q8_0_act_ref(const float *x, void *dst, int64_t n);

@@ -385,8 +385,9 @@ uint32_t kvb_act_type(uint32_t weight_type) {
     }
 }
 
-/* The canonical activation quantiser (see kvb_quantize_act in kvb_quant.h). */
-void kvb_quantize_q8_0_act_ref(const float *x, void *dst, int64_t n) {
+/* The Q8_0 activation quantiser, canonical (kvb_quantize_act) or ggml's (kvb_quantize_act_ggml):
+ * they differ only in the inverse scale, 1 / (amax / 127) or 127 / amax. */
+static void quantize_q8_0_act(const float *x, void *dst, int64_t n, bool ggml_inverse) {
     kvb_block_q8_0 *y = dst; /* [n/32] */
     for (int64_t i = 0; i < n / KVB_QK8_0; i++) {
         const float *xb = x + i * KVB_QK8_0; /* [32] */
@@ -399,7 +400,8 @@ void kvb_quantize_q8_0_act_ref(const float *x, void *dst, int64_t n) {
         }
         if (nan) amax = NAN;
         const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f; /* NaN d -> NaN id */
+        float id = d != 0.0f ? 1.0f / d : 0.0f; /* NaN d -> NaN id */
+        if (ggml_inverse) id = amax != 0.0f ? 127.0f / amax : 0.0f;
         y[i].d = kvb_f32_to_fp16(d);
         for (int j = 0; j < KVB_QK8_0; j++) {
             float v = xb[j] * id;
@@ -412,6 +414,10 @@ void kvb_quantize_q8_0_act_ref(const float *x, void *dst, int64_t n) {
         }
     }
 }
+
+void kvb_quantize_q8_0_act_ref(const float *x, void *dst, int64_t n) { quantize_q8_0_act(x, dst, n, false); }
+
+void kvb_quantize_act_ggml(const float *x, void *dst, int64_t n) { quantize_q8_0_act(x, dst, n, true); }
 
 void kvb_quantize_act(uint32_t weight_type, const float *x, void *dst, int64_t n) {
     if (kvb_act_type(weight_type) == KVB_TYPE_Q8_0) {

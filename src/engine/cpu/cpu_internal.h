@@ -73,10 +73,19 @@ struct kvb_seq {
 void kvb_cpu_mla_query(kvb_engine *e, uint32_t layer, uint32_t nr, const float *rope_cos, const float *rope_sin);
 void kvb_cpu_mla_output(kvb_engine *e, uint32_t layer, uint32_t nr);
 void kvb_cpu_matmul(kvb_pool *pool, const kvb_mat *W, const float *x, uint32_t n_tok, float *y, uint8_t *act);
+/* The same, with ggml: ggml's quantiser and dot (kvb_matmul_tile_ggml) where W's type has them. */
+void kvb_cpu_matmul_arith(kvb_pool *pool, const kvb_mat *W, const float *x, uint32_t n_tok, float *y, uint8_t *act,
+                          bool ggml);
 /* y = (x * (1/rms(x))) * w, canonical (see kvb_kv_produce). */
 void kvb_cpu_rmsnorm(const float *x, const float *w, uint32_t n, float eps, float *y);
+/* The same, with ggml: 1/rms as ggml's rms_norm computes it (each x*x rounded to f32, summed in
+ * double in order, the mean rounded to f32, 1.0f / sqrtf(mean + eps)). */
+void kvb_cpu_rmsnorm_arith(const float *x, const float *w, uint32_t n, float eps, float *y, bool ggml);
 /* Rotates one head vector in place with the table row c, s (n_rot/2). */
 void kvb_cpu_rope(float *v, uint32_t n_rot, bool neox, const float *c, const float *s);
+/* The same, with ggml: x0' = fmaf(x0, c, -(x1*s)), x1' = fmaf(x0, s, x1*c) (ggml's rotate_pairs as
+ * llama.cpp's build compiles it: contracted). */
+void kvb_cpu_rope_arith(float *v, uint32_t n_rot, bool neox, const float *c, const float *s, bool ggml);
 /* GELU, tanh approximation (PyTorch's gelu(approximate="tanh"), Gemma's gelu_pytorch_tanh), in f32:
  * (0.5 x) (1 + tanh(0.7978845608 (x + 0.044715 x^3))), each operation rounded in this order. */
 float kvb_cpu_gelu_tanh(float x);

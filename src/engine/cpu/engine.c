@@ -104,6 +104,11 @@ kvb_status kvb_engine_create(const kvb_model *m, const kvb_engine_opts *opts, kv
         (st = alloc_f(&e->logit_h, E, err)))
         goto fail;
     if ((st = kvb_rope_tables_init(&e->rope, m, (uint32_t)B, err))) goto fail;
+    if (o->ggml_arith && d->mla) {
+        st = kvb_err_set(err, KVB_ERR_UNSUPPORTED, "ggml's arithmetic is not reproduced for latent attention");
+        goto fail;
+    }
+    if (o->ggml_arith && (st = kvb_rope_tables_set_ggml(&e->rope, err))) goto fail;
     e->attn_scratch = calloc((size_t)o->n_threads, sizeof(float *));
     e->tok_pos = calloc(B, sizeof(uint32_t));
     e->seg_ones = calloc(B, sizeof(uint32_t));

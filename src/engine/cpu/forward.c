@@ -29,7 +29,8 @@ static void norm_task(void *ctx, int t, int worker) {
     (void)worker;
     const tok_job *j = ctx;
     const kvb_model_desc *d = &j->e->m->d;
-    kvb_cpu_rmsnorm(j->src + (size_t)t * d->n_embd, j->norm_w, d->n_embd, d->norm_eps, j->dst + (size_t)t * d->n_embd);
+    kvb_cpu_rmsnorm_arith(j->src + (size_t)t * d->n_embd, j->norm_w, d->n_embd, d->norm_eps,
+                          j->dst + (size_t)t * d->n_embd, j->e->o.ggml_arith);
 }
 
 /* q += bq; per-head q-norm; RoPE — for token t */
@@ -45,8 +46,9 @@ static void q_post_task(void *ctx, int t, int worker) {
         for (size_t i = 0; i < Q; i++) q[i] = q[i] + w->bq[i];
     for (uint32_t h = 0; h < d->n_head; h++) {
         float *qh = q + (size_t)h * d->head_dim;
-        if (w->q_norm) kvb_cpu_rmsnorm(qh, w->q_norm, d->head_dim, d->norm_eps, qh);
-        kvb_cpu_rope(qh, d->n_rot, d->rope_neox, j->rope_cos + (size_t)t * half, j->rope_sin + (size_t)t * half);
+        if (w->q_norm) kvb_cpu_rmsnorm_arith(qh, w->q_norm, d->head_dim, d->norm_eps, qh, e->o.ggml_arith);
+        kvb_cpu_rope_arith(qh, d->n_rot, d->rope_neox, j->rope_cos + (size_t)t * half,
+                           j->rope_sin + (size_t)t * half, e->o.ggml_arith);
     }
 }
 
@@ -68,7 +70,7 @@ static void norm_residual_task(void *ctx, int t, int worker) {
     const kvb_model_desc *d = &j->e->m->d;
     const size_t E = d->n_embd;
     float *o = j->src + (size_t)t * E, *x = j->dst + (size_t)t * E;
-    kvb_cpu_rmsnorm(o, j->norm_w, d->n_embd, d->norm_eps, o);
+    kvb_cpu_rmsnorm_arith(o, j->norm_w, d->n_embd, d->norm_eps, o, j->e->o.ggml_arith);
     for (size_t i = 0; i < E; i++) x[i] = x[i] + o[i];
 }
 
@@ -194,7 +196,7 @@ static kvb_status forward_chunk(kvb_engine *e, chunk_seqs cs, const int32_t *tok
         kvb_pool_parallel_for(tok_pool, (int)n, norm_task, &tj);
 
         if (e->o.layer_hook && (st = e->o.layer_hook(e->o.layer_hook_ctx, l, pos0, n, e->h, err))) return st;
-        kvb_kv_produce_args ka = {m, l, e->fmt.dtype, e->pool, tj.rope_cos, tj.rope_sin, false};
+        kvb_kv_produce_args ka = {m, l, e->fmt.dtype, e->pool, tj.rope_cos, tj.rope_sin, false, e->o.ggml_arith};
         kvb_kv_produce(&ka, e->h, n, e->kv_scratch, e->k_rows, e->v_rows);
         if (e->o.rows_hook &&
             (st = e->o.rows_hook(e->o.rows_hook_ctx, l, pos0, n, e->k_rows, e->v_rows, e->fmt.dtype, err)))

@@ -74,9 +74,9 @@ void kvb_kv_produce(const kvb_kv_produce_args *a, const float *h, uint32_t n, vo
     float *v = (float *)((uint8_t *)scratch + align64((size_t)n * kvw * sizeof(float))); /* same */
     uint8_t *act = (uint8_t *)v + align64((size_t)n * kvw * sizeof(float));
 
-    kvb_cpu_matmul(a->pool, &w->wk, h, n, k, act);
+    kvb_cpu_matmul_arith(a->pool, &w->wk, h, n, k, act, a->ggml);
     if (a->test_perturb) perturbed_k_projection(&w->wk, h, n, k, act);
-    kvb_cpu_matmul(a->pool, &w->wv, h, n, v, act);
+    kvb_cpu_matmul_arith(a->pool, &w->wv, h, n, v, act, a->ggml);
     for (uint32_t t = 0; t < n; t++) {
         float *kt = k + t * kvw, *vt = v + t * kvw;
         if (w->bk)
@@ -85,8 +85,9 @@ void kvb_kv_produce(const kvb_kv_produce_args *a, const float *h, uint32_t n, vo
             for (size_t i = 0; i < kvw; i++) vt[i] = vt[i] + w->bv[i];
         for (uint32_t hh = 0; hh < nkv; hh++) {
             float *kh = kt + (size_t)hh * hd;
-            if (w->k_norm) kvb_cpu_rmsnorm(kh, w->k_norm, hd, d->norm_eps, kh);
-            kvb_cpu_rope(kh, d->n_rot, d->rope_neox, a->rope_cos + (size_t)t * half, a->rope_sin + (size_t)t * half);
+            if (w->k_norm) kvb_cpu_rmsnorm_arith(kh, w->k_norm, hd, d->norm_eps, kh, a->ggml);
+            kvb_cpu_rope_arith(kh, d->n_rot, d->rope_neox, a->rope_cos + (size_t)t * half,
+                               a->rope_sin + (size_t)t * half, a->ggml);
             kvb_f32_to_row(a->cache_dtype, kh, k_rows + ((size_t)t * nkv + hh) * row_bytes, hd);
             kvb_f32_to_row(a->cache_dtype, vt + (size_t)hh * hd, v_rows + ((size_t)t * nkv + hh) * row_bytes, hd);
         }

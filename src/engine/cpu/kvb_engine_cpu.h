@@ -38,6 +38,12 @@ typedef struct {
     kvb_kv_rows_hook rows_hook; /* optional */
     void *rows_hook_ctx;
     uint32_t max_batch;     /* tokens per forward chunk; 0 = 512 */
+    /* The llama.cpp fidelity level: every RMSNorm, the K/V projections and RoPE in ggml's CPU
+     * arithmetic (kvb_kv_produce_args.ggml; the RoPE tables kvb_rope_tables_set_ggml), so the
+     * cache rows are llama.cpp's own where the layer's input is; the other projections stay
+     * canonical (ggml's K-quant and f16 products cannot be matched: Q8_K activations, build-
+     * dependent vector widths). Refused for deepseek2 and YaRN models. */
+    bool ggml_arith;
 } kvb_engine_opts;
 
 typedef struct kvb_engine kvb_engine;
@@ -160,6 +166,11 @@ typedef struct {
     const float *rope_sin; /* (n, n_rot/2) likewise */
     bool test_perturb;     /* test-only: K projection as dot(first half) + dot(second half) — one
                               reordered addition — so verification can prove it detects a change */
+    bool ggml;             /* the llama.cpp fidelity level (kvb_engine_opts.ggml_arith): K and V
+                              projected with ggml's quantiser and dot where the weight type has them
+                              (kvb_ggml_dot_type), the k-norm and the rotation as ggml computes them
+                              (kvb_cpu_rmsnorm_arith, kvb_cpu_rope_arith); the tables must come
+                              from ggml-mode kvb_rope_tables. Not for deepseek2's latent row. */
 } kvb_kv_produce_args;
 /* scratch: >= kvb_kv_produce_scratch_bytes(m, n) bytes, 64-byte aligned. */
 size_t kvb_kv_produce_scratch_bytes(const kvb_model *m, uint32_t n);
