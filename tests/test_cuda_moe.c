@@ -940,7 +940,7 @@ static void test_mla_layer(void **state) {
         /* the cache rows against the CPU engine's */
         const float *cs, *sn;
         kvb_rope_tables_layer(&rt, layer, &cs, &sn);
-        kvb_kv_produce_args ka = {m, layer, KVB_TYPE_BF16, NULL, cs, sn, false};
+        kvb_kv_produce_args ka = {m, layer, KVB_TYPE_BF16, NULL, cs, sn, false, false};
         void *scratch = NULL;
         assert_int_equal(posix_memalign(&scratch, 64, kvb_kv_produce_scratch_bytes(m, N_TOK)), 0);
         uint16_t *crow = xmalloc(2 * (size_t)N_TOK * RP);
