@@ -12,6 +12,13 @@
 #include "kvb_gguf.h"
 #include "kvb_tokenizer.h"
 
+/* All of stdin (its length in *n), or NULL after saying so on stderr. */
+static char *read_stdin(size_t *n) {
+    char *text = kvb_cli_read_all(stdin, n);
+    if (!text) fprintf(stderr, "kvbridge tokenize: cannot read stdin\n");
+    return text;
+}
+
 /* Prints the ids of text[0:n] on one line; 0, or 1 with the tokenizer's error on stderr. */
 static int encode_one(const kvb_tokenizer *t, const char *text, size_t n, bool special) {
     int32_t *ids = NULL;
@@ -29,11 +36,8 @@ static int encode_one(const kvb_tokenizer *t, const char *text, size_t n, bool s
 
 static int encode(const kvb_tokenizer *t, bool special) {
     size_t n = 0;
-    char *text = kvb_cli_read_all(stdin, &n);
-    if (!text) {
-        fprintf(stderr, "kvbridge tokenize: cannot read stdin\n");
-        return 1;
-    }
+    char *text = read_stdin(&n);
+    if (!text) return 1;
     int rc = encode_one(t, text, n, special);
     free(text);
     return rc;
@@ -43,11 +47,8 @@ static int encode(const kvb_tokenizer *t, bool special) {
  * output line of ids. A line that is not a JSON string stops the run with its line number (exit 2). */
 static int encode_jsonl(const kvb_tokenizer *t, bool special) {
     size_t n = 0;
-    char *all = kvb_cli_read_all(stdin, &n);
-    if (!all) {
-        fprintf(stderr, "kvbridge tokenize: cannot read stdin\n");
-        return 1;
-    }
+    char *all = read_stdin(&n);
+    if (!all) return 1;
     int rc = 0;
     size_t line_no = 0;
     for (size_t i = 0; i < n && !rc;) {
@@ -70,11 +71,8 @@ static int encode_jsonl(const kvb_tokenizer *t, bool special) {
 
 static int decode(const kvb_tokenizer *t, bool special) {
     size_t n = 0;
-    char *text = kvb_cli_read_all(stdin, &n);
-    if (!text) {
-        fprintf(stderr, "kvbridge tokenize: cannot read stdin\n");
-        return 1;
-    }
+    char *text = read_stdin(&n);
+    if (!text) return 1;
     size_t cap = kvb_tokenizer_max_token_len(t) + 32;
     char *piece = malloc(cap);
     if (!piece) {

@@ -30,16 +30,13 @@ TYPE=${TYPE:-q8_0}
 V3_LAYERS=${V3_LAYERS:-4}
 V3_SIZES=${V3_SIZES:-8192}
 DEADLINE=${DEADLINE:-420}
-T0=$(date +%s)
 mkdir -p "$OUT" "$MD"
 LOG=$OUT/mla.txt
-left() { echo $((DEADLINE - ($(date +%s) - T0) - 5)); }
-say() { echo "[$(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
+. "$(dirname "$0")/stages.sh" # T0, left, want, say
 case $B in /*) ;; *) B=$PWD/$B ;; esac
 . "$(dirname "$0")/cublas_env.sh"
 . "$(dirname "$0")/cudnn_env.sh"
 export LD_LIBRARY_PATH="$B/lib:$LD_LIBRARY_PATH"
-want() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 say "mla_gpu_check on $(hostname): $(nproc) CPUs; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)"
 LITE=$MD/deepseek-v2-lite-$TYPE.gguf
 V3=$MD/deepseek-v3-${V3_LAYERS}l-$TYPE.gguf

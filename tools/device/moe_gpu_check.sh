@@ -21,16 +21,13 @@ STAGES=${STAGES:-"tests verify bench peer real"}
 SIZES=${SIZES:-8192,32768}
 TYPE=${TYPE:-q8_0}
 DEADLINE=${DEADLINE:-570}
-T0=$(date +%s)
 mkdir -p "$OUT" "$MD"
 LOG=$OUT/moe.txt
-left() { echo $((DEADLINE - ($(date +%s) - T0) - 5)); }
-say() { echo "[$(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
+. "$(dirname "$0")/stages.sh" # T0, left, want, say
 case $B in /*) ;; *) B=$PWD/$B ;; esac
 . "$(dirname "$0")/cublas_env.sh"
 . "$(dirname "$0")/cudnn_env.sh"
 export LD_LIBRARY_PATH="$B/lib:$LD_LIBRARY_PATH"
-want() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 say "moe_gpu_check on $(hostname): $(nproc) CPUs; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)"
 BIG=$MD/qwen3-30b-a3b-$TYPE.gguf
 GEN=""

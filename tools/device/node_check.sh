@@ -49,11 +49,8 @@ LADDER_SEEDS=${LADDER_SEEDS:-1}
 LADDER_EXTRA=${LADDER_EXTRA:-}
 VERIFY_PRESETS=${VERIFY_PRESETS:-"tiny tiny-qwen2 tiny-qwen3 tiny-llama3 qwen3-0.6b llama3.2-1b"}
 DEADLINE=${DEADLINE:-570}
-T0=$(date +%s)
 mkdir -p "$OUT" "$MD"
-want() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
-left() { echo $((DEADLINE - ($(date +%s) - T0) - 5)); }
-say() { echo "[$(($(date +%s) - T0))s] $*"; }
+. "$(dirname "$0")/stages.sh" # T0, left, want, say
 gen() { # gen PRESET TYPE -> path
   local f=$MD/$1-$2.gguf
   [ -f "$f" ] || $K gen-model --preset "$1" --type "$2" --out "$f" --quiet --threads "$(nproc)" >&2

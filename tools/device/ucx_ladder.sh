@@ -33,11 +33,8 @@ LADDER_SEEDS=${LADDER_SEEDS:-3}
 ROUNDS=${ROUNDS:-2}
 LINK_REPS=${LINK_REPS:-5}
 DEADLINE=${DEADLINE:-570}
-T0=$(date +%s)
 mkdir -p "$OUT" "$MD"
-want() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
-left() { echo $((DEADLINE - ($(date +%s) - T0) - 5)); }
-say() { echo "[$(($(date +%s) - T0))s] $*"; }
+. "$(dirname "$0")/stages.sh" # T0, left, want, say
 say "ucx_ladder on $(hostname): $(nproc) CPUs; $(nvidia-smi --query-gpu=name --format=csv,noheader)"
 [ -x "$K" ] || { echo "no $K: pack a UCX build (see the top of this file)"; exit 2; }
 [ -d "$UCX_MODULE_DIR" ] || { echo "no $UCX_MODULE_DIR: the pack has no UCX plugins (a build without -DKVB_UCX=ON?)"; exit 2; }
