@@ -72,6 +72,8 @@ struct kvb_seq {
  * attention's latent output (e->att) through V_b and W_o into e->h. */
 void kvb_cpu_mla_query(kvb_engine *e, uint32_t layer, uint32_t nr, const float *rope_cos, const float *rope_sin);
 void kvb_cpu_mla_output(kvb_engine *e, uint32_t layer, uint32_t nr);
+/* Rows per pool task when `rows` weight rows are split among the pool's threads for the tile kernel. */
+uint32_t kvb_cpu_rows_per_task(const kvb_pool *pool, int64_t rows);
 void kvb_cpu_matmul(kvb_pool *pool, const kvb_mat *W, const float *x, uint32_t n_tok, float *y, uint8_t *act);
 /* The same, with ggml: ggml's quantiser and dot (kvb_matmul_tile_ggml) where W's type has them. */
 void kvb_cpu_matmul_arith(kvb_pool *pool, const kvb_mat *W, const float *x, uint32_t n_tok, float *y, uint8_t *act,

@@ -148,8 +148,7 @@ static kvb_mat expert_view(const kvb_mat *stack, uint32_t expert, int64_t rows) 
 typedef struct {
     kvb_engine *e;
     const kvb_layer_weights *w;
-    uint32_t n_active;
-    const uint32_t *active;    /* (n_active) the experts with tokens */
+    const uint32_t *active;    /* the experts with tokens */
     uint32_t rpt, tiles;       /* rows per task; tiles per (expert, matrix) */
     uint32_t mat0, mats;       /* the pass's matrices: mat0 .. mat0 + mats - 1 of gate (0), up (1), down (2) */
 } experts_job;
@@ -198,14 +197,14 @@ static void experts_glu_task(void *ctx, int s, int worker) {
     swiglu(e->moe_g + (size_t)s * F, e->moe_u + (size_t)s * F, F);
 }
 
-/* Rows per task: multiples of 16 (the kernels' tile), ~8 tasks per thread over all tiles. */
-static uint32_t experts_rows_per_task(const kvb_engine *e, uint32_t n_active, uint32_t mats, uint32_t rows) {
-    const uint64_t want = (uint64_t)kvb_pool_size(e->pool) * 8, total = (uint64_t)n_active * mats * rows;
-    uint64_t rpt = (total + want - 1) / want;
-    rpt = (rpt + 15) & ~(uint64_t)15;
-    if (rpt < 16) rpt = 16;
-    if (rpt > rows) rpt = ((uint64_t)rows + 15) & ~(uint64_t)15;
-    return (uint32_t)rpt;
+/* One pass over every active expert's matrices mat0 .. mat0 + mats - 1 (rows each), tiled as the
+ * engine's matmul tiles one matrix (no tile past a matrix's end). */
+static void experts_pass(kvb_engine *e, const kvb_layer_weights *w, uint32_t n_active, uint32_t mat0, uint32_t mats,
+                         uint32_t rows) {
+    uint32_t rpt = kvb_cpu_rows_per_task(e->pool, (int64_t)n_active * mats * rows);
+    if (rpt > rows) rpt = (rows + 15) & ~15u;
+    experts_job j = {e, w, e->moe_active, rpt, (rows + rpt - 1) / rpt, mat0, mats};
+    kvb_pool_parallel_for(e->pool, (int)(n_active * mats * j.tiles), experts_task, &j);
 }
 
 /* The routed experts of nr tokens whose slots are grouped by expert (moe_off, moe_slot): outputs into
@@ -222,17 +221,12 @@ static void run_experts(kvb_engine *e, const kvb_layer_weights *w, uint32_t nr) 
     for (uint32_t mat0 = 0; mat0 < 2; mat0 += same_act ? 2 : 1) {
         experts_quant_job qj = {e, mat0 ? w->up_exps.type : w->gate_exps.type, E, NULL};
         kvb_pool_parallel_for(qp, (int)slots, experts_quant_task, &qj);
-        const uint32_t mats = same_act ? 2 : 1;
-        experts_job j = {e, w, n_active, e->moe_active, experts_rows_per_task(e, n_active, mats, F), 0, mat0, mats};
-        j.tiles = (F + j.rpt - 1) / j.rpt;
-        kvb_pool_parallel_for(e->pool, (int)(n_active * mats * j.tiles), experts_task, &j);
+        experts_pass(e, w, n_active, mat0, same_act ? 2 : 1, F);
     }
     kvb_pool_parallel_for(qp, (int)slots, experts_glu_task, e);
     experts_quant_job qj = {e, w->down_exps.type, F, e->moe_g};
     kvb_pool_parallel_for(qp, (int)slots, experts_quant_task, &qj);
-    experts_job j = {e, w, n_active, e->moe_active, experts_rows_per_task(e, n_active, 1, E), 0, 2, 1};
-    j.tiles = (E + j.rpt - 1) / j.rpt;
-    kvb_pool_parallel_for(e->pool, (int)(n_active * j.tiles), experts_task, &j);
+    experts_pass(e, w, n_active, 2, 1, E);
     for (uint32_t s = 0; s < slots; s++) /* grouped order -> by slot */
         memcpy(e->moe_y + (size_t)e->moe_slot[s] * E, e->moe_x + (size_t)s * E, sizeof(float) * E);
 }

@@ -43,6 +43,15 @@ static void quant_task(void *ctx, int task, int worker) {
     else kvb_quantize_act(j->type, x, a, j->cols);
 }
 
+uint32_t kvb_cpu_rows_per_task(const kvb_pool *pool, int64_t rows) {
+    /* ~8 tasks per thread for balance; multiples of 16 rows: the kernels share one activation
+     * preparation across a tile's rows and reach memory bandwidth from 16 rows up */
+    const int64_t want = (int64_t)kvb_pool_size(pool) * 8;
+    int64_t rpt = (rows + want - 1) / want;
+    rpt = (rpt + 15) & ~(int64_t)15;
+    return rpt < 16 ? 16 : (uint32_t)rpt;
+}
+
 void kvb_cpu_matmul(kvb_pool *pool, const kvb_mat *W, const float *x, uint32_t n_tok, float *y, uint8_t *act) {
     kvb_cpu_matmul_arith(pool, W, x, n_tok, y, act, false);
 }
@@ -54,12 +63,7 @@ void kvb_cpu_matmul_arith(kvb_pool *pool, const kvb_mat *W, const float *x, uint
     const size_t act_stride = kvb_row_bytes(at, W->cols);
     quant_job qj = {W->type, x, W->cols, act, act_stride, ggml};
     kvb_pool_parallel_for(n_tok > 1 ? pool : NULL, (int)n_tok, quant_task, &qj);
-    int threads = kvb_pool_size(pool);
-    /* ~8 tasks per thread for balance; multiples of 16 rows: the kernels share one activation
-     * preparation across a tile's rows and reach memory bandwidth from 16 rows up */
-    int rpt = (int)((W->rows + (int64_t)threads * 8 - 1) / ((int64_t)threads * 8));
-    rpt = (rpt + 15) & ~15;
-    if (rpt < 16) rpt = 16;
+    const int rpt = (int)kvb_cpu_rows_per_task(pool, W->rows);
     matmul_job j = {W, act, act_stride, n_tok, y, rpt, ggml};
     kvb_pool_parallel_for(pool, (int)((W->rows + rpt - 1) / rpt), matmul_task, &j);
 }
