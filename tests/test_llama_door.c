@@ -104,6 +104,59 @@ static void run_turn(int door_port, int server_port, const char *prompt, turn *t
                   t->cached, t->bridged, t->native, strcmp(t->text, t->alone) ? "DIFFERS" : "the same");
 }
 
+static void append(char *buf, size_t cap, const char *a, const char *b);
+
+/* The same prompt as the turn before (its rows all in the slot), streamed through the door: the verdict
+ * in the header before the first chunk, the text in several chunks as llama-server produces it, all of
+ * it equal to that turn's reply, and usage with the verdict in the last chunk. */
+static void expect_streamed(int door_port, const char *prompt, const turn *before) {
+    cJSON *q = cJSON_CreateObject();
+    cJSON_AddStringToObject(q, "model", "tiny");
+    cJSON_AddStringToObject(q, "prompt", prompt);
+    cJSON_AddNumberToObject(q, "max_tokens", N_PREDICT);
+    cJSON_AddNumberToObject(q, "temperature", 0);
+    cJSON_AddBoolToObject(q, "stream", 1);
+    cJSON *so = cJSON_AddObjectToObject(q, "stream_options");
+    cJSON_AddBoolToObject(so, "include_usage", 1);
+    char *body = cJSON_PrintUnformatted(q);
+    kvb_http_reply r = {0};
+    kvb_err err = {0};
+    assert_int_equal(kvb_http_post("127.0.0.1", (uint16_t)door_port, "/v1/completions", body, 120000, &r, &err), KVB_OK);
+    assert_int_equal(r.status, 200);
+    assert_string_equal(r.verdict, "complete");
+    static char text[4096];
+    text[0] = 0;
+    int chunks = 0, done = 0;
+    char usage_verdict[160] = "";
+    for (char *line = strtok(r.body, "\r\n"); line; line = strtok(NULL, "\r\n")) { /* chunk sizes skipped */
+        if (strncmp(line, "data: ", 6)) continue;
+        if (!strcmp(line + 6, "[DONE]")) {
+            done++;
+            continue;
+        }
+        cJSON *ev = cJSON_Parse(line + 6);
+        assert_non_null(ev);
+        const cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItem(ev, "choices"), 0);
+        const char *piece = ch ? json_str(ch, "text") : "";
+        if (piece[0]) {
+            chunks++;
+            append(text, sizeof text, piece, "");
+        }
+        const cJSON *kb = cJSON_GetObjectItem(cJSON_GetObjectItem(ev, "usage"), "kvbridge");
+        if (kb) snprintf(usage_verdict, sizeof usage_verdict, "%s", json_str(kb, "verdict"));
+        cJSON_Delete(ev);
+    }
+    print_message("  streamed: %d chunks, verdict in usage '%s', reply %s\n", chunks, usage_verdict,
+                  strcmp(text, before->text) ? "DIFFERS" : "the same");
+    assert_true(chunks >= 2);
+    assert_int_equal(done, 1);
+    assert_string_equal(usage_verdict, "complete");
+    assert_string_equal(text, before->text);
+    kvb_http_reply_free(&r);
+    free(body);
+    cJSON_Delete(q);
+}
+
 /* A bridged turn: complete, the slot's rows (held) reused, only the new whole blocks shipped. */
 static void expect_bridged(const turn *t, long long held) {
     const long long target = (t->prompt - 1) / BT * BT;
@@ -326,6 +379,7 @@ static void test_conversation_bridged_then_declined(void **state) {
     run_turn(door_port, server_port, conv, &t[4]); /* the first conversation's slot kept its rows */
     expect_complete(&t[4], held);
     expect_slot_file(slots, 0, model, t[4].cached + t[4].bridged);
+    expect_streamed(door_port, conv, &t[4]);
     pid = refused_turn(pid, bin, model, slots, 2, door_port, server_port, conv, sizeof conv, t[4].text, &t[5]);
     append(conv, sizeof conv, t[5].text, " One more question, after the prefill node went away.");
     kvb_prefill_node_stop(pn);

@@ -1,7 +1,8 @@
 /* node/llama_door.c — the front door for a stock llama-server (kvb_llama_door.h): per request its
  * token ids, a slot for the conversation, the increment bridged from the prefill node into a local
  * store, the slot's rows restored into llama-server as its own slot file, the completion forwarded
- * and its reply passed back through the http module with the verdict and usage.kvbridge. The slot
+ * and its reply streamed back through the http module as llama-server produces it (door_stream.c),
+ * the verdict settled before the first delta, usage.kvbridge at the end. The slot
  * rows are kept here per slot as (token, layer, n_head_kv * head_dim f16) and appended each turn,
  * so a turn ships only its new blocks over the link; restoring costs a local file write and read.
  * A model with sliding-window layers (Gemma 3) is two caches in llama.cpp's file: the global
@@ -350,15 +351,31 @@ static void bridge_increment(kvb_llama_door *d, door_slot *sl, const int32_t *id
 
 /* ---- the completion, forwarded ------------------------------------------------------------------- */
 
+/* What the verdict is settled from once llama-server says how much of the prompt it reused. */
 typedef struct {
-    char *content;
-    int prompt_n, predicted;
-    kvb_finish_reason finish;
-} door_reply;
+    kvb_completion_out *out;
+    uint32_t n, restored; /* the prompt's tokens; the rows restored into the slot (0: none) */
+    const char *why;      /* why nothing was restored ("" when it was) */
+} door_turn;
 
-/* llama-server's /completion of ids in slot s with prompt caching, under the request's sampling. */
+/* kvb_door_stream_start: total and cached as llama-server's first progress event gives them. */
+static void settle_verdict(void *ctx, int total, int cached) {
+    const door_turn *t = ctx;
+    char verdict[KVB_VERDICT_MAX];
+    if (t->why[0]) kvb_verdict_format(verdict, "declined: %s", t->why);
+    else if (cached < 0 || total < cached)
+        kvb_verdict_format(verdict, "partial: llama-server did not say how much of the %u restored tokens it reused",
+                           t->restored);
+    else if ((uint32_t)(total - cached) <= t->n - t->restored) kvb_verdict_format(verdict, "complete");
+    else kvb_verdict_format(verdict, "partial: llama-server computed %d prompt tokens after %u restored of %u",
+                            total - cached, t->restored, t->n);
+    kvb_completion_set_verdict(t->out, verdict);
+}
+
+/* llama-server's /completion of ids in slot s with prompt caching, under the request's sampling,
+ * streamed: each delta goes to the client as it comes (its verdict settled first). */
 static kvb_status forward(kvb_llama_door *d, const kvb_completion_req *req, const int32_t *ids, uint32_t n, uint32_t s,
-                          door_reply *out, kvb_err *err) {
+                          door_turn *t, kvb_door_stream_end *end, kvb_err *err) {
     cJSON *q = cJSON_CreateObject(), *arr = cJSON_AddArrayToObject(q, "prompt");
     for (uint32_t i = 0; i < n; i++) cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
     cJSON_AddNumberToObject(q, "n_predict", (double)(req->max_tokens >= 0 ? req->max_tokens : d->cfg.default_max_tokens));
@@ -373,22 +390,16 @@ static kvb_status forward(kvb_llama_door *d, const kvb_completion_req *req, cons
     for (size_t i = 0; i < req->n_stop; i++) cJSON_AddItemToArray(stop, cJSON_CreateString(req->stop[i]));
     cJSON_AddNumberToObject(q, "id_slot", s);
     cJSON_AddBoolToObject(q, "cache_prompt", 1);
-    cJSON *rep = server_post(d, "/completion", q, err);
-    const cJSON *c = rep ? cJSON_GetObjectItem(rep, "content") : NULL, *tm = rep ? cJSON_GetObjectItem(rep, "timings") : NULL;
-    const cJSON *pn = tm ? cJSON_GetObjectItem(tm, "prompt_n") : NULL, *pr = rep ? cJSON_GetObjectItem(rep, "tokens_predicted") : NULL;
-    const cJSON *why = rep ? cJSON_GetObjectItem(rep, "stop_type") : NULL;
-    kvb_status st = rep ? KVB_OK : err->code;
-    if (!st && (!cJSON_IsString(c) || !cJSON_IsNumber(pn) || !cJSON_IsNumber(pr)))
-        st = kvb_err_set(err, KVB_ERR_FORMAT, "llama-server's /completion reply lacks content, tokens_predicted or "
-                         "timings.prompt_n");
-    if (!st) {
-        out->content = strdup(c->valuestring);
-        out->prompt_n = pn->valueint;
-        out->predicted = pr->valueint;
-        out->finish = cJSON_IsString(why) && !strcmp(why->valuestring, "limit") ? KVB_FINISH_LENGTH : KVB_FINISH_STOP;
-        if (!out->content) st = kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
-    }
-    cJSON_Delete(rep);
+    cJSON_AddBoolToObject(q, "stream", 1);
+    cJSON_AddBoolToObject(q, "return_progress", 1);
+    char *body = cJSON_PrintUnformatted(q);
+    cJSON_Delete(q);
+    if (!body) return kvb_err_set(err, KVB_ERR_NOMEM, "out of memory");
+    const kvb_status st = kvb_door_stream_completion(d->host, d->port, body, DOOR_HTTP_TIMEOUT_MS, t->out,
+                                                     settle_verdict, t, end, err);
+    free(body);
+    if (!st && (end->prompt_n < 0 || end->predicted < 0))
+        return kvb_err_set(err, KVB_ERR_FORMAT, "llama-server's last event lacks timings.prompt_n or tokens_predicted");
     return st;
 }
 
@@ -440,31 +451,28 @@ static void handle_completion(void *ctx, const kvb_completion_req *req, kvb_comp
     const uint32_t bt = d->fmt.block_tokens, target = (n - 1) / bt * bt;
     uint32_t held = 0, restored = 0;
     const uint32_t s = slot_pick(d, ids, n, target, &held);
-    char why[1024] = "", verdict[KVB_VERDICT_MAX];
+    char why[1024] = "";
     bool asked = false;
     bridge_and_restore(d, s, ids, n, target, &restored, &asked, why, sizeof why);
     const double t_bridge = kvb_now_s();
-    door_reply rep = {0};
+    door_turn t = {.out = out, .n = n, .restored = restored, .why = why};
+    kvb_door_stream_end end = {0};
     kvb_err err = {0};
-    const kvb_status st = forward(d, req, ids, n, s, &rep, &err);
+    const kvb_status st = forward(d, req, ids, n, s, &t, &end, &err);
     pthread_mutex_unlock(&d->mu);
     free(ids);
+    if (st == KVB_ERR_CANCELLED) return; /* the client went away: nobody to answer */
     if (st) {
         kvb_completion_fail(out, 502, NULL, NULL, "%s", err.msg);
         return;
     }
-    if (why[0]) kvb_verdict_format(verdict, "declined: %s", why);
-    else if ((uint32_t)rep.prompt_n <= n - restored) kvb_verdict_format(verdict, "complete");
-    else kvb_verdict_format(verdict, "partial: llama-server computed %d prompt tokens after %u restored of %u",
-                            rep.prompt_n, restored, n);
-    kvb_completion_set_verdict(out, verdict);
-    kvb_usage u = {.prompt_tokens = n, .completion_tokens = rep.predicted, .native_tokens = rep.prompt_n,
-                   .cached_tokens = restored ? held : (int64_t)n - rep.prompt_n,
+    if (!end.started) settle_verdict(&t, -1, -1); /* an empty reply: no event said it */
+    kvb_usage u = {.prompt_tokens = n, .completion_tokens = end.predicted, .native_tokens = end.prompt_n,
+                   .cached_tokens = restored ? held : (int64_t)n - end.prompt_n,
                    .bridged_tokens = restored ? restored - held : 0, .tokenize_s = t_tok - t0,
                    .transfer_s = t_bridge - t_tok, .decode_s = kvb_now_s() - t_bridge,
                    .bridge_attempts = asked, .bridge_faults = asked && why[0] ? why : NULL};
-    if (kvb_completion_emit(out, rep.content) == KVB_OK) kvb_completion_finish(out, rep.finish, &u);
-    free(rep.content);
+    kvb_completion_finish(out, end.finish, &u);
 }
 
 /* ---- start and stop ---------------------------------------------------------------------------------- */

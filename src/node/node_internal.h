@@ -211,4 +211,20 @@ typedef struct {
 } kvb_reply_rules;
 void kvb_reply_constrain(void *ctx, float *logits);
 
+/* llama-server's streamed /completion (door_stream.c): json_body must ask for "stream" and
+ * "return_progress". on_start(ctx, total, cached) runs once, before the first delta: the prompt's
+ * tokens and how many llama-server took from its cache (-1, -1 when it did not say); it must set
+ * the verdict. Each content delta is emitted to out as it arrives. KVB_OK once the last event came
+ * (*end filled); KVB_ERR_CANCELLED when the client went away (the transfer is dropped, so
+ * llama-server stops); another code when llama-server failed (end->started: text may be out). */
+typedef void (*kvb_door_stream_start)(void *ctx, int total, int cached);
+typedef struct {
+    bool started, done;
+    int prompt_n, predicted; /* timings.prompt_n and tokens_predicted of the last event (-1: absent) */
+    kvb_finish_reason finish;
+} kvb_door_stream_end;
+kvb_status kvb_door_stream_completion(const char *host, uint16_t port, const char *json_body, int timeout_ms,
+                                      kvb_completion_out *out, kvb_door_stream_start on_start, void *ctx,
+                                      kvb_door_stream_end *end, kvb_err *err);
+
 #endif
