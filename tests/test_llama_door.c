@@ -9,8 +9,10 @@
  * tokens (the random model's greedy replies alone would hardly tell a wrong row). A door for another
  * model of the same shapes refuses to start. A second conversation takes the other slot and leaves
  * the first one's rows alone. llama-server restarted with flash attention refuses the door's file
- * (V transposed): that turn is `declined`, the reply the same. Then the prefill node stops, and the
- * next turn is `declined` with the same reply. More slots than llama-server's -np are refused. */
+ * (V transposed): that turn is `declined`, the reply the same. A turn streamed through the door comes
+ * in chunks, equal to the whole reply; a streaming client that hangs up stops llama-server's
+ * generation. Then the prefill node stops, and the next turn is `declined` with the same reply. More
+ * slots than llama-server's -np are refused. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -21,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -155,6 +158,73 @@ static void expect_streamed(int door_port, const char *prompt, const turn *befor
     kvb_http_reply_free(&r);
     free(body);
     cJSON_Delete(q);
+}
+
+/* Streams `asked` tokens (EOS ignored) of prompt through the door on a raw socket and reads until the
+ * first chunk's text; then hangs up, or reads to the end. Seconds from that first text on. */
+static double stream_raw(int door_port, const char *prompt, int asked, bool hang_up) {
+    cJSON *q = cJSON_CreateObject();
+    cJSON_AddStringToObject(q, "model", "tiny");
+    cJSON_AddStringToObject(q, "prompt", prompt);
+    cJSON_AddNumberToObject(q, "max_tokens", asked);
+    cJSON_AddNumberToObject(q, "temperature", 0);
+    cJSON_AddBoolToObject(q, "ignore_eos", 1);
+    cJSON_AddBoolToObject(q, "stream", 1);
+    char *body = cJSON_PrintUnformatted(q), head[256], port[16];
+    static char buf[1 << 20];
+    cJSON_Delete(q);
+    snprintf(port, sizeof port, "%d", door_port);
+    const int fd = kvb_tcp_dial("127.0.0.1", port);
+    assert_true(fd >= 0);
+    const int hl = snprintf(head, sizeof head, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                            "application/json\r\nConnection: close\r\nContent-Length: %zu\r\n\r\n", strlen(body));
+    assert_int_equal(send(fd, head, (size_t)hl, MSG_NOSIGNAL), hl);
+    assert_int_equal(send(fd, body, strlen(body), MSG_NOSIGNAL), (ssize_t)strlen(body));
+    free(body);
+    size_t got = 0;
+    double t_first = 0;
+    for (;;) {
+        const ssize_t k = recv(fd, buf + got, sizeof buf - 1 - got, 0);
+        if (k <= 0) break;
+        got += (size_t)k;
+        buf[got] = 0;
+        if (!t_first && strstr(buf, "\"text\":\"")) {
+            t_first = kvb_now_s();
+            if (hang_up) break;
+        }
+        if (got > sizeof buf / 2) got = 0; /* only the first text matters */
+    }
+    close(fd);
+    assert_true(t_first > 0);
+    return kvb_now_s() - t_first;
+}
+
+/* A streamed request whose client hangs up after the first chunk: the door drops its transfer from
+ * llama-server, which stops generating: its slots are idle again well before the same request read to
+ * its end took after its first chunk. The door then serves the next request (the turns after). */
+static void expect_hangup_stops(int door_port, int server_port, const char *prompt) {
+    enum { ASKED = 700 };
+    const double rest = stream_raw(door_port, prompt, ASKED, false);
+    (void)stream_raw(door_port, prompt, ASKED, true);
+    const double t0 = kvb_now_s();
+    bool busy = true;
+    while (busy && kvb_now_s() - t0 < 10) {
+        kvb_http_reply r = {0};
+        kvb_err err = {0};
+        assert_int_equal(kvb_http_get("127.0.0.1", (uint16_t)server_port, "/slots", 10000, &r, &err), KVB_OK);
+        cJSON *j = cJSON_Parse(r.body);
+        busy = false;
+        for (int k = 0; k < cJSON_GetArraySize(j); k++)
+            if (cJSON_IsTrue(cJSON_GetObjectItem(cJSON_GetArrayItem(j, k), "is_processing"))) busy = true;
+        cJSON_Delete(j);
+        kvb_http_reply_free(&r);
+        if (busy) usleep(5000);
+    }
+    const double idle = kvb_now_s() - t0;
+    print_message("  %d tokens streamed: %.3f s after the first chunk read to the end; hung up after it: llama-server "
+                  "idle %.3f s later\n", ASKED, rest, idle);
+    assert_false(busy);
+    assert_true(idle < rest / 2);
 }
 
 /* A bridged turn: complete, the slot's rows (held) reused, only the new whole blocks shipped. */
@@ -380,6 +450,7 @@ static void test_conversation_bridged_then_declined(void **state) {
     expect_complete(&t[4], held);
     expect_slot_file(slots, 0, model, t[4].cached + t[4].bridged);
     expect_streamed(door_port, conv, &t[4]);
+    expect_hangup_stops(door_port, server_port, other);
     pid = refused_turn(pid, bin, model, slots, 2, door_port, server_port, conv, sizeof conv, t[4].text, &t[5]);
     append(conv, sizeof conv, t[5].text, " One more question, after the prefill node went away.");
     kvb_prefill_node_stop(pn);
