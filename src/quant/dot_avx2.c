@@ -180,11 +180,16 @@ INLINE __m256i hsum8(const __m256i v[8]) {
                             _mm256_permute2x128_si256(q0, q1, 0x31));
 }
 
-/* fp16 scales of 8 blocks (block stride in idx) as f32. */
-INLINE __m256 gather_d8(const uint8_t *blk, __m256i idx) {
-    const __m256i g = _mm256_and_si256(_mm256_i32gather_epi32((const int *)(const void *)blk, idx, 1),
-                                       _mm256_set1_epi32(0xffff));
-    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(g), _mm256_extracti128_si256(g, 1)));
+/* fp16 scales of 8 blocks (the first at blk, `stride` bytes apart) as f32: two 64-bit words built
+ * from scalar loads, not a gather (vpgatherdd is microcoded on AMD cores: it held a quarter of the
+ * Q8_0 kernel's time there). */
+INLINE uint64_t d4(const uint8_t *blk, int stride) {
+    uint16_t h[4];
+    for (int k = 0; k < 4; k++) memcpy(&h[k], blk + k * stride, 2);
+    return (uint64_t)h[0] | (uint64_t)h[1] << 16 | (uint64_t)h[2] << 32 | (uint64_t)h[3] << 48;
+}
+INLINE __m256 load_d8(const uint8_t *blk, int stride) {
+    return _mm256_cvtph_ps(_mm_set_epi64x((long long)d4(blk + 4 * stride, stride), (long long)d4(blk, stride)));
 }
 
 #define QT2 4 /* tokens per weight load */
@@ -195,16 +200,18 @@ INLINE void mm_quant_t(const int type, const uint8_t *w, size_t ws, int n_rows, 
     const int wbb = type == KVB_TYPE_Q8_0 ? 34 : type == KVB_TYPE_Q4_0 ? 18 : 22;
     const int64_t nb = n / 32, ng = (nb + 7) / 8;
     const int tail = (int)(nb % 8);
-    const __m256i k8 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i idxw = _mm256_mullo_epi32(k8, _mm256_set1_epi32(wbb));
-    const __m256i idx34 = _mm256_mullo_epi32(k8, _mm256_set1_epi32(34));
     const __m256 tmask = lane_mask(tail);
     uint8_t wpad[8 * 34], xpad[QT2][8 * 34]; /* zero-padded partial last group */
     memset(wpad, 0, sizeof wpad);
     memset(xpad, 0, sizeof xpad);
+    enum { XD_KEEP = 256 };    /* groups whose activation scales are converted once per tile (n <= 65536) */
+    __m256 xdk[QT2][XD_KEEP]; /* [token][group] */
+    const int64_t n_keep = ng - (tail != 0) <= XD_KEEP ? ng - (tail != 0) : 0;
 
     for (int t0 = 0; t0 < n_tok; t0 += QT2) {
         const int nt = KVB_MIN(QT2, n_tok - t0);
+        for (int t = 0; t < nt; t++)
+            for (int64_t g = 0; g < n_keep; g++) xdk[t][g] = load_d8(x + (size_t)(t0 + t) * xs + (size_t)g * 8 * 34, 34);
         for (int r = 0; r < n_rows; r++) {
             __m256 acc[QT2][2];
             for (int t = 0; t < nt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
@@ -218,7 +225,7 @@ INLINE void mm_quant_t(const int type, const uint8_t *w, size_t ws, int n_rows, 
                 }
                 __m256i wq[8];
                 UNROLL for (int k = 0; k < 8; k++) wq[k] = ldq(type, wb + k * wbb);
-                const __m256 wd = gather_d8(wb, idxw);
+                const __m256 wd = load_d8(wb, wbb);
                 for (int t = 0; t < nt; t++) {
                     const uint8_t *xb = x + (size_t)(t0 + t) * xs + (size_t)g * 8 * 34;
                     if (partial) {
@@ -229,7 +236,7 @@ INLINE void mm_quant_t(const int type, const uint8_t *w, size_t ws, int n_rows, 
                     UNROLL for (int k = 0; k < 8; k++)
                         v[k] = bdot(wq[k], _mm256_loadu_si256((const __m256i *)(const void *)(xb + 34 * k + 2)));
                     const __m256 sf = _mm256_cvtepi32_ps(hsum8(v));
-                    const __m256 d = _mm256_mul_ps(wd, gather_d8(xb, idx34));
+                    const __m256 d = _mm256_mul_ps(wd, g < n_keep ? xdk[t][g] : load_d8(xb, 34));
                     const __m256 f = _mm256_fmadd_ps(sf, d, acc[t][g & 1]);
                     acc[t][g & 1] = partial ? _mm256_blendv_ps(acc[t][g & 1], f, tmask) : f;
                 }
@@ -311,7 +318,6 @@ INLINE void mm_kquant_t(const int type, const uint8_t *w, size_t ws, int n_rows,
                         size_t xs, int n_tok, float *y, size_t ys, int64_t n) {
     const int sbb = type == KVB_TYPE_Q4_K ? 144 : type == KVB_TYPE_Q5_K ? 176 : 210;
     const int64_t ng = n / 256;
-    const __m256i idx34 = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(34));
     const __m256i ones16 = _mm256_set1_epi16(1);
     for (int t0 = 0; t0 < n_tok; t0 += QT2) {
         const int nt = KVB_MIN(QT2, n_tok - t0);
@@ -324,7 +330,7 @@ INLINE void mm_kquant_t(const int type, const uint8_t *w, size_t ws, int n_rows,
                 __m256 xd[QT2], nsx[QT2]; /* per token: the 8 blocks' scales and -sum(x) */
                 for (int t = 0; t < nt; t++) {
                     const uint8_t *xb = x + (size_t)(t0 + t) * xs + (size_t)g * 8 * 34;
-                    xd[t] = gather_d8(xb, idx34);
+                    xd[t] = load_d8(xb, 34);
                     if (type != KVB_TYPE_Q6_K) {
                         __m256i v[8];
                         UNROLL for (int k = 0; k < 8; k++) {
