@@ -21,6 +21,9 @@
 #   --avx2          AVX2 baseline only (AVX, AVX2, FMA, F16C, BMI2; no AVX-512): for hosts without
 #                   AVX-512 such as the 2-core development machine; same build tree (only ggml-cpu
 #                   is recompiled when switching)
+#   --quick         C++ at -O1 (ggml's C kernels, its quantised dot products among them, stay -O3):
+#                   about half the compile time, for CI, where llama-server serves tiny models; not
+#                   for timing against it
 #   --jobs N        parallel build jobs (default 2; the dev machine has 2 shared cores)
 #   --force         clean rebuild even if OUT_DIR already holds this exact build
 
@@ -44,7 +47,7 @@ peer_usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exi
 peer_parse() {
   OUT_DIR=""; VERSION="$PEER_DEFAULT_VERSION"; SDIST=""
   WORK="${PEER_WORK:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/build-peer/llama.cpp}"; AMX=0; JOBS=2; FORCE=0
-  AVX2=0
+  AVX2=0; QUICK=0
   while [ $# -gt 0 ]; do
     case "$1" in
       -h|--help) peer_usage 0 ;;
@@ -53,6 +56,7 @@ peer_parse() {
       --work) WORK="$2"; shift 2 ;;
       --amx) AMX=1; shift ;;
       --avx2) AVX2=1; shift ;;
+      --quick) QUICK=1; shift ;;
       --jobs) JOBS="$2"; shift 2 ;;
       --force) FORCE=1; shift ;;
       -*) echo "unknown option $1" >&2; peer_usage 2 ;;
@@ -154,6 +158,7 @@ peer_main() {
   FLAGS=("${PEER_PORTABLE_FLAGS[@]}")
   if [ "$AVX2" = 1 ]; then FLAGS=("${PEER_AVX2_FLAGS[@]}"); fi
   if [ "$AMX" = 1 ]; then FLAGS+=(-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON); fi
+  if [ "$QUICK" = 1 ]; then FLAGS+=("-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG"); fi
   FLAGS_STR="${FLAGS[*]}"
   mkdir -p "$OUT_DIR" "$WORK"
   OUT_DIR="$(cd "$OUT_DIR" && pwd)"; WORK="$(cd "$WORK" && pwd)"
