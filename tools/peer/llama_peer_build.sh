@@ -21,9 +21,9 @@
 #   --avx2          AVX2 baseline only (AVX, AVX2, FMA, F16C, BMI2; no AVX-512): for hosts without
 #                   AVX-512 such as the 2-core development machine; same build tree (only ggml-cpu
 #                   is recompiled when switching)
-#   --quick         C++ at -O1 (ggml's C kernels, its quantised dot products among them, stay -O3):
-#                   about half the compile time, for CI, where llama-server serves tiny models; not
-#                   for timing against it
+#   --quick         C++ at -O1 (ggml's C kernels, its matrix products and quantised dot products
+#                   among them, stay -O3): 1,050 CPU-seconds against ~1,470 (-O0: 874, but its
+#                   llama-server runs Gemma 3 270M several times slower); for CI, never for timing
 #   --jobs N        parallel build jobs (default 2; the dev machine has 2 shared cores)
 #   --force         clean rebuild even if OUT_DIR already holds this exact build
 
