@@ -60,12 +60,18 @@ static long long json_int(const cJSON *o, const char *k) {
     return cJSON_IsNumber(v) ? (long long)v->valuedouble : -1;
 }
 
-static void run_turn(int door_port, int server_port, const char *prompt, turn *t) {
+/* A /v1/completions request for prompt: greedy, max_tokens (caller deletes). */
+static cJSON *completion_request(const char *prompt, int max_tokens) {
     cJSON *q = cJSON_CreateObject();
     cJSON_AddStringToObject(q, "model", "tiny");
     cJSON_AddStringToObject(q, "prompt", prompt);
-    cJSON_AddNumberToObject(q, "max_tokens", N_PREDICT);
+    cJSON_AddNumberToObject(q, "max_tokens", max_tokens);
     cJSON_AddNumberToObject(q, "temperature", 0);
+    return q;
+}
+
+static void run_turn(int door_port, int server_port, const char *prompt, turn *t) {
+    cJSON *q = completion_request(prompt, N_PREDICT);
     char *body = cJSON_PrintUnformatted(q);
     kvb_http_reply r = {0};
     kvb_err err = {0};
@@ -113,11 +119,7 @@ static void append(char *buf, size_t cap, const char *a, const char *b);
  * in the header before the first chunk, the text in several chunks as llama-server produces it, all of
  * it equal to that turn's reply, and usage with the verdict in the last chunk. */
 static void expect_streamed(int door_port, const char *prompt, const turn *before) {
-    cJSON *q = cJSON_CreateObject();
-    cJSON_AddStringToObject(q, "model", "tiny");
-    cJSON_AddStringToObject(q, "prompt", prompt);
-    cJSON_AddNumberToObject(q, "max_tokens", N_PREDICT);
-    cJSON_AddNumberToObject(q, "temperature", 0);
+    cJSON *q = completion_request(prompt, N_PREDICT);
     cJSON_AddBoolToObject(q, "stream", 1);
     cJSON *so = cJSON_AddObjectToObject(q, "stream_options");
     cJSON_AddBoolToObject(so, "include_usage", 1);
@@ -163,11 +165,7 @@ static void expect_streamed(int door_port, const char *prompt, const turn *befor
 /* Streams `asked` tokens (EOS ignored) of prompt through the door on a raw socket and reads until the
  * first chunk's text; then hangs up, or reads to the end. Seconds from that first text on. */
 static double stream_raw(int door_port, const char *prompt, int asked, bool hang_up) {
-    cJSON *q = cJSON_CreateObject();
-    cJSON_AddStringToObject(q, "model", "tiny");
-    cJSON_AddStringToObject(q, "prompt", prompt);
-    cJSON_AddNumberToObject(q, "max_tokens", asked);
-    cJSON_AddNumberToObject(q, "temperature", 0);
+    cJSON *q = completion_request(prompt, asked);
     cJSON_AddBoolToObject(q, "ignore_eos", 1);
     cJSON_AddBoolToObject(q, "stream", 1);
     char *body = cJSON_PrintUnformatted(q), head[256], port[16];
