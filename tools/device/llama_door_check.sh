@@ -57,7 +57,8 @@ pids+=($!)
 pids+=($!)
 up() { # up URL SECONDS: a 200 from URL within SECONDS
   local i
-  for ((i = 0; i < $2 * 10; i++)); do curl -sf -o /dev/null "$1" && return 0; sleep 0.1; done
+  # the host's own curl, without the pack's libraries (its libcurl is older than the host's curl wants)
+  for ((i = 0; i < $2 * 10; i++)); do env -u LD_LIBRARY_PATH curl -sf -o /dev/null "$1" && return 0; sleep 0.1; done
   return 1
 }
 up http://127.0.0.1:$PORT_LS/health 120 || { echo "llama-server did not come up"; tail "$OUT/llama-server.log"; exit 1; }
@@ -69,7 +70,7 @@ say "llama-server and the $DEVICE prefill node are up (context $CTX per slot)"
 pids+=($!)
 up http://127.0.0.1:$PORT_DOOR/health 60 || { echo "the door did not come up"; tail "$OUT/door.log"; exit 1; }
 say "the door is up; timing"
-timeout "$(left)" python3 "$(dirname "$0")/llama_door_ttft.py" --server http://127.0.0.1:$PORT_LS \
+timeout "$(left)" env -u LD_LIBRARY_PATH python3 "$(dirname "$0")/llama_door_ttft.py" --server http://127.0.0.1:$PORT_LS \
   --door http://127.0.0.1:$PORT_DOOR --lengths "$LENGTHS" --turns "$TURNS" --turn-tokens "$TURN_TOKENS" \
   --first-turn "$FIRST_TURN" --out "$OUT/door.json" | tee "$OUT/door.txt"
 rc=${PIPESTATUS[0]}
