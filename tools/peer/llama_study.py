@@ -38,6 +38,14 @@ usage: tools/peer/llama_study.py --server BIN --kvbridge BIN --model GGUF [--pro
        [--min-tokens 1024] [--max-tokens 16384] [--levels engine,ggml] [--threads 2] [--out FILE]
        [--deadline HH:MM] (stop starting new prompts after this UTC time)
 Run it under `nice -n 15` on a shared machine. Summary: --summarize FILE prints the table.
+
+Several machines, one study: the corpus is this Python's standard library, so another machine's
+Python cuts other texts. `--save-prompts FILE` writes the prompt texts (needs only --server and
+--model) and `--load-prompts FILE` runs those instead of cutting its own. Several rigs on one
+machine share the work: `--indices 40-99` limits a rig to those prompts, `--claim-dir DIR` gives
+each prompt to the first rig that claims it (a file DIR/I made exclusively), `--longest-first`
+orders them by length, and `--stop-at EPOCH` starts no prompt this rig's own pace (seconds per
+prompt token so far, `--pace` before the first) says would end after EPOCH. `--tag` names the machine in every record.
 """
 import argparse
 import datetime
@@ -221,6 +229,40 @@ class Rig:
                     p.kill()
 
 
+def parse_indices(spec, n):
+    """'40-99,3' -> [40, ..., 99, 3]; None -> every prompt."""
+    if not spec:
+        return list(range(n))
+    out = []
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b or a) + 1))
+    return [i for i in out if 0 <= i < n]
+
+
+def claim(claim_dir, i):
+    """True for the first rig that asks for prompt i (an exclusively created file)."""
+    if not claim_dir:
+        return True
+    try:
+        os.close(os.open(os.path.join(claim_dir, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def save_prompts(args):
+    tmp = tempfile.mkdtemp(prefix="kvb-study-")
+    rig = Rig(argparse.Namespace(**dict(vars(args), levels=["split"])), tmp)  # llama-server only
+    try:
+        with open(args.save_prompts, "w") as f:
+            for p in make_prompts(args, rig.server_url):
+                f.write(json.dumps(p) + "\n")
+    finally:
+        rig.stop()
+    print("prompts written to", args.save_prompts)
+
+
 def run(args):
     done = set()
     if os.path.exists(args.out):
@@ -230,14 +272,28 @@ def run(args):
     tmp = tempfile.mkdtemp(prefix="kvb-study-")
     rig = Rig(args, tmp)
     try:
-        prompts = make_prompts(args, rig.server_url)
+        if args.load_prompts:
+            prompts = [json.loads(line) for line in open(args.load_prompts)]
+        else:
+            prompts = make_prompts(args, rig.server_url)
+        by_index = {p["i"]: p for p in prompts}
+        order = [by_index[i] for i in parse_indices(args.indices, len(prompts)) if i in by_index]
+        if args.longest_first:
+            order.sort(key=lambda p: -p["target"])
         out = open(args.out, "a")
-        for p in prompts:
+        spent_s, spent_tokens = 0.0, 0
+        for p in order:
             if args.deadline and datetime.datetime.utcnow().strftime("%H:%M") >= args.deadline:
                 print("deadline reached: stopping", flush=True)
                 break
             if all((p["i"], lv) in done for lv in args.levels):
                 continue
+            pace = spent_s / spent_tokens if spent_tokens else args.pace
+            if args.stop_at and pace and time.time() + pace * p["target"] > args.stop_at:
+                continue  # would not end in time at this rig's pace; a shorter one may
+            if not claim(args.claim_dir, p["i"]):
+                continue
+            t_prompt = time.time()
             ids = post(rig.server_url + "/tokenize", {"content": p["text"], "add_special": True,
                                                      "parse_special": True})[0]["tokens"]
             t0 = time.time()
@@ -266,9 +322,13 @@ def run(args):
                        "top1_equal": bool(alone["top"]) and bool(br["top"]) and
                        max(alone["top"], key=alone["top"].get) == max(br["top"], key=br["top"].get),
                        "alone_s": round(t_alone, 1), "bridged_s": round(time.time() - t0, 1)}
+                if args.tag:
+                    rec["where"] = args.tag
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
                 print(json.dumps(rec), flush=True)
+            spent_s += time.time() - t_prompt
+            spent_tokens += len(ids)
     finally:
         rig.stop()
         if args.keep_logs:
@@ -309,9 +369,22 @@ def main():
     ap.add_argument("--deadline", help="HH:MM UTC: start no prompt after it")
     ap.add_argument("--keep-logs", action="store_true")
     ap.add_argument("--summarize", metavar="FILE")
+    ap.add_argument("--save-prompts", metavar="FILE", help="write the prompt texts (JSON lines) and stop")
+    ap.add_argument("--load-prompts", metavar="FILE", help="run these prompt texts instead of cutting them here")
+    ap.add_argument("--indices", help="only these prompts, e.g. 40-99,3")
+    ap.add_argument("--claim-dir", help="share the prompts with other rigs claiming in DIR")
+    ap.add_argument("--longest-first", action="store_true")
+    ap.add_argument("--stop-at", type=float, help="epoch seconds: start no prompt this rig's pace says ends later")
+    ap.add_argument("--pace", type=float, help="seconds per prompt token: --stop-at's guess before a prompt is done")
+    ap.add_argument("--tag", help="the machine, recorded in every record as 'where'")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
+        return
+    if args.save_prompts:
+        if not (args.server and args.model):
+            ap.error("--save-prompts needs --server and --model")
+        save_prompts(args)
         return
     if not (args.server and args.kvbridge and args.model):
         ap.error("--server, --kvbridge and --model are needed")
