@@ -349,6 +349,32 @@ def summarize(path):
               f"{sum(r['tokens_equal'] for r in rs) / n:.1f} | {sum(r['kl'] for r in rs) / n:.2e} | "
               f"{max(r['kl'] for r in rs):.2e} | {sum(r['top1_equal'] for r in rs)}/{n} | "
               f"{sum(1 for r in rows if r['level'] == level) - n} |")
+    ok = {(r["i"], r["level"]): r for r in rows if r["verdict"] == "complete" and not r["not_reused"]}
+    both = sorted({i for i, lv in ok if lv == "engine" and (i, "ggml") in ok})
+    if both:
+        lower = sum(ok[(i, "ggml")]["kl"] < ok[(i, "engine")]["kl"] for i in both)
+        more = sum(ok[(i, "ggml")]["tokens_equal"] > ok[(i, "engine")]["tokens_equal"] for i in both)
+        fewer = sum(ok[(i, "ggml")]["tokens_equal"] < ok[(i, "engine")]["tokens_equal"] for i in both)
+        ties = sum(ok[(i, "ggml")]["kl"] == ok[(i, "engine")]["kl"] for i in both)
+        n, k = len(both) - ties, lower
+        tail = sum(math.comb(n, j) for j in range(0, n + 1) if abs(j - n / 2) >= abs(k - n / 2)) / 2 ** n if n else 1
+        print(f"\nper prompt, ggml against engine over {len(both)} prompts: lower KL in {lower} "
+              f"(ties {ties}; two-sided sign test p = {tail:.2g}), more tokens equal in {more}, fewer in {fewer}")
+    print("\nmean KL by prompt length:")
+    levels = sorted({lv for _, lv in ok})
+    print("| tokens | prompts | " + " | ".join(levels) + " |")
+    print("|---" * (len(levels) + 2) + "|")
+    for lo, hi in ((1024, 2048), (2048, 4096), (4096, 8192), (8192, 16385)):
+        ids = sorted({i for (i, lv), r in ok.items() if lo <= r["tokens"] < hi})
+        cells = []
+        for lv in levels:
+            ks = [ok[(i, lv)]["kl"] for i in ids if (i, lv) in ok]
+            cells.append(f"{sum(ks) / len(ks):.1e}" if ks else "—")
+        print(f"| {lo}–{hi - 1} | {len(ids)} | " + " | ".join(cells) + " |")
+    where = {}
+    for r in rows:
+        where[r.get("where", "dev")] = where.get(r.get("where", "dev"), 0) + 1
+    print("\nrecords by machine: " + ", ".join(f"{w} {n}" for w, n in sorted(where.items())))
 
 
 def main():
