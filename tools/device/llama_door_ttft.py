@@ -42,7 +42,10 @@ def door(url, ids):
     s, d, h = post(url + "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 1, "temperature": 0})
     kb = d.get("usage", {}).get("kvbridge", {})
     return {"s": s, "verdict": h.get("X-KVBridge", h.get("x-kvbridge", "")), "content": d["choices"][0]["text"],
-            "cached": kb.get("cached_tokens"), "bridged": kb.get("bridged_tokens"), "native": kb.get("native_tokens")}
+            "cached": kb.get("cached_tokens"), "bridged": kb.get("bridged_tokens"), "native": kb.get("native_tokens"),
+            # the door's own split: asking the prefill node, writing the slot file and restoring it;
+            # then llama-server's tail and first token
+            "tokenize_s": kb.get("tokenize_s"), "bridge_restore_s": kb.get("transfer_s"), "tail_s": kb.get("decode_s")}
 
 
 def main():
@@ -88,6 +91,11 @@ def main():
         print(f"{t + 1:>4} {len(conv):>8} {al['s']:>9.3f} {dr['s']:>9.3f} {al['s'] / dr['s']:>6.2f}x  "
               f"{dr['cached']!s:>7} {dr['bridged']!s:>8} {dr['native']!s:>7} {al['prompt_n']!s:>14}  "
               f"{'yes' if same else 'NO':>4}  {dr['verdict']}", flush=True)
+    print("\nthe door's time (s): tokenize / bridge and restore / llama-server's tail and first token")
+    for r in rows:
+        d = r["door"]
+        f = [f"{x:.3f}" if isinstance(x, (int, float)) else "-" for x in (d["tokenize_s"], d["bridge_restore_s"], d["tail_s"])]
+        print(f"  {r['kind']} {r.get('turn', '')} {r['tokens']}: {' / '.join(f)}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
