@@ -16,8 +16,6 @@
 set -u
 D=${D:-.devcarry-gpu}
 case $D in /*) ;; *) D=$PWD/$D ;; esac
-export LD_LIBRARY_PATH="$D/lib:$D/llama${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-K=$D/kvbridge
 LS=${LLAMA_SERVER:-$D/llama/llama-server}
 PRESET=${PRESET:-llama3.2-1b}
 TYPE=${TYPE:-q8_0}
@@ -31,12 +29,18 @@ MD=${MODELS_DIR:-/tmp/kvb-models}
 OUT=${OUT:-/tmp/kvb-door-check}
 DEADLINE=${DEADLINE:-570}
 mkdir -p "$OUT" "$MD"
+# the pack's libraries for kvbridge alone, through a wrapper that execs (a backgrounded node's $! is
+# the node itself); llama-server finds its libgomp beside it (RUNPATH $ORIGIN), and the host's curl
+# and python3 keep the host's libraries (the pack's libcurl is older than the host's curl wants)
+K=$OUT/kvbridge.sh
+printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s/kvbridge "$@"\n' "$D" "$D" >"$K"
+chmod +x "$K"
 . "$(dirname "$0")/stages.sh" # T0, left, want, say
 [ -f "$(dirname "$0")/cudnn_env.sh" ] && . "$(dirname "$0")/cudnn_env.sh"
 say "llama_door_check on $(hostname): $(nproc) CPUs; $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo no GPU)"
 [ -x "$LS" ] || { echo "no $LS: build it with tools/peer/build_llama_server.sh $D/llama"; exit 2; }
 F=$MD/$PRESET-$TYPE.gguf
-[ -f "$F" ] || $K gen-model --preset "$PRESET" --type "$TYPE" --out "$F" --quiet --threads "$(nproc)"
+[ -f "$F" ] || "$K" gen-model --preset "$PRESET" --type "$TYPE" --out "$F" --quiet --threads "$(nproc)"
 # the longest prompt in either part, and a margin for the reply; llama-server's context is per slot
 IFS=, read -ra LS_LEN <<<"$LENGTHS"
 MAXN=$((FIRST_TURN + (TURNS - 1) * TURN_TOKENS))
@@ -57,8 +61,7 @@ pids+=($!)
 pids+=($!)
 up() { # up URL SECONDS: a 200 from URL within SECONDS
   local i
-  # the host's own curl, without the pack's libraries (its libcurl is older than the host's curl wants)
-  for ((i = 0; i < $2 * 10; i++)); do env -u LD_LIBRARY_PATH curl -sf -o /dev/null "$1" && return 0; sleep 0.1; done
+  for ((i = 0; i < $2 * 10; i++)); do curl -sf -o /dev/null "$1" && return 0; sleep 0.1; done
   return 1
 }
 up http://127.0.0.1:$PORT_LS/health 120 || { echo "llama-server did not come up"; tail "$OUT/llama-server.log"; exit 1; }
@@ -70,7 +73,7 @@ say "llama-server and the $DEVICE prefill node are up (context $CTX per slot)"
 pids+=($!)
 up http://127.0.0.1:$PORT_DOOR/health 60 || { echo "the door did not come up"; tail "$OUT/door.log"; exit 1; }
 say "the door is up; timing"
-timeout "$(left)" env -u LD_LIBRARY_PATH python3 "$(dirname "$0")/llama_door_ttft.py" --server http://127.0.0.1:$PORT_LS \
+timeout "$(left)" python3 "$(dirname "$0")/llama_door_ttft.py" --server http://127.0.0.1:$PORT_LS \
   --door http://127.0.0.1:$PORT_DOOR --lengths "$LENGTHS" --turns "$TURNS" --turn-tokens "$TURN_TOKENS" \
   --first-turn "$FIRST_TURN" --out "$OUT/door.json" | tee "$OUT/door.txt"
 rc=${PIPESTATUS[0]}
