@@ -20,7 +20,8 @@ offsets; nothing is downloaded) three runs on the same llama-server (-np 1, f16 
           block before the last token) itself, then the whole prompt with cache_prompt true: its
           own rows with the same split, which shows how much llama-server's reply moves with how
           its cache came about alone.
-Recorded per prompt and level (one JSON line each in --out, appended; a rerun skips what is there):
+Recorded per prompt and level (one JSON line each in --out, appended; a rerun skips what is there,
+except turns the door did not bridge whole, which it runs again):
 the tokens equal to alone's up to the first divergence (of --n-predict), whether all are equal,
 and the next-token KL(alone || bridged) at the first generated position.
 
@@ -268,7 +269,8 @@ def run(args):
     if os.path.exists(args.out):
         for line in open(args.out):
             r = json.loads(line)
-            done.add((r["i"], r["level"]))
+            if r["verdict"] == "complete":  # a turn declined (a busy machine misses the door's deadlines) runs again
+                done.add((r["i"], r["level"]))
     tmp = tempfile.mkdtemp(prefix="kvb-study-")
     rig = Rig(args, tmp)
     try:
@@ -337,7 +339,7 @@ def run(args):
 
 def summarize(path):
     rows = [json.loads(l) for l in open(path)]
-    print("| level | prompts (tokens) | all-64-equal | mean tokens equal | mean KL | max KL | top-1 equal | not reused |")
+    print("| level | prompts (tokens) | all-64-equal | mean tokens equal | mean KL | max KL | top-1 equal | records not counted (not complete or not reused) |")
     print("|---|---|---|---|---|---|---|---|")
     for level in sorted({r["level"] for r in rows}):
         rs = [r for r in rows if r["level"] == level and r["verdict"] == "complete" and not r["not_reused"]]
