@@ -272,6 +272,8 @@ def run(args):
             if r["verdict"] == "complete":  # a turn declined (a busy machine misses the door's deadlines) runs again
                 done.add((r["i"], r["level"]))
     tmp = tempfile.mkdtemp(prefix="kvb-study-")
+    # SIGTERM (a deadline's kill) unwinds like Ctrl-C, so the rig's servers stop with this process
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rig = Rig(args, tmp)
     try:
         if args.load_prompts:
