@@ -12,7 +12,12 @@
 #   [D=.devcarry-gpu] [S=.devcarry-study] MODEL=FILE tools/device/llama_study_check.sh
 #
 # D: a pack with kvbridge and its libraries in lib/ (tools/device/gpu_check.sh --pack). S: a folder
-# with llama/ (the AVX2 llama-server) and prompts.jsonl. MODEL: Gemma 3 270M Q4_K_M. RIGS (8),
+# with llama/ (the AVX2 llama-server) and prompts.jsonl. MODEL: Gemma 3 270M Q4_K_M (253 MB: over
+# one call's 64 MiB carry, so it travels in pieces, one or two per call, named in order, e.g.
+# `head -c 35000000 F >.devcarry-m0; tail -c +35000001 F | split -b 54528256 -d -a 1
+# --numeric-suffixes=1 - .devcarry-m`: PIECES='.devcarry-m*' copies the pieces a call carried
+# out of the tree into PIECE_DIR (/tmp/kvb-study/pieces: a warm host keeps /tmp between calls);
+# PIECES_ONLY=1 stops there; once the pieces join into a file of MODEL_SHA256, that is MODEL). RIGS (8),
 # THREADS (2), INDICES (0-99), CHECK (none), TAG (h100-host), PACE (0.03 s per prompt token, the
 # first guess of a rig's pace), OUT (/tmp/kvb-study/out; rig-N.jsonl, check.jsonl), DEADLINE (570 s).
 set -u
@@ -21,6 +26,23 @@ S=${S:-.devcarry-study}
 case $D in /*) ;; *) D=$PWD/$D ;; esac
 case $S in /*) ;; *) S=$PWD/$S ;; esac
 MODEL=${MODEL:?MODEL=the Gemma 3 270M file}
+PIECE_DIR=${PIECE_DIR:-/tmp/kvb-study/pieces}
+if [ -n "${PIECES:-}" ]; then
+  mkdir -p "$PIECE_DIR"
+  for f in $PIECES; do # kept without the leading dot of a carried name
+    [ -f "$f" ] && cp "$f" "$PIECE_DIR/$(basename "$f" | sed 's/^\.//')" && echo "piece $f: $(stat -c %s "$f") bytes"
+  done
+  [ "${PIECES_ONLY:-0}" = 1 ] && exit 0
+  if [ ! -f "$MODEL" ]; then
+    mkdir -p "$(dirname "$MODEL")"
+    # shellcheck disable=SC2046 # the pieces in name order
+    cat $(ls "$PIECE_DIR"/* | sort) >"$MODEL.part"
+    got=$(sha256sum "$MODEL.part" | cut -d" " -f1)
+    [ "$got" = "${MODEL_SHA256:?MODEL_SHA256=the sha256 of the whole file}" ] ||
+      { rm -f "$MODEL.part"; echo "the pieces in $PIECE_DIR join into sha256 $got, not $MODEL_SHA256: a piece is missing"; exit 2; }
+    mv "$MODEL.part" "$MODEL"
+  fi
+fi
 RIGS=${RIGS:-8}
 THREADS=${THREADS:-2}
 INDICES=${INDICES:-0-99}
