@@ -341,8 +341,9 @@ def run(args):
 
 def summarize(path):
     rows = [json.loads(l) for l in open(path)]
-    print("| level | prompts (tokens) | all-64-equal | mean tokens equal | mean KL | max KL | top-1 equal | records not counted (not complete or not reused) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| level | prompts (tokens) | all-64-equal | mean tokens equal | mean KL | max KL | KL 0 | top-1 equal | "
+          "records not counted (not complete or not reused) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for level in sorted({r["level"] for r in rows}):
         rs = [r for r in rows if r["level"] == level and r["verdict"] == "complete" and not r["not_reused"]]
         if not rs:
@@ -351,7 +352,7 @@ def summarize(path):
         lens = sorted(r["tokens"] for r in rs)
         print(f"| {level} | {n} ({lens[0]}-{lens[-1]}) | {100 * sum(r['all_equal'] for r in rs) / n:.0f} % | "
               f"{sum(r['tokens_equal'] for r in rs) / n:.1f} | {sum(r['kl'] for r in rs) / n:.2e} | "
-              f"{max(r['kl'] for r in rs):.2e} | {sum(r['top1_equal'] for r in rs)}/{n} | "
+              f"{max(r['kl'] for r in rs):.2e} | {sum(r['kl'] == 0 for r in rs)} | {sum(r['top1_equal'] for r in rs)}/{n} | "
               f"{sum(1 for r in rows if r['level'] == level) - n} |")
     ok = {(r["i"], r["level"]): r for r in rows if r["verdict"] == "complete" and not r["not_reused"]}
     both = sorted({i for i, lv in ok if lv == "engine" and (i, "ggml") in ok})
