@@ -49,6 +49,7 @@ orders them by length, and `--stop-at EPOCH` starts no prompt this rig's own pac
 prompt token so far, `--pace` before the first) says would end after EPOCH. `--tag` names the machine in every record.
 """
 import argparse
+import collections
 import datetime
 import json
 import math
@@ -376,9 +377,7 @@ def summarize(path):
             ks = [ok[(i, lv)]["kl"] for i in ids if (i, lv) in ok]
             cells.append(f"{sum(ks) / len(ks):.1e}" if ks else "—")
         print(f"| {lo}–{hi - 1} | {len(ids)} | " + " | ".join(cells) + " |")
-    where = {}
-    for r in rows:
-        where[r.get("where", "dev")] = where.get(r.get("where", "dev"), 0) + 1
+    where = collections.Counter(r.get("where", "dev") for r in rows)  # records before --tag: dev
     print("\nrecords by machine: " + ", ".join(f"{w} {n}" for w, n in sorted(where.items())))
 
 
